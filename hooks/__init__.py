@@ -1,0 +1,43 @@
+"""vllm-graft's extension API: hook specifications, the plugin registry, kind contracts and
+the deployment schema. Nothing here imports vLLM (a test checks this)."""
+from .contracts import (
+    CONTRACTS,
+    AttentionLayer,
+    AttentionMethod,
+    BlockView,
+    KVCompressor,
+    MoEScheduler,
+    PagedBatch,
+    PluginImpl,
+    Proposer,
+    QuantMethod,
+)
+from .deployment import (
+    Deployment,
+    DeploymentError,
+    Environment,
+    Plan,
+    PluginChoice,
+    Problem,
+    validate,
+    validate_file,
+)
+from .manager import (
+    ENTRY_POINT_GROUP,
+    GraftPluginManager,
+    PluginLoadError,
+    get_plugin_manager,
+    get_registry,
+    make_plugin_manager,
+)
+from .registry import Capabilities, Kind, NoParams, Registration, Registry, RegistryError
+from .specs import hookimpl, hookspec
+
+__all__ = [
+    "CONTRACTS", "AttentionLayer", "AttentionMethod", "BlockView", "Capabilities", "Deployment",
+    "DeploymentError", "ENTRY_POINT_GROUP", "Environment", "GraftPluginManager", "KVCompressor",
+    "Kind", "MoEScheduler", "NoParams", "PagedBatch", "Plan", "PluginChoice", "PluginImpl",
+    "PluginLoadError", "Problem", "Proposer", "QuantMethod", "Registration", "Registry",
+    "RegistryError", "get_plugin_manager", "get_registry", "hookimpl", "hookspec",
+    "make_plugin_manager", "validate", "validate_file",
+]

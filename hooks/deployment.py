@@ -1,0 +1,554 @@
+"""The deployment: which model, which vLLM engine arguments, which plugins with which parameters.
+
+A deployment file looks like::
+
+    model: models/graft-tiny-llama      # optional: else the model vLLM is started with
+    platform: auto                      # auto | cpu | cuda
+    engine:                             # vLLM engine arguments, passed through
+      dtype: float32
+      max_model_len: 2048
+    kvcompress:
+      plugin: streaming
+      params: {sink_blocks: 1, window_blocks: 4}
+    moe:                                # the one kind where several plugins compose
+      - plugin: expert-mask
+        params: {mask_file: masks.json}
+
+Validation happens before any engine starts and reports every problem at once; each
+problem names the field path, the value found, and what would be accepted.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .registry import KIND_ALLOWS_MANY, Entry, Kind, Registry
+
+_MISSING = object()
+
+#: engine arguments that a graft section owns; setting both is a conflict.
+ENGINE_KEYS_OWNED = {
+    "speculative_config": Kind.SPECULATIVE,
+    "quantization": Kind.QUANT,
+    "attention_backend": Kind.ATTENTION,
+}
+
+DTYPE_ALIASES = {
+    "float32": "float32", "float": "float32", "fp32": "float32",
+    "float16": "float16", "half": "float16", "fp16": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+}
+
+
+# ------------------------------------------------------------------------------ schema
+class PluginChoice(BaseModel):
+    """One enabled plugin: its registered name and its parameters."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    plugin: str = Field(description="registered plugin name (see `vllm-graft plugins`)")
+    params: dict[str, Any] = Field(default_factory=dict, description="the plugin's parameters")
+
+
+class Deployment(BaseModel):
+    """A deployment file, after schema validation (plugins not yet resolved)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(default=None, description="model folder or name")
+    platform: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="where vLLM runs")
+    engine: dict[str, Any] = Field(default_factory=dict, description="vLLM engine arguments")
+    attention: PluginChoice | None = None
+    kvcompress: PluginChoice | None = None
+    speculative: PluginChoice | None = None
+    quant: PluginChoice | None = None
+    moe: list[PluginChoice] = Field(default_factory=list)
+
+    @field_validator("attention", "kvcompress", "speculative", "quant", mode="before")
+    @classmethod
+    def _one_plugin(cls, v: Any, info) -> Any:
+        if isinstance(v, list):
+            raise ValueError(
+                f"only one {info.field_name} plugin can be enabled at a time, got a list of "
+                f"{len(v)}; write a single mapping `{info.field_name}: {{plugin: NAME, params: {{...}}}}`"
+            )
+        return v
+
+    @field_validator("moe", mode="before")
+    @classmethod
+    def _many(cls, v: Any) -> Any:
+        if v is None:
+            return []
+        return [v] if isinstance(v, dict) else v
+
+    def choices(self) -> list[tuple[Kind, PluginChoice]]:
+        out: list[tuple[Kind, PluginChoice]] = []
+        for kind in Kind:
+            value = getattr(self, kind.value)
+            for choice in value if isinstance(value, list) else [value]:
+                if choice is not None:
+                    out.append((kind, choice))
+        return out
+
+    def to_json(self) -> str:
+        """The form passed to every vLLM process (``--additional-config '{"graft": ...}'``)."""
+        return self.model_dump_json(exclude_defaults=True)
+
+
+# ---------------------------------------------------------------------------- problems
+@dataclass
+class Problem:
+    """One thing wrong with a deployment."""
+
+    path: str
+    message: str
+    value: Any = _MISSING
+    accepted: str | None = None
+    hint: str | None = None
+
+    def __str__(self) -> str:
+        text = f"{self.path}: {self.message}"
+        if self.value is not _MISSING:
+            text += f" (got {_show(self.value)})"
+        if self.accepted:
+            text += f"; accepted: {self.accepted}"
+        if self.hint:
+            text += f". {self.hint}"
+        return text
+
+
+class DeploymentError(ValueError):
+    """A deployment that cannot be used; ``problems`` lists every issue found."""
+
+    def __init__(self, problems: list[Problem], source: str = "deployment") -> None:
+        self.problems = problems
+        self.source = source
+        n = len(problems)
+        lines = [f"{source}: {n} problem{'s' if n != 1 else ''}:"]
+        lines += [f"  - {p}" for p in problems]
+        super().__init__("\n".join(lines))
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def did_you_mean(word: Any, options: list[str]) -> str | None:
+    if not isinstance(word, str):
+        return None
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
+    return f"Did you mean {close[0]!r}?" if close else None
+
+
+def _path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def _model_fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str] | None:
+    """Field names of the sub-model found at ``loc`` inside ``model`` (None if not a model)."""
+    import typing
+
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(current, type) and issubclass(current, BaseModel)):
+            return None
+        f = current.model_fields.get(part)
+        if f is None:
+            return None
+        current = _unwrap_model(f.annotation, typing)
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return list(current.model_fields)
+    return None
+
+
+def _unwrap_model(annotation: Any, typing: Any) -> Any:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _unwrap_model(arg, typing)
+        if found is not None:
+            return found
+    return None
+
+
+def pydantic_problems(
+    exc: ValidationError, model: type[BaseModel], prefix: tuple[Any, ...] = ()
+) -> list[Problem]:
+    """Turn pydantic's errors into problems that name path, value and what is accepted."""
+    problems = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        path = _path(prefix + loc)
+        if err["type"] == "extra_forbidden":
+            accepted = _model_fields_at(model, loc[:-1]) or []
+            problems.append(
+                Problem(path, "unknown field", accepted=", ".join(accepted) or "no fields at all",
+                        hint=did_you_mean(loc[-1], accepted))
+            )
+        elif err["type"] == "missing":
+            problems.append(Problem(path, "required field is missing"))
+        else:
+            msg = err["msg"]
+            msg = msg[len("Value error, "):] if msg.startswith("Value error, ") else msg
+            desc = _field_description(model, loc)
+            problems.append(Problem(path, msg, value=err.get("input", _MISSING), accepted=desc))
+    return problems
+
+
+def _field_description(model: type[BaseModel], loc: tuple[Any, ...]) -> str | None:
+    names = [p for p in loc if not isinstance(p, int)]
+    if not names:
+        return None
+    import typing
+
+    current: Any = model
+    for part in names[:-1]:
+        f = current.model_fields.get(part) if isinstance(current, type) and issubclass(current, BaseModel) else None
+        if f is None:
+            return None
+        current = _unwrap_model(f.annotation, typing)
+    if not (isinstance(current, type) and issubclass(current, BaseModel)):
+        return None
+    f = current.model_fields.get(names[-1])
+    return f.description if f is not None else None
+
+
+# ---------------------------------------------------------------------------- loading
+def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a deployment YAML (or JSON) file into a dict, with errors naming the file."""
+    p = Path(path)
+    source = str(path)
+    if not p.exists():
+        raise DeploymentError(
+            [Problem(source, "file not found", hint="Pass the path of a deployment YAML file; "
+                     "examples are in deployments/")], source)
+    if p.is_dir():
+        raise DeploymentError([Problem(source, "is a folder, not a deployment file")], source)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DeploymentError([Problem(source, f"cannot be read: {e}")], source) from e
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        what = getattr(e, "problem", None) or str(e)
+        raise DeploymentError(
+            [Problem(source, f"is not valid YAML{where}: {what}",
+                     hint="Check indentation and quoting there")], source) from e
+    if data is None:
+        raise DeploymentError(
+            [Problem(source, "is empty", accepted="a mapping with fields " + ", ".join(Deployment.model_fields))],
+            source)
+    return data
+
+
+def parse_json(text: str, source: str = "graft config") -> dict[str, Any]:
+    """Parse the JSON form (``--additional-config`` / environment variable)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DeploymentError([Problem(source, f"is not valid JSON: {e}")], source) from e
+
+
+# ---------------------------------------------------------------------------- model facts
+@dataclass(frozen=True)
+class ModelInfo:
+    """What validation reads from a local model folder's config.json."""
+
+    path: str
+    architectures: tuple[str, ...]
+    head_size: int | None
+    dtype: str | None
+
+    @classmethod
+    def read(cls, folder: Path) -> "ModelInfo":
+        cfg = json.loads((folder / "config.json").read_text())
+        head = cfg.get("head_dim")
+        if head is None and cfg.get("hidden_size") and cfg.get("num_attention_heads"):
+            head = cfg["hidden_size"] // cfg["num_attention_heads"]
+        dtype = cfg.get("torch_dtype") or cfg.get("dtype")
+        return cls(str(folder), tuple(cfg.get("architectures") or ()), head,
+                   DTYPE_ALIASES.get(str(dtype)) if dtype else None)
+
+
+# ---------------------------------------------------------------------------- resolution
+@dataclass(frozen=True)
+class Environment:
+    """Where the deployment will run. ``None`` means unknown (the check is skipped, with a note)."""
+
+    platform: str | None = None
+    vllm_version: str | None = None
+
+
+@dataclass
+class Enabled:
+    kind: Kind
+    entry: Entry
+    params: BaseModel
+    path: str  # where in the file it was chosen, e.g. "moe[1]"
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+
+@dataclass
+class Plan:
+    """A validated deployment with its plugins resolved against the registry."""
+
+    deployment: Deployment
+    enabled: list[Enabled]
+    platform: str | None
+    vllm_version: str | None
+    dtype: str | None
+    model: ModelInfo | None
+    notes: list[str] = field(default_factory=list)
+
+    def by_kind(self, kind: Kind | str) -> list[Enabled]:
+        return [e for e in self.enabled if e.kind == Kind(kind)]
+
+
+def validate(
+    data: Any,
+    registry: Registry,
+    env: Environment = Environment(),
+    *,
+    source: str = "deployment",
+    base_dir: str | os.PathLike[str] | None = None,
+) -> Plan:
+    """Validate a deployment dict completely; raise :class:`DeploymentError` with every problem.
+
+    ``base_dir`` resolves a relative ``model`` path (the deployment file's folder).
+    """
+    if isinstance(data, Deployment):
+        data = data.model_dump(exclude_defaults=True)
+    if not isinstance(data, dict):
+        raise DeploymentError(
+            [Problem("(top level)", "must be a mapping of fields", value=data,
+                     accepted=", ".join(Deployment.model_fields))], source)
+    problems: list[Problem] = []
+    notes: list[str] = []
+    try:
+        deployment: Deployment | None = Deployment.model_validate(data)
+    except ValidationError as e:
+        deployment = None
+        problems += _fix_moe_paths(pydantic_problems(e, Deployment), data)
+
+    # Each plugin section that is well-formed on its own is resolved even if another is not,
+    # so that one run reports every problem.
+    choices = _well_formed_choices(data)
+    engine = data.get("engine") if isinstance(data.get("engine"), dict) else {}
+
+    platform = data.get("platform", "auto")
+    platform = env.platform if platform == "auto" else platform
+    if platform is None:
+        notes.append("platform unknown (no vLLM installed?): platform checks skipped")
+    if env.vllm_version is None:
+        notes.append("vLLM not installed: vLLM version checks skipped")
+
+    model = _model_info(data.get("model"), base_dir, problems, notes)
+    dtype = _dtype(engine, model, problems)
+
+    enabled: list[Enabled] = []
+    for kind, path, choice in choices:
+        entry = _lookup(kind, path, choice.plugin, registry, problems)
+        if entry is None:
+            continue
+        params_model = entry.registration.params
+        try:
+            params = params_model.model_validate(choice.params)
+        except ValidationError as e:
+            problems += pydantic_problems(e, params_model, prefix=(*_split(path), "params"))
+            continue
+        _check_capabilities(entry, path, platform, env.vllm_version, dtype, model, problems, notes)
+        enabled.append(Enabled(kind, entry, params, path))
+
+    _check_multiples(enabled, problems)
+    _check_combinations(enabled, problems)
+    _check_engine(engine, {kind for kind, _, _ in choices}, problems)
+
+    if problems:
+        raise DeploymentError(problems, source)
+    assert deployment is not None
+    return Plan(deployment, enabled, platform, env.vllm_version, dtype, model, notes)
+
+
+def validate_file(path: str | os.PathLike[str], registry: Registry, env: Environment = Environment()) -> Plan:
+    """Load and validate a deployment file; a relative model path is relative to the file."""
+    data = load_file(path)
+    return validate(data, registry, env, source=str(path), base_dir=Path(path).resolve().parent)
+
+
+def _split(path: str) -> tuple[Any, ...]:
+    # "moe[1]" -> ("moe", 1); "attention" -> ("attention",)
+    if "[" in path:
+        name, _, idx = path.partition("[")
+        return (name, int(idx.rstrip("]")))
+    return (path,)
+
+
+def _fix_moe_paths(problems: list[Problem], data: dict[str, Any]) -> list[Problem]:
+    # A single mapping under `moe:` is validated as a one-element list; report it as written.
+    if isinstance(data.get("moe"), dict):
+        for p in problems:
+            if p.path.startswith("moe[0]"):
+                p.path = "moe" + p.path[len("moe[0]"):]
+    return problems
+
+
+def _well_formed_choices(data: dict[str, Any]) -> list[tuple[Kind, str, PluginChoice]]:
+    out = []
+    for kind in Kind:
+        raw = data.get(kind.value)
+        if raw is None:
+            continue
+        items = [(kind.value, raw)] if isinstance(raw, dict) else (
+            [(f"{kind.value}[{i}]", r) for i, r in enumerate(raw)]
+            if isinstance(raw, list) and KIND_ALLOWS_MANY[kind] else [])
+        for path, item in items:
+            try:
+                out.append((kind, path, PluginChoice.model_validate(item)))
+            except ValidationError:
+                pass  # already reported by the schema pass
+    return out
+
+
+def _lookup(kind: Kind, path: str, name: str, registry: Registry, problems: list[Problem]) -> Entry | None:
+    if (kind, name) in registry:
+        return registry.get(kind, name)
+    names = registry.names(kind)
+    hint = did_you_mean(name, names)
+    elsewhere = [k.value for k in Kind if k != kind and (k, name) in registry]
+    if elsewhere:
+        hint = f"{name!r} is a {elsewhere[0]} plugin: put it under `{elsewhere[0]}:`"
+    elif hint is None:
+        hint = "Run `vllm-graft plugins` to list installed plugins"
+    problems.append(Problem(f"{path}.plugin", f"unknown {kind} plugin", value=name,
+                            accepted=", ".join(names) or "none installed", hint=hint))
+    return None
+
+
+def _model_info(model: Any, base_dir: Any, problems: list[Problem], notes: list[str]) -> ModelInfo | None:
+    if model is None:
+        notes.append("no model given: the model vLLM is started with is used; model checks skipped")
+        return None
+    if not isinstance(model, str):
+        return None  # reported by the schema pass
+    expanded = os.path.expanduser(model)
+    folder = Path(expanded)
+    if not folder.is_absolute() and base_dir is not None and not folder.exists():
+        candidate = Path(base_dir) / folder
+        if candidate.exists():
+            folder = candidate
+    looks_local = model.startswith(("/", ".", "~")) or folder.exists()
+    if not looks_local:
+        notes.append(f"model {model!r} is not a local folder (a hub id?): head size, dtype and "
+                     "architecture checks skipped")
+        return None
+    if not folder.exists():
+        problems.append(Problem("model", "model folder does not exist", value=model,
+                                hint="Give the folder with config.json and weights (bundled: models/)"))
+        return None
+    if not (folder / "config.json").is_file():
+        problems.append(Problem("model", "folder has no config.json, so it is not a Hugging Face "
+                                "model folder", value=model))
+        return None
+    try:
+        return ModelInfo.read(folder)
+    except (ValueError, OSError) as e:
+        problems.append(Problem("model", f"config.json cannot be read: {e}", value=model))
+        return None
+
+
+def _dtype(engine: dict[str, Any], model: ModelInfo | None, problems: list[Problem]) -> str | None:
+    raw = engine.get("dtype", "auto")
+    if raw == "auto":
+        return model.dtype if model else None
+    dtype = DTYPE_ALIASES.get(str(raw))
+    if dtype is None:
+        problems.append(Problem("engine.dtype", "unknown dtype", value=raw,
+                                accepted="auto, " + ", ".join(sorted(DTYPE_ALIASES)),
+                                hint=did_you_mean(raw, list(DTYPE_ALIASES))))
+    return dtype
+
+
+def _check_capabilities(
+    entry: Entry, path: str, platform: str | None, vllm_version: str | None,
+    dtype: str | None, model: ModelInfo | None, problems: list[Problem], notes: list[str],
+) -> None:
+    caps = entry.registration.capabilities
+    label = f"{entry.kind} plugin {entry.name!r}"
+    if platform is not None and platform not in caps.platforms:
+        problems.append(Problem(f"{path}.plugin", f"{label} does not run on platform {platform!r}",
+                                value=entry.name, accepted="platforms " + ", ".join(caps.platforms)))
+    if vllm_version is not None and not caps.supports_vllm(vllm_version):
+        problems.append(Problem(f"{path}.plugin", f"{label} does not support vLLM {vllm_version}",
+                                value=entry.name, accepted=f"vLLM {caps.vllm_versions}",
+                                hint="Install a supported vLLM or upgrade the plugin"))
+    if dtype is not None and dtype not in caps.dtypes:
+        problems.append(Problem(f"{path}.plugin", f"{label} does not support dtype {dtype!r}",
+                                value=entry.name, accepted="dtypes " + ", ".join(caps.dtypes),
+                                hint="Set engine.dtype to one of those"))
+    elif dtype is None and caps.dtypes != ("float32", "float16", "bfloat16"):
+        notes.append(f"{path}: model dtype unknown, dtype check for {entry.name!r} skipped")
+    if model is not None:
+        if caps.head_sizes is not None and model.head_size not in caps.head_sizes:
+            problems.append(Problem(f"{path}.plugin", f"{label} does not support head size "
+                                    f"{model.head_size} of model {model.path}", value=entry.name,
+                                    accepted="head sizes " + ", ".join(map(str, caps.head_sizes))))
+        if caps.architectures is not None and not set(model.architectures) & set(caps.architectures):
+            problems.append(Problem(f"{path}.plugin", f"{label} does not apply to model "
+                                    f"architecture {', '.join(model.architectures) or 'unknown'}",
+                                    value=entry.name,
+                                    accepted="architectures " + ", ".join(caps.architectures)))
+
+
+def _check_multiples(enabled: list[Enabled], problems: list[Problem]) -> None:
+    seen: dict[tuple[Kind, str], str] = {}
+    for e in enabled:
+        key = (e.kind, e.name)
+        if key in seen:
+            problems.append(Problem(f"{e.path}.plugin", f"plugin enabled twice (also at {seen[key]})",
+                                    value=e.name, hint="Merge the two entries"))
+        seen.setdefault(key, e.path)
+
+
+def _check_combinations(enabled: list[Enabled], problems: list[Problem]) -> None:
+    for a in enabled:
+        for b in enabled:
+            if a is b:
+                continue
+            bad = a.entry.registration.capabilities.incompatible_with
+            if b.name in bad or f"{b.kind}:{b.name}" in bad:
+                problems.append(Problem(
+                    f"{a.path}.plugin", f"{a.kind} plugin {a.name!r} cannot be combined with "
+                    f"{b.kind} plugin {b.name!r} (at {b.path})", value=a.name,
+                    hint="Enable only one of them"))
+
+
+def _check_engine(engine: dict[str, Any], kinds: set[Kind], problems: list[Problem]) -> None:
+    for key, kind in ENGINE_KEYS_OWNED.items():
+        if key in engine and kind in kinds:
+            problems.append(Problem(f"engine.{key}", f"conflicts with the `{kind}` section, which "
+                                    f"sets it", value=engine[key],
+                                    hint=f"Remove engine.{key} or the `{kind}` section"))
+    extra = engine.get("additional_config")
+    if isinstance(extra, dict) and "graft" in extra:
+        problems.append(Problem("engine.additional_config.graft", "the deployment itself travels "
+                                "there; do not set it by hand", value=extra["graft"],
+                                hint="Put those fields at the top level of this file"))

@@ -1,0 +1,208 @@
+"""The typed registry of plugin registrations.
+
+The registration hooks (see :mod:`vllm_graft.hooks.specs`) run once at start-up and
+fill a :class:`Registry`; everything after that (deployment validation, the CLI, the
+vLLM adapters) reads the registry and never calls a hook again.
+"""
+from __future__ import annotations
+
+import enum
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class Kind(str, enum.Enum):
+    """The five kinds of plugin. The value is the deployment-file section name."""
+
+    ATTENTION = "attention"
+    KVCOMPRESS = "kvcompress"
+    SPECULATIVE = "speculative"
+    QUANT = "quant"
+    MOE = "moe"
+
+    def __str__(self) -> str:  # "attention", not "Kind.ATTENTION", in messages
+        return self.value
+
+
+#: What a deployment may enable per kind: True where several plugins of the kind compose
+#: (MoE: masking, placement and caching act on different things), False where one at most.
+KIND_ALLOWS_MANY: dict[Kind, bool] = {
+    Kind.ATTENTION: False,
+    Kind.KVCOMPRESS: False,
+    Kind.SPECULATIVE: False,
+    Kind.QUANT: False,
+    Kind.MOE: True,
+}
+
+DTYPES = ("float32", "float16", "bfloat16")
+PLATFORMS = ("cpu", "cuda")
+
+
+class NoParams(BaseModel):
+    """Parameter model of a plugin that takes no parameters."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Capabilities(BaseModel):
+    """What a plugin supports; deployment validation checks each field before start-up.
+
+    ``None`` in a list field means "no restriction".
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dtypes: tuple[str, ...] = Field(default=DTYPES, description="model dtypes it runs with")
+    head_sizes: tuple[int, ...] | None = Field(default=None, description="attention head sizes")
+    platforms: tuple[str, ...] = Field(default=PLATFORMS, description="'cpu' and/or 'cuda'")
+    vllm_versions: str = Field(default=">=0.32,<0.34", description="PEP 440 specifier")
+    architectures: tuple[str, ...] | None = Field(
+        default=None, description="HF architectures it applies to, e.g. MixtralForCausalLM"
+    )
+    lossless: bool = Field(description="True if greedy outputs equal plain vLLM's")
+    incompatible_with: tuple[str, ...] = Field(
+        default=(), description="plugins it cannot be combined with, as 'kind:name' or 'name'"
+    )
+
+    @field_validator("dtypes")
+    @classmethod
+    def _known_dtypes(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [d for d in v if d not in DTYPES]
+        if bad:
+            raise ValueError(f"unknown dtype(s) {bad}; accepted: {list(DTYPES)}")
+        return v
+
+    @field_validator("platforms")
+    @classmethod
+    def _known_platforms(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [p for p in v if p not in PLATFORMS]
+        if bad:
+            raise ValueError(f"unknown platform(s) {bad}; accepted: {list(PLATFORMS)}")
+        return v
+
+    @field_validator("vllm_versions")
+    @classmethod
+    def _specifier(cls, v: str) -> str:
+        try:
+            SpecifierSet(v)
+        except InvalidSpecifier as e:
+            raise ValueError(f"not a PEP 440 version specifier: {v!r}") from e
+        return v
+
+    def supports_vllm(self, version: str) -> bool:
+        return SpecifierSet(self.vllm_versions).contains(version, prereleases=True)
+
+
+class Registration(BaseModel):
+    """One plugin as its registration hook declares it.
+
+    ``impl`` is a lazy import path ``"package.module:Attribute"``: nothing heavy (torch,
+    Triton) is imported until a deployment actually enables the plugin.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$", description="unique within its kind")
+    kind: Kind | None = Field(default=None, description="filled in by the hook that registers it")
+    summary: str = Field(min_length=1, description="one line")
+    paper: str = Field(description="the paper it implements (title, venue/arXiv), or '-'")
+    params: type[BaseModel] = NoParams
+    impl: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+    capabilities: Capabilities
+
+    @field_validator("params")
+    @classmethod
+    def _params_forbid_extra(cls, v: type[BaseModel]) -> type[BaseModel]:
+        if not (isinstance(v, type) and issubclass(v, BaseModel)):
+            raise ValueError("params must be a pydantic BaseModel subclass")
+        if v.model_config.get("extra") != "forbid":
+            raise ValueError(
+                f"parameter model {v.__name__} must set model_config = ConfigDict(extra='forbid') "
+                "so that misspelt parameters are refused"
+            )
+        return v
+
+    def load(self) -> Any:
+        """Import and return the implementation named by ``impl``."""
+        module, _, attr = self.impl.partition(":")
+        obj: Any = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a registration came from: the distribution (or module) that registered it."""
+
+    package: str
+    version: str
+    plugin: str  # the pluggy plugin name (entry-point name for installed plugins)
+
+
+@dataclass(frozen=True)
+class Entry:
+    registration: Registration
+    source: Source
+
+    @property
+    def kind(self) -> Kind:
+        assert self.registration.kind is not None
+        return self.registration.kind
+
+    @property
+    def name(self) -> str:
+        return self.registration.name
+
+
+class RegistryError(Exception):
+    """A plugin registered something invalid (duplicate name, wrong kind...)."""
+
+
+class Registry:
+    """Registrations by kind and name. Built once; read by everything after start-up."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[Kind, str], Entry] = {}
+
+    def add(self, registration: Registration, source: Source) -> None:
+        key = (registration.kind, registration.name)
+        if registration.kind is None:
+            raise RegistryError(f"registration {registration.name!r} has no kind")
+        if key in self._entries:
+            other = self._entries[key].source
+            raise RegistryError(
+                f"{registration.kind} plugin {registration.name!r} is registered twice: by "
+                f"{other.package} (plugin {other.plugin!r}) and by {source.package} "
+                f"(plugin {source.plugin!r}); uninstall one, or restrict loading with "
+                "VLLM_GRAFT_PLUGINS"
+            )
+        self._entries[key] = Entry(registration, source)
+
+    def get(self, kind: Kind | str, name: str) -> Entry:
+        kind = Kind(kind)
+        try:
+            return self._entries[(kind, name)]
+        except KeyError:
+            raise KeyError(f"no {kind} plugin named {name!r}; registered: {self.names(kind)}") from None
+
+    def names(self, kind: Kind | str) -> list[str]:
+        kind = Kind(kind)
+        return sorted(n for (k, n) in self._entries if k == kind)
+
+    def entries(self, kind: Kind | str | None = None) -> list[Entry]:
+        items = sorted(self._entries.values(), key=lambda e: (list(Kind).index(e.kind), e.name))
+        if kind is None:
+            return items
+        return [e for e in items if e.kind == Kind(kind)]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: tuple[Kind | str, str]) -> bool:
+        kind, name = key
+        return (Kind(kind), name) in self._entries

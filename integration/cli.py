@@ -1,0 +1,226 @@
+"""The `vllm-graft` command.
+
+Exit codes (stable, for scripts):
+  0  success (for `check`: the deployment is valid)
+  1  the deployment is invalid (every problem is printed)
+  2  bad command line (unknown command, missing argument)
+  3  a plugin failed to load (import error, invalid registration)
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import json
+import sys
+from typing import Any, Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from vllm_graft.hooks import DeploymentError, Kind, PluginLoadError, RegistryError, get_registry
+from vllm_graft.hooks.deployment import Plan, validate_file
+
+from .env import detect_environment, installed_vllm
+
+EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_PLUGIN = 0, 1, 2, 3
+
+#: How each kind reaches vLLM, per platform, and whether its adapter exists yet.
+ROUTES: dict[Kind, dict[str, str]] = {
+    Kind.ATTENTION: {
+        "cpu": "attention backend: overrides vLLM's CPU_ATTN backend",
+        "cuda": "attention backend: vLLM's CUSTOM backend (--attention-backend CUSTOM)",
+    },
+    Kind.KVCOMPRESS: {
+        "*": "KV-cache spec with its own block manager (evicted blocks return to vLLM's pool) "
+             "and an attention backend that reads only the blocks kept",
+    },
+    Kind.SPECULATIVE: {"*": "speculative proposer: speculative_config method=custom_class"},
+    Kind.QUANT: {"*": "quantization method: register_quantization_config"},
+    Kind.MOE: {"*": "MoE runner hook: router logits before top-k, expert placement"},
+}
+#: Kinds whose vLLM adapter is implemented (the integration issue fills this in).
+ADAPTERS_READY: frozenset[Kind] = frozenset()
+
+
+def route(kind: Kind, platform: str | None) -> str:
+    routes = ROUTES[kind]
+    text = routes.get(platform or "", routes.get("*")) or " / ".join(f"{p}: {r}" for p, r in routes.items())
+    if kind not in ADAPTERS_READY:
+        text += " [adapter not implemented yet: validated only]"
+    return text
+
+
+def package_version() -> str:
+    try:
+        return md.version("vllm-graft")
+    except md.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+# ------------------------------------------------------------------------------ commands
+def cmd_plugins(args: argparse.Namespace, console: Console) -> int:
+    registry = get_registry()
+    entries = registry.entries(args.kind)
+    if args.json:
+        print(json.dumps([_entry_json(e) for e in entries], indent=2))
+        return EXIT_OK
+    title = f"vllm-graft plugins ({len(entries)}{' ' + args.kind if args.kind else ''})"
+    table = Table(title=title, show_lines=False)
+    for col in ("kind", "name", "version", "package", "lossless"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("summary", overflow="fold", ratio=3)
+    table.add_column("paper", overflow="fold", ratio=2)
+    for e in entries:
+        caps = e.registration.capabilities
+        table.add_row(str(e.kind), e.name, e.source.version, e.source.package,
+                      "yes" if caps.lossless else "no", e.registration.summary, e.registration.paper)
+    console.print(table)
+    if not entries:
+        console.print(f"no {args.kind or ''} plugins registered".replace("  ", " "))
+    return EXIT_OK
+
+
+def _entry_json(e) -> dict[str, Any]:
+    reg = e.registration
+    return {
+        "kind": str(e.kind),
+        "name": e.name,
+        "version": e.source.version,
+        "package": e.source.package,
+        "entry_point": e.source.plugin,
+        "summary": reg.summary,
+        "paper": reg.paper,
+        "impl": reg.impl,
+        "capabilities": reg.capabilities.model_dump(mode="json"),
+        "params_schema": reg.params.model_json_schema(),
+    }
+
+
+def cmd_check(args: argparse.Namespace, console: Console) -> int:
+    registry = get_registry()
+    env = detect_environment(args.platform)
+    try:
+        plan = validate_file(args.deployment, registry, env)
+    except DeploymentError as e:
+        if args.json:
+            print(json.dumps({"valid": False, "source": e.source,
+                              "problems": [_problem_json(p) for p in e.problems]}, indent=2))
+        else:
+            n = len(e.problems)
+            console.print(f"[bold red]✗ {e.source}: {n} problem{'s' if n != 1 else ''}[/]")
+            for p in e.problems:
+                console.print(f"  [red]•[/] {_escape(str(p))}")
+        return EXIT_INVALID
+    if args.json:
+        print(json.dumps(_plan_json(plan), indent=2))
+    else:
+        _print_plan(plan, args.deployment, console)
+    return EXIT_OK
+
+
+def _problem_json(p) -> dict[str, Any]:
+    out = {"path": p.path, "message": p.message, "accepted": p.accepted, "hint": p.hint,
+           "text": str(p)}
+    from vllm_graft.hooks.deployment import _MISSING
+
+    if p.value is not _MISSING:
+        out["value"] = p.value if isinstance(p.value, (str, int, float, bool, type(None))) else repr(p.value)
+    return out
+
+
+def _plan_json(plan: Plan) -> dict[str, Any]:
+    return {
+        "valid": True,
+        "model": plan.deployment.model,
+        "platform": plan.platform,
+        "vllm_version": plan.vllm_version,
+        "dtype": plan.dtype,
+        "engine": plan.deployment.engine,
+        "plugins": [{"kind": str(e.kind), "name": e.name, "path": e.path,
+                     "params": e.params.model_dump(mode="json"),
+                     "lossless": e.entry.registration.capabilities.lossless,
+                     "route": route(e.kind, plan.platform)} for e in plan.enabled],
+        "notes": plan.notes,
+        "graft_config": json.loads(plan.deployment.to_json()),
+    }
+
+
+def _print_plan(plan: Plan, source: str, console: Console) -> None:
+    console.print(f"[bold green]✓ {source} is valid[/]")
+    model = plan.deployment.model or "(the model vLLM is started with)"
+    console.print(f"  model: {_escape(model)}" + (f"  [dim]{', '.join(plan.model.architectures)}, "
+                  f"head size {plan.model.head_size}[/]" if plan.model else ""))
+    console.print(f"  platform: {plan.platform or 'unknown'}   vLLM: {plan.vllm_version or 'not installed'}"
+                  f"   dtype: {plan.dtype or 'auto'}")
+    if plan.deployment.engine:
+        args = " ".join(f"{k}={v!r}" for k, v in plan.deployment.engine.items())
+        console.print(f"  engine arguments: {_escape(args)}")
+    if not plan.enabled:
+        console.print("  no plugins enabled: vLLM runs unchanged")
+    else:
+        table = Table(show_header=True, box=None, padding=(0, 2))
+        for col in ("kind", "plugin", "parameters", "lossless", "how"):
+            table.add_column(col, overflow="fold")
+        for e in plan.enabled:
+            params = ", ".join(f"{k}={v!r}" for k, v in e.params.model_dump().items()) or "-"
+            table.add_row(str(e.kind), e.name, _escape(params),
+                          "yes" if e.entry.registration.capabilities.lossless else "no",
+                          route(e.kind, plan.platform))
+        console.print(table)
+    for note in plan.notes:
+        console.print(f"  [yellow]note:[/] {_escape(note)}")
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
+
+
+# ------------------------------------------------------------------------------ parser
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vllm-graft",
+        description="Graft inference-research plugins onto vLLM.",
+        epilog="Exit codes: 0 ok, 1 invalid deployment, 2 bad command line, 3 plugin failed to load.",
+    )
+    parser.add_argument("--version", action="store_true", help="print versions and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("plugins", help="list registered plugins")
+    p.add_argument("--kind", choices=[k.value for k in Kind], help="only this kind")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_plugins)
+
+    c = sub.add_parser("check", help="validate a deployment file and explain what it enables")
+    c.add_argument("deployment", help="deployment YAML file")
+    c.add_argument("--platform", choices=["cpu", "cuda"],
+                   help="validate for this platform (default: that of the installed vLLM)")
+    c.add_argument("--json", action="store_true", help="machine-readable output")
+    c.set_defaults(func=cmd_check)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # Piped output (scripts, CI logs) gets a wide fixed width instead of rich's default 80.
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
+    if args.version:
+        found = installed_vllm()
+        vllm = f"{found[0]} {found[1]}" if found else "vLLM not installed"
+        print(f"vllm-graft {package_version()} ({vllm}; Python {sys.version.split()[0]})")
+        return EXIT_OK
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return args.func(args, console)
+    except (PluginLoadError, RegistryError) as e:
+        err.print(f"[bold red]plugin error:[/] {_escape(str(e))}")
+        return EXIT_PLUGIN
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Built-in plugins, one folder per plugin under its kind. Plugins never import vLLM."""

@@ -1,0 +1,6 @@
+from vllm_graft.hooks import BlockView, KVCompressor
+
+
+class KeepAll(KVCompressor):
+    def keep(self, view: BlockView) -> list[int]:
+        return list(range(view.num_blocks))

@@ -1,0 +1,6 @@
+from vllm_graft.hooks import Proposer
+
+
+class NoDraft(Proposer):
+    def propose(self, request_id, token_ids, max_tokens):
+        return []
