@@ -22,6 +22,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -155,33 +156,32 @@ def _path(loc: tuple[Any, ...]) -> str:
     return out or "(top level)"
 
 
-def _model_fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str] | None:
-    """Field names of the sub-model found at ``loc`` inside ``model`` (None if not a model)."""
-    import typing
+def _is_model(obj: Any) -> bool:
+    return isinstance(obj, type) and issubclass(obj, BaseModel)
 
+
+def _unwrap_model(annotation: Any) -> Any:
+    """The BaseModel inside an annotation such as ``X | None`` or ``list[X]`` (or None)."""
+    if _is_model(annotation):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _unwrap_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _submodel(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The model class found at ``loc`` (list indices skipped) inside ``model``, or None."""
     current: Any = model
     for part in loc:
         if isinstance(part, int):
             continue
-        if not (isinstance(current, type) and issubclass(current, BaseModel)):
-            return None
-        f = current.model_fields.get(part)
+        f = current.model_fields.get(part) if _is_model(current) else None
         if f is None:
             return None
-        current = _unwrap_model(f.annotation, typing)
-    if isinstance(current, type) and issubclass(current, BaseModel):
-        return list(current.model_fields)
-    return None
-
-
-def _unwrap_model(annotation: Any, typing: Any) -> Any:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        found = _unwrap_model(arg, typing)
-        if found is not None:
-            return found
-    return None
+        current = _unwrap_model(f.annotation)
+    return current if _is_model(current) else None
 
 
 def pydantic_problems(
@@ -193,7 +193,8 @@ def pydantic_problems(
         loc = tuple(err["loc"])
         path = _path(prefix + loc)
         if err["type"] == "extra_forbidden":
-            accepted = _model_fields_at(model, loc[:-1]) or []
+            parent = _submodel(model, loc[:-1])
+            accepted = list(parent.model_fields) if parent is not None else []
             problems.append(
                 Problem(path, "unknown field", accepted=", ".join(accepted) or "no fields at all",
                         hint=did_you_mean(loc[-1], accepted))
@@ -210,19 +211,8 @@ def pydantic_problems(
 
 def _field_description(model: type[BaseModel], loc: tuple[Any, ...]) -> str | None:
     names = [p for p in loc if not isinstance(p, int)]
-    if not names:
-        return None
-    import typing
-
-    current: Any = model
-    for part in names[:-1]:
-        f = current.model_fields.get(part) if isinstance(current, type) and issubclass(current, BaseModel) else None
-        if f is None:
-            return None
-        current = _unwrap_model(f.annotation, typing)
-    if not (isinstance(current, type) and issubclass(current, BaseModel)):
-        return None
-    f = current.model_fields.get(names[-1])
+    parent = _submodel(model, tuple(names[:-1])) if names else None
+    f = parent.model_fields.get(names[-1]) if parent is not None else None
     return f.description if f is not None else None
 
 
@@ -289,10 +279,14 @@ class ModelInfo:
 # ---------------------------------------------------------------------------- resolution
 @dataclass(frozen=True)
 class Environment:
-    """Where the deployment will run. ``None`` means unknown (the check is skipped, with a note)."""
+    """Where the deployment will run. ``None`` means unknown (the check is skipped, with a note).
+
+    ``engine_args`` are the names vLLM's engine accepts (its ``EngineArgs`` fields).
+    """
 
     platform: str | None = None
     vllm_version: str | None = None
+    engine_args: frozenset[str] | None = None
 
 
 @dataclass
@@ -380,7 +374,7 @@ def validate(
 
     _check_multiples(enabled, problems)
     _check_combinations(enabled, problems)
-    _check_engine(engine, {kind for kind, _, _ in choices}, problems)
+    _check_engine(engine, {kind for kind, _, _ in choices}, env.engine_args, problems, notes)
 
     if problems:
         raise DeploymentError(problems, source)
@@ -541,7 +535,20 @@ def _check_combinations(enabled: list[Enabled], problems: list[Problem]) -> None
                     hint="Enable only one of them"))
 
 
-def _check_engine(engine: dict[str, Any], kinds: set[Kind], problems: list[Problem]) -> None:
+def _check_engine(engine: dict[str, Any], kinds: set[Kind], known: frozenset[str] | None,
+                  problems: list[Problem], notes: list[str]) -> None:
+    if "model" in engine:
+        problems.append(Problem("engine.model", "the model is not an engine argument here",
+                                value=engine["model"], hint="Set it with the top-level `model` field"))
+    if known is None:
+        if engine:
+            notes.append("vLLM not installed: engine argument names not checked")
+    else:
+        for key in engine:
+            if key != "model" and key not in known:
+                problems.append(Problem(f"engine.{key}", "unknown vLLM engine argument", value=engine[key],
+                                        accepted="the fields of vLLM's EngineArgs (`vllm serve --help`)",
+                                        hint=did_you_mean(str(key).replace("-", "_"), sorted(known))))
     for key, kind in ENGINE_KEYS_OWNED.items():
         if key in engine and kind in kinds:
             problems.append(Problem(f"engine.{key}", f"conflicts with the `{kind}` section, which "

@@ -18,7 +18,9 @@ def registry():
 
 @pytest.fixture
 def cpu_env():
-    return Environment(platform="cpu", vllm_version="0.32.0")
+    names = {"dtype", "max_model_len", "quantization", "speculative_config", "attention_backend",
+             "additional_config", "enforce_eager"}
+    return Environment(platform="cpu", vllm_version="0.32.0", engine_args=frozenset(names))
 
 
 def _model(folder, arch, head_dim, dtype="float16"):

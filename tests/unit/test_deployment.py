@@ -58,7 +58,9 @@ def test_dtype_auto_is_read_from_model_config(registry, cpu_env, dense_model):
 
 
 def test_unknown_environment_is_noted_not_silent(registry):
-    plan = validate({"kvcompress": {"plugin": "sample-evict"}}, registry, Environment())
+    plan = validate({"kvcompress": {"plugin": "sample-evict"}, "engine": {"dtype": "float32"}},
+                    registry, Environment())
+    assert any("engine argument names not checked" in n for n in plan.notes)
     assert any("vLLM version checks skipped" in n for n in plan.notes)
     assert any("platform checks skipped" in n for n in plan.notes)
 
@@ -147,6 +149,12 @@ BAD = {
                           ["moe[1].plugin: plugin enabled twice (also at moe[0])"]),
     "model folder missing": ({"model": "./no/such/model"}, ["model: model folder does not exist",
                                                              "(got './no/such/model')"]),
+    "unknown engine argument": ({"engine": {"max_model_length": 2048}},
+                                ["engine.max_model_length: unknown vLLM engine argument (got 2048)",
+                                 "Did you mean 'max_model_len'?"]),
+    "model among engine arguments": ({"engine": {"model": "x"}},
+                                     ["engine.model: the model is not an engine argument here",
+                                      "Set it with the top-level `model` field"]),
     "engine not a mapping": ({"engine": ["dtype=float32"]}, ["engine: Input should be a valid dictionary"]),
 }
 
@@ -220,3 +228,11 @@ def test_error_text_lists_count_and_source(tmp_path, registry, cpu_env):
     text = str(info.value)
     assert text.startswith(f"{path}: 2 problems:")
     assert "  - quant.plugin: unknown quant plugin (got 'q')" in text
+
+
+def test_engine_argument_names_read_from_installed_vllm():
+    from vllm_graft.integration.env import detect_environment, engine_argument_names
+
+    names = engine_argument_names()
+    assert {"dtype", "max_model_len", "enforce_eager", "speculative_config"} <= names
+    assert detect_environment().engine_args == names
