@@ -1,7 +1,8 @@
 """The `vllm-graft` command: output and exit codes."""
 import json
-import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -106,8 +107,9 @@ def test_plugin_load_error_exit_3(monkeypatch, capsys):
 
 
 def test_console_script_installed():
-    exe = shutil.which("vllm-graft")
-    assert exe, "the vllm-graft console script is on PATH"
+    # pip puts console scripts beside the interpreter (the venv need not be activated)
+    exe = Path(sys.executable).parent / "vllm-graft"
+    assert exe.is_file(), f"the vllm-graft console script is installed at {exe}"
     proc = subprocess.run([exe, "plugins", "--json"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert {d["kind"] for d in json.loads(proc.stdout)} == {"attention", "kvcompress", "speculative", "quant", "moe"}
