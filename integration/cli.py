@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata as md
 import json
+import os
 import sys
 from typing import Any, Sequence
 
@@ -165,7 +166,7 @@ def _print_plan(plan: Plan, source: str, console: Console) -> None:
             params = ", ".join(f"{k}={v!r}" for k, v in e.params.model_dump().items()) or "-"
             table.add_row(str(e.kind), e.name, _escape(params),
                           "yes" if e.entry.registration.capabilities.lossless else "no",
-                          route(e.kind, plan.platform))
+                          _escape(route(e.kind, plan.platform)))
         console.print(table)
     for note in plan.notes:
         console.print(f"  [yellow]note:[/] {_escape(note)}")
@@ -220,6 +221,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PluginLoadError, RegistryError) as e:
         err.print(f"[bold red]plugin error:[/] {_escape(str(e))}")
         return EXIT_PLUGIN
+    except BrokenPipeError:  # `vllm-graft plugins --json | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
 
 
 if __name__ == "__main__":  # pragma: no cover
