@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.graft-installed
 
-.PHONY: install demo test test-unit docs clean-venv
+.PHONY: install demo test test-unit docs train-models eval-models clean-venv
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,14 @@ test: install
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit
+
+# Retrain the bundled models (~15 min each on 2 cores) and re-evaluate them; see models/README.md.
+train-models: install
+	$(PY) models/train.py --model dense
+	$(PY) models/train.py --model moe
+
+eval-models: install
+	$(PY) models/evaluate.py
 
 docs: install
 	$(PY) docs/generate.py
