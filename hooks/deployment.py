@@ -30,7 +30,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .registry import KIND_ALLOWS_MANY, Entry, Kind, Registry
+from .registry import DTYPES, KIND_ALLOWS_MANY, Entry, Kind, Registry
 
 _MISSING = object()
 
@@ -114,9 +114,13 @@ class Problem:
     accepted: str | None = None
     hint: str | None = None
 
+    @property
+    def has_value(self) -> bool:
+        return self.value is not _MISSING
+
     def __str__(self) -> str:
         text = f"{self.path}: {self.message}"
-        if self.value is not _MISSING:
+        if self.has_value:
             text += f" (got {_show(self.value)})"
         if self.accepted:
             text += f"; accepted: {self.accepted}"
@@ -498,7 +502,7 @@ def _check_capabilities(
         problems.append(Problem(f"{path}.plugin", f"{label} does not support dtype {dtype!r}",
                                 value=entry.name, accepted="dtypes " + ", ".join(caps.dtypes),
                                 hint="Set engine.dtype to one of those"))
-    elif dtype is None and caps.dtypes != ("float32", "float16", "bfloat16"):
+    elif dtype is None and set(caps.dtypes) != set(DTYPES):
         notes.append(f"{path}: model dtype unknown, dtype check for {entry.name!r} skipped")
     if model is not None:
         if caps.head_sizes is not None and model.head_size not in caps.head_sizes:

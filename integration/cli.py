@@ -122,9 +122,7 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
 def _problem_json(p) -> dict[str, Any]:
     out = {"path": p.path, "message": p.message, "accepted": p.accepted, "hint": p.hint,
            "text": str(p)}
-    from vllm_graft.hooks.deployment import _MISSING
-
-    if p.value is not _MISSING:
+    if p.has_value:
         out["value"] = p.value if isinstance(p.value, (str, int, float, bool, type(None))) else repr(p.value)
     return out
 
