@@ -204,7 +204,8 @@ def pydantic_problems(
                         hint=did_you_mean(loc[-1], accepted))
             )
         elif err["type"] == "missing":
-            problems.append(Problem(path, "required field is missing"))
+            problems.append(Problem(path, "required field is missing",
+                                    accepted=_field_description(model, loc)))
         else:
             msg = err["msg"]
             msg = msg[len("Value error, "):] if msg.startswith("Value error, ") else msg
@@ -346,6 +347,10 @@ def validate(
     except ValidationError as e:
         deployment = None
         problems += _fix_moe_paths(pydantic_problems(e, Deployment), data)
+        for p in problems:  # a missing plugin name: say which names exist
+            kind = p.path.split(".")[0].split("[")[0]
+            if p.path.endswith(".plugin") and kind in {k.value for k in Kind}:
+                p.accepted = ", ".join(registry.names(kind)) or "none installed"
 
     # Each plugin section that is well-formed on its own is resolved even if another is not,
     # so that one run reports every problem.
