@@ -25,7 +25,7 @@ import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -188,14 +188,26 @@ def _submodel(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] |
     return current if _is_model(current) else None
 
 
+Loc = tuple[Any, ...]
+
+
 def pydantic_problems(
-    exc: ValidationError, model: type[BaseModel], prefix: tuple[Any, ...] = ()
+    exc: ValidationError,
+    model: type[BaseModel],
+    prefix: Loc = (),
+    *,
+    as_written: Callable[[Loc], Loc] = lambda loc: loc,
+    missing_accepted: Callable[[Loc], str | None] = lambda loc: None,
 ) -> list[Problem]:
-    """Turn pydantic's errors into problems that name path, value and what is accepted."""
+    """Turn pydantic's errors into problems that name path, value and what is accepted.
+
+    ``as_written`` maps a validated location back to where the user wrote it;
+    ``missing_accepted`` says what a missing field accepts where its description can't.
+    """
     problems = []
     for err in exc.errors():
         loc = tuple(err["loc"])
-        path = _path(prefix + loc)
+        path = _path(prefix + as_written(loc))
         if err["type"] == "extra_forbidden":
             parent = _submodel(model, loc[:-1])
             accepted = list(parent.model_fields) if parent is not None else []
@@ -205,7 +217,7 @@ def pydantic_problems(
             )
         elif err["type"] == "missing":
             problems.append(Problem(path, "required field is missing",
-                                    accepted=_field_description(model, loc)))
+                                    accepted=missing_accepted(loc) or _field_description(model, loc)))
         else:
             msg = err["msg"]
             msg = msg[len("Value error, "):] if msg.startswith("Value error, ") else msg
@@ -346,11 +358,9 @@ def validate(
         deployment: Deployment | None = Deployment.model_validate(data)
     except ValidationError as e:
         deployment = None
-        problems += _fix_moe_paths(pydantic_problems(e, Deployment), data)
-        for p in problems:  # a missing plugin name: say which names exist
-            kind = p.path.split(".")[0].split("[")[0]
-            if p.path.endswith(".plugin") and kind in {k.value for k in Kind}:
-                p.accepted = ", ".join(registry.names(kind)) or "none installed"
+        problems += pydantic_problems(
+            e, Deployment, as_written=lambda loc: _as_written(loc, data),
+            missing_accepted=lambda loc: _plugin_names(loc, registry))
 
     # Each plugin section that is well-formed on its own is resolved even if another is not,
     # so that one run reports every problem.
@@ -368,7 +378,8 @@ def validate(
     dtype = _dtype(engine, model, problems)
 
     enabled: list[Enabled] = []
-    for kind, path, choice in choices:
+    for kind, loc, choice in choices:
+        path = _path(loc)
         entry = _lookup(kind, path, choice.plugin, registry, problems)
         if entry is None:
             continue
@@ -376,7 +387,7 @@ def validate(
         try:
             params = params_model.model_validate(choice.params)
         except ValidationError as e:
-            problems += pydantic_problems(e, params_model, prefix=(*_split(path), "params"))
+            problems += pydantic_problems(e, params_model, prefix=(*loc, "params"))
             continue
         _check_capabilities(entry, path, platform, env.vllm_version, dtype, model, problems, notes)
         enabled.append(Enabled(kind, entry, params, path))
@@ -397,35 +408,35 @@ def validate_file(path: str | os.PathLike[str], registry: Registry, env: Environ
     return validate(data, registry, env, source=str(path), base_dir=Path(path).resolve().parent)
 
 
-def _split(path: str) -> tuple[Any, ...]:
-    # "moe[1]" -> ("moe", 1); "attention" -> ("attention",)
-    if "[" in path:
-        name, _, idx = path.partition("[")
-        return (name, int(idx.rstrip("]")))
-    return (path,)
+def _as_written(loc: Loc, data: dict[str, Any]) -> Loc:
+    """A single mapping under a many-plugin kind (``moe:``) is validated as a one-element
+    list: report its errors at ``moe.x``, as written, not ``moe[0].x``."""
+    if len(loc) >= 2 and loc[1] == 0 and isinstance(data.get(loc[0]), dict):
+        return (loc[0], *loc[2:])
+    return loc
 
 
-def _fix_moe_paths(problems: list[Problem], data: dict[str, Any]) -> list[Problem]:
-    # A single mapping under `moe:` is validated as a one-element list; report it as written.
-    if isinstance(data.get("moe"), dict):
-        for p in problems:
-            if p.path.startswith("moe[0]"):
-                p.path = "moe" + p.path[len("moe[0]"):]
-    return problems
+def _plugin_names(loc: Loc, registry: Registry) -> str | None:
+    """For a missing ``<kind>.plugin``: the registered names of that kind."""
+    kinds = {k.value for k in Kind}
+    if loc and loc[-1] == "plugin" and loc[0] in kinds:
+        return ", ".join(registry.names(loc[0])) or "none installed"
+    return None
 
 
-def _well_formed_choices(data: dict[str, Any]) -> list[tuple[Kind, str, PluginChoice]]:
+def _well_formed_choices(data: dict[str, Any]) -> list[tuple[Kind, Loc, PluginChoice]]:
+    """Each plugin section that validates on its own, with where it was written."""
     out = []
     for kind in Kind:
         raw = data.get(kind.value)
         if raw is None:
             continue
-        items = [(kind.value, raw)] if isinstance(raw, dict) else (
-            [(f"{kind.value}[{i}]", r) for i, r in enumerate(raw)]
+        items = [((kind.value,), raw)] if isinstance(raw, dict) else (
+            [((kind.value, i), r) for i, r in enumerate(raw)]
             if isinstance(raw, list) and KIND_ALLOWS_MANY[kind] else [])
-        for path, item in items:
+        for loc, item in items:
             try:
-                out.append((kind, path, PluginChoice.model_validate(item)))
+                out.append((kind, loc, PluginChoice.model_validate(item)))
             except ValidationError:
                 pass  # already reported by the schema pass
     return out
