@@ -16,6 +16,7 @@ import sys
 from typing import Any, Sequence
 
 from rich.console import Console
+from rich.markup import escape as _escape
 from rich.table import Table
 
 from vllm_graft.hooks import DeploymentError, Kind, PluginLoadError, RegistryError, get_registry
@@ -77,7 +78,7 @@ def cmd_plugins(args: argparse.Namespace, console: Console) -> int:
                       "yes" if caps.lossless else "no", e.registration.summary, e.registration.paper)
     console.print(table)
     if not entries:
-        console.print(f"no {args.kind or ''} plugins registered".replace("  ", " "))
+        console.print(f"no {args.kind + ' ' if args.kind else ''}plugins registered")
     return EXIT_OK
 
 
@@ -168,12 +169,6 @@ def _print_plan(plan: Plan, source: str, console: Console) -> None:
         console.print(table)
     for note in plan.notes:
         console.print(f"  [yellow]note:[/] {_escape(note)}")
-
-
-def _escape(text: str) -> str:
-    from rich.markup import escape
-
-    return escape(text)
 
 
 # ------------------------------------------------------------------------------ parser
