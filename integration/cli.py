@@ -9,6 +9,7 @@ Exit codes (stable, for scripts):
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata as md
 import json
 import os
@@ -172,6 +173,15 @@ def _print_plan(plan: Plan, source: str, console: Console) -> None:
 
 
 # ------------------------------------------------------------------------------ parser
+#: Modules adding sub-commands: each has ``add_command(subparsers)`` and sets
+#: ``func(args, console) -> exit code``. They must not import vLLM at import time
+#: (``vllm-graft plugins`` and ``check`` stay fast).
+COMMAND_MODULES: tuple[str, ...] = (
+    "vllm_graft.integration.run",  # demo, generate, serve
+    "vllm_graft.integration.bench",  # bench
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-graft",
@@ -192,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="validate for this platform (default: that of the installed vLLM)")
     c.add_argument("--json", action="store_true", help="machine-readable output")
     c.set_defaults(func=cmd_check)
+
+    for module in COMMAND_MODULES:
+        importlib.import_module(module).add_command(sub)
     return parser
 
 

@@ -1,0 +1,76 @@
+"""One adapter per plugin kind: turns the enabled plugins into vLLM registrations.
+
+Adapters are the only code that imports vLLM (besides the bridge). Each is looked up
+lazily, so that a deployment without, say, a quantization plugin never imports vLLM's
+quantization layer. Contract of an adapter (see :class:`Adapter`):
+
+* ``engine_overrides(enabled, plan)``: engine arguments the plugins need (e.g.
+  ``speculative_config`` for a proposer); applied by the bridge in the front end.
+* ``activate(enabled, plan, runtime)``: register into vLLM in this process (called in
+  every vLLM process); must be idempotent per deployment.
+* ``deactivate()``: undo it (the bridge also undoes the adapter's patches).
+
+What a plugin does at run time is recorded with ``runtime.count(kind, name, event)`` and
+the plugin's own ``describe()``; `vllm-graft demo` and `bench` print both.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from vllm_graft.hooks import Kind, Plan
+from vllm_graft.hooks.deployment import Enabled
+
+from ..runtime import Runtime
+
+_MODULES = {
+    Kind.ATTENTION: "attention",
+    Kind.KVCOMPRESS: "kvcompress",
+    Kind.SPECULATIVE: "speculative",
+    Kind.QUANT: "quant",
+    Kind.MOE: "moe",
+}
+
+
+class Adapter:
+    kind: Kind
+    owner: str = "adapter"
+
+    def engine_overrides(self, enabled: list[Enabled], plan: Plan) -> dict[str, Any]:
+        return {}
+
+    def activate(self, enabled: list[Enabled], plan: Plan, runtime: Runtime) -> None:
+        raise NotImplementedError
+
+    def deactivate(self) -> None:
+        pass
+
+
+class AdapterMissing(NotImplementedError):
+    pass
+
+
+_cache: dict[Kind, Adapter] = {}
+
+
+def adapter_for(kind: Kind) -> Adapter:
+    """The adapter of ``kind`` (its module is ``vllm_graft.integration.adapters.<kind>``,
+    exposing ``ADAPTER``)."""
+    kind = Kind(kind)
+    if kind not in _cache:
+        try:
+            module = importlib.import_module(f"{__name__}.{_MODULES[kind]}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{_MODULES[kind]}":
+                raise
+            raise AdapterMissing(f"vllm-graft has no vLLM adapter for {kind} plugins yet") from None
+        _cache[kind] = module.ADAPTER
+    return _cache[kind]
+
+
+def ready_kinds() -> frozenset[Kind]:
+    """Kinds whose adapter module exists (without importing vLLM)."""
+    import importlib.util
+
+    return frozenset(k for k, m in _MODULES.items()
+                     if importlib.util.find_spec(f"{__name__}.{m}") is not None)

