@@ -11,6 +11,7 @@ from .contracts import (
     PluginImpl,
     Proposer,
     QuantMethod,
+    split_kv_cache,
 )
 from .deployment import (
     Deployment,
@@ -39,5 +40,5 @@ __all__ = [
     "Kind", "MoEScheduler", "NoParams", "PagedBatch", "Plan", "PluginChoice", "PluginImpl",
     "PluginLoadError", "Problem", "Proposer", "QuantMethod", "Registration", "Registry",
     "RegistryError", "get_plugin_manager", "get_registry", "hookimpl", "hookspec",
-    "make_plugin_manager", "validate", "validate_file",
+    "make_plugin_manager", "split_kv_cache", "validate", "validate_file",
 ]

@@ -6,7 +6,8 @@ The vLLM adapters in ``vllm_graft.integration`` call these methods; nothing here
 about vLLM, so a plugin is testable with plain tensors.
 
 Shapes follow vLLM's conventions: query ``[T, H, D]`` (tokens of all sequences packed),
-paged KV cache ``[num_blocks, H_kv, block_size, 2*D]`` (K and V packed in the last dim),
+paged KV cache ``[num_blocks, H_kv, block_size, 2*D]`` (per block and head: the keys, then the
+values; see :func:`split_kv_cache`),
 block tables ``[num_seqs, max_blocks]`` of physical block ids.
 """
 from __future__ import annotations
@@ -64,6 +65,19 @@ class PagedBatch:
     block_table: "torch.Tensor"  # [num_seqs, max_blocks] int32
 
 
+def split_kv_cache(kv_cache: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
+    """``(key_cache, value_cache)``, each ``[num_blocks, H_kv, block_size, D]``, as views of
+    one layer's paged cache ``[num_blocks, H_kv, block_size, 2*D]``.
+
+    The last two dims are not "K and V side by side per token": for each block and KV head
+    the memory holds the block's keys ``[block_size, D]`` followed by its values (vLLM's CPU
+    layout, read by its kernel as ``view(N, H_kv, 2*block_size, D).chunk(2, dim=2)``).
+    """
+    n, h, b, d2 = kv_cache.shape
+    kv = kv_cache.view(n, h, 2, b, d2 // 2)
+    return kv[:, :, 0], kv[:, :, 1]
+
+
 class AttentionMethod(PluginImpl[P]):
     """Attention over a paged KV cache."""
 
@@ -118,13 +132,38 @@ class KVCompressor(PluginImpl[P]):
 
 # -------------------------------------------------------------------------- speculative
 class Proposer(PluginImpl[P]):
-    """Proposes draft tokens; the target model verifies them."""
+    """Proposes draft tokens; the target model verifies them (chain verification: the
+    longest prefix of the drafts that the target would have produced itself is kept, so
+    greedy output does not depend on the drafts).
+
+    How many tokens: if the plugin's parameter model has a field ``num_speculative_tokens``,
+    its value is the most drafts per step (vLLM reserves that many verification slots per
+    request); otherwise the adapter uses ``DEFAULT_NUM_SPECULATIVE_TOKENS`` (4). Each call's
+    ``max_tokens`` is that number, or less near the model's length limit.
+
+    Calls, per request and engine step once the request has produced a token:
+    ``accepted`` (how the previous drafts fared, when there were any), then ``propose``.
+    ``finish`` comes once the request has ended (finished or aborted), with the engine's
+    next step: that is when vLLM tells its workers.
+    """
 
     kind = Kind.SPECULATIVE
 
     @abstractmethod
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
-        """Up to ``max_tokens`` draft tokens to follow ``token_ids`` (prompt + output so far)."""
+        """Up to ``max_tokens`` draft tokens to follow ``token_ids``.
+
+        ``token_ids`` is the request's whole sequence so far: prompt, then every output
+        token (the one just sampled last). Return fewer, or ``[]``, when unsure; extra
+        tokens beyond ``max_tokens`` are dropped. ``request_id`` is stable for the request's
+        life, so per-request state can be kept under it until :meth:`finish`.
+        """
+
+    def accepted(self, request_id: str, num_accepted: int, num_verified: int) -> None:
+        """The target kept the first ``num_accepted`` of the ``num_verified`` drafts it
+        checked for ``request_id`` in the step just run (the drafts this plugin proposed
+        last; vLLM verifies fewer when it trims them, e.g. at the length limit). For
+        adaptive draft lengths and acceptance statistics. Default: nothing."""
 
     def finish(self, request_id: str) -> None:
         """The request ended (finished or aborted): release its state. Default: nothing."""

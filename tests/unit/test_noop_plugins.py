@@ -16,7 +16,9 @@ def test_paged_attention_matches_dense_causal_attention():
     layer = AttentionLayer(num_heads=H, num_kv_heads=Hkv, head_size=D, scale=D ** -0.5, block_size=B)
     seq_lens, q_lens = [13, 5, 20], [13, 1, 3]  # a prefill, a decode, a chunk
     num_blocks = 16
-    kv_cache = torch.randn(num_blocks, Hkv, B, 2 * D)
+    # vLLM's CPU layout, built the way its kernel reads it: per block and head, B keys then B values.
+    k_blocks, v_blocks = torch.randn(num_blocks, Hkv, B, D), torch.randn(num_blocks, Hkv, B, D)
+    kv_cache = torch.cat([k_blocks, v_blocks], dim=2).view(num_blocks, Hkv, B, 2 * D)
     perm = torch.randperm(num_blocks)  # scattered physical blocks
     table = torch.zeros(3, 3, dtype=torch.int32)
     used = 0
@@ -29,9 +31,9 @@ def test_paged_attention_matches_dense_causal_attention():
     batch = PagedBatch(query_start_loc=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_table=table)
     out = build("attention").forward(query, kv_cache, batch, layer)
     for i, (n, q) in enumerate(zip(seq_lens, q_lens)):
-        blocks = kv_cache[table[i, :-(-n // B)].long()].permute(0, 2, 1, 3).reshape(-1, Hkv, 2 * D)[:n]
-        k = blocks[..., :D].repeat_interleave(H // Hkv, 1).transpose(0, 1)
-        v = blocks[..., D:].repeat_interleave(H // Hkv, 1).transpose(0, 1)
+        ids = table[i, :-(-n // B)].long()
+        k = k_blocks[ids].permute(0, 2, 1, 3).reshape(-1, Hkv, D)[:n].repeat_interleave(H // Hkv, 1).transpose(0, 1)
+        v = v_blocks[ids].permute(0, 2, 1, 3).reshape(-1, Hkv, D)[:n].repeat_interleave(H // Hkv, 1).transpose(0, 1)
         qi = query[qsl[i]:qsl[i + 1]].transpose(0, 1)
         mask = torch.arange(n)[None, :] <= torch.arange(n - q, n)[:, None]
         ref = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask).transpose(0, 1)

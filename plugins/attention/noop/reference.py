@@ -3,14 +3,18 @@ from __future__ import annotations
 
 import torch
 
-from vllm_graft.hooks import AttentionLayer, AttentionMethod, PagedBatch
+from vllm_graft.hooks import AttentionLayer, AttentionMethod, PagedBatch, split_kv_cache
 
 
 def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, head_size: int):
     """K, V ``[seq_len, H_kv, D]`` of one sequence from ``kv_cache [N, H_kv, B, 2D]``."""
-    blocks = kv_cache[block_ids.long()]  # [nb, H_kv, B, 2D]
-    flat = blocks.permute(0, 2, 1, 3).reshape(-1, kv_cache.shape[1], kv_cache.shape[3])[:seq_len]
-    return flat[..., :head_size], flat[..., head_size:]
+    k_cache, v_cache = split_kv_cache(kv_cache)  # [N, H_kv, B, D] each
+    ids = block_ids.long()
+
+    def flat(cache: torch.Tensor) -> torch.Tensor:
+        return cache[ids].permute(0, 2, 1, 3).reshape(-1, cache.shape[1], cache.shape[3])[:seq_len]
+
+    return flat(k_cache), flat(v_cache)
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,

@@ -1,0 +1,38 @@
+"""Attention adapter: the enabled attention plugin computes every decoder layer's attention.
+
+vLLM route: the CPU_ATTN backend is overridden with :mod:`.backend`'s subclass, whose
+metadata builder calls ``AttentionMethod.plan(batch)`` once per step and whose impl calls
+``AttentionMethod.forward(query, kv_cache, batch, layer, plan)``. vLLM writes the new
+keys/values into the paged cache before ``forward`` (``do_kv_cache_update``), so a plugin
+reads the whole context, new tokens included, from ``kv_cache`` (layout:
+``hooks.contracts.split_kv_cache``).
+
+Events counted: ``plan`` (steps) and ``forward`` (layer calls).
+"""
+from __future__ import annotations
+
+from vllm_graft.hooks import Kind
+
+from . import Adapter, backend
+
+OWNER = "adapters.attention"
+
+
+class AttentionAdapter(Adapter):
+    kind = Kind.ATTENTION
+    owner = OWNER
+
+    def activate(self, enabled, plan, runtime):
+        (e,) = enabled  # the deployment allows one attention plugin
+        method = runtime.instance(e)
+        backend.install(OWNER)
+        backend.SEAMS.method = method
+        backend.SEAMS.method_name = e.name
+        backend.SEAMS.count = lambda event, n: runtime.count(Kind.ATTENTION, e.name, event, n)
+
+    def deactivate(self):
+        backend.SEAMS.method, backend.SEAMS.method_name, backend.SEAMS.count = None, "", None
+        backend.uninstall(OWNER)
+
+
+ADAPTER = AttentionAdapter()

@@ -1,0 +1,185 @@
+"""vllm-graft's attention backend: vLLM's CPU attention with seams for plugins.
+
+On CPU the platform always selects ``CPU_ATTN``; the only way in is to override that
+enum member's class (``register_backend(AttentionBackendEnum.CPU_ATTN, path)``). Two kinds
+need the backend, so it is shared and installed while either is active:
+
+* attention plugins (:mod:`.attention`): the impl's ``forward`` calls the enabled
+  :class:`~vllm_graft.hooks.AttentionMethod` with the paged batch; ``plan`` runs once per
+  step in the metadata builder.
+* KV compressors (:mod:`.kvcompress`): ``customize_spec`` returns their KV-cache spec (its
+  manager frees blocks in the scheduler), and a metadata *rewriter* drops the freed blocks
+  from each block-table row before the stock builder runs (the worker's table is
+  append-only and keeps stale ids).
+
+With neither hook set the backend behaves exactly as ``CPUAttentionBackend``.
+
+GPU (``CUSTOM`` backend) is not implemented yet: activating an attention or KV-compression
+plugin on CUDA fails with a message saying so (the GPU machine lent to this project has no
+vLLM to test it with).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadataBuilder,
+)
+from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+from vllm_graft.hooks import AttentionLayer, PagedBatch, split_kv_cache
+
+log = logging.getLogger("vllm_graft")
+
+BACKEND_PATH = f"{__name__}.GraftCPUAttentionBackend"
+
+
+@dataclass
+class Seams:
+    """What the active adapters plug into the backend (process-wide)."""
+
+    # attention plugin: (method instance, plugin name, count function)
+    method: Any = None
+    method_name: str = ""
+    count: Callable[[str, int], None] | None = None
+    # KV compression: spec hook and metadata rewriters (applied in order)
+    customize_spec: Callable[[Any], Any] | None = None
+    rewriters: list[Callable[[Any, Any], Any]] = field(default_factory=list)
+    owners: set[str] = field(default_factory=set)
+
+
+SEAMS = Seams()
+
+
+def install(owner: str) -> None:
+    """Route CPU_ATTN to this backend (idempotent); ``owner`` is the adapter asking."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        raise NotImplementedError(
+            f"vllm-graft's {owner} plugins run on the vLLM CPU engine only for now; the GPU route "
+            "(vLLM's CUSTOM attention backend) is not implemented yet. Use platform: cpu, or "
+            "leave the attention/kvcompress sections out of the deployment on GPU.")
+    if not SEAMS.owners:
+        register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+        _clear_selector_cache()
+    SEAMS.owners.add(owner)
+
+
+def uninstall(owner: str) -> None:
+    SEAMS.owners.discard(owner)
+    if not SEAMS.owners:
+        AttentionBackendEnum.CPU_ATTN.clear_override()
+        _clear_selector_cache()
+        SEAMS.method, SEAMS.method_name, SEAMS.count = None, "", None
+        SEAMS.customize_spec = None
+        SEAMS.rewriters.clear()
+
+
+def _clear_selector_cache() -> None:
+    # vLLM caches the backend class per configuration; a later engine in this process
+    # must see the current registration.
+    from vllm.v1.attention import selector
+
+    selector._cached_get_attn_backend.cache_clear()
+
+
+class GraftCPUAttentionBackend(CPUAttentionBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "CPU_ATTN"  # must be the enum member it overrides
+
+    @staticmethod
+    def get_impl_cls() -> type["GraftCPUAttentionImpl"]:
+        return GraftCPUAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["GraftCPUAttentionMetadataBuilder"]:
+        return GraftCPUAttentionMetadataBuilder
+
+    @classmethod
+    def customize_spec(cls, spec):
+        spec = super().customize_spec(spec)
+        return SEAMS.customize_spec(spec) if SEAMS.customize_spec is not None else spec
+
+
+class GraftCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        for rewrite in SEAMS.rewriters:
+            common_attn_metadata = rewrite(self, common_attn_metadata)
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if SEAMS.method is not None and not (self.is_cross_attention or self.is_encoder_only_attention):
+            batch = PagedBatch(
+                query_start_loc=metadata.query_start_loc,
+                seq_lens=metadata.seq_lens,
+                block_table=metadata.block_table,
+            )
+            metadata.graft_batch = batch
+            metadata.graft_plan = SEAMS.method.plan(batch)
+            if SEAMS.count:
+                SEAMS.count("plan", 1)
+        return metadata
+
+
+class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        # vLLM's CPU kernels keep the cache in an ISA-specific layout (e.g. keys transposed
+        # per block for "vec"). An attention plugin reads the cache itself, so while one is
+        # active this backend writes it in the documented layout of
+        # ``hooks.contracts.split_kv_cache`` instead (the stock kernel then never reads it).
+        if SEAMS.method is None or self.attn_type != "decoder":
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        write_kv(key, value, kv_cache, slot_mapping)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        method = SEAMS.method
+        batch = getattr(attn_metadata, "graft_batch", None)
+        if method is None or batch is None or self.attn_type != "decoder" \
+                or output_scale is not None or output_block_scale is not None:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        if self.sliding_window != -1 or self.alibi_slopes is not None or self.sinks is not None \
+                or self.logits_soft_cap or self.is_fp8_kv_cache:
+            raise NotImplementedError(
+                f"vllm-graft attention plugin {SEAMS.method_name!r}: layers with sliding window, "
+                "ALiBi, attention sinks, soft-capping or an fp8 KV cache are not supported")
+        n = attn_metadata.num_actual_tokens
+        spec = AttentionLayer(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                              head_size=self.head_size, scale=self.scale,
+                              block_size=kv_cache.shape[2])
+        out = method.forward(query[:n], kv_cache, batch, spec, getattr(attn_metadata, "graft_plan", None))
+        if out.shape != (n, self.num_heads, self.head_size):
+            raise RuntimeError(
+                f"attention plugin {SEAMS.method_name!r} returned shape {tuple(out.shape)}, "
+                f"expected {(n, self.num_heads, self.head_size)}")
+        output[:n].copy_(out.to(output.dtype))
+        if SEAMS.count:
+            SEAMS.count("forward", 1)
+        return output
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store ``key``/``value`` ``[T, H_kv, D]`` at ``slot_mapping`` (slot = block * B + offset;
+    negative slots are padding) in the layout of ``split_kv_cache``."""
+    k_cache, v_cache = split_kv_cache(kv_cache)
+    block_size = kv_cache.shape[2]
+    n = slot_mapping.shape[0]
+    slots = slot_mapping.long()
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots, key, value = slots[valid], key[:n][valid], value[:n][valid]
+    else:
+        key, value = key[:n], value[:n]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, :, offsets] = key.to(k_cache.dtype)
+    v_cache[blocks, :, offsets] = value.to(v_cache.dtype)
+
+
+__all__ = ["SEAMS", "install", "uninstall", "write_kv", "GraftCPUAttentionBackend"]
