@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, Sequence, TypeVar
 
 from pydantic import BaseModel
 
@@ -187,19 +187,182 @@ class QuantMethod(PluginImpl[P]):
 
 
 # ---------------------------------------------------------------------------------- moe
+#: The steps of an MoE scheduler, in the order a layer runs them (see :class:`MoEScheduler`).
+MOE_STEPS = ("adjust_logits", "route", "observe")
+
+
 class MoEScheduler(PluginImpl[P]):
-    """Maps router logits to experts (and may observe routing for placement/caching)."""
+    """Decides, changes or watches which experts each token goes to, in every MoE layer.
+
+    A scheduler implements one or more of three steps. For every MoE layer and forward
+    step the MoE adapter calls them with ``layer_idx``, the index of the decoder layer the
+    MoE block belongs to (0-based, read from the layer's name: 3 for
+    ``model.layers.3.block_sparse_moe``), on that step's ``T`` tokens (all sequences packed,
+    prefill and decode alike) and the model's ``E`` experts:
+
+    1. :meth:`adjust_logits`, before top-k: change the router logits ``[T, E]`` (switch an
+       expert off with ``-inf``, add a bias). Default: unchanged.
+    2. :meth:`route`: turn the logits into ``(topk_weights, topk_ids)``. Not overriding it
+       leaves routing to the model's own top-k (vLLM's router for the layer).
+    3. :meth:`observe`, after routing: see what the layer will compute with (expert
+       placement, caching, traces). Default: nothing.
+
+    Composition. A deployment's ``moe:`` list is applied in its order (:class:`MoEChain`):
+
+    * every plugin's ``adjust_logits`` runs first, in list order, each on the previous
+      one's output;
+    * then the **last** plugin in the list whose class overrides ``route`` routes the
+      adjusted logits; routers earlier in the list are not asked to route. If no plugin
+      overrides ``route``, the model's own top-k routes the adjusted logits;
+    * then every plugin's ``observe`` runs, in list order, with the final routing.
+
+    So a mask (``adjust_logits``) composes with any router, and a tracer (``observe``) sees
+    the effect of both, wherever it stands in the list. Which steps a class implements is
+    read from the class (:meth:`implements`), once, not per call.
+    """
 
     kind = Kind.MOE
 
-    @abstractmethod
+    def adjust_logits(self, layer_idx: int, router_logits: "torch.Tensor") -> "torch.Tensor":
+        """The router logits ``[T, E]`` to route with instead of ``router_logits``.
+
+        Same shape and dtype (the model's). Return a new tensor: do not modify
+        ``router_logits`` in place. Default: ``router_logits`` unchanged.
+
+        Example (switch expert 3 off)::
+
+            def adjust_logits(self, layer_idx, router_logits):
+                out = router_logits.clone()
+                out[:, 3] = float("-inf")
+                return out
+        """
+        return router_logits
+
     def route(
         self, layer_idx: int, router_logits: "torch.Tensor", top_k: int, renormalize: bool
     ) -> tuple["torch.Tensor", "torch.Tensor"]:
-        """``(topk_weights [T, k], topk_ids [T, k])`` from ``router_logits [T, E]``.
+        """``(topk_weights [T, top_k], topk_ids [T, top_k])`` from ``router_logits [T, E]``.
 
-        Unused slots (a token routed to fewer than ``top_k`` experts) carry weight 0.
+        ``top_k`` and ``renormalize`` are the model's: with ``renormalize`` a token's
+        weights sum to 1 (a softmax over its chosen experts' logits), without it they are
+        the chosen experts' softmax probabilities over all ``E`` experts. The layer uses the
+        weights as float32 and the ids as int32 (:class:`MoEChain` converts them, onto the
+        logits' device). Unused slots (a token routed to fewer than ``top_k`` experts) carry weight
+        0 and any valid expert id.
+
+        Not overriding this leaves routing to the model's own top-k.
         """
+        raise NotImplementedError(
+            f"{type(self).__qualname__} does not route: the model's own top-k does "
+            "(MoEChain calls route only on classes that override it)")
+
+    def observe(self, layer_idx: int, topk_ids: "torch.Tensor", topk_weights: "torch.Tensor") -> None:
+        """The routing the layer computes with: ``topk_ids [T, k]`` (logical expert ids,
+        integer) and ``topk_weights [T, k]`` (floating point). Read them; do not modify
+        them. Default: nothing.
+        """
+
+    @classmethod
+    def implements(cls, step: str) -> bool:
+        """Whether this class overrides ``step`` (one of :data:`MOE_STEPS`)."""
+        if step not in MOE_STEPS:
+            raise ValueError(f"unknown MoE step {step!r}; the steps are {', '.join(MOE_STEPS)}")
+        return getattr(cls, step) is not getattr(MoEScheduler, step)
+
+
+class MoEChain:
+    """A deployment's MoE schedulers, composed as :class:`MoEScheduler` describes.
+
+    ``schedulers`` are ``(name, scheduler)`` pairs in the deployment's order. ``count``,
+    if given, is called as ``count(name, event, n)`` to record what each plugin did, per
+    layer call: the step it ran (``"adjust_logits"``, ``"route"``, ``"observe"``, n=1)
+    and ``"tokens"`` (the ``T`` tokens it was given, once per layer call).
+
+    Calling the chain runs one layer's routing: ``chain(layer_idx, router_logits, top_k,
+    renormalize, model_topk)`` where ``model_topk(logits) -> (topk_weights, topk_ids)`` is
+    the model's own routing, used when no plugin routes.
+    """
+
+    def __init__(
+        self,
+        schedulers: Sequence[tuple[str, MoEScheduler]],
+        count: "Callable[[str, str, int], None] | None" = None,
+    ) -> None:
+        self.schedulers = list(schedulers)
+        if not self.schedulers:
+            raise ValueError("an MoE chain needs at least one scheduler")
+        for name, s in self.schedulers:
+            if not isinstance(s, MoEScheduler):
+                raise TypeError(f"MoE plugin {name!r}: {type(s).__qualname__} is not a "
+                                "vllm_graft.hooks.MoEScheduler")
+            if not any(type(s).implements(step) for step in MOE_STEPS):
+                raise TypeError(f"MoE plugin {name!r}: {type(s).__qualname__} overrides none of "
+                                f"{', '.join(MOE_STEPS)}, so it would do nothing")
+        steps = {step: [(n, s) for n, s in self.schedulers if type(s).implements(step)]
+                 for step in MOE_STEPS}
+        self.adjusters: list[tuple[str, MoEScheduler]] = steps["adjust_logits"]
+        routers = steps["route"]
+        #: The plugin that routes (the last router in the list), or None: the model routes.
+        self.router: tuple[str, MoEScheduler] | None = routers[-1] if routers else None
+        #: Plugins that override ``route`` but are not asked to (a later one routes).
+        self.overruled: list[str] = [n for n, _ in routers[:-1]]
+        self.observers: list[tuple[str, MoEScheduler]] = steps["observe"]
+        called = {id(s) for _, s in self.adjusters + self.observers}
+        if self.router is not None:
+            called.add(id(self.router[1]))
+        #: Names of the plugins called at each layer call (the ones that count tokens).
+        self.participants: list[str] = [n for n, s in self.schedulers if id(s) in called]
+        self._count = count
+
+    @property
+    def routes(self) -> bool:
+        """Whether a plugin routes (else the model's own top-k does)."""
+        return self.router is not None
+
+    def __call__(
+        self,
+        layer_idx: int,
+        router_logits: "torch.Tensor",
+        top_k: int,
+        renormalize: bool,
+        model_topk: "Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]",
+    ) -> tuple["torch.Tensor", "torch.Tensor"]:
+        """``(topk_weights, topk_ids)`` for one layer call (see the class docstring)."""
+        count = self._count
+        num_tokens = router_logits.shape[0]
+        logits = router_logits
+        for name, s in self.adjusters:
+            out = s.adjust_logits(layer_idx, logits)
+            if tuple(out.shape) != tuple(logits.shape):
+                raise ValueError(f"MoE plugin {name!r}: adjust_logits returned shape "
+                                 f"{tuple(out.shape)} for logits of shape {tuple(logits.shape)}")
+            logits = out
+            if count is not None:
+                count(name, "adjust_logits", 1)
+        if self.router is None:
+            weights, ids = model_topk(logits)
+        else:
+            name, s = self.router
+            weights, ids = s.route(layer_idx, logits, top_k, renormalize)
+            want = (num_tokens, top_k)
+            if tuple(weights.shape) != want or tuple(ids.shape) != want:
+                raise ValueError(f"MoE plugin {name!r}: route returned weights {tuple(weights.shape)} "
+                                 f"and ids {tuple(ids.shape)}; both must be [T, top_k] = {list(want)}")
+            if ids.is_floating_point() or not weights.is_floating_point():
+                raise TypeError(f"MoE plugin {name!r}: route must return (floating weights, integer "
+                                f"ids), got ({weights.dtype}, {ids.dtype})")
+            weights = weights.to(logits.device).float().contiguous()
+            ids = ids.to(logits.device).int().contiguous()
+            if count is not None:
+                count(name, "route", 1)
+        for name, s in self.observers:
+            s.observe(layer_idx, ids, weights)
+            if count is not None:
+                count(name, "observe", 1)
+        if count is not None:
+            for name in self.participants:
+                count(name, "tokens", num_tokens)
+        return weights, ids
 
 
 #: Contract class per kind, for validating implementations.

