@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from vllm_graft.hooks import Deployment, DeploymentError, Plan, Problem, get_registry, validate
+from vllm_graft.hooks import Deployment, Kind, DeploymentError, Plan, Problem, get_registry, validate
 from vllm_graft.hooks.deployment import load_file, parse_json
 
 from .env import detect_environment, installed_vllm
@@ -133,8 +133,13 @@ def resolve(data: dict[str, Any], *, source: str, engine_model: str | None = Non
                 value=given, accepted=repr(engine_model),
                 hint="drop `model` from the deployment or start vLLM with the same model")], source)
     plan = validate(data, get_registry(), detect_environment(), source=source, base_dir=base_dir)
+    return absolute_model(plan)
+
+
+def absolute_model(plan: Plan) -> Plan:
+    """Make a local model folder absolute (vLLM's processes may run in another working
+    directory, and a path relative to the deployment file means nothing to them)."""
     if plan.model is not None and plan.deployment.model is not None:
-        # Children may run in another working directory: pass the model as an absolute path.
         plan.deployment.model = str(Path(plan.model.path).resolve())
     return plan
 
@@ -164,10 +169,12 @@ def activate(plan: Plan, *, source: str) -> None:
         if RUNTIME.config_json == text:
             return
         deactivate()
+    adapters = [adapter_for(kind) for kind in Kind if plan.by_kind(kind)]  # all found, or none run
     RUNTIME.plan, RUNTIME.source, RUNTIME.config_json = plan, source, text
     try:
-        for kind in {e.kind for e in plan.enabled}:
-            adapter_for(kind).activate(plan.by_kind(kind), plan, RUNTIME)
+        for adapter in adapters:
+            adapter.activate(plan.by_kind(adapter.kind), plan, RUNTIME)
+            RUNTIME.adapters.append(adapter)
     except BaseException:
         deactivate()
         raise
@@ -178,11 +185,8 @@ def activate(plan: Plan, *, source: str) -> None:
 
 def deactivate() -> None:
     """Undo every adapter's registrations and patches in this process."""
-    from .adapters import adapter_for
-
-    if RUNTIME.plan is not None:
-        for kind in {e.kind for e in RUNTIME.plan.enabled}:
-            adapter_for(kind).deactivate()
+    for adapter in reversed(RUNTIME.adapters):
+        adapter.deactivate()
     for patch in PATCHES.applied():
         if patch.owner != "bridge":
             PATCHES.undo(patch.owner)
@@ -239,7 +243,7 @@ def _create_engine_config(original):
         if graft is not None:
             data, source = graft, "additional_config.graft"
             env_data, env_source = _deployment_from_env()
-            if env_data is not None and env_source == ENV_FILE:
+            if env_data is not None and env_source.startswith(ENV_FILE):
                 raise DeploymentError([Problem(
                     "additional_config.graft", f"a deployment is also given by {env_source}",
                     hint=f"give one deployment: unset {ENV_FILE} or drop additional_config.graft")],
@@ -274,8 +278,9 @@ def _apply_engine_overrides(engine_args: Any, plan: Plan) -> None:
     from .adapters import adapter_for
 
     wanted: dict[str, Any] = dict(plan.deployment.engine)
-    for kind in {e.kind for e in plan.enabled}:
-        wanted.update(adapter_for(kind).engine_overrides(plan.by_kind(kind), plan))
+    for kind in Kind:
+        if plan.by_kind(kind):
+            wanted.update(adapter_for(kind).engine_overrides(plan.by_kind(kind), plan))
     problems = []
     defaults = _engine_defaults()
     for key, value in wanted.items():

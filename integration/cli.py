@@ -23,6 +23,7 @@ from rich.table import Table
 from vllm_graft.hooks import DeploymentError, Kind, PluginLoadError, RegistryError, get_registry
 from vllm_graft.hooks.deployment import Plan, validate_file
 
+from .adapters import ready_kinds
 from .env import detect_environment, installed_vllm
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_PLUGIN = 0, 1, 2, 3
@@ -41,8 +42,8 @@ ROUTES: dict[Kind, dict[str, str]] = {
     Kind.QUANT: {"*": "quantization method: register_quantization_config"},
     Kind.MOE: {"*": "MoE runner hook: router logits before top-k, expert placement"},
 }
-#: Kinds whose vLLM adapter is implemented (the integration issue fills this in).
-ADAPTERS_READY: frozenset[Kind] = frozenset()
+#: Kinds whose vLLM adapter is implemented.
+ADAPTERS_READY: frozenset[Kind] = ready_kinds()
 
 
 def route(kind: Kind, platform: str | None) -> str:

