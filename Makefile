@@ -21,10 +21,10 @@ $(STAMP): pyproject.toml setup.py
 
 install: $(STAMP)
 
+# The bundled MoE model in the vLLM CPU engine with deployments/demo.yaml, streaming its text
+# and printing what each plugin did.
 demo: install
-	$(VENV)/bin/vllm-graft --version
-	$(VENV)/bin/vllm-graft plugins
-	$(VENV)/bin/vllm-graft check deployments/noop.yaml
+	$(VENV)/bin/vllm-graft demo
 
 test: install
 	$(PY) -m pytest -q

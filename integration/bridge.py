@@ -260,7 +260,11 @@ def _create_engine_config(original):
 
         plan = resolve(data, source=source, engine_model=self.model)
         activate(plan, source=source)
-        _apply_engine_overrides(self, plan)
+        try:
+            _apply_engine_overrides(self, plan)
+        except BaseException:
+            deactivate()
+            raise
         text = deployment_json(plan)
         os.environ[ENV_CONFIG] = text
         if not isinstance(self.additional_config, dict):
