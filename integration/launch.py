@@ -73,5 +73,26 @@ def llm_kwargs(plan: Plan, *, graft: bool = True, **overrides: Any) -> dict[str,
     kwargs.update(plan.deployment.engine)
     if graft and plan.enabled:
         kwargs["additional_config"] = deployment_for_engine(plan)
+    elif plan.enabled:
+        kwargs.update(shared_engine_overrides(plan))
     kwargs.update(overrides)
     return kwargs
+
+
+#: Engine arguments an adapter needs that change how vLLM runs, not what it computes: the
+#: plain twin of a deployment gets them too, so an A/B comparison measures the plugins only
+#: (e.g. the MoE adapter needs eager mode; plain vLLM compiled would be a different baseline).
+SHARED_ENGINE_KEYS = ("enforce_eager",)
+
+
+def shared_engine_overrides(plan: Plan) -> dict[str, Any]:
+    from vllm_graft.hooks import Kind
+
+    from .adapters import adapter_for
+
+    out: dict[str, Any] = {}
+    for kind in Kind:
+        if plan.by_kind(kind):
+            overrides = adapter_for(kind).engine_overrides(plan.by_kind(kind), plan)
+            out.update({k: v for k, v in overrides.items() if k in SHARED_ENGINE_KEYS})
+    return out
