@@ -1,0 +1,267 @@
+"""Speculative adapter: the enabled :class:`~vllm_graft.hooks.Proposer` drafts tokens that
+vLLM's target model verifies.
+
+vLLM route
+----------
+``engine_overrides`` sets ``speculative_config`` to vLLM's out-of-tree proposer method::
+
+    {"method": "custom_class",
+     "model": "vllm_graft.integration.adapters.speculative.GraftProposer",
+     "num_speculative_tokens": N}
+
+(vLLM imports ``model`` as a dotted path, ``module.Class``; ``module:Class`` is refused.)
+``N`` is the plugin's parameter ``num_speculative_tokens`` when its parameter model has a
+field of that name, else :data:`DEFAULT_NUM_SPECULATIVE_TOKENS` (4).
+
+vLLM (``v1/spec_decode/custom_class_proposer.py: create_custom_proposer``) builds
+``GraftProposer(vllm_config)`` in each worker's model runner (``v1/worker/gpu_model_runner.py:
+GPUModelRunner.__init__``, which the CPU runner inherits), calls ``load_model(target_model)``
+once (``v1/worker/cpu_model_runner.py: CPUModelRunner.load_model``) and, after each step's
+sampling, ``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=...)``
+(``GPUModelRunner.propose_draft_token_ids``). Per batch row ``i`` that is: the tokens the
+step produced for the request (``[]`` while it is mid-prefill), its length, and its token
+ids so far in ``token_ids_cpu[i, :num_tokens_no_spec[i]]``. Verification is vLLM's
+rejection sampler (chain only), so greedy output is the target model's.
+
+The one patch
+-------------
+vLLM hands a ``custom_class`` proposer no request ids and no signal that a request ended.
+Both are in the runner: the rows of ``propose`` are ``runner.input_batch.req_ids``, and
+``scheduler_output.finished_req_ids`` (requests that finished or were aborted since the
+last step) reaches ``GPUModelRunner._update_states`` at the start of every step. So the
+adapter wraps ``GPUModelRunner._update_states`` (through :data:`~..patches.PATCHES`, owner
+``adapters.speculative``); for runners whose drafter is a :class:`GraftProposer` the wrapper
+(1) binds the runner to the proposer (read for ``input_batch.req_ids`` when ``propose``
+runs), (2) calls ``Proposer.finish(request_id)`` for each finished request, (3) notes how
+many drafts of each request the step verifies (``scheduled_spec_decode_tokens``), and then
+calls vLLM's method unchanged. Other runners pay one ``isinstance`` per step. It can go
+when vLLM passes request ids and finished requests to custom proposers.
+
+A request's ``finish`` comes with the engine's next step after it ended, as vLLM's own
+runner frees its state then: requests that end in the last step before ``LLM.generate``
+returns are finished at the start of the engine's next step (e.g. the next ``generate``);
+an engine shut down before that never reports them.
+
+Acceptance
+----------
+What the target kept is in each row's ``sampled_token_ids``: the accepted drafts plus one
+token of its own. The adapter passes it to ``Proposer.accepted(request_id, num_accepted,
+num_verified)`` and counts it. Events (``RUNTIME.count``): ``propose`` (plugin calls, one
+per request and step), ``drafted`` (tokens proposed), ``verified`` (drafts vLLM checked),
+``accepted`` (drafts it kept), ``finish`` (requests ended). vLLM's own figures agree with
+``verified``/``accepted``: ``LLM(..., disable_log_stats=False).get_metrics()`` has the
+counters ``vllm:spec_decode_num_draft_tokens`` and ``vllm:spec_decode_num_accepted_tokens``
+(process-wide, so take differences), and ``LLM(..., per_request_spec_decode_metrics=
+"summary")`` gives each finished request's ``output.outputs[0].spec_decode_metrics``, with
+``num_draft_tokens`` and ``histogram`` (steps by number of drafts accepted); the e2e test
+checks both sums against ``verified``/``accepted``.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from pydantic import BaseModel
+
+from vllm_graft.hooks import Kind, Plan, Proposer
+from vllm_graft.hooks.deployment import Enabled
+
+from ..patches import PATCHES
+from ..runtime import RUNTIME, Runtime
+from . import Adapter
+
+OWNER = "adapters.speculative"
+VERSIONS = ">=0.32,<0.34"
+
+#: Drafts per step when the plugin's parameters have no ``num_speculative_tokens`` field.
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+#: Parameter field that sets the number of drafts per step.
+PARAM_FIELD = "num_speculative_tokens"
+#: What vLLM imports as the proposer (``create_custom_proposer`` splits at the last dot).
+PROPOSER_PATH = f"{__name__}.GraftProposer"
+
+
+def num_speculative_tokens(params: BaseModel) -> int:
+    """Drafts per step for a plugin with these validated parameters (see module docstring)."""
+    if PARAM_FIELD in type(params).model_fields:
+        value = getattr(params, PARAM_FIELD)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{PARAM_FIELD} must be a positive integer, got {value!r}")
+        return value
+    return DEFAULT_NUM_SPECULATIVE_TOKENS
+
+
+def speculative_config(params: BaseModel) -> dict[str, Any]:
+    """vLLM's ``speculative_config`` for a proposer plugin with these parameters."""
+    return {"method": "custom_class", "model": PROPOSER_PATH,
+            "num_speculative_tokens": num_speculative_tokens(params)}
+
+
+# --------------------------------------------------------------------- the per-step logic
+class Drafting:
+    """What :class:`GraftProposer` does each step, free of vLLM (unit-tested on its own).
+
+    ``count(event, n)`` records events; ``k`` is the number of drafts per step vLLM was
+    configured with; ``vocab_size`` bounds valid token ids.
+    """
+
+    def __init__(self, plugin: Proposer, name: str, *, k: int, max_model_len: int,
+                 vocab_size: int, count: Callable[[str, int], None]) -> None:
+        self.plugin, self.name, self.k = plugin, name, k
+        self.max_model_len, self.vocab_size, self.count = max_model_len, vocab_size, count
+        self.verified: dict[str, int] = {}  # request id -> drafts the current step verifies
+
+    def step_started(self, finished_req_ids: Iterable[str],
+                     scheduled_spec_tokens: Mapping[str, Sequence[int]]) -> None:
+        """A step begins: release ended requests, note the drafts it will verify."""
+        finished = list(finished_req_ids)
+        for request_id in finished:
+            self.plugin.finish(request_id)
+        if finished:
+            self.count("finish", len(finished))
+        # -1 marks a draft slot vLLM invalidated (structured output): not verified.
+        self.verified = {rid: sum(1 for t in toks if t >= 0)
+                         for rid, toks in scheduled_spec_tokens.items()}
+
+    def propose(self, req_ids: Sequence[str | None], sampled_token_ids: Sequence[Sequence[int]],
+                num_tokens: Sequence[int], token_ids: Any) -> list[list[int]]:
+        """Drafts per batch row. ``token_ids[i, :num_tokens[i]]`` is row i's sequence so far
+        (a 2-D numpy array in vLLM); a row whose ``sampled_token_ids`` is empty (mid-prefill)
+        gets no drafts and no plugin call."""
+        if len(req_ids) < len(sampled_token_ids):
+            raise RuntimeError(f"vllm-graft speculative adapter: {len(sampled_token_ids)} batch "
+                               f"rows but only {len(req_ids)} request ids")
+        out: list[list[int]] = []
+        n_calls = n_drafted = n_verified = n_accepted = 0
+        for i, sampled in enumerate(sampled_token_ids):
+            if not len(sampled):
+                out.append([])
+                continue
+            request_id = req_ids[i]
+            assert request_id is not None, f"batch row {i} has no request"
+            verified = self.verified.pop(request_id, 0)
+            if verified:
+                accepted = min(len(sampled) - 1, verified)
+                self.plugin.accepted(request_id, accepted, verified)
+                n_verified += verified
+                n_accepted += accepted
+            n = int(num_tokens[i])
+            budget = min(self.k, self.max_model_len - n)
+            if budget <= 0:
+                out.append([])
+                continue
+            drafts = self.plugin.propose(request_id, token_ids[i, :n].tolist(), budget)
+            n_calls += 1
+            drafts = self._checked(drafts, request_id)[:budget]
+            n_drafted += len(drafts)
+            out.append(drafts)
+        for event, n in (("propose", n_calls), ("drafted", n_drafted),
+                         ("verified", n_verified), ("accepted", n_accepted)):
+            if n:
+                self.count(event, n)
+        return out
+
+    def _checked(self, drafts: Any, request_id: str) -> list[int]:
+        try:
+            tokens = [int(t) for t in drafts]
+            ok = all(0 <= t < self.vocab_size for t in tokens)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"speculative plugin {self.name!r} proposed {drafts!r} for request {request_id!r}; "
+                f"propose() must return a list of token ids in [0, {self.vocab_size})")
+        return tokens
+
+
+# --------------------------------------------------------------- what vLLM builds and calls
+class GraftProposer:
+    """vLLM's ``custom_class`` proposer: delegates to this process's enabled Proposer plugin."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        enabled = RUNTIME.enabled(Kind.SPECULATIVE)
+        if not enabled:
+            raise RuntimeError(
+                f"{PROPOSER_PATH} is vllm-graft's proposer and needs a deployment with a "
+                "`speculative` plugin (additional_config={'graft': {...}} or "
+                "VLLM_GRAFT_DEPLOYMENT); do not set it in speculative_config by hand")
+        (e,) = enabled
+        spec = vllm_config.speculative_config
+        model = vllm_config.model_config
+
+        def count(event: str, n: int = 1, _name: str = e.name) -> None:
+            RUNTIME.count(Kind.SPECULATIVE, _name, event, n)
+
+        self.drafting = Drafting(
+            RUNTIME.instance(e), e.name, k=spec.num_speculative_tokens,
+            max_model_len=model.max_model_len, vocab_size=model.get_vocab_size(), count=count)
+        self._runner: weakref.ReferenceType | None = None
+
+    def load_model(self, target_model: Any) -> None:
+        """Called once by the runner; the contract gives plugins token ids only."""
+
+    def step_started(self, runner: Any, scheduler_output: Any) -> None:
+        """From the patched ``_update_states``, before vLLM updates the batch."""
+        if self._runner is None or self._runner() is not runner:
+            self._runner = weakref.ref(runner)
+        self.drafting.step_started(scheduler_output.finished_req_ids,
+                                   scheduler_output.scheduled_spec_decode_tokens)
+
+    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: Any,
+                token_ids_cpu: Any, slot_mappings: Any = None, **_: Any) -> list[list[int]]:
+        runner = self._runner() if self._runner is not None else None
+        if runner is None:
+            raise RuntimeError(
+                "vllm-graft: GraftProposer.propose was called before the runner's "
+                "_update_states; is the speculative adapter's patch applied (`vllm-graft patches`)?")
+        return self.drafting.propose(runner.input_batch.req_ids, sampled_token_ids,
+                                     num_tokens_no_spec, token_ids_cpu)
+
+
+def _update_states_wrapper(original: Callable) -> Callable:
+    def _update_states(self, scheduler_output):
+        drafter = getattr(self, "drafter", None)
+        if isinstance(drafter, GraftProposer):
+            drafter.step_started(self, scheduler_output)
+        return original(self, scheduler_output)
+
+    _update_states.__wrapped__ = original  # type: ignore[attr-defined]
+    return _update_states
+
+
+def install_patch() -> None:
+    """Wrap ``GPUModelRunner._update_states`` (idempotent)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ..env import installed_vllm
+
+    if PATCHES.is_patched(GPUModelRunner, "_update_states"):
+        return
+    found = installed_vllm()
+    PATCHES.apply(
+        OWNER, GPUModelRunner, "_update_states", _update_states_wrapper, wrap=True,
+        reason="a custom_class proposer gets no request ids and no finished/aborted signal; "
+               "the runner's _update_states sees both (input_batch.req_ids, "
+               "scheduler_output.finished_req_ids) and the drafts each step verifies",
+        versions=VERSIONS, vllm_version=found[1] if found else None)
+
+
+# ------------------------------------------------------------------------------ adapter
+class SpeculativeAdapter(Adapter):
+    kind = Kind.SPECULATIVE
+    owner = OWNER
+
+    def engine_overrides(self, enabled: list[Enabled], plan: Plan) -> dict[str, Any]:
+        (e,) = enabled  # the deployment allows one proposer
+        return {"speculative_config": speculative_config(e.params)}
+
+    def activate(self, enabled: list[Enabled], plan: Plan, runtime: Runtime) -> None:
+        # The plugin itself is built by GraftProposer, in the worker that drafts.
+        num_speculative_tokens(enabled[0].params)  # a bad value fails here, before start-up
+        install_patch()
+
+    def deactivate(self) -> None:
+        PATCHES.undo(OWNER)
+
+
+ADAPTER = SpeculativeAdapter()

@@ -1,0 +1,284 @@
+"""The speculative and quant adapters' logic that needs no vLLM: the speculative_config they
+ask for, the per-step drafting (request ids, budget, acceptance, finish), the runner glue,
+and the quantised-tensor bookkeeping on a layer. The vLLM side: tests/e2e/."""
+import subprocess
+import sys
+from collections import Counter
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from vllm_graft.hooks import Kind, NoParams, Proposer
+from vllm_graft.integration.adapters import quant, speculative
+from vllm_graft.integration.adapters.speculative import Drafting, GraftProposer
+
+
+# ------------------------------------------------------------------------------- config
+class WithK(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    num_speculative_tokens: int = 7
+
+
+def test_num_speculative_tokens_comes_from_params_else_the_default():
+    assert speculative.num_speculative_tokens(NoParams()) == speculative.DEFAULT_NUM_SPECULATIVE_TOKENS == 4
+    assert speculative.num_speculative_tokens(WithK()) == 7
+    assert speculative.num_speculative_tokens(WithK(num_speculative_tokens=2)) == 2
+    with pytest.raises(ValueError, match="positive integer"):
+        speculative.num_speculative_tokens(WithK(num_speculative_tokens=0))
+
+
+def test_speculative_config_names_an_importable_dotted_class():
+    cfg = speculative.speculative_config(WithK())
+    assert cfg == {"method": "custom_class", "num_speculative_tokens": 7,
+                   "model": "vllm_graft.integration.adapters.speculative.GraftProposer"}
+    # vLLM's rule (config/speculative.py: _is_custom_proposer_path; custom_class_proposer.py
+    # splits at the last dot): every dotted part an identifier, no colon.
+    assert all(part.isidentifier() for part in cfg["model"].split("."))
+    module, _, cls = cfg["model"].rpartition(".")
+    assert getattr(sys.modules[module], cls) is GraftProposer
+
+
+def test_engine_overrides_from_the_registry_entries():
+    from vllm_graft.hooks import get_registry
+    from vllm_graft.hooks.deployment import Enabled
+
+    reg = get_registry()
+    spec = Enabled(Kind.SPECULATIVE, reg.get(Kind.SPECULATIVE, "noop"), NoParams(), "speculative")
+    q = Enabled(Kind.QUANT, reg.get(Kind.QUANT, "noop"), NoParams(), "quant")
+    assert speculative.ADAPTER.engine_overrides([spec], None) == {
+        "speculative_config": speculative.speculative_config(NoParams())}
+    assert quant.ADAPTER.engine_overrides([q], None) == {"quantization": "graft-noop"}
+
+
+def test_adapter_modules_import_without_vllm():
+    code = ("import sys, vllm_graft.integration.adapters.speculative, "
+            "vllm_graft.integration.adapters.quant\n"
+            "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# ----------------------------------------------------------------------------- drafting
+class Echo(Proposer):
+    """Drafts the last token ``n`` times (n from a table), records every call."""
+
+    def __init__(self, n=9):
+        super().__init__(NoParams())
+        self.n, self.calls, self.verdicts, self.finished = n, [], [], []
+
+    def propose(self, request_id, token_ids, max_tokens):
+        self.calls.append((request_id, list(token_ids), max_tokens))
+        return [token_ids[-1]] * self.n
+
+    def accepted(self, request_id, num_accepted, num_verified):
+        self.verdicts.append((request_id, num_accepted, num_verified))
+
+    def finish(self, request_id):
+        self.finished.append(request_id)
+
+
+def make(plugin, k=3, max_model_len=100, vocab=50):
+    counts = Counter()
+    d = Drafting(plugin, "echo", k=k, max_model_len=max_model_len, vocab_size=vocab,
+                 count=lambda ev, n: counts.update({ev: n}))
+    return d, counts
+
+
+def batch(rows, width=100):
+    """token_ids (2-D int32, like vLLM's token_ids_cpu) and lengths for ``rows``."""
+    ids = np.zeros((len(rows) + 2, width), dtype=np.int32)  # vLLM's array has spare rows
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = r
+    return ids, np.array([len(r) for r in rows] + [0, 0], dtype=np.int32)
+
+
+def test_each_row_is_proposed_from_its_own_sequence_under_its_request_id():
+    p = Echo()
+    d, counts = make(p)
+    ids, n = batch([[1, 2, 3], [4, 5]])
+    out = d.propose(["a", "b"], [[3], [5]], n, ids)
+    assert out == [[3, 3, 3], [5, 5, 5]]  # cut to k=3
+    assert p.calls == [("a", [1, 2, 3], 3), ("b", [4, 5], 3)]
+    assert all(type(t) is int for _, seq, _ in p.calls for t in seq)
+    assert counts == {"propose": 2, "drafted": 6}
+
+
+def test_rows_mid_prefill_get_no_call_and_no_drafts():
+    p = Echo()
+    d, counts = make(p)
+    ids, n = batch([[1, 2], [3, 4]])
+    assert d.propose(["a", "b"], [[], [4]], n, ids) == [[], [4, 4, 4]]
+    assert [c[0] for c in p.calls] == ["b"]
+
+
+def test_budget_shrinks_at_the_length_limit():
+    p = Echo()
+    d, _ = make(p, k=4, max_model_len=10)
+    ids, n = batch([list(range(8)), list(range(10))], width=10)
+    assert d.propose(["a", "b"], [[7], [9]], n, ids) == [[7, 7], []]
+    assert p.calls == [("a", list(range(8)), 2)]  # b is at the limit: not asked
+
+
+def test_bad_drafts_are_refused_with_the_plugin_name():
+    d, _ = make(Echo(), vocab=5)
+    ids, n = batch([[1, 7]])
+    with pytest.raises(ValueError, match="'echo' proposed"):
+        d.propose(["a"], [[7]], n, ids)
+
+    class Junk(Echo):
+        def propose(self, request_id, token_ids, max_tokens):
+            return ["x"]
+
+    d, _ = make(Junk())
+    with pytest.raises(ValueError, match=r"token ids in \[0, 50\)"):
+        d.propose(["a"], [[7]], n, ids)
+
+
+def test_acceptance_is_reported_for_the_drafts_the_step_verified():
+    p = Echo()
+    d, counts = make(p)
+    # step 1 verified 3 drafts of a (2 kept: 2 + 1 sampled tokens) and 2 of b (none kept);
+    # c had none verified (e.g. its first decode step)
+    d.step_started([], {"a": [9, 9, 9], "b": [1, 1], "c": []})
+    ids, n = batch([[1, 2, 3, 4], [5, 6], [7]])
+    d.propose(["a", "b", "c"], [[2, 3, 4], [6], [7]], n, ids)
+    assert p.verdicts == [("a", 2, 3), ("b", 0, 2)]
+    assert counts["verified"] == 5 and counts["accepted"] == 2
+    # slots vLLM invalidated (-1) were not verified
+    d.step_started([], {"a": [3, -1, -1]})
+    d.propose(["a"], [[4]], *batch([[1, 2, 3, 4]])[::-1])
+    assert p.verdicts[-1] == ("a", 0, 1)
+
+
+def test_finished_requests_are_released_when_the_step_starts():
+    p = Echo()
+    d, counts = make(p)
+    d.step_started(["x", "y"], {})
+    d.step_started([], {})
+    assert p.finished == ["x", "y"] and counts["finish"] == 2
+
+
+def test_more_rows_than_request_ids_is_an_error():
+    d, _ = make(Echo())
+    ids, n = batch([[1], [2]])
+    with pytest.raises(RuntimeError, match="2 batch rows but only 1 request ids"):
+        d.propose(["a"], [[1], [2]], n, ids)
+
+
+# ------------------------------------------------------------------------- runner glue
+class Runner:
+    """Stands in for vLLM's model runner (which the proposer holds by weak reference)."""
+
+    def __init__(self, drafter, req_ids=()):
+        self.drafter, self.input_batch = drafter, SimpleNamespace(req_ids=list(req_ids))
+
+
+def _proposer(plugin):
+    gp = object.__new__(GraftProposer)  # skip __init__, which reads vLLM's config
+    gp.drafting, _ = make(plugin)
+    gp._runner = None
+    return gp
+
+
+def test_patched_update_states_binds_the_runner_and_finishes_requests():
+    p = Echo()
+    calls = []
+
+    def original(runner, scheduler_output):
+        calls.append(scheduler_output)
+        return "vllm's result"
+
+    wrapped = speculative._update_states_wrapper(original)
+    runner = Runner(_proposer(p), ["r1"])
+    out = SimpleNamespace(finished_req_ids={"r0"}, scheduled_spec_decode_tokens={})
+    assert wrapped(runner, out) == "vllm's result" and calls == [out]
+    assert p.finished == ["r0"]
+    ids, n = batch([[1, 2]])
+    assert runner.drafter.propose([[2]], n, ids, slot_mappings=None) == [[2, 2, 2]]
+    assert p.calls[0][0] == "r1"  # the id came from the runner's batch
+
+
+def test_patched_update_states_leaves_other_runners_alone():
+    wrapped = speculative._update_states_wrapper(lambda runner, so: "ok")
+    for drafter in (None, object()):
+        assert wrapped(Runner(drafter), object()) == "ok"
+
+
+def test_propose_without_the_patch_says_so():
+    gp = _proposer(Echo())
+    ids, n = batch([[1]])
+    with pytest.raises(RuntimeError, match="patch applied"):
+        gp.propose([[1]], n, ids)
+
+
+# -------------------------------------------------------------------------------- quant
+def test_quantization_name():
+    assert quant.quantization_name("noop") == "graft-noop"
+
+
+def test_check_quantized_refuses_what_cannot_be_kept_on_a_layer():
+    w = torch.zeros(2, 2)
+    assert quant.check_quantized({"q": w}, "p") == {"q": w}
+    for bad, match in (({}, "non-empty dict"), ([w], "non-empty dict"),
+                       ({"a.b": w}, "identifiers"), ({"q": [1]}, "must be tensors")):
+        with pytest.raises(TypeError, match=match):
+            quant.check_quantized(bad, "p")
+
+
+def _layer():
+    layer = torch.nn.Module()
+    layer.register_parameter("weight", torch.nn.Parameter(torch.randn(4, 3), requires_grad=False))
+    return layer
+
+
+def test_a_plugin_that_keeps_the_weight_keeps_the_parameter():
+    layer = _layer()
+    w = layer.weight.data
+    quant.install_tensors(layer, {"weight": w, "scale": torch.ones(4)})
+    assert "weight" in layer._parameters
+    t = quant.layer_tensors(layer)
+    assert set(t) == {"weight", "scale"} and t["weight"] is w
+    assert dict(layer.named_buffers()).keys() == {"graft_weight", "graft_scale"}
+    # a view of the weight counts as keeping it
+    layer2 = _layer()
+    quant.install_tensors(layer2, {"t": layer2.weight.data.t()})
+    assert "weight" in layer2._parameters
+
+
+def test_a_plugin_that_replaces_the_weight_frees_it():
+    layer = _layer()
+    q = (layer.weight.data * 8).round().to(torch.int8)
+    quant.install_tensors(layer, {"qweight": q, "scale": torch.full((4, 1), 1 / 8)})
+    assert "weight" not in layer._parameters and not hasattr(layer, "weight")
+    assert quant.layer_tensors(layer)["qweight"] is q
+    layer.to(torch.float64)  # buffers follow module moves; layer_tensors reads them afresh
+    assert quant.layer_tensors(layer)["scale"].dtype == torch.float64
+
+
+def test_the_linear_op_runs_plugin_code_on_every_call_even_when_compiled():
+    """vLLM compiles the model by default: the plugin must stay opaque to the compiler
+    (arbitrary Python, counted per call), with a correct shape for the compiler."""
+    import torch.nn.functional as F
+
+    class Method:  # stands in for the vLLM-facing linear method
+        out_features, calls = 5, 0
+
+        def compute(self, x, tensors, bias):
+            self.calls += 1
+            return F.linear(x, tensors[0], bias) if x.sum() > 0 else -F.linear(x, tensors[0], bias)
+
+    method, key = Method(), 10**9
+    quant._LINEAR[key] = method
+    op = quant.quant_linear_op()
+    assert op is quant.quant_linear_op()  # registered once per process
+    w, b = torch.randn(5, 3), torch.randn(5)
+    f = torch.compile(lambda x: op(x, [w], b, key) * 2, backend="aot_eager", fullgraph=True)
+    for sign in (1, -1, 1):
+        x = sign * torch.rand(4, 3)
+        expected = (F.linear(x, w, b) if sign > 0 else -F.linear(x, w, b)) * 2
+        torch.testing.assert_close(f(x), expected)
+    assert method.calls == 3
+    del quant._LINEAR[key]
