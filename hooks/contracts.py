@@ -121,13 +121,103 @@ class BlockView:
 
 
 class KVCompressor(PluginImpl[P]):
-    """Chooses which KV blocks of a request to keep."""
+    """Chooses which KV blocks of a request to keep.
+
+    How vLLM calls it (the KV-compression adapter). Once per engine step, for every
+    request that already has computed tokens, :meth:`keep` is asked which of the request's
+    ``view.num_blocks`` logical blocks (those holding its ``view.num_tokens`` computed
+    tokens, block ``i`` holding tokens ``[i*block_size, (i+1)*block_size)``) stay:
+
+    * in the **scheduler**, with ``pinned`` set: the blocks not kept are freed (they return
+      to vLLM's block pool, so the request holds fewer blocks);
+    * in the **worker**, with the same ``num_tokens``, ``block_size`` and ``num_prompt_tokens``
+      but ``pinned`` empty and ``scores`` ``None``: the blocks not kept are left out of the
+      step's attention. The step's new tokens (positions ``num_tokens`` onwards) always
+      attend to every kept block and to each other, causally. Keys are stored with their
+      positions already applied (RoPE), so dropping blocks keeps positions right.
+
+    Rules for the answer (:func:`check_keep` checks them on every call; a violation stops
+    the engine with an error naming the plugin):
+
+    * a sorted list of distinct ints, each in ``range(view.num_blocks)``;
+    * it contains the last block, ``view.num_blocks - 1`` (the one being written), and
+      every block in ``view.pinned`` (shared with other requests through the prefix cache:
+      they are never freed);
+    * a block once dropped stays dropped: a later call (larger ``num_tokens``) must not
+      keep it again, as its KV is gone.
+
+    Determinism. Until the worker can report scores to the scheduler, both halves must
+    reach the same decision on their own: ``keep`` must depend only on ``num_tokens``,
+    ``block_size`` and ``num_prompt_tokens``, and on ``pinned`` only by adding the pinned
+    blocks to its answer (``sorted(set(mine) | view.pinned)``). A pinned block the worker
+    drops stays held until no other request shares it, then it is freed.
+
+    A compressor that needs scores (H2O, SnapKV: attention mass per block, collected in
+    the worker) sets :attr:`needs_scores` to True; the adapter then refuses to start (the
+    worker-to-scheduler channel that would carry the scores is not built yet).
+    """
 
     kind = Kind.KVCOMPRESS
 
+    #: True if :meth:`keep` needs ``view.scores`` (not supported yet: activation fails).
+    needs_scores: bool = False
+
     @abstractmethod
     def keep(self, view: BlockView) -> list[int]:
-        """Sorted logical block indices to keep; every pinned block must be among them."""
+        """Sorted logical block indices to keep (see the class docstring for the rules)."""
+
+
+class KeepError(ValueError):
+    """A :meth:`KVCompressor.keep` answer breaks the rules (the message names the plugin)."""
+
+
+def check_keep(view: BlockView, kept: Any, plugin: str = "?") -> list[int]:
+    """``kept`` (what ``keep(view)`` returned) as a list of ints, if it follows the rules of
+    :meth:`KVCompressor.keep` that one answer can show; else :class:`KeepError`.
+
+    (The "once dropped, stays dropped" rule spans calls: the adapter checks it against the
+    blocks it already freed.)
+    """
+    def fail(why: str) -> KeepError:
+        shown = kept if not isinstance(kept, (list, tuple)) or len(kept) <= 16 else \
+            f"{list(kept[:16])}... ({len(kept)} items)"
+        return KeepError(
+            f"kvcompress plugin {plugin!r}: keep() returned {shown!r} for {view.num_tokens} tokens "
+            f"in {view.num_blocks} blocks of {view.block_size} (prompt {view.num_prompt_tokens} "
+            f"tokens, pinned {sorted(view.pinned)}); {why}")
+
+    if hasattr(kept, "tolist") and not isinstance(kept, (list, tuple)):
+        kept = kept.tolist()  # a numpy array or torch tensor
+    if not isinstance(kept, (list, tuple, range)):
+        raise fail("it must be a list of block indices")
+    from operator import index  # accepts ints and numpy/torch integer scalars
+
+    out: list[int] = []
+    for i in kept:
+        try:
+            if isinstance(i, bool):
+                raise TypeError
+            out.append(index(i))
+        except TypeError:
+            raise fail(f"{i!r} is not a block index (an int)") from None
+    n = view.num_blocks
+    bad = [i for i in out if not 0 <= i < n]
+    if bad:
+        raise fail(f"block(s) {bad} are out of range(0, {n})")
+    if any(a >= b for a, b in zip(out, out[1:])):
+        raise fail("indices must be sorted ascending, without duplicates")
+    if n and out[-1:] != [n - 1]:
+        raise fail(f"the last block ({n - 1}, being written) must be kept")
+    missing = sorted(view.pinned - set(out))
+    if missing:
+        raise fail(f"pinned block(s) {missing} (shared with other requests) must be kept")
+    return out
+
+
+def dropped_blocks(view: BlockView, kept: Sequence[int]) -> list[int]:
+    """The blocks of ``view`` not in ``kept``, ascending."""
+    keep = set(kept)
+    return [i for i in range(view.num_blocks) if i not in keep]
 
 
 # -------------------------------------------------------------------------- speculative

@@ -1,0 +1,469 @@
+"""KV-compression adapter: the enabled :class:`~vllm_graft.hooks.KVCompressor` decides, every
+step, which KV blocks of each request stay; the others are freed (scheduler) and left out of
+attention (worker).
+
+vLLM route
+----------
+Scheduler half. :class:`GraftKVCompressSpec`, a ``FullAttentionSpec`` subclass, is registered
+with vLLM's KV-cache spec registry (``v1/kv_cache_spec_registry.py:
+KVCacheSpecRegistry.register``, grouped with full attention) together with its manager
+:class:`GraftKVCompressManager`, a subclass of ``v1/core/single_type_kv_cache_manager.py:
+FullAttentionManager``. The shared CPU_ATTN backend's ``customize_spec`` (:mod:`.backend`)
+turns each plain full-attention layer's spec into it (the spec carries the plugin's name:
+vLLM builds specs where no vLLM config is current). The scheduler calls
+``remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)`` once per
+scheduling of a request (``v1/core/kv_cache_manager.py: KVCacheManager.allocate_slots``,
+before it allocates the step's new blocks). The manager then builds a
+:class:`~vllm_graft.hooks.BlockView` (``num_tokens`` = the computed tokens; ``pinned`` = held
+blocks with ``ref_cnt > 1``, i.e. shared with other requests through the prefix cache), calls
+``keep``, checks the answer (:func:`~vllm_graft.hooks.contracts.check_keep`, plus "a freed
+block is never kept again") and frees the blocks not kept and not freed yet with the
+manager's ``_remove_blocks_in_range``: they become ``null_block`` in the request's table and
+return to the block pool (the way R-SWA frees its gap). ``get_num_skipped_tokens`` stays 0.
+
+Worker half. The worker's block table is append-only: it keeps the stale ids of freed
+blocks, which the pool hands to other requests, and vLLM's CPU kernel would read them. A
+metadata *rewriter* (``backend.SEAMS.rewriters``, run by the backend's builder before the
+stock ``CPUAttentionMetadataBuilder.build``) drops, in each row of the batch, the logical
+blocks that ``keep`` drops and lowers the row's ``seq_len`` by ``block_size`` per dropped
+block (they are full blocks: the last block is always kept). The worker has no scores and
+does not hear from the scheduler, so it calls the same ``keep`` with the same view
+(``num_tokens`` = ``seq_len - query_len``, the row's prompt length, ``pinned`` empty,
+``scores`` None): compressors must be deterministic in those (see
+:class:`~vllm_graft.hooks.KVCompressor`); one with ``needs_scores`` is refused at
+activation. Keys are cached after RoPE, so the kept keys keep their positions; the step's
+queries are the last ``query_len`` positions of the shortened row, so causality among them
+is unchanged. A row whose compressor drops nothing is left as it is (the noop path costs one
+``keep`` call per row and no tensor work).
+
+The scheduler frees what ``keep`` dropped at ``processed_computed_tokens``; the worker drops
+what ``keep`` drops at the step's computed length, which is never smaller. As dropped blocks
+stay dropped, the worker reads a subset of the blocks the scheduler still holds: never a
+freed one. (Pinned blocks the worker drops stay held until no longer shared.)
+
+The one patch
+-------------
+``CommonAttentionMetadata`` has per-row sequence and query lengths but not which request a
+row is, nor its prompt length. Row ``i`` is ``runner.input_batch.req_ids[i]`` (the runner
+builds the metadata from its input batch in row order: ``GPUModelRunner.
+_build_attention_metadata``, inherited by ``CPUModelRunner``). The adapter wraps that method
+(through :data:`~..patches.PATCHES`, owner ``adapters.kvcompress``) to note the runner and
+the step's ``num_scheduled_tokens`` while the builders run; the rewriter reads each row's
+request id and prompt length from ``input_batch`` and checks that the row's query length is
+the number of tokens the scheduler gave that request. Dummy/profiling builds (no scheduler
+output) are left unchanged.
+
+Events (``RUNTIME.count``): ``steps`` (``keep`` calls in the scheduler), ``blocks_freed``
+(blocks returned to the pool), ``worker_steps`` (``keep`` calls in the worker) and
+``blocks_skipped`` (row blocks left out of a step's attention, summed over rows and steps).
+
+This module imports vLLM only when a deployment activates it: the pure logic (what to free,
+how to rewrite a row) is unit-tested without vLLM, and the two vLLM classes are built on
+first use (module ``__getattr__``, so they unpickle by name in any process).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from vllm_graft.hooks import BlockView, Kind, KVCompressor
+from vllm_graft.hooks.contracts import KeepError, check_keep, dropped_blocks
+
+from ..patches import PATCHES
+from . import Adapter
+
+if TYPE_CHECKING:
+    import torch
+
+OWNER = "adapters.kvcompress"
+VERSIONS = ">=0.32,<0.34"
+
+
+class KVCompressError(RuntimeError):
+    """The adapter cannot run the plugin (state, or vLLM's batch not as expected)."""
+
+
+# ------------------------------------------------------------------- pure logic (no vLLM)
+def blocks_to_free(
+    compressor: KVCompressor,
+    plugin: str,
+    *,
+    num_tokens: int,
+    block_size: int,
+    num_prompt_tokens: int,
+    held: Sequence[tuple[bool, int]],
+) -> list[int] | None:
+    """The scheduler's decision for one request: the logical blocks to free now.
+
+    ``held[i]`` is ``(is_null, ref_cnt)`` of the request's block i (null: freed earlier).
+    Returns None, without calling the plugin, when the request does not yet hold a block
+    for every computed token (a prefix-cache hit is added after this call; the next step
+    decides). Raises :class:`KeepError` if the answer breaks a rule, including keeping a
+    block that an earlier step freed.
+    """
+    view = BlockView(num_tokens=num_tokens, block_size=block_size, num_prompt_tokens=num_prompt_tokens)
+    n = view.num_blocks
+    if n == 0 or len(held) < n:
+        return None
+    pinned = frozenset(i for i in range(n) if not held[i][0] and held[i][1] > 1)
+    view = BlockView(num_tokens=num_tokens, block_size=block_size,
+                     num_prompt_tokens=num_prompt_tokens, pinned=pinned)
+    kept = check_keep(view, compressor.keep(view), plugin)
+    back = [i for i in kept if held[i][0]]
+    if back:
+        raise KeepError(
+            f"kvcompress plugin {plugin!r}: keep() returned {kept} for {num_tokens} tokens, but "
+            f"block(s) {back} were dropped at an earlier step and their KV is gone; a dropped "
+            "block must stay dropped")
+    return [i for i in dropped_blocks(view, kept) if not held[i][0]]
+
+
+def blocks_to_skip(
+    compressor: KVCompressor,
+    plugin: str,
+    *,
+    num_tokens: int,
+    block_size: int,
+    num_prompt_tokens: int,
+) -> list[int]:
+    """The worker's decision for one batch row: the logical blocks its attention leaves out
+    (``num_tokens`` = tokens computed before this step). Raises :class:`KeepError`."""
+    if num_tokens <= 0:
+        return []
+    view = BlockView(num_tokens=num_tokens, block_size=block_size, num_prompt_tokens=num_prompt_tokens)
+    return dropped_blocks(view, check_keep(view, compressor.keep(view), plugin))
+
+
+def runs(indices: Sequence[int]) -> list[tuple[int, int]]:
+    """Ascending ``indices`` as half-open ranges of consecutive values: [1,2,5] -> [(1,3),(5,6)]."""
+    out: list[tuple[int, int]] = []
+    for i in indices:
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
+
+
+def compact_rows(
+    block_table: "torch.Tensor",
+    seq_lens: "torch.Tensor",
+    skips: Sequence[Sequence[int]],
+    block_size: int,
+) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """New ``(block_table, seq_lens)`` where row i lacks the logical blocks ``skips[i]``
+    (ascending, all full blocks before the row's last one): the remaining block ids move
+    left in order, the freed columns at the end become 0 (vLLM's null block, never read as
+    they lie past the new length), and ``seq_lens[i]`` drops by ``block_size`` per block.
+    Rows past ``len(skips)`` are unchanged; the inputs are not modified."""
+    import torch
+
+    table = block_table.clone()
+    lens = seq_lens.clone()
+    width = table.shape[1]
+    for i, skip in enumerate(skips):
+        if not skip:
+            continue
+        if skip[-1] >= width:
+            raise KVCompressError(f"row {i}: block {skip[-1]} is past the table's {width} columns")
+        keep = torch.ones(width, dtype=torch.bool, device=table.device)
+        keep[list(skip)] = False
+        row = block_table[i][keep]
+        table[i, :row.numel()] = row
+        table[i, row.numel():] = 0
+        lens[i] -= block_size * len(skip)
+    return table, lens
+
+
+# --------------------------------------------------------------------- process state
+@dataclass
+class _Active:
+    compressor: KVCompressor
+    name: str
+    count: Callable[[str, int], None]
+
+
+_active: _Active | None = None
+
+
+def _current(spec_compressor: str) -> _Active:
+    if _active is None:
+        raise KVCompressError(
+            f"a vllm-graft KV-compression cache (plugin {spec_compressor!r}) is in use in process "
+            f"{os.getpid()}, but no deployment with a kvcompress plugin is active there (was "
+            "another engine with a different deployment started in this process?)")
+    if spec_compressor and spec_compressor != _active.name:
+        raise KVCompressError(
+            f"this engine's KV cache was built for kvcompress plugin {spec_compressor!r}, but "
+            f"{_active.name!r} is active in this process")
+    return _active
+
+
+# ---------------------------------------------------------------- worker: row -> request
+class _StepRows:
+    """The rows of the batch whose attention metadata is being built (see the patch)."""
+
+    def __init__(self, runner: Any, num_scheduled_tokens: dict[str, int]) -> None:
+        self.runner = runner
+        self.num_scheduled_tokens = num_scheduled_tokens
+        self._skips: dict[int, list[list[int]]] = {}  # by block size
+
+    def skips(self, cm: Any, block_size: int, state: _Active) -> list[list[int]]:
+        if block_size not in self._skips:
+            self._skips[block_size] = self._compute(cm, block_size, state)
+        return self._skips[block_size]
+
+    def _compute(self, cm: Any, block_size: int, state: _Active) -> list[list[int]]:
+        batch = self.runner.input_batch
+        n = min(int(cm.num_reqs), batch.num_reqs)
+        qsl = cm.query_start_loc_cpu[: n + 1].tolist()
+        seq_lens = cm.seq_lens[:n].tolist()
+        prompt_lens = batch.num_prompt_tokens[:n].tolist()
+        req_ids = batch.req_ids[:n]
+        out: list[list[int]] = []
+        calls = skipped = 0
+        for i in range(n):
+            q = qsl[i + 1] - qsl[i]
+            if q <= 0:
+                out.append([])
+                continue
+            req_id = req_ids[i]
+            scheduled = self.num_scheduled_tokens.get(req_id)
+            if scheduled != q:
+                raise KVCompressError(
+                    f"vllm-graft kvcompress: batch row {i} has {q} query tokens but the scheduler "
+                    f"gave its request {req_id!r} {scheduled}; the rows no longer follow "
+                    "input_batch.req_ids (vLLM changed how it builds attention metadata)")
+            computed = seq_lens[i] - q
+            skip = blocks_to_skip(state.compressor, state.name, num_tokens=computed,
+                                  block_size=block_size, num_prompt_tokens=int(prompt_lens[i]))
+            if computed > 0:
+                calls += 1
+            skipped += len(skip)
+            out.append(skip)
+        if calls:
+            state.count("worker_steps", calls)
+        if skipped:
+            state.count("blocks_skipped", skipped)
+        return out
+
+
+_rows = threading.local()
+
+
+#: Parameters of ``GPUModelRunner._build_attention_metadata`` the wrapper reads.
+_WRAPPED_PARAMS = ("num_scheduled_tokens", "for_cudagraph_capture")
+
+
+def _build_attention_metadata_wrapper(original: Callable) -> Callable:
+    import inspect
+
+    signature = inspect.signature(original)
+    missing = [p for p in _WRAPPED_PARAMS if p not in signature.parameters]
+    if missing:
+        raise KVCompressError(
+            f"vllm-graft kvcompress: GPUModelRunner._build_attention_metadata has no parameter(s) "
+            f"{missing}; this vLLM builds attention metadata differently from the one the "
+            f"adapter was written for ({VERSIONS})")
+
+    def _build_attention_metadata(self, *args, **kwargs):
+        bound = signature.bind_partial(self, *args, **kwargs).arguments
+        scheduled = bound.get("num_scheduled_tokens")
+        if scheduled is None or bound.get("for_cudagraph_capture"):
+            return original(self, *args, **kwargs)  # dummy / profiling batch: no requests
+        previous = getattr(_rows, "step", None)
+        _rows.step = _StepRows(self, scheduled)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _rows.step = previous
+
+    _build_attention_metadata.__wrapped__ = original  # type: ignore[attr-defined]
+    return _build_attention_metadata
+
+
+def install_patch() -> None:
+    """Wrap ``GPUModelRunner._build_attention_metadata`` (idempotent)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ..env import installed_vllm
+
+    if PATCHES.is_patched(GPUModelRunner, "_build_attention_metadata"):
+        return
+    found = installed_vllm()
+    PATCHES.apply(
+        OWNER, GPUModelRunner, "_build_attention_metadata", _build_attention_metadata_wrapper,
+        wrap=True,
+        reason="the attention-metadata builder sees batch rows but not their requests; KV "
+               "compression needs each row's request (input_batch.req_ids) and prompt length "
+               "to drop the blocks the scheduler freed",
+        versions=VERSIONS, vllm_version=found[1] if found else None)
+
+
+def rewrite(builder: Any, cm: Any) -> Any:
+    """The backend's metadata rewriter: drop skipped blocks from each row (see module doc)."""
+    classes = _vllm_classes()
+    spec = getattr(builder, "kv_cache_spec", None)
+    if not isinstance(spec, classes["GraftKVCompressSpec"]):
+        return cm
+    if getattr(builder, "is_cross_attention", False) or getattr(builder, "is_encoder_only_attention", False):
+        return cm
+    step = getattr(_rows, "step", None)
+    if step is None:
+        return cm
+    block_size = spec.block_size
+    if getattr(builder, "block_size", block_size) != block_size:
+        raise NotImplementedError(
+            f"vllm-graft kvcompress: kernel blocks ({builder.block_size}) smaller than KV-cache "
+            f"blocks ({block_size}) are not supported")
+    skips = step.skips(cm, block_size, _current(spec.compressor))
+    if not any(skips):
+        return cm
+    table, seq_lens = compact_rows(cm.block_table_tensor, cm.seq_lens, skips, block_size)
+    changes: dict[str, Any] = {"block_table_tensor": table, "seq_lens": seq_lens,
+                               "max_seq_len": int(seq_lens.max()) if seq_lens.numel() else 0,
+                               "_num_computed_tokens_cache": None}
+    if getattr(cm, "seq_lens_cpu_upper_bound", None) is not None:
+        changes["seq_lens_cpu_upper_bound"] = seq_lens.cpu()
+    return cm.replace(**changes)
+
+
+# ------------------------------------------------------------- vLLM classes (built lazily)
+_classes: dict[str, type] = {}
+_CLASS_NAMES = ("GraftKVCompressSpec", "GraftKVCompressManager")
+
+
+def _vllm_classes() -> dict[str, type]:
+    if _classes:
+        return _classes
+    from dataclasses import replace
+
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    @dataclass(frozen=True, kw_only=True)
+    class GraftKVCompressSpec(FullAttentionSpec):
+        """Full attention whose blocks a vllm-graft KV compressor frees."""
+
+        compressor: str = ""  # the plugin's name (no vLLM config is current where specs are built)
+
+        @classmethod
+        def merge(cls, specs):
+            names = {s.compressor for s in specs}
+            if len(names) != 1:
+                raise ValueError(f"layers of one KV cache group name different compressors: {sorted(names)}")
+            # FullAttentionSpec.merge builds cls(...) from its own fields only.
+            return replace(super().merge(specs), compressor=names.pop())
+
+    class GraftKVCompressManager(FullAttentionManager):
+        """Frees, each step, the blocks the compressor does not keep."""
+
+        def remove_skipped_blocks(self, request_id, processed_computed_tokens, num_prompt_tokens=None):
+            super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
+            blocks = self.req_to_blocks.get(request_id)
+            if not blocks or processed_computed_tokens <= 0 or num_prompt_tokens is None:
+                return
+            state = _current(self.kv_cache_spec.compressor)
+            free = blocks_to_free(
+                state.compressor, state.name, num_tokens=processed_computed_tokens,
+                block_size=self.block_size, num_prompt_tokens=num_prompt_tokens,
+                held=[(b.is_null, b.ref_cnt) for b in blocks])
+            if free is None:
+                return
+            state.count("steps", 1)
+            for start, end in reversed(runs(free)):
+                self._remove_blocks_in_range(request_id, start, end)
+            if free:
+                state.count("blocks_freed", len(free))
+
+    for cls in (GraftKVCompressSpec, GraftKVCompressManager):
+        cls.__module__ = __name__
+        cls.__qualname__ = cls.__name__
+    _classes.update(GraftKVCompressSpec=GraftKVCompressSpec, GraftKVCompressManager=GraftKVCompressManager)
+    globals().update(_classes)
+    return _classes
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CLASS_NAMES:
+        return _vllm_classes()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def customize_spec(spec: Any) -> Any:
+    """The backend's ``customize_spec`` seam: plain full attention becomes compressible."""
+    from dataclasses import fields
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    cls = _vllm_classes()["GraftKVCompressSpec"]
+    if type(spec) is not FullAttentionSpec or spec.sliding_window is not None \
+            or spec.attention_chunk_size is not None or spec.non_causal:
+        return spec  # other layer kinds are not compressed
+    name = _active.name if _active is not None else ""
+    return cls(**{f.name: getattr(spec, f.name) for f in fields(spec) if f.init}, compressor=name)
+
+
+def register_spec() -> None:
+    """Register the spec and its manager with vLLM (idempotent)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    classes = _vllm_classes()
+    # The built-in specs register only into an empty registry: fill it first.
+    KVCacheSpecRegistry._ensure_registered()
+    KVCacheSpecRegistry.register(classes["GraftKVCompressSpec"], classes["GraftKVCompressManager"],
+                                 uniform_type_base_spec=FullAttentionSpec)
+
+
+# ------------------------------------------------------------------------------ adapter
+class KVCompressAdapter(Adapter):
+    kind = Kind.KVCOMPRESS
+    owner = OWNER
+
+    def activate(self, enabled, plan, runtime):
+        global _active
+        (e,) = enabled  # the deployment allows one compressor
+        compressor = runtime.instance(e)
+        if getattr(compressor, "needs_scores", False):
+            raise NotImplementedError(
+                f"kvcompress plugin {e.name!r} needs attention scores (needs_scores = True); "
+                "vllm-graft does not pass scores yet: the worker->scheduler channel that carries "
+                "them comes with the KV-compression issue. Use a compressor whose keep() depends "
+                "only on num_tokens, block_size and num_prompt_tokens.")
+        from . import backend  # imports vLLM
+
+        def count(event: str, n: int = 1, _name: str = e.name) -> None:
+            runtime.count(Kind.KVCOMPRESS, _name, event, n)
+
+        register_spec()
+        backend.install(OWNER)
+        try:
+            install_patch()
+            _active = _Active(compressor, e.name, count)
+            backend.SEAMS.customize_spec = customize_spec
+            if rewrite not in backend.SEAMS.rewriters:
+                backend.SEAMS.rewriters.append(rewrite)
+        except BaseException:
+            self.deactivate()
+            raise
+
+    def deactivate(self):
+        global _active
+        import sys
+
+        _active = None
+        backend = sys.modules.get(f"{__package__}.backend")
+        if backend is None:  # activation failed before installing anything
+            return
+        if backend.SEAMS.customize_spec is customize_spec:
+            backend.SEAMS.customize_spec = None
+        while rewrite in backend.SEAMS.rewriters:
+            backend.SEAMS.rewriters.remove(rewrite)
+        backend.uninstall(OWNER)
+        PATCHES.undo(OWNER)
+
+
+ADAPTER = KVCompressAdapter()
