@@ -1,0 +1,494 @@
+"""`vllm-graft bench` without an engine: workloads, metric aggregation, output comparison,
+rendering (table, JSON, plot) and the command line's refusals before any engine starts."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from vllm_graft.integration import bench
+from vllm_graft.integration import workloads as W
+from vllm_graft.integration.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ROOT / "models" / "graft-tiny-llama"
+PLAIN = ROOT / "deployments" / "plain.yaml"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return W.Tokenizer.from_model(MODEL)
+
+
+@pytest.fixture(scope="module")
+def hf_tok():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(MODEL)
+
+
+def build(tok, names=None, n=4, max_tokens=32, seed=0, max_model_len=2048):
+    return W.build(names or list(W.WORKLOADS), tok, num_prompts=n, max_tokens=max_tokens,
+                   max_model_len=max_model_len, seed=seed)
+
+
+# ----------------------------------------------------------------------------- workloads
+def test_workloads_are_deterministic(tok):
+    a, b = build(tok, seed=3), build(tok, seed=3)
+    assert [ps.name for ps in a] == ["chat", "shared-prefix", "long-context", "code-completion"]
+    for x, y in zip(a, b):
+        assert [p.token_ids for p in x.prompts] == [p.token_ids for p in y.prompts]
+        assert x.fingerprint() == y.fingerprint()
+        assert len(x.prompts) == 4
+
+
+def test_seed_changes_the_selection(tok):
+    a, b = build(tok, seed=0), build(tok, seed=1)
+    for x, y in zip(a, b):
+        assert x.fingerprint() != y.fingerprint(), x.name
+
+
+def test_prompt_lengths_fit_the_context(tok):
+    for max_tokens in (8, 64, 300):
+        for ps in build(tok, n=6, max_tokens=max_tokens):
+            for p in ps.prompts:
+                assert 1 <= p.max_tokens <= max_tokens
+                assert len(p.token_ids) + p.max_tokens <= 2048 - 1, (ps.name, p.source)
+
+
+def test_long_context_length(tok):
+    (ps,) = build(tok, ["long-context"], n=3, max_tokens=64)
+    assert {len(p.token_ids) for p in ps.prompts} == {W.LONG_CONTEXT_TOKENS}
+    (ps,) = build(tok, ["long-context"], n=3, max_tokens=400)
+    assert {len(p.token_ids) for p in ps.prompts} == {2048 - 400 - 1}  # shortened to fit
+    assert all(p.max_tokens == 400 for p in ps.prompts)
+    # windows of real stdlib files
+    for p in ps.prompts:
+        rel, _, start = p.source.partition("@")
+        source = (W.stdlib_dir() / rel).read_text(encoding="utf-8", errors="replace")
+        assert p.text[:200] in source
+
+
+def test_long_context_refuses_when_nothing_fits(tok):
+    with pytest.raises(W.WorkloadError, match="long-context"):
+        build(tok, ["long-context"], n=1, max_tokens=1900)
+
+
+def test_chat_prompts_are_short_and_round_trip(tok, hf_tok):
+    (ps,) = build(tok, ["chat"], n=10)
+    assert len({p.token_ids for p in ps.prompts}) == 10
+    for p in ps.prompts:
+        assert 5 <= len(p.token_ids) <= 64
+        assert not p.text.endswith("\n")
+        # the same ids as the model's own tokenizer gives
+        assert list(p.token_ids) == hf_tok(p.text, add_special_tokens=False)["input_ids"]
+
+
+def test_shared_prefix_groups_share_a_long_prefix(tok):
+    (ps,) = build(tok, ["shared-prefix"], n=10)
+    groups = {}
+    for p in ps.prompts:
+        groups.setdefault(p.group, []).append(p.token_ids)
+    assert sorted(len(g) for g in groups.values()) == [2, W.SHARED_PREFIX_GROUP]
+    for g in groups.values():
+        common = W._common_prefix(g)
+        assert len(common) >= 512
+        assert all(len(ids) > len(common) for ids in g)  # then a different question each
+        assert len({ids for ids in g}) == len(g)
+    assert ps.stats["shared_prefix_tokens"][0] >= 512
+    assert ps.prompts[0].text.startswith('"""You are a careful Python assistant')
+
+
+def test_code_completion_prompts_are_function_heads(tok):
+    (ps,) = build(tok, ["code-completion"], n=8)
+    for p in ps.prompts:
+        rel, _, qual = p.source.partition(":")
+        assert (W.stdlib_dir() / rel).is_file()
+        assert rel.split("/")[0] not in W.EXCLUDED_DIRS
+        name = qual.split(".")[-1]
+        assert f"def {name}(" in p.text
+        assert len(p.token_ids) <= W.CODE_COMPLETION_MAX_TOKENS
+        assert not p.text.endswith("\n")
+
+
+def test_function_heads(tmp_path):
+    (tmp_path / "m.py").write_text(textwrap.dedent('''\
+        def short():
+            return 1
+
+        class K:
+            @staticmethod
+            def method(a,
+                       b):
+                """Add them."""
+                c = a + b
+                return c
+
+        def nodoc(x):
+            y = x * 2
+            return y
+        '''))
+    heads = {h.qualname: h for h in W.function_heads(tmp_path, "m.py")}
+    assert set(heads) == {"K.method", "nodoc"}  # `short` has nothing left to complete
+    assert heads["K.method"].head == ('@staticmethod\ndef method(a,\n           b):\n    """Add them."""\n'
+                                      '    c = a + b')
+    assert heads["nodoc"].head == "def nodoc(x):\n    y = x * 2"
+    assert heads["nodoc"].source.endswith("return y")
+
+
+def test_stdlib_files_skip_tests(tmp_path):
+    for rel in ("a.py", "pkg/b.py", "test/t.py", "pkg/tests/u.py", "site-packages/x.py", "c.txt"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x = 1\n")
+    assert W.stdlib_files(tmp_path) == ["a.py", "pkg/b.py"]
+
+
+def test_parse_names():
+    assert W.parse_names(None) == list(W.WORKLOADS)
+    assert W.parse_names(["chat,long-context", "chat", " code-completion "]) == [
+        "chat", "long-context", "code-completion"]
+    assert W.parse_names(["all"]) == list(W.WORKLOADS)
+    with pytest.raises(W.UnknownWorkloadError) as e:
+        W.parse_names(["chat,shared_prefix,bogus"])
+    text = str(e.value)
+    assert "'shared_prefix' (did you mean 'shared-prefix'?)" in text and "'bogus'" in text
+    assert "accepted: chat, shared-prefix, long-context, code-completion" in text
+
+
+def test_every_workload_is_described():
+    for w in W.WORKLOADS.values():
+        assert len(w.describe) > 80 and w.summary
+
+
+# ---------------------------------------------------------------------- metric helpers
+def test_token_gaps_split_multi_token_steps():
+    assert bench.token_gaps([]) == []
+    assert bench.token_gaps([5.0]) == []
+    assert bench.token_gaps([0.0, 1.0, 3.0]) == [1.0, 2.0]
+    # two tokens arrive together 2 s after the first: two gaps of 1 s
+    assert bench.token_gaps([0.0, 2.0, 2.0, 2.5]) == [1.0, 1.0, 0.5]
+    t = bench.request_timing(10.0, [10.5, 11.0, 11.0, 12.5])
+    assert t["ttft_s"] == 0.5
+    assert t["tpot_s"] == pytest.approx(2.0 / 3)
+    assert sum(t["itl_s"]) == pytest.approx(2.0) and len(t["itl_s"]) == 3
+    assert bench.request_timing(1.0, [1.25]) == {"ttft_s": 0.25, "tpot_s": None, "itl_s": []}
+
+
+def test_percentile_and_summary():
+    assert bench.percentile([], 50) is None
+    assert bench.percentile([3, 1, 2], 50) == 2
+    assert bench.percentile([1, 2, 3, 4], 90) == pytest.approx(3.7)
+    reqs = [{"prompt_tokens": 10, "output_token_ids": [1, 2, 3], "ttft_s": 0.1, "tpot_s": 0.02,
+             "itl_s": [0.01, 0.03], "nll": [1.0, 2.0, 3.0]},
+            {"prompt_tokens": 5, "output_token_ids": [4], "ttft_s": 0.3, "tpot_s": None,
+             "itl_s": [], "nll": [0.0]}]
+    s = bench.summarize(reqs, 2.0)
+    assert (s["requests"], s["prompt_tokens"], s["output_tokens"]) == (2, 15, 4)
+    assert s["output_tok_s"] == 2.0
+    assert s["ttft_mean_s"] == pytest.approx(0.2) and s["ttft_p90_s"] == pytest.approx(0.28)
+    assert s["itl_mean_s"] == pytest.approx(0.02) and s["tpot_mean_s"] == pytest.approx(0.02)
+    assert s["perplexity"] == pytest.approx(math.exp(6.0 / 4)) and s["scored_tokens"] == 4
+    reqs[1]["nll"] = None  # not every request scored: no perplexity rather than a partial one
+    assert bench.summarize(reqs, 2.0)["perplexity"] is None
+
+
+def test_first_difference_and_comparison():
+    assert bench.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert bench.first_difference([1, 2, 3], [1, 9, 3]) == 1
+    assert bench.first_difference([1, 2], [1, 2, 3]) == 2  # one stopped early
+    assert bench.first_difference([], []) is None
+    c = bench.compare_outputs([[1, 2], [3, 4, 5], [6]], [[1, 2], [3, 4, 0], [6, 7]])
+    assert (c["identical"], c["n_identical"], c["n"]) == (False, 1, 3)
+    assert [p["first_diff"] for p in c["prompts"]] == [None, 2, 1]
+    assert bench.compare_outputs([[1]], [[1]])["identical"] is True
+    with pytest.raises(ValueError):
+        bench.compare_outputs([[1]], [])
+
+
+def test_nll_from_prompt_logprobs():
+    class LP:
+        def __init__(self, x):
+            self.logprob = x
+
+    ids = [7, 8, 9, 10]
+    lps = [None, {8: LP(-1.0)}, {9: LP(-0.5)}, {10: LP(-2.0), 11: LP(-0.1)}]
+    assert bench.nll_of(lps, ids, 2) == [0.5, 2.0]
+    with pytest.raises(ValueError):
+        bench.nll_of([None, {3: LP(-1.0)}], [7, 8], 1)
+
+
+# ------------------------------------------------------------------ assembling/rendering
+def _request(ids, ttft=0.05, step=0.01):
+    times = [ttft + step * k for k in range(len(ids))]
+    return {"output_token_ids": list(ids), "finish_reason": "length", "num_cached_tokens": 0,
+            "submit_s": 0.0, "token_times_s": times, **bench.request_timing(0.0, times),
+            "vllm_ttft_s": ttft, "vllm_tpot_s": step, "vllm_metrics": None}
+
+
+def _arm(prompt_sets, outputs, wall, kv, rss, ttft=0.05, busy=0.1):
+    return {"engine": {"load_s": 3.0, "warmup_s": 0.2, "num_blocks": 2047, "block_size": 128},
+            "deployment_active": False, "peak_rss_mib": rss, "rss_after_load_mib": rss - 10,
+            "workloads": {ps.name: {"wall_s": wall, "kv_blocks_peak": kv, "kv_blocks_per_step": [1, kv, 2],
+                                    "cpu_s": wall, "other_cpus": busy if ps.name == "chat" else 0.0,
+                                    "requests": [_request(o, ttft) for o in outputs[ps.name]]}
+                          for ps in prompt_sets}}
+
+
+@pytest.fixture(scope="module")
+def result(tok):
+    sets = build(tok, ["chat", "code-completion"], n=3, max_tokens=4)
+    plain = {"chat": [[10, 11, 12, 13]] * 3, "code-completion": [[20, 21, 22, 23]] * 3}
+    graft = {"chat": [[10, 11, 12, 13], [10, 11, 99, 13], [10, 11, 12, 13]],
+             "code-completion": [[20, 21, 22, 23]] * 3}
+    scores = {}
+    for arm, outs in (("plain", plain), ("graft", graft)):
+        for name, rows in outs.items():
+            for i, row in enumerate(rows):
+                scores[f"{arm}/{name}/{i}"] = [0.5] * len(row)
+    return bench.assemble(
+        deployment="deployments/x.yaml", plan_info={"model": "m", "plugins": ["attention:fancy"], "engine_args": {}},
+        settings={"arms": ["plain", "graft"], "workloads": ["chat", "code-completion"], "num_prompts": 3,
+                  "max_tokens": 4, "batch": 0, "seed": 0, "ignore_eos": False, "max_model_len": 2048,
+                  "perplexity": True, "temperature": 0.0},
+        prompt_sets=sets,
+        arm_results={"plain": _arm(sets, plain, wall=1.0, kv=6, rss=1000.0),
+                     "graft": _arm(sets, graft, wall=0.5, kv=3, rss=900.0, ttft=0.1, busy=1.2)
+                     | {"runtime_report": [{"kind": "attention", "name": "fancy", "params": {},
+                                            "events": {"forward": 12}, "described": {"k": 1},
+                                            "instantiated": True}]}},
+        scores=scores, decode=tok.decode, wall_s=12.5)
+
+
+def test_assemble(result):
+    plain, graft = result["arms"]["plain"], result["arms"]["graft"]
+    assert plain["workloads"]["chat"]["summary"]["output_tok_s"] == pytest.approx(12.0)
+    assert graft["workloads"]["chat"]["summary"]["output_tok_s"] == pytest.approx(24.0)
+    assert graft["overall"]["output_tok_s"] == pytest.approx(24 / 1.0)
+    assert graft["overall"]["kv_blocks_peak"] == 3 and plain["overall"]["kv_blocks_peak"] == 6
+    assert graft["workloads"]["chat"]["summary"]["ttft_mean_s"] == pytest.approx(0.1)
+    assert plain["workloads"]["chat"]["summary"]["perplexity"] == pytest.approx(math.exp(0.5))
+    cmp = result["comparison"]
+    assert (cmp["identical"], cmp["n_identical"], cmp["n"]) == (False, 5, 6)
+    chat = cmp["workloads"]["chat"]
+    assert [p["first_diff"] for p in chat["prompts"]] == [None, 2, None]
+    assert cmp["workloads"]["code-completion"]["identical"] is True
+    req = graft["workloads"]["chat"]["requests"][1]
+    assert req["output_token_ids"] == [10, 11, 99, 13] and isinstance(req["output_text"], str)
+    assert req["prompt_tokens"] > 0 and req["source"].startswith("question")
+    assert result["runtime_report"][0]["events"] == {"forward": 12}
+
+
+def test_json_has_table_and_detail(result):
+    data = json.loads(json.dumps(result))
+    assert data["schema"] == bench.SCHEMA
+    assert set(data["arms"]) == {"plain", "graft"}
+    for arm in data["arms"].values():
+        for key in ("output_tok_s", "ttft_mean_s", "ttft_p90_s", "itl_mean_s", "itl_p90_s",
+                    "kv_blocks_peak", "peak_rss_mib", "perplexity"):  # every table column
+            assert arm["overall"][key] is not None
+        assert "token_times_s" in arm["workloads"]["chat"]["requests"][0]
+    assert set(data["measurement"]) >= {"ttft", "itl", "kv_blocks", "peak_rss", "perplexity", "identical"}
+    assert data["workloads"][0]["fingerprint"] and data["workloads"][0]["prompts"][0]["text"]
+
+
+def _text(renderable_or_fn):
+    console = Console(record=True, width=250, highlight=False)
+    if callable(renderable_or_fn):
+        renderable_or_fn(console)
+    else:
+        console.print(renderable_or_fn)
+    return console.export_text()
+
+
+def test_table(result):
+    text = _text(bench.render_table(result))
+    rows = [line for line in text.splitlines() if "│" in line]
+    chat = [r for r in rows if "chat" in r][0]
+    cells = [c.strip() for c in chat.split("│")[1:-1]]
+    assert cells[:3] == ["chat", "plain", "12.0"]
+    assert cells[-1] == "reference"
+    assert "2/3 no (#1@2)" in text
+    assert "3/3 yes" in text and "5/6 no" in text  # code-completion, then all workloads
+    assert "+100.0%" in text  # tokens/s doubled
+    assert "-50.0%" in text  # KV blocks halved
+    assert "attention:fancy" in text and "all" in text
+    assert "1.649" in text  # perplexity exp(0.5)
+
+
+def test_report(result):
+    text = _text(lambda c: bench.render_report(result, c))
+    assert "differ for 1 of 6 prompts" in text
+    assert "chat #1" in text and "first difference at output token 2 (plain 12, graft 99" in text
+    assert "fancy" in text and "forward=12" in text
+    assert "How measured" in text
+    # the graft arm's chat run shared the machine with 1.2 busy CPUs: flagged, nothing else
+    assert "other processes used CPUs during the timed runs (graft chat 1.2 CPUs" in text
+
+
+def test_system_busy_time_grows():
+    import time
+
+    a = bench._system_busy_s()
+    t = time.perf_counter()
+    while time.perf_counter() - t < 0.2:
+        pass
+    b = bench._system_busy_s()
+    assert a is not None and b - a >= 0.1  # this busy loop alone used 0.2 CPU seconds
+
+
+def test_single_arm_table(tok):
+    sets = build(tok, ["chat"], n=2, max_tokens=4)
+    r = bench.assemble(deployment="d.yaml", plan_info={"plugins": []},
+                       settings={"num_prompts": 2, "max_tokens": 4}, prompt_sets=sets,
+                       arm_results={"graft": _arm(sets, {"chat": [[1, 2], [3]]}, 1.0, 2, 500.0)},
+                       scores=None, decode=tok.decode, wall_s=1.0)
+    assert r["comparison"] is None
+    text = _text(bench.render_table(r))
+    assert "change" not in text and "plain" not in text and "graft" in text
+    assert r["arms"]["graft"]["overall"]["perplexity"] is None
+
+
+def test_plot(result, tmp_path):
+    path = tmp_path / "b.png"
+    bench.write_plot(result, path)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    import matplotlib.image
+
+    h, w = matplotlib.image.imread(str(path)).shape[:2]
+    assert (w, h) == (1500, 800)
+
+
+# ----------------------------------------------------------------- command line refusals
+@pytest.fixture
+def no_engine(monkeypatch):
+    def fail(*a, **k):
+        raise AssertionError("an engine was started")
+
+    monkeypatch.setattr(bench, "_run_child", fail)
+
+
+def test_bad_deployment_exits_1_before_any_engine(tmp_path, capsys, no_engine):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"model: {MODEL}\nplatfrom: cpu\nkvcompress: {{plugin: noopp}}\n")
+    assert main(["bench", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert "2 problems" in err and "no engine started" in err
+    assert "platfrom" in err and "noopp" in err
+    assert main(["bench", str(tmp_path / "missing.yaml")]) == 1
+    assert "file not found" in capsys.readouterr().err
+
+
+def test_bad_deployment_never_imports_vllm(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: nowhere\nplatfrom: cpu\n")
+    code = ("import sys; from vllm_graft.integration.cli import main\n"
+            f"rc = main(['bench', {str(bad)!r}])\n"
+            "print(rc, sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "1 []", out.stderr
+
+
+def test_unknown_workload_lists_names(capsys, no_engine):
+    assert main(["bench", str(PLAIN), "--workload", "chat", "--workload", "chatt"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown workload 'chatt' (did you mean 'chat'?)" in err
+    assert "accepted: chat, shared-prefix, long-context, code-completion" in err
+
+
+def test_bad_arms_and_sizes(capsys, no_engine):
+    assert main(["bench", str(PLAIN), "--arms", "plain,grafted"]) == 2
+    assert "unknown arm 'grafted'" in capsys.readouterr().err
+    assert main(["bench", str(PLAIN), "--num-prompts", "0"]) == 2
+    assert main(["bench", str(PLAIN), "--max-tokens", "5000"]) == 2
+    assert "max_tokens must be between 1 and 2046" in capsys.readouterr().err
+    assert main(["bench"]) == 2
+
+
+def test_list_workloads(capsys, no_engine):
+    assert main(["bench", "--list-workloads"]) == 0
+    out = capsys.readouterr().out
+    for name in W.WORKLOADS:
+        assert name in out
+    assert "standard library" in out
+
+
+def test_arm_jobs_differ_only_in_the_deployment(tmp_path, monkeypatch, capsys):
+    """The jobs the two arms get: same prompts and engine arguments; the graft arm alone
+    carries the deployment; plain runs second and scores both arms' outputs."""
+    jobs = []
+
+    def fake_child(job, workdir, on_event, timeout=None):
+        jobs.append(job)
+        on_event(job["arm"], "phase", "done")
+        ws = {w["name"]: {"wall_s": 1.0, "kv_blocks_peak": 1, "kv_blocks_per_step": [1],
+                          "requests": [_request([5, 6]) for _ in w["prompts"]]} for w in job["workloads"]}
+        out = {"engine": {"num_blocks": 10, "block_size": 128}, "peak_rss_mib": 1.0,
+               "rss_after_load_mib": 1.0, "workloads": ws, "runtime_report": []}
+        if job["score"] or job["score_own"]:
+            keys = list(job["score"]) + [f"{job['arm']}/{n}/{i}" for n, w in ws.items()
+                                         for i in range(len(w["requests"]))]
+            out["scores"] = {k: [1.0, 1.0] for k in keys}
+        return out
+
+    monkeypatch.setattr(bench, "_run_child", fake_child)
+    noop = ROOT / "deployments" / "noop.yaml"
+    path = tmp_path / "r.json"
+    rc = main(["bench", str(noop), "--workload", "chat", "--num-prompts", "2", "--max-tokens", "4",
+               "--json", str(path)])
+    assert rc == 0, capsys.readouterr()
+    graft, plain = jobs
+    assert (graft["arm"], plain["arm"]) == ("graft", "plain")
+    assert graft["workloads"] == plain["workloads"]
+    assert "graft" in graft["llm_kwargs"]["additional_config"]
+    assert "additional_config" not in plain["llm_kwargs"]
+    from vllm_graft.integration.launch import SHARED_ENGINE_KEYS
+
+    common = {k: v for k, v in graft["llm_kwargs"].items() if k != "additional_config"}
+    assert {k: plain["llm_kwargs"].get(k) for k in common} == common
+    # the plain twin may add execution-mode arguments the adapters set inside the graft engine
+    assert set(plain["llm_kwargs"]) - set(common) <= set(SHARED_ENGINE_KEYS)
+    assert plain["llm_kwargs"]["disable_log_stats"] is False
+    assert sorted(plain["score"]) == ["graft/chat/0", "graft/chat/1"] and plain["score_own"]
+    data = json.loads(path.read_text())
+    assert data["comparison"]["identical"] is True
+    assert data["arms"]["graft"]["overall"]["perplexity"] == pytest.approx(math.e)
+
+    jobs.clear()
+    assert main(["bench", str(noop), "--workload", "chat", "--num-prompts", "2", "--arms", "graft"]) == 0
+    assert [(j["arm"], bool(j["workloads"])) for j in jobs] == [("graft", True), ("plain", False)]  # scorer
+    jobs.clear()
+    assert main(["bench", str(noop), "--workload", "chat", "--num-prompts", "2", "--arms", "graft",
+                 "--no-ppl"]) == 0
+    assert [j["arm"] for j in jobs] == ["graft"]
+
+
+def test_median_run_and_repeat_rendering(tok):
+    def run(wall, ids):
+        return {"wall_s": wall, "kv_blocks_peak": 3, "kv_blocks_per_step": [3],
+                "requests": [_request(ids)]}
+
+    m = bench.median_run([run(3.0, [1, 2]), run(1.0, [1, 2]), run(2.0, [1, 2])])
+    assert (m["wall_s"], m["repeat_index"], m["repeats_identical"]) == (2.0, 2, True)
+    assert [r["wall_s"] for r in m["repeats"]] == [3.0, 1.0, 2.0]
+    assert bench.median_run([run(1.0, [1]), run(2.0, [2])])["repeats_identical"] is False
+
+    sets = build(tok, ["chat"], n=1, max_tokens=4)
+    w = bench.median_run([run(4.0, [1, 2, 3, 4]), run(1.0, [1, 2, 3, 4]), run(2.0, [1, 2, 3, 4])])
+    arm = {"engine": {"num_blocks": 9}, "peak_rss_mib": 1.0, "rss_after_load_mib": 1.0,
+           "workloads": {"chat": w}}
+    r = bench.assemble(deployment="d.yaml", plan_info={"plugins": []},
+                       settings={"num_prompts": 1, "max_tokens": 4, "repeat": 3}, prompt_sets=sets,
+                       arm_results={"plain": arm, "graft": arm}, scores=None, decode=tok.decode, wall_s=1.0)
+    summary = r["arms"]["plain"]["workloads"]["chat"]["summary"]
+    assert summary["output_tok_s"] == 2.0 and summary["runs"] == 3
+    assert summary["output_tok_s_runs"] == [1.0, 4.0, 2.0]
+    text = _text(bench.render_table(r))
+    assert "median of 3 runs" in text and "(min-max)" in text and "1.0-4.0" in text
+    assert "(min-max)" not in _text(bench.render_table(r | {"settings": {**r["settings"], "repeat": 1}}))
