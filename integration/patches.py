@@ -85,6 +85,19 @@ class PatchRegistry:
         log.debug("vllm-graft: patched %s for %s (%s)", patch.where, owner, reason)
         return patch
 
+    def ensure(self, owner: str, target: Any, attribute: str, replacement: Any, *, reason: str,
+               versions: str, wrap: bool = False) -> Patch:
+        """:meth:`apply` against the installed vLLM's version, unless ``owner`` already
+        patched ``target.attribute`` (idempotent: adapters activate once per engine)."""
+        from .env import installed_vllm
+
+        prev = self._applied.get((id(target), attribute))
+        if prev is not None and prev.owner == owner:
+            return prev
+        found = installed_vllm()
+        return self.apply(owner, target, attribute, replacement, reason=reason, versions=versions,
+                          vllm_version=found[1] if found else None, wrap=wrap)
+
     def undo(self, owner: str | None = None) -> list[Patch]:
         """Restore the originals of ``owner``'s patches (all patches with None)."""
         undone = []

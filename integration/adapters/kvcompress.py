@@ -288,18 +288,13 @@ def install_patch() -> None:
     """Wrap ``GPUModelRunner._build_attention_metadata`` (idempotent)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from ..env import installed_vllm
-
-    if PATCHES.is_patched(GPUModelRunner, "_build_attention_metadata"):
-        return
-    found = installed_vllm()
-    PATCHES.apply(
+    PATCHES.ensure(
         OWNER, GPUModelRunner, "_build_attention_metadata", _build_attention_metadata_wrapper,
         wrap=True,
         reason="the attention-metadata builder sees batch rows but not their requests; KV "
                "compression needs each row's request (input_batch.req_ids) and prompt length "
                "to drop the blocks the scheduler freed",
-        versions=VERSIONS, vllm_version=found[1] if found else None)
+        versions=VERSIONS)
 
 
 def rewrite(builder: Any, cm: Any) -> Any:

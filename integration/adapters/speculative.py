@@ -233,17 +233,12 @@ def install_patch() -> None:
     """Wrap ``GPUModelRunner._update_states`` (idempotent)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from ..env import installed_vllm
-
-    if PATCHES.is_patched(GPUModelRunner, "_update_states"):
-        return
-    found = installed_vllm()
-    PATCHES.apply(
+    PATCHES.ensure(
         OWNER, GPUModelRunner, "_update_states", _update_states_wrapper, wrap=True,
         reason="a custom_class proposer gets no request ids and no finished/aborted signal; "
                "the runner's _update_states sees both (input_batch.req_ids, "
                "scheduler_output.finished_req_ids) and the drafts each step verifies",
-        versions=VERSIONS, vllm_version=found[1] if found else None)
+        versions=VERSIONS)
 
 
 # ------------------------------------------------------------------------------ adapter
