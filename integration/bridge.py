@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from vllm_graft.hooks import Deployment, Kind, DeploymentError, Plan, Problem, get_registry, validate
+from vllm_graft.hooks import Kind, DeploymentError, Plan, Problem, get_registry, validate
 from vllm_graft.hooks.deployment import load_file, parse_json
 
 from .env import detect_environment, installed_vllm
@@ -325,4 +325,4 @@ def deployment_for_engine(plan: Plan) -> dict[str, Any]:
 
 
 __all__ = ["register", "activate", "deactivate", "resolve", "graft_section", "check_vllm_version",
-           "deployment_for_engine", "Deployment", "ENV_FILE", "ENV_CONFIG", "SUPPORTED_VLLM"]
+           "deployment_for_engine", "ENV_FILE", "ENV_CONFIG", "SUPPORTED_VLLM"]

@@ -68,7 +68,7 @@ def llm_kwargs(plan: Plan, *, graft: bool = True, **overrides: Any) -> dict[str,
     from .bridge import deployment_for_engine
 
     if plan.deployment.model is None and "model" not in overrides:
-        raise ValueError(f"the deployment names no model; give one (model: FOLDER) or pass model=")
+        raise ValueError("the deployment names no model; give one (model: FOLDER) or pass model=")
     kwargs: dict[str, Any] = {"model": plan.deployment.model}
     kwargs.update(plan.deployment.engine)
     if graft and plan.enabled:

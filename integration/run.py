@@ -13,7 +13,6 @@ import os
 import shlex
 import sys
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 from rich.console import Console
@@ -262,4 +261,4 @@ def cmd_serve(args: argparse.Namespace, console: Console) -> int:
     return EXIT_OK  # pragma: no cover
 
 
-__all__ = ["add_command", "start_engine", "stream", "serve_command", "Path"]
+__all__ = ["add_command", "start_engine", "stream", "serve_command"]
