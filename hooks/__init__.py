@@ -31,12 +31,22 @@ from .manager import (
     get_registry,
     make_plugin_manager,
 )
-from .registry import Capabilities, Kind, NoParams, Registration, Registry, RegistryError
+from .registry import (
+    KERNEL_FIELD,
+    Capabilities,
+    KernelParams,
+    Kind,
+    NoParams,
+    Registration,
+    Registry,
+    RegistryError,
+)
 from .specs import hookimpl, hookspec
 
 __all__ = [
     "CONTRACTS", "AttentionLayer", "AttentionMethod", "BlockView", "Capabilities", "Deployment",
-    "DeploymentError", "ENTRY_POINT_GROUP", "Environment", "GraftPluginManager", "KVCompressor",
+    "DeploymentError", "ENTRY_POINT_GROUP", "Environment", "GraftPluginManager", "KERNEL_FIELD",
+    "KVCompressor", "KernelParams",
     "Kind", "MoEScheduler", "NoParams", "PagedBatch", "Plan", "PluginChoice", "PluginImpl",
     "PluginLoadError", "Problem", "Proposer", "QuantMethod", "Registration", "Registry",
     "RegistryError", "get_plugin_manager", "get_registry", "hookimpl", "hookspec",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import importlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -46,6 +46,28 @@ class NoParams(BaseModel):
     """Parameter model of a plugin that takes no parameters."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+#: The parameter that chooses between a plugin's two paths (see :class:`KernelParams`).
+KERNEL_FIELD = "kernel"
+
+
+class KernelParams(BaseModel):
+    """Base of the parameter model of a plugin that has Triton kernels beside its reference.
+
+    ``kernel: reference`` (the default) runs the plain-PyTorch reference, the CPU path;
+    ``kernel: triton`` runs the Triton kernels (on a GPU, or on the CPU under
+    ``TRITON_INTERPRET=1``: slow, for exactness checks). The conformance kit's ``parity``
+    check runs both on the same inputs and compares them. Subclass it and add your fields::
+
+        class Params(KernelParams):
+            window: int = Field(4, ge=1)
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    kernel: Literal["reference", "triton"] = Field(
+        "reference", description="'reference' (plain PyTorch) or 'triton' (the Triton kernels)")
 
 
 class Capabilities(BaseModel):

