@@ -378,28 +378,29 @@ def exercise_kvcompress(t: Target, impl: Any, dtype: str, rules: bool) -> list[t
     lossless = t.entry.registration.capabilities.lossless
     deterministic = not getattr(impl, "needs_scores", False)
     name = t.entry.name
+    def ask(view: BlockView) -> list[int]:
+        try:
+            return check_keep(view, impl.keep(view), name)
+        except KeepError as e:
+            raise t.fail(str(e)) from None
+
     for label, views in _kv_views(not deterministic):
         dropped: set[int] = set()
         answers = []
         for view in views:
-            try:
-                kept = check_keep(view, impl.keep(view), name)
-            except KeyError as e:  # pragma: no cover - defensive
-                raise t.fail(str(e)) from None
-            except KeepError as e:
-                raise t.fail(str(e)) from None
+            kept = ask(view)
             if rules:
                 back = sorted(dropped & set(kept))
                 if back:
                     raise t.fail(f"keep() keeps block(s) {back} it dropped earlier ({label}, "
                                  f"{view.num_tokens} tokens): dropped KV is gone")
-                if deterministic and check_keep(view, impl.keep(view), name) != kept:
+                if deterministic and ask(view) != kept:
                     raise t.fail(f"keep() answered differently for the same view ({label})")
                 if deterministic and view.num_blocks > 1:
                     pinned = frozenset({0})
                     pv = BlockView(view.num_tokens, view.block_size, view.num_prompt_tokens,
                                    view.scores, pinned)
-                    got = check_keep(pv, impl.keep(pv), name)
+                    got = ask(pv)
                     if got != sorted(set(kept) | pinned):
                         raise t.fail(f"with block 0 pinned keep() gave {got}, not its unpinned "
                                      f"answer plus the pinned block ({sorted(set(kept) | pinned)})")
