@@ -26,8 +26,13 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/vllm-graft demo
 
+# The example third-party plugin is installed from its own folder, as a user would, and its
+# own conformance suite runs with ours.
+EXAMPLE := examples/graft-flexq
+
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pip install -q --no-deps -e $(EXAMPLE)
+	$(PY) -m pytest -q tests $(EXAMPLE)/tests
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit

@@ -30,6 +30,7 @@ def pytest_configure(config: Any) -> None:
         "markers",
         f"{MARKER}(*specs, params=None): run the vllm-graft conformance checks on these plugins "
         "('kind:name', 'builtin', 'all') through the graft_check fixture")
+    config.addinivalue_line("markers", "e2e: starts a vLLM engine (the conformance 'engine' check)")
 
 
 class _Case:
