@@ -37,3 +37,8 @@ def test_every_hook_documented_with_exact_signature():
 def test_hook_reference_page_is_current():
     assert (ROOT / "docs" / "hooks.md").read_text() == generator().render(), \
         "docs/hooks.md is stale: run `python docs/generate.py`"
+
+
+def test_plugin_table_is_current():
+    assert (ROOT / "docs" / "plugins.md").read_text() == generator().render_plugins(), \
+        "docs/plugins.md is stale: run `python docs/generate.py`"
