@@ -183,6 +183,23 @@ class _Active:
     compressor: KVCompressor
     name: str
     count: Callable[[str, int], None]
+    salt: str | None = None  # prefix-cache salt of this compressor and budget (None: lossless)
+
+
+def cache_salt(name: str, params: Any) -> str:
+    """The prefix-cache salt of a lossy compressor with its parameters: KV computed while
+    blocks were evicted differs from plain KV of the same tokens, so its block hashes must
+    never match a plain request's (nor those of another compressor or budget)."""
+    dumped = params.model_dump_json() if hasattr(params, "model_dump_json") else repr(params)
+    return f"vllm-graft/kvcompress/{name}/{dumped}"
+
+
+def salted(user_salt: str | None, salt: str | None) -> str | None:
+    """A request's ``cache_salt`` with the compressor's salt in front (the user's salt, if
+    any, stays part of it, so requests salted differently still never share)."""
+    if salt is None:
+        return user_salt
+    return salt if not user_salt else f"{salt}|{user_salt}"
 
 
 _active: _Active | None = None
@@ -284,9 +301,42 @@ def _build_attention_metadata_wrapper(original: Callable) -> Callable:
     return _build_attention_metadata
 
 
-def install_patch() -> None:
-    """Wrap ``GPUModelRunner._build_attention_metadata`` (idempotent)."""
+def _request_init_wrapper(original: Callable) -> Callable:
+    import inspect
+
+    signature = inspect.signature(original)
+    if "cache_salt" not in signature.parameters:
+        raise KVCompressError(
+            "vllm-graft kvcompress: vllm.v1.request.Request takes no 'cache_salt'; this vLLM "
+            f"hashes prefix-cache blocks differently from the one the adapter was written for ({VERSIONS})")
+
+    def __init__(self, *args, **kwargs):
+        state = _active
+        if state is not None and state.salt is not None:
+            bound = signature.bind(self, *args, **kwargs)
+            bound.arguments["cache_salt"] = salted(bound.arguments.get("cache_salt"), state.salt)
+            return original(*bound.args, **bound.kwargs)
+        return original(self, *args, **kwargs)
+
+    __init__.__wrapped__ = original  # type: ignore[attr-defined]
+    return __init__
+
+
+def install_patch(salt: bool = False) -> None:
+    """Wrap ``GPUModelRunner._build_attention_metadata`` and, for a lossy compressor,
+    ``Request.__init__`` (the prefix-cache salt) (idempotent)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if salt:
+        from vllm.v1.request import Request
+
+        PATCHES.ensure(
+            OWNER, Request, "__init__", _request_init_wrapper, wrap=True,
+            reason="KV computed while a lossy compressor evicts blocks is not the plain KV of its "
+                   "tokens; the prefix cache hashes blocks by tokens (and cache_salt), so every "
+                   "request's cache_salt gets the compressor's name and parameters in front: "
+                   "blocks are shared only between requests of the same compressor and budget",
+            versions=VERSIONS)
 
     PATCHES.ensure(
         OWNER, GPUModelRunner, "_build_attention_metadata", _build_attention_metadata_wrapper,
@@ -436,8 +486,10 @@ class KVCompressAdapter(Adapter):
         register_spec()
         backend.install(OWNER)
         try:
-            install_patch()
-            _active = _Active(compressor, e.name, count)
+            lossless = e.entry.registration.capabilities.lossless
+            install_patch(salt=not lossless)
+            _active = _Active(compressor, e.name, count,
+                              salt=None if lossless else cache_salt(e.name, e.params))
             backend.SEAMS.customize_spec = customize_spec
             if rewrite not in backend.SEAMS.rewriters:
                 backend.SEAMS.rewriters.append(rewrite)

@@ -1,0 +1,97 @@
+"""One engine scenario for the KV-compression e2e tests, run in-process by the tests and in
+vLLM's default multiprocess mode by ``python -m tests.e2e.kvcompress_scenario KVCOMPRESS_JSON``
+(prints the result as JSON): requests that arrive over time (one shares another's prompt,
+so it hits the prefix cache), a KV pool too small for all of them (so requests are
+preempted and resumed), and one request aborted mid-generation."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+LLAMA = Path(__file__).resolve().parents[2] / "models" / "graft-tiny-llama"
+BLOCK = 32
+POOL_BLOCKS = 14
+ENGINE = {"dtype": "float32", "max_model_len": 384, "block_size": BLOCK, "enforce_eager": True,
+          "enable_prefix_caching": True, "num_gpu_blocks_override": POOL_BLOCKS, "max_num_seqs": 8}
+PROMPTS = [
+    "import os\nimport sys\n\n\ndef main(argv=None):\n    if argv is None:\n        argv = sys.argv[1:]\n"
+    "    for arg in argv:",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+    "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n\n"
+    "    def peek(self):\n        return self.items[-1]\n\n    def __len__(self):",
+    "def read_config(path):\n    \"\"\"Return the parsed contents of the file at *path*.\"\"\"\n"
+    "    with open(path) as f:\n        return json.load(f)\n\n\n",
+]
+NEW_TOKENS = 150
+# (step at which it is added, request id, prompt index); r2 repeats r1's prompt once r1's
+# prompt is cached; r4 is aborted ABORT_AT steps after it arrives.
+ARRIVALS = [(0, "r0", 0), (0, "r1", 1), (4, "r2", 1), (4, "r3", 2), (6, "r4", 0), (8, "r5", 2)]
+ABORT = ("r4", 14)
+
+
+def run(kvcompress: dict[str, Any] | None) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+
+    from vllm_graft.integration import launch
+
+    data = {"model": str(LLAMA), "engine": ENGINE}
+    if kvcompress:
+        data["kvcompress"] = kvcompress
+    plan = launch.plan_from_dict(data)
+    llm = LLM(**launch.llm_kwargs(plan, graft=bool(kvcompress)), seed=0, disable_log_stats=False)
+    engine = llm.llm_engine
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    core = engine.engine_core.engine_core if in_process else None
+    try:
+        tok = llm.get_tokenizer()
+        ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+        free_start = core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() if core else None
+        out: dict[str, Any] = {"tokens": {}, "logprobs": {}, "cached": {}, "aborted": [], "max_held": 0}
+        step = 0
+        salts: set[str] = set()
+        pending = list(ARRIVALS)
+        while pending or engine.has_unfinished_requests():
+            for arrival in [a for a in pending if a[0] <= step]:
+                engine.add_request(arrival[1], {"prompt_token_ids": ids[arrival[2]]}, params)
+                pending.remove(arrival)
+            if step == dict((a[1], a[0]) for a in ARRIVALS)[ABORT[0]] + ABORT[1]:
+                engine.abort_request([ABORT[0]])
+                out["aborted"].append(ABORT[0])
+            for o in engine.step():
+                if o.finished and o.request_id not in out["aborted"]:
+                    c = o.outputs[0]
+                    out["tokens"][o.request_id] = list(c.token_ids)
+                    out["logprobs"][o.request_id] = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
+                    out["cached"][o.request_id] = o.num_cached_tokens
+            if core is not None:
+                (mgr,) = core.scheduler.kv_cache_manager.coordinator.single_type_managers
+                salts |= {r.cache_salt or "" for r in core.scheduler.requests.values()}
+                for blocks in mgr.req_to_blocks.values():
+                    out["max_held"] = max(out["max_held"], sum(not b.is_null for b in blocks))
+            step += 1
+        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+        out["preemptions"] = metrics.get("vllm:num_preemptions")
+        if core is not None:
+            kv = core.scheduler.kv_cache_manager
+            out["leaked"] = free_start - kv.block_pool.get_num_free_blocks()
+            (mgr,) = kv.coordinator.single_type_managers
+            out["left"] = sorted(mgr.req_to_blocks)
+            out["manager"] = type(mgr).__name__
+            out["salts"] = sorted(salts)
+        return out
+    finally:
+        if in_process:
+            engine.engine_core.shutdown()
+        else:
+            llm.llm_engine.engine_core.shutdown()
+        del llm
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    result = run(json.loads(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1] else None)
+    print("GRAFT-RESULT " + json.dumps(result))
