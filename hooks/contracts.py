@@ -105,7 +105,8 @@ class BlockView:
     """What a compressor sees of one request's KV blocks (pure Python, no tensors).
 
     ``scores[i]`` is block i's accumulated importance (e.g. attention mass) where the
-    method collects it, else ``None``. ``pinned`` are blocks it must keep (shared by the
+    method collects it (``needs_scores``), else ``None``; a block dropped at an earlier
+    step has score ``-inf``. ``pinned`` are blocks it must keep (shared by the
     prefix cache with other requests).
     """
 
@@ -146,25 +147,45 @@ class KVCompressor(PluginImpl[P]):
     * a block once dropped stays dropped: a later call (larger ``num_tokens``) must not
       keep it again, as its KV is gone.
 
-    Determinism. Until the worker can report scores to the scheduler, both halves must
-    reach the same decision on their own: ``keep`` must depend only on ``num_tokens``,
+    Determinism. A compressor without scores is asked by both halves, which must reach the
+    same decision on their own: ``keep`` must depend only on ``num_tokens``,
     ``block_size`` and ``num_prompt_tokens``, and on ``pinned`` only by adding the pinned
     blocks to its answer (``sorted(set(mine) | view.pinned)``). A pinned block the worker
     drops stays held until no other request shares it, then it is freed.
 
-    A compressor that needs scores (H2O, SnapKV: attention mass per block, collected in
-    the worker) sets :attr:`needs_scores` to True; the adapter then refuses to start (the
-    worker-to-scheduler channel that would carry the scores is not built yet).
+    Scores. A compressor that needs scores (H2O, SnapKV: attention mass per block) sets
+    :attr:`needs_scores` and implements :meth:`attend`: the worker then runs the layer's
+    attention through it and adds the mass it reports to each block's score (summed over
+    heads, layers and the queries :meth:`score_positions` selects). ``keep`` is asked in the
+    **worker only**, once per step after the forward pass, with ``num_tokens`` = all tokens
+    computed so far, ``scores`` set and ``pinned`` empty; the blocks it drops leave
+    attention from the next step on and travel to the scheduler, which frees them (blocks
+    shared through the prefix cache once no longer shared).
     """
 
     kind = Kind.KVCOMPRESS
 
-    #: True if :meth:`keep` needs ``view.scores`` (not supported yet: activation fails).
+    #: True if :meth:`keep` needs ``view.scores``; the compressor then implements :meth:`attend`.
     needs_scores: bool = False
 
     @abstractmethod
     def keep(self, view: BlockView) -> list[int]:
         """Sorted logical block indices to keep (see the class docstring for the rules)."""
+
+    def score_positions(self, num_prompt_tokens: int) -> tuple[int, int]:
+        """Token positions ``[start, end)`` whose queries' attention counts towards the
+        scores (``needs_scores`` only). Default: every query."""
+        return (0, 1 << 62)
+
+    def attend(self, query: "torch.Tensor", kv_cache: "torch.Tensor", batch: PagedBatch,
+               layer: AttentionLayer, observe: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
+        """Causal attention over the paged batch (``needs_scores`` only), as
+        :meth:`AttentionMethod.forward` (the cache in the layout of :func:`split_kv_cache`),
+        plus the attention mass per block: ``(out [T, H, D], mass [num_seqs, max_blocks])``,
+        ``mass[i, j]`` = the softmax probability that the queries of sequence ``i`` with
+        ``observe[t]`` True put on the keys of block-table column ``j``, summed over heads
+        and those queries."""
+        raise NotImplementedError(f"{type(self).__name__} sets needs_scores but implements no attend()")
 
 
 class KeepError(ValueError):

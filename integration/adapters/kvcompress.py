@@ -184,6 +184,13 @@ class _Active:
     name: str
     count: Callable[[str, int], None]
     salt: str | None = None  # prefix-cache salt of this compressor and budget (None: lossless)
+    scored: "_Scores | None" = None  # worker-side state of a needs_scores compressor
+    needs_scores: bool = False
+    to_free: dict = None  # scheduler side: request id -> logical blocks the worker dropped
+
+    def __post_init__(self):
+        if self.to_free is None:
+            self.to_free = {}
 
 
 def cache_salt(name: str, params: Any) -> str:
@@ -226,6 +233,9 @@ class _StepRows:
         self.runner = runner
         self.num_scheduled_tokens = num_scheduled_tokens
         self._skips: dict[int, list[list[int]]] = {}  # by block size
+        # scored mode: per row (request id, computed before the step, query length, prompt
+        # length, logical blocks left out)
+        self.rows: list[tuple[str, int, int, int, list[int]]] = []
 
     def skips(self, cm: Any, block_size: int, state: _Active) -> list[list[int]]:
         if block_size not in self._skips:
@@ -233,6 +243,7 @@ class _StepRows:
         return self._skips[block_size]
 
     def _compute(self, cm: Any, block_size: int, state: _Active) -> list[list[int]]:
+        self.block_size = block_size
         batch = self.runner.input_batch
         n = min(int(cm.num_reqs), batch.num_reqs)
         qsl = cm.query_start_loc_cpu[: n + 1].tolist()
@@ -245,6 +256,7 @@ class _StepRows:
             q = qsl[i + 1] - qsl[i]
             if q <= 0:
                 out.append([])
+                self.rows.append(("", 0, 0, 0, []))
                 continue
             req_id = req_ids[i]
             scheduled = self.num_scheduled_tokens.get(req_id)
@@ -254,9 +266,13 @@ class _StepRows:
                     f"gave its request {req_id!r} {scheduled}; the rows no longer follow "
                     "input_batch.req_ids (vLLM changed how it builds attention metadata)")
             computed = seq_lens[i] - q
-            skip = blocks_to_skip(state.compressor, state.name, num_tokens=computed,
-                                  block_size=block_size, num_prompt_tokens=int(prompt_lens[i]))
-            if computed > 0:
+            if state.scored is not None:
+                skip = state.scored.skip(req_id, computed, block_size)
+                self.rows.append((req_id, computed, q, int(prompt_lens[i]), skip))
+            else:
+                skip = blocks_to_skip(state.compressor, state.name, num_tokens=computed,
+                                      block_size=block_size, num_prompt_tokens=int(prompt_lens[i]))
+            if computed > 0 and state.scored is None:
                 calls += 1
             skipped += len(skip)
             out.append(skip)
@@ -375,6 +391,217 @@ def rewrite(builder: Any, cm: Any) -> Any:
     return cm.replace(**changes)
 
 
+# --------------------------------------------------------- scored compressors (worker)
+NEG_INF = float("-inf")
+
+#: Environment variable naming a file to which each process appends one JSON line per
+#: scores-channel event (``{"pid", "event", "n"}``): the proof, in tests, that the worker
+#: decides and the scheduler frees, in their own processes. Unset: nothing is written.
+ENV_TRACE = "VLLM_GRAFT_KVCOMPRESS_TRACE"
+
+
+def _trace(event: str, n: int) -> None:
+    path = os.environ.get(ENV_TRACE)
+    if path:
+        import json
+
+        with open(path, "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "event": event, "n": n}) + "\n")
+
+
+@dataclass
+class _ReqScores:
+    scores: list[float]
+    dropped: set[int]
+
+
+@dataclass
+class _StepPlan:
+    """One step's rows as the scoring attention sees them (built in the metadata builder)."""
+
+    rows: list[tuple[str, int, int, int, list[int]]]  # (req id, computed, q, prompt, skipped)
+    cols: list[list[int]]  # per row: the logical block of each block-table column after compaction
+    observe: "torch.Tensor"  # [T] bool: queries whose attention counts towards the scores
+    mass: "torch.Tensor"  # [rows, width] float32, summed over layers
+    block_size: int
+
+
+class _Scores:
+    """Worker-side state of a ``needs_scores`` compressor: per request, each logical block's
+    accumulated score and the blocks dropped so far (see "The scores channel" above)."""
+
+    def __init__(self, compressor: KVCompressor, name: str, count: Callable[[str, int], None]) -> None:
+        self.compressor, self.name, self.count = compressor, name, count
+        self.reqs: dict[str, _ReqScores] = {}
+        self.pending: _StepPlan | None = None
+
+    def forget(self, req_ids: Any) -> None:
+        for r in req_ids or ():
+            self.reqs.pop(r, None)
+
+    def skip(self, req_id: str, computed: int, block_size: int) -> list[int]:
+        st = self.reqs.get(req_id)
+        if computed <= 0 and st is not None:  # computed from scratch again (e.g. preempted)
+            self.reqs.pop(req_id)
+            return []
+        if st is None:
+            return []
+        return sorted(i for i in st.dropped if (i + 1) * block_size <= computed)
+
+    def plan(self, batch: Any) -> _StepPlan | None:
+        import torch
+
+        step = getattr(_rows, "step", None)
+        if step is None or not step.rows:
+            self.pending = None
+            return None
+        qsl = batch.query_start_loc.tolist()
+        T = qsl[len(step.rows)] if len(qsl) > len(step.rows) else qsl[-1]
+        observe = torch.zeros(max(T, qsl[-1]), dtype=torch.bool)
+        cols = []
+        B = step.block_size
+        for i, (req_id, computed, q, prompt, skip) in enumerate(step.rows):
+            total = computed + q
+            dropped = set(skip)
+            cols.append([j for j in range(-(-total // B)) if j not in dropped])
+            lo, hi = self.compressor.score_positions(prompt)
+            a, b = max(lo, computed), min(hi, total)
+            if a < b:
+                observe[qsl[i] + a - computed: qsl[i] + b - computed] = True
+        plan = _StepPlan(step.rows, cols, observe,
+                         torch.zeros(len(step.rows), batch.block_table.shape[1], dtype=torch.float32), B)
+        self.pending = plan
+        return plan
+
+    def finalize(self) -> dict[str, list[int]]:
+        """After the step's forward: add its attention mass to the scores, ask ``keep`` and
+        return the blocks newly dropped, per request."""
+        plan, self.pending = self.pending, None
+        if plan is None:
+            return {}
+        B = plan.block_size
+        mass = plan.mass.tolist()
+        drops: dict[str, list[int]] = {}
+        for i, (req_id, computed, q, prompt, _) in enumerate(plan.rows):
+            if q <= 0:
+                continue
+            st = self.reqs.setdefault(req_id, _ReqScores([], set()))
+            total = computed + q
+            nb = -(-total // B)
+            st.scores.extend([0.0] * (nb - len(st.scores)))
+            for j, logical in enumerate(plan.cols[i]):
+                st.scores[logical] += mass[i][j]
+            scores = tuple(NEG_INF if k in st.dropped else st.scores[k] for k in range(nb))
+            view = BlockView(num_tokens=total, block_size=B, num_prompt_tokens=prompt, scores=scores)
+            kept = check_keep(view, self.compressor.keep(view), self.name)
+            back = sorted(st.dropped & set(kept))
+            if back:
+                raise KeepError(
+                    f"kvcompress plugin {self.name!r}: keep() returned {kept} for {total} tokens, but "
+                    f"block(s) {back} were dropped at an earlier step and their KV is gone; a dropped "
+                    "block must stay dropped (dropped blocks have score -inf)")
+            new = dropped_blocks(view, kept)
+            new = [k for k in new if k not in st.dropped]
+            if new:
+                st.dropped.update(new)
+                drops[req_id] = new
+                _trace("worker_dropped", len(new))
+        self.count("worker_steps", sum(1 for r in plan.rows if r[2] > 0))
+        return drops
+
+
+class _ScoringAttention:
+    """What the backend's attention seam runs while a ``needs_scores`` compressor is active:
+    the compressor's :meth:`~vllm_graft.hooks.KVCompressor.attend`, its mass added to the step."""
+
+    def __init__(self, scores: _Scores) -> None:
+        self.scores = scores
+
+    def plan(self, batch: Any) -> Any:
+        return self.scores.plan(batch)
+
+    def forward(self, query, kv_cache, batch, layer, plan=None):
+        import torch
+
+        n = query.shape[0]
+        observe = plan.observe[:n] if plan is not None else torch.zeros(n, dtype=torch.bool)
+        if observe.numel() < n:
+            observe = torch.cat([observe, torch.zeros(n - observe.numel(), dtype=torch.bool)])
+        out, mass = self.scores.compressor.attend(query, kv_cache, batch, layer, observe)
+        if plan is not None:
+            rows, width = plan.mass.shape
+            plan.mass += mass[:rows, :width].to(plan.mass.dtype)
+        return out
+
+
+def _attach_drops(out: Any) -> Any:
+    """Worker: finalize the step and put the dropped blocks on the ModelRunnerOutput."""
+    state = _active
+    if state is None or state.scored is None or out is None or not hasattr(out, "req_ids"):
+        return out
+    drops = state.scored.finalize()
+    if drops:
+        import copy
+
+        out = copy.copy(out)  # never mark a shared (e.g. empty) output object
+        out.graft_kv_drops = drops
+    return out
+
+
+def _execute_model_wrapper(original: Callable) -> Callable:
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        state = _active
+        if state is not None and state.scored is not None:
+            sc = state.scored
+            sc.forget(scheduler_output.finished_req_ids)
+            sc.forget(getattr(scheduler_output, "preempted_req_ids", None))
+            sc.forget(getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", None))
+        return _attach_drops(original(self, scheduler_output, *args, **kwargs))
+
+    execute_model.__wrapped__ = original  # type: ignore[attr-defined]
+    return execute_model
+
+
+def _sample_tokens_wrapper(original: Callable) -> Callable:
+    def sample_tokens(self, *args, **kwargs):
+        return _attach_drops(original(self, *args, **kwargs))
+
+    sample_tokens.__wrapped__ = original  # type: ignore[attr-defined]
+    return sample_tokens
+
+
+def _update_from_output_wrapper(original: Callable) -> Callable:
+    def update_from_output(self, scheduler_output, model_runner_output, *args, **kwargs):
+        drops = getattr(model_runner_output, "graft_kv_drops", None)
+        state = _active
+        if drops and state is not None:
+            for req_id, blocks in drops.items():
+                if req_id in self.requests:
+                    state.to_free.setdefault(req_id, set()).update(blocks)
+        return original(self, scheduler_output, model_runner_output, *args, **kwargs)
+
+    update_from_output.__wrapped__ = original  # type: ignore[attr-defined]
+    return update_from_output
+
+
+def install_scores_channel() -> None:
+    """The three patches of the scores channel (idempotent)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    why = ("a score-based compressor decides in the worker (which has the attention scores) "
+           "and the scheduler frees; the decision rides on the ModelRunnerOutput the worker "
+           "returns each step (pickled across processes in vLLM's multiprocess executor)")
+    PATCHES.ensure(OWNER, GPUModelRunner, "execute_model", _execute_model_wrapper, wrap=True,
+                   reason=why + " (worker: forget finished/preempted requests, attach drops)",
+                   versions=VERSIONS)
+    PATCHES.ensure(OWNER, GPUModelRunner, "sample_tokens", _sample_tokens_wrapper, wrap=True,
+                   reason=why + " (worker: attach the step's drops)", versions=VERSIONS)
+    PATCHES.ensure(OWNER, Scheduler, "update_from_output", _update_from_output_wrapper, wrap=True,
+                   reason=why + " (scheduler: record the drops; the KV manager frees them)",
+                   versions=VERSIONS)
+
+
 # ------------------------------------------------------------- vLLM classes (built lazily)
 _classes: dict[str, type] = {}
 _CLASS_NAMES = ("GraftKVCompressSpec", "GraftKVCompressManager")
@@ -411,6 +638,9 @@ def _vllm_classes() -> dict[str, type]:
             if not blocks or processed_computed_tokens <= 0 or num_prompt_tokens is None:
                 return
             state = _current(self.kv_cache_spec.compressor)
+            if state.needs_scores:
+                self._free_reported(request_id, blocks, state)
+                return
             free = blocks_to_free(
                 state.compressor, state.name, num_tokens=processed_computed_tokens,
                 block_size=self.block_size, num_prompt_tokens=num_prompt_tokens,
@@ -422,6 +652,28 @@ def _vllm_classes() -> dict[str, type]:
                 self._remove_blocks_in_range(request_id, start, end)
             if free:
                 state.count("blocks_freed", len(free))
+
+        def _free_reported(self, request_id, blocks, state):
+            """Scored compressors: free what the worker reported dropped, except blocks
+            still shared through the prefix cache (freed once no longer shared)."""
+            pending = state.to_free.get(request_id)
+            if not pending:
+                return
+            free = sorted(i for i in pending if i < len(blocks) and not blocks[i].is_null
+                          and blocks[i].ref_cnt <= 1)
+            pending.difference_update(free)
+            pending.difference_update([i for i in pending if i < len(blocks) and blocks[i].is_null])
+            state.count("steps", 1)
+            for start, end in reversed(runs(free)):
+                self._remove_blocks_in_range(request_id, start, end)
+            if free:
+                state.count("blocks_freed", len(free))
+                _trace("scheduler_freed", len(free))
+
+        def free(self, request_id):
+            if _active is not None:
+                _active.to_free.pop(request_id, None)
+            return super().free(request_id)
 
     for cls in (GraftKVCompressSpec, GraftKVCompressManager):
         cls.__module__ = __name__
@@ -472,13 +724,20 @@ class KVCompressAdapter(Adapter):
         global _active
         (e,) = enabled  # the deployment allows one compressor
         compressor = runtime.instance(e)
-        if getattr(compressor, "needs_scores", False):
+        scored = bool(getattr(compressor, "needs_scores", False))
+        if scored and type(compressor).attend is KVCompressor.attend:
             raise NotImplementedError(
-                f"kvcompress plugin {e.name!r} needs attention scores (needs_scores = True); "
-                "vllm-graft does not pass scores yet: the worker->scheduler channel that carries "
-                "them comes with the KV-compression issue. Use a compressor whose keep() depends "
-                "only on num_tokens, block_size and num_prompt_tokens.")
+                f"kvcompress plugin {e.name!r} needs attention scores (needs_scores = True) but "
+                "implements no attend(): the worker gets the scores from the compressor's own "
+                "attention. Implement KVCompressor.attend (see vllm_graft.plugins.kvcompress.h2o), "
+                "or set needs_scores = False.")
         from . import backend  # imports vLLM
+
+        if scored and backend.SEAMS.method is not None and not isinstance(backend.SEAMS.method, _ScoringAttention):
+            raise NotImplementedError(
+                f"kvcompress plugin {e.name!r} needs attention scores, which it computes in its own "
+                f"attention; it cannot be combined with the attention plugin {backend.SEAMS.method_name!r}. "
+                "Leave one of them out of the deployment.")
 
         def count(event: str, n: int = 1, _name: str = e.name) -> None:
             runtime.count(Kind.KVCOMPRESS, _name, event, n)
@@ -489,7 +748,14 @@ class KVCompressAdapter(Adapter):
             lossless = e.entry.registration.capabilities.lossless
             install_patch(salt=not lossless)
             _active = _Active(compressor, e.name, count,
-                              salt=None if lossless else cache_salt(e.name, e.params))
+                              salt=None if lossless else cache_salt(e.name, e.params),
+                              needs_scores=scored)
+            if scored:
+                install_scores_channel()
+                _active.scored = _Scores(compressor, e.name, count)
+                backend.SEAMS.method = _ScoringAttention(_active.scored)
+                backend.SEAMS.method_name = e.name
+                backend.SEAMS.count = count
             backend.SEAMS.customize_spec = customize_spec
             if rewrite not in backend.SEAMS.rewriters:
                 backend.SEAMS.rewriters.append(rewrite)
@@ -507,6 +773,8 @@ class KVCompressAdapter(Adapter):
             return
         if backend.SEAMS.customize_spec is customize_spec:
             backend.SEAMS.customize_spec = None
+        if isinstance(backend.SEAMS.method, _ScoringAttention):
+            backend.SEAMS.method, backend.SEAMS.method_name, backend.SEAMS.count = None, "", None
         while rewrite in backend.SEAMS.rewriters:
             backend.SEAMS.rewriters.remove(rewrite)
         backend.uninstall(OWNER)

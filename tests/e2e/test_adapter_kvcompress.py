@@ -398,7 +398,7 @@ def test_a_rule_breaking_compressor_is_stopped_with_its_name(prompt_ids):
 
 
 def test_a_compressor_needing_scores_is_refused_at_start(prompt_ids):
-    with pytest.raises(NotImplementedError, match="test-scores.*worker->scheduler channel"):
+    with pytest.raises(NotImplementedError, match="test-scores.*implements no attend"):
         run(prompt_ids[:1], {"plugin": "test-scores"}, new_tokens=2)
 
 

@@ -258,7 +258,7 @@ class _Plugin:
                               capabilities=Capabilities(lossless=False)))
 
 
-def test_a_compressor_that_needs_scores_is_refused_at_activation():
+def test_a_compressor_that_needs_scores_without_attend_is_refused_at_activation():
     from vllm_graft.hooks import make_plugin_manager, validate
     from vllm_graft.integration.adapters.kvcompress import ADAPTER
     from vllm_graft.integration.runtime import Runtime
@@ -266,7 +266,7 @@ def test_a_compressor_that_needs_scores_is_refused_at_activation():
     pm = make_plugin_manager(entry_points=False, trace=False)
     pm.register(_Plugin(), name="scored-test")
     plan = validate({"kvcompress": {"plugin": "scored"}}, pm.build_registry())
-    with pytest.raises(NotImplementedError, match="'scored' needs attention scores.*worker->scheduler channel"):
+    with pytest.raises(NotImplementedError, match="'scored' needs attention scores.*implements no attend"):
         ADAPTER.activate(plan.by_kind("kvcompress"), plan, Runtime())
     ADAPTER.deactivate()
 

@@ -37,6 +37,9 @@ PLANNERS = [
     ("streaming", {"budget_blocks": 2, "sink_blocks": 1}),
     ("streaming", {"budget_blocks": 8, "sink_blocks": 2}),
     ("streaming", {"budget_blocks": 5, "sink_blocks": 0}),
+    ("h2o", {"budget_blocks": 4, "sink_blocks": 1, "recent_blocks": 1}),
+    ("h2o", {"budget_blocks": 8, "sink_blocks": 2, "recent_blocks": 3}),
+    ("h2o", {"budget_blocks": 2, "sink_blocks": 0, "recent_blocks": 2}),
 ]
 
 
@@ -44,7 +47,7 @@ PLANNERS = [
 def test_planner_properties_over_random_histories(name, params):
     comp = build(name, **params)
     budget, sink = params["budget_blocks"], params.get("sink_blocks", 1)
-    window = budget - sink
+    window = params.get("recent_blocks", budget - sink)
     for bs, prompt, shared, unshare_at, steps, rnd in histories(hash(str(params)) & 0xFFFF):
         dropped: set[int] = set()
         scores: list[float] = []
@@ -54,7 +57,8 @@ def test_planner_properties_over_random_histories(name, params):
                 scores.append(rnd.random())
             pinned = frozenset(range(shared)) if n_tok < unshare_at else frozenset()
             pinned = frozenset(i for i in pinned if i < nb - 1 and i not in dropped)
-            view = BlockView(n_tok, bs, prompt, tuple(scores[:nb]) if comp.needs_scores else None, pinned)
+            shown = tuple(float("-inf") if i in dropped else scores[i] for i in range(nb))  # as the adapter shows them
+            view = BlockView(n_tok, bs, prompt, shown if comp.needs_scores else None, pinned)
             kept = check_keep(view, comp.keep(view), name)  # sorted, in range, last + pinned kept
             own = set(kept) - pinned
             assert len(own) <= budget, (view, kept)  # the budget (pinned blocks come on top)
@@ -88,3 +92,31 @@ def test_streaming_rejects_bad_parameters(params, msg):
     reg = get_registry().get("kvcompress", "streaming").registration
     with pytest.raises(ValidationError, match=msg.replace("(", r"\(").replace(")", r"\)")):
         reg.params(**params)
+
+
+def test_h2o_keeps_the_heaviest_blocks_besides_sinks_and_the_window():
+    h = build("h2o", budget_blocks=4, sink_blocks=1, recent_blocks=1)
+    scores = (9.0, 1.0, 7.0, 0.5, 8.0, 3.0, 2.0)
+    assert h.keep(BlockView(7 * 32, 32, 10, scores)) == [0, 2, 4, 6]
+    scores = (9.0, 1.0, float("-inf"), 0.5, 8.0, 3.0, 2.0)  # block 2 dropped earlier
+    assert h.keep(BlockView(7 * 32, 32, 10, scores)) == [0, 4, 5, 6]
+    assert h.keep(BlockView(4 * 32, 32, 10, (0.0,) * 4)) == [0, 1, 2, 3]  # within budget
+
+
+def test_snapkv_compresses_the_prompt_once_prefilled_by_the_window_attention():
+    s = build("snapkv", budget_blocks=4, window_tokens=32, sink_blocks=1)
+    prompt = 10 * 32 + 5  # 11 prompt blocks; the window covers tokens 293..324: blocks 9, 10
+    assert s.score_positions(prompt) == (prompt - 32, prompt)
+    scores = tuple([5.0, 1.0, 2.0, 9.0, 0.1, 0.2, 0.3, 4.0, 0.0, 1.0, 1.0])
+    mid = BlockView(8 * 32, 32, prompt, scores[:8])  # prefill not finished: keep all
+    assert s.keep(mid) == list(range(8))
+    kept = s.keep(BlockView(prompt, 32, prompt, scores))
+    assert kept == [0, 3, 9, 10]  # sink, the top-scored prompt block, the window's blocks
+    # generation: new blocks are kept, the prompt selection stays (dropped have -inf)
+    later = tuple(float("-inf") if i not in kept else v for i, v in enumerate(scores)) + (0.0, 0.0)
+    assert s.keep(BlockView(prompt + 60, 32, prompt, later)) == [0, 3, 9, 10, 11, 12]
+    for n in range(prompt, prompt + 200, 7):  # never over budget on prompt blocks
+        nb = -(-n // 32)
+        sc = tuple(float("-inf") if (i < 11 and i not in kept) else 1.0 for i in range(nb))
+        got = s.keep(BlockView(n, 32, prompt, sc))
+        assert len([i for i in got if i * 32 < prompt]) <= 4 and set(got) >= {0, 9, 10, nb - 1}

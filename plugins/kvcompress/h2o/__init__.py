@@ -1,0 +1,39 @@
+"""`h2o` KV compressor (Heavy-Hitter Oracle, Zhang et al. 2023, arXiv:2306.14048) at block
+granularity: keeps ``sink_blocks`` leading blocks, the ``recent_blocks`` most recent ones
+(the block being written included) and, up to ``budget_blocks`` in all, the blocks with the
+most attention accumulated so far (summed over every query since the block was written, all
+heads and all layers: vLLM frees KV per block and per KV-cache group, not per layer or head).
+
+The attention mass comes from the layer's attention itself, which the worker runs through
+:func:`reference.paged_attention_with_mass` (``kernel: reference``) or the Triton decode
+kernel that also emits per-block mass (``kernel: triton``; prefill rows use the reference).
+"""
+from pydantic import Field, model_validator
+
+from vllm_graft.hooks import Capabilities, KernelParams, Registration, hookimpl
+
+
+class H2OParams(KernelParams):
+    budget_blocks: int = Field(..., ge=2, description="KV blocks a request keeps in all")
+    sink_blocks: int = Field(1, ge=0, description="leading blocks always kept")
+    recent_blocks: int = Field(1, ge=1, description="most recent blocks always kept (the one being written included)")
+
+    @model_validator(mode="after")
+    def _room_for_heavy_hitters(self):
+        if self.sink_blocks + self.recent_blocks > self.budget_blocks:
+            raise ValueError(
+                f"sink_blocks + recent_blocks ({self.sink_blocks} + {self.recent_blocks}) must not "
+                f"exceed budget_blocks ({self.budget_blocks}); the rest of the budget holds the heavy hitters")
+        return self
+
+
+@hookimpl
+def graft_register_kv_compressors(register):
+    register(Registration(
+        name="h2o",
+        summary="H2O: keeps sink + recent blocks and the blocks with the most accumulated attention",
+        paper="Zhang et al. 2023, H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs (arXiv:2306.14048)",
+        params=H2OParams,
+        impl="vllm_graft.plugins.kvcompress.h2o.reference:H2O",
+        capabilities=Capabilities(lossless=False),
+    ))

@@ -1,0 +1,121 @@
+"""Triton decode attention over a paged KV cache that also emits per-block attention mass.
+
+One program per (sequence, query head): the sequence's single query (decode) walks the
+blocks of its block-table row, keeping the online-softmax state (running max ``m``, sum
+``l``, accumulator) and storing each block's own max and exp-sum; a second walk turns those
+into the block's share of the final softmax, ``l_b * exp(m_b - m) / l``. Rows with more than
+one query (prefill chunks) go through the reference.
+
+Shapes and strides: query ``[T, H, D]``; key/value caches ``[num_blocks, H_kv, B, D]``
+(views of vLLM's ``[num_blocks, H_kv, B, 2*D]`` per :func:`split_kv_cache`); block table
+``[S, max_blocks]``; out ``[T, H, D]``; mass ``[S, H, max_blocks]`` (summed over heads by
+the launcher). ``B`` and ``D`` must be powers of two (vLLM CPU: B a multiple of 32).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_graft.hooks import AttentionLayer, PagedBatch, split_kv_cache
+
+
+@triton.jit
+def _decode_mass_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, qrow_ptr, out_ptr, mass_ptr, bm_ptr, bl_ptr,
+    s_qt, s_qh, s_kn, s_kh, s_kb, s_vn, s_vh, s_vb, s_tt, s_ot, s_oh, s_ms, s_mh,
+    scale, GROUP: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    kvh = head // GROUP
+    L = tl.load(lens_ptr + seq)
+    row = tl.load(qrow_ptr + seq)
+    d = tl.arange(0, D)
+    t = tl.arange(0, B)
+    q = tl.load(q_ptr + row * s_qt + head * s_qh + d).to(tl.float32)
+    m = -float("inf")
+    l = 0.0
+    acc = tl.zeros([D], dtype=tl.float32)
+    nb = tl.cdiv(L, B)
+    for b in range(0, nb):
+        bid = tl.load(table_ptr + seq * s_tt + b).to(tl.int64)
+        valid = b * B + t < L
+        k = tl.load(k_ptr + bid * s_kn + kvh * s_kh + t[:, None] * s_kb + d[None, :],
+                    mask=valid[:, None], other=0.0).to(tl.float32)
+        s = tl.sum(k * q[None, :], axis=1) * scale
+        s = tl.where(valid, s, -float("inf"))
+        m_b = tl.max(s, axis=0)
+        p = tl.exp(s - m_b)
+        l_b = tl.sum(p, axis=0)
+        v = tl.load(v_ptr + bid * s_vn + kvh * s_vh + t[:, None] * s_vb + d[None, :],
+                    mask=valid[:, None], other=0.0).to(tl.float32)
+        acc_b = tl.sum(p[:, None] * v, axis=0)
+        m_new = tl.maximum(m, m_b)
+        a_old = tl.exp(m - m_new)
+        a_new = tl.exp(m_b - m_new)
+        acc = acc * a_old + acc_b * a_new
+        l = l * a_old + l_b * a_new
+        m = m_new
+        tl.store(bm_ptr + seq * s_ms + head * s_mh + b, m_b)
+        tl.store(bl_ptr + seq * s_ms + head * s_mh + b, l_b)
+    tl.store(out_ptr + row * s_ot + head * s_oh + d, (acc / l).to(out_ptr.dtype.element_ty))
+    for b in range(0, nb):
+        m_b = tl.load(bm_ptr + seq * s_ms + head * s_mh + b)
+        l_b = tl.load(bl_ptr + seq * s_ms + head * s_mh + b)
+        tl.store(mass_ptr + seq * s_ms + head * s_mh + b, l_b * tl.exp(m_b - m) / l)
+
+
+def decode_attention_with_mass(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_table: torch.Tensor, seq_lens: torch.Tensor, query_rows: torch.Tensor,
+                               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention for the sequences whose single query is row ``query_rows[s]`` of
+    ``query``: ``(out [len(query_rows), H, D], mass [S, H, max_blocks])`` (fp32 mass)."""
+    S = query_rows.numel()
+    T, H, D = query.shape
+    Hkv, B = k_cache.shape[1], k_cache.shape[2]
+    if (B & (B - 1)) or (D & (D - 1)):
+        raise ValueError(f"block size {B} and head size {D} must be powers of two for the Triton kernel")
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and query.stride(2) == 1
+    width = block_table.shape[1]
+    out = torch.zeros(T, H, D, dtype=query.dtype, device=query.device)
+    mass = torch.zeros(S, H, width, dtype=torch.float32, device=query.device)
+    bm = torch.empty_like(mass)
+    bl = torch.empty_like(mass)
+    table = block_table.contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    rows = query_rows.to(torch.int32).contiguous()
+    _decode_mass_kernel[(S, H)](
+        query, k_cache, v_cache, table, lens, rows, out, mass, bm, bl,
+        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
+        out.stride(0), out.stride(1), mass.stride(0), mass.stride(1),
+        float(scale), GROUP=H // Hkv, B=B, D=D,
+    )
+    return out[rows.long()], mass
+
+
+def attention_with_mass(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
+                        layer: AttentionLayer, observe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``KVCompressor.attend`` with the Triton kernel for decode rows (one query) and the
+    reference for the others."""
+    from .reference import paged_attention_with_mass
+
+    qsl = batch.query_start_loc
+    qlen = (qsl[1:] - qsl[:-1]).long()
+    decode = (qlen == 1) & (batch.seq_lens > 0)
+    out, mass = torch.zeros_like(query), torch.zeros(qlen.numel(), batch.block_table.shape[1],
+                                                        dtype=torch.float32, device=query.device)
+    others = ~decode & (qlen > 0)
+    if bool(others.any()):
+        ref_out, ref_mass = paged_attention_with_mass(query, kv_cache, batch, layer, observe)
+        out, mass = ref_out, ref_mass * others[:, None]
+    if bool(decode.any()):
+        seqs = decode.nonzero().flatten()
+        rows = qsl[:-1][seqs].long()
+        k_cache, v_cache = split_kv_cache(kv_cache)
+        d_out, d_mass = decode_attention_with_mass(query, k_cache, v_cache, batch.block_table[seqs],
+                                                   batch.seq_lens[seqs], rows, layer.scale)
+        out[rows] = d_out
+        mass[seqs] = d_mass.sum(1) * observe[rows].to(torch.float32)[:, None]
+    return out, mass

@@ -1,0 +1,40 @@
+"""`snapkv` KV compressor (SnapKV, Li et al. 2024, arXiv:2404.14469) at block granularity:
+once the prompt is prefilled, keep the prompt blocks that the last ``window_tokens`` prompt
+tokens (the observation window) attend to most, the blocks holding the window itself and
+``sink_blocks`` leading blocks, ``budget_blocks`` prompt blocks in all; blocks of generated
+tokens are all kept (SnapKV compresses the prompt, not the generation).
+
+Scores are aggregated, not per layer or per head: vLLM frees KV per block and per KV-cache
+group, so a block is kept or freed for every layer and head at once; its score is the
+attention mass the window's queries put on it, summed over heads and layers. (The paper's
+per-head selection and 1-D pooling of scores are left out: the block already pools 16-128
+adjacent tokens.) Mid-prefill (chunked prefill) nothing is dropped.
+"""
+from pydantic import Field, model_validator
+
+from vllm_graft.hooks import Capabilities, KernelParams, Registration, hookimpl
+
+
+class SnapKVParams(KernelParams):
+    budget_blocks: int = Field(..., ge=2, description="prompt KV blocks a request keeps after prefill")
+    window_tokens: int = Field(32, ge=1, description="observation window: the last prompt tokens whose attention scores the prompt")
+    sink_blocks: int = Field(1, ge=0, description="leading blocks always kept")
+
+    @model_validator(mode="after")
+    def _room(self):
+        if self.sink_blocks >= self.budget_blocks:
+            raise ValueError(f"sink_blocks ({self.sink_blocks}) must be smaller than budget_blocks "
+                             f"({self.budget_blocks}): the observation window needs a block")
+        return self
+
+
+@hookimpl
+def graft_register_kv_compressors(register):
+    register(Registration(
+        name="snapkv",
+        summary="SnapKV: after prefill, keeps the prompt blocks the observation window attends to most",
+        paper="Li et al. 2024, SnapKV: LLM Knows What You are Looking for Before Generation (arXiv:2404.14469)",
+        params=SnapKVParams,
+        impl="vllm_graft.plugins.kvcompress.snapkv.reference:SnapKV",
+        capabilities=Capabilities(lossless=False),
+    ))
