@@ -491,3 +491,73 @@ def build(names: Sequence[str], tokenizer: Tokenizer, *, num_prompts: int, max_t
         assert len(prompts) == num_prompts, (name, len(prompts))
         out.append(PromptSet(workload, prompts, stats))
     return out
+
+
+# ------------------------------------------------------------ KV compression: long texts
+@dataclass(frozen=True)
+class Needle:
+    """One needle-in-a-haystack retrieval prompt: ``token_ids`` ends where the model must
+    copy ``answer_ids`` (exact match: the greedy output starts with them)."""
+
+    token_ids: tuple[int, ...]
+    answer_ids: tuple[int, ...]
+    depth: float  # where the needle sits in the haystack (0 = start, 1 = end)
+    source: str
+
+
+def stdlib_texts(tokenizer: Tokenizer, *, num: int, tokens: int, seed: int = 0,
+                 root: Path | None = None) -> list[tuple[tuple[int, ...], str]]:
+    """``num`` windows of exactly ``tokens`` token ids of stdlib source (seeded choice of
+    files long enough, starting at a line boundary), with their source ``file@offset``."""
+    root = root or stdlib_dir()
+    rng = random.Random(f"vllm-graft-kv-texts:{seed}:{tokens}")
+    files = [f for f in stdlib_files(root) if (root / f).stat().st_size >= 5 * tokens]
+    rng.shuffle(files)
+    out = []
+    for rel in files:
+        if len(out) == num:
+            break
+        text = _read(root, rel)
+        starts = [0]
+        for line in text.splitlines(keepends=True):
+            starts.append(starts[-1] + len(line))
+        usable = [s for s in starts if len(text) - s >= 6 * tokens]
+        if not usable:
+            continue
+        start = rng.choice(usable)
+        ids = tokenizer.encode(text[start:start + 8 * tokens])
+        if len(ids) >= tokens:
+            out.append((tuple(ids[:tokens]), f"{rel}@{start}"))
+    if len(out) < num:
+        raise WorkloadError(f"only {len(out)} stdlib files are long enough for {tokens}-token texts")
+    return out
+
+
+def needle_haystack(tokenizer: Tokenizer, *, num_prompts: int, context_tokens: int, seed: int = 0,
+                    root: Path | None = None) -> list[Needle]:
+    """Needle-in-a-haystack retrieval on code: a stdlib source window of about
+    ``context_tokens`` tokens (the haystack) with one line ``SECRET_<tag> = "<value>"``
+    inserted at a line boundary at depth 0.1-0.9 (evenly over the prompts); the prompt ends
+    with ``SECRET_<tag> = "``, so the answer is ``<value>"`` copied from the needle line
+    (a random tag and an 8-letter random value per prompt, seeded)."""
+    rng = random.Random(f"vllm-graft-needle:{seed}:{context_tokens}")
+    tail_budget = 32  # the needle line and the question
+    texts = stdlib_texts(tokenizer, num=num_prompts, tokens=context_tokens - tail_budget, seed=seed, root=root)
+    out = []
+    for i, (ids, source) in enumerate(texts):
+        tag = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(4))
+        value = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(8))
+        depth = 0.1 + 0.8 * (i / max(1, num_prompts - 1))
+        hay = tokenizer.decode(ids)
+        lines = hay.splitlines(keepends=True)
+        at = max(1, min(len(lines) - 1, round(depth * len(lines))))
+        needle = f'SECRET_{tag} = "{value}"\n'
+        question = f'\nSECRET_{tag} = "'
+        text = "".join(lines[:at]) + needle + "".join(lines[at:]).rstrip("\n") + "\n" + question
+        prompt = tokenizer.encode(text)[-(context_tokens - 1):]
+        full = tokenizer.encode(text + value + '"')
+        answer = full[len(tokenizer.encode(text)):]
+        if not answer or tokenizer.encode(text) + answer != full:
+            answer = tokenizer.encode(value + '"')  # the tokenizer merges across the boundary
+        out.append(Needle(tuple(prompt), tuple(answer), round(depth, 3), source))
+    return out

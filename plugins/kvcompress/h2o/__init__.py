@@ -14,7 +14,7 @@ from vllm_graft.hooks import Capabilities, KernelParams, Registration, hookimpl
 
 
 class H2OParams(KernelParams):
-    budget_blocks: int = Field(..., ge=2, description="KV blocks a request keeps in all")
+    budget_blocks: int = Field(16, ge=2, description="KV blocks a request keeps in all")
     sink_blocks: int = Field(1, ge=0, description="leading blocks always kept")
     recent_blocks: int = Field(1, ge=1, description="most recent blocks always kept (the one being written included)")
 

@@ -16,7 +16,7 @@ from vllm_graft.hooks import Capabilities, KernelParams, Registration, hookimpl
 
 
 class SnapKVParams(KernelParams):
-    budget_blocks: int = Field(..., ge=2, description="prompt KV blocks a request keeps after prefill")
+    budget_blocks: int = Field(16, ge=2, description="prompt KV blocks a request keeps after prefill")
     window_tokens: int = Field(32, ge=1, description="observation window: the last prompt tokens whose attention scores the prompt")
     sink_blocks: int = Field(1, ge=0, description="leading blocks always kept")
 

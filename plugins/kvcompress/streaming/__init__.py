@@ -16,7 +16,7 @@ from vllm_graft.hooks import Capabilities, Registration, hookimpl
 class StreamingParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    budget_blocks: int = Field(..., ge=2, description="KV blocks a request keeps: sinks + recent window")
+    budget_blocks: int = Field(16, ge=2, description="KV blocks a request keeps: sinks + recent window")
     sink_blocks: int = Field(1, ge=0, description="leading blocks always kept (attention sinks)")
 
     @model_validator(mode="after")

@@ -1,0 +1,170 @@
+"""`vllm-graft kvbench`: KV-compression figures versus plain vLLM on the bundled model.
+
+For plain vLLM and each eviction compressor (``streaming``, ``h2o``, ``snapkv``) at budgets
+of 1/2, 1/4 and 1/8 of the context (in KV blocks), one in-process engine each, with a fixed
+KV pool (``--pool-blocks``) and chunked prefill (``--chunk`` tokens per step, so eviction
+also happens between prefill chunks):
+
+* **ppl**: perplexity of ``--texts`` stdlib windows of ``--context`` tokens, from vLLM's
+  prompt log-probabilities (every token after the first, each computed with the KV the
+  compressor kept at that point);
+* **needle EM**: exact match on :func:`~.workloads.needle_haystack` (``--needles`` prompts
+  of ``--context`` tokens, greedy): the output starts with the needle's value;
+* **blocks/req**: KV blocks each request holds, read from vLLM's block pool every step
+  (the manager's block table, freed entries excluded): the peak over the run, and the
+  peak once decoding (the needle prompts prefilled);
+* **max concurrent**: the most needle requests running at once (all submitted together,
+  each generating ``--decode-tokens``) in the fixed pool.
+
+SnapKV compresses after the prompt is prefilled, so its perplexity over prompt tokens is
+plain vLLM's by construction (reported, marked), and its prefill holds the whole prompt.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any
+
+DEFAULT_MODEL = "graft-tiny-llama"
+
+
+def _arms(context: int, block: int, which: list[str]) -> list[tuple[str, dict[str, Any] | None]]:
+    blocks = context // block
+    arms: list[tuple[str, dict[str, Any] | None]] = [("plain", None)]
+    for frac in (2, 4, 8):
+        budget = blocks // frac
+        for name in which:
+            if name == "streaming":
+                params = {"budget_blocks": budget, "sink_blocks": 1}
+            elif name == "h2o":
+                params = {"budget_blocks": budget, "sink_blocks": 1, "recent_blocks": max(1, budget // 4)}
+            elif name == "snapkv":
+                params = {"budget_blocks": budget, "sink_blocks": 1, "window_tokens": block}
+            else:
+                raise SystemExit(f"kvbench: unknown compressor {name!r} (streaming, h2o, snapkv)")
+            arms.append((f"{name} 1/{frac}", {"plugin": name, "params": params}))
+    return arms
+
+
+def run_arm(model: str, kvcompress: dict[str, Any] | None, texts, needles, *, block: int, chunk: int,
+            pool: int, context: int, max_seqs: int, decode: int = 128) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+
+    from . import launch
+
+    engine_args = {"dtype": "float32", "max_model_len": context, "block_size": block, "enforce_eager": True,
+                   "num_gpu_blocks_override": pool, "max_num_batched_tokens": chunk,
+                   "max_num_seqs": max_seqs, "enable_prefix_caching": False}
+    data: dict[str, Any] = {"model": model, "engine": engine_args}
+    if kvcompress:
+        data["kvcompress"] = kvcompress
+    plan = launch.plan_from_dict(data)
+    t0 = time.time()
+    llm = LLM(**launch.llm_kwargs(plan, graft=bool(kvcompress)), seed=0)
+    engine = llm.llm_engine
+    core = engine.engine_core.engine_core
+    sched = core.scheduler
+    (mgr,) = sched.kv_cache_manager.coordinator.single_type_managers
+    res: dict[str, Any] = {}
+    try:
+        def drive(reqs, params):
+            peak, peak_decode, running, outs = 0, 0, 0, {}
+            for rid, ids in reqs:
+                engine.add_request(rid, {"prompt_token_ids": list(ids)}, params)
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    if o.finished:
+                        outs[o.request_id] = o
+                running = max(running, len(sched.running))
+                for rid, blocks in mgr.req_to_blocks.items():
+                    held = sum(not b.is_null for b in blocks)
+                    peak = max(peak, held)
+                    req = sched.requests.get(rid)
+                    if req is not None and req.num_computed_tokens >= req.num_prompt_tokens:
+                        peak_decode = max(peak_decode, held)
+            return outs, peak, peak_decode, running
+
+        # perplexity: one text at a time (prompt log-probs; one output token)
+        nll, n_tok, peak_ppl = 0.0, 0, 0
+        for i, (ids, _) in enumerate(texts):
+            outs, peak, _, _ = drive([(f"t{i}", ids)], SamplingParams(max_tokens=1, prompt_logprobs=0,
+                                                                       temperature=0.0))
+            peak_ppl = max(peak_ppl, peak)
+            for tok, lp in zip(ids[1:], outs[f"t{i}"].prompt_logprobs[1:]):
+                nll -= lp[tok].logprob
+                n_tok += 1
+        res["ppl"] = math.exp(nll / n_tok)
+        res["ppl_tokens"] = n_tok
+        res["peak_blocks_ppl"] = peak_ppl
+        # needles: all at once in the fixed pool
+        reqs = [(f"n{i}", n.token_ids) for i, n in enumerate(needles)]
+        longest = max(len(n.answer_ids) for n in needles)
+        outs, peak, peak_decode, running = drive(reqs, SamplingParams(max_tokens=max(longest + 2, decode),
+                                                                      temperature=0.0, ignore_eos=True))
+        hits = [list(outs[f"n{i}"].outputs[0].token_ids[:len(n.answer_ids)]) == list(n.answer_ids)
+                for i, n in enumerate(needles)]
+        res.update(needle_em=sum(hits) / len(hits), needle_hits=hits, peak_blocks=peak,
+                   peak_blocks_decode=peak_decode, max_concurrent=running, seconds=round(time.time() - t0, 1))
+    finally:
+        engine.engine_core.shutdown()
+        del llm
+    return res
+
+
+def main(args) -> int:
+    from . import launch
+    from .workloads import Tokenizer, needle_haystack, stdlib_texts
+
+    launch.apply_env_defaults(in_process=True)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from pathlib import Path
+
+    model = args.model or str(Path(__file__).resolve().parents[1] / "models" / DEFAULT_MODEL)
+    tok = Tokenizer.from_model(model)
+    room = args.decode_tokens + 1  # output tokens
+    texts = stdlib_texts(tok, num=args.texts, tokens=args.context - room, seed=args.seed)
+    needles = needle_haystack(tok, num_prompts=args.needles, context_tokens=args.context - room, seed=args.seed)
+    rows = []
+    for label, kv in _arms(args.context, args.block, args.compressors.split(",")):
+        r = run_arm(model, kv, texts, needles, block=args.block, chunk=args.chunk, pool=args.pool_blocks,
+                    context=args.context, max_seqs=args.needles, decode=args.decode_tokens)
+        r["arm"], r["kvcompress"] = label, kv
+        rows.append(r)
+        print(json.dumps({k: v for k, v in r.items() if k != "needle_hits"}), flush=True)
+    base = rows[0]
+    print()
+    print(f"context {args.context} tokens, block {args.block}, chunk {args.chunk}, pool {args.pool_blocks} blocks, "
+          f"{args.texts} ppl texts ({base['ppl_tokens']} tokens), {args.needles} needles")
+    head = f"{'arm':<16}{'blocks/req':>11}{'(decode)':>9}{'vs plain':>9}{'max conc.':>10}{'ppl':>9}{'Δppl':>8}{'needle EM':>10}"
+    print(head)
+    for r in rows:
+        note = " (prompt not compressed)" if r["arm"].startswith("snapkv") else ""
+        print(f"{r['arm']:<16}{r['peak_blocks']:>11}{r['peak_blocks_decode']:>9}"
+              f"{base['peak_blocks'] / max(1, r['peak_blocks']):>8.1f}x{r['max_concurrent']:>10}"
+              f"{r['ppl']:>9.3f}{100 * (r['ppl'] / base['ppl'] - 1):>+7.1f}%{r['needle_em']:>10.2f}{note}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+def add_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "kvbench", help="KV-compression figures: blocks held, concurrency, perplexity, needle retrieval",
+        description=__doc__.split("\n\n", 1)[1].split("\n\nSnapKV")[0])
+    p.add_argument("--model", help=f"model folder (default: the bundled {DEFAULT_MODEL})")
+    p.add_argument("--compressors", default="streaming,h2o,snapkv", help="comma list (default all three)")
+    p.add_argument("--context", type=int, default=2048, help="context tokens (default 2048)")
+    p.add_argument("--block", type=int, default=32, help="KV block size (default 32)")
+    p.add_argument("--chunk", type=int, default=128, help="prefill chunk: max_num_batched_tokens (default 128)")
+    p.add_argument("--pool-blocks", type=int, default=256, help="fixed KV pool in blocks (default 256)")
+    p.add_argument("--texts", type=int, default=4, help="perplexity texts (default 4)")
+    p.add_argument("--needles", type=int, default=16, help="needle prompts (default 16)")
+    p.add_argument("--decode-tokens", type=int, default=128,
+                   help="tokens each needle request generates (default 128: requests overlap in decode, "
+                        "so the pool, not the prefill schedule, bounds concurrency)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the rows to this file")
+    p.set_defaults(func=lambda args, console=None: main(args))
