@@ -36,13 +36,67 @@ queries are the last ``query_len`` positions of the shortened row, so causality 
 is unchanged. A row whose compressor drops nothing is left as it is (the noop path costs one
 ``keep`` call per row and no tensor work).
 
+(That is the path of deterministic compressors such as ``streaming``; scored ones are below.)
 The scheduler frees what ``keep`` dropped at ``processed_computed_tokens``; the worker drops
 what ``keep`` drops at the step's computed length, which is never smaller. As dropped blocks
 stay dropped, the worker reads a subset of the blocks the scheduler still holds: never a
 freed one. (Pinned blocks the worker drops stay held until no longer shared.)
 
-The one patch
--------------
+Prefix-cache salt
+-----------------
+KV computed while a lossy compressor evicts is not the plain KV of the same tokens, yet the
+prefix cache finds blocks by a hash of their tokens (and the request's ``cache_salt``, an
+extra key of the first block, which the hash chain carries to every later block). With a
+lossy compressor (``capabilities.lossless`` False) the adapter wraps ``v1/request.py:
+Request.__init__`` (a patch, owner ``adapters.kvcompress``) so that every request's
+``cache_salt`` becomes ``vllm-graft/kvcompress/<name>/<parameters as JSON>`` (followed by
+``|<the user's salt>`` if one was given): a compressed request's blocks are served only to
+requests of the same compressor and budget, never to plain vLLM through a shared or
+offloaded cache, nor across budgets. Within one compressor and budget, a block may still
+have been computed under a slightly different eviction history (another prefill chunking):
+the approximation is the compressor's own.
+
+The scores channel (``needs_scores`` compressors: ``h2o``, ``snapkv``)
+------------------------------------------------------------------------
+Where the processes are. vLLM's default engine (``VLLM_ENABLE_V1_MULTIPROCESSING=1``) runs
+the scheduler in the engine-core process; on CPU the platform turns the uni-process executor
+into the multiprocess one (``platforms/cpu.py``: OMP needs it), so even a single CPU worker
+runs in a process of its own. Attention scores exist only in the worker; blocks are freed
+only by the scheduler. The channel is the object that already travels from the worker to the
+scheduler every step, ``ModelRunnerOutput`` (pickled by the executor's message queue).
+
+Worker. While a scored compressor is active, the backend's attention seam
+(``backend.SEAMS.method``) is a scoring attention that runs the compressor's ``attend``
+(its reference, or its Triton decode kernel) and adds the mass it reports, per block-table
+column, into the step's plan (summed over heads, layers and the queries the compressor's
+``score_positions`` selects). After the forward pass (wrappers of ``GPUModelRunner.
+execute_model`` and ``sample_tokens``) each row's mass is folded into its request's
+per-logical-block scores, ``keep`` is asked with ``num_tokens`` = all computed tokens and the
+scores (``-inf`` for blocks dropped before), and the newly dropped blocks are (1) recorded in
+the worker, whose rewriter leaves them out of attention from the next step on, and (2) put on
+the step's ``ModelRunnerOutput`` as ``graft_kv_drops`` ``{request id: [logical blocks]}``.
+Finished, preempted and resumed requests (from the ``SchedulerOutput`` given to
+``execute_model``) are forgotten, so a request computed again starts with full attention.
+
+Scheduler. A wrapper of ``Scheduler.update_from_output`` (run before the next
+``schedule()``: CPU scheduling is synchronous) records the reported drops per request; the
+manager's ``remove_skipped_blocks`` frees them with ``_remove_blocks_in_range``, except
+blocks still shared through the prefix cache (``ref_cnt > 1``), which wait until they are
+not; ``free()`` (finish, abort, preemption) forgets the request. Safety: the scheduler frees
+only what the worker already stopped reading, so a freed block that the pool hands to
+another request is never read by the request that gave it up. Cost: a decision frees its
+blocks one step later than a deterministic compressor's. The same path runs in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where the output object is passed as is. Each
+process can append its channel events to a file named by ``VLLM_GRAFT_KVCOMPRESS_TRACE``
+(tests use it to see the worker decide and the scheduler free in different processes).
+
+Granularity. vLLM frees KV per block and per KV-cache group, so a block's score aggregates
+its tokens, all heads and all layers: H2O and SnapKV here choose blocks for all layers at
+once, not per layer or per head as in the papers. A scored compressor brings its own
+attention, so it cannot be combined with an attention plugin (refused at activation).
+
+The metadata patch
+------------------
 ``CommonAttentionMetadata`` has per-row sequence and query lengths but not which request a
 row is, nor its prompt length. Row ``i`` is ``runner.input_batch.req_ids[i]`` (the runner
 builds the metadata from its input batch in row order: ``GPUModelRunner.
