@@ -30,8 +30,8 @@ block (they are full blocks: the last block is always kept). The worker has no s
 does not hear from the scheduler, so it calls the same ``keep`` with the same view
 (``num_tokens`` = ``seq_len - query_len``, the row's prompt length, ``pinned`` empty,
 ``scores`` None): compressors must be deterministic in those (see
-:class:`~vllm_graft.hooks.KVCompressor`); one with ``needs_scores`` is refused at
-activation. Keys are cached after RoPE, so the kept keys keep their positions; the step's
+:class:`~vllm_graft.hooks.KVCompressor`); one with ``needs_scores`` decides in the worker
+instead (see "The scores channel"). Keys are cached after RoPE, so the kept keys keep their positions; the step's
 queries are the last ``query_len`` positions of the shortened row, so causality among them
 is unchanged. A row whose compressor drops nothing is left as it is (the noop path costs one
 ``keep`` call per row and no tensor work).
