@@ -1,6 +1,6 @@
 """One engine scenario for the KV-compression e2e tests, run in-process by the tests and in
-vLLM's default multiprocess mode by ``python -m tests.e2e.kvcompress_scenario KVCOMPRESS_JSON``
-(prints the result as JSON): requests that arrive over time (one shares another's prompt,
+vLLM's default multiprocess mode by ``python -m tests.e2e.kvcompress_scenario '[KVCOMPRESS, ...]'``
+(one engine after another in one process; prints each result as JSON): requests that arrive over time (one shares another's prompt,
 so it hits the prefix cache), a KV pool too small for all of them (so requests are
 preempted and resumed), and one request aborted mid-generation."""
 from __future__ import annotations
@@ -93,5 +93,5 @@ def run(kvcompress: dict[str, Any] | None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    result = run(json.loads(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1] else None)
-    print("GRAFT-RESULT " + json.dumps(result))
+    for kvcompress in json.loads(sys.argv[1]):  # a list of kvcompress sections (null: plain)
+        print("GRAFT-RESULT " + json.dumps(run(kvcompress)), flush=True)

@@ -32,6 +32,8 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 STREAM_SMALL = {"plugin": "streaming", "params": {"budget_blocks": 3, "sink_blocks": 1}}
 STREAM_FULL = {"plugin": "streaming", "params": {"budget_blocks": 12}}  # >= max_model_len / block
+H2O_SMALL = {"plugin": "h2o", "params": {"budget_blocks": 3, "sink_blocks": 1, "recent_blocks": 1}}
+H2O_FULL = {"plugin": "h2o", "params": {"budget_blocks": 12}}
 
 
 @pytest.fixture(scope="module")
@@ -84,19 +86,24 @@ def test_streaming_survives_preemption_abort_and_prefix_caching(plain, small):
     assert small["tokens"] != plain["tokens"]
 
 
-def mp_run(kvcompress, trace=None):
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "PYTHONPATH": str(ROOT)}
-    if trace:
-        env["VLLM_GRAFT_KVCOMPRESS_TRACE"] = str(trace)
-    proc = subprocess.run([sys.executable, "-m", "tests.e2e.kvcompress_scenario", json.dumps(kvcompress)],
+@pytest.fixture(scope="module")
+def multiprocess(tmp_path_factory):
+    """The scenario with streaming, then h2o, in vLLM's default multiprocess engine (one
+    subprocess: the engines' start-up dominates); h2o's scores-channel events traced."""
+    trace = tmp_path_factory.mktemp("kv") / "trace.jsonl"
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "PYTHONPATH": str(ROOT),
+           "VLLM_GRAFT_KVCOMPRESS_TRACE": str(trace)}
+    proc = subprocess.run([sys.executable, "-m", "tests.e2e.kvcompress_scenario",
+                           json.dumps([STREAM_SMALL, H2O_SMALL])],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("GRAFT-RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1].split(" ", 1)[1])
+    assert proc.returncode == 0 and len(lines) == 2, proc.stderr[-4000:]
+    stream, h2o = (json.loads(ln.split(" ", 1)[1]) for ln in lines)
+    return {"streaming": stream, "h2o": h2o, "trace": [json.loads(ln) for ln in trace.read_text().splitlines()]}
 
 
-def test_streaming_in_the_multiprocess_engine_matches_in_process(small):
-    mp = mp_run(STREAM_SMALL)
+def test_streaming_in_the_multiprocess_engine_matches_in_process(small, multiprocess):
+    mp = multiprocess["streaming"]
     assert mp["preemptions"] > 0 and mp["aborted"] == ["r4"]
     same = [r for r in mp["tokens"] if mp["tokens"][r] == small["tokens"][r]]
     assert len(same) >= 4, same  # (see the h2o test below: preemption may fall on another step)
@@ -111,8 +118,6 @@ def test_streaming_in_the_multiprocess_engine_matches_in_process(small):
 
 
 # --------------------------------------------------------------- h2o: the scores channel
-H2O_SMALL = {"plugin": "h2o", "params": {"budget_blocks": 3, "sink_blocks": 1, "recent_blocks": 1}}
-H2O_FULL = {"plugin": "h2o", "params": {"budget_blocks": 12}}
 
 
 @pytest.fixture(scope="module")
@@ -146,14 +151,14 @@ def test_h2o_decides_in_the_worker_and_the_scheduler_frees(plain, h2o_small):
         assert toks[:8] == plain["tokens"][rid][:8]
 
 
-def test_h2o_in_the_multiprocess_engine_matches_in_process(h2o_small, tmp_path):
+def test_h2o_in_the_multiprocess_engine_matches_in_process(h2o_small, multiprocess):
     """Scheduler and worker in different processes: the drops travel on the pickled
     ModelRunnerOutput."""
-    trace = tmp_path / "trace.jsonl"
-    mp = mp_run(H2O_SMALL, trace)
+    mp = multiprocess["h2o"]
     assert mp["preemptions"] > 0 and mp["aborted"] == ["r4"]
-    # the worker decided in one process, the scheduler freed in another
-    lines = [json.loads(ln) for ln in trace.read_text().splitlines()]
+    # the worker decided in one process, the scheduler freed in another (streaming writes
+    # no channel events: it decides in both halves)
+    lines = multiprocess["trace"]
     dropped = {ln["pid"] for ln in lines if ln["event"] == "worker_dropped"}
     freed = {ln["pid"] for ln in lines if ln["event"] == "scheduler_freed"}
     assert len(dropped) == 1 and len(freed) == 1 and dropped != freed and os.getpid() not in dropped | freed
