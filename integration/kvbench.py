@@ -49,7 +49,7 @@ def _arms(context: int, block: int, which: list[str]) -> list[tuple[str, dict[st
 
 
 def run_arm(model: str, kvcompress: dict[str, Any] | None, texts, needles, *, block: int, chunk: int,
-            pool: int, context: int, max_seqs: int, decode: int = 128) -> dict[str, Any]:
+            pool: int, context: int, max_seqs: int, decode: int = 384) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
     from . import launch
@@ -162,8 +162,8 @@ def add_command(sub: Any) -> None:
     p.add_argument("--pool-blocks", type=int, default=256, help="fixed KV pool in blocks (default 256)")
     p.add_argument("--texts", type=int, default=4, help="perplexity texts (default 4)")
     p.add_argument("--needles", type=int, default=16, help="needle prompts (default 16)")
-    p.add_argument("--decode-tokens", type=int, default=128,
-                   help="tokens each needle request generates (default 128: requests overlap in decode, "
+    p.add_argument("--decode-tokens", type=int, default=384,
+                   help="tokens each needle request generates (default 384: requests overlap in decode, "
                         "so the pool, not the prefill schedule, bounds concurrency)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the rows to this file")
