@@ -276,3 +276,46 @@ def test_the_adapter_module_and_its_pure_logic_load_no_vllm():
             "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# ------------------------------------------------------------- prefix-cache salt, scores
+def test_the_salt_names_the_compressor_and_its_parameters_and_keeps_the_users():
+    from vllm_graft.integration.adapters.kvcompress import cache_salt, salted
+
+    reg = get_registry().get("kvcompress", "streaming").registration
+    a = cache_salt("streaming", reg.params(budget_blocks=4))
+    b = cache_salt("streaming", reg.params(budget_blocks=8))
+    assert a == 'vllm-graft/kvcompress/streaming/{"budget_blocks":4,"sink_blocks":1}' and a != b
+    assert salted(None, a) == a and salted("", a) == a
+    assert salted("user", a) == a + "|user"
+    assert salted("user", None) == "user" and salted(None, None) is None
+
+
+def test_worker_scores_accumulate_per_logical_block_and_drops_are_final():
+    """The worker half of the scores channel without vLLM: a step's mass per compacted
+    column lands on the right logical block, keep() sees -inf for dropped blocks, and only
+    newly dropped blocks are reported."""
+    from vllm_graft.integration.adapters.kvcompress import _Scores, _StepPlan
+
+    reg = get_registry().get("kvcompress", "h2o").registration
+    h2o = reg.load()(reg.params(budget_blocks=3, sink_blocks=1, recent_blocks=1))
+    events = []
+    sc = _Scores(h2o, "h2o", lambda ev, n: events.append((ev, n)))
+
+    def step(computed, q, mass_row, skip):
+        nb = -(-(computed + q) // B)
+        cols = [j for j in range(nb) if j not in skip]
+        sc.pending = _StepPlan([("r", computed, q, 10, skip)], [cols], torch.ones(q, dtype=torch.bool),
+                               torch.tensor([mass_row + [0.0] * (8 - len(mass_row))]), B)
+        return sc.finalize()
+
+    # 4 blocks after the step: over budget 3 -> sink 0, last 3, heaviest of {1, 2}
+    assert step(3 * B, 1, [1.0, 0.2, 0.9, 0.1], []) == {"r": [1]}
+    assert sc.skip("r", 3 * B + 1, B) == [1]
+    # compacted columns [0, 2, 3] -> logical [0, 2, 3]; block 2 gets mass, block 3 little
+    assert step(4 * B, 1, [0.5, 0.5, 0.1, 0.0], [1]) == {"r": [3]}  # block 4 opened
+    assert sc.reqs["r"].scores[:4] == pytest.approx([1.5, 0.2, 1.4, 0.2])
+    assert step(4 * B + 1, 1, [0.5, 0.5, 0.0], [1, 3]) == {}  # nothing new
+    sc.forget(["r"])
+    assert sc.skip("r", 4 * B + 2, B) == [] and "r" not in sc.reqs
+    assert ("worker_steps", 1) in events
