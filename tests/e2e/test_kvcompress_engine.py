@@ -72,7 +72,7 @@ def test_streaming_survives_preemption_abort_and_prefix_caching(plain, small):
     assert small["aborted"] == ["r4"] and finished(small) == finished(plain)
     assert all(len(t) == scenario.NEW_TOKENS for t in small["tokens"].values())
     # held: budget + the block a new token opens + prompt blocks shared with another request
-    assert small["max_held"] <= 3 + 1 + 2 < plain["max_held"] + 2, small["max_held"]
+    assert small["max_held"] <= 3 + 1 + 2, small["max_held"]
     assert small["max_held"] < plain["max_held"]
     assert small["leaked"] == 0 and small["left"] == []  # abort and preemption free everything
     assert small["cached"]["r2"] > 0 and small["cached"]["r5"] > 0  # the prefix cache still hits
@@ -170,3 +170,38 @@ def test_h2o_in_the_multiprocess_engine_matches_in_process(h2o_small, multiproce
     # history; seen for one of the five requests).
     same = [r for r in mp["tokens"] if mp["tokens"][r] == h2o_small["tokens"][r]]
     assert len(same) >= 4, same
+
+
+def _short_run(kvcompress):
+    """Two prompts, 48 greedy tokens, 2-block budget (evicting), in-process."""
+    from vllm import LLM, SamplingParams
+
+    from vllm_graft.integration import launch
+
+    engine = {**scenario.ENGINE, "num_gpu_blocks_override": 64}
+    plan = launch.plan_from_dict({"model": str(scenario.LLAMA), "engine": engine, "kvcompress": kvcompress})
+    llm = LLM(**launch.llm_kwargs(plan), seed=0)
+    try:
+        outs = llm.generate(scenario.PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True,
+                                                                 logprobs=0))
+        return ([list(o.outputs[0].token_ids) for o in outs],
+                [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs])
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+
+
+def test_h2o_triton_kernel_in_the_engine_matches_its_reference(monkeypatch):
+    """kernel: triton runs the decode kernel inside vLLM's forward pass (interpreted, on CPU)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # before the kernel module is first imported
+    import sys
+
+    sys.modules.pop("vllm_graft.plugins.kvcompress.h2o.kernel", None)
+    params = {"budget_blocks": 2, "sink_blocks": 1, "recent_blocks": 1}
+    ref = _short_run({"plugin": "h2o", "params": {**params, "kernel": "reference"}})
+    tri = _short_run({"plugin": "h2o", "params": {**params, "kernel": "triton"}})
+    sys.modules.pop("vllm_graft.plugins.kvcompress.h2o.kernel", None)
+    assert tri[0] == ref[0]
+    err = max(abs(a - b) for x, y in zip(tri[1], ref[1]) for a, b in zip(x, y))
+    print(f"h2o triton vs reference in the engine: max |logprob diff| {err:.2e}")
+    assert err < 1e-3
