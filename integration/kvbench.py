@@ -5,14 +5,15 @@ of 1/2, 1/4 and 1/8 of the context (in KV blocks), one in-process engine each, w
 KV pool (``--pool-blocks``) and chunked prefill (``--chunk`` tokens per step, so eviction
 also happens between prefill chunks):
 
-* **ppl**: perplexity of ``--texts`` stdlib windows of ``--context`` tokens, from vLLM's
+* **ppl**: perplexity of ``--texts`` stdlib windows of ``--context`` - 1 tokens, from vLLM's
   prompt log-probabilities (every token after the first, each computed with the KV the
   compressor kept at that point);
 * **needle EM**: exact match on :func:`~.workloads.needle_haystack` (``--needles`` prompts
-  of ``--context`` tokens, greedy): the output starts with the needle's value;
+  of ``--context`` - ``--decode-tokens`` - 1 tokens, greedy): the output starts with the
+  needle's value;
 * **blocks/req**: KV blocks each request holds, read from vLLM's block pool every step
-  (the manager's block table, freed entries excluded): the peak over the run, and the
-  peak once decoding (the needle prompts prefilled);
+  (the manager's block table, freed entries excluded): the peak over the run (prefill
+  chunks included), and the peak while decoding;
 * **max concurrent**: the most needle requests running at once (all submitted together,
   each generating ``--decode-tokens``) in the fixed pool.
 
@@ -39,7 +40,7 @@ def _arms(context: int, block: int, which: list[str]) -> list[tuple[str, dict[st
             if name == "streaming":
                 params = {"budget_blocks": budget, "sink_blocks": 1}
             elif name == "h2o":
-                params = {"budget_blocks": budget, "sink_blocks": 1, "recent_blocks": max(1, budget // 4)}
+                params = {"budget_blocks": budget, "sink_blocks": 1, "recent_blocks": max(1, budget // 2)}
             elif name == "snapkv":
                 params = {"budget_blocks": budget, "sink_blocks": 1, "window_tokens": block}
             else:
@@ -82,7 +83,9 @@ def run_arm(model: str, kvcompress: dict[str, Any] | None, texts, needles, *, bl
                     held = sum(not b.is_null for b in blocks)
                     peak = max(peak, held)
                     req = sched.requests.get(rid)
-                    if req is not None and req.num_computed_tokens >= req.num_prompt_tokens:
+                    # decoding: past the first step after the prompt (a scored compressor's
+                    # decision at the prompt's end is freed at the next scheduling)
+                    if req is not None and req.num_computed_tokens > req.num_prompt_tokens:
                         peak_decode = max(peak_decode, held)
             return outs, peak, peak_decode, running
 
@@ -124,7 +127,7 @@ def main(args) -> int:
     model = args.model or str(Path(__file__).resolve().parents[1] / "models" / DEFAULT_MODEL)
     tok = Tokenizer.from_model(model)
     room = args.decode_tokens + 1  # output tokens
-    texts = stdlib_texts(tok, num=args.texts, tokens=args.context - room, seed=args.seed)
+    texts = stdlib_texts(tok, num=args.texts, tokens=args.context - 1, seed=args.seed)  # + 1 output token
     needles = needle_haystack(tok, num_prompts=args.needles, context_tokens=args.context - room, seed=args.seed)
     rows = []
     for label, kv in _arms(args.context, args.block, args.compressors.split(",")):
