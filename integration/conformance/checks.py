@@ -676,7 +676,8 @@ def check_parity(t: Target) -> str:
     why = triton_runs_here()
     if why:
         raise Skipped(why)
-    report = []
+    report: list[str] = []
+    worst = (-1.0, "")
     for dtype in _dtypes(t) or ["float32"]:
         ref = EXERCISES[t.kind](t, build(t, **{KERNEL_FIELD: "reference"}), dtype, False)
         tri = EXERCISES[t.kind](t, build(t, **{KERNEL_FIELD: "triton"}), dtype, False)
@@ -686,8 +687,9 @@ def check_parity(t: Target) -> str:
             except ValueError as e:
                 raise t.fail(f"kernel 'triton' differs from 'reference': {e}") from None
             report.append(f"{label}: max|diff| {err:.2e}")
+            worst = max(worst, (err, label))
     print("\n".join(report))
-    return f"{len(report)} case(s): triton matches reference; worst {report and max(report, key=lambda s: float(s.rsplit(' ', 1)[1]))}"
+    return f"{len(report)} case(s): triton matches reference; largest difference {worst[0]:.2e} ({worst[1]})"
 
 
 def check_engine(t: Target) -> str:
