@@ -180,6 +180,8 @@ def _print_plan(plan: Plan, source: str, console: Console) -> None:
 COMMAND_MODULES: tuple[str, ...] = (
     "vllm_graft.integration.run",  # demo, generate, serve
     "vllm_graft.integration.bench",  # bench
+    "vllm_graft.integration.calibrate",  # calibrate METHOD (expert-mask, ...)
+    "vllm_graft.integration.moe_tools",  # moe-trace, moe-sim
 )
 
 
