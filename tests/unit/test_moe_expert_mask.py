@@ -158,3 +158,12 @@ def test_contrast_picks_experts_the_behaviour_uses_more():
     assert mask.off_in(0) == {0} and mask.off_in(1) == {1} and mask.problems(2, 4, 2) == []
     with pytest.raises(ValueError, match="no tokens"):
         activation_frequency([[0]], 0)
+
+
+def test_a_relative_mask_file_resolves_from_the_deployment_folder(tmp_path, monkeypatch):
+    ExpertMask.from_dict({"off": {"0": [1]}}).save(tmp_path / "m.json")
+    monkeypatch.chdir(tmp_path.parent)
+    p = Params.model_validate({"mask_file": "m.json"}, context={"base_dir": str(tmp_path)})
+    assert p.mask_file == str((tmp_path / "m.json").resolve()) and p.mask().off_in(0) == {1}
+    with pytest.raises(ValidationError, match="cannot read mask file"):
+        Params.model_validate({"mask_file": "m.json"}, context={"base_dir": str(tmp_path.parent)})

@@ -8,9 +8,10 @@ On vLLM CPU there is no expert parallelism: the placement is evaluated, not appl
 """
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from vllm_graft.hooks import Capabilities, Registration, hookimpl
+from vllm_graft.hooks.deployment import param_path
 
 
 class Params(BaseModel):
@@ -21,14 +22,12 @@ class Params(BaseModel):
 
     @field_validator("placement_file")
     @classmethod
-    def _readable(cls, v: str | None) -> str | None:
+    def _readable(cls, v: str | None, info: ValidationInfo) -> str | None:
         if v is None:
             return v
-        from pathlib import Path
-
         from .policy import Placement
 
-        path = Path(v).expanduser().resolve()
+        path = param_path(v, info)
         Placement.load(path)
         return str(path)
 

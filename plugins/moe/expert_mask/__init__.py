@@ -9,12 +9,12 @@ top-k forced on) is checked at activation, when the model's layers, ``E`` and to
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from vllm_graft.hooks import Capabilities, Registration, hookimpl
+from vllm_graft.hooks.deployment import param_path
 
 from .policy import ExpertMask, MaskError
 
@@ -24,7 +24,7 @@ class Params(BaseModel):
 
     mask_file: str | None = Field(
         None, description="JSON mask file (format vllm-graft/expert-mask); a relative path is "
-                          "resolved against the current folder when the deployment is validated")
+                          "resolved from the current folder, else from the deployment file's folder")
     off: dict[int | str, list[int]] = Field(default_factory=dict,
                                       description="layer ('*' = every layer) -> experts switched off")
     on: dict[int | str, list[int]] = Field(default_factory=dict,
@@ -34,10 +34,10 @@ class Params(BaseModel):
 
     @field_validator("mask_file")
     @classmethod
-    def _readable(cls, v: str | None) -> str | None:
+    def _readable(cls, v: str | None, info: ValidationInfo) -> str | None:
         if v is None:
             return v
-        path = Path(v).expanduser().resolve()
+        path = param_path(v, info)
         ExpertMask.load(path)  # MaskError (a ValueError) names the problem
         return str(path)  # absolute: vLLM's other processes may start elsewhere
 
