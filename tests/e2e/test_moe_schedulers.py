@@ -134,15 +134,20 @@ def test_a_mask_that_does_not_fit_the_model_is_refused_at_activation():
     assert "off['0']: expert(s) [9] out of range; experts are 0..7" in text
 
 
-def test_dynamic_topk_with_live_cache_and_placement_observers(tmp_path):
-    from vllm_graft.plugins.moe.affinity_placement import policy as P
-    from vllm_graft.plugins.moe.expert_cache.policy import sets_from_trace, simulate
-
-    tokens, _, trace, report = generate([
+@pytest.fixture(scope="module")
+def dynamic():
+    return generate([
         {"plugin": "dynamic-topk", "params": {"threshold": 0.8}},
         {"plugin": "expert-cache", "params": {"policy": "affinity", "prefetch": 1}},
         {"plugin": "affinity-placement", "params": {"devices": 4}},
     ])
+
+
+def test_dynamic_topk_with_live_cache_and_placement_observers(dynamic):
+    from vllm_graft.plugins.moe.affinity_placement import policy as P
+    from vllm_graft.plugins.moe.expert_cache.policy import sets_from_trace, simulate
+
+    tokens, _, trace, report = dynamic
     d = report["dynamic-topk"]
     active = trace.active()
     assert d["expert_evaluations"] == int(active.sum())  # what it kept = the weighted slots routed
@@ -156,3 +161,39 @@ def test_dynamic_topk_with_live_cache_and_placement_observers(tmp_path):
     A = P.affinity(trace.token_sets())
     assert report["affinity-placement"]["transfers_round_robin"] == P.volume(A, P.round_robin(4, 8, 4))
     assert report["affinity-placement"]["transfers_in_sample_optimum"] <= report["affinity-placement"]["transfers_round_robin"]
+
+
+KERNEL_RUN = """
+import json, sys
+from tests.e2e.test_moe_schedulers import generate
+tokens, _, trace, report = generate([{"plugin": "dynamic-topk", "params": {"threshold": 0.8, "use_kernel": True}}])
+trace.save(sys.argv[1])
+print("RESULT " + json.dumps({"tokens": tokens, "report": report["dynamic-topk"]}))
+"""
+
+
+def test_dynamic_topk_triton_kernel_in_the_engine_routes_as_the_reference(dynamic, tmp_path):
+    """use_kernel: the fused Triton routing kernel inside vLLM (CPU: under TRITON_INTERPRET=1,
+    which must be set when the process starts, hence a child process) gives the reference
+    path's greedy tokens and the same recorded routes."""
+    import json
+    import subprocess
+    import sys
+
+    from vllm_graft.plugins.moe.route_trace.trace import Trace
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    out = subprocess.run([sys.executable, "-c", KERNEL_RUN, str(tmp_path / "k.npz")], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stderr[-3000:]
+    got = json.loads(lines[-1][len("RESULT "):])
+    trace = Trace.load(tmp_path / "k.npz")
+    ref_tokens, _, ref_trace, ref_report = dynamic
+    assert got["tokens"] == ref_tokens
+    assert np.array_equal(trace.ids, ref_trace.ids)
+    assert np.abs(trace.weights.astype(np.float32) - ref_trace.weights.astype(np.float32)).max() < 1e-3
+    assert got["report"]["expert_evaluations"] == ref_report["dynamic-topk"]["expert_evaluations"]
+    assert got["report"]["path"] == "triton kernel" and got["report"]["kernel_calls"] > 0
+    assert ref_report["dynamic-topk"]["path"] == "reference"

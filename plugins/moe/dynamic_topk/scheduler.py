@@ -17,6 +17,7 @@ class DynamicTopK(MoEScheduler):
         super().__init__(params)
         self.savings = Savings()
         self._kernel = None
+        self.kernel_calls = 0
         if params.use_kernel:
             if os.environ.get("TRITON_INTERPRET") != "1":
                 if not torch.cuda.is_available():
@@ -41,6 +42,7 @@ class DynamicTopK(MoEScheduler):
         else:
             weights, ids, kept = dynamic_topk(router_logits, top_k, renormalize, threshold=p.threshold,
                                               criterion=p.criterion, min_k=p.min_k)
+        self.kernel_calls += self._kernel is not None
         counts = kept.bincount(minlength=top_k + 1).tolist()
         self.savings.add(layer_idx, top_k, {k: c for k, c in enumerate(counts) if c})
         return weights, ids
@@ -50,4 +52,6 @@ class DynamicTopK(MoEScheduler):
 
     def describe(self) -> dict[str, Any]:
         return {"criterion": self.params.criterion, "threshold": self.params.threshold,
+                "path": "triton kernel" if self._kernel is not None else "reference",
+                "kernel_calls": self.kernel_calls,
                 **self.savings.describe()}
