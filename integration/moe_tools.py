@@ -203,6 +203,9 @@ def cmd_sim(args: argparse.Namespace, console: Console) -> int:
                               "top_k": k, "expert_bytes": eb, "placement": [], "cache": []}
 
     # ---- placement
+    if not 0 < args.fit_fraction < 1:
+        console.print(f"[bold red]error:[/] --fit-fraction must be between 0 and 1 (got {args.fit_fraction})")
+        return EXIT_USAGE
     fit, held = trace.split(args.fit_fraction)
     A_fit, A_held = P.affinity(fit.token_sets()), P.affinity(held.token_sets())
     n_held = held.num_tokens

@@ -253,3 +253,23 @@ def test_moe_sim_command(tmp_path, capsys):
     assert {c["capacity"] for c in r["cache"]} == {2, 4}
     assert P.Placement.load(tmp_path / "p.json").problems(2) == []
     assert main(["moe-sim", str(tmp_path / "t.npz"), "--devices", "3"]) == 2
+
+
+def test_calibrate_and_moe_commands_refuse_bad_arguments(tmp_path, capsys):
+    from vllm_graft.integration.calibrate import METHODS
+    from vllm_graft.integration.cli import main
+
+    assert list(METHODS) == ["expert-mask"] and METHODS["expert-mask"].plugin == "moe:expert-mask"
+    assert main(["calibrate"]) == 2
+    assert "name a calibration method: expert-mask" in capsys.readouterr().out
+    assert main(["calibrate", "expert-mask", "-a", str(tmp_path / "none.txt"), "-b", "x", "-o", "m.json"]) == 2
+    (tmp_path / "a.txt").write_text("one\n---\ntwo\n")
+    assert main(["calibrate", "expert-mask", "-a", str(tmp_path / "a.txt"), "-b", str(tmp_path / "a.txt"),
+                 "-o", "m.json", "--top", "0"]) == 2
+    from vllm_graft.integration.moe_record import read_prompt_file
+
+    assert read_prompt_file(tmp_path / "a.txt") == ["one", "two"]
+    random_trace(0).save(tmp_path / "t.npz")
+    assert main(["moe-sim", str(tmp_path / "t.npz"), "--fit-fraction", "1.5"]) == 2
+    assert main(["moe-sim", str(tmp_path / "missing.npz")]) == 2
+    assert main(["moe-trace", "d.yaml", "-o", "t.json"]) == 2  # the trace must be .npz
