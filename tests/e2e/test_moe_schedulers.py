@@ -166,14 +166,14 @@ def test_dynamic_topk_with_live_cache_and_placement_observers(dynamic):
 KERNEL_RUN = """
 import json, sys
 from tests.e2e.test_moe_schedulers import generate
-tokens, _, trace, report = generate([{"plugin": "dynamic-topk", "params": {"threshold": 0.8, "use_kernel": True}}])
+tokens, _, trace, report = generate([{"plugin": "dynamic-topk", "params": {"threshold": 0.8, "kernel": "triton"}}])
 trace.save(sys.argv[1])
 print("RESULT " + json.dumps({"tokens": tokens, "report": report["dynamic-topk"]}))
 """
 
 
 def test_dynamic_topk_triton_kernel_in_the_engine_routes_as_the_reference(dynamic, tmp_path):
-    """use_kernel: the fused Triton routing kernel inside vLLM (CPU: under TRITON_INTERPRET=1,
+    """kernel: triton: the fused Triton routing kernel inside vLLM (CPU: under TRITON_INTERPRET=1,
     which must be set when the process starts, hence a child process) gives the reference
     path's greedy tokens and the same recorded routes."""
     import json

@@ -108,4 +108,4 @@ def test_kernel_path_needs_a_gpu_or_the_interpreter(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     with pytest.raises(ValueError, match="needs a GPU, or TRITON_INTERPRET=1"):
-        DynamicTopK(Params(use_kernel=True))
+        DynamicTopK(Params(kernel="triton"))

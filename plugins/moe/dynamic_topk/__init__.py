@@ -24,8 +24,10 @@ class Params(BaseModel):
                             "entropy: keep min_k experts when the router's normalised entropy < threshold")
     threshold: float = Field(0.8, gt=0.0, le=1.0, description="the confidence threshold (see criterion)")
     min_k: int = Field(1, ge=1, description="fewest experts a token keeps")
-    use_kernel: bool = Field(False, description="route with the Triton kernel (on CPU: under "
-                                                "TRITON_INTERPRET=1 only; an exactness check, slow)")
+    # named and typed as main's vllm_graft.hooks.KernelParams field (conformance parity check)
+    kernel: Literal["reference", "triton"] = Field(
+        "reference", description="'reference' (plain PyTorch) or 'triton' (the fused routing kernel; on "
+                                 "CPU only under TRITON_INTERPRET=1: an exactness check, slow)")
 
 
 @hookimpl

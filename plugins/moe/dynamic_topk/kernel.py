@@ -8,7 +8,7 @@ k rounds of (max, first index of the max, knock it out), so ties go to the lower
 (``torch.topk`` on CPU does the same for the shapes tested).
 
 On a machine without a GPU this runs only under ``TRITON_INTERPRET=1`` (slow: an exactness
-check, not a fast path); the plugin uses the reference unless ``use_kernel`` is set.
+check, not a fast path); the plugin uses the reference unless ``kernel: triton`` is set.
 """
 from __future__ import annotations
 

@@ -18,10 +18,10 @@ class DynamicTopK(MoEScheduler):
         self.savings = Savings()
         self._kernel = None
         self.kernel_calls = 0
-        if params.use_kernel:
+        if params.kernel == "triton":
             if os.environ.get("TRITON_INTERPRET") != "1":
                 if not torch.cuda.is_available():
-                    raise ValueError("dynamic-topk: use_kernel needs a GPU, or TRITON_INTERPRET=1 set "
+                    raise ValueError("dynamic-topk: kernel 'triton' needs a GPU, or TRITON_INTERPRET=1 set "
                                      "before the engine starts (CPU emulation, slow)")
             from .kernel import dynamic_topk_triton
 
@@ -45,7 +45,7 @@ class DynamicTopK(MoEScheduler):
         self.kernel_calls += self._kernel is not None
         counts = kept.bincount(minlength=top_k + 1).tolist()
         self.savings.add(layer_idx, top_k, {k: c for k, c in enumerate(counts) if c})
-        return weights, ids
+        return weights, ids.long()
 
     def reset_stats(self) -> None:
         self.savings = Savings()
