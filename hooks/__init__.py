@@ -6,6 +6,7 @@ from .contracts import (
     AttentionMethod,
     BlockView,
     KVCompressor,
+    MoEModel,
     MoEScheduler,
     PagedBatch,
     PluginImpl,
@@ -46,8 +47,8 @@ from .specs import hookimpl, hookspec
 __all__ = [
     "CONTRACTS", "AttentionLayer", "AttentionMethod", "BlockView", "Capabilities", "Deployment",
     "DeploymentError", "ENTRY_POINT_GROUP", "Environment", "GraftPluginManager", "KERNEL_FIELD",
-    "KVCompressor", "KernelParams",
-    "Kind", "MoEScheduler", "NoParams", "PagedBatch", "Plan", "PluginChoice", "PluginImpl",
+    "KVCompressor", "KernelParams", "Kind", "MoEModel", "MoEScheduler", "NoParams", "PagedBatch",
+    "Plan", "PluginChoice", "PluginImpl",
     "PluginLoadError", "Problem", "Proposer", "QuantMethod", "Registration", "Registry",
     "RegistryError", "get_plugin_manager", "get_registry", "hookimpl", "hookspec",
     "make_plugin_manager", "split_kv_cache", "validate", "validate_file",

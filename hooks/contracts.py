@@ -281,6 +281,26 @@ class QuantMethod(PluginImpl[P]):
 MOE_STEPS = ("adjust_logits", "route", "observe")
 
 
+@dataclass(frozen=True)
+class MoEModel:
+    """Static facts about the model's MoE layers, given to each scheduler once at activation
+    (:meth:`MoEScheduler.bind`), before the engine builds any layer.
+
+    ``layers`` are the decoder-layer indices that may hold an MoE block (``layer_idx`` in the
+    calls below): all of ``range(num_layers)`` unless the model's config says which ones.
+    """
+
+    num_layers: int  # decoder layers
+    num_experts: int  # E, routed experts per MoE layer
+    top_k: int  # experts per token (the model's)
+    layers: tuple[int, ...] = ()  # decoder layers with an MoE block; () = all of range(num_layers)
+    model: str = ""  # the model's path or id, for messages
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return self.layers or tuple(range(self.num_layers))
+
+
 class MoEScheduler(PluginImpl[P]):
     """Decides, changes or watches which experts each token goes to, in every MoE layer.
 
@@ -312,6 +332,13 @@ class MoEScheduler(PluginImpl[P]):
     """
 
     kind = Kind.MOE
+
+    def bind(self, model: MoEModel) -> None:
+        """Called once at activation with the model's MoE facts (layers, ``E``, ``top_k``),
+        before any layer runs. Check the parameters against them here (an expert index out
+        of range, a mask leaving fewer than ``top_k`` experts...) and raise ``ValueError``
+        with a message naming the parameter: the adapter refuses the deployment with it.
+        Default: nothing."""
 
     def adjust_logits(self, layer_idx: int, router_logits: "torch.Tensor") -> "torch.Tensor":
         """The router logits ``[T, E]`` to route with instead of ``router_logits``.

@@ -385,7 +385,9 @@ def validate(
             continue
         params_model = entry.registration.params
         try:
-            params = params_model.model_validate(choice.params)
+            # the context lets a parameter naming a file resolve it like `model` (param_path)
+            params = params_model.model_validate(
+                choice.params, context={"base_dir": str(base_dir) if base_dir is not None else None})
         except ValidationError as e:
             problems += pydantic_problems(e, params_model, prefix=(*loc, "params"))
             continue
@@ -455,6 +457,19 @@ def _lookup(kind: Kind, path: str, name: str, registry: Registry, problems: list
     problems.append(Problem(f"{path}.plugin", f"unknown {kind} plugin", value=name,
                             accepted=", ".join(names) or "none installed", hint=hint))
     return None
+
+
+def param_path(value: str, info: Any = None) -> Path:
+    """A file named by a plugin parameter, resolved as ``model`` is: as given (``~``
+    expanded) if it exists from the current folder, else relative to the deployment file's
+    folder (``info.context["base_dir"]``, set by :func:`validate`); absolute either way, since
+    vLLM's other processes may run elsewhere. Call it from a pydantic validator with its
+    ``ValidationInfo``."""
+    p = Path(os.path.expanduser(value))
+    base = (getattr(info, "context", None) or {}).get("base_dir")
+    if not p.is_absolute() and not p.exists() and base is not None and (Path(base) / p).exists():
+        p = Path(base) / p
+    return p.resolve()
 
 
 def _model_info(model: Any, base_dir: Any, problems: list[Problem], notes: list[str]) -> ModelInfo | None:

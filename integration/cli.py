@@ -181,6 +181,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "vllm_graft.integration.run",  # demo, generate, serve
     "vllm_graft.integration.bench",  # bench
     "vllm_graft.integration.scaffold",  # new-plugin
+    "vllm_graft.integration.calibrate",  # calibrate METHOD (expert-mask, ...)
+    "vllm_graft.integration.moe_tools",  # moe-trace, moe-sim
 )
 
 

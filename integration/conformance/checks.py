@@ -23,6 +23,7 @@ from vllm_graft.hooks import (
     AttentionLayer,
     BlockView,
     Kind,
+    MoEModel,
     PagedBatch,
     Registry,
     get_registry,
@@ -555,6 +556,13 @@ def exercise_moe(t: Target, impl: Any, dtype: str, rules: bool) -> list[tuple[st
     torch = _torch()
     cls = type(impl)
     lossless = t.entry.registration.capabilities.lossless
+    try:  # as the MoE adapter does at activation
+        impl.bind(MoEModel(num_layers=MOE_LAYERS, num_experts=MOE_EXPERTS, top_k=MOE_TOPK,
+                           model="graft-conformance"))
+    except ValueError as e:
+        raise t.fail(f"bind() refused the kit's model ({MOE_LAYERS} layers, {MOE_EXPERTS} experts, "
+                     f"top-{MOE_TOPK}) with the example parameters: {e}; give example parameters "
+                     "that fit it (marker params=)") from None
     results = []
     for layer in range(MOE_LAYERS):
         for renorm in (True, False):
