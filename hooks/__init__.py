@@ -11,6 +11,7 @@ from .contracts import (
     PluginImpl,
     Proposer,
     QuantMethod,
+    StoredTensor,
     split_kv_cache,
 )
 from .deployment import (
@@ -38,7 +39,7 @@ __all__ = [
     "CONTRACTS", "AttentionLayer", "AttentionMethod", "BlockView", "Capabilities", "Deployment",
     "DeploymentError", "ENTRY_POINT_GROUP", "Environment", "GraftPluginManager", "KVCompressor",
     "Kind", "MoEScheduler", "NoParams", "PagedBatch", "Plan", "PluginChoice", "PluginImpl",
-    "PluginLoadError", "Problem", "Proposer", "QuantMethod", "Registration", "Registry",
+    "PluginLoadError", "Problem", "Proposer", "QuantMethod", "StoredTensor", "Registration", "Registry",
     "RegistryError", "get_plugin_manager", "get_registry", "hookimpl", "hookspec",
     "make_plugin_manager", "split_kv_cache", "validate", "validate_file",
 ]

@@ -252,6 +252,11 @@ def _create_engine_config(original):
             data, source = _deployment_from_env()
             if source == ENV_CONFIG and RUNTIME.source != ENV_CONFIG:
                 data = None  # exported by us for an earlier engine in this process
+        if data is None:  # a checkpoint written by `vllm-graft quantize` implies its quant plugin
+            from .adapters.quant import checkpoint_deployment
+
+            data = checkpoint_deployment(self.model)
+            source = f"{self.model}/config.json quantization_config"
         if data is None:
             if RUNTIME.active:
                 deactivate()
