@@ -291,8 +291,9 @@ class QuantMethod(PluginImpl[P]):
     "graft-NAME", "graft_format": 1, "params": {...}, "embeddings": bool}`` where ``params``
     is :meth:`checkpoint_params`. vLLM picks such a checkpoint up without a flag; each layer
     then registers :meth:`stored_tensors` instead of ``weight``, vLLM's weight loaders fill
-    them (fusing shards along dim 0), and :meth:`load` turns them, split per shard, into the
-    tensors ``apply`` gets. A missing tensor, a wrong shape or dtype, or a ``load`` that
+    them (fusing shards along dim 0), :meth:`verify` checks each shard, and :meth:`load` turns
+    them, split per shard, into the tensors ``apply`` gets. A missing tensor, an unquantised
+    ``weight`` where stored tensors belong, a wrong shape or dtype, or a ``verify`` that
     raises, stops loading with an error naming the checkpoint tensor.
     """
 
@@ -321,6 +322,11 @@ class QuantMethod(PluginImpl[P]):
         """The parameters written into a checkpoint's ``quantization_config.params``; a
         checkpoint is loaded with a plugin built from them. Default: all parameters."""
         return self.params.model_dump(mode="json")
+
+    def verify(self, shard: dict[str, "torch.Tensor"]) -> None:
+        """Check one shard's stored tensors as read from a checkpoint (e.g. a checksum);
+        raise ``ValueError("<tensor name>: what is wrong")`` so the error names the
+        checkpoint tensor. Called once per shard before :meth:`load`. Default: nothing."""
 
     def load(self, stored: dict[str, list["torch.Tensor"]], shard_rows: list[int]) -> dict[str, "torch.Tensor"]:
         """The tensors ``apply`` computes with, from a layer's stored tensors, each given as

@@ -417,6 +417,17 @@ def _vllm_classes() -> tuple[type, type]:
                 layer.register_parameter(tname, param)
                 set_weight_attrs(param, {"weight_loader": loader})
                 set_weight_attrs(param, extra_weight_attrs)
+            # A full-precision `weight` in a pre-quantised checkpoint is an error, not loaded.
+            trap = Parameter(torch.empty(0), requires_grad=False)
+            layer.register_parameter("weight", trap)
+            set_weight_attrs(trap, {"weight_loader": self._refuse_weight})
+
+        def _refuse_weight(self, param, loaded, shard_id=None) -> None:
+            idx = None if shard_id is None else self._shard("weight", shard_id)
+            raise ValueError(
+                f"{self.tensor_name('weight', idx)}: an unquantised weight in a "
+                f"{self.plugin_label()} checkpoint, which stores {', '.join(self.specs)} for this "
+                "layer; the checkpoint is corrupt or mixed (rewrite it with `vllm-graft quantize`)")
 
         def _shard(self, tname: str, shard_id: Any) -> int | None:
             n = len(self.shard_rows)
@@ -481,7 +492,22 @@ def _vllm_classes() -> tuple[type, type]:
                 else:
                     data = getattr(layer, tname).data
                     k = spec.shape[0] // self.out_features
-                    out[tname] = list(torch.split(data, [r * k for r in self.shard_rows], 0))
+                    out[tname] = [data] if whole else \
+                        list(torch.split(data, [r * k for r in self.shard_rows], 0))
+            counts = {len(v) for v in out.values()}
+            if len(counts) != 1:  # some tensors stored fused, others per shard
+                raise ValueError(f"layer {self.prefix}: its stored tensors mix fused and per-shard "
+                                 "checkpoint entries; rewrite the checkpoint with `vllm-graft quantize`")
+            for i in range(counts.pop()):
+                idx = None if len(out[next(iter(out))]) == 1 else i
+                try:
+                    self.plugin.verify({k: v[i] for k, v in out.items()})
+                except ValueError as e:
+                    key, sep, rest = str(e).partition(": ")
+                    names = [self.tensor_name(k.strip(), idx) for k in key.split("/")]
+                    if sep and all(k.strip() in self.specs for k in key.split("/")):
+                        raise ValueError(f"{', '.join(names)}: {rest}") from e
+                    raise ValueError(f"layer {self.prefix} (shard {idx}): {e}") from e
             return out
 
         def plugin_label(self) -> str:
@@ -494,10 +520,9 @@ def _vllm_classes() -> tuple[type, type]:
                 try:
                     tensors = self.plugin.load(stored, rows)
                 except ValueError as e:
-                    raise ValueError(f"{self.plugin_label()} checkpoint, layer {self.prefix} "
-                                     f"({', '.join(self.tensor_name(t, None) for t in stored)}): {e}") from e
+                    raise ValueError(f"{self.plugin_label()} checkpoint, layer {self.prefix}: {e}") from e
                 tensors = check_quantized(tensors, self.name)
-                for tname in self.specs:
+                for tname in (*self.specs, "weight"):
                     delattr(layer, tname)
                 self.parts = {}
                 for tname, t in tensors.items():

@@ -194,48 +194,51 @@ class DFloat11(QuantMethod):
                    ("header", "int64"))}
         return {"sign_mantissa": StoredTensor((out_features, in_features), "uint8"), **ragged}
 
+    def verify(self, shard):
+        """Sizes against the header, then decode once: the CRC-32 must match."""
+        h = shard["header"]
+        if h.numel() != 4:
+            raise ValueError(f"header: {h.numel()} values, expected 4")
+        n, nbits, crc, chunk = (int(v) for v in h)
+        sm = shard["sign_mantissa"]
+        if n != sm.numel() or chunk != self.params.chunk:
+            raise ValueError(f"header: {n} weights in chunks of {chunk}, but sign_mantissa has "
+                             f"{sm.numel()} and the checkpoint's chunk is {self.params.chunk}")
+        if shard["code_lengths"].numel() != 256:
+            raise ValueError(f"code_lengths: {shard['code_lengths'].numel()} entries, expected 256")
+        if shard["chunk_offsets"].numel() != -(-n // chunk):
+            raise ValueError(f"chunk_offsets: {shard['chunk_offsets'].numel()} entries, expected "
+                             f"{-(-n // chunk)}")
+        if shard["exponents"].numel() != -(-nbits // 8) + 3:
+            raise ValueError(f"exponents: {shard['exponents'].numel()} bytes, the header says "
+                             f"{nbits} bits ({-(-nbits // 8) + 3} bytes with padding)")
+        try:
+            w = decode(shard, self.params.max_code_len)
+        except ValueError as e:
+            raise ValueError(str(e)) from None
+        if crc_bf16(w) != crc:
+            raise ValueError("exponents/code_lengths/chunk_offsets/sign_mantissa: the decoded "
+                             "weight's CRC-32 does not match the header's (corrupt checkpoint)")
+
     def load(self, stored, shard_rows):
-        """Check every shard (decode it once: its CRC-32 must match) and join the shards
-        into one stream, one set of chunk positions and one lookup table per shard."""
+        """Join the shards into one stream, one list of chunk positions and one lookup table
+        per shard (the adapter has :meth:`verify`-ed each shard)."""
         L = self.params.max_code_len
         streams, positions, bases, syms, lens, counts = [], [], [], [], [], []
         bit_base = 0
-        for i, rows in enumerate(shard_rows):
+        for i in range(len(stored["header"])):
             t = {k: stored[k][i] for k in STORED}
-            h = t["header"]
-            if h.numel() != 4:
-                raise ValueError(f"header: {h.numel()} values, expected 4")
-            n, nbits, crc, chunk = (int(v) for v in h)
-            sm = t["sign_mantissa"]
-            if n != sm.numel() or chunk != self.params.chunk:
-                raise ValueError(f"header: {n} weights in chunks of {chunk}, but sign_mantissa has "
-                                 f"{sm.numel()} and the checkpoint's chunk is {self.params.chunk}")
-            if t["code_lengths"].numel() != 256:
-                raise ValueError(f"code_lengths: {t['code_lengths'].numel()} entries, expected 256")
-            if t["chunk_offsets"].numel() != -(-n // chunk):
-                raise ValueError(f"chunk_offsets: {t['chunk_offsets'].numel()} entries, expected "
-                                 f"{-(-n // chunk)}")
-            if t["exponents"].numel() != -(-nbits // 8) + 3:
-                raise ValueError(f"exponents: {t['exponents'].numel()} bytes, the header says "
-                                 f"{nbits} bits ({-(-nbits // 8) + 3} bytes with padding)")
-            try:
-                w = decode(t, L)
-            except ValueError as e:
-                raise ValueError(str(e)) from None
-            if crc_bf16(w) != crc:
-                raise ValueError("exponents/code_lengths/chunk_offsets/sign_mantissa: the decoded "
-                                 "weight's CRC-32 does not match the header (corrupt checkpoint)")
             sym, ln = decode_table(t["code_lengths"], L)
             streams.append(t["exponents"])
             positions.append(t["chunk_offsets"].to(torch.int64) + bit_base)
             bases.append(torch.full((t["chunk_offsets"].numel(),), i << L, dtype=torch.int64))
             syms.append(sym)
             lens.append(ln)
-            counts.append(n)
+            counts.append(int(t["header"][0]))
             bit_base += t["exponents"].numel() * 8
+        sm = stored["sign_mantissa"]
         return {
-            "sign_mantissa": torch.cat(stored["sign_mantissa"], 0) if len(shard_rows) > 1
-            else stored["sign_mantissa"][0],
+            "sign_mantissa": torch.cat(sm, 0) if len(sm) > 1 else sm[0],
             "stream": torch.cat(streams),
             "chunk_pos": torch.cat(positions),
             "table_base": torch.cat(bases),
