@@ -52,6 +52,21 @@ def add_command(sub: Any) -> None:
                                          "default: the bundled corpus)")
     p.set_defaults(func=cmd_quantize)
 
+    e = sub.add_parser(
+        "quant-eval", help="perplexity on held-out text, tokens/s and checkpoint size of models in vLLM",
+        description="For each MODEL (a plain or a pre-quantised checkpoint), in vLLM (in-process "
+                    "engine, greedy): perplexity of held-out text of the bundled corpus "
+                    "(prompt_logprobs over fixed windows), output tokens/s of a fixed batch, "
+                    "checkpoint bytes. The first model is the baseline for the relative change.")
+    e.add_argument("models", nargs="+", metavar="MODEL")
+    e.add_argument("--dtype", default="auto", help="engine dtype (default: each checkpoint's)")
+    e.add_argument("--windows", type=int, default=16, help="held-out windows scored (default 16)")
+    e.add_argument("--window-len", type=int, default=512, help="tokens per window (default 512)")
+    e.add_argument("--batch", type=int, default=8, help="prompts in the tokens/s batch (default 8)")
+    e.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
+    e.add_argument("--json", action="store_true", help="print JSON only")
+    e.set_defaults(func=cmd_quant_eval)
+
 
 def cmd_quantize(args: argparse.Namespace, console: Any) -> int:
     from .cli import EXIT_INVALID, EXIT_OK
@@ -67,6 +82,98 @@ def cmd_quantize(args: argparse.Namespace, console: Any) -> int:
         return EXIT_INVALID
     console.print(json.dumps(report, indent=2))
     return EXIT_OK
+
+
+def cmd_quant_eval(args: argparse.Namespace, console: Any) -> int:
+    from .cli import EXIT_OK
+    from .launch import apply_env_defaults
+
+    apply_env_defaults(in_process=True)
+    rows = [evaluate(m, dtype=args.dtype, windows=args.windows, window_len=args.window_len,
+                     batch=args.batch, max_tokens=args.max_tokens) for m in args.models]
+    base = rows[0]["perplexity"]
+    for r in rows:
+        r["ppl_change_pct"] = round(100 * (r["perplexity"] / base - 1), 3)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for r in rows:
+            console.print(f"{r['model']}: ppl {r['perplexity']:.4f} ({r['ppl_change_pct']:+.2f}%), "
+                          f"{r['tokens_per_s']:.1f} tok/s, {r['checkpoint_bytes']} bytes, "
+                          f"{r['bits_per_param']:.3f} bits/param ({r['quant_method'] or 'unquantised'}, {r['dtype']})")
+        console.print(json.dumps(rows))
+    return EXIT_OK
+
+
+def evaluate(model: str, *, dtype: str = "auto", windows: int = 16, window_len: int = 512,
+             batch: int = 8, max_tokens: int = 64) -> dict[str, Any]:
+    """Held-out perplexity, tokens/s and size of one model in vLLM (in-process engine)."""
+    import gc
+    import math
+    import time
+
+    from safetensors import safe_open
+    from vllm import LLM, SamplingParams
+
+    path = Path(model)
+    files = sorted(path.glob("*.safetensors"))
+    n_bytes = sum(f.stat().st_size for f in files)
+    cfg = json.loads((path / "config.json").read_text())
+    tensor_bytes = 0
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                t = h.get_slice(k)
+                n = 1
+                for d in t.get_shape():
+                    n *= d
+                tensor_bytes += n * {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
+                                     "U8": 1, "I8": 1}.get(t.get_dtype(), 4)
+    llm = LLM(model=str(path), dtype=dtype, max_model_len=max(window_len + 8, 1024),
+              enforce_eager=True, seed=0)
+    try:
+        tok = llm.get_tokenizer()
+        ids = tok(corpus_text("heldout", 400_000)).input_ids
+        chunks = [ids[i * window_len:(i + 1) * window_len] for i in range(windows)]
+        chunks = [c for c in chunks if len(c) == window_len]
+        out = llm.generate([{"prompt_token_ids": c} for c in chunks],
+                           SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0),
+                           use_tqdm=False)
+        nll = []
+        for c, o in zip(chunks, out):
+            for t, lp in zip(c[1:], o.prompt_logprobs[1:]):
+                nll.append(-lp[t].logprob)
+        prompts = [{"prompt_token_ids": chunks[i % len(chunks)][:32]} for i in range(batch)]
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+        t0 = time.perf_counter()
+        gen = llm.generate(prompts, sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        n_out = sum(len(o.outputs[0].token_ids) for o in gen)
+        engine_dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    q = cfg.get("quantization_config") or {}
+    n_weights = _source_params(cfg, path)
+    return {
+        "model": str(path), "quant_method": q.get("quant_method"), "params": q.get("params"),
+        "dtype": engine_dtype, "perplexity": math.exp(sum(nll) / len(nll)), "scored_tokens": len(nll),
+        "tokens_per_s": n_out / dt, "generated_tokens": n_out, "batch": batch,
+        "checkpoint_bytes": n_bytes, "tensor_bytes": tensor_bytes,
+        "bits_per_param": 8 * tensor_bytes / n_weights, "params_count": n_weights,
+    }
+
+
+def _source_params(cfg: dict[str, Any], path: Path) -> int:
+    """Parameters of the unquantised Llama model ``cfg`` describes (for bits per parameter)."""
+    h, i, v, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    d = cfg.get("head_dim") or h // heads
+    per_layer = h * heads * d + 2 * h * kv * d + heads * d * h + 3 * h * i + 2 * h
+    emb = v * h * (1 if cfg.get("tie_word_embeddings") else 2)
+    return L * per_layer + emb + h
 
 
 def parse_params(items: list[str]) -> dict[str, Any]:
@@ -288,4 +395,4 @@ def corpus_text(split: str, max_chars: int) -> str:
     return EOS.join(out)[:max_chars]
 
 
-__all__ = ["add_command", "quantize_checkpoint", "QuantizeError", "squared_gradients"]
+__all__ = ["add_command", "quantize_checkpoint", "evaluate", "QuantizeError", "squared_gradients"]
