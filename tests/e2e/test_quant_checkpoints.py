@@ -137,3 +137,50 @@ def test_broken_checkpoint_fails_naming_the_tensor(df11, tmp_path, case):
     print(case, "->", str(info.value).splitlines()[-1][:200])
     del info
     gc.collect()
+
+
+# ------------------------------------------------------------------ lossy methods, loaded
+def _heldout_nll(model, **kw):
+    """Mean NLL of 2 held-out windows of 256 tokens (prompt_logprobs), and the events."""
+    from vllm import LLM, SamplingParams
+
+    from vllm_graft.integration.quantize import corpus_text
+    from vllm_graft.integration.runtime import RUNTIME
+
+    llm = LLM(model=str(model), **ENGINE, **kw)
+    try:
+        ids = llm.get_tokenizer()(corpus_text("heldout", 20_000)).input_ids
+        windows = [ids[i * 256:(i + 1) * 256] for i in range(2)]
+        out = llm.generate([{"prompt_token_ids": w} for w in windows],
+                           SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        nll = [-lp[t].logprob for w, o in zip(windows, out) for t, lp in zip(w[1:], o.prompt_logprobs[1:])]
+        events = {k: dict(RUNTIME.counts("quant", k)) for k in ("squeezellm", "w4a8")} if RUNTIME.active else {}
+        return sum(nll) / len(nll), events
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+@pytest.fixture(scope="module")
+def fp16_nll():
+    return _heldout_nll(MODEL, dtype="float16")[0]
+
+
+@pytest.mark.parametrize("method,params", [
+    ("squeezellm", {"bits": 4, "kmeans_iters": 5, "calibration_tokens": 1024}),
+    ("w4a8", {}),
+])
+def test_lossy_checkpoint_loads_and_stays_close_to_fp16(tmp_path, fp16_nll, method, params):
+    import math
+
+    from vllm_graft.integration.quantize import quantize_checkpoint
+
+    out = tmp_path / method
+    quantize_checkpoint(method, str(MODEL), str(out), params, log=lambda *a: None)
+    nll, events = _heldout_nll(out)
+    assert events[method].get("load") == 16 and events[method].get("apply", 0) > 0
+    change = math.exp(nll - fp16_nll) - 1
+    print(f"{method} {params}: held-out perplexity {math.exp(nll):.3f} vs fp16 {math.exp(fp16_nll):.3f} "
+          f"({100 * change:+.2f}%, 2 windows of 256 tokens)")
+    assert change < 0.10
