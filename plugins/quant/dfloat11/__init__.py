@@ -6,6 +6,8 @@ the layer decodes its exponents back to the exact bf16 weight, so outputs are bi
 to computing with the bf16 weight. Pre-quantised checkpoints only make sense here (online it
 saves memory but gains nothing on load); see ``vllm-graft quantize dfloat11``.
 """
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from vllm_graft.hooks import Capabilities, Registration, hookimpl
@@ -19,6 +21,9 @@ class DFloat11Params(BaseModel):
         "`chunk` steps each; each chunk costs a 32-bit start offset (32/chunk bits per weight)"))
     max_code_len: int = Field(12, ge=8, le=16, description=(
         "longest Huffman code in bits (the decoder's lookup table has 2**max_code_len entries)"))
+    backend: Literal["reference", "triton"] = Field("reference", description=(
+        "exponent decoder: 'reference' (vectorised torch, the CPU path) or 'triton' (GPU, or "
+        "the interpreter with TRITON_INTERPRET=1)"))
 
 
 @hookimpl

@@ -247,10 +247,16 @@ class DFloat11(QuantMethod):
             "shard_counts": torch.tensor(counts, dtype=torch.int64),
         }
 
+    def checkpoint_params(self):
+        return self.params.model_dump(mode="json", exclude={"backend"})
+
     def weight(self, tensors) -> torch.Tensor:
         """The exact bf16 weight ``[out, in]``, decoded from ``tensors`` (what ``load`` made)."""
         chunk = self.params.chunk
-        exps = decode_exponents(tensors["stream"], tensors["chunk_pos"], tensors["table_base"],
+        decoder = decode_exponents
+        if self.params.backend == "triton":
+            from .kernel import decode_exponents as decoder
+        exps = decoder(tensors["stream"], tensors["chunk_pos"], tensors["table_base"],
                                 tensors["sym_table"], tensors["len_table"].to(torch.int64), chunk,
                                 self.params.max_code_len)
         counts = tensors["shard_counts"].tolist()
