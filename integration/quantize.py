@@ -67,6 +67,10 @@ def add_command(sub: Any) -> None:
     e.add_argument("--json", action="store_true", help="print JSON only")
     e.set_defaults(func=cmd_quant_eval)
 
+    from . import quant_kernel_bench
+
+    quant_kernel_bench.add_command(sub)  # quant-kernel-bench
+
 
 def cmd_quantize(args: argparse.Namespace, console: Any) -> int:
     from .cli import EXIT_INVALID, EXIT_OK
