@@ -125,3 +125,15 @@ def test_quantize_refuses_a_non_empty_folder_and_a_quantised_model(tmp_path):
     quantize_checkpoint("dfloat11", str(MODEL), str(tmp_path / "q"), {}, dtype="bfloat16", log=lambda *a: None)
     with pytest.raises(QuantizeError, match="already quantised"):
         quantize_checkpoint("dfloat11", str(tmp_path / "q"), str(tmp_path / "q2"), {}, dtype="bfloat16")
+
+
+def test_a_deployment_without_quant_gets_the_checkpoints_plugin(tmp_path):
+    from vllm_graft.integration import bridge
+
+    out = tmp_path / "df11"
+    quantize_checkpoint("dfloat11", str(MODEL), str(out), {"chunk": 64}, dtype="bfloat16", log=lambda *a: None)
+    plan = bridge.resolve({"attention": {"plugin": "noop"}}, source="t", engine_model=str(out))
+    assert sorted(f"{e.kind}:{e.name}" for e in plan.enabled) == ["attention:noop", "quant:dfloat11"]
+    assert plan.deployment.quant.params == {"chunk": 64, "max_code_len": 12}
+    plan = bridge.resolve({"attention": {"plugin": "noop"}}, source="t", engine_model=str(MODEL))
+    assert [f"{e.kind}:{e.name}" for e in plan.enabled] == ["attention:noop"]  # unquantised: unchanged
