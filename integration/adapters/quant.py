@@ -377,7 +377,9 @@ def _vllm_classes() -> tuple[type, type]:
             self.out_features = 0
             self.names: tuple[str, ...] = ()
             _LINEAR[self.key] = self
+            # Both ops are made here, not on first call: that call may be traced by torch.compile.
             self._op = quant_linear_op()
+            self._embed_op = quant_embed_op()
 
         def _count(self, event: str) -> None:
             RUNTIME.count(Kind.QUANT, self.name, event)
@@ -545,7 +547,7 @@ def _vllm_classes() -> tuple[type, type]:
 
         def embedding(self, layer, ids):
             tensors = layer_tensors(layer)
-            return quant_embed_op()(ids, [tensors[n] for n in self.names], self.key)
+            return self._embed_op(ids, [tensors[n] for n in self.names], self.key)
 
         def compute_embedding(self, ids, tensors):
             self._count("embed")
