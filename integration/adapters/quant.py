@@ -41,15 +41,24 @@ cannot fuse across a plugin's linear layers.
 
 Events counted: ``quantize`` (layers quantised) and ``apply`` (linear calls).
 
-Pre-quantised checkpoints (a later issue) plug in at the same config: a checkpoint whose
-``config.json`` has ``"quantization_config": {"quant_method": "graft-<plugin>", ...}`` is
-detected by vLLM without a flag and handed to ``from_config(that dict)``; the linear method
-would then register the plugin's stored tensors (e.g. ``qweight``, ``scales``) instead of
-``weight``, loaded by the same ``weight_loader`` (vLLM fuses/slices ``...q_proj.qweight``
-like ``weight``), and ``process_weights_after_loading`` would skip ``quantize``. For that the
-contract needs to say which tensors a layer stores (names, shapes, dtypes for a given
-``[out, in]``), e.g. an optional ``QuantMethod.stored_tensors``. Until then ``from_config``
-refuses such a checkpoint with a clear message.
+Pre-quantised checkpoints (written by ``vllm-graft quantize``, ``integration/quantize.py``):
+``config.json`` has ``"quantization_config": {"quant_method": "graft-<plugin>", "graft_format":
+1, "params": {...}, "embeddings": bool}``; vLLM detects it without a flag and calls
+``from_config(that dict)`` (checked by :func:`checkpoint_config`). The bridge enables the
+plugin with the checkpoint's params when no deployment (or one without ``quant``) is given
+(:func:`checkpoint_deployment`); a deployment's different params are refused. Each linear
+layer (and, if ``embeddings`` and the plugin ``covers_embeddings``, ``embed_tokens`` and
+``lm_head``: ``embedding()`` goes through a second opaque op, ``vllm_graft::quant_embed``)
+registers the plugin's ``stored_tensors(out, in)`` instead of ``weight``: fixed-shape ones with
+``output_dim=0`` and the layer's own ``weight_loader`` (vLLM fuses ``...q_proj.<name>`` into
+``qkv_proj`` as it does ``weight``), ragged ones with a loader that keeps each shard; both
+loaders check dtype and shape first and record which shards arrived. A trap ``weight``
+parameter refuses an unquantised tensor. ``process_weights_after_loading`` checks that every
+shard of every stored tensor arrived, calls ``verify`` per shard and ``load`` once, and keeps
+the result as buffers; errors name the checkpoint tensor (``...k_proj.exponents``). vLLM
+itself skips its "weights not initialized" check for quantised models, so these checks are
+the only guard against a silently unloaded tensor. Events: ``load`` (layers loaded),
+``embed`` (embedding calls).
 
 The config classes are made at run time (one per plugin), so a config instance pickles by
 name (``__reduce__``): vLLM sends its config, quant config included, to the engine process,
