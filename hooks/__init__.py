@@ -12,6 +12,7 @@ from .contracts import (
     PluginImpl,
     Proposer,
     QuantMethod,
+    StoredTensor,
     split_kv_cache,
 )
 from .deployment import (
@@ -49,7 +50,7 @@ __all__ = [
     "DeploymentError", "ENTRY_POINT_GROUP", "Environment", "GraftPluginManager", "KERNEL_FIELD",
     "KVCompressor", "KernelParams", "Kind", "MoEModel", "MoEScheduler", "NoParams", "PagedBatch",
     "Plan", "PluginChoice", "PluginImpl",
-    "PluginLoadError", "Problem", "Proposer", "QuantMethod", "Registration", "Registry",
+    "PluginLoadError", "Problem", "Proposer", "QuantMethod", "StoredTensor", "Registration", "Registry",
     "RegistryError", "get_plugin_manager", "get_registry", "hookimpl", "hookspec",
     "make_plugin_manager", "split_kv_cache", "validate", "validate_file",
 ]

@@ -183,6 +183,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "vllm_graft.integration.scaffold",  # new-plugin
     "vllm_graft.integration.calibrate",  # calibrate METHOD (expert-mask, ...)
     "vllm_graft.integration.moe_tools",  # moe-trace, moe-sim
+    "vllm_graft.integration.quantize",  # quantize
 )
 
 
