@@ -1,0 +1,56 @@
+"""Adaptive proposer: wraps another registered proposer, sets its draft length per request
+and step (see ``policy``)."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from vllm_graft.hooks import Kind, Proposer
+
+from .policy import GoodputPolicy
+
+
+def build_inner(params: Any) -> Proposer:
+    """The wrapped proposer, built from the registry as the runtime builds plugins."""
+    from vllm_graft.hooks.manager import get_registry
+
+    entry = get_registry().get(Kind.SPECULATIVE, params.proposer)
+    cls = entry.registration.load()
+    if not (isinstance(cls, type) and issubclass(cls, Proposer)):
+        raise TypeError(f"adaptive: {params.proposer!r} does not implement Proposer")
+    return cls(params.inner_params())
+
+
+class Adaptive(Proposer):
+    def __init__(self, params: Any, inner: Proposer | None = None) -> None:
+        super().__init__(params)
+        self.inner = inner if inner is not None else build_inner(params)
+        self.topk = int(getattr(self.inner, "topk", 0) or 0)  # forwarded
+        self.policy = GoodputPolicy(
+            params.num_speculative_tokens, fixed_cost_tokens=params.fixed_cost_tokens,
+            prior_acceptance=params.prior_acceptance, decay=params.decay,
+            probe_every=params.probe_every)
+
+    def begin_step(self, num_requests: int) -> None:
+        self.policy.begin_step(num_requests)
+        self.inner.begin_step(num_requests)
+
+    def observe_topk(self, request_id: str, tokens: Sequence[int], topk_ids: Any) -> None:
+        self.inner.observe_topk(request_id, tokens, topk_ids)
+
+    def accepted(self, request_id: str, num_accepted: int, num_verified: int) -> None:
+        self.policy.observe(request_id, num_accepted, num_verified)
+        self.inner.accepted(request_id, num_accepted, num_verified)
+
+    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        k = min(max_tokens, self.policy.choose(request_id))
+        if k <= 0:
+            return []
+        return list(self.inner.propose(request_id, token_ids, k))[:k]
+
+    def finish(self, request_id: str) -> None:
+        self.policy.release(request_id)
+        self.inner.finish(request_id)
+
+    def describe(self) -> dict[str, Any]:
+        return {"wraps": self.params.proposer, "chosen_lengths": dict(sorted(self.policy.chosen.items())),
+                "live_requests": len(self.policy.stats), "inner": self.inner.describe()}
