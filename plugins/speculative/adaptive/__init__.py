@@ -10,7 +10,7 @@ from vllm_graft.hooks import Capabilities, Registration, hookimpl
 class AdaptiveParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    proposer: str = Field(description="the wrapped speculative plugin (`vllm-graft plugins`)")
+    proposer: str = Field("lookahead", description="the wrapped speculative plugin (`vllm-graft plugins`)")
     params: dict[str, Any] = Field(default_factory=dict, description="the wrapped plugin's parameters")
     num_speculative_tokens: int = Field(4, ge=1, le=32, description="longest draft per step")
     fixed_cost_tokens: float = Field(

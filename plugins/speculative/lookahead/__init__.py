@@ -9,8 +9,8 @@ class LookaheadParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     num_speculative_tokens: int = Field(4, ge=1, le=32, description="most draft tokens per step")
-    depth: int = Field(8, ge=2, le=64, description="tokens per inserted window (longest "
-                       "matched suffix is depth-1; matched suffix + drafts <= depth)")
+    depth: int = Field(8, ge=2, le=64, description="tokens per inserted window (matched "
+                       "suffix + drafts <= depth; suffixes of up to depth - drafts tokens are matched)")
     min_match: int = Field(1, ge=1, description="shortest suffix that may be matched")
     max_nodes: int = Field(200_000, ge=2, description="memory cap: most trie nodes kept")
     prune_to: float = Field(0.75, gt=0.0, lt=1.0,

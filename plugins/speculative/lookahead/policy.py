@@ -6,8 +6,9 @@ pure Python.
 Every window of ``depth`` consecutive tokens of prompts and generated outputs is inserted
 from the root of one trie shared by all requests; each node counts how often its path was
 inserted. So a path's count never exceeds its parent's. To draft, the longest suffix of the
-sequence (at most ``depth - 1`` tokens) found as a path from the root with a child is
-followed by its most frequent children.
+sequence found as a path from the root with a child (at most ``depth - max_tokens``
+tokens, so that a window has room for the drafts) is followed by its most frequent
+children.
 
 Memory: the trie holds at most ``max_nodes`` nodes. When an insertion goes over, every
 count is halved (integer division) and nodes whose count reaches 0 are dropped with their
@@ -93,9 +94,11 @@ class TokenTrie:
         return node
 
     def continuation(self, tokens: Sequence[int], max_tokens: int, min_match: int = 1) -> list[int]:
-        """Most frequent continuation of the longest suffix of ``tokens`` (between
-        ``min_match`` and ``depth - 1`` tokens) that the trie holds with a child."""
-        longest = min(self.depth - 1, len(tokens))
+        """Most frequent continuation of the longest suffix of ``tokens`` that the trie
+        holds with a child. Suffixes are tried from ``depth - max_tokens`` tokens (so that a
+        match leaves room for ``max_tokens`` drafts in a window), but at least
+        ``min_match``, down to ``min_match``."""
+        longest = min(len(tokens), self.depth - 1, max(min_match, self.depth - max_tokens))
         for s in range(longest, max(min_match, 1) - 1, -1):
             node = self._find(tokens[len(tokens) - s:])
             if node is None or not node.children:
