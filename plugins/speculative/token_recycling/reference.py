@@ -41,6 +41,29 @@ class TokenRecycling(Proposer):
         self.matrix.update(tokens, np.asarray(topk_ids))
         self.observed_rows += len(tokens)
 
+    def update_from_logits(self, tokens: Any, logits: Any) -> None:
+        """The same update from raw logits ``[R, V]`` (row r follows ``tokens[r]``): the Triton
+        kernel when the logits are on a GPU, else the PyTorch reference. (The vLLM adapter
+        passes top-k ids to :meth:`observe_topk` instead; this is the device-side route.)"""
+        import torch
+
+        tokens = torch.as_tensor(tokens, device=logits.device).reshape(-1)
+        if not len(tokens):
+            return
+        self.matrix._grow(int(tokens.max()))
+        width = min(self.matrix.k, int(logits.shape[1]))
+        out = torch.full((len(self.matrix.m), width), -1, dtype=torch.int64, device=logits.device)
+        if logits.is_cuda:
+            from .kernel import recycle_update
+
+            recycle_update(logits, tokens, out)
+        else:
+            topk_update_reference(logits, tokens, out)
+        rows = torch.unique(tokens).cpu().numpy()
+        self.matrix.m[rows, :width] = out[torch.as_tensor(rows, device=logits.device)].cpu().numpy()
+        self.matrix.updates += len(tokens)
+        self.observed_rows += len(tokens)
+
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         n = min(max_tokens, self.params.num_speculative_tokens)
         drafts = self.matrix.chain(token_ids[-1], n) if token_ids else []
