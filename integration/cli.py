@@ -180,6 +180,7 @@ def _print_plan(plan: Plan, source: str, console: Console) -> None:
 COMMAND_MODULES: tuple[str, ...] = (
     "vllm_graft.integration.run",  # demo, generate, serve
     "vllm_graft.integration.bench",  # bench
+    "vllm_graft.integration.specbench",  # specbench
 )
 
 
