@@ -50,8 +50,12 @@ COUNTERS = {"drafts": "vllm:spec_decode_num_drafts",
 
 
 def arm_file(arm: str) -> Path:
+    """``deployments/spec-<arm>.yaml`` (``plain``: ``deployments/plain.yaml``), or ``arm``
+    itself when it names a ``.yaml`` file."""
     from .launch import deployments_dir
 
+    if arm.endswith((".yaml", ".yml")):
+        return Path(arm)
     return deployments_dir() / ("plain.yaml" if arm == "plain" else f"spec-{arm}.yaml")
 
 

@@ -307,3 +307,27 @@ def test_drafts_are_token_ids_within_max_tokens_on_random_streams(name):
             toks = toks + [rng.randrange(vocab)]
         p.finish(rid)
     assert drafted > 0
+
+
+def test_cost_model_is_learnt_from_step_times():
+    pol = GoodputPolicy(4, fixed_cost_tokens=8, prior_acceptance=0.5, min_cost_samples=8)
+    rng = random.Random(4)
+    for _ in range(7):
+        pol.observe_step(rng.randrange(1, 100), 0.002)
+    assert pol.c == 8  # too few samples: the prior
+    for _ in range(200):  # a step costs 1 ms + 0.1 ms per token: c = 10 tokens
+        x = rng.randrange(1, 100)
+        pol.observe_step(x, 0.001 + 0.0001 * x)
+    assert pol.c == pytest.approx(10, rel=0.05)  # the first 7 samples have decayed, not gone
+    pol.observe_step(50, 30.0)  # idle time between requests: ignored
+    assert pol.c == pytest.approx(10, rel=0.05)  # the first 7 samples have decayed, not gone
+    cheap = GoodputPolicy(4, fixed_cost_tokens=8, prior_acceptance=0.5, min_cost_samples=8)
+    for _ in range(50):  # cost all per token: c -> 0, speculation only pays at high acceptance
+        x = rng.randrange(1, 100)
+        cheap.observe_step(x, 0.0001 * x)
+    assert cheap.c == pytest.approx(0, abs=1e-6)
+    assert cheap.best_length(0.6, 32) == 0 and cheap.best_length(0.6, 1) == 0
+    flat = GoodputPolicy(4, fixed_cost_tokens=8, prior_acceptance=0.5, min_cost_samples=8)
+    for _ in range(50):  # no spread in tokens: no fit, the prior stays
+        flat.observe_step(32, 0.003)
+    assert flat.c == 8

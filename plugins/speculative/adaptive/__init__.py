@@ -14,12 +14,14 @@ class AdaptiveParams(BaseModel):
     params: dict[str, Any] = Field(default_factory=dict, description="the wrapped plugin's parameters")
     num_speculative_tokens: int = Field(4, ge=1, le=32, description="longest draft per step")
     fixed_cost_tokens: float = Field(
-        8.0, ge=0.0, description="cost model: the part of a step that does not grow with its "
-        "tokens, in token-equivalents (larger: speculate more)")
+        8.0, ge=0.0, description="cost model prior: the part of a step that does not grow "
+        "with its tokens, in token-equivalents (larger: speculate more)")
     prior_acceptance: float = Field(0.5, ge=0.0, lt=1.0, description="acceptance rate assumed "
                                     "before any draft was verified")
     decay: float = Field(0.9, gt=0.0, le=1.0, description="weight kept by older observations per step")
     probe_every: int = Field(16, ge=1, description="steps at 0 (low acceptance) between probes")
+    learn_cost: bool = Field(True, description="learn the step cost model from measured step "
+                             "times (fixed_cost_tokens is then only the prior)")
 
     @model_validator(mode="after")
     def _wrapped(self):

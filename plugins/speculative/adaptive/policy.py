@@ -12,13 +12,22 @@ request assumed to draft like this one). The chosen length maximises goodput,
 request this step. Small batches (cost dominated by ``c``) speculate; large ones only when
 acceptance pays for the extra tokens. A request kept at 0 for ``probe_every`` steps by a low
 acceptance estimate drafts one token once, so its estimate can recover.
+
+The cost model is learnt online (SmartSpec profiles it): :meth:`GoodputPolicy.observe_step`
+takes each step's wall time and its number of target tokens (requests + drafts verified)
+and keeps an exponentially weighted least-squares fit ``time = a + b * tokens``; once the
+fit has enough spread in ``tokens`` and a positive slope, ``c = a / b`` replaces
+``fixed_cost_tokens`` (the prior). Steps longer than ``max_step_s`` (idle time between
+requests) are left out.
 """
 from __future__ import annotations
 
 
 class GoodputPolicy:
     def __init__(self, max_k: int, *, fixed_cost_tokens: float, prior_acceptance: float,
-                 prior_weight: float = 2.0, decay: float = 0.9, probe_every: int = 16) -> None:
+                 prior_weight: float = 2.0, decay: float = 0.9, probe_every: int = 16,
+                 learn_cost: bool = True, cost_decay: float = 0.99, max_step_s: float = 1.0,
+                 min_cost_samples: int = 16) -> None:
         if max_k <= 0:
             raise ValueError(f"max_k must be positive, got {max_k}")
         if fixed_cost_tokens < 0:
@@ -32,6 +41,39 @@ class GoodputPolicy:
         self.total = [0.0, 0.0]  # decayed over all requests
         self.batch_size = 1
         self.chosen: dict[int, int] = {}  # histogram of chosen lengths
+        self.prior_c = fixed_cost_tokens
+        self.learn_cost, self.cost_decay, self.max_step_s = learn_cost, cost_decay, max_step_s
+        self.min_cost_samples = min_cost_samples
+        self._fit = [0.0] * 5  # decayed sums: w, x, y, xx, xy
+        self.cost_samples = 0
+
+    # ------------------------------------------------------------------ cost model
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """One step's target tokens and wall time: refit ``time = a + b * tokens``."""
+        if not self.learn_cost or tokens <= 0 or not 0.0 < seconds <= self.max_step_s:
+            return
+        d, f = self.cost_decay, self._fit
+        x, y = float(tokens), float(seconds)
+        for i, v in enumerate((1.0, x, y, x * x, x * y)):
+            f[i] = f[i] * d + v
+        self.cost_samples += 1
+        c = self.fitted_cost()
+        self.c = self.prior_c if c is None else c
+
+    def fitted_cost(self) -> float | None:
+        """``a / b`` of the current fit, or None while it is not trustworthy (few samples,
+        no spread in tokens, slope not positive)."""
+        w, sx, sy, sxx, sxy = self._fit
+        if self.cost_samples < self.min_cost_samples or w <= 0:
+            return None
+        var = sxx / w - (sx / w) ** 2
+        if var <= 1e-9 * max(1.0, (sx / w) ** 2):
+            return None
+        b = (sxy / w - (sx / w) * (sy / w)) / var
+        a = sy / w - b * sx / w
+        if b <= 0:
+            return None
+        return min(max(a / b, 0.0), 1e4)
 
     def begin_step(self, batch_size: int) -> None:
         self.batch_size = max(1, int(batch_size))

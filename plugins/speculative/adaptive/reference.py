@@ -2,6 +2,7 @@
 and step (see ``policy``)."""
 from __future__ import annotations
 
+import time
 from typing import Any, Sequence
 
 from vllm_graft.hooks import Kind, Proposer
@@ -28,9 +29,17 @@ class Adaptive(Proposer):
         self.policy = GoodputPolicy(
             params.num_speculative_tokens, fixed_cost_tokens=params.fixed_cost_tokens,
             prior_acceptance=params.prior_acceptance, decay=params.decay,
-            probe_every=params.probe_every)
+            probe_every=params.probe_every, learn_cost=params.learn_cost)
+        self._last_step: float | None = None  # when the previous step's drafting began
+        self._step_tokens = 0  # target tokens the previous step's drafts make the next step verify
 
     def begin_step(self, num_requests: int) -> None:
+        # The time since the previous step's drafting is one engine step: the forward pass
+        # that verified those drafts (plus scheduling and sampling).
+        now = time.perf_counter()
+        if self._last_step is not None:
+            self.policy.observe_step(self._step_tokens, now - self._last_step)
+        self._last_step, self._step_tokens = now, num_requests
         self.policy.begin_step(num_requests)
         self.inner.begin_step(num_requests)
 
@@ -45,7 +54,9 @@ class Adaptive(Proposer):
         k = min(max_tokens, self.policy.choose(request_id))
         if k <= 0:
             return []
-        return list(self.inner.propose(request_id, token_ids, k))[:k]
+        drafts = list(self.inner.propose(request_id, token_ids, k))[:k]
+        self._step_tokens += len(drafts)
+        return drafts
 
     def finish(self, request_id: str) -> None:
         self.policy.release(request_id)
@@ -53,4 +64,5 @@ class Adaptive(Proposer):
 
     def describe(self) -> dict[str, Any]:
         return {"wraps": self.params.proposer, "chosen_lengths": dict(sorted(self.policy.chosen.items())),
+                "cost_c_tokens": round(self.policy.c, 2), "cost_samples": self.policy.cost_samples,
                 "live_requests": len(self.policy.stats), "inner": self.inner.describe()}
