@@ -276,9 +276,11 @@ class Proposer(PluginImpl[P]):
         order; rows after the first rejected draft were computed on a rejected prefix, but
         still say what tends to follow that token). Default: nothing."""
 
-    def begin_step(self, num_requests: int) -> None:
+    def begin_step(self, num_requests: int, num_tokens: int = 0) -> None:
         """A step's drafting begins; ``num_requests`` requests will be asked to
-        :meth:`propose` (the batch size, for adaptive draft lengths). Default: nothing."""
+        :meth:`propose` (the batch size, for adaptive draft lengths). ``num_tokens`` is how
+        many tokens the target computed in the step just run (prompt chunks, one per
+        decoding request, the drafts it verified; 0 when unknown). Default: nothing."""
 
 
 # -------------------------------------------------------------------------------- quant

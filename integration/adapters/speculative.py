@@ -133,10 +133,13 @@ class Drafting:
         #: top-k per logits row the plugin asked for (0: none; see module docstring)
         self.topk = max(0, int(getattr(plugin, "topk", 0) or 0))
         self.pending_topk: tuple[Any, list[int]] | None = None  # (ids [rows, topk], rows/request)
+        self.step_tokens = 0  # tokens the current step computes (scheduler_output)
 
     def step_started(self, finished_req_ids: Iterable[str],
-                     scheduled_spec_tokens: Mapping[str, Sequence[int]]) -> None:
-        """A step begins: release ended requests, note the drafts it will verify."""
+                     scheduled_spec_tokens: Mapping[str, Sequence[int]], num_tokens: int = 0) -> None:
+        """A step begins: release ended requests, note the drafts it will verify and how many
+        tokens it computes."""
+        self.step_tokens = int(num_tokens or 0)
         finished = list(finished_req_ids)
         for request_id in finished:
             self.plugin.finish(request_id)
@@ -187,7 +190,7 @@ class Drafting:
                                f"rows but only {len(req_ids)} request ids")
         if self.pending_topk is not None:
             self._observe_topk(req_ids, sampled_token_ids, num_tokens, token_ids)
-        self.plugin.begin_step(sum(1 for s in sampled_token_ids if len(s)))
+        self.plugin.begin_step(sum(1 for s in sampled_token_ids if len(s)), self.step_tokens)
         out: list[list[int]] = []
         n_calls = n_drafted = n_verified = n_accepted = 0
         for i, sampled in enumerate(sampled_token_ids):
@@ -262,7 +265,8 @@ class GraftProposer:
         if self._runner is None or self._runner() is not runner:
             self._runner = weakref.ref(runner)
         self.drafting.step_started(scheduler_output.finished_req_ids,
-                                   scheduler_output.scheduled_spec_decode_tokens)
+                                   scheduler_output.scheduled_spec_decode_tokens,
+                                   getattr(scheduler_output, "total_num_scheduled_tokens", 0))
 
     def logits_computed(self, logits: Any, spec_decode_metadata: Any) -> None:
         """From the patched ``_sample``, before vLLM samples: keep the top-k the plugin wants."""

@@ -297,8 +297,8 @@ class Watcher(Echo):
     def observe_topk(self, request_id, tokens, topk_ids):
         self.seen.append((request_id, list(tokens), np.asarray(topk_ids).tolist()))
 
-    def begin_step(self, num_requests):
-        self.steps.append(num_requests)
+    def begin_step(self, num_requests, num_tokens=0):
+        self.steps.append((num_requests, num_tokens))
 
 
 def test_topk_rows_reach_the_plugin_with_the_tokens_they_follow():
@@ -307,14 +307,15 @@ def test_topk_rows_reach_the_plugin_with_the_tokens_they_follow():
     assert d.topk == 2
     # a verified drafts [9, 8] (rows: before-step token, 9, 8 -> 3 rows), b had none (1 row),
     # c is mid-prefill (1 row, discarded)
-    d.step_started([], {"a": [9, 8]})
+    d.step_started([], {"a": [9, 8]}, 12)
     ids = np.arange(5 * 2).reshape(5, 2)
     d.logits_topk(ids, [3, 1, 1])
     tok, n = batch([[1, 2, 3, 9, 4], [5, 6, 7], [1, 1]])
     d.propose(["a", "b", "c"], [[9, 4], [7], []], n, tok)
     # a: 5 tokens now, 2 sampled this step, so the token before the step is tok[5-2-1] = 3
     assert p.seen == [("a", [3, 9, 8], [[0, 1], [2, 3], [4, 5]]), ("b", [6], [[6, 7]])]
-    assert p.steps == [2]  # begin_step got the batch size (rows with sampled tokens)
+    # begin_step got the batch size (rows with sampled tokens) and the step's tokens
+    assert p.steps == [(2, 12)]
     # the top-k is used once: the next step without a new top-k shows nothing
     d.step_started([], {})
     d.propose(["b"], [[8]], *batch([[5, 6, 7, 8]])[::-1])

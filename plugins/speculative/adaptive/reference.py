@@ -31,17 +31,18 @@ class Adaptive(Proposer):
             prior_acceptance=params.prior_acceptance, decay=params.decay,
             probe_every=params.probe_every, learn_cost=params.learn_cost)
         self._last_step: float | None = None  # when the previous step's drafting began
-        self._step_tokens = 0  # target tokens the previous step's drafts make the next step verify
+        self._step_tokens = 0  # estimate of the tokens the next step computes (no num_tokens)
 
-    def begin_step(self, num_requests: int) -> None:
+    def begin_step(self, num_requests: int, num_tokens: int = 0) -> None:
         # The time since the previous step's drafting is one engine step: the forward pass
-        # that verified those drafts (plus scheduling and sampling).
+        # of the step just run (``num_tokens``: prompt chunks, decodes, verified drafts), plus
+        # scheduling, sampling and drafting.
         now = time.perf_counter()
         if self._last_step is not None:
-            self.policy.observe_step(self._step_tokens, now - self._last_step)
+            self.policy.observe_step(num_tokens or self._step_tokens, now - self._last_step)
         self._last_step, self._step_tokens = now, num_requests
         self.policy.begin_step(num_requests)
-        self.inner.begin_step(num_requests)
+        self.inner.begin_step(num_requests, num_tokens)
 
     def observe_topk(self, request_id: str, tokens: Sequence[int], topk_ids: Any) -> None:
         self.inner.observe_topk(request_id, tokens, topk_ids)
