@@ -331,3 +331,41 @@ def test_cost_model_is_learnt_from_step_times():
     for _ in range(50):  # no spread in tokens: no fit, the prior stays
         flat.observe_step(32, 0.003)
     assert flat.c == 8
+
+
+def test_mode_bandit_tries_both_then_keeps_the_faster_and_re_explores():
+    from vllm_graft.plugins.speculative.adaptive.policy import ModeBandit
+
+    b = ModeBandit(min_samples=2, explore_every=10)
+    modes = []
+    for _ in range(40):
+        on = b.choose(32, model_says_on=True)
+        modes.append(on)
+        b.record(32, on, tokens=32 if not on else 40, seconds=0.004 if not on else 0.008)
+    assert modes[:4] == [True, True, False, False]  # the model's choice first, then the other
+    rest = modes[4:]
+    assert rest.count(False) > 0.8 * len(rest)  # off is faster (8000 vs 5000 tok/s)
+    assert rest.count(True) >= 2  # but on is re-tried now and then
+    assert b.goodput(32, False) == pytest.approx(8000) and b.goodput(40, True) == pytest.approx(5000)
+    assert b.goodput(1, True) is None  # another bucket knows nothing yet
+
+
+def test_adaptive_turns_speculation_off_where_it_measures_slower(monkeypatch):
+    from vllm_graft.plugins.speculative.adaptive import reference
+
+    clock = [0.0]
+    monkeypatch.setattr(reference.time, "perf_counter", lambda: clock[0])
+    a = build("adaptive", proposer="lookahead", params={"depth": 4})
+    history = [1, 2, 3, 1, 2, 3, 1, 2, 3]
+    ons = []
+    for step in range(60):
+        a.begin_step(8, 8 + 8 * a._on * 3)  # decode-only steps: requests + verified drafts
+        ons.append(a._on)
+        for r in range(8):
+            if a._on:
+                a.accepted(f"r{r}", 1, 3)  # 1 of 3 accepted: 2 tokens per request
+            a.propose(f"r{r}", history, 3)
+        # a step with drafts takes 3x as long: 16 tokens / 3 ms vs 8 tokens / 1 ms
+        clock[0] += 0.003 if a._on else 0.001
+    assert ons[-20:].count(False) >= 15
+    assert a.describe()["goodput_tok_s"]

@@ -20,6 +20,8 @@ class AdaptiveParams(BaseModel):
                                     "before any draft was verified")
     decay: float = Field(0.9, gt=0.0, le=1.0, description="weight kept by older observations per step")
     probe_every: int = Field(16, ge=1, description="steps at 0 (low acceptance) between probes")
+    measure_goodput: bool = Field(True, description="let measured goodput (speculation on vs "
+                                  "off, per batch-size bucket) override the cost model")
     learn_cost: bool = Field(True, description="learn the step cost model from measured step "
                              "times (fixed_cost_tokens is then only the prior)")
 

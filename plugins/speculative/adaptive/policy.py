@@ -81,6 +81,9 @@ class GoodputPolicy:
     def _estimate(self, s: float, f: float, prior: float) -> float:
         return (s + prior * self.prior_weight) / (s + f + self.prior_weight)
 
+    def acceptance_overall(self) -> float:
+        return self._estimate(*self.total, self.prior)
+
     def acceptance(self, request_id: str) -> float:
         glob = self._estimate(*self.total, self.prior)
         st = self.stats.get(request_id)
@@ -121,3 +124,60 @@ class GoodputPolicy:
 
     def release(self, request_id: str) -> None:
         self.stats.pop(request_id, None)
+
+
+class ModeBandit:
+    """Measured goodput, speculation on vs off, per batch-size bucket (``B.bit_length()``).
+
+    The cost model above can be wrong (on a CPU, verify tokens cost more than the fit says),
+    so the final say is measured: each finished decode-only step gives a sample
+    ``tokens produced / step time`` for the mode it ran in; per bucket, an exponentially
+    weighted mean per mode. A bucket tries both modes first (``min_samples`` steps each),
+    then runs the better one, re-trying the other for ``min_samples`` steps every
+    ``explore_every`` steps.
+    """
+
+    def __init__(self, *, decay: float = 0.8, min_samples: int = 3, explore_every: int = 32) -> None:
+        self.decay, self.min_samples, self.explore_every = decay, min_samples, explore_every
+        # bucket -> {mode: [weighted sum, weight, samples]}, and steps since last exploration
+        self.stats: dict[int, dict[bool, list[float]]] = {}
+        self.since: dict[int, int] = {}
+        self.exploring: dict[int, int] = {}
+
+    @staticmethod
+    def bucket(batch_size: int) -> int:
+        return max(1, int(batch_size)).bit_length()
+
+    def record(self, batch_size: int, on: bool, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        st = self.stats.setdefault(self.bucket(batch_size), {True: [0.0, 0.0, 0], False: [0.0, 0.0, 0]})[on]
+        st[0] = st[0] * self.decay + tokens / seconds
+        st[1] = st[1] * self.decay + 1.0
+        st[2] += 1
+
+    def goodput(self, batch_size: int, on: bool) -> float | None:
+        st = self.stats.get(self.bucket(batch_size), {}).get(on)
+        return st[0] / st[1] if st and st[1] else None
+
+    def choose(self, batch_size: int, model_says_on: bool) -> bool:
+        """Whether the coming step speculates (``model_says_on``: the cost model's view)."""
+        b = self.bucket(batch_size)
+        st = self.stats.get(b)
+        counts = {m: (st[m][2] if st else 0) for m in (True, False)}
+        for m in (model_says_on, not model_says_on):  # try both, the model's choice first
+            if counts[m] < self.min_samples:
+                return m
+        if self.exploring.get(b, 0) > 0:
+            self.exploring[b] -= 1
+            return not self._best(b)
+        self.since[b] = self.since.get(b, 0) + 1
+        if self.since[b] >= self.explore_every:
+            self.since[b] = 0
+            self.exploring[b] = self.min_samples - 1
+            return not self._best(b)
+        return self._best(b)
+
+    def _best(self, b: int) -> bool:
+        st = self.stats[b]
+        return st[True][0] / st[True][1] >= st[False][0] / st[False][1]
