@@ -258,6 +258,30 @@ class Proposer(PluginImpl[P]):
     def finish(self, request_id: str) -> None:
         """The request ended (finished or aborted): release its state. Default: nothing."""
 
+    # ---- optional extras; a proposer that does not ask for them costs nothing extra ----
+    #: How many of the target's most probable next tokens per verified position this
+    #: proposer wants through :meth:`observe_topk` (Token Recycling). 0 (the default): the
+    #: adapter computes no top-k and never calls :meth:`observe_topk`. Read once, when the
+    #: adapter builds the proposer (a class attribute or one set in ``__init__``).
+    topk: int = 0
+
+    def observe_topk(self, request_id: str, tokens: Sequence[int], topk_ids: Any) -> None:
+        """What the target predicted in the step just run, called before :meth:`accepted`
+        and :meth:`propose` of that step, only when :attr:`topk` > 0.
+
+        ``topk_ids`` is an int array ``[len(tokens), topk]``: row ``j`` holds the target's
+        ``topk`` most probable next tokens (most probable first) after the prefix ending in
+        ``tokens[j]``. ``tokens`` are the positions the step computed logits for: the
+        request's last token before the step, then each draft token the step verified (in
+        order; rows after the first rejected draft were computed on a rejected prefix, but
+        still say what tends to follow that token). Default: nothing."""
+
+    def begin_step(self, num_requests: int, num_tokens: int = 0) -> None:
+        """A step's drafting begins; ``num_requests`` requests will be asked to
+        :meth:`propose` (the batch size, for adaptive draft lengths). ``num_tokens`` is how
+        many tokens the target computed in the step just run (prompt chunks, one per
+        decoding request, the drafts it verified; 0 when unknown). Default: nothing."""
+
 
 # -------------------------------------------------------------------------------- quant
 @dataclass(frozen=True)

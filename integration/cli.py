@@ -184,6 +184,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "vllm_graft.integration.calibrate",  # calibrate METHOD (expert-mask, ...)
     "vllm_graft.integration.moe_tools",  # moe-trace, moe-sim
     "vllm_graft.integration.quantize",  # quantize
+    "vllm_graft.integration.specbench",  # specbench
 )
 
 

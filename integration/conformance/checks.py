@@ -433,14 +433,19 @@ def request_id(r: int) -> str:
 
 
 def exercise_speculative(t: Target, impl: Any, dtype: str, rules: bool) -> list[tuple[str, Any]]:
+    import numpy as np
+
     results = []
+    topk = int(getattr(impl, "topk", 0) or 0)
     for r in range(SPEC_REQUESTS):
         rid = request_id(r)
         truth = _truth(r, 40 + SPEC_STEPS * 6)
         tokens = truth[:40]
         drafts_seen = []
+        rnd = random.Random(1000 + r)
         for _ in range(SPEC_STEPS):
             max_tokens = 4
+            impl.begin_step(1, 1 + (len(drafts_seen[-1]) if drafts_seen else 0))
             drafts = impl.propose(rid, list(tokens), max_tokens)
             try:
                 drafts = [int(x) for x in drafts]
@@ -454,6 +459,12 @@ def exercise_speculative(t: Target, impl: Any, dtype: str, rules: bool) -> list[
             acc = 0
             while acc < len(drafts) and drafts[acc] == nxt[acc]:
                 acc += 1
+            if topk > 0:  # what the target predicted at each computed position (row 0: the true next)
+                positions = [tokens[-1], *drafts]
+                rows = [[truth[len(tokens) + j] if len(tokens) + j < len(truth) else 0,
+                         *(rnd.randrange(SPEC_VOCAB) for _ in range(topk - 1))]
+                        for j in range(len(positions))]
+                impl.observe_topk(rid, positions, np.array(rows, dtype=np.int64))
             if drafts:
                 impl.accepted(rid, acc, len(drafts))
             tokens += nxt[: acc + 1]
@@ -709,8 +720,9 @@ def triton_runs_here() -> str | None:
 def check_parity(t: Target) -> str:
     params = t.entry.registration.params
     if KERNEL_FIELD not in params.model_fields:
-        raise Skipped(f"no '{KERNEL_FIELD}' parameter: the plugin declares no Triton kernel "
-                      "(derive its parameters from vllm_graft.hooks.KernelParams when it has one)")
+        raise Skipped(f"no '{KERNEL_FIELD}' parameter, so the kit cannot switch the plugin to a "
+                      "Triton path (derive its parameters from vllm_graft.hooks.KernelParams when it "
+                      "has one)")
     why = triton_runs_here()
     if why:
         raise Skipped(why)
