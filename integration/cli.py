@@ -181,6 +181,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "vllm_graft.integration.run",  # demo, generate, serve
     "vllm_graft.integration.bench",  # bench
     "vllm_graft.integration.scaffold",  # new-plugin
+    "vllm_graft.integration.attention_bytes",  # attention-bytes
 )
 
 

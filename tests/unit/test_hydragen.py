@@ -154,3 +154,27 @@ def test_reference_equals_plain_paged_attention(seed, dtype):
     print(f"seed {seed} {dtype} H={h} Hkv={hkv} D={d} block={bs}: max|err| {err:.2e}, {m.describe()}")
     assert out.dtype == q.dtype and out.shape == q.shape
     assert err <= (2e-5 if dtype == torch.float32 else 2e-3)
+
+
+def test_attention_bytes_ratio_approaches_the_batch_size():
+    from vllm_graft.integration.attention_bytes import hydragen_rows
+
+    for batch in (8, 32, 128):
+        for prefix in (1024, 4096):
+            first = hydragen_rows(batch, prefix, 0, 16, 1)
+            later = hydragen_rows(batch, prefix, 256, 16, 1)
+            assert first["groups"] == 1 and first["plain_bytes"] == batch * (prefix + 1)
+            assert 0.85 * batch < first["ratio"] <= batch  # prefix read once, one token each
+            assert 1 < later["ratio"] < first["ratio"]  # own tokens are read per sequence
+    tree = hydragen_rows(32, 1024, 256, 16, 1, samples=8)
+    assert tree["depth"] == 2 and tree["groups"] == 5 and tree["ratio"] > hydragen_rows(32, 1024, 256, 16, 1)["ratio"]
+
+
+def test_attention_bytes_command(capsys):
+    import json
+
+    from vllm_graft.integration.cli import main
+
+    assert main(["attention-bytes", "--batch", "8", "--prefix", "1024", "--suffix", "0", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["rows"][0]["batch"] == 8 and out["rows"][0]["ratio"] > 7.5
