@@ -27,6 +27,5 @@ def graft_register_attention(register):
         paper="Hydragen: High-Throughput LLM Inference with Shared Prefixes (arXiv:2402.05099)",
         params=HydragenParams,
         impl="vllm_graft.plugins.attention.hydragen.reference:Hydragen",
-        capabilities=Capabilities(lossless=True, head_sizes=(32, 64, 128, 256),
-                                  dtypes=("float32", "float16", "bfloat16")),
+        capabilities=Capabilities(lossless=True, head_sizes=(32, 64, 80, 96, 112, 128, 160, 192, 224, 256)),
     ))

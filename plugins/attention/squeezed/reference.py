@@ -1,0 +1,156 @@
+"""`squeezed` sparse decode attention in PyTorch (the oracle and the CPU path).
+
+Per decode token (a sequence with one new token) and KV head: the context is cut into chunks of
+``chunk`` tokens; each chunk is scored by its key centroid (the mean of its keys) against the
+token's queries (the best of the query heads sharing the KV head); the forced chunks (sinks,
+recent window) and the best other chunks up to the budget are attended exactly. Sequences with
+several new tokens (prefill, chunked prefill) get full causal attention.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from vllm_graft.hooks import AttentionLayer, AttentionMethod, PagedBatch
+from vllm_graft.plugins.attention.noop.reference import gather_kv
+
+from .policy import Budget, budget, load_head_map, window_chunks
+
+
+def chunk_scores(q: torch.Tensor, k: torch.Tensor, chunk: int, scale: float) -> torch.Tensor:
+    """``q`` [H, D], ``k`` [n, Hkv, D] -> [Hkv, C]: per KV head, the best over its query heads of
+    ``scale * q . centroid`` for each chunk (the last chunk's centroid over its valid tokens)."""
+    n, hkv, d = k.shape
+    c = -(-n // chunk)
+    kp = F.pad(k.float(), (0, 0, 0, 0, 0, c * chunk - n)).view(c, chunk, hkv, d)
+    counts = (n - torch.arange(c, device=k.device) * chunk).clamp(max=chunk).float()
+    cent = kp.sum(1) / counts[:, None, None]  # [C, Hkv, D]
+    qg = q.float().view(hkv, -1, d)
+    return (torch.einsum("hgd,chd->hgc", qg, cent) * scale).amax(1)
+
+
+def chosen_chunks(scores: torch.Tensor | None, b: Budget, mode: str, hkv: int,
+                  retrieval: list[bool] | None = None) -> torch.Tensor:
+    """Bool [Hkv, C]: the chunks each KV head attends to."""
+    dev = scores.device if scores is not None else None
+    sel = torch.zeros(hkv, b.num_chunks, dtype=torch.bool, device=dev)
+    if mode == "streaming-heads":
+        assert retrieval is not None
+        sel[:, list(b.sink) + list(b.recent)] = True
+        sel[torch.tensor(retrieval, dtype=torch.bool, device=dev)] = True
+        return sel
+    if b.full:
+        sel[:] = True
+        return sel
+    if mode == "window":
+        sel[:, window_chunks(b)] = True
+        return sel
+    forced = list(b.sink) + list(b.recent)
+    if b.extra:
+        s = scores.clone()
+        s[:, forced] = float("-inf")
+        sel.scatter_(1, torch.topk(s, b.extra, dim=1).indices, True)
+    sel[:, forced] = True
+    return sel
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """One decode token: ``q`` [H, D], ``k``/``v`` [n, Hkv, D], ``token_mask`` [Hkv, n] (True =
+    attended) -> [H, D] float32."""
+    hkv, d = k.shape[1], k.shape[2]
+    qg = q.float().view(hkv, -1, d)
+    s = torch.einsum("hgd,nhd->hgn", qg, k.float()) * scale
+    s = s.masked_fill(~token_mask[:, None, :], float("-inf"))
+    return torch.einsum("hgn,nhd->hgd", s.softmax(-1), v.float()).reshape(-1, d)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Full causal attention of the last ``len(q)`` positions: q [q, H, D], k/v [n, Hkv, D]."""
+    nq, h, d = q.shape
+    n, hkv = k.shape[0], k.shape[1]
+    kk = k.float().repeat_interleave(h // hkv, dim=1)
+    vv = v.float().repeat_interleave(h // hkv, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale
+    q_pos = torch.arange(n - nq, n, device=q.device).unsqueeze(1)
+    s = s.masked_fill(torch.arange(n, device=q.device).unsqueeze(0) > q_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), vv)
+
+
+class Stats:
+    """KV traffic of decode tokens, in token-heads (one key + one value of one KV head)."""
+
+    def __init__(self) -> None:
+        self.decode_tokens = 0
+        self.plain = 0  # what full attention reads
+        self.read = 0.0  # attended tokens + chunk centroids (a centroid: half a token-head)
+
+    def add(self, n: int, hkv: int, attended: int, num_centroids: int) -> None:
+        self.decode_tokens += 1
+        self.plain += n * hkv
+        self.read += attended + 0.5 * num_centroids
+
+
+class Squeezed(AttentionMethod):
+    def __init__(self, params) -> None:
+        super().__init__(params)
+        self.head_map = load_head_map(params.head_map) if params.mode == "streaming-heads" else None
+        self.stats = Stats()
+
+    def retrieval(self, layer: AttentionLayer) -> list[bool] | None:
+        if self.head_map is None:
+            return None
+        idx = getattr(layer, "index", -1)
+        if not 0 <= idx < len(self.head_map) or len(self.head_map[idx]) != layer.num_kv_heads:
+            raise ValueError(
+                f"squeezed: head map {self.params.head_map!r} has {len(self.head_map)} layers of "
+                f"{len(self.head_map[0])} KV heads; this model's layer {idx} has "
+                f"{layer.num_kv_heads} KV heads. Calibrate it for this model (vllm-graft calibrate-razor)")
+        return self.head_map[idx]
+
+    def budget(self, n: int) -> Budget:
+        p = self.params
+        return budget(n, p.chunk, p.budget, p.sink_tokens, p.recent_tokens)
+
+    def forward(self, query, kv_cache, batch, layer, plan=None):
+        if kv_cache.shape[2] % self.params.chunk:
+            raise ValueError(f"squeezed: chunk {self.params.chunk} must divide the KV block size "
+                             f"{kv_cache.shape[2]}; set params.chunk to a divisor of it")
+        if self.params.kernel == "triton":
+            from .kernel import squeezed_attention_triton
+
+            return squeezed_attention_triton(self, query, kv_cache, batch, layer)
+        return squeezed_attention(self, query, kv_cache, batch, layer)
+
+    def describe(self) -> dict[str, Any]:
+        s = self.stats
+        return {"decode_token_layers": s.decode_tokens, "kv_token_heads_plain": s.plain,
+                "kv_token_heads_read": round(s.read, 1),
+                "kv_read_fraction": round(s.read / s.plain, 4) if s.plain else None}
+
+
+def squeezed_attention(m: Squeezed, query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
+                       layer: AttentionLayer) -> torch.Tensor:
+    p = m.params
+    out = torch.empty_like(query)
+    bs = kv_cache.shape[2]
+    hkv = layer.num_kv_heads
+    retrieval = m.retrieval(layer)
+    qsl = batch.query_start_loc.tolist()
+    for i, n in enumerate(batch.seq_lens.tolist()):
+        q0, q1 = qsl[i], qsl[i + 1]
+        if q1 == q0:
+            continue
+        k, v = gather_kv(kv_cache, batch.block_table[i, : -(-n // bs)], n, layer.head_size)
+        if q1 - q0 > 1:
+            out[q0:q1] = causal_attention(query[q0:q1], k, v, layer.scale).to(query.dtype)
+            continue
+        b = m.budget(n)
+        scores = chunk_scores(query[q0], k, p.chunk, layer.scale) if p.mode == "centroid" and not b.full else None
+        sel = chosen_chunks(scores, b, p.mode, hkv, retrieval)  # [Hkv, C]
+        mask = sel.repeat_interleave(p.chunk, dim=1)[:, :n]
+        out[q0] = masked_attention(query[q0], k, v, mask, layer.scale).to(query.dtype)
+        m.stats.add(n, hkv, int(mask.sum()), b.num_chunks * hkv if scores is not None else 0)
+    return out
