@@ -182,6 +182,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "vllm_graft.integration.bench",  # bench
     "vllm_graft.integration.scaffold",  # new-plugin
     "vllm_graft.integration.attention_bytes",  # attention-bytes
+    "vllm_graft.integration.sparse_quality",  # sparse-quality
 )
 
 

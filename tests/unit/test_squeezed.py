@@ -148,3 +148,28 @@ def test_triton_matches_reference(shape, dtype):
           f"scores {s_err:.2e}")
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     assert max(worst.values()) <= tol and s_err <= tol * 10
+
+
+@pytest.mark.parametrize("mode", ["centroid", "window", "streaming-heads"])
+def test_sparse_prefill_equals_decoding_token_by_token(mode, tmp_path):
+    """prefill: sparse gives each prompt row what a decode step at its position computes."""
+    path = tmp_path / "heads.json"
+    path.write_text(json.dumps({"format": HEAD_MAP_FORMAT, "retrieval": [[False, True]]}))
+    extra = {"head_map": str(path)} if mode == "streaming-heads" else {}
+    kw = dict(mode=mode, budget=0.2, chunk=16, sink_tokens=16, recent_tokens=20, **extra)
+    n, nq, bs = 150, 90, 16
+    q, kv, batch, layer = paged([(n, nq)], 4, 2, 64, bs, torch.float32, seed=3)
+    layer = AttentionLayer(4, 2, 64, layer.scale, bs, index=0)
+    m = Squeezed(SqueezedParams(prefill="sparse", **kw))
+    out = m.forward(q, kv, batch, layer)
+    dec = Squeezed(SqueezedParams(**kw))
+    worst = 0.0
+    for r in range(nq):
+        pos = n - nq + r
+        one = PagedBatch(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([pos + 1], dtype=torch.int32),
+                         batch.block_table)
+        worst = max(worst, (dec.forward(q[r:r + 1], kv, one, layer)[0] - out[r]).abs().max().item())
+    assert worst < 1e-5
+    assert m.describe()["kv_token_heads_read"] == dec.describe()["kv_token_heads_read"]
+    full = Squeezed(SqueezedParams(prefill="full", **kw)).forward(q, kv, batch, layer)
+    assert (full - paged_attention(q, kv, batch, layer)).abs().max() < 1e-5

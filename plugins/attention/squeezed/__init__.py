@@ -23,6 +23,10 @@ class SqueezedParams(KernelParams):
                        "the KV block size")
     sink_tokens: int = Field(16, ge=0, description="first tokens always attended")
     recent_tokens: int = Field(64, ge=1, description="last tokens always attended (the token's own included)")
+    prefill: Literal["full", "sparse"] = Field(
+        "full", description="'full': prompt tokens get full causal attention (serving); 'sparse': each "
+        "prompt token attends as it would when decoded (teacher forcing, to measure quality from "
+        "prompt log-probabilities)")
     head_map: str | None = Field(None, description="head-map file of `vllm-graft calibrate-razor` "
                                  "(mode streaming-heads)")
 

@@ -18,7 +18,7 @@ import triton.language as tl
 from vllm_graft.hooks import AttentionLayer, PagedBatch, split_kv_cache
 from vllm_graft.plugins.attention.noop.reference import gather_kv
 
-from .reference import causal_attention, chosen_chunks
+from .reference import causal_attention, chosen_chunks, sparse_rows
 
 
 @triton.jit
@@ -154,9 +154,12 @@ def squeezed_attention_triton(m, query: torch.Tensor, kv_cache: torch.Tensor, ba
             rows.append(q0)
             seqs.append(i)
             lens.append(n)
-        elif q1 > q0:  # prefill / chunked prefill: full causal attention (PyTorch)
+        elif q1 > q0:  # prefill / chunked prefill: the PyTorch path
             k, v = gather_kv(kv_cache, batch.block_table[i, : -(-n // bs)], n, layer.head_size)
-            out[q0:q1] = causal_attention(query[q0:q1], k, v, layer.scale).to(query.dtype)
+            if p.prefill == "sparse":
+                out[q0:q1] = sparse_rows(query[q0:q1], k, v, m, layer.scale, retrieval).to(query.dtype)
+            else:
+                out[q0:q1] = causal_attention(query[q0:q1], k, v, layer.scale).to(query.dtype)
     if not rows:
         return out
     budgets = [m.budget(n) for n in lens]

@@ -79,6 +79,55 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), vv)
 
 
+def sparse_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: "Squeezed",
+                scale: float, retrieval: list[bool] | None) -> torch.Tensor:
+    """Every row of ``q`` [nq, H, D] (the last ``nq`` positions of a context ``k``/``v`` [n, Hkv,
+    D]) attends as a decode token at its position would: what teacher-forced decoding computes,
+    in one pass (``prefill: sparse``, for quality evaluation). Returns [nq, H, D] float32."""
+    p = m.params
+    nq, h, d = q.shape
+    n, hkv = k.shape[0], k.shape[1]
+    chunk = p.chunk
+    c = -(-n // chunk)
+    dev = q.device
+    budgets = [m.budget(t + 1) for t in range(n - nq, n)]
+    ci = torch.arange(c, device=dev)
+    num = torch.tensor([b.num_chunks for b in budgets], device=dev)[:, None]
+    n_sink = torch.tensor([len(b.sink) for b in budgets], device=dev)[:, None]
+    r_start = torch.tensor([b.recent[0] if b.recent else b.num_chunks for b in budgets], device=dev)[:, None]
+    extra = torch.tensor([b.extra for b in budgets], device=dev)[:, None]
+    full = torch.tensor([b.full for b in budgets], device=dev)[:, None]
+    eligible = ci < num  # [nq, C]
+    forced = (ci < n_sink) | ((ci >= r_start) & eligible)
+    if p.mode == "streaming-heads":
+        sel = forced[:, None, :].expand(nq, hkv, c).clone()
+        sel[:, torch.tensor(retrieval, dtype=torch.bool, device=dev)] = eligible[:, None, :]
+    elif p.mode == "window":
+        grown = (ci >= torch.maximum(n_sink, r_start - extra)) & (ci < r_start)
+        sel = (forced | grown | (full & eligible))[:, None, :].expand(nq, hkv, c)
+    else:
+        kp = F.pad(k.float(), (0, 0, 0, 0, 0, c * chunk - n)).view(c, chunk, hkv, d)
+        counts = (n - ci * chunk).clamp(max=chunk).float()
+        cent = kp.sum(1) / counts[:, None, None]  # [C, Hkv, D]; partial chunks are always forced
+        sc = (torch.einsum("qhgd,chd->qhgc", q.float().view(nq, hkv, -1, d), cent) * scale).amax(2)
+        sc = sc.masked_fill((forced | ~eligible)[:, None, :], float("-inf"))
+        rank = torch.empty_like(sc, dtype=torch.long)
+        order = torch.argsort(sc, dim=2, descending=True, stable=True)
+        rank.scatter_(2, order, ci.expand_as(order).contiguous())
+        sel = forced[:, None, :] | ((rank < extra[:, :, None]) & eligible[:, None, :]) | (full & eligible)[:, None, :]
+    tokens = sel.repeat_interleave(chunk, dim=2)[:, :, :n]  # [nq, Hkv, n]
+    pos = torch.arange(n - nq, n, device=dev)
+    tokens = tokens & (torch.arange(n, device=dev)[None, :] <= pos[:, None])[:, None, :]
+    s = torch.einsum("qhgd,nhd->qhgn", q.float().view(nq, hkv, -1, d), k.float()) * scale
+    s = s.masked_fill(~tokens[:, :, None, :], float("-inf"))
+    out = torch.einsum("qhgn,nhd->qhgd", s.softmax(-1), v.float()).reshape(nq, h, d)
+    centroid = p.mode == "centroid"
+    for t, b in enumerate(budgets):
+        m.stats.add(n - nq + t + 1, hkv, int(tokens[t].sum()),
+                    b.num_chunks * hkv if centroid and not b.full else 0)
+    return out
+
+
 class Stats:
     """KV traffic of decode tokens, in token-heads (one key + one value of one KV head)."""
 
@@ -145,7 +194,10 @@ def squeezed_attention(m: Squeezed, query: torch.Tensor, kv_cache: torch.Tensor,
             continue
         k, v = gather_kv(kv_cache, batch.block_table[i, : -(-n // bs)], n, layer.head_size)
         if q1 - q0 > 1:
-            out[q0:q1] = causal_attention(query[q0:q1], k, v, layer.scale).to(query.dtype)
+            if p.prefill == "sparse":
+                out[q0:q1] = sparse_rows(query[q0:q1], k, v, m, layer.scale, retrieval).to(query.dtype)
+            else:
+                out[q0:q1] = causal_attention(query[q0:q1], k, v, layer.scale).to(query.dtype)
             continue
         b = m.budget(n)
         scores = chunk_scores(query[q0], k, p.chunk, layer.scale) if p.mode == "centroid" and not b.full else None
