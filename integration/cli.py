@@ -183,6 +183,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "vllm_graft.integration.scaffold",  # new-plugin
     "vllm_graft.integration.attention_bytes",  # attention-bytes
     "vllm_graft.integration.sparse_quality",  # sparse-quality
+    "vllm_graft.integration.calibrate_razor",  # calibrate-razor (to fold into `calibrate razor`)
 )
 
 

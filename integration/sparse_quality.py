@@ -101,8 +101,9 @@ def cmd_sparse_quality(args: argparse.Namespace, console: Console) -> int:
                             max_model_len=args.max_model_len, seed=args.seed)
     prompts = [list(p.token_ids) for p in ps.prompts]
     results = []
+    progress = Console(stderr=True, highlight=False) if args.json else console
     for name, params in _arms(args):
-        console.print(f"[dim]{name}...[/]")
+        progress.print(f"[dim]{name}...[/]")
         r = run_arm(model, engine, params, prompts, args.score_from)
         results.append({"arm": name, "params": params, **r})
     plain = results[0]["ppl"]

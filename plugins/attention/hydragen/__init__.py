@@ -10,6 +10,7 @@ remaining blocks are attended on their own; the partial results merge exactly by
 from pydantic import Field
 
 from vllm_graft.hooks import Capabilities, KernelParams, Registration, hookimpl
+from vllm_graft.hooks.registry import ATTENTION_BACKEND_LIMITS
 
 
 class HydragenParams(KernelParams):
@@ -27,5 +28,6 @@ def graft_register_attention(register):
         paper="Hydragen: High-Throughput LLM Inference with Shared Prefixes (arXiv:2402.05099)",
         params=HydragenParams,
         impl="vllm_graft.plugins.attention.hydragen.reference:Hydragen",
-        capabilities=Capabilities(lossless=True, head_sizes=(32, 64, 80, 96, 112, 128, 160, 192, 224, 256)),
+        capabilities=Capabilities(lossless=True, head_sizes=(32, 64, 80, 96, 112, 128, 160, 192, 224, 256),
+                                  unsupported_features=ATTENTION_BACKEND_LIMITS),
     ))

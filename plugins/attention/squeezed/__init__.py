@@ -8,9 +8,10 @@ attention for the retrieval heads of a head map, sinks + recent window for the o
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from vllm_graft.hooks import Capabilities, KernelParams, Registration, hookimpl
+from vllm_graft.hooks.registry import ATTENTION_BACKEND_LIMITS
 
 
 class SqueezedParams(KernelParams):
@@ -30,10 +31,15 @@ class SqueezedParams(KernelParams):
     head_map: str | None = Field(None, description="head-map file of `vllm-graft calibrate-razor` "
                                  "(mode streaming-heads)")
 
+    @field_validator("chunk")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"chunk must be a power of two (got {v})")
+        return v
+
     @model_validator(mode="after")
     def _check(self):
-        if self.chunk & (self.chunk - 1):
-            raise ValueError(f"chunk must be a power of two (got {self.chunk})")
         if self.mode == "streaming-heads":
             if not self.head_map:
                 raise ValueError("mode streaming-heads needs head_map: the file written by "
@@ -56,5 +62,6 @@ def graft_register_attention(register):
               "RazorAttention (arXiv:2407.15891) for mode streaming-heads",
         params=SqueezedParams,
         impl="vllm_graft.plugins.attention.squeezed.reference:Squeezed",
-        capabilities=Capabilities(lossless=False, head_sizes=(32, 64, 80, 96, 112, 128, 160, 192, 224, 256)),
+        capabilities=Capabilities(lossless=False, head_sizes=(32, 64, 80, 96, 112, 128, 160, 192, 224, 256),
+                                  unsupported_features=ATTENTION_BACKEND_LIMITS),
     ))
