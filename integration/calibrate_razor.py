@@ -122,7 +122,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     echo, induction = echo / args.seeds, induction / args.seeds
     kv_heads = cfg.num_key_value_heads
     chosen, retrieval = classify(echo, induction, kv_heads, args.induction_fraction, args.echo_fraction)
-    data = {"format": HEAD_MAP_FORMAT, "model": str(Path(model_dir).resolve()), "retrieval": retrieval,
+    data = {"format": HEAD_MAP_FORMAT, "model": Path(model_dir).name, "retrieval": retrieval,
             "num_layers": len(retrieval), "num_kv_heads": kv_heads,
             "echo": [[round(x, 5) for x in row] for row in echo.tolist()],
             "induction": [[round(x, 5) for x in row] for row in induction.tolist()],

@@ -18,6 +18,7 @@ import argparse
 import gc
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -38,7 +39,7 @@ def _arms(args: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
     arms: list[tuple[str, dict[str, Any] | None]] = [("plain vLLM", None)]
     base = {"chunk": args.chunk, "sink_tokens": args.sink, "recent_tokens": args.recent, "prefill": "sparse"}
     for b in args.budget:
-        for mode in args.modes.split(","):
+        for mode in [m for m in args.modes.split(",") if m]:
             arms.append((f"{mode} K={b:g}", {**base, "mode": mode, "budget": b}))
     if args.head_map:
         arms.append(("streaming-heads", {**base, "mode": "streaming-heads", "head_map": args.head_map}))
@@ -101,7 +102,7 @@ def cmd_sparse_quality(args: argparse.Namespace, console: Console) -> int:
                             max_model_len=args.max_model_len, seed=args.seed)
     prompts = [list(p.token_ids) for p in ps.prompts]
     results = []
-    progress = Console(stderr=True, highlight=False) if args.json else console
+    progress = Console(stderr=True, highlight=False) if args.json == "-" else console
     for name, params in _arms(args):
         progress.print(f"[dim]{name}...[/]")
         r = run_arm(model, engine, params, prompts, args.score_from)
@@ -112,10 +113,13 @@ def cmd_sparse_quality(args: argparse.Namespace, console: Console) -> int:
     for r in results:
         del r["nll_per_token"], r["top1"]
     if args.json:
-        print(json.dumps({"workload": "long-context", "prompts": len(prompts),
-                          "prompt_tokens": [len(p) for p in prompts], "score_from": args.score_from,
-                          "arms": results}, indent=1))
-        return 0
+        text = json.dumps({"workload": "long-context", "prompts": len(prompts),
+                           "prompt_tokens": [len(p) for p in prompts], "score_from": args.score_from,
+                           "arms": results}, indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n")
     t = Table(title=f"Sparse decode attention on long-context ({len(prompts)} prompts of "
                     f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, tokens from position "
                     f"{args.score_from} scored; chunk {args.chunk}, sinks {args.sink}, recent {args.recent})")
@@ -140,7 +144,7 @@ def add_command(sub: Any) -> None:
     p.add_argument("--num-prompts", type=int, default=4, metavar="N", help="prompts (default 4)")
     p.add_argument("--budget", type=_floats, default=[0.25, 0.125], metavar="F[,F]",
                    help="fractions of the context attended (default 0.25,0.125)")
-    p.add_argument("--modes", default="centroid,window", help="squeezed modes to run (default centroid,window)")
+    p.add_argument("--modes", default="centroid,window", help="squeezed modes to run at each budget (default centroid,window; '' for none)")
     p.add_argument("--head-map", help="also run mode streaming-heads with this head map")
     p.add_argument("--chunk", type=int, default=16, help="chunk tokens (default 16)")
     p.add_argument("--sink", type=int, default=16, help="sink tokens (default 16)")
@@ -150,5 +154,5 @@ def add_command(sub: Any) -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-': stdout only)")
     p.set_defaults(func=cmd_sparse_quality)
