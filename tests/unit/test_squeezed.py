@@ -150,13 +150,14 @@ def test_triton_matches_reference(shape, dtype):
     assert max(worst.values()) <= tol and s_err <= tol * 10
 
 
-@pytest.mark.parametrize("mode", ["centroid", "window", "streaming-heads"])
-def test_sparse_prefill_equals_decoding_token_by_token(mode, tmp_path):
+@pytest.mark.parametrize("mode,refresh", [("centroid", 1), ("window", 1), ("streaming-heads", 1),
+                                          ("centroid", 8)])
+def test_sparse_prefill_equals_decoding_token_by_token(mode, refresh, tmp_path):
     """prefill: sparse gives each prompt row what a decode step at its position computes."""
     path = tmp_path / "heads.json"
     path.write_text(json.dumps({"format": HEAD_MAP_FORMAT, "retrieval": [[False, True]]}))
     extra = {"head_map": str(path)} if mode == "streaming-heads" else {}
-    kw = dict(mode=mode, budget=0.2, chunk=16, sink_tokens=16, recent_tokens=20, **extra)
+    kw = dict(mode=mode, budget=0.2, chunk=16, sink_tokens=16, recent_tokens=20, refresh=refresh, **extra)
     n, nq, bs = 150, 90, 16
     q, kv, batch, layer = paged([(n, nq)], 4, 2, 64, bs, torch.float32, seed=3)
     layer = AttentionLayer(4, 2, 64, layer.scale, bs, index=0)
@@ -171,5 +172,28 @@ def test_sparse_prefill_equals_decoding_token_by_token(mode, tmp_path):
         worst = max(worst, (dec.forward(q[r:r + 1], kv, one, layer)[0] - out[r]).abs().max().item())
     assert worst < 1e-5
     assert m.describe()["kv_token_heads_read"] == dec.describe()["kv_token_heads_read"]
+    if refresh > 1:  # decoding reused the choice made at each multiple of 8 in between
+        first = n - nq  # positions before the first multiple of 8 decoded here have no choice stored
+        assert dec.describe()["selections_reused"] == sum(
+            1 for pos in range(first, n) if pos % 8 and pos - pos % 8 >= first)
     full = Squeezed(SqueezedParams(prefill="full", **kw)).forward(q, kv, batch, layer)
     assert (full - paged_attention(q, kv, batch, layer)).abs().max() < 1e-5
+
+
+def test_refresh_reuses_a_selection_only_for_its_own_sequence():
+    """A block freed and reused by another sequence does not hand over the old selection: the
+    key vector at the refresh position must match."""
+    q, kv, batch, layer = paged([(200, 1)], 4, 2, 64, 16, torch.float32, seed=5)
+    layer = AttentionLayer(4, 2, 64, layer.scale, 16, index=0)
+    m = Squeezed(SqueezedParams(budget=0.2, refresh=8, sink_tokens=16, recent_tokens=16))
+    one = lambda n: PagedBatch(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([n], dtype=torch.int32),  # noqa: E731
+                               batch.block_table)
+    m.forward(q, kv, one(193), layer)  # position 192: a refresh, stored
+    m.forward(q, kv, one(195), layer)
+    assert m.reused == 1
+    kv2 = kv.clone()
+    kv2[int(batch.block_table[0, 12])] += 1.0  # the block holding position 192 now holds other keys
+    m.forward(q, kv2, one(196), layer)
+    assert m.reused == 1  # not reused: chosen afresh
+    with pytest.raises(ValueError, match="refresh"):
+        SqueezedParams(refresh=0)

@@ -24,6 +24,9 @@ class SqueezedParams(KernelParams):
                        "the KV block size")
     sink_tokens: int = Field(16, ge=0, description="first tokens always attended")
     recent_tokens: int = Field(64, ge=1, description="last tokens always attended (the token's own included)")
+    refresh: int = Field(1, ge=1, le=4096, description="mode centroid: choose chunks afresh every "
+                         "`refresh` positions; in between, reuse that choice plus the moving window "
+                         "(Recycled-Attention style; no centroid reads)")
     prefill: Literal["full", "sparse"] = Field(
         "full", description="'full': prompt tokens get full causal attention (serving); 'sparse': each "
         "prompt token attends as it would when decoded (teacher forcing, to measure quality from "

@@ -18,7 +18,7 @@ import triton.language as tl
 from vllm_graft.hooks import AttentionLayer, PagedBatch, split_kv_cache
 from vllm_graft.plugins.attention.noop.reference import gather_kv
 
-from .reference import causal_attention, chosen_chunks, sparse_rows
+from .reference import causal_attention, chosen_chunks, refresh_key, reuse_selection, sparse_rows
 
 
 @triton.jit
@@ -167,9 +167,17 @@ def squeezed_attention_triton(m, query: torch.Tensor, kv_cache: torch.Tensor, ba
     scores = chunk_scores_triton(query, kv_cache, batch, layer, p.chunk, rows, seqs, lens) \
         if need_scores else None
     masks = []
+    k_cache, _ = split_kv_cache(kv_cache)
     for r, (b, n) in enumerate(zip(budgets, lens)):
-        s = scores[r, :, :b.num_chunks] if scores is not None and not b.full else None
-        mk = chosen_chunks(s, b, p.mode, hkv, retrieval)
+        row = batch.block_table[seqs[r]]
+        key_at = lambda pos, row=row: k_cache[int(row[pos // bs]), 0, pos % bs].float()  # noqa: E731
+        mk = reuse_selection(m, layer, row, key_at, n, b, bs) if m.refreshing() else None
+        s = None
+        if mk is None:
+            s = scores[r, :, :b.num_chunks] if scores is not None and not b.full else None
+            mk = chosen_chunks(s, b, p.mode, hkv, retrieval)
+            if m.refreshing() and (n - 1) % p.refresh == 0:
+                m.remember(refresh_key(layer, row, n - 1, bs), key_at(n - 1).clone(), mk)
         masks.append(mk)
         m.stats.add(n, hkv, int(mk.repeat_interleave(p.chunk, dim=1)[:, :n].sum()),
                     b.num_chunks * hkv if s is not None else 0)

@@ -8,6 +8,7 @@ several new tokens (prefill, chunked prefill) get full causal attention.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -115,6 +116,14 @@ def sparse_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: "Squeezed"
         order = torch.argsort(sc, dim=2, descending=True, stable=True)
         rank.scatter_(2, order, ci.expand_as(order).contiguous())
         sel = forced[:, None, :] | ((rank < extra[:, :, None]) & eligible[:, None, :]) | (full & eligible)[:, None, :]
+    scored = torch.ones(nq, dtype=torch.bool, device=dev)
+    if m.refreshing():  # rows between refreshes reuse the chunks chosen at their refresh row
+        pos0 = n - nq
+        at = torch.arange(nq, device=dev)
+        r_idx = at - (at + pos0) % p.refresh
+        r_idx = torch.where(r_idx >= 0, r_idx, at)  # refresh row before this chunk: choose afresh
+        scored = r_idx == at
+        sel = sel[r_idx] | forced[:, None, :]
     tokens = sel.repeat_interleave(chunk, dim=2)[:, :, :n]  # [nq, Hkv, n]
     pos = torch.arange(n - nq, n, device=dev)
     tokens = tokens & (torch.arange(n, device=dev)[None, :] <= pos[:, None])[:, None, :]
@@ -124,8 +133,31 @@ def sparse_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: "Squeezed"
     centroid = p.mode == "centroid"
     for t, b in enumerate(budgets):
         m.stats.add(n - nq + t + 1, hkv, int(tokens[t].sum()),
-                    b.num_chunks * hkv if centroid and not b.full else 0)
+                    b.num_chunks * hkv if centroid and not b.full and bool(scored[t]) else 0)
     return out
+
+
+def refresh_key(layer: AttentionLayer, block_row: torch.Tensor, r: int, bs: int) -> tuple[int, int, int]:
+    return (layer.index, int(block_row[r // bs]), r)
+
+
+def reuse_selection(m: "Squeezed", layer: AttentionLayer, block_row: torch.Tensor, key_at,
+                    n: int, b: Budget, bs: int) -> torch.Tensor | None:
+    """Between refreshes (``refresh`` > 1): the chunks chosen at the last refresh position, plus
+    the chunks forced now (the window has moved on); None at a refresh position or when the
+    selection is not known (then the caller chooses afresh)."""
+    pos = n - 1
+    r = pos - pos % m.params.refresh
+    if r == pos:
+        return None
+    stored = m.recall(refresh_key(layer, block_row, r, bs), key_at(r))
+    if stored is None:
+        return None
+    m.reused += 1
+    sel = torch.zeros(stored.shape[0], b.num_chunks, dtype=torch.bool, device=stored.device)
+    sel[:, :stored.shape[1]] = stored
+    sel[:, list(b.sink) + list(b.recent)] = True
+    return sel
 
 
 class Stats:
@@ -143,10 +175,33 @@ class Stats:
 
 
 class Squeezed(AttentionMethod):
+    #: chunk selections kept for reuse between refreshes (oldest dropped first)
+    MAX_SELECTIONS = 8192
+
     def __init__(self, params) -> None:
         super().__init__(params)
         self.head_map = load_head_map(params.head_map) if params.mode == "streaming-heads" else None
         self.stats = Stats()
+        self.selections: OrderedDict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.reused = 0
+
+    def refreshing(self) -> bool:
+        return self.params.mode == "centroid" and self.params.refresh > 1
+
+    def remember(self, key: tuple[int, int, int], fingerprint: torch.Tensor, sel: torch.Tensor) -> None:
+        self.selections[key] = (fingerprint, sel)
+        self.selections.move_to_end(key)
+        while len(self.selections) > self.MAX_SELECTIONS:
+            self.selections.popitem(last=False)
+
+    def recall(self, key: tuple[int, int, int], fingerprint: torch.Tensor) -> torch.Tensor | None:
+        """The selection made at a refresh position, if this sequence made it: the key is (layer,
+        physical block holding the refresh position, position), and the stored key vector at that
+        position must match (a freed block reused by another sequence does not)."""
+        hit = self.selections.get(key)
+        if hit is None or not torch.equal(hit[0], fingerprint):
+            return None
+        return hit[1]
 
     def retrieval(self, layer: AttentionLayer) -> list[bool] | None:
         if self.head_map is None:
@@ -175,7 +230,7 @@ class Squeezed(AttentionMethod):
 
     def describe(self) -> dict[str, Any]:
         s = self.stats
-        return {"decode_token_layers": s.decode_tokens, "kv_token_heads_plain": s.plain,
+        return {"decode_token_layers": s.decode_tokens, "selections_reused": self.reused, "kv_token_heads_plain": s.plain,
                 "kv_token_heads_read": round(s.read, 1),
                 "kv_read_fraction": round(s.read / s.plain, 4) if s.plain else None}
 
@@ -200,8 +255,14 @@ def squeezed_attention(m: Squeezed, query: torch.Tensor, kv_cache: torch.Tensor,
                 out[q0:q1] = causal_attention(query[q0:q1], k, v, layer.scale).to(query.dtype)
             continue
         b = m.budget(n)
-        scores = chunk_scores(query[q0], k, p.chunk, layer.scale) if p.mode == "centroid" and not b.full else None
-        sel = chosen_chunks(scores, b, p.mode, hkv, retrieval)  # [Hkv, C]
+        key_at = lambda pos, k=k: k[pos, 0].float()  # noqa: E731
+        sel = reuse_selection(m, layer, batch.block_table[i], key_at, n, b, bs) if m.refreshing() else None
+        scores = None
+        if sel is None:
+            scores = chunk_scores(query[q0], k, p.chunk, layer.scale) if p.mode == "centroid" and not b.full else None
+            sel = chosen_chunks(scores, b, p.mode, hkv, retrieval)  # [Hkv, C]
+            if m.refreshing() and (n - 1) % p.refresh == 0:
+                m.remember(refresh_key(layer, batch.block_table[i], n - 1, bs), key_at(n - 1).clone(), sel)
         mask = sel.repeat_interleave(p.chunk, dim=1)[:, :n]
         out[q0] = masked_attention(query[q0], k, v, mask, layer.scale).to(query.dtype)
         m.stats.add(n, hkv, int(mask.sum()), b.num_chunks * hkv if scores is not None else 0)
