@@ -41,6 +41,9 @@ def _arms(args: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
     for b in args.budget:
         for mode in [m for m in args.modes.split(",") if m]:
             arms.append((f"{mode} K={b:g}", {**base, "mode": mode, "budget": b}))
+            if mode == "centroid" and args.refresh > 1:
+                arms.append((f"centroid K={b:g} refresh {args.refresh}",
+                             {**base, "mode": mode, "budget": b, "refresh": args.refresh}))
     if args.head_map:
         arms.append(("streaming-heads", {**base, "mode": "streaming-heads", "head_map": args.head_map}))
     return arms
@@ -145,6 +148,8 @@ def add_command(sub: Any) -> None:
     p.add_argument("--budget", type=_floats, default=[0.25, 0.125], metavar="F[,F]",
                    help="fractions of the context attended (default 0.25,0.125)")
     p.add_argument("--modes", default="centroid,window", help="squeezed modes to run at each budget (default centroid,window; '' for none)")
+    p.add_argument("--refresh", type=int, default=1, metavar="N",
+                   help="also run mode centroid choosing chunks only every N positions (default 1: off)")
     p.add_argument("--head-map", help="also run mode streaming-heads with this head map")
     p.add_argument("--chunk", type=int, default=16, help="chunk tokens (default 16)")
     p.add_argument("--sink", type=int, default=16, help="sink tokens (default 16)")
