@@ -49,6 +49,9 @@ class AttentionLayer:
     head_size: int
     scale: float
     block_size: int
+    #: the decoder layer's index in the model (0-based; -1 where unknown), for per-layer
+    #: choices such as a head map
+    index: int = -1
 
 
 @dataclass

@@ -149,10 +149,17 @@ def _run_mask(args: argparse.Namespace, console: Console) -> int:
 
 
 #: The calibration methods, by name.
+def _razor() -> Method:
+    from . import calibrate_razor as razor
+
+    return Method(razor.NAME, razor.PLUGIN, razor.HELP, razor.add_arguments, razor.run)
+
+
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("expert-mask", "moe:expert-mask",
            "find the experts most distinctive for a behaviour (two prompt sets) and write an expert mask",
            _mask_args, _run_mask),
+    _razor(),  # RazorAttention retrieval heads -> the head map of attention:squeezed
 )}
 
 

@@ -259,9 +259,10 @@ def test_calibrate_and_moe_commands_refuse_bad_arguments(tmp_path, capsys):
     from vllm_graft.integration.calibrate import METHODS
     from vllm_graft.integration.cli import main
 
-    assert list(METHODS) == ["expert-mask"] and METHODS["expert-mask"].plugin == "moe:expert-mask"
+    assert list(METHODS) == ["expert-mask", "razor"] and METHODS["expert-mask"].plugin == "moe:expert-mask"
+    assert METHODS["razor"].plugin == "attention:squeezed"
     assert main(["calibrate"]) == 2
-    assert "name a calibration method: expert-mask" in capsys.readouterr().out
+    assert "name a calibration method: expert-mask, razor" in capsys.readouterr().out
     assert main(["calibrate", "expert-mask", "-a", str(tmp_path / "none.txt"), "-b", "x", "-o", "m.json"]) == 2
     (tmp_path / "a.txt").write_text("one\n---\ntwo\n")
     assert main(["calibrate", "expert-mask", "-a", str(tmp_path / "a.txt"), "-b", str(tmp_path / "a.txt"),
