@@ -6,11 +6,13 @@ from .contracts import (
     AttentionMethod,
     BlockView,
     KVCompressor,
+    MoEModel,
     MoEScheduler,
     PagedBatch,
     PluginImpl,
     Proposer,
     QuantMethod,
+    StoredTensor,
     split_kv_cache,
 )
 from .deployment import (
@@ -46,9 +48,9 @@ from .specs import hookimpl, hookspec
 __all__ = [
     "CONTRACTS", "AttentionLayer", "AttentionMethod", "BlockView", "Capabilities", "Deployment",
     "DeploymentError", "ENTRY_POINT_GROUP", "Environment", "GraftPluginManager", "KERNEL_FIELD",
-    "KVCompressor", "KernelParams",
-    "Kind", "MoEScheduler", "NoParams", "PagedBatch", "Plan", "PluginChoice", "PluginImpl",
-    "PluginLoadError", "Problem", "Proposer", "QuantMethod", "Registration", "Registry",
+    "KVCompressor", "KernelParams", "Kind", "MoEModel", "MoEScheduler", "NoParams", "PagedBatch",
+    "Plan", "PluginChoice", "PluginImpl",
+    "PluginLoadError", "Problem", "Proposer", "QuantMethod", "StoredTensor", "Registration", "Registry",
     "RegistryError", "get_plugin_manager", "get_registry", "hookimpl", "hookspec",
     "make_plugin_manager", "split_kv_cache", "validate", "validate_file",
 ]

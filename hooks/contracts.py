@@ -49,6 +49,9 @@ class AttentionLayer:
     head_size: int
     scale: float
     block_size: int
+    #: the decoder layer's index in the model (0-based; -1 where unknown), for per-layer
+    #: choices such as a head map
+    index: int = -1
 
 
 @dataclass
@@ -279,12 +282,74 @@ class Proposer(PluginImpl[P]):
     def finish(self, request_id: str) -> None:
         """The request ended (finished or aborted): release its state. Default: nothing."""
 
+    # ---- optional extras; a proposer that does not ask for them costs nothing extra ----
+    #: How many of the target's most probable next tokens per verified position this
+    #: proposer wants through :meth:`observe_topk` (Token Recycling). 0 (the default): the
+    #: adapter computes no top-k and never calls :meth:`observe_topk`. Read once, when the
+    #: adapter builds the proposer (a class attribute or one set in ``__init__``).
+    topk: int = 0
+
+    def observe_topk(self, request_id: str, tokens: Sequence[int], topk_ids: Any) -> None:
+        """What the target predicted in the step just run, called before :meth:`accepted`
+        and :meth:`propose` of that step, only when :attr:`topk` > 0.
+
+        ``topk_ids`` is an int array ``[len(tokens), topk]``: row ``j`` holds the target's
+        ``topk`` most probable next tokens (most probable first) after the prefix ending in
+        ``tokens[j]``. ``tokens`` are the positions the step computed logits for: the
+        request's last token before the step, then each draft token the step verified (in
+        order; rows after the first rejected draft were computed on a rejected prefix, but
+        still say what tends to follow that token). Default: nothing."""
+
+    def begin_step(self, num_requests: int, num_tokens: int = 0) -> None:
+        """A step's drafting begins; ``num_requests`` requests will be asked to
+        :meth:`propose` (the batch size, for adaptive draft lengths). ``num_tokens`` is how
+        many tokens the target computed in the step just run (prompt chunks, one per
+        decoding request, the drafts it verified; 0 when unknown). Default: nothing."""
+
 
 # -------------------------------------------------------------------------------- quant
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor a quantised layer keeps in a checkpoint, for an ``[out, in]`` weight.
+
+    ``shape[0]`` is the weight's output rows (``out``): vLLM's weight loaders fuse the
+    shards of q/k/v and gate/up along it, as they fuse ``weight``. A ``ragged`` tensor is
+    1-D with a length only the checkpoint knows (``shape == (-1,)``, e.g. an entropy-coded
+    stream); it is not fused: :meth:`QuantMethod.load` gets one per shard. ``dtype`` is a
+    torch dtype name (``"uint8"``, ``"int8"``, ``"float16"``, ``"bfloat16"``, ...).
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    ragged: bool = False
+
+
 class QuantMethod(PluginImpl[P]):
-    """Quantises a linear layer's weight and computes with the quantised form."""
+    """Quantises a linear layer's weight and computes with the quantised form.
+
+    Online (an unquantised checkpoint, ``quant: {plugin: NAME}`` in a deployment): vLLM
+    loads the full-precision weight ``[out, in]`` (fused q/k/v and gate/up shards
+    included), then ``apply`` computes with ``load({name: [t]}, [out])`` of
+    ``quantize(weight)``.
+
+    Pre-quantised checkpoints (optional: a plugin that only quantises online leaves
+    :meth:`stored_tensors` returning ``None``). ``vllm-graft quantize NAME MODEL OUT`` writes,
+    for every linear weight ``P.weight`` of ``MODEL``, the tensors ``P.<name>`` that
+    ``quantize`` returns, and in ``config.json`` ``"quantization_config": {"quant_method":
+    "graft-NAME", "graft_format": 1, "params": {...}, "embeddings": bool}`` where ``params``
+    is :meth:`checkpoint_params`. vLLM picks such a checkpoint up without a flag; each layer
+    then registers :meth:`stored_tensors` instead of ``weight``, vLLM's weight loaders fill
+    them (fusing shards along dim 0), :meth:`verify` checks each shard, and :meth:`load` turns
+    them, split per shard, into the tensors ``apply`` gets. A missing tensor, an unquantised
+    ``weight`` where stored tensors belong, a wrong shape or dtype, or a ``verify`` that
+    raises, stops loading with an error naming the checkpoint tensor.
+    """
 
     kind = Kind.QUANT
+
+    #: True if the method also stores the embedding table and the LM head (pre-quantised
+    #: checkpoints; they are then computed by :meth:`embed` and :meth:`apply`).
+    covers_embeddings: bool = False
 
     @abstractmethod
     def quantize(self, weight: "torch.Tensor") -> dict[str, "torch.Tensor"]:
@@ -296,10 +361,58 @@ class QuantMethod(PluginImpl[P]):
     ) -> "torch.Tensor":
         """``x @ W.T + bias`` computed from the quantised ``tensors``."""
 
+    def stored_tensors(self, out_features: int, in_features: int) -> dict[str, StoredTensor] | None:
+        """What ``quantize`` returns for an ``[out, in]`` weight (names, shapes, dtypes), so
+        a pre-quantised checkpoint can be loaded. ``None`` (default): online only."""
+        return None
+
+    def checkpoint_params(self) -> dict[str, Any]:
+        """The parameters written into a checkpoint's ``quantization_config.params``; a
+        checkpoint is loaded with a plugin built from them. Default: all parameters."""
+        return self.params.model_dump(mode="json")
+
+    def verify(self, shard: dict[str, "torch.Tensor"]) -> None:
+        """Check one shard's stored tensors as read from a checkpoint (e.g. a checksum);
+        raise ``ValueError("<tensor name>: what is wrong")`` so the error names the
+        checkpoint tensor. Called once per shard before :meth:`load`. Default: nothing."""
+
+    def load(self, stored: dict[str, list["torch.Tensor"]], shard_rows: list[int]) -> dict[str, "torch.Tensor"]:
+        """The tensors ``apply`` computes with, from a layer's stored tensors, each given as
+        one tensor per shard (``shard_rows``: the output rows of each shard, e.g. q, k, v).
+        Raise ``ValueError`` naming the tensor (the key) if one is corrupt.
+        Default: each name's shards concatenated along dim 0."""
+        import torch
+
+        return {k: v[0] if len(v) == 1 else torch.cat(v, 0) for k, v in stored.items()}
+
+    def embed(self, tensors: dict[str, "torch.Tensor"], ids: "torch.Tensor") -> "torch.Tensor":
+        """Rows ``ids`` of the embedding table stored as ``tensors`` (``covers_embeddings``)."""
+        raise NotImplementedError(f"{type(self).__qualname__} does not store embedding tables")
+
 
 # ---------------------------------------------------------------------------------- moe
 #: The steps of an MoE scheduler, in the order a layer runs them (see :class:`MoEScheduler`).
 MOE_STEPS = ("adjust_logits", "route", "observe")
+
+
+@dataclass(frozen=True)
+class MoEModel:
+    """Static facts about the model's MoE layers, given to each scheduler once at activation
+    (:meth:`MoEScheduler.bind`), before the engine builds any layer.
+
+    ``layers`` are the decoder-layer indices that may hold an MoE block (``layer_idx`` in the
+    calls below): all of ``range(num_layers)`` unless the model's config says which ones.
+    """
+
+    num_layers: int  # decoder layers
+    num_experts: int  # E, routed experts per MoE layer
+    top_k: int  # experts per token (the model's)
+    layers: tuple[int, ...] = ()  # decoder layers with an MoE block; () = all of range(num_layers)
+    model: str = ""  # the model's path or id, for messages
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return self.layers or tuple(range(self.num_layers))
 
 
 class MoEScheduler(PluginImpl[P]):
@@ -333,6 +446,13 @@ class MoEScheduler(PluginImpl[P]):
     """
 
     kind = Kind.MOE
+
+    def bind(self, model: MoEModel) -> None:
+        """Called once at activation with the model's MoE facts (layers, ``E``, ``top_k``),
+        before any layer runs. Check the parameters against them here (an expert index out
+        of range, a mask leaving fewer than ``top_k`` experts...) and raise ``ValueError``
+        with a message naming the parameter: the adapter refuses the deployment with it.
+        Default: nothing."""
 
     def adjust_logits(self, layer_idx: int, router_logits: "torch.Tensor") -> "torch.Tensor":
         """The router logits ``[T, E]`` to route with instead of ``router_logits``.

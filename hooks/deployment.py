@@ -30,7 +30,7 @@ from typing import Any, Callable, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .registry import DTYPES, KIND_ALLOWS_MANY, Entry, Kind, Registry
+from .registry import DTYPES, KIND_ALLOWS_MANY, MODEL_FEATURES, Entry, Kind, Registry
 
 _MISSING = object()
 
@@ -281,6 +281,9 @@ class ModelInfo:
     architectures: tuple[str, ...]
     head_size: int | None
     dtype: str | None
+    #: attention features of :data:`~vllm_graft.hooks.registry.MODEL_FEATURES` it uses, each
+    #: with the config.json setting that shows it
+    features: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def read(cls, folder: Path) -> "ModelInfo":
@@ -290,7 +293,32 @@ class ModelInfo:
             head = cfg["hidden_size"] // cfg["num_attention_heads"]
         dtype = cfg.get("torch_dtype") or cfg.get("dtype")
         return cls(str(folder), tuple(cfg.get("architectures") or ()), head,
-                   DTYPE_ALIASES.get(str(dtype)) if dtype else None)
+                   DTYPE_ALIASES.get(str(dtype)) if dtype else None, model_features(cfg))
+
+
+def model_features(cfg: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """``(feature, evidence)`` pairs for the attention features a config.json asks for."""
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    c = {**cfg, **text}
+    out: list[tuple[str, str]] = []
+    window = c.get("sliding_window")
+    if window and c.get("use_sliding_window", True):
+        out.append(("sliding_window", f"sliding_window={window}"))
+    elif "sliding_attention" in (c.get("layer_types") or ()):
+        out.append(("sliding_window", "layer_types has sliding_attention"))
+    if c.get("kv_lora_rank"):
+        out.append(("mla", f"kv_lora_rank={c['kv_lora_rank']}"))
+    if c.get("is_encoder_decoder"):
+        out.append(("encoder_attention", "is_encoder_decoder=true"))
+    elif c.get("model_type") in ("bert", "roberta", "xlm-roberta", "distilbert", "modernbert"):
+        out.append(("encoder_attention", f"model_type={c['model_type']}"))
+    if c.get("alibi") or (c.get("attn_config") or {}).get("alibi") or c.get("model_type") == "bloom":
+        out.append(("alibi", "alibi" if c.get("model_type") != "bloom" else "model_type=bloom"))
+    if c.get("attn_logit_softcapping"):
+        out.append(("soft_cap", f"attn_logit_softcapping={c['attn_logit_softcapping']}"))
+    if c.get("model_type") == "gpt_oss":
+        out.append(("attention_sinks", "model_type=gpt_oss"))
+    return tuple(f for f in out if f[0] in MODEL_FEATURES)
 
 
 # ---------------------------------------------------------------------------- resolution
@@ -385,7 +413,9 @@ def validate(
             continue
         params_model = entry.registration.params
         try:
-            params = params_model.model_validate(choice.params)
+            # the context lets a parameter naming a file resolve it like `model` (param_path)
+            params = params_model.model_validate(
+                choice.params, context={"base_dir": str(base_dir) if base_dir is not None else None})
         except ValidationError as e:
             problems += pydantic_problems(e, params_model, prefix=(*loc, "params"))
             continue
@@ -457,6 +487,19 @@ def _lookup(kind: Kind, path: str, name: str, registry: Registry, problems: list
     return None
 
 
+def param_path(value: str, info: Any = None) -> Path:
+    """A file named by a plugin parameter, resolved as ``model`` is: as given (``~``
+    expanded) if it exists from the current folder, else relative to the deployment file's
+    folder (``info.context["base_dir"]``, set by :func:`validate`); absolute either way, since
+    vLLM's other processes may run elsewhere. Call it from a pydantic validator with its
+    ``ValidationInfo``."""
+    p = Path(os.path.expanduser(value))
+    base = (getattr(info, "context", None) or {}).get("base_dir")
+    if not p.is_absolute() and not p.exists() and base is not None and (Path(base) / p).exists():
+        p = Path(base) / p
+    return p.resolve()
+
+
 def _model_info(model: Any, base_dir: Any, problems: list[Problem], notes: list[str]) -> ModelInfo | None:
     if model is None:
         notes.append("no model given: the model vLLM is started with is used; model checks skipped")
@@ -525,6 +568,12 @@ def _check_capabilities(
             problems.append(Problem(f"{path}.plugin", f"{label} does not support head size "
                                     f"{model.head_size} of model {model.path}", value=entry.name,
                                     accepted="head sizes " + ", ".join(map(str, caps.head_sizes))))
+        for feature, evidence in model.features:
+            if feature in caps.unsupported_features:
+                problems.append(Problem(f"{path}.plugin", f"{label} does not support "
+                                        f"{MODEL_FEATURES[feature]}, which model {model.path} uses "
+                                        f"({evidence})", value=entry.name,
+                                        hint="Use a model without it, or leave the plugin out"))
         if caps.architectures is not None and not set(model.architectures) & set(caps.architectures):
             problems.append(Problem(f"{path}.plugin", f"{label} does not apply to model "
                                     f"architecture {', '.join(model.architectures) or 'unknown'}",

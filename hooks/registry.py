@@ -39,6 +39,21 @@ KIND_ALLOWS_MANY: dict[Kind, bool] = {
 }
 
 DTYPES = ("float32", "float16", "bfloat16")
+
+#: Attention features a model's config.json can ask for (read by deployment validation,
+#: :class:`~vllm_graft.hooks.deployment.ModelInfo`); a plugin lists those it cannot serve in
+#: ``Capabilities.unsupported_features``.
+MODEL_FEATURES = {
+    "sliding_window": "sliding-window attention",
+    "mla": "multi-head latent attention (MLA)",
+    "encoder_attention": "encoder (bidirectional or cross) attention",
+    "alibi": "ALiBi position biases",
+    "soft_cap": "attention logit soft-capping",
+    "attention_sinks": "learned attention sinks",
+}
+#: What vllm-graft's attention backend cannot run with a plugin (its forward computes plain
+#: causal decoder attention over the paged cache).
+ATTENTION_BACKEND_LIMITS = tuple(MODEL_FEATURES)
 PLATFORMS = ("cpu", "cuda")
 
 
@@ -89,6 +104,17 @@ class Capabilities(BaseModel):
     incompatible_with: tuple[str, ...] = Field(
         default=(), description="plugins it cannot be combined with, as 'kind:name' or 'name'"
     )
+    unsupported_features: tuple[str, ...] = Field(
+        default=(), description="model attention features it cannot serve (see MODEL_FEATURES)"
+    )
+
+    @field_validator("unsupported_features")
+    @classmethod
+    def _known_features(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [f for f in v if f not in MODEL_FEATURES]
+        if bad:
+            raise ValueError(f"unknown model feature(s) {bad}; accepted: {list(MODEL_FEATURES)}")
+        return v
 
     @field_validator("dtypes")
     @classmethod

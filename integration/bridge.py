@@ -132,6 +132,12 @@ def resolve(data: dict[str, Any], *, source: str, engine_model: str | None = Non
                 "model", "the deployment names a different model than the engine runs",
                 value=given, accepted=repr(engine_model),
                 hint="drop `model` from the deployment or start vLLM with the same model")], source)
+        if data.get("quant") is None:  # a checkpoint written by `vllm-graft quantize` needs its plugin
+            from .adapters.quant import checkpoint_deployment
+
+            implied = checkpoint_deployment(engine_model)
+            if implied is not None:
+                data["quant"] = implied["quant"]
     plan = validate(data, get_registry(), detect_environment(), source=source, base_dir=base_dir)
     return absolute_model(plan)
 
@@ -252,6 +258,11 @@ def _create_engine_config(original):
             data, source = _deployment_from_env()
             if source == ENV_CONFIG and RUNTIME.source != ENV_CONFIG:
                 data = None  # exported by us for an earlier engine in this process
+        if data is None:  # a checkpoint written by `vllm-graft quantize` implies its quant plugin
+            from .adapters.quant import checkpoint_deployment
+
+            data = checkpoint_deployment(self.model)
+            source = f"{self.model}/config.json quantization_config"
         if data is None:
             if RUNTIME.active:
                 deactivate()

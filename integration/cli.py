@@ -181,6 +181,12 @@ COMMAND_MODULES: tuple[str, ...] = (
     "vllm_graft.integration.run",  # demo, generate, serve
     "vllm_graft.integration.bench",  # bench
     "vllm_graft.integration.scaffold",  # new-plugin
+    "vllm_graft.integration.calibrate",  # calibrate METHOD (expert-mask, razor)
+    "vllm_graft.integration.moe_tools",  # moe-trace, moe-sim
+    "vllm_graft.integration.quantize",  # quantize
+    "vllm_graft.integration.specbench",  # specbench
+    "vllm_graft.integration.attention_bytes",  # attention-bytes
+    "vllm_graft.integration.sparse_quality",  # sparse-quality
     "vllm_graft.integration.kvbench",  # kvbench
 )
 

@@ -493,6 +493,44 @@ def build(names: Sequence[str], tokenizer: Tokenizer, *, num_prompts: int, max_t
     return out
 
 
+# ------------------------------------------------------- extractive (repetitive) workload
+#: Longest function copied by ``extractive`` (lines).
+EXTRACTIVE_MAX_LINES = 30
+
+
+def _extractive(ctx: BuildContext) -> tuple[list[Prompt], dict[str, Any]]:
+    """A whole stdlib function, then a comment asking for it again and its first line: the
+    continuation that fits is a copy of text in the prompt (what prompt-lookup, trie and
+    n-gram drafting are for)."""
+    tok = ctx.tokenizer
+    prompts: list[Prompt] = []
+    for fn in _functions(ctx, "extractive", stdlib_files(ctx.stdlib)):
+        if len(prompts) == ctx.num_prompts:
+            break
+        lines = fn.source.splitlines()
+        if not 4 <= len(lines) <= EXTRACTIVE_MAX_LINES:
+            continue
+        first = next((i for i, line in enumerate(lines) if line.lstrip().startswith(("def ", "async def "))), 0)
+        text = fn.source.rstrip() + "\n\n\n# The same function again, unchanged:\n" + \
+            "\n".join(lines[:first + 1]) + "\n"
+        ids = tok.encode(text)
+        if len(ids) > ctx.prompt_budget:
+            continue
+        prompts.append(ctx.make("extractive", len(prompts), ids, f"{fn.path}:{fn.qualname}", text=text))
+    if len(prompts) < ctx.num_prompts:
+        raise WorkloadError(f"extractive: only {len(prompts)} short functions found in {ctx.stdlib}")
+    return prompts, {}
+
+
+WORKLOADS["extractive"] = Workload(
+    "extractive", "a stdlib function, then a request to write it again (copying)",
+    "Extractive / repetitive: a whole function from the standard library (4 to "
+    f"{EXTRACTIVE_MAX_LINES} lines, one per file, seeded order), then '# The same function "
+    "again, unchanged:' and its signature line: the fitting continuation copies the prompt. "
+    "What prompt-lookup, trie (Lookahead) and n-gram speculation are for.",
+    _extractive)
+
+
 # ------------------------------------------------------------ KV compression: long texts
 @dataclass(frozen=True)
 class Needle:

@@ -152,7 +152,7 @@ class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
         n = attn_metadata.num_actual_tokens
         spec = AttentionLayer(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                               head_size=self.head_size, scale=self.scale,
-                              block_size=kv_cache.shape[2])
+                              block_size=kv_cache.shape[2], index=_layer_index(layer))
         out = method.forward(query[:n], kv_cache, batch, spec, getattr(attn_metadata, "graft_plan", None))
         if out.shape != (n, self.num_heads, self.head_size):
             raise RuntimeError(
@@ -162,6 +162,15 @@ class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
         if SEAMS.count:
             SEAMS.count("forward", 1)
         return output
+
+
+def _layer_index(layer) -> int:
+    """The decoder layer index in a vLLM attention layer's name ("model.layers.3.self_attn.attn")."""
+    parts = str(getattr(layer, "layer_name", "")).split(".")
+    for a, b in zip(parts, parts[1:]):
+        if a == "layers" and b.isdigit():
+            return int(b)
+    return -1
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,

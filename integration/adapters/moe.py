@@ -73,7 +73,7 @@ from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 from vllm.model_executor.layers.fused_moe.runner.moe_runner_interface import MoERunnerInterface
 
 from vllm_graft.hooks import DeploymentError, Kind, Plan, Problem
-from vllm_graft.hooks.contracts import MoEChain
+from vllm_graft.hooks.contracts import MoEChain, MoEModel
 from vllm_graft.hooks.deployment import Enabled
 
 from ..runtime import Runtime
@@ -237,8 +237,8 @@ class GraftMoERunner(MoERunner):
 
 
 # ------------------------------------------------------------------------------ adapter
-def _num_experts(model: str, trust_remote_code: bool) -> int:
-    """Experts per MoE layer as vLLM counts them (``ModelConfig.is_moe``: > 0)."""
+def _moe_model(model: str, trust_remote_code: bool) -> MoEModel:
+    """The model's MoE facts as vLLM reads them (``ModelConfig.is_moe``: experts > 0)."""
     from vllm.transformers_utils.config import get_config, get_hf_text_config
     from vllm.transformers_utils.model_arch_config_convertor import (
         MODEL_ARCH_CONFIG_CONVERTORS,
@@ -247,7 +247,9 @@ def _num_experts(model: str, trust_remote_code: bool) -> int:
 
     hf_config = get_config(model, trust_remote_code=trust_remote_code)
     convertor = MODEL_ARCH_CONFIG_CONVERTORS.get(hf_config.model_type, ModelArchConfigConvertorBase)
-    return int(convertor(hf_config, get_hf_text_config(hf_config)).get_num_experts() or 0)
+    c = convertor(hf_config, get_hf_text_config(hf_config))
+    return MoEModel(num_layers=int(c.get_num_hidden_layers() or 0), num_experts=int(c.get_num_experts() or 0),
+                    top_k=int(c.get_num_experts_per_token() or 0), model=str(model))
 
 
 class MoEAdapter(Adapter):
@@ -268,7 +270,9 @@ class MoEAdapter(Adapter):
         # Checked here too: the bridge activates before it asks for engine_overrides, and
         # undoes the activation only when activate itself fails.
         self._require_eager(plan)
-        self._require_moe_model(enabled, plan)
+        facts = self._require_moe_model(enabled, plan)
+        if facts is not None:
+            self._bind(enabled, facts, runtime)
         chain = MoEChain([(e.name, runtime.instance(e)) for e in enabled],
                          count=lambda name, event, n: runtime.count(Kind.MOE, name, event, n))
         current = op_registry_oot.get(OOT_NAME)
@@ -300,19 +304,34 @@ class MoEAdapter(Adapter):
                 hint="Drop engine.enforce_eager: the MoE adapter sets it")], "deployment")
 
     @staticmethod
-    def _require_moe_model(enabled: list[Enabled], plan: Plan) -> None:
+    def _bind(enabled: list[Enabled], facts: MoEModel, runtime: Runtime) -> None:
+        """Give every scheduler the model's MoE facts; a ValueError it raises (a parameter
+        that does not fit this model) refuses the deployment, naming the plugin's params."""
+        problems = []
+        for e in enabled:
+            try:
+                runtime.instance(e).bind(facts)
+            except ValueError as err:
+                problems.append(Problem(
+                    f"{e.path}.params", f"MoE plugin {e.name!r} does not fit model {facts.model} "
+                    f"({facts.num_layers} layers, {facts.num_experts} experts, top-{facts.top_k}): {err}"))
+        if problems:
+            raise DeploymentError(problems, "deployment vs model")
+
+    @staticmethod
+    def _require_moe_model(enabled: list[Enabled], plan: Plan) -> MoEModel | None:
         model = plan.deployment.model or (plan.model.path if plan.model is not None else None)
         if model is None:
             log.warning("vllm-graft: no model known at activation, so whether it has MoE layers "
                         "is not checked (a model without them runs the MoE plugins nowhere)")
-            return
+            return None
         try:
-            experts = _num_experts(model, bool(plan.deployment.engine.get("trust_remote_code", False)))
+            facts = _moe_model(model, bool(plan.deployment.engine.get("trust_remote_code", False)))
         except Exception as e:  # vLLM will report an unreadable model itself
             log.warning("vllm-graft: could not read the config of %s (%s); MoE check skipped", model, e)
-            return
-        if experts > 0:
-            return
+            return None
+        if facts.num_experts > 0:
+            return facts
         archs = ", ".join(plan.model.architectures) if plan.model is not None else "unknown architecture"
         raise DeploymentError([Problem(
             f"{e.path}.plugin", f"MoE plugin {e.name!r} needs a model with MoE layers, but model "

@@ -55,6 +55,25 @@ counters ``vllm:spec_decode_num_draft_tokens`` and ``vllm:spec_decode_num_accept
 "summary")`` gives each finished request's ``output.outputs[0].spec_decode_metrics``, with
 ``num_draft_tokens`` and ``histogram`` (steps by number of drafts accepted); the e2e test
 checks both sums against ``verified``/``accepted``.
+
+The target's top-k (optional, second patch)
+-------------------------------------------
+A proposer that sets :attr:`Proposer.topk` > 0 (Token Recycling) gets, through
+:meth:`Proposer.observe_topk`, the target's ``topk`` most probable next tokens at every
+position the step computed logits for. vLLM computes those logits in
+``GPUModelRunner.execute_model`` (``self.model.compute_logits(sample_hidden_states)``, one
+row per ``logits_indices`` entry) and hands them, in ``sample_tokens``, to
+``GPUModelRunner._sample(logits, spec_decode_metadata)``, which calls the sampler (no drafts
+in the batch: one row per request, in ``input_batch`` order) or the rejection sampler (rows
+per request: its ``spec_decode_metadata.num_draft_tokens[i]`` drafts plus the bonus row,
+also in ``input_batch`` order). The adapter wraps ``_sample`` (through
+:data:`~..patches.PATCHES`, owner ``adapters.speculative``): when the runner's drafter is a
+:class:`GraftProposer` whose plugin asked for a top-k, it takes ``torch.topk`` of the logits
+*before* vLLM samples (the samplers may scale logits in place), copies the ids to the CPU
+and keeps them with the rows per request; ``propose``, run right after in the same step,
+passes each request its rows with the tokens they follow (the token before the step, then
+the drafts the step verified). Every other runner and proposer pays one ``isinstance`` and
+one attribute read per step. It can go when vLLM hands custom proposers the logits.
 """
 from __future__ import annotations
 
@@ -110,10 +129,17 @@ class Drafting:
         self.plugin, self.name, self.k = plugin, name, k
         self.max_model_len, self.vocab_size, self.count = max_model_len, vocab_size, count
         self.verified: dict[str, int] = {}  # request id -> drafts the current step verifies
+        self.drafts: dict[str, list[int]] = {}  # request id -> the drafts it verifies
+        #: top-k per logits row the plugin asked for (0: none; see module docstring)
+        self.topk = max(0, int(getattr(plugin, "topk", 0) or 0))
+        self.pending_topk: tuple[Any, list[int]] | None = None  # (ids [rows, topk], rows/request)
+        self.step_tokens = 0  # tokens the current step computes (scheduler_output)
 
     def step_started(self, finished_req_ids: Iterable[str],
-                     scheduled_spec_tokens: Mapping[str, Sequence[int]]) -> None:
-        """A step begins: release ended requests, note the drafts it will verify."""
+                     scheduled_spec_tokens: Mapping[str, Sequence[int]], num_tokens: int = 0) -> None:
+        """A step begins: release ended requests, note the drafts it will verify and how many
+        tokens it computes."""
+        self.step_tokens = int(num_tokens or 0)
         finished = list(finished_req_ids)
         for request_id in finished:
             self.plugin.finish(request_id)
@@ -122,6 +148,37 @@ class Drafting:
         # -1 marks a draft slot vLLM invalidated (structured output): not verified.
         self.verified = {rid: sum(1 for t in toks if t >= 0)
                          for rid, toks in scheduled_spec_tokens.items()}
+        if self.topk:
+            self.drafts = {rid: list(toks) for rid, toks in scheduled_spec_tokens.items()}
+        self.pending_topk = None
+
+    def logits_topk(self, topk_ids: Any, rows_per_request: Sequence[int]) -> None:
+        """The step's top-k ids ``[rows, topk]`` (a CPU numpy array) and how many logits rows
+        each batch row has (``input_batch`` order), kept for the ``propose`` that follows."""
+        rows = [int(r) for r in rows_per_request]
+        self.pending_topk = (topk_ids, rows) if sum(rows) == len(topk_ids) else None
+
+    def _observe_topk(self, req_ids: Sequence[str | None], sampled_token_ids: Sequence[Sequence[int]],
+                      num_tokens: Sequence[int], token_ids: Any) -> None:
+        ids, rows = self.pending_topk  # type: ignore[misc]
+        self.pending_topk = None
+        start = 0
+        for i, n_rows in enumerate(rows):
+            first, start = start, start + n_rows
+            if i >= len(sampled_token_ids) or not len(sampled_token_ids[i]):
+                continue  # mid-prefill: its row predicts nothing kept
+            request_id = req_ids[i]
+            n = int(num_tokens[i])
+            before = n - len(sampled_token_ids[i]) - 1  # the last token before this step
+            if before < 0:
+                continue
+            context = [int(token_ids[i, before])]
+            for t in self.drafts.get(request_id, ()):  # type: ignore[arg-type]
+                if t < 0:
+                    break  # invalidated slot: no position after it
+                context.append(int(t))
+            m = min(len(context), n_rows)
+            self.plugin.observe_topk(request_id, context[:m], ids[first:first + m])
 
     def propose(self, req_ids: Sequence[str | None], sampled_token_ids: Sequence[Sequence[int]],
                 num_tokens: Sequence[int], token_ids: Any) -> list[list[int]]:
@@ -131,6 +188,9 @@ class Drafting:
         if len(req_ids) < len(sampled_token_ids):
             raise RuntimeError(f"vllm-graft speculative adapter: {len(sampled_token_ids)} batch "
                                f"rows but only {len(req_ids)} request ids")
+        if self.pending_topk is not None:
+            self._observe_topk(req_ids, sampled_token_ids, num_tokens, token_ids)
+        self.plugin.begin_step(sum(1 for s in sampled_token_ids if len(s)), self.step_tokens)
         out: list[list[int]] = []
         n_calls = n_drafted = n_verified = n_accepted = 0
         for i, sampled in enumerate(sampled_token_ids):
@@ -205,7 +265,21 @@ class GraftProposer:
         if self._runner is None or self._runner() is not runner:
             self._runner = weakref.ref(runner)
         self.drafting.step_started(scheduler_output.finished_req_ids,
-                                   scheduler_output.scheduled_spec_decode_tokens)
+                                   scheduler_output.scheduled_spec_decode_tokens,
+                                   getattr(scheduler_output, "total_num_scheduled_tokens", 0))
+
+    def logits_computed(self, logits: Any, spec_decode_metadata: Any) -> None:
+        """From the patched ``_sample``, before vLLM samples: keep the top-k the plugin wants."""
+        import torch
+
+        k = min(self.drafting.topk, int(logits.shape[-1]))
+        with torch.no_grad():
+            ids = torch.topk(logits, k, dim=-1).indices.to("cpu", torch.int64).numpy()
+        if spec_decode_metadata is None:
+            rows = [1] * int(logits.shape[0])
+        else:
+            rows = [d + 1 for d in spec_decode_metadata.num_draft_tokens]
+        self.drafting.logits_topk(ids, rows)
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: Any,
                 token_ids_cpu: Any, slot_mappings: Any = None, **_: Any) -> list[list[int]]:
@@ -229,9 +303,27 @@ def _update_states_wrapper(original: Callable) -> Callable:
     return _update_states
 
 
+def _sample_wrapper(original: Callable) -> Callable:
+    def _sample(self, logits, spec_decode_metadata):
+        drafter = getattr(self, "drafter", None)
+        if isinstance(drafter, GraftProposer) and drafter.drafting.topk and logits is not None:
+            drafter.logits_computed(logits, spec_decode_metadata)
+        return original(self, logits, spec_decode_metadata)
+
+    _sample.__wrapped__ = original  # type: ignore[attr-defined]
+    return _sample
+
+
 def install_patch() -> None:
-    """Wrap ``GPUModelRunner._update_states`` (idempotent)."""
+    """Wrap ``GPUModelRunner._update_states`` and ``GPUModelRunner._sample`` (idempotent)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    PATCHES.ensure(
+        OWNER, GPUModelRunner, "_sample", _sample_wrapper, wrap=True,
+        reason="a custom_class proposer never sees the target's logits; Token Recycling needs "
+               "the top-k next tokens at each verified position (Proposer.topk/observe_topk), "
+               "taken from the logits _sample receives before the (rejection) sampler runs",
+        versions=VERSIONS)
 
     PATCHES.ensure(
         OWNER, GPUModelRunner, "_update_states", _update_states_wrapper, wrap=True,

@@ -23,6 +23,7 @@ from vllm_graft.hooks import (
     AttentionLayer,
     BlockView,
     Kind,
+    MoEModel,
     PagedBatch,
     Registry,
     get_registry,
@@ -247,7 +248,7 @@ def _dtype(name: str):
 
 
 def _tol(dtype: str) -> float:
-    return {"float32": 2e-4, "float16": 2e-2}[dtype]
+    return {"float32": 2e-4, "float16": 2e-2, "bfloat16": 1e-1}[dtype]
 
 
 def _max_err(a: Any, b: Any) -> float:
@@ -432,14 +433,19 @@ def request_id(r: int) -> str:
 
 
 def exercise_speculative(t: Target, impl: Any, dtype: str, rules: bool) -> list[tuple[str, Any]]:
+    import numpy as np
+
     results = []
+    topk = int(getattr(impl, "topk", 0) or 0)
     for r in range(SPEC_REQUESTS):
         rid = request_id(r)
         truth = _truth(r, 40 + SPEC_STEPS * 6)
         tokens = truth[:40]
         drafts_seen = []
+        rnd = random.Random(1000 + r)
         for _ in range(SPEC_STEPS):
             max_tokens = 4
+            impl.begin_step(1, 1 + (len(drafts_seen[-1]) if drafts_seen else 0))
             drafts = impl.propose(rid, list(tokens), max_tokens)
             try:
                 drafts = [int(x) for x in drafts]
@@ -453,6 +459,12 @@ def exercise_speculative(t: Target, impl: Any, dtype: str, rules: bool) -> list[
             acc = 0
             while acc < len(drafts) and drafts[acc] == nxt[acc]:
                 acc += 1
+            if topk > 0:  # what the target predicted at each computed position (row 0: the true next)
+                positions = [tokens[-1], *drafts]
+                rows = [[truth[len(tokens) + j] if len(tokens) + j < len(truth) else 0,
+                         *(rnd.randrange(SPEC_VOCAB) for _ in range(topk - 1))]
+                        for j in range(len(positions))]
+                impl.observe_topk(rid, positions, np.array(rows, dtype=np.int64))
             if drafts:
                 impl.accepted(rid, acc, len(drafts))
             tokens += nxt[: acc + 1]
@@ -511,14 +523,20 @@ def exercise_quant(t: Target, impl: Any, dtype: str, rules: bool) -> list[tuple[
         x = torch.randn(n_tok, n_in, generator=g).to(dt)
         bias = (torch.randn(n_out, generator=g) * 0.1).to(dt) if j % 2 == 0 else None
         w_before = w.clone()
-        tensors = impl.quantize(w)
-        out = impl.apply(tensors, x, bias)
+        stored = impl.quantize(w)
         label = f"[{n_out}, {n_in}] x {n_tok} tokens {dtype} bias={bias is not None}"
         if rules:
-            if not isinstance(tensors, dict) or not all(isinstance(v, torch.Tensor) for v in tensors.values()):
-                raise t.fail(f"quantize() must return a dict of tensors, got {type(tensors).__name__}")
+            if not isinstance(stored, dict) or not all(isinstance(v, torch.Tensor) for v in stored.values()):
+                raise t.fail(f"quantize() must return a dict of tensors, got {type(stored).__name__}")
             if not torch.equal(w, w_before):
                 raise t.fail("quantize() modified the weight in place")
+            declared = impl.stored_tensors(n_out, n_in)
+            if declared is not None:
+                _check_stored(t, declared, stored, label)
+        # as the quant adapter computes online: apply() gets load() of quantize()
+        tensors = impl.load({k: [v] for k, v in stored.items()}, [n_out])
+        out = impl.apply(tensors, x, bias)
+        if rules:
             if out.shape != (n_tok, n_out) or out.dtype != x.dtype:
                 raise t.fail(f"apply() returned {tuple(out.shape)} {out.dtype} for x {tuple(x.shape)} "
                              f"{x.dtype} and weight [{n_out}, {n_in}]: it must be [T, out] in x's dtype")
@@ -535,6 +553,26 @@ def exercise_quant(t: Target, impl: Any, dtype: str, rules: bool) -> list[tuple[
             label += f" rel.err {rel:.2e}"
         results.append((label, out))
     return results
+
+
+
+def _check_stored(t: Target, declared: dict[str, Any], stored: dict[str, Any], label: str) -> None:
+    """``quantize`` returns what ``stored_tensors`` declares (a pre-quantised checkpoint is
+    loaded by those declarations)."""
+    if set(declared) != set(stored):
+        raise t.fail(f"quantize() returned tensors {sorted(stored)} but stored_tensors() declares "
+                     f"{sorted(declared)} ({label})")
+    for name, spec in declared.items():
+        got = stored[name]
+        if str(got.dtype).removeprefix("torch.") != spec.dtype:
+            raise t.fail(f"quantize()[{name!r}] is {got.dtype}, stored_tensors() says {spec.dtype} ({label})")
+        if spec.ragged:
+            if got.dim() != 1:
+                raise t.fail(f"quantize()[{name!r}] is declared ragged (1-D) but has shape "
+                             f"{tuple(got.shape)} ({label})")
+        elif tuple(got.shape) != tuple(spec.shape):
+            raise t.fail(f"quantize()[{name!r}] has shape {tuple(got.shape)}, stored_tensors() "
+                         f"says {tuple(spec.shape)} ({label})")
 
 
 # moe -----------------------------------------------------------------------------------
@@ -555,6 +593,13 @@ def exercise_moe(t: Target, impl: Any, dtype: str, rules: bool) -> list[tuple[st
     torch = _torch()
     cls = type(impl)
     lossless = t.entry.registration.capabilities.lossless
+    try:  # as the MoE adapter does at activation
+        impl.bind(MoEModel(num_layers=MOE_LAYERS, num_experts=MOE_EXPERTS, top_k=MOE_TOPK,
+                           model="graft-conformance"))
+    except ValueError as e:
+        raise t.fail(f"bind() refused the kit's model ({MOE_LAYERS} layers, {MOE_EXPERTS} experts, "
+                     f"top-{MOE_TOPK}) with the example parameters: {e}; give example parameters "
+                     "that fit it (marker params=)") from None
     results = []
     for layer in range(MOE_LAYERS):
         for renorm in (True, False):
@@ -615,11 +660,15 @@ EXERCISES: dict[Kind, Callable[[Target, Any, str, bool], list[tuple[str, Any]]]]
 
 
 def _dtypes(t: Target) -> list[str]:
-    return [d for d in ("float32", "float16") if d in t.entry.registration.capabilities.dtypes]
+    """The dtypes to exercise: float32 and float16 where declared; bfloat16 only for a plugin
+    that declares nothing else (the Triton interpreter's bf16 is unreliable)."""
+    declared = t.entry.registration.capabilities.dtypes
+    chosen = [d for d in ("float32", "float16") if d in declared]
+    return chosen or [d for d in declared if d == "bfloat16"] or ["float32"]
 
 
 def check_contract(t: Target) -> str:
-    dtypes = _dtypes(t) or ["float32"]
+    dtypes = _dtypes(t)
     labels = []
     for dtype in dtypes:
         impl = build(t)
@@ -671,13 +720,15 @@ def triton_runs_here() -> str | None:
 def check_parity(t: Target) -> str:
     params = t.entry.registration.params
     if KERNEL_FIELD not in params.model_fields:
-        raise Skipped(f"no '{KERNEL_FIELD}' parameter: the plugin declares no Triton kernel "
-                      "(derive its parameters from vllm_graft.hooks.KernelParams when it has one)")
+        raise Skipped(f"no '{KERNEL_FIELD}' parameter, so the kit cannot switch the plugin to a "
+                      "Triton path (derive its parameters from vllm_graft.hooks.KernelParams when it "
+                      "has one)")
     why = triton_runs_here()
     if why:
         raise Skipped(why)
-    report = []
-    for dtype in _dtypes(t) or ["float32"]:
+    report: list[str] = []
+    worst = (-1.0, "")
+    for dtype in _dtypes(t):
         ref = EXERCISES[t.kind](t, build(t, **{KERNEL_FIELD: "reference"}), dtype, False)
         tri = EXERCISES[t.kind](t, build(t, **{KERNEL_FIELD: "triton"}), dtype, False)
         for (label, a), (_, b) in zip(ref, tri):
@@ -686,8 +737,9 @@ def check_parity(t: Target) -> str:
             except ValueError as e:
                 raise t.fail(f"kernel 'triton' differs from 'reference': {e}") from None
             report.append(f"{label}: max|diff| {err:.2e}")
+            worst = max(worst, (err, label))
     print("\n".join(report))
-    return f"{len(report)} case(s): triton matches reference; worst {report and max(report, key=lambda s: float(s.rsplit(' ', 1)[1]))}"
+    return f"{len(report)} case(s): triton matches reference; largest difference {worst[0]:.2e} ({worst[1]})"
 
 
 def check_engine(t: Target) -> str:

@@ -282,3 +282,79 @@ def test_the_linear_op_runs_plugin_code_on_every_call_even_when_compiled():
         torch.testing.assert_close(f(x), expected)
     assert method.calls == 3
     del quant._LINEAR[key]
+
+
+# ------------------------------------------------------------- the verify step's top-k
+class Watcher(Echo):
+    """Echo that asks for the target's top-2 and records what it is shown."""
+
+    topk = 2
+
+    def __init__(self):
+        super().__init__(n=2)
+        self.seen, self.steps = [], []
+
+    def observe_topk(self, request_id, tokens, topk_ids):
+        self.seen.append((request_id, list(tokens), np.asarray(topk_ids).tolist()))
+
+    def begin_step(self, num_requests, num_tokens=0):
+        self.steps.append((num_requests, num_tokens))
+
+
+def test_topk_rows_reach_the_plugin_with_the_tokens_they_follow():
+    p = Watcher()
+    d, _ = make(p)
+    assert d.topk == 2
+    # a verified drafts [9, 8] (rows: before-step token, 9, 8 -> 3 rows), b had none (1 row),
+    # c is mid-prefill (1 row, discarded)
+    d.step_started([], {"a": [9, 8]}, 12)
+    ids = np.arange(5 * 2).reshape(5, 2)
+    d.logits_topk(ids, [3, 1, 1])
+    tok, n = batch([[1, 2, 3, 9, 4], [5, 6, 7], [1, 1]])
+    d.propose(["a", "b", "c"], [[9, 4], [7], []], n, tok)
+    # a: 5 tokens now, 2 sampled this step, so the token before the step is tok[5-2-1] = 3
+    assert p.seen == [("a", [3, 9, 8], [[0, 1], [2, 3], [4, 5]]), ("b", [6], [[6, 7]])]
+    # begin_step got the batch size (rows with sampled tokens) and the step's tokens
+    assert p.steps == [(2, 12)]
+    # the top-k is used once: the next step without a new top-k shows nothing
+    d.step_started([], {})
+    d.propose(["b"], [[8]], *batch([[5, 6, 7, 8]])[::-1])
+    assert len(p.seen) == 2
+
+
+def test_topk_rows_that_do_not_add_up_are_dropped_and_invalid_drafts_cut_the_context():
+    p = Watcher()
+    d, _ = make(p)
+    d.step_started([], {"a": [9, -1, -1]})
+    d.logits_topk(np.zeros((3, 2), dtype=np.int64), [4])  # 4 rows claimed, 3 given
+    assert d.pending_topk is None
+    d.logits_topk(np.zeros((4, 2), dtype=np.int64), [4])
+    tok, n = batch([[1, 2, 3]])
+    d.propose(["a"], [[3]], n, tok)
+    assert p.seen == [("a", [2, 9], [[0, 0], [0, 0]])]
+
+
+def test_patched_sample_takes_topk_before_vllm_samples_only_when_asked():
+    seen = []
+
+    def original(runner, logits, meta):
+        seen.append(logits.clone())
+        logits.mul_(0)  # vLLM's samplers may change logits in place
+        return "sampled"
+
+    wrapped = speculative._sample_wrapper(original)
+    logits = torch.tensor([[0.1, 0.9, 0.5], [0.7, 0.2, 0.3], [0.0, 0.1, 0.2]])
+    gp = _proposer(Watcher())
+    runner = Runner(gp, ["a"])
+    meta = SimpleNamespace(num_draft_tokens=[2])
+    assert wrapped(runner, logits, meta) == "sampled"
+    ids, rows = gp.drafting.pending_topk
+    assert ids.tolist() == [[1, 2], [0, 2], [2, 1]] and rows == [3]
+    gp.drafting.pending_topk = None
+    wrapped(runner, torch.tensor([[0.0, 1.0, 2.0], [3.0, 2.0, 1.0]]), None)  # no drafts: 1 row each
+    assert gp.drafting.pending_topk[1] == [1, 1]
+    # a plugin that did not ask (topk 0) and other runners: no top-k taken
+    quiet = _proposer(Echo())
+    wrapped(Runner(quiet, ["a"]), logits, meta)
+    assert quiet.drafting.pending_topk is None
+    assert wrapped(Runner(None), logits, meta) == "sampled"

@@ -41,7 +41,8 @@ def build(tok, names=None, n=4, max_tokens=32, seed=0, max_model_len=2048):
 # ----------------------------------------------------------------------------- workloads
 def test_workloads_are_deterministic(tok):
     a, b = build(tok, seed=3), build(tok, seed=3)
-    assert [ps.name for ps in a] == ["chat", "shared-prefix", "long-context", "code-completion"]
+    assert [ps.name for ps in a] == ["chat", "shared-prefix", "long-context", "code-completion",
+                                     "extractive"]
     for x, y in zip(a, b):
         assert [p.token_ids for p in x.prompts] == [p.token_ids for p in y.prompts]
         assert x.fingerprint() == y.fingerprint()

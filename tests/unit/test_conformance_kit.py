@@ -271,7 +271,7 @@ def test_quant_contract():
 
 
 def test_parity_skips_without_kernel_and_catches_a_wrong_kernel(monkeypatch):
-    with pytest.raises(c.Skipped, match="declares no Triton kernel"):
+    with pytest.raises(c.Skipped, match="cannot switch the plugin to a Triton path"):
         c.check_parity(target(Kind.QUANT, Int8, lossless=False))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(c.ConformanceError, match="'triton' differs from 'reference'"):
@@ -330,3 +330,18 @@ def test_resolve_specs(registry):
         c.resolve_specs(["noop"], registry)
     with pytest.raises(ValueError, match="is the plugin's package installed"):
         c.resolve_specs(["moe:nope"], registry)
+
+
+class MisDeclared(Int8):
+    """Declares its stored tensors with a wrong dtype: a checkpoint would not load."""
+
+    def stored_tensors(self, out_features, in_features):
+        from vllm_graft.hooks import StoredTensor
+
+        return {"q": StoredTensor((out_features, in_features), "int8"),
+                "s": StoredTensor((out_features, 1), "float16")}
+
+
+def test_quant_stored_tensors_must_match_quantize():
+    with pytest.raises(c.ConformanceError, match=r"quantize\(\)\['s'\] is torch.float32, stored_tensors\(\) says float16"):
+        c.check_contract(target(Kind.QUANT, MisDeclared, lossless=False))

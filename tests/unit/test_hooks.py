@@ -64,7 +64,8 @@ def test_plugin_registered_from_test_module(registry):
     entry = registry.get("kvcompress", "sample-evict")
     assert entry.kind is Kind.KVCOMPRESS  # filled in by the hook
     assert entry.source.package == sample_plugins.__name__
-    assert registry.names("moe") == ["noop", "sample-mask", "sample-route"]
+    names = registry.names("moe")  # sorted; the built-ins grow with the project
+    assert names == sorted(names) and {"noop", "sample-mask", "sample-route"} <= set(names)
 
 
 def test_plugin_from_installed_entry_point(tmp_path, monkeypatch):

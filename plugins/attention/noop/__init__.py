@@ -4,6 +4,7 @@ It exists so the attention path is exercised end to end before real methods land
 reference doubles as the oracle other attention plugins are compared with.
 """
 from vllm_graft.hooks import Capabilities, NoParams, Registration, hookimpl
+from vllm_graft.hooks.registry import ATTENTION_BACKEND_LIMITS
 
 
 @hookimpl
@@ -14,5 +15,5 @@ def graft_register_attention(register):
         paper="-",
         params=NoParams,
         impl="vllm_graft.plugins.attention.noop.reference:PagedAttention",
-        capabilities=Capabilities(lossless=True),
+        capabilities=Capabilities(lossless=True, unsupported_features=ATTENTION_BACKEND_LIMITS),
     ))

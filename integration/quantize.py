@@ -1,0 +1,402 @@
+"""``vllm-graft quantize METHOD [options] MODEL OUT``: write a pre-quantised checkpoint.
+
+For every linear weight ``P.weight`` of the model (Llama layout: ``q/k/v/o_proj``,
+``gate/up/down_proj``; and ``model.embed_tokens``/``lm_head`` when the method
+``covers_embeddings`` and the embeddings are not tied) the plugin's ``quantize`` gives the
+tensors stored as ``P.<name>``; they must match its ``stored_tensors(out, in)``. Everything
+else (norms) is kept, cast to ``--dtype``. ``config.json`` gets ``"quantization_config":
+{"quant_method": "graft-METHOD", "graft_format": 1, "params": {...}, "embeddings": bool}``
+and the tokenizer and generation files are copied, so ``vllm serve OUT`` /
+``LLM(model=OUT)`` loads it with the plugin, no deployment needed.
+
+Methods that need calibration (``QuantMethod.needs_calibration``) get, per weight, the
+squared gradients of the language-model loss on calibration text (``--calibration``,
+default: the bundled corpus), computed with transformers on the unquantised model.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+#: The linear layers of the Llama layout that vLLM builds with the quant config.
+LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+              "generation_config.json", "vocab.json", "merges.txt")
+
+
+class QuantizeError(ValueError):
+    pass
+
+
+def add_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "quantize", help="write a pre-quantised checkpoint that vLLM loads with a quant plugin",
+        description="Quantise (or compress) every linear weight of MODEL with the quant plugin "
+                    "METHOD and write the checkpoint to OUT (safetensors, config.json with its "
+                    "quantization_config, tokenizer files). `vllm serve OUT` then uses the plugin.")
+    p.add_argument("method", help="a quant plugin (see `vllm-graft plugins --kind quant`)")
+    p.add_argument("model", help="the unquantised model folder")
+    p.add_argument("out", help="the folder to write (must not exist, or be empty)")
+    p.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="a plugin parameter (repeatable; values are JSON or plain strings)")
+    p.add_argument("--bits", type=int, help="shortcut for --param bits=N")
+    p.add_argument("--dtype", choices=("auto", "float16", "bfloat16", "float32"), default="auto",
+                   help="dtype of the weights before quantisation and of the unquantised tensors "
+                        "(default: the model's; dfloat11 needs bfloat16)")
+    p.add_argument("--calibration", help="text file for calibration (methods that need it; "
+                                         "default: the bundled corpus)")
+    p.set_defaults(func=cmd_quantize)
+
+    e = sub.add_parser(
+        "quant-eval", help="perplexity on held-out text, tokens/s and checkpoint size of models in vLLM",
+        description="For each MODEL (a plain or a pre-quantised checkpoint), in vLLM (in-process "
+                    "engine, greedy): perplexity of held-out text of the bundled corpus "
+                    "(prompt_logprobs over fixed windows), output tokens/s of a fixed batch, "
+                    "checkpoint bytes. The first model is the baseline for the relative change.")
+    e.add_argument("models", nargs="+", metavar="MODEL")
+    e.add_argument("--dtype", default="auto", help="engine dtype (default: each checkpoint's)")
+    e.add_argument("--windows", type=int, default=16, help="held-out windows scored (default 16)")
+    e.add_argument("--window-len", type=int, default=512, help="tokens per window (default 512)")
+    e.add_argument("--batch", type=int, default=8, help="prompts in the tokens/s batch (default 8)")
+    e.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
+    e.add_argument("--json", action="store_true", help="print JSON only")
+    e.set_defaults(func=cmd_quant_eval)
+
+    from . import quant_kernel_bench
+
+    quant_kernel_bench.add_command(sub)  # quant-kernel-bench
+
+
+def cmd_quantize(args: argparse.Namespace, console: Any) -> int:
+    from .cli import EXIT_INVALID, EXIT_OK
+
+    try:
+        params = parse_params(args.param)
+        if args.bits is not None:
+            params["bits"] = args.bits
+        report = quantize_checkpoint(args.method, args.model, args.out, params, dtype=args.dtype,
+                                     calibration=args.calibration, log=console.print)
+    except QuantizeError as e:
+        console.print(f"[red]vllm-graft quantize: {e}[/red]")
+        return EXIT_INVALID
+    console.print(json.dumps(report, indent=2))
+    return EXIT_OK
+
+
+def cmd_quant_eval(args: argparse.Namespace, console: Any) -> int:
+    from .cli import EXIT_OK
+    from .launch import apply_env_defaults
+
+    apply_env_defaults(in_process=True)
+    rows = [evaluate(m, dtype=args.dtype, windows=args.windows, window_len=args.window_len,
+                     batch=args.batch, max_tokens=args.max_tokens) for m in args.models]
+    base = rows[0]["perplexity"]
+    for r in rows:
+        r["ppl_change_pct"] = round(100 * (r["perplexity"] / base - 1), 3)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for r in rows:
+            console.print(f"{r['model']}: ppl {r['perplexity']:.4f} ({r['ppl_change_pct']:+.2f}%), "
+                          f"{r['tokens_per_s']:.1f} tok/s, {r['checkpoint_bytes']} bytes, "
+                          f"{r['bits_per_param']:.3f} bits/param ({r['quant_method'] or 'unquantised'}, {r['dtype']})")
+        console.print(json.dumps(rows))
+    return EXIT_OK
+
+
+def evaluate(model: str, *, dtype: str = "auto", windows: int = 16, window_len: int = 512,
+             batch: int = 8, max_tokens: int = 64) -> dict[str, Any]:
+    """Held-out perplexity, tokens/s and size of one model in vLLM (in-process engine)."""
+    import gc
+    import math
+    import time
+
+    from safetensors import safe_open
+    from vllm import LLM, SamplingParams
+
+    path = Path(model)
+    files = sorted(path.glob("*.safetensors"))
+    n_bytes = sum(f.stat().st_size for f in files)
+    cfg = json.loads((path / "config.json").read_text())
+    tensor_bytes = 0
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                t = h.get_slice(k)
+                n = 1
+                for d in t.get_shape():
+                    n *= d
+                tensor_bytes += n * {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
+                                     "U8": 1, "I8": 1}.get(t.get_dtype(), 4)
+    llm = LLM(model=str(path), dtype=dtype, max_model_len=max(window_len + 8, 1024),
+              enforce_eager=True, seed=0)
+    try:
+        tok = llm.get_tokenizer()
+        ids = tok(corpus_text("heldout", 400_000)).input_ids
+        chunks = [ids[i * window_len:(i + 1) * window_len] for i in range(windows)]
+        chunks = [c for c in chunks if len(c) == window_len]
+        out = llm.generate([{"prompt_token_ids": c} for c in chunks],
+                           SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0),
+                           use_tqdm=False)
+        nll = []
+        for c, o in zip(chunks, out):
+            for t, lp in zip(c[1:], o.prompt_logprobs[1:]):
+                nll.append(-lp[t].logprob)
+        prompts = [{"prompt_token_ids": chunks[i % len(chunks)][:32]} for i in range(batch)]
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+        t0 = time.perf_counter()
+        gen = llm.generate(prompts, sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        n_out = sum(len(o.outputs[0].token_ids) for o in gen)
+        engine_dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    q = cfg.get("quantization_config") or {}
+    n_weights = _source_params(cfg, path)
+    return {
+        "model": str(path), "quant_method": q.get("quant_method"), "params": q.get("params"),
+        "dtype": engine_dtype, "perplexity": math.exp(sum(nll) / len(nll)), "scored_tokens": len(nll),
+        "tokens_per_s": n_out / dt, "generated_tokens": n_out, "batch": batch,
+        "checkpoint_bytes": n_bytes, "tensor_bytes": tensor_bytes,
+        "bits_per_param": 8 * tensor_bytes / n_weights, "params_count": n_weights,
+    }
+
+
+def _source_params(cfg: dict[str, Any], path: Path) -> int:
+    """Parameters of the unquantised Llama model ``cfg`` describes (for bits per parameter)."""
+    h, i, v, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    d = cfg.get("head_dim") or h // heads
+    per_layer = h * heads * d + 2 * h * kv * d + heads * d * h + 3 * h * i + 2 * h
+    emb = v * h * (1 if cfg.get("tie_word_embeddings") else 2)
+    return L * per_layer + emb + h
+
+
+def parse_params(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise QuantizeError(f"--param {item!r}: write KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def _plugin(method: str, params: dict[str, Any]) -> Any:
+    from pydantic import ValidationError
+
+    from vllm_graft.hooks import Kind, QuantMethod, RegistryError, get_registry
+
+    registry = get_registry()
+    try:
+        entry = registry.get(Kind.QUANT, method)
+    except (RegistryError, KeyError) as e:
+        names = [e.name for e in registry.entries(Kind.QUANT)]
+        raise QuantizeError(f"unknown quant plugin {method!r}; installed: {', '.join(names)}") from e
+    reg = entry.registration
+    try:
+        p = reg.params.model_validate(params)
+    except ValidationError as e:
+        raise QuantizeError(f"bad parameters for {method!r}: {e}") from e
+    cls = reg.load()
+    if not (isinstance(cls, type) and issubclass(cls, QuantMethod)):
+        raise QuantizeError(f"quant plugin {method!r}: impl {reg.impl!r} is not a QuantMethod")
+    plugin = cls(p)
+    if plugin.stored_tensors(1, 1) is None:
+        raise QuantizeError(f"quant plugin {method!r} quantises online only (it defines no "
+                            "stored_tensors): enable it in a deployment on the unquantised model")
+    return plugin, reg
+
+
+def quantize_checkpoint(method: str, model: str, out: str, params: dict[str, Any], *,
+                        dtype: str = "auto", calibration: str | None = None,
+                        log: Any = print) -> dict[str, Any]:
+    """Write the checkpoint; returns a report (bytes, bits per weight, layers)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from .adapters.quant import CHECKPOINT_FORMAT, quantization_name
+
+    plugin, reg = _plugin(method, params)
+    src, dst = Path(model), Path(out)
+    cfg_path = src / "config.json"
+    if not cfg_path.is_file():
+        raise QuantizeError(f"{src}: no config.json (give a local model folder)")
+    cfg = json.loads(cfg_path.read_text())
+    arch = (cfg.get("architectures") or ["?"])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise QuantizeError(f"{src}: architecture {arch} is not supported by `quantize` (supported: "
+                            f"{', '.join(SUPPORTED_ARCHITECTURES)})")
+    if "quantization_config" in cfg:
+        raise QuantizeError(f"{src}: already quantised ({cfg['quantization_config'].get('quant_method')}); "
+                            "give the unquantised model")
+    if dst.exists() and any(dst.iterdir()):
+        raise QuantizeError(f"{dst}: exists and is not empty")
+    model_dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
+    target = model_dtype if dtype == "auto" else dtype
+    if target not in reg.capabilities.dtypes:
+        raise QuantizeError(f"{method!r} supports dtype(s) {', '.join(reg.capabilities.dtypes)}, the "
+                            f"weights would be {target}; pass --dtype {reg.capabilities.dtypes[0]}")
+    tdtype = getattr(torch, target)
+
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise QuantizeError(f"{src}: no *.safetensors files")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    embeddings = plugin.covers_embeddings and not tied and all(k in state for k in EMBEDDINGS)
+    targets = [k for k in state if k.endswith(".weight") and state[k].dim() == 2
+               and k.rsplit(".", 2)[-2] in LINEAR_SUFFIXES]
+    if embeddings:
+        targets += list(EMBEDDINGS)
+    if not targets:
+        raise QuantizeError(f"{src}: no linear weights found (expected names ending in "
+                            f"{', '.join(s + '.weight' for s in LINEAR_SUFFIXES)})")
+
+    sens = None
+    if getattr(plugin, "needs_calibration", False):
+        log(f"calibrating {method} on {calibration or 'the bundled corpus'} (squared gradients)")
+        sens = squared_gradients(src, targets, calibration, getattr(plugin.params, "calibration_tokens", 4096))
+
+    out_state: dict[str, torch.Tensor] = {}
+    quantised_elems = quantised_bytes = 0
+    for name, t in state.items():
+        if name not in targets:
+            out_state[name] = t.to(tdtype) if t.is_floating_point() else t
+            continue
+        w = t.to(tdtype)
+        prefix = name[: -len(".weight")]
+        got = plugin.quantize(w, sensitivity=sens[name]) if sens is not None else plugin.quantize(w)
+        specs = plugin.stored_tensors(*w.shape)
+        _check_stored(method, prefix, got, specs)
+        for k, v in got.items():
+            out_state[f"{prefix}.{k}"] = v.contiguous()
+            quantised_bytes += v.numel() * v.element_size()
+        quantised_elems += w.numel()
+
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(out_state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    new_cfg = dict(cfg)
+    for key in ("torch_dtype", "dtype"):
+        if key in new_cfg or key == "dtype":
+            new_cfg[key] = target
+    new_cfg["quantization_config"] = {
+        "quant_method": quantization_name(method), "graft_format": CHECKPOINT_FORMAT,
+        "params": plugin.checkpoint_params(), "embeddings": embeddings}
+    (dst / "config.json").write_text(json.dumps(new_cfg, indent=2) + "\n")
+    for fname in COPY_FILES:
+        if (src / fname).is_file():
+            shutil.copy2(src / fname, dst / fname)
+
+    src_bytes = sum(f.stat().st_size for f in files)
+    out_bytes = (dst / "model.safetensors").stat().st_size
+    ref_bytes = sum(t.numel() for t in state.values()) * torch.finfo(tdtype).bits // 8
+    report = {
+        "method": method, "params": plugin.checkpoint_params(), "out": str(dst),
+        "layers": len(targets), "embeddings_quantised": embeddings,
+        "quantised_weights": quantised_elems,
+        "bits_per_quantised_weight": round(8 * quantised_bytes / max(quantised_elems, 1), 3),
+        "checkpoint_bytes": out_bytes, "source_bytes": src_bytes,
+        f"{target}_checkpoint_bytes": ref_bytes,
+        f"ratio_to_{target}": round(out_bytes / ref_bytes, 4),
+    }
+    return report
+
+
+def _check_stored(method: str, prefix: str, got: Any, specs: Any) -> None:
+    if not isinstance(got, dict) or set(got) != set(specs):
+        raise QuantizeError(f"{method}: quantize() for {prefix} returned {sorted(got) if isinstance(got, dict) else type(got)}, "
+                            f"but stored_tensors() declares {sorted(specs)}")
+    for k, spec in specs.items():
+        v = got[k]
+        if str(v.dtype).removeprefix("torch.") != spec.dtype:
+            raise QuantizeError(f"{method}: {prefix}.{k} is {v.dtype}, stored_tensors() says {spec.dtype}")
+        if spec.ragged and v.dim() != 1 or not spec.ragged and tuple(v.shape) != tuple(spec.shape):
+            raise QuantizeError(f"{method}: {prefix}.{k} has shape {tuple(v.shape)}, stored_tensors() "
+                                f"says {spec.shape}")
+
+
+def squared_gradients(model: Path, targets: list[str], calibration: str | None,
+                      n_tokens: int) -> dict[str, Any]:
+    """Per weight: the sum over calibration windows of the squared gradient of the mean
+    next-token loss (the diagonal Fisher information SqueezeLLM weights its k-means with),
+    computed in float32 with transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    text = Path(calibration).read_text() if calibration else corpus_text("train", 60_000)
+    tok = AutoTokenizer.from_pretrained(str(model))
+    lm = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+    ids = tok(text, return_tensors="pt").input_ids[0][:n_tokens]
+    if ids.numel() < 64:
+        raise QuantizeError(f"calibration text has only {ids.numel()} tokens; give more (--calibration)")
+    params = dict(lm.named_parameters())
+    missing = [t for t in targets if t not in params]
+    if missing:
+        raise QuantizeError(f"calibration: transformers' model has no parameter {missing[0]}")
+    sens = {t: torch.zeros_like(params[t]) for t in targets}
+    window = 256
+    lm.eval()
+    for start in range(0, ids.numel() - 1, window):
+        x = ids[start:start + window + 1][None]
+        if x.shape[1] < 2:
+            break
+        lm.zero_grad()
+        loss = torch.nn.functional.cross_entropy(lm(input_ids=x[:, :-1]).logits[0], x[0, 1:])
+        loss.backward()
+        for t in targets:
+            sens[t] += params[t].grad.detach() ** 2
+    return sens
+
+
+# ------------------------------------------------------------------- the bundled corpus
+EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
+HOLDOUT_SALT = "graft-heldout:"
+HOLDOUT_PER_MILLE = 30
+EOS = "<|endoftext|>"
+
+
+def corpus_text(split: str, max_chars: int) -> str:
+    """Text of the bundled models' corpus (models/corpus.py: the standard library's ``.py``
+    files, sorted; ~3% of files held out by a salted hash), ``split`` "train" or "heldout",
+    documents joined by the end-of-text token, cut at ``max_chars``."""
+    import hashlib
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    out: list[str] = []
+    size = 0
+    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
+        rel = path.relative_to(root).as_posix()
+        if any(part in EXCLUDED_DIRS for part in path.relative_to(root).parts):
+            continue
+        held = int(hashlib.sha256((HOLDOUT_SALT + rel).encode()).hexdigest(), 16) % 1000 < HOLDOUT_PER_MILLE
+        if held != (split == "heldout"):
+            continue
+        raw = path.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            text = raw.decode("latin-1")
+        out.append(text)
+        size += len(text)
+        if size >= max_chars:
+            break
+    return EOS.join(out)[:max_chars]
+
+
+__all__ = ["add_command", "quantize_checkpoint", "evaluate", "QuantizeError", "squared_gradients"]

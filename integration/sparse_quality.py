@@ -1,0 +1,163 @@
+"""`vllm-graft sparse-quality`: perplexity and attention KV read of sparse decode attention
+(`squeezed`) versus plain vLLM, and versus the sink + window baseline at the same budget.
+
+Each arm is a vLLM CPU engine on the bundled dense model scoring the long-context workload
+(~1800-token windows of stdlib Python source) with ``prompt_logprobs``. The plugin arms run with
+``prefill: sparse``: every prompt token attends exactly as it would if it were being decoded
+(teacher forcing), so the perplexity is that of decoding with sparse attention; plain vLLM
+gives the reference perplexity. KV read is what the plugin counted over those rows (attended
+token-heads, plus the chunk centroids it scored, a centroid counted as half a token-head)
+divided by what full attention reads. Fidelity to plain vLLM, token by token: the mean
+absolute change of each scored token's negative log-likelihood, and how often the most likely
+next token is the one plain vLLM predicts (perplexity alone can improve by accident: the bundled
+model predicts code mostly from the recent tokens).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        out = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of numbers, got {text!r}") from None
+    if not out or any(not 0 < x <= 1 for x in out):
+        raise argparse.ArgumentTypeError(f"budgets are fractions in (0, 1], got {text!r}")
+    return out
+
+
+def _arms(args: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
+    arms: list[tuple[str, dict[str, Any] | None]] = [("plain vLLM", None)]
+    base = {"chunk": args.chunk, "sink_tokens": args.sink, "recent_tokens": args.recent, "prefill": "sparse"}
+    for b in args.budget:
+        for mode in [m for m in args.modes.split(",") if m]:
+            arms.append((f"{mode} K={b:g}", {**base, "mode": mode, "budget": b}))
+            if mode == "centroid" and args.refresh > 1:
+                arms.append((f"centroid K={b:g} refresh {args.refresh}",
+                             {**base, "mode": mode, "budget": b, "refresh": args.refresh}))
+    if args.head_map:
+        arms.append(("streaming-heads", {**base, "mode": "streaming-heads", "head_map": args.head_map}))
+    return arms
+
+
+def _top1(entry: Any) -> int:
+    """The most likely token at a position, from a ``prompt_logprobs`` entry (rank 1)."""
+    return next(t for t, lp in entry.items() if getattr(lp, "rank", None) == 1)
+
+
+def fidelity(plain: dict[str, Any], arm: dict[str, Any]) -> dict[str, float]:
+    """How close an arm's predictions are to plain vLLM's, token by token: the mean absolute
+    change of the scored tokens' NLL, and how often the most likely next token is the same."""
+    a, b = plain["nll_per_token"], arm["nll_per_token"]
+    same = sum(x == y for x, y in zip(plain["top1"], arm["top1"]))
+    return {"mean_abs_dnll": sum(abs(x - y) for x, y in zip(a, b)) / len(a),
+            "top1_agreement": same / len(plain["top1"])}
+
+
+def run_arm(model: str, engine: dict[str, Any], params: dict[str, Any] | None,
+            prompts: list[list[int]], start: int) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+
+    from vllm_graft.integration import launch
+    from vllm_graft.integration.bench import nll_of
+    from vllm_graft.integration.runtime import RUNTIME
+
+    data: dict[str, Any] = {"model": model, "engine": engine,
+                            "attention": {"plugin": "squeezed", "params": params or {}}}
+    plan = launch.plan_from_dict(data)
+    llm = LLM(**launch.llm_kwargs(plan, graft=params is not None), seed=0)
+    try:
+        res = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+        nll = [x for r, p in zip(res, prompts) for x in nll_of(r.prompt_logprobs, p, start)]
+        top1 = [_top1(r.prompt_logprobs[j]) for r, p in zip(res, prompts) for j in range(start, len(p))]
+        out = {"tokens": len(nll), "nll": sum(nll) / len(nll), "ppl": math.exp(sum(nll) / len(nll)),
+               "nll_per_token": nll, "top1": top1}
+        if params is not None:
+            (impl,) = RUNTIME.instances.values()
+            out["describe"] = impl.describe()
+            out["kv_read_fraction"] = out["describe"]["kv_read_fraction"]
+        return out
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def cmd_sparse_quality(args: argparse.Namespace, console: Console) -> int:
+    from vllm_graft.integration import launch, workloads
+
+    launch.apply_env_defaults(in_process=True)
+    model = args.model or str(launch.models_dir() / "graft-tiny-llama")
+    engine = {"dtype": "float32", "max_model_len": args.max_model_len, "block_size": args.block_size,
+              "enforce_eager": True}
+    tok = workloads.Tokenizer.from_model(model)
+    (ps,) = workloads.build(["long-context"], tok, num_prompts=args.num_prompts, max_tokens=16,
+                            max_model_len=args.max_model_len, seed=args.seed)
+    prompts = [list(p.token_ids) for p in ps.prompts]
+    results = []
+    progress = Console(stderr=True, highlight=False) if args.json == "-" else console
+    for name, params in _arms(args):
+        progress.print(f"[dim]{name}...[/]")
+        r = run_arm(model, engine, params, prompts, args.score_from)
+        results.append({"arm": name, "params": params, **r})
+    plain = results[0]["ppl"]
+    for r in results:
+        r.update(fidelity(results[0], r))
+    for r in results:
+        del r["nll_per_token"], r["top1"]
+    if args.json:
+        text = json.dumps({"workload": "long-context", "prompts": len(prompts),
+                           "prompt_tokens": [len(p) for p in prompts], "score_from": args.score_from,
+                           "arms": results}, indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n")
+    t = Table(title=f"Sparse decode attention on long-context ({len(prompts)} prompts of "
+                    f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, tokens from position "
+                    f"{args.score_from} scored; chunk {args.chunk}, sinks {args.sink}, recent {args.recent})")
+    for col in ("arm", "perplexity", "change", "mean |dNLL|", "top-1 same as plain", "KV read"):
+        t.add_column(col, justify="right" if col != "arm" else "left")
+    for r in results:
+        frac = r.get("kv_read_fraction")
+        t.add_row(r["arm"], f"{r['ppl']:.3f}", f"{(r['ppl'] / plain - 1) * 100:+.2f}%",
+                  f"{r['mean_abs_dnll']:.4f}", f"{r['top1_agreement'] * 100:.1f}%",
+                  "100%" if frac is None else f"{frac * 100:.1f}%")
+    console.print(t)
+    return 0
+
+
+def add_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "sparse-quality", help="perplexity and KV read of sparse decode attention vs plain vLLM "
+                               "and the sink+window baseline",
+        description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="model folder (default: the bundled graft-tiny-llama)")
+    p.add_argument("--num-prompts", type=int, default=4, metavar="N", help="prompts (default 4)")
+    p.add_argument("--budget", type=_floats, default=[0.25, 0.125], metavar="F[,F]",
+                   help="fractions of the context attended (default 0.25,0.125)")
+    p.add_argument("--modes", default="centroid,window", help="squeezed modes to run at each budget (default centroid,window; '' for none)")
+    p.add_argument("--refresh", type=int, default=1, metavar="N",
+                   help="also run mode centroid choosing chunks only every N positions (default 1: off)")
+    p.add_argument("--head-map", help="also run mode streaming-heads with this head map")
+    p.add_argument("--chunk", type=int, default=16, help="chunk tokens (default 16)")
+    p.add_argument("--sink", type=int, default=16, help="sink tokens (default 16)")
+    p.add_argument("--recent", type=int, default=64, help="recent-window tokens (default 64)")
+    p.add_argument("--score-from", type=int, default=256, metavar="POS",
+                   help="score tokens from this position on (default 256)")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-': stdout only)")
+    p.set_defaults(func=cmd_sparse_quality)

@@ -1,0 +1,70 @@
+"""`squeezed`: sparse decode attention over the chunks whose key centroids best match the query
+(after Hooper et al., "Squeezed Attention: Accelerating Long Context Length LLM Inference",
+arXiv:2411.09688, with one centroid per fixed chunk of the paged cache instead of offline k-means
+clusters of a fixed context). Also the sink + window baseline at the same budget
+(``mode: window``) and RazorAttention's streaming heads (``mode: streaming-heads``: full
+attention for the retrieval heads of a head map, sinks + recent window for the others).
+"""
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from vllm_graft.hooks import Capabilities, KernelParams, Registration, hookimpl
+from vllm_graft.hooks.registry import ATTENTION_BACKEND_LIMITS
+
+
+class SqueezedParams(KernelParams):
+    mode: Literal["centroid", "window", "streaming-heads"] = Field(
+        "centroid", description="'centroid' (chunks chosen by key centroid), 'window' (the sink + "
+        "window baseline at the same budget) or 'streaming-heads' (RazorAttention, needs head_map)")
+    budget: float = Field(0.25, gt=0, le=1, description="fraction of a decode token's context it "
+                          "attends to, per KV head (rounded up to whole chunks)")
+    chunk: int = Field(16, ge=1, le=256, description="tokens per chunk (the unit chosen); must divide "
+                       "the KV block size")
+    sink_tokens: int = Field(16, ge=0, description="first tokens always attended")
+    recent_tokens: int = Field(64, ge=1, description="last tokens always attended (the token's own included)")
+    refresh: int = Field(1, ge=1, le=4096, description="mode centroid: choose chunks afresh every "
+                         "`refresh` positions; in between, reuse that choice plus the moving window "
+                         "(Recycled-Attention style; no centroid reads)")
+    prefill: Literal["full", "sparse"] = Field(
+        "full", description="'full': prompt tokens get full causal attention (serving); 'sparse': each "
+        "prompt token attends as it would when decoded (teacher forcing, to measure quality from "
+        "prompt log-probabilities)")
+    head_map: str | None = Field(None, description="head-map file of `vllm-graft calibrate razor` "
+                                 "(mode streaming-heads)")
+
+    @field_validator("chunk")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"chunk must be a power of two (got {v})")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.mode == "streaming-heads":
+            if not self.head_map:
+                raise ValueError("mode streaming-heads needs head_map: the file written by "
+                                 "`vllm-graft calibrate razor --out FILE`")
+            if not Path(self.head_map).expanduser().is_file():
+                raise ValueError(f"head_map {self.head_map!r} does not exist; write it with "
+                                 "`vllm-graft calibrate razor --out FILE`")
+        elif self.head_map:
+            raise ValueError(f"head_map is only read in mode streaming-heads (mode is {self.mode!r})")
+        return self
+
+
+@hookimpl
+def graft_register_attention(register):
+    register(Registration(
+        name="squeezed",
+        summary="Sparse decode attention: each decode token attends to the chunks whose key "
+                "centroids match it best, plus sinks and a recent window (lossy)",
+        paper="Squeezed Attention: Accelerating Long Context Length LLM Inference (arXiv:2411.09688); "
+              "RazorAttention (arXiv:2407.15891) for mode streaming-heads",
+        params=SqueezedParams,
+        impl="vllm_graft.plugins.attention.squeezed.reference:Squeezed",
+        capabilities=Capabilities(lossless=False, head_sizes=(32, 64, 80, 96, 112, 128, 160, 192, 224, 256),
+                                  unsupported_features=ATTENTION_BACKEND_LIMITS),
+    ))

@@ -1,0 +1,269 @@
+"""`squeezed` sparse decode attention in PyTorch (the oracle and the CPU path).
+
+Per decode token (a sequence with one new token) and KV head: the context is cut into chunks of
+``chunk`` tokens; each chunk is scored by its key centroid (the mean of its keys) against the
+token's queries (the best of the query heads sharing the KV head); the forced chunks (sinks,
+recent window) and the best other chunks up to the budget are attended exactly. Sequences with
+several new tokens (prefill, chunked prefill) get full causal attention.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from vllm_graft.hooks import AttentionLayer, AttentionMethod, PagedBatch
+from vllm_graft.plugins.attention.noop.reference import gather_kv
+
+from .policy import Budget, budget, load_head_map, window_chunks
+
+
+def chunk_scores(q: torch.Tensor, k: torch.Tensor, chunk: int, scale: float) -> torch.Tensor:
+    """``q`` [H, D], ``k`` [n, Hkv, D] -> [Hkv, C]: per KV head, the best over its query heads of
+    ``scale * q . centroid`` for each chunk (the last chunk's centroid over its valid tokens)."""
+    n, hkv, d = k.shape
+    c = -(-n // chunk)
+    kp = F.pad(k.float(), (0, 0, 0, 0, 0, c * chunk - n)).view(c, chunk, hkv, d)
+    counts = (n - torch.arange(c, device=k.device) * chunk).clamp(max=chunk).float()
+    cent = kp.sum(1) / counts[:, None, None]  # [C, Hkv, D]
+    qg = q.float().view(hkv, -1, d)
+    return (torch.einsum("hgd,chd->hgc", qg, cent) * scale).amax(1)
+
+
+def chosen_chunks(scores: torch.Tensor | None, b: Budget, mode: str, hkv: int,
+                  retrieval: list[bool] | None = None) -> torch.Tensor:
+    """Bool [Hkv, C]: the chunks each KV head attends to."""
+    dev = scores.device if scores is not None else None
+    sel = torch.zeros(hkv, b.num_chunks, dtype=torch.bool, device=dev)
+    if mode == "streaming-heads":
+        assert retrieval is not None
+        sel[:, list(b.sink) + list(b.recent)] = True
+        sel[torch.tensor(retrieval, dtype=torch.bool, device=dev)] = True
+        return sel
+    if b.full:
+        sel[:] = True
+        return sel
+    if mode == "window":
+        sel[:, window_chunks(b)] = True
+        return sel
+    forced = list(b.sink) + list(b.recent)
+    if b.extra:
+        s = scores.clone()
+        s[:, forced] = float("-inf")
+        sel.scatter_(1, torch.topk(s, b.extra, dim=1).indices, True)
+    sel[:, forced] = True
+    return sel
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """One decode token: ``q`` [H, D], ``k``/``v`` [n, Hkv, D], ``token_mask`` [Hkv, n] (True =
+    attended) -> [H, D] float32."""
+    hkv, d = k.shape[1], k.shape[2]
+    qg = q.float().view(hkv, -1, d)
+    s = torch.einsum("hgd,nhd->hgn", qg, k.float()) * scale
+    s = s.masked_fill(~token_mask[:, None, :], float("-inf"))
+    return torch.einsum("hgn,nhd->hgd", s.softmax(-1), v.float()).reshape(-1, d)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Full causal attention of the last ``len(q)`` positions: q [q, H, D], k/v [n, Hkv, D]."""
+    nq, h, d = q.shape
+    n, hkv = k.shape[0], k.shape[1]
+    kk = k.float().repeat_interleave(h // hkv, dim=1)
+    vv = v.float().repeat_interleave(h // hkv, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale
+    q_pos = torch.arange(n - nq, n, device=q.device).unsqueeze(1)
+    s = s.masked_fill(torch.arange(n, device=q.device).unsqueeze(0) > q_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), vv)
+
+
+def sparse_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: "Squeezed",
+                scale: float, retrieval: list[bool] | None) -> torch.Tensor:
+    """Every row of ``q`` [nq, H, D] (the last ``nq`` positions of a context ``k``/``v`` [n, Hkv,
+    D]) attends as a decode token at its position would: what teacher-forced decoding computes,
+    in one pass (``prefill: sparse``, for quality evaluation). Returns [nq, H, D] float32."""
+    p = m.params
+    nq, h, d = q.shape
+    n, hkv = k.shape[0], k.shape[1]
+    chunk = p.chunk
+    c = -(-n // chunk)
+    dev = q.device
+    budgets = [m.budget(t + 1) for t in range(n - nq, n)]
+    ci = torch.arange(c, device=dev)
+    num = torch.tensor([b.num_chunks for b in budgets], device=dev)[:, None]
+    n_sink = torch.tensor([len(b.sink) for b in budgets], device=dev)[:, None]
+    r_start = torch.tensor([b.recent[0] if b.recent else b.num_chunks for b in budgets], device=dev)[:, None]
+    extra = torch.tensor([b.extra for b in budgets], device=dev)[:, None]
+    full = torch.tensor([b.full for b in budgets], device=dev)[:, None]
+    eligible = ci < num  # [nq, C]
+    forced = (ci < n_sink) | ((ci >= r_start) & eligible)
+    if p.mode == "streaming-heads":
+        sel = forced[:, None, :].expand(nq, hkv, c).clone()
+        sel[:, torch.tensor(retrieval, dtype=torch.bool, device=dev)] = eligible[:, None, :]
+    elif p.mode == "window":
+        grown = (ci >= torch.maximum(n_sink, r_start - extra)) & (ci < r_start)
+        sel = (forced | grown | (full & eligible))[:, None, :].expand(nq, hkv, c)
+    else:
+        kp = F.pad(k.float(), (0, 0, 0, 0, 0, c * chunk - n)).view(c, chunk, hkv, d)
+        counts = (n - ci * chunk).clamp(max=chunk).float()
+        cent = kp.sum(1) / counts[:, None, None]  # [C, Hkv, D]; partial chunks are always forced
+        sc = (torch.einsum("qhgd,chd->qhgc", q.float().view(nq, hkv, -1, d), cent) * scale).amax(2)
+        sc = sc.masked_fill((forced | ~eligible)[:, None, :], float("-inf"))
+        rank = torch.empty_like(sc, dtype=torch.long)
+        order = torch.argsort(sc, dim=2, descending=True, stable=True)
+        rank.scatter_(2, order, ci.expand_as(order).contiguous())
+        sel = forced[:, None, :] | ((rank < extra[:, :, None]) & eligible[:, None, :]) | (full & eligible)[:, None, :]
+    scored = torch.ones(nq, dtype=torch.bool, device=dev)
+    if m.refreshing():  # rows between refreshes reuse the chunks chosen at their refresh row
+        pos0 = n - nq
+        at = torch.arange(nq, device=dev)
+        r_idx = at - (at + pos0) % p.refresh
+        r_idx = torch.where(r_idx >= 0, r_idx, at)  # refresh row before this chunk: choose afresh
+        scored = r_idx == at
+        sel = sel[r_idx] | forced[:, None, :]
+    tokens = sel.repeat_interleave(chunk, dim=2)[:, :, :n]  # [nq, Hkv, n]
+    pos = torch.arange(n - nq, n, device=dev)
+    tokens = tokens & (torch.arange(n, device=dev)[None, :] <= pos[:, None])[:, None, :]
+    s = torch.einsum("qhgd,nhd->qhgn", q.float().view(nq, hkv, -1, d), k.float()) * scale
+    s = s.masked_fill(~tokens[:, :, None, :], float("-inf"))
+    out = torch.einsum("qhgn,nhd->qhgd", s.softmax(-1), v.float()).reshape(nq, h, d)
+    centroid = p.mode == "centroid"
+    for t, b in enumerate(budgets):
+        m.stats.add(n - nq + t + 1, hkv, int(tokens[t].sum()),
+                    b.num_chunks * hkv if centroid and not b.full and bool(scored[t]) else 0)
+    return out
+
+
+def refresh_key(layer: AttentionLayer, block_row: torch.Tensor, r: int, bs: int) -> tuple[int, int, int]:
+    return (layer.index, int(block_row[r // bs]), r)
+
+
+def reuse_selection(m: "Squeezed", layer: AttentionLayer, block_row: torch.Tensor, key_at,
+                    n: int, b: Budget, bs: int) -> torch.Tensor | None:
+    """Between refreshes (``refresh`` > 1): the chunks chosen at the last refresh position, plus
+    the chunks forced now (the window has moved on); None at a refresh position or when the
+    selection is not known (then the caller chooses afresh)."""
+    pos = n - 1
+    r = pos - pos % m.params.refresh
+    if r == pos:
+        return None
+    stored = m.recall(refresh_key(layer, block_row, r, bs), key_at(r))
+    if stored is None:
+        return None
+    m.reused += 1
+    sel = torch.zeros(stored.shape[0], b.num_chunks, dtype=torch.bool, device=stored.device)
+    sel[:, :stored.shape[1]] = stored
+    sel[:, list(b.sink) + list(b.recent)] = True
+    return sel
+
+
+class Stats:
+    """KV traffic of decode tokens, in token-heads (one key + one value of one KV head)."""
+
+    def __init__(self) -> None:
+        self.decode_tokens = 0
+        self.plain = 0  # what full attention reads
+        self.read = 0.0  # attended tokens + chunk centroids (a centroid: half a token-head)
+
+    def add(self, n: int, hkv: int, attended: int, num_centroids: int) -> None:
+        self.decode_tokens += 1
+        self.plain += n * hkv
+        self.read += attended + 0.5 * num_centroids
+
+
+class Squeezed(AttentionMethod):
+    #: chunk selections kept for reuse between refreshes (oldest dropped first)
+    MAX_SELECTIONS = 8192
+
+    def __init__(self, params) -> None:
+        super().__init__(params)
+        self.head_map = load_head_map(params.head_map) if params.mode == "streaming-heads" else None
+        self.stats = Stats()
+        self.selections: OrderedDict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.reused = 0
+
+    def refreshing(self) -> bool:
+        return self.params.mode == "centroid" and self.params.refresh > 1
+
+    def remember(self, key: tuple[int, int, int], fingerprint: torch.Tensor, sel: torch.Tensor) -> None:
+        self.selections[key] = (fingerprint, sel)
+        self.selections.move_to_end(key)
+        while len(self.selections) > self.MAX_SELECTIONS:
+            self.selections.popitem(last=False)
+
+    def recall(self, key: tuple[int, int, int], fingerprint: torch.Tensor) -> torch.Tensor | None:
+        """The selection made at a refresh position, if this sequence made it: the key is (layer,
+        physical block holding the refresh position, position), and the stored key vector at that
+        position must match (a freed block reused by another sequence does not)."""
+        hit = self.selections.get(key)
+        if hit is None or not torch.equal(hit[0], fingerprint):
+            return None
+        return hit[1]
+
+    def retrieval(self, layer: AttentionLayer) -> list[bool] | None:
+        if self.head_map is None:
+            return None
+        idx = getattr(layer, "index", -1)
+        if not 0 <= idx < len(self.head_map) or len(self.head_map[idx]) != layer.num_kv_heads:
+            raise ValueError(
+                f"squeezed: head map {self.params.head_map!r} has {len(self.head_map)} layers of "
+                f"{len(self.head_map[0])} KV heads; this model's layer {idx} has "
+                f"{layer.num_kv_heads} KV heads. Calibrate it for this model (vllm-graft calibrate razor)")
+        return self.head_map[idx]
+
+    def budget(self, n: int) -> Budget:
+        p = self.params
+        return budget(n, p.chunk, p.budget, p.sink_tokens, p.recent_tokens)
+
+    def forward(self, query, kv_cache, batch, layer, plan=None):
+        if kv_cache.shape[2] % self.params.chunk:
+            raise ValueError(f"squeezed: chunk {self.params.chunk} must divide the KV block size "
+                             f"{kv_cache.shape[2]}; set params.chunk to a divisor of it")
+        if self.params.kernel == "triton":
+            from .kernel import squeezed_attention_triton
+
+            return squeezed_attention_triton(self, query, kv_cache, batch, layer)
+        return squeezed_attention(self, query, kv_cache, batch, layer)
+
+    def describe(self) -> dict[str, Any]:
+        s = self.stats
+        return {"decode_token_layers": s.decode_tokens, "selections_reused": self.reused, "kv_token_heads_plain": s.plain,
+                "kv_token_heads_read": round(s.read, 1),
+                "kv_read_fraction": round(s.read / s.plain, 4) if s.plain else None}
+
+
+def squeezed_attention(m: Squeezed, query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
+                       layer: AttentionLayer) -> torch.Tensor:
+    p = m.params
+    out = torch.empty_like(query)
+    bs = kv_cache.shape[2]
+    hkv = layer.num_kv_heads
+    retrieval = m.retrieval(layer)
+    qsl = batch.query_start_loc.tolist()
+    for i, n in enumerate(batch.seq_lens.tolist()):
+        q0, q1 = qsl[i], qsl[i + 1]
+        if q1 == q0:
+            continue
+        k, v = gather_kv(kv_cache, batch.block_table[i, : -(-n // bs)], n, layer.head_size)
+        if q1 - q0 > 1:
+            if p.prefill == "sparse":
+                out[q0:q1] = sparse_rows(query[q0:q1], k, v, m, layer.scale, retrieval).to(query.dtype)
+            else:
+                out[q0:q1] = causal_attention(query[q0:q1], k, v, layer.scale).to(query.dtype)
+            continue
+        b = m.budget(n)
+        key_at = lambda pos, k=k: k[pos, 0].float()  # noqa: E731
+        sel = reuse_selection(m, layer, batch.block_table[i], key_at, n, b, bs) if m.refreshing() else None
+        scores = None
+        if sel is None:
+            scores = chunk_scores(query[q0], k, p.chunk, layer.scale) if p.mode == "centroid" and not b.full else None
+            sel = chosen_chunks(scores, b, p.mode, hkv, retrieval)  # [Hkv, C]
+            if m.refreshing() and (n - 1) % p.refresh == 0:
+                m.remember(refresh_key(layer, batch.block_table[i], n - 1, bs), key_at(n - 1).clone(), sel)
+        mask = sel.repeat_interleave(p.chunk, dim=1)[:, :n]
+        out[q0] = masked_attention(query[q0], k, v, mask, layer.scale).to(query.dtype)
+        m.stats.add(n, hkv, int(mask.sum()), b.num_chunks * hkv if scores is not None else 0)
+    return out

@@ -1,0 +1,39 @@
+"""`dynamic-topk` MoE scheduler (MC-MoE online pruning): tokens whose routing is confident
+activate fewer experts (never fewer than ``min_k`` >= 1). See ``reference.py`` for the rule,
+``kernel.py`` for the fused Triton routing kernel.
+
+What it saves in vLLM's CPU engine: the *logical* expert evaluations (reported as
+``saved_share``). vLLM's layer takes ``[T, top_k]`` routing, so a pruned slot is passed as
+weight 0 on the token's top expert; whether the expert kernel skips that work is measured by
+``benchmarks/moe_zero_weight.py`` (README, "MoE plugins").
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from vllm_graft.hooks import Capabilities, KernelParams, Registration, hookimpl
+
+
+class Params(KernelParams):
+    """`kernel: triton` runs the fused routing kernel (on CPU only under TRITON_INTERPRET=1:
+    an exactness check, slow)."""
+
+    criterion: Literal["mass", "entropy"] = Field(
+        "mass", description="mass: keep the fewest top experts holding `threshold` of the top-k weight; "
+                            "entropy: keep min_k experts when the router's normalised entropy < threshold")
+    threshold: float = Field(0.8, gt=0.0, le=1.0, description="the confidence threshold (see criterion)")
+    min_k: int = Field(1, ge=1, description="fewest experts a token keeps")
+
+
+@hookimpl
+def graft_register_moe_schedulers(register):
+    register(Registration(
+        name="dynamic-topk",
+        summary="Confident tokens (top-expert share or low router entropy) activate fewer experts",
+        paper="MC-MoE: mixture compressor for MoE LLMs (online dynamic pruning of activated experts)",
+        params=Params,
+        impl="vllm_graft.plugins.moe.dynamic_topk.scheduler:DynamicTopK",
+        capabilities=Capabilities(lossless=False, dtypes=("float32", "float16", "bfloat16")),
+    ))

@@ -1,0 +1,104 @@
+"""W4A8 (QServe progressive quantisation) in plain PyTorch: the quantiser and the fp32
+emulation of the integer GEMM (the CPU path and the kernel's oracle).
+
+Stored per ``[out, in]`` weight, ``G = ceil(in / group_size)`` groups per row:
+
+* ``qweight`` uint8 ``[out, in/2]``: 4-bit codes, column ``2j`` in the low nibble of byte ``j``;
+* ``group_zero`` uint8 ``[out, G]`` (4-bit zero points) and ``group_mult`` int8 ``[out, G]``
+  (integer multipliers, >= 1): the int8 weight is ``clamp((q4 - zero) * mult, -128, 127)``;
+* ``channel_step`` float16 ``[out, 1]``: the real weight is ``int8 weight * channel_step``.
+
+(No tensor name contains "scale": vLLM's Llama loader renames checkpoint names ending in
+``scale`` as KV-cache scales.)
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_graft.hooks import QuantMethod, StoredTensor
+
+PROTECT = 119  # first-level range: leaves room for the second level's rounding within int8
+
+
+def quantize(w: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
+    out, n = w.shape
+    if n % 2:
+        raise ValueError(f"w4a8 packs two 4-bit codes per byte: in_features {n} is odd")
+    w = w.float()
+    step = (w.abs().amax(1, keepdim=True) / PROTECT).clamp_min(1e-8)
+    step = step.to(torch.float16).float()  # the stored step is fp16: quantise with it
+    q8 = torch.round(w / step).clamp(-PROTECT, PROTECT)
+    G = -(-n // group_size)
+    pad = G * group_size - n
+    q8g = torch.nn.functional.pad(q8, (0, pad)).view(out, G, group_size)
+    valid = torch.nn.functional.pad(torch.ones(n), (0, pad)).view(G, group_size).bool()
+    big = torch.tensor(1e9)
+    lo = torch.where(valid, q8g, big).amin(-1)
+    hi = torch.where(valid, q8g, -big).amax(-1)
+    mult = torch.clamp(torch.ceil((hi - lo) / 15), min=1, max=127)
+    zero = torch.clamp(torch.round(-lo / mult), 0, 15)
+    q4 = torch.clamp(torch.round(q8g / mult[..., None]) + zero[..., None], 0, 15)
+    q4 = q4.view(out, -1)[:, :n].to(torch.uint8)
+    packed = q4[:, 0::2] | (q4[:, 1::2] << 4)
+    return {"qweight": packed.contiguous(), "group_zero": zero.to(torch.uint8),
+            "group_mult": mult.to(torch.int8), "channel_step": step.to(torch.float16)}
+
+
+def int8_weight(t: dict[str, torch.Tensor], group_size: int) -> torch.Tensor:
+    """The second level undone: int8 weight values ``[out, in]`` (as int32)."""
+    p = t["qweight"].to(torch.int32)
+    q4 = torch.stack([p & 15, p >> 4], -1).view(p.shape[0], -1)
+    n = q4.shape[1]
+    g = torch.arange(n) // group_size
+    zero = t["group_zero"].to(torch.int32)[:, g]
+    mult = t["group_mult"].to(torch.int32)[:, g]
+    return ((q4 - zero) * mult).clamp(-128, 127)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per token (row): ``(int8 values, fp32 step [M, 1])``."""
+    x = x.float()
+    s = (x.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-8)
+    return torch.round(x / s).clamp(-127, 127).to(torch.int8), s
+
+
+def emulate(x: torch.Tensor, t: dict[str, torch.Tensor], group_size: int) -> torch.Tensor:
+    """fp32 emulation of the W4A8 GEMM: every product and sum is an exact integer in fp64,
+    then scaled by token step x channel step. Returns fp32 ``[M, out]``."""
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, sx = quantize_activations(x2)
+    acc = xq.double() @ int8_weight(t, group_size).double().T
+    return (acc.float() * sx * t["channel_step"].float().T).reshape(*x.shape[:-1], -1)
+
+
+class W4A8(QuantMethod):
+    def quantize(self, weight):
+        return quantize(weight, self.params.group_size)
+
+    def checkpoint_params(self):
+        return self.params.model_dump(mode="json", exclude={"kernel"})
+
+    def stored_tensors(self, out_features, in_features):
+        G = -(-in_features // self.params.group_size)
+        return {"qweight": StoredTensor((out_features, in_features // 2), "uint8"),
+                "group_zero": StoredTensor((out_features, G), "uint8"),
+                "group_mult": StoredTensor((out_features, G), "int8"),
+                "channel_step": StoredTensor((out_features, 1), "float16")}
+
+    def verify(self, shard):
+        if bool((shard["group_zero"] > 15).any()):
+            raise ValueError("group_zero: zero points above 15 (not 4-bit)")
+        if bool((shard["group_mult"] < 1).any()):
+            raise ValueError("group_mult: multipliers below 1")
+        if not bool(torch.isfinite(shard["channel_step"]).all()):
+            raise ValueError("channel_step: non-finite values")
+
+    def apply(self, tensors, x, bias):
+        if self.params.kernel == "triton":
+            from .kernel import w4a8_matmul
+
+            y = w4a8_matmul(x, tensors, self.params.group_size)
+        else:
+            y = emulate(x, tensors, self.params.group_size)
+        y = y.to(x.dtype)
+        return y if bias is None else y + bias

@@ -1,0 +1,96 @@
+"""Adaptive proposer: wraps another registered proposer, sets its draft length per request
+and step (see ``policy``)."""
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from vllm_graft.hooks import Kind, Proposer
+
+from .policy import GoodputPolicy, ModeBandit
+
+
+def build_inner(params: Any) -> Proposer:
+    """The wrapped proposer, built from the registry as the runtime builds plugins."""
+    from vllm_graft.hooks.manager import get_registry
+
+    entry = get_registry().get(Kind.SPECULATIVE, params.proposer)
+    cls = entry.registration.load()
+    if not (isinstance(cls, type) and issubclass(cls, Proposer)):
+        raise TypeError(f"adaptive: {params.proposer!r} does not implement Proposer")
+    return cls(params.inner_params())
+
+
+class Adaptive(Proposer):
+    def __init__(self, params: Any, inner: Proposer | None = None) -> None:
+        super().__init__(params)
+        self.inner = inner if inner is not None else build_inner(params)
+        self.topk = int(getattr(self.inner, "topk", 0) or 0)  # forwarded
+        self.policy = GoodputPolicy(
+            params.num_speculative_tokens, fixed_cost_tokens=params.fixed_cost_tokens,
+            prior_acceptance=params.prior_acceptance, decay=params.decay,
+            probe_every=params.probe_every, learn_cost=params.learn_cost)
+        self._last_step: float | None = None  # when the previous step's drafting began
+        self._step_tokens = 0  # estimate of the tokens the next step computes (no num_tokens)
+        self.bandit = ModeBandit() if params.measure_goodput else None
+        self._on = True  # this step's mode (the bandit's choice)
+        self._prev: tuple[int, bool] | None = None  # (batch size, mode) of the previous step
+        self._produced = self._verified = self._requests = 0  # of the step just run
+
+    def begin_step(self, num_requests: int, num_tokens: int = 0) -> None:
+        # The time since the previous step's drafting is one engine step: the forward pass
+        # of the step just run (``num_tokens``: prompt chunks, decodes, verified drafts), plus
+        # scheduling, sampling and drafting.
+        now = time.perf_counter()
+        if self._last_step is not None:
+            seconds = now - self._last_step
+            self.policy.observe_step(num_tokens or self._step_tokens, seconds)
+            # Goodput of the step that ended at the previous begin_step: tokens it produced
+            # (requests + accepted drafts, reported during that step's drafting) over its time,
+            # in the mode chosen before it; steps with prompt chunks are left out.
+            if (self.bandit is not None and self._prev is not None and self._prev_tokens
+                    and self._prev_tokens <= self._requests + self._verified
+                    and seconds <= self.policy.max_step_s):
+                self.bandit.record(self._prev[0], self._prev[1], self._produced, self._prev_seconds)
+            self._prev_seconds = seconds
+        else:
+            self._prev_seconds = 0.0
+        self._prev_tokens = num_tokens
+        self._prev = (self.policy.batch_size, self._on)
+        self._produced = self._requests = num_requests
+        self._verified = 0
+        self._last_step, self._step_tokens = now, num_requests
+        self.policy.begin_step(num_requests)
+        if self.bandit is not None:
+            any_on = self.policy.best_length(self.policy.acceptance_overall(), num_requests) > 0
+            self._on = self.bandit.choose(num_requests, any_on)
+        self.inner.begin_step(num_requests, num_tokens)
+
+    def observe_topk(self, request_id: str, tokens: Sequence[int], topk_ids: Any) -> None:
+        self.inner.observe_topk(request_id, tokens, topk_ids)
+
+    def accepted(self, request_id: str, num_accepted: int, num_verified: int) -> None:
+        self._produced += num_accepted
+        self._verified += num_verified
+        self.policy.observe(request_id, num_accepted, num_verified)
+        self.inner.accepted(request_id, num_accepted, num_verified)
+
+    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        k = min(max_tokens, self.policy.choose(request_id)) if self._on else 0
+        if k <= 0:
+            return []
+        drafts = list(self.inner.propose(request_id, token_ids, k))[:k]
+        self._step_tokens += len(drafts)
+        return drafts
+
+    def finish(self, request_id: str) -> None:
+        self.policy.release(request_id)
+        self.inner.finish(request_id)
+
+    def describe(self) -> dict[str, Any]:
+        return {"wraps": self.params.proposer, "chosen_lengths": dict(sorted(self.policy.chosen.items())),
+                "cost_c_tokens": round(self.policy.c, 2), "cost_samples": self.policy.cost_samples,
+                "goodput_tok_s": {f"B<{2 ** b}|{'on' if m else 'off'}": round(v[0] / v[1])
+                                  for b, st in sorted((self.bandit.stats if self.bandit else {}).items())
+                                  for m, v in st.items() if v[1]},
+                "live_requests": len(self.policy.stats), "inner": self.inner.describe()}

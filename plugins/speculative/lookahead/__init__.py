@@ -1,0 +1,39 @@
+"""`lookahead` proposer: a trie of token windows from prompts and outputs, shared across
+requests, capped in memory with frequency pruning."""
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from vllm_graft.hooks import Capabilities, Registration, hookimpl
+
+
+class LookaheadParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_speculative_tokens: int = Field(4, ge=1, le=32, description="most draft tokens per step")
+    depth: int = Field(8, ge=2, le=64, description="tokens per inserted window (matched "
+                       "suffix + drafts <= depth; suffixes of up to depth - drafts tokens are matched)")
+    min_match: int = Field(1, ge=1, description="shortest suffix that may be matched")
+    max_nodes: int = Field(200_000, ge=2, description="memory cap: most trie nodes kept")
+    prune_to: float = Field(0.75, gt=0.0, lt=1.0,
+                            description="after pruning the trie holds at most this share of max_nodes")
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.min_match >= self.depth:
+            raise ValueError(f"min_match ({self.min_match}) must be below depth ({self.depth})")
+        if self.max_nodes < self.depth:
+            raise ValueError(f"max_nodes ({self.max_nodes}) must be at least depth ({self.depth})")
+        return self
+
+
+@hookimpl
+def graft_register_spec_proposers(register):
+    register(Registration(
+        name="lookahead",
+        summary="Trie of token windows from prompts and outputs, shared across requests; "
+                "drafts the most frequent continuation of the longest matching suffix",
+        paper="Zhao et al., Lookahead: An Inference Acceleration Framework for LLM with Lossless "
+              "Generation Accuracy (KDD 2024); Fu et al., Lookahead Decoding (ICML 2024)",
+        params=LookaheadParams,
+        impl="vllm_graft.plugins.speculative.lookahead.reference:TrieLookahead",
+        capabilities=Capabilities(lossless=True),
+    ))

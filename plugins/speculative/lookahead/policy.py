@@ -1,0 +1,141 @@
+"""Trie-based lookahead drafting (after Fu et al., "Break the Sequential Dependency of LLM
+Inference Using Lookahead Decoding", and the trie retrieval of Zhao et al., "Lookahead: An
+Inference Acceleration Framework for LLM with Lossless Generation Accuracy", KDD 2024), as
+pure Python.
+
+Every window of ``depth`` consecutive tokens of prompts and generated outputs is inserted
+from the root of one trie shared by all requests; each node counts how often its path was
+inserted. So a path's count never exceeds its parent's. To draft, the longest suffix of the
+sequence found as a path from the root with a child (at most ``depth - max_tokens``
+tokens, so that a window has room for the drafts) is followed by its most frequent
+children.
+
+Memory: the trie holds at most ``max_nodes`` nodes. When an insertion goes over, every
+count is halved (integer division) and nodes whose count reaches 0 are dropped with their
+subtrees, repeatedly, until the trie is at most ``prune_to`` of the cap: frequent paths
+survive, rare ones go (frequency pruning with ageing).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+
+class _Node:
+    __slots__ = ("count", "children")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.children: dict[int, _Node] = {}
+
+
+class TokenTrie:
+    def __init__(self, depth: int, max_nodes: int, prune_to: float = 0.75) -> None:
+        if depth < 2:
+            raise ValueError(f"depth must be at least 2, got {depth}")
+        if max_nodes < depth:
+            raise ValueError(f"max_nodes must be at least depth ({depth}), got {max_nodes}")
+        if not 0.0 < prune_to < 1.0:
+            raise ValueError(f"prune_to must be in (0, 1), got {prune_to}")
+        self.depth, self.max_nodes, self.prune_to = depth, max_nodes, prune_to
+        self.root = _Node()
+        self.num_nodes = 0  # excluding the root
+        self.prunes = 0
+
+    # ------------------------------------------------------------------ building
+    def insert(self, window: Sequence[int]) -> None:
+        """Count the path ``window`` (at most ``depth`` tokens) from the root."""
+        node = self.root
+        for t in window[:self.depth]:
+            child = node.children.get(t)
+            if child is None:
+                child = node.children[t] = _Node()
+                self.num_nodes += 1
+            child.count += 1
+            node = child
+        if self.num_nodes > self.max_nodes:
+            self.prune()
+
+    def insert_range(self, tokens: Sequence[int], start: int, stop: int) -> None:
+        """Insert the windows of ``tokens`` beginning at ``start, ..., stop - 1``."""
+        for p in range(start, stop):
+            self.insert(tokens[p:p + self.depth])
+
+    def prune(self) -> None:
+        """Halve every count and drop nodes at 0 until within ``prune_to * max_nodes``."""
+        target = int(self.prune_to * self.max_nodes)
+        while self.num_nodes > target:
+            self.num_nodes -= self._halve(self.root)
+            self.prunes += 1
+
+    def _halve(self, node: _Node) -> int:
+        """Halve counts below ``node``; return how many nodes were removed."""
+        removed = 0
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            dead = []
+            for t, c in n.children.items():
+                c.count //= 2
+                if c.count == 0:
+                    dead.append(t)
+                else:
+                    stack.append(c)
+            for t in dead:
+                removed += _size(n.children.pop(t))
+        return removed
+
+    # ------------------------------------------------------------------ drafting
+    def _find(self, path: Sequence[int]) -> _Node | None:
+        node = self.root
+        for t in path:
+            node = node.children.get(t)  # type: ignore[assignment]
+            if node is None:
+                return None
+        return node
+
+    def continuation(self, tokens: Sequence[int], max_tokens: int, min_match: int = 1) -> list[int]:
+        """Most frequent continuation of the longest suffix of ``tokens`` that the trie
+        holds with a child. Suffixes are tried from ``depth - max_tokens`` tokens (so that a
+        match leaves room for ``max_tokens`` drafts in a window), but at least
+        ``min_match``, down to ``min_match``."""
+        longest = min(len(tokens), self.depth - 1, max(min_match, self.depth - max_tokens))
+        for s in range(longest, max(min_match, 1) - 1, -1):
+            node = self._find(tokens[len(tokens) - s:])
+            if node is None or not node.children:
+                continue
+            out: list[int] = []
+            while node.children and len(out) < max_tokens:
+                t, node = max(node.children.items(), key=lambda kv: (kv[1].count, -kv[0]))
+                out.append(t)
+            return out
+        return []
+
+
+def _size(node: _Node) -> int:
+    n, stack = 0, [node]
+    while stack:
+        x = stack.pop()
+        n += 1
+        stack.extend(x.children.values())
+    return n
+
+
+class Progress:
+    """Per-request bookkeeping shared by the store-based proposers: how far a request's
+    sequence has been inserted. Released on ``finish``."""
+
+    def __init__(self) -> None:
+        self.inserted: dict[str, int] = {}
+
+    def advance(self, request_id: str, n_ready: int) -> tuple[int, int]:
+        """``(start, stop)``: the window starts not yet inserted, up to ``n_ready``."""
+        start = self.inserted.get(request_id, 0)
+        stop = max(start, n_ready)
+        self.inserted[request_id] = stop
+        return start, stop
+
+    def release(self, request_id: str) -> None:
+        self.inserted.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self.inserted)

@@ -1,0 +1,371 @@
+"""The speculative proposer plugins (token-recycling, lookahead, pooled-ngram, adaptive): their
+policies, bounded state, release on finish, and parameter validation. No vLLM, no tensors
+beyond NumPy (property-style tests use seeded random streams)."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from vllm_graft.hooks import Kind, Proposer, get_registry, validate
+from vllm_graft.hooks.deployment import DeploymentError
+from vllm_graft.plugins.speculative.adaptive.policy import GoodputPolicy
+from vllm_graft.plugins.speculative.lookahead.policy import TokenTrie, _size
+from vllm_graft.plugins.speculative.pooled_ngram.policy import NgramPool, PoolStore
+from vllm_graft.plugins.speculative.token_recycling.policy import EMPTY, RecyclingMatrix, tree_paths
+
+NAMES = ("token-recycling", "lookahead", "pooled-ngram", "adaptive")
+
+
+def build(name, **params):
+    entry = get_registry().get(Kind.SPECULATIVE, name)
+    cls = entry.registration.load()
+    assert issubclass(cls, Proposer)
+    return cls(entry.registration.params.model_validate(params))
+
+
+def default_params(name):
+    return {"proposer": "lookahead"} if name == "adaptive" else {}
+
+
+# ------------------------------------------------------------------------ token recycling
+def test_recycling_matrix_rows_are_the_latest_topk_and_the_chain_follows_column_0():
+    m = RecyclingMatrix(k=3)
+    m.update([5, 7], np.array([[7, 1, 2], [9, 5, 4]]))
+    assert m.successors(5).tolist() == [7, 1, 2]
+    m.update([5], np.array([[8, 0, 3]]))  # overwritten by the latest step
+    assert m.successors(5).tolist() == [8, 0, 3]
+    m.update([8], np.array([[7, 6, 6]]))
+    assert m.chain(5, 4) == [8, 7, 9]  # 5 -> 8 -> 7 -> 9 -> (9 unknown: stop)
+    assert m.chain(123456, 4) == []  # a token never seen
+    m.update([3, 3], np.array([[1, 1, 1], [2, 2, 2]]))  # repeated token: the last row wins
+    assert m.successors(3).tolist() == [2, 2, 2]
+
+
+def test_recycling_matrix_fewer_columns_leave_cells_empty_and_vocab_is_enforced():
+    m = RecyclingMatrix(k=4, vocab_size=10)
+    m.update([2], np.array([[3, 4]]))
+    assert m.successors(2).tolist() == [3, 4, EMPTY, EMPTY]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        m.update([10], np.array([[1, 2, 3, 4]]))
+    with pytest.raises(ValueError, match="k must be positive"):
+        RecyclingMatrix(k=0)
+
+
+def test_recycling_tree_has_the_chain_as_its_first_path_and_respects_breadth():
+    rng = np.random.default_rng(0)
+    m = RecyclingMatrix(k=4, vocab_size=50)
+    m.update(np.arange(50), rng.integers(0, 50, size=(50, 4)))
+    nodes = m.tree(3, [3, 2, 1])
+    depth1 = [i for i, (_, p) in enumerate(nodes) if p == -1]
+    assert len(depth1) == 3
+    assert len(nodes) == 3 + 3 * 2 + 3 * 2 * 1
+    for tok, parent in nodes:  # every child is among its parent's successors
+        ptok = 3 if parent == -1 else nodes[parent][0]
+        assert tok in m.successors(ptok).tolist()
+    assert tree_paths(nodes)[0] == m.chain(3, 3)
+
+
+def test_recycling_memory_is_fixed_whatever_the_traffic():
+    m = RecyclingMatrix(k=8, vocab_size=1000)
+    before = m.nbytes
+    rng = np.random.default_rng(1)
+    for _ in range(10_000):
+        toks = rng.integers(0, 1000, size=5)
+        m.update(toks, rng.integers(0, 1000, size=(5, 8)))
+    assert m.nbytes == before == 1000 * 8 * 8
+
+
+def test_token_recycling_asks_for_topk_and_drafts_from_what_it_observed():
+    p = build("token-recycling", k=4, num_speculative_tokens=3)
+    assert p.topk == 4
+    p.observe_topk("r", [10, 11], np.array([[11, 1, 2, 3], [12, 1, 2, 3]]))
+    p.observe_topk("r", [12], np.array([[13, 0, 0, 0]]))
+    assert p.propose("r", [1, 2, 10], 8) == [11, 12, 13]
+    assert p.propose("r", [1, 2, 10], 2) == [11, 12]  # max_tokens bounds it
+    assert p.describe()["rows_observed"] == 3
+
+
+def test_plugins_that_do_not_ask_for_topk_pay_nothing():
+    for name in ("lookahead", "pooled-ngram", "noop"):
+        assert build(name, **default_params(name)).topk == 0
+    assert build("adaptive", proposer="lookahead").topk == 0
+    assert build("adaptive", proposer="token-recycling", params={"k": 5}).topk == 5
+
+
+# ------------------------------------------------------------------------------ lookahead
+def test_trie_drafts_the_most_frequent_continuation_of_the_longest_suffix():
+    t = TokenTrie(depth=4, max_nodes=1000)
+    for seq in ([1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 9], [2, 3, 7, 7], [9, 2, 3, 5]):
+        t.insert(seq)
+    assert t.continuation([8, 1, 2, 3], 1) == [4]  # suffix [1,2,3]: 4 (twice) beats 9
+    assert t.continuation([0, 9, 2, 3], 1) == [5]  # the longest suffix wins: [9,2,3] -> 5
+    assert t.continuation([0, 0, 2, 3], 1) == [7]  # only [2,3] matches: [2,3,7,7]
+    # room for 2 drafts: suffixes of at most 4 - 2 = 2 tokens are tried: [2,3] -> 7, 7
+    assert t.continuation([0, 9, 2, 3], 2) == [7, 7]
+    assert t.continuation([0, 0, 0, 42], 3) == []
+
+
+def test_trie_respects_its_node_cap_over_10000_requests_and_keeps_frequent_paths():
+    rng = random.Random(0)
+    p = build("lookahead", depth=6, max_nodes=5000, num_speculative_tokens=4)
+    common = [7, 8, 9, 10, 11, 12, 13, 14]
+    peak = 0
+    for r in range(10_000):
+        rid = f"req-{r}"
+        seq = [rng.randrange(5000) for _ in range(rng.randrange(4, 20))] + common
+        for n in range(len(seq) - len(common), len(seq) + 1):
+            p.propose(rid, seq[:n], 4)
+        peak = max(peak, p.trie.num_nodes)
+        assert p.trie.num_nodes == _size(p.trie.root) - 1  # the counter is exact
+        if r % 3:
+            p.finish(rid)  # the others are "aborted" later
+    assert peak <= 5000
+    assert p.trie.prunes > 0
+    assert p.propose("x", [1, 7, 8, 9], 4) == [10, 11, 12, 13]  # frequent path survived
+    for r in range(0, 10_000, 3):
+        p.finish(f"req-{r}")
+    p.finish("x")
+    assert len(p.progress) == 0
+
+
+def test_lookahead_learns_from_other_requests_and_from_its_own_output():
+    p = build("lookahead", depth=5, num_speculative_tokens=3)
+    p.propose("a", [1, 2, 3, 4, 5, 6, 7], 3)
+    assert p.propose("b", [9, 9, 3, 4], 3) == [5, 6, 7]  # shared across requests
+    p.finish("a")
+    p.finish("b")
+    assert len(p.progress) == 0
+
+
+# --------------------------------------------------------------------------- pooled n-gram
+def test_pool_is_shared_by_requests_with_the_same_prompt_prefix():
+    p = build("pooled-ngram", prefix_tokens=4, include_prompt=False, num_speculative_tokens=3)
+    prompt = [1, 2, 3, 4, 5]
+    p.propose("s0", prompt + [50], 3)  # first call: prompt = tokens[:-1]
+    for n in range(7, 12):
+        p.propose("s0", prompt + [50, 60, 70, 80, 90, 100][:n - 5], 3)
+    # a sibling sample of the same prompt drafts the first sample's continuation
+    assert p.propose("s1", prompt + [50], 3) == [60, 70, 80]
+    # another prompt has its own pool: nothing to draft
+    assert p.propose("t0", [9, 9, 9, 9, 5, 50], 3) == []
+    assert len(p.store.pools) == 2
+
+
+def test_pool_prefers_the_longest_context_and_the_most_frequent_successor():
+    pool = NgramPool(max_order=3, max_contexts=100)
+    for seq in ([1, 2, 3], [1, 2, 3], [5, 2, 4], [9, 2, 4], [8, 2, 4]):
+        for pos in range(1, len(seq)):
+            pool.add(seq, pos)
+    assert pool.draft([1, 2], 1) == [3]  # context (1,2) wins over (2,) -> 4
+    assert pool.draft([7, 2], 1) == [4]  # only (2,) known: 4 (3 times) beats 3 (twice)
+
+
+def test_pools_stay_bounded_over_10000_requests_and_finish_releases_requests():
+    rng = random.Random(1)
+    store = PoolStore(prefix_tokens=8, max_order=3, max_contexts=400, max_pools=16,
+                      include_prompt=True)
+    peak = 0
+    for r in range(10_000):
+        prompt = [rng.randrange(20)] + [rng.randrange(1000) for _ in range(10)]
+        toks = prompt + [rng.randrange(1000) for _ in range(rng.randrange(1, 12))]
+        for n in range(len(prompt) + 1, len(toks) + 1):
+            store.observe(f"r{r}", toks[:n])
+        assert len(store.pools) <= 16
+        assert all(len(p.table) <= 400 for p in store.pools.values())
+        peak = max(peak, store.num_contexts)
+        store.release(f"r{r}")
+    assert peak <= 16 * 400
+    assert not store.requests
+
+
+# -------------------------------------------------------------------------------- adaptive
+def test_goodput_speculates_at_batch_1_and_not_at_batch_32_with_middling_acceptance():
+    pol = GoodputPolicy(4, fixed_cost_tokens=8, prior_acceptance=0.5)
+    assert pol.best_length(0.6, 1) >= 2
+    assert pol.best_length(0.6, 32) == 0
+    assert pol.best_length(0.0, 1) == 0  # nothing is ever accepted: off
+    assert pol.best_length(0.95, 1) == 4
+    # goodput is what the formula says
+    assert pol.goodput(0.5, 2, 1) == pytest.approx(1 * 1.75 / (8 + 3))
+
+
+def test_acceptance_estimate_follows_observations():
+    pol = GoodputPolicy(4, fixed_cost_tokens=4, prior_acceptance=0.5)
+    for _ in range(30):
+        pol.observe("good", 4, 4)
+        pol.observe("bad", 0, 4)
+    assert pol.acceptance("good") > 0.9
+    assert pol.acceptance("bad") < 0.2
+    pol.begin_step(1)
+    assert pol.choose("good") == 4
+    assert pol.choose("bad") == 0
+
+
+def test_adaptive_turns_off_under_load_probes_when_off_by_acceptance_and_releases():
+    class Always(Proposer):
+        def __init__(self):
+            super().__init__(None)
+            self.calls, self.finished = [], []
+
+        def propose(self, request_id, token_ids, max_tokens):
+            self.calls.append(max_tokens)
+            return [1] * max_tokens
+
+        def finish(self, request_id):
+            self.finished.append(request_id)
+
+    entry = get_registry().get(Kind.SPECULATIVE, "adaptive")
+    params = entry.registration.params.model_validate(
+        {"proposer": "lookahead", "probe_every": 4, "fixed_cost_tokens": 8})
+    inner = Always()
+    a = entry.registration.load()(params, inner=inner)
+    a.begin_step(32)
+    assert [a.propose(f"r{i}", [1, 2], 4) for i in range(32)] == [[]] * 32  # off under load
+    assert inner.calls == []
+    a.begin_step(1)
+    assert len(a.propose("r0", [1, 2], 4)) >= 2
+    for _ in range(40):
+        a.accepted("r0", 0, 4)
+    drafts = [len(a.propose("r0", [1, 2], 4)) for _ in range(8)]
+    assert drafts.count(0) == 6 and drafts.count(1) == 2  # a probe every 4 steps
+    for i in range(32):
+        a.finish(f"r{i}")
+    assert not a.policy.stats and len(inner.finished) == 32
+
+
+def test_adaptive_state_is_bounded_over_10000_requests():
+    a = build("adaptive", proposer="lookahead", params={"max_nodes": 2000, "depth": 4})
+    rng = random.Random(2)
+    for r in range(10_000):
+        a.begin_step(rng.choice([1, 4, 16, 32]))
+        toks = [rng.randrange(300) for _ in range(6)]
+        a.propose(f"r{r}", toks, 4)
+        a.accepted(f"r{r}", rng.randrange(3), 2)
+        a.finish(f"r{r}")
+        assert a.inner.trie.num_nodes <= 2000
+    assert not a.policy.stats and len(a.inner.progress) == 0
+
+
+# ------------------------------------------------------------------------------ validation
+@pytest.mark.parametrize("section, fragment", [
+    ({"plugin": "token-recycling", "params": {"k": 0}}, "params.k"),
+    ({"plugin": "token-recycling", "params": {"num_speculative_tokens": 0}}, "num_speculative_tokens"),
+    ({"plugin": "lookahead", "params": {"depth": -3}}, "params.depth"),
+    ({"plugin": "lookahead", "params": {"max_nodes": -1}}, "params.max_nodes"),
+    ({"plugin": "lookahead", "params": {"depth": 4, "min_match": 4}}, "min_match"),
+    ({"plugin": "pooled-ngram", "params": {"max_order": 0}}, "params.max_order"),
+    ({"plugin": "pooled-ngram", "params": {"prefix_tokens": -5}}, "params.prefix_tokens"),
+    ({"plugin": "pooled-ngram", "params": {"min_order": 3, "max_order": 2}}, "min_order"),
+    ({"plugin": "adaptive", "params": {"proposer": "lookahed"}}, "unknown wrapped proposer 'lookahed'"),
+    ({"plugin": "adaptive", "params": {"proposer": "adaptive"}}, "cannot wrap itself"),
+    ({"plugin": "adaptive", "params": {"proposer": "lookahead", "params": {"depth": -1}}},
+     "params of wrapped proposer 'lookahead': depth"),
+    ({"plugin": "adaptive", "params": {"proposer": "token-recycling", "params": {"k": 0}}},
+     "wrapped proposer 'token-recycling': k"),
+    ({"plugin": "adaptive", "params": {"proposer": "lookahead", "num_speculative_tokens": 0}},
+     "num_speculative_tokens"),
+    ({"plugin": "adaptive", "params": {"proposer": "lookahead", "fixed_cost_tokens": -1}},
+     "fixed_cost_tokens"),
+    ({"plugin": "adaptive", "params": {"proposer": ""}}, "unknown wrapped proposer ''"),
+])
+def test_bad_parameters_are_refused_at_deployment_validation(section, fragment):
+    with pytest.raises(DeploymentError) as info:
+        validate({"speculative": section}, get_registry())
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_defaults_validate_and_every_plugin_is_lossless_and_registered(name):
+    plan = validate({"speculative": {"plugin": name, "params": default_params(name)}}, get_registry())
+    (e,) = plan.enabled
+    assert e.entry.registration.capabilities.lossless
+    assert isinstance(build(name, **default_params(name)), Proposer)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_drafts_are_token_ids_within_max_tokens_on_random_streams(name):
+    p = build(name, **default_params(name))
+    rng = random.Random(3)
+    vocab = 40  # small: repeats are frequent, so drafts are frequent
+    drafted = 0
+    for r in range(200):
+        rid = f"r{r}"
+        toks = [rng.randrange(vocab) for _ in range(rng.randrange(2, 30))]
+        p.begin_step(rng.choice([1, 8]))
+        for step in range(10):
+            if p.topk:
+                p.observe_topk(rid, toks[-1:], np.array([[rng.randrange(vocab) for _ in range(p.topk)]]))
+            m = rng.randrange(1, 5)
+            d = p.propose(rid, toks, m)
+            assert isinstance(d, list) and len(d) <= m
+            assert all(isinstance(t, int) and 0 <= t < vocab for t in d)
+            drafted += len(d)
+            if d:
+                p.accepted(rid, rng.randrange(len(d) + 1), len(d))
+            toks = toks + [rng.randrange(vocab)]
+        p.finish(rid)
+    assert drafted > 0
+
+
+def test_cost_model_is_learnt_from_step_times():
+    pol = GoodputPolicy(4, fixed_cost_tokens=8, prior_acceptance=0.5, min_cost_samples=8)
+    rng = random.Random(4)
+    for _ in range(7):
+        pol.observe_step(rng.randrange(1, 100), 0.002)
+    assert pol.c == 8  # too few samples: the prior
+    for _ in range(200):  # a step costs 1 ms + 0.1 ms per token: c = 10 tokens
+        x = rng.randrange(1, 100)
+        pol.observe_step(x, 0.001 + 0.0001 * x)
+    assert pol.c == pytest.approx(10, rel=0.05)  # the first 7 samples have decayed, not gone
+    pol.observe_step(50, 30.0)  # idle time between requests: ignored
+    assert pol.c == pytest.approx(10, rel=0.05)  # the first 7 samples have decayed, not gone
+    cheap = GoodputPolicy(4, fixed_cost_tokens=8, prior_acceptance=0.5, min_cost_samples=8)
+    for _ in range(50):  # cost all per token: c -> 0, speculation only pays at high acceptance
+        x = rng.randrange(1, 100)
+        cheap.observe_step(x, 0.0001 * x)
+    assert cheap.c == pytest.approx(0, abs=1e-6)
+    assert cheap.best_length(0.6, 32) == 0 and cheap.best_length(0.6, 1) == 0
+    flat = GoodputPolicy(4, fixed_cost_tokens=8, prior_acceptance=0.5, min_cost_samples=8)
+    for _ in range(50):  # no spread in tokens: no fit, the prior stays
+        flat.observe_step(32, 0.003)
+    assert flat.c == 8
+
+
+def test_mode_bandit_tries_both_then_keeps_the_faster_and_re_explores():
+    from vllm_graft.plugins.speculative.adaptive.policy import ModeBandit
+
+    b = ModeBandit(min_samples=2, explore_every=10)
+    modes = []
+    for _ in range(40):
+        on = b.choose(32, model_says_on=True)
+        modes.append(on)
+        b.record(32, on, tokens=32 if not on else 40, seconds=0.004 if not on else 0.008)
+    assert modes[:4] == [True, True, False, False]  # the model's choice first, then the other
+    rest = modes[4:]
+    assert rest.count(False) > 0.8 * len(rest)  # off is faster (8000 vs 5000 tok/s)
+    assert rest.count(True) >= 2  # but on is re-tried now and then
+    assert b.goodput(32, False) == pytest.approx(8000) and b.goodput(40, True) == pytest.approx(5000)
+    assert b.goodput(1, True) is None  # another bucket knows nothing yet
+
+
+def test_adaptive_turns_speculation_off_where_it_measures_slower(monkeypatch):
+    from vllm_graft.plugins.speculative.adaptive import reference
+
+    clock = [0.0]
+    monkeypatch.setattr(reference.time, "perf_counter", lambda: clock[0])
+    a = build("adaptive", proposer="lookahead", params={"depth": 4})
+    history = [1, 2, 3, 1, 2, 3, 1, 2, 3]
+    ons = []
+    for step in range(60):
+        a.begin_step(8, 8 + 8 * a._on * 3)  # decode-only steps: requests + verified drafts
+        ons.append(a._on)
+        for r in range(8):
+            if a._on:
+                a.accepted(f"r{r}", 1, 3)  # 1 of 3 accepted: 2 tokens per request
+            a.propose(f"r{r}", history, 3)
+        # a step with drafts takes 3x as long: 16 tokens / 3 ms vs 8 tokens / 1 ms
+        clock[0] += 0.003 if a._on else 0.001
+    assert ons[-20:].count(False) >= 15
+    assert a.describe()["goodput_tok_s"]

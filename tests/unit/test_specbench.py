@@ -1,0 +1,69 @@
+"""`vllm-graft specbench` without an engine: run layout, summary figures, table, the new
+extractive workload, and the arms' deployment files."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vllm_graft.hooks import get_registry
+from vllm_graft.integration import specbench as S
+from vllm_graft.integration import workloads as W
+from vllm_graft.integration.launch import load_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_runs_use_disjoint_prompts_and_warm_up_first():
+    for w in ("chat", S.PARALLEL):
+        runs = S._runs(w, 4, [16, 32])
+        assert [b for b, _, _ in runs] == [0, 0, 1, 16, 32]
+        used = [i for _, sl, _ in runs for i in range(sl.start, sl.stop)]
+        assert len(used) == len(set(used))  # no prompt runs twice: learning proposers gain nothing
+        assert S.prompts_needed([w], 4, [16, 32]) == max(used) + 1
+    # parallel sampling: batch B is B/8 prompts x 8 samples
+    assert [sl.stop - sl.start for _, sl, _ in S._runs(S.PARALLEL, 4, [16, 32])] == [1, 1, 1, 2, 4]
+
+
+def run(batch, out, acc, drafts, tok_s, tokens):
+    return {"batch": batch, "output_tokens": out, "accepted": acc, "drafts": drafts,
+            "tok_s": tok_s, "greedy_tokens": tokens}
+
+
+def test_summary_figures():
+    results = {
+        "plain": {"chat": {"runs": [run(1, 100, 0, 0, 50.0, [[1, 2]]), run(16, 200, 0, 0, 400.0, [[3]])]}},
+        "x": {"chat": {"runs": [run(1, 100, 30, 20, 75.0, [[1, 2]]), run(16, 200, 50, 40, 200.0, [[4]])]}},
+    }
+    rows = S.summarize(results, ["chat"])
+    x = next(r for r in rows if r["arm"] == "x")
+    assert x["acc_per_verify"] == pytest.approx(80 / 60)
+    assert x["fwd_per_token"] == pytest.approx((300 - 80) / 300)
+    assert x["speedup@1"] == pytest.approx(1.5) and x["speedup@16"] == pytest.approx(0.5)
+    assert x["identical"] is False  # the batch-16 output differs
+    plain = next(r for r in rows if r["arm"] == "plain")
+    assert plain["fwd_per_token"] == 1.0 and plain["identical"] is True
+    table = S.render(rows, [16])
+    assert "| chat | x | 1.33 | 0.733 | NO | 75 | 1.50 | 200 | 0.50 |" in table
+
+
+def test_extractive_prompts_end_with_the_signature_they_repeat():
+    tok = W.Tokenizer.from_model(ROOT / "models" / "graft-tiny-llama")
+    (ps,) = W.build(["extractive"], tok, num_prompts=6, max_tokens=64, max_model_len=2048)
+    for p in ps.prompts:
+        body, _, tail = p.text.partition("\n\n\n# The same function again, unchanged:\n")
+        assert tail.strip() and tail.strip().splitlines()[-1] in body
+        assert len(p.token_ids) + p.max_tokens < 2048
+
+
+@pytest.mark.parametrize("arm", S.DEFAULT_ARMS)
+def test_every_default_arm_has_a_valid_deployment(arm):
+    plan = load_plan(S.arm_file(arm))
+    assert plan.deployment.model and Path(plan.deployment.model).is_dir()
+    if arm == "vllm-ngram":
+        assert not plan.enabled and plan.deployment.engine["speculative_config"]["method"] == "ngram"
+    elif arm == "plain":
+        assert not plan.enabled
+    else:
+        (e,) = plan.enabled
+        assert e.name == arm and (e.kind, e.name) in get_registry()
