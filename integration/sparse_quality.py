@@ -71,9 +71,12 @@ def fidelity(plain: dict[str, Any], arm: dict[str, Any]) -> dict[str, float]:
 MIN_PROMPT_TOKENS = 1024
 
 
-def load_workload(name: str, tok: Any, args: argparse.Namespace) -> tuple[list[list[int]], list[tuple[int, int]]]:
-    """The prompts of a bench workload and the span of each that is scored: the workload's own
-    ``scored_spans`` where it has them (long-recall), else from ``--score-from`` to the end.
+def load_workload(name: str, tok: Any, args: argparse.Namespace
+                  ) -> tuple[list[list[int]], list[tuple[int, int]], list[tuple[int, int]] | None]:
+    """The prompts of a bench workload, the span of each that is scored (the workload's own
+    ``scored_spans`` where it has them (long-recall), else from ``--score-from`` to the end) and,
+    for long-recall, the spans of the first copies (what plain vLLM scores on the same tokens
+    with nothing earlier to recall: how much the recall is worth to the model).
     Workloads with prompts shorter than MIN_PROMPT_TOKENS are refused (before any engine)."""
     from vllm_graft.integration import workloads
 
@@ -88,16 +91,19 @@ def load_workload(name: str, tok: Any, args: argparse.Namespace) -> tuple[list[l
             "window): use long-context, long-recall or shared-prefix")
     if "scored_spans" in ps.stats:
         spans = [(a, b) for a, b in ps.stats["scored_spans"]]
+        firsts = [(a - d, b - d) for (a, b), d in zip(spans, ps.stats["recall_distance"])]
+        return prompts, spans, firsts
     else:
         if args.score_from >= min(map(len, prompts)):
             raise workloads.WorkloadError(f"sparse-quality: --score-from {args.score_from} is beyond the "
                                           f"shortest prompt ({min(map(len, prompts))} tokens)")
         spans = [(args.score_from, len(p)) for p in prompts]
-    return prompts, spans
+    return prompts, spans, None
 
 
 def run_arm(model: str, engine: dict[str, Any], params: dict[str, Any] | None,
-            prompts: list[list[int]], spans: list[tuple[int, int]]) -> dict[str, Any]:
+            prompts: list[list[int]], spans: list[tuple[int, int]],
+            firsts: list[tuple[int, int]] | None = None) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
     from vllm_graft.integration import launch
@@ -115,6 +121,9 @@ def run_arm(model: str, engine: dict[str, Any], params: dict[str, Any] | None,
         top1 = [_top1(r.prompt_logprobs[j]) for r, (a, b) in zip(res, spans) for j in range(a, b)]
         out = {"tokens": len(nll), "nll": sum(nll) / len(nll), "ppl": math.exp(sum(nll) / len(nll)),
                "nll_per_token": nll, "top1": top1}
+        if firsts is not None and params is None:
+            first = [x for r, p, (a, b) in zip(res, prompts, firsts) for x in nll_of(r.prompt_logprobs, p[:b], a)]
+            out["first_copy_ppl"] = math.exp(sum(first) / len(first))
         if params is not None:
             (impl,) = RUNTIME.instances.values()
             out["describe"] = impl.describe()
@@ -135,7 +144,7 @@ def cmd_sparse_quality(args: argparse.Namespace, console: Console) -> int:
               "enforce_eager": True}
     tok = workloads.Tokenizer.from_model(model)
     try:
-        prompts, spans = load_workload(args.workload, tok, args)
+        prompts, spans, firsts = load_workload(args.workload, tok, args)
     except workloads.WorkloadError as e:
         from rich.markup import escape
 
@@ -147,7 +156,7 @@ def cmd_sparse_quality(args: argparse.Namespace, console: Console) -> int:
     progress = Console(stderr=True, highlight=False) if args.json == "-" else console
     for name, params in _arms(args):
         progress.print(f"[dim]{name}...[/]")
-        r = run_arm(model, engine, params, prompts, spans)
+        r = run_arm(model, engine, params, prompts, spans, firsts)
         results.append({"arm": name, "params": params, **r})
     plain = results[0]["ppl"]
     for r in results:
@@ -156,7 +165,7 @@ def cmd_sparse_quality(args: argparse.Namespace, console: Console) -> int:
         del r["nll_per_token"], r["top1"]
     if args.json:
         text = json.dumps({"workload": args.workload, "prompts": len(prompts),
-                           "prompt_tokens": [len(p) for p in prompts], "score_from": args.score_from, "scored_spans": spans,
+                           "prompt_tokens": [len(p) for p in prompts], "score_from": args.score_from, "scored_spans": spans, "first_copy_spans": firsts,
                            "arms": results}, indent=1)
         if args.json == "-":
             print(text)
@@ -167,6 +176,9 @@ def cmd_sparse_quality(args: argparse.Namespace, console: Console) -> int:
                     f"({sum(b - a for a, b in spans)} tokens); chunk {args.chunk}, sinks {args.sink}, recent {args.recent})")
     for col in ("arm", "perplexity", "change", "mean |dNLL|", "top-1 same as plain", "KV read"):
         t.add_column(col, justify="right" if col != "arm" else "left")
+    if "first_copy_ppl" in results[0]:
+        t.add_row("plain vLLM, the same tokens at their first copy (nothing to recall)",
+                  f"{results[0]['first_copy_ppl']:.3f}", "", "", "", "")
     for r in results:
         frac = r.get("kv_read_fraction")
         t.add_row(r["arm"], f"{r['ppl']:.3f}", f"{(r['ppl'] / plain - 1) * 100:+.2f}%",

@@ -69,12 +69,14 @@ def _args(**kw):
 
 
 def test_sparse_quality_spans_and_refusals(tok):
-    prompts, spans = SQ.load_workload("long-recall", tok, _args())
+    prompts, spans, firsts = SQ.load_workload("long-recall", tok, _args())
     ps = build(tok, n=2)
     assert prompts == [list(p.token_ids) for p in ps.prompts]
     assert spans == [tuple(s) for s in ps.stats["scored_spans"]]
-    prompts, spans = SQ.load_workload("long-context", tok, _args())
-    assert spans == [(256, len(p)) for p in prompts]
+    for p, (a, b), (c, d) in zip(prompts, spans, firsts):
+        assert p[a:b] == p[c:d] and d <= a
+    prompts, spans, firsts = SQ.load_workload("long-context", tok, _args())
+    assert spans == [(256, len(p)) for p in prompts] and firsts is None
     for short in ("chat", "code-completion", "extractive"):
         with pytest.raises(W.WorkloadError, match=f"workload '{short}' has prompts of .* at least 1024"):
             SQ.load_workload(short, tok, _args())
