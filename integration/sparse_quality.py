@@ -165,7 +165,8 @@ def cmd_sparse_quality(args: argparse.Namespace, console: Console) -> int:
         del r["nll_per_token"], r["top1"]
     if args.json:
         text = json.dumps({"workload": args.workload, "prompts": len(prompts),
-                           "prompt_tokens": [len(p) for p in prompts], "score_from": args.score_from, "scored_spans": spans, "first_copy_spans": firsts,
+                           "prompt_tokens": [len(p) for p in prompts], "score_from": args.score_from,
+                           "scored_spans": spans, "first_copy_spans": firsts,
                            "arms": results}, indent=1)
         if args.json == "-":
             print(text)
