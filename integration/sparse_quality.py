@@ -1,8 +1,11 @@
 """`vllm-graft sparse-quality`: perplexity and attention KV read of sparse decode attention
 (`squeezed`) versus plain vLLM, and versus the sink + window baseline at the same budget.
 
-Each arm is a vLLM CPU engine on the bundled dense model scoring the long-context workload
-(~1800-token windows of stdlib Python source) with ``prompt_logprobs``. The plugin arms run with
+Each arm is a vLLM CPU engine on the bundled dense model scoring a long-prompt workload with
+``prompt_logprobs``: ``long-context`` (default: ~1800-token windows of stdlib Python source,
+tokens from ``--score-from`` on scored) or ``long-recall`` (~1800-token windows whose last few
+hundred tokens repeat a function from at least half the prompt back; only the repeat is scored,
+so the score needs retrieval from the middle of the context), or ``shared-prefix``. The plugin arms run with
 ``prefill: sparse``: every prompt token attends exactly as it would if it were being decoded
 (teacher forcing), so the perplexity is that of decoding with sparse attention; plain vLLM
 gives the reference perplexity. KV read is what the plugin counted over those rows (attended
@@ -63,8 +66,44 @@ def fidelity(plain: dict[str, Any], arm: dict[str, Any]) -> dict[str, float]:
             "top1_agreement": same / len(plain["top1"])}
 
 
+#: Shortest prompt (tokens) a workload needs here: sparse attention only differs from full
+#: attention far beyond the sinks and the recent window.
+MIN_PROMPT_TOKENS = 1024
+
+
+def load_workload(name: str, tok: Any, args: argparse.Namespace
+                  ) -> tuple[list[list[int]], list[tuple[int, int]], list[tuple[int, int]] | None]:
+    """The prompts of a bench workload, the span of each that is scored (the workload's own
+    ``scored_spans`` where it has them (long-recall), else from ``--score-from`` to the end) and,
+    for long-recall, the spans of the first copies (what plain vLLM scores on the same tokens
+    with nothing earlier to recall: how much the recall is worth to the model).
+    Workloads with prompts shorter than MIN_PROMPT_TOKENS are refused (before any engine)."""
+    from vllm_graft.integration import workloads
+
+    (ps,) = workloads.build([name], tok, num_prompts=args.num_prompts, max_tokens=16,
+                            max_model_len=args.max_model_len, seed=args.seed)
+    prompts = [list(p.token_ids) for p in ps.prompts]
+    if min(map(len, prompts)) < MIN_PROMPT_TOKENS:
+        raise workloads.WorkloadError(
+            f"sparse-quality: workload {name!r} has prompts of {min(map(len, prompts))}-"
+            f"{max(map(len, prompts))} tokens; it needs prompts of at least {MIN_PROMPT_TOKENS} tokens "
+            "(sparse attention only differs from full attention far beyond the sinks and the recent "
+            "window): use long-context, long-recall or shared-prefix")
+    if "scored_spans" in ps.stats:
+        spans = [(a, b) for a, b in ps.stats["scored_spans"]]
+        firsts = [(a - d, b - d) for (a, b), d in zip(spans, ps.stats["recall_distance"])]
+        return prompts, spans, firsts
+    else:
+        if args.score_from >= min(map(len, prompts)):
+            raise workloads.WorkloadError(f"sparse-quality: --score-from {args.score_from} is beyond the "
+                                          f"shortest prompt ({min(map(len, prompts))} tokens)")
+        spans = [(args.score_from, len(p)) for p in prompts]
+    return prompts, spans, None
+
+
 def run_arm(model: str, engine: dict[str, Any], params: dict[str, Any] | None,
-            prompts: list[list[int]], start: int) -> dict[str, Any]:
+            prompts: list[list[int]], spans: list[tuple[int, int]],
+            firsts: list[tuple[int, int]] | None = None) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
     from vllm_graft.integration import launch
@@ -78,10 +117,13 @@ def run_arm(model: str, engine: dict[str, Any], params: dict[str, Any] | None,
     try:
         res = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
-        nll = [x for r, p in zip(res, prompts) for x in nll_of(r.prompt_logprobs, p, start)]
-        top1 = [_top1(r.prompt_logprobs[j]) for r, p in zip(res, prompts) for j in range(start, len(p))]
+        nll = [x for r, p, (a, b) in zip(res, prompts, spans) for x in nll_of(r.prompt_logprobs, p[:b], a)]
+        top1 = [_top1(r.prompt_logprobs[j]) for r, (a, b) in zip(res, spans) for j in range(a, b)]
         out = {"tokens": len(nll), "nll": sum(nll) / len(nll), "ppl": math.exp(sum(nll) / len(nll)),
                "nll_per_token": nll, "top1": top1}
+        if firsts is not None and params is None:
+            first = [x for r, p, (a, b) in zip(res, prompts, firsts) for x in nll_of(r.prompt_logprobs, p[:b], a)]
+            out["first_copy_ppl"] = math.exp(sum(first) / len(first))
         if params is not None:
             (impl,) = RUNTIME.instances.values()
             out["describe"] = impl.describe()
@@ -101,14 +143,20 @@ def cmd_sparse_quality(args: argparse.Namespace, console: Console) -> int:
     engine = {"dtype": "float32", "max_model_len": args.max_model_len, "block_size": args.block_size,
               "enforce_eager": True}
     tok = workloads.Tokenizer.from_model(model)
-    (ps,) = workloads.build(["long-context"], tok, num_prompts=args.num_prompts, max_tokens=16,
-                            max_model_len=args.max_model_len, seed=args.seed)
-    prompts = [list(p.token_ids) for p in ps.prompts]
+    try:
+        prompts, spans, firsts = load_workload(args.workload, tok, args)
+    except workloads.WorkloadError as e:
+        from rich.markup import escape
+
+        Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {escape(str(e))}")
+        return 2
+    scored = ("the repeated span" if args.workload == "long-recall"
+              else f"tokens from position {args.score_from}")
     results = []
     progress = Console(stderr=True, highlight=False) if args.json == "-" else console
     for name, params in _arms(args):
         progress.print(f"[dim]{name}...[/]")
-        r = run_arm(model, engine, params, prompts, args.score_from)
+        r = run_arm(model, engine, params, prompts, spans, firsts)
         results.append({"arm": name, "params": params, **r})
     plain = results[0]["ppl"]
     for r in results:
@@ -116,18 +164,22 @@ def cmd_sparse_quality(args: argparse.Namespace, console: Console) -> int:
     for r in results:
         del r["nll_per_token"], r["top1"]
     if args.json:
-        text = json.dumps({"workload": "long-context", "prompts": len(prompts),
+        text = json.dumps({"workload": args.workload, "prompts": len(prompts),
                            "prompt_tokens": [len(p) for p in prompts], "score_from": args.score_from,
+                           "scored_spans": spans, "first_copy_spans": firsts,
                            "arms": results}, indent=1)
         if args.json == "-":
             print(text)
         else:
             Path(args.json).write_text(text + "\n")
-    t = Table(title=f"Sparse decode attention on long-context ({len(prompts)} prompts of "
-                    f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, tokens from position "
-                    f"{args.score_from} scored; chunk {args.chunk}, sinks {args.sink}, recent {args.recent})")
+    t = Table(title=f"Sparse decode attention on {args.workload} ({len(prompts)} prompts of "
+                    f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, {scored} scored "
+                    f"({sum(b - a for a, b in spans)} tokens); chunk {args.chunk}, sinks {args.sink}, recent {args.recent})")
     for col in ("arm", "perplexity", "change", "mean |dNLL|", "top-1 same as plain", "KV read"):
         t.add_column(col, justify="right" if col != "arm" else "left")
+    if "first_copy_ppl" in results[0]:
+        t.add_row("plain vLLM, the same tokens at their first copy (nothing to recall)",
+                  f"{results[0]['first_copy_ppl']:.3f}", "", "", "", "")
     for r in results:
         frac = r.get("kv_read_fraction")
         t.add_row(r["arm"], f"{r['ppl']:.3f}", f"{(r['ppl'] / plain - 1) * 100:+.2f}%",
@@ -144,6 +196,9 @@ def add_command(sub: Any) -> None:
         description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="model folder (default: the bundled graft-tiny-llama)")
+    p.add_argument("--workload", default="long-context", metavar="NAME",
+                   help="bench workload with prompts of at least 1024 tokens: long-context (default), "
+                        "long-recall (only the repeated function is scored) or shared-prefix")
     p.add_argument("--num-prompts", type=int, default=4, metavar="N", help="prompts (default 4)")
     p.add_argument("--budget", type=_floats, default=[0.25, 0.125], metavar="F[,F]",
                    help="fractions of the context attended (default 0.25,0.125)")
@@ -155,7 +210,7 @@ def add_command(sub: Any) -> None:
     p.add_argument("--sink", type=int, default=16, help="sink tokens (default 16)")
     p.add_argument("--recent", type=int, default=64, help="recent-window tokens (default 64)")
     p.add_argument("--score-from", type=int, default=256, metavar="POS",
-                   help="score tokens from this position on (default 256)")
+                   help="score tokens from this position on (default 256; long-recall scores its repeated span)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")

@@ -599,3 +599,90 @@ def needle_haystack(tokenizer: Tokenizer, *, num_prompts: int, context_tokens: i
             answer = tokenizer.encode(value + '"')  # the tokenizer merges across the boundary
         out.append(Needle(tuple(prompt), tuple(answer), round(depth, 3), source))
     return out
+
+
+# ------------------------------------------------ long-range recall (retrieval) workload
+#: Shortest and longest function repeated at the end of a ``long-recall`` prompt (tokens).
+LONG_RECALL_SPAN = (128, 384)
+#: Fewest tokens before the function's first copy (it must not sit among attention sinks).
+LONG_RECALL_LEAD = 64
+
+
+def _long_recall(ctx: BuildContext) -> tuple[list[Prompt], dict[str, Any]]:
+    """A ~1800-token window of a stdlib file that begins shortly before a function, whose last
+    few hundred tokens repeat that function token for token: predicting the repeat needs the
+    first copy, which lies at least half the context back (beyond any recent window up to half
+    the budget). The stats give each prompt's repeated span (``scored_spans``) and distance."""
+    tok = ctx.tokenizer
+    length = min(LONG_CONTEXT_TOKENS, ctx.prompt_budget)
+    lo, hi = LONG_RECALL_SPAN
+    if length < 4 * lo:
+        raise WorkloadError(f"long-recall: max_tokens {ctx.max_tokens} leaves only {length} prompt "
+                            f"tokens in max_model_len {ctx.max_model_len} (needs at least {4 * lo})")
+    hi = min(hi, length // 4)
+    rng = ctx.rng("long-recall")
+    root = ctx.stdlib
+    files = [f for f in stdlib_files(root) if (root / f).stat().st_size >= 5 * length]
+    rng.shuffle(files)
+    prompts: list[Prompt] = []
+    spans: list[list[int]] = []
+    distances: list[int] = []
+    for rel in files:
+        if len(prompts) == ctx.num_prompts:
+            break
+        text = _read(root, rel)
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):
+            continue
+        starts = [0]
+        for line in text.splitlines(keepends=True):
+            starts.append(starts[-1] + len(line))
+        fns = sorted((n.lineno, n.end_lineno) for n in ast.walk(tree)
+                     if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and not n.decorator_list
+                     and n.end_lineno is not None and n.lineno > 8)
+        rng.shuffle(fns)
+        for first, last in fns[:12]:
+            repeat = text[starts[first - 1]:starts[last]]
+            rep = tok.encode(repeat)
+            if not lo <= len(rep) <= hi or len(text) - starts[first - 1] < 5 * length:
+                continue
+            # The window starts a few lines (at least LONG_RECALL_LEAD tokens) before the function.
+            begin = starts[max(0, first - 1 - rng.randint(6, 20))]
+            # The longest run of whole lines from there that leaves room for the repeat.
+            room = length - len(rep)
+            ends = [s for s in starts if begin < s <= begin + 8 * length]
+            lo_k, hi_k = 0, len(ends) - 1
+            while lo_k < hi_k:  # the last line end whose text fits in `room` tokens
+                mid = (lo_k + hi_k + 1) // 2
+                if len(tok.encode(text[begin:ends[mid]])) <= room:
+                    lo_k = mid
+                else:
+                    hi_k = mid - 1
+            filler = tok.encode(text[begin:ends[lo_k]])
+            ids = filler + rep
+            r = len(filler)
+            # The first copy, token for token, inside the filler.
+            o = next((i for i in range(len(filler) - len(rep) + 1) if filler[i:i + len(rep)] == rep), None)
+            if o is None or o < LONG_RECALL_LEAD or r - o < len(ids) // 2 or len(ids) < length - 64:
+                continue
+            prompts.append(ctx.make("long-recall", len(prompts), ids, f"{rel}:{first}-{last}@{begin}"))
+            spans.append([r, len(ids)])
+            distances.append(r - o)
+            break
+    if len(prompts) < ctx.num_prompts:
+        raise WorkloadError(f"long-recall: only {len(prompts)} stdlib files in {root} give a "
+                            f"{length}-token window with a repeatable function; {ctx.num_prompts} asked")
+    return prompts, {"prompt_tokens_target": length, "scored_spans": spans, "recall_distance": distances}
+
+
+WORKLOADS["long-recall"] = Workload(
+    "long-recall", f"~{LONG_CONTEXT_TOKENS}-token source windows ending with a repeat of an early function",
+    f"Long-range recall at long context: a ~{LONG_CONTEXT_TOKENS}-token window of a stdlib .py file "
+    "(seeded file) starting 6-20 lines before a function (no decorators, "
+    f"{LONG_RECALL_SPAN[0]}-{LONG_RECALL_SPAN[1]} tokens), whole lines of the file after it, then "
+    "that function again token for token as the last tokens of the prompt. Its first copy lies "
+    "at least half the prompt back, so a recent window cannot see it: predicting the repeat "
+    "needs retrieval from the middle of the context (what sparse attention must keep). The "
+    "stats name each prompt's repeated span (scored_spans) and the distance to its first copy.",
+    _long_recall)

@@ -42,7 +42,7 @@ def build(tok, names=None, n=4, max_tokens=32, seed=0, max_model_len=2048):
 def test_workloads_are_deterministic(tok):
     a, b = build(tok, seed=3), build(tok, seed=3)
     assert [ps.name for ps in a] == ["chat", "shared-prefix", "long-context", "code-completion",
-                                     "extractive"]
+                                     "extractive", "long-recall"]
     for x, y in zip(a, b):
         assert [p.token_ids for p in x.prompts] == [p.token_ids for p in y.prompts]
         assert x.fingerprint() == y.fingerprint()
