@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import difflib
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -368,34 +369,36 @@ def _common_prefix(seqs: Sequence[Sequence[int]]) -> list[int]:
     return out
 
 
+def _stdlib_windows(tok: Tokenizer, root: Path, rng: random.Random,
+                    length: int) -> Iterable[tuple[list[int], str]]:
+    """Windows of exactly ``length`` token ids of stdlib source with their ``file@offset``:
+    files long enough (~3.5 bytes per token on this code) in a seeded order, each window
+    starting at a line boundary chosen by ``rng`` that leaves ~6 characters per token after it."""
+    files = [f for f in stdlib_files(root) if (root / f).stat().st_size >= 5 * length]
+    rng.shuffle(files)
+    for rel in files:
+        text = _read(root, rel)
+        starts = [0]
+        for line in text.splitlines(keepends=True):
+            starts.append(starts[-1] + len(line))
+        usable = [s for s in starts if len(text) - s >= 6 * length]
+        if not usable:
+            continue
+        start = rng.choice(usable)
+        ids = tok.encode(text[start:start + 8 * length])
+        if len(ids) >= length:
+            yield ids[:length], f"{rel}@{start}"
+
+
 def _long_context(ctx: BuildContext) -> tuple[list[Prompt], dict[str, Any]]:
     tok = ctx.tokenizer
     length = min(LONG_CONTEXT_TOKENS, ctx.prompt_budget)
     if length < 256:
         raise WorkloadError(f"long-context: max_tokens {ctx.max_tokens} leaves only {length} prompt "
                             f"tokens in max_model_len {ctx.max_model_len} (needs at least 256)")
-    rng = ctx.rng("long-context")
     root = ctx.stdlib
-    # Files long enough for a window (~3.5 bytes per token on this code), in a seeded order.
-    files = [f for f in stdlib_files(root) if (root / f).stat().st_size >= 5 * length]
-    rng.shuffle(files)
-    prompts = []
-    for rel in files:
-        if len(prompts) == ctx.num_prompts:
-            break
-        text = _read(root, rel)
-        starts = [0]
-        for line in text.splitlines(keepends=True):
-            starts.append(starts[-1] + len(line))
-        # Start at a line boundary, leaving ~6 characters per prompt token after it.
-        usable = [s for s in starts if len(text) - s >= 6 * length]
-        if not usable:
-            continue
-        start = rng.choice(usable)
-        ids = tok.encode(text[start:start + 8 * length])
-        if len(ids) < length:
-            continue
-        prompts.append(ctx.make("long-context", len(prompts), ids[:length], f"{rel}@{start}"))
+    windows = itertools.islice(_stdlib_windows(tok, root, ctx.rng("long-context"), length), ctx.num_prompts)
+    prompts = [ctx.make("long-context", i, ids, source) for i, (ids, source) in enumerate(windows)]
     if len(prompts) < ctx.num_prompts:
         raise WorkloadError(f"long-context: only {len(prompts)} stdlib files in {root} are long "
                             f"enough for {length}-token prompts; {ctx.num_prompts} asked")
@@ -549,23 +552,8 @@ def stdlib_texts(tokenizer: Tokenizer, *, num: int, tokens: int, seed: int = 0,
     files long enough, starting at a line boundary), with their source ``file@offset``."""
     root = root or stdlib_dir()
     rng = random.Random(f"vllm-graft-kv-texts:{seed}:{tokens}")
-    files = [f for f in stdlib_files(root) if (root / f).stat().st_size >= 5 * tokens]
-    rng.shuffle(files)
-    out = []
-    for rel in files:
-        if len(out) == num:
-            break
-        text = _read(root, rel)
-        starts = [0]
-        for line in text.splitlines(keepends=True):
-            starts.append(starts[-1] + len(line))
-        usable = [s for s in starts if len(text) - s >= 6 * tokens]
-        if not usable:
-            continue
-        start = rng.choice(usable)
-        ids = tokenizer.encode(text[start:start + 8 * tokens])
-        if len(ids) >= tokens:
-            out.append((tuple(ids[:tokens]), f"{rel}@{start}"))
+    windows = itertools.islice(_stdlib_windows(tokenizer, root, rng, tokens), num)
+    out = [(tuple(ids), source) for ids, source in windows]
     if len(out) < num:
         raise WorkloadError(f"only {len(out)} stdlib files are long enough for {tokens}-token texts")
     return out
