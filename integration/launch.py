@@ -1,9 +1,11 @@
 """Starting vLLM with a deployment: what `generate`, `demo`, `serve` and `bench` share."""
 from __future__ import annotations
 
+import gc
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from vllm_graft.hooks import Plan, get_registry, validate
 from vllm_graft.hooks.deployment import load_file
@@ -96,3 +98,22 @@ def shared_engine_overrides(plan: Plan) -> dict[str, Any]:
             overrides = adapter_for(kind).engine_overrides(plan.by_kind(kind), plan)
             out.update({k: v for k, v in overrides.items() if k in SHARED_ENGINE_KEYS})
     return out
+
+
+@contextmanager
+def in_process_engine(plan: Plan, *, graft: bool = True, **overrides: Any) -> Iterator[Any]:
+    """An in-process ``vllm.LLM`` for the deployment (``graft=False``: its plain twin),
+    shut down on exit. Shut down explicitly: an engine some reference keeps alive would
+    otherwise, when collected, tear down the process-wide parallel groups that the next
+    engine built in this process set up."""
+    from vllm import LLM
+
+    apply_env_defaults(in_process=True)
+    llm = LLM(**llm_kwargs(plan, graft=graft, **overrides))
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+

@@ -7,11 +7,9 @@ checking many plugins pays for each plain engine once.
 """
 from __future__ import annotations
 
-import gc
 import json
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from vllm_graft.hooks import Kind
 
@@ -53,23 +51,6 @@ def pick_model(t: Target) -> Path:
     raise Skipped(f"no bundled model in {root} fits (architectures {wanted}, kind {t.kind.value})")
 
 
-@contextmanager
-def in_process_engine(deployment: dict[str, Any], graft: bool) -> Iterator[Any]:
-    from vllm import LLM
-
-    from vllm_graft.integration import launch
-
-    launch.apply_env_defaults(in_process=True)
-    plan = launch.plan_from_dict(deployment, source="conformance")
-    llm = LLM(**launch.llm_kwargs(plan, graft=graft, seed=0))
-    try:
-        yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-
-
 def _generate(llm: Any) -> list[list[int]]:
     from vllm import SamplingParams
 
@@ -82,6 +63,7 @@ def run_engine_check(t: Target) -> str:
         import vllm  # noqa: F401
     except ImportError:
         raise Skipped("vLLM is not installed (pip install 'vllm-graft[cpu]')") from None
+    from vllm_graft.integration.launch import in_process_engine, plan_from_dict
     from vllm_graft.integration.runtime import RUNTIME
 
     model = pick_model(t)
@@ -94,10 +76,10 @@ def run_engine_check(t: Target) -> str:
     key = json.dumps(base, sort_keys=True)
     deployment = {**base, t.kind.value: {"plugin": t.entry.name, "params": t.params}}
     if key not in _plain_cache:
-        with in_process_engine(base, graft=False) as llm:
+        with in_process_engine(plan_from_dict(base, source="conformance"), graft=False, seed=0) as llm:
             _plain_cache[key] = _generate(llm)
     plain = _plain_cache[key]
-    with in_process_engine(deployment, graft=True) as llm:
+    with in_process_engine(plan_from_dict(deployment, source="conformance"), seed=0) as llm:
         graft = _generate(llm)
         events = {ev: n for (kind, name, ev), n in RUNTIME.events.items()
                   if kind == t.kind and name == t.entry.name}

@@ -15,7 +15,6 @@ import os
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: fast start
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default check fails on small VMs
 
-import gc  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -110,23 +109,12 @@ def _tokens(outputs):
 @contextmanager
 def engine(graft: dict | None, engine_args: dict = ENGINE, **overrides):
     """An in-process vLLM engine with the deployment sections ``graft`` (None: plain vLLM)."""
-    from vllm import LLM
-
     from vllm_graft.integration import launch
 
     plan = launch.plan_from_dict({"model": str(MODEL), "engine": engine_args, **(graft or {})})
-    kwargs = launch.llm_kwargs(plan, graft=graft is not None, seed=0, **overrides)
-    assert ("additional_config" in kwargs) == (graft is not None)
-    llm = LLM(**kwargs)
-    try:
+    assert ("additional_config" in launch.llm_kwargs(plan, graft=graft is not None)) == (graft is not None)
+    with launch.in_process_engine(plan, graft=graft is not None, seed=0, **overrides) as llm:
         yield llm
-    finally:
-        # Shut down now (it is idempotent): an engine that some reference (a traceback, a
-        # caller's variable) keeps alive would otherwise tear down, when collected, the
-        # process-wide parallel groups that the next engine in this process set up.
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
 
 
 def _events(kind, name):
