@@ -14,9 +14,9 @@ need the backend, so it is shared and installed while either is active:
 
 With neither hook set the backend behaves exactly as ``CPUAttentionBackend``.
 
-GPU (``CUSTOM`` backend) is not implemented yet: activating an attention or KV-compression
-plugin on CUDA fails with a message saying so (the GPU machine lent to this project has no
-vLLM to test it with).
+On CUDA the route is :mod:`.custom_backend` (a backend of our own registered as vLLM's
+``CUSTOM``); it shares these seams. ``VLLM_GRAFT_ATTENTION_BACKEND=generic`` selects that
+backend on CPU too (it then overrides ``CPU_ATTN``), which is how its code is tested here.
 """
 from __future__ import annotations
 
@@ -51,30 +51,61 @@ class Seams:
     customize_spec: Callable[[Any], Any] | None = None
     rewriters: list[Callable[[Any, Any], Any]] = field(default_factory=list)
     owners: set[str] = field(default_factory=set)
+    route: str = ""  # the backend class registered (see install)
 
 
 SEAMS = Seams()
 
 
-def install(owner: str) -> None:
-    """Route CPU_ATTN to this backend (idempotent); ``owner`` is the adapter asking."""
+#: ``VLLM_GRAFT_ATTENTION_BACKEND``: ``generic`` puts :mod:`.custom_backend` in place of
+#: ``CPU_ATTN`` on CPU (the GPU backend's code, tested on the CPU engine).
+BACKEND_ENV = "VLLM_GRAFT_ATTENTION_BACKEND"
+
+
+def route() -> tuple[AttentionBackendEnum, str]:
+    """Which vLLM backend enum member this process overrides, and with which class."""
+    import os
+
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
-        raise NotImplementedError(
-            f"vllm-graft's {owner} plugins run on the vLLM CPU engine only for now; the GPU route "
-            "(vLLM's CUSTOM attention backend) is not implemented yet. Use platform: cpu, or "
-            "leave the attention/kvcompress sections out of the deployment on GPU.")
-    if not SEAMS.owners:
-        register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+    from .custom_backend import GENERIC_CPU_PATH, GENERIC_PATH
+
+    choice = os.environ.get(BACKEND_ENV, "").strip().lower()
+    if choice not in ("", "cpu", "generic"):
+        raise ValueError(f"{BACKEND_ENV}={choice!r}: expected 'generic' or nothing")
+    if current_platform.is_cpu():
+        return AttentionBackendEnum.CPU_ATTN, GENERIC_CPU_PATH if choice == "generic" else BACKEND_PATH
+    if current_platform.is_cuda():
+        return AttentionBackendEnum.CUSTOM, GENERIC_PATH
+    raise NotImplementedError(
+        f"vllm-graft's attention backend runs on the vLLM CPU engine and on CUDA (CUSTOM backend); "
+        f"this platform is {current_platform.device_name!r}. Leave the attention/kvcompress "
+        "sections out of the deployment here.")
+
+
+def install(owner: str) -> None:
+    """Route vLLM's backend to ours (idempotent); ``owner`` is the adapter asking."""
+    member, path = route()
+    if not SEAMS.owners or SEAMS.route != path:  # the route changes only between engines (tests)
+        SEAMS.route = path
+        register_backend(member, path)
+        if member is not AttentionBackendEnum.CPU_ATTN:
+            log.info("vllm-graft: attention backend %s registered as %s (engine argument "
+                     "attention_backend=%s)", path, member.name, member.name)
         _clear_selector_cache()
     SEAMS.owners.add(owner)
+
+
+def engine_overrides(plan) -> dict[str, Any]:
+    """Engine arguments the backend needs: on CUDA vLLM picks ``CUSTOM`` only when asked."""
+    return {"attention_backend": "CUSTOM"} if plan.platform == "cuda" else {}
 
 
 def uninstall(owner: str) -> None:
     SEAMS.owners.discard(owner)
     if not SEAMS.owners:
-        AttentionBackendEnum.CPU_ATTN.clear_override()
+        route()[0].clear_override()
+        SEAMS.route = ""
         _clear_selector_cache()
         SEAMS.method, SEAMS.method_name, SEAMS.count = None, "", None
         SEAMS.customize_spec = None

@@ -774,6 +774,9 @@ class KVCompressAdapter(Adapter):
     kind = Kind.KVCOMPRESS
     owner = OWNER
 
+    def engine_overrides(self, enabled, plan):
+        return {"attention_backend": "CUSTOM"} if plan.platform == "cuda" else {}  # see backend.engine_overrides
+
     def activate(self, enabled, plan, runtime):
         global _active
         (e,) = enabled  # the deployment allows one compressor

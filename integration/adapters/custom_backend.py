@@ -1,0 +1,229 @@
+"""vllm-graft's device-agnostic attention backend: the route on GPU (vLLM's ``CUSTOM`` backend).
+
+On CPU vLLM always selects ``CPU_ATTN`` and :mod:`.backend` overrides it with a subclass of
+the stock CPU backend (layers without a plugin keep vLLM's own C++ kernel). On CUDA there is
+no such stock backend to extend whose cache layout our kernels read, so this module is a
+backend of its own, written only against vLLM's backend interface
+(``v1/attention/backend.py``: ``AttentionBackend``, ``AttentionMetadataBuilder``,
+``AttentionImpl``):
+
+* the cache is the standard 4-D per-layer view ``[num_blocks, H_kv, block_size, 2*D]`` in the
+  head-major layout (``supported_kv_cache_layouts`` = ``LBHNC``), written by
+  :func:`.backend.write_kv` in the layout of ``hooks.contracts.split_kv_cache``;
+* the metadata builder runs the same seams as the CPU backend (KV-compression rewriters,
+  then ``AttentionMethod.plan``) and hands the plugin a :class:`~vllm_graft.hooks.PagedBatch`;
+* the impl calls ``AttentionMethod.forward`` for every decoder layer. With no attention
+  plugin enabled (a KV compressor alone) it computes exact attention with the PyTorch
+  reference (``plugins/attention/noop``) and says so in the log: slow, but correct.
+
+:func:`.backend.install` registers it as ``AttentionBackendEnum.CUSTOM`` on CUDA, and the
+attention and KV-compression adapters set the engine argument ``attention_backend=CUSTOM``
+there (vLLM selects ``CUSTOM`` only when asked). Not verified on a CUDA build of vLLM: the
+GPU machine this project is sometimes lent has no vLLM. The same class is exercised on the
+CPU engine instead: with ``VLLM_GRAFT_ATTENTION_BACKEND=generic`` :func:`.backend.install`
+overrides ``CPU_ATTN`` with :class:`GraftGenericCPUBackend` (this backend under the name the
+CPU platform selects), and ``tests/e2e/test_custom_backend.py`` checks greedy tokens against
+plain vLLM through it.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from vllm_graft.hooks import AttentionLayer, PagedBatch
+
+from .backend import SEAMS, _layer_index, write_kv
+
+log = logging.getLogger("vllm_graft")
+
+GENERIC_PATH = f"{__name__}.GraftAttentionBackend"
+GENERIC_CPU_PATH = f"{__name__}.GraftGenericCPUBackend"
+
+#: Metadata builds and layer forwards through this backend in this process (tests read it to
+#: know the route was really taken).
+CALLS = {"build": 0, "forward": 0}
+
+
+@dataclass
+class GraftAttentionMetadata:
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    graft_batch: PagedBatch
+    graft_plan: Any = None
+    causal: bool = True
+
+
+class GraftAttentionMetadataBuilder(AttentionMetadataBuilder[GraftAttentionMetadata]):
+    # Plugins plan on the host (e.g. hydragen's radix tree over the block tables): no CUDA
+    # graphs for attention; vLLM runs these layers eagerly (piecewise graphs elsewhere).
+    reorder_batch_threshold: int | None = None
+
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: Any,
+                 device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = kv_cache_spec.block_size
+        self.is_cross_attention = False
+        self.is_encoder_only_attention = False
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> GraftAttentionMetadata:
+        CALLS["build"] += 1
+        cm = common_attn_metadata
+        for rewrite in SEAMS.rewriters:
+            cm = rewrite(self, cm)
+        if isinstance(cm.causal, torch.Tensor) or not cm.causal:
+            raise NotImplementedError("vllm-graft's attention backend supports causal decoder "
+                                      "attention only")
+        n = cm.num_reqs
+        batch = PagedBatch(query_start_loc=cm.query_start_loc[: n + 1], seq_lens=cm.seq_lens[:n],
+                           block_table=cm.block_table_tensor[:n])
+        method = _method()
+        plan = method.plan(batch)
+        if SEAMS.count and SEAMS.method is not None:
+            SEAMS.count("plan", 1)
+        return GraftAttentionMetadata(
+            num_actual_tokens=cm.num_actual_tokens, max_query_len=cm.max_query_len,
+            max_seq_len=cm.max_seq_len, query_start_loc=batch.query_start_loc,
+            seq_lens=batch.seq_lens, block_table=batch.block_table, slot_mapping=cm.slot_mapping,
+            graft_batch=batch, graft_plan=plan)
+
+
+class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
+                 kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
+                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
+                 sinks: torch.Tensor | None = None, **extra: Any) -> None:
+        unsupported = [what for what, bad in (
+            ("ALiBi", alibi_slopes is not None), ("sliding window", sliding_window not in (None, -1)),
+            ("soft-capping", bool(logits_soft_cap)), ("attention sinks", sinks is not None),
+            (f"attention type {attn_type!r}", attn_type != AttentionType.DECODER),
+            (f"KV-cache dtype {kv_cache_dtype!r}", kv_cache_dtype != "auto"),
+            ("KV sharing across layers", kv_sharing_target_layer_name is not None),
+        ) if bad]
+        if unsupported:
+            raise NotImplementedError(
+                "vllm-graft's attention backend (attention/kvcompress plugins) does not support "
+                f"layers with {', '.join(unsupported)}; leave the attention and kvcompress sections "
+                "out of the deployment for this model")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        write_kv(key, value, kv_cache, slot_mapping)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if attn_metadata is None:  # profiling run: no cache yet
+            return output.fill_(0)
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("vllm-graft's attention backend does not fuse output quantisation")
+        CALLS["forward"] += 1
+        n = attn_metadata.num_actual_tokens
+        spec = AttentionLayer(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                              head_size=self.head_size, scale=self.scale,
+                              block_size=kv_cache.shape[2], index=_layer_index(layer))
+        out = _method().forward(query[:n].view(n, self.num_heads, self.head_size), kv_cache,
+                                attn_metadata.graft_batch, spec, attn_metadata.graft_plan)
+        if out.shape != (n, self.num_heads, self.head_size):
+            raise RuntimeError(f"attention plugin {SEAMS.method_name or 'reference'!r} returned shape "
+                               f"{tuple(out.shape)}, expected {(n, self.num_heads, self.head_size)}")
+        output[:n].view(n, self.num_heads, self.head_size).copy_(out.to(output.dtype))
+        if SEAMS.count and SEAMS.method is not None:
+            SEAMS.count("forward", 1)
+        return output
+
+
+_reference: Any = None
+
+
+def _method():
+    """The enabled attention method, or exact PyTorch attention when none is (a KV compressor
+    alone needs this backend for its layout and rewriters but computes nothing new)."""
+    global _reference
+    if SEAMS.method is not None:
+        return SEAMS.method
+    if _reference is None:
+        from vllm_graft.plugins.attention.noop.reference import PagedAttention
+
+        log.warning("vllm-graft: no attention plugin is enabled; the graft attention backend "
+                    "computes attention with the PyTorch reference (exact, slow)")
+        _reference = PagedAttention(None)
+    return _reference
+
+
+class GraftAttentionBackend(AttentionBackend):
+    forward_includes_kv_cache_update: bool = False
+    accept_output_buffer: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type[GraftAttentionImpl]:
+        return GraftAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[GraftAttentionMetadataBuilder]:
+        return GraftAttentionMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(16)]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [32, 64, 80, 96, 112, 128, 160, 192, 224, 256]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBHNC,)  # split_kv_cache reads head-major blocks
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_compute_capability(cls, capability) -> bool:
+        return True
+
+    @classmethod
+    def customize_spec(cls, spec):
+        spec = super().customize_spec(spec)
+        return SEAMS.customize_spec(spec) if SEAMS.customize_spec is not None else spec
+
+
+class GraftGenericCPUBackend(GraftAttentionBackend):
+    """The same backend under the name the CPU platform selects (a test route for the GPU code)."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "CPU_ATTN"
+
+
+__all__ = ["GraftAttentionBackend", "GraftGenericCPUBackend", "GENERIC_PATH", "GENERIC_CPU_PATH"]

@@ -1,0 +1,76 @@
+"""Which vLLM attention backend vllm-graft's attention/kvcompress adapters install, per platform
+(no engine): CPU_ATTN overridden on CPU (the stock-derived class, or the generic one when
+VLLM_GRAFT_ATTENTION_BACKEND=generic), CUSTOM on CUDA with ``attention_backend=CUSTOM`` asked
+of the engine, and a clear refusal elsewhere."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import vllm.platforms  # noqa: E402
+from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+
+from vllm_graft.integration.adapters import adapter_for, backend, custom_backend  # noqa: E402
+from vllm_graft.integration import launch  # noqa: E402
+
+
+def _platform(kind: str):
+    return SimpleNamespace(is_cpu=lambda: kind == "cpu", is_cuda=lambda: kind == "cuda",
+                           device_name=kind)
+
+
+@pytest.mark.parametrize("kind, env, member, path", [
+    ("cpu", "", AttentionBackendEnum.CPU_ATTN, backend.BACKEND_PATH),
+    ("cpu", "generic", AttentionBackendEnum.CPU_ATTN, custom_backend.GENERIC_CPU_PATH),
+    ("cuda", "", AttentionBackendEnum.CUSTOM, custom_backend.GENERIC_PATH),
+    ("cuda", "generic", AttentionBackendEnum.CUSTOM, custom_backend.GENERIC_PATH),
+])
+def test_route_per_platform(monkeypatch, kind, env, member, path):
+    monkeypatch.setattr(vllm.platforms, "current_platform", _platform(kind))
+    monkeypatch.setenv(backend.BACKEND_ENV, env)
+    assert backend.route() == (member, path)
+
+
+def test_route_refuses_other_platforms_and_bad_env(monkeypatch):
+    monkeypatch.setattr(vllm.platforms, "current_platform", _platform("tpu"))
+    with pytest.raises(NotImplementedError, match="CPU engine and on CUDA.*'tpu'"):
+        backend.route()
+    monkeypatch.setattr(vllm.platforms, "current_platform", _platform("cpu"))
+    monkeypatch.setenv(backend.BACKEND_ENV, "flash")
+    with pytest.raises(ValueError, match="expected 'generic'"):
+        backend.route()
+
+
+def test_install_registers_and_uninstall_restores(monkeypatch):
+    monkeypatch.setattr(vllm.platforms, "current_platform", _platform("cuda"))
+    monkeypatch.delenv(backend.BACKEND_ENV, raising=False)
+    assert not backend.SEAMS.owners
+    backend.install("test")
+    try:
+        assert AttentionBackendEnum.CUSTOM.get_path() == custom_backend.GENERIC_PATH
+        assert AttentionBackendEnum.CUSTOM.get_class() is custom_backend.GraftAttentionBackend
+        assert custom_backend.GraftAttentionBackend.get_name() == "CUSTOM"
+    finally:
+        backend.uninstall("test")
+    with pytest.raises(ValueError):  # CUSTOM without a registration
+        AttentionBackendEnum.CUSTOM.get_path()
+
+
+@pytest.mark.parametrize("section", [{"attention": {"plugin": "hydragen"}},
+                                     {"kvcompress": {"plugin": "streaming"}}])
+def test_cuda_deployments_ask_the_engine_for_the_custom_backend(section):
+    model = str(launch.models_dir() / "graft-tiny-llama")
+    for platform, expected in (("cuda", {"attention_backend": "CUSTOM"}), ("cpu", {})):
+        plan = launch.plan_from_dict({"model": model, "platform": platform, **section})
+        (e,) = plan.enabled
+        assert adapter_for(e.kind).engine_overrides(plan.enabled, plan) == expected
+
+
+def test_generic_impl_refuses_unsupported_layers():
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        custom_backend.GraftAttentionImpl(4, 64, 0.125, 2, sliding_window=128)
+    with pytest.raises(NotImplementedError, match="KV-cache dtype 'fp8'"):
+        custom_backend.GraftAttentionImpl(4, 64, 0.125, 2, kv_cache_dtype="fp8")
