@@ -264,6 +264,15 @@ def cache_salt(name: str, params: Any) -> str:
     return f"vllm-graft/kvcompress/{name}/{dumped}"
 
 
+def composition_salt(plugins: Sequence[tuple[str, Any, bool]]) -> str | None:
+    """The prefix-cache salt of a deployment's kvcompress plugins ``(name, params, lossless)``
+    (an eviction compressor and/or a storage format): the lossy ones' salts joined with
+    ``+``, so kv4 KV never matches plain KV, nor streaming-only KV, nor kv4 at other
+    parameters; None when every plugin is lossless."""
+    lossy = [cache_salt(name, params) for name, params, lossless in plugins if not lossless]
+    return "+".join(lossy) if lossy else None
+
+
 def salted(user_salt: str | None, salt: str | None) -> str | None:
     """A request's ``cache_salt`` with the compressor's salt in front (the user's salt, if
     any, stays part of it, so requests salted differently still never share)."""
@@ -871,8 +880,8 @@ class KVCompressAdapter(Adapter):
         register_spec()
         backend.install(OWNER)
         try:
-            lossy = [x for x, _ in instances if not x.entry.registration.capabilities.lossless]
-            salt = "+".join(cache_salt(x.name, x.params) for x in lossy) if lossy else None
+            salt = composition_salt([(x.name, x.params, x.entry.registration.capabilities.lossless)
+                                     for x, _ in instances])
             install_patch(salt=salt is not None)
             _active = _Active(compressor, e.name, count, salt=salt, needs_scores=scored)
             if fmt is not None:
