@@ -88,7 +88,7 @@ def run_arm(model: str, kvcompress: dict[str, Any] | None, texts, needles, *, bl
         # from the format's page (the env variable would override the memory given here)
         del engine_args["num_gpu_blocks_override"]
         engine_args["kv_cache_memory_bytes"] = pool * _dense_page_bytes(model, block)
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = ""
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     data: dict[str, Any] = {"model": model, "engine": engine_args}
     if kvcompress:
         data["kvcompress"] = kvcompress
