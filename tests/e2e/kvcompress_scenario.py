@@ -82,6 +82,10 @@ def run(kvcompress: dict[str, Any] | None) -> dict[str, Any]:
             out["left"] = sorted(mgr.req_to_blocks)
             out["manager"] = type(mgr).__name__
             out["salts"] = sorted(salts)
+            out["page_bytes"] = mgr.kv_cache_spec.page_size_bytes
+            from vllm_graft.integration.runtime import RUNTIME
+
+            out["events"] = {f"{name}:{ev}": n for (_, name, ev), n in RUNTIME.events.items()}
         return out
     finally:
         if in_process:
