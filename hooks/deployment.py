@@ -630,7 +630,7 @@ def _check_combinations(enabled: list[Enabled], problems: list[Problem]) -> None
             if a is b:
                 continue
             bad = a.entry.registration.capabilities.incompatible_with
-            if b.name in bad or f"{b.kind}:{b.name}" in bad:
+            if b.name in bad or f"{b.kind}:{b.name}" in bad or f"{b.kind}:*" in bad:
                 problems.append(Problem(
                     f"{a.path}.plugin", f"{a.kind} plugin {a.name!r} cannot be combined with "
                     f"{b.kind} plugin {b.name!r} (at {b.path})", value=a.name,

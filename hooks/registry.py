@@ -115,7 +115,7 @@ class Capabilities(BaseModel):
     )
     lossless: bool = Field(description="True if greedy outputs equal plain vLLM's")
     incompatible_with: tuple[str, ...] = Field(
-        default=(), description="plugins it cannot be combined with, as 'kind:name' or 'name'"
+        default=(), description="plugins it cannot be combined with, as 'kind:name', 'name' or 'kind:*' (any of the kind)"
     )
     unsupported_features: tuple[str, ...] = Field(
         default=(), description="model attention features it cannot serve (see MODEL_FEATURES)"

@@ -215,3 +215,9 @@ def test_the_salt_separates_kv4_from_plain_and_from_other_compositions():
     assert composition_salt([("noop", None, True)]) is None
     assert composition_salt([("noop", None, True), ("kv4", p, False)]) == kv4
     assert composition_salt([("kv4", KV4Params(value_group_size=64), False)]) != kv4
+
+
+def test_kv4_with_an_attention_plugin_is_refused_at_validation(registry, cpu_env):
+    with pytest.raises(DeploymentError) as e:
+        validate({"attention": {"plugin": "noop"}, "kvcompress": {"plugin": "kv4"}}, registry, cpu_env)
+    assert "kvcompress plugin 'kv4' cannot be combined with attention plugin 'noop'" in str(e.value)

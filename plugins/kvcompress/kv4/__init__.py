@@ -32,6 +32,8 @@ def graft_register_kv_compressors(register):
         params=KV4Params,
         impl="vllm_graft.plugins.kvcompress.kv4.reference:KV4",
         capabilities=Capabilities(lossless=False, role="storage",
+                                  # an attention plugin reads the dense cache layout
+                                  incompatible_with=("attention:*",),
                                   dtypes=("float32", "float16", "bfloat16"),
                                   head_sizes=(32, 64, 96, 128, 256),
                                   unsupported_features=("sliding_window", "mla", "encoder_attention",
