@@ -95,6 +95,17 @@ def run(kvcompress: dict[str, Any] | None) -> dict[str, Any]:
         del llm
 
 
+_shared: dict[str, dict[str, Any]] = {}
+
+
+def run_shared(kvcompress: dict[str, Any] | None) -> dict[str, Any]:
+    """:func:`run`, once per process and configuration (test modules share the plain run)."""
+    key = json.dumps(kvcompress, sort_keys=True)
+    if key not in _shared:
+        _shared[key] = run(kvcompress)
+    return _shared[key]
+
+
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     for kvcompress in json.loads(sys.argv[1]):  # a list of kvcompress sections (null: plain)

@@ -30,7 +30,7 @@ STREAM_SALT = 'vllm-graft/kvcompress/streaming/{"budget_blocks":3,"sink_blocks":
 
 @pytest.fixture(scope="module")
 def plain():
-    return scenario.run(None)
+    return scenario.run_shared(None)  # shared with test_kvcompress_engine in one pytest process
 
 
 @pytest.fixture(scope="module")
@@ -44,27 +44,29 @@ def agreement(a, b):
     return same / sum(len(a[r]) for r in a)
 
 
-def test_kv4_pages_are_smaller_and_the_same_memory_holds_more_blocks(monkeypatch):
+def test_kv4_pages_are_smaller_and_the_same_memory_holds_more_blocks():
     from vllm_graft.integration import launch
 
-    # the env variable overrides kv_cache_memory_bytes on CPU
-    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    engine = {**scenario.ENGINE, "kv_cache_memory_bytes": 8 << 20}
-    del engine["num_gpu_blocks_override"]
+    # the same KV memory for both: VLLM_CPU_KVCACHE_SPACE (1 GiB, the launch default)
+    engine = {k: v for k, v in scenario.ENGINE.items() if k != "num_gpu_blocks_override"}
     got = {}
     for name, kv in (("plain", None), ("kv4", KV4)):
         data = {"model": str(scenario.LLAMA), "engine": engine, **({"kvcompress": kv} if kv else {})}
         with launch.in_process_engine(launch.plan_from_dict(data), graft=bool(kv), seed=0) as llm:
-            config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+            core = llm.llm_engine.engine_core.engine_core
+            config = core.scheduler.kv_cache_config
             (group,) = config.kv_cache_groups
-            got[name] = (config.num_blocks, group.kv_cache_spec.page_size_bytes, str(group.kv_cache_spec.dtype))
-    print(f"8 MiB of KV: plain {got['plain']}, kv4 {got['kv4']} (blocks, page bytes per layer, dtype)")
-    # graft-tiny-llama: 2 KV heads, head size 64, 4 layers, blocks of 32 tokens
-    assert got["plain"][1:] == (2 * 32 * 2 * 64 * 4, "torch.float32")
-    assert got["kv4"][1:] == (2 * 32 * 80, "torch.uint8")
-    assert got["plain"][0] == (8 << 20) // (4 * 2 * 32 * 2 * 64 * 4)
-    assert got["kv4"][0] == (8 << 20) // (4 * 2 * 32 * 80)
-    assert got["kv4"][0] >= 6 * got["plain"][0]
+            memory = sum(t.size for t in config.kv_cache_tensors)
+            got[name] = (config.num_blocks, group.kv_cache_spec.page_size_bytes, str(group.kv_cache_spec.dtype), memory)
+    print(f"KV memory: plain {got['plain']}, kv4 {got['kv4']} (blocks, page bytes per layer, dtype, bytes)")
+    # graft-tiny-llama: 4 layers, 2 KV heads, head size 64, blocks of 32 tokens
+    assert got["plain"][1:3] == (2 * 32 * 2 * 64 * 4, "torch.float32")
+    assert got["kv4"][1:3] == (2 * 32 * 80, "torch.uint8")
+    space = int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) << 30
+    assert got["plain"][0] == space // (4 * 2 * 32 * 2 * 64 * 4)
+    assert got["kv4"][0] == space // (4 * 2 * 32 * 80)
+    assert got["kv4"][0] >= 6 * got["plain"][0]  # 6.4x the blocks of float32 (3.2x of float16)
+    assert got["kv4"][3] <= got["plain"][3]  # in no more memory
 
 
 def test_kv4_runs_the_scenario_close_to_plain(plain, kv4):

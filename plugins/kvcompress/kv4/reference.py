@@ -205,7 +205,58 @@ def paged_attention_kv4(query: torch.Tensor, kv_cache: torch.Tensor, batch: Page
     ``q`` of its ``seq_lens[i]`` positions; its keys are the first ``seq_lens[i]`` slots of
     blocks ``block_table[i]``, dequantised to float32. ``mass`` (when ``observe`` is given)
     is ``[num_seqs, max_blocks]``: the probability the observed queries put on each
-    block-table column, summed over heads and those queries (``KVCompressor.attend``)."""
+    block-table column, summed over heads and those queries (``KVCompressor.attend``).
+
+    Without ``observe`` (the CPU path of every step), the decode rows (one query each) are
+    computed together, as one batched attention over their dequantised blocks; rows with
+    several queries (prefill chunks) one by one."""
+    if observe is not None:
+        return _attention_with_mass(query, kv_cache, batch, layer, value_group, observe)
+    T, H, D = query.shape
+    _, Hkv, B, _ = kv_cache.shape
+    group = H // Hkv
+    qsl = batch.query_start_loc.tolist()
+    lens = batch.seq_lens.tolist()
+    out = torch.zeros(T, H, D, dtype=query.dtype, device=query.device)
+    decode = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1 and lens[i] > 0]
+    if decode:
+        S = len(decode)
+        nb = max(-(-lens[i] // B) for i in decode)
+        ids = batch.block_table[decode, :nb].long()  # columns past a row's blocks are masked
+        k, v = dequantize_block_rows(kv_cache[ids], D, B, value_group)  # [S, nb, Hkv, B, D]
+        k = k.permute(0, 2, 1, 3, 4).reshape(S, Hkv, nb * B, D)
+        v = v.permute(0, 2, 1, 3, 4).reshape(S, Hkv, nb * B, D)
+        rows = torch.tensor([qsl[i] for i in decode], device=query.device)
+        q = query[rows].float().view(S, Hkv, group, D)
+        s = torch.matmul(q, k.transpose(-1, -2)) * layer.scale  # [S, Hkv, group, nb*B]
+        past = torch.arange(nb * B, device=query.device)[None, :] >= \
+            torch.tensor([lens[i] for i in decode], device=query.device)[:, None]
+        s = s.masked_fill(past[:, None, None, :], float("-inf"))
+        o = torch.matmul(torch.softmax(s, dim=-1), v)  # [S, Hkv, group, D]
+        out[rows] = o.reshape(S, H, D).to(out.dtype)
+    for i in range(len(lens)):
+        q0, q1 = qsl[i], qsl[i + 1]
+        L = lens[i]
+        if q1 - q0 <= 1 or L <= 0:
+            continue
+        n = q1 - q0
+        nbi = -(-L // B)
+        k, v = dequantize_block_rows(kv_cache[batch.block_table[i, :nbi].long()], D, B, value_group)
+        k = k.permute(1, 0, 2, 3).reshape(Hkv, nbi * B, D)[:, :L]
+        v = v.permute(1, 0, 2, 3).reshape(Hkv, nbi * B, D)[:, :L]
+        q = query[q0:q1].float().view(n, Hkv, group, D).permute(1, 2, 0, 3).reshape(Hkv, group * n, D)
+        s = torch.matmul(q, k.transpose(-1, -2)) * layer.scale  # [Hkv, group*n, L]
+        pos = torch.arange(L - n, L, device=query.device).repeat(group)  # row (j, t) -> position
+        s = s.masked_fill(torch.arange(L, device=query.device)[None, None, :] > pos[None, :, None], float("-inf"))
+        o = torch.matmul(torch.softmax(s, dim=-1), v)  # [Hkv, group*n, D]
+        out[q0:q1] = o.view(Hkv, group, n, D).permute(2, 0, 1, 3).reshape(n, H, D).to(out.dtype)
+    return out, None
+
+
+def _attention_with_mass(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
+                         layer: AttentionLayer, value_group: int,
+                         observe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`paged_attention_kv4` with the attention mass, one sequence at a time."""
     T, H, D = query.shape
     _, Hkv, B, _ = kv_cache.shape
     group = H // Hkv
@@ -213,9 +264,7 @@ def paged_attention_kv4(query: torch.Tensor, kv_cache: torch.Tensor, batch: Page
     lens = batch.seq_lens.tolist()
     n = len(lens)
     out = torch.zeros(T, H, D, dtype=query.dtype, device=query.device)
-    mass = None
-    if observe is not None:
-        mass = torch.zeros(n, batch.block_table.shape[1], dtype=torch.float32, device=query.device)
+    mass = torch.zeros(n, batch.block_table.shape[1], dtype=torch.float32, device=query.device)
     for i in range(n):
         q0, q1 = qsl[i], qsl[i + 1]
         L = lens[i]
@@ -234,12 +283,11 @@ def paged_attention_kv4(query: torch.Tensor, kv_cache: torch.Tensor, batch: Page
         s = s.masked_fill(torch.arange(L, device=query.device)[None, None, :] > pos[None, :, None], float("-inf"))
         p = torch.softmax(s, dim=-1)
         out[q0:q1] = torch.einsum("hqk,hkd->hqd", p, v).transpose(0, 1).to(out.dtype)
-        if mass is not None:
-            obs = observe[q0:q1].to(p.dtype)
-            per_key = torch.einsum("hqk,q->k", p, obs)
-            padded = torch.zeros(nb * B, dtype=torch.float32, device=query.device)
-            padded[:L] = per_key
-            mass[i, :nb] = padded.view(nb, B).sum(-1)
+        obs = observe[q0:q1].to(p.dtype)
+        per_key = torch.einsum("hqk,q->k", p, obs)
+        padded = torch.zeros(nb * B, dtype=torch.float32, device=query.device)
+        padded[:L] = per_key
+        mass[i, :nb] = padded.view(nb, B).sum(-1)
     return out, mass
 
 
