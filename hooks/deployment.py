@@ -7,10 +7,11 @@ A deployment file looks like::
     engine:                             # vLLM engine arguments, passed through
       dtype: float32
       max_model_len: 2048
-    kvcompress:
-      plugin: streaming
-      params: {sink_blocks: 1, window_blocks: 4}
-    moe:                                # the one kind where several plugins compose
+    kvcompress:                         # one plugin, or a list of one per role (KIND_ROLES):
+      - plugin: streaming               #   an eviction compressor...
+        params: {sink_blocks: 1, budget_blocks: 4}
+      - plugin: kv4                     #   ...and a KV storage format
+    moe:                                # several plugins compose freely
       - plugin: expert-mask
         params: {mask_file: masks.json}
 
