@@ -95,6 +95,19 @@ its tokens, all heads and all layers: H2O and SnapKV here choose blocks for all 
 once, not per layer or per head as in the papers. A scored compressor brings its own
 attention, so it cannot be combined with an attention plugin (refused at activation).
 
+Storage formats (``KVCacheFormat``, e.g. ``kv4``) and composition
+-----------------------------------------------------------------
+A deployment's ``kvcompress:`` may list one plugin per role (``hooks.registry.KIND_ROLES``):
+an eviction compressor and a storage format. The format evicts nothing; alone, it is also the
+"compressor" whose ``keep`` (every block) the manager asks. ``customize_spec`` gives the spec
+``dtype=uint8`` and ``state_content_bytes`` = the format's bytes per token and KV head, so
+vLLM's page size, and the number of blocks in the KV memory, are the format's (the spec
+records ``compressor`` = "evictor+format" and ``kv_format``). The backend's impl calls the
+format's ``write`` in ``do_kv_cache_update`` and its attention in ``forward`` on ``uint8``
+caches (``backend.SEAMS.kv_format``); with a scored evictor the scoring attention asks the
+format for the attention and the mass. The prefix-cache salt joins every lossy plugin's salt
+(:func:`composition_salt`).
+
 The metadata patch
 ------------------
 ``CommonAttentionMetadata`` has per-row sequence and query lengths but not which request a
