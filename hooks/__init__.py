@@ -5,6 +5,7 @@ from .contracts import (
     AttentionLayer,
     AttentionMethod,
     BlockView,
+    KVCacheFormat,
     KVCompressor,
     MoEModel,
     MoEScheduler,
@@ -48,7 +49,7 @@ from .specs import hookimpl, hookspec
 __all__ = [
     "CONTRACTS", "AttentionLayer", "AttentionMethod", "BlockView", "Capabilities", "Deployment",
     "DeploymentError", "ENTRY_POINT_GROUP", "Environment", "GraftPluginManager", "KERNEL_FIELD",
-    "KVCompressor", "KernelParams", "Kind", "MoEModel", "MoEScheduler", "NoParams", "PagedBatch",
+    "KVCacheFormat", "KVCompressor", "KernelParams", "Kind", "MoEModel", "MoEScheduler", "NoParams", "PagedBatch",
     "Plan", "PluginChoice", "PluginImpl",
     "PluginLoadError", "Problem", "Proposer", "QuantMethod", "StoredTensor", "Registration", "Registry",
     "RegistryError", "get_plugin_manager", "get_registry", "hookimpl", "hookspec",

@@ -191,6 +191,55 @@ class KVCompressor(PluginImpl[P]):
         raise NotImplementedError(f"{type(self).__name__} sets needs_scores but implements no attend()")
 
 
+class KVCacheFormat(KVCompressor):
+    """A KV-cache *storage format* (e.g. 4-bit): how each token's keys and values are stored
+    in vLLM's paged cache and read back by attention. It evicts nothing (:meth:`keep` keeps
+    every block) and composes with at most one eviction compressor in a deployment's
+    ``kvcompress:`` list (registered with ``Capabilities(role="storage")``).
+
+    How vLLM uses it (the KV-compression adapter). Each full-attention layer's KV-cache spec
+    gets ``dtype=uint8`` and ``state_content_bytes`` = :meth:`bytes_per_token` (one KV head,
+    K and V and their scales), so vLLM's page size, and with it the number of blocks that
+    fit in the KV memory, is the format's, not the dense one's. The layer's cache is then a
+    ``uint8`` tensor ``[num_blocks, H_kv, block_size, bytes_per_token]``:
+
+    * :meth:`write` stores a step's new keys/values at their slots (vLLM's
+      ``do_kv_cache_update``; slot = block * block_size + offset, negative = padding);
+    * :meth:`forward` is the layer's causal attention over the paged batch, reading the
+      cache in the format (dequantising inside the attention). With ``observe`` given (an
+      eviction compressor that needs scores, e.g. H2O, is combined with the format), it also
+      returns the attention mass per block as :meth:`KVCompressor.attend` does; else the
+      mass is ``None``.
+    """
+
+    #: role of a storage format within its kind (see ``Capabilities.role``)
+    role = "storage"
+
+    def keep(self, view: BlockView) -> list[int]:
+        return list(range(view.num_blocks))
+
+    @abstractmethod
+    def bytes_per_token(self, head_size: int, block_size: int) -> int:
+        """Bytes one token of one KV head takes in a page (keys, values, their scales)."""
+
+    def unsupported(self, head_size: int, block_size: int) -> str | None:
+        """Why this format cannot store a layer of ``head_size`` with blocks of
+        ``block_size`` tokens (a message naming the fix), or None if it can."""
+        return None
+
+    @abstractmethod
+    def write(self, key: "torch.Tensor", value: "torch.Tensor", kv_cache: "torch.Tensor",
+              slot_mapping: "torch.Tensor") -> None:
+        """Store ``key``/``value`` ``[T, H_kv, D]`` at ``slot_mapping[:T]`` in ``kv_cache``."""
+
+    @abstractmethod
+    def forward(self, query: "torch.Tensor", kv_cache: "torch.Tensor", batch: PagedBatch,
+                layer: AttentionLayer, observe: "torch.Tensor | None" = None
+                ) -> tuple["torch.Tensor", "torch.Tensor | None"]:
+        """``(out [T, H, D], mass [num_seqs, max_blocks] or None)``: causal attention of
+        ``query`` over the paged batch stored in this format (see the class docstring)."""
+
+
 class KeepError(ValueError):
     """A :meth:`KVCompressor.keep` answer breaks the rules (the message names the plugin)."""
 

@@ -7,10 +7,11 @@ A deployment file looks like::
     engine:                             # vLLM engine arguments, passed through
       dtype: float32
       max_model_len: 2048
-    kvcompress:
-      plugin: streaming
-      params: {sink_blocks: 1, window_blocks: 4}
-    moe:                                # the one kind where several plugins compose
+    kvcompress:                         # one plugin, or a list of one per role (KIND_ROLES):
+      - plugin: streaming               #   an eviction compressor...
+        params: {sink_blocks: 1, budget_blocks: 4}
+      - plugin: kv4                     #   ...and a KV storage format
+    moe:                                # several plugins compose freely
       - plugin: expert-mask
         params: {mask_file: masks.json}
 
@@ -28,9 +29,9 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator
 
-from .registry import DTYPES, KIND_ALLOWS_MANY, MODEL_FEATURES, Entry, Kind, Registry
+from .registry import DTYPES, KIND_ALLOWS_MANY, KIND_ROLES, MODEL_FEATURES, ROLE_WHAT, Entry, Kind, Registry
 
 _MISSING = object()
 
@@ -67,12 +68,14 @@ class Deployment(BaseModel):
     platform: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="where vLLM runs")
     engine: dict[str, Any] = Field(default_factory=dict, description="vLLM engine arguments")
     attention: PluginChoice | None = None
-    kvcompress: PluginChoice | None = None
+    kvcompress: list[PluginChoice] = Field(
+        default_factory=list, description="one KV compressor, or a list of at most one per role: "
+        "one eviction compressor and one storage format (e.g. [streaming, kv4])")
     speculative: PluginChoice | None = None
     quant: PluginChoice | None = None
     moe: list[PluginChoice] = Field(default_factory=list)
 
-    @field_validator("attention", "kvcompress", "speculative", "quant", mode="before")
+    @field_validator("attention", "speculative", "quant", mode="before")
     @classmethod
     def _one_plugin(cls, v: Any, info) -> Any:
         if isinstance(v, list):
@@ -82,7 +85,13 @@ class Deployment(BaseModel):
             )
         return v
 
-    @field_validator("moe", mode="before")
+    @field_serializer("kvcompress")
+    def _kvcompress_as_written(self, v: list[PluginChoice]) -> Any:
+        # one compressor travels as the single mapping it is usually written as
+        return v[0].model_dump(exclude_defaults=True) if len(v) == 1 else \
+            [c.model_dump(exclude_defaults=True) for c in v]
+
+    @field_validator("kvcompress", "moe", mode="before")
     @classmethod
     def _many(cls, v: Any) -> Any:
         if v is None:
@@ -423,6 +432,7 @@ def validate(
         enabled.append(Enabled(kind, entry, params, path))
 
     _check_multiples(enabled, problems)
+    _check_roles(enabled, problems)
     _check_combinations(enabled, problems)
     _check_engine(engine, {kind for kind, _, _ in choices}, env.engine_args, problems, notes)
 
@@ -591,13 +601,37 @@ def _check_multiples(enabled: list[Enabled], problems: list[Problem]) -> None:
         seen.setdefault(key, e.path)
 
 
+def _check_roles(enabled: list[Enabled], problems: list[Problem]) -> None:
+    """Kinds of :data:`KIND_ROLES`: a known role per plugin, at most one plugin per role."""
+    for kind, roles in KIND_ROLES.items():
+        taken: dict[str, Enabled] = {}
+        for e in enabled:
+            if e.kind != kind:
+                continue
+            role = e.entry.registration.capabilities.role or roles[0]
+            if role not in roles:
+                problems.append(Problem(f"{e.path}.plugin", f"{kind} plugin {e.name!r} declares role "
+                                        f"{role!r}", value=e.name, accepted="roles " + ", ".join(roles)))
+                continue
+            first = taken.setdefault(role, e)
+            if first is not e and first.name != e.name:  # the same name twice: _check_multiples
+                others = [r for r in roles if r != role]
+                problems.append(Problem(
+                    kind.value, f"only one {kind} plugin can be enabled at a time for each role: "
+                    f"{first.name!r} (at {first.path}) and {e.name!r} (at {e.path}) both "
+                    f"{ROLE_WHAT.get(role, role)} (role {role!r})", value=[first.name, e.name],
+                    hint=f"Keep one of them; a {kind} list may combine one plugin per role "
+                         f"({', '.join(roles)}), e.g. an eviction compressor with a storage format"
+                         if others else "Keep one of them"))
+
+
 def _check_combinations(enabled: list[Enabled], problems: list[Problem]) -> None:
     for a in enabled:
         for b in enabled:
             if a is b:
                 continue
             bad = a.entry.registration.capabilities.incompatible_with
-            if b.name in bad or f"{b.kind}:{b.name}" in bad:
+            if b.name in bad or f"{b.kind}:{b.name}" in bad or f"{b.kind}:*" in bad:
                 problems.append(Problem(
                     f"{a.path}.plugin", f"{a.kind} plugin {a.name!r} cannot be combined with "
                     f"{b.kind} plugin {b.name!r} (at {b.path})", value=a.name,

@@ -32,10 +32,23 @@ class Kind(str, enum.Enum):
 #: (MoE: masking, placement and caching act on different things), False where one at most.
 KIND_ALLOWS_MANY: dict[Kind, bool] = {
     Kind.ATTENTION: False,
-    Kind.KVCOMPRESS: False,
+    Kind.KVCOMPRESS: True,  # one plugin per role (KIND_ROLES)
     Kind.SPECULATIVE: False,
     Kind.QUANT: False,
     Kind.MOE: True,
+}
+
+#: Kinds whose plugins compose only if each fills a different *role*: the role a plugin
+#: fills is ``Capabilities.role`` (None: the kind's first role), and a deployment enables at
+#: most one plugin per role. KV compression: at most one eviction compressor (which blocks
+#: stay) and at most one storage format (how a token's K/V are stored, e.g. ``kv4``).
+KIND_ROLES: dict[Kind, tuple[str, ...]] = {
+    Kind.KVCOMPRESS: ("eviction", "storage"),
+}
+#: What each role does, for messages.
+ROLE_WHAT = {
+    "eviction": "choose which KV blocks stay (eviction compressors)",
+    "storage": "set how KV is stored (storage formats)",
 }
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -102,11 +115,14 @@ class Capabilities(BaseModel):
     )
     lossless: bool = Field(description="True if greedy outputs equal plain vLLM's")
     incompatible_with: tuple[str, ...] = Field(
-        default=(), description="plugins it cannot be combined with, as 'kind:name' or 'name'"
+        default=(), description="plugins it cannot be combined with, as 'kind:name', 'name' or 'kind:*' (any of the kind)"
     )
     unsupported_features: tuple[str, ...] = Field(
         default=(), description="model attention features it cannot serve (see MODEL_FEATURES)"
     )
+    role: str | None = Field(
+        default=None, description="for kinds where plugins compose by role (KIND_ROLES): the role it "
+        "fills, e.g. kvcompress 'eviction' (the default) or 'storage'")
 
     @field_validator("unsupported_features")
     @classmethod

@@ -18,6 +18,12 @@ also happens between prefill chunks):
 * **max concurrent**: the most needle requests running at once (all submitted together,
   each generating ``--decode-tokens``) in the fixed pool.
 
+The 4-bit storage format ``kv4`` (alone: ``--compressors kv4``; with an eviction compressor:
+``kv4+streaming``, ``kv4+h2o``, ...) changes the page size, not the blocks a request
+holds: its arms get the same KV *memory* as the ``--pool-blocks`` dense blocks
+(``kv_cache_memory_bytes``) and vLLM sizes the pool from the format's pages (column "pool":
+the blocks vLLM allocated; "page B": one block's bytes over all layers).
+
 SnapKV compresses after the prompt is prefilled, so its perplexity over prompt tokens is
 plain vLLM's by construction (reported, marked), and its prefill holds the whole prompt.
 """
@@ -32,12 +38,19 @@ from typing import Any
 DEFAULT_MODEL = "graft-tiny-llama"
 
 
-def _arms(context: int, block: int, which: list[str]) -> list[tuple[str, dict[str, Any] | None]]:
+def _arms(context: int, block: int, which: list[str], fractions=(2, 4, 8)) -> list[tuple[str, Any]]:
     blocks = context // block
-    arms: list[tuple[str, dict[str, Any] | None]] = [("plain", None)]
-    for frac in (2, 4, 8):
+    arms: list[tuple[str, Any]] = [("plain", None)]
+    if "kv4" in which:
+        arms.append(("kv4", {"plugin": "kv4"}))
+    for frac in fractions:
         budget = blocks // frac
         for name in which:
+            if name == "kv4":
+                continue
+            fmt = None
+            if name.startswith("kv4+"):
+                fmt, name = {"plugin": "kv4"}, name[len("kv4+"):]
             if name == "streaming":
                 params = {"budget_blocks": budget, "sink_blocks": 1}
             elif name == "h2o":
@@ -45,9 +58,19 @@ def _arms(context: int, block: int, which: list[str]) -> list[tuple[str, dict[st
             elif name == "snapkv":
                 params = {"budget_blocks": budget, "sink_blocks": 1, "window_tokens": block}
             else:
-                raise SystemExit(f"kvbench: unknown compressor {name!r} (streaming, h2o, snapkv)")
-            arms.append((f"{name} 1/{frac}", {"plugin": name, "params": params}))
+                raise SystemExit(f"kvbench: unknown compressor {name!r} (streaming, h2o, snapkv, kv4, "
+                                 "kv4+streaming, kv4+h2o, kv4+snapkv)")
+            choice = {"plugin": name, "params": params}
+            if fmt is None:
+                arms.append((f"{name} 1/{frac}", choice))
+            else:
+                arms.append((f"kv4+{name} 1/{frac}", [choice, fmt]))
     return arms
+
+
+def _uses_kv4(kvcompress: Any) -> bool:
+    items = kvcompress if isinstance(kvcompress, list) else [kvcompress] if kvcompress else []
+    return any(c.get("plugin") == "kv4" for c in items)
 
 
 def run_arm(model: str, kvcompress: dict[str, Any] | None, texts, needles, *, block: int, chunk: int,
@@ -59,17 +82,33 @@ def run_arm(model: str, kvcompress: dict[str, Any] | None, texts, needles, *, bl
     engine_args = {"dtype": "float32", "max_model_len": context, "block_size": block, "enforce_eager": True,
                    "num_gpu_blocks_override": pool, "max_num_batched_tokens": chunk,
                    "max_num_seqs": max_seqs, "enable_prefix_caching": False}
+    saved_space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    if _uses_kv4(kvcompress):
+        # a storage format: the same KV memory as `pool` dense blocks; vLLM sizes the pool
+        # from the format's page (the env variable would override the memory given here)
+        del engine_args["num_gpu_blocks_override"]
+        engine_args["kv_cache_memory_bytes"] = pool * _dense_page_bytes(model, block)
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     data: dict[str, Any] = {"model": model, "engine": engine_args}
     if kvcompress:
         data["kvcompress"] = kvcompress
     plan = launch.plan_from_dict(data)
     t0 = time.time()
-    llm = LLM(**launch.llm_kwargs(plan, graft=bool(kvcompress)), seed=0)
+    try:
+        llm = LLM(**launch.llm_kwargs(plan, graft=bool(kvcompress)), seed=0)
+    finally:
+        if saved_space is None:
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        else:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved_space
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
     sched = core.scheduler
     (mgr,) = sched.kv_cache_manager.coordinator.single_type_managers
-    res: dict[str, Any] = {}
+    kv_config = sched.kv_cache_config
+    spec = kv_config.kv_cache_groups[0].kv_cache_spec
+    layers = sum(len(g.layer_names) for g in kv_config.kv_cache_groups)
+    res: dict[str, Any] = {"pool_blocks": kv_config.num_blocks, "page_bytes": spec.page_size_bytes * layers}
     try:
         def drive(reqs, params):
             peak, decode_held, running, outs = 0, [], 0, {}
@@ -118,6 +157,14 @@ def run_arm(model: str, kvcompress: dict[str, Any] | None, texts, needles, *, bl
     return res
 
 
+def _dense_page_bytes(model: str, block: int) -> int:
+    """Bytes of one dense float32 block over all layers (K and V), from the model's config."""
+    cfg = json.loads((__import__("pathlib").Path(model) / "config.json").read_text())
+    head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * kv_heads * block * 2 * head * 4
+
+
 def main(args) -> int:
     from . import launch
     from .workloads import Tokenizer, needle_haystack, stdlib_texts
@@ -132,7 +179,8 @@ def main(args) -> int:
     texts = stdlib_texts(tok, num=args.texts, tokens=args.context - 1, seed=args.seed)  # + 1 output token
     needles = needle_haystack(tok, num_prompts=args.needles, context_tokens=args.context - room, seed=args.seed)
     rows = []
-    for label, kv in _arms(args.context, args.block, args.compressors.split(",")):
+    fractions = tuple(int(f) for f in args.fractions.split(","))
+    for label, kv in _arms(args.context, args.block, args.compressors.split(","), fractions):
         r = run_arm(model, kv, texts, needles, block=args.block, chunk=args.chunk, pool=args.pool_blocks,
                     context=args.context, max_seqs=args.needles, decode=args.decode_tokens)
         r["arm"], r["kvcompress"] = label, kv
@@ -142,12 +190,15 @@ def main(args) -> int:
     print()
     print(f"context {args.context} tokens, block {args.block}, chunk {args.chunk}, pool {args.pool_blocks} blocks, "
           f"{args.texts} ppl texts ({base['ppl_tokens']} tokens), {args.needles} needles")
-    head = f"{'arm':<16}{'blocks/req':>11}{'(decode)':>9}{'vs plain':>9}{'max conc.':>10}{'ppl':>9}{'Δppl':>8}{'needle EM':>10}"
+    head = (f"{'arm':<20}{'pool':>6}{'page B':>8}{'blocks/req':>11}{'(decode)':>9}{'vs plain':>9}"
+            f"{'KV B vs plain':>14}{'max conc.':>10}{'ppl':>9}{'Δppl':>8}{'needle EM':>10}")
     print(head)
     for r in rows:
-        note = " (prompt not compressed)" if r["arm"].startswith("snapkv") else ""
-        print(f"{r['arm']:<16}{r['peak_blocks']:>11}{r['median_blocks_decode']:>9}"
-              f"{base['peak_blocks'] / max(1, r['peak_blocks']):>8.1f}x{r['max_concurrent']:>10}"
+        note = " (prompt not compressed)" if "snapkv" in r["arm"] else ""
+        print(f"{r['arm']:<20}{r['pool_blocks']:>6}{r['page_bytes']:>8}{r['peak_blocks']:>11}{r['median_blocks_decode']:>9}"
+              f"{base['peak_blocks'] / max(1, r['peak_blocks']):>8.1f}x"
+              f"{base['peak_blocks'] * base['page_bytes'] / max(1, r['peak_blocks'] * r['page_bytes']):>13.1f}x"
+              f"{r['max_concurrent']:>10}"
               f"{r['ppl']:>9.3f}{100 * (r['ppl'] / base['ppl'] - 1):>+7.1f}%{r['needle_em']:>10.2f}{note}")
     if args.json:
         with open(args.json, "w") as f:
@@ -160,7 +211,10 @@ def add_command(sub: Any) -> None:
         "kvbench", help="KV-compression figures: blocks held, concurrency, perplexity, needle retrieval",
         description=__doc__.split("\n\n", 1)[1].split("\n\nSnapKV")[0])
     p.add_argument("--model", help=f"model folder (default: the bundled {DEFAULT_MODEL})")
-    p.add_argument("--compressors", default="streaming,h2o,snapkv", help="comma list (default all three)")
+    p.add_argument("--compressors", default="streaming,h2o,snapkv",
+                   help="comma list (default the three eviction compressors); also kv4 (the 4-bit "
+                        "storage format alone) and kv4+streaming, kv4+h2o, kv4+snapkv (composed)")
+    p.add_argument("--fractions", default="2,4,8", help="budgets as fractions of the context (default 2,4,8)")
     p.add_argument("--context", type=int, default=2048, help="context tokens (default 2048)")
     p.add_argument("--block", type=int, default=32, help="KV block size (default 32)")
     p.add_argument("--chunk", type=int, default=128, help="prefill chunk: max_num_batched_tokens (default 128)")

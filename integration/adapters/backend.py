@@ -10,7 +10,10 @@ need the backend, so it is shared and installed while either is active:
 * KV compressors (:mod:`.kvcompress`): ``customize_spec`` returns their KV-cache spec (its
   manager frees blocks in the scheduler), and a metadata *rewriter* drops the freed blocks
   from each block-table row before the stock builder runs (the worker's table is
-  append-only and keeps stale ids).
+  append-only and keeps stale ids). A KV *storage format* (``kv_format``, e.g. ``kv4``)
+  also gives the spec its own page (``uint8``, its bytes per token), and the impl's
+  ``do_kv_cache_update`` and ``forward`` call the format's ``write`` and attention on
+  layers whose cache is in that page (``uint8``): vLLM's kernel cannot read it.
 
 With neither hook set the backend behaves exactly as ``CPUAttentionBackend``.
 
@@ -50,6 +53,9 @@ class Seams:
     # KV compression: spec hook and metadata rewriters (applied in order)
     customize_spec: Callable[[Any], Any] | None = None
     rewriters: list[Callable[[Any, Any], Any]] = field(default_factory=list)
+    # KV storage format: an object with write(key, value, kv_cache, slot_mapping) and
+    # forward(query, kv_cache, batch, layer) -> out (see kvcompress._FormatSeam)
+    kv_format: Any = None
     owners: set[str] = field(default_factory=set)
     route: str = ""  # the backend class registered (see install)
 
@@ -110,6 +116,7 @@ def uninstall(owner: str) -> None:
         SEAMS.method, SEAMS.method_name, SEAMS.count = None, "", None
         SEAMS.customize_spec = None
         SEAMS.rewriters.clear()
+        SEAMS.kv_format = None
 
 
 def _clear_selector_cache() -> None:
@@ -144,21 +151,25 @@ class GraftCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         for rewrite in SEAMS.rewriters:
             common_attn_metadata = rewrite(self, common_attn_metadata)
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        if SEAMS.method is not None and not (self.is_cross_attention or self.is_encoder_only_attention):
+        if (SEAMS.method is not None or SEAMS.kv_format is not None) \
+                and not (self.is_cross_attention or self.is_encoder_only_attention):
             batch = PagedBatch(
                 query_start_loc=metadata.query_start_loc,
                 seq_lens=metadata.seq_lens,
                 block_table=metadata.block_table,
             )
             metadata.graft_batch = batch
-            metadata.graft_plan = SEAMS.method.plan(batch)
-            if SEAMS.count:
-                SEAMS.count("plan", 1)
+            if SEAMS.method is not None:
+                metadata.graft_plan = SEAMS.method.plan(batch)
+                if SEAMS.count:
+                    SEAMS.count("plan", 1)
         return metadata
 
 
 class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        if SEAMS.kv_format is not None and kv_cache.dtype == torch.uint8 and self.attn_type == "decoder":
+            return SEAMS.kv_format.write(key, value, kv_cache, slot_mapping)  # the format's page
         # vLLM's CPU kernels keep the cache in an ISA-specific layout (e.g. keys transposed
         # per block for "vec"). An attention plugin reads the cache itself, so while one is
         # active this backend writes it in the documented layout of
@@ -171,6 +182,9 @@ class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
                 output_scale=None, output_block_scale=None):
         method = SEAMS.method
         batch = getattr(attn_metadata, "graft_batch", None)
+        if SEAMS.kv_format is not None and kv_cache.dtype == torch.uint8 and batch is not None \
+                and self.attn_type == "decoder" and method is None:
+            return self._format_forward(layer, query, kv_cache, attn_metadata, batch, output)
         if method is None or batch is None or self.attn_type != "decoder" \
                 or output_scale is not None or output_block_scale is not None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
@@ -192,6 +206,22 @@ class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
         output[:n].copy_(out.to(output.dtype))
         if SEAMS.count:
             SEAMS.count("forward", 1)
+        return output
+
+
+    def _format_forward(self, layer, query, kv_cache, attn_metadata, batch, output):
+        """Attention over a cache in a storage format's page (which the C++ kernel cannot read)."""
+        if self.sliding_window != -1 or self.alibi_slopes is not None or self.sinks is not None \
+                or self.logits_soft_cap:
+            raise NotImplementedError(
+                "vllm-graft kvcompress storage format: layers with sliding window, ALiBi, attention "
+                "sinks or soft-capping are not supported")
+        n = attn_metadata.num_actual_tokens
+        spec = AttentionLayer(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                              head_size=self.head_size, scale=self.scale,
+                              block_size=kv_cache.shape[2], index=_layer_index(layer))
+        out = SEAMS.kv_format.forward(query[:n], kv_cache, batch, spec)
+        output[:n].copy_(out.to(output.dtype))
         return output
 
 

@@ -95,6 +95,19 @@ its tokens, all heads and all layers: H2O and SnapKV here choose blocks for all 
 once, not per layer or per head as in the papers. A scored compressor brings its own
 attention, so it cannot be combined with an attention plugin (refused at activation).
 
+Storage formats (``KVCacheFormat``, e.g. ``kv4``) and composition
+-----------------------------------------------------------------
+A deployment's ``kvcompress:`` may list one plugin per role (``hooks.registry.KIND_ROLES``):
+an eviction compressor and a storage format. The format evicts nothing; alone, it is also the
+"compressor" whose ``keep`` (every block) the manager asks. ``customize_spec`` gives the spec
+``dtype=uint8`` and ``state_content_bytes`` = the format's bytes per token and KV head, so
+vLLM's page size, and the number of blocks in the KV memory, are the format's (the spec
+records ``compressor`` = "evictor+format" and ``kv_format``). The backend's impl calls the
+format's ``write`` in ``do_kv_cache_update`` and its attention in ``forward`` on ``uint8``
+caches (``backend.SEAMS.kv_format``); with a scored evictor the scoring attention asks the
+format for the attention and the mass. The prefix-cache salt joins every lossy plugin's salt
+(:func:`composition_salt`).
+
 The metadata patch
 ------------------
 ``CommonAttentionMetadata`` has per-row sequence and query lengths but not which request a
@@ -122,7 +135,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from vllm_graft.hooks import BlockView, Kind, KVCompressor
+from vllm_graft.hooks import BlockView, Kind, KVCacheFormat, KVCompressor
 from vllm_graft.hooks.contracts import KeepError, check_keep, dropped_blocks
 
 from ..patches import PATCHES
@@ -241,10 +254,19 @@ class _Active:
     scored: "_Scores | None" = None  # worker-side state of a needs_scores compressor
     needs_scores: bool = False
     to_free: dict = None  # scheduler side: request id -> logical blocks the worker dropped
+    kv_format: KVCacheFormat | None = None  # the storage format (e.g. kv4), if one is enabled
+    format_name: str = ""
 
     def __post_init__(self):
         if self.to_free is None:
             self.to_free = {}
+
+    @property
+    def spec_name(self) -> str:
+        """What the KV-cache spec records: the compressor, then the storage format."""
+        if self.kv_format is None or self.format_name == self.name:
+            return self.name
+        return f"{self.name}+{self.format_name}"
 
 
 def cache_salt(name: str, params: Any) -> str:
@@ -253,6 +275,15 @@ def cache_salt(name: str, params: Any) -> str:
     never match a plain request's (nor those of another compressor or budget)."""
     dumped = params.model_dump_json() if hasattr(params, "model_dump_json") else repr(params)
     return f"vllm-graft/kvcompress/{name}/{dumped}"
+
+
+def composition_salt(plugins: Sequence[tuple[str, Any, bool]]) -> str | None:
+    """The prefix-cache salt of a deployment's kvcompress plugins ``(name, params, lossless)``
+    (an eviction compressor and/or a storage format): the lossy ones' salts joined with
+    ``+``, so kv4 KV never matches plain KV, nor streaming-only KV, nor kv4 at other
+    parameters; None when every plugin is lossless."""
+    lossy = [cache_salt(name, params) for name, params, lossless in plugins if not lossless]
+    return "+".join(lossy) if lossy else None
 
 
 def salted(user_salt: str | None, salt: str | None) -> str | None:
@@ -272,10 +303,10 @@ def _current(spec_compressor: str) -> _Active:
             f"a vllm-graft KV-compression cache (plugin {spec_compressor!r}) is in use in process "
             f"{os.getpid()}, but no deployment with a kvcompress plugin is active there (was "
             "another engine with a different deployment started in this process?)")
-    if spec_compressor and spec_compressor != _active.name:
+    if spec_compressor and spec_compressor != _active.spec_name:
         raise KVCompressError(
             f"this engine's KV cache was built for kvcompress plugin {spec_compressor!r}, but "
-            f"{_active.name!r} is active in this process")
+            f"{_active.spec_name!r} is active in this process")
     return _active
 
 
@@ -581,11 +612,22 @@ class _ScoringAttention:
         observe = plan.observe[:n] if plan is not None else torch.zeros(n, dtype=torch.bool)
         if observe.numel() < n:
             observe = torch.cat([observe, torch.zeros(n - observe.numel(), dtype=torch.bool)])
-        out, mass = self.scores.compressor.attend(query, kv_cache, batch, layer, observe)
+        state = _active
+        if state is not None and state.kv_format is not None and kv_cache.dtype == _uint8():
+            # the cache is in the storage format: its attention reads it (and scores it)
+            out, mass = state.kv_format.forward(query, kv_cache, batch, layer, observe)
+        else:
+            out, mass = self.scores.compressor.attend(query, kv_cache, batch, layer, observe)
         if plan is not None:
             rows, width = plan.mass.shape
             plan.mass += mass[:rows, :width].to(plan.mass.dtype)
         return out
+
+
+def _uint8():
+    import torch
+
+    return torch.uint8
 
 
 def _attach_drops(out: Any) -> Any:
@@ -674,14 +716,17 @@ def _vllm_classes() -> dict[str, type]:
         """Full attention whose blocks a vllm-graft KV compressor frees."""
 
         compressor: str = ""  # the plugin's name (no vLLM config is current where specs are built)
+        kv_format: str = ""  # the storage format's name ("": dense K/V in the model's dtype)
 
         @classmethod
         def merge(cls, specs):
-            names = {s.compressor for s in specs}
+            names = {(s.compressor, s.kv_format) for s in specs}
             if len(names) != 1:
                 raise ValueError(f"layers of one KV cache group name different compressors: {sorted(names)}")
-            # FullAttentionSpec.merge builds cls(...) from its own fields only.
-            return replace(super().merge(specs), compressor=names.pop())
+            name, kv_format = names.pop()
+            # FullAttentionSpec.merge builds cls(...) from its own fields only (dtype and
+            # state_content_bytes, which carry a storage format's page size, included).
+            return replace(super().merge(specs), compressor=name, kv_format=kv_format)
 
     class GraftKVCompressManager(FullAttentionManager):
         """Frees, each step, the blocks the compressor does not keep."""
@@ -753,8 +798,24 @@ def customize_spec(spec: Any) -> Any:
     if type(spec) is not FullAttentionSpec or spec.sliding_window is not None \
             or spec.attention_chunk_size is not None or spec.non_causal:
         return spec  # other layer kinds are not compressed
-    name = _active.name if _active is not None else ""
-    return cls(**{f.name: getattr(spec, f.name) for f in fields(spec) if f.init}, compressor=name)
+    name = _active.spec_name if _active is not None else ""
+    values = {f.name: getattr(spec, f.name) for f in fields(spec) if f.init}
+    fmt = _active.kv_format if _active is not None else None
+    if fmt is not None:
+        import torch
+
+        why = fmt.unsupported(spec.head_size, spec.block_size)
+        if why is None and spec.head_size_v != spec.head_size:
+            why = f"key and value head sizes differ ({spec.head_size} vs {spec.head_size_v})"
+        if why is not None:
+            raise KVCompressError(f"kvcompress storage format {_active.format_name!r} cannot store this "
+                                  f"model's KV cache: {why}")
+        # the format's page: uint8 rows of bytes_per_token per token and KV head; vLLM sizes
+        # its pages, and so the number of blocks in the KV memory, from these two fields
+        values.update(dtype=torch.uint8, state_content_bytes=fmt.bytes_per_token(spec.head_size, spec.block_size),
+                      page_size_padded=None)
+        return cls(**values, compressor=name, kv_format=_active.format_name)
+    return cls(**values, compressor=name)
 
 
 def register_spec() -> None:
@@ -770,6 +831,23 @@ def register_spec() -> None:
 
 
 # ------------------------------------------------------------------------------ adapter
+class _FormatSeam:
+    """What the backend calls for a storage format: its ``write`` (``do_kv_cache_update``)
+    and its attention (``forward``), counted as the format's events."""
+
+    def __init__(self, fmt: KVCacheFormat, name: str, runtime: Any) -> None:
+        self.fmt, self.name, self.runtime = fmt, name, runtime
+
+    def write(self, key, value, kv_cache, slot_mapping) -> None:
+        self.fmt.write(key, value, kv_cache, slot_mapping)
+        self.runtime.count(Kind.KVCOMPRESS, self.name, "write", 1)
+
+    def forward(self, query, kv_cache, batch, layer):
+        out, _ = self.fmt.forward(query, kv_cache, batch, layer, None)
+        self.runtime.count(Kind.KVCOMPRESS, self.name, "forward", 1)
+        return out
+
+
 class KVCompressAdapter(Adapter):
     kind = Kind.KVCOMPRESS
     owner = OWNER
@@ -779,8 +857,17 @@ class KVCompressAdapter(Adapter):
 
     def activate(self, enabled, plan, runtime):
         global _active
-        (e,) = enabled  # the deployment allows one compressor
-        compressor = runtime.instance(e)
+        # deployment validation allows one plugin per role: an eviction compressor and/or a
+        # storage format (KVCacheFormat, e.g. kv4)
+        instances = [(e, runtime.instance(e)) for e in enabled]
+        formats = [(e, i) for e, i in instances if isinstance(i, KVCacheFormat)]
+        evictors = [(e, i) for e, i in instances if not isinstance(i, KVCacheFormat)]
+        if len(formats) > 1 or len(evictors) > 1:
+            raise NotImplementedError(
+                f"kvcompress: at most one eviction compressor and one storage format, got "
+                f"{[e.name for e, _ in instances]}")
+        fmt_e, fmt = formats[0] if formats else (None, None)
+        e, compressor = evictors[0] if evictors else formats[0]  # a format alone keeps every block
         scored = bool(getattr(compressor, "needs_scores", False))
         if scored and type(compressor).attend is KVCompressor.attend:
             raise NotImplementedError(
@@ -799,14 +886,23 @@ class KVCompressAdapter(Adapter):
         def count(event: str, n: int = 1, _name: str = e.name) -> None:
             runtime.count(Kind.KVCOMPRESS, _name, event, n)
 
+        if fmt is not None and backend.SEAMS.method is not None \
+                and not isinstance(backend.SEAMS.method, _ScoringAttention):
+            raise NotImplementedError(
+                f"kvcompress storage format {fmt_e.name!r} stores KV in its own layout, which the "
+                f"attention plugin {backend.SEAMS.method_name!r} cannot read; leave one of them out "
+                "of the deployment")
+
         register_spec()
         backend.install(OWNER)
         try:
-            lossless = e.entry.registration.capabilities.lossless
-            install_patch(salt=not lossless)
-            _active = _Active(compressor, e.name, count,
-                              salt=None if lossless else cache_salt(e.name, e.params),
-                              needs_scores=scored)
+            salt = composition_salt([(x.name, x.params, x.entry.registration.capabilities.lossless)
+                                     for x, _ in instances])
+            install_patch(salt=salt is not None)
+            _active = _Active(compressor, e.name, count, salt=salt, needs_scores=scored)
+            if fmt is not None:
+                _active.kv_format, _active.format_name = fmt, fmt_e.name
+                backend.SEAMS.kv_format = _FormatSeam(fmt, fmt_e.name, runtime)
             if scored:
                 install_scores_channel()
                 _active.scored = _Scores(compressor, e.name, count)
@@ -830,6 +926,8 @@ class KVCompressAdapter(Adapter):
             return
         if backend.SEAMS.customize_spec is customize_spec:
             backend.SEAMS.customize_spec = None
+        if isinstance(backend.SEAMS.kv_format, _FormatSeam):
+            backend.SEAMS.kv_format = None
         if isinstance(backend.SEAMS.method, _ScoringAttention):
             backend.SEAMS.method, backend.SEAMS.method_name, backend.SEAMS.count = None, "", None
         while rewrite in backend.SEAMS.rewriters:

@@ -22,13 +22,14 @@ from vllm_graft.hooks import (
     KERNEL_FIELD,
     AttentionLayer,
     BlockView,
+    KVCacheFormat,
     Kind,
     MoEModel,
     PagedBatch,
     Registry,
     get_registry,
 )
-from vllm_graft.hooks.contracts import KeepError, check_keep, dropped_blocks
+from vllm_graft.hooks.contracts import KeepError, check_keep, dropped_blocks, split_kv_cache
 from vllm_graft.hooks.registry import Entry
 
 #: The distribution whose plugins ``"builtin"`` selects.
@@ -411,6 +412,84 @@ def exercise_kvcompress(t: Target, impl: Any, dtype: str, rules: bool) -> list[t
             dropped |= set(dropped_blocks(view, kept))
             answers.append(kept)
         results.append((label, answers))
+    if isinstance(impl, KVCacheFormat):
+        results += exercise_kv_format(t, impl, dtype, rules)
+    return results
+
+
+#: A storage format is lossy by design; its attention must still be this close to exact
+#: attention over the full-precision K/V it was given (relative Frobenius error): a format
+#: that loses or misplaces tokens is far off (a 4-bit format is ~0.1 off).
+FORMAT_REL_TOL = 0.25
+
+
+def exercise_kv_format(t: Target, impl: Any, dtype: str, rules: bool) -> list[tuple[str, Any]]:
+    """A :class:`~vllm_graft.hooks.KVCacheFormat`: pages of ``bytes_per_token``; the K/V of
+    :data:`ATTENTION_SEQS` written as vLLM writes them (one call with every sequence's cached
+    tokens and padding slots, then the new tokens one step at a time, interleaved across
+    sequences) into scattered blocks; its attention compared with the kit's oracle over the
+    full-precision K/V; the attention mass (``observe``) sums to one per query and head."""
+    torch = _torch()
+    results = []
+    for shape in ATTENTION_SHAPES:
+        h, hkv, d, bs = shape
+        if impl.unsupported(d, bs):
+            continue
+        label = f"format heads={h}/{hkv} head={d} block={bs} {dtype}"
+        width = impl.bytes_per_token(d, bs)
+        if not isinstance(width, int) or width <= 0:
+            raise t.fail(f"bytes_per_token({d}, {bs}) returned {width!r}, not a positive int")
+        q, dense, batch, layer = _attention_case(shape, dtype, seed=11)
+        dense.zero_()
+        cache = torch.zeros(dense.shape[0], hkv, bs, width, dtype=torch.uint8)
+        g = torch.Generator().manual_seed(12)
+        k_dense, v_dense = split_kv_cache(dense)
+        kv = []
+        for i, (n, _) in enumerate(ATTENTION_SEQS):
+            k = torch.randn(n, hkv, d, generator=g).to(_dtype(dtype))
+            v = torch.randn(n, hkv, d, generator=g).to(_dtype(dtype))
+            slots = batch.block_table[i, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
+            k_dense[slots // bs, :, slots % bs] = k
+            v_dense[slots // bs, :, slots % bs] = v
+            kv.append((k, v, slots))
+        # step 0: every sequence's cached tokens, with padding slots between them
+        parts = [(k[:n - qn], v[:n - qn], s[:n - qn]) for (k, v, s), (n, qn) in zip(kv, ATTENTION_SEQS)]
+        pad = (torch.zeros(2, hkv, d, dtype=_dtype(dtype)), torch.zeros(2, hkv, d, dtype=_dtype(dtype)),
+               torch.full((2,), -1, dtype=torch.long))
+        parts = [x for p in parts for x in (p, pad)]
+        impl.write(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), cache,
+                   torch.cat([p[2] for p in parts]))
+        for step in range(max(qn for _, qn in ATTENTION_SEQS)):  # then one new token per step
+            rows = [(k[n - qn + step:n - qn + step + 1], v[n - qn + step:n - qn + step + 1],
+                     s[n - qn + step:n - qn + step + 1])
+                    for (k, v, s), (n, qn) in zip(kv, ATTENTION_SEQS) if step < qn]
+            impl.write(torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows]), cache,
+                       torch.cat([r[2] for r in rows]))
+        out, mass = impl.forward(q, cache, batch, layer, None)
+        if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype:
+            raise t.fail(f"forward returned {tuple(out.shape)} {out.dtype}, expected {tuple(q.shape)} {q.dtype}")
+        exact = exact_attention(q, dense, batch, layer).float()
+        rel = ((out.float() - exact).norm() / exact.norm()).item()
+        if rules and not rel <= FORMAT_REL_TOL:
+            raise t.fail(f"its attention over what write() stored is {rel:.3f} off exact attention over "
+                         f"the K/V it was given (relative error; at most {FORMAT_REL_TOL}) ({label}): "
+                         "write() loses or misplaces tokens, or forward() misreads the page")
+        if rules:
+            observe = torch.ones(q.shape[0], dtype=torch.bool)
+            out2, mass = impl.forward(q, cache, batch, layer, observe)
+            if mass is None or tuple(mass.shape) != tuple(batch.block_table.shape):
+                raise t.fail(f"forward(observe=...) returned mass {getattr(mass, 'shape', mass)}, expected "
+                             f"{tuple(batch.block_table.shape)} (an eviction compressor that needs scores reads it)")
+            qs = torch.tensor([qn for _, qn in ATTENTION_SEQS], dtype=torch.float32) * h
+            if (mass.sum(1).float() - qs).abs().max() > 1e-2 * qs.max():
+                raise t.fail(f"attention mass per sequence sums to {mass.sum(1).tolist()}, expected "
+                             f"{qs.tolist()} (one per observed query and head)")
+        results.append((label, out))
+        print(f"{t.spec} {label}: {width} bytes/token/head (dense fp16 {4 * d}), "
+              f"attention {rel:.3f} off exact (relative)")
+    if not results:
+        raise Skipped(f"supports none of the kit's (head size, block size) shapes "
+                      f"{[(s[2], s[3]) for s in ATTENTION_SHAPES]}")
     return results
 
 

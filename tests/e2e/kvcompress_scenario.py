@@ -82,6 +82,10 @@ def run(kvcompress: dict[str, Any] | None) -> dict[str, Any]:
             out["left"] = sorted(mgr.req_to_blocks)
             out["manager"] = type(mgr).__name__
             out["salts"] = sorted(salts)
+            out["page_bytes"] = mgr.kv_cache_spec.page_size_bytes
+            from vllm_graft.integration.runtime import RUNTIME
+
+            out["events"] = {f"{name}:{ev}": n for (_, name, ev), n in RUNTIME.events.items()}
         return out
     finally:
         if in_process:
@@ -89,6 +93,17 @@ def run(kvcompress: dict[str, Any] | None) -> dict[str, Any]:
         else:
             llm.llm_engine.engine_core.shutdown()
         del llm
+
+
+_shared: dict[str, dict[str, Any]] = {}
+
+
+def run_shared(kvcompress: dict[str, Any] | None) -> dict[str, Any]:
+    """:func:`run`, once per process and configuration (test modules share the plain run)."""
+    key = json.dumps(kvcompress, sort_keys=True)
+    if key not in _shared:
+        _shared[key] = run(kvcompress)
+    return _shared[key]
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ H2O_FULL = {"plugin": "h2o", "params": {"budget_blocks": 12}}
 
 @pytest.fixture(scope="module")
 def plain():
-    return scenario.run(None)
+    return scenario.run_shared(None)  # shared with test_kv4_engine in one pytest process
 
 
 @pytest.fixture(scope="module")

@@ -345,3 +345,40 @@ class MisDeclared(Int8):
 def test_quant_stored_tensors_must_match_quantize():
     with pytest.raises(c.ConformanceError, match=r"quantize\(\)\['s'\] is torch.float32, stored_tensors\(\) says float16"):
         c.check_contract(target(Kind.QUANT, MisDeclared, lossless=False))
+
+
+# ----------------------------------------------------------------- kvcompress storage format
+from vllm_graft.plugins.kvcompress.kv4 import KV4Params  # noqa: E402
+from vllm_graft.plugins.kvcompress.kv4.reference import KV4  # noqa: E402
+
+
+class DropsDecodeWrites(KV4):
+    """Stores prefill chunks but loses one-token (decode) writes."""
+
+    def write(self, key, value, kv_cache, slot_mapping):
+        if int((slot_mapping >= 0).sum()) > 4:
+            super().write(key, value, kv_cache, slot_mapping)
+
+
+class MisplacesBlocks(KV4):
+    """Reads the block table one column off (attends to another sequence's blocks)."""
+
+    def forward(self, query, kv_cache, batch, layer, observe=None):
+        from vllm_graft.hooks import PagedBatch
+
+        shifted = PagedBatch(batch.query_start_loc, batch.seq_lens, batch.block_table.roll(1, dims=1))
+        return super().forward(query, kv_cache, shifted, layer, observe)
+
+
+class NoMass(KV4):
+    def forward(self, query, kv_cache, batch, layer, observe=None):
+        return super().forward(query, kv_cache, batch, layer, None)
+
+
+def test_kvcompress_storage_format_contract():
+    ok = c.check_contract(target(Kind.KVCOMPRESS, KV4, params=KV4Params, lossless=False, role="storage"))
+    assert ok.startswith("18 generated case(s) keep the kvcompress contract")  # 2 dtypes x (6 keep + 3 format)
+    for broken, match in ((DropsDecodeWrites, "off exact attention"), (MisplacesBlocks, "off exact attention"),
+                          (NoMass, "returned mass None")):
+        with pytest.raises(c.ConformanceError, match=match):
+            c.check_contract(target(Kind.KVCOMPRESS, broken, params=KV4Params, lossless=False, role="storage"))

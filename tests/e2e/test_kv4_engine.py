@@ -1,0 +1,105 @@
+"""kv4 (the 4-bit KV storage format) in vLLM's CPU engine, alone and composed with the
+``streaming`` eviction compressor, through the shared KV-compression scenario (requests over
+time, a prefix-cache hit, preemption, an abort; see ``kvcompress_scenario``):
+
+* vLLM's page really shrinks (uint8 pages of 80 bytes per token and KV head instead of 512
+  float32 ones), so the same KV memory holds 6.4x the blocks (read from vLLM's KV config);
+* kv4 runs the scenario to the end (preemption, abort, prefix hits, no leaked block) and its
+  greedy tokens are close to plain vLLM's (it is lossy: the agreement is printed);
+* kv4 + streaming frees blocks as streaming alone does, and its blocks are salted with both;
+* the prefix-cache salt keeps kv4 KV apart from plain KV.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import pytest  # noqa: E402
+
+from . import kvcompress_scenario as scenario  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+KV4 = {"plugin": "kv4"}
+KV4_SALT = 'vllm-graft/kvcompress/kv4/{"kernel":"reference","value_group_size":32}'
+STREAM = {"plugin": "streaming", "params": {"budget_blocks": 3, "sink_blocks": 1}}
+STREAM_SALT = 'vllm-graft/kvcompress/streaming/{"budget_blocks":3,"sink_blocks":1}'
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return scenario.run_shared(None)  # shared with test_kvcompress_engine in one pytest process
+
+
+@pytest.fixture(scope="module")
+def kv4():
+    return scenario.run(KV4)
+
+
+def agreement(a, b):
+    """Fraction of positions where two requests' greedy tokens agree, over all requests."""
+    same = sum(x == y for r in a for x, y in zip(a[r], b[r]))
+    return same / sum(len(a[r]) for r in a)
+
+
+def test_kv4_pages_are_smaller_and_the_same_memory_holds_more_blocks():
+    from vllm_graft.integration import launch
+
+    # the same KV memory for both: VLLM_CPU_KVCACHE_SPACE (1 GiB, the launch default)
+    engine = {k: v for k, v in scenario.ENGINE.items() if k != "num_gpu_blocks_override"}
+    got = {}
+    for name, kv in (("plain", None), ("kv4", KV4)):
+        data = {"model": str(scenario.LLAMA), "engine": engine, **({"kvcompress": kv} if kv else {})}
+        with launch.in_process_engine(launch.plan_from_dict(data), graft=bool(kv), seed=0) as llm:
+            core = llm.llm_engine.engine_core.engine_core
+            config = core.scheduler.kv_cache_config
+            (group,) = config.kv_cache_groups
+            memory = sum(t.size for t in config.kv_cache_tensors)
+            got[name] = (config.num_blocks, group.kv_cache_spec.page_size_bytes, str(group.kv_cache_spec.dtype), memory)
+    print(f"KV memory: plain {got['plain']}, kv4 {got['kv4']} (blocks, page bytes per layer, dtype, bytes)")
+    # graft-tiny-llama: 4 layers, 2 KV heads, head size 64, blocks of 32 tokens
+    assert got["plain"][1:3] == (2 * 32 * 2 * 64 * 4, "torch.float32")
+    assert got["kv4"][1:3] == (2 * 32 * 80, "torch.uint8")
+    space = int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) << 30
+    assert got["plain"][0] == space // (4 * 2 * 32 * 2 * 64 * 4)
+    assert got["kv4"][0] == space // (4 * 2 * 32 * 80)
+    assert got["kv4"][0] >= 6 * got["plain"][0]  # 6.4x the blocks of float32 (3.2x of float16)
+    assert got["kv4"][3] <= got["plain"][3]  # in no more memory
+
+
+def test_kv4_runs_the_scenario_close_to_plain(plain, kv4):
+    assert kv4["manager"] == "GraftKVCompressManager" and kv4["page_bytes"] == 2 * 32 * 80
+    assert kv4["preemptions"] > 0 and kv4["aborted"] == ["r4"]
+    assert sorted(kv4["tokens"]) == sorted(plain["tokens"])
+    assert all(len(t) == scenario.NEW_TOKENS for t in kv4["tokens"].values())
+    assert kv4["leaked"] == 0 and kv4["left"] == []
+    assert kv4["cached"]["r2"] > 0 and kv4["cached"]["r5"] > 0  # kv4 blocks are prefix-cached
+    assert kv4["events"]["kv4:write"] > 0 and kv4["events"]["kv4:forward"] > 0
+    agree = agreement(plain["tokens"], kv4["tokens"])
+    first = {r: next((i for i, (x, y) in enumerate(zip(plain["tokens"][r], t)) if x != y), len(t))
+             for r, t in kv4["tokens"].items()}
+    print(f"kv4 vs plain: {100 * agree:.1f}% of greedy tokens agree; first difference per request {first}")
+    assert all(n >= 4 for n in first.values()), first  # 4-bit KV: close, not identical
+    assert agree > 0.2
+
+
+def test_the_salt_keeps_kv4_kv_apart_from_plain_kv(plain, kv4):
+    assert plain["salts"] == [""]
+    assert kv4["salts"] == [KV4_SALT]
+
+
+def test_kv4_with_streaming_frees_blocks(plain):
+    both = scenario.run([STREAM, KV4])
+    assert both["manager"] == "GraftKVCompressManager" and both["page_bytes"] == 2 * 32 * 80
+    assert both["aborted"] == ["r4"] and sorted(both["tokens"]) == sorted(plain["tokens"])
+    assert all(len(t) == scenario.NEW_TOKENS for t in both["tokens"].values())
+    # held: budget + the block a new token opens + prompt blocks shared with another request
+    assert both["max_held"] <= 3 + 1 + 2 < plain["max_held"], both["max_held"]
+    assert both["events"]["streaming:blocks_freed"] > 0 and both["events"]["kv4:write"] > 0
+    assert both["leaked"] == 0 and both["left"] == []
+    assert both["salts"] == [STREAM_SALT + "+" + KV4_SALT]
+    print(f"kv4+streaming: max held {both['max_held']} blocks (plain {plain['max_held']}), "
+          f"{both['events']['streaming:blocks_freed']} blocks freed, "
+          f"{100 * agreement(plain['tokens'], both['tokens']):.1f}% tokens agree with plain")
