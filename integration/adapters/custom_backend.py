@@ -14,7 +14,8 @@ backend of its own, written only against vLLM's backend interface
   then ``AttentionMethod.plan``) and hands the plugin a :class:`~vllm_graft.hooks.PagedBatch`;
 * the impl calls ``AttentionMethod.forward`` for every decoder layer. With no attention
   plugin enabled (a KV compressor alone) it computes exact attention with the PyTorch
-  reference (``plugins/attention/noop``) and says so in the log: slow, but correct.
+  reference (``plugins/attention/noop``) and says so in the log: slow, but correct; with a KV
+  storage format (``kv4``) it writes and attends through the format, as the CPU backend does.
 
 :func:`.backend.install` registers it as ``AttentionBackendEnum.CUSTOM`` on CUDA, and the
 attention and KV-compression adapters set the engine argument ``attention_backend=CUSTOM``
@@ -132,7 +133,10 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
         self.attn_type = attn_type
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        write_kv(key, value, kv_cache, slot_mapping)
+        if SEAMS.kv_format is not None and kv_cache.dtype == torch.uint8:
+            SEAMS.kv_format.write(key, value, kv_cache, slot_mapping)  # a storage format's page
+        else:
+            write_kv(key, value, kv_cache, slot_mapping)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
@@ -145,8 +149,11 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
         spec = AttentionLayer(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                               head_size=self.head_size, scale=self.scale,
                               block_size=kv_cache.shape[2], index=_layer_index(layer))
-        out = _method().forward(query[:n].view(n, self.num_heads, self.head_size), kv_cache,
-                                attn_metadata.graft_batch, spec, attn_metadata.graft_plan)
+        q = query[:n].view(n, self.num_heads, self.head_size)
+        if SEAMS.method is None and SEAMS.kv_format is not None and kv_cache.dtype == torch.uint8:
+            out = SEAMS.kv_format.forward(q, kv_cache, attn_metadata.graft_batch, spec)
+        else:
+            out = _method().forward(q, kv_cache, attn_metadata.graft_batch, spec, attn_metadata.graft_plan)
         if out.shape != (n, self.num_heads, self.head_size):
             raise RuntimeError(f"attention plugin {SEAMS.method_name or 'reference'!r} returned shape "
                                f"{tuple(out.shape)}, expected {(n, self.num_heads, self.head_size)}")

@@ -1,8 +1,8 @@
 """The GPU route's attention backend (``integration/adapters/custom_backend.py``, registered as
 vLLM's CUSTOM backend on CUDA) run on the CPU engine: ``VLLM_GRAFT_ATTENTION_BACKEND=generic``
 puts it in place of CPU_ATTN. Exact plugins through it give plain vLLM's greedy tokens, and a KV
-compressor through it (no attention plugin: the backend's exact PyTorch attention) gives the
-same tokens as the same compressor on the stock CPU route."""
+compressor through it (no attention plugin: the backend's exact PyTorch attention), and the kv4
+storage format, give the same tokens as on the stock CPU route."""
 from __future__ import annotations
 
 import os
@@ -66,7 +66,9 @@ def runs(prompts):
         "streaming-cpu": _greedy(prompts, {"kvcompress": STREAMING}, generic=False),
         "hydragen": _greedy(prompts, {"attention": {"plugin": "hydragen"}}, generic=True),
         "streaming-generic": _greedy(prompts, {"kvcompress": STREAMING}, generic=True),
+        "kv4-cpu": _greedy(prompts, {"kvcompress": {"plugin": "kv4"}}, generic=False),
         "noop": _greedy(prompts, {"attention": {"plugin": "noop"}}, generic=True),
+        "kv4-generic": _greedy(prompts, {"kvcompress": {"plugin": "kv4"}}, generic=True),
     }
 
 
@@ -78,9 +80,12 @@ def test_exact_plugins_through_the_generic_backend_match_plain_vllm(runs, arm):
     assert runs[arm]["tokens"] == runs["plain"]["tokens"]
 
 
-def test_kv_compressor_through_the_generic_backend_matches_the_cpu_route(runs):
-    assert runs["streaming-cpu"]["calls"] == {"build": 0, "forward": 0}
-    assert runs["streaming-generic"]["calls"]["forward"] > 0
-    assert runs["streaming-generic"]["tokens"] == runs["streaming-cpu"]["tokens"]
-    # the budget is below the prompts' length: the compressor really changed something
-    assert runs["streaming-generic"]["tokens"] != runs["plain"]["tokens"]
+@pytest.mark.parametrize("name", ["streaming", "kv4"])
+def test_kv_compressor_through_the_generic_backend_matches_the_cpu_route(runs, name):
+    cpu, generic = runs[f"{name}-cpu"], runs[f"{name}-generic"]
+    assert cpu["calls"] == {"build": 0, "forward": 0}
+    assert generic["calls"]["forward"] > 0
+    assert generic["tokens"] == cpu["tokens"]
+    # streaming's budget is below the prompts' length and kv4 is lossy: both really changed
+    # something, so the equality above is not plain vLLM's tokens twice
+    assert generic["tokens"] != runs["plain"]["tokens"]
