@@ -27,6 +27,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from vllm_graft.plugins.attention.squeezed import RECYCLED_REFRESH
+
 
 def _floats(text: str) -> list[float]:
     try:
@@ -43,6 +45,12 @@ def _arms(args: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
     base = {"chunk": args.chunk, "sink_tokens": args.sink, "recent_tokens": args.recent, "prefill": "sparse"}
     for b in args.budget:
         for mode in [m for m in args.modes.split(",") if m]:
+            if mode == "recycled":  # a full step every `refresh` positions (the plugin's default 16)
+                params = {**base, "mode": mode, "budget": b,
+                          **({"refresh": args.refresh} if args.refresh > 1 else {})}
+                arms.append((f"recycled K={b:g} refresh {args.refresh if args.refresh > 1 else RECYCLED_REFRESH}",
+                             params))
+                continue
             arms.append((f"{mode} K={b:g}", {**base, "mode": mode, "budget": b}))
             if mode == "centroid" and args.refresh > 1:
                 arms.append((f"centroid K={b:g} refresh {args.refresh}",
@@ -202,9 +210,11 @@ def add_command(sub: Any) -> None:
     p.add_argument("--num-prompts", type=int, default=4, metavar="N", help="prompts (default 4)")
     p.add_argument("--budget", type=_floats, default=[0.25, 0.125], metavar="F[,F]",
                    help="fractions of the context attended (default 0.25,0.125)")
-    p.add_argument("--modes", default="centroid,window", help="squeezed modes to run at each budget (default centroid,window; '' for none)")
+    p.add_argument("--modes", default="centroid,window", help="squeezed modes to run at each budget: "
+                   "centroid, recycled, window (default centroid,window; '' for none)")
     p.add_argument("--refresh", type=int, default=1, metavar="N",
-                   help="also run mode centroid choosing chunks only every N positions (default 1: off)")
+                   help="also run mode centroid choosing chunks only every N positions (default 1: off); "
+                        f"mode recycled's full-step interval (default {RECYCLED_REFRESH})")
     p.add_argument("--head-map", help="also run mode streaming-heads with this head map")
     p.add_argument("--chunk", type=int, default=16, help="chunk tokens (default 16)")
     p.add_argument("--sink", type=int, default=16, help="sink tokens (default 16)")

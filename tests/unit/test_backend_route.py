@@ -4,17 +4,25 @@ VLLM_GRAFT_ATTENTION_BACKEND=generic), CUSTOM on CUDA with ``attention_backend=C
 of the engine, and a clear refusal elsewhere."""
 from __future__ import annotations
 
+import importlib
 from types import SimpleNamespace
 
 import pytest
 
-pytest.importorskip("vllm")
+from vllm_graft.integration import launch
+from vllm_graft.integration.adapters import adapter_for
 
-import vllm.platforms  # noqa: E402
-from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+# vLLM (hence triton) is imported by the tests, not at collection: the kernel test modules
+# collected after this one set TRITON_INTERPRET before triton is first imported.
 
-from vllm_graft.integration.adapters import adapter_for, backend, custom_backend  # noqa: E402
-from vllm_graft.integration import launch  # noqa: E402
+
+def _vllm():
+    pytest.importorskip("vllm")
+    platforms = importlib.import_module("vllm.platforms")
+    registry = importlib.import_module("vllm.v1.attention.backends.registry")
+    backend = importlib.import_module("vllm_graft.integration.adapters.backend")
+    custom = importlib.import_module("vllm_graft.integration.adapters.custom_backend")
+    return platforms, registry.AttentionBackendEnum, backend, custom
 
 
 def _platform(kind: str):
@@ -23,29 +31,33 @@ def _platform(kind: str):
 
 
 @pytest.mark.parametrize("kind, env, member, path", [
-    ("cpu", "", AttentionBackendEnum.CPU_ATTN, backend.BACKEND_PATH),
-    ("cpu", "generic", AttentionBackendEnum.CPU_ATTN, custom_backend.GENERIC_CPU_PATH),
-    ("cuda", "", AttentionBackendEnum.CUSTOM, custom_backend.GENERIC_PATH),
-    ("cuda", "generic", AttentionBackendEnum.CUSTOM, custom_backend.GENERIC_PATH),
+    ("cpu", "", "CPU_ATTN", "BACKEND_PATH"),
+    ("cpu", "generic", "CPU_ATTN", "GENERIC_CPU_PATH"),
+    ("cuda", "", "CUSTOM", "GENERIC_PATH"),
+    ("cuda", "generic", "CUSTOM", "GENERIC_PATH"),
 ])
 def test_route_per_platform(monkeypatch, kind, env, member, path):
-    monkeypatch.setattr(vllm.platforms, "current_platform", _platform(kind))
+    platforms, enum, backend, custom = _vllm()
+    monkeypatch.setattr(platforms, "current_platform", _platform(kind))
     monkeypatch.setenv(backend.BACKEND_ENV, env)
-    assert backend.route() == (member, path)
+    module = backend if path == "BACKEND_PATH" else custom
+    assert backend.route() == (enum[member], getattr(module, path))
 
 
 def test_route_refuses_other_platforms_and_bad_env(monkeypatch):
-    monkeypatch.setattr(vllm.platforms, "current_platform", _platform("tpu"))
+    platforms, _, backend, _ = _vllm()
+    monkeypatch.setattr(platforms, "current_platform", _platform("tpu"))
     with pytest.raises(NotImplementedError, match="CPU engine and on CUDA.*'tpu'"):
         backend.route()
-    monkeypatch.setattr(vllm.platforms, "current_platform", _platform("cpu"))
+    monkeypatch.setattr(platforms, "current_platform", _platform("cpu"))
     monkeypatch.setenv(backend.BACKEND_ENV, "flash")
     with pytest.raises(ValueError, match="expected 'generic'"):
         backend.route()
 
 
 def test_install_registers_and_uninstall_restores(monkeypatch):
-    monkeypatch.setattr(vllm.platforms, "current_platform", _platform("cuda"))
+    platforms, AttentionBackendEnum, backend, custom_backend = _vllm()
+    monkeypatch.setattr(platforms, "current_platform", _platform("cuda"))
     monkeypatch.delenv(backend.BACKEND_ENV, raising=False)
     assert not backend.SEAMS.owners
     backend.install("test")
@@ -70,6 +82,7 @@ def test_cuda_deployments_ask_the_engine_for_the_custom_backend(section):
 
 
 def test_generic_impl_refuses_unsupported_layers():
+    custom_backend = _vllm()[3]
     with pytest.raises(NotImplementedError, match="sliding window"):
         custom_backend.GraftAttentionImpl(4, 64, 0.125, 2, sliding_window=128)
     with pytest.raises(NotImplementedError, match="KV-cache dtype 'fp8'"):

@@ -10,7 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from vllm_graft.hooks import AttentionLayer, PagedBatch  # noqa: E402
+from vllm_graft.hooks import AttentionLayer, PagedBatch, split_kv_cache  # noqa: E402
 from vllm_graft.plugins.attention.noop.reference import gather_kv, paged_attention  # noqa: E402
 from vllm_graft.plugins.attention.squeezed import SqueezedParams  # noqa: E402
 from vllm_graft.plugins.attention.squeezed.policy import HEAD_MAP_FORMAT, budget, window_chunks  # noqa: E402
@@ -129,7 +129,7 @@ def test_triton_matches_reference(shape, dtype):
     h, hkv, d, bs, chunk = shape
     q, kv, batch, layer = paged(SEQS, h, hkv, d, bs, dtype, seed=sum(shape))
     worst = {}
-    for mode in ("centroid", "window"):
+    for mode in ("centroid", "window", "recycled"):
         kw = dict(mode=mode, budget=0.25, chunk=chunk, sink_tokens=16, recent_tokens=16)
         ref = Squeezed(SqueezedParams(**kw)).forward(q, kv, batch, layer)
         tri_m = Squeezed(SqueezedParams(kernel="triton", **kw))
@@ -145,13 +145,13 @@ def test_triton_matches_reference(shape, dtype):
         s_ref = chunk_scores(q[tok], k, chunk, layer.scale)
         s_err = max(s_err, (s_tri[r, :, :s_ref.shape[1]] - s_ref).abs().max().item())
     print(f"{shape} {dtype}: max|err| centroid {worst['centroid']:.2e}, window {worst['window']:.2e}, "
-          f"scores {s_err:.2e}")
+          f"recycled {worst['recycled']:.2e}, scores {s_err:.2e}")
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     assert max(worst.values()) <= tol and s_err <= tol * 10
 
 
 @pytest.mark.parametrize("mode,refresh", [("centroid", 1), ("window", 1), ("streaming-heads", 1),
-                                          ("centroid", 8)])
+                                          ("centroid", 8), ("recycled", 8), ("recycled", 3)])
 def test_sparse_prefill_equals_decoding_token_by_token(mode, refresh, tmp_path):
     """prefill: sparse gives each prompt row what a decode step at its position computes."""
     path = tmp_path / "heads.json"
@@ -172,10 +172,10 @@ def test_sparse_prefill_equals_decoding_token_by_token(mode, refresh, tmp_path):
         worst = max(worst, (dec.forward(q[r:r + 1], kv, one, layer)[0] - out[r]).abs().max().item())
     assert worst < 1e-5
     assert m.describe()["kv_token_heads_read"] == dec.describe()["kv_token_heads_read"]
-    if refresh > 1:  # decoding reused the choice made at each multiple of 8 in between
-        first = n - nq  # positions before the first multiple of 8 decoded here have no choice stored
+    if refresh > 1:  # decoding reused the choice made at each multiple of `refresh` in between
+        first = n - nq  # positions before the first multiple decoded here have no choice stored
         assert dec.describe()["selections_reused"] == sum(
-            1 for pos in range(first, n) if pos % 8 and pos - pos % 8 >= first)
+            1 for pos in range(first, n) if pos % refresh and pos - pos % refresh >= first)
     full = Squeezed(SqueezedParams(prefill="full", **kw)).forward(q, kv, batch, layer)
     assert (full - paged_attention(q, kv, batch, layer)).abs().max() < 1e-5
 
@@ -197,3 +197,47 @@ def test_refresh_reuses_a_selection_only_for_its_own_sequence():
     assert m.reused == 1  # not reused: chosen afresh
     with pytest.raises(ValueError, match="refresh"):
         SqueezedParams(refresh=0)
+
+
+def test_recycled_attends_to_the_chunks_its_full_step_attended_most():
+    """Mode recycled: a full attention step at each refresh position (its output is exact) picks
+    the chunks with the most attention mass; the steps in between attend to those chunks plus
+    the forced ones, and read far less than plain attention. A distant chunk whose keys match
+    the queries is kept, where the sink + window baseline drops it."""
+    from vllm_graft.plugins.attention.squeezed.reference import chunk_mass
+
+    n, bs, chunk = 256, 16, 16
+    q, kv, batch, layer = paged([(n, 1)], 4, 2, 64, bs, torch.float32, seed=11)
+    layer = AttentionLayer(4, 2, 64, layer.scale, bs, index=0)
+    k_cache, _ = split_kv_cache(kv)
+    planted = 5  # chunk 5 = tokens 80..95: keys along the query's direction
+    for t in range(planted * chunk, (planted + 1) * chunk):
+        blk = int(batch.block_table[0, t // bs])
+        k_cache[blk, :, t % bs] = 4.0 * q[0].view(2, 2, 64).mean(1)
+    k, _ = gather_kv(kv, batch.block_table[0, : n // bs], n, 64)
+    mass = chunk_mass(q[0], k, chunk, layer.scale)
+    assert mass.shape == (2, n // chunk)
+    assert torch.allclose(mass.sum(1), torch.full((2,), 2.0), atol=1e-5)  # 2 query heads per KV head
+    assert int(mass[:, 1:-4].argmax(1)[0]) + 1 == planted
+    kw = dict(budget=0.25, chunk=chunk, sink_tokens=16, recent_tokens=16)  # 1 chunk chosen
+    one = lambda m: PagedBatch(torch.tensor([0, 1], dtype=torch.int32),  # noqa: E731
+                               torch.tensor([m], dtype=torch.int32), batch.block_table)
+    rec = Squeezed(SqueezedParams(mode="recycled", refresh=4, **kw))
+    assert rec.params.refresh == 4
+    full = rec.forward(q, kv, one(n - 3), layer)  # position 252: a refresh, the full step
+    assert (full - paged_attention(q, kv, one(n - 3), layer)).abs().max() < 1e-5
+    stored = next(iter(rec.selections.values()))[1]
+    assert bool(stored[:, planted].all())
+    rec.forward(q, kv, one(n - 2), layer)  # position 253: reuses the choice
+    assert rec.reused == 1
+    d = rec.describe()
+    assert d["kv_token_heads_read"] < d["kv_token_heads_plain"] * (1 + 0.25 + 0.1) / 2
+    win = Squeezed(SqueezedParams(mode="window", **kw))
+    assert planted not in window_chunks(win.budget(n - 2))
+
+
+def test_recycled_refresh_default_and_refusal():
+    assert SqueezedParams(mode="recycled").refresh == 16
+    assert SqueezedParams(mode="centroid").refresh == 1
+    with pytest.raises(ValueError, match="refresh >= 2"):
+        SqueezedParams(mode="recycled", refresh=1)

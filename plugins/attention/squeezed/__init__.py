@@ -1,7 +1,9 @@
 """`squeezed`: sparse decode attention over the chunks whose key centroids best match the query
 (after Hooper et al., "Squeezed Attention: Accelerating Long Context Length LLM Inference",
 arXiv:2411.09688, with one centroid per fixed chunk of the paged cache instead of offline k-means
-clusters of a fixed context). Also the sink + window baseline at the same budget
+clusters of a fixed context). ``mode: recycled`` chooses the chunks by the attention mass of a
+full attention step instead, run every ``refresh`` positions ("Recycled Attention: Efficient
+inference for long-context language models"). Also the sink + window baseline at the same budget
 (``mode: window``) and RazorAttention's streaming heads (``mode: streaming-heads``: full
 attention for the retrieval heads of a head map, sinks + recent window for the others).
 """
@@ -14,19 +16,26 @@ from vllm_graft.hooks import Capabilities, KernelParams, Registration, hookimpl
 from vllm_graft.hooks.registry import ATTENTION_BACKEND_LIMITS
 
 
+#: Positions between two full steps of mode recycled, unless `refresh` is given.
+RECYCLED_REFRESH = 16
+
+
 class SqueezedParams(KernelParams):
-    mode: Literal["centroid", "window", "streaming-heads"] = Field(
-        "centroid", description="'centroid' (chunks chosen by key centroid), 'window' (the sink + "
-        "window baseline at the same budget) or 'streaming-heads' (RazorAttention, needs head_map)")
+    mode: Literal["centroid", "recycled", "window", "streaming-heads"] = Field(
+        "centroid", description="'centroid' (chunks chosen by key centroid), 'recycled' (Recycled "
+        "Attention: every `refresh` positions a full attention step, whose attention mass chooses "
+        "the chunks the next steps attend to), 'window' (the sink + window baseline at the same "
+        "budget) or 'streaming-heads' (RazorAttention, needs head_map)")
     budget: float = Field(0.25, gt=0, le=1, description="fraction of a decode token's context it "
                           "attends to, per KV head (rounded up to whole chunks)")
     chunk: int = Field(16, ge=1, le=256, description="tokens per chunk (the unit chosen); must divide "
                        "the KV block size")
     sink_tokens: int = Field(16, ge=0, description="first tokens always attended")
     recent_tokens: int = Field(64, ge=1, description="last tokens always attended (the token's own included)")
-    refresh: int = Field(1, ge=1, le=4096, description="mode centroid: choose chunks afresh every "
-                         "`refresh` positions; in between, reuse that choice plus the moving window "
-                         "(Recycled-Attention style; no centroid reads)")
+    refresh: int = Field(1, ge=1, le=4096, description="modes centroid and recycled: choose chunks "
+                         "afresh every `refresh` positions; in between, reuse that choice plus the "
+                         "moving window (no centroid reads, no full step). Mode recycled defaults to "
+                         f"{RECYCLED_REFRESH} and needs at least 2")
     prefill: Literal["full", "sparse"] = Field(
         "full", description="'full': prompt tokens get full causal attention (serving); 'sparse': each "
         "prompt token attends as it would when decoded (teacher forcing, to measure quality from "
@@ -43,6 +52,12 @@ class SqueezedParams(KernelParams):
 
     @model_validator(mode="after")
     def _check(self):
+        if self.mode == "recycled":
+            if "refresh" not in self.model_fields_set:
+                self.refresh = RECYCLED_REFRESH
+            elif self.refresh < 2:
+                raise ValueError("mode recycled with refresh 1 runs a full attention step at every "
+                                 "position (it reads more than plain attention); set refresh >= 2")
         if self.mode == "streaming-heads":
             if not self.head_map:
                 raise ValueError("mode streaming-heads needs head_map: the file written by "
@@ -60,9 +75,11 @@ def graft_register_attention(register):
     register(Registration(
         name="squeezed",
         summary="Sparse decode attention: each decode token attends to the chunks whose key "
-                "centroids match it best, plus sinks and a recent window (lossy)",
+                "centroids match it best (or, mode recycled, that a periodic full step attended "
+                "most), plus sinks and a recent window (lossy)",
         paper="Squeezed Attention: Accelerating Long Context Length LLM Inference (arXiv:2411.09688); "
-              "RazorAttention (arXiv:2407.15891) for mode streaming-heads",
+              "Recycled Attention: Efficient inference for long-context language models, for mode "
+              "recycled; RazorAttention (arXiv:2407.15891) for mode streaming-heads",
         params=SqueezedParams,
         impl="vllm_graft.plugins.attention.squeezed.reference:Squeezed",
         capabilities=Capabilities(lossless=False, head_sizes=(32, 64, 80, 96, 112, 128, 160, 192, 224, 256),

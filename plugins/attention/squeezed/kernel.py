@@ -18,7 +18,7 @@ import triton.language as tl
 from vllm_graft.hooks import AttentionLayer, PagedBatch, split_kv_cache
 from vllm_graft.plugins.attention.noop.reference import gather_kv
 
-from .reference import causal_attention, chosen_chunks, refresh_key, reuse_selection, sparse_rows
+from .reference import causal_attention, choose, chosen_chunks, refresh_key, reuse_selection, sparse_rows
 
 
 @triton.jit
@@ -174,12 +174,18 @@ def squeezed_attention_triton(m, query: torch.Tensor, kv_cache: torch.Tensor, ba
         mk = reuse_selection(m, layer, row, key_at, n, b, bs) if m.refreshing() else None
         s = None
         if mk is None:
-            s = scores[r, :, :b.num_chunks] if scores is not None and not b.full else None
-            mk = chosen_chunks(s, b, p.mode, hkv, retrieval)
+            if p.mode == "recycled" and not b.full:  # the full step's mass: PyTorch (reference)
+                k, _ = gather_kv(kv_cache, row[: -(-n // bs)], n, layer.head_size)
+                mk, s = choose(m, query[rows[r]], k, b, layer, retrieval)
+            else:
+                s = scores[r, :, :b.num_chunks] if scores is not None and not b.full else None
+                mk = chosen_chunks(s, b, p.mode, hkv, retrieval)
             if m.refreshing() and (n - 1) % p.refresh == 0:
                 m.remember(refresh_key(layer, row, n - 1, bs), key_at(n - 1).clone(), mk)
+        if p.mode == "recycled" and s is not None:  # the full step itself attends to everything
+            mk = torch.ones_like(mk)
         masks.append(mk)
         m.stats.add(n, hkv, int(mk.repeat_interleave(p.chunk, dim=1)[:, :n].sum()),
-                    b.num_chunks * hkv if s is not None else 0)
+                    b.num_chunks * hkv if s is not None and p.mode == "centroid" else 0)
     sparse_decode_triton(query, kv_cache, batch, layer, p.chunk, rows, seqs, lens, masks, out)
     return out

@@ -3,7 +3,10 @@
 Per decode token (a sequence with one new token) and KV head: the context is cut into chunks of
 ``chunk`` tokens; each chunk is scored by its key centroid (the mean of its keys) against the
 token's queries (the best of the query heads sharing the KV head); the forced chunks (sinks,
-recent window) and the best other chunks up to the budget are attended exactly. Sequences with
+recent window) and the best other chunks up to the budget are attended exactly. Mode recycled
+scores the chunks instead by the attention probability they get in a full attention step (that
+token's output is then the full attention), every ``refresh`` positions; the tokens in between
+attend to those chunks plus the moving window. Sequences with
 several new tokens (prefill, chunked prefill) get full causal attention.
 """
 from __future__ import annotations
@@ -30,6 +33,15 @@ def chunk_scores(q: torch.Tensor, k: torch.Tensor, chunk: int, scale: float) -> 
     cent = kp.sum(1) / counts[:, None, None]  # [C, Hkv, D]
     qg = q.float().view(hkv, -1, d)
     return (torch.einsum("hgd,chd->hgc", qg, cent) * scale).amax(1)
+
+
+def chunk_mass(q: torch.Tensor, k: torch.Tensor, chunk: int, scale: float) -> torch.Tensor:
+    """Mode recycled's full step: ``q`` [H, D], ``k`` [n, Hkv, D] -> [Hkv, C], the attention
+    probability each chunk receives from the query heads of each KV head (summed over them)."""
+    n, hkv, d = k.shape
+    c = -(-n // chunk)
+    prob = (torch.einsum("hgd,nhd->hgn", q.float().view(hkv, -1, d), k.float()) * scale).softmax(-1).sum(1)
+    return F.pad(prob, (0, c * chunk - n)).view(hkv, c, chunk).sum(-1)
 
 
 def chosen_chunks(scores: torch.Tensor | None, b: Budget, mode: str, hkv: int,
@@ -107,10 +119,17 @@ def sparse_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: "Squeezed"
         grown = (ci >= torch.maximum(n_sink, r_start - extra)) & (ci < r_start)
         sel = (forced | grown | (full & eligible))[:, None, :].expand(nq, hkv, c)
     else:
-        kp = F.pad(k.float(), (0, 0, 0, 0, 0, c * chunk - n)).view(c, chunk, hkv, d)
-        counts = (n - ci * chunk).clamp(max=chunk).float()
-        cent = kp.sum(1) / counts[:, None, None]  # [C, Hkv, D]; partial chunks are always forced
-        sc = (torch.einsum("qhgd,chd->qhgc", q.float().view(nq, hkv, -1, d), cent) * scale).amax(2)
+        if p.mode == "recycled":  # the attention mass of each chunk in a full causal step
+            pos = torch.arange(n - nq, n, device=dev)
+            s_all = torch.einsum("qhgd,nhd->qhgn", q.float().view(nq, hkv, -1, d), k.float()) * scale
+            future = torch.arange(n, device=dev)[None, :] > pos[:, None]  # [nq, n]
+            prob = s_all.masked_fill(future[:, None, None, :], float("-inf")).softmax(-1).sum(2)
+            sc = F.pad(prob, (0, c * chunk - n)).view(nq, hkv, c, chunk).sum(-1)
+        else:
+            kp = F.pad(k.float(), (0, 0, 0, 0, 0, c * chunk - n)).view(c, chunk, hkv, d)
+            counts = (n - ci * chunk).clamp(max=chunk).float()
+            cent = kp.sum(1) / counts[:, None, None]  # [C, Hkv, D]; partial chunks are always forced
+            sc = (torch.einsum("qhgd,chd->qhgc", q.float().view(nq, hkv, -1, d), cent) * scale).amax(2)
         sc = sc.masked_fill((forced | ~eligible)[:, None, :], float("-inf"))
         rank = torch.empty_like(sc, dtype=torch.long)
         order = torch.argsort(sc, dim=2, descending=True, stable=True)
@@ -125,6 +144,8 @@ def sparse_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: "Squeezed"
         scored = r_idx == at
         sel = sel[r_idx] | forced[:, None, :]
     tokens = sel.repeat_interleave(chunk, dim=2)[:, :, :n]  # [nq, Hkv, n]
+    if p.mode == "recycled":  # a row that chose afresh ran the full step: its output is full attention
+        tokens = tokens | scored[:, None, None]
     pos = torch.arange(n - nq, n, device=dev)
     tokens = tokens & (torch.arange(n, device=dev)[None, :] <= pos[:, None])[:, None, :]
     s = torch.einsum("qhgd,nhd->qhgn", q.float().view(nq, hkv, -1, d), k.float()) * scale
@@ -186,7 +207,7 @@ class Squeezed(AttentionMethod):
         self.reused = 0
 
     def refreshing(self) -> bool:
-        return self.params.mode == "centroid" and self.params.refresh > 1
+        return self.params.mode in ("centroid", "recycled") and self.params.refresh > 1
 
     def remember(self, key: tuple[int, int, int], fingerprint: torch.Tensor, sel: torch.Tensor) -> None:
         self.selections[key] = (fingerprint, sel)
@@ -235,6 +256,27 @@ class Squeezed(AttentionMethod):
                 "kv_read_fraction": round(s.read / s.plain, 4) if s.plain else None}
 
 
+def choose(m: Squeezed, q: torch.Tensor, k: torch.Tensor, b: Budget, layer: AttentionLayer,
+           retrieval: list[bool] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A decode token's chunk choice [Hkv, C] made afresh, and the scores it was made from
+    (None when no scoring was needed): key centroids, or mode recycled's full-step mass."""
+    p = m.params
+    scores = None
+    if not b.full and p.mode == "centroid":
+        scores = chunk_scores(q, k, p.chunk, layer.scale)
+    elif not b.full and p.mode == "recycled":
+        scores = chunk_mass(q, k, p.chunk, layer.scale)
+    return chosen_chunks(scores, b, p.mode, layer.num_kv_heads, retrieval), scores
+
+
+def attended(mode: str, sel: torch.Tensor, scores: torch.Tensor | None, n: int, chunk: int) -> torch.Tensor:
+    """Token mask [Hkv, n] a decode token attends to: its chunks, or everything when mode
+    recycled ran its full step for this token (the step that chose afresh)."""
+    if mode == "recycled" and scores is not None:
+        return torch.ones(sel.shape[0], n, dtype=torch.bool, device=sel.device)
+    return sel.repeat_interleave(chunk, dim=1)[:, :n]
+
+
 def squeezed_attention(m: Squeezed, query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
                        layer: AttentionLayer) -> torch.Tensor:
     p = m.params
@@ -259,11 +301,10 @@ def squeezed_attention(m: Squeezed, query: torch.Tensor, kv_cache: torch.Tensor,
         sel = reuse_selection(m, layer, batch.block_table[i], key_at, n, b, bs) if m.refreshing() else None
         scores = None
         if sel is None:
-            scores = chunk_scores(query[q0], k, p.chunk, layer.scale) if p.mode == "centroid" and not b.full else None
-            sel = chosen_chunks(scores, b, p.mode, hkv, retrieval)  # [Hkv, C]
+            sel, scores = choose(m, query[q0], k, b, layer, retrieval)
             if m.refreshing() and (n - 1) % p.refresh == 0:
                 m.remember(refresh_key(layer, batch.block_table[i], n - 1, bs), key_at(n - 1).clone(), sel)
-        mask = sel.repeat_interleave(p.chunk, dim=1)[:, :n]
+        mask = attended(p.mode, sel, scores, n, p.chunk)
         out[q0] = masked_attention(query[q0], k, v, mask, layer.scale).to(query.dtype)
-        m.stats.add(n, hkv, int(mask.sum()), b.num_chunks * hkv if scores is not None else 0)
+        m.stats.add(n, hkv, int(mask.sum()), b.num_chunks * hkv if scores is not None and p.mode == "centroid" else 0)
     return out
