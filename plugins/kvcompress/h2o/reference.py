@@ -8,6 +8,8 @@ probability the observed queries put on each block.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from vllm_graft.hooks import AttentionLayer, BlockView, KVCompressor, PagedBatch, split_kv_cache
@@ -16,17 +18,24 @@ from ..streaming.policy import sink_window, top_blocks, with_pinned
 
 
 def paged_attention_with_mass(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
-                              layer: AttentionLayer, observe: torch.Tensor
+                              layer: AttentionLayer, observe: torch.Tensor,
+                              gather: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, H, D], mass [num_seqs, max_blocks])`` (see ``KVCompressor.attend``).
 
     Sequence i's queries are rows ``query_start_loc[i]:query_start_loc[i+1]``, the last
     ``q`` of its ``seq_lens[i]`` positions; its keys are the first ``seq_lens[i]`` slots of
-    the blocks ``block_table[i]``. Computed in fp32."""
-    k_cache, v_cache = split_kv_cache(kv_cache)
+    the blocks ``block_table[i]``. Computed in fp32. ``gather(block_ids)`` gives those
+    blocks' keys and values ``[nb, H_kv, B, D]`` each (default: read from the layout of
+    ``split_kv_cache``; a storage format such as ``kv4`` passes its dequantisation)."""
     T, H, D = query.shape
-    B = k_cache.shape[2]
-    group = H // k_cache.shape[1]
+    _, Hkv, B, _ = kv_cache.shape
+    group = H // Hkv
+    if gather is None:
+        k_cache, v_cache = split_kv_cache(kv_cache)
+
+        def gather(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return k_cache[ids], v_cache[ids]
     qsl = batch.query_start_loc.tolist()
     lens = batch.seq_lens.tolist()
     n = len(lens)
@@ -38,9 +47,9 @@ def paged_attention_with_mass(query: torch.Tensor, kv_cache: torch.Tensor, batch
         if q1 <= q0 or L <= 0:
             continue
         nb = -(-L // B)
-        ids = batch.block_table[i, :nb].long()
-        k = k_cache[ids].permute(1, 0, 2, 3).reshape(k_cache.shape[1], nb * B, D)[:, :L].float()
-        v = v_cache[ids].permute(1, 0, 2, 3).reshape(v_cache.shape[1], nb * B, D)[:, :L].float()
+        k, v = gather(batch.block_table[i, :nb].long())
+        k = k.permute(1, 0, 2, 3).reshape(Hkv, nb * B, D)[:, :L].float()
+        v = v.permute(1, 0, 2, 3).reshape(Hkv, nb * B, D)[:, :L].float()
         k = k.repeat_interleave(group, dim=0)  # [H, L, D]
         v = v.repeat_interleave(group, dim=0)
         q = query[q0:q1].float().transpose(0, 1)  # [H, q, D]

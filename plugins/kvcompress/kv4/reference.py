@@ -256,39 +256,14 @@ def paged_attention_kv4(query: torch.Tensor, kv_cache: torch.Tensor, batch: Page
 def _attention_with_mass(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
                          layer: AttentionLayer, value_group: int,
                          observe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`paged_attention_kv4` with the attention mass, one sequence at a time."""
-    T, H, D = query.shape
-    _, Hkv, B, _ = kv_cache.shape
-    group = H // Hkv
-    qsl = batch.query_start_loc.tolist()
-    lens = batch.seq_lens.tolist()
-    n = len(lens)
-    out = torch.zeros(T, H, D, dtype=query.dtype, device=query.device)
-    mass = torch.zeros(n, batch.block_table.shape[1], dtype=torch.float32, device=query.device)
-    for i in range(n):
-        q0, q1 = qsl[i], qsl[i + 1]
-        L = lens[i]
-        if q1 <= q0 or L <= 0:
-            continue
-        nb = -(-L // B)
-        ids = batch.block_table[i, :nb].long()
-        k, v = dequantize_block_rows(kv_cache[ids], D, B, value_group)  # [nb, Hkv, B, D]
-        k = k.permute(1, 0, 2, 3).reshape(Hkv, nb * B, D)[:, :L]
-        v = v.permute(1, 0, 2, 3).reshape(Hkv, nb * B, D)[:, :L]
-        k = k.repeat_interleave(group, dim=0)
-        v = v.repeat_interleave(group, dim=0)
-        q = query[q0:q1].float().transpose(0, 1)  # [H, q, D]
-        s = torch.einsum("hqd,hkd->hqk", q, k) * layer.scale
-        pos = torch.arange(L - (q1 - q0), L, device=query.device)
-        s = s.masked_fill(torch.arange(L, device=query.device)[None, None, :] > pos[None, :, None], float("-inf"))
-        p = torch.softmax(s, dim=-1)
-        out[q0:q1] = torch.einsum("hqk,hkd->hqd", p, v).transpose(0, 1).to(out.dtype)
-        obs = observe[q0:q1].to(p.dtype)
-        per_key = torch.einsum("hqk,q->k", p, obs)
-        padded = torch.zeros(nb * B, dtype=torch.float32, device=query.device)
-        padded[:L] = per_key
-        mass[i, :nb] = padded.view(nb, B).sum(-1)
-    return out, mass
+    """:func:`paged_attention_kv4` with the attention mass: H2O's reference attention with
+    mass, reading the blocks through this format's dequantisation."""
+    from ..h2o.reference import paged_attention_with_mass
+
+    D, B = query.shape[2], kv_cache.shape[2]
+    return paged_attention_with_mass(
+        query, kv_cache, batch, layer, observe,
+        gather=lambda ids: dequantize_block_rows(kv_cache[ids], D, B, value_group))
 
 
 # ----------------------------------------------------------------------------- plugin
