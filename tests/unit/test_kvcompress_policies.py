@@ -40,6 +40,7 @@ PLANNERS = [
     ("h2o", {"budget_blocks": 4, "sink_blocks": 1, "recent_blocks": 1}),
     ("h2o", {"budget_blocks": 8, "sink_blocks": 2, "recent_blocks": 3}),
     ("h2o", {"budget_blocks": 2, "sink_blocks": 0, "recent_blocks": 2}),
+    ("h2o", {"budget_blocks": 6, "sink_blocks": 1, "recent_blocks": 2, "score": "mean"}),
 ]
 
 
@@ -101,6 +102,17 @@ def test_h2o_keeps_the_heaviest_blocks_besides_sinks_and_the_window():
     scores = (9.0, 1.0, float("-inf"), 0.5, 8.0, 3.0, 2.0)  # block 2 dropped earlier
     assert h.keep(BlockView(7 * 32, 32, 10, scores)) == [0, 4, 5, 6]
     assert h.keep(BlockView(4 * 32, 32, 10, (0.0,) * 4)) == [0, 1, 2, 3]  # within budget
+
+
+def test_h2o_mean_score_divides_by_the_queries_that_could_attend():
+    """score: mean ranks by attention per query since the block's first token: an old block
+    with a large sum but little per query loses to a younger block attended more per query."""
+    scores = (9.0, 60.0, 1.0, 40.0, 3.0, 2.0)  # 6 blocks of 32, 192 tokens
+    assert build("h2o", budget_blocks=3, sink_blocks=1, recent_blocks=1).keep(
+        BlockView(6 * 32, 32, 10, scores)) == [0, 1, 5]  # sum: block 1 (60) beats block 3 (40)
+    # mean: block 1 60 / (192 - 32) = 0.375; block 3 40 / (192 - 96) = 0.42
+    assert build("h2o", budget_blocks=3, sink_blocks=1, recent_blocks=1, score="mean").keep(
+        BlockView(6 * 32, 32, 10, scores)) == [0, 3, 5]
 
 
 def test_snapkv_compresses_the_prompt_once_prefilled_by_the_window_attention():

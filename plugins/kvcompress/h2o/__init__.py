@@ -3,11 +3,15 @@ granularity: keeps ``sink_blocks`` leading blocks, the ``recent_blocks`` most re
 (the block being written included) and, up to ``budget_blocks`` in all, the blocks with the
 most attention accumulated so far (summed over every query since the block was written, all
 heads and all layers: vLLM frees KV per block and per KV-cache group, not per layer or head).
+``score: mean`` ranks blocks by that sum per query that could attend to them instead, removing
+the sum's preference for old blocks.
 
 The attention mass comes from the layer's attention itself, which the worker runs through
 :func:`reference.paged_attention_with_mass` (``kernel: reference``) or the Triton decode
 kernel that also emits per-block mass (``kernel: triton``; prefill rows use the reference).
 """
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from vllm_graft.hooks import Capabilities, KernelParams, Registration, hookimpl
@@ -17,6 +21,10 @@ class H2OParams(KernelParams):
     budget_blocks: int = Field(16, ge=2, description="KV blocks a request keeps in all")
     sink_blocks: int = Field(1, ge=0, description="leading blocks always kept")
     recent_blocks: int = Field(1, ge=1, description="most recent blocks always kept (the one being written included)")
+    score: Literal["sum", "mean"] = Field(
+        "sum", description="'sum': a block's attention accumulated over every query since it was "
+        "written (H2O); 'mean': that sum divided by the number of those queries, so old blocks "
+        "are not favoured for having been attended longer")
 
     @model_validator(mode="after")
     def _room_for_heavy_hitters(self):

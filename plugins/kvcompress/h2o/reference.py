@@ -75,7 +75,10 @@ class H2O(KVCompressor):
         if n <= p.budget_blocks or view.scores is None:
             return list(range(n))  # within budget (or asked without scores): drop nothing
         fixed = sink_window(n, p.sink_blocks, p.recent_blocks)
-        heavy = top_blocks(view.scores, [i for i in range(n) if i not in fixed and view.scores[i] != float("-inf")],
+        scores = view.scores
+        if p.score == "mean":  # per query that could attend to the block (from its first token on)
+            scores = [s / max(1, view.num_tokens - i * view.block_size) for i, s in enumerate(scores)]
+        heavy = top_blocks(scores, [i for i in range(n) if i not in fixed and scores[i] != float("-inf")],
                            p.budget_blocks - len(fixed))
         return with_pinned(fixed | heavy, view.pinned)
 
