@@ -38,7 +38,8 @@ from typing import Any
 DEFAULT_MODEL = "graft-tiny-llama"
 
 
-def _arms(context: int, block: int, which: list[str], fractions=(2, 4, 8)) -> list[tuple[str, Any]]:
+def _arms(context: int, block: int, which: list[str], fractions=(2, 4, 8),
+          h2o_recent: float = 0.5) -> list[tuple[str, Any]]:
     blocks = context // block
     arms: list[tuple[str, Any]] = [("plain", None)]
     if "kv4" in which:
@@ -54,7 +55,8 @@ def _arms(context: int, block: int, which: list[str], fractions=(2, 4, 8)) -> li
             if name == "streaming":
                 params = {"budget_blocks": budget, "sink_blocks": 1}
             elif name in ("h2o", "h2o-mean"):
-                params = {"budget_blocks": budget, "sink_blocks": 1, "recent_blocks": max(1, budget // 2)}
+                recent = min(budget - 1, max(1, round(budget * h2o_recent)))
+                params = {"budget_blocks": budget, "sink_blocks": 1, "recent_blocks": recent}
                 if name == "h2o-mean":
                     name, params["score"] = "h2o", "mean"
             elif name == "snapkv":
@@ -183,7 +185,7 @@ def main(args) -> int:
     needles = needle_haystack(tok, num_prompts=args.needles, context_tokens=args.context - room, seed=args.seed)
     rows = []
     fractions = tuple(int(f) for f in args.fractions.split(","))
-    for label, kv in _arms(args.context, args.block, args.compressors.split(","), fractions):
+    for label, kv in _arms(args.context, args.block, args.compressors.split(","), fractions, args.h2o_recent):
         r = run_arm(model, kv, texts, needles, block=args.block, chunk=args.chunk, pool=args.pool_blocks,
                     context=args.context, max_seqs=args.needles, decode=args.decode_tokens)
         r["arm"], r["kvcompress"] = label, kv
@@ -218,6 +220,8 @@ def add_command(sub: Any) -> None:
                    help="comma list (default the three eviction compressors); also kv4 (the 4-bit "
                         "storage format alone) and kv4+streaming, kv4+h2o, kv4+snapkv (composed)")
     p.add_argument("--fractions", default="2,4,8", help="budgets as fractions of the context (default 2,4,8)")
+    p.add_argument("--h2o-recent", type=float, default=0.5, metavar="F",
+                   help="share of an h2o budget kept for the recent window (default 0.5, as in the H2O paper)")
     p.add_argument("--context", type=int, default=2048, help="context tokens (default 2048)")
     p.add_argument("--block", type=int, default=32, help="KV block size (default 32)")
     p.add_argument("--chunk", type=int, default=128, help="prefill chunk: max_num_batched_tokens (default 128)")
