@@ -119,6 +119,11 @@ def uninstall(owner: str) -> None:
         SEAMS.kv_format = None
 
 
+def customize_spec(spec):
+    """A layer's KV-cache spec after the KV-compression seam (both backends call it)."""
+    return SEAMS.customize_spec(spec) if SEAMS.customize_spec is not None else spec
+
+
 def _clear_selector_cache() -> None:
     # vLLM caches the backend class per configuration; a later engine in this process
     # must see the current registration.
@@ -142,8 +147,7 @@ class GraftCPUAttentionBackend(CPUAttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec):
-        spec = super().customize_spec(spec)
-        return SEAMS.customize_spec(spec) if SEAMS.customize_spec is not None else spec
+        return customize_spec(super().customize_spec(spec))
 
 
 class GraftCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):

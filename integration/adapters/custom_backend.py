@@ -46,7 +46,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_graft.hooks import AttentionLayer, PagedBatch
 
-from .backend import SEAMS, _layer_index, write_kv
+from .backend import SEAMS, _layer_index, customize_spec, write_kv
 
 log = logging.getLogger("vllm_graft")
 
@@ -221,8 +221,7 @@ class GraftAttentionBackend(AttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec):
-        spec = super().customize_spec(spec)
-        return SEAMS.customize_spec(spec) if SEAMS.customize_spec is not None else spec
+        return customize_spec(super().customize_spec(spec))
 
 
 class GraftGenericCPUBackend(GraftAttentionBackend):
