@@ -41,6 +41,7 @@ test-unit: install
 train-models: install
 	$(PY) models/train.py --model dense
 	$(PY) models/train.py --model moe
+	$(PY) models/train.py --model recall  # fine-tunes graft-tiny-llama: after dense
 
 eval-models: install
 	$(PY) models/evaluate.py
