@@ -46,6 +46,13 @@ class Adapter:
         pass
 
 
+def attention_backend_overrides(plan: Plan) -> dict[str, Any]:
+    """Engine arguments of the adapters that install vllm-graft's attention backend (attention,
+    kvcompress): on CUDA vLLM selects the CUSTOM backend (:mod:`.custom_backend`) only when
+    asked; on CPU the CPU_ATTN override needs nothing."""
+    return {"attention_backend": "CUSTOM"} if plan.platform == "cuda" else {}
+
+
 class AdapterMissing(NotImplementedError):
     pass
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from vllm_graft.hooks import Kind
 
-from . import Adapter, backend
+from . import Adapter, attention_backend_overrides, backend
 
 OWNER = "adapters.attention"
 
@@ -24,7 +24,7 @@ class AttentionAdapter(Adapter):
     owner = OWNER
 
     def engine_overrides(self, enabled, plan):
-        return backend.engine_overrides(plan)
+        return attention_backend_overrides(plan)
 
     def activate(self, enabled, plan, runtime):
         (e,) = enabled  # the deployment allows one attention plugin

@@ -102,11 +102,6 @@ def install(owner: str) -> None:
     SEAMS.owners.add(owner)
 
 
-def engine_overrides(plan) -> dict[str, Any]:
-    """Engine arguments the backend needs: on CUDA vLLM picks ``CUSTOM`` only when asked."""
-    return {"attention_backend": "CUSTOM"} if plan.platform == "cuda" else {}
-
-
 def uninstall(owner: str) -> None:
     SEAMS.owners.discard(owner)
     if not SEAMS.owners:

@@ -139,7 +139,7 @@ from vllm_graft.hooks import BlockView, Kind, KVCacheFormat, KVCompressor
 from vllm_graft.hooks.contracts import KeepError, check_keep, dropped_blocks
 
 from ..patches import PATCHES
-from . import Adapter
+from . import Adapter, attention_backend_overrides
 
 if TYPE_CHECKING:
     import torch
@@ -853,7 +853,7 @@ class KVCompressAdapter(Adapter):
     owner = OWNER
 
     def engine_overrides(self, enabled, plan):
-        return {"attention_backend": "CUSTOM"} if plan.platform == "cuda" else {}  # see backend.engine_overrides
+        return attention_backend_overrides(plan)
 
     def activate(self, enabled, plan, runtime):
         global _active
