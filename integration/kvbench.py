@@ -56,20 +56,18 @@ def _arms(context: int, block: int, which: list[str], fractions=(2, 4, 8),
                 params = {"budget_blocks": budget, "sink_blocks": 1}
             elif name in ("h2o", "h2o-mean"):
                 recent = min(budget - 1, max(1, round(budget * h2o_recent)))
-                params = {"budget_blocks": budget, "sink_blocks": 1, "recent_blocks": recent}
-                if name == "h2o-mean":
-                    name, params["score"] = "h2o", "mean"
+                params = {"budget_blocks": budget, "sink_blocks": 1, "recent_blocks": recent,
+                          **({"score": "mean"} if name == "h2o-mean" else {})}
             elif name == "snapkv":
                 params = {"budget_blocks": budget, "sink_blocks": 1, "window_tokens": block}
             else:
                 raise SystemExit(f"kvbench: unknown compressor {name!r} (streaming, h2o, h2o-mean, snapkv, "
                                  "kv4, kv4+streaming, kv4+h2o, kv4+snapkv)")
-            choice = {"plugin": name, "params": params}
-            label = f"{name}-mean" if params.get("score") == "mean" else name
+            choice = {"plugin": name.removesuffix("-mean"), "params": params}
             if fmt is None:
-                arms.append((f"{label} 1/{frac}", choice))
+                arms.append((f"{name} 1/{frac}", choice))
             else:
-                arms.append((f"kv4+{label} 1/{frac}", [choice, fmt]))
+                arms.append((f"kv4+{name} 1/{frac}", [choice, fmt]))
     return arms
 
 

@@ -80,9 +80,7 @@ class GraftAttentionMetadataBuilder(AttentionMetadataBuilder[GraftAttentionMetad
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: Any,
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.block_size = kv_cache_spec.block_size
-        self.is_cross_attention = False
-        self.is_encoder_only_attention = False
+        self.block_size = kv_cache_spec.block_size  # read by the KV-compression rewriter
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> GraftAttentionMetadata:
