@@ -18,7 +18,6 @@ model predicts code mostly from the recent tokens).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 from pathlib import Path
@@ -112,7 +111,7 @@ def load_workload(name: str, tok: Any, args: argparse.Namespace
 def run_arm(model: str, engine: dict[str, Any], params: dict[str, Any] | None,
             prompts: list[list[int]], spans: list[tuple[int, int]],
             firsts: list[tuple[int, int]] | None = None) -> dict[str, Any]:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from vllm_graft.integration import launch
     from vllm_graft.integration.bench import nll_of
@@ -121,8 +120,7 @@ def run_arm(model: str, engine: dict[str, Any], params: dict[str, Any] | None,
     data: dict[str, Any] = {"model": model, "engine": engine,
                             "attention": {"plugin": "squeezed", "params": params or {}}}
     plan = launch.plan_from_dict(data)
-    llm = LLM(**launch.llm_kwargs(plan, graft=params is not None), seed=0)
-    try:
+    with launch.in_process_engine(plan, graft=params is not None, seed=0) as llm:
         res = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
         nll = [x for r, p, (a, b) in zip(res, prompts, spans) for x in nll_of(r.prompt_logprobs, p[:b], a)]
@@ -136,11 +134,7 @@ def run_arm(model: str, engine: dict[str, Any], params: dict[str, Any] | None,
             (impl,) = RUNTIME.instances.values()
             out["describe"] = impl.describe()
             out["kv_read_fraction"] = out["describe"]["kv_read_fraction"]
-        return out
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+    return out
 
 
 def cmd_sparse_quality(args: argparse.Namespace, console: Console) -> int:
