@@ -42,18 +42,21 @@ def _floats(text: str) -> list[float]:
 def _arms(args: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
     arms: list[tuple[str, dict[str, Any] | None]] = [("plain vLLM", None)]
     base = {"chunk": args.chunk, "sink_tokens": args.sink, "recent_tokens": args.recent, "prefill": "sparse"}
+    # with a head map, each selection mode also runs with it: retrieval heads choose, the others keep the window
+    maps = [("", {})] + ([("+heads", {"head_map": args.head_map})] if args.head_map else [])
     for b in args.budget:
         for mode in [m for m in args.modes.split(",") if m]:
-            if mode == "recycled":  # a full step every `refresh` positions (the plugin's default 16)
-                params = {**base, "mode": mode, "budget": b,
-                          **({"refresh": args.refresh} if args.refresh > 1 else {})}
-                arms.append((f"recycled K={b:g} refresh {args.refresh if args.refresh > 1 else RECYCLED_REFRESH}",
-                             params))
-                continue
-            arms.append((f"{mode} K={b:g}", {**base, "mode": mode, "budget": b}))
-            if mode == "centroid" and args.refresh > 1:
-                arms.append((f"centroid K={b:g} refresh {args.refresh}",
-                             {**base, "mode": mode, "budget": b, "refresh": args.refresh}))
+            for tag, hm in maps if mode in ("centroid", "recycled") else maps[:1]:
+                if mode == "recycled":  # a full step every `refresh` positions (the plugin's default 16)
+                    params = {**base, "mode": mode, "budget": b, **hm,
+                              **({"refresh": args.refresh} if args.refresh > 1 else {})}
+                    refresh = args.refresh if args.refresh > 1 else RECYCLED_REFRESH
+                    arms.append((f"recycled{tag} K={b:g} refresh {refresh}", params))
+                    continue
+                arms.append((f"{mode}{tag} K={b:g}", {**base, "mode": mode, "budget": b, **hm}))
+                if mode == "centroid" and args.refresh > 1:
+                    arms.append((f"centroid{tag} K={b:g} refresh {args.refresh}",
+                                 {**base, "mode": mode, "budget": b, "refresh": args.refresh, **hm}))
     if args.head_map:
         arms.append(("streaming-heads", {**base, "mode": "streaming-heads", "head_map": args.head_map}))
     return arms
@@ -209,7 +212,9 @@ def add_command(sub: Any) -> None:
     p.add_argument("--refresh", type=int, default=1, metavar="N",
                    help="also run mode centroid choosing chunks only every N positions (default 1: off); "
                         f"mode recycled's full-step interval (default {RECYCLED_REFRESH})")
-    p.add_argument("--head-map", help="also run mode streaming-heads with this head map")
+    p.add_argument("--head-map", help="also run mode streaming-heads with this head map, and each "
+                   "selection mode of --modes with it (arms '+heads': its retrieval heads choose chunks, "
+                   "the other heads keep the sink + window at the same budget)")
     p.add_argument("--chunk", type=int, default=16, help="chunk tokens (default 16)")
     p.add_argument("--sink", type=int, default=16, help="sink tokens (default 16)")
     p.add_argument("--recent", type=int, default=64, help="recent-window tokens (default 64)")

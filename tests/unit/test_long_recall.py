@@ -91,3 +91,20 @@ def test_sparse_quality_cli_refuses_before_any_engine(capsys):
     assert "use long-context, long-recall or shared-prefix" in capsys.readouterr().err
     assert main(["sparse-quality", "--workload", "long-recal"]) == 2
     assert "did you mean 'long-recall'?" in capsys.readouterr().err
+
+
+def test_sparse_quality_arms_with_a_head_map():
+    """--head-map adds streaming-heads and a '+heads' arm of each selection mode (not of window)."""
+    from vllm_graft.plugins.attention.squeezed import SqueezedParams
+
+    args = argparse.Namespace(budget=[0.25], modes="recycled,centroid,window", refresh=1, chunk=16, sink=16,
+                              recent=64, head_map="heads.json")
+    arms = dict(SQ._arms(args))
+    assert list(arms) == ["plain vLLM", "recycled K=0.25 refresh 16", "recycled+heads K=0.25 refresh 16",
+                          "centroid K=0.25", "centroid+heads K=0.25", "window K=0.25", "streaming-heads"]
+    assert arms["centroid+heads K=0.25"]["head_map"] == "heads.json"
+    assert arms["recycled+heads K=0.25 refresh 16"]["mode"] == "recycled"
+    assert "head_map" not in arms["centroid K=0.25"] and "head_map" not in arms["window K=0.25"]
+    assert SqueezedParams(**{k: v for k, v in arms["recycled K=0.25 refresh 16"].items()}).refresh == 16
+    assert [a for a in SQ._arms(argparse.Namespace(**{**vars(args), "head_map": None}))
+            if "heads" in a[0]] == []

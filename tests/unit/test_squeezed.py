@@ -93,7 +93,8 @@ def test_reference_is_exact_at_full_budget_and_masks_otherwise():
 
 def test_bad_parameters_are_refused(tmp_path):
     for bad, word in [({"budget": 0}, "budget"), ({"budget": 1.5}, "budget"), ({"chunk": 24}, "power of two"),
-                      ({"mode": "streaming-heads"}, "head_map"), ({"head_map": "x.json"}, "only read"),
+                      ({"mode": "streaming-heads"}, "head_map"), ({"mode": "window", "head_map": "x.json"}, "not in mode window"),
+                      ({"head_map": str(tmp_path / "none.json")}, "does not exist"),
                       ({"mode": "streaming-heads", "head_map": str(tmp_path / "none.json")}, "does not exist"),
                       ({"mode": "sparse"}, "mode"), ({"kernel": "cuda"}, "kernel")]:
         with pytest.raises(ValueError, match=word):
@@ -119,18 +120,45 @@ def test_streaming_heads_mode_reads_its_head_map(tmp_path):
         Squeezed(SqueezedParams(mode="streaming-heads", head_map=str(path)))
 
 
+@pytest.mark.parametrize("mode,refresh", [("centroid", 1), ("centroid", 4), ("recycled", 4)])
+def test_head_map_in_a_selection_mode_splits_the_heads(mode, refresh, tmp_path):
+    """With a head map, modes centroid and recycled choose chunks for the retrieval heads only:
+    those heads get what the mode gives without a map, the others what mode window gives."""
+    path = tmp_path / "heads.json"
+    path.write_text(json.dumps({"format": HEAD_MAP_FORMAT, "retrieval": [[True, False]]}))
+    q, kv, batch, layer = paged(SEQS, 4, 2, 64, 16, torch.float32, seed=7)
+    layer = AttentionLayer(4, 2, 64, layer.scale, 16, index=0)
+    kw = dict(budget=0.25, sink_tokens=16, recent_tokens=16, refresh=refresh)
+    run = lambda **extra: Squeezed(SqueezedParams(**{**kw, **extra})).forward(q, kv, batch, layer)  # noqa: E731
+    split = Squeezed(SqueezedParams(mode=mode, head_map=str(path), **kw))
+    out = split.forward(q, kv, batch, layer)
+    alone, window = run(mode=mode), run(mode="window")
+    decode = [0, 1, 5, 6]  # the decode rows of SEQS (rows 2-4: a chunked prefill, full attention)
+    assert (out[decode, :2] - alone[decode, :2]).abs().max() < 1e-5  # KV head 0: retrieval, chooses
+    assert (out[decode, 2:] - window[decode, 2:]).abs().max() < 1e-5  # KV head 1: the window baseline
+    assert (alone[decode, 2:] - window[decode, 2:]).abs().max() > 1e-3  # (the two differ there)
+    if mode == "centroid":  # centroids are read for the scoring head only
+        d_alone = Squeezed(SqueezedParams(mode=mode, **kw))
+        d_alone.forward(q, kv, batch, layer)
+        assert split.describe()["kv_token_heads_read"] < d_alone.describe()["kv_token_heads_read"]
+
+
 @pytest.mark.kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("shape", [(4, 2, 64, 16, 16), (4, 4, 128, 32, 16), (8, 2, 64, 32, 32),
                                    (6, 2, 128, 16, 16)], ids=lambda s: "H{}-Hkv{}-D{}-B{}-chunk{}".format(*s))
-def test_triton_matches_reference(shape, dtype):
+def test_triton_matches_reference(shape, dtype, tmp_path):
     from vllm_graft.plugins.attention.squeezed.kernel import chunk_scores_triton
 
     h, hkv, d, bs, chunk = shape
     q, kv, batch, layer = paged(SEQS, h, hkv, d, bs, dtype, seed=sum(shape))
+    layer = AttentionLayer(h, hkv, d, layer.scale, bs, index=0)
+    heads = tmp_path / "heads.json"  # the first KV head retrieves, the others keep the window
+    heads.write_text(json.dumps({"format": HEAD_MAP_FORMAT, "retrieval": [[True] + [False] * (hkv - 1)]}))
     worst = {}
-    for mode in ("centroid", "window", "recycled"):
-        kw = dict(mode=mode, budget=0.25, chunk=chunk, sink_tokens=16, recent_tokens=16)
+    for mode in ("centroid", "window", "recycled", "centroid+heads", "recycled+heads"):
+        kw = dict(mode=mode.removesuffix("+heads"), budget=0.25, chunk=chunk, sink_tokens=16, recent_tokens=16,
+                  **({"head_map": str(heads)} if mode.endswith("+heads") else {}))
         ref = Squeezed(SqueezedParams(**kw)).forward(q, kv, batch, layer)
         tri_m = Squeezed(SqueezedParams(kernel="triton", **kw))
         out = tri_m.forward(q, kv, batch, layer)
@@ -144,20 +172,21 @@ def test_triton_matches_reference(shape, dtype):
         k, _ = gather_kv(kv, batch.block_table[i, : -(-n // bs)], n, d)
         s_ref = chunk_scores(q[tok], k, chunk, layer.scale)
         s_err = max(s_err, (s_tri[r, :, :s_ref.shape[1]] - s_ref).abs().max().item())
-    print(f"{shape} {dtype}: max|err| centroid {worst['centroid']:.2e}, window {worst['window']:.2e}, "
-          f"recycled {worst['recycled']:.2e}, scores {s_err:.2e}")
+    print(f"{shape} {dtype}: max|err| " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items())
+          + f", scores {s_err:.2e}")
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     assert max(worst.values()) <= tol and s_err <= tol * 10
 
 
 @pytest.mark.parametrize("mode,refresh", [("centroid", 1), ("window", 1), ("streaming-heads", 1),
-                                          ("centroid", 8), ("recycled", 8), ("recycled", 3)])
+                                          ("centroid", 8), ("recycled", 8), ("recycled", 3),
+                                          ("centroid+heads", 1), ("centroid+heads", 8), ("recycled+heads", 8)])
 def test_sparse_prefill_equals_decoding_token_by_token(mode, refresh, tmp_path):
     """prefill: sparse gives each prompt row what a decode step at its position computes."""
     path = tmp_path / "heads.json"
     path.write_text(json.dumps({"format": HEAD_MAP_FORMAT, "retrieval": [[False, True]]}))
-    extra = {"head_map": str(path)} if mode == "streaming-heads" else {}
-    kw = dict(mode=mode, budget=0.2, chunk=16, sink_tokens=16, recent_tokens=20, refresh=refresh, **extra)
+    extra = {"head_map": str(path)} if mode in ("streaming-heads", "centroid+heads", "recycled+heads") else {}
+    kw = dict(mode=mode.removesuffix("+heads"), budget=0.2, chunk=16, sink_tokens=16, recent_tokens=20, refresh=refresh, **extra)
     n, nq, bs = 150, 90, 16
     q, kv, batch, layer = paged([(n, nq)], 4, 2, 64, bs, torch.float32, seed=3)
     layer = AttentionLayer(4, 2, 64, layer.scale, bs, index=0)

@@ -5,7 +5,10 @@ clusters of a fixed context). ``mode: recycled`` chooses the chunks by the atten
 full attention step instead, run every ``refresh`` positions ("Recycled Attention: Efficient
 inference for long-context language models"). Also the sink + window baseline at the same budget
 (``mode: window``) and RazorAttention's streaming heads (``mode: streaming-heads``: full
-attention for the retrieval heads of a head map, sinks + recent window for the others).
+attention for the retrieval heads of a head map, sinks + recent window for the others). With a
+head map, modes centroid and recycled choose chunks only for the map's retrieval heads; the other
+heads attend to the sink + window baseline at the same budget (RazorAttention's split of heads,
+with a budget for the retrieval heads too).
 """
 from pathlib import Path
 from typing import Literal
@@ -40,8 +43,10 @@ class SqueezedParams(KernelParams):
         "full", description="'full': prompt tokens get full causal attention (serving); 'sparse': each "
         "prompt token attends as it would when decoded (teacher forcing, to measure quality from "
         "prompt log-probabilities)")
-    head_map: str | None = Field(None, description="head-map file of `vllm-graft calibrate razor` "
-                                 "(mode streaming-heads)")
+    head_map: str | None = Field(None, description="head-map file of `vllm-graft calibrate razor`. "
+                                 "Mode streaming-heads: its retrieval heads attend fully, the others to the "
+                                 "sinks + recent window. Modes centroid and recycled: its retrieval heads choose "
+                                 "chunks, the others attend to the sink + window baseline at the same budget")
 
     @field_validator("chunk")
     @classmethod
@@ -58,15 +63,16 @@ class SqueezedParams(KernelParams):
             elif self.refresh < 2:
                 raise ValueError("mode recycled with refresh 1 runs a full attention step at every "
                                  "position (it reads more than plain attention); set refresh >= 2")
-        if self.mode == "streaming-heads":
-            if not self.head_map:
-                raise ValueError("mode streaming-heads needs head_map: the file written by "
-                                 "`vllm-graft calibrate razor --out FILE`")
+        if self.mode == "streaming-heads" and not self.head_map:
+            raise ValueError("mode streaming-heads needs head_map: the file written by "
+                             "`vllm-graft calibrate razor --out FILE`")
+        if self.head_map:
+            if self.mode == "window":
+                raise ValueError("head_map is read in modes streaming-heads, centroid and recycled, not in "
+                                 "mode window (every head attends to the sink + window there)")
             if not Path(self.head_map).expanduser().is_file():
                 raise ValueError(f"head_map {self.head_map!r} does not exist; write it with "
                                  "`vllm-graft calibrate razor --out FILE`")
-        elif self.head_map:
-            raise ValueError(f"head_map is only read in mode streaming-heads (mode is {self.mode!r})")
         return self
 
 

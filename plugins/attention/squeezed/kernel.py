@@ -18,7 +18,8 @@ import triton.language as tl
 from vllm_graft.hooks import AttentionLayer, PagedBatch, split_kv_cache
 from vllm_graft.plugins.attention.noop.reference import gather_kv
 
-from .reference import causal_attention, choose, chosen_chunks, refresh_key, reuse_selection, sparse_rows
+from .reference import (causal_attention, choose, chosen_chunks, full_step, refresh_key, reuse_selection,
+                        scoring_heads, sparse_rows)
 
 
 @triton.jit
@@ -183,9 +184,9 @@ def squeezed_attention_triton(m, query: torch.Tensor, kv_cache: torch.Tensor, ba
             if m.refreshing() and (n - 1) % p.refresh == 0:
                 m.remember(refresh_key(layer, row, n - 1, bs), key_at(n - 1).clone(), mk)
         if p.mode == "recycled" and s is not None:  # the full step itself attends to everything
-            mk = torch.ones_like(mk)
+            mk = full_step(mk, retrieval)
         masks.append(mk)
         m.stats.add(n, hkv, int(mk.repeat_interleave(p.chunk, dim=1)[:, :n].sum()),
-                    b.num_chunks * hkv if s is not None and p.mode == "centroid" else 0)
+                    b.num_chunks * scoring_heads(hkv, retrieval) if s is not None and p.mode == "centroid" else 0)
     sparse_decode_triton(query, kv_cache, batch, layer, p.chunk, rows, seqs, lens, masks, out)
     return out

@@ -66,7 +66,34 @@ def chosen_chunks(scores: torch.Tensor | None, b: Budget, mode: str, hkv: int,
         s[:, forced] = float("-inf")
         sel.scatter_(1, torch.topk(s, b.extra, dim=1).indices, True)
     sel[:, forced] = True
+    return window_heads(sel, b, retrieval)
+
+
+def window_heads(sel: torch.Tensor, b: Budget, retrieval: list[bool] | None) -> torch.Tensor:
+    """Modes centroid and recycled with a head map: the heads it does not mark as retrieval heads
+    attend to the sink + window baseline's chunks at the same budget (``sel`` [Hkv, C])."""
+    if retrieval is None or all(retrieval) or b.full:
+        return sel
+    local = ~torch.tensor(retrieval, dtype=torch.bool, device=sel.device)
+    sel = sel.clone()
+    sel[local] = False
+    sel[local.nonzero()[:, 0][:, None], torch.tensor(window_chunks(b), device=sel.device)[None, :]] = True
     return sel
+
+
+def full_step(sel: torch.Tensor, retrieval: list[bool] | None) -> torch.Tensor:
+    """Mode recycled, the token that ran the full step: every chunk for the heads that choose
+    chunks (all, or a head map's retrieval heads); the others keep ``sel`` (their window)."""
+    out = torch.ones_like(sel)
+    if retrieval is not None:
+        local = ~torch.tensor(retrieval, dtype=torch.bool, device=sel.device)
+        out[local] = sel[local]
+    return out
+
+
+def scoring_heads(hkv: int, retrieval: list[bool] | None) -> int:
+    """KV heads that score chunks (read their centroids)."""
+    return hkv if retrieval is None else sum(retrieval)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_mask: torch.Tensor,
@@ -112,12 +139,14 @@ def sparse_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: "Squeezed"
     full = torch.tensor([b.full for b in budgets], device=dev)[:, None]
     eligible = ci < num  # [nq, C]
     forced = (ci < n_sink) | ((ci >= r_start) & eligible)
+    grown = (ci >= torch.maximum(n_sink, r_start - extra)) & (ci < r_start)
+    window = forced | grown | (full & eligible)  # [nq, C]: the sink + window baseline
+    retr = None if retrieval is None else torch.tensor(retrieval, dtype=torch.bool, device=dev)
     if p.mode == "streaming-heads":
         sel = forced[:, None, :].expand(nq, hkv, c).clone()
-        sel[:, torch.tensor(retrieval, dtype=torch.bool, device=dev)] = eligible[:, None, :]
+        sel[:, retr] = eligible[:, None, :]
     elif p.mode == "window":
-        grown = (ci >= torch.maximum(n_sink, r_start - extra)) & (ci < r_start)
-        sel = (forced | grown | (full & eligible))[:, None, :].expand(nq, hkv, c)
+        sel = window[:, None, :].expand(nq, hkv, c)
     else:
         if p.mode == "recycled":  # the attention mass of each chunk in a full causal step
             pos = torch.arange(n - nq, n, device=dev)
@@ -143,18 +172,22 @@ def sparse_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: "Squeezed"
         r_idx = torch.where(r_idx >= 0, r_idx, at)  # refresh row before this chunk: choose afresh
         scored = r_idx == at
         sel = sel[r_idx] | forced[:, None, :]
+    if p.mode in ("centroid", "recycled") and retr is not None:  # window heads (head map)
+        sel = torch.where(retr[None, :, None], sel, window[:, None, :])
     tokens = sel.repeat_interleave(chunk, dim=2)[:, :, :n]  # [nq, Hkv, n]
     if p.mode == "recycled":  # a row that chose afresh ran the full step: its output is full attention
-        tokens = tokens | scored[:, None, None]
+        choosing = torch.ones(hkv, dtype=torch.bool, device=dev) if retr is None else retr
+        tokens = tokens | (scored[:, None] & choosing[None, :])[:, :, None]
     pos = torch.arange(n - nq, n, device=dev)
     tokens = tokens & (torch.arange(n, device=dev)[None, :] <= pos[:, None])[:, None, :]
     s = torch.einsum("qhgd,nhd->qhgn", q.float().view(nq, hkv, -1, d), k.float()) * scale
     s = s.masked_fill(~tokens[:, :, None, :], float("-inf"))
     out = torch.einsum("qhgn,nhd->qhgd", s.softmax(-1), v.float()).reshape(nq, h, d)
     centroid = p.mode == "centroid"
+    n_scoring = scoring_heads(hkv, retrieval)
     for t, b in enumerate(budgets):
         m.stats.add(n - nq + t + 1, hkv, int(tokens[t].sum()),
-                    b.num_chunks * hkv if centroid and not b.full and bool(scored[t]) else 0)
+                    b.num_chunks * n_scoring if centroid and not b.full and bool(scored[t]) else 0)
     return out
 
 
@@ -178,7 +211,7 @@ def reuse_selection(m: "Squeezed", layer: AttentionLayer, block_row: torch.Tenso
     sel = torch.zeros(stored.shape[0], b.num_chunks, dtype=torch.bool, device=stored.device)
     sel[:, :stored.shape[1]] = stored
     sel[:, list(b.sink) + list(b.recent)] = True
-    return sel
+    return window_heads(sel, b, m.retrieval(layer))  # window heads follow the moving window
 
 
 class Stats:
@@ -201,7 +234,7 @@ class Squeezed(AttentionMethod):
 
     def __init__(self, params) -> None:
         super().__init__(params)
-        self.head_map = load_head_map(params.head_map) if params.mode == "streaming-heads" else None
+        self.head_map = load_head_map(params.head_map) if params.head_map else None
         self.stats = Stats()
         self.selections: OrderedDict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self.reused = 0
@@ -269,11 +302,13 @@ def choose(m: Squeezed, q: torch.Tensor, k: torch.Tensor, b: Budget, layer: Atte
     return chosen_chunks(scores, b, p.mode, layer.num_kv_heads, retrieval), scores
 
 
-def attended(mode: str, sel: torch.Tensor, scores: torch.Tensor | None, n: int, chunk: int) -> torch.Tensor:
+def attended(mode: str, sel: torch.Tensor, scores: torch.Tensor | None, n: int, chunk: int,
+             retrieval: list[bool] | None = None) -> torch.Tensor:
     """Token mask [Hkv, n] a decode token attends to: its chunks, or everything when mode
-    recycled ran its full step for this token (the step that chose afresh)."""
+    recycled ran its full step for this token (the step that chose afresh; with a head map,
+    only for the retrieval heads)."""
     if mode == "recycled" and scores is not None:
-        return torch.ones(sel.shape[0], n, dtype=torch.bool, device=sel.device)
+        sel = full_step(sel, retrieval)
     return sel.repeat_interleave(chunk, dim=1)[:, :n]
 
 
@@ -304,7 +339,8 @@ def squeezed_attention(m: Squeezed, query: torch.Tensor, kv_cache: torch.Tensor,
             sel, scores = choose(m, query[q0], k, b, layer, retrieval)
             if m.refreshing() and (n - 1) % p.refresh == 0:
                 m.remember(refresh_key(layer, batch.block_table[i], n - 1, bs), key_at(n - 1).clone(), sel)
-        mask = attended(p.mode, sel, scores, n, p.chunk)
+        mask = attended(p.mode, sel, scores, n, p.chunk, retrieval)
         out[q0] = masked_attention(query[q0], k, v, mask, layer.scale).to(query.dtype)
-        m.stats.add(n, hkv, int(mask.sum()), b.num_chunks * hkv if scores is not None and p.mode == "centroid" else 0)
+        m.stats.add(n, hkv, int(mask.sum()), b.num_chunks * scoring_heads(hkv, retrieval)
+                    if scores is not None and p.mode == "centroid" else 0)
     return out
