@@ -146,7 +146,7 @@ def test_head_map_in_a_selection_mode_splits_the_heads(mode, refresh, tmp_path):
 @pytest.mark.kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("shape", [(4, 2, 64, 16, 16), (4, 4, 128, 32, 16), (8, 2, 64, 32, 32),
-                                   (6, 2, 128, 16, 16)], ids=lambda s: "H{}-Hkv{}-D{}-B{}-chunk{}".format(*s))
+                                   (6, 2, 128, 16, 16), (4, 2, 64, 32, 8)], ids=lambda s: "H{}-Hkv{}-D{}-B{}-chunk{}".format(*s))
 def test_triton_matches_reference(shape, dtype, tmp_path):
     from vllm_graft.plugins.attention.squeezed.kernel import chunk_scores_triton
 

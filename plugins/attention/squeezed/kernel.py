@@ -55,7 +55,9 @@ def _chunk_score_kernel(Q, K, S, row_tok, row_seq, row_len, BT, sbt, sq_t, sq_h,
 def _sparse_decode_kernel(Q, K, V, O, row_tok, row_seq, row_len, SEL, NSEL, BT, sbt,
                           sq_t, sq_h, sk_n, sk_h, sk_t, so_t, so_h, ssel_r, ssel_h, sn_r, scale,
                           G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
-                          CHUNK: tl.constexpr, BLOCK_G: tl.constexpr, PREC: tl.constexpr):
+                          CHUNK: tl.constexpr, TILE: tl.constexpr, BLOCK_G: tl.constexpr,
+                          PREC: tl.constexpr):
+    # TILE = max(CHUNK, 16) rows per chunk load (tl.dot needs at least 16; rows past CHUNK masked)
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     tok = tl.load(row_tok + r).to(tl.int64)
@@ -68,7 +70,7 @@ def _sparse_decode_kernel(Q, K, V, O, row_tok, row_seq, row_len, SEL, NSEL, BT, 
     d_ok = d < D
     q = tl.load(Q + tok * sq_t + head[:, None] * sq_h + d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-    j = tl.arange(0, CHUNK)
+    j = tl.arange(0, TILE)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -77,7 +79,7 @@ def _sparse_decode_kernel(Q, K, V, O, row_tok, row_seq, row_len, SEL, NSEL, BT, 
         c = tl.load(SEL + r * ssel_r + kvh * ssel_h + i)
         first = c * CHUNK
         blk = tl.load(BT + seq * sbt + first // BS).to(tl.int64)
-        t_ok = first + j < n
+        t_ok = (j < CHUNK) & (first + j < n)
         off = blk * sk_n + kvh * sk_h + ((first % BS) + j)[:, None] * sk_t + d[None, :]
         k = tl.load(K + off, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
@@ -134,7 +136,7 @@ def sparse_decode_triton(query, kv_cache, batch, layer, chunk, rows, seqs, lens,
         table.stride(0), query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), out.stride(0), out.stride(1), sel.stride(0), sel.stride(1),
         counts.stride(0), layer.scale, G=g, D=d, BLOCK_D=triton.next_power_of_2(d),
-        BS=kv_cache.shape[2], CHUNK=chunk, BLOCK_G=max(16, triton.next_power_of_2(g)),
+        BS=kv_cache.shape[2], CHUNK=chunk, TILE=max(16, chunk), BLOCK_G=max(16, triton.next_power_of_2(g)),
         PREC="ieee" if query.dtype == torch.float32 else None)
 
 
