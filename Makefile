@@ -42,6 +42,8 @@ train-models: install
 	$(PY) models/train.py --model dense
 	$(PY) models/train.py --model moe
 	$(PY) models/train.py --model recall  # fine-tunes graft-tiny-llama: after dense
+	$(PY) models/train.py --model recall --init models/graft-tiny-llama-recall --steps 3000 --minutes 22 \
+	    --long-steps 2400 --long-minutes 20  # continues it in place (see models/README.md)
 
 eval-models: install
 	$(PY) models/evaluate.py

@@ -501,9 +501,17 @@ def main_recall(args, out_dir: Path, steps: int, minutes: float, long_steps: int
     out_dir.mkdir(parents=True, exist_ok=True)
     model.eval()
     model.config._attn_implementation = "sdpa"  # not saved in config.json; as the init model
-    model.to(torch.float16).save_pretrained(out_dir, safe_serialization=True)
+    # a continued run (--init = the output folder) writes beside it first, then replaces it
+    in_place = args.init.resolve() == out_dir.resolve()
+    save_dir = out_dir.with_name(out_dir.name + ".new") if in_place else out_dir
+    save_dir.mkdir(parents=True, exist_ok=True)
+    model.to(torch.float16).save_pretrained(save_dir, safe_serialization=True)
     for f in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(args.init / f, out_dir / f)
+        shutil.copyfile(args.init / f, save_dir / f)
+    if in_place:
+        for f in save_dir.iterdir():
+            os.replace(f, out_dir / f.name)
+        save_dir.rmdir()
 
     import tokenizers
     import transformers
@@ -524,7 +532,9 @@ def main_recall(args, out_dir: Path, steps: int, minutes: float, long_steps: int
         command=" ".join([Path(sys.executable).name, *sys.argv]),
         log=log,
     )
-    log_path = HERE / "logs" / "train_recall.json" if default_out else out_dir / "train_log.json"
+    # the recall model is trained in two runs (see models/README.md): the second continues the first
+    stage = "train_recall_continued.json" if args.init.name == FOLDERS["recall"] else "train_recall.json"
+    log_path = HERE / "logs" / stage if default_out else out_dir / "train_log.json"
     log_path.parent.mkdir(exist_ok=True)
     log_path.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps({k: v for k, v in record.items() if k != "log"}, indent=1), flush=True)
