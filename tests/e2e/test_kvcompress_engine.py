@@ -17,6 +17,9 @@ import os
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# before vLLM imports triton: the interpreted kernel test below needs triton's own @jit helpers
+# (tl.max, ...) created in interpreter mode too, or running this file alone fails
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import json  # noqa: E402
 import subprocess  # noqa: E402
