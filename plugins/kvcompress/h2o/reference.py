@@ -86,12 +86,11 @@ class H2O(KVCompressor):
         return with_pinned(fixed | heavy, view.pinned)
 
     def attend(self, query, kv_cache, batch, layer, observe):
-        heads = getattr(self.params, "heads", "sum")  # snapkv borrows this method; its params have no `heads`
         if self.params.kernel == "triton":
             from .kernel import attention_with_mass
 
-            return attention_with_mass(query, kv_cache, batch, layer, observe, heads=heads)
-        return paged_attention_with_mass(query, kv_cache, batch, layer, observe, heads=heads)
+            return attention_with_mass(query, kv_cache, batch, layer, observe, heads=self.params.heads)
+        return paged_attention_with_mass(query, kv_cache, batch, layer, observe, heads=self.params.heads)
 
     def describe(self):
         return self.params.model_dump()
