@@ -36,9 +36,6 @@ import time
 from typing import Any
 
 DEFAULT_MODEL = "graft-tiny-llama"
-#: kvbench arm name -> h2o parameters beside the budget
-H2O_VARIANTS = {"h2o": {}, "h2o-mean": {"score": "mean"}, "h2o-max": {"heads": "max"},
-                "h2o-mean-max": {"score": "mean", "heads": "max"}}
 
 
 def _arms(context: int, block: int, which: list[str], fractions=(2, 4, 8),
@@ -57,15 +54,16 @@ def _arms(context: int, block: int, which: list[str], fractions=(2, 4, 8),
                 fmt, name = {"plugin": "kv4"}, name[len("kv4+"):]
             if name == "streaming":
                 params = {"budget_blocks": budget, "sink_blocks": 1}
-            elif name in H2O_VARIANTS:
+            elif name in ("h2o", "h2o-mean"):
                 recent = min(budget - 1, max(1, round(budget * h2o_recent)))
-                params = {"budget_blocks": budget, "sink_blocks": 1, "recent_blocks": recent, **H2O_VARIANTS[name]}
+                params = {"budget_blocks": budget, "sink_blocks": 1, "recent_blocks": recent,
+                          **({"score": "mean"} if name == "h2o-mean" else {})}
             elif name == "snapkv":
                 params = {"budget_blocks": budget, "sink_blocks": 1, "window_tokens": block}
             else:
-                raise SystemExit(f"kvbench: unknown compressor {name!r} (streaming, {', '.join(H2O_VARIANTS)}, snapkv, "
+                raise SystemExit(f"kvbench: unknown compressor {name!r} (streaming, h2o, h2o-mean, snapkv, "
                                  "kv4, kv4+streaming, kv4+h2o, kv4+snapkv)")
-            choice = {"plugin": name.split("-")[0], "params": params}
+            choice = {"plugin": name.removesuffix("-mean"), "params": params}
             if fmt is None:
                 arms.append((f"{name} 1/{frac}", choice))
             else:

@@ -12,14 +12,6 @@ def test_arms_budgets_and_h2o_variants():
     assert arms["h2o 1/2"]["params"] == {"budget_blocks": 32, "sink_blocks": 1, "recent_blocks": 24}
     assert arms["h2o-mean 1/8"] == {"plugin": "h2o", "params": {"budget_blocks": 8, "sink_blocks": 1,
                                                               "recent_blocks": 6, "score": "mean"}}
-    both = dict(_arms(2048, 32, ["h2o-max", "h2o-mean-max"], (4,)))
-    assert both["h2o-max 1/4"] == {"plugin": "h2o", "params": {"budget_blocks": 16, "sink_blocks": 1,
-                                                              "recent_blocks": 8, "heads": "max"}}
-    assert both["h2o-mean-max 1/4"]["params"]["score"] == "mean" and both["h2o-mean-max 1/4"]["params"]["heads"] == "max"
-    from vllm_graft.plugins.kvcompress.h2o import H2OParams
-    for arm in both.values():
-        if arm:
-            H2OParams(**arm["params"])  # valid plugin parameters
     default = dict(_arms(2048, 32, ["h2o"], (4,)))
     assert default["h2o 1/4"]["params"]["recent_blocks"] == 8  # half, as in the H2O paper
 
@@ -29,5 +21,5 @@ def test_kv4_compositions_and_unknown_names():
     assert arms["kv4"] == {"plugin": "kv4"}
     assert arms["kv4+h2o-mean 1/4"][1] == {"plugin": "kv4"}
     assert arms["kv4+h2o-mean 1/4"][0]["params"]["score"] == "mean"
-    with pytest.raises(SystemExit, match="unknown compressor 'h3o'.*h2o-mean.*h2o-max"):
+    with pytest.raises(SystemExit, match="unknown compressor 'h3o'.*h2o-mean"):
         _arms(2048, 32, ["h3o"])

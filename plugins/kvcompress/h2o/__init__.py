@@ -4,9 +4,7 @@ granularity: keeps ``sink_blocks`` leading blocks, the ``recent_blocks`` most re
 most attention accumulated so far (summed over every query since the block was written, all
 heads and all layers: vLLM frees KV per block and per KV-cache group, not per layer or head).
 ``score: mean`` ranks blocks by that sum per query that could attend to them instead, removing
-the sum's preference for old blocks. ``heads: max`` takes, per layer and step, the largest mass
-any one head puts on the block instead of the sum over heads (H2O ranks tokens per head; one
-block list shared by all heads comes closest to that when a block that one head needs is kept).
+the sum's preference for old blocks.
 
 The attention mass comes from the layer's attention itself, which the worker runs through
 :func:`reference.paged_attention_with_mass` (``kernel: reference``) or the Triton decode
@@ -27,10 +25,6 @@ class H2OParams(KernelParams):
         "sum", description="'sum': a block's attention accumulated over every query since it was "
         "written (H2O); 'mean': that sum divided by the number of those queries, so old blocks "
         "are not favoured for having been attended longer")
-    heads: Literal["sum", "max"] = Field(
-        "sum", description="how a step's attention mass on a block is combined over the query heads of a "
-        "layer: 'sum' (H2O's total), or 'max' (the head that attends to it most: a block one retrieval "
-        "head needs counts as much as one every head reads; H2O itself keeps heavy hitters per head)")
 
     @model_validator(mode="after")
     def _room_for_heavy_hitters(self):

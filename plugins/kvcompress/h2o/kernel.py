@@ -96,10 +96,9 @@ def decode_attention_with_mass(query: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 
 def attention_with_mass(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
-                        layer: AttentionLayer, observe: torch.Tensor,
-                        heads: str = "sum") -> tuple[torch.Tensor, torch.Tensor]:
+                        layer: AttentionLayer, observe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``KVCompressor.attend`` with the Triton kernel for decode rows (one query) and the
-    reference for the others; ``heads`` combines the kernel's per-head mass ("sum" or "max")."""
+    reference for the others."""
     from .reference import paged_attention_with_mass
 
     qsl = batch.query_start_loc
@@ -109,7 +108,7 @@ def attention_with_mass(query: torch.Tensor, kv_cache: torch.Tensor, batch: Page
                                                         dtype=torch.float32, device=query.device)
     others = ~decode & (qlen > 0)
     if bool(others.any()):
-        ref_out, ref_mass = paged_attention_with_mass(query, kv_cache, batch, layer, observe, heads=heads)
+        ref_out, ref_mass = paged_attention_with_mass(query, kv_cache, batch, layer, observe)
         out, mass = ref_out, ref_mass * others[:, None]
     if bool(decode.any()):
         seqs = decode.nonzero().flatten()
@@ -118,5 +117,5 @@ def attention_with_mass(query: torch.Tensor, kv_cache: torch.Tensor, batch: Page
         d_out, d_mass = decode_attention_with_mass(query, k_cache, v_cache, batch.block_table[seqs],
                                                    batch.seq_lens[seqs], rows, layer.scale)
         out[rows] = d_out
-        mass[seqs] = (d_mass.amax(1) if heads == "max" else d_mass.sum(1)) * observe[rows].to(torch.float32)[:, None]
+        mass[seqs] = d_mass.sum(1) * observe[rows].to(torch.float32)[:, None]
     return out, mass

@@ -20,16 +20,14 @@ from ..streaming.policy import sink_window, top_blocks, with_pinned
 def paged_attention_with_mass(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
                               layer: AttentionLayer, observe: torch.Tensor,
                               gather: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
-                              heads: str = "sum") -> tuple[torch.Tensor, torch.Tensor]:
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, H, D], mass [num_seqs, max_blocks])`` (see ``KVCompressor.attend``).
 
     Sequence i's queries are rows ``query_start_loc[i]:query_start_loc[i+1]``, the last
     ``q`` of its ``seq_lens[i]`` positions; its keys are the first ``seq_lens[i]`` slots of
     the blocks ``block_table[i]``. Computed in fp32. ``gather(block_ids)`` gives those
     blocks' keys and values ``[nb, H_kv, B, D]`` each (default: read from the layout of
-    ``split_kv_cache``; a storage format such as ``kv4`` passes its dequantisation). A block's
-    mass is what each query head's observed rows put on it, summed over the heads (``heads``
-    "sum") or the largest of them ("max")."""
+    ``split_kv_cache``; a storage format such as ``kv4`` passes its dequantisation)."""
     T, H, D = query.shape
     _, Hkv, B, _ = kv_cache.shape
     group = H // Hkv
@@ -61,11 +59,10 @@ def paged_attention_with_mass(query: torch.Tensor, kv_cache: torch.Tensor, batch
         p = torch.softmax(s, dim=-1)
         out[q0:q1] = torch.einsum("hqk,hkd->hqd", p, v).transpose(0, 1).to(out.dtype)
         obs = observe[q0:q1].to(p.dtype)
-        per_key = torch.einsum("hqk,q->hk", p, obs)
-        padded = torch.zeros(H, nb * B, dtype=torch.float32, device=query.device)
-        padded[:, :L] = per_key
-        per_head = padded.view(H, nb, B).sum(-1)
-        mass[i, :nb] = per_head.amax(0) if heads == "max" else per_head.sum(0)
+        per_key = torch.einsum("hqk,q->k", p, obs)
+        padded = torch.zeros(nb * B, dtype=torch.float32, device=query.device)
+        padded[:L] = per_key
+        mass[i, :nb] = padded.view(nb, B).sum(-1)
     return out, mass
 
 
@@ -89,8 +86,8 @@ class H2O(KVCompressor):
         if self.params.kernel == "triton":
             from .kernel import attention_with_mass
 
-            return attention_with_mass(query, kv_cache, batch, layer, observe, heads=self.params.heads)
-        return paged_attention_with_mass(query, kv_cache, batch, layer, observe, heads=self.params.heads)
+            return attention_with_mass(query, kv_cache, batch, layer, observe)
+        return paged_attention_with_mass(query, kv_cache, batch, layer, observe)
 
     def describe(self):
         return self.params.model_dump()
