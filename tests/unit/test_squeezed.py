@@ -115,6 +115,10 @@ def test_streaming_heads_mode_reads_its_head_map(tmp_path):
     assert (out[0, 2:] - exact[0, 2:]).abs().max() > 1e-3  # KV head 1: sinks + window only
     with pytest.raises(ValueError, match="calibrate razor"):
         m.forward(q, kv, batch, AttentionLayer(4, 2, 64, layer.scale, 16, index=5))
+    # a relative head map resolves as `model` does: relative to the deployment file's folder
+    ctx = {"base_dir": str(tmp_path)}
+    rel = SqueezedParams.model_validate({"mode": "streaming-heads", "head_map": "heads.json"}, context=ctx)
+    assert rel.head_map == str(path.resolve())
     path.write_text("{}")
     with pytest.raises(ValueError, match="not a"):
         Squeezed(SqueezedParams(mode="streaming-heads", head_map=str(path)))

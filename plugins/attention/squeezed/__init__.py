@@ -13,9 +13,10 @@ with a budget for the retrieval heads too).
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from vllm_graft.hooks import Capabilities, KernelParams, Registration, hookimpl
+from vllm_graft.hooks.deployment import param_path
 from vllm_graft.hooks.registry import ATTENTION_BACKEND_LIMITS
 
 
@@ -48,6 +49,12 @@ class SqueezedParams(KernelParams):
                                  "sinks + recent window. Modes centroid and recycled: its retrieval heads choose "
                                  "chunks, the others attend to the sink + window baseline at the same budget")
 
+    @field_validator("head_map")
+    @classmethod
+    def _head_map_path(cls, v: str | None, info: ValidationInfo) -> str | None:
+        # as `model`: from the current folder, else relative to the deployment file
+        return None if v is None else str(param_path(v, info))
+
     @field_validator("chunk")
     @classmethod
     def _power_of_two(cls, v: int) -> int:
@@ -70,7 +77,7 @@ class SqueezedParams(KernelParams):
             if self.mode == "window":
                 raise ValueError("head_map is read in modes streaming-heads, centroid and recycled, not in "
                                  "mode window (every head attends to the sink + window there)")
-            if not Path(self.head_map).expanduser().is_file():
+            if not Path(self.head_map).is_file():
                 raise ValueError(f"head_map {self.head_map!r} does not exist; write it with "
                                  "`vllm-graft calibrate razor --out FILE`")
         return self
