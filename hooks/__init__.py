@@ -18,6 +18,7 @@ from .contracts import (
 )
 from .deployment import (
     Deployment,
+    DeploymentContext,
     DeploymentError,
     Environment,
     Plan,
@@ -48,6 +49,7 @@ from .specs import hookimpl, hookspec
 
 __all__ = [
     "CONTRACTS", "AttentionLayer", "AttentionMethod", "BlockView", "Capabilities", "Deployment",
+    "DeploymentContext",
     "DeploymentError", "ENTRY_POINT_GROUP", "Environment", "GraftPluginManager", "KERNEL_FIELD",
     "KVCacheFormat", "KVCompressor", "KernelParams", "Kind", "MoEModel", "MoEScheduler", "NoParams", "PagedBatch",
     "Plan", "PluginChoice", "PluginImpl",

@@ -293,6 +293,8 @@ class ModelInfo:
     #: attention features of :data:`~vllm_graft.hooks.registry.MODEL_FEATURES` it uses, each
     #: with the config.json setting that shows it
     features: tuple[tuple[str, str], ...] = ()
+    num_layers: int | None = None  # decoder layers (num_hidden_layers)
+    num_kv_heads: int | None = None  # KV heads per layer (num_key_value_heads, else the query heads)
 
     @classmethod
     def read(cls, folder: Path) -> "ModelInfo":
@@ -301,8 +303,13 @@ class ModelInfo:
         if head is None and cfg.get("hidden_size") and cfg.get("num_attention_heads"):
             head = cfg["hidden_size"] // cfg["num_attention_heads"]
         dtype = cfg.get("torch_dtype") or cfg.get("dtype")
+        text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+        layers = text.get("num_hidden_layers")
+        kv_heads = text.get("num_key_value_heads") or text.get("num_attention_heads")
         return cls(str(folder), tuple(cfg.get("architectures") or ()), head,
-                   DTYPE_ALIASES.get(str(dtype)) if dtype else None, model_features(cfg))
+                   DTYPE_ALIASES.get(str(dtype)) if dtype else None, model_features(cfg),
+                   layers if isinstance(layers, int) else None,
+                   kv_heads if isinstance(kv_heads, int) else None)
 
 
 def model_features(cfg: dict[str, Any]) -> tuple[tuple[str, str], ...]:
@@ -341,6 +348,28 @@ class Environment:
     platform: str | None = None
     vllm_version: str | None = None
     engine_args: frozenset[str] | None = None
+
+
+#: vLLM's KV block size when ``engine.block_size`` is not given, per platform, as read in
+#: vLLM 0.32's source (``CpuPlatform.check_and_update_config``: 128 unless the model uses
+#: MLA). CUDA's depends on the attention backend chosen at start-up, so it is not known here.
+DEFAULT_BLOCK_SIZES: dict[str, int] = {"cpu": 128}
+
+
+@dataclass(frozen=True)
+class DeploymentContext:
+    """What validation knows about where a plugin will run, for the plugin's own checks.
+
+    A plugin's parameter model may define ``check_deployment(self, ctx) -> list[str]``:
+    each string is a problem with the configuration (say what is wrong and how to fix it),
+    reported at validation with the other problems, before vLLM starts. Any field may be
+    ``None`` (unknown); skip the checks that need it (they then happen at start-up)."""
+
+    platform: str | None
+    dtype: str | None
+    model: ModelInfo | None
+    #: ``engine.block_size``, else the platform's default (:data:`DEFAULT_BLOCK_SIZES`)
+    block_size: int | None
 
 
 @dataclass
@@ -414,6 +443,11 @@ def validate(
     model = _model_info(data.get("model"), base_dir, problems, notes)
     dtype = _dtype(engine, model, problems)
 
+    block_size = engine.get("block_size")
+    if not isinstance(block_size, int) or isinstance(block_size, bool):
+        block_size = DEFAULT_BLOCK_SIZES.get(platform) if "block_size" not in engine else None
+    context = DeploymentContext(platform, dtype, model, block_size)
+
     enabled: list[Enabled] = []
     for kind, loc, choice in choices:
         path = _path(loc)
@@ -429,6 +463,7 @@ def validate(
             problems += pydantic_problems(e, params_model, prefix=(*loc, "params"))
             continue
         _check_capabilities(entry, path, platform, env.vllm_version, dtype, model, problems, notes)
+        _check_params(entry, path, params, context, problems)
         enabled.append(Enabled(kind, entry, params, path))
 
     _check_multiples(enabled, problems)
@@ -589,6 +624,17 @@ def _check_capabilities(
                                     f"architecture {', '.join(model.architectures) or 'unknown'}",
                                     value=entry.name,
                                     accepted="architectures " + ", ".join(caps.architectures)))
+
+
+def _check_params(entry: Entry, path: str, params: BaseModel, context: DeploymentContext,
+                  problems: list[Problem]) -> None:
+    """The plugin's own checks of its parameters against the model and engine
+    (``check_deployment``, see :class:`DeploymentContext`)."""
+    check = getattr(params, "check_deployment", None)
+    if not callable(check):
+        return
+    for why in check(context) or ():
+        problems.append(Problem(f"{path}.params", f"{entry.kind} plugin {entry.name!r}: {why}"))
 
 
 def _check_multiples(enabled: list[Enabled], problems: list[Problem]) -> None:

@@ -93,7 +93,8 @@ process can append its channel events to a file named by ``VLLM_GRAFT_KVCOMPRESS
 Granularity. vLLM frees KV per block and per KV-cache group, so a block's score aggregates
 its tokens, all heads and all layers: H2O and SnapKV here choose blocks for all layers at
 once, not per layer or per head as in the papers. A scored compressor brings its own
-attention, so it cannot be combined with an attention plugin (refused at activation).
+attention, so it cannot be combined with an attention plugin (refused at validation: its
+registration declares ``incompatible_with: attention:*``; activation checks again).
 
 Storage formats (``KVCacheFormat``, e.g. ``kv4``) and composition
 -----------------------------------------------------------------

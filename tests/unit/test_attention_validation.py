@@ -68,3 +68,51 @@ def test_features_are_read_from_text_config_and_names_are_checked():
     assert model_features(BASE) == ()
     with pytest.raises(ValueError, match="unknown model feature"):
         Capabilities(lossless=True, unsupported_features=("window",))
+
+
+def test_block_size_and_head_map_are_checked_at_validation(registry, cpu_env, tmp_path):
+    """squeezed's chunk must divide the KV block size (engine.block_size, else vLLM's CPU
+    default 128) and its head map must fit the model: refused before any engine starts."""
+    m = model(tmp_path, "m", num_hidden_layers=2, num_key_value_heads=2)
+    sq = {"plugin": "squeezed", "params": {"chunk": 64}}
+    validate({"model": m, "attention": sq}, registry, cpu_env)  # 64 divides the default 128
+    with pytest.raises(DeploymentError) as e:
+        validate({"model": m, "engine": {"block_size": 32}, "attention": sq}, registry, cpu_env)
+    text = str(e.value)
+    assert "attention.params" in text and "chunk 64 does not divide the KV block size 32" in text
+    assert "set params.chunk to 32" in text, text
+    with pytest.raises(DeploymentError, match="chunk 256 does not divide the KV block size 128"):
+        validate({"model": m, "attention": {"plugin": "squeezed", "params": {"chunk": 256}}}, registry, cpu_env)
+
+    heads = tmp_path / "heads.json"
+    heads.write_text(json.dumps({"format": "vllm-graft-razor-head-map/1",
+                                 "retrieval": [[True, False, False], [False, False, True]]}))
+    with_map = {"plugin": "squeezed", "params": {"mode": "streaming-heads", "head_map": str(heads)}}
+    with pytest.raises(DeploymentError) as e:
+        validate({"model": m, "attention": with_map}, registry, cpu_env)
+    assert "has 2 layers of 3 KV heads, but model" in str(e.value) and "2 layers of 2" in str(e.value)
+    assert "vllm-graft calibrate razor --model" in str(e.value)
+    heads.write_text(json.dumps({"format": "vllm-graft-razor-head-map/1",
+                                 "retrieval": [[True, False], [False, True]]}))
+    plan = validate({"model": m, "attention": with_map}, registry, cpu_env)
+    assert plan.model.num_layers == 2 and plan.model.num_kv_heads == 2
+
+
+def test_kv4_layout_is_checked_at_validation(registry, cpu_env, tmp_path):
+    m = model(tmp_path, "h32", hidden_size=4 * 32, num_hidden_layers=2)  # head size 32
+    kv4 = {"kvcompress": {"plugin": "kv4"}}
+    with pytest.raises(DeploymentError) as e:  # 2 x 32 = 64 is not a multiple of the default 128
+        validate({"model": m, **kv4}, registry, cpu_env)
+    assert "kvcompress.params" in str(e.value) and "block size 128 does not divide 2 x head size (64)" in str(e.value)
+    validate({"model": m, "engine": {"block_size": 32}, **kv4}, registry, cpu_env)
+    # platform unknown and no block size: the check waits for start-up
+    from vllm_graft.hooks import Environment
+
+    validate({"model": m, **kv4}, registry, Environment(platform=None))
+
+
+@pytest.mark.parametrize("scored", ["h2o", "snapkv"])
+def test_a_scored_compressor_with_an_attention_plugin_is_refused_at_validation(registry, cpu_env, tmp_path, scored):
+    data = {"model": model(tmp_path, "m"), "attention": {"plugin": "hydragen"}, "kvcompress": {"plugin": scored}}
+    with pytest.raises(DeploymentError, match=f"kvcompress plugin {scored!r} cannot be combined with attention"):
+        validate(data, registry, cpu_env)

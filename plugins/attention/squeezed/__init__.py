@@ -82,6 +82,31 @@ class SqueezedParams(KernelParams):
                                  "`vllm-graft calibrate razor --out FILE`")
         return self
 
+    def check_deployment(self, ctx) -> list[str]:
+        """At deployment validation (``DeploymentContext``): the chunk against the KV block size,
+        the head map against the model's layers and KV heads."""
+        problems = []
+        if ctx.block_size is not None and ctx.block_size % self.chunk:
+            fits = [c for c in (256, 128, 64, 32, 16, 8, 4, 2, 1) if ctx.block_size % c == 0 and c <= self.chunk]
+            problems.append(f"chunk {self.chunk} does not divide the KV block size {ctx.block_size} "
+                            f"(engine.block_size, else vLLM's default on {ctx.platform}): set params.chunk "
+                            f"to {fits[0]} or engine.block_size to a multiple of {self.chunk}")
+        model = ctx.model
+        if self.head_map and model is not None and model.num_layers and model.num_kv_heads:
+            from .policy import load_head_map
+
+            try:
+                heads = load_head_map(self.head_map)
+            except ValueError as e:
+                return problems + [str(e)]
+            shapes = {len(row) for row in heads}
+            if len(heads) != model.num_layers or shapes != {model.num_kv_heads}:
+                problems.append(
+                    f"head map {self.head_map!r} has {len(heads)} layers of {'/'.join(map(str, sorted(shapes)))} "
+                    f"KV heads, but model {model.path} has {model.num_layers} layers of {model.num_kv_heads}: "
+                    f"calibrate one for this model (vllm-graft calibrate razor --model {model.path} --out FILE)")
+        return problems
+
 
 @hookimpl
 def graft_register_attention(register):
