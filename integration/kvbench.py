@@ -5,9 +5,14 @@ of 1/2, 1/4 and 1/8 of the context (in KV blocks), one in-process engine each, w
 KV pool (``--pool-blocks``) and chunked prefill (``--chunk`` tokens per step, so eviction
 also happens between prefill chunks):
 
-* **ppl**: perplexity of ``--texts`` stdlib windows of ``--context`` - 1 tokens, from vLLM's
-  prompt log-probabilities (every token after the first, each computed with the KV the
-  compressor kept at that point);
+* **ppl**: perplexity of ``--texts`` stdlib windows of ``--context`` - 1 tokens: the prompt's
+  tokens from vLLM's prompt log-probabilities (every prompt token after the first, each
+  computed with the KV the compressor kept at that point in the chunked prefill), the last
+  ``--gen-tokens`` decoded after that prompt, teacher-forced (:mod:`.forcing`: one decode
+  step each, the log-probability vLLM reports for it);
+* **gen ppl**: the perplexity of those decoded tokens alone: what a compressor changes while
+  a request generates, the compressor's whole effect for SnapKV (it compresses once the
+  prompt is in), with the blocks held while they decode (column "(gen)", median);
 * **needle EM**: exact match on :func:`~.workloads.needle_haystack` (``--needles`` prompts
   of ``--context`` - ``--decode-tokens`` - 1 tokens, greedy): the output starts with the
   needle's value;
@@ -25,7 +30,9 @@ holds: its arms get the same KV *memory* as the ``--pool-blocks`` dense blocks
 the blocks vLLM allocated; "page B": one block's bytes over all layers).
 
 SnapKV compresses after the prompt is prefilled, so its perplexity over prompt tokens is
-plain vLLM's by construction (reported, marked), and its prefill holds the whole prompt.
+plain vLLM's by construction (its ppl differs from plain's only through the decoded
+tokens), its prefill holds the whole prompt, and it keeps every generated block beyond its
+budget (column "(gen)").
 """
 from __future__ import annotations
 
@@ -77,10 +84,11 @@ def _uses_kv4(kvcompress: Any) -> bool:
 
 
 def run_arm(model: str, kvcompress: dict[str, Any] | None, texts, needles, *, block: int, chunk: int,
-            pool: int, context: int, max_seqs: int, decode: int = 384) -> dict[str, Any]:
+            pool: int, context: int, max_seqs: int, decode: int = 384, gen: int = 128) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
     from . import launch
+    from .forcing import ForceTokens, forced_logprobs, forced_params
 
     engine_args = {"dtype": "float32", "max_model_len": context, "block_size": block, "enforce_eager": True,
                    "num_gpu_blocks_override": pool, "max_num_batched_tokens": chunk,
@@ -98,7 +106,7 @@ def run_arm(model: str, kvcompress: dict[str, Any] | None, texts, needles, *, bl
     plan = launch.plan_from_dict(data)
     t0 = time.time()
     try:
-        llm = LLM(**launch.llm_kwargs(plan, graft=bool(kvcompress)), seed=0)
+        llm = LLM(**launch.llm_kwargs(plan, graft=bool(kvcompress)), seed=0, logits_processors=[ForceTokens])
     finally:
         if saved_space is None:
             os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
@@ -133,17 +141,27 @@ def run_arm(model: str, kvcompress: dict[str, Any] | None, texts, needles, *, bl
             decode_held.sort()
             return outs, peak, decode_held[len(decode_held) // 2] if decode_held else 0, running
 
-        # perplexity: one text at a time (prompt log-probs; one output token)
-        nll, n_tok, peak_ppl = 0.0, 0, 0
+        # perplexity: one text at a time; its prompt's log-probs, then its last `gen` tokens
+        # decoded after it, forced
+        nll, n_tok, peak_ppl, gen_nll, gen_held = 0.0, 0, 0, 0.0, []
         for i, (ids, _) in enumerate(texts):
-            outs, peak, _, _ = drive([(f"t{i}", ids)], SamplingParams(max_tokens=1, prompt_logprobs=0,
-                                                                       temperature=0.0))
+            prompt, rest = list(ids[:len(ids) - gen]), list(ids[len(ids) - gen:])
+            params = forced_params(rest, prompt_logprobs=0) if rest else \
+                SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+            outs, peak, held, _ = drive([(f"t{i}", prompt)], params)
             peak_ppl = max(peak_ppl, peak)
-            for tok, lp in zip(ids[1:], outs[f"t{i}"].prompt_logprobs[1:]):
+            gen_held.append(held)
+            out = outs[f"t{i}"]
+            for tok, lp in zip(prompt[1:], out.prompt_logprobs[1:]):
                 nll -= lp[tok].logprob
                 n_tok += 1
-        res["ppl"] = math.exp(nll / n_tok)
-        res["ppl_tokens"] = n_tok
+            gen_nll -= sum(forced_logprobs(out, rest)) if rest else 0.0
+        n_gen = gen * len(texts)
+        res["ppl"] = math.exp((nll + gen_nll) / (n_tok + n_gen))
+        res["ppl_tokens"] = n_tok + n_gen
+        res["gen_ppl"] = math.exp(gen_nll / n_gen) if n_gen else float("nan")
+        res["gen_tokens"] = n_gen
+        res["median_blocks_gen"] = sorted(gen_held)[len(gen_held) // 2] if gen_held else 0
         res["peak_blocks_ppl"] = peak_ppl
         # needles: all at once in the fixed pool
         reqs = [(f"n{i}", n.token_ids) for i, n in enumerate(needles)]
@@ -179,30 +197,36 @@ def main(args) -> int:
     model = args.model or str(Path(__file__).resolve().parents[1] / "models" / DEFAULT_MODEL)
     tok = Tokenizer.from_model(model)
     room = args.decode_tokens + 1  # output tokens
-    texts = stdlib_texts(tok, num=args.texts, tokens=args.context - 1, seed=args.seed)  # + 1 output token
+    if not 0 <= args.gen_tokens < args.context // 2:
+        raise SystemExit(f"kvbench: --gen-tokens must be between 0 and half the context ({args.context // 2})")
+    texts = stdlib_texts(tok, num=args.texts, tokens=args.context - 1, seed=args.seed)
     needles = needle_haystack(tok, num_prompts=args.needles, context_tokens=args.context - room, seed=args.seed)
     rows = []
     fractions = tuple(int(f) for f in args.fractions.split(","))
     for label, kv in _arms(args.context, args.block, args.compressors.split(","), fractions, args.h2o_recent):
         r = run_arm(model, kv, texts, needles, block=args.block, chunk=args.chunk, pool=args.pool_blocks,
-                    context=args.context, max_seqs=args.needles, decode=args.decode_tokens)
+                    context=args.context, max_seqs=args.needles, decode=args.decode_tokens, gen=args.gen_tokens)
         r["arm"], r["kvcompress"] = label, kv
         rows.append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "needle_hits"}), flush=True)
     base = rows[0]
     print()
     print(f"context {args.context} tokens, block {args.block}, chunk {args.chunk}, pool {args.pool_blocks} blocks, "
-          f"{args.texts} ppl texts ({base['ppl_tokens']} tokens), {args.needles} needles")
+          f"{args.texts} ppl texts ({base['ppl_tokens']} tokens, the last {args.gen_tokens} of each decoded: "
+          f"gen ppl), {args.needles} needles")
     head = (f"{'arm':<20}{'pool':>6}{'page B':>8}{'blocks/req':>11}{'(decode)':>9}{'vs plain':>9}"
-            f"{'KV B vs plain':>14}{'max conc.':>10}{'ppl':>9}{'Δppl':>8}{'needle EM':>10}")
+            f"{'KV B vs plain':>14}{'max conc.':>10}{'ppl':>9}{'Δppl':>8}{'gen ppl':>9}{'Δgen':>8}{'(gen)':>6}"
+            f"{'needle EM':>10}")
     print(head)
     for r in rows:
-        note = " (prompt not compressed)" if "snapkv" in r["arm"] else ""
+        note = " (prompt ppl is plain's)" if "snapkv" in r["arm"] else ""
         print(f"{r['arm']:<20}{r['pool_blocks']:>6}{r['page_bytes']:>8}{r['peak_blocks']:>11}{r['median_blocks_decode']:>9}"
               f"{base['peak_blocks'] / max(1, r['peak_blocks']):>8.1f}x"
               f"{base['peak_blocks'] * base['page_bytes'] / max(1, r['peak_blocks'] * r['page_bytes']):>13.1f}x"
               f"{r['max_concurrent']:>10}"
-              f"{r['ppl']:>9.3f}{100 * (r['ppl'] / base['ppl'] - 1):>+7.1f}%{r['needle_em']:>10.2f}{note}")
+              f"{r['ppl']:>9.3f}{100 * (r['ppl'] / base['ppl'] - 1):>+7.1f}%"
+              f"{r['gen_ppl']:>9.3f}{100 * (r['gen_ppl'] / base['gen_ppl'] - 1):>+7.1f}%{r['median_blocks_gen']:>6}"
+              f"{r['needle_em']:>10.2f}{note}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -225,6 +249,9 @@ def add_command(sub: Any) -> None:
     p.add_argument("--chunk", type=int, default=128, help="prefill chunk: max_num_batched_tokens (default 128)")
     p.add_argument("--pool-blocks", type=int, default=256, help="fixed KV pool in blocks (default 256)")
     p.add_argument("--texts", type=int, default=4, help="perplexity texts (default 4)")
+    p.add_argument("--gen-tokens", type=int, default=128,
+                   help="last tokens of each perplexity text decoded (teacher-forced) after the rest as "
+                        "prompt: the gen ppl column (default 128; 0: prompt only)")
     p.add_argument("--needles", type=int, default=16, help="needle prompts (default 16)")
     p.add_argument("--decode-tokens", type=int, default=384,
                    help="tokens each needle request generates (default 384: requests overlap in decode, "
