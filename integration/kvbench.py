@@ -65,12 +65,14 @@ def _arms(context: int, block: int, which: list[str], fractions=(2, 4, 8),
                 recent = min(budget - 1, max(1, round(budget * h2o_recent)))
                 params = {"budget_blocks": budget, "sink_blocks": 1, "recent_blocks": recent,
                           **({"score": "mean"} if name == "h2o-mean" else {})}
-            elif name == "snapkv":
+            elif name in ("snapkv", "snapkv-recent"):
                 params = {"budget_blocks": budget, "sink_blocks": 1, "window_tokens": block}
+                if name == "snapkv-recent":
+                    params["recent_blocks"] = min(budget - 1, max(1, round(budget * h2o_recent)))
             else:
-                raise SystemExit(f"kvbench: unknown compressor {name!r} (streaming, h2o, h2o-mean, snapkv, "
+                raise SystemExit(f"kvbench: unknown compressor {name!r} (streaming, h2o, h2o-mean, snapkv, snapkv-recent, "
                                  "kv4, kv4+streaming, kv4+h2o, kv4+snapkv)")
-            choice = {"plugin": name.removesuffix("-mean"), "params": params}
+            choice = {"plugin": name.removesuffix("-mean").removesuffix("-recent"), "params": params}
             if fmt is None:
                 arms.append((f"{name} 1/{frac}", choice))
             else:
@@ -239,11 +241,13 @@ def add_command(sub: Any) -> None:
         description=__doc__.split("\n\n", 1)[1].split("\n\nSnapKV")[0])
     p.add_argument("--model", help=f"model folder (default: the bundled {DEFAULT_MODEL})")
     p.add_argument("--compressors", default="streaming,h2o,snapkv",
-                   help="comma list (default the three eviction compressors); also kv4 (the 4-bit "
+                   help="comma list (default the three eviction compressors); also h2o-mean (score: mean), "
+                        "snapkv-recent (recent_blocks: the --h2o-recent share), kv4 (the 4-bit "
                         "storage format alone) and kv4+streaming, kv4+h2o, kv4+snapkv (composed)")
     p.add_argument("--fractions", default="2,4,8", help="budgets as fractions of the context (default 2,4,8)")
     p.add_argument("--h2o-recent", type=float, default=0.5, metavar="F",
-                   help="share of an h2o budget kept for the recent window (default 0.5, as in the H2O paper)")
+                   help="share of an h2o (and snapkv-recent) budget kept for the recent window (default 0.5, "
+                        "as in the H2O paper)")
     p.add_argument("--context", type=int, default=2048, help="context tokens (default 2048)")
     p.add_argument("--block", type=int, default=32, help="KV block size (default 32)")
     p.add_argument("--chunk", type=int, default=128, help="prefill chunk: max_num_batched_tokens (default 128)")

@@ -95,6 +95,32 @@ def test_streaming_rejects_bad_parameters(params, msg):
         reg.params(**params)
 
 
+def test_snapkv_recent_blocks_keeps_the_prompts_end_besides_the_window():
+    prompt = 10 * 32 + 5  # 11 prompt blocks; the window (32 tokens) is in blocks 9, 10
+    scores = (5.0, 1.0, 2.0, 9.0, 0.1, 0.2, 0.3, 4.0, 0.0, 1.0, 1.0)
+    view = BlockView(prompt, 32, prompt, scores)
+    # recent 3: blocks 8, 9, 10 kept whatever their score; one block of room: block 3 (9.0)
+    assert build("snapkv", budget_blocks=5, sink_blocks=1, recent_blocks=3).keep(view) == [0, 3, 8, 9, 10]
+    # recent no larger than the window's blocks: the paper's choice
+    assert build("snapkv", budget_blocks=5, sink_blocks=1, recent_blocks=2).keep(view) == \
+        build("snapkv", budget_blocks=5, sink_blocks=1).keep(view) == [0, 3, 7, 9, 10]
+    rnd = random.Random(5)
+    for _ in range(200):  # prompt blocks within the budget; sinks, window, recent and generated kept
+        budget, recent = rnd.randrange(3, 12), rnd.randrange(0, 4)
+        s = build("snapkv", budget_blocks=budget, sink_blocks=1, recent_blocks=min(recent, budget - 1))
+        prompt = rnd.randrange(1, 40 * 32)
+        n = prompt + rnd.randrange(0, 300)
+        nb, pb = -(-n // 32), -(-prompt // 32)
+        got = s.keep(BlockView(n, 32, prompt, tuple(rnd.random() for _ in range(nb))))
+        if pb <= budget:
+            assert got == list(range(nb))
+            continue
+        assert len([i for i in got if i < pb]) <= budget
+        assert set(range(max(0, pb - min(recent, budget - 1)), nb)) | {0} <= set(got)
+    with pytest.raises(ValidationError, match=r"sink_blocks \+ recent_blocks \(1 \+ 4\)"):
+        get_registry().get("kvcompress", "snapkv").registration.params(budget_blocks=4, recent_blocks=4)
+
+
 def test_h2o_keeps_the_heaviest_blocks_besides_sinks_and_the_window():
     h = build("h2o", budget_blocks=4, sink_blocks=1, recent_blocks=1)
     scores = (9.0, 1.0, 7.0, 0.5, 8.0, 3.0, 2.0)

@@ -1,8 +1,10 @@
 """`snapkv` KV compressor (SnapKV, Li et al. 2024, arXiv:2404.14469) at block granularity:
 once the prompt is prefilled, keep the prompt blocks that the last ``window_tokens`` prompt
 tokens (the observation window) attend to most, the blocks holding the window itself and
-``sink_blocks`` leading blocks, ``budget_blocks`` prompt blocks in all; blocks of generated
-tokens are all kept (SnapKV compresses the prompt, not the generation).
+``sink_blocks`` leading blocks and the ``recent_blocks`` last prompt blocks, ``budget_blocks``
+prompt blocks in all; blocks of generated tokens are all kept (SnapKV compresses the prompt,
+not the generation). ``recent_blocks`` (0 in the paper, where the window is all that is kept
+of the prompt's end) keeps local context that the window's attention does not single out.
 
 Scores are aggregated, not per layer or per head: vLLM frees KV per block and per KV-cache
 group, so a block is kept or freed for every layer and head at once; its score is the
@@ -19,12 +21,17 @@ class SnapKVParams(KernelParams):
     budget_blocks: int = Field(16, ge=2, description="prompt KV blocks a request keeps after prefill")
     window_tokens: int = Field(32, ge=1, description="observation window: the last prompt tokens whose attention scores the prompt")
     sink_blocks: int = Field(1, ge=0, description="leading blocks always kept")
+    recent_blocks: int = Field(0, ge=0, description="last prompt blocks always kept, besides those of the "
+                               "observation window (0: only the window's, as in the paper)")
 
     @model_validator(mode="after")
     def _room(self):
         if self.sink_blocks >= self.budget_blocks:
             raise ValueError(f"sink_blocks ({self.sink_blocks}) must be smaller than budget_blocks "
                              f"({self.budget_blocks}): the observation window needs a block")
+        if self.sink_blocks + self.recent_blocks > self.budget_blocks:
+            raise ValueError(f"sink_blocks + recent_blocks ({self.sink_blocks} + {self.recent_blocks}) must not "
+                             f"exceed budget_blocks ({self.budget_blocks})")
         return self
 
 

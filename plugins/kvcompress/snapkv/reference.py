@@ -20,10 +20,11 @@ class SnapKV(KVCompressor):
         if view.num_tokens < prompt or view.scores is None:
             return list(range(n))  # prefill not finished: the window has not been seen
         B = view.block_size
-        window_start = max(0, prompt - p.window_tokens) // B
+        last = -(-prompt // B)  # prompt blocks
+        window_start = min(max(0, prompt - p.window_tokens) // B, max(0, last - p.recent_blocks))
         fixed = set(range(min(p.sink_blocks, n))) | set(range(window_start, n))  # window + generated
         prompt_fixed = {i for i in fixed if i * B < prompt}
-        if -(-prompt // B) <= p.budget_blocks:
+        if last <= p.budget_blocks:
             return list(range(n))
         room = max(0, p.budget_blocks - len(prompt_fixed))
         candidates = [i for i in range(min(window_start, n)) if i not in fixed
