@@ -46,7 +46,7 @@ DEFAULT_MODEL = "graft-tiny-llama"
 
 
 def _arms(context: int, block: int, which: list[str], fractions=(2, 4, 8),
-          h2o_recent: float = 0.5) -> list[tuple[str, Any]]:
+          h2o_recent: float = 0.5, h2o_heavy: int | None = None) -> list[tuple[str, Any]]:
     blocks = context // block
     arms: list[tuple[str, Any]] = [("plain", None)]
     if "kv4" in which:
@@ -63,6 +63,8 @@ def _arms(context: int, block: int, which: list[str], fractions=(2, 4, 8),
                 params = {"budget_blocks": budget, "sink_blocks": 1}
             elif name in ("h2o", "h2o-mean"):
                 recent = min(budget - 1, max(1, round(budget * h2o_recent)))
+                if h2o_heavy is not None:  # a fixed number of heavy blocks, the rest recent
+                    recent = max(1, budget - 1 - h2o_heavy)
                 params = {"budget_blocks": budget, "sink_blocks": 1, "recent_blocks": recent,
                           **({"score": "mean"} if name == "h2o-mean" else {})}
             elif name in ("snapkv", "snapkv-recent"):
@@ -205,7 +207,8 @@ def main(args) -> int:
     needles = needle_haystack(tok, num_prompts=args.needles, context_tokens=args.context - room, seed=args.seed)
     rows = []
     fractions = tuple(int(f) for f in args.fractions.split(","))
-    for label, kv in _arms(args.context, args.block, args.compressors.split(","), fractions, args.h2o_recent):
+    for label, kv in _arms(args.context, args.block, args.compressors.split(","), fractions, args.h2o_recent,
+                           args.h2o_heavy):
         r = run_arm(model, kv, texts, needles, block=args.block, chunk=args.chunk, pool=args.pool_blocks,
                     context=args.context, max_seqs=args.needles, decode=args.decode_tokens, gen=args.gen_tokens)
         r["arm"], r["kvcompress"] = label, kv
@@ -248,6 +251,9 @@ def add_command(sub: Any) -> None:
     p.add_argument("--h2o-recent", type=float, default=0.5, metavar="F",
                    help="share of an h2o (and snapkv-recent) budget kept for the recent window (default 0.5, "
                         "as in the H2O paper)")
+    p.add_argument("--h2o-heavy", type=int, metavar="N",
+                   help="h2o: N heavy blocks at every budget, the rest (after the sink) recent (instead of "
+                        "--h2o-recent)")
     p.add_argument("--context", type=int, default=2048, help="context tokens (default 2048)")
     p.add_argument("--block", type=int, default=32, help="KV block size (default 32)")
     p.add_argument("--chunk", type=int, default=128, help="prefill chunk: max_num_batched_tokens (default 128)")
