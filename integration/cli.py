@@ -188,6 +188,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "vllm_graft.integration.attention_bytes",  # attention-bytes
     "vllm_graft.integration.sparse_quality",  # sparse-quality
     "vllm_graft.integration.kvbench",  # kvbench
+    "vllm_graft.integration.kv_headroom",  # kv-headroom
 )
 
 

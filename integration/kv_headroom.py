@@ -1,0 +1,232 @@
+"""`vllm-graft kv-headroom`: how far is each block-eviction policy from the best a
+block-granular selection could do on this model, and is its difference from `streaming` real?
+
+For the perplexity texts of ``kvbench`` (the same stdlib windows, seed and ``--gen-tokens``
+decoded tail), it replays in transformers what a request sees under each policy: prefill in
+``--chunk``-token steps, then one token per step, after every step the plugin's own planner
+(``keep``) deciding which blocks stay, and every later query's attention masked to them (one
+forward pass with a per-query mask, exact because a token's keys and values are computed from
+its own masked row). The decoded tokens' perplexity ("gen ppl") is what it reports: the
+tokens a compressor changes while a request generates.
+
+Arms (budgets of ``--fractions`` of the context, in blocks):
+
+* ``streaming``: the `streaming` plugin (1 sink block, the rest recent);
+* ``snapkv``: the `snapkv` plugin, scores from its observation window (``window_tokens`` 32);
+  ``snapkv-recent``: with half its budget recent; ``snapkv-w512``: a 512-token window;
+* ``prompt-mean``: the same SnapKV planner, each prompt block scored by the mean attention
+  mass the prompt's queries put on it (every query that can see it);
+* ``oracle``: the same planner, each block scored by the mass that the *decoded tokens
+  themselves* put on it under full attention: it uses the future, so no compressor can run it;
+  it bounds what choosing blocks once after the prompt could gain on this model.
+
+Scores are summed over layers and heads, like the plugins'. Beside each arm's change against
+plain attention, the change against ``streaming`` at the same budget with a 90% interval from a
+paired bootstrap over texts: an interval that straddles 0 means the texts do not tell the two
+apart. The ``streaming`` and ``snapkv`` figures are the plugins' own in vLLM, not a model of
+them (``tests/e2e/test_scored_compressors_masked.py`` shows vLLM equals this kind of replay to
+2e-5; ``kvbench --gen-tokens`` on the same texts gives the same gen ppl).
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+from typing import Any, Callable
+
+from rich.console import Console
+from rich.table import Table
+
+DEFAULT_MODEL = "graft-tiny-llama-recall"
+ARMS = ("streaming", "snapkv", "snapkv-recent", "snapkv-w512", "prompt-mean", "oracle")
+
+
+def step_bounds(prompt: int, n: int, chunk: int) -> list[int]:
+    """vLLM's steps for one request: prefill chunks of ``chunk`` up to ``prompt``, then one
+    token per step up to ``n`` positions."""
+    return list(range(0, prompt, chunk)) + list(range(prompt, n)) + [n]
+
+
+def replay_allowed(n: int, prompt: int, block: int, chunk: int, keep: Callable[[int], list[int]]):
+    """``[n, n]`` bool: which keys each query sees when ``keep(num_tokens)`` (the blocks kept
+    after the step that ends at ``num_tokens``) decides after every step; a step's queries do
+    not see blocks dropped after earlier steps."""
+    import torch
+
+    allowed = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    dropped: set[int] = set()
+    bounds = step_bounds(prompt, n, chunk)
+    for s0, s1 in zip(bounds, bounds[1:]):
+        for b in dropped:
+            allowed[s0:s1, b * block:(b + 1) * block] = False
+        nb = -(-s1 // block)
+        dropped |= set(range(nb)) - set(keep(s1))
+    return allowed
+
+
+def block_mass(att_sum, rows: slice, n: int, block: int):
+    """Attention mass the queries ``rows`` put on each block (``att_sum``: ``[n, n]``, summed
+    over layers and heads)."""
+    import torch
+
+    per_key = att_sum[rows].sum(0)
+    nb = -(-n // block)
+    return torch.nn.functional.pad(per_key, (0, nb * block - n)).view(nb, block).sum(-1)
+
+
+def _planner(name: str, budget: int, block: int, window: int):
+    from vllm_graft.hooks import get_registry
+
+    plugin = "streaming" if name == "streaming" else "snapkv"
+    reg = get_registry().get("kvcompress", plugin).registration
+    if plugin == "streaming":
+        params = {"budget_blocks": budget, "sink_blocks": 1}
+    else:
+        w = {"snapkv-w512": 512, "prompt-mean": 1, "oracle": 1}.get(name, window)
+        params = {"budget_blocks": budget, "sink_blocks": 1, "window_tokens": w,
+                  "recent_blocks": min(budget - 1, max(1, round(budget / 2))) if name == "snapkv-recent" else 0}
+    return reg.load()(reg.params(**params))
+
+
+def bootstrap(diffs: list[float], tokens: list[int], *, reps: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """90% interval of ``exp(sum(diffs) / sum(tokens)) - 1`` resampling texts."""
+    rng = random.Random(seed)
+    k = len(diffs)
+    stats = []
+    for _ in range(reps):
+        idx = [rng.randrange(k) for _ in range(k)]
+        stats.append(math.exp(sum(diffs[i] for i in idx) / sum(tokens[i] for i in idx)) - 1)
+    stats.sort()
+    return stats[int(0.05 * reps)], stats[int(0.95 * reps) - 1]
+
+
+def study(model_dir: str, texts, *, block: int, chunk: int, gen: int, fractions, arms, window: int = 32,
+          progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from vllm_graft.hooks import BlockView
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    nll: dict[str, list[float]] = {}
+    kept_blocks: dict[str, list[int]] = {}
+    tokens: list[int] = []
+
+    def gen_nll(ids, allowed, want_att=False):
+        n = len(ids) - 1
+        mask = torch.zeros(1, 1, n, n).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([ids[:n]]), attention_mask=mask, output_attentions=want_att)
+        logp = torch.log_softmax(out.logits[0].float(), -1)[torch.arange(n), torch.tensor(ids[1:])]
+        att = sum(a[0].sum(0) for a in out.attentions) if want_att else None
+        return -float(logp[n - gen:].sum()), att
+
+    for t, (ids, _) in enumerate(texts):
+        ids = list(ids)
+        # positions 0..n-1 (the last token is only a target); the prompt is all but the last
+        # `gen` tokens (as kvbench's), so the tail's targets are predicted from positions n-gen..n-1
+        n, prompt = len(ids) - 1, len(ids) - gen
+        full = torch.tril(torch.ones(n, n, dtype=torch.bool))
+        base, att = gen_nll(ids, full, want_att=True)
+        nll.setdefault("plain", []).append(base)
+        tokens.append(gen)
+        nbp = -(-prompt // block)
+        queries = torch.arange(n)[:, None] >= torch.arange(n)[None, :]
+        sources = {  # block scores over the prompt's blocks, by arm
+            "window": block_mass(att, slice(prompt - window, prompt), n, block),
+            "snapkv-w512": block_mass(att, slice(max(0, prompt - 512), prompt), n, block),
+            "prompt-mean": block_mass(att, slice(0, prompt), n, block)
+            / block_mass(queries[:prompt].float(), slice(0, prompt), n, block).clamp(min=1),
+            "oracle": block_mass(att, slice(prompt, n), n, block),
+        }
+        for frac in fractions:
+            budget = max(2, -(-len(ids) // block) // frac)  # of the context's blocks, as kvbench
+            for name in arms:
+                comp = _planner(name, budget, block, window)
+                if name == "streaming":
+                    def keep(s, comp=comp):
+                        return comp.keep(BlockView(s, block, prompt))
+                else:
+                    sc = sources.get(name, sources["window"])[:nbp].tolist()
+
+                    def keep(s, comp=comp, sc=sc):
+                        nb = -(-s // block)
+                        return comp.keep(BlockView(s, block, prompt, tuple(sc + [0.0] * (nb - len(sc)))[:nb]))
+                allowed = replay_allowed(n, prompt, block, chunk, keep)
+                label = f"{name} 1/{frac}"
+                nll.setdefault(label, []).append(gen_nll(ids, allowed)[0])
+                # blocks the last decoded query sees (prompt and generated)
+                nb = -(-n // block)
+                seen = torch.nn.functional.pad(allowed[n - 1], (0, nb * block - n)).view(nb, block).any(-1)
+                kept_blocks.setdefault(label, []).append(int(seen.sum()))
+        progress(f"text {t + 1}/{len(texts)}")
+    rows = []
+    total = sum(tokens)
+    plain = math.exp(sum(nll["plain"]) / total)
+    rows.append({"arm": "plain", "gen_ppl": plain, "change": 0.0, "blocks": None})
+    for label, vals in nll.items():
+        if label == "plain":
+            continue
+        ppl = math.exp(sum(vals) / total)
+        row = {"arm": label, "gen_ppl": ppl, "change": ppl / plain - 1,
+               "blocks": sum(kept_blocks[label]) / len(kept_blocks[label])}
+        ref = "streaming " + label.split(" ")[1]
+        if ref in nll and ref != label:
+            diffs = [a - b for a, b in zip(vals, nll[ref])]
+            row["vs_streaming"] = math.exp(sum(diffs) / total) - 1
+            row["vs_streaming_90"] = bootstrap(diffs, tokens)
+        rows.append(row)
+    return {"plain_gen_ppl": plain, "gen_tokens": total, "rows": rows}
+
+
+def main(args) -> int:
+    from .workloads import Tokenizer, stdlib_texts
+
+    console = Console()
+    model = args.model or str(Path(__file__).resolve().parents[1] / "models" / DEFAULT_MODEL)
+    if not 0 < args.gen_tokens < args.context // 2:
+        raise SystemExit(f"kv-headroom: --gen-tokens must be between 1 and half the context ({args.context // 2})")
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise SystemExit(f"kv-headroom: unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
+    if "streaming" not in arms:
+        arms.insert(0, "streaming")  # the reference of the comparison
+    tok = Tokenizer.from_model(model)
+    texts = stdlib_texts(tok, num=args.texts, tokens=args.context - 1, seed=args.seed)
+    fractions = tuple(int(f) for f in args.fractions.split(","))
+    res = study(model, texts, block=args.block, chunk=args.chunk, gen=args.gen_tokens, fractions=fractions,
+                arms=arms, progress=lambda s: console.print(f"[dim]{s}[/]"))
+    table = Table(title=f"gen ppl of the last {args.gen_tokens} tokens of {args.texts} texts "
+                        f"({res['gen_tokens']} tokens), block {args.block}: plain {res['plain_gen_ppl']:.3f}")
+    for col in ("arm", "blocks seen", "gen ppl", "vs plain", "vs streaming [90%]"):
+        table.add_column(col)
+    for r in res["rows"]:
+        vs = ""
+        if "vs_streaming" in r:
+            lo, hi = r["vs_streaming_90"]
+            vs = f"{100 * r['vs_streaming']:+.1f}% [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+        table.add_row(r["arm"], "" if r["blocks"] is None else f"{r['blocks']:.1f}",
+                      f"{r['gen_ppl']:.3f}", f"{100 * r['change']:+.1f}%", vs)
+    console.print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+def add_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "kv-headroom", help="KV eviction policies against an oracle and against streaming, with intervals",
+        description=__doc__.split("\n\n", 1)[1].split("\n\nScores")[0])
+    p.add_argument("--model", help=f"model folder (default: the bundled {DEFAULT_MODEL})")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma list (default all: {', '.join(ARMS)})")
+    p.add_argument("--fractions", default="2,4,8", help="budgets as fractions of the context (default 2,4,8)")
+    p.add_argument("--context", type=int, default=2048, help="context tokens (default 2048)")
+    p.add_argument("--block", type=int, default=32, help="KV block size (default 32)")
+    p.add_argument("--chunk", type=int, default=128, help="prefill chunk (default 128, as kvbench)")
+    p.add_argument("--texts", type=int, default=16, help="texts (default 16)")
+    p.add_argument("--gen-tokens", type=int, default=128, help="decoded tail of each text (default 128)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the rows to this file")
+    p.set_defaults(func=lambda args, console=None: main(args))
