@@ -13,7 +13,8 @@ Arms (budgets of ``--fractions`` of the context, in blocks):
 
 * ``streaming``: the `streaming` plugin (1 sink block, the rest recent);
 * ``snapkv``: the `snapkv` plugin, scores from its observation window (``window_tokens`` 32);
-  ``snapkv-recent``: with half its budget recent; ``snapkv-w512``: a 512-token window;
+  ``snapkv-recent``: with half its budget recent; ``snapkv-wide``: a window of half the
+  budget (512 tokens at 1/2 of 2K, 128 at 1/8);
 * ``prompt-mean``: the same SnapKV planner, each prompt block scored by the mean attention
   mass the prompt's queries put on it (every query that can see it);
 * ``oracle``: the same planner, each block scored by the mass that the *decoded tokens
@@ -22,8 +23,11 @@ Arms (budgets of ``--fractions`` of the context, in blocks):
 
 Scores are summed over layers and heads, like the plugins'. Beside each arm's change against
 plain attention, the change against ``streaming`` at the same budget with a 90% interval from a
-paired bootstrap over texts: an interval that straddles 0 means the texts do not tell the two
-apart. The ``streaming`` and ``snapkv`` figures are the plugins' own in vLLM, not a model of
+paired bootstrap over texts (an interval that straddles 0 means the texts do not tell the two
+apart), and against ``streaming+k``: streaming with the ``k`` = ``--gen-tokens`` / block more
+blocks that SnapKV keeps by the end of the decoded tail (it compresses the prompt only), so at
+least the blocks the SnapKV-planner arms hold at every step (column "blocks": the mean over
+the decoded tokens' queries). The ``streaming`` and ``snapkv`` figures are the plugins' own in vLLM, not a model of
 them (``tests/e2e/test_scored_compressors_masked.py`` shows vLLM equals this kind of replay to
 2e-5; ``kvbench --gen-tokens`` on the same texts gives the same gen ppl).
 """
@@ -39,7 +43,7 @@ from rich.console import Console
 from rich.table import Table
 
 DEFAULT_MODEL = "graft-tiny-llama-recall"
-ARMS = ("streaming", "snapkv", "snapkv-recent", "snapkv-w512", "prompt-mean", "oracle")
+ARMS = ("streaming", "snapkv", "snapkv-recent", "snapkv-wide", "prompt-mean", "oracle")
 
 
 def step_bounds(prompt: int, n: int, chunk: int) -> list[int]:
@@ -78,12 +82,12 @@ def block_mass(att_sum, rows: slice, n: int, block: int):
 def _planner(name: str, budget: int, block: int, window: int):
     from vllm_graft.hooks import get_registry
 
-    plugin = "streaming" if name == "streaming" else "snapkv"
+    plugin = "streaming" if name.startswith("streaming") else "snapkv"
     reg = get_registry().get("kvcompress", plugin).registration
     if plugin == "streaming":
         params = {"budget_blocks": budget, "sink_blocks": 1}
     else:
-        w = {"snapkv-w512": 512, "prompt-mean": 1, "oracle": 1}.get(name, window)
+        w = {"snapkv-wide": (budget // 2) * block, "prompt-mean": 1, "oracle": 1}.get(name, window)
         params = {"budget_blocks": budget, "sink_blocks": 1, "window_tokens": w,
                   "recent_blocks": min(budget - 1, max(1, round(budget / 2))) if name == "snapkv-recent" else 0}
     return reg.load()(reg.params(**params))
@@ -112,6 +116,7 @@ def study(model_dir: str, texts, *, block: int, chunk: int, gen: int, fractions,
     nll: dict[str, list[float]] = {}
     kept_blocks: dict[str, list[int]] = {}
     tokens: list[int] = []
+    extra = -(-gen // block)  # the generated blocks SnapKV keeps beyond its budget
 
     def gen_nll(ids, allowed, want_att=False):
         n = len(ids) - 1
@@ -135,31 +140,33 @@ def study(model_dir: str, texts, *, block: int, chunk: int, gen: int, fractions,
         queries = torch.arange(n)[:, None] >= torch.arange(n)[None, :]
         sources = {  # block scores over the prompt's blocks, by arm
             "window": block_mass(att, slice(prompt - window, prompt), n, block),
-            "snapkv-w512": block_mass(att, slice(max(0, prompt - 512), prompt), n, block),
             "prompt-mean": block_mass(att, slice(0, prompt), n, block)
             / block_mass(queries[:prompt].float(), slice(0, prompt), n, block).clamp(min=1),
-            "oracle": block_mass(att, slice(prompt, n), n, block),
+            "oracle": block_mass(att, slice(prompt - 1, n), n, block),  # the queries predicting the tail
         }
         for frac in fractions:
             budget = max(2, -(-len(ids) // block) // frac)  # of the context's blocks, as kvbench
-            for name in arms:
-                comp = _planner(name, budget, block, window)
-                if name == "streaming":
+            for name in [*arms, "streaming+"]:
+                comp = _planner(name, budget + extra if name == "streaming+" else budget, block, window)
+                if name.startswith("streaming"):
                     def keep(s, comp=comp):
                         return comp.keep(BlockView(s, block, prompt))
                 else:
+                    if name == "snapkv-wide":
+                        wide = (budget // 2) * block
+                        sources[name] = block_mass(att, slice(max(0, prompt - wide), prompt), n, block)
                     sc = sources.get(name, sources["window"])[:nbp].tolist()
 
                     def keep(s, comp=comp, sc=sc):
                         nb = -(-s // block)
                         return comp.keep(BlockView(s, block, prompt, tuple(sc + [0.0] * (nb - len(sc)))[:nb]))
                 allowed = replay_allowed(n, prompt, block, chunk, keep)
-                label = f"{name} 1/{frac}"
+                label = f"streaming+{extra} 1/{frac}" if name == "streaming+" else f"{name} 1/{frac}"
                 nll.setdefault(label, []).append(gen_nll(ids, allowed)[0])
-                # blocks the last decoded query sees (prompt and generated)
+                # blocks seen by the queries that predict the tail (prompt and generated), their mean
                 nb = -(-n // block)
-                seen = torch.nn.functional.pad(allowed[n - 1], (0, nb * block - n)).view(nb, block).any(-1)
-                kept_blocks.setdefault(label, []).append(int(seen.sum()))
+                seen = torch.nn.functional.pad(allowed[prompt - 1:], (0, nb * block - n)).view(gen, nb, block).any(-1)
+                kept_blocks.setdefault(label, []).append(float(seen.sum(-1).float().mean()))
         progress(f"text {t + 1}/{len(texts)}")
     rows = []
     total = sum(tokens)
@@ -171,13 +178,15 @@ def study(model_dir: str, texts, *, block: int, chunk: int, gen: int, fractions,
         ppl = math.exp(sum(vals) / total)
         row = {"arm": label, "gen_ppl": ppl, "change": ppl / plain - 1,
                "blocks": sum(kept_blocks[label]) / len(kept_blocks[label])}
-        ref = "streaming " + label.split(" ")[1]
-        if ref in nll and ref != label:
+        frac = label.split(" ")[1]
+        for key, ref in (("vs_streaming", f"streaming {frac}"), ("vs_streaming_more", f"streaming+{extra} {frac}")):
+            if label.startswith("streaming"):
+                break
             diffs = [a - b for a, b in zip(vals, nll[ref])]
-            row["vs_streaming"] = math.exp(sum(diffs) / total) - 1
-            row["vs_streaming_90"] = bootstrap(diffs, tokens)
+            row[key] = math.exp(sum(diffs) / total) - 1
+            row[key + "_90"] = bootstrap(diffs, tokens)
         rows.append(row)
-    return {"plain_gen_ppl": plain, "gen_tokens": total, "rows": rows}
+    return {"plain_gen_ppl": plain, "gen_tokens": total, "extra_blocks": extra, "rows": rows}
 
 
 def main(args) -> int:
@@ -200,15 +209,19 @@ def main(args) -> int:
                 arms=arms, progress=lambda s: console.print(f"[dim]{s}[/]"))
     table = Table(title=f"gen ppl of the last {args.gen_tokens} tokens of {args.texts} texts "
                         f"({res['gen_tokens']} tokens), block {args.block}: plain {res['plain_gen_ppl']:.3f}")
-    for col in ("arm", "blocks seen", "gen ppl", "vs plain", "vs streaming [90%]"):
+    for col in ("arm", "blocks", "gen ppl", "vs plain", "vs streaming [90%]",
+                f"vs streaming+{res['extra_blocks']} [90%]"):
         table.add_column(col)
+
+    def vs(r, key):
+        if key not in r:
+            return ""
+        lo, hi = r[key + "_90"]
+        return f"{100 * r[key]:+.1f}% [{100 * lo:+.1f}, {100 * hi:+.1f}]"
     for r in res["rows"]:
-        vs = ""
-        if "vs_streaming" in r:
-            lo, hi = r["vs_streaming_90"]
-            vs = f"{100 * r['vs_streaming']:+.1f}% [{100 * lo:+.1f}, {100 * hi:+.1f}]"
         table.add_row(r["arm"], "" if r["blocks"] is None else f"{r['blocks']:.1f}",
-                      f"{r['gen_ppl']:.3f}", f"{100 * r['change']:+.1f}%", vs)
+                      f"{r['gen_ppl']:.3f}", f"{100 * r['change']:+.1f}%", vs(r, "vs_streaming"),
+                      vs(r, "vs_streaming_more"))
     console.print(table)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))

@@ -24,14 +24,13 @@ def test_every_policy_is_plain_attention_at_full_budget_and_differs_below_it():
     for arm in ARMS:
         full = rows[f"{arm} 1/1"]
         assert full["gen_ppl"] == pytest.approx(plain, rel=1e-6), arm
-        assert full["blocks"] == 16
+        assert full["blocks"] == rows["streaming 1/1"]["blocks"]  # nothing dropped: what causal attention sees
     small = {arm: rows[f"{arm} 1/2"] for arm in ARMS}
-    assert small["streaming"]["blocks"] == 8  # sink + 7 recent, the last one being written
-    # a 512-token observation window covers this whole 448-token prompt: SnapKV fixes the
-    # window's blocks, so nothing is dropped
-    assert small.pop("snapkv-w512")["gen_ppl"] == pytest.approx(plain, rel=1e-6)
+    assert 8 <= small["streaming"]["blocks"] < 9  # sink + 7 recent (+ the one being written, briefly)
+    # streaming+k holds at least what the SnapKV planner's arms hold (they keep the generated blocks)
+    assert rows["streaming+2 1/2"]["blocks"] >= small["snapkv"]["blocks"] > small["streaming"]["blocks"]
     for arm, r in small.items():
-        assert abs(r["change"]) > 1e-4, arm  # 8 of 16 blocks: every other policy changes something
+        assert abs(r["change"]) > 1e-4, arm  # 8 of 16 blocks: every policy changes something
         if arm != "streaming":
             lo, hi = r["vs_streaming_90"]
             assert lo <= r["vs_streaming"] <= hi

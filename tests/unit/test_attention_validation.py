@@ -116,3 +116,20 @@ def test_a_scored_compressor_with_an_attention_plugin_is_refused_at_validation(r
     data = {"model": model(tmp_path, "m"), "attention": {"plugin": "hydragen"}, "kvcompress": {"plugin": scored}}
     with pytest.raises(DeploymentError, match=f"kvcompress plugin {scored!r} cannot be combined with attention"):
         validate(data, registry, cpu_env)
+
+
+def test_a_snapkv_window_that_does_not_fit_its_budget_is_refused_at_validation(registry, cpu_env, tmp_path):
+    """SnapKV always keeps its observation window's blocks: with the sink they must fit in
+    budget_blocks, or requests would hold more than the budget."""
+    m = model(tmp_path, "m")
+    snap = {"plugin": "snapkv", "params": {"budget_blocks": 8, "window_tokens": 512}}
+    with pytest.raises(DeploymentError) as e:  # blocks of 32: 512 tokens span up to 17 blocks
+        validate({"model": m, "engine": {"block_size": 32}, "kvcompress": snap}, registry, cpu_env)
+    text = str(e.value)
+    assert "kvcompress.params" in text and "window_tokens 512 spans up to 17 KV blocks of 32 tokens" in text
+    assert "set window_tokens to at most 192 or budget_blocks to at least 18" in text, text
+    # the fix it names passes; so does the window with the CPU's default blocks of 128 (5 blocks)
+    validate({"model": m, "engine": {"block_size": 32},
+              "kvcompress": {"plugin": "snapkv", "params": {"budget_blocks": 8, "window_tokens": 192}}},
+             registry, cpu_env)
+    validate({"model": m, "kvcompress": snap}, registry, cpu_env)

@@ -34,6 +34,21 @@ class SnapKVParams(KernelParams):
                              f"exceed budget_blocks ({self.budget_blocks})")
         return self
 
+    def check_deployment(self, ctx) -> list[str]:
+        """At deployment validation (``DeploymentContext``): the observation window's blocks are
+        always kept, so with the sink they must fit in the budget (else a request would hold
+        more than ``budget_blocks`` prompt blocks)."""
+        if ctx.block_size is None:
+            return []
+        spans = -(-self.window_tokens // ctx.block_size) + 1  # a window not block-aligned straddles one more
+        if self.sink_blocks + spans <= self.budget_blocks:
+            return []
+        most = (self.budget_blocks - self.sink_blocks - 1) * ctx.block_size
+        return [f"window_tokens {self.window_tokens} spans up to {spans} KV blocks of {ctx.block_size} tokens "
+                f"(engine.block_size, else vLLM's default on {ctx.platform}), which SnapKV always keeps: with "
+                f"sink_blocks {self.sink_blocks} that exceeds budget_blocks {self.budget_blocks}; set "
+                f"window_tokens to at most {most} or budget_blocks to at least {self.sink_blocks + spans}"]
+
 
 @hookimpl
 def graft_register_kv_compressors(register):
