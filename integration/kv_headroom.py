@@ -18,8 +18,10 @@ Arms (budgets of ``--fractions`` of the context, in blocks):
 * ``prompt-mean``: the same SnapKV planner, each prompt block scored by the mean attention
   mass the prompt's queries put on it (every query that can see it);
 * ``oracle``: the same planner, each block scored by the mass that the *decoded tokens
-  themselves* put on it under full attention: it uses the future, so no compressor can run it;
-  it bounds what choosing blocks once after the prompt could gain on this model.
+  themselves* put on it under full attention: it uses the future, so no compressor can run it.
+  It shows what attention-mass scoring could gain at best if its scores foresaw the decoded
+  tokens (a reference, not a strict bound: the blocks that most lower the loss need not be the
+  most attended).
 
 Scores are summed over layers and heads, like the plugins'. Beside each arm's change against
 plain attention, the change against ``streaming`` at the same budget with a 90% interval from a
