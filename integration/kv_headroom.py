@@ -231,17 +231,14 @@ def main(args) -> int:
 
 
 def add_command(sub: Any) -> None:
+    from .kvbench import add_text_arguments
+
     p = sub.add_parser(
         "kv-headroom", help="KV eviction policies against an oracle and against streaming, with intervals",
         description=__doc__.split("\n\n", 1)[1].split("\n\nScores")[0])
     p.add_argument("--model", help=f"model folder (default: the bundled {DEFAULT_MODEL})")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma list (default all: {', '.join(ARMS)})")
     p.add_argument("--fractions", default="2,4,8", help="budgets as fractions of the context (default 2,4,8)")
-    p.add_argument("--context", type=int, default=2048, help="context tokens (default 2048)")
-    p.add_argument("--block", type=int, default=32, help="KV block size (default 32)")
-    p.add_argument("--chunk", type=int, default=128, help="prefill chunk (default 128, as kvbench)")
-    p.add_argument("--texts", type=int, default=16, help="texts (default 16)")
-    p.add_argument("--gen-tokens", type=int, default=128, help="decoded tail of each text (default 128)")
-    p.add_argument("--seed", type=int, default=0)
+    add_text_arguments(p, texts=16)
     p.add_argument("--json", help="write the rows to this file")
     p.set_defaults(func=lambda args, console=None: main(args))

@@ -254,18 +254,24 @@ def add_command(sub: Any) -> None:
     p.add_argument("--h2o-heavy", type=int, metavar="N",
                    help="h2o: N heavy blocks at every budget, the rest (after the sink) recent (instead of "
                         "--h2o-recent)")
-    p.add_argument("--context", type=int, default=2048, help="context tokens (default 2048)")
-    p.add_argument("--block", type=int, default=32, help="KV block size (default 32)")
-    p.add_argument("--chunk", type=int, default=128, help="prefill chunk: max_num_batched_tokens (default 128)")
+    add_text_arguments(p, texts=4)
     p.add_argument("--pool-blocks", type=int, default=256, help="fixed KV pool in blocks (default 256)")
-    p.add_argument("--texts", type=int, default=4, help="perplexity texts (default 4)")
-    p.add_argument("--gen-tokens", type=int, default=128,
-                   help="last tokens of each perplexity text decoded (teacher-forced) after the rest as "
-                        "prompt: the gen ppl column (default 128; 0: prompt only)")
     p.add_argument("--needles", type=int, default=16, help="needle prompts (default 16)")
     p.add_argument("--decode-tokens", type=int, default=384,
                    help="tokens each needle request generates (default 384: requests overlap in decode, "
                         "so the pool, not the prefill schedule, bounds concurrency)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the rows to this file")
     p.set_defaults(func=lambda args, console=None: main(args))
+
+
+def add_text_arguments(p: Any, *, texts: int) -> None:
+    """The perplexity texts and the cache geometry, shared with ``kv-headroom`` (same
+    defaults, so the two measure the same tokens)."""
+    p.add_argument("--context", type=int, default=2048, help="context tokens (default 2048)")
+    p.add_argument("--block", type=int, default=32, help="KV block size (default 32)")
+    p.add_argument("--chunk", type=int, default=128, help="prefill chunk: max_num_batched_tokens (default 128)")
+    p.add_argument("--texts", type=int, default=texts, help=f"perplexity texts (default {texts})")
+    p.add_argument("--gen-tokens", type=int, default=128,
+                   help="last tokens of each perplexity text decoded (teacher-forced) after the rest as "
+                        "prompt: the gen ppl column (default 128; 0: prompt only)")
+    p.add_argument("--seed", type=int, default=0)
