@@ -131,3 +131,25 @@ def test_h2o_in_vllm_equals_attention_masked_to_the_blocks_it_keeps_step_by_step
           f"|vLLM - plain| {off_plain:.2e}")
     assert worst < 1e-3
     assert off_plain > 0.05 and heavy  # blocks were dropped, and some kept for their score
+
+
+def test_kv_headroom_replay_gives_vllm_decoded_perplexity_for_streaming_and_snapkv():
+    """`vllm-graft kv-headroom` rebuilds each policy's attention from the plugin's planner;
+    its decoded-tail perplexity must be vLLM's for the same plugin and parameters."""
+    import math
+
+    from vllm_graft.integration.kv_headroom import study
+    from vllm_graft.integration.workloads import Tokenizer, stdlib_texts
+
+    (ids, _), = stdlib_texts(Tokenizer.from_model(str(MODEL)), num=1, tokens=P + G, seed=3)
+    budget = -(-(P + G) // B) // 3  # kv-headroom's budget at --fractions 3
+    res = study(str(MODEL), [(ids, "")], block=B, chunk=128, gen=G, fractions=(3,), arms=["streaming", "snapkv"])
+    rows = {r["arm"]: r["gen_ppl"] for r in res["rows"]}
+    params = {"streaming": {"budget_blocks": budget, "sink_blocks": 1},
+              "snapkv": {"budget_blocks": budget, "sink_blocks": 1, "window_tokens": 32, "recent_blocks": 0}}
+    for plugin, p in params.items():
+        _, forced = _vllm(list(ids), {"plugin": plugin, "params": p})
+        in_vllm = math.exp(-sum(forced) / len(forced))
+        print(f"{plugin} budget {budget}: gen ppl kv-headroom {rows[f'{plugin} 1/3']:.5f}, vLLM {in_vllm:.5f}")
+        assert rows[f"{plugin} 1/3"] == pytest.approx(in_vllm, rel=1e-4)
+    assert abs(rows["streaming 1/3"] / rows["plain"] - 1) > 1e-3  # the budget bites
