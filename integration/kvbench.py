@@ -67,14 +67,17 @@ def _arms(context: int, block: int, which: list[str], fractions=(2, 4, 8),
                     recent = max(1, budget - 1 - h2o_heavy)
                 params = {"budget_blocks": budget, "sink_blocks": 1, "recent_blocks": recent,
                           **({"score": "mean"} if name == "h2o-mean" else {})}
-            elif name in ("snapkv", "snapkv-recent"):
-                params = {"budget_blocks": budget, "sink_blocks": 1, "window_tokens": block}
+            elif name in ("snapkv", "snapkv-recent", "snapkv-wide"):
+                # snapkv-wide: an observation window of half the budget (kv-headroom's best
+                # realizable score on the recall model)
+                window = (budget // 2) * block if name == "snapkv-wide" else block
+                params = {"budget_blocks": budget, "sink_blocks": 1, "window_tokens": window}
                 if name == "snapkv-recent":
                     params["recent_blocks"] = min(budget - 1, max(1, round(budget * h2o_recent)))
             else:
                 raise SystemExit(f"kvbench: unknown compressor {name!r} (streaming, h2o, h2o-mean, snapkv, snapkv-recent, "
-                                 "kv4, kv4+streaming, kv4+h2o, kv4+snapkv)")
-            choice = {"plugin": name.removesuffix("-mean").removesuffix("-recent"), "params": params}
+                                 "snapkv-wide, kv4, kv4+streaming, kv4+h2o, kv4+snapkv)")
+            choice = {"plugin": name.split("-")[0], "params": params}
             if fmt is None:
                 arms.append((f"{name} 1/{frac}", choice))
             else:
@@ -245,7 +248,8 @@ def add_command(sub: Any) -> None:
     p.add_argument("--model", help=f"model folder (default: the bundled {DEFAULT_MODEL})")
     p.add_argument("--compressors", default="streaming,h2o,snapkv",
                    help="comma list (default the three eviction compressors); also h2o-mean (score: mean), "
-                        "snapkv-recent (recent_blocks: the --h2o-recent share), kv4 (the 4-bit "
+                        "snapkv-recent (recent_blocks: the --h2o-recent share), snapkv-wide (window_tokens: "
+                        "half the budget), kv4 (the 4-bit "
                         "storage format alone) and kv4+streaming, kv4+h2o, kv4+snapkv (composed)")
     p.add_argument("--fractions", default="2,4,8", help="budgets as fractions of the context (default 2,4,8)")
     p.add_argument("--h2o-recent", type=float, default=0.5, metavar="F",

@@ -23,3 +23,13 @@ def test_kv4_compositions_and_unknown_names():
     assert arms["kv4+h2o-mean 1/4"][0]["params"]["score"] == "mean"
     with pytest.raises(SystemExit, match="unknown compressor 'h3o'.*h2o-mean"):
         _arms(2048, 32, ["h3o"])
+
+
+def test_snapkv_variants():
+    arms = dict(_arms(2048, 32, ["snapkv", "snapkv-recent", "snapkv-wide"], (2, 8)))
+    assert arms["snapkv 1/8"] == {"plugin": "snapkv", "params": {"budget_blocks": 8, "sink_blocks": 1,
+                                                                "window_tokens": 32}}
+    assert arms["snapkv-recent 1/2"]["params"]["recent_blocks"] == 16
+    assert arms["snapkv-wide 1/2"] == {"plugin": "snapkv", "params": {"budget_blocks": 32, "sink_blocks": 1,
+                                                                     "window_tokens": 512}}
+    assert arms["snapkv-wide 1/8"]["params"]["window_tokens"] == 128
