@@ -68,8 +68,7 @@ def _arms(context: int, block: int, which: list[str], fractions=(2, 4, 8),
                 params = {"budget_blocks": budget, "sink_blocks": 1, "recent_blocks": recent,
                           **({"score": "mean"} if name == "h2o-mean" else {})}
             elif name in ("snapkv", "snapkv-recent", "snapkv-wide"):
-                # snapkv-wide: an observation window of half the budget (kv-headroom's best
-                # realizable score on the recall model)
+                # snapkv-wide: an observation window of half the budget (see kv-headroom)
                 window = (budget // 2) * block if name == "snapkv-wide" else block
                 params = {"budget_blocks": budget, "sink_blocks": 1, "window_tokens": window}
                 if name == "snapkv-recent":
