@@ -12,7 +12,7 @@ tokens a compressor changes while a request generates.
 Arms (budgets of ``--fractions`` of the context, in blocks):
 
 * ``streaming``: the `streaming` plugin (1 sink block, the rest recent);
-* ``snapkv``: the `snapkv` plugin, scores from its observation window (``window_tokens`` 32);
+* ``snapkv``: the `snapkv` plugin, scores from its observation window (``window_tokens``: one block, as kvbench's arm);
   ``snapkv-recent``: with half its budget recent; ``snapkv-wide``: a window of half the
   budget (512 tokens at 1/2 of 2K, 128 at 1/8);
 * ``prompt-mean``: the same SnapKV planner, each prompt block scored by the mean attention
@@ -43,6 +43,8 @@ from typing import Any, Callable
 
 from rich.console import Console
 from rich.table import Table
+
+from .kvbench import add_text_arguments, wide_window
 
 DEFAULT_MODEL = "graft-tiny-llama-recall"
 ARMS = ("streaming", "snapkv", "snapkv-recent", "snapkv-wide", "prompt-mean", "oracle")
@@ -89,7 +91,7 @@ def _planner(name: str, budget: int, block: int, window: int):
     if plugin == "streaming":
         params = {"budget_blocks": budget, "sink_blocks": 1}
     else:
-        w = {"snapkv-wide": (budget // 2) * block, "prompt-mean": 1, "oracle": 1}.get(name, window)
+        w = {"snapkv-wide": wide_window(budget, block), "prompt-mean": 1, "oracle": 1}.get(name, window)
         params = {"budget_blocks": budget, "sink_blocks": 1, "window_tokens": w,
                   "recent_blocks": min(budget - 1, max(1, round(budget / 2))) if name == "snapkv-recent" else 0}
     return reg.load()(reg.params(**params))
@@ -107,8 +109,11 @@ def bootstrap(diffs: list[float], tokens: list[int], *, reps: int = 2000, seed: 
     return stats[int(0.05 * reps)], stats[int(0.95 * reps) - 1]
 
 
-def study(model_dir: str, texts, *, block: int, chunk: int, gen: int, fractions, arms, window: int = 32,
+def study(model_dir: str, texts, *, block: int, chunk: int, gen: int, fractions, arms, window: int | None = None,
           progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Gen ppl of every arm at every budget (``fractions`` of each text's blocks) with its
+    comparisons (see the module docstring). ``window``: SnapKV's observation window in tokens
+    (default one block, as ``kvbench``'s snapkv arm)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -116,7 +121,8 @@ def study(model_dir: str, texts, *, block: int, chunk: int, gen: int, fractions,
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     nll: dict[str, list[float]] = {}
-    kept_blocks: dict[str, list[int]] = {}
+    kept_blocks: dict[str, list[float]] = {}
+    window = window or block
     tokens: list[int] = []
     extra = -(-gen // block)  # the generated blocks SnapKV keeps beyond its budget
 
@@ -155,7 +161,7 @@ def study(model_dir: str, texts, *, block: int, chunk: int, gen: int, fractions,
                         return comp.keep(BlockView(s, block, prompt))
                 else:
                     if name == "snapkv-wide":
-                        wide = (budget // 2) * block
+                        wide = wide_window(budget, block)
                         sources[name] = block_mass(att, slice(max(0, prompt - wide), prompt), n, block)
                     sc = sources.get(name, sources["window"])[:nbp].tolist()
 
@@ -181,9 +187,9 @@ def study(model_dir: str, texts, *, block: int, chunk: int, gen: int, fractions,
         row = {"arm": label, "gen_ppl": ppl, "change": ppl / plain - 1,
                "blocks": sum(kept_blocks[label]) / len(kept_blocks[label])}
         frac = label.split(" ")[1]
-        for key, ref in (("vs_streaming", f"streaming {frac}"), ("vs_streaming_more", f"streaming+{extra} {frac}")):
-            if label.startswith("streaming"):
-                break
+        refs = () if label.startswith("streaming") else (
+            ("vs_streaming", f"streaming {frac}"), ("vs_streaming_more", f"streaming+{extra} {frac}"))
+        for key, ref in refs:
             diffs = [a - b for a, b in zip(vals, nll[ref])]
             row[key] = math.exp(sum(diffs) / total) - 1
             row[key + "_90"] = bootstrap(diffs, tokens)
@@ -231,8 +237,6 @@ def main(args) -> int:
 
 
 def add_command(sub: Any) -> None:
-    from .kvbench import add_text_arguments
-
     p = sub.add_parser(
         "kv-headroom", help="KV eviction policies against an oracle and against streaming, with intervals",
         description=__doc__.split("\n\n", 1)[1].split("\n\nScores")[0])
