@@ -12,9 +12,10 @@ tokens a compressor changes while a request generates.
 Arms (budgets of ``--fractions`` of the context, in blocks):
 
 * ``streaming``: the `streaming` plugin (1 sink block, the rest recent);
-* ``snapkv``: the `snapkv` plugin, scores from its observation window (``window_tokens``: one block, as kvbench's arm);
+* ``snapkv``: the `snapkv` plugin, scores from its observation window (one block);
   ``snapkv-recent``: with half its budget recent; ``snapkv-wide``: a window of half the
-  budget (512 tokens at 1/2 of 2K, 128 at 1/8);
+  budget (512 tokens at 1/2 of 2K, 128 at 1/8). These four take ``kvbench``'s parameters
+  for its arms of the same names;
 * ``prompt-mean``: the same SnapKV planner, each prompt block scored by the mean attention
   mass the prompt's queries put on it (every query that can see it);
 * ``oracle``: the same planner, each block scored by the mass that the *decoded tokens
@@ -29,9 +30,10 @@ paired bootstrap over texts (an interval that straddles 0 means the texts do not
 apart), and against ``streaming+k``: streaming with the ``k`` = ``--gen-tokens`` / block more
 blocks that SnapKV keeps by the end of the decoded tail (it compresses the prompt only), so at
 least the blocks the SnapKV-planner arms hold at every step (column "blocks": the mean over
-the decoded tokens' queries). The ``streaming`` and ``snapkv`` figures are the plugins' own in vLLM, not a model of
-them: ``tests/e2e/test_scored_compressors_masked.py`` holds this replay's gen ppl to vLLM's for
-both plugins (to 1e-4), and ``kvbench`` on the same texts gives the same figures.
+the decoded tokens' queries). The ``streaming`` and ``snapkv`` figures are the plugins' own
+in vLLM, not a model of them: ``tests/e2e/test_scored_compressors_masked.py`` holds this
+replay's gen ppl to vLLM's for both plugins (to 1e-4), and ``kvbench`` on the same texts
+gives the same figures.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ from typing import Any, Callable
 from rich.console import Console
 from rich.table import Table
 
-from .kvbench import add_text_arguments, wide_window
+from .kvbench import _arms, add_text_arguments
 
 DEFAULT_MODEL = "graft-tiny-llama-recall"
 ARMS = ("streaming", "snapkv", "snapkv-recent", "snapkv-wide", "prompt-mean", "oracle")
@@ -83,18 +85,26 @@ def block_mass(att_sum, rows: slice, n: int, block: int):
     return torch.nn.functional.pad(per_key, (0, nb * block - n)).view(nb, block).sum(-1)
 
 
-def _planner(name: str, budget: int, block: int, window: int):
+def planner(plugin: str, params: dict[str, Any]):
+    """The ``plugin`` compressor built from the registry, as vLLM's adapter builds it."""
     from vllm_graft.hooks import get_registry
 
-    plugin = "streaming" if name.startswith("streaming") else "snapkv"
     reg = get_registry().get("kvcompress", plugin).registration
-    if plugin == "streaming":
-        params = {"budget_blocks": budget, "sink_blocks": 1}
-    else:
-        w = {"snapkv-wide": wide_window(budget, block), "prompt-mean": 1, "oracle": 1}.get(name, window)
-        params = {"budget_blocks": budget, "sink_blocks": 1, "window_tokens": w,
-                  "recent_blocks": min(budget - 1, max(1, round(budget / 2))) if name == "snapkv-recent" else 0}
     return reg.load()(reg.params(**params))
+
+
+def arm_choice(name: str, context: int, block: int, frac: int, extra: int) -> dict[str, Any]:
+    """``{"plugin", "params"}`` of an arm at budget 1/``frac``: ``kvbench``'s own arm for
+    the plugins; ``prompt-mean`` and ``oracle`` are SnapKV's planner with a 1-token window
+    (their scores come from elsewhere); ``streaming+`` is streaming with ``extra`` more blocks."""
+    base = {"prompt-mean": "snapkv", "oracle": "snapkv", "streaming+": "streaming"}.get(name, name)
+    choice = dict(_arms(context, block, [base], (frac,)))[f"{base} 1/{frac}"]
+    params = dict(choice["params"])
+    if base == "snapkv" and name != base:
+        params["window_tokens"] = 1
+    if name == "streaming+":
+        params["budget_blocks"] += extra
+    return {"plugin": choice["plugin"], "params": params}
 
 
 def bootstrap(diffs: list[float], tokens: list[int], *, reps: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -109,11 +119,10 @@ def bootstrap(diffs: list[float], tokens: list[int], *, reps: int = 2000, seed: 
     return stats[int(0.05 * reps)], stats[int(0.95 * reps) - 1]
 
 
-def study(model_dir: str, texts, *, block: int, chunk: int, gen: int, fractions, arms, window: int | None = None,
+def study(model_dir: str, texts, *, block: int, chunk: int, gen: int, fractions, arms,
           progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Gen ppl of every arm at every budget (``fractions`` of each text's blocks) with its
-    comparisons (see the module docstring). ``window``: SnapKV's observation window in tokens
-    (default one block, as ``kvbench``'s snapkv arm)."""
+    comparisons (see the module docstring)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -122,7 +131,6 @@ def study(model_dir: str, texts, *, block: int, chunk: int, gen: int, fractions,
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     nll: dict[str, list[float]] = {}
     kept_blocks: dict[str, list[float]] = {}
-    window = window or block
     tokens: list[int] = []
     extra = -(-gen // block)  # the generated blocks SnapKV keeps beyond its budget
 
@@ -145,25 +153,26 @@ def study(model_dir: str, texts, *, block: int, chunk: int, gen: int, fractions,
         nll.setdefault("plain", []).append(base)
         tokens.append(gen)
         nbp = -(-prompt // block)
-        queries = torch.arange(n)[:, None] >= torch.arange(n)[None, :]
-        sources = {  # block scores over the prompt's blocks, by arm
-            "window": block_mass(att, slice(prompt - window, prompt), n, block),
+        context = -(-len(ids) // block) * block  # the budgets are fractions of the text's blocks
+        sources = {  # block scores over the prompt's blocks for the arms not scored by their window
             "prompt-mean": block_mass(att, slice(0, prompt), n, block)
-            / block_mass(queries[:prompt].float(), slice(0, prompt), n, block).clamp(min=1),
+            / block_mass(full[:prompt].float(), slice(0, prompt), n, block).clamp(min=1),
             "oracle": block_mass(att, slice(prompt - 1, n), n, block),  # the queries predicting the tail
         }
         for frac in fractions:
-            budget = max(2, -(-len(ids) // block) // frac)  # of the context's blocks, as kvbench
             for name in [*arms, "streaming+"]:
-                comp = _planner(name, budget + extra if name == "streaming+" else budget, block, window)
-                if name.startswith("streaming"):
+                choice = arm_choice(name, context, block, frac, extra)
+                comp = planner(choice["plugin"], choice["params"])
+                if choice["plugin"] == "streaming":
                     def keep(s, comp=comp):
                         return comp.keep(BlockView(s, block, prompt))
                 else:
-                    if name == "snapkv-wide":
-                        wide = wide_window(budget, block)
-                        sources[name] = block_mass(att, slice(max(0, prompt - wide), prompt), n, block)
-                    sc = sources.get(name, sources["window"])[:nbp].tolist()
+                    if name in sources:
+                        scores = sources[name]
+                    else:  # SnapKV's own: the mass of its observation window's queries
+                        window = choice["params"]["window_tokens"]
+                        scores = block_mass(att, slice(max(0, prompt - window), prompt), n, block)
+                    sc = scores[:nbp].tolist()
 
                     def keep(s, comp=comp, sc=sc):
                         nb = -(-s // block)
@@ -213,6 +222,11 @@ def main(args) -> int:
     tok = Tokenizer.from_model(model)
     texts = stdlib_texts(tok, num=args.texts, tokens=args.context - 1, seed=args.seed)
     fractions = tuple(int(f) for f in args.fractions.split(","))
+    blocks = -(-(args.context - 1) // args.block)
+    small = [f for f in fractions if blocks // f < 2]
+    if small:
+        raise SystemExit(f"kv-headroom: --fractions {','.join(map(str, small))} leave fewer than 2 of the context's "
+                         f"{blocks} blocks of {args.block} tokens; use smaller fractions or a longer --context")
     res = study(model, texts, block=args.block, chunk=args.chunk, gen=args.gen_tokens, fractions=fractions,
                 arms=arms, progress=lambda s: console.print(f"[dim]{s}[/]"))
     table = Table(title=f"gen ppl of the last {args.gen_tokens} tokens of {args.texts} texts "

@@ -45,12 +45,6 @@ from typing import Any
 DEFAULT_MODEL = "graft-tiny-llama"
 
 
-def wide_window(budget: int, block: int) -> int:
-    """The ``snapkv-wide`` arm's observation window (here and in ``kv-headroom``): half the
-    budget, in tokens."""
-    return (budget // 2) * block
-
-
 def _arms(context: int, block: int, which: list[str], fractions=(2, 4, 8),
           h2o_recent: float = 0.5, h2o_heavy: int | None = None) -> list[tuple[str, Any]]:
     blocks = context // block
@@ -74,7 +68,7 @@ def _arms(context: int, block: int, which: list[str], fractions=(2, 4, 8),
                 params = {"budget_blocks": budget, "sink_blocks": 1, "recent_blocks": recent,
                           **({"score": "mean"} if name == "h2o-mean" else {})}
             elif name in ("snapkv", "snapkv-recent", "snapkv-wide"):
-                window = wide_window(budget, block) if name == "snapkv-wide" else block
+                window = (budget // 2) * block if name == "snapkv-wide" else block  # wide: half the budget
                 params = {"budget_blocks": budget, "sink_blocks": 1, "window_tokens": window}
                 if name == "snapkv-recent":
                     params["recent_blocks"] = min(budget - 1, max(1, round(budget * h2o_recent)))

@@ -16,7 +16,7 @@ def test_steps_are_prefill_chunks_then_one_token_each():
 
 def test_streaming_replay_drops_blocks_only_for_later_steps_and_never_returns_them():
     B, n, prompt = 4, 40, 24
-    comp = kh._planner("streaming", 3, B, 4)
+    comp = kh.planner("streaming", {"budget_blocks": 3, "sink_blocks": 1})
     allowed = kh.replay_allowed(n, prompt, B, 8, lambda s: comp.keep(BlockView(s, B, prompt)))
     # causal everywhere
     assert not allowed.triu(1).any()
@@ -37,7 +37,7 @@ def test_streaming_replay_drops_blocks_only_for_later_steps_and_never_returns_th
 
 def test_snapkv_replay_keeps_the_prompt_until_it_is_in_then_the_best_scored_blocks():
     B, n, prompt = 4, 36, 28
-    comp = kh._planner("oracle", 3, B, 4)  # snapkv's planner, window of 1 token
+    comp = kh.planner("snapkv", {"budget_blocks": 3, "sink_blocks": 1, "window_tokens": 1})  # oracle's planner
     scores = [0.0, 0.0, 0.0, 0.0, 9.0, 0.0, 0.0]  # block 4 is the one to keep
 
     def keep(s):
@@ -64,3 +64,23 @@ def test_unknown_arm_is_refused_with_the_choices(capsys):
     with pytest.raises(SystemExit) as e:
         main(["kv-headroom", "--arms", "streaming,h2o"])
     assert "unknown arm(s) h2o" in str(e.value) and "oracle" in str(e.value)
+
+
+def test_plugin_arms_are_kvbenchs_and_the_study_arms_are_snapkvs_planner_or_more_streaming():
+    from vllm_graft.integration.kvbench import _arms
+
+    bench = dict(_arms(2048, 32, ["streaming", "snapkv", "snapkv-recent", "snapkv-wide"], (4,)))
+    for name in ("streaming", "snapkv", "snapkv-recent", "snapkv-wide"):
+        assert kh.arm_choice(name, 2048, 32, 4, extra=4) == bench[f"{name} 1/4"]
+    for name in ("prompt-mean", "oracle"):
+        assert kh.arm_choice(name, 2048, 32, 4, extra=4) == {
+            "plugin": "snapkv", "params": {"budget_blocks": 16, "sink_blocks": 1, "window_tokens": 1}}
+    assert kh.arm_choice("streaming+", 2048, 32, 4, extra=4) == {
+        "plugin": "streaming", "params": {"budget_blocks": 20, "sink_blocks": 1}}
+
+
+def test_a_fraction_that_leaves_fewer_than_two_blocks_is_refused():
+    from vllm_graft.integration.cli import main
+
+    with pytest.raises(SystemExit, match="--fractions 64 leave fewer than 2 of the context's 64 blocks"):
+        main(["kv-headroom", "--fractions", "4,64"])
