@@ -133,3 +133,32 @@ def test_a_snapkv_window_that_does_not_fit_its_budget_is_refused_at_validation(r
               "kvcompress": {"plugin": "snapkv", "params": {"budget_blocks": 8, "window_tokens": 192}}},
              registry, cpu_env)
     validate({"model": m, "kvcompress": snap}, registry, cpu_env)
+    # a one-token window lies in one block: it fits beside the sink in a budget of 2; two tokens
+    # may straddle two, and then the advice is the one-token window
+    validate({"model": m, "kvcompress": {"plugin": "snapkv", "params": {"budget_blocks": 2, "window_tokens": 1}}},
+             registry, cpu_env)
+    with pytest.raises(DeploymentError, match="set window_tokens to at most 1 or budget_blocks to at least 3"):
+        validate({"model": m, "kvcompress": {"plugin": "snapkv", "params": {"budget_blocks": 2, "window_tokens": 2}}},
+                 registry, cpu_env)
+
+
+def test_a_snapkv_window_the_check_accepts_never_makes_the_planner_exceed_its_budget():
+    """The check's block count is the planner's: over a grid of geometries, every accepted
+    window keeps at most budget_blocks prompt blocks, and every refused one can exceed it."""
+    from itertools import product
+    from types import SimpleNamespace
+
+    from vllm_graft.hooks import BlockView
+    from vllm_graft.plugins.kvcompress.snapkv import SnapKVParams
+    from vllm_graft.plugins.kvcompress.snapkv.reference import SnapKV
+
+    for B, budget, sink in product((16, 32), range(2, 6), (0, 1)):
+        for window in range(1, 3 * B + 2):
+            p = SnapKVParams(budget_blocks=budget, sink_blocks=sink, window_tokens=window)
+            ok = not p.check_deployment(SimpleNamespace(block_size=B, platform="cpu"))
+            worst = 0
+            for prompt in range(window + 9 * B, window + 10 * B):  # every alignment
+                nb = -(-prompt // B)
+                kept = SnapKV(p).keep(BlockView(prompt, B, prompt, tuple(float(i % 5) for i in range(nb))))
+                worst = max(worst, len([b for b in kept if b * B < prompt]))
+            assert (worst <= budget) == ok, (B, budget, sink, window, worst)

@@ -40,10 +40,12 @@ class SnapKVParams(KernelParams):
         more than ``budget_blocks`` prompt blocks)."""
         if ctx.block_size is None:
             return []
-        spans = -(-self.window_tokens // ctx.block_size) + 1  # a window not block-aligned straddles one more
+        # W consecutive tokens lie in at most ceil((W - 1) / B) + 1 blocks (one more when not aligned)
+        spans = -(-(self.window_tokens - 1) // ctx.block_size) + 1
         if self.sink_blocks + spans <= self.budget_blocks:
             return []
-        most = (self.budget_blocks - self.sink_blocks - 1) * ctx.block_size
+        # a window that fits: k whole blocks span at most k + 1; with no block to spare, 1 token
+        most = max(1, (self.budget_blocks - self.sink_blocks - 1) * ctx.block_size)
         return [f"window_tokens {self.window_tokens} spans up to {spans} KV blocks of {ctx.block_size} tokens "
                 f"(engine.block_size, else vLLM's default on {ctx.platform}), which SnapKV always keeps: with "
                 f"sink_blocks {self.sink_blocks} that exceeds budget_blocks {self.budget_blocks}; set "
