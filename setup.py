@@ -1,12 +1,12 @@
 """Package discovery for the folder-to-package mapping declared in pyproject.toml.
 
-Every sub-folder of hooks/, plugins/ and integration/ that has an ``__init__.py``
+Every sub-folder of hooks/, plugins/, integration/, kit/ and tools/ that has an ``__init__.py``
 becomes a sub-package of ``vllm_graft.<folder>``, so adding a plugin folder needs
 no edit of the packaging files.
 """
 from setuptools import find_packages, setup
 
-ROOTS = ("hooks", "plugins", "integration")
+ROOTS = ("hooks", "plugins", "integration", "kit", "tools")
 
 packages = []
 for root in ROOTS:

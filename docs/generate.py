@@ -62,7 +62,7 @@ def _param(name: str, field) -> str:
 def render_plugins() -> str:
     """The built-in plugins (those vllm-graft itself registers), from the registry."""
     from vllm_graft.hooks import get_registry
-    from vllm_graft.integration.conformance.checks import BUILTIN_PACKAGE
+    from vllm_graft.kit.conformance.checks import BUILTIN_PACKAGE
 
     lines = [
         "# Built-in plugins",

@@ -179,16 +179,16 @@ def _print_plan(plan: Plan, source: str, console: Console) -> None:
 #: (``vllm-graft plugins`` and ``check`` stay fast).
 COMMAND_MODULES: tuple[str, ...] = (
     "vllm_graft.integration.run",  # demo, generate, serve
-    "vllm_graft.integration.bench",  # bench
-    "vllm_graft.integration.scaffold",  # new-plugin
-    "vllm_graft.integration.calibrate",  # calibrate METHOD (expert-mask, razor)
-    "vllm_graft.integration.moe_tools",  # moe-trace, moe-sim
-    "vllm_graft.integration.quantize",  # quantize
-    "vllm_graft.integration.specbench",  # specbench
-    "vllm_graft.integration.attention_bytes",  # attention-bytes
-    "vllm_graft.integration.sparse_quality",  # sparse-quality
-    "vllm_graft.integration.kvbench",  # kvbench
-    "vllm_graft.integration.kv_headroom",  # kv-headroom
+    "vllm_graft.tools.bench",  # bench
+    "vllm_graft.kit.scaffold",  # new-plugin
+    "vllm_graft.tools.calibrate",  # calibrate METHOD (expert-mask, razor)
+    "vllm_graft.tools.moe.moe_tools",  # moe-trace, moe-sim
+    "vllm_graft.tools.quant.quantize",  # quantize, quant-kernel-bench
+    "vllm_graft.tools.speculative.specbench",  # specbench
+    "vllm_graft.tools.attention.attention_bytes",  # attention-bytes
+    "vllm_graft.tools.attention.sparse_quality",  # sparse-quality
+    "vllm_graft.tools.kvcompress.kvbench",  # kvbench
+    "vllm_graft.tools.kvcompress.kv_headroom",  # kv-headroom
 )
 
 

@@ -41,7 +41,7 @@ cannot fuse across a plugin's linear layers.
 
 Events counted: ``quantize`` (layers quantised) and ``apply`` (linear calls).
 
-Pre-quantised checkpoints (written by ``vllm-graft quantize``, ``integration/quantize.py``):
+Pre-quantised checkpoints (written by ``vllm-graft quantize``, ``tools/quant/quantize.py``):
 ``config.json`` has ``"quantization_config": {"quant_method": "graft-<plugin>", "graft_format":
 1, "params": {...}, "embeddings": bool}``; vLLM detects it without a flag and calls
 ``from_config(that dict)`` (checked by :func:`checkpoint_config`). The bridge enables the

@@ -25,7 +25,9 @@ N = 4
 def _runs(graft: bool) -> dict:
     from vllm import LLM, SamplingParams
 
-    from vllm_graft.integration import launch, workloads
+    from vllm_graft.integration import launch
+
+    from vllm_graft.tools import workloads
     from vllm_graft.integration.runtime import RUNTIME
 
     tok = workloads.Tokenizer.from_model(LLAMA)

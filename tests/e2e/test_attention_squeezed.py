@@ -24,7 +24,9 @@ NEW_TOKENS = 24
 def _run(params: dict | None) -> dict:
     from vllm import LLM, SamplingParams
 
-    from vllm_graft.integration import launch, workloads
+    from vllm_graft.integration import launch
+
+    from vllm_graft.tools import workloads
     from vllm_graft.integration.runtime import RUNTIME
 
     tok = workloads.Tokenizer.from_model(LLAMA)

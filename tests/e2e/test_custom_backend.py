@@ -24,7 +24,7 @@ STREAMING = {"plugin": "streaming", "params": {"sink_blocks": 1, "budget_blocks"
 
 @pytest.fixture(scope="module")
 def prompts():
-    from vllm_graft.integration import workloads
+    from vllm_graft.tools import workloads
 
     tok = workloads.Tokenizer.from_model(LLAMA)
     (ps,) = workloads.build(["shared-prefix"], tok, num_prompts=4, max_tokens=NEW_TOKENS,

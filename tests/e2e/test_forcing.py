@@ -22,7 +22,7 @@ def test_forced_decoding_reports_the_models_own_logprobs():
     from vllm import LLM, SamplingParams
 
     from vllm_graft.integration.forcing import ForceTokens, forced_logprobs, forced_params
-    from vllm_graft.integration.workloads import Tokenizer, stdlib_texts
+    from vllm_graft.tools.workloads import Tokenizer, stdlib_texts
 
     tok = Tokenizer.from_model(str(MODEL))
     (ids, _), = stdlib_texts(tok, num=1, tokens=200, seed=3)

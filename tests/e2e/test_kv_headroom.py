@@ -13,8 +13,8 @@ MODEL = Path(__file__).resolve().parents[2] / "models" / "graft-tiny-llama-recal
 
 
 def test_every_policy_is_plain_attention_at_full_budget_and_differs_below_it():
-    from vllm_graft.integration.kv_headroom import ARMS, study
-    from vllm_graft.integration.workloads import Tokenizer, stdlib_texts
+    from vllm_graft.tools.kvcompress.kv_headroom import ARMS, study
+    from vllm_graft.tools.workloads import Tokenizer, stdlib_texts
 
     texts = stdlib_texts(Tokenizer.from_model(str(MODEL)), num=2, tokens=511, seed=0)
     res = study(str(MODEL), texts, block=32, chunk=128, gen=64, fractions=(1, 2), arms=list(ARMS))

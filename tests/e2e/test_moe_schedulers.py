@@ -52,7 +52,7 @@ def generate(moe=None):
 
     from vllm_graft.hooks import Kind
     from vllm_graft.integration import launch
-    from vllm_graft.integration.moe_record import with_tracer
+    from vllm_graft.tools.moe.moe_record import with_tracer
     from vllm_graft.integration.runtime import RUNTIME
 
     d = with_tracer(data(moe)) if moe is not None else data()

@@ -28,7 +28,7 @@ TOP_LOGPROBS = 5
 
 @pytest.fixture(scope="module")
 def df11(tmp_path_factory):
-    from vllm_graft.integration.quantize import quantize_checkpoint
+    from vllm_graft.tools.quant.quantize import quantize_checkpoint
 
     out = tmp_path_factory.mktemp("ckpt") / "df11"
     report = quantize_checkpoint("dfloat11", str(MODEL), str(out), {}, dtype="bfloat16", log=lambda *a: None)
@@ -144,7 +144,7 @@ def _heldout_nll(model, **kw):
     """Mean NLL of 2 held-out windows of 256 tokens (prompt_logprobs), and the events."""
     from vllm import LLM, SamplingParams
 
-    from vllm_graft.integration.quantize import corpus_text
+    from vllm_graft.tools.quant.quantize import corpus_text
     from vllm_graft.integration.runtime import RUNTIME
 
     llm = LLM(model=str(model), **ENGINE, **kw)
@@ -174,7 +174,7 @@ def fp16_nll():
 def test_lossy_checkpoint_loads_and_stays_close_to_fp16(tmp_path, fp16_nll, method, params):
     import math
 
-    from vllm_graft.integration.quantize import quantize_checkpoint
+    from vllm_graft.tools.quant.quantize import quantize_checkpoint
 
     out = tmp_path / method
     quantize_checkpoint(method, str(MODEL), str(out), params, log=lambda *a: None)

@@ -92,7 +92,7 @@ def _vllm(ids: list[int], kvcompress: dict | None) -> tuple[list[float], list[fl
 
 
 def test_snapkv_in_vllm_equals_attention_masked_to_the_blocks_it_keeps():
-    from vllm_graft.integration.workloads import Tokenizer, stdlib_texts
+    from vllm_graft.tools.workloads import Tokenizer, stdlib_texts
 
     (ids, _), = stdlib_texts(Tokenizer.from_model(str(MODEL)), num=1, tokens=P + G, seed=1)
     ids = list(ids)
@@ -114,7 +114,7 @@ def test_snapkv_in_vllm_equals_attention_masked_to_the_blocks_it_keeps():
 
 @pytest.mark.parametrize("score", ["sum", "mean"])
 def test_h2o_in_vllm_equals_attention_masked_to_the_blocks_it_keeps_step_by_step(score):
-    from vllm_graft.integration.workloads import Tokenizer, stdlib_texts
+    from vllm_graft.tools.workloads import Tokenizer, stdlib_texts
 
     (ids, _), = stdlib_texts(Tokenizer.from_model(str(MODEL)), num=1, tokens=P + G, seed=2)
     ids = list(ids)
@@ -138,8 +138,8 @@ def test_kv_headroom_replay_gives_vllm_decoded_perplexity_for_streaming_and_snap
     its decoded-tail perplexity must be vLLM's for the same plugin and parameters."""
     import math
 
-    from vllm_graft.integration.kv_headroom import study
-    from vllm_graft.integration.workloads import Tokenizer, stdlib_texts
+    from vllm_graft.tools.kvcompress.kv_headroom import study
+    from vllm_graft.tools.workloads import Tokenizer, stdlib_texts
 
     (ids, _), = stdlib_texts(Tokenizer.from_model(str(MODEL)), num=1, tokens=P + G, seed=3)
     budget = -(-(P + G) // B) // 3  # kv-headroom's budget at --fractions 3

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from vllm_graft.integration import bench
-from vllm_graft.integration import workloads as W
+from vllm_graft.tools import bench
+from vllm_graft.tools import workloads as W
 from vllm_graft.integration.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,7 +20,7 @@ from vllm_graft.hooks import (
     Registration,
 )
 from vllm_graft.hooks.registry import Entry, Source
-from vllm_graft.integration.conformance import checks as c
+from vllm_graft.kit.conformance import checks as c
 from vllm_graft.plugins.attention.noop.reference import paged_attention
 
 

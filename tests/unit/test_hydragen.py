@@ -157,7 +157,7 @@ def test_reference_equals_plain_paged_attention(seed, dtype):
 
 
 def test_attention_bytes_ratio_approaches_the_batch_size():
-    from vllm_graft.integration.attention_bytes import hydragen_rows
+    from vllm_graft.tools.attention.attention_bytes import hydragen_rows
 
     for batch in (8, 32, 128):
         for prefix in (1024, 4096):

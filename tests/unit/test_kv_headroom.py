@@ -7,7 +7,7 @@ import math
 import pytest
 
 from vllm_graft.hooks import BlockView
-from vllm_graft.integration import kv_headroom as kh
+from vllm_graft.tools.kvcompress import kv_headroom as kh
 
 
 def test_steps_are_prefill_chunks_then_one_token_each():
@@ -67,7 +67,7 @@ def test_unknown_arm_is_refused_with_the_choices(capsys):
 
 
 def test_plugin_arms_are_kvbenchs_and_the_study_arms_are_snapkvs_planner_or_more_streaming():
-    from vllm_graft.integration.kvbench import _arms
+    from vllm_graft.tools.kvcompress.kvbench import _arms
 
     bench = dict(_arms(2048, 32, ["streaming", "snapkv", "snapkv-recent", "snapkv-wide"], (4,)))
     for name in ("streaming", "snapkv", "snapkv-recent", "snapkv-wide"):

@@ -2,7 +2,7 @@
 h2o-mean label, kv4 compositions, and a clear refusal of an unknown compressor."""
 import pytest
 
-from vllm_graft.integration.kvbench import _arms
+from vllm_graft.tools.kvcompress.kvbench import _arms
 
 
 def test_arms_budgets_and_h2o_variants():

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_graft.integration import sparse_quality as SQ
-from vllm_graft.integration import workloads as W
+from vllm_graft.tools.attention import sparse_quality as SQ
+from vllm_graft.tools import workloads as W
 from vllm_graft.plugins.attention.squeezed import policy
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -256,7 +256,7 @@ def test_moe_sim_command(tmp_path, capsys):
 
 
 def test_calibrate_and_moe_commands_refuse_bad_arguments(tmp_path, capsys):
-    from vllm_graft.integration.calibrate import METHODS
+    from vllm_graft.tools.calibrate import METHODS
     from vllm_graft.integration.cli import main
 
     assert list(METHODS) == ["expert-mask", "razor"] and METHODS["expert-mask"].plugin == "moe:expert-mask"
@@ -267,7 +267,7 @@ def test_calibrate_and_moe_commands_refuse_bad_arguments(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("one\n---\ntwo\n")
     assert main(["calibrate", "expert-mask", "-a", str(tmp_path / "a.txt"), "-b", str(tmp_path / "a.txt"),
                  "-o", "m.json", "--top", "0"]) == 2
-    from vllm_graft.integration.moe_record import read_prompt_file
+    from vllm_graft.tools.moe.moe_record import read_prompt_file
 
     assert read_prompt_file(tmp_path / "a.txt") == ["one", "two"]
     random_trace(0).save(tmp_path / "t.npz")

@@ -72,7 +72,7 @@ def test_w4a8_gemm_matches_fp32_emulation(dtype, M, N, K, gs):
 @pytest.mark.kernel
 def test_quant_kernel_bench_runs_at_tiny_shapes():
     """The GPU kernel benchmark's code path, on CPU under the interpreter (times meaningless)."""
-    from vllm_graft.integration.quant_kernel_bench import TINY, run
+    from vllm_graft.tools.quant.kernel_bench import TINY, run
 
     rows = run([1, 20], TINY, "cpu", iters=1, peak_gbs=1.0)
     assert [r["kernel"] for r in rows[:4]] == ["fp16 matmul", "squeezellm LUT 4-bit",

@@ -7,9 +7,9 @@ import pytest
 
 from vllm_graft.hooks import CONTRACTS, Kind, Registration
 from vllm_graft.hooks.registry import Entry, Source
-from vllm_graft.integration import scaffold
+from vllm_graft.kit import scaffold
 from vllm_graft.integration.cli import main
-from vllm_graft.integration.conformance import checks as c
+from vllm_graft.kit.conformance import checks as c
 
 
 @pytest.mark.parametrize("kind", list(Kind), ids=lambda k: k.value)

@@ -96,7 +96,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
     from vllm_graft.plugins.attention.squeezed.policy import HEAD_MAP_FORMAT
 
-    from .launch import models_dir
+    from vllm_graft.integration.launch import models_dir
 
     for name in ("induction_fraction", "echo_fraction"):
         if not 0 <= getattr(args, name) <= 1:

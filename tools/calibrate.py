@@ -57,7 +57,7 @@ def _mask_args(p: argparse.ArgumentParser) -> None:
 def _deployment_data(path: str | None) -> tuple[dict[str, Any], Path]:
     from vllm_graft.hooks.deployment import load_file
 
-    from .launch import models_dir
+    from vllm_graft.integration.launch import models_dir
 
     if path:
         return load_file(path), Path(path).resolve().parent
@@ -68,10 +68,10 @@ def _deployment_data(path: str | None) -> tuple[dict[str, Any], Path]:
 def _run_mask(args: argparse.Namespace, console: Console) -> int:
     from vllm_graft.plugins.moe.expert_mask.policy import activation_frequency, mask_from, most_distinctive
 
-    from .cli import EXIT_OK, EXIT_USAGE
-    from .launch import apply_env_defaults
-    from .moe_record import read_prompt_file, record, text_sets, with_tracer
-    from .run import _quiet_vllm
+    from vllm_graft.integration.cli import EXIT_OK, EXIT_USAGE
+    from vllm_graft.integration.launch import apply_env_defaults
+    from vllm_graft.tools.moe.moe_record import read_prompt_file, record, text_sets, with_tracer
+    from vllm_graft.integration.run import _quiet_vllm
 
     try:
         a_texts, b_texts = read_prompt_file(args.behaviour), read_prompt_file(args.contrast)
@@ -150,7 +150,7 @@ def _run_mask(args: argparse.Namespace, console: Console) -> int:
 
 #: The calibration methods, by name.
 def _razor() -> Method:
-    from . import calibrate_razor as razor
+    from vllm_graft.tools.attention import calibrate_razor as razor
 
     return Method(razor.NAME, razor.PLUGIN, razor.HELP, razor.add_arguments, razor.run)
 

@@ -689,9 +689,9 @@ def _arm_main(job: dict[str, Any], result_path: str, events: Any) -> None:  # ev
 
 
 def _arm_run(job: dict[str, Any], send: Callable[[str, Any], None]) -> dict[str, Any]:
-    from .bridge import ENV_CONFIG, ENV_FILE
-    from .env import installed_vllm
-    from .launch import apply_env_defaults
+    from vllm_graft.integration.bridge import ENV_CONFIG, ENV_FILE
+    from vllm_graft.integration.env import installed_vllm
+    from vllm_graft.integration.launch import apply_env_defaults
 
     # The deployment reaches the graft arm through additional_config only; a deployment in the
     # environment would leak into the plain arm (and conflict in the graft arm).
@@ -703,8 +703,8 @@ def _arm_run(job: dict[str, Any], send: Callable[[str, Any], None]) -> dict[str,
     t = time.perf_counter()
     from vllm import LLM, SamplingParams
 
-    from .patches import PATCHES
-    from .runtime import RUNTIME
+    from vllm_graft.integration.patches import PATCHES
+    from vllm_graft.integration.runtime import RUNTIME
 
     llm = LLM(**job["llm_kwargs"])
     load_s = time.perf_counter() - t
@@ -730,7 +730,7 @@ def _arm_run(job: dict[str, Any], send: Callable[[str, Any], None]) -> dict[str,
 
         sampler = _KVSampler(pool)
         vllm_version = installed_vllm()[1] if installed_vllm() else None
-        from .bridge import SUPPORTED_VLLM
+        from vllm_graft.integration.bridge import SUPPORTED_VLLM
 
         PATCHES.apply("bench", scheduler, "schedule", sampler.wrap, wrap=True, versions=SUPPORTED_VLLM,
                       vllm_version=vllm_version,
@@ -851,7 +851,7 @@ def _tail(path: str, n: int = 25) -> str:
 
 
 def cmd_bench(args: argparse.Namespace, console: Console) -> int:
-    from . import workloads as W
+    from vllm_graft.tools import workloads as W
 
     out = Console(stderr=True, highlight=False, width=console.width) if args.json == "-" else console
     err = Console(stderr=True, highlight=False, width=console.width)
@@ -876,7 +876,7 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
 
     from vllm_graft.hooks import DeploymentError
 
-    from .launch import llm_kwargs, load_plan
+    from vllm_graft.integration.launch import llm_kwargs, load_plan
 
     try:
         plan = load_plan(args.deployment)
@@ -985,7 +985,7 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
         return EXIT_INVALID if e.error_type == "DeploymentError" else EXIT_RUN_FAILED
     wall = time.perf_counter() - t_start
 
-    from .env import installed_vllm
+    from vllm_graft.integration.env import installed_vllm
 
     found = installed_vllm()
     environment = {"python": sys.version.split()[0], "platform": platform.platform(),
@@ -1022,7 +1022,7 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
 
 # ============================================================================== parser
 def add_command(sub: Any) -> None:
-    from .workloads import WORKLOADS
+    from vllm_graft.tools.workloads import WORKLOADS
 
     p = sub.add_parser(
         "bench", help="A/B benchmark: plain vLLM vs the deployment on the same workloads",

@@ -92,8 +92,8 @@ def run_arm(model: str, kvcompress: dict[str, Any] | None, texts, needles, *, bl
             pool: int, context: int, max_seqs: int, decode: int = 384, gen: int = 128) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
-    from . import launch
-    from .forcing import ForceTokens, forced_logprobs, forced_params
+    from vllm_graft.integration import launch
+    from vllm_graft.integration.forcing import ForceTokens, forced_logprobs, forced_params
 
     engine_args = {"dtype": "float32", "max_model_len": context, "block_size": block, "enforce_eager": True,
                    "num_gpu_blocks_override": pool, "max_num_batched_tokens": chunk,
@@ -192,14 +192,16 @@ def _dense_page_bytes(model: str, block: int) -> int:
 
 
 def main(args) -> int:
-    from . import launch
-    from .workloads import Tokenizer, needle_haystack, stdlib_texts
+    from vllm_graft.integration import launch
+    from vllm_graft.tools.workloads import Tokenizer, needle_haystack, stdlib_texts
 
     launch.apply_env_defaults(in_process=True)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from pathlib import Path
 
-    model = args.model or str(Path(__file__).resolve().parents[1] / "models" / DEFAULT_MODEL)
+    from vllm_graft.integration.launch import models_dir
+
+    model = args.model or str(models_dir() / DEFAULT_MODEL)
     tok = Tokenizer.from_model(model)
     room = args.decode_tokens + 1  # output tokens
     if not 0 <= args.gen_tokens < args.context // 2:

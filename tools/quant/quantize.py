@@ -67,13 +67,13 @@ def add_command(sub: Any) -> None:
     e.add_argument("--json", action="store_true", help="print JSON only")
     e.set_defaults(func=cmd_quant_eval)
 
-    from . import quant_kernel_bench
+    from vllm_graft.tools.quant import kernel_bench as quant_kernel_bench
 
     quant_kernel_bench.add_command(sub)  # quant-kernel-bench
 
 
 def cmd_quantize(args: argparse.Namespace, console: Any) -> int:
-    from .cli import EXIT_INVALID, EXIT_OK
+    from vllm_graft.integration.cli import EXIT_INVALID, EXIT_OK
 
     try:
         params = parse_params(args.param)
@@ -89,8 +89,8 @@ def cmd_quantize(args: argparse.Namespace, console: Any) -> int:
 
 
 def cmd_quant_eval(args: argparse.Namespace, console: Any) -> int:
-    from .cli import EXIT_OK
-    from .launch import apply_env_defaults
+    from vllm_graft.integration.cli import EXIT_OK
+    from vllm_graft.integration.launch import apply_env_defaults
 
     apply_env_defaults(in_process=True)
     rows = [evaluate(m, dtype=args.dtype, windows=args.windows, window_len=args.window_len,
@@ -226,7 +226,7 @@ def quantize_checkpoint(method: str, model: str, out: str, params: dict[str, Any
     import torch
     from safetensors.torch import load_file, save_file
 
-    from .adapters.quant import CHECKPOINT_FORMAT, quantization_name
+    from vllm_graft.integration.adapters.quant import CHECKPOINT_FORMAT, quantization_name
 
     plugin, reg = _plugin(method, params)
     src, dst = Path(model), Path(out)

@@ -88,7 +88,7 @@ def load_workload(name: str, tok: Any, args: argparse.Namespace
     for long-recall, the spans of the first copies (what plain vLLM scores on the same tokens
     with nothing earlier to recall: how much the recall is worth to the model).
     Workloads with prompts shorter than MIN_PROMPT_TOKENS are refused (before any engine)."""
-    from vllm_graft.integration import workloads
+    from vllm_graft.tools import workloads
 
     (ps,) = workloads.build([name], tok, num_prompts=args.num_prompts, max_tokens=16,
                             max_model_len=args.max_model_len, seed=args.seed)
@@ -117,7 +117,7 @@ def run_arm(model: str, engine: dict[str, Any], params: dict[str, Any] | None,
     from vllm import SamplingParams
 
     from vllm_graft.integration import launch
-    from vllm_graft.integration.bench import nll_of
+    from vllm_graft.tools.bench import nll_of
     from vllm_graft.integration.runtime import RUNTIME
 
     data: dict[str, Any] = {"model": model, "engine": engine,
@@ -141,7 +141,8 @@ def run_arm(model: str, engine: dict[str, Any], params: dict[str, Any] | None,
 
 
 def cmd_sparse_quality(args: argparse.Namespace, console: Console) -> int:
-    from vllm_graft.integration import launch, workloads
+    from vllm_graft.integration import launch
+    from vllm_graft.tools import workloads
 
     launch.apply_env_defaults(in_process=True)
     model = args.model or str(launch.models_dir() / "graft-tiny-llama")

@@ -822,7 +822,7 @@ def check_parity(t: Target) -> str:
 
 
 def check_engine(t: Target) -> str:
-    from .engine import run_engine_check
+    from vllm_graft.kit.conformance.engine import run_engine_check
 
     return run_engine_check(t)
 

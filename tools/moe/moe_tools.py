@@ -46,11 +46,11 @@ def cmd_trace(args: argparse.Namespace, console: Console) -> int:
     from vllm_graft.hooks import DeploymentError
     from vllm_graft.hooks.deployment import load_file
 
-    from .cli import EXIT_INVALID, EXIT_OK, EXIT_USAGE
-    from .launch import apply_env_defaults, load_plan
-    from .moe_record import record, with_tracer, workload_sets
-    from .run import _quiet_vllm
-    from .workloads import WorkloadError
+    from vllm_graft.integration.cli import EXIT_INVALID, EXIT_OK, EXIT_USAGE
+    from vllm_graft.integration.launch import apply_env_defaults, load_plan
+    from vllm_graft.tools.moe.moe_record import record, with_tracer, workload_sets
+    from vllm_graft.integration.run import _quiet_vllm
+    from vllm_graft.tools.workloads import WorkloadError
 
     if not args.out.endswith(".npz"):
         console.print("[bold red]error:[/] --out must end in .npz")
@@ -178,7 +178,7 @@ def cmd_sim(args: argparse.Namespace, console: Console) -> int:
     from vllm_graft.plugins.moe.expert_cache.policy import POLICIES, sets_from_trace, simulate
     from vllm_graft.plugins.moe.route_trace.trace import Trace, TraceError
 
-    from .cli import EXIT_OK, EXIT_USAGE
+    from vllm_graft.integration.cli import EXIT_OK, EXIT_USAGE
 
     try:
         trace = Trace.load(args.trace)

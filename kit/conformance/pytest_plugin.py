@@ -2,7 +2,7 @@
 
 Inert unless a test requests the ``graft_check`` fixture: then, for every plugin its
 ``graft_conformance`` marker (or ``--graft-conformance``) names, the test runs once per
-check of :data:`~vllm_graft.integration.conformance.checks.CHECKS`. This module imports
+check of :data:`~vllm_graft.kit.conformance.checks.CHECKS`. This module imports
 nothing heavy: the registry is built only when such a test is collected.
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ class _Case:
 def pytest_generate_tests(metafunc: Any) -> None:
     if FIXTURE not in metafunc.fixturenames:
         return
-    from .checks import CHECKS, Target, example_params, resolve_specs
+    from vllm_graft.kit.conformance.checks import CHECKS, Target, example_params, resolve_specs
 
     # Before any plugin kernel module is imported: Triton runs on the CPU's interpreter.
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -75,7 +75,7 @@ def pytest_generate_tests(metafunc: Any) -> None:
 @pytest.fixture
 def graft_check(request: Any):
     """A callable running one conformance check (see the kit's package docstring)."""
-    from .checks import Skipped
+    from vllm_graft.kit.conformance.checks import Skipped
 
     case: _Case = request.param
     if case.check.engine and request.config.getoption("--graft-no-engine"):

@@ -46,7 +46,7 @@ from typing import Any, Callable
 from rich.console import Console
 from rich.table import Table
 
-from .kvbench import _arms, add_text_arguments
+from vllm_graft.tools.kvcompress.kvbench import _arms, add_text_arguments
 
 DEFAULT_MODEL = "graft-tiny-llama-recall"
 ARMS = ("streaming", "snapkv", "snapkv-recent", "snapkv-wide", "prompt-mean", "oracle")
@@ -207,10 +207,12 @@ def study(model_dir: str, texts, *, block: int, chunk: int, gen: int, fractions,
 
 
 def main(args) -> int:
-    from .workloads import Tokenizer, stdlib_texts
+    from vllm_graft.tools.workloads import Tokenizer, stdlib_texts
 
     console = Console()
-    model = args.model or str(Path(__file__).resolve().parents[1] / "models" / DEFAULT_MODEL)
+    from vllm_graft.integration.launch import models_dir
+
+    model = args.model or str(models_dir() / DEFAULT_MODEL)
     if not 0 < args.gen_tokens < args.context // 2:
         raise SystemExit(f"kv-headroom: --gen-tokens must be between 1 and half the context ({args.context // 2})")
     arms = [a for a in args.arms.split(",") if a]

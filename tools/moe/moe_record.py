@@ -62,10 +62,10 @@ def record(data: dict[str, Any], base_dir: str | os.PathLike[str] | None, sets: 
 
     from vllm_graft.hooks import Kind
 
-    from .bench import nll_of
-    from .launch import plan_from_dict
-    from .run import start_engine
-    from .runtime import RUNTIME
+    from vllm_graft.tools.bench import nll_of
+    from vllm_graft.integration.launch import plan_from_dict
+    from vllm_graft.integration.run import start_engine
+    from vllm_graft.integration.runtime import RUNTIME
 
     say = on_phase or (lambda s: None)
     plan = plan_from_dict(data, source="moe-record", base_dir=base_dir)
@@ -118,7 +118,7 @@ def record(data: dict[str, Any], base_dir: str | os.PathLike[str] | None, sets: 
 def workload_sets(model: str | os.PathLike[str], names: Sequence[str] | None, *, num_prompts: int,
                   max_tokens: int, max_model_len: int, seed: int = 0) -> list[PromptSet]:
     """The bench's deterministic workloads as prompt sets."""
-    from . import workloads as W
+    from vllm_graft.tools import workloads as W
 
     tok = W.Tokenizer.from_model(model)
     built = W.build(W.parse_names(names), tok, num_prompts=num_prompts, max_tokens=max_tokens,
@@ -129,7 +129,7 @@ def workload_sets(model: str | os.PathLike[str], names: Sequence[str] | None, *,
 
 def text_sets(model: str | os.PathLike[str], named: dict[str, Sequence[str]]) -> list[PromptSet]:
     """Prompt sets from texts (prefill only: routes of the prompts themselves)."""
-    from . import workloads as W
+    from vllm_graft.tools import workloads as W
 
     tok = W.Tokenizer.from_model(model)
     out = []

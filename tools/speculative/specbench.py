@@ -52,7 +52,7 @@ COUNTERS = {"drafts": "vllm:spec_decode_num_drafts",
 def arm_file(arm: str) -> Path:
     """``deployments/spec-<arm>.yaml`` (``plain``: ``deployments/plain.yaml``), or ``arm``
     itself when it names a ``.yaml`` file."""
-    from .launch import deployments_dir
+    from vllm_graft.integration.launch import deployments_dir
 
     if arm.endswith((".yaml", ".yml")):
         return Path(arm)
@@ -71,7 +71,7 @@ def _counters(llm: Any) -> dict[str, float]:
 
 def _prompt_sets(tokenizer: Any, workloads: Sequence[str], total: int, max_tokens: int,
                  max_model_len: int, seed: int) -> dict[str, list[Any]]:
-    from . import workloads as wl
+    from vllm_graft.tools import workloads as wl
 
     out = {}
     for name in workloads:
@@ -107,7 +107,7 @@ def run_arm(arm: str, workload: str, prompts: list[Any], *, b1_prompts: int,
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from .launch import load_plan, llm_kwargs
+    from vllm_graft.integration.launch import load_plan, llm_kwargs
 
     plan = load_plan(arm_file(arm))
     kwargs = llm_kwargs(plan, graft=bool(plan.enabled), seed=seed, enforce_eager=True,
@@ -147,7 +147,7 @@ def run_arm(arm: str, workload: str, prompts: list[Any], *, b1_prompts: int,
                 "fwd_per_token": (n_out - d["accepted"]) / n_out if n_out else 1.0,
                 "greedy_tokens": None if workload == PARALLEL else tokens,
             })
-        from .runtime import RUNTIME
+        from vllm_graft.integration.runtime import RUNTIME
 
         result["plugins"] = RUNTIME.report() if plan.enabled else []
         return result
@@ -209,8 +209,8 @@ def render(rows: list[dict[str, Any]], batches: Sequence[int]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from .launch import apply_env_defaults, load_plan
-    from .workloads import Tokenizer
+    from vllm_graft.integration.launch import apply_env_defaults, load_plan
+    from vllm_graft.tools.workloads import Tokenizer
 
     apply_env_defaults(in_process=True)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")

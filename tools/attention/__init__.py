@@ -1,0 +1,1 @@
+"""Measurement tools for attention plugins."""

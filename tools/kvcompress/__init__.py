@@ -1,0 +1,1 @@
+"""Measurement tools for kvcompress plugins."""

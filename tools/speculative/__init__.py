@@ -1,0 +1,1 @@
+"""Measurement tools for speculative plugins."""
