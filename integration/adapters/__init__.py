@@ -66,9 +66,9 @@ def adapter_for(kind: Kind) -> Adapter:
     kind = Kind(kind)
     if kind not in _cache:
         try:
-            module = importlib.import_module(f"{__name__}.{_MODULES[kind]}")
+            module = importlib.import_module(f"{__name__}.{_MODULES[kind]}.engine")
         except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{_MODULES[kind]}":
+            if e.name not in (f"{__name__}.{_MODULES[kind]}", f"{__name__}.{_MODULES[kind]}.engine"):
                 raise
             raise AdapterMissing(
                 f"vllm-graft has no vLLM adapter for {kind} plugins yet: remove the `{kind}` "

@@ -12,8 +12,9 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from vllm_graft.hooks import Kind, NoParams, Proposer
-from vllm_graft.integration.adapters import quant, speculative
-from vllm_graft.integration.adapters.speculative import Drafting, GraftProposer
+from vllm_graft.integration.adapters.quant import engine as quant
+from vllm_graft.integration.adapters.speculative import engine as speculative
+from vllm_graft.integration.adapters.speculative.engine import Drafting, GraftProposer
 
 
 # ------------------------------------------------------------------------------- config
@@ -33,7 +34,7 @@ def test_num_speculative_tokens_comes_from_params_else_the_default():
 def test_speculative_config_names_an_importable_dotted_class():
     cfg = speculative.speculative_config(WithK())
     assert cfg == {"method": "custom_class", "num_speculative_tokens": 7,
-                   "model": "vllm_graft.integration.adapters.speculative.GraftProposer"}
+                   "model": "vllm_graft.integration.adapters.speculative.engine.GraftProposer"}
     # vLLM's rule (config/speculative.py: _is_custom_proposer_path; custom_class_proposer.py
     # splits at the last dot): every dotted part an identifier, no colon.
     assert all(part.isidentifier() for part in cfg["model"].split("."))
@@ -54,8 +55,8 @@ def test_engine_overrides_from_the_registry_entries():
 
 
 def test_adapter_modules_import_without_vllm():
-    code = ("import sys, vllm_graft.integration.adapters.speculative, "
-            "vllm_graft.integration.adapters.quant\n"
+    code = ("import sys, vllm_graft.integration.adapters.speculative.engine, "
+            "vllm_graft.integration.adapters.quant.engine\n"
             "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

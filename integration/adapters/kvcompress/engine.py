@@ -139,8 +139,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from vllm_graft.hooks import BlockView, Kind, KVCacheFormat, KVCompressor
 from vllm_graft.hooks.contracts import KeepError, check_keep, dropped_blocks
 
-from ..patches import PATCHES
-from . import Adapter, attention_backend_overrides
+from vllm_graft.integration.patches import PATCHES
+from vllm_graft.integration.adapters import Adapter, attention_backend_overrides
 
 if TYPE_CHECKING:
     import torch
@@ -876,7 +876,7 @@ class KVCompressAdapter(Adapter):
                 "implements no attend(): the worker gets the scores from the compressor's own "
                 "attention. Implement KVCompressor.attend (see vllm_graft.plugins.kvcompress.h2o), "
                 "or set needs_scores = False.")
-        from . import backend  # imports vLLM
+        from vllm_graft.integration.adapters import backend  # imports vLLM
 
         if scored and backend.SEAMS.method is not None and not isinstance(backend.SEAMS.method, _ScoringAttention):
             raise NotImplementedError(

@@ -6,7 +6,7 @@ vLLM route
 ``engine_overrides`` sets ``speculative_config`` to vLLM's out-of-tree proposer method::
 
     {"method": "custom_class",
-     "model": "vllm_graft.integration.adapters.speculative.GraftProposer",
+     "model": "vllm_graft.integration.adapters.speculative.engine.GraftProposer",
      "num_speculative_tokens": N}
 
 (vLLM imports ``model`` as a dotted path, ``module.Class``; ``module:Class`` is refused.)
@@ -85,9 +85,9 @@ from pydantic import BaseModel
 from vllm_graft.hooks import Kind, Plan, Proposer
 from vllm_graft.hooks.deployment import Enabled
 
-from ..patches import PATCHES
-from ..runtime import RUNTIME, Runtime
-from . import Adapter
+from vllm_graft.integration.patches import PATCHES
+from vllm_graft.integration.runtime import RUNTIME, Runtime
+from vllm_graft.integration.adapters import Adapter
 
 OWNER = "adapters.speculative"
 VERSIONS = ">=0.32,<0.34"

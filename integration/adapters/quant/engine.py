@@ -80,8 +80,8 @@ from typing import Any
 from vllm_graft.hooks import Kind, Plan, QuantMethod
 from vllm_graft.hooks.deployment import Enabled
 
-from ..runtime import RUNTIME, Runtime
-from . import Adapter
+from vllm_graft.integration.runtime import RUNTIME, Runtime
+from vllm_graft.integration.adapters import Adapter
 
 OWNER = "adapters.quant"
 PREFIX = "graft-"

@@ -76,8 +76,8 @@ from vllm_graft.hooks import DeploymentError, Kind, Plan, Problem
 from vllm_graft.hooks.contracts import MoEChain, MoEModel
 from vllm_graft.hooks.deployment import Enabled
 
-from ..runtime import Runtime
-from . import Adapter
+from vllm_graft.integration.runtime import Runtime
+from vllm_graft.integration.adapters import Adapter
 
 log = logging.getLogger("vllm_graft")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from vllm_graft.hooks import Kind
 
-from . import Adapter, attention_backend_overrides, backend
+from vllm_graft.integration.adapters import Adapter, attention_backend_overrides, backend
 
 OWNER = "adapters.attention"
 
