@@ -11,7 +11,7 @@ import inspect
 from pathlib import Path
 
 from vllm_graft.hooks import specs
-from vllm_graft.hooks.manager import HOOK_KINDS
+from vllm_graft.hooks.kinds import HOOK_KINDS
 
 OUT = Path(__file__).resolve().parent / "hooks.md"
 PLUGINS_OUT = Path(__file__).resolve().parent / "plugins.md"

@@ -2,6 +2,7 @@
 the deployment schema. Nothing here imports vLLM (a test checks this)."""
 from .contracts import (
     CONTRACTS,
+    contract_for,
     AttentionLayer,
     AttentionMethod,
     BlockView,
@@ -16,6 +17,7 @@ from .contracts import (
     StoredTensor,
     split_kv_cache,
 )
+from .kinds import KINDS, Kind, KindSpec, Role, spec
 from .deployment import (
     Deployment,
     DeploymentContext,
@@ -39,7 +41,6 @@ from .registry import (
     KERNEL_FIELD,
     Capabilities,
     KernelParams,
-    Kind,
     NoParams,
     Registration,
     Registry,
@@ -51,9 +52,9 @@ __all__ = [
     "CONTRACTS", "AttentionLayer", "AttentionMethod", "BlockView", "Capabilities", "Deployment",
     "DeploymentContext",
     "DeploymentError", "ENTRY_POINT_GROUP", "Environment", "GraftPluginManager", "KERNEL_FIELD",
-    "KVCacheFormat", "KVCompressor", "KernelParams", "Kind", "MoEModel", "MoEScheduler", "NoParams", "PagedBatch",
+    "KINDS", "KVCacheFormat", "KVCompressor", "KernelParams", "Kind", "KindSpec", "Role", "spec", "MoEModel", "MoEScheduler", "NoParams", "PagedBatch",
     "Plan", "PluginChoice", "PluginImpl",
     "PluginLoadError", "Problem", "Proposer", "QuantMethod", "StoredTensor", "Registration", "Registry",
     "RegistryError", "get_plugin_manager", "get_registry", "hookimpl", "hookspec",
-    "make_plugin_manager", "split_kv_cache", "validate", "validate_file",
+    "contract_for", "make_plugin_manager", "split_kv_cache", "validate", "validate_file",
 ]

@@ -7,7 +7,7 @@ A deployment file looks like::
     engine:                             # vLLM engine arguments, passed through
       dtype: float32
       max_model_len: 2048
-    kvcompress:                         # one plugin, or a list of one per role (KIND_ROLES):
+    kvcompress:                         # one plugin, or a list of one per role (KindSpec.roles):
       - plugin: streaming               #   an eviction compressor...
         params: {sink_blocks: 1, budget_blocks: 4}
       - plugin: kv4                     #   ...and a KV storage format
@@ -31,16 +31,10 @@ from typing import Any, Callable, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator
 
-from .registry import DTYPES, KIND_ALLOWS_MANY, KIND_ROLES, MODEL_FEATURES, ROLE_WHAT, Entry, Kind, Registry
+from .kinds import ENGINE_KEYS_OWNED, KINDS, Kind
+from .registry import DTYPES, MODEL_FEATURES, Entry, Registry
 
 _MISSING = object()
-
-#: engine arguments that a graft section owns; setting both is a conflict.
-ENGINE_KEYS_OWNED = {
-    "speculative_config": Kind.SPECULATIVE,
-    "quantization": Kind.QUANT,
-    "attention_backend": Kind.ATTENTION,
-}
 
 DTYPE_ALIASES = {
     "float32": "float32", "float": "float32", "fp32": "float32",
@@ -508,7 +502,7 @@ def _well_formed_choices(data: dict[str, Any]) -> list[tuple[Kind, Loc, PluginCh
             continue
         items = [((kind.value,), raw)] if isinstance(raw, dict) else (
             [((kind.value, i), r) for i, r in enumerate(raw)]
-            if isinstance(raw, list) and KIND_ALLOWS_MANY[kind] else [])
+            if isinstance(raw, list) and KINDS[kind].allows_many else [])
         for loc, item in items:
             try:
                 out.append((kind, loc, PluginChoice.model_validate(item)))
@@ -648,8 +642,12 @@ def _check_multiples(enabled: list[Enabled], problems: list[Problem]) -> None:
 
 
 def _check_roles(enabled: list[Enabled], problems: list[Problem]) -> None:
-    """Kinds of :data:`KIND_ROLES`: a known role per plugin, at most one plugin per role."""
-    for kind, roles in KIND_ROLES.items():
+    """Kinds whose plugins fill roles (:attr:`KindSpec.roles`): a known role per plugin, at
+    most one plugin per role."""
+    for kind, spec in KINDS.items():
+        if not spec.roles:
+            continue
+        roles = spec.role_names
         taken: dict[str, Enabled] = {}
         for e in enabled:
             if e.kind != kind:
@@ -662,10 +660,11 @@ def _check_roles(enabled: list[Enabled], problems: list[Problem]) -> None:
             first = taken.setdefault(role, e)
             if first is not e and first.name != e.name:  # the same name twice: _check_multiples
                 others = [r for r in roles if r != role]
+                what = spec.role(role).what  # type: ignore[union-attr]
                 problems.append(Problem(
                     kind.value, f"only one {kind} plugin can be enabled at a time for each role: "
                     f"{first.name!r} (at {first.path}) and {e.name!r} (at {e.path}) both "
-                    f"{ROLE_WHAT.get(role, role)} (role {role!r})", value=[first.name, e.name],
+                    f"{what} (role {role!r})", value=[first.name, e.name],
                     hint=f"Keep one of them; a {kind} list may combine one plugin per role "
                          f"({', '.join(roles)}), e.g. an eviction compressor with a storage format"
                          if others else "Keep one of them"))

@@ -24,23 +24,14 @@ from typing import Any, Iterable
 import pluggy
 
 from . import specs
-from .registry import Kind, Registration, Registry, RegistryError, Source
+from .kinds import HOOK_KINDS, Kind
+from .registry import Registration, Registry, RegistryError, Source
 
 logger = logging.getLogger("vllm_graft")
 
 ENTRY_POINT_GROUP = "vllm_graft"
 ENV_ALLOW = "VLLM_GRAFT_PLUGINS"
 ENV_TRACE = "VLLM_GRAFT_TRACE"
-
-#: Registration hook -> the kind it registers.
-HOOK_KINDS: dict[str, Kind] = {
-    "graft_register_attention": Kind.ATTENTION,
-    "graft_register_kv_compressors": Kind.KVCOMPRESS,
-    "graft_register_spec_proposers": Kind.SPECULATIVE,
-    "graft_register_quant_methods": Kind.QUANT,
-    "graft_register_moe_schedulers": Kind.MOE,
-}
-
 
 class PluginLoadError(Exception):
     """A plugin could not be imported or its registration hook failed."""

@@ -6,7 +6,6 @@ vLLM adapters) reads the registry and never calls a hook again.
 """
 from __future__ import annotations
 
-import enum
 import importlib
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -14,42 +13,8 @@ from typing import Any, Literal
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from .kinds import Kind
 
-class Kind(str, enum.Enum):
-    """The five kinds of plugin. The value is the deployment-file section name."""
-
-    ATTENTION = "attention"
-    KVCOMPRESS = "kvcompress"
-    SPECULATIVE = "speculative"
-    QUANT = "quant"
-    MOE = "moe"
-
-    def __str__(self) -> str:  # "attention", not "Kind.ATTENTION", in messages
-        return self.value
-
-
-#: What a deployment may enable per kind: True where several plugins of the kind compose
-#: (MoE: masking, placement and caching act on different things), False where one at most.
-KIND_ALLOWS_MANY: dict[Kind, bool] = {
-    Kind.ATTENTION: False,
-    Kind.KVCOMPRESS: True,  # one plugin per role (KIND_ROLES)
-    Kind.SPECULATIVE: False,
-    Kind.QUANT: False,
-    Kind.MOE: True,
-}
-
-#: Kinds whose plugins compose only if each fills a different *role*: the role a plugin
-#: fills is ``Capabilities.role`` (None: the kind's first role), and a deployment enables at
-#: most one plugin per role. KV compression: at most one eviction compressor (which blocks
-#: stay) and at most one storage format (how a token's K/V are stored, e.g. ``kv4``).
-KIND_ROLES: dict[Kind, tuple[str, ...]] = {
-    Kind.KVCOMPRESS: ("eviction", "storage"),
-}
-#: What each role does, for messages.
-ROLE_WHAT = {
-    "eviction": "choose which KV blocks stay (eviction compressors)",
-    "storage": "set how KV is stored (storage formats)",
-}
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -121,7 +86,7 @@ class Capabilities(BaseModel):
         default=(), description="model attention features it cannot serve (see MODEL_FEATURES)"
     )
     role: str | None = Field(
-        default=None, description="for kinds where plugins compose by role (KIND_ROLES): the role it "
+        default=None, description="for kinds where plugins compose by role (KindSpec.roles): the role it "
         "fills, e.g. kvcompress 'eviction' (the default) or 'storage'")
 
     @field_validator("unsupported_features")

@@ -20,38 +20,16 @@ from rich.console import Console
 from rich.markup import escape as _escape
 from rich.table import Table
 
-from vllm_graft.hooks import DeploymentError, Kind, PluginLoadError, RegistryError, get_registry
+from vllm_graft.hooks import KINDS, DeploymentError, Kind, PluginLoadError, RegistryError, get_registry
 from vllm_graft.hooks.deployment import Plan, validate_file
 
-from .adapters import ready_kinds
 from .env import detect_environment, installed_vllm
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_PLUGIN = 0, 1, 2, 3
 
-#: How each kind reaches vLLM, per platform, and whether its adapter exists yet.
-ROUTES: dict[Kind, dict[str, str]] = {
-    Kind.ATTENTION: {
-        "cpu": "attention backend: overrides vLLM's CPU_ATTN backend",
-        "cuda": "attention backend: vLLM's CUSTOM backend (--attention-backend CUSTOM)",
-    },
-    Kind.KVCOMPRESS: {
-        "*": "KV-cache spec with its own block manager (evicted blocks return to vLLM's pool) "
-             "and an attention backend that reads only the blocks kept",
-    },
-    Kind.SPECULATIVE: {"*": "speculative proposer: speculative_config method=custom_class"},
-    Kind.QUANT: {"*": "quantization method: register_quantization_config"},
-    Kind.MOE: {"*": "MoE runner hook: router logits before top-k, expert placement"},
-}
-#: Kinds whose vLLM adapter is implemented.
-ADAPTERS_READY: frozenset[Kind] = ready_kinds()
-
-
 def route(kind: Kind, platform: str | None) -> str:
-    routes = ROUTES[kind]
-    text = routes.get(platform or "", routes.get("*")) or " / ".join(f"{p}: {r}" for p, r in routes.items())
-    if kind not in ADAPTERS_READY:
-        text += " [adapter not implemented yet: validated only]"
-    return text
+    """How ``kind``'s plugins reach vLLM on ``platform`` (its :class:`~vllm_graft.hooks.KindSpec`)."""
+    return KINDS[Kind(kind)].route(platform)
 
 
 def package_version() -> str:

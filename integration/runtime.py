@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_graft.hooks import CONTRACTS, Kind, Plan, PluginImpl
+from vllm_graft.hooks import Kind, Plan, PluginImpl, contract_for
 from vllm_graft.hooks.deployment import Enabled
 
 
@@ -44,7 +44,7 @@ class Runtime:
             impl = self.instances.get(key)
             if impl is None:
                 cls = enabled.entry.registration.load()
-                contract = CONTRACTS[enabled.kind]
+                contract = contract_for(enabled.kind, enabled.entry.registration.capabilities.role)
                 if not (isinstance(cls, type) and issubclass(cls, contract)):
                     raise PluginContractError(
                         f"{enabled.kind} plugin {enabled.name!r}: impl "

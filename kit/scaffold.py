@@ -15,26 +15,27 @@ from typing import Any
 
 from rich.console import Console
 
-from vllm_graft.hooks import Kind
+from vllm_graft.hooks import KINDS, Kind
 
-#: Per kind: the hook, the contract class, and the methods to write (signature, docstring).
-KINDS: dict[Kind, dict[str, Any]] = {
+#: Per kind, what the template writes: the names it imports, the methods to fill in (signature,
+#: docstring) and the default ``lossless``. The hook and contract come from the kind's KindSpec.
+TEMPLATES: dict[Kind, dict[str, Any]] = {
     Kind.ATTENTION: {
-        "hook": "graft_register_attention", "contract": "AttentionMethod", "lossless": True,
+        "lossless": True,
         "imports": "AttentionLayer, AttentionMethod, PagedBatch, split_kv_cache",
         "methods": [("forward(self, query, kv_cache, batch: PagedBatch, layer: AttentionLayer, plan=None)",
                      "Attention output [T, H, D] for query [T, H, D] over the paged cache\n"
                      "(split_kv_cache(kv_cache) gives keys and values [blocks, H_kv, block_size, D]).")],
     },
     Kind.KVCOMPRESS: {
-        "hook": "graft_register_kv_compressors", "contract": "KVCompressor", "lossless": False,
+        "lossless": False,
         "imports": "BlockView, KVCompressor",
         "methods": [("keep(self, view: BlockView) -> list[int]",
                      "Sorted logical block indices to keep: always the last block and every\n"
                      "block in view.pinned; a dropped block never comes back.")],
     },
     Kind.SPECULATIVE: {
-        "hook": "graft_register_spec_proposers", "contract": "Proposer", "lossless": True,
+        "lossless": True,
         "imports": "Proposer",
         "methods": [("propose(self, request_id: str, token_ids, max_tokens: int) -> list[int]",
                      "Up to max_tokens draft tokens to follow token_ids (prompt + output so far)."),
@@ -44,7 +45,7 @@ KINDS: dict[Kind, dict[str, Any]] = {
                      "The request ended: release everything held for it.")],
     },
     Kind.QUANT: {
-        "hook": "graft_register_quant_methods", "contract": "QuantMethod", "lossless": False,
+        "lossless": False,
         "imports": "QuantMethod",
         "methods": [("quantize(self, weight) -> dict",
                      "The tensors that replace weight [out, in]."),
@@ -52,7 +53,7 @@ KINDS: dict[Kind, dict[str, Any]] = {
                      "x @ W.T + bias from the quantised tensors, [T, out] in x's dtype.")],
     },
     Kind.MOE: {
-        "hook": "graft_register_moe_schedulers", "contract": "MoEScheduler", "lossless": False,
+        "lossless": False,
         "imports": "MoEScheduler",
         "methods": [("adjust_logits(self, layer_idx: int, router_logits)",
                      "Router logits [T, E] to route with (delete the methods you do not need:\n"
@@ -73,7 +74,7 @@ def camel(name: str) -> str:
 
 def render(kind: Kind, name: str, package: str) -> dict[str, str]:
     """File path (relative to the package folder) -> text."""
-    spec = KINDS[kind]
+    spec = {**TEMPLATES[kind], "hook": KINDS[kind].hook, "contract": KINDS[kind].contract}
     cls = camel(name)
     dist = f"graft-{name}" if not name.startswith("graft-") else name
 

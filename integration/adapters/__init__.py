@@ -18,19 +18,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from vllm_graft.hooks import Kind, Plan
+from vllm_graft.hooks import KINDS, Kind, Plan
 from vllm_graft.hooks.deployment import Enabled
 
-from ..runtime import Runtime
-
-_MODULES = {
-    Kind.ATTENTION: "attention",
-    Kind.KVCOMPRESS: "kvcompress",
-    Kind.SPECULATIVE: "speculative",
-    Kind.QUANT: "quant",
-    Kind.MOE: "moe",
-}
-
+from vllm_graft.integration.runtime import Runtime
 
 class Adapter:
     kind: Kind
@@ -53,33 +44,13 @@ def attention_backend_overrides(plan: Plan) -> dict[str, Any]:
     return {"attention_backend": "CUSTOM"} if plan.platform == "cuda" else {}
 
 
-class AdapterMissing(NotImplementedError):
-    pass
-
-
 _cache: dict[Kind, Adapter] = {}
 
 
 def adapter_for(kind: Kind) -> Adapter:
-    """The adapter of ``kind`` (its module is ``vllm_graft.integration.adapters.<kind>``,
-    exposing ``ADAPTER``)."""
+    """The adapter of ``kind``: ``ADAPTER`` of its module (:attr:`KindSpec.adapter`,
+    ``vllm_graft.integration.adapters.<kind>.engine``), imported on first use."""
     kind = Kind(kind)
     if kind not in _cache:
-        try:
-            module = importlib.import_module(f"{__name__}.{_MODULES[kind]}.engine")
-        except ModuleNotFoundError as e:
-            if e.name not in (f"{__name__}.{_MODULES[kind]}", f"{__name__}.{_MODULES[kind]}.engine"):
-                raise
-            raise AdapterMissing(
-                f"vllm-graft has no vLLM adapter for {kind} plugins yet: remove the `{kind}` "
-                "section from the deployment (`vllm-graft check` marks such sections)") from None
-        _cache[kind] = module.ADAPTER
+        _cache[kind] = importlib.import_module(KINDS[kind].adapter).ADAPTER
     return _cache[kind]
-
-
-def ready_kinds() -> frozenset[Kind]:
-    """Kinds whose adapter module exists (without importing vLLM)."""
-    import importlib.util
-
-    return frozenset(k for k, m in _MODULES.items()
-                     if importlib.util.find_spec(f"{__name__}.{m}") is not None)

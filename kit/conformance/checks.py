@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 from pydantic import BaseModel, ValidationError
 
 from vllm_graft.hooks import (
-    CONTRACTS,
+    contract_for,
     KERNEL_FIELD,
     AttentionLayer,
     BlockView,
@@ -29,7 +29,8 @@ from vllm_graft.hooks import (
     Registry,
     get_registry,
 )
-from vllm_graft.hooks.contracts import KeepError, check_keep, dropped_blocks, split_kv_cache
+from vllm_graft.hooks.contracts import split_kv_cache
+from vllm_graft.integration.adapters.kvcompress.keep import KeepError, check_keep, dropped_blocks
 from vllm_graft.hooks.registry import Entry
 
 #: The distribution whose plugins ``"builtin"`` selects.
@@ -129,7 +130,7 @@ def build(target: Target, **changes: Any) -> Any:
     except ValidationError as e:
         raise target.fail(f"its parameters {values} do not validate: {e}") from None
     cls = reg.load()
-    contract = CONTRACTS[target.kind]
+    contract = contract_for(target.kind, reg.capabilities.role)
     if not (isinstance(cls, type) and issubclass(cls, contract)):
         raise target.fail(f"impl {reg.impl!r} is {cls!r}, not a subclass of "
                           f"vllm_graft.hooks.{contract.__name__}")
@@ -376,6 +377,8 @@ def _kv_views(needs_scores: bool):
 
 
 def exercise_kvcompress(t: Target, impl: Any, dtype: str, rules: bool) -> list[tuple[str, Any]]:
+    if isinstance(impl, KVCacheFormat):  # a storage format (role "storage") evicts nothing
+        return exercise_kv_format(t, impl, dtype, rules)
     results = []
     lossless = t.entry.registration.capabilities.lossless
     deterministic = not getattr(impl, "needs_scores", False)
@@ -412,8 +415,6 @@ def exercise_kvcompress(t: Target, impl: Any, dtype: str, rules: bool) -> list[t
             dropped |= set(dropped_blocks(view, kept))
             answers.append(kept)
         results.append((label, answers))
-    if isinstance(impl, KVCacheFormat):
-        results += exercise_kv_format(t, impl, dtype, rules)
     return results
 
 

@@ -383,7 +383,7 @@ def test_blocks_shared_through_the_prefix_cache_are_pinned_not_freed(prompt_ids)
 
 
 def test_a_rule_breaking_compressor_is_stopped_with_its_name(prompt_ids):
-    from vllm_graft.hooks.contracts import KeepError
+    from vllm_graft.integration.adapters.kvcompress.keep import KeepError
 
     with pytest.raises(Exception) as info:
         run(prompt_ids[:1], {"plugin": "test-drops-last"}, new_tokens=8)

@@ -136,7 +136,7 @@ def test_reference_attention_is_close_to_full_precision_attention():
 def test_plugin_builds_and_describes():
     impl = KV4(KV4Params())
     assert impl.bytes_per_token(64, 32) == 80
-    assert impl.keep(__import__("vllm_graft.hooks", fromlist=["BlockView"]).BlockView(100, 32, 50)) == [0, 1, 2, 3]
+    assert not hasattr(impl, "keep")  # a storage format evicts nothing: it is not a KVCompressor
     assert impl.describe() == {"kernel": "reference", "value_group_size": 32}
 
 

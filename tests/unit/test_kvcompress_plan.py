@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vllm_graft.hooks import BlockView, Capabilities, KVCompressor, NoParams, Registration, get_registry, hookimpl
-from vllm_graft.hooks.contracts import KeepError, check_keep, dropped_blocks
+from vllm_graft.integration.adapters.kvcompress.keep import KeepError, check_keep, dropped_blocks
 from vllm_graft.integration.adapters.kvcompress.engine import (
     blocks_to_free,
     blocks_to_skip,

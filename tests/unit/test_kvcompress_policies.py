@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from vllm_graft.hooks import BlockView, get_registry
-from vllm_graft.hooks.contracts import check_keep
+from vllm_graft.integration.adapters.kvcompress.keep import check_keep
 
 
 def build(name, **params):

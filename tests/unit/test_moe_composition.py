@@ -7,7 +7,8 @@ logits), then every observe in list order with the final routing.
 import pytest
 import torch
 from vllm_graft.hooks import MoEScheduler, NoParams
-from vllm_graft.hooks.contracts import MOE_STEPS, MoEChain
+from vllm_graft.hooks.contracts import MOE_STEPS
+from vllm_graft.integration.adapters.moe.chain import MoEChain
 from vllm_graft.plugins.moe.noop.reference import TopK, softmax_topk
 
 T, E, K = 6, 8, 2

@@ -8,7 +8,7 @@ import torch
 from pydantic import ValidationError
 
 from vllm_graft.hooks import MoEModel
-from vllm_graft.hooks.contracts import MoEChain
+from vllm_graft.integration.adapters.moe.chain import MoEChain
 from vllm_graft.plugins.moe.dynamic_topk import Params
 from vllm_graft.plugins.moe.dynamic_topk.policy import Savings
 from vllm_graft.plugins.moe.dynamic_topk.reference import dynamic_topk

@@ -8,7 +8,7 @@ import torch
 from pydantic import ValidationError
 
 from vllm_graft.hooks import MoEModel
-from vllm_graft.hooks.contracts import MoEChain
+from vllm_graft.integration.adapters.moe.chain import MoEChain
 from vllm_graft.plugins.moe.expert_mask import Params
 from vllm_graft.plugins.moe.expert_mask.policy import (
     ExpertMask, MaskError, activation_frequency, contrast, mask_from, most_distinctive)

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from vllm_graft.hooks import CONTRACTS, Kind, Registration
+from vllm_graft.hooks import CONTRACTS, KINDS, Kind, Registration
 from vllm_graft.hooks.registry import Entry, Source
 from vllm_graft.kit import scaffold
 from vllm_graft.integration.cli import main
@@ -22,7 +22,7 @@ def test_generated_package_registers_and_builds(kind, tmp_path, monkeypatch, cap
     monkeypatch.syspath_prepend(str(out))
     module = importlib.import_module(package)
     got = []
-    getattr(module, scaffold.KINDS[kind]["hook"])(got.append)
+    getattr(module, KINDS[kind].hook)(got.append)
     (reg,) = got
     reg = Registration(**{**reg.model_dump(), "params": reg.params, "kind": kind})
     target = c.Target(Entry(reg, Source("graft-test", "0.1.0", reg.name)), {})

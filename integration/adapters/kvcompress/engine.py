@@ -98,7 +98,7 @@ registration declares ``incompatible_with: attention:*``; activation checks agai
 
 Storage formats (``KVCacheFormat``, e.g. ``kv4``) and composition
 -----------------------------------------------------------------
-A deployment's ``kvcompress:`` may list one plugin per role (``hooks.registry.KIND_ROLES``):
+A deployment's ``kvcompress:`` may list one plugin per role (``KindSpec.roles`` in ``hooks.kinds``):
 an eviction compressor and a storage format. The format evicts nothing; alone, it is also the
 "compressor" whose ``keep`` (every block) the manager asks. ``customize_spec`` gives the spec
 ``dtype=uint8`` and ``state_content_bytes`` = the format's bytes per token and KV head, so
@@ -137,7 +137,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from vllm_graft.hooks import BlockView, Kind, KVCacheFormat, KVCompressor
-from vllm_graft.hooks.contracts import KeepError, check_keep, dropped_blocks
+from vllm_graft.integration.adapters.kvcompress.keep import KeepAll, KeepError, check_keep, dropped_blocks
 
 from vllm_graft.integration.patches import PATCHES
 from vllm_graft.integration.adapters import Adapter, attention_backend_overrides
@@ -868,7 +868,8 @@ class KVCompressAdapter(Adapter):
                 f"kvcompress: at most one eviction compressor and one storage format, got "
                 f"{[e.name for e, _ in instances]}")
         fmt_e, fmt = formats[0] if formats else (None, None)
-        e, compressor = evictors[0] if evictors else formats[0]  # a format alone keeps every block
+        # a format alone keeps every block
+        e, compressor = evictors[0] if evictors else (fmt_e, KeepAll())
         scored = bool(getattr(compressor, "needs_scores", False))
         if scored and type(compressor).attend is KVCompressor.attend:
             raise NotImplementedError(

@@ -73,7 +73,8 @@ from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 from vllm.model_executor.layers.fused_moe.runner.moe_runner_interface import MoERunnerInterface
 
 from vllm_graft.hooks import DeploymentError, Kind, Plan, Problem
-from vllm_graft.hooks.contracts import MoEChain, MoEModel
+from vllm_graft.hooks.contracts import MoEModel
+from vllm_graft.integration.adapters.moe.chain import MoEChain
 from vllm_graft.hooks.deployment import Enabled
 
 from vllm_graft.integration.runtime import Runtime

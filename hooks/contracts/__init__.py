@@ -1,0 +1,41 @@
+"""One small contract per plugin kind.
+
+A registration's ``impl`` names a class implementing the contract of its kind. The
+class is built with its validated parameter model instance (``cls(params, **context)``).
+The vLLM adapters in ``vllm_graft.integration`` call these methods; nothing here knows
+about vLLM, so a plugin is testable with plain tensors.
+
+Shapes follow vLLM's conventions: query ``[T, H, D]`` (tokens of all sequences packed),
+paged KV cache ``[num_blocks, H_kv, block_size, 2*D]`` (per block and head: the keys, then the
+values; see :func:`split_kv_cache`),
+block tables ``[num_seqs, max_blocks]`` of physical block ids.
+
+One module per kind; :data:`CONTRACTS` maps each kind to its contract class.
+"""
+from __future__ import annotations
+
+from ..kinds import KINDS, Kind
+from .attention import AttentionLayer, AttentionMethod, PagedBatch, split_kv_cache
+from .base import PluginImpl
+from .kvcompress import BlockView, KVCacheFormat, KVCompressor
+from .moe import MOE_STEPS, MoEModel, MoEScheduler
+from .quant import QuantMethod, StoredTensor
+from .speculative import Proposer
+
+#: Contract class per kind (the kind's :attr:`KindSpec.contract`), for validating
+#: implementations. Where a kind's plugins fill roles, each role has its own: see
+#: :func:`contract_for`.
+CONTRACTS: dict[Kind, type[PluginImpl]] = {k: globals()[s.contract] for k, s in KINDS.items()}
+
+
+def contract_for(kind: Kind | str, role: str | None = None) -> type[PluginImpl]:
+    """The class a plugin of ``kind`` (filling ``role``, where its kind has roles) implements."""
+    r = KINDS[Kind(kind)].role(role)
+    return globals()[r.contract] if r is not None else CONTRACTS[Kind(kind)]
+
+
+__all__ = [
+    "CONTRACTS", "MOE_STEPS", "AttentionLayer", "AttentionMethod", "BlockView",
+    "KVCacheFormat", "KVCompressor", "MoEModel", "MoEScheduler", "PagedBatch", "PluginImpl",
+    "Proposer", "QuantMethod", "StoredTensor", "contract_for", "split_kv_cache",
+]

@@ -1,0 +1,147 @@
+"""The KV-compression contracts: an eviction compressor (role ``eviction``) chooses which
+KV blocks stay; a storage format (role ``storage``) sets how K/V are stored."""
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+from ..kinds import Kind
+from .attention import AttentionLayer, PagedBatch
+from .base import P, PluginImpl
+
+if TYPE_CHECKING:  # torch is only needed by implementations
+    import torch
+
+
+@dataclass(frozen=True)
+class BlockView:
+    """What a compressor sees of one request's KV blocks (pure Python, no tensors).
+
+    ``scores[i]`` is block i's accumulated importance (e.g. attention mass) where the
+    method collects it (``needs_scores``), else ``None``; a block dropped at an earlier
+    step has score ``-inf``. ``pinned`` are blocks it must keep (shared by the
+    prefix cache with other requests).
+    """
+
+    num_tokens: int
+    block_size: int
+    num_prompt_tokens: int
+    scores: Sequence[float] | None = None
+    pinned: frozenset[int] = frozenset()
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.num_tokens // self.block_size)
+
+
+class KVCompressor(PluginImpl[P]):
+    """Chooses which KV blocks of a request to keep.
+
+    How vLLM calls it (the KV-compression adapter). Once per engine step, for every
+    request that already has computed tokens, :meth:`keep` is asked which of the request's
+    ``view.num_blocks`` logical blocks (those holding its ``view.num_tokens`` computed
+    tokens, block ``i`` holding tokens ``[i*block_size, (i+1)*block_size)``) stay:
+
+    * in the **scheduler**, with ``pinned`` set: the blocks not kept are freed (they return
+      to vLLM's block pool, so the request holds fewer blocks);
+    * in the **worker**, with the same ``num_tokens``, ``block_size`` and ``num_prompt_tokens``
+      but ``pinned`` empty and ``scores`` ``None``: the blocks not kept are left out of the
+      step's attention. The step's new tokens (positions ``num_tokens`` onwards) always
+      attend to every kept block and to each other, causally. Keys are stored with their
+      positions already applied (RoPE), so dropping blocks keeps positions right.
+
+    Rules for the answer (:func:`check_keep` checks them on every call; a violation stops
+    the engine with an error naming the plugin):
+
+    * a sorted list of distinct ints, each in ``range(view.num_blocks)``;
+    * it contains the last block, ``view.num_blocks - 1`` (the one being written), and
+      every block in ``view.pinned`` (shared with other requests through the prefix cache:
+      they are never freed);
+    * a block once dropped stays dropped: a later call (larger ``num_tokens``) must not
+      keep it again, as its KV is gone.
+
+    Determinism. A compressor without scores is asked by both halves, which must reach the
+    same decision on their own: ``keep`` must depend only on ``num_tokens``,
+    ``block_size`` and ``num_prompt_tokens``, and on ``pinned`` only by adding the pinned
+    blocks to its answer (``sorted(set(mine) | view.pinned)``). A pinned block the worker
+    drops stays held until no other request shares it, then it is freed.
+
+    Scores. A compressor that needs scores (H2O, SnapKV: attention mass per block) sets
+    :attr:`needs_scores` and implements :meth:`attend`: the worker then runs the layer's
+    attention through it and adds the mass it reports to each block's score (summed over
+    heads, layers and the queries :meth:`score_positions` selects). ``keep`` is asked in the
+    **worker only**, once per step after the forward pass, with ``num_tokens`` = all tokens
+    computed so far, ``scores`` set and ``pinned`` empty; the blocks it drops leave
+    attention from the next step on and travel to the scheduler, which frees them (blocks
+    shared through the prefix cache once no longer shared).
+    """
+
+    kind = Kind.KVCOMPRESS
+
+    #: True if :meth:`keep` needs ``view.scores``; the compressor then implements :meth:`attend`.
+    needs_scores: bool = False
+
+    @abstractmethod
+    def keep(self, view: BlockView) -> list[int]:
+        """Sorted logical block indices to keep (see the class docstring for the rules)."""
+
+    def score_positions(self, num_prompt_tokens: int) -> tuple[int, int]:
+        """Token positions ``[start, end)`` whose queries' attention counts towards the
+        scores (``needs_scores`` only). Default: every query."""
+        return (0, 1 << 62)
+
+    def attend(self, query: "torch.Tensor", kv_cache: "torch.Tensor", batch: PagedBatch,
+               layer: AttentionLayer, observe: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
+        """Causal attention over the paged batch (``needs_scores`` only), as
+        :meth:`AttentionMethod.forward` (the cache in the layout of :func:`split_kv_cache`),
+        plus the attention mass per block: ``(out [T, H, D], mass [num_seqs, max_blocks])``,
+        ``mass[i, j]`` = the softmax probability that the queries of sequence ``i`` with
+        ``observe[t]`` True put on the keys of block-table column ``j``, summed over heads
+        and those queries."""
+        raise NotImplementedError(f"{type(self).__name__} sets needs_scores but implements no attend()")
+
+
+class KVCacheFormat(PluginImpl[P]):
+    """A KV-cache *storage format* (e.g. 4-bit): how each token's keys and values are stored
+    in vLLM's paged cache and read back by attention. It evicts nothing (:meth:`keep` keeps
+    every block) and composes with at most one eviction compressor in a deployment's
+    ``kvcompress:`` list (registered with ``Capabilities(role="storage")``).
+
+    How vLLM uses it (the KV-compression adapter). Each full-attention layer's KV-cache spec
+    gets ``dtype=uint8`` and ``state_content_bytes`` = :meth:`bytes_per_token` (one KV head,
+    K and V and their scales), so vLLM's page size, and with it the number of blocks that
+    fit in the KV memory, is the format's, not the dense one's. The layer's cache is then a
+    ``uint8`` tensor ``[num_blocks, H_kv, block_size, bytes_per_token]``:
+
+    * :meth:`write` stores a step's new keys/values at their slots (vLLM's
+      ``do_kv_cache_update``; slot = block * block_size + offset, negative = padding);
+    * :meth:`forward` is the layer's causal attention over the paged batch, reading the
+      cache in the format (dequantising inside the attention). With ``observe`` given (an
+      eviction compressor that needs scores, e.g. H2O, is combined with the format), it also
+      returns the attention mass per block as :meth:`KVCompressor.attend` does; else the
+      mass is ``None``.
+    """
+
+    kind = Kind.KVCOMPRESS
+
+    @abstractmethod
+    def bytes_per_token(self, head_size: int, block_size: int) -> int:
+        """Bytes one token of one KV head takes in a page (keys, values, their scales)."""
+
+    def unsupported(self, head_size: int, block_size: int) -> str | None:
+        """Why this format cannot store a layer of ``head_size`` with blocks of
+        ``block_size`` tokens (a message naming the fix), or None if it can."""
+        return None
+
+    @abstractmethod
+    def write(self, key: "torch.Tensor", value: "torch.Tensor", kv_cache: "torch.Tensor",
+              slot_mapping: "torch.Tensor") -> None:
+        """Store ``key``/``value`` ``[T, H_kv, D]`` at ``slot_mapping[:T]`` in ``kv_cache``."""
+
+    @abstractmethod
+    def forward(self, query: "torch.Tensor", kv_cache: "torch.Tensor", batch: PagedBatch,
+                layer: AttentionLayer, observe: "torch.Tensor | None" = None
+                ) -> tuple["torch.Tensor", "torch.Tensor | None"]:
+        """``(out [T, H, D], mass [num_seqs, max_blocks] or None)``: causal attention of
+        ``query`` over the paged batch stored in this format (see the class docstring)."""

@@ -1,0 +1,94 @@
+"""The quantization contract: quantise a linear layer's weight and compute with it."""
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+from ..kinds import Kind
+from .base import P, PluginImpl
+
+if TYPE_CHECKING:  # torch is only needed by implementations
+    import torch
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor a quantised layer keeps in a checkpoint, for an ``[out, in]`` weight.
+
+    ``shape[0]`` is the weight's output rows (``out``): vLLM's weight loaders fuse the
+    shards of q/k/v and gate/up along it, as they fuse ``weight``. A ``ragged`` tensor is
+    1-D with a length only the checkpoint knows (``shape == (-1,)``, e.g. an entropy-coded
+    stream); it is not fused: :meth:`QuantMethod.load` gets one per shard. ``dtype`` is a
+    torch dtype name (``"uint8"``, ``"int8"``, ``"float16"``, ``"bfloat16"``, ...).
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    ragged: bool = False
+
+
+class QuantMethod(PluginImpl[P]):
+    """Quantises a linear layer's weight and computes with the quantised form.
+
+    Online (an unquantised checkpoint, ``quant: {plugin: NAME}`` in a deployment): vLLM
+    loads the full-precision weight ``[out, in]`` (fused q/k/v and gate/up shards
+    included), then ``apply`` computes with ``load({name: [t]}, [out])`` of
+    ``quantize(weight)``.
+
+    Pre-quantised checkpoints (optional: a plugin that only quantises online leaves
+    :meth:`stored_tensors` returning ``None``). ``vllm-graft quantize NAME MODEL OUT`` writes,
+    for every linear weight ``P.weight`` of ``MODEL``, the tensors ``P.<name>`` that
+    ``quantize`` returns, and in ``config.json`` ``"quantization_config": {"quant_method":
+    "graft-NAME", "graft_format": 1, "params": {...}, "embeddings": bool}`` where ``params``
+    is :meth:`checkpoint_params`. vLLM picks such a checkpoint up without a flag; each layer
+    then registers :meth:`stored_tensors` instead of ``weight``, vLLM's weight loaders fill
+    them (fusing shards along dim 0), :meth:`verify` checks each shard, and :meth:`load` turns
+    them, split per shard, into the tensors ``apply`` gets. A missing tensor, an unquantised
+    ``weight`` where stored tensors belong, a wrong shape or dtype, or a ``verify`` that
+    raises, stops loading with an error naming the checkpoint tensor.
+    """
+
+    kind = Kind.QUANT
+
+    #: True if the method also stores the embedding table and the LM head (pre-quantised
+    #: checkpoints; they are then computed by :meth:`embed` and :meth:`apply`).
+    covers_embeddings: bool = False
+
+    @abstractmethod
+    def quantize(self, weight: "torch.Tensor") -> dict[str, "torch.Tensor"]:
+        """The tensors that replace ``weight`` ``[out, in]`` in a checkpoint."""
+
+    @abstractmethod
+    def apply(
+        self, tensors: dict[str, "torch.Tensor"], x: "torch.Tensor", bias: "torch.Tensor | None"
+    ) -> "torch.Tensor":
+        """``x @ W.T + bias`` computed from the quantised ``tensors``."""
+
+    def stored_tensors(self, out_features: int, in_features: int) -> dict[str, StoredTensor] | None:
+        """What ``quantize`` returns for an ``[out, in]`` weight (names, shapes, dtypes), so
+        a pre-quantised checkpoint can be loaded. ``None`` (default): online only."""
+        return None
+
+    def checkpoint_params(self) -> dict[str, Any]:
+        """The parameters written into a checkpoint's ``quantization_config.params``; a
+        checkpoint is loaded with a plugin built from them. Default: all parameters."""
+        return self.params.model_dump(mode="json")
+
+    def verify(self, shard: dict[str, "torch.Tensor"]) -> None:
+        """Check one shard's stored tensors as read from a checkpoint (e.g. a checksum);
+        raise ``ValueError("<tensor name>: what is wrong")`` so the error names the
+        checkpoint tensor. Called once per shard before :meth:`load`. Default: nothing."""
+
+    def load(self, stored: dict[str, list["torch.Tensor"]], shard_rows: list[int]) -> dict[str, "torch.Tensor"]:
+        """The tensors ``apply`` computes with, from a layer's stored tensors, each given as
+        one tensor per shard (``shard_rows``: the output rows of each shard, e.g. q, k, v).
+        Raise ``ValueError`` naming the tensor (the key) if one is corrupt.
+        Default: each name's shards concatenated along dim 0."""
+        import torch
+
+        return {k: v[0] if len(v) == 1 else torch.cat(v, 0) for k, v in stored.items()}
+
+    def embed(self, tensors: dict[str, "torch.Tensor"], ids: "torch.Tensor") -> "torch.Tensor":
+        """Rows ``ids`` of the embedding table stored as ``tensors`` (``covers_embeddings``)."""
+        raise NotImplementedError(f"{type(self).__qualname__} does not store embedding tables")

@@ -1,0 +1,74 @@
+"""The speculative contract: a proposer of draft tokens."""
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+from ..kinds import Kind
+from .base import P, PluginImpl
+
+if TYPE_CHECKING:  # torch is only needed by implementations
+    import torch
+
+
+class Proposer(PluginImpl[P]):
+    """Proposes draft tokens; the target model verifies them (chain verification: the
+    longest prefix of the drafts that the target would have produced itself is kept, so
+    greedy output does not depend on the drafts).
+
+    How many tokens: if the plugin's parameter model has a field ``num_speculative_tokens``,
+    its value is the most drafts per step (vLLM reserves that many verification slots per
+    request); otherwise the adapter uses ``DEFAULT_NUM_SPECULATIVE_TOKENS`` (4). Each call's
+    ``max_tokens`` is that number, or less near the model's length limit.
+
+    Calls, per request and engine step once the request has produced a token:
+    ``accepted`` (how the previous drafts fared, when there were any), then ``propose``.
+    ``finish`` comes once the request has ended (finished or aborted), with the engine's
+    next step: that is when vLLM tells its workers.
+    """
+
+    kind = Kind.SPECULATIVE
+
+    @abstractmethod
+    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        """Up to ``max_tokens`` draft tokens to follow ``token_ids``.
+
+        ``token_ids`` is the request's whole sequence so far: prompt, then every output
+        token (the one just sampled last). Return fewer, or ``[]``, when unsure; extra
+        tokens beyond ``max_tokens`` are dropped. ``request_id`` is stable for the request's
+        life, so per-request state can be kept under it until :meth:`finish`.
+        """
+
+    def accepted(self, request_id: str, num_accepted: int, num_verified: int) -> None:
+        """The target kept the first ``num_accepted`` of the ``num_verified`` drafts it
+        checked for ``request_id`` in the step just run (the drafts this plugin proposed
+        last; vLLM verifies fewer when it trims them, e.g. at the length limit). For
+        adaptive draft lengths and acceptance statistics. Default: nothing."""
+
+    def finish(self, request_id: str) -> None:
+        """The request ended (finished or aborted): release its state. Default: nothing."""
+
+    # ---- optional extras; a proposer that does not ask for them costs nothing extra ----
+    #: How many of the target's most probable next tokens per verified position this
+    #: proposer wants through :meth:`observe_topk` (Token Recycling). 0 (the default): the
+    #: adapter computes no top-k and never calls :meth:`observe_topk`. Read once, when the
+    #: adapter builds the proposer (a class attribute or one set in ``__init__``).
+    topk: int = 0
+
+    def observe_topk(self, request_id: str, tokens: Sequence[int], topk_ids: Any) -> None:
+        """What the target predicted in the step just run, called before :meth:`accepted`
+        and :meth:`propose` of that step, only when :attr:`topk` > 0.
+
+        ``topk_ids`` is an int array ``[len(tokens), topk]``: row ``j`` holds the target's
+        ``topk`` most probable next tokens (most probable first) after the prefix ending in
+        ``tokens[j]``. ``tokens`` are the positions the step computed logits for: the
+        request's last token before the step, then each draft token the step verified (in
+        order; rows after the first rejected draft were computed on a rejected prefix, but
+        still say what tends to follow that token). Default: nothing."""
+
+    def begin_step(self, num_requests: int, num_tokens: int = 0) -> None:
+        """A step's drafting begins; ``num_requests`` requests will be asked to
+        :meth:`propose` (the batch size, for adaptive draft lengths). ``num_tokens`` is how
+        many tokens the target computed in the step just run (prompt chunks, one per
+        decoding request, the drafts it verified; 0 when unknown). Default: nothing."""
