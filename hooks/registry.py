@@ -155,6 +155,17 @@ class Registration(BaseModel):
             )
         return v
 
+    @property
+    def package(self) -> str:
+        """The package of the plugin: the one holding ``impl``'s module."""
+        return self.impl.partition(":")[0].rpartition(".")[0]
+
+    def part(self, module: str) -> Any:
+        """Import and return a module of the plugin's package (:attr:`package`), e.g.
+        ``part("policy")``. Tools and the kit reach a plugin's own helpers this way, from its
+        registration, never by a hard-coded import path."""
+        return importlib.import_module(f"{self.package}.{module}")
+
     def load(self) -> Any:
         """Import and return the implementation named by ``impl``."""
         module, _, attr = self.impl.partition(":")
