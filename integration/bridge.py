@@ -131,7 +131,7 @@ def resolve(data: dict[str, Any], *, source: str, engine_model: str | None = Non
                 value=given, accepted=repr(engine_model),
                 hint="drop `model` from the deployment or start vLLM with the same model")], source)
         if data.get("quant") is None:  # a checkpoint written by `vllm-graft quantize` needs its plugin
-            from .adapters.quant.engine import checkpoint_deployment
+            from .adapters.quant.checkpoint import checkpoint_deployment
 
             implied = checkpoint_deployment(engine_model)
             if implied is not None:
@@ -257,7 +257,7 @@ def _create_engine_config(original):
             if source == ENV_CONFIG and RUNTIME.source != ENV_CONFIG:
                 data = None  # exported by us for an earlier engine in this process
         if data is None:  # a checkpoint written by `vllm-graft quantize` implies its quant plugin
-            from .adapters.quant.engine import checkpoint_deployment
+            from .adapters.quant.checkpoint import checkpoint_deployment
 
             data = checkpoint_deployment(self.model)
             source = f"{self.model}/config.json quantization_config"

@@ -6,7 +6,7 @@ has none, an adapter patches, and only through :data:`PATCHES`, which records wh
 what and why, checks the installed vLLM against the versions the patch was written for,
 refuses a second patch of the same attribute, and can undo everything it applied.
 
-``vllm-graft patches`` lists them.
+Its :meth:`applied` lists them (a ``vllm-graft patches`` command is issue 22's).
 """
 from __future__ import annotations
 

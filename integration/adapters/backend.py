@@ -40,6 +40,10 @@ from vllm_graft.hooks import AttentionLayer, PagedBatch, split_kv_cache
 log = logging.getLogger("vllm_graft")
 
 BACKEND_PATH = f"{__name__}.GraftCPUAttentionBackend"
+#: The generic backend classes live in :mod:`.custom_backend` (which imports this module);
+#: named here by path so that the route never imports it.
+GENERIC_PATH = f"{__package__}.custom_backend.GraftAttentionBackend"
+GENERIC_CPU_PATH = f"{__package__}.custom_backend.GraftGenericCPUBackend"
 
 
 @dataclass
@@ -73,8 +77,6 @@ def route() -> tuple[AttentionBackendEnum, str]:
     import os
 
     from vllm.platforms import current_platform
-
-    from .custom_backend import GENERIC_CPU_PATH, GENERIC_PATH
 
     choice = os.environ.get(BACKEND_ENV, "").strip().lower()
     if choice not in ("", "cpu", "generic"):

@@ -46,12 +46,10 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_graft.hooks import AttentionLayer, PagedBatch
 
-from .backend import SEAMS, _layer_index, customize_spec, write_kv
+from .backend import GENERIC_CPU_PATH, GENERIC_PATH, SEAMS, _layer_index, customize_spec, write_kv
 
 log = logging.getLogger("vllm_graft")
 
-GENERIC_PATH = f"{__name__}.GraftAttentionBackend"
-GENERIC_CPU_PATH = f"{__name__}.GraftGenericCPUBackend"
 
 #: Metadata builds and layer forwards through this backend in this process (tests read it to
 #: know the route was really taken).
@@ -171,7 +169,7 @@ def _method():
     if SEAMS.method is not None:
         return SEAMS.method
     if _reference is None:
-        from vllm_graft.plugins.attention.noop.reference import PagedAttention
+        from vllm_graft.plugins.attention._shared import PagedAttention
 
         log.warning("vllm-graft: no attention plugin is enabled; the graft attention backend "
                     "computes attention with the PyTorch reference (exact, slow)")

@@ -158,7 +158,7 @@ def noop(plain):
 
 # -------------------------------------------------------------------------------- tests
 def test_layer_index_from_the_layer_name():
-    from vllm_graft.integration.adapters.moe.engine import MoEAdapterError, layer_index
+    from vllm_graft.integration.adapters.moe.checks import MoEAdapterError, layer_index
 
     assert layer_index("model.layers.3.block_sparse_moe.experts") == 3
     assert layer_index("language_model.model.layers.12.mlp.experts") == 12

@@ -200,11 +200,11 @@ def test_h2o_triton_kernel_in_the_engine_matches_its_reference(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # before the kernel module is first imported
     import sys
 
-    sys.modules.pop("vllm_graft.plugins.kvcompress.h2o.kernel", None)
+    sys.modules.pop("vllm_graft.plugins.kvcompress._shared.kernel", None)
     params = {"budget_blocks": 2, "sink_blocks": 1, "recent_blocks": 1}
     ref = _short_run({"plugin": "h2o", "params": {**params, "kernel": "reference"}})
     tri = _short_run({"plugin": "h2o", "params": {**params, "kernel": "triton"}})
-    sys.modules.pop("vllm_graft.plugins.kvcompress.h2o.kernel", None)
+    sys.modules.pop("vllm_graft.plugins.kvcompress._shared.kernel", None)
     assert tri[0] == ref[0]
     err = max(abs(a - b) for x, y in zip(tri[1], ref[1]) for a, b in zip(x, y))
     print(f"h2o triton vs reference in the engine: max |logprob diff| {err:.2e}")

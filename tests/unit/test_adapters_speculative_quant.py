@@ -13,8 +13,10 @@ from pydantic import BaseModel, ConfigDict
 
 from vllm_graft.hooks import Kind, NoParams, Proposer
 from vllm_graft.integration.adapters.quant import engine as quant
+from vllm_graft.integration.adapters.quant import tensors
 from vllm_graft.integration.adapters.speculative import engine as speculative
-from vllm_graft.integration.adapters.speculative.engine import Drafting, GraftProposer
+from vllm_graft.integration.adapters.speculative.drafting import Drafting
+from vllm_graft.integration.adapters.speculative.engine import GraftProposer
 
 
 # ------------------------------------------------------------------------------- config
@@ -272,7 +274,7 @@ def test_the_linear_op_runs_plugin_code_on_every_call_even_when_compiled():
             return F.linear(x, tensors[0], bias) if x.sum() > 0 else -F.linear(x, tensors[0], bias)
 
     method, key = Method(), 10**9
-    quant._LINEAR[key] = method
+    tensors._LINEAR[key] = method
     op = quant.quant_linear_op()
     assert op is quant.quant_linear_op()  # registered once per process
     w, b = torch.randn(5, 3), torch.randn(5)
@@ -282,7 +284,7 @@ def test_the_linear_op_runs_plugin_code_on_every_call_even_when_compiled():
         expected = (F.linear(x, w, b) if sign > 0 else -F.linear(x, w, b)) * 2
         torch.testing.assert_close(f(x), expected)
     assert method.calls == 3
-    del quant._LINEAR[key]
+    del tensors._LINEAR[key]
 
 
 # ------------------------------------------------------------- the verify step's top-k

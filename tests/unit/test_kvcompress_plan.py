@@ -10,7 +10,7 @@ import torch
 
 from vllm_graft.hooks import BlockView, Capabilities, KVCompressor, NoParams, Registration, get_registry, hookimpl
 from vllm_graft.integration.adapters.kvcompress.keep import KeepError, check_keep, dropped_blocks
-from vllm_graft.integration.adapters.kvcompress.engine import (
+from vllm_graft.integration.adapters.kvcompress.plan import (
     blocks_to_free,
     blocks_to_skip,
     compact_rows,
@@ -273,6 +273,7 @@ def test_a_compressor_that_needs_scores_without_attend_is_refused_at_activation(
 
 def test_the_adapter_module_and_its_pure_logic_load_no_vllm():
     code = ("import sys, vllm_graft.integration.adapters.kvcompress.engine as k\n"
+            "from vllm_graft.integration.adapters.kvcompress import channel, plan, rows, salt, scores, state\n"
             "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -280,7 +281,7 @@ def test_the_adapter_module_and_its_pure_logic_load_no_vllm():
 
 # ------------------------------------------------------------- prefix-cache salt, scores
 def test_the_salt_names_the_compressor_and_its_parameters_and_keeps_the_users():
-    from vllm_graft.integration.adapters.kvcompress.engine import cache_salt, salted
+    from vllm_graft.integration.adapters.kvcompress.salt import cache_salt, salted
 
     reg = get_registry().get("kvcompress", "streaming").registration
     a = cache_salt("streaming", reg.params(budget_blocks=4))
@@ -295,7 +296,7 @@ def test_worker_scores_accumulate_per_logical_block_and_drops_are_final():
     """The worker half of the scores channel without vLLM: a step's mass per compacted
     column lands on the right logical block, keep() sees -inf for dropped blocks, and only
     newly dropped blocks are reported."""
-    from vllm_graft.integration.adapters.kvcompress.engine import _Scores, _StepPlan
+    from vllm_graft.integration.adapters.kvcompress.scores import _Scores, _StepPlan
 
     reg = get_registry().get("kvcompress", "h2o").registration
     h2o = reg.load()(reg.params(budget_blocks=3, sink_blocks=1, recent_blocks=1))

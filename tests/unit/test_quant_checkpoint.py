@@ -10,7 +10,7 @@ import pytest
 
 from vllm_graft.hooks import QuantMethod, StoredTensor
 from vllm_graft.integration import cli
-from vllm_graft.integration.adapters.quant import engine as quant
+from vllm_graft.integration.adapters.quant import checkpoint as quant
 from vllm_graft.tools.quant.quantize import QuantizeError, quantize_checkpoint
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "graft-tiny-llama"

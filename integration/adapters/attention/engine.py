@@ -1,7 +1,7 @@
 """Attention adapter: the enabled attention plugin computes every decoder layer's attention.
 
-vLLM route: on CPU the CPU_ATTN backend is overridden with :mod:`.backend`'s subclass (on
-CUDA, vLLM's CUSTOM backend is :mod:`.custom_backend`, with the same seams), whose
+vLLM route: on CPU the CPU_ATTN backend is overridden with :mod:`..backend`'s subclass (on
+CUDA, vLLM's CUSTOM backend is :mod:`..custom_backend`, with the same seams), whose
 metadata builder calls ``AttentionMethod.plan(batch)`` once per step and whose impl calls
 ``AttentionMethod.forward(query, kv_cache, batch, layer, plan)``. vLLM writes the new
 keys/values into the paged cache before ``forward`` (``do_kv_cache_update``), so a plugin

@@ -49,7 +49,8 @@ graphs would freeze or reject; :meth:`MoEAdapter.engine_overrides` sets
 ``enforce_eager=True``, and a deployment whose ``engine`` sets it to false is refused.
 
 Layer index: from the layer's name, the number after ``layers.``
-(``model.layers.3.block_sparse_moe.experts`` -> 3), else its only number.
+(``model.layers.3.block_sparse_moe.experts`` -> 3), else its only number
+(:func:`~.checks.layer_index`).
 
 A model without MoE layers: :meth:`MoEAdapter.activate` reads the model's config the way
 vLLM's ``ModelConfig.is_moe`` does (number of experts > 0) and refuses the deployment,
@@ -58,11 +59,14 @@ naming the model and the fix, before the engine starts.
 Events (``RUNTIME.count(Kind.MOE, name, event, n)``), per plugin and layer call:
 ``adjust_logits``, ``route``, ``observe`` (the steps it implements) and ``tokens`` (the
 tokens it was given). For a routing plugin ``route`` = MoE layers x forward steps.
+
+The package: :mod:`.chain` (how the schedulers compose in one layer call) and :mod:`.checks`
+(layer index, routing and deployment-vs-model checks) are free of vLLM; this module is the
+vLLM half (router, runner, ``register_oot``, reading the model's config).
 """
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 import torch
@@ -72,37 +76,26 @@ from vllm.model_executor.layers.fused_moe.router.zero_expert_router import ZeroE
 from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 from vllm.model_executor.layers.fused_moe.runner.moe_runner_interface import MoERunnerInterface
 
-from vllm_graft.hooks import DeploymentError, Kind, Plan, Problem
+from vllm_graft.hooks import Kind, Plan
 from vllm_graft.hooks.contracts import MoEModel
-from vllm_graft.integration.adapters.moe.chain import MoEChain
 from vllm_graft.hooks.deployment import Enabled
 
 from vllm_graft.integration.runtime import Runtime
 from vllm_graft.integration.adapters import Adapter
+from vllm_graft.integration.adapters.moe.chain import MoEChain
+from vllm_graft.integration.adapters.moe.checks import (
+    MoEAdapterError,
+    bind,
+    layer_index,
+    plain_softmax_routing,
+    require_eager,
+    require_moe_model,
+)
 
 log = logging.getLogger("vllm_graft")
 
 #: The in-tree class name that ``register_oot`` replaces.
 OOT_NAME = "MoERunner"
-
-
-class MoEAdapterError(RuntimeError):
-    """The enabled MoE plugins cannot act on this model's MoE layers."""
-
-
-_LAYERS_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
-
-
-def layer_index(prefix: str) -> int:
-    """The decoder layer an MoE layer belongs to, from its name (vLLM's ``prefix``)."""
-    m = _LAYERS_RE.search(prefix)
-    if m:
-        return int(m.group(1))
-    numbers = [int(part) for part in prefix.split(".") if part.isdecimal()]
-    if len(numbers) == 1:
-        return numbers[0]
-    raise MoEAdapterError(f"cannot tell which decoder layer MoE layer {prefix!r} belongs to "
-                          "(expected a name like 'model.layers.3.mlp.experts')")
 
 
 # ------------------------------------------------------------------------------- router
@@ -161,23 +154,6 @@ class GraftRouter(BaseRouter):
         return self.chain(self.layer_idx, router_logits, self.top_k, self.renormalize, model_topk)
 
 
-def _plain_softmax_routing(routed_experts: Any) -> str | None:
-    """Why a routing plugin (softmax top-k parameters only) cannot stand in for this
-    layer's routing, or None when the layer routes by plain softmax top-k."""
-    reasons = []
-    if getattr(routed_experts, "scoring_func", "softmax") != "softmax":
-        reasons.append(f"scoring function {routed_experts.scoring_func!r}")
-    if getattr(routed_experts, "use_grouped_topk", False):
-        reasons.append("grouped top-k")
-    if getattr(routed_experts, "custom_routing_function", None) is not None:
-        reasons.append("a custom routing function")
-    if getattr(routed_experts, "e_score_correction_bias", None) is not None:
-        reasons.append("a score-correction bias")
-    if getattr(routed_experts, "routed_scaling_factor", 1.0) != 1.0:
-        reasons.append(f"routed scaling factor {routed_experts.routed_scaling_factor}")
-    return ", ".join(reasons) or None
-
-
 # ------------------------------------------------------------------------------- runner
 class GraftMoERunner(MoERunner):
     """vLLM's ``MoERunner`` whose router runs the active deployment's MoE chain."""
@@ -196,7 +172,7 @@ class GraftMoERunner(MoERunner):
                 f"step, and this layer's router is a {type(inner).__name__}; this model's MoE "
                 "layers are not supported yet (remove the `moe:` section)")
         if chain.routes:
-            why = _plain_softmax_routing(self.routed_experts)
+            why = plain_softmax_routing(self.routed_experts)
             if why is not None:
                 raise MoEAdapterError(
                     f"MoE layer {name} routes with {why}; MoE plugin {chain.router[0]!r} replaces "
@@ -262,7 +238,7 @@ class MoEAdapter(Adapter):
         self.chain: MoEChain | None = None
 
     def engine_overrides(self, enabled: list[Enabled], plan: Plan) -> dict[str, Any]:
-        self._require_eager(plan)
+        require_eager(plan)
         return {"enforce_eager": True}
 
     def activate(self, enabled: list[Enabled], plan: Plan, runtime: Runtime) -> None:
@@ -270,10 +246,10 @@ class MoEAdapter(Adapter):
             return
         # Checked here too: the bridge activates before it asks for engine_overrides, and
         # undoes the activation only when activate itself fails.
-        self._require_eager(plan)
-        facts = self._require_moe_model(enabled, plan)
+        require_eager(plan)
+        facts = require_moe_model(enabled, plan, _moe_model)
         if facts is not None:
-            self._bind(enabled, facts, runtime)
+            bind(enabled, facts, runtime)
         chain = MoEChain([(e.name, runtime.instance(e)) for e in enabled],
                          count=lambda name, event, n: runtime.count(Kind.MOE, name, event, n))
         current = op_registry_oot.get(OOT_NAME)
@@ -295,50 +271,6 @@ class MoEAdapter(Adapter):
         if op_registry_oot.get(OOT_NAME) is GraftMoERunner:
             del op_registry_oot[OOT_NAME]
         self.chain = None
-
-    @staticmethod
-    def _require_eager(plan: Plan) -> None:
-        if plan.deployment.engine.get("enforce_eager") is False:
-            raise DeploymentError([Problem(
-                "engine.enforce_eager", "MoE plugins run Python in every MoE layer at every step, "
-                "which needs vLLM's eager mode", value=False, accepted="true (or leave it out)",
-                hint="Drop engine.enforce_eager: the MoE adapter sets it")], "deployment")
-
-    @staticmethod
-    def _bind(enabled: list[Enabled], facts: MoEModel, runtime: Runtime) -> None:
-        """Give every scheduler the model's MoE facts; a ValueError it raises (a parameter
-        that does not fit this model) refuses the deployment, naming the plugin's params."""
-        problems = []
-        for e in enabled:
-            try:
-                runtime.instance(e).bind(facts)
-            except ValueError as err:
-                problems.append(Problem(
-                    f"{e.path}.params", f"MoE plugin {e.name!r} does not fit model {facts.model} "
-                    f"({facts.num_layers} layers, {facts.num_experts} experts, top-{facts.top_k}): {err}"))
-        if problems:
-            raise DeploymentError(problems, "deployment vs model")
-
-    @staticmethod
-    def _require_moe_model(enabled: list[Enabled], plan: Plan) -> MoEModel | None:
-        model = plan.deployment.model or (plan.model.path if plan.model is not None else None)
-        if model is None:
-            log.warning("vllm-graft: no model known at activation, so whether it has MoE layers "
-                        "is not checked (a model without them runs the MoE plugins nowhere)")
-            return None
-        try:
-            facts = _moe_model(model, bool(plan.deployment.engine.get("trust_remote_code", False)))
-        except Exception as e:  # vLLM will report an unreadable model itself
-            log.warning("vllm-graft: could not read the config of %s (%s); MoE check skipped", model, e)
-            return None
-        if facts.num_experts > 0:
-            return facts
-        archs = ", ".join(plan.model.architectures) if plan.model is not None else "unknown architecture"
-        raise DeploymentError([Problem(
-            f"{e.path}.plugin", f"MoE plugin {e.name!r} needs a model with MoE layers, but model "
-            f"{model} ({archs}) has none", value=e.name,
-            hint="Remove the `moe:` section to run this model, or run an MoE model "
-                 "(e.g. models/graft-tiny-mixtral)") for e in enabled], "deployment vs model")
 
 
 ADAPTER = MoEAdapter()

@@ -1,2 +1,3 @@
-"""quant adapter. ``engine`` is the vLLM half (it holds ``ADAPTER`` and imports vLLM's
-internals); the rest of the package is vLLM-free logic, testable without vLLM."""
+"""quant adapter. ``engine`` holds ``ADAPTER`` and imports without vLLM; ``vllm_method`` is the
+vLLM half (vLLM's config and linear-method classes), imported by ``engine`` when it activates;
+the rest of the package is vLLM-free logic, testable without vLLM."""

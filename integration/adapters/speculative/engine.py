@@ -74,23 +74,30 @@ and keeps them with the rows per request; ``propose``, run right after in the sa
 passes each request its rows with the tokens they follow (the token before the step, then
 the drafts the step verified). Every other runner and proposer pays one ``isinstance`` and
 one attribute read per step. It can go when vLLM hands custom proposers the logits.
+
+The package: the per-step logic (request ids, budget, acceptance, top-k rows, finish) is
+:class:`~.drafting.Drafting`, free of vLLM; this module holds what vLLM builds and calls
+(:class:`GraftProposer`, which must stay here: its dotted path is :data:`PROPOSER_PATH`),
+the two patches and the adapter, and imports vLLM only in :func:`install_patch`.
 """
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable
 
 from pydantic import BaseModel
 
-from vllm_graft.hooks import Kind, Plan, Proposer
+from vllm_graft.hooks.registry import SUPPORTED_VLLM
+from vllm_graft.hooks import Kind, Plan
 from vllm_graft.hooks.deployment import Enabled
 
 from vllm_graft.integration.patches import PATCHES
 from vllm_graft.integration.runtime import RUNTIME, Runtime
 from vllm_graft.integration.adapters import Adapter
+from vllm_graft.integration.adapters.speculative.drafting import Drafting
 
 OWNER = "adapters.speculative"
-VERSIONS = ">=0.32,<0.34"
+VERSIONS = SUPPORTED_VLLM  # the adapter was written and checked against this range
 
 #: Drafts per step when the plugin's parameters have no ``num_speculative_tokens`` field.
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
@@ -114,124 +121,6 @@ def speculative_config(params: BaseModel) -> dict[str, Any]:
     """vLLM's ``speculative_config`` for a proposer plugin with these parameters."""
     return {"method": "custom_class", "model": PROPOSER_PATH,
             "num_speculative_tokens": num_speculative_tokens(params)}
-
-
-# --------------------------------------------------------------------- the per-step logic
-class Drafting:
-    """What :class:`GraftProposer` does each step, free of vLLM (unit-tested on its own).
-
-    ``count(event, n)`` records events; ``k`` is the number of drafts per step vLLM was
-    configured with; ``vocab_size`` bounds valid token ids.
-    """
-
-    def __init__(self, plugin: Proposer, name: str, *, k: int, max_model_len: int,
-                 vocab_size: int, count: Callable[[str, int], None]) -> None:
-        self.plugin, self.name, self.k = plugin, name, k
-        self.max_model_len, self.vocab_size, self.count = max_model_len, vocab_size, count
-        self.verified: dict[str, int] = {}  # request id -> drafts the current step verifies
-        self.drafts: dict[str, list[int]] = {}  # request id -> the drafts it verifies
-        #: top-k per logits row the plugin asked for (0: none; see module docstring)
-        self.topk = max(0, int(getattr(plugin, "topk", 0) or 0))
-        self.pending_topk: tuple[Any, list[int]] | None = None  # (ids [rows, topk], rows/request)
-        self.step_tokens = 0  # tokens the current step computes (scheduler_output)
-
-    def step_started(self, finished_req_ids: Iterable[str],
-                     scheduled_spec_tokens: Mapping[str, Sequence[int]], num_tokens: int = 0) -> None:
-        """A step begins: release ended requests, note the drafts it will verify and how many
-        tokens it computes."""
-        self.step_tokens = int(num_tokens or 0)
-        finished = list(finished_req_ids)
-        for request_id in finished:
-            self.plugin.finish(request_id)
-        if finished:
-            self.count("finish", len(finished))
-        # -1 marks a draft slot vLLM invalidated (structured output): not verified.
-        self.verified = {rid: sum(1 for t in toks if t >= 0)
-                         for rid, toks in scheduled_spec_tokens.items()}
-        if self.topk:
-            self.drafts = {rid: list(toks) for rid, toks in scheduled_spec_tokens.items()}
-        self.pending_topk = None
-
-    def logits_topk(self, topk_ids: Any, rows_per_request: Sequence[int]) -> None:
-        """The step's top-k ids ``[rows, topk]`` (a CPU numpy array) and how many logits rows
-        each batch row has (``input_batch`` order), kept for the ``propose`` that follows."""
-        rows = [int(r) for r in rows_per_request]
-        self.pending_topk = (topk_ids, rows) if sum(rows) == len(topk_ids) else None
-
-    def _observe_topk(self, req_ids: Sequence[str | None], sampled_token_ids: Sequence[Sequence[int]],
-                      num_tokens: Sequence[int], token_ids: Any) -> None:
-        ids, rows = self.pending_topk  # type: ignore[misc]
-        self.pending_topk = None
-        start = 0
-        for i, n_rows in enumerate(rows):
-            first, start = start, start + n_rows
-            if i >= len(sampled_token_ids) or not len(sampled_token_ids[i]):
-                continue  # mid-prefill: its row predicts nothing kept
-            request_id = req_ids[i]
-            n = int(num_tokens[i])
-            before = n - len(sampled_token_ids[i]) - 1  # the last token before this step
-            if before < 0:
-                continue
-            context = [int(token_ids[i, before])]
-            for t in self.drafts.get(request_id, ()):  # type: ignore[arg-type]
-                if t < 0:
-                    break  # invalidated slot: no position after it
-                context.append(int(t))
-            m = min(len(context), n_rows)
-            self.plugin.observe_topk(request_id, context[:m], ids[first:first + m])
-
-    def propose(self, req_ids: Sequence[str | None], sampled_token_ids: Sequence[Sequence[int]],
-                num_tokens: Sequence[int], token_ids: Any) -> list[list[int]]:
-        """Drafts per batch row. ``token_ids[i, :num_tokens[i]]`` is row i's sequence so far
-        (a 2-D numpy array in vLLM); a row whose ``sampled_token_ids`` is empty (mid-prefill)
-        gets no drafts and no plugin call."""
-        if len(req_ids) < len(sampled_token_ids):
-            raise RuntimeError(f"vllm-graft speculative adapter: {len(sampled_token_ids)} batch "
-                               f"rows but only {len(req_ids)} request ids")
-        if self.pending_topk is not None:
-            self._observe_topk(req_ids, sampled_token_ids, num_tokens, token_ids)
-        self.plugin.begin_step(sum(1 for s in sampled_token_ids if len(s)), self.step_tokens)
-        out: list[list[int]] = []
-        n_calls = n_drafted = n_verified = n_accepted = 0
-        for i, sampled in enumerate(sampled_token_ids):
-            if not len(sampled):
-                out.append([])
-                continue
-            request_id = req_ids[i]
-            assert request_id is not None, f"batch row {i} has no request"
-            verified = self.verified.pop(request_id, 0)
-            if verified:
-                accepted = min(len(sampled) - 1, verified)
-                self.plugin.accepted(request_id, accepted, verified)
-                n_verified += verified
-                n_accepted += accepted
-            n = int(num_tokens[i])
-            budget = min(self.k, self.max_model_len - n)
-            if budget <= 0:
-                out.append([])
-                continue
-            drafts = self.plugin.propose(request_id, token_ids[i, :n].tolist(), budget)
-            n_calls += 1
-            drafts = self._checked(drafts, request_id)[:budget]
-            n_drafted += len(drafts)
-            out.append(drafts)
-        for event, n in (("propose", n_calls), ("drafted", n_drafted),
-                         ("verified", n_verified), ("accepted", n_accepted)):
-            if n:
-                self.count(event, n)
-        return out
-
-    def _checked(self, drafts: Any, request_id: str) -> list[int]:
-        try:
-            tokens = [int(t) for t in drafts]
-            ok = all(0 <= t < self.vocab_size for t in tokens)
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise ValueError(
-                f"speculative plugin {self.name!r} proposed {drafts!r} for request {request_id!r}; "
-                f"propose() must return a list of token ids in [0, {self.vocab_size})")
-        return tokens
 
 
 # --------------------------------------------------------------- what vLLM builds and calls
@@ -287,7 +176,7 @@ class GraftProposer:
         if runner is None:
             raise RuntimeError(
                 "vllm-graft: GraftProposer.propose was called before the runner's "
-                "_update_states; is the speculative adapter's patch applied (`vllm-graft patches`)?")
+                "_update_states; is the speculative adapter's patch applied (vllm_graft.integration.patches.PATCHES)?")
         return self.drafting.propose(runner.input_batch.req_ids, sampled_token_ids,
                                      num_tokens_no_spec, token_ids_cpu)
 

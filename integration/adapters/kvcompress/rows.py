@@ -1,0 +1,105 @@
+"""Worker: which request each batch row is (see "The metadata patch" in the package doc),
+vLLM-free. The wrapper of ``GPUModelRunner._build_attention_metadata`` notes the runner and
+the step's scheduled tokens in :data:`step_rows` while the builders run; :class:`_StepRows`
+maps each row to its request and computes the blocks the row leaves out of attention."""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+from vllm_graft.integration.adapters.kvcompress.plan import KVCompressError, blocks_to_skip
+from vllm_graft.integration.adapters.kvcompress.state import VERSIONS, Active
+
+
+class _StepRows:
+    """The rows of the batch whose attention metadata is being built (see the patch)."""
+
+    def __init__(self, runner: Any, num_scheduled_tokens: dict[str, int]) -> None:
+        self.runner = runner
+        self.num_scheduled_tokens = num_scheduled_tokens
+        self._skips: dict[int, list[list[int]]] = {}  # by block size
+        # scored mode: per row (request id, computed before the step, query length, prompt
+        # length, logical blocks left out)
+        self.rows: list[tuple[str, int, int, int, list[int]]] = []
+
+    def skips(self, cm: Any, block_size: int, state: Active) -> list[list[int]]:
+        if block_size not in self._skips:
+            self._skips[block_size] = self._compute(cm, block_size, state)
+        return self._skips[block_size]
+
+    def _compute(self, cm: Any, block_size: int, state: Active) -> list[list[int]]:
+        self.block_size = block_size
+        batch = self.runner.input_batch
+        n = min(int(cm.num_reqs), batch.num_reqs)
+        qsl = cm.query_start_loc_cpu[: n + 1].tolist()
+        seq_lens = cm.seq_lens[:n].tolist()
+        prompt_lens = batch.num_prompt_tokens[:n].tolist()
+        req_ids = batch.req_ids[:n]
+        out: list[list[int]] = []
+        calls = skipped = 0
+        for i in range(n):
+            q = qsl[i + 1] - qsl[i]
+            if q <= 0:
+                out.append([])
+                self.rows.append(("", 0, 0, 0, []))
+                continue
+            req_id = req_ids[i]
+            scheduled = self.num_scheduled_tokens.get(req_id)
+            if scheduled != q:
+                raise KVCompressError(
+                    f"vllm-graft kvcompress: batch row {i} has {q} query tokens but the scheduler "
+                    f"gave its request {req_id!r} {scheduled}; the rows no longer follow "
+                    "input_batch.req_ids (vLLM changed how it builds attention metadata)")
+            computed = seq_lens[i] - q
+            if state.scored is not None:
+                skip = state.scored.skip(req_id, computed, block_size)
+                self.rows.append((req_id, computed, q, int(prompt_lens[i]), skip))
+            else:
+                skip = blocks_to_skip(state.compressor, state.name, num_tokens=computed,
+                                      block_size=block_size, num_prompt_tokens=int(prompt_lens[i]))
+            if computed > 0 and state.scored is None:
+                calls += 1
+            skipped += len(skip)
+            out.append(skip)
+        if calls:
+            state.count("worker_steps", calls)
+        if skipped:
+            state.count("blocks_skipped", skipped)
+        return out
+
+
+#: ``step_rows.step``: the :class:`_StepRows` of the metadata build under way in this thread.
+step_rows = threading.local()
+
+
+#: Parameters of ``GPUModelRunner._build_attention_metadata`` the wrapper reads.
+_WRAPPED_PARAMS = ("num_scheduled_tokens", "for_cudagraph_capture")
+
+
+def build_attention_metadata_wrapper(original: Callable) -> Callable:
+    """The patch of ``GPUModelRunner._build_attention_metadata``: sets :data:`step_rows`
+    while the builders run (dummy / profiling builds are left alone)."""
+    import inspect
+
+    signature = inspect.signature(original)
+    missing = [p for p in _WRAPPED_PARAMS if p not in signature.parameters]
+    if missing:
+        raise KVCompressError(
+            f"vllm-graft kvcompress: GPUModelRunner._build_attention_metadata has no parameter(s) "
+            f"{missing}; this vLLM builds attention metadata differently from the one the "
+            f"adapter was written for ({VERSIONS})")
+
+    def _build_attention_metadata(self, *args, **kwargs):
+        bound = signature.bind_partial(self, *args, **kwargs).arguments
+        scheduled = bound.get("num_scheduled_tokens")
+        if scheduled is None or bound.get("for_cudagraph_capture"):
+            return original(self, *args, **kwargs)  # dummy / profiling batch: no requests
+        previous = getattr(step_rows, "step", None)
+        step_rows.step = _StepRows(self, scheduled)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            step_rows.step = previous
+
+    _build_attention_metadata.__wrapped__ = original  # type: ignore[attr-defined]
+    return _build_attention_metadata

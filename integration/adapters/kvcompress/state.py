@@ -1,0 +1,60 @@
+"""The kvcompress adapter's process state, vLLM-free: the compressor (and storage format) a
+deployment activated in this process (:data:`active`, set by the adapter's ``activate``),
+and the adapter's patch owner and supported vLLM range."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from vllm_graft.hooks.registry import SUPPORTED_VLLM
+from vllm_graft.hooks import KVCacheFormat, KVCompressor
+from vllm_graft.integration.adapters.kvcompress.plan import KVCompressError
+
+OWNER = "adapters.kvcompress"
+VERSIONS = SUPPORTED_VLLM  # the adapter was written and checked against this range
+
+
+@dataclass
+class Active:
+    """What a deployment's ``activate`` set up in this process (see :data:`active`)."""
+
+    compressor: KVCompressor
+    name: str
+    count: Callable[[str, int], None]
+    salt: str | None = None  # prefix-cache salt of this compressor and budget (None: lossless)
+    scored: Any = None  # worker-side state of a needs_scores compressor (a scores._Scores)
+    needs_scores: bool = False
+    to_free: dict = None  # scheduler side: request id -> logical blocks the worker dropped
+    kv_format: KVCacheFormat | None = None  # the storage format (e.g. kv4), if one is enabled
+    format_name: str = ""
+
+    def __post_init__(self):
+        if self.to_free is None:
+            self.to_free = {}
+
+    @property
+    def spec_name(self) -> str:
+        """What the KV-cache spec records: the compressor, then the storage format."""
+        if self.kv_format is None or self.format_name == self.name:
+            return self.name
+        return f"{self.name}+{self.format_name}"
+
+
+#: The active compressor of this process (None: no deployment with a kvcompress plugin).
+active: Active | None = None
+
+
+def current(spec_compressor: str) -> Active:
+    """The active state, for a KV cache whose spec names ``spec_compressor``; raises
+    :class:`KVCompressError` if none is active, or another one."""
+    if active is None:
+        raise KVCompressError(
+            f"a vllm-graft KV-compression cache (plugin {spec_compressor!r}) is in use in process "
+            f"{os.getpid()}, but no deployment with a kvcompress plugin is active there (was "
+            "another engine with a different deployment started in this process?)")
+    if spec_compressor and spec_compressor != active.spec_name:
+        raise KVCompressError(
+            f"this engine's KV cache was built for kvcompress plugin {spec_compressor!r}, but "
+            f"{active.spec_name!r} is active in this process")
+    return active

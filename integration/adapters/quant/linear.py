@@ -1,0 +1,217 @@
+"""What a quantised linear layer does with its QuantMethod plugin, free of vLLM:
+:class:`PluginLinear`, the logic half of :class:`~.vllm_method.GraftLinearMethod` (which adds
+vLLM's ``create_weights``).
+
+Online quantisation: ``process_weights_after_loading`` (called by vLLM's
+``model_loader/utils.py: process_weights_after_loading``) calls
+``QuantMethod.quantize(weight)`` and keeps the result on the layer (:mod:`.tensors`);
+``apply(layer, x, bias)`` calls ``QuantMethod.apply(tensors, x, bias)`` through the opaque op.
+
+Pre-quantised checkpoints (:mod:`.checkpoint`): each layer (and, if ``embeddings`` and the
+plugin ``covers_embeddings``, ``embed_tokens`` and ``lm_head``) registers the plugin's
+``stored_tensors(out, in)`` instead of ``weight``: fixed-shape ones are loaded by the layer's
+own ``weight_loader`` (vLLM fuses ``...q_proj.<name>`` into ``qkv_proj`` as it does
+``weight``) through :meth:`PluginLinear._load_rows`, ragged ones by
+:meth:`PluginLinear._collect`, which keeps each shard; both check dtype and shape first and
+record which shards arrived. A trap ``weight`` refuses an unquantised tensor
+(:meth:`PluginLinear._refuse_weight`). ``process_weights_after_loading`` checks that every
+shard of every stored tensor arrived, calls ``verify`` per shard and ``load`` once, and keeps
+the result as buffers; errors name the checkpoint tensor (``...k_proj.exponents``). vLLM
+itself skips its "weights not initialized" check for quantised models, so these checks are
+the only guard against a silently unloaded tensor.
+
+Events counted: ``quantize`` (layers quantised), ``load`` (layers loaded), ``apply`` (linear
+calls), ``embed`` (embedding calls).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_graft.hooks import Kind, QuantMethod
+
+from vllm_graft.integration.runtime import RUNTIME
+from vllm_graft.integration.adapters.quant.checkpoint import checkpoint_tensor_name, quantization_name
+from vllm_graft.integration.adapters.quant.tensors import (
+    BUFFER_PREFIX,
+    check_quantized,
+    install_tensors,
+    layer_tensors,
+    quant_embed_op,
+    quant_linear_op,
+    register_linear,
+)
+
+
+class PluginLinear:
+    """A linear layer (or, for a pre-quantised checkpoint of a plugin that
+    ``covers_embeddings``, an embedding table or LM head) computed by a QuantMethod plugin
+    from its quantised tensors. ``create_weights`` (vLLM's side) sets ``out_features``,
+    ``in_features``, ``shard_rows`` and ``params_dtype``, and for a pre-quantised checkpoint
+    ``specs``, ``seen`` and ``parts``."""
+
+    def __init__(self, plugin: QuantMethod, name: str, prefix: str = "",
+                 prequantized: bool = False) -> None:
+        self.plugin, self.name, self.prefix = plugin, name, prefix
+        self.prequantized = prequantized
+        self.out_features = 0
+        self.names: tuple[str, ...] = ()
+        self.key = register_linear(self)
+        # Both ops are made here, not on first call: that call may be traced by torch.compile.
+        self._op = quant_linear_op()
+        self._embed_op = quant_embed_op()
+
+    def _count(self, event: str) -> None:
+        RUNTIME.count(Kind.QUANT, self.name, event)
+
+    # -------------------------------------------------------------- pre-quantised loading
+    def _refuse_weight(self, param, loaded, shard_id=None) -> None:
+        idx = None if shard_id is None else self._shard("weight", shard_id)
+        raise ValueError(
+            f"{self.tensor_name('weight', idx)}: an unquantised weight in a "
+            f"{self.plugin_label()} checkpoint, which stores {', '.join(self.specs)} for this "
+            "layer; the checkpoint is corrupt or mixed (rewrite it with `vllm-graft quantize`)")
+
+    def _shard(self, tname: str, shard_id: Any) -> int | None:
+        n = len(self.shard_rows)
+        if shard_id is None:
+            return None
+        idx = {"q": 0, "k": 1, "v": 2}.get(shard_id, shard_id)
+        if not isinstance(idx, int) or not 0 <= idx < n:
+            raise ValueError(f"{self.tensor_name(tname, None)}: unexpected shard {shard_id!r}")
+        return idx
+
+    def tensor_name(self, tname: str, idx: int | None) -> str:
+        return checkpoint_tensor_name(self.prefix, tname, idx, len(self.shard_rows))
+
+    def _check(self, tname: str, idx: int | None, loaded, want_shape) -> None:
+        spec = self.specs[tname]
+        label = self.tensor_name(tname, idx)
+        if str(loaded.dtype).removeprefix("torch.") != spec.dtype:
+            raise ValueError(f"{label}: stored as {loaded.dtype}, but {self.name!r} stores "
+                             f"{spec.dtype}; the checkpoint is corrupt or from another method")
+        if want_shape is not None and tuple(loaded.shape) != tuple(want_shape):
+            raise ValueError(f"{label}: shape {tuple(loaded.shape)}, expected {tuple(want_shape)} "
+                             f"for a [{self._rows(idx)}, {self.in_features}] weight")
+
+    def _rows(self, idx: int | None) -> int:
+        return self.out_features if idx is None else self.shard_rows[idx]
+
+    def _load_rows(self, tname, weight_loader, param, loaded, shard_id=None) -> None:
+        idx = self._shard(tname, shard_id)
+        spec = self.specs[tname]
+        rows = self._rows(idx) * spec.shape[0] // self.out_features
+        self._check(tname, idx, loaded, (rows, *spec.shape[1:]))
+        if shard_id is None:
+            weight_loader(param, loaded)
+        else:
+            weight_loader(param, loaded, shard_id)
+        self.seen[tname].add(idx)
+
+    def _collect(self, tname, param, loaded, shard_id=None) -> None:
+        idx = self._shard(tname, shard_id)
+        self._check(tname, idx, loaded, None)
+        if loaded.dim() != 1:
+            raise ValueError(f"{self.tensor_name(tname, idx)}: shape {tuple(loaded.shape)}, "
+                             "expected a 1-D tensor")
+        self.parts[tname][idx] = loaded.detach().clone()
+        self.seen[tname].add(idx)
+
+    def _stored_parts(self, layer) -> dict[str, list]:
+        n = len(self.shard_rows)
+        out: dict[str, list] = {}
+        for tname, spec in self.specs.items():
+            seen = self.seen[tname]
+            whole = None in seen
+            missing = [] if whole else [i for i in range(n) if i not in seen]
+            if missing or not seen:
+                names = [self.tensor_name(tname, i) for i in (missing or [None])]
+                raise ValueError(f"{', '.join(names)}: missing from the checkpoint (a "
+                                 f"{self.plugin_label()} checkpoint stores "
+                                 f"{', '.join(self.specs)} for every quantised layer)")
+            if spec.ragged:
+                out[tname] = [self.parts[tname][None]] if whole else \
+                    [self.parts[tname][i] for i in range(n)]
+            else:
+                data = getattr(layer, tname).data
+                k = spec.shape[0] // self.out_features
+                out[tname] = [data] if whole else \
+                    list(torch.split(data, [r * k for r in self.shard_rows], 0))
+        counts = {len(v) for v in out.values()}
+        if len(counts) != 1:  # some tensors stored fused, others per shard
+            raise ValueError(f"layer {self.prefix}: its stored tensors mix fused and per-shard "
+                             "checkpoint entries; rewrite the checkpoint with `vllm-graft quantize`")
+        for i in range(counts.pop()):
+            idx = None if len(out[next(iter(out))]) == 1 else i
+            try:
+                self.plugin.verify({k: v[i] for k, v in out.items()})
+            except ValueError as e:
+                key, sep, rest = str(e).partition(": ")
+                names = [self.tensor_name(k.strip(), idx) for k in key.split("/")]
+                if sep and all(k.strip() in self.specs for k in key.split("/")):
+                    raise ValueError(f"{', '.join(names)}: {rest}") from e
+                raise ValueError(f"layer {self.prefix} (shard {idx}): {e}") from e
+        return out
+
+    def plugin_label(self) -> str:
+        return quantization_name(self.name)
+
+    # ------------------------------------------------------------------ after loading
+    def process_weights_after_loading(self, layer) -> None:
+        if self.prequantized:
+            stored = self._stored_parts(layer)
+            rows = self.shard_rows if len(stored[next(iter(stored))]) > 1 else [self.out_features]
+            try:
+                tensors = self.plugin.load(stored, rows)
+            except ValueError as e:
+                raise ValueError(f"{self.plugin_label()} checkpoint, layer {self.prefix}: {e}") from e
+            tensors = check_quantized(tensors, self.name)
+            for tname in (*self.specs, "weight"):
+                delattr(layer, tname)
+            self.parts = {}
+            for tname, t in tensors.items():
+                layer.register_buffer(BUFFER_PREFIX + tname, t, persistent=False)
+            layer.graft_tensor_names = tuple(tensors)
+            self.names = tuple(tensors)
+            self._count("load")
+            return
+        tensors = self.plugin.quantize(layer.weight.data)
+        if self.plugin.stored_tensors(self.out_features, self.in_features) is not None:
+            tensors = self.plugin.load({k: [v] for k, v in tensors.items()}, [self.out_features])
+        tensors = check_quantized(tensors, self.name)
+        install_tensors(layer, tensors)
+        self.names = tuple(tensors)
+        self._count("quantize")
+
+    # -------------------------------------------------------------------------- calls
+    def apply(self, layer, x, bias=None):
+        tensors = layer_tensors(layer)
+        return self._op(x, [tensors[n] for n in self.names], bias, self.key)
+
+    def embedding(self, layer, ids):
+        tensors = layer_tensors(layer)
+        return self._embed_op(ids, [tensors[n] for n in self.names], self.key)
+
+    def compute_embedding(self, ids, tensors):
+        self._count("embed")
+        out = self.plugin.embed(dict(zip(self.names, tensors)), ids)
+        want = (*ids.shape, self.in_features)
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
+            raise ValueError(f"quant plugin {self.name!r}: embed() returned "
+                             f"{getattr(out, 'shape', type(out))}; expected {want}")
+        return out
+
+    def compute(self, x, tensors, bias):
+        """The custom op's body: runs eagerly on every call, compiled graph or not."""
+        self._count("apply")
+        out = self.plugin.apply(dict(zip(self.names, tensors)), x, bias)
+        want = (*x.shape[:-1], self.out_features)
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or out.dtype != x.dtype:
+            got = (tuple(out.shape), out.dtype) if isinstance(out, torch.Tensor) else type(out)
+            raise ValueError(f"quant plugin {self.name!r}: apply() returned {got} for input "
+                             f"{tuple(x.shape)} {x.dtype}; expected shape {want} in {x.dtype}")
+        return out
+
+
+__all__ = ["PluginLinear"]

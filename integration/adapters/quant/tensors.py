@@ -1,0 +1,127 @@
+"""A quantised layer's tensors and the two opaque torch ops that compute with them; free of
+vLLM.
+
+``process_weights_after_loading`` keeps the tensors ``QuantMethod.quantize`` (or ``load``)
+returned on the layer as non-persistent buffers ``graft_<name>`` (:func:`install_tensors`);
+if none of them is the original weight (shares its storage), the weight is deleted so its
+memory is freed.
+
+The plugin's ``apply`` runs inside one opaque torch custom op,
+``torch.ops.vllm_graft.quant_linear`` (:func:`quant_linear_op`), so that vLLM's
+``torch.compile`` (the default without ``enforce_eager``) never traces plugin code: a plugin
+may use numpy, data-dependent Python or the Triton interpreter, its Python runs on every
+call, and its events are counted on every call. (Traced, a Python counter update would be
+baked into the graph at trace time and replayed wrongly, corrupting every plugin's counts.)
+The op's shape function says the output is ``[*x.shape[:-1], out]`` in ``x``'s dtype; the
+eager body checks the plugin keeps to that. The cost: the compiler cannot fuse across a
+plugin's linear layers. ``embedding()`` goes through a second opaque op,
+``vllm_graft::quant_embed`` (:func:`quant_embed_op`). Both ops find their linear method by
+key in :data:`_LINEAR`; they stay registered with torch (they cannot be removed).
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import weakref
+from typing import Any
+
+#: Buffer names of the kept tensors are ``graft_<name>``.
+BUFFER_PREFIX = "graft_"
+
+
+def check_quantized(tensors: Any, plugin: str) -> dict[str, Any]:
+    """Validate what ``QuantMethod.quantize`` returned: a non-empty dict of tensors with
+    identifier names (they become buffer names ``graft_<name>``)."""
+    import torch
+
+    if not isinstance(tensors, dict) or not tensors:
+        raise TypeError(f"quant plugin {plugin!r}: quantize() must return a non-empty dict of "
+                        f"tensors, got {type(tensors).__name__}")
+    for name, t in tensors.items():
+        if not (isinstance(name, str) and name.isidentifier()):
+            raise TypeError(f"quant plugin {plugin!r}: quantize() returned the key {name!r}; "
+                            "keys must be Python identifiers")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"quant plugin {plugin!r}: quantize() returned {type(t).__name__} "
+                            f"for {name!r}; values must be tensors")
+    return tensors
+
+
+def keeps_storage(tensors: dict[str, Any], weight: Any) -> bool:
+    """Whether any returned tensor is (a view of) ``weight``'s memory."""
+    ptr = weight.untyped_storage().data_ptr()
+    return any(t.untyped_storage().data_ptr() == ptr for t in tensors.values())
+
+
+def install_tensors(layer: Any, tensors: dict[str, Any]) -> None:
+    """Keep ``tensors`` on ``layer`` as non-persistent buffers ``graft_<name>`` and drop the
+    full-precision ``weight`` unless one of them still uses its memory."""
+    weight = layer.weight
+    keep = keeps_storage(tensors, weight)
+    for name, t in tensors.items():
+        layer.register_buffer(BUFFER_PREFIX + name, t, persistent=False)
+    layer.graft_tensor_names = tuple(tensors)
+    if not keep:
+        del layer.weight
+
+
+def layer_tensors(layer: Any) -> dict[str, Any]:
+    """The tensors ``install_tensors`` kept, read from the buffers (so a later ``.to()`` of
+    the model is followed)."""
+    buffers = layer._buffers
+    return {name: buffers[BUFFER_PREFIX + name] for name in layer.graft_tensor_names}
+
+
+#: Linear methods by key, for the custom op (weak: an engine's methods go with its model).
+_LINEAR: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+_keys = itertools.count()
+
+
+def register_linear(method: Any) -> int:
+    """Make ``method`` (``compute``, ``compute_embedding``, ``out_features``, ``in_features``,
+    ``params_dtype``) reachable by the ops; returns its key."""
+    key = next(_keys)
+    _LINEAR[key] = method
+    return key
+
+
+@functools.lru_cache(maxsize=1)
+def quant_linear_op() -> Any:
+    """``torch.ops.vllm_graft.quant_linear(x, tensors, bias, key)``: the linear method with
+    key ``key`` computes ``x`` with its plugin, from ``tensors`` (in its names' order).
+    Registered once per process."""
+    import torch
+
+    @torch.library.custom_op("vllm_graft::quant_linear", mutates_args=(),
+                             schema="(Tensor x, Tensor[] tensors, Tensor? bias, int key) -> Tensor")
+    def quant_linear(x, tensors, bias, key):
+        return _LINEAR[key].compute(x, tensors, bias)
+
+    @quant_linear.register_fake
+    def _(x, tensors, bias, key):
+        return x.new_empty((*x.shape[:-1], _LINEAR[key].out_features))
+
+    return quant_linear
+
+
+@functools.lru_cache(maxsize=1)
+def quant_embed_op() -> Any:
+    """``torch.ops.vllm_graft.quant_embed(ids, tensors, key)``: rows ``ids`` of the embedding
+    table that the method with key ``key`` stores as ``tensors`` (opaque, like quant_linear)."""
+    import torch
+
+    @torch.library.custom_op("vllm_graft::quant_embed", mutates_args=(),
+                             schema="(Tensor ids, Tensor[] tensors, int key) -> Tensor")
+    def quant_embed(ids, tensors, key):
+        return _LINEAR[key].compute_embedding(ids, tensors)
+
+    @quant_embed.register_fake
+    def _(ids, tensors, key):
+        m = _LINEAR[key]
+        return ids.new_empty((*ids.shape, m.in_features), dtype=m.params_dtype)
+
+    return quant_embed
+
+
+__all__ = ["BUFFER_PREFIX", "check_quantized", "keeps_storage", "install_tensors", "layer_tensors",
+           "register_linear", "quant_linear_op", "quant_embed_op"]
