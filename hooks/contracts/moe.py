@@ -1,9 +1,8 @@
 """The MoE contract: a scheduler that changes, decides or watches expert routing."""
 from __future__ import annotations
 
-from abc import abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING
 
 from ..kinds import Kind
 from .base import P, PluginImpl

@@ -2,14 +2,10 @@
 from __future__ import annotations
 
 from abc import abstractmethod
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 from ..kinds import Kind
 from .base import P, PluginImpl
-
-if TYPE_CHECKING:  # torch is only needed by implementations
-    import torch
 
 
 class Proposer(PluginImpl[P]):

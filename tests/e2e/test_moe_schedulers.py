@@ -180,7 +180,7 @@ def test_dynamic_topk_triton_kernel_in_the_engine_routes_as_the_reference(dynami
     import subprocess
     import sys
 
-    from vllm_graft.plugins.moe.route_trace.trace import Trace
+    from vllm_graft.plugins.moe.route_trace.reference import Trace
 
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}

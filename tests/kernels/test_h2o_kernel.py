@@ -29,8 +29,8 @@ def paged_case(dtype, seq_lens, q_lens, H=4, Hkv=2, D=32, B=16, seed=0):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 def test_decode_kernel_matches_the_reference(dtype, tol):
-    from vllm_graft.plugins.kvcompress.h2o.kernel import attention_with_mass
-    from vllm_graft.plugins.kvcompress.h2o.reference import paged_attention_with_mass
+    from vllm_graft.plugins.attention._shared import paged_attention_with_mass
+    from vllm_graft.plugins.kvcompress._shared.kernel import attention_with_mass
 
     # decode rows (one query each) of several lengths, a partial last block included,
     # plus a prefill row (which the launcher sends to the reference)
@@ -53,7 +53,7 @@ def test_decode_kernel_matches_the_reference(dtype, tol):
 
 def test_the_reference_is_plain_causal_attention():
     from vllm_graft.hooks import split_kv_cache
-    from vllm_graft.plugins.kvcompress.h2o.reference import paged_attention_with_mass
+    from vllm_graft.plugins.attention._shared import paged_attention_with_mass
 
     query, kv, batch, layer, observe = paged_case(torch.float32, [40], [6], B=16)
     out, mass = paged_attention_with_mass(query, kv, batch, layer, torch.ones(6, dtype=torch.bool))

@@ -15,8 +15,8 @@ from vllm_graft.plugins.attention.hydragen.policy import (
     kv_bytes_read,
     plan_prefixes,
 )
+from vllm_graft.plugins.attention._shared import paged_attention
 from vllm_graft.plugins.attention.hydragen.reference import Hydragen
-from vllm_graft.plugins.attention.noop.reference import paged_attention
 
 
 def random_tree_batch(rng: random.Random, block_size: int, max_seqs: int = 12):

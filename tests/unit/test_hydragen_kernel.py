@@ -12,9 +12,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from vllm_graft.plugins.attention.hydragen import HydragenParams  # noqa: E402
+from vllm_graft.plugins.attention.hydragen.policy import StepPlan  # noqa: E402
 from vllm_graft.plugins.attention.hydragen.reference import (  # noqa: E402
     Hydragen,
-    StepPlan,
     merge,
     prefix_attention,
     suffix_attention,

@@ -205,7 +205,7 @@ def test_kv4_bad_input_gets_clear_errors(registry, cpu_env, tmp_path):
 
 
 def test_the_salt_separates_kv4_from_plain_and_from_other_compositions():
-    from vllm_graft.integration.adapters.kvcompress.engine import cache_salt, composition_salt
+    from vllm_graft.integration.adapters.kvcompress.salt import cache_salt, composition_salt
 
     p = KV4Params()
     kv4 = composition_salt([("kv4", p, False)])

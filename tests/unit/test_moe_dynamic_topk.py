@@ -10,9 +10,7 @@ from pydantic import ValidationError
 from vllm_graft.hooks import MoEModel
 from vllm_graft.integration.adapters.moe.chain import MoEChain
 from vllm_graft.plugins.moe.dynamic_topk import Params
-from vllm_graft.plugins.moe.dynamic_topk.policy import Savings
-from vllm_graft.plugins.moe.dynamic_topk.reference import dynamic_topk
-from vllm_graft.plugins.moe.dynamic_topk.scheduler import DynamicTopK
+from vllm_graft.plugins.moe.dynamic_topk.reference import DynamicTopK, Savings, dynamic_topk
 from vllm_graft.plugins.moe.noop.reference import softmax_topk
 
 

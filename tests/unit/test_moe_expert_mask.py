@@ -12,8 +12,7 @@ from vllm_graft.integration.adapters.moe.chain import MoEChain
 from vllm_graft.plugins.moe.expert_mask import Params
 from vllm_graft.plugins.moe.expert_mask.policy import (
     ExpertMask, MaskError, activation_frequency, contrast, mask_from, most_distinctive)
-from vllm_graft.plugins.moe.expert_mask.reference import mask_logits
-from vllm_graft.plugins.moe.expert_mask.scheduler import ExpertMaskScheduler
+from vllm_graft.plugins.moe.expert_mask.reference import ExpertMaskScheduler, mask_logits
 from vllm_graft.plugins.moe.noop.reference import softmax_topk
 
 MODEL = MoEModel(num_layers=4, num_experts=8, top_k=2, model="tiny")

@@ -9,12 +9,13 @@ import pytest
 
 from vllm_graft.hooks import MoEModel
 from vllm_graft.plugins.moe.affinity_placement import Params as PlaceParams
+from vllm_graft.plugins.moe._shared import StepAssembler
 from vllm_graft.plugins.moe.affinity_placement import policy as P
 from vllm_graft.plugins.moe.affinity_placement.reference import AffinityPlacement
 from vllm_graft.plugins.moe.expert_cache import Params as CacheParams
 from vllm_graft.plugins.moe.expert_cache.policy import ExpertCache, sets_from_trace, simulate
 from vllm_graft.plugins.moe.expert_cache.reference import ExpertCacheScheduler
-from vllm_graft.plugins.moe.route_trace.trace import Recorder, StepAssembler, Trace, TraceError, concat
+from vllm_graft.plugins.moe.route_trace.reference import Recorder, Trace, TraceError, concat
 
 
 def random_trace(seed, L=4, E=8, k=2, steps=(5, 1, 1, 7, 1), sticky=0.7, zero_share=0.0):

@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from vllm_graft.hooks import AttentionLayer, PagedBatch, split_kv_cache  # noqa: E402
-from vllm_graft.plugins.attention.noop.reference import gather_kv, paged_attention  # noqa: E402
+from vllm_graft.plugins.attention._shared import gather_kv, paged_attention  # noqa: E402
 from vllm_graft.plugins.attention.squeezed import SqueezedParams  # noqa: E402
 from vllm_graft.plugins.attention.squeezed.policy import HEAD_MAP_FORMAT, budget, window_chunks  # noqa: E402
 from vllm_graft.plugins.attention.squeezed.reference import (  # noqa: E402

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from vllm_graft.hooks import AttentionLayer, PagedBatch, split_kv_cache
 
-from .reference import StepPlan, group_rows
+from .policy import StepPlan, group_rows
 
 
 @triton.jit

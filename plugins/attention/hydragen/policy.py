@@ -17,11 +17,18 @@ Invariant (checked by :func:`check_plan`): for every sequence, its groups cover 
 blocks ``[0, suffix_start)`` contiguously, one level after another, and the suffix covers
 ``[suffix_start * block_size, seq_len)``; so the partial attentions add up to attention over
 exactly the sequence's context.
+
+:class:`StepPlan` is what ``Hydragen.plan(batch)`` returns once per step: the batch as Python
+lists (read from its tensors once) and the tree, built on first use for a block size; the
+reference and the Triton launcher both read it (:func:`group_rows`), and the launcher keeps its
+per-step index tensors in ``StepPlan.cache``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
+
+from vllm_graft.hooks import PagedBatch
 
 
 @dataclass(frozen=True)
@@ -134,3 +141,38 @@ def kv_bytes_read(plan: PrefixPlan, seq_lens: Sequence[int], bytes_per_token: in
     shared = sum(len(g.blocks) for g in plan.groups) * plan.block_size
     own = sum(int(n) - plan.suffix_start[i] * plan.block_size for i, n in enumerate(seq_lens))
     return plain, (shared + own) * bytes_per_token
+
+
+class StepPlan:
+    """What ``plan(batch)`` returns: the batch in Python lists, the prefix tree built on first
+    use for the layer's block size (one per step; every layer shares it)."""
+
+    def __init__(self, batch: PagedBatch, min_group: int = 2, min_blocks: int = 1) -> None:
+        qsl = batch.query_start_loc.tolist()
+        self.seq_lens: list[int] = [int(n) for n in batch.seq_lens.tolist()]
+        self.q_lens: list[int] = [qsl[i + 1] - qsl[i] for i in range(len(self.seq_lens))]
+        self.query_start: list[int] = qsl
+        self._table = batch.block_table
+        self._rows: list[list[int]] | None = None
+        self._min_group, self._min_blocks = min_group, min_blocks
+        self._plans: dict[int, PrefixPlan] = {}
+        self.cache: dict[Any, Any] = {}  # per-step data of the Triton launcher
+
+    def prefixes(self, block_size: int) -> PrefixPlan:
+        plan = self._plans.get(block_size)
+        if plan is None:
+            if self._rows is None:
+                width = max((-(-n // block_size) for n in self.seq_lens), default=0)
+                self._rows = self._table[:, :width].tolist()
+            plan = plan_prefixes(self._rows, self.seq_lens, self.q_lens, block_size,
+                                 min_group=self._min_group, min_blocks=self._min_blocks)
+            self._plans[block_size] = plan
+        return plan
+
+
+def group_rows(plan: StepPlan, seqs: tuple[int, ...]) -> list[int]:
+    """Token rows of the new tokens of ``seqs``, in order."""
+    out: list[int] = []
+    for s in seqs:
+        out += range(plan.query_start[s], plan.query_start[s + 1])
+    return out

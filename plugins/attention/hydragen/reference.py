@@ -6,40 +6,11 @@ merge exactly: ``lse = logaddexp(lse_a, lse_b)``, ``o = o_a e^(lse_a-lse) + o_b 
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from vllm_graft.hooks import AttentionLayer, AttentionMethod, PagedBatch, split_kv_cache
 
-from .policy import PrefixPlan, plan_prefixes
-
-
-class StepPlan:
-    """What ``plan(batch)`` returns: the batch in Python lists, the prefix tree built on first
-    use for the layer's block size (one per step; every layer shares it)."""
-
-    def __init__(self, batch: PagedBatch, min_group: int = 2, min_blocks: int = 1) -> None:
-        qsl = batch.query_start_loc.tolist()
-        self.seq_lens: list[int] = [int(n) for n in batch.seq_lens.tolist()]
-        self.q_lens: list[int] = [qsl[i + 1] - qsl[i] for i in range(len(self.seq_lens))]
-        self.query_start: list[int] = qsl
-        self._table = batch.block_table
-        self._rows: list[list[int]] | None = None
-        self._min_group, self._min_blocks = min_group, min_blocks
-        self._plans: dict[int, PrefixPlan] = {}
-        self.cache: dict[Any, Any] = {}  # per-step data of the Triton launcher
-
-    def prefixes(self, block_size: int) -> PrefixPlan:
-        plan = self._plans.get(block_size)
-        if plan is None:
-            if self._rows is None:
-                width = max((-(-n // block_size) for n in self.seq_lens), default=0)
-                self._rows = self._table[:, :width].tolist()
-            plan = plan_prefixes(self._rows, self.seq_lens, self.q_lens, block_size,
-                                 min_group=self._min_group, min_blocks=self._min_blocks)
-            self._plans[block_size] = plan
-        return plan
+from .policy import StepPlan, group_rows
 
 
 def merge(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor):
@@ -101,14 +72,6 @@ def suffix_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_row: tor
     o, lse = _partial(q, k, v, layer.scale, mask)
     o = o.view(hkv, nq, g, -1).permute(1, 0, 2, 3).reshape(nq, hkv * g, -1)
     return o, lse.view(hkv, nq, g).permute(1, 0, 2).reshape(nq, hkv * g)
-
-
-def group_rows(plan: StepPlan, seqs: tuple[int, ...]) -> list[int]:
-    """Token rows of the new tokens of ``seqs``, in order."""
-    out: list[int] = []
-    for s in seqs:
-        out += range(plan.query_start[s], plan.query_start[s + 1])
-    return out
 
 
 def hydragen_attention(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,

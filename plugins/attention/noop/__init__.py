@@ -1,7 +1,8 @@
 """`noop` attention: plain causal attention over the paged KV cache, no changes.
 
 It exists so the attention path is exercised end to end before real methods land; its
-reference doubles as the oracle other attention plugins are compared with.
+reference is the attention kind's shared exact attention (``attention/_shared.py``), the
+oracle other attention plugins are compared with.
 """
 from vllm_graft.hooks import Capabilities, NoParams, Registration, hookimpl
 from vllm_graft.hooks.registry import ATTENTION_BACKEND_LIMITS

@@ -6,8 +6,11 @@
 * :func:`_sparse_decode_kernel`: one program per (decode token, KV head): attention over only the
   chunks listed for it (gathered through the block table), flash-style online softmax.
 
-The choice of chunks between the two (top-k over the scores plus the forced sink and window
-chunks) runs in PyTorch (:func:`.reference.chosen_chunks`), the same code as the reference path.
+:func:`chunk_scores_triton` and :func:`sparse_decode_triton` launch them. The choice of chunks
+between the two (top-k over the scores plus the forced sink and window chunks) and the prefill
+rows run in PyTorch, in ``reference.squeezed_attention_triton`` (the same code as the reference
+path), which imports this module when ``kernel: triton`` is chosen; this module imports nothing
+of the reference.
 """
 from __future__ import annotations
 
@@ -15,11 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_graft.hooks import AttentionLayer, PagedBatch, split_kv_cache
-from vllm_graft.plugins.attention.noop.reference import gather_kv
-
-from .reference import (causal_attention, choose, chosen_chunks, full_step, refresh_key, reuse_selection,
-                        scoring_heads, sparse_rows)
+from vllm_graft.hooks import split_kv_cache
 
 
 @triton.jit
@@ -138,57 +137,3 @@ def sparse_decode_triton(query, kv_cache, batch, layer, chunk, rows, seqs, lens,
         counts.stride(0), layer.scale, G=g, D=d, BLOCK_D=triton.next_power_of_2(d),
         BS=kv_cache.shape[2], CHUNK=chunk, TILE=max(16, chunk), BLOCK_G=max(16, triton.next_power_of_2(g)),
         PREC="ieee" if query.dtype == torch.float32 else None)
-
-
-def squeezed_attention_triton(m, query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
-                              layer: AttentionLayer) -> torch.Tensor:
-    p = m.params
-    if query.stride(-1) != 1:
-        query = query.contiguous()
-    out = torch.empty_like(query)
-    bs = kv_cache.shape[2]
-    hkv = layer.num_kv_heads
-    retrieval = m.retrieval(layer)
-    qsl = batch.query_start_loc.tolist()
-    rows, seqs, lens = [], [], []
-    for i, n in enumerate(batch.seq_lens.tolist()):
-        q0, q1 = qsl[i], qsl[i + 1]
-        if q1 - q0 == 1:
-            rows.append(q0)
-            seqs.append(i)
-            lens.append(n)
-        elif q1 > q0:  # prefill / chunked prefill: the PyTorch path
-            k, v = gather_kv(kv_cache, batch.block_table[i, : -(-n // bs)], n, layer.head_size)
-            if p.prefill == "sparse":
-                out[q0:q1] = sparse_rows(query[q0:q1], k, v, m, layer.scale, retrieval).to(query.dtype)
-            else:
-                out[q0:q1] = causal_attention(query[q0:q1], k, v, layer.scale).to(query.dtype)
-    if not rows:
-        return out
-    budgets = [m.budget(n) for n in lens]
-    need_scores = p.mode == "centroid" and any(not b.full for b in budgets)
-    scores = chunk_scores_triton(query, kv_cache, batch, layer, p.chunk, rows, seqs, lens) \
-        if need_scores else None
-    masks = []
-    k_cache, _ = split_kv_cache(kv_cache)
-    for r, (b, n) in enumerate(zip(budgets, lens)):
-        row = batch.block_table[seqs[r]]
-        key_at = lambda pos, row=row: k_cache[int(row[pos // bs]), 0, pos % bs].float()  # noqa: E731
-        mk = reuse_selection(m, layer, row, key_at, n, b, bs) if m.refreshing() else None
-        s = None
-        if mk is None:
-            if p.mode == "recycled" and not b.full:  # the full step's mass: PyTorch (reference)
-                k, _ = gather_kv(kv_cache, row[: -(-n // bs)], n, layer.head_size)
-                mk, s = choose(m, query[rows[r]], k, b, layer, retrieval)
-            else:
-                s = scores[r, :, :b.num_chunks] if scores is not None and not b.full else None
-                mk = chosen_chunks(s, b, p.mode, hkv, retrieval)
-            if m.refreshing() and (n - 1) % p.refresh == 0:
-                m.remember(refresh_key(layer, row, n - 1, bs), key_at(n - 1).clone(), mk)
-        if p.mode == "recycled" and s is not None:  # the full step itself attends to everything
-            mk = full_step(mk, retrieval)
-        masks.append(mk)
-        m.stats.add(n, hkv, int(mk.repeat_interleave(p.chunk, dim=1)[:, :n].sum()),
-                    b.num_chunks * scoring_heads(hkv, retrieval) if s is not None and p.mode == "centroid" else 0)
-    sparse_decode_triton(query, kv_cache, batch, layer, p.chunk, rows, seqs, lens, masks, out)
-    return out

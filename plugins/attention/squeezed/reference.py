@@ -7,7 +7,10 @@ recent window) and the best other chunks up to the budget are attended exactly. 
 scores the chunks instead by the attention probability they get in a full attention step (that
 token's output is then the full attention), every ``refresh`` positions; the tokens in between
 attend to those chunks plus the moving window. Sequences with
-several new tokens (prefill, chunked prefill) get full causal attention.
+several new tokens (prefill, chunked prefill) get full causal attention (the attention kind's
+shared exact attention). With ``kernel: triton``, :func:`squeezed_attention_triton` runs the
+decode rows' chunk scoring and sparse attention in the kernels of :mod:`.kernel` (imported
+there, when chosen) and everything else here.
 """
 from __future__ import annotations
 
@@ -17,9 +20,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vllm_graft.hooks import AttentionLayer, AttentionMethod, PagedBatch
-from vllm_graft.plugins.attention.noop.reference import gather_kv
+from vllm_graft.hooks import AttentionLayer, AttentionMethod, PagedBatch, split_kv_cache
 
+from .._shared import causal_attention, gather_kv
 from .policy import Budget, budget, load_head_map, window_chunks
 
 
@@ -105,18 +108,6 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_ma
     s = torch.einsum("hgd,nhd->hgn", qg, k.float()) * scale
     s = s.masked_fill(~token_mask[:, None, :], float("-inf"))
     return torch.einsum("hgn,nhd->hgd", s.softmax(-1), v.float()).reshape(-1, d)
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Full causal attention of the last ``len(q)`` positions: q [q, H, D], k/v [n, Hkv, D]."""
-    nq, h, d = q.shape
-    n, hkv = k.shape[0], k.shape[1]
-    kk = k.float().repeat_interleave(h // hkv, dim=1)
-    vv = v.float().repeat_interleave(h // hkv, dim=1)
-    s = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale
-    q_pos = torch.arange(n - nq, n, device=q.device).unsqueeze(1)
-    s = s.masked_fill(torch.arange(n, device=q.device).unsqueeze(0) > q_pos, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", s.softmax(-1), vv)
 
 
 def sparse_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: "Squeezed",
@@ -277,8 +268,6 @@ class Squeezed(AttentionMethod):
             raise ValueError(f"squeezed: chunk {self.params.chunk} must divide the KV block size "
                              f"{kv_cache.shape[2]}; set params.chunk to a divisor of it")
         if self.params.kernel == "triton":
-            from .kernel import squeezed_attention_triton
-
             return squeezed_attention_triton(self, query, kv_cache, batch, layer)
         return squeezed_attention(self, query, kv_cache, batch, layer)
 
@@ -343,4 +332,63 @@ def squeezed_attention(m: Squeezed, query: torch.Tensor, kv_cache: torch.Tensor,
         out[q0] = masked_attention(query[q0], k, v, mask, layer.scale).to(query.dtype)
         m.stats.add(n, hkv, int(mask.sum()), b.num_chunks * scoring_heads(hkv, retrieval)
                     if scores is not None and p.mode == "centroid" else 0)
+    return out
+
+
+def squeezed_attention_triton(m: Squeezed, query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
+                              layer: AttentionLayer) -> torch.Tensor:
+    """``kernel: triton``: the decode rows' chunk scores and sparse attention run in the Triton
+    kernels (:mod:`.kernel`); the choice of chunks between the two, and the prefill rows, run
+    in PyTorch, the same code as :func:`squeezed_attention`."""
+    from .kernel import chunk_scores_triton, sparse_decode_triton
+
+    p = m.params
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    out = torch.empty_like(query)
+    bs = kv_cache.shape[2]
+    hkv = layer.num_kv_heads
+    retrieval = m.retrieval(layer)
+    qsl = batch.query_start_loc.tolist()
+    rows, seqs, lens = [], [], []
+    for i, n in enumerate(batch.seq_lens.tolist()):
+        q0, q1 = qsl[i], qsl[i + 1]
+        if q1 - q0 == 1:
+            rows.append(q0)
+            seqs.append(i)
+            lens.append(n)
+        elif q1 > q0:  # prefill / chunked prefill: the PyTorch path
+            k, v = gather_kv(kv_cache, batch.block_table[i, : -(-n // bs)], n, layer.head_size)
+            if p.prefill == "sparse":
+                out[q0:q1] = sparse_rows(query[q0:q1], k, v, m, layer.scale, retrieval).to(query.dtype)
+            else:
+                out[q0:q1] = causal_attention(query[q0:q1], k, v, layer.scale).to(query.dtype)
+    if not rows:
+        return out
+    budgets = [m.budget(n) for n in lens]
+    need_scores = p.mode == "centroid" and any(not b.full for b in budgets)
+    scores = chunk_scores_triton(query, kv_cache, batch, layer, p.chunk, rows, seqs, lens) \
+        if need_scores else None
+    masks = []
+    k_cache, _ = split_kv_cache(kv_cache)
+    for r, (b, n) in enumerate(zip(budgets, lens)):
+        row = batch.block_table[seqs[r]]
+        key_at = lambda pos, row=row: k_cache[int(row[pos // bs]), 0, pos % bs].float()  # noqa: E731
+        mk = reuse_selection(m, layer, row, key_at, n, b, bs) if m.refreshing() else None
+        s = None
+        if mk is None:
+            if p.mode == "recycled" and not b.full:  # the full step's mass: PyTorch (reference)
+                k, _ = gather_kv(kv_cache, row[: -(-n // bs)], n, layer.head_size)
+                mk, s = choose(m, query[rows[r]], k, b, layer, retrieval)
+            else:
+                s = scores[r, :, :b.num_chunks] if scores is not None and not b.full else None
+                mk = chosen_chunks(s, b, p.mode, hkv, retrieval)
+            if m.refreshing() and (n - 1) % p.refresh == 0:
+                m.remember(refresh_key(layer, row, n - 1, bs), key_at(n - 1).clone(), mk)
+        if p.mode == "recycled" and s is not None:  # the full step itself attends to everything
+            mk = full_step(mk, retrieval)
+        masks.append(mk)
+        m.stats.add(n, hkv, int(mk.repeat_interleave(p.chunk, dim=1)[:, :n].sum()),
+                    b.num_chunks * scoring_heads(hkv, retrieval) if s is not None and p.mode == "centroid" else 0)
+    sparse_decode_triton(query, kv_cache, batch, layer, p.chunk, rows, seqs, lens, masks, out)
     return out

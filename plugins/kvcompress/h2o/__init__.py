@@ -7,8 +7,9 @@ heads and all layers: vLLM frees KV per block and per KV-cache group, not per la
 the sum's preference for old blocks.
 
 The attention mass comes from the layer's attention itself, which the worker runs through
-:func:`reference.paged_attention_with_mass` (``kernel: reference``) or the Triton decode
-kernel that also emits per-block mass (``kernel: triton``; prefill rows use the reference).
+``H2O.attend``, shared with ``snapkv`` (``kvcompress/_shared``): the exact attention with mass
+(``kernel: reference``) or the Triton decode kernel that also emits per-block mass
+(``kernel: triton``; prefill rows use the reference).
 """
 from typing import Literal
 

@@ -10,7 +10,8 @@ channels (low and high nibbles) are kept as two halves, so no interleave is need
 GQA: query head ``h`` reads KV head ``h // (H / H_kv)``.
 
 Float16 parameters are read as two bytes and bitcast (the page is ``uint8``). ``B`` and
-``D/2`` must be powers of two (tl.arange); the layout is :mod:`.reference`'s.
+``D/2`` must be powers of two (tl.arange); the layout is :mod:`.reference`'s (its offsets
+from :mod:`.layout`).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import triton.language as tl
 
 from vllm_graft.hooks import AttentionLayer, PagedBatch
 
-from .reference import _offsets
+from .layout import offsets
 
 
 @triton.jit
@@ -108,7 +109,7 @@ def paged_attention_kv4_triton(query: torch.Tensor, kv_cache: torch.Tensor, batc
     if not (_pow2(B) and _pow2(D // 2)):
         raise ValueError(f"kv4 triton kernel: block size {B} and head size / 2 ({D // 2}) must be powers "
                          "of two; use kernel: reference")
-    _, _, kp, ks = _offsets(D, B, value_group)
+    _, _, kp, ks = offsets(D, B, value_group)
     out = torch.zeros_like(query)
     qsl = batch.query_start_loc.long()
     q_lens = qsl[1:] - qsl[:-1]

@@ -1,5 +1,7 @@
 """kv4's page arithmetic, without torch (deployment validation reads it): the bytes one token
-of one KV head takes, and the shapes the layout cannot hold (see :mod:`.reference`)."""
+of one KV head takes, where each part of a token row starts, and the shapes the layout cannot
+hold (the layout is described in :mod:`.reference`; the reference and the Triton kernel both
+read it from here)."""
 from __future__ import annotations
 
 
@@ -22,3 +24,8 @@ def unsupported(head_size: int, block_size: int, value_group: int) -> str | None
                 f"scales ({4 * D} bytes) must split evenly over its {B} token rows; use a block size "
                 f"that divides {2 * D} (e.g. 16 or 32)")
     return None
+
+
+def offsets(D: int, B: int, G: int) -> tuple[int, int, int, int]:
+    """(value-code offset, value-param offset, key-param offset, key-param bytes per row)."""
+    return D // 2, D, D + 4 * (D // G), (4 * D) // B

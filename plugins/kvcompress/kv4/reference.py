@@ -42,18 +42,14 @@ from __future__ import annotations
 import torch
 
 from vllm_graft.hooks import AttentionLayer, PagedBatch
+from vllm_graft.plugins.attention._shared import causal_attention, flat_blocks, paged_attention_with_mass
 
-from .layout import bytes_per_token, unsupported  # noqa: F401 (re-exported)
+from .layout import bytes_per_token, offsets, unsupported
 
 LEVELS = 15  # uint4 codes 0..15
 
 
 # --------------------------------------------------------------------------- the format
-def _offsets(D: int, B: int, G: int) -> tuple[int, int, int, int]:
-    """(value-code offset, value-param offset, key-param offset, key-param bytes per row)."""
-    return D // 2, D, D + 4 * (D // G), (4 * D) // B
-
-
 def pack4(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes ``[..., D]`` (0..15) -> bytes ``[..., D/2]``: channel 2j low nibble, 2j+1 high."""
     c = codes.to(torch.uint8)
@@ -112,7 +108,7 @@ def key_params(rows: torch.Tensor, kp: int, KS: int) -> tuple[torch.Tensor, torc
 
 def dequantize_keys(rows: torch.Tensor, D: int, B: int, G: int) -> torch.Tensor:
     """Keys ``[..., B, D]`` (float32) of blocks ``rows [..., B, C]``."""
-    _, _, kp, KS = _offsets(D, B, G)
+    _, _, kp, KS = offsets(D, B, G)
     scale, mn = key_params(rows, kp, KS)
     codes = unpack4(rows[..., : D // 2]).float()
     return mn.float()[..., None, :] + codes * scale.float()[..., None, :]
@@ -120,7 +116,7 @@ def dequantize_keys(rows: torch.Tensor, D: int, B: int, G: int) -> torch.Tensor:
 
 def dequantize_block_rows(rows: torch.Tensor, D: int, B: int, G: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(keys, values) ``[..., B, D]`` float32 of whole blocks ``rows [..., B, C]``."""
-    vo, vp, kp, _ = _offsets(D, B, G)
+    vo, vp, kp, _ = offsets(D, B, G)
     k = dequantize_keys(rows, D, B, G)
     v = dequantize_values(rows[..., vo:vp], rows[..., vp:kp], G)
     return k, v
@@ -134,7 +130,7 @@ def write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_m
     N, H, B, C = kv_cache.shape
     D = key.shape[-1]
     G = value_group
-    vo, vp, kp, KS = _offsets(D, B, G)
+    vo, vp, kp, KS = offsets(D, B, G)
     if C != bytes_per_token(D, B, G):
         raise ValueError(f"kv4: cache rows of {C} bytes, expected {bytes_per_token(D, B, G)} "
                          f"for head size {D}, block size {B}, value group {G}")
@@ -190,7 +186,8 @@ def paged_attention_kv4(query: torch.Tensor, kv_cache: torch.Tensor, batch: Page
 
     Without ``observe`` (the CPU path of every step), the decode rows (one query each) are
     computed together, as one batched attention over their dequantised blocks; rows with
-    several queries (prefill chunks) one by one."""
+    several queries (prefill chunks) one by one, by the attention kind's shared exact attention
+    (which, with ``observe``, also gives the mass)."""
     if observe is not None:
         return _attention_with_mass(query, kv_cache, batch, layer, value_group, observe)
     T, H, D = query.shape
@@ -220,27 +217,19 @@ def paged_attention_kv4(query: torch.Tensor, kv_cache: torch.Tensor, batch: Page
         L = lens[i]
         if q1 - q0 <= 1 or L <= 0:
             continue
-        n = q1 - q0
         nbi = -(-L // B)
         k, v = dequantize_block_rows(kv_cache[batch.block_table[i, :nbi].long()], D, B, value_group)
-        k = k.permute(1, 0, 2, 3).reshape(Hkv, nbi * B, D)[:, :L]
-        v = v.permute(1, 0, 2, 3).reshape(Hkv, nbi * B, D)[:, :L]
-        q = query[q0:q1].float().view(n, Hkv, group, D).permute(1, 2, 0, 3).reshape(Hkv, group * n, D)
-        s = torch.matmul(q, k.transpose(-1, -2)) * layer.scale  # [Hkv, group*n, L]
-        pos = torch.arange(L - n, L, device=query.device).repeat(group)  # row (j, t) -> position
-        s = s.masked_fill(torch.arange(L, device=query.device)[None, None, :] > pos[None, :, None], float("-inf"))
-        o = torch.matmul(torch.softmax(s, dim=-1), v)  # [Hkv, group*n, D]
-        out[q0:q1] = o.view(Hkv, group, n, D).permute(2, 0, 1, 3).reshape(n, H, D).to(out.dtype)
+        out[q0:q1] = causal_attention(query[q0:q1], flat_blocks(k, L), flat_blocks(v, L),
+                                      layer.scale).to(out.dtype)
     return out, None
 
 
 def _attention_with_mass(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
                          layer: AttentionLayer, value_group: int,
                          observe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`paged_attention_kv4` with the attention mass: H2O's reference attention with
-    mass, reading the blocks through this format's dequantisation."""
-    from ..h2o.reference import paged_attention_with_mass
-
+    """:func:`paged_attention_kv4` with the attention mass: the shared exact attention with
+    mass (the scored compressors' reference), reading the blocks through this format's
+    dequantisation."""
     D, B = query.shape[2], kv_cache.shape[2]
     return paged_attention_with_mass(
         query, kv_cache, batch, layer, observe,

@@ -1,10 +1,11 @@
-"""SnapKV at block granularity (see ``__init__``); attention and mass as H2O's."""
+"""SnapKV at block granularity (see ``__init__``); attention and mass as H2O's (the scored
+compressors' shared ``attend``, ``kvcompress/_shared``)."""
 from __future__ import annotations
 
 from vllm_graft.hooks import BlockView, KVCompressor
 
-from ..h2o.reference import H2O
-from ..streaming.policy import top_blocks, with_pinned
+from .._shared import reference as scored
+from .._shared.policy import top_blocks, with_pinned
 
 
 class SnapKV(KVCompressor):
@@ -31,7 +32,8 @@ class SnapKV(KVCompressor):
                       and view.scores[i] != float("-inf")]
         return with_pinned(fixed | top_blocks(view.scores, candidates, room), view.pinned)
 
-    attend = H2O.attend
+    def attend(self, query, kv_cache, batch, layer, observe):
+        return scored.attend(self.params.kernel, query, kv_cache, batch, layer, observe)
 
     def describe(self):
         return self.params.model_dump()

@@ -1,7 +1,7 @@
 """StreamingLLM at block granularity: sinks + recent window (see ``__init__``)."""
 from vllm_graft.hooks import BlockView, KVCompressor
 
-from .policy import sink_window, with_pinned
+from .._shared.policy import sink_window, with_pinned
 
 
 class Streaming(KVCompressor):

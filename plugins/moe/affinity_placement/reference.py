@@ -7,7 +7,7 @@ import numpy as np
 
 from vllm_graft.hooks import MoEModel, MoEScheduler
 
-from ..route_trace.trace import StepAssembler
+from .._shared import StepAssembler
 from .policy import Placement, linear, round_robin, solve, volume
 
 

@@ -1,6 +1,6 @@
 """`dynamic-topk` MoE scheduler (MC-MoE online pruning): tokens whose routing is confident
-activate fewer experts (never fewer than ``min_k`` >= 1). See ``reference.py`` for the rule,
-``kernel.py`` for the fused Triton routing kernel.
+activate fewer experts (never fewer than ``min_k`` >= 1). See ``reference.py`` for the rule and
+the scheduler, ``kernel.py`` for the fused Triton routing kernel.
 
 What it saves in vLLM's CPU engine: the *logical* expert evaluations (reported as
 ``saved_share``). vLLM's layer takes ``[T, top_k]`` routing, so a pruned slot is passed as
@@ -34,6 +34,6 @@ def graft_register_moe_schedulers(register):
         summary="Confident tokens (top-expert share or low router entropy) activate fewer experts",
         paper="MC-MoE: mixture compressor for MoE LLMs (online dynamic pruning of activated experts)",
         params=Params,
-        impl="vllm_graft.plugins.moe.dynamic_topk.scheduler:DynamicTopK",
+        impl="vllm_graft.plugins.moe.dynamic_topk.reference:DynamicTopK",
         capabilities=Capabilities(lossless=False, dtypes=("float32", "float16", "bfloat16")),
     ))

@@ -222,7 +222,7 @@ def simulate(token_sets: Sequence[Sequence[Sequence[int]]], num_experts: int, ca
 
 
 def sets_from_trace(trace) -> list[list[list[int]]]:
-    """A :class:`~vllm_graft.plugins.moe.route_trace.trace.Trace` as ``[token][layer] -> experts``
+    """A :class:`~vllm_graft.plugins.moe.route_trace.reference.Trace` as ``[token][layer] -> experts``
     (slots of weight 0 excluded)."""
     act = trace.active()
     ids = trace.ids

@@ -5,7 +5,7 @@ from typing import Any
 
 from vllm_graft.hooks import MoEModel, MoEScheduler
 
-from ..route_trace.trace import StepAssembler
+from .._shared import StepAssembler
 from .policy import ExpertCache
 
 

@@ -9,8 +9,6 @@ top-k forced on) is checked at activation, when the model's layers, ``E`` and to
 """
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from vllm_graft.hooks import Capabilities, Registration, hookimpl
@@ -63,7 +61,7 @@ def graft_register_moe_schedulers(register):
         summary="Switches experts off / forces them on per layer by masking router logits before top-k",
         paper="MoTE (tunable experts): detect behaviour-distinctive experts, mask them in the router",
         params=Params,
-        impl="vllm_graft.plugins.moe.expert_mask.scheduler:ExpertMaskScheduler",
+        impl="vllm_graft.plugins.moe.expert_mask.reference:ExpertMaskScheduler",
         capabilities=Capabilities(lossless=False),
     ))
 

@@ -1,5 +1,5 @@
 """`route-trace` MoE scheduler: records every MoE layer's routing (top-k ids and weights)
-into a :class:`~.trace.Trace` (an ``observe`` step; changes nothing).
+into a :class:`~.reference.Trace` (an ``observe`` step; changes nothing).
 
 Put it last in the ``moe:`` list to record what the layers compute with after every other
 plugin. ``path``: where the trace is written when the process exits (and by ``save()``);

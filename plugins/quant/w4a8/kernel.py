@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import quantize_activations
+from .._shared import quantize_activations
 
 
 @triton.jit

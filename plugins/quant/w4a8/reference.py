@@ -17,6 +17,8 @@ import torch
 
 from vllm_graft.hooks import QuantMethod, StoredTensor
 
+from .._shared import quantize_activations
+
 PROTECT = 119  # first-level range: leaves room for the second level's rounding within int8
 
 
@@ -53,13 +55,6 @@ def int8_weight(t: dict[str, torch.Tensor], group_size: int) -> torch.Tensor:
     zero = t["group_zero"].to(torch.int32)[:, g]
     mult = t["group_mult"].to(torch.int32)[:, g]
     return ((q4 - zero) * mult).clamp(-128, 127)
-
-
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per token (row): ``(int8 values, fp32 step [M, 1])``."""
-    x = x.float()
-    s = (x.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-8)
-    return torch.round(x / s).clamp(-127, 127).to(torch.int8), s
 
 
 def emulate(x: torch.Tensor, t: dict[str, torch.Tensor], group_size: int) -> torch.Tensor:

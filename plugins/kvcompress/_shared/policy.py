@@ -1,4 +1,4 @@
-"""Pure-Python block planners shared by the eviction compressors (no tensors)."""
+"""Pure-Python block planners shared by the eviction compressors (streaming, h2o, snapkv; no tensors)."""
 from __future__ import annotations
 
 from typing import Iterable, Sequence

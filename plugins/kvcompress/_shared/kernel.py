@@ -1,10 +1,12 @@
-"""Triton decode attention over a paged KV cache that also emits per-block attention mass.
+"""Triton decode attention over a paged KV cache that also emits per-block attention mass
+(``kernel: triton`` of the scored compressors, ``h2o`` and ``snapkv``).
 
 One program per (sequence, query head): the sequence's single query (decode) walks the
 blocks of its block-table row, keeping the online-softmax state (running max ``m``, sum
 ``l``, accumulator) and storing each block's own max and exp-sum; a second walk turns those
 into the block's share of the final softmax, ``l_b * exp(m_b - m) / l``. Rows with more than
-one query (prefill chunks) go through the reference.
+one query (prefill chunks) go through the reference (the attention kind's shared exact
+attention with mass).
 
 Shapes and strides: query ``[T, H, D]``; key/value caches ``[num_blocks, H_kv, B, D]``
 (views of vLLM's ``[num_blocks, H_kv, B, 2*D]`` per :func:`split_kv_cache`); block table
@@ -18,6 +20,7 @@ import triton
 import triton.language as tl
 
 from vllm_graft.hooks import AttentionLayer, PagedBatch, split_kv_cache
+from vllm_graft.plugins.attention._shared import paged_attention_with_mass
 
 
 @triton.jit
@@ -99,8 +102,6 @@ def attention_with_mass(query: torch.Tensor, kv_cache: torch.Tensor, batch: Page
                         layer: AttentionLayer, observe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``KVCompressor.attend`` with the Triton kernel for decode rows (one query) and the
     reference for the others."""
-    from .reference import paged_attention_with_mass
-
     qsl = batch.query_start_loc
     qlen = (qsl[1:] - qsl[:-1]).long()
     decode = (qlen == 1) & (batch.seq_lens > 0)

@@ -1,0 +1,126 @@
+"""Exact causal attention over a paged KV cache, in PyTorch (slow, exact): the one
+implementation that the attention plugins (``noop``, ``squeezed``'s prefill rows), the scored KV
+compressors (``h2o``/``snapkv``'s attention with mass, ``kv4``'s prefill rows and its attention
+with mass) and the graft attention backend (when no attention plugin is enabled) all call.
+
+* :func:`gather_kv`: one sequence's keys and values ``[seq_len, H_kv, D]`` from the cache
+  (:func:`flat_blocks` for blocks read otherwise, e.g. dequantised);
+* :func:`causal_attention`: the last ``len(q)`` positions of a context attending causally
+  (GQA: query head ``h`` reads KV head ``h // (H / H_kv)``), in float32;
+* :func:`paged_attention` / :func:`paged_attention_with_mass`: every sequence of a
+  :class:`~vllm_graft.hooks.PagedBatch`; the latter also returns the softmax probability the
+  observed queries put on each block (``KVCompressor.attend``);
+* :class:`PagedAttention`: the same as an ``AttentionMethod`` (the ``noop`` plugin's).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from vllm_graft.hooks import AttentionLayer, AttentionMethod, PagedBatch, split_kv_cache
+
+#: ``gather(block_ids)``: the keys and values ``[nb, H_kv, B, D]`` each of those blocks
+Gather = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _cache_gather(kv_cache: torch.Tensor) -> Gather:
+    """Blocks read from the layout of ``split_kv_cache``."""
+    k_cache, v_cache = split_kv_cache(kv_cache)  # [N, H_kv, B, D] each
+
+    def gather(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return k_cache[ids], v_cache[ids]
+
+    return gather
+
+
+def flat_blocks(blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``[nb, H_kv, B, D]`` -> the first ``seq_len`` tokens ``[seq_len, H_kv, D]``."""
+    return blocks.permute(0, 2, 1, 3).reshape(-1, blocks.shape[1], blocks.shape[3])[:seq_len]
+
+
+def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, head_size: int):
+    """K, V ``[seq_len, H_kv, D]`` of one sequence from ``kv_cache [N, H_kv, B, 2D]``."""
+    k, v = _cache_gather(kv_cache)(block_ids.long())
+    return flat_blocks(k, seq_len), flat_blocks(v, seq_len)
+
+
+def causal_probs(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax probabilities ``[H, q, n]`` (float32) of the last ``len(q)`` positions ``q [q, H, D]``
+    over their causal context ``k [n, H_kv, D]``."""
+    nq, h, _ = q.shape
+    n, hkv = k.shape[0], k.shape[1]
+    kk = k.float().repeat_interleave(h // hkv, dim=1)  # [n, H, D]
+    s = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale
+    q_pos = torch.arange(n - nq, n, device=q.device).unsqueeze(1)  # absolute positions of the queries
+    s = s.masked_fill(torch.arange(n, device=q.device).unsqueeze(0) > q_pos, float("-inf"))  # future keys
+    return s.softmax(-1)
+
+
+def attend_probs(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Output ``[q, H, D]`` (float32) of probabilities ``p [H, q, n]`` over values ``v [n, H_kv, D]``."""
+    vv = v.float().repeat_interleave(p.shape[0] // v.shape[1], dim=1)
+    return torch.einsum("hqk,khd->qhd", p, vv)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Full causal attention of the last ``len(q)`` positions: ``q [q, H, D]``, ``k``/``v``
+    ``[n, H_kv, D]`` -> ``[q, H, D]`` float32."""
+    return attend_probs(causal_probs(q, k, scale), v)
+
+
+def _paged(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, layer: AttentionLayer,
+           observe: torch.Tensor | None, gather: Gather | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every sequence of ``batch``: ``(out [T, H, D], mass [num_seqs, max_blocks] or None)``."""
+    B = kv_cache.shape[2]
+    gather = gather or _cache_gather(kv_cache)
+    qsl = batch.query_start_loc.tolist()
+    lens = batch.seq_lens.tolist()
+    out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
+    mass = None if observe is None else torch.zeros(
+        len(lens), batch.block_table.shape[1], dtype=torch.float32, device=query.device)
+    for i, L in enumerate(lens):
+        q0, q1 = qsl[i], qsl[i + 1]
+        if q1 <= q0 or L <= 0:
+            continue
+        nb = -(-L // B)
+        k, v = gather(batch.block_table[i, :nb].long())
+        p = causal_probs(query[q0:q1], flat_blocks(k, L), layer.scale)  # [H, q, L]
+        out[q0:q1] = attend_probs(p, flat_blocks(v, L)).to(query.dtype)
+        if mass is not None:
+            per_key = torch.einsum("hqk,q->k", p, observe[q0:q1].to(p.dtype))
+            padded = torch.zeros(nb * B, dtype=torch.float32, device=query.device)
+            padded[:L] = per_key
+            mass[i, :nb] = padded.view(nb, B).sum(-1)
+    return out, mass
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
+                    layer: AttentionLayer, gather: Gather | None = None) -> torch.Tensor:
+    """Causal attention ``[T, H, D]`` of ``query [T, H, D]`` over the paged cache.
+
+    Sequence i's queries are rows ``query_start_loc[i]:query_start_loc[i+1]``, the last ``q``
+    of its ``seq_lens[i]`` positions; its keys are the first ``seq_lens[i]`` slots of the
+    blocks ``block_table[i]``. Computed in float32. ``gather(block_ids)`` gives those blocks'
+    keys and values ``[nb, H_kv, B, D]`` each (default: read from the layout of
+    ``split_kv_cache``; a storage format such as ``kv4`` passes its dequantisation)."""
+    return _paged(query, kv_cache, batch, layer, None, gather)[0]
+
+
+def paged_attention_with_mass(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
+                              layer: AttentionLayer, observe: torch.Tensor, gather: Gather | None = None,
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`paged_attention` and ``mass [num_seqs, max_blocks]`` (see ``KVCompressor.attend``):
+    the softmax probability the observed queries (``observe [T]`` bool) put on each
+    block-table column, summed over heads and those queries."""
+    out, mass = _paged(query, kv_cache, batch, layer, observe, gather)
+    assert mass is not None
+    return out, mass
+
+
+class PagedAttention(AttentionMethod):
+    """Exact causal attention over the paged KV cache (the ``noop`` attention plugin; the graft
+    backend's attention when no attention plugin is enabled)."""
+
+    def forward(self, query, kv_cache, batch, layer, plan=None):
+        return paged_attention(query, kv_cache, batch, layer)

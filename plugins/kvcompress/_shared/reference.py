@@ -1,0 +1,24 @@
+"""``KVCompressor.attend`` of the scored compressors (``h2o``, ``snapkv``): the layer's exact
+attention and the softmax mass the observed queries put on each block.
+
+``kernel: reference`` runs the attention kind's shared exact attention with mass (the oracle
+and the CPU path); ``kernel: triton`` the decode kernel of :mod:`.kernel` (imported here, only
+when chosen, so Triton is imported after ``TRITON_INTERPRET`` is set), which sends the rows with
+several queries to the same reference.
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_graft.hooks import AttentionLayer, PagedBatch
+from vllm_graft.plugins.attention._shared import paged_attention_with_mass
+
+
+def attend(kernel: str, query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
+           layer: AttentionLayer, observe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [T, H, D], mass [num_seqs, max_blocks])`` by the path ``kernel`` names."""
+    if kernel == "triton":
+        from .kernel import attention_with_mass
+
+        return attention_with_mass(query, kv_cache, batch, layer, observe)
+    return paged_attention_with_mass(query, kv_cache, batch, layer, observe)
