@@ -13,7 +13,7 @@ from typing import Any
 
 from vllm_graft.hooks import Kind
 
-from vllm_graft.kit.conformance.checks import ConformanceError, Skipped, Target
+from vllm_graft.kit.conformance.base import ConformanceError, Skipped, Target
 
 #: Short code prompts (no near-tie greedy step on the bundled models; see tests/e2e/test_models.py).
 PROMPTS = [

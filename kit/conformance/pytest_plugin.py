@@ -75,7 +75,7 @@ def pytest_generate_tests(metafunc: Any) -> None:
 @pytest.fixture
 def graft_check(request: Any):
     """A callable running one conformance check (see the kit's package docstring)."""
-    from vllm_graft.kit.conformance.checks import Skipped
+    from vllm_graft.kit.conformance.base import Skipped
 
     case: _Case = request.param
     if case.check.engine and request.config.getoption("--graft-no-engine"):

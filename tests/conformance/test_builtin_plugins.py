@@ -1,5 +1,5 @@
 """Every plugin vllm-graft registers passes the conformance kit it ships (see
-vllm_graft/integration/conformance): registration, parameters, the kind's contract on
+vllm_graft/kit/conformance): registration, parameters, the kind's contract on
 generated inputs, Triton-vs-reference parity, released state, and the engine run."""
 import pytest
 

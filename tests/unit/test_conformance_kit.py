@@ -21,7 +21,7 @@ from vllm_graft.hooks import (
 )
 from vllm_graft.hooks.registry import Entry, Source
 from vllm_graft.kit.conformance import checks as c
-from vllm_graft.plugins.attention.noop.reference import paged_attention
+from vllm_graft.plugins.attention._shared import paged_attention
 
 
 def target(kind, cls, *, params=NoParams, lossless=True, values=None, **caps):

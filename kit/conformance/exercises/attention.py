@@ -1,0 +1,116 @@
+"""The kit's attention exercise: paged batches (one prefill, ragged decodes, a chunked-prefill
+continuation) over GQA shapes, checked against the kit's own float64 oracle
+(:func:`exact_attention`, also the oracle of the KV storage-format exercise).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_graft.hooks import AttentionLayer, PagedBatch
+from vllm_graft.kit.conformance.base import (
+    Skipped,
+    Target,
+    max_err,
+    tolerance,
+    torch_dtype,
+    torch_module,
+)
+
+ATTENTION_SHAPES = [  # (heads, kv heads, head size, block size)
+    (4, 2, 64, 16),
+    (4, 4, 128, 32),
+    (8, 2, 64, 32),
+]
+#: Per sequence (tokens in the cache including the new ones, new tokens): one prefill,
+#: decodes of ragged lengths, a chunked-prefill continuation.
+ATTENTION_SEQS = [(7, 7), (40, 1), (19, 3), (33, 1)]
+
+
+def attention_case(shape: tuple[int, int, int, int], dtype: str, seed: int):
+    torch = torch_module()
+    h, hkv, d, bs = shape
+    g = torch.Generator().manual_seed(seed)
+    needed = [-(-n // bs) for n, _ in ATTENTION_SEQS]
+    num_blocks = sum(needed) + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    width = max(needed) + 1
+    table = torch.zeros(len(ATTENTION_SEQS), width, dtype=torch.int32)
+    at = 0
+    for i, k in enumerate(needed):
+        table[i, :k] = torch.tensor(perm[at:at + k], dtype=torch.int32)
+        # the unused tail points at real (other sequences') blocks: a method that reads
+        # past seq_len gets wrong numbers, not zeros
+        table[i, k:] = torch.tensor(perm[:width - k], dtype=torch.int32)
+        at += k
+    qsl = [0]
+    for _, q in ATTENTION_SEQS:
+        qsl.append(qsl[-1] + q)
+    batch = PagedBatch(query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+                       seq_lens=torch.tensor([n for n, _ in ATTENTION_SEQS], dtype=torch.int32),
+                       block_table=table)
+    dt = torch_dtype(dtype)
+    kv = torch.randn(num_blocks, hkv, bs, 2 * d, generator=g).to(dt)
+    q = torch.randn(qsl[-1], h, d, generator=g).to(dt)
+    layer = AttentionLayer(num_heads=h, num_kv_heads=hkv, head_size=d, scale=d ** -0.5, block_size=bs)
+    return q, kv, batch, layer
+
+
+def exact_attention(q, kv, batch: PagedBatch, layer: AttentionLayer):
+    """The kit's own oracle: token-by-token gather of the paged cache (per block and head,
+    ``block_size`` keys then ``block_size`` values), causal softmax in float64."""
+    torch = torch_module()
+    bs, d = layer.block_size, layer.head_size
+    flat = kv.reshape(kv.shape[0], kv.shape[1], 2 * bs * d)  # per block and KV head
+
+    def token(i: int, p: int, which: int):  # which 0: key, 1: value
+        start = (which * bs + p % bs) * d
+        return flat[int(batch.block_table[i, p // bs]), :, start:start + d]
+
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for i in range(batch.seq_lens.numel()):
+        n = int(batch.seq_lens[i])
+        q0, q1 = int(batch.query_start_loc[i]), int(batch.query_start_loc[i + 1])
+        keys = torch.stack([token(i, p, 0) for p in range(n)])
+        vals = torch.stack([token(i, p, 1) for p in range(n)])
+        keys, vals = keys.double(), vals.double()  # [n, Hkv, D]
+        for r in range(q1 - q0):
+            pos = n - (q1 - q0) + r  # the query's own position: it sees keys 0..pos
+            for hh in range(layer.num_heads):
+                kvh = hh // (layer.num_heads // layer.num_kv_heads)
+                s = keys[: pos + 1, kvh] @ q[q0 + r, hh].double() * layer.scale
+                out[q0 + r, hh] = torch.softmax(s, 0) @ vals[: pos + 1, kvh]
+    return out
+
+
+def exercise_attention(t: Target, impl: Any, dtype: str, rules: bool) -> list[tuple[str, Any]]:
+    torch = torch_module()
+    results = []
+    lossless = t.entry.registration.capabilities.lossless
+    sizes = t.entry.registration.capabilities.head_sizes
+    for j, shape in enumerate(ATTENTION_SHAPES):
+        if sizes is not None and shape[2] not in sizes:
+            continue
+        q, kv, batch, layer = attention_case(shape, dtype, seed=100 + j)
+        kv_before, q_before = kv.clone(), q.clone()
+        plan = impl.plan(batch)
+        out = impl.forward(q, kv, batch, layer, plan)
+        label = f"H={shape[0]} Hkv={shape[1]} D={shape[2]} block={shape[3]} {dtype}"
+        if rules:
+            if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype:
+                raise t.fail(f"forward returned {getattr(out, 'shape', out)} "
+                             f"{getattr(out, 'dtype', '')} for query {tuple(q.shape)} {q.dtype} "
+                             f"({label}); it must return [T, H, D] in the query's dtype")
+            if not torch.isfinite(out).all():
+                raise t.fail(f"forward returned non-finite values ({label})")
+            if not (torch.equal(kv, kv_before) and torch.equal(q, q_before)):
+                raise t.fail(f"forward modified its query or KV cache in place ({label})")
+            if lossless:
+                err = max_err(out, exact_attention(q, kv, batch, layer))
+                if err > tolerance(dtype) * 10:
+                    raise t.fail(f"declared lossless, but its output differs from exact causal "
+                                 f"attention by {err:.3g} ({label})")
+                label += f" max|err| vs exact {err:.2e}"
+        results.append((label, out))
+    if not results:
+        raise Skipped(f"declares head sizes {sizes}; the kit generates {sorted({s[2] for s in ATTENTION_SHAPES})}")
+    return results

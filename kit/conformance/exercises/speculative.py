@@ -1,0 +1,102 @@
+"""The kit's speculative exercise (simulated requests with repetitive 'target model'
+continuations, drafts accepted as a verifier would) and the ``state`` check: a proposer
+holds nothing of a request after ``finish()``.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from vllm_graft.kit.conformance.base import Target, build
+
+SPEC_REQUESTS = 6
+SPEC_STEPS = 25
+SPEC_VOCAB = 64
+
+
+def _truth(r: int, length: int) -> list[int]:
+    """Request r's 'target model' continuation: a repetitive sequence (drafts can hit)."""
+    rnd = random.Random(r)
+    motif = [rnd.randrange(SPEC_VOCAB) for _ in range(3 + r % 4)]
+    return [motif[i % len(motif)] if rnd.random() > 0.15 else rnd.randrange(SPEC_VOCAB)
+            for i in range(length)]
+
+
+def request_id(r: int) -> str:
+    return f"graft-conformance-req-{r}"
+
+
+def exercise_speculative(t: Target, impl: Any, dtype: str, rules: bool) -> list[tuple[str, Any]]:
+    import numpy as np
+
+    results = []
+    topk = int(getattr(impl, "topk", 0) or 0)
+    for r in range(SPEC_REQUESTS):
+        rid = request_id(r)
+        truth = _truth(r, 40 + SPEC_STEPS * 6)
+        tokens = truth[:40]
+        drafts_seen = []
+        rnd = random.Random(1000 + r)
+        for _ in range(SPEC_STEPS):
+            max_tokens = 4
+            impl.begin_step(1, 1 + (len(drafts_seen[-1]) if drafts_seen else 0))
+            drafts = impl.propose(rid, list(tokens), max_tokens)
+            try:
+                drafts = [int(x) for x in drafts]
+            except (TypeError, ValueError):
+                raise t.fail(f"propose() returned {drafts!r}; it must return a list of token ids") from None
+            if rules and (len(drafts) > max_tokens or any(x < 0 for x in drafts)):
+                raise t.fail(f"propose() returned {drafts} for max_tokens={max_tokens}: at most "
+                             "max_tokens non-negative token ids")
+            drafts = drafts[:max_tokens]
+            nxt = truth[len(tokens):len(tokens) + len(drafts) + 1]
+            acc = 0
+            while acc < len(drafts) and drafts[acc] == nxt[acc]:
+                acc += 1
+            if topk > 0:  # what the target predicted at each computed position (row 0: the true next)
+                positions = [tokens[-1], *drafts]
+                rows = [[truth[len(tokens) + j] if len(tokens) + j < len(truth) else 0,
+                         *(rnd.randrange(SPEC_VOCAB) for _ in range(topk - 1))]
+                        for j in range(len(positions))]
+                impl.observe_topk(rid, positions, np.array(rows, dtype=np.int64))
+            if drafts:
+                impl.accepted(rid, acc, len(drafts))
+            tokens += nxt[: acc + 1]
+            drafts_seen.append(drafts)
+        results.append((rid, drafts_seen))
+    for r in range(SPEC_REQUESTS):
+        impl.finish(request_id(r))
+    return results
+
+
+def _holders(obj: Any, needles: set[str], path: str, depth: int, seen: set[int]) -> list[str]:
+    if id(obj) in seen or depth > 5:
+        return []
+    seen.add(id(obj))
+    found: list[str] = []
+    if isinstance(obj, str):
+        return [path] if obj in needles else []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if isinstance(k, str) and k in needles:
+                found.append(f"{path}[{k!r}]")
+            found += _holders(v, needles, f"{path}[{k!r}]", depth + 1, seen)
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for i, v in enumerate(obj):
+            found += _holders(v, needles, f"{path}[{i}]", depth + 1, seen)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        if type(obj).__module__.split(".")[0] in ("torch", "numpy"):
+            return found
+        for k, v in vars(obj).items():
+            found += _holders(v, needles, f"{path}.{k}", depth + 1, seen)
+    return found
+
+
+def check_state(t: Target) -> str:
+    impl = build(t)
+    exercise_speculative(t, impl, "float32", rules=False)  # ends with finish() for every request
+    held = _holders(impl, {request_id(r) for r in range(SPEC_REQUESTS)}, "self", 0, set())
+    if held:
+        raise t.fail(f"after finish() it still holds finished requests in {held[:5]}; "
+                     "release per-request state in finish()")
+    return f"{SPEC_REQUESTS} requests x {SPEC_STEPS} steps, nothing held after finish()"
