@@ -66,12 +66,15 @@ def _deployment_data(path: str | None) -> tuple[dict[str, Any], Path]:
 
 
 def _run_mask(args: argparse.Namespace, console: Console) -> int:
-    from vllm_graft.plugins.moe.expert_mask.policy import activation_frequency, mask_from, most_distinctive
-
+    from vllm_graft.hooks import get_registry
     from vllm_graft.integration.cli import EXIT_OK, EXIT_USAGE
     from vllm_graft.integration.launch import apply_env_defaults
     from vllm_graft.tools.moe.moe_record import read_prompt_file, record, text_sets, with_tracer
     from vllm_graft.integration.run import _quiet_vllm
+
+    policy = get_registry().get("moe", "expert-mask").registration.part("policy")
+    activation_frequency, mask_from, most_distinctive = (policy.activation_frequency, policy.mask_from,
+                                                         policy.most_distinctive)
 
     try:
         a_texts, b_texts = read_prompt_file(args.behaviour), read_prompt_file(args.contrast)
@@ -99,7 +102,7 @@ def _run_mask(args: argparse.Namespace, console: Console) -> int:
     for name in ("behaviour", "contrast"):
         part = trace.segment(name)
         freqs[name] = activation_frequency(part.counts().tolist(), part.num_tokens)
-    E, L = trace.num_experts, trace.num_layers
+    E = trace.num_experts
     top_k = trace.top_k
     chosen = most_distinctive(freqs["behaviour"], freqs["contrast"], top=args.top, per_layer=args.per_layer,
                               method=args.contrast_method, layers=trace.layers,

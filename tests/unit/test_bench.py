@@ -335,11 +335,11 @@ def test_report(result):
 def test_system_busy_time_grows():
     import time
 
-    a = bench._system_busy_s()
+    a = bench.arm._system_busy_s()
     t = time.perf_counter()
     while time.perf_counter() - t < 0.2:
         pass
-    b = bench._system_busy_s()
+    b = bench.arm._system_busy_s()
     assert a is not None and b - a >= 0.1  # this busy loop alone used 0.2 CPU seconds
 
 
@@ -372,7 +372,7 @@ def no_engine(monkeypatch):
     def fail(*a, **k):
         raise AssertionError("an engine was started")
 
-    monkeypatch.setattr(bench, "_run_child", fail)
+    monkeypatch.setattr(bench.command, "_run_child", fail)
 
 
 def test_bad_deployment_exits_1_before_any_engine(tmp_path, capsys, no_engine):
@@ -438,7 +438,7 @@ def test_arm_jobs_differ_only_in_the_deployment(tmp_path, monkeypatch, capsys):
             out["scores"] = {k: [1.0, 1.0] for k in keys}
         return out
 
-    monkeypatch.setattr(bench, "_run_child", fake_child)
+    monkeypatch.setattr(bench.command, "_run_child", fake_child)
     noop = ROOT / "deployments" / "noop.yaml"
     path = tmp_path / "r.json"
     rc = main(["bench", str(noop), "--workload", "chat", "--num-prompts", "2", "--max-tokens", "4",

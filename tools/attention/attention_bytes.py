@@ -33,7 +33,10 @@ def hydragen_rows(batch: int, prefix: int, suffix: int, block_size: int, bytes_p
     """One configuration: ``batch`` sequences (``batch // samples`` prompts of ``samples``
     samples each when ``samples`` > 1: a prompt-specific part of ``suffix`` tokens shared by
     its samples, then one decoded token each) over a ``prefix``-token shared prefix."""
-    from vllm_graft.plugins.attention.hydragen.policy import kv_bytes_read, plan_prefixes
+    from vllm_graft.hooks import get_registry
+
+    policy = get_registry().get("attention", "hydragen").registration.part("policy")
+    kv_bytes_read, plan_prefixes = policy.kv_bytes_read, policy.plan_prefixes
 
     shared = prefix // block_size  # full blocks of the prefix: what the prefix cache shares
     ids = iter(range(10**9))

@@ -94,9 +94,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from vllm_graft.plugins.attention.squeezed.policy import HEAD_MAP_FORMAT
-
+    from vllm_graft.hooks import get_registry
     from vllm_graft.integration.launch import models_dir
+
+    HEAD_MAP_FORMAT = get_registry().get("attention", "squeezed").registration.part("policy").HEAD_MAP_FORMAT
 
     for name in ("induction_fraction", "echo_fraction"):
         if not 0 <= getattr(args, name) <= 1:

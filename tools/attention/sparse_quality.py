@@ -26,7 +26,25 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from vllm_graft.plugins.attention.squeezed import RECYCLED_REFRESH
+
+def _recycled_refresh() -> int:
+    """Mode recycled's full-step interval when ``refresh`` is not given: what squeezed's
+    parameter model sets (read through the registry)."""
+    from vllm_graft.hooks import get_registry
+
+    params = get_registry().get("attention", "squeezed").registration.params
+    return params(mode="recycled").refresh
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Fills in squeezed's default refresh only when the help is shown: building the CLI's
+    parser reads no plugin."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = super()._get_help_string(action)
+        if text and "{recycled_refresh}" in text:
+            text = text.replace("{recycled_refresh}", str(_recycled_refresh()))
+        return text
 
 
 def _floats(text: str) -> list[float]:
@@ -50,7 +68,7 @@ def _arms(args: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
                 if mode == "recycled":  # a full step every `refresh` positions (the plugin's default 16)
                     params = {**base, "mode": mode, "budget": b, **hm,
                               **({"refresh": args.refresh} if args.refresh > 1 else {})}
-                    refresh = args.refresh if args.refresh > 1 else RECYCLED_REFRESH
+                    refresh = args.refresh if args.refresh > 1 else _recycled_refresh()
                     arms.append((f"recycled{tag} K={b:g} refresh {refresh}", params))
                     continue
                 arms.append((f"{mode}{tag} K={b:g}", {**base, "mode": mode, "budget": b, **hm}))
@@ -200,7 +218,7 @@ def add_command(sub: Any) -> None:
         "sparse-quality", help="perplexity and KV read of sparse decode attention vs plain vLLM "
                                "and the sink+window baseline",
         description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=_HelpFormatter)
     p.add_argument("--model", help="model folder (default: the bundled graft-tiny-llama)")
     p.add_argument("--workload", default="long-context", metavar="NAME",
                    help="bench workload with prompts of at least 1024 tokens: long-context (default), "
@@ -212,7 +230,7 @@ def add_command(sub: Any) -> None:
                    "centroid, recycled, window (default centroid,window; '' for none)")
     p.add_argument("--refresh", type=int, default=1, metavar="N",
                    help="also run mode centroid choosing chunks only every N positions (default 1: off); "
-                        f"mode recycled's full-step interval (default {RECYCLED_REFRESH})")
+                        "mode recycled's full-step interval (default {recycled_refresh})")
     p.add_argument("--head-map", help="also run mode streaming-heads with this head map, and each "
                    "selection mode of --modes with it (arms '+heads': its retrieval heads choose chunks, "
                    "the other heads keep the sink + window at the same budget)")

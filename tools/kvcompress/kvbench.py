@@ -197,7 +197,6 @@ def main(args) -> int:
 
     launch.apply_env_defaults(in_process=True)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from pathlib import Path
 
     from vllm_graft.integration.launch import models_dir
 

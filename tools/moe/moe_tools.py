@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -174,11 +173,16 @@ def expert_bytes_of(model: str | None) -> int | None:
 
 
 def cmd_sim(args: argparse.Namespace, console: Console) -> int:
-    from vllm_graft.plugins.moe.affinity_placement import policy as P
-    from vllm_graft.plugins.moe.expert_cache.policy import POLICIES, sets_from_trace, simulate
-    from vllm_graft.plugins.moe.route_trace.trace import Trace, TraceError
-
+    from vllm_graft.hooks import get_registry
     from vllm_graft.integration.cli import EXIT_OK, EXIT_USAGE
+
+    moe = {name: get_registry().get("moe", name).registration
+           for name in ("affinity-placement", "expert-cache", "route-trace")}
+    P = moe["affinity-placement"].part("policy")
+    cache = moe["expert-cache"].part("policy")
+    POLICIES, sets_from_trace, simulate = cache.POLICIES, cache.sets_from_trace, cache.simulate
+    traces = moe["route-trace"].part("reference")
+    Trace, TraceError = traces.Trace, traces.TraceError
 
     try:
         trace = Trace.load(args.trace)

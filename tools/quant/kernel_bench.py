@@ -55,10 +55,14 @@ def _time(fn, iters: int, device: str) -> float:
 def run(batches: list[int], shapes, device: str, iters: int, peak_gbs: float) -> list[dict[str, Any]]:
     import torch
 
-    from vllm_graft.plugins.quant.squeezellm.kernel import lut_matmul
-    from vllm_graft.plugins.quant.squeezellm.reference import pack_bitplanes
-    from vllm_graft.plugins.quant.w4a8.kernel import w4a8_matmul
-    from vllm_graft.plugins.quant.w4a8.reference import quantize as w4a8_quantize
+    from vllm_graft.hooks import get_registry
+
+    squeezellm = get_registry().get("quant", "squeezellm").registration
+    w4a8 = get_registry().get("quant", "w4a8").registration
+    lut_matmul = squeezellm.part("kernel").lut_matmul
+    pack_bitplanes = squeezellm.part("reference").pack_bitplanes
+    w4a8_matmul = w4a8.part("kernel").w4a8_matmul
+    w4a8_quantize = w4a8.part("reference").quantize
 
     rows = []
     for name, n, k in shapes:

@@ -226,7 +226,7 @@ def quantize_checkpoint(method: str, model: str, out: str, params: dict[str, Any
     import torch
     from safetensors.torch import load_file, save_file
 
-    from vllm_graft.integration.adapters.quant.engine import CHECKPOINT_FORMAT, quantization_name
+    from vllm_graft.integration.adapters.quant.checkpoint import CHECKPOINT_FORMAT, quantization_name
 
     plugin, reg = _plugin(method, params)
     src, dst = Path(model), Path(out)

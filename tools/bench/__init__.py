@@ -1,0 +1,54 @@
+"""`vllm-graft bench DEPLOYMENT`: the A/B benchmark, plain vLLM vs the deployment.
+
+One command run sends the same deterministic workloads (:mod:`.workloads`) through two
+engines, each in its own spawned child process with an in-process vLLM engine:
+
+* ``graft``: ``vllm.LLM(**llm_kwargs(plan, graft=True))``: the deployment's plugins active;
+* ``plain``: ``vllm.LLM(**llm_kwargs(plan, graft=False))``: the same model and engine
+  arguments, no plugins. It runs second and also scores both arms' outputs under the
+  unmodified model (perplexity).
+
+How each figure is measured (also written into the JSON output, ``measurement``):
+
+* output tokens/s: output tokens of all requests of a workload / wall time from the first
+  request submitted to the last token received (the engine loop below; warm-up excluded).
+* TTFT and inter-token latency: the child drives the engine itself (``LLMEngine.add_request``
+  with cumulative outputs, then ``LLMEngine.step()`` until done) and stamps every output
+  token with ``time.perf_counter()`` when the step that produced it returns. TTFT = first
+  token - submission of that request; ITL = the gaps between a request's tokens (a step that
+  delivers k tokens at once, as speculative decoding does, counts as k gaps of 1/k of it);
+  TPOT (per request) = (last - first token) / (tokens - 1). vLLM's own per-request
+  ``RequestOutput.metrics`` (``RequestStateStats``, ``disable_log_stats=False``) are kept
+  beside them in the JSON as a cross-check (``vllm_ttft_s``, ``vllm_tpot_s``).
+* KV blocks in use: blocks allocated from the scheduler's KV block pool
+  (``scheduler.kv_cache_manager.block_pool``: total - free - the null block), sampled after
+  every ``Scheduler.schedule()`` call (the allocation point) via a patch through
+  :data:`~vllm_graft.integration.patches.PATCHES` (owner ``bench``, undone afterwards);
+  the peak per workload is reported. Prefix-cached blocks no request holds count as free.
+* peak memory: ``ru_maxrss`` of the arm's child process after its last timed workload
+  (model, KV cache and generation; the plain arm's scoring pass comes after and is not in it).
+* identical outputs: greedy (temperature 0) output token ids, per prompt, graft vs plain;
+  the first differing output-token position when they differ.
+* perplexity: exp(mean negative log-likelihood of the output tokens) under the unmodified
+  model: prompt + output scored by the plain engine with ``prompt_logprobs=0``.
+
+The package: :mod:`.stats` (pure helpers: metrics, output comparison, result assembly),
+:mod:`.report` (table, report, plot), :mod:`.arm` (the arm's child process, the one part that
+drives vLLM) and :mod:`.command` (the parent side and the command line).
+"""
+from __future__ import annotations
+
+from .command import (EXIT_DIFFERENT, EXIT_INVALID, EXIT_OK, EXIT_RUN_FAILED, EXIT_USAGE, ArmFailed,
+                      add_command, cmd_bench)
+from .report import COLUMNS, render_report, render_table, write_plot
+from .stats import (ARMS, BUSY_OTHER_CPUS, MEASUREMENT, SCHEMA, assemble, compare_outputs,
+                    first_difference, mean, median_run, nll_of, percentile, relative_change,
+                    request_timing, summarize, token_gaps)
+
+__all__ = [
+    "ARMS", "BUSY_OTHER_CPUS", "COLUMNS", "EXIT_DIFFERENT", "EXIT_INVALID", "EXIT_OK", "EXIT_RUN_FAILED",
+    "EXIT_USAGE", "MEASUREMENT", "SCHEMA", "ArmFailed", "add_command", "assemble", "cmd_bench",
+    "compare_outputs", "first_difference", "mean", "median_run", "nll_of", "percentile",
+    "relative_change", "render_report", "render_table", "request_timing", "summarize", "token_gaps",
+    "write_plot",
+]

@@ -1,0 +1,303 @@
+"""The arm process of `vllm-graft bench`: a spawned child that starts an in-process vLLM engine
+(plain or with the deployment), warms it up, runs every workload stamping each output token,
+samples the KV block pool and scores outputs (perplexity); it writes its result as JSON for the
+parent (:mod:`.command`). vLLM is imported only inside its functions."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+from .stats import median_run, nll_of, request_timing
+
+
+def _rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _system_busy_s() -> float | None:
+    """CPU seconds all processes of the machine have used since boot (Linux /proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class _KVSampler:
+    """Blocks in use in the scheduler's KV pool, sampled after every schedule()."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.reset()
+
+    def in_use(self) -> int:
+        return self.pool.num_gpu_blocks - 1 - self.pool.get_num_free_blocks()  # minus the null block
+
+    def reset(self) -> None:
+        self.peak = 0
+        self.steps: list[int] = []
+
+    def wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def schedule(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            n = self.in_use()
+            self.steps.append(n)
+            self.peak = max(self.peak, n)
+            return out
+
+        return schedule
+
+
+def _render(llm: Any, ids_list: Sequence[Sequence[int]]) -> list[Any]:
+    prompts = [{"prompt_token_ids": list(ids)} for ids in ids_list]
+    try:  # what LLM.generate does before add_request (vLLM 0.32); raw prompts still work
+        return list(llm._preprocess_cmpl(prompts))
+    except AttributeError:
+        return prompts
+
+
+def _generate(llm: Any, prompts: Sequence[dict[str, Any]], *, batch: int, ignore_eos: bool,
+              sampler: _KVSampler | None, on_tokens: Callable[[int], None], tag: str) -> dict[str, Any]:
+    """Run one workload through the engine, stamping every output token."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    if engine.has_unfinished_requests():
+        raise RuntimeError("the engine has unfinished requests before the timed run")
+    inputs = _render(llm, [p["token_ids"] for p in prompts])
+    params = [SamplingParams(temperature=0.0, max_tokens=p["max_tokens"], ignore_eos=ignore_eos,
+                             output_kind=RequestOutputKind.CUMULATIVE) for p in prompts]
+    n = len(prompts)
+    limit = batch if batch > 0 else n
+    submit = [0.0] * n
+    times: list[list[float]] = [[] for _ in range(n)]
+    final: list[Any] = [None] * n
+    ids = {f"{tag}-{i}": i for i in range(n)}
+    pending = list(range(n))[::-1]
+    inflight: set[int] = set()
+    if sampler is not None:
+        sampler.reset()
+
+    def fill() -> None:
+        while pending and len(inflight) < limit:
+            i = pending.pop()
+            submit[i] = time.perf_counter()
+            # arrival_time: vLLM's own TTFT (kept as a cross-check) then counts from here too
+            engine.add_request(f"{tag}-{i}", inputs[i], params[i], arrival_time=time.time())
+            inflight.add(i)
+
+    import resource
+
+    usage0 = resource.getrusage(resource.RUSAGE_SELF)
+    system0 = _system_busy_s()
+    t0 = time.perf_counter()
+    fill()
+    while inflight:
+        outputs = engine.step()
+        now = time.perf_counter()
+        new = 0
+        for out in outputs:
+            i = ids[out.request_id]
+            got = len(out.outputs[0].token_ids)
+            if got > len(times[i]):
+                new += got - len(times[i])
+                times[i] += [now] * (got - len(times[i]))
+            if out.finished:
+                final[i] = out
+                inflight.discard(i)
+        on_tokens(new)
+        fill()
+        if not outputs and not engine.has_unfinished_requests() and inflight:
+            raise RuntimeError(f"the engine finished without returning requests {sorted(inflight)}")
+    wall = time.perf_counter() - t0
+    usage1 = resource.getrusage(resource.RUSAGE_SELF)
+    system1 = _system_busy_s()
+    cpu = (usage1.ru_utime + usage1.ru_stime) - (usage0.ru_utime + usage0.ru_stime)
+    others = None if system0 is None or system1 is None else max(0.0, (system1 - system0 - cpu) / wall)
+
+    requests = []
+    for i, out in enumerate(final):
+        c = out.outputs[0]
+        token_ids = list(c.token_ids)
+        if len(token_ids) != len(times[i]):
+            raise RuntimeError(f"request {i}: {len(token_ids)} tokens but {len(times[i])} stamps")
+        m = out.metrics
+        vllm_metrics = None
+        if m is not None:
+            ng = getattr(m, "num_generation_tokens", 0)
+            vllm_metrics = {
+                "ttft_s": getattr(m, "first_token_latency", None),
+                "tpot_s": ((m.last_token_ts - m.first_token_ts) / (ng - 1)) if ng > 1 else None,
+                "queued_s": m.scheduled_ts - m.queued_ts,
+                "prefill_s": m.first_token_ts - m.scheduled_ts,
+                "num_preemptions": getattr(m, "num_preemptions", 0),
+            }
+        requests.append({
+            "output_token_ids": token_ids,
+            "finish_reason": c.finish_reason,
+            "num_cached_tokens": getattr(out, "num_cached_tokens", None),
+            "submit_s": submit[i] - t0,
+            "token_times_s": [t - submit[i] for t in times[i]],
+            **request_timing(submit[i], times[i]),
+            "vllm_ttft_s": vllm_metrics["ttft_s"] if vllm_metrics else None,
+            "vllm_tpot_s": vllm_metrics["tpot_s"] if vllm_metrics else None,
+            "vllm_metrics": vllm_metrics,
+        })
+    return {"wall_s": wall, "cpu_s": cpu, "other_cpus": others, "requests": requests,
+            "kv_blocks_peak": sampler.peak if sampler else None,
+            "kv_blocks_per_step": list(sampler.steps) if sampler else []}
+
+
+def _score(llm: Any, sequences: dict[str, tuple[list[int], list[int]]],
+           on_done: Callable[[int], None], chunk: int = 8) -> dict[str, list[float]]:
+    """NLL of each output token given prompt + preceding output, under this engine's model."""
+    from vllm import SamplingParams
+
+    unique: dict[tuple[int, ...], list[str]] = {}  # each distinct sequence is scored once
+    for key, (prompt, output) in sequences.items():
+        unique.setdefault(tuple(prompt) + tuple(output), []).append(key)
+    out: dict[str, list[float]] = {}
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    seqs = list(unique)
+    for k in range(0, len(seqs), chunk):
+        part = seqs[k:k + chunk]
+        results = llm.generate([{"prompt_token_ids": list(s)} for s in part], params, use_tqdm=False)
+        for s, res in zip(part, results):
+            all_nll = nll_of(res.prompt_logprobs, s, 1)  # position 0 has no log-probability
+            for key in unique[s]:
+                start = len(sequences[key][0])
+                out[key] = all_nll[start - 1:]
+        on_done(len(part))
+    return out
+
+
+def _arm_main(job: dict[str, Any], result_path: str, events: Any) -> None:  # events: a Connection
+    """Entry of an arm's child process (spawned): start the engine, warm it up, run every
+    workload, score what it is asked to score, write the result as JSON."""
+    log = os.open(job["log_path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    arm = job["arm"]
+
+    def send(kind: str, payload: Any = None) -> None:
+        events.send((arm, kind, payload))
+
+    try:
+        result = _arm_run(job, send)
+        status = 0
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which decides
+        traceback.print_exc()
+        result = {"error": f"{type(e).__name__}: {e}", "error_type": type(e).__name__,
+                  "traceback": traceback.format_exc()}
+        status = 1
+    tmp = result_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, result_path)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    events.close()
+    if status:
+        sys.exit(status)
+    # Returning lets multiprocessing run its finalizers (semaphores vLLM registered with the
+    # parent's resource tracker are released) and the engine shut down with the LLM object.
+
+
+def _arm_run(job: dict[str, Any], send: Callable[[str, Any], None]) -> dict[str, Any]:
+    from vllm_graft.integration.bridge import ENV_CONFIG, ENV_FILE
+    from vllm_graft.integration.env import installed_vllm
+    from vllm_graft.integration.launch import apply_env_defaults
+
+    # The deployment reaches the graft arm through additional_config only; a deployment in the
+    # environment would leak into the plain arm (and conflict in the graft arm).
+    os.environ.pop(ENV_FILE, None)
+    os.environ.pop(ENV_CONFIG, None)
+    apply_env_defaults(in_process=True)
+
+    send("phase", "loading model")
+    t = time.perf_counter()
+    from vllm import LLM, SamplingParams
+
+    from vllm_graft.integration.patches import PATCHES
+    from vllm_graft.integration.runtime import RUNTIME
+
+    llm = LLM(**job["llm_kwargs"])
+    load_s = time.perf_counter() - t
+    rss_after_load = _rss_mib()
+    core = llm.llm_engine.engine_core.engine_core  # InprocClient -> EngineCore
+    scheduler = core.scheduler
+    pool = scheduler.kv_cache_manager.block_pool
+    engine = {"load_s": load_s, "num_blocks": pool.num_gpu_blocks - 1,
+              "block_size": scheduler.cache_config.block_size,
+              "threads": _torch_threads(),
+              "prefix_caching": bool(scheduler.cache_config.enable_prefix_caching),
+              "vllm": ("%s %s" % installed_vllm()) if installed_vllm() else None}
+    result: dict[str, Any] = {"arm": job["arm"], "engine": engine, "deployment_active": RUNTIME.active,
+                              "rss_after_load_mib": rss_after_load, "workloads": {}}
+
+    workloads = job["workloads"]
+    if workloads:
+        send("phase", "warming up")
+        t = time.perf_counter()
+        first = workloads[0]["prompts"][0]["token_ids"][:16]
+        llm.generate([{"prompt_token_ids": first}], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+        engine["warmup_s"] = time.perf_counter() - t
+
+        sampler = _KVSampler(pool)
+        vllm_version = installed_vllm()[1] if installed_vllm() else None
+        from vllm_graft.integration.bridge import SUPPORTED_VLLM
+
+        PATCHES.apply("bench", scheduler, "schedule", sampler.wrap, wrap=True, versions=SUPPORTED_VLLM,
+                      vllm_version=vllm_version,
+                      reason="vLLM exposes no per-step KV block count; the bench samples the block "
+                             "pool right after each allocation")
+        try:
+            repeat = max(1, int(job.get("repeat", 1)))
+            send("total", repeat * sum(p["max_tokens"] for w in workloads for p in w["prompts"]))
+            for w in workloads:
+                runs = []
+                for r in range(repeat):
+                    send("phase", f"generating {w['name']}" + (f" ({r + 1}/{repeat})" if repeat > 1 else ""))
+                    llm.reset_prefix_cache()  # every run starts with a cold prefix cache
+                    runs.append(_generate(
+                        llm, w["prompts"], batch=job["batch"], ignore_eos=job["ignore_eos"], sampler=sampler,
+                        on_tokens=lambda k: send("advance", k), tag=f"{w['name']}-{r}"))
+                result["workloads"][w["name"]] = median_run(runs)
+        finally:
+            PATCHES.undo("bench")
+        result["peak_rss_mib"] = _rss_mib()
+        if job["arm"] == "graft":
+            result["runtime_report"] = RUNTIME.report()
+    else:
+        engine["warmup_s"] = 0.0
+        result["peak_rss_mib"] = _rss_mib()
+
+    score = dict(job.get("score") or {})
+    for name, w in result["workloads"].items():  # this arm's own outputs, when it scores
+        if job.get("score_own"):
+            for i, (p, r) in enumerate(zip(job["workloads_by_name"][name], w["requests"])):
+                score[f"{job['arm']}/{name}/{i}"] = (p, r["output_token_ids"])
+    if score:
+        send("phase", "scoring outputs (perplexity)")
+        send("total_score", len(score))
+        result["scores"] = _score(llm, {k: (list(v[0]), list(v[1])) for k, v in score.items()},
+                                  lambda k: send("advance_score", k))
+    send("phase", "done")
+    return result

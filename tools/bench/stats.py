@@ -1,0 +1,232 @@
+"""Pure helpers of `vllm-graft bench`: the timing metrics of a request and of a run, the
+comparison of two arms' greedy outputs, the choice among repeated runs and the assembly of the
+result (what --json writes and the table and plot show). No engine, no vLLM."""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+ARMS = ("plain", "graft")
+SCHEMA = "vllm-graft-bench/1"
+
+MEASUREMENT = {
+    "output_tok_s": "output tokens of all requests / wall time from the first request submitted "
+                    "to the last token received (warm-up excluded); with --repeat N, the run with "
+                    "the median wall time (every run's figure under output_tok_s_runs)",
+    "ttft": "per request: perf_counter when the engine step returning its first output token "
+            "ends - when the request was submitted (LLMEngine.add_request, in-process engine "
+            "driven step by step)",
+    "itl": "per output token after the first: gap to the previous token of the same request "
+           "(a step delivering k tokens counts as k gaps of 1/k); tpot = (last - first) / (n - 1)",
+    "vllm_metrics": "vLLM's RequestOutput.metrics (RequestStateStats): first_token_latency and "
+                    "(last_token_ts - first_token_ts) / (n - 1), kept per request as a cross-check",
+    "kv_blocks": "blocks allocated from the scheduler's KV block pool (total - free - null block), "
+                 "sampled after every Scheduler.schedule(); peak per workload",
+    "peak_rss": "ru_maxrss of the arm's child process after its last timed workload",
+    "other_cpus": "CPUs used on average by other processes during a run (/proc/stat busy time minus "
+                  "the arm's own CPU time, / wall time); well above 0 means the timings are disturbed",
+    "identical": "greedy output token ids, graft vs plain, per prompt; first differing output position",
+    "perplexity": "exp(mean NLL of the output tokens) under the unmodified model (plain engine, "
+                  "prompt_logprobs=0 on prompt + output)",
+}
+
+
+#: Above this many CPUs used by other processes during a run, its timings are flagged. (The
+#: engine's own CPU time cannot tell: its OpenMP threads spin while they wait for a core.)
+BUSY_OTHER_CPUS = 0.5
+
+
+# ======================================================================== pure helpers
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolation percentile (as numpy's default); None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def token_gaps(times: Sequence[float]) -> list[float]:
+    """Inter-token gaps of one request from per-token arrival times (non-decreasing). Tokens
+    that arrive together (k in one step) share the gap before them: k gaps of gap/k."""
+    gaps: list[float] = []
+    i = 1
+    while i < len(times):
+        j = i
+        while j + 1 < len(times) and times[j + 1] == times[i]:
+            j += 1
+        k = j - i + 1
+        gaps += [(times[i] - times[i - 1]) / k] * k
+        i = j + 1
+    return gaps
+
+
+def request_timing(submit: float, token_times: Sequence[float]) -> dict[str, Any]:
+    """TTFT, TPOT and ITL gaps of one request (seconds) from its submission time and
+    per-token arrival times."""
+    if not token_times:
+        return {"ttft_s": None, "tpot_s": None, "itl_s": []}
+    n = len(token_times)
+    return {"ttft_s": token_times[0] - submit,
+            "tpot_s": (token_times[-1] - token_times[0]) / (n - 1) if n > 1 else None,
+            "itl_s": token_gaps(token_times)}
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first position where two token sequences differ (the shorter length when one is a
+    prefix of the other); None when they are identical."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare_outputs(plain: Sequence[Sequence[int]], graft: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """Per-prompt comparison of two arms' output token ids (same prompts, same order)."""
+    if len(plain) != len(graft):
+        raise ValueError(f"{len(plain)} plain outputs vs {len(graft)} graft outputs")
+    prompts = []
+    for i, (a, b) in enumerate(zip(plain, graft)):
+        pos = first_difference(a, b)
+        prompts.append({"index": i, "identical": pos is None, "first_diff": pos,
+                        "plain_tokens": len(a), "graft_tokens": len(b)})
+    n_same = sum(p["identical"] for p in prompts)
+    return {"identical": n_same == len(prompts), "n_identical": n_same, "n": len(prompts),
+            "prompts": prompts}
+
+
+def nll_of(prompt_logprobs: Sequence[Any], token_ids: Sequence[int], start: int) -> list[float]:
+    """Negative log-likelihoods of ``token_ids[start:]`` from vLLM's ``prompt_logprobs``
+    (position i: {token id: Logprob} for token i given tokens < i; position 0 is None)."""
+    out = []
+    for j in range(start, len(token_ids)):
+        entry = prompt_logprobs[j]
+        if entry is None or token_ids[j] not in entry:
+            raise ValueError(f"no log-probability for token {token_ids[j]} at position {j}")
+        lp = entry[token_ids[j]]
+        out.append(-float(getattr(lp, "logprob", lp)))
+    return out
+
+
+def summarize(requests: Sequence[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    """Aggregate metrics of one arm on one workload (or several: pass the sum of walls)."""
+    out_tokens = sum(len(r["output_token_ids"]) for r in requests)
+    ttft = [r["ttft_s"] for r in requests if r.get("ttft_s") is not None]
+    tpot = [r["tpot_s"] for r in requests if r.get("tpot_s") is not None]
+    gaps = [g for r in requests for g in r.get("itl_s", [])]
+    nll = [x for r in requests for x in (r.get("nll") or [])]
+    scored = all(r.get("nll") is not None for r in requests) and bool(requests)
+    return {
+        "requests": len(requests),
+        "prompt_tokens": sum(r["prompt_tokens"] for r in requests),
+        "output_tokens": out_tokens,
+        "wall_s": wall_s,
+        "output_tok_s": out_tokens / wall_s if wall_s > 0 else None,
+        "ttft_mean_s": mean(ttft), "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p90_s": percentile(ttft, 90), "ttft_max_s": max(ttft) if ttft else None,
+        "itl_mean_s": mean(gaps), "itl_p50_s": percentile(gaps, 50),
+        "itl_p90_s": percentile(gaps, 90), "itl_p99_s": percentile(gaps, 99),
+        "tpot_mean_s": mean(tpot),
+        "perplexity": math.exp(sum(nll) / len(nll)) if scored and nll else None,
+        "scored_tokens": len(nll) if scored else 0,
+    }
+
+
+def relative_change(plain: float | None, graft: float | None) -> float | None:
+    if plain is None or graft is None or plain == 0:
+        return None
+    return (graft - plain) / plain
+
+
+def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Of repeated runs of one workload, the one with the median wall time (the upper median
+    for an even count), with every run's headline figures under ``repeats``."""
+    order = sorted(range(len(runs)), key=lambda k: runs[k]["wall_s"])
+    chosen = dict(runs[order[len(runs) // 2]])
+    first = [r["output_token_ids"] for r in runs[0]["requests"]]
+    chosen["repeat_index"] = order[len(runs) // 2]
+    chosen["repeats"] = [{"wall_s": r["wall_s"], "output_tokens": sum(len(q["output_token_ids"]) for q in r["requests"]),
+                          "kv_blocks_peak": r["kv_blocks_peak"]} for r in runs]
+    chosen["repeats_identical"] = all([q["output_token_ids"] for q in r["requests"]] == first for r in runs)
+    return chosen
+
+
+# ====================================================================== result assembly
+def assemble(*, deployment: str, plan_info: dict[str, Any], settings: dict[str, Any],
+             prompt_sets: Sequence[Any], arm_results: dict[str, dict[str, Any]],
+             scores: dict[str, list[float]] | None, decode: Callable[[Sequence[int]], str],
+             wall_s: float, environment: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The bench result (what --json writes and the table and plot show) from the raw results
+    of the arm processes. ``scores`` maps "arm/workload/index" to output-token NLLs."""
+    arms: dict[str, Any] = {}
+    for arm in ARMS:
+        raw = arm_results.get(arm)
+        if raw is None:
+            continue
+        workloads: dict[str, Any] = {}
+        all_requests: list[dict[str, Any]] = []
+        total_wall = 0.0
+        for ps in prompt_sets:
+            w = raw["workloads"][ps.name]
+            requests = []
+            for prompt, r in zip(ps.prompts, w["requests"]):
+                key = f"{arm}/{ps.name}/{prompt.index}"
+                nll = scores.get(key) if scores is not None else None
+                req = {"index": prompt.index, "source": prompt.source, "group": prompt.group,
+                       "prompt_tokens": len(prompt.token_ids), "max_tokens": prompt.max_tokens,
+                       **r, "output_text": decode(r["output_token_ids"]), "nll": nll,
+                       "perplexity": math.exp(sum(nll) / len(nll)) if nll else None}
+                requests.append(req)
+            summary = summarize(requests, w["wall_s"])
+            summary.update(kv_blocks_peak=w.get("kv_blocks_peak"), kv_blocks_total=raw["engine"].get("num_blocks"),
+                           peak_rss_mib=raw.get("peak_rss_mib"),
+                           other_cpus=w.get("other_cpus"))
+            repeats = w.get("repeats") or [{"wall_s": w["wall_s"], "output_tokens": summary["output_tokens"]}]
+            rates = [r["output_tokens"] / r["wall_s"] for r in repeats if r["wall_s"] > 0]
+            summary.update(runs=len(repeats), output_tok_s_runs=rates,
+                           output_tok_s_min=min(rates, default=None), output_tok_s_max=max(rates, default=None),
+                           runs_identical=w.get("repeats_identical", True))
+            workloads[ps.name] = {"summary": summary, "kv_blocks_per_step": w.get("kv_blocks_per_step", []),
+                                  "requests": requests}
+            all_requests += requests
+            total_wall += w["wall_s"]
+        overall = summarize(all_requests, total_wall)
+        peaks = [w["summary"]["kv_blocks_peak"] for w in workloads.values() if w["summary"]["kv_blocks_peak"] is not None]
+        overall.update(runs_identical=all(w["summary"]["runs_identical"] for w in workloads.values()),
+                       kv_blocks_peak=max(peaks) if peaks else None,
+                       kv_blocks_total=raw["engine"].get("num_blocks"), peak_rss_mib=raw.get("peak_rss_mib"))
+        arms[arm] = {"engine": raw["engine"], "deployment_active": raw.get("deployment_active"),
+                     "peak_rss_mib": raw.get("peak_rss_mib"), "rss_after_load_mib": raw.get("rss_after_load_mib"),
+                     "overall": overall, "workloads": workloads}
+    comparison: dict[str, Any] | None = None
+    if "plain" in arms and "graft" in arms:
+        per = {}
+        for ps in prompt_sets:
+            cmp = compare_outputs([r["output_token_ids"] for r in arms["plain"]["workloads"][ps.name]["requests"]],
+                                  [r["output_token_ids"] for r in arms["graft"]["workloads"][ps.name]["requests"]])
+            for p, prompt in zip(cmp["prompts"], ps.prompts):
+                p["source"] = prompt.source
+            per[ps.name] = cmp
+        comparison = {"identical": all(c["identical"] for c in per.values()),
+                      "n_identical": sum(c["n_identical"] for c in per.values()),
+                      "n": sum(c["n"] for c in per.values()), "workloads": per}
+    graft_raw = arm_results.get("graft") or {}
+    return {
+        "schema": SCHEMA,
+        "deployment": deployment,
+        **plan_info,
+        "settings": settings,
+        "environment": environment or {},
+        "measurement": MEASUREMENT,
+        "workloads": [ps.to_json() | {"prompts": [p.to_json() for p in ps.prompts]} for ps in prompt_sets],
+        "arms": arms,
+        "comparison": comparison,
+        "runtime_report": graft_raw.get("runtime_report"),
+        "wall_s": wall_s,
+    }
