@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from vllm_graft.hooks import Kind
 
 from vllm_graft.integration import cli
 

@@ -1,11 +1,21 @@
-"""Every hook in the hookspec module is documented, with its exact signature."""
+"""The docs are current: every hook documented with its exact signature, the generated pages
+(docs/hooks.md, docs/plugins.md) equal to what docs/generate.py writes, the README short and
+pointing to BENCHMARKS.md, every built-in plugin in the README's table and in BENCHMARKS.md,
+every command, path and link the docs cite existing, and the supported vLLM range written once."""
+import argparse
 import importlib.util
 import inspect
+import re
 from pathlib import Path
+
+import pytest
 
 from vllm_graft.hooks import specs
 
 ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+BENCHMARKS = ROOT / "BENCHMARKS.md"
+KINDS = ("attention", "kvcompress", "speculative", "quant", "moe")
 
 
 def generator():
@@ -20,13 +30,33 @@ def hookspecs():
             if hasattr(f, f"{specs.PROJECT}_spec")]
 
 
+def doc_files() -> list[Path]:
+    """The hand-written and generated project docs (not a plugin package's own README)."""
+    return [README, BENCHMARKS, *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def section(text: str, heading: str) -> str:
+    """The body of the `## heading` section of a markdown text."""
+    match = re.search(rf"^## {re.escape(heading)}\n(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert match, f"no '## {heading}' section"
+    return match.group(1)
+
+
+def builtin_plugins() -> list[tuple[str, str]]:
+    from vllm_graft.hooks import get_registry
+    from vllm_graft.kit.conformance.checks import BUILTIN_PACKAGE
+    return [(e.kind.value, e.name) for e in get_registry().entries()
+            if e.source.package == BUILTIN_PACKAGE]
+
+
+# ------------------------------------------------------------------------------ hooks
 def test_there_are_five_hookspecs():
     assert len(hookspecs()) == 5
 
 
 def test_every_hook_documented_with_exact_signature():
     gen = generator()
-    docs = (ROOT / "README.md").read_text() + "".join(p.read_text() for p in (ROOT / "docs").glob("*.md"))
+    docs = "".join(p.read_text() for p in doc_files())
     for func in hookspecs():
         sig = gen.signature(func)
         assert sig.startswith(func.__name__ + "(register: Register)")
@@ -34,6 +64,7 @@ def test_every_hook_documented_with_exact_signature():
         assert func.__doc__ and ":param register:" in func.__doc__ and "Example::" in func.__doc__
 
 
+# ------------------------------------------------------------------------------ generated pages
 def test_hook_reference_page_is_current():
     assert (ROOT / "docs" / "hooks.md").read_text() == generator().render(), \
         "docs/hooks.md is stale: run `python docs/generate.py`"
@@ -42,3 +73,135 @@ def test_hook_reference_page_is_current():
 def test_plugin_table_is_current():
     assert (ROOT / "docs" / "plugins.md").read_text() == generator().render_plugins(), \
         "docs/plugins.md is stale: run `python docs/generate.py`"
+
+
+# ------------------------------------------------------------------------------ README / BENCHMARKS
+def test_readme_is_short_and_points_to_the_results():
+    text = README.read_text()
+    lines = text.count("\n")
+    assert lines <= 250, f"README.md has {lines} lines: measurements go to BENCHMARKS.md, detail to docs/"
+    assert "(BENCHMARKS.md)" in text
+    for heading in ("Set-up: two commands", "Plugins", "Commands", "Where things live",
+                    "Writing a plugin", "Status"):
+        section(text, heading)
+
+
+def test_readme_keeps_the_test_command():
+    """.ci/run calls `make test`, the README's test command; both set-up commands are in the README."""
+    setup = section(README.read_text(), "Set-up: two commands")
+    assert "make demo" in setup and "make test" in setup
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_every_builtin_plugin_in_the_readme_table_and_in_benchmarks():
+    table = section(README.read_text(), "Plugins")
+    rows = {tuple(c.strip().strip("`") for c in line.split("|")[1:3])
+            for line in table.splitlines() if line.startswith("| ")}
+    bench = BENCHMARKS.read_text()
+    for kind, name in builtin_plugins():
+        if name == "noop":
+            assert ("every kind", "noop") in rows
+            continue
+        assert (kind, name) in rows, f"{kind}:{name} is missing from the README's plugin table"
+        assert f"`{name}`" in bench or f"**{name}**" in bench or f"### {name}" in bench, \
+            f"{kind}:{name} is not in BENCHMARKS.md"
+
+
+def test_benchmarks_has_a_section_per_kind_and_says_there_are_no_gpu_figures():
+    text = BENCHMARKS.read_text()
+    head = text[:text.index("\n## ", text.index("\n## ") + 1)]  # title + the first section
+    assert "No GPU figures exist yet" in head and "CPU" in head
+    for title in ("Attention plugins", "KV-compression plugins", "Speculative plugins",
+                  "Quant plugins", "MoE plugins"):
+        section(text, title)
+
+
+def test_supported_vllm_range_written_once():
+    """hooks/registry.py declares it; the README states it (once), other docs point there."""
+    from vllm_graft.hooks.registry import SUPPORTED_VLLM
+    readme = README.read_text()
+    assert readme.count(f"`{SUPPORTED_VLLM}`") == 1, f"README.md should state {SUPPORTED_VLLM} once"
+    written = re.compile(r">=\d+\.\d+,<\d+\.\d+")  # as versions are written (bounds have spaces)
+    for path in doc_files():
+        found = written.findall(path.read_text())
+        allowed = 1 if path == README else 0
+        assert len(found) <= allowed, f"{path.name} writes a vLLM range; refer to SUPPORTED_VLLM"
+
+
+# ------------------------------------------------------------------------------ stale references
+DEAD_NAMES = ("ready_kinds", "AdapterMissing", "ADAPTERS_READY", "hooks/contracts.py",
+              "integration/bench.py", "integration/conformance", "integration/scaffold",
+              "integration/kvbench", "integration/specbench", "integration/workloads",
+              "integration/calibrate", "DESIGN.md", "adapters/kvcompress.py", "adapters/quant.py",
+              "tools/bench.py", "tools/workloads.py")
+
+
+def source_files() -> list[Path]:
+    """The package's and the tests' Python files (their docstrings cite paths too), but this one."""
+    files = [p for folder in ("hooks", "plugins", "integration", "kit", "tools", "tests")
+             for p in sorted((ROOT / folder).rglob("*.py"))]
+    return [p for p in files if p != Path(__file__).resolve()]
+
+
+@pytest.mark.parametrize("path", doc_files() + source_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_dead_names(path):
+    text = path.read_text()
+    for name in DEAD_NAMES:
+        assert name not in text, f"{path.relative_to(ROOT)} cites {name!r}, which no longer exists"
+
+
+def subcommands() -> set[str]:
+    from vllm_graft.integration.cli import build_parser
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return set(action.choices)
+
+
+def test_every_cited_command_exists_and_the_readme_lists_them_all():
+    commands = subcommands()
+    cited = re.compile(r"(?:^|`|\$ )vllm-graft ([a-z][a-z-]*)", re.M)
+    for path in doc_files():
+        for name in cited.findall(path.read_text()):
+            assert name in commands, f"{path.name} cites `vllm-graft {name}`, which does not exist"
+    listed = section(README.read_text(), "Commands")
+    for name in commands:
+        assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", listed), \
+            f"`vllm-graft {name}` is missing from the README's Commands list"
+
+
+REPO_PATH = re.compile(r"`((?:hooks|plugins|integration|kit|tools|tests|deployments|models|"
+                       r"benchmarks|examples|docs)/[^`\s:]*)")
+#: The tutorial cites files of the plugin package it builds, examples/graft-flexq.
+EXTRA_ROOTS = {"tutorial.md": [ROOT / "examples" / "graft-flexq"]}
+
+
+@pytest.mark.parametrize("path", doc_files(), ids=lambda p: p.name)
+def test_cited_repo_paths_exist(path):
+    roots = [ROOT, *EXTRA_ROOTS.get(path.name, [])]
+    for cited in REPO_PATH.findall(path.read_text()):
+        if any(c in cited for c in "<>*{}"):
+            continue  # a pattern such as plugins/<kind>/<name>/
+        assert any((r / cited).exists() for r in roots), f"{path.name} cites {cited}, which does not exist"
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a markdown heading."""
+    text = heading.strip().lower().replace("`", "")
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)
+    return {slug(h) for h in re.findall(r"^#{1,6} (.+)$", text, re.M)}
+
+
+@pytest.mark.parametrize("path", doc_files(), ids=lambda p: p.name)
+def test_relative_links_resolve(path):
+    for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue  # https:, mailto:
+        file, _, anchor = target.partition("#")
+        dest = (path.parent / file).resolve() if file else path
+        assert dest.exists(), f"{path.name} links to {target}, which does not exist"
+        if anchor and dest.suffix == ".md":
+            assert anchor in anchors(dest), f"{path.name} links to {target}: no such heading"

@@ -6,7 +6,6 @@ import pytest
 from pydantic import BaseModel
 
 from vllm_graft.hooks import (
-    CONTRACTS,
     contract_for,
     Capabilities,
     Kind,

@@ -1,45 +1,173 @@
-"""The layering rule of DESIGN.md: hooks/ and plugins/ never import vllm."""
+"""The project's layering (README.md "Where things live" and docs/plugins.md "Plugin files"), checked on the source with ``ast``:
+
+* hooks/ and plugins/ never import vLLM;
+* vLLM's internals (anything but its public ``LLM``/``SamplingParams`` API) are imported only in
+  integration/, the bridge; tools/ and kit/ import even the public API only inside functions;
+* tools/ and kit/ reach plugins only through the registry (``Registration.load()`` /
+  ``Registration.part(module)``), never by importing ``vllm_graft.plugins``;
+* no module of the package imports another that imports it back (function-level imports
+  count: a cycle is a cycle in the design even when deferred).
+"""
 import ast
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+FOLDERS = {"hooks": "vllm_graft.hooks", "plugins": "vllm_graft.plugins",
+           "integration": "vllm_graft.integration", "kit": "vllm_graft.kit", "tools": "vllm_graft.tools"}
+#: vLLM's public API that the tools may use to drive an engine
+VLLM_PUBLIC = {"vllm", "vllm.sampling_params", "vllm.inputs"}
 
 
-def vllm_imports(folder):
+def _modules(root=None):
+    """Module name -> (path, is_package) for every module of the package."""
+    root = root or ROOT
+    out = {}
+    for folder, pkg in FOLDERS.items():
+        for path in (root / folder).rglob("*.py"):
+            parts = [pkg, *path.relative_to(root / folder).with_suffix("").parts]
+            is_pkg = parts[-1] == "__init__"
+            out[".".join(parts[:-1] if is_pkg else parts)] = (path, is_pkg)
+    return out
+
+
+def _imports(name, path, is_pkg, modules, top_only=False):
+    """(line, imported module, at module level) for each import in the file, relative ones
+    resolved; ``from pkg import sub`` counts as importing ``pkg.sub`` when that is a module."""
+    tree = ast.parse(path.read_text(), str(path))
+    top = {id(n) for n in tree.body}
     found = []
-    for path in (ROOT / folder).rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
-            elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
-                    "import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant):
-                names = [str(node.args[0].value)]
-            found += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names
-                      if n == "vllm" or n.startswith("vllm.")]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_pkg else name.split(".")[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod for a in node.names]
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", ""))
+              in ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant)):
+            targets = [str(node.args[0].value)]
+        else:
+            continue
+        found += [(node.lineno, t, id(node) in top) for t in targets]
     return found
 
 
-def test_scanner_finds_an_import(tmp_path, monkeypatch):
-    (tmp_path / "x").mkdir()
-    (tmp_path / "x" / "m.py").write_text("def f():\n    from vllm.config import X\n")
-    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
-    assert vllm_imports("x") == ["x/m.py:2: vllm.config"]
+def _is(module, prefix):
+    return module == prefix or module.startswith(prefix + ".")
 
 
+def violations(rule, modules=None):
+    modules = modules or _modules()
+    bad = []
+    for name, (path, is_pkg) in sorted(modules.items()):
+        for line, target, at_top in _imports(name, path, is_pkg, modules):
+            where = f"{path.relative_to(path.parents[len(name.split('.')) - (1 if is_pkg else 2)])}:{line}: {target}"
+            if rule(name, target, at_top):
+                bad.append(where)
+    return bad
+
+
+def no_vllm_in_hooks_or_plugins(name, target, at_top):
+    return _is(target, "vllm") and (_is(name, "vllm_graft.hooks") or _is(name, "vllm_graft.plugins"))
+
+
+def vllm_internals_only_in_integration(name, target, at_top):
+    if not _is(target, "vllm") or _is(name, "vllm_graft.integration"):
+        return False
+    return target not in VLLM_PUBLIC or at_top
+
+
+def plugins_only_through_the_registry(name, target, at_top):
+    return (_is(name, "vllm_graft.tools") or _is(name, "vllm_graft.kit")) and _is(target, "vllm_graft.plugins")
+
+
+def cycles(modules=None):
+    """Groups of modules that import each other (strongly connected components > 1)."""
+    modules = modules or _modules()
+    graph = {m: {t for _, t, _ in _imports(m, p, pkg, modules) if t in modules and t != m}
+             for m, (p, pkg) in modules.items()}
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+# ------------------------------------------------------------------- the checks can fail
+def _fake_tree(tmp_path, files):
+    for folder in FOLDERS:
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    for rel, text in files.items():
+        (tmp_path / rel).write_text(text)
+    return _modules(tmp_path)
+
+
+def test_the_checks_find_what_they_look_for(tmp_path):
+    mods = _fake_tree(tmp_path, {
+        "plugins/p.py": "def f():\n    from vllm.config import X\n",
+        "tools/t.py": "from vllm import LLM\nfrom vllm_graft.plugins import p\n",
+        "kit/k.py": "def f():\n    from vllm import SamplingParams\n",
+        "hooks/a.py": "from . import b\n",
+        "hooks/b.py": "def f():\n    from .a import x\n",
+    })
+    assert violations(no_vllm_in_hooks_or_plugins, mods) == ["plugins/p.py:2: vllm.config"]
+    assert violations(vllm_internals_only_in_integration, mods) == [
+        "plugins/p.py:2: vllm.config", "tools/t.py:1: vllm"]  # kit's function-level public import is fine
+    assert violations(plugins_only_through_the_registry, mods) == ["tools/t.py:2: vllm_graft.plugins.p"]
+    assert cycles(mods) == [["vllm_graft.hooks.a", "vllm_graft.hooks.b"]]
+
+
+# ------------------------------------------------------------------------- the real tree
 def test_hooks_and_plugins_do_not_import_vllm():
-    assert vllm_imports("hooks") == []
-    assert vllm_imports("plugins") == []
+    assert violations(no_vllm_in_hooks_or_plugins) == []
+
+
+def test_vllm_internals_are_imported_only_by_integration():
+    assert violations(vllm_internals_only_in_integration) == []
+
+
+def test_tools_and_kit_reach_plugins_only_through_the_registry():
+    assert violations(plugins_only_through_the_registry) == []
+
+
+def test_no_import_cycles():
+    assert cycles() == []
 
 
 def test_importing_hooks_plugins_and_cli_loads_no_vllm():
     code = ("import sys, vllm_graft.hooks, vllm_graft.integration.cli as c; "
             "from vllm_graft.hooks import get_registry\n"
             "[e.registration.load() for e in get_registry().entries()]\n"
+            "c.build_parser()\n"
             "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -1,6 +1,6 @@
 """How a deployment's MoE schedulers compose (MoEChain), with plain tensors: no vLLM.
 
-Rules under test (hooks/contracts.py, MoEScheduler): every adjust_logits in list order,
+Rules under test (hooks/contracts/moe.py, MoEScheduler; integration/adapters/moe/chain.py): every adjust_logits in list order,
 then the LAST plugin overriding route routes (else the model's own top-k, on the adjusted
 logits), then every observe in list order with the final routing.
 """

@@ -7,7 +7,6 @@ import pytest
 
 from vllm_graft.hooks import CONTRACTS, KINDS, Kind, Registration
 from vllm_graft.hooks.registry import Entry, Source
-from vllm_graft.kit import scaffold
 from vllm_graft.integration.cli import main
 from vllm_graft.kit.conformance import checks as c
 
