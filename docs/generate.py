@@ -59,6 +59,25 @@ def _param(name: str, field) -> str:
     return text
 
 
+#: The plugin file convention (hand-written; appended after the generated table).
+PLUGIN_FILES = """\
+## Plugin files
+
+Each built-in plugin is a package `plugins/<kind>/<name>/` of these modules, each with one role:
+
+| file | holds | may import, of the plugin's own code |
+|---|---|---|
+| `__init__.py` | the registration hook and the parameter model; no torch, no Triton (it is imported whenever plugins are listed) | `policy.py` or a torch-free helper |
+| `reference.py` | the class the registration's `impl` names (the kind's contract) and the plain-PyTorch implementation: the CPU path and the kernel's oracle | `policy.py`, `_shared`; `kernel.py` only inside the method that picks it for `kernel: triton` |
+| `kernel.py` | the Triton kernels and their launchers | `policy.py`, `_shared`; never `reference.py` |
+| `policy.py` | host-side decisions in pure Python (NumPy at most, no torch): what to evict, which prefixes to share, which tree to draft, where to place experts | nothing |
+
+- The reference imports the kernel lazily, so Triton is imported only when `kernel: triton` is chosen (and after the kit sets `TRITON_INTERPRET`); an import back from `kernel.py` would be a cycle. What both need goes to `policy.py`, to `_shared`, or to a torch-free module named for what it holds (`kv4`'s `layout.py`, the page arithmetic that deployment validation also reads).
+- Code that several plugins use lives in `plugins/<kind>/_shared.py`, or in a `_shared/` package laid out like a plugin when it has a Triton kernel; it registers nothing. A plugin imports no other plugin, only `_shared` code (of its kind or another): `attention/_shared.py` (exact paged attention: `noop`, `squeezed`, the KV compressors, the graft attention backend), `kvcompress/_shared/` (the eviction block planners; `h2o` and `snapkv`'s attention with mass and its Triton kernel), `moe/_shared.py` (per-step routing assembly), `quant/_shared.py` (int8 activations).
+- No module imports one that imports it back, function-level imports included (`tests/unit/test_layering.py`). Tools and the kit reach a plugin's modules through its registration (`Registration.load()`, `Registration.part("policy")`), never by import path.
+"""
+
+
 def render_plugins() -> str:
     """The built-in plugins (those vllm-graft itself registers), from the registry."""
     from vllm_graft.hooks import get_registry
@@ -82,7 +101,7 @@ def render_plugins() -> str:
         params = "<br>".join(_param(n, f) for n, f in reg.params.model_fields.items()) or "-"
         lines.append(f"| {e.kind.value} | `{e.name}` | {reg.paper} | {'yes' if caps.lossless else 'no'} | "
                      f"{', '.join(caps.platforms)} | {', '.join(caps.dtypes)} | {params} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\n" + PLUGIN_FILES
 
 
 if __name__ == "__main__":
