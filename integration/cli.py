@@ -157,6 +157,7 @@ def _print_plan(plan: Plan, source: str, console: Console) -> None:
 #: (``vllm-graft plugins`` and ``check`` stay fast).
 COMMAND_MODULES: tuple[str, ...] = (
     "vllm_graft.integration.run",  # demo, generate, serve
+    "vllm_graft.integration.doctor",  # doctor, patches
     "vllm_graft.tools.bench",  # bench
     "vllm_graft.kit.scaffold",  # new-plugin
     "vllm_graft.tools.calibrate",  # calibrate METHOD (expert-mask, razor)

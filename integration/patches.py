@@ -6,16 +6,21 @@ has none, an adapter patches, and only through :data:`PATCHES`, which records wh
 what and why, checks the installed vLLM against the versions the patch was written for,
 refuses a second patch of the same attribute, and can undo everything it applied.
 
-Its :meth:`applied` lists them (a ``vllm-graft patches`` command is issue 22's).
+Every patch an adapter applies is an entry of the patch register, :mod:`.targets`
+(:meth:`PatchRegistry.ensure_target`); :meth:`applied` lists what this process applied
+(``vllm-graft patches``), each with its :attr:`Patch.runner`.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+
+if TYPE_CHECKING:
+    from .targets import Target
 
 log = logging.getLogger("vllm_graft")
 
@@ -33,6 +38,7 @@ class Patch:
     versions: str  # vLLM versions this patch was checked against (PEP 440 specifier)
     original: Any = None
     had_attribute: bool = True
+    runner: str = "any"  # "v1": only Model Runner V1 calls it (see targets.Target.runner)
 
     @property
     def where(self) -> str:
@@ -97,6 +103,14 @@ class PatchRegistry:
         found = installed_vllm()
         return self.apply(owner, target, attribute, replacement, reason=reason, versions=versions,
                           vllm_version=found[1] if found else None, wrap=wrap)
+
+    def ensure_target(self, target: "Target", replacement: Any, *, wrap: bool = True) -> Patch:
+        """:meth:`ensure` for an entry of the patch register (:data:`.targets.PATCH_TARGETS`):
+        owner, reason and checked range come from the entry; imports vLLM."""
+        patch = self.ensure(target.owner, target.resolve(), target.attribute, replacement,
+                            reason=target.reason, versions=target.versions, wrap=wrap)
+        patch.runner = target.runner
+        return patch
 
     def undo(self, owner: str | None = None) -> list[Patch]:
         """Restore the originals of ``owner``'s patches (all patches with None)."""

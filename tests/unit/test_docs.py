@@ -117,7 +117,7 @@ def test_benchmarks_has_a_section_per_kind_and_says_there_are_no_gpu_figures():
 
 
 def test_supported_vllm_range_written_once():
-    """hooks/registry.py declares it; the README states it (once), other docs point there."""
+    """hooks/versions.py derives it; the README states it (once), other docs point there."""
     from vllm_graft.hooks.registry import SUPPORTED_VLLM
     readme = README.read_text()
     assert readme.count(f"`{SUPPORTED_VLLM}`") == 1, f"README.md should state {SUPPORTED_VLLM} once"

@@ -262,12 +262,11 @@ def _arm_run(job: dict[str, Any], send: Callable[[str, Any], None]) -> dict[str,
 
         sampler = _KVSampler(pool)
         vllm_version = installed_vllm()[1] if installed_vllm() else None
-        from vllm_graft.integration.bridge import SUPPORTED_VLLM
+        from vllm_graft.integration.targets import BENCH_SCHEDULE
 
-        PATCHES.apply("bench", scheduler, "schedule", sampler.wrap, wrap=True, versions=SUPPORTED_VLLM,
-                      vllm_version=vllm_version,
-                      reason="vLLM exposes no per-step KV block count; the bench samples the block "
-                             "pool right after each allocation")
+        PATCHES.apply(BENCH_SCHEDULE.owner, scheduler, BENCH_SCHEDULE.attribute, sampler.wrap, wrap=True,
+                      versions=BENCH_SCHEDULE.versions, vllm_version=vllm_version,
+                      reason=BENCH_SCHEDULE.reason)
         try:
             repeat = max(1, int(job.get("repeat", 1)))
             send("total", repeat * sum(p["max_tokens"] for w in workloads for p in w["prompts"]))

@@ -23,52 +23,25 @@ from vllm_graft.integration.adapters.kvcompress.plan import compact_rows
 from vllm_graft.integration.adapters.kvcompress.rows import build_attention_metadata_wrapper, step_rows
 from vllm_graft.integration.adapters.kvcompress.salt import composition_salt, request_init_wrapper
 from vllm_graft.integration.adapters.kvcompress.scores import _Scores, _ScoringAttention
-from vllm_graft.integration.adapters.kvcompress.state import OWNER, VERSIONS, Active
+from vllm_graft.integration.adapters.kvcompress.state import OWNER, Active
+from vllm_graft.integration import targets
 from vllm_graft.integration.patches import PATCHES
 
 
 # ------------------------------------------------------------------------------ patches
 def install_patch(salt: bool = False) -> None:
     """Wrap ``GPUModelRunner._build_attention_metadata`` and, for a lossy compressor,
-    ``Request.__init__`` (the prefix-cache salt) (idempotent)."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
+    ``Request.__init__`` (the prefix-cache salt) (idempotent; why: :mod:`...targets`)."""
     if salt:
-        from vllm.v1.request import Request
-
-        PATCHES.ensure(
-            OWNER, Request, "__init__", request_init_wrapper, wrap=True,
-            reason="KV computed while a lossy compressor evicts blocks is not the plain KV of its "
-                   "tokens; the prefix cache hashes blocks by tokens (and cache_salt), so every "
-                   "request's cache_salt gets the compressor's name and parameters in front: "
-                   "blocks are shared only between requests of the same compressor and budget",
-            versions=VERSIONS)
-
-    PATCHES.ensure(
-        OWNER, GPUModelRunner, "_build_attention_metadata", build_attention_metadata_wrapper,
-        wrap=True,
-        reason="the attention-metadata builder sees batch rows but not their requests; KV "
-               "compression needs each row's request (input_batch.req_ids) and prompt length "
-               "to drop the blocks the scheduler freed",
-        versions=VERSIONS)
+        PATCHES.ensure_target(targets.KV_REQUEST_INIT, request_init_wrapper)
+    PATCHES.ensure_target(targets.KV_BUILD_METADATA, build_attention_metadata_wrapper)
 
 
 def install_scores_channel() -> None:
     """The three patches of the scores channel (idempotent)."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    why = ("a score-based compressor decides in the worker (which has the attention scores) "
-           "and the scheduler frees; the decision rides on the ModelRunnerOutput the worker "
-           "returns each step (pickled across processes in vLLM's multiprocess executor)")
-    PATCHES.ensure(OWNER, GPUModelRunner, "execute_model", execute_model_wrapper, wrap=True,
-                   reason=why + " (worker: forget finished/preempted requests, attach drops)",
-                   versions=VERSIONS)
-    PATCHES.ensure(OWNER, GPUModelRunner, "sample_tokens", sample_tokens_wrapper, wrap=True,
-                   reason=why + " (worker: attach the step's drops)", versions=VERSIONS)
-    PATCHES.ensure(OWNER, Scheduler, "update_from_output", update_from_output_wrapper, wrap=True,
-                   reason=why + " (scheduler: record the drops; the KV manager frees them)",
-                   versions=VERSIONS)
+    PATCHES.ensure_target(targets.KV_EXECUTE_MODEL, execute_model_wrapper)
+    PATCHES.ensure_target(targets.KV_SAMPLE_TOKENS, sample_tokens_wrapper)
+    PATCHES.ensure_target(targets.KV_UPDATE_FROM_OUTPUT, update_from_output_wrapper)
 
 
 def rewrite(builder: Any, cm: Any) -> Any:

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from vllm_graft.integration.adapters.kvcompress.plan import KVCompressError, blocks_to_skip
 from vllm_graft.integration.adapters.kvcompress.state import VERSIONS, Active
+from vllm_graft.integration.targets import KV_BUILD_METADATA
 
 
 class _StepRows:
@@ -73,7 +74,7 @@ step_rows = threading.local()
 
 
 #: Parameters of ``GPUModelRunner._build_attention_metadata`` the wrapper reads.
-_WRAPPED_PARAMS = ("num_scheduled_tokens", "for_cudagraph_capture")
+_WRAPPED_PARAMS = KV_BUILD_METADATA.params
 
 
 def build_attention_metadata_wrapper(original: Callable) -> Callable:

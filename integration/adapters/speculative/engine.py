@@ -87,17 +87,16 @@ from typing import Any, Callable
 
 from pydantic import BaseModel
 
-from vllm_graft.hooks.registry import SUPPORTED_VLLM
 from vllm_graft.hooks import Kind, Plan
 from vllm_graft.hooks.deployment import Enabled
 
+from vllm_graft.integration import targets
 from vllm_graft.integration.patches import PATCHES
 from vllm_graft.integration.runtime import RUNTIME, Runtime
 from vllm_graft.integration.adapters import Adapter
 from vllm_graft.integration.adapters.speculative.drafting import Drafting
 
 OWNER = "adapters.speculative"
-VERSIONS = SUPPORTED_VLLM  # the adapter was written and checked against this range
 
 #: Drafts per step when the plugin's parameters have no ``num_speculative_tokens`` field.
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
@@ -204,22 +203,10 @@ def _sample_wrapper(original: Callable) -> Callable:
 
 
 def install_patch() -> None:
-    """Wrap ``GPUModelRunner._update_states`` and ``GPUModelRunner._sample`` (idempotent)."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    PATCHES.ensure(
-        OWNER, GPUModelRunner, "_sample", _sample_wrapper, wrap=True,
-        reason="a custom_class proposer never sees the target's logits; Token Recycling needs "
-               "the top-k next tokens at each verified position (Proposer.topk/observe_topk), "
-               "taken from the logits _sample receives before the (rejection) sampler runs",
-        versions=VERSIONS)
-
-    PATCHES.ensure(
-        OWNER, GPUModelRunner, "_update_states", _update_states_wrapper, wrap=True,
-        reason="a custom_class proposer gets no request ids and no finished/aborted signal; "
-               "the runner's _update_states sees both (input_batch.req_ids, "
-               "scheduler_output.finished_req_ids) and the drafts each step verifies",
-        versions=VERSIONS)
+    """Wrap ``GPUModelRunner._update_states`` and ``GPUModelRunner._sample`` (idempotent; why:
+    :mod:`...targets`)."""
+    PATCHES.ensure_target(targets.SPEC_SAMPLE, _sample_wrapper)
+    PATCHES.ensure_target(targets.SPEC_UPDATE_STATES, _update_states_wrapper)
 
 
 # ------------------------------------------------------------------------------ adapter

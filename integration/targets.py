@@ -1,0 +1,175 @@
+"""The patch register: every place in vLLM that vllm-graft patches, or reaches into past its
+public API, with why, for which plugins, and on which model runner it runs.
+
+This is the one file to read before upgrading vLLM. Adapters patch only through
+:meth:`~vllm_graft.integration.patches.PatchRegistry.ensure_target` with an entry of
+:data:`TARGETS` (the reason, the owner and the checked range come from here), and
+``vllm-graft doctor --vllm-source DIR|WHEEL`` checks every entry statically against a vLLM
+source tree or wheel: the module, the class, the attribute, the parameters the replacement
+relies on. The doctor finds the rest on its own (every ``from vllm... import`` in the package,
+every method a vLLM subclass of ours overrides). ``vllm-graft patches`` lists what a deployment
+applies.
+
+Model runner. vLLM 0.33 on CUDA runs Model Runner V2 (``vllm/v1/worker/gpu/model_runner.py``)
+by default, which does not call any method of the V1 ``GPUModelRunner``; a target with
+``runner="v1"`` is reached only under V1. A deployment whose patches include one gets V1
+(:mod:`.runner`), or is refused where V1 cannot be had. :data:`RUNNER_FACTS` are the facts
+about vLLM that this rests on, checked by the doctor too.
+
+vLLM-free: it only names things.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_graft.hooks.versions import SUPPORTED_VLLM
+
+V1_RUNNER = "vllm.v1.worker.gpu_model_runner"  # GPUModelRunner of Model Runner V1
+
+
+@dataclass(frozen=True)
+class Target:
+    owner: str  # who needs it: "bridge", "adapters.<kind>", "tools.bench"
+    module: str  # e.g. "vllm.v1.worker.gpu_model_runner"
+    qualname: str  # the class ("" for a module attribute)
+    attribute: str  # what is patched or used
+    reason: str  # why vLLM's own hooks are not enough
+    action: str = "patch"  # "patch": replaced; "use": called or read (private or unstable)
+    params: tuple[str, ...] = ()  # parameters the replacement (or the call) relies on
+    versions: str = SUPPORTED_VLLM  # the range it was checked against
+
+    @property
+    def where(self) -> str:
+        return ".".join(x for x in (self.module, self.qualname, self.attribute) if x)
+
+    @property
+    def runner(self) -> str:
+        """``"v1"`` where only Model Runner V1 reaches it, else ``"any"``."""
+        return "v1" if self.module == V1_RUNNER else "any"
+
+    def resolve(self):
+        """The object that holds :attr:`attribute` (imports vLLM)."""
+        import importlib
+
+        obj = importlib.import_module(self.module)
+        for part in filter(None, self.qualname.split(".")):
+            obj = getattr(obj, part)
+        return obj
+
+
+_SCORES = ("a score-based compressor decides in the worker (which has the attention scores) and "
+           "the scheduler frees; the decision rides on the ModelRunnerOutput the worker returns "
+           "each step (pickled across processes in vLLM's multiprocess executor)")
+
+CREATE_ENGINE_CONFIG = Target(
+    "bridge", "vllm.engine.arg_utils", "EngineArgs", "create_engine_config",
+    "vLLM has no hook that sees additional_config before it builds the engine; the deployment "
+    "must be validated, activated and exported to child processes there")
+
+KV_REQUEST_INIT = Target(
+    "adapters.kvcompress", "vllm.v1.request", "Request", "__init__",
+    "KV computed while a lossy compressor evicts blocks is not the plain KV of its tokens; the "
+    "prefix cache hashes blocks by tokens (and cache_salt), so every request's cache_salt gets "
+    "the compressor's name and parameters in front: blocks are shared only between requests of "
+    "the same compressor and budget", params=("cache_salt",))
+KV_BUILD_METADATA = Target(
+    "adapters.kvcompress", V1_RUNNER, "GPUModelRunner", "_build_attention_metadata",
+    "the attention-metadata builder sees batch rows but not their requests; KV compression "
+    "needs each row's request (input_batch.req_ids) and prompt length to drop the blocks the "
+    "scheduler freed", params=("num_scheduled_tokens", "for_cudagraph_capture"))
+KV_EXECUTE_MODEL = Target(
+    "adapters.kvcompress", V1_RUNNER, "GPUModelRunner", "execute_model",
+    _SCORES + " (worker: forget finished/preempted requests, attach drops)",
+    params=("scheduler_output",))
+KV_SAMPLE_TOKENS = Target(
+    "adapters.kvcompress", V1_RUNNER, "GPUModelRunner", "sample_tokens",
+    _SCORES + " (worker: attach the step's drops)")
+KV_UPDATE_FROM_OUTPUT = Target(
+    "adapters.kvcompress", "vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output",
+    _SCORES + " (scheduler: record the drops; the KV manager frees them)",
+    params=("scheduler_output", "model_runner_output"))
+
+SPEC_SAMPLE = Target(
+    "adapters.speculative", V1_RUNNER, "GPUModelRunner", "_sample",
+    "a custom_class proposer never sees the target's logits; Token Recycling needs the top-k "
+    "next tokens at each verified position (Proposer.topk/observe_topk), taken from the logits "
+    "_sample receives before the (rejection) sampler runs",
+    params=("logits", "spec_decode_metadata"))
+SPEC_UPDATE_STATES = Target(
+    "adapters.speculative", V1_RUNNER, "GPUModelRunner", "_update_states",
+    "a custom_class proposer gets no request ids and no finished/aborted signal; the runner's "
+    "_update_states sees both (input_batch.req_ids, scheduler_output.finished_req_ids) and the "
+    "drafts each step verifies", params=("scheduler_output",))
+
+BENCH_SCHEDULE = Target(
+    "tools.bench", "vllm.v1.core.sched.scheduler", "Scheduler", "schedule",
+    "vLLM exposes no per-step KV block count; the bench samples the block pool right after "
+    "each allocation (only in `vllm-graft bench`, never in a deployment)")
+
+#: Private or unstable vLLM names the adapters call or read (no patch, but an upgrade can
+#: break them just the same).
+USES: tuple[Target, ...] = (
+    Target("adapters.attention", "vllm.v1.attention.backends.registry", "AttentionBackendEnum",
+           "CPU_ATTN", "the CPU engine's backend, overridden with vllm-graft's subclass", "use"),
+    Target("adapters.attention", "vllm.v1.attention.backends.registry", "AttentionBackendEnum",
+           "CUSTOM", "the backend vllm-graft registers on CUDA", "use"),
+    Target("adapters.attention", "vllm.v1.attention.backends.registry",
+           "AttentionBackendEnum", "clear_override",
+           "undo the override when the last adapter using the backend deactivates", "use"),
+    Target("adapters.attention", "vllm.v1.attention.selector", "", "_cached_get_attn_backend",
+           "vLLM caches the selected backend class; a later engine in the process must see the "
+           "current registration", "use"),
+    Target("adapters.kvcompress", "vllm.v1.kv_cache_spec_registry", "KVCacheSpecRegistry",
+           "_ensure_registered", "the registry fills itself lazily; the spec is registered "
+           "after vLLM's own", "use"),
+    Target("adapters.kvcompress", "vllm.v1.core.single_type_kv_cache_manager",
+           "FullAttentionManager", "_remove_blocks_in_range",
+           "frees the evicted blocks the way R-SWA frees its gap", "use",
+           params=("request_id", "first_block", "last_block")),
+    Target("bridge", "vllm.config.vllm", "VllmConfig", "use_v2_model_runner",
+           "read after vLLM builds its config: a deployment with a V1-only patch must get V1", "use"),
+    Target("bridge", "vllm.envs", "", "disable_envs_cache",
+           "vLLM caches its environment once an engine is up; a second engine in the process "
+           "must see VLLM_USE_V2_MODEL_RUNNER as vllm-graft set it", "use"),
+    Target("adapters.moe", "vllm.model_executor.custom_op", "", "op_registry_oot",
+           "vLLM has no unregister for register_oot; deactivate removes the MoERunner entry", "use"),
+)
+
+#: Every patch, in the order of the owners above.
+PATCH_TARGETS: tuple[Target, ...] = (
+    CREATE_ENGINE_CONFIG, KV_REQUEST_INIT, KV_BUILD_METADATA, KV_EXECUTE_MODEL, KV_SAMPLE_TOKENS,
+    KV_UPDATE_FROM_OUTPUT, SPEC_SAMPLE, SPEC_UPDATE_STATES, BENCH_SCHEDULE)
+
+TARGETS: tuple[Target, ...] = PATCH_TARGETS + USES
+
+
+@dataclass(frozen=True)
+class RunnerFact:
+    """A fact about vLLM's model-runner selection that :mod:`.runner` relies on, checked by
+    the doctor as "``file`` matches the regular expression ``pattern``" (read, not run)."""
+
+    claim: str
+    file: str
+    pattern: str
+
+
+RUNNER_FACTS: tuple[RunnerFact, ...] = (
+    RunnerFact("the runner is chosen by VllmConfig.use_v2_model_runner",
+               "vllm/config/vllm.py", r"def use_v2_model_runner\(self\)"),
+    RunnerFact("VLLM_USE_V2_MODEL_RUNNER=0 selects V1 (read before vLLM's own default)",
+               "vllm/config/vllm.py",
+               r"use_v2_model_runner = envs\.VLLM_USE_V2_MODEL_RUNNER\s+if use_v2_model_runner is not None:"
+               r"\s+return use_v2_model_runner"),
+    RunnerFact("the variable is read as int: 0 or 1", "vllm/envs.py",
+               r"def maybe_convert_bool\(.*\n(.*\n){0,3}\s+return bool\(int\(value\)\)"),
+    RunnerFact("the CUDA worker builds the V1 GPUModelRunner when V2 is off",
+               "vllm/v1/worker/gpu_worker.py", r"from vllm\.v1\.worker\.gpu_model_runner import GPUModelRunner"),
+    RunnerFact("the CPU worker's V1 runner subclasses GPUModelRunner",
+               "vllm/v1/worker/cpu_model_runner.py", r"class CPUModelRunner\(GPUModelRunner\)"),
+    RunnerFact("a custom_class proposer is not supported by V2 (vLLM itself picks V1)",
+               "vllm/config/vllm.py",
+               r"def _get_v2_model_runner_unsupported_features[^@]*?speculative_config\.method in \([^)]*\"custom_class\""),
+    RunnerFact("the V2 runner builds attention metadata with each backend's own builder (the "
+               "attention backend's seams run under both runners)",
+               "vllm/v1/worker/gpu/attn_utils.py", r"get_metadata_builder\("),
+)
