@@ -28,7 +28,7 @@ from typing import Any
 
 from vllm_graft.hooks import Kind, DeploymentError, Plan, Problem, get_registry, validate
 from vllm_graft.hooks.deployment import load_file, parse_json
-from vllm_graft.hooks.registry import SUPPORTED_VLLM  # the adapters were written and checked against it
+from vllm_graft.hooks.versions import SUPPORTED_VLLM, VLLM_BUILDS  # the adapters were checked against these
 
 from .env import detect_environment, installed_vllm
 from . import runner
@@ -81,9 +81,11 @@ def _supported(version: str) -> bool:
 def _unsupported_message(found: tuple[str, str]) -> str:
     from .cli import package_version
 
+    builds = ", ".join(f"{b.distribution} {b.minor}.* on {b.platform} (pip install "
+                       f"'vllm-graft[{b.extra}]')" for b in VLLM_BUILDS)
     return (f"vllm-graft {package_version()} supports vLLM {SUPPORTED_VLLM}, but {found[0]} "
-            f"{found[1]} is installed. Install a supported vLLM (pip install 'vllm-graft[cpu]' "
-            "on CPU, 'vllm-graft[gpu]' on GPU) or a vllm-graft release made for this vLLM.")
+            f"{found[1]} is installed. Install a supported build ({builds}) or a vllm-graft "
+            "release made for this vLLM.")
 
 
 def check_vllm_version() -> tuple[str, str]:
@@ -94,7 +96,27 @@ def check_vllm_version() -> tuple[str, str]:
             "vLLM is not installed: pip install 'vllm-graft[cpu]' (CPU) or 'vllm-graft[gpu]' (GPU)")
     if not _supported(found[1]):
         raise UnsupportedVLLMError(_unsupported_message(found))
+    _warn_unchecked_build(found)
     return found
+
+
+def _warn_unchecked_build(found: tuple[str, str]) -> None:
+    """A release in the range whose build (distribution) no row of hooks/versions.py names:
+    allowed, but said once (e.g. the CUDA build of 0.32: only the CPU build of 0.32 is checked)."""
+    from packaging.version import Version
+
+    release = Version(found[1]).release
+    minor = f"{release[0]}.{release[1]}" if len(release) > 1 else found[1]
+    if any(b.distribution == found[0] and b.minor == minor for b in VLLM_BUILDS) or found in _warned:
+        return
+    _warned.add(found)
+    checked = ", ".join(f"{b.distribution} {b.minor}" for b in VLLM_BUILDS)
+    log.warning("vllm-graft: %s %s is in the supported range but its build was never checked "
+                "(checked: %s); run `vllm-graft doctor` to see whether everything it needs is there",
+                found[0], found[1], checked)
+
+
+_warned: set[tuple[str, str]] = set()
 
 
 # --------------------------------------------------------------------------- deployments

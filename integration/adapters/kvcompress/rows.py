@@ -69,7 +69,9 @@ class _StepRows:
         return out
 
 
-#: ``step_rows.step``: the :class:`_StepRows` of the metadata build under way in this thread.
+#: ``step_rows.step``: the :class:`_StepRows` of the metadata build under way in this thread;
+#: ``step_rows.inside``: True while the patched ``_build_attention_metadata`` runs (dummy
+#: batches included).
 step_rows = threading.local()
 
 
@@ -93,14 +95,14 @@ def build_attention_metadata_wrapper(original: Callable) -> Callable:
     def _build_attention_metadata(self, *args, **kwargs):
         bound = signature.bind_partial(self, *args, **kwargs).arguments
         scheduled = bound.get("num_scheduled_tokens")
-        if scheduled is None or bound.get("for_cudagraph_capture"):
-            return original(self, *args, **kwargs)  # dummy / profiling batch: no requests
-        previous = getattr(step_rows, "step", None)
-        step_rows.step = _StepRows(self, scheduled)
+        previous = getattr(step_rows, "step", None), getattr(step_rows, "inside", False)
+        step_rows.inside = True  # the rewriter's proof that this patch runs (see rewrite)
+        if scheduled is not None and not bound.get("for_cudagraph_capture"):
+            step_rows.step = _StepRows(self, scheduled)  # else a dummy / profiling batch
         try:
             return original(self, *args, **kwargs)
         finally:
-            step_rows.step = previous
+            step_rows.step, step_rows.inside = previous
 
     _build_attention_metadata.__wrapped__ = original  # type: ignore[attr-defined]
     return _build_attention_metadata
