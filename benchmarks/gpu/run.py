@@ -1,0 +1,289 @@
+"""Time every plugin's Triton kernel against its PyTorch reference on a CUDA GPU.
+
+For the day a GPU is lent (the machine has torch and Triton, no vLLM). From the repository root:
+
+    python benchmarks/gpu/run.py --out gpu.md                   # realistic shapes, CUDA
+    python benchmarks/gpu/run.py --out gpu.md --update-benchmarks  # and the BENCHMARKS.md section
+    python benchmarks/gpu/run.py --smoke                        # CPU, TRITON_INTERPRET=1, tiny shapes
+
+Per case: the same inputs through the reference and the kernel, the outputs compared (the
+tolerances of the kernel tests) before anything is timed, then both timed with
+``triton.testing.do_bench`` (median of its repeats), and the kernel's achieved bandwidth
+(the bytes it must move at least, over its time) against the device's peak. ``--smoke`` checks
+correctness on CPU under the interpreter and times nothing.
+
+It imports ``vllm_graft`` from this checkout without installing it (see :func:`_source_tree`):
+the plugins need torch, triton, pydantic, pluggy, PyYAML and packaging, nothing else.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[2]
+MARK_START, MARK_END = "<!-- gpu-kernels:start -->", "<!-- gpu-kernels:end -->"
+#: Peak memory bandwidth (GB/s) by device name (substring), for the "% of peak" column.
+PEAK_GBPS = {"H200": 4800, "H100 SXM": 3350, "H100 NVL": 3900, "H100": 2000, "A100-SXM4-80GB": 2039,
+             "A100": 1555, "L40S": 864, "L4": 300, "A10G": 600}
+
+
+def _source_tree() -> None:
+    """Make ``vllm_graft.<folder>`` import from this checkout (pyproject's package-dir)."""
+    if "vllm_graft" in sys.modules:
+        return
+    import types
+
+    pkg = types.ModuleType("vllm_graft")
+    pkg.__path__ = []
+    sys.modules["vllm_graft"] = pkg
+    for name in ("hooks", "plugins"):
+        spec = importlib.util.spec_from_file_location(
+            f"vllm_graft.{name}", ROOT / name / "__init__.py", submodule_search_locations=[str(ROOT / name)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        setattr(pkg, name, module)
+
+
+@dataclass
+class Case:
+    kernel: str  # the plugin and its kernel
+    shape: str
+    dtype: str
+    reference: Callable[[], object]
+    triton: Callable[[], object]
+    bytes_moved: int  # the least the kernel must read and write
+    tol: float
+
+
+def _close(a, b, tol: float) -> float:
+    import torch
+
+    if isinstance(a, (tuple, list)):
+        return max(_close(x, y, tol) for x, y in zip(a, b))
+    if a.dtype in (torch.int32, torch.int64, torch.uint8):
+        return float((a.long() != b.long()).any())
+    return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+
+
+# ------------------------------------------------------------------------------ cases
+def _paged(B, ctx, H, Hkv, D, bs, dtype, device, shared_prefix=0, seed=0):
+    """A decode batch: B sequences of ``ctx`` tokens (the first ``shared_prefix`` in blocks
+    shared by all), one query each, scattered block ids."""
+    import torch
+
+    from vllm_graft.hooks import AttentionLayer, PagedBatch
+
+    g = torch.Generator().manual_seed(seed)
+    pre, own = shared_prefix // bs, -(-(ctx - shared_prefix) // bs)
+    n_blocks = pre + B * own + 1
+    perm = torch.randperm(n_blocks, generator=g)
+    table = torch.stack([torch.cat([perm[:pre], perm[pre + i * own: pre + (i + 1) * own]]) for i in range(B)])
+    batch = PagedBatch(torch.arange(B + 1, dtype=torch.int32, device=device),
+                       torch.full((B,), ctx, dtype=torch.int32, device=device), table.to(torch.int32).to(device))
+    kv = torch.randn(n_blocks, Hkv, bs, 2 * D, generator=g).to(dtype).to(device)
+    q = torch.randn(B, H, D, generator=g).to(dtype).to(device)
+    return q, kv, batch, AttentionLayer(H, Hkv, D, D ** -0.5, bs, index=0), n_blocks
+
+
+def cases(smoke: bool, device: str) -> list[Case]:
+    import torch
+
+    dt = torch.float16
+    elt = 2
+    # decode: 32 sequences x 2K tokens, Llama-3-8B attention (32 heads, 8 KV heads, D 128)
+    B, ctx, H, Hkv, D, bs = (3, 80, 4, 2, 64, 16) if smoke else (32, 2048, 32, 8, 128, 16)
+    out: list[Case] = []
+
+    from vllm_graft.plugins.attention.hydragen import HydragenParams
+    from vllm_graft.plugins.attention.hydragen.reference import Hydragen
+
+    pre = (ctx // 2) // bs * bs
+    q, kv, batch, layer, nb = _paged(B, ctx, H, Hkv, D, bs, dt, device, shared_prefix=pre)
+    ref_m, tri_m = Hydragen(HydragenParams()), Hydragen(HydragenParams(kernel="triton"))
+    plan = tri_m.plan(batch)
+    out.append(Case("hydragen (prefix+suffix+merge)", f"B{B} ctx{ctx} shared{pre} H{H}/{Hkv} D{D}", "fp16",
+                    lambda: ref_m.forward(q, kv, batch, layer, ref_m.plan(batch)),
+                    lambda: tri_m.forward(q, kv, batch, layer, plan),
+                    nb * Hkv * bs * 2 * D * elt + 2 * q.numel() * elt, 2e-3))
+
+    from vllm_graft.plugins.attention.squeezed import SqueezedParams
+    from vllm_graft.plugins.attention.squeezed.reference import Squeezed
+
+    q2, kv2, batch2, layer2, nb2 = _paged(B, ctx, H, Hkv, D, bs, dt, device, seed=1)
+    kw = dict(budget=0.125, chunk=16, sink_tokens=16, recent_tokens=16)
+    sq_ref, sq_tri = Squeezed(SqueezedParams(**kw)), Squeezed(SqueezedParams(kernel="triton", **kw))
+    out.append(Case("squeezed (chunk scores + sparse decode, K=1/8)", f"B{B} ctx{ctx} H{H}/{Hkv} D{D}", "fp16",
+                    lambda: sq_ref.forward(q2, kv2, batch2, layer2),
+                    lambda: sq_tri.forward(q2, kv2, batch2, layer2),
+                    nb2 * Hkv * bs * D * elt + nb2 * Hkv * bs * 2 * D * elt // 8, 2e-3))
+
+    from vllm_graft.plugins.kvcompress._shared.reference import attend
+
+    observe = torch.ones(B, dtype=torch.bool, device=device)
+    out.append(Case("h2o/snapkv attention with block mass", f"B{B} ctx{ctx} H{H}/{Hkv} D{D}", "fp16",
+                    lambda: attend("reference", q2, kv2, batch2, layer2, observe),
+                    lambda: attend("triton", q2, kv2, batch2, layer2, observe),
+                    nb2 * Hkv * bs * 2 * D * elt, 2e-3))
+
+    from vllm_graft.plugins.kvcompress.kv4.kernel import paged_attention_kv4_triton
+    from vllm_graft.plugins.kvcompress.kv4.reference import bytes_per_token, paged_attention_kv4, write
+
+    G = 32
+    cache = torch.zeros(nb2, Hkv, bs, bytes_per_token(D, bs, G), dtype=torch.uint8, device=device)
+    for i in range(B):
+        slots = batch2.block_table[i, torch.arange(ctx, device=device) // bs].long() * bs \
+            + torch.arange(ctx, device=device) % bs
+        write(torch.randn(ctx, Hkv, D, device=device).to(dt), torch.randn(ctx, Hkv, D, device=device).to(dt),
+              cache, slots, G)
+    out.append(Case("kv4 paged attention (4-bit KV)", f"B{B} ctx{ctx} H{H}/{Hkv} D{D}", "fp16",
+                    lambda: paged_attention_kv4(q2, cache, batch2, layer2, G)[0],
+                    lambda: paged_attention_kv4_triton(q2, cache, batch2, layer2, G),
+                    cache.numel(), 2e-3))
+
+    from vllm_graft.plugins.moe.dynamic_topk.kernel import dynamic_topk_triton
+    from vllm_graft.plugins.moe.dynamic_topk.reference import dynamic_topk
+
+    T, E, k = (64, 8, 2) if smoke else (8192, 64, 6)
+    logits = torch.randn(T, E, device=device)
+    out.append(Case("dynamic-topk routing", f"T{T} E{E} top{k}", "fp32",
+                    lambda: dynamic_topk(logits, k, True, threshold=0.9)[:2],
+                    lambda: tuple(x.long() if x.dtype == torch.int32 else x
+                                  for x in dynamic_topk_triton(logits, k, True, threshold=0.9)[:2]),
+                    logits.numel() * 4 + T * k * 8, 1e-5))
+
+    N, K, M = (64, 128, 4) if smoke else (4096, 4096, 16)  # a Llama-7B projection, decode batch 16
+    from vllm_graft.plugins.quant.w4a8.kernel import w4a8_matmul
+    from vllm_graft.plugins.quant.w4a8.reference import emulate, quantize
+
+    w = torch.randn(N, K, device=device) * 0.02
+    t = quantize(w, 128)
+    x = torch.randn(M, K, device=device)
+    out.append(Case("w4a8 GEMM", f"M{M} N{N} K{K} g128", "fp32 act",
+                    lambda: emulate(x, t, 128), lambda: w4a8_matmul(x, t, 128),
+                    N * K // 2 + M * K * 4 + M * N * 4, 1e-3))
+
+    from vllm_graft.plugins.quant.squeezellm.kernel import lut_matmul
+    from vllm_graft.plugins.quant.squeezellm.reference import dequantize, pack_bitplanes
+
+    bits = 4
+    codes = pack_bitplanes(torch.randint(0, 2 ** bits, (N, K), device=device), bits)
+    lut = (torch.randn(N, 2 ** bits, device=device) * 0.02).to(dt)
+    xh = torch.randn(M, K, device=device).to(dt)
+    out.append(Case("squeezellm LUT GEMV (4-bit)", f"M{M} N{N} K{K}", "fp16",
+                    lambda: xh @ dequantize(codes, lut, bits).T, lambda: lut_matmul(xh, codes, lut, bits),
+                    codes.numel() + lut.numel() * 2 + M * (K + N) * 2, 5e-2))
+
+    from vllm_graft.plugins.quant.dfloat11 import kernel as df_kernel
+    from vllm_graft.plugins.quant.dfloat11 import reference as df_ref
+
+    enc = df_ref.encode((torch.randn(N, K) * 0.02).to(torch.bfloat16))
+    sym, ln = df_ref.decode_table(enc["code_lengths"], 12)
+    pos = enc["chunk_offsets"].to(torch.int64)
+    args = (enc["exponents"].to(device), pos.to(device), torch.zeros_like(pos).to(device), sym.to(device),
+            ln.to(device), int(enc["header"][3]), 12)
+    out.append(Case("dfloat11 exponent decode (Huffman)", f"{N}x{K} bf16", "bf16",
+                    lambda: df_ref.decode_exponents(*args), lambda: df_kernel.decode_exponents(*args),
+                    enc["exponents"].numel() + N * K, 0.0))
+
+    from vllm_graft.plugins.speculative.token_recycling.kernel import recycle_update
+    from vllm_graft.plugins.speculative.token_recycling.reference import topk_update_reference
+
+    R, V, kk = (4, 512, 4) if smoke else (64, 32000, 8)
+    lg = torch.randn(R, V, device=device)
+    toks = torch.randint(0, V, (R,), device=device)
+    m0 = torch.zeros(V, kk, dtype=torch.int64, device=device)
+    out.append(Case("token-recycling adjacency update", f"R{R} V{V} k{kk}", "fp32",
+                    lambda: topk_update_reference(lg, toks, m0.clone()),
+                    lambda: recycle_update(lg, toks, m0.clone()),
+                    lg.numel() * 4 + R * kk * 8, 0.0))
+    return out
+
+
+# ------------------------------------------------------------------------------ running
+def _time_ms(fn: Callable[[], object], smoke: bool) -> float:
+    if smoke:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100)
+
+
+def run(smoke: bool, peak: float | None, progress: Callable[[str], None] = print) -> tuple[str, list[dict]]:
+    import torch
+    import triton
+
+    device = "cpu" if smoke else "cuda"
+    name = "CPU (TRITON_INTERPRET=1: correctness only, not timed)" if smoke else torch.cuda.get_device_name()
+    if peak is None and not smoke:
+        peak = next((v for k, v in PEAK_GBPS.items() if k in name), None)
+    rows = []
+    for c in cases(smoke, device):
+        progress(f"  {c.kernel} ...")
+        err = _close(c.reference(), c.triton(), c.tol)
+        ok = err <= c.tol
+        timed = ok and not smoke  # the interpreter's times say nothing about a GPU
+        ref_ms = _time_ms(c.reference, smoke) if timed else float("nan")
+        tri_ms = _time_ms(c.triton, smoke) if timed else float("nan")
+        gbps = c.bytes_moved / tri_ms / 1e6 if timed and tri_ms > 0 else float("nan")
+        rows.append({"kernel": c.kernel, "shape": c.shape, "dtype": c.dtype, "max_err": err, "ok": ok,
+                     "ref_ms": ref_ms, "triton_ms": tri_ms, "speedup": ref_ms / tri_ms if timed else float("nan"),
+                     "gbps": gbps, "peak_pct": 100 * gbps / peak if peak and timed else None})
+    head = (f"Device: {name}; torch {torch.__version__}, triton {triton.__version__}; "
+            f"`python benchmarks/gpu/run.py{' --smoke' if smoke else ''}`, "
+            f"{time.strftime('%Y-%m-%d')}. Peak bandwidth: {f'{peak:.0f} GB/s' if peak else 'unknown'}.\n\n")
+    table = ["| kernel | shape | dtype | matches reference (max abs err) | reference ms | Triton ms "
+             "| speed-up | GB/s | % of peak |", "|---|---|---|---|---|---|---|---|---|"]
+    def fmt(v: float, spec: str, unit: str = "") -> str:
+        return "-" if v != v else f"{v:{spec}}{unit}"  # NaN: not timed
+
+    for r in rows:
+        pct = f"{r['peak_pct']:.0f}%" if r["peak_pct"] is not None else "-"
+        table.append(f"| {r['kernel']} | {r['shape']} | {r['dtype']} | {'yes' if r['ok'] else 'NO'} "
+                     f"({r['max_err']:.1e}) | {fmt(r['ref_ms'], '.3f')} | {fmt(r['triton_ms'], '.3f')} | "
+                     f"{fmt(r['speedup'], '.1f', 'x')} | {fmt(r['gbps'], '.0f')} | {pct} |")
+    return head + "\n".join(table) + "\n", rows
+
+
+def update_benchmarks(text: str, path: Path = ROOT / "BENCHMARKS.md") -> None:
+    body = path.read_text()
+    if MARK_START not in body or MARK_END not in body:
+        raise SystemExit(f"{path} has no {MARK_START} ... {MARK_END} section")
+    before, rest = body.split(MARK_START, 1)
+    _, after = rest.split(MARK_END, 1)
+    path.write_text(f"{before}{MARK_START}\n{text}{MARK_END}{after}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes: correctness only")
+    ap.add_argument("--out", help="write the markdown table here")
+    ap.add_argument("--update-benchmarks", action="store_true", help="replace the GPU section of BENCHMARKS.md")
+    ap.add_argument("--peak-gbps", type=float, help="the device's peak memory bandwidth (default: by name)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+    _source_tree()
+    import torch
+
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --smoke for the CPU correctness check")
+    text, rows = run(args.smoke, args.peak_gbps)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    if args.update_benchmarks:
+        update_benchmarks(text)
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
