@@ -14,6 +14,7 @@ from vllm_graft.plugins.quant.w4a8 import W4A8Params  # noqa: E402
 from vllm_graft.plugins.quant.w4a8.reference import (  # noqa: E402
     W4A8,
     emulate,
+    int8_matmul,
     int8_weight,
     quantize,
 )
@@ -44,12 +45,29 @@ def test_params_and_stored_tensors():
     got = m.quantize(torch.randn(10, 200))
     assert {k: (tuple(v.shape), str(v.dtype)[6:]) for k, v in got.items()} == \
         {k: (s.shape, s.dtype) for k, s in specs.items()}
-    assert "kernel" not in m.checkpoint_params()
+    assert "kernel" not in m.checkpoint_params() and "cpu_weights" not in m.checkpoint_params()
     m.verify(got)
     with pytest.raises(ValueError, match="^group_zero:"):
         m.verify(dict(got, group_zero=got["group_zero"] + 16))
     with pytest.raises(Exception, match="group_size"):
         W4A8Params(group_size=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M,N,K,gs", [(1, 40, 48, 16), (20, 24, 72, 32), (7, 96, 200, 128), (3, 33, 4096, 128)])
+def test_the_unpacked_int8_path_is_bit_identical_to_the_emulation(dtype, M, N, K, gs):
+    g = torch.Generator().manual_seed(M * N)
+    w = torch.randn(N, K, generator=g) * 0.1
+    x = (torch.randn(M, K, generator=g) * 3).to(dtype)
+    fast, slow = W4A8(W4A8Params(group_size=gs)), W4A8(W4A8Params(group_size=gs, cpu_weights="packed"))
+    t_fast = fast.load({k: [v] for k, v in fast.quantize(w).items()}, [N])
+    t_slow = slow.load({k: [v] for k, v in slow.quantize(w).items()}, [N])
+    assert t_fast["weight_int8"].dtype == torch.int8 and "weight_int8" not in t_slow
+    assert torch.equal(int8_matmul(x, t_fast), emulate(x, t_slow, gs))
+    assert torch.equal(fast.apply(t_fast, x, None), slow.apply(t_slow, x, None))
+    # the Triton path keeps the 4-bit codes only
+    assert "weight_int8" not in W4A8(W4A8Params(group_size=gs, kernel="triton")).load(
+        {k: [v] for k, v in fast.quantize(w).items()}, [N])
 
 
 @pytest.mark.kernel

@@ -9,6 +9,8 @@ symmetric int8 per token. The GEMM multiplies int8 by int8 into int32 and scales
 ``token step * channel step``. Written offline by ``vllm-graft quantize w4a8 MODEL OUT``.
 """
 
+from typing import Literal
+
 from pydantic import Field
 
 from vllm_graft.hooks import Capabilities, KernelParams, Registration, hookimpl
@@ -20,6 +22,11 @@ class W4A8Params(KernelParams):
 
     group_size: int = Field(128, ge=8, le=4096, description=(
         "input columns per 4-bit group (a multiple of 2; the last group of a row may be shorter)"))
+    cpu_weights: Literal["int8", "packed"] = Field("int8", description=(
+        "the torch path (kernel: reference): 'int8' keeps each weight's int8 values, unpacked once "
+        "at load (+1 byte per weight beside the 0.5 of the 4-bit codes), and multiplies int8 by "
+        "int8 into int32 (torch._int_mm); 'packed' keeps the 4-bit codes only and unpacks them on "
+        "every call (~100x slower). Same results either way"))
 
 
 @hookimpl

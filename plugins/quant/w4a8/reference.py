@@ -57,6 +57,17 @@ def int8_weight(t: dict[str, torch.Tensor], group_size: int) -> torch.Tensor:
     return ((q4 - zero) * mult).clamp(-128, 127)
 
 
+def int8_matmul(x: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
+    """What :func:`emulate` computes, from the int8 weight ``t["weight_int8"]`` unpacked once:
+    int8 x int8 into int32 (exact: ``|sum| <= 127 * 128 * in``, far below 2**31), then the same
+    scaling. Bit-identical to :func:`emulate` (an exact integer rounds to fp32 the same way
+    from int32 as from fp64)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, sx = quantize_activations(x2)
+    acc = torch._int_mm(xq, t["weight_int8"].T)
+    return (acc.float() * sx * t["channel_step"].float().T).reshape(*x.shape[:-1], -1)
+
+
 def emulate(x: torch.Tensor, t: dict[str, torch.Tensor], group_size: int) -> torch.Tensor:
     """fp32 emulation of the W4A8 GEMM: every product and sum is an exact integer in fp64,
     then scaled by token step x channel step. Returns fp32 ``[M, out]``."""
@@ -71,7 +82,13 @@ class W4A8(QuantMethod):
         return quantize(weight, self.params.group_size)
 
     def checkpoint_params(self):
-        return self.params.model_dump(mode="json", exclude={"kernel"})
+        return self.params.model_dump(mode="json", exclude={"kernel", "cpu_weights"})
+
+    def load(self, stored, shard_rows):
+        tensors = super().load(stored, shard_rows)
+        if self.params.kernel == "reference" and self.params.cpu_weights == "int8":
+            tensors["weight_int8"] = int8_weight(tensors, self.params.group_size).to(torch.int8)
+        return tensors
 
     def stored_tensors(self, out_features, in_features):
         G = -(-in_features // self.params.group_size)
@@ -93,6 +110,8 @@ class W4A8(QuantMethod):
             from .kernel import w4a8_matmul
 
             y = w4a8_matmul(x, tensors, self.params.group_size)
+        elif "weight_int8" in tensors:
+            y = int8_matmul(x, tensors)
         else:
             y = emulate(x, tensors, self.params.group_size)
         y = y.to(x.dtype)
