@@ -78,6 +78,13 @@ def test_example_deployments_are_valid(registry, cpu_env):
     for f in files:  # the bundled models they name are committed under models/
         plan = validate_file(f, registry, cpu_env)
         assert plan.model is not None, f"{f} names a local model folder"
+    shapes = sorted((root / "shapes").glob("*.yaml"))
+    assert {f.stem for f in shapes} >= {f"noop-{k}" for k in ("attention", "kvcompress", "speculative",
+                                                                "quant", "moe")}
+    for f in shapes:  # realistic shapes without weights: they must ask for vLLM's dummy weights
+        plan = validate_file(f, registry, cpu_env)
+        assert plan.model is not None and "/models/shapes/" in plan.model.path.replace("\\", "/")
+        assert plan.deployment.engine.get("load_format") == "dummy", f"{f} must set load_format: dummy"
 
 
 def test_single_moe_mapping_is_reported_as_written(registry, cpu_env):
