@@ -50,3 +50,21 @@ def test_plugin_triton_backend_equals_reference_backend():
     err = (a - b).abs().max().item()
     print(f"squeezellm triton vs reference backend (with sparse part and bias): max abs error {err:.3g}")
     assert err < 1e-4
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_unpacked_index_path_is_bit_identical_to_unpacking_per_call(bits, dtype):
+    from vllm_graft.plugins.quant.squeezellm import SqueezeLLMParams
+    from vllm_graft.plugins.quant.squeezellm.reference import SqueezeLLM
+
+    g = torch.Generator().manual_seed(bits)
+    w = torch.randn(40, 64, generator=g)
+    fast = SqueezeLLM(SqueezeLLMParams(bits=bits, kmeans_iters=3))
+    slow = SqueezeLLM(SqueezeLLMParams(bits=bits, kmeans_iters=3, cpu_weights="packed"))
+    q = fast.quantize(w)
+    t_fast, t_slow = fast.load({k: [v] for k, v in q.items()}, [40]), slow.load({k: [v] for k, v in q.items()}, [40])
+    assert t_fast["indices"].dtype == torch.uint8 and "indices" not in t_slow
+    x = torch.randn(3, 64, generator=g).to(dtype)
+    assert torch.equal(fast.apply(t_fast, x, None), slow.apply(t_slow, x, None))
+    assert "cpu_weights" not in fast.checkpoint_params()

@@ -18,6 +18,11 @@ class SqueezeLLMParams(KernelParams):
     `reference` (the default) the torch path."""
 
     bits: Literal[3, 4] = Field(4, description="bits per dense weight: a 2**bits-entry LUT per output channel")
+    cpu_weights: Literal["indices", "packed"] = Field("indices", description=(
+        "the torch path (kernel: reference): 'indices' keeps each weight's LUT index as a byte, "
+        "unpacked once at load (+1 byte per weight beside the bit planes), and gathers the dense "
+        "weight from it per call; 'packed' keeps the bit planes only and unpacks them on every "
+        "call (~30x slower). Same results either way"))
     outliers: float = Field(0.004, ge=0.0, le=0.1, description=(
         "fraction of each weight matrix kept exactly in the sparse part: largest magnitudes"))
     sensitive: float = Field(0.0005, ge=0.0, le=0.1, description=(

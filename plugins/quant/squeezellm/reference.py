@@ -119,7 +119,7 @@ class SqueezeLLM(QuantMethod):
         return quantize(weight, sensitivity, p.bits, p.outliers, p.sensitive, p.kmeans_iters)
 
     def checkpoint_params(self):
-        return self.params.model_dump(mode="json", exclude={"kernel"})
+        return self.params.model_dump(mode="json", exclude={"kernel", "cpu_weights"})
 
     def stored_tensors(self, out_features, in_features):
         b = self.params.bits
@@ -156,15 +156,20 @@ class SqueezeLLM(QuantMethod):
             vals.append(v)
             base += n
         cat = (lambda t: t[0] if len(t) == 1 else torch.cat(t, 0))
-        return {"codes": cat(stored["codes"]), "lut": cat(stored["lut"]),
-                "sparse_rows": torch.cat(rows), "sparse_cols": torch.cat(cols),
-                "sparse_vals": torch.cat(vals)}
+        out = {"codes": cat(stored["codes"]), "lut": cat(stored["lut"]),
+               "sparse_rows": torch.cat(rows), "sparse_cols": torch.cat(cols),
+               "sparse_vals": torch.cat(vals)}
+        if self.params.kernel == "reference" and self.params.cpu_weights == "indices":
+            out["indices"] = unpack_bitplanes(out["codes"], self.params.bits).to(torch.uint8)
+        return out
 
     def apply(self, tensors, x, bias):
         if self.params.kernel == "triton":
             from .kernel import lut_matmul
 
             y = lut_matmul(x, tensors["codes"], tensors["lut"], self.params.bits)
+        elif "indices" in tensors:  # unpacked once at load: the same weight, without the unpacking
+            y = F.linear(x, tensors["lut"].gather(1, tensors["indices"].long()).to(x.dtype))
         else:
             y = F.linear(x, dequantize(tensors["codes"], tensors["lut"], self.params.bits).to(x.dtype))
         y = add_sparse(y, x, tensors["sparse_rows"], tensors["sparse_cols"], tensors["sparse_vals"])
