@@ -69,10 +69,85 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return attend_probs(causal_probs(q, k, scale), v)
 
 
+#: Largest padded score tensor (sequences x heads x queries x keys) computed in one batched
+#: call; a larger step (long prefill chunks) goes sequence by sequence.
+BATCHED_SCORES_MAX = 1 << 24
+
+
+def _padded_kv(kv_cache: torch.Tensor, table: torch.Tensor, gather: Gather | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V ``[S, H_kv, nb*B, D]`` of the blocks ``table [S, nb]``. From the cache itself (the
+    layout of ``split_kv_cache``: per block and KV head, ``B`` keys then ``B`` values), one
+    index_select of whole ``[2, B, D]`` chunks straight into sequence-head order; through
+    ``gather`` (e.g. a storage format's dequantisation), a gather and a copy."""
+    S, nb = table.shape
+    if gather is None:
+        N, hkv, B, D2 = kv_cache.shape
+        D = D2 // 2
+        rows = (table.long()[:, None, :] * hkv + torch.arange(hkv, device=table.device)[None, :, None])
+        kv = kv_cache.reshape(N * hkv, 2, B, D).index_select(0, rows.reshape(-1)).view(S, hkv, nb, 2, B, D)
+        return kv[:, :, :, 0].reshape(S, hkv, nb * B, D), kv[:, :, :, 1].reshape(S, hkv, nb * B, D)
+    k, v = gather(table.long().reshape(-1))  # [S*nb, H_kv, B, D]
+    _, hkv, B, D = k.shape
+    return tuple(t.view(S, nb, hkv, B, D).permute(0, 2, 1, 3, 4).reshape(S, hkv, nb * B, D) for t in (k, v))
+
+
+def _paged_batched(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, layer: AttentionLayer,
+                   observe: torch.Tensor | None, gather: Gather | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """:func:`_paged` for the whole batch at once, without a Python loop over sequences: every
+    sequence's blocks gathered into one padded ``[S, H_kv, L, D]``, queries padded to the
+    longest, one masked attention (fused, or with explicit probabilities when ``observe`` asks
+    for the block mass). None when the padded scores would exceed :data:`BATCHED_SCORES_MAX`."""
+    T, H, D = query.shape
+    B, dev = kv_cache.shape[2], query.device
+    qsl, lens = batch.query_start_loc.long(), batch.seq_lens.long()
+    S = lens.numel()
+    qlen = (qsl[1:] - qsl[:-1]).clamp_min(0)
+    qlen = torch.where(lens > 0, qlen, torch.zeros_like(qlen))
+    maxq, maxl = int(qlen.max()) if S else 0, int(lens.max()) if S else 0
+    out = torch.zeros(query.shape, dtype=query.dtype, device=dev)
+    mass = None if observe is None else torch.zeros(
+        S, batch.block_table.shape[1], dtype=torch.float32, device=dev)
+    if maxq == 0 or maxl <= 0:
+        return out, mass
+    nb = -(-maxl // B)
+    L = nb * B
+    if S * H * maxq * L > BATCHED_SCORES_MAX:
+        return None
+    hkv = layer.num_kv_heads
+    k, v = _padded_kv(kv_cache, batch.block_table[:, :nb], gather)
+    k, v = k.float(), v.float()
+    j = torch.arange(maxq, device=dev)
+    q_ok = j[None, :] < qlen[:, None]  # [S, maxq]
+    rows = (qsl[:-1, None] + j[None, :]).clamp(0, max(T - 1, 0))
+    q = query[rows].float().permute(0, 2, 1, 3)  # [S, H, maxq, D]
+    q_pos = (lens - qlen)[:, None] + j[None, :]  # absolute position of each query
+    k_pos = torch.arange(L, device=dev)
+    allowed = (k_pos[None, None, :] <= q_pos[:, :, None]) & q_ok[:, :, None]  # causal, real queries
+    allowed[:, :, 0] |= ~q_ok  # padding queries see key 0 only: no empty row, no NaN
+    if observe is None:
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed[:, None], scale=layer.scale, enable_gqa=hkv != H)
+    else:
+        g = H // hkv
+        s = torch.einsum("shqd,shkd->shqk", q, k.repeat_interleave(g, dim=1)) * layer.scale
+        p = s.masked_fill(~allowed[:, None], float("-inf")).softmax(-1)
+        o = torch.einsum("shqk,shkd->shqd", p, v.repeat_interleave(g, dim=1))
+        w = (observe.to(torch.float32)[rows] * q_ok).to(p.dtype)  # [S, maxq]
+        per_key = torch.einsum("shqk,sq->sk", p, w)
+        mass[:, :nb] = per_key.view(S, nb, B).sum(-1)
+    out[rows[q_ok]] = o.permute(0, 2, 1, 3)[q_ok].to(query.dtype)
+    return out, mass
+
+
 def _paged(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, layer: AttentionLayer,
            observe: torch.Tensor | None, gather: Gather | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Every sequence of ``batch``: ``(out [T, H, D], mass [num_seqs, max_blocks] or None)``."""
     B = kv_cache.shape[2]
+    done = _paged_batched(query, kv_cache, batch, layer, observe, gather)
+    if done is not None:
+        return done
     gather = gather or _cache_gather(kv_cache)
     qsl = batch.query_start_loc.tolist()
     lens = batch.seq_lens.tolist()
