@@ -74,20 +74,76 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 BATCHED_SCORES_MAX = 1 << 24
 
 
-def _padded_kv(kv_cache: torch.Tensor, table: torch.Tensor, gather: Gather | None
+class _StepIndex:
+    """The batched path's indices for one step: the same for every layer of the step, so they
+    are built once per ``PagedBatch`` (see :func:`_step_index`)."""
+
+    def __init__(self, batch: PagedBatch, block_size: int, num_rows: int) -> None:
+        qsl, lens = batch.query_start_loc.long(), batch.seq_lens.long()
+        dev = qsl.device
+        self.S = S = lens.numel()
+        qlen = (qsl[1:] - qsl[:-1]).clamp_min(0)
+        qlen = torch.where(lens > 0, qlen, torch.zeros_like(qlen))
+        self.maxq = int(qlen.max()) if S else 0
+        maxl = int(lens.max()) if S else 0
+        self.nb = -(-maxl // block_size) if maxl > 0 else 0
+        self.L = self.nb * block_size
+        if self.maxq == 0 or self.nb == 0:
+            return
+        j = torch.arange(self.maxq, device=dev)
+        self.q_ok = j[None, :] < qlen[:, None]  # [S, maxq]
+        self.rows = (qsl[:-1, None] + j[None, :]).clamp(0, max(num_rows - 1, 0))
+        self.out_rows = self.rows[self.q_ok]
+        q_pos = (lens - qlen)[:, None] + j[None, :]  # absolute position of each query
+        k_pos = torch.arange(self.L, device=dev)
+        allowed = (k_pos[None, None, :] <= q_pos[:, :, None]) & self.q_ok[:, :, None]  # causal
+        allowed[:, :, 0] |= ~self.q_ok  # padding queries see key 0 only: no empty row, no NaN
+        self.allowed = allowed
+        self.table = batch.block_table[:, : self.nb].long()
+        self._cache_rows: dict[int, torch.Tensor] = {}
+
+    def cache_rows(self, hkv: int) -> torch.Tensor:
+        """Rows of the cache viewed ``[N * H_kv, 2, B, D]``, in ``[S, H_kv, nb]`` order."""
+        if hkv not in self._cache_rows:
+            heads = torch.arange(hkv, device=self.table.device)
+            self._cache_rows[hkv] = (self.table[:, None, :] * hkv + heads[None, :, None]).reshape(-1)
+        return self._cache_rows[hkv]
+
+
+_last_index: tuple = (None, None, None)  # (weakref to the batch, key, _StepIndex)
+
+
+def _step_index(batch: PagedBatch, block_size: int, num_rows: int) -> _StepIndex:
+    """The step's :class:`_StepIndex`, built at its first layer and reused by the others (the
+    key holds the batch's tensors and their version counters: a batch whose tensors are
+    replaced or changed in place is indexed again)."""
+    import weakref
+
+    global _last_index
+    key = (block_size, num_rows) + tuple((id(t), t._version) for t in (
+        batch.query_start_loc, batch.seq_lens, batch.block_table))
+    ref, last_key, index = _last_index
+    if ref is not None and ref() is batch and last_key == key:
+        return index
+    index = _StepIndex(batch, block_size, num_rows)
+    _last_index = (weakref.ref(batch), key, index)
+    return index
+
+
+def _padded_kv(kv_cache: torch.Tensor, index: _StepIndex, gather: Gather | None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K, V ``[S, H_kv, nb*B, D]`` of the blocks ``table [S, nb]``. From the cache itself (the
-    layout of ``split_kv_cache``: per block and KV head, ``B`` keys then ``B`` values), one
-    index_select of whole ``[2, B, D]`` chunks straight into sequence-head order; through
-    ``gather`` (e.g. a storage format's dequantisation), a gather and a copy."""
-    S, nb = table.shape
+    """K, V ``[S, H_kv, nb*B, D]`` of the step's blocks. From the cache itself (the layout of
+    ``split_kv_cache``: per block and KV head, ``B`` keys then ``B`` values), one index_select
+    of whole ``[2, B, D]`` chunks straight into sequence-head order; through ``gather`` (e.g. a
+    storage format's dequantisation), a gather and a copy."""
+    S, nb = index.S, index.nb
     if gather is None:
         N, hkv, B, D2 = kv_cache.shape
         D = D2 // 2
-        rows = (table.long()[:, None, :] * hkv + torch.arange(hkv, device=table.device)[None, :, None])
-        kv = kv_cache.reshape(N * hkv, 2, B, D).index_select(0, rows.reshape(-1)).view(S, hkv, nb, 2, B, D)
+        kv = kv_cache.reshape(N * hkv, 2, B, D).index_select(0, index.cache_rows(hkv))
+        kv = kv.view(S, hkv, nb, 2, B, D)
         return kv[:, :, :, 0].reshape(S, hkv, nb * B, D), kv[:, :, :, 1].reshape(S, hkv, nb * B, D)
-    k, v = gather(table.long().reshape(-1))  # [S*nb, H_kv, B, D]
+    k, v = gather(index.table.reshape(-1))  # [S*nb, H_kv, B, D]
     _, hkv, B, D = k.shape
     return tuple(t.view(S, nb, hkv, B, D).permute(0, 2, 1, 3, 4).reshape(S, hkv, nb * B, D) for t in (k, v))
 
@@ -101,43 +157,30 @@ def _paged_batched(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatc
     for the block mass). None when the padded scores would exceed :data:`BATCHED_SCORES_MAX`."""
     T, H, D = query.shape
     B, dev = kv_cache.shape[2], query.device
-    qsl, lens = batch.query_start_loc.long(), batch.seq_lens.long()
-    S = lens.numel()
-    qlen = (qsl[1:] - qsl[:-1]).clamp_min(0)
-    qlen = torch.where(lens > 0, qlen, torch.zeros_like(qlen))
-    maxq, maxl = int(qlen.max()) if S else 0, int(lens.max()) if S else 0
+    ix = _step_index(batch, B, T)
     out = torch.zeros(query.shape, dtype=query.dtype, device=dev)
     mass = None if observe is None else torch.zeros(
-        S, batch.block_table.shape[1], dtype=torch.float32, device=dev)
-    if maxq == 0 or maxl <= 0:
+        ix.S, batch.block_table.shape[1], dtype=torch.float32, device=dev)
+    if ix.maxq == 0 or ix.nb == 0:
         return out, mass
-    nb = -(-maxl // B)
-    L = nb * B
-    if S * H * maxq * L > BATCHED_SCORES_MAX:
+    if ix.S * H * ix.maxq * ix.L > BATCHED_SCORES_MAX:
         return None
     hkv = layer.num_kv_heads
-    k, v = _padded_kv(kv_cache, batch.block_table[:, :nb], gather)
+    k, v = _padded_kv(kv_cache, ix, gather)
     k, v = k.float(), v.float()
-    j = torch.arange(maxq, device=dev)
-    q_ok = j[None, :] < qlen[:, None]  # [S, maxq]
-    rows = (qsl[:-1, None] + j[None, :]).clamp(0, max(T - 1, 0))
-    q = query[rows].float().permute(0, 2, 1, 3)  # [S, H, maxq, D]
-    q_pos = (lens - qlen)[:, None] + j[None, :]  # absolute position of each query
-    k_pos = torch.arange(L, device=dev)
-    allowed = (k_pos[None, None, :] <= q_pos[:, :, None]) & q_ok[:, :, None]  # causal, real queries
-    allowed[:, :, 0] |= ~q_ok  # padding queries see key 0 only: no empty row, no NaN
+    q = query[ix.rows].float().permute(0, 2, 1, 3)  # [S, H, maxq, D]
     if observe is None:
         o = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed[:, None], scale=layer.scale, enable_gqa=hkv != H)
+            q, k, v, attn_mask=ix.allowed[:, None], scale=layer.scale, enable_gqa=hkv != H)
     else:
         g = H // hkv
         s = torch.einsum("shqd,shkd->shqk", q, k.repeat_interleave(g, dim=1)) * layer.scale
-        p = s.masked_fill(~allowed[:, None], float("-inf")).softmax(-1)
+        p = s.masked_fill(~ix.allowed[:, None], float("-inf")).softmax(-1)
         o = torch.einsum("shqk,shkd->shqd", p, v.repeat_interleave(g, dim=1))
-        w = (observe.to(torch.float32)[rows] * q_ok).to(p.dtype)  # [S, maxq]
+        w = (observe.to(torch.float32)[ix.rows] * ix.q_ok).to(p.dtype)  # [S, maxq]
         per_key = torch.einsum("shqk,sq->sk", p, w)
-        mass[:, :nb] = per_key.view(S, nb, B).sum(-1)
-    out[rows[q_ok]] = o.permute(0, 2, 1, 3)[q_ok].to(query.dtype)
+        mass[:, : ix.nb] = per_key.view(ix.S, ix.nb, B).sum(-1)
+    out[ix.out_rows] = o.permute(0, 2, 1, 3)[ix.q_ok].to(query.dtype)
     return out, mass
 
 

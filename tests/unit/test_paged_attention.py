@@ -71,3 +71,19 @@ def test_a_step_too_large_for_one_batch_goes_sequence_by_sequence(monkeypatch):
     out = shared.paged_attention(q, kv, batch, layer)
     monkeypatch.setattr(shared, "BATCHED_SCORES_MAX", 1 << 24)
     assert (out - shared.paged_attention(q, kv, batch, layer)).abs().max() <= 1e-5
+
+
+def test_the_step_index_is_built_once_per_step_and_again_when_the_batch_changes():
+    q, kv, batch, layer, _ = case(2, torch.float32)
+    first = shared._step_index(batch, 16, q.shape[0])
+    assert shared._step_index(batch, 16, q.shape[0]) is first  # the next layer of the step
+    before = shared.paged_attention(q, kv, batch, layer)
+    batch.block_table = batch.block_table.clone()  # a new tensor object, same version and values
+    second = shared._step_index(batch, 16, q.shape[0])
+    assert second is not first
+    batch.seq_lens[batch.seq_lens > 0] -= 1  # changed in place: indexed again, attends less
+    assert shared._step_index(batch, 16, q.shape[0]) is not second
+    after = shared.paged_attention(q, kv, batch, layer)
+    other = case(2, torch.float32)[2]  # an equal batch that is another object
+    assert shared._step_index(other, 16, q.shape[0]) is not shared._step_index(batch, 16, q.shape[0])
+    assert not torch.equal(before, after)
