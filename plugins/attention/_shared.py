@@ -113,6 +113,13 @@ class _StepIndex:
 _last_index: tuple = (None, None, None)  # (weakref to the batch, key, _StepIndex)
 
 
+def _version(t: torch.Tensor) -> int:
+    """A tensor's in-place version counter; -1 for an inference tensor (vLLM's forward runs under
+    ``torch.inference_mode``), which has none: the batch's tensors are not changed in place
+    between the layers of a step, and a new tensor has a new identity."""
+    return -1 if t.is_inference() else t._version
+
+
 def _step_index(batch: PagedBatch, block_size: int, num_rows: int) -> _StepIndex:
     """The step's :class:`_StepIndex`, built at its first layer and reused by the others (the
     key holds the batch's tensors and their version counters: a batch whose tensors are
@@ -120,7 +127,7 @@ def _step_index(batch: PagedBatch, block_size: int, num_rows: int) -> _StepIndex
     import weakref
 
     global _last_index
-    key = (block_size, num_rows) + tuple((id(t), t._version) for t in (
+    key = (block_size, num_rows) + tuple((id(t), _version(t)) for t in (
         batch.query_start_loc, batch.seq_lens, batch.block_table))
     ref, last_key, index = _last_index
     if ref is not None and ref() is batch and last_key == key:

@@ -87,3 +87,12 @@ def test_the_step_index_is_built_once_per_step_and_again_when_the_batch_changes(
     other = case(2, torch.float32)[2]  # an equal batch that is another object
     assert shared._step_index(other, 16, q.shape[0]) is not shared._step_index(batch, 16, q.shape[0])
     assert not torch.equal(before, after)
+
+
+def test_under_inference_mode_as_in_vllms_forward():
+    with torch.inference_mode():
+        q, kv, batch, layer, observe = case(4, torch.float32)
+        index = shared._step_index(batch, 16, q.shape[0])
+        assert shared._step_index(batch, 16, q.shape[0]) is index
+        out, mass = shared.paged_attention_with_mass(q, kv, batch, layer, observe)
+    assert out.shape == q.shape and mass.shape[0] == batch.seq_lens.numel()
