@@ -33,7 +33,7 @@ EXAMPLE := examples/graft-flexq
 # The CUDA vLLM wheel, read (never installed) by `vllm-graft doctor` in tests/unit/test_doctor.py;
 # fetched once into a cache outside the clone. Without the registry the test says it skipped.
 WHEELS ?= $(HOME)/.cache/vllm-graft/wheels
-VLLM_CUDA := $(shell $(PYTHON) -c "import runpy; b = [x for x in runpy.run_path('hooks/versions.py')['VLLM_BUILDS'] if x.platform == 'cuda']; print(b[0].checked if b else '')")
+VLLM_CUDA = $(shell $(PYTHON) -c "import runpy; b = [x for x in runpy.run_path('hooks/versions.py')['VLLM_BUILDS'] if x.platform == 'cuda']; print(b[0].checked if b else '')")
 
 wheels:
 	@ls $(WHEELS)/vllm-$(VLLM_CUDA)-*.whl >/dev/null 2>&1 || $(PY) -m pip download -q --no-deps \

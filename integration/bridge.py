@@ -303,10 +303,7 @@ def _create_engine_config(original):
             self.additional_config = {}
         self.additional_config[ADDITIONAL_CONFIG_KEY] = json.loads(text)
         try:  # Model Runner V1 where a patch needs it (see .runner)
-            served: dict[str, list[str]] = {}
-            for e in plan.enabled:
-                served.setdefault(f"adapters.{e.kind}", []).append(f"{e.kind}:{e.name}")
-            decision = runner.before_config(PATCHES.applied(), served)
+            decision = runner.before_config(PATCHES.applied(), runner.plugins_by_owner(plan.enabled))
             config = original(self, *args, **kwargs)
             runner.after_config(config, decision)
         except BaseException:

@@ -60,6 +60,15 @@ def _env_value(raw: str | None) -> bool | None:
                           "it") from None
 
 
+def plugins_by_owner(enabled: Iterable[Any]) -> dict[str, list[str]]:
+    """``{patch owner: ["kind:name", ...]}`` for a plan's enabled plugins: a patch is owned by
+    its kind's adapter (``adapters.<kind>``), so this names the plugins each patch serves."""
+    out: dict[str, list[str]] = {}
+    for e in enabled:
+        out.setdefault(f"adapters.{e.kind}", []).append(f"{e.kind}:{e.name}")
+    return out
+
+
 def decide(patches: Iterable[Any], env: str | None, plugins: dict[str, list[str]] | None = None) -> Decision:
     """``patches``: the applied :class:`~.patches.Patch` objects (``owner``, ``where``,
     ``runner``); ``env``: the raw value of ``VLLM_USE_V2_MODEL_RUNNER``; ``plugins``: owner ->

@@ -103,16 +103,14 @@ ALL_DEPLOYMENTS: tuple[dict[str, Any], ...] = (
 
 def applied_patches(data: dict[str, Any], source: str) -> list[dict[str, Any]]:
     """Activate ``data`` in this process (no engine), list its patches, deactivate."""
-    from vllm_graft.integration import bridge
+    from vllm_graft.integration import bridge, runner
     from vllm_graft.integration.patches import PATCHES
 
     plan = bridge.resolve(data, source=source)
     bridge._install_config_hook()
     bridge.activate(plan, source=source)
     try:
-        served: dict[str, list[str]] = {}
-        for e in plan.enabled:
-            served.setdefault(f"adapters.{e.kind}", []).append(f"{e.kind}:{e.name}")
+        served = runner.plugins_by_owner(plan.enabled)
         return [{"target": p.where, "owner": p.owner, "plugins": served.get(p.owner, []),
                  "reason": p.reason, "versions": p.versions, "runner": p.runner}
                 for p in PATCHES.applied()]

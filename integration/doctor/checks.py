@@ -27,7 +27,7 @@ from packaging.version import InvalidVersion, Version
 from vllm_graft.hooks.versions import SUPPORTED_VLLM
 from vllm_graft.integration.targets import RUNNER_FACTS, TARGETS, Target
 
-from .source import Method, VLLMSource
+from .source import Method, VLLMSource, _method
 
 PACKAGE = Path(__file__).resolve().parents[2]  # the folder holding hooks/, integration/, ...
 SCANNED = ("integration", "kit", "tools", "hooks", "plugins")
@@ -95,12 +95,6 @@ def vllm_subclasses(files: Iterable[Path] | None = None) -> list[Subclass]:
                 if isinstance(b, ast.Name) and b.id in imported:
                     out.append(Subclass(cls.name, imported[b.id], methods, f"{_rel(f)}:{cls.lineno}"))
     return out
-
-
-def _method(node) -> Method:
-    from .source import _method as m
-
-    return m(node)
 
 
 # ------------------------------------------------------------------------ the requirements

@@ -14,6 +14,7 @@ with mass) and the graft attention backend (when no attention plugin is enabled)
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -124,8 +125,6 @@ def _step_index(batch: PagedBatch, block_size: int, num_rows: int) -> _StepIndex
     """The step's :class:`_StepIndex`, built at its first layer and reused by the others (the
     key holds the batch's tensors and their version counters: a batch whose tensors are
     replaced or changed in place is indexed again)."""
-    import weakref
-
     global _last_index
     key = (block_size, num_rows) + tuple((id(t), _version(t)) for t in (
         batch.query_start_loc, batch.seq_lens, batch.block_table))

@@ -1,0 +1,19 @@
+"""benchmarks/cpu_paths.py (the per-call figures BENCHMARKS.md cites) runs, and each old path
+agrees with the fast path that replaced it on the benchmark's own inputs."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cpu_paths.py"
+
+
+def test_every_timed_pair_agrees():
+    spec = importlib.util.spec_from_file_location("cpu_paths", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = mod.quant_rows(1, out=64, inp=256, tokens=3) + mod.attention_rows(1)
+    assert len(rows) == 5
+    for name, old, new, agree, _ in rows:
+        assert agree, name
+        assert old > 0 and new > 0, name
