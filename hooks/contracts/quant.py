@@ -89,6 +89,14 @@ class QuantMethod(PluginImpl[P]):
 
         return {k: v[0] if len(v) == 1 else torch.cat(v, 0) for k, v in stored.items()}
 
+    def dense_weight(self, tensors: dict[str, "torch.Tensor"]) -> "torch.Tensor | None":
+        """The dense weight ``[out, in]`` (in the layer's dtype) when :meth:`apply` is exactly
+        ``F.linear(x, W, bias)`` with it, for instance a method that keeps full precision.
+        The host then computes the layer with its own dense GEMM (vLLM's unquantised linear
+        method: prepacked oneDNN on CPU, cuBLAS on CUDA) and never calls :meth:`apply`.
+        ``None`` (default): :meth:`apply` computes every call."""
+        return None
+
     def embed(self, tensors: dict[str, "torch.Tensor"], ids: "torch.Tensor") -> "torch.Tensor":
         """Rows ``ids`` of the embedding table stored as ``tensors`` (``covers_embeddings``)."""
         raise NotImplementedError(f"{type(self).__qualname__} does not store embedding tables")

@@ -146,9 +146,13 @@ def plain():
 
 
 # ------------------------------------------------------------------------------------ quant
+#: the noop through vllm-graft's opaque op (the route of every plugin without a dense weight)
+NOOP_OP = {"plugin": "noop", "params": {"host_gemm": False}}
+
+
 def test_quant_noop_matches_plain_and_runs_every_linear_layer(plain):
     plain_tokens, plain_layers = plain
-    with engine({"quant": {"plugin": "noop"}}) as llm:
+    with engine({"quant": NOOP_OP}) as llm:
         assert llm.llm_engine.vllm_config.model_config.quantization == "graft-noop"
         after_load = dict(_events(Kind.QUANT, "noop"))
         got = _tokens(llm.generate(PROMPTS, _greedy(), use_tqdm=False))
@@ -163,6 +167,27 @@ def test_quant_noop_matches_plain_and_runs_every_linear_layer(plain):
     assert events["quantize"] == len(layers) == 16  # 4 decoder layers x qkv, o, gate_up, down
     # generation itself called apply: every linear layer at least once per decode step
     assert events["apply"] - after_load.get("apply", 0) >= len(layers) * NEW_TOKENS
+    assert "dense" not in events
+
+
+def test_quant_noop_default_hands_every_layer_to_vllms_dense_gemm(plain):
+    """The noop's default (``host_gemm``): its dense weight goes to vLLM's own unquantised
+    linear method (oneDNN prepacked on this CPU), so no call goes through the plugin."""
+    plain_tokens, plain_layers = plain
+    with engine({"quant": {"plugin": "noop"}}) as llm:
+        assert llm.llm_engine.vllm_config.model_config.quantization == "graft-noop"
+        got = _tokens(llm.generate(PROMPTS, _greedy(), use_tqdm=False))
+        layers = _linear_layers(llm)
+        events = _events(Kind.QUANT, "noop")
+    assert got == plain_tokens
+    assert [n for n, *_ in layers] == [n for n, *_ in plain_layers]
+    assert {cls for _, cls, _, _ in layers} == {"GraftLinearMethod"}
+    # as plain vLLM leaves them: no graft buffers; the weight as vLLM's dispatch left it
+    assert [(bufs, has_w) for _, _, bufs, has_w in layers] == \
+        [(bufs, has_w) for _, _, bufs, has_w in plain_layers]
+    assert all(not any(b.startswith("graft_") for b in bufs) for _, _, bufs, _ in layers)
+    assert events["quantize"] == events["dense"] == len(layers) == 16
+    assert "apply" not in events
 
 
 # ------------------------------------------------------------------------------ speculative
@@ -244,7 +269,7 @@ def test_both_kinds_compiled_then_plain_vllm_is_unchanged(plain):
 
     plain_tokens, plain_layers = plain
     compiled = {k: v for k, v in ENGINE.items() if k != "enforce_eager"}
-    with engine({"speculative": {"plugin": "noop"}, "quant": {"plugin": "noop"}}, compiled) as llm:
+    with engine({"speculative": {"plugin": "noop"}, "quant": NOOP_OP}, compiled) as llm:
         assert llm.llm_engine.vllm_config.compilation_config.mode != CompilationMode.NONE
         assert "graft-noop" in q.QUANTIZATION_METHODS
         assert {p.owner for p in PATCHES.applied()} >= {"adapters.speculative"}

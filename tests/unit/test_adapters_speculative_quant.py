@@ -287,6 +287,65 @@ def test_the_linear_op_runs_plugin_code_on_every_call_even_when_compiled():
     del tensors._LINEAR[key]
 
 
+def _dense_linear(weight_fn, host=True):
+    """A PluginLinear (vLLM-free half) over a plugin whose ``dense_weight`` is ``weight_fn``;
+    its host GEMM, when ``host``, records what it was handed."""
+    from vllm_graft.integration.adapters.quant.linear import PluginLinear
+
+    class Plugin:
+        def quantize(self, w):
+            return {"weight": w}
+
+        def stored_tensors(self, out_features, in_features):
+            return None
+
+        def dense_weight(self, tensors):
+            return weight_fn(tensors)
+
+    class Linear(PluginLinear):
+        handed = None
+
+        def _host_gemm(self, layer, weight):
+            if not host:
+                return None
+            self.handed = weight
+            return SimpleNamespace(apply=lambda layer, x, bias=None: ("host", x))
+
+    lin = Linear(Plugin(), "dense-test")
+    lin.out_features, lin.in_features, lin.params_dtype = 4, 3, torch.float32
+    return lin
+
+
+def test_a_dense_weight_goes_to_the_host_gemm_and_apply_never_reaches_the_plugin():
+    lin = _dense_linear(lambda t: t["weight"])
+    layer = _layer()
+    w = layer.weight.data
+    lin.process_weights_after_loading(layer)
+    assert lin.handed.data_ptr() == w.data_ptr() and lin.dense is not None  # the weight itself, no copy
+    assert not any(n.startswith("graft_") for n, _ in layer.named_buffers())
+    x = torch.randn(2, 3)
+    assert lin.apply(layer, x) == ("host", x)
+
+
+def test_no_dense_weight_or_no_host_gemm_keeps_the_plugin_route():
+    for lin in (_dense_linear(lambda t: None), _dense_linear(lambda t: t["weight"], host=False)):
+        layer = _layer()
+        lin.process_weights_after_loading(layer)
+        assert lin.dense is None and lin.names == ("weight",)
+        assert "graft_weight" in dict(layer.named_buffers())
+
+
+def test_a_dense_weight_of_the_wrong_shape_or_dtype_is_refused_naming_the_plugin():
+    for bad, match in ((lambda t: t["weight"].t(), r"a \(3, 4\) torch.float32 tensor; expected a tensor of shape \(4, 3\)"),
+                       (lambda t: t["weight"].double(), r"torch.float64 tensor.*in torch.float32"),
+                       (lambda t: [1.0], "returned a list")):
+        lin = _dense_linear(bad)
+        with pytest.raises(ValueError, match="quant plugin 'dense-test': dense_weight\\(\\) returned"):
+            lin.process_weights_after_loading(_layer())
+        with pytest.raises(ValueError, match=match):
+            _dense_linear(bad).process_weights_after_loading(_layer())
+
+
 # ------------------------------------------------------------- the verify step's top-k
 class Watcher(Echo):
     """Echo that asks for the target's top-2 and records what it is shown."""

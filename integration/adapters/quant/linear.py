@@ -20,8 +20,14 @@ the result as buffers; errors name the checkpoint tensor (``...k_proj.exponents`
 itself skips its "weights not initialized" check for quantised models, so these checks are
 the only guard against a silently unloaded tensor.
 
-Events counted: ``quantize`` (layers quantised), ``load`` (layers loaded), ``apply`` (linear
-calls), ``embed`` (embedding calls).
+A method whose ``dense_weight(tensors)`` gives a dense weight (its ``apply`` is exactly
+``F.linear`` with it) is handed to the host's own dense GEMM instead (:meth:`PluginLinear._host_gemm`;
+in vLLM, its unquantised linear method, which prepacks the weight for oneDNN on CPU): no
+opaque op, no per-call Python, and ``apply`` is not called.
+
+Events counted: ``quantize`` (layers quantised), ``load`` (layers loaded), ``dense`` (layers
+handed to the host's dense GEMM), ``apply`` (linear calls through the plugin), ``embed``
+(embedding calls).
 """
 from __future__ import annotations
 
@@ -58,6 +64,8 @@ class PluginLinear:
         self.out_features = 0
         self.names: tuple[str, ...] = ()
         self.key = register_linear(self)
+        #: the host's dense linear method computing this layer, when the plugin gave a dense weight
+        self.dense: Any = None
         # Both ops are made here, not on first call: that call may be traced by torch.compile.
         self._op = quant_linear_op()
         self._embed_op = quant_embed_op()
@@ -158,6 +166,30 @@ class PluginLinear:
         return quantization_name(self.name)
 
     # ------------------------------------------------------------------ after loading
+    def _host_gemm(self, layer, weight) -> Any:
+        """The host's dense linear method, set up on ``layer`` to compute with ``weight``, or
+        None where the host has none for this layer (here: none; the vLLM side overrides)."""
+        return None
+
+    def _use_dense(self, layer, tensors) -> bool:
+        """Hand the layer to the host's dense GEMM if the plugin gives a dense weight."""
+        weight = self.plugin.dense_weight(tensors)
+        if weight is None:
+            return False
+        want = (self.out_features, self.in_features)
+        if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != want \
+                or weight.dtype != self.params_dtype:
+            got = f"a {tuple(weight.shape)} {weight.dtype} tensor" if isinstance(weight, torch.Tensor) \
+                else f"a {type(weight).__name__}"
+            raise ValueError(f"quant plugin {self.name!r}: dense_weight() returned {got}; "
+                             f"expected a tensor of shape {want} in {self.params_dtype} (or None "
+                             "to compute through apply())")
+        self.dense = self._host_gemm(layer, weight)
+        if self.dense is None:
+            return False
+        self._count("dense")
+        return True
+
     def process_weights_after_loading(self, layer) -> None:
         if self.prequantized:
             stored = self._stored_parts(layer)
@@ -170,6 +202,9 @@ class PluginLinear:
             for tname in (*self.specs, "weight"):
                 delattr(layer, tname)
             self.parts = {}
+            if self._use_dense(layer, tensors):
+                self._count("load")
+                return
             for tname, t in tensors.items():
                 layer.register_buffer(BUFFER_PREFIX + tname, t, persistent=False)
             layer.graft_tensor_names = tuple(tensors)
@@ -180,12 +215,16 @@ class PluginLinear:
         if self.plugin.stored_tensors(self.out_features, self.in_features) is not None:
             tensors = self.plugin.load({k: [v] for k, v in tensors.items()}, [self.out_features])
         tensors = check_quantized(tensors, self.name)
+        self._count("quantize")
+        if self._use_dense(layer, tensors):
+            return
         install_tensors(layer, tensors)
         self.names = tuple(tensors)
-        self._count("quantize")
 
     # -------------------------------------------------------------------------- calls
     def apply(self, layer, x, bias=None):
+        if self.dense is not None:
+            return self.dense.apply(layer, x, bias)
         tensors = layer_tensors(layer)
         return self._op(x, [tensors[n] for n in self.names], bias, self.key)
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.nn import Parameter
 from vllm.model_executor.layers import quantization as vllm_quantization
-from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.utils import set_weight_attrs
@@ -124,6 +124,19 @@ class GraftLinearMethod(PluginLinear, LinearMethodBase):
         set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0,
                                   "weight_loader": weight_loader})
         set_weight_attrs(weight, extra_weight_attrs)
+
+    def _host_gemm(self, layer, weight):
+        """vLLM's own unquantised linear method on ``layer`` with ``weight`` (on CPU it
+        prepacks the weight for oneDNN and drops ``layer.weight``); None for an embedding
+        table or LM head, which vLLM computes otherwise."""
+        if not isinstance(layer, LinearBase):
+            return None
+        if "weight" in layer._parameters:
+            del layer.weight
+        layer.register_parameter("weight", Parameter(weight.detach(), requires_grad=False))
+        method = UnquantizedLinearMethod()
+        method.process_weights_after_loading(layer)
+        return method
 
     def _create_stored(self, layer, weight_loader, extra_weight_attrs) -> None:
         specs = stored_specs(self.plugin, self.name, self.out_features, self.in_features)

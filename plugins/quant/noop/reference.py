@@ -9,3 +9,6 @@ class FullPrecision(QuantMethod):
 
     def apply(self, tensors, x, bias):
         return F.linear(x, tensors["weight"], bias)
+
+    def dense_weight(self, tensors):
+        return tensors["weight"] if self.params.host_gemm else None
