@@ -58,6 +58,15 @@ class AttentionMethod(PluginImpl[P]):
 
     kind = Kind.ATTENTION
 
+    def uses_host_kernel(self) -> bool:
+        """True when :meth:`forward` is exactly plain causal attention over the whole cache on
+        every step (the ``noop``): the host engine then computes every layer with its own
+        kernel and cache layout (on vLLM's CPU engine, its C++ attention), and neither
+        :meth:`plan` nor :meth:`forward` is called. Asked once, when the plugin is enabled; a
+        route that has no host kernel (vllm-graft's generic backend) says so in the log and
+        calls :meth:`forward`. Default: False."""
+        return False
+
     def plan(self, batch: PagedBatch) -> Any:
         """Once per step, before any layer runs (e.g. find shared prefixes). Default: nothing."""
         return None

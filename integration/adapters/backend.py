@@ -6,7 +6,8 @@ need the backend, so it is shared and installed while either is active:
 
 * attention plugins (:mod:`.attention`): the impl's ``forward`` calls the enabled
   :class:`~vllm_graft.hooks.AttentionMethod` with the paged batch; ``plan`` runs once per
-  step in the metadata builder.
+  step in the metadata builder. A method that ``uses_host_kernel`` (plain attention, e.g. the
+  ``noop``) is never called: vLLM's own cache write and C++ kernel compute every layer.
 * KV compressors (:mod:`.kvcompress`): ``customize_spec`` returns their KV-cache spec (its
   manager frees blocks in the scheduler), and a metadata *rewriter* drops the freed blocks
   from each block-table row before the stock builder runs (the worker's table is
@@ -53,6 +54,9 @@ class Seams:
     # attention plugin: (method instance, plugin name, count function)
     method: Any = None
     method_name: str = ""
+    #: the method computes plain attention (``AttentionMethod.uses_host_kernel``): vLLM's own
+    #: cache write and kernel run every layer, and the method is not called
+    host_kernel: bool = False
     count: Callable[[str, int], None] | None = None
     # KV compression: spec hook and metadata rewriters (applied in order)
     customize_spec: Callable[[Any], Any] | None = None
@@ -111,6 +115,7 @@ def uninstall(owner: str) -> None:
         SEAMS.route = ""
         _clear_selector_cache()
         SEAMS.method, SEAMS.method_name, SEAMS.count = None, "", None
+        SEAMS.host_kernel = False
         SEAMS.customize_spec = None
         SEAMS.rewriters.clear()
         SEAMS.kv_format = None
@@ -152,7 +157,7 @@ class GraftCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         for rewrite in SEAMS.rewriters:
             common_attn_metadata = rewrite(self, common_attn_metadata)
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        if (SEAMS.method is not None or SEAMS.kv_format is not None) \
+        if ((SEAMS.method is not None and not SEAMS.host_kernel) or SEAMS.kv_format is not None) \
                 and not (self.is_cross_attention or self.is_encoder_only_attention):
             batch = PagedBatch(
                 query_start_loc=metadata.query_start_loc,
@@ -175,13 +180,18 @@ class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
         # per block for "vec"). An attention plugin reads the cache itself, so while one is
         # active this backend writes it in the documented layout of
         # ``hooks.contracts.split_kv_cache`` instead (the stock kernel then never reads it).
-        if SEAMS.method is None or self.attn_type != "decoder":
+        if SEAMS.method is None or SEAMS.host_kernel or self.attn_type != "decoder":
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         write_kv(key, value, kv_cache, slot_mapping)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         method = SEAMS.method
+        if SEAMS.host_kernel:  # the method is plain attention: vLLM's own kernel computes it
+            if SEAMS.count and attn_metadata is not None:
+                SEAMS.count("host", 1)
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
         batch = getattr(attn_metadata, "graft_batch", None)
         if SEAMS.kv_format is not None and kv_cache.dtype == torch.uint8 and batch is not None \
                 and self.attn_type == "decoder" and method is None:

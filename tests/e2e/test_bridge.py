@@ -105,7 +105,7 @@ def test_env_file_route_in_process(tmp_path, monkeypatch, plain_tokens):
     try:
         assert RUNTIME.active and RUNTIME.source.startswith(bridge.ENV_FILE + "=")
         assert generate(llm) == plain_tokens
-        assert RUNTIME.counts("attention", "noop")["forward"] > 0
+        assert RUNTIME.counts("attention", "noop")["host"] > 0  # vLLM's kernel, behind the graft backend
     finally:
         del llm
         gc.collect()
