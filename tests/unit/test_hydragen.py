@@ -156,6 +156,32 @@ def test_reference_equals_plain_paged_attention(seed, dtype):
     assert err <= (2e-5 if dtype == torch.float32 else 2e-3)
 
 
+@pytest.mark.parametrize("seed", range(24))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_batched_cpu_path_equals_the_per_sequence_reference(seed, dtype, monkeypatch):
+    """The CPU path (padded suffix calls, fused attention with log-sum-exp) against the loop
+    form, on random sharing trees with decode, verify and prefill rows; every third seed with
+    the mask limit so low that each short sequence gets its own call."""
+    from vllm_graft.plugins.attention.hydragen import reference
+
+    if seed % 3 == 2:
+        monkeypatch.setattr(reference, "SUFFIX_MASK_MAX", 1)
+    h, hkv, d, bs = [(4, 2, 64, 16), (8, 2, 128, 32), (4, 4, 64, 32)][seed % 3]
+    q, kv, batch, layer = paged_case(seed + 100, dtype, h, hkv, d, bs)
+    m = Hydragen(HydragenParams())
+    plan = m.plan(batch)
+    fast = reference.hydragen_attention_batched(q, kv, batch, layer, plan)
+    again = reference.hydragen_attention_batched(q, kv, batch, layer, plan)  # the next layer: indices reused
+    assert len([k for k in plan.cache if k[0] == "batched"]) == 1
+    slow = reference.hydragen_attention(q, kv, batch, layer, plan)
+    assert fast.dtype == q.dtype and fast.shape == q.shape
+    assert torch.equal(fast, again)
+    err = (fast.float() - slow.float()).abs().max().item() if q.numel() else 0.0
+    assert err <= (1e-5 if dtype == torch.float32 else 2e-3), err
+    if q.numel():  # the forward's CPU route is the batched path
+        assert torch.equal(m.forward(q, kv, batch, layer, plan), fast)
+
+
 def test_attention_bytes_ratio_approaches_the_batch_size():
     from vllm_graft.tools.attention.attention_bytes import hydragen_rows
 

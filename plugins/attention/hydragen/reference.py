@@ -1,5 +1,10 @@
 """Hydragen in PyTorch: prefix attention with stacked queries, suffix attention, LSE merge.
 
+:func:`hydragen_attention` is the readable form (a loop over sequences and groups; the oracle);
+:func:`hydragen_attention_batched` is the CPU path: the same parts, every short sequence's
+suffix in one padded call and each group in one call, through PyTorch's CPU flash attention
+(which returns the log-sum-exp the merge needs), with the step's indices built once per step.
+
 Each part returns its un-normalised-free partial output ``o`` (softmax-weighted values over
 the part's keys) and the log-sum-exp ``lse`` of its scores; two parts over disjoint key sets
 merge exactly: ``lse = logaddexp(lse_a, lse_b)``, ``o = o_a e^(lse_a-lse) + o_b e^(lse_b-lse)``.
@@ -94,6 +99,142 @@ def hydragen_attention(query: torch.Tensor, kv_cache: torch.Tensor, batch: Paged
     return out.to(query.dtype)
 
 
+# ---------------------------------------------------------------- the batched CPU path
+#: Sequences with at most this many new tokens (decode, speculative verification) share one
+#: padded suffix call; longer ones (prefill chunks) get a call each, so no sequence is padded
+#: to a prefill chunk's length.
+SHORT_QUERIES = 16
+#: Largest additive mask (sequences x query rows x keys) one batched suffix call builds; a
+#: larger step attends its short sequences one by one as well.
+SUFFIX_MASK_MAX = 1 << 24
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused attention with its log-sum-exp (PyTorch's CPU flash attention): ``q`` [S, Hkv, M, D],
+    ``k``/``v`` [S, Hkv, L, D] float32, ``mask`` additive [S, 1, M, L] or None. Returns ``o``
+    [S, Hkv, M, D] and ``lse`` [S, Hkv, M] (natural log)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+
+
+def _cache_rows(block_ids: torch.Tensor, hkv: int) -> torch.Tensor:
+    """Rows of a cache viewed ``[N * Hkv, 2, B, D]`` for ``block_ids`` [..., nb], in
+    [..., Hkv, nb] order."""
+    heads = torch.arange(hkv, device=block_ids.device)
+    return (block_ids.long().unsqueeze(-2) * hkv + heads[:, None]).reshape(-1)
+
+
+def _gather(kv_cache: torch.Tensor, rows: torch.Tensor, lead: tuple[int, ...], nb: int):
+    """K, V ``[*lead, Hkv, nb * B, D]`` float32 of the cache rows from :func:`_cache_rows` (the
+    layout of ``split_kv_cache``: per block and KV head, B keys then B values)."""
+    n, hkv, bs, d2 = kv_cache.shape
+    kv = kv_cache.reshape(n * hkv, 2, bs, d2 // 2).index_select(0, rows)
+    kv = kv.view(*lead, hkv, nb, 2, bs, d2 // 2).float()
+    return (kv.select(-3, 0).reshape(*lead, hkv, nb * bs, d2 // 2),
+            kv.select(-3, 1).reshape(*lead, hkv, nb * bs, d2 // 2))
+
+
+class _SuffixCall:
+    """One padded suffix call's indices (the same for every layer of a step): sequences
+    ``seqs``, their query rows padded to ``m`` and their suffix blocks padded to ``nb``."""
+
+    def __init__(self, plan: StepPlan, tree, table: torch.Tensor, seqs: list[int], g: int,
+                 device: torch.device) -> None:
+        bs = tree.block_size
+        self.S, self.g = len(seqs), g
+        starts = [tree.suffix_start[i] for i in seqs]
+        ends = [-(-plan.seq_lens[i] // bs) for i in seqs]
+        self.nb = max(e - s for s, e in zip(starts, ends))
+        self.m = max(plan.q_lens[i] for i in seqs)
+        cols = torch.tensor(starts, device=device)[:, None] + torch.arange(self.nb, device=device)
+        ok_cols = cols < torch.tensor(ends, device=device)[:, None]
+        seq_t = torch.tensor(seqs, device=device)
+        self.blocks = torch.where(ok_cols, table[seq_t[:, None], cols.clamp_max(table.shape[1] - 1)],
+                                  torch.zeros_like(cols)).long()  # [S, nb]; padding reads block 0
+        j = torch.arange(self.m, device=device)
+        qlen = torch.tensor([plan.q_lens[i] for i in seqs], device=device)
+        self.q_ok = j[None, :] < qlen[:, None]  # [S, m]
+        qstart = torch.tensor([plan.query_start[i] for i in seqs], device=device)
+        self.rows = (qstart[:, None] + j[None, :]).masked_fill(~self.q_ok, 0)  # [S, m] token rows
+        lens = torch.tensor([plan.seq_lens[i] for i in seqs], device=device)
+        first = torch.tensor(starts, device=device) * bs  # absolute position of the first key
+        q_pos = (lens - qlen)[:, None] + j[None, :]  # [S, m]
+        k_pos = first[:, None] + torch.arange(self.nb * bs, device=device)[None, :]  # [S, L]
+        allowed = (k_pos[:, None, :] <= q_pos[:, :, None]) & self.q_ok[:, :, None]  # causal, in range
+        allowed[:, :, 0] |= ~self.q_ok  # a padding query sees one key: no empty row, no NaN
+        allowed = allowed.repeat_interleave(g, dim=1)  # query rows are (token, head-in-group)
+        self.mask = torch.zeros(allowed.shape, device=device).masked_fill_(~allowed, float("-inf"))[:, None]
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def cache_rows(self, hkv: int) -> torch.Tensor:
+        if hkv not in self._rows:
+            self._rows[hkv] = _cache_rows(self.blocks, hkv)
+        return self._rows[hkv]
+
+    def run(self, query, kv_cache, layer, out, lse) -> None:
+        hkv, g, S, m = layer.num_kv_heads, self.g, self.S, self.m
+        k, v = _gather(kv_cache, self.cache_rows(hkv), (S,), self.nb)
+        d = query.shape[-1]
+        q = query[self.rows].float().view(S, m, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(S, hkv, m * g, d)
+        o, l = _flash(q, k, v, layer.scale, self.mask)
+        o = o.view(S, hkv, m, g, d).permute(0, 2, 1, 3, 4).reshape(S, m, hkv * g, d)
+        l = l.view(S, hkv, m, g).permute(0, 2, 1, 3).reshape(S, m, hkv * g)
+        rows = self.rows[self.q_ok]
+        out[rows], lse[rows] = o[self.q_ok], l[self.q_ok]
+
+
+class _StepIndex:
+    """A step's batched-path indices for one block size and GQA group (kept in the plan's
+    ``cache``, reused by every layer)."""
+
+    def __init__(self, plan: StepPlan, table: torch.Tensor, bs: int, g: int, device) -> None:
+        tree = plan.prefixes(bs)
+        active = [i for i, q in enumerate(plan.q_lens) if q > 0]
+        short = [i for i in active if plan.q_lens[i] <= SHORT_QUERIES]
+        calls = [[i] for i in active if plan.q_lens[i] > SHORT_QUERIES]
+        if short:
+            width = max(-(-plan.seq_lens[i] // bs) - tree.suffix_start[i] for i in short) * bs
+            m = max(plan.q_lens[i] for i in short)
+            calls += [short] if len(short) * m * g * width <= SUFFIX_MASK_MAX else [[i] for i in short]
+        self.calls = [_SuffixCall(plan, tree, table, seqs, g, device) for seqs in calls]
+        self.groups = [(torch.tensor(group_rows(plan, grp.seqs), dtype=torch.long, device=device),
+                        torch.tensor(grp.blocks, dtype=torch.long, device=device)) for grp in tree.groups]
+        self._group_rows: dict[tuple[int, int], torch.Tensor] = {}
+
+    def group_cache_rows(self, i: int, hkv: int) -> torch.Tensor:
+        if (i, hkv) not in self._group_rows:
+            self._group_rows[i, hkv] = _cache_rows(self.groups[i][1], hkv)
+        return self._group_rows[i, hkv]
+
+
+def hydragen_attention_batched(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
+                               layer: AttentionLayer, plan: StepPlan) -> torch.Tensor:
+    """:func:`hydragen_attention` without a Python loop over sequences, on the CPU: every short
+    sequence's suffix in one padded fused attention, each prefix group in one fused attention
+    (PyTorch's CPU flash attention, which returns the log-sum-exp), merged as there."""
+    bs, hkv = kv_cache.shape[2], layer.num_kv_heads
+    g = layer.num_heads // hkv
+    key = ("batched", bs, g)
+    index = plan.cache.get(key)
+    if index is None:
+        index = plan.cache[key] = _StepIndex(plan, batch.block_table, bs, g, query.device)
+    out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+    lse = torch.full(query.shape[:2], float("-inf"), device=query.device)
+    for call in index.calls:
+        call.run(query, kv_cache, layer, out, lse)
+    d = query.shape[-1]
+    for i, (rows, blocks) in enumerate(index.groups):
+        r = rows.numel()
+        k, v = _gather(kv_cache, index.group_cache_rows(i, hkv), (1,), blocks.numel())
+        q = query[rows].float().view(r, hkv, g, d).permute(1, 0, 2, 3).reshape(1, hkv, r * g, d)
+        o, l = _flash(q, k, v, layer.scale)
+        o = o.view(hkv, r, g, d).permute(1, 0, 2, 3).reshape(r, hkv * g, d)
+        l = l.view(hkv, r, g).permute(1, 0, 2).reshape(r, hkv * g)
+        out[rows], lse[rows] = merge(out[rows], lse[rows], o, l)
+    return out.to(query.dtype)
+
+
 class Hydragen(AttentionMethod):
     def __init__(self, params) -> None:
         super().__init__(params)
@@ -127,6 +268,8 @@ class Hydragen(AttentionMethod):
             from .kernel import hydragen_attention_triton
 
             return hydragen_attention_triton(query, kv_cache, batch, layer, plan)
+        if query.device.type == "cpu":
+            return hydragen_attention_batched(query, kv_cache, batch, layer, plan)
         return hydragen_attention(query, kv_cache, batch, layer, plan)
 
     def describe(self):
