@@ -99,7 +99,10 @@ class MoEScheduler(PluginImpl[P]):
         the chosen experts' softmax probabilities over all ``E`` experts. The layer uses the
         weights as float32 and the ids as int32 (:class:`MoEChain` converts them, onto the
         logits' device). Unused slots (a token routed to fewer than ``top_k`` experts) carry weight
-        0 and any valid expert id.
+        0 and any valid expert id: weight 0 is how a scheduler says "slot pruned". Where the MoE
+        adapter can (vLLM's CPU engine, unquantized experts), such slots are not computed at all;
+        elsewhere the layer computes them and multiplies by 0. The output is the same either way
+        (for finite expert outputs).
 
         Not overriding this leaves routing to the model's own top-k.
         """

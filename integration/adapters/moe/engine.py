@@ -38,10 +38,24 @@ the router, and an MoE layer of a ``MoERunner`` subclass (``runner_cls``, e.g. t
 Transformers backend) is not built through ``register_oot`` and would run without the
 plugins. Both are refused, naming the layer.
 
+Pruned slots are not computed. A routing plugin marks a slot a token does not use with weight 0
+(the contract, ``MoEScheduler.route``); vLLM's layer still takes ``[T, top_k]``, and its expert
+kernel would compute such a slot and multiply it by 0. While a plugin routes, the adapter also
+registers :class:`GraftRoutedExperts` with ``RoutedExperts.register_oot`` (the same hook, for
+the module holding the expert weights): its ``forward_modular`` runs vLLM's own expert path
+(quant method, modular kernel, ``cpu_fused_moe``) once, on the kept (token, expert) pairs only,
+as a top-1 routing, and forms each token's weighted sum the way the kernel does
+(:func:`.skip.run_kept`: bit-identical in float32). It does so where that was checked: vLLM's
+CPU platform, unquantized experts (``UnquantizedFusedMoEMethod``), no expert or data
+parallelism, router weights applied after the experts, no shared experts passed to the kernel;
+elsewhere, and with ``VLLM_GRAFT_MOE_SKIP=0`` (the weight-0 route, for A/B measurements), the
+slots are computed with weight 0 as before. Counted per layer call under the routing plugin's
+name: ``slots_computed`` and ``slots_skipped`` (expert evaluations run and left out).
+
 Patches: none. ``register_oot`` is vLLM's extension point; vLLM has no unregister, so
-:meth:`MoEAdapter.deactivate` removes the entry it added from ``op_registry_oot``
+:meth:`MoEAdapter.deactivate` removes the entries it added from ``op_registry_oot``
 (``model_executor/custom_op.py``) itself: engines built afterwards in the same process get
-vLLM's own ``MoERunner`` again (engines already built keep their layers).
+vLLM's own ``MoERunner`` and ``RoutedExperts`` again (engines already built keep their layers).
 
 Eager mode: plugins are Python run per layer and step (counting, observing with
 ``.tolist()``), which vLLM's CPU compilation (a single fullgraph Dynamo trace) or CUDA
@@ -67,10 +81,12 @@ vLLM half (router, runner, ``register_oot``, reading the model's config).
 from __future__ import annotations
 
 import logging
-from typing import Any
+import os
+from typing import Any, Callable
 
 import torch
 from vllm.model_executor.custom_op import op_registry_oot
+from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 from vllm.model_executor.layers.fused_moe.router.zero_expert_router import ZeroExpertRouter
 from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
@@ -83,6 +99,7 @@ from vllm_graft.hooks.deployment import Enabled
 from vllm_graft.integration.runtime import Runtime
 from vllm_graft.integration.adapters import Adapter
 from vllm_graft.integration.adapters.moe.chain import MoEChain
+from vllm_graft.integration.adapters.moe.skip import run_kept
 from vllm_graft.integration.adapters.moe.checks import (
     MoEAdapterError,
     bind,
@@ -94,8 +111,11 @@ from vllm_graft.integration.adapters.moe.checks import (
 
 log = logging.getLogger("vllm_graft")
 
-#: The in-tree class name that ``register_oot`` replaces.
+#: The in-tree class names that ``register_oot`` replaces.
 OOT_NAME = "MoERunner"
+OOT_EXPERTS = "RoutedExperts"
+#: ``0``: compute pruned (weight-0) slots with weight 0 instead of leaving them out.
+SKIP_ENV = "VLLM_GRAFT_MOE_SKIP"
 
 
 # ------------------------------------------------------------------------------- router
@@ -213,6 +233,68 @@ class GraftMoERunner(MoERunner):
                 "section)")
 
 
+# ------------------------------------------------------------------------ routed experts
+class GraftRoutedExperts(RoutedExperts):
+    """vLLM's ``RoutedExperts`` that leaves routing slots of weight 0 out of the expert kernel.
+
+    ``graft_skip`` (set at construction from the active deployment; tests and benchmarks may
+    flip it on a built layer) turns the skip on; at the layer's first forward
+    :meth:`_graft_skip_unsupported` may turn it off for good, logging why.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.graft_skip = ADAPTER.skip_count is not None
+        self._graft_skip_checked = False
+
+    def forward_modular(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                        shared_experts: Any = None, shared_experts_input: torch.Tensor | None = None):
+        if self.graft_skip and shared_experts is None:
+            if not self._graft_skip_checked:
+                self._graft_skip_checked = True
+                why = self._graft_skip_unsupported()
+                if why is not None:
+                    self.graft_skip = False
+                    log.info("vllm-graft: MoE layer %s computes pruned slots with weight 0 (%s)",
+                             self.layer_name, why)
+            if self.graft_skip:
+                done = run_kept(x, topk_weights, topk_ids, self._graft_rows)
+                if done is not None:
+                    out, kept = done
+                    count = ADAPTER.skip_count
+                    if count is not None:
+                        count("slots_computed", kept)
+                        count("slots_skipped", topk_weights.numel() - kept)
+                    return out
+        return super().forward_modular(x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+
+    def _graft_rows(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """vLLM's own expert path on a top-1 routing (one row per kept slot)."""
+        out = super().forward_modular(x, weights, ids)
+        if not isinstance(out, torch.Tensor):
+            raise MoEAdapterError(f"MoE layer {self.layer_name}: the expert kernel returned "
+                                  f"{type(out).__name__}, not a tensor; run with {SKIP_ENV}=0")
+        return out
+
+    def _graft_skip_unsupported(self) -> str | None:
+        """Why this layer cannot leave slots out (None: it can)."""
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+            UnquantizedFusedMoEMethod,
+        )
+        from vllm.platforms import current_platform
+
+        pc = self.moe_config.moe_parallel_config
+        if not current_platform.is_cpu():
+            return "checked on vLLM's CPU platform only"
+        if not isinstance(self.quant_method, UnquantizedFusedMoEMethod) or self.quant_method.is_monolithic:
+            return f"quant method {type(self.quant_method).__name__}: checked with unquantized experts only"
+        if pc.use_ep or pc.dp_size > 1 or pc.use_all2all_kernels or pc.is_sequence_parallel:
+            return "expert, data or sequence parallelism"
+        if self.apply_router_weight_on_input:
+            return "router weights applied on the input"
+        return None
+
+
 # ------------------------------------------------------------------------------ adapter
 def _moe_model(model: str, trust_remote_code: bool) -> MoEModel:
     """The model's MoE facts as vLLM reads them (``ModelConfig.is_moe``: experts > 0)."""
@@ -236,6 +318,9 @@ class MoEAdapter(Adapter):
     def __init__(self) -> None:
         #: The active deployment's chain, read by every GraftMoERunner built while active.
         self.chain: MoEChain | None = None
+        #: ``count(event, n)`` under the routing plugin's name while pruned slots are skipped
+        #: (a plugin routes and ``VLLM_GRAFT_MOE_SKIP`` is not 0), else None.
+        self.skip_count: Callable[[str, int], None] | None = None
 
     def engine_overrides(self, enabled: list[Enabled], plan: Plan) -> dict[str, Any]:
         require_eager(plan)
@@ -261,6 +346,19 @@ class MoEAdapter(Adapter):
         if current is None:
             MoERunner.register_oot(GraftMoERunner)
         self.chain = chain
+        self.skip_count = None
+        if chain.routes and os.environ.get(SKIP_ENV, "1") != "0":
+            experts = op_registry_oot.get(OOT_EXPERTS)
+            if experts is None:
+                RoutedExperts.register_oot(GraftRoutedExperts)
+                experts = GraftRoutedExperts
+            if experts is GraftRoutedExperts:
+                name = chain.router[0]
+                self.skip_count = lambda event, n: runtime.count(Kind.MOE, name, event, n)
+            else:
+                log.warning("vllm-graft: vLLM's %s is already replaced by %s.%s; pruned MoE slots "
+                            "will be computed with weight 0", OOT_EXPERTS, experts.__module__,
+                            experts.__qualname__)
         if chain.overruled:
             log.warning("vllm-graft: MoE plugins %s override route but %r routes (the last one in "
                         "the `moe:` list does)", chain.overruled, chain.router[0] if chain.router else None)
@@ -270,7 +368,10 @@ class MoEAdapter(Adapter):
     def deactivate(self) -> None:
         if op_registry_oot.get(OOT_NAME) is GraftMoERunner:
             del op_registry_oot[OOT_NAME]
+        if op_registry_oot.get(OOT_EXPERTS) is GraftRoutedExperts:
+            del op_registry_oot[OOT_EXPERTS]
         self.chain = None
+        self.skip_count = None
 
 
 ADAPTER = MoEAdapter()

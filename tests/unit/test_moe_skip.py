@@ -1,0 +1,77 @@
+"""``integration/adapters/moe/skip.py: run_kept`` without vLLM: the experts callable sees only
+the kept (token, expert) pairs, in one call, and the tokens' sums are those of the full routing."""
+from __future__ import annotations
+
+import torch
+
+from vllm_graft.integration.adapters.moe.skip import run_kept
+
+E, H = 6, 16
+
+
+def _experts(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mats = torch.randn(E, H, H, generator=g)
+    calls = []
+
+    def experts(x, w, ids):
+        assert x.shape[0] == w.shape[0] == ids.shape[0] and w.shape[1] == ids.shape[1] == 1
+        assert ids.dtype == torch.int32 and w.dtype == torch.float32
+        calls.append((x.clone(), w.clone(), ids.clone()))
+        y = torch.einsum("nh,nhk->nk", x.float(), mats[ids[:, 0].long()])
+        return (y * w).to(x.dtype)
+
+    return mats, calls, experts
+
+
+def _full(x, w, ids, mats):
+    y = torch.einsum("th,tjhk->tjk", x.float(), mats[ids.long()])
+    return (y * w.unsqueeze(-1)).sum(1)
+
+
+def test_only_kept_pairs_reach_the_experts_in_one_call():
+    mats, calls, experts = _experts()
+    torch.manual_seed(0)
+    T, k = 10, 3
+    x = torch.randn(T, H)
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).int()
+    w = torch.rand(T, k)
+    w[0, 0] = 0  # a pruned first slot
+    w[1, 1:] = 0  # two pruned
+    w[2] = 0  # nothing kept
+    out, kept = run_kept(x, w, ids, experts)
+    keep = w != 0
+    assert kept == int(keep.sum()) == T * k - 6
+    assert len(calls) == 1
+    xr, wr, ir = calls[0]
+    tok, slot = keep.nonzero(as_tuple=True)
+    assert torch.equal(xr, x[tok]) and torch.equal(ir[:, 0], ids[tok, slot])
+    assert torch.equal(wr, torch.ones_like(wr))  # float32: rows unweighted, weights applied in the sum
+    assert torch.allclose(out, _full(x, w, ids, mats), rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[2], torch.zeros(H))
+
+
+def test_nothing_pruned_leaves_the_layer_its_own_routing():
+    _, calls, experts = _experts()
+    w = torch.rand(4, 2) + 0.1
+    assert run_kept(torch.randn(4, H), w, torch.zeros(4, 2, dtype=torch.int32), experts) is None
+    assert calls == []
+
+
+def test_half_precision_rows_are_weighted_in_the_kernel():
+    mats, calls, experts = _experts(1)
+    torch.manual_seed(1)
+    T = 8
+    x = torch.randn(T, H).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E)[:2] for _ in range(T)]).int()
+    w = torch.rand(T, 2)
+    w[::2, 1] = 0
+    out, kept = run_kept(x, w, ids, experts)
+    assert out.dtype == torch.bfloat16 and kept == T + T // 2
+    keep = w != 0
+    assert torch.equal(calls[0][1][:, 0], w[keep])  # the kernel weights its rows
+    one = ~keep[:, 1]
+    # a token with one kept slot: the kernel's own weighted row, unchanged
+    rows = experts(x[one], w[one, :1].contiguous(), ids[one, :1].contiguous())
+    assert torch.equal(out[one], rows)
+    assert torch.allclose(out.float(), _full(x, w, ids, mats), rtol=3e-2, atol=3e-2)
