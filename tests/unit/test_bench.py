@@ -372,7 +372,7 @@ def no_engine(monkeypatch):
     def fail(*a, **k):
         raise AssertionError("an engine was started")
 
-    monkeypatch.setattr(bench.command, "_run_child", fail)
+    monkeypatch.setattr(bench.command, "ArmProcess", fail)
 
 
 def test_bad_deployment_exits_1_before_any_engine(tmp_path, capsys, no_engine):
@@ -420,25 +420,58 @@ def test_list_workloads(capsys, no_engine):
     assert "standard library" in out
 
 
-def test_arm_jobs_differ_only_in_the_deployment(tmp_path, monkeypatch, capsys):
-    """The jobs the two arms get: same prompts and engine arguments; the graft arm alone
-    carries the deployment; plain runs second and scores both arms' outputs."""
-    jobs = []
+class FakeArm:
+    """Stands in for ArmProcess: records every call in ``log``; its runs take ``walls[arm][r]``."""
 
-    def fake_child(job, workdir, on_event, timeout=None):
-        jobs.append(job)
-        on_event(job["arm"], "phase", "done")
-        ws = {w["name"]: {"wall_s": 1.0, "kv_blocks_peak": 1, "kv_blocks_per_step": [1],
-                          "requests": [_request([5, 6]) for _ in w["prompts"]]} for w in job["workloads"]}
-        out = {"engine": {"num_blocks": 10, "block_size": 128}, "peak_rss_mib": 1.0,
+    def __init__(self, job, log, walls=None):
+        self.job, self.log, self.walls = job, log, walls or {}
+        self.rounds = []
+        log.append(("start", job["arm"], bool(job["workloads"])))
+
+    def wait_ready(self):
+        self.log.append(("ready", self.job["arm"]))
+
+    def run_round(self, r):
+        self.log.append(("run", self.job["arm"], r))
+        self.rounds.append(r)
+
+    def finish(self, score=None):
+        self.log.append(("finish", self.job["arm"], sorted(score or {})))
+        walls = self.walls.get(self.job["arm"], [1.0] * len(self.rounds))
+        ws = {}
+        for w in self.job["workloads"]:
+            runs = [{"wall_s": walls[r], "kv_blocks_peak": 1, "kv_blocks_per_step": [1], "other_cpus": 0.0,
+                     "requests": [_request([5, 6]) for _ in w["prompts"]]} for r in self.rounds]
+            ws[w["name"]] = bench.median_run(runs)
+        out = {"engine": {"num_blocks": 10, "block_size": 128, "load_s": 1.0}, "peak_rss_mib": 1.0,
                "rss_after_load_mib": 1.0, "workloads": ws, "runtime_report": []}
-        if job["score"] or job["score_own"]:
-            keys = list(job["score"]) + [f"{job['arm']}/{n}/{i}" for n, w in ws.items()
-                                         for i in range(len(w["requests"]))]
+        keys = list(score or {}) + ([f"{self.job['arm']}/{n}/{i}" for n, w in ws.items()
+                                     for i in range(len(w["requests"]))] if self.job["score_own"] else [])
+        if keys:
             out["scores"] = {k: [1.0, 1.0] for k in keys}
         return out
 
-    monkeypatch.setattr(bench.command, "_run_child", fake_child)
+    def close(self):
+        self.log.append(("close", self.job["arm"]))
+
+
+@pytest.fixture
+def fake_arms(monkeypatch):
+    log, jobs, walls = [], [], {}
+
+    def make(job, workdir, on_event, timeout=None):
+        jobs.append(job)
+        on_event(job["arm"], "phase", "done")
+        return FakeArm(job, log, walls)
+
+    monkeypatch.setattr(bench.command, "ArmProcess", make)
+    return log, jobs, walls
+
+
+def test_arm_jobs_differ_only_in_the_deployment(tmp_path, fake_arms, capsys):
+    """The jobs the two arms get: same prompts and engine arguments; the graft arm alone
+    carries the deployment; plain finishes second and scores both arms' outputs."""
+    log, jobs, _ = fake_arms
     noop = ROOT / "deployments" / "noop.yaml"
     path = tmp_path / "r.json"
     rc = main(["bench", str(noop), "--workload", "chat", "--num-prompts", "2", "--max-tokens", "4",
@@ -456,18 +489,89 @@ def test_arm_jobs_differ_only_in_the_deployment(tmp_path, monkeypatch, capsys):
     # the plain twin may add execution-mode arguments the adapters set inside the graft engine
     assert set(plain["llm_kwargs"]) - set(common) <= set(SHARED_ENGINE_KEYS)
     assert plain["llm_kwargs"]["disable_log_stats"] is False
-    assert sorted(plain["score"]) == ["graft/chat/0", "graft/chat/1"] and plain["score_own"]
+    assert plain["score_own"] and not graft["score_own"]
+    assert ("finish", "plain", ["graft/chat/0", "graft/chat/1"]) in log
     data = json.loads(path.read_text())
     assert data["comparison"]["identical"] is True
     assert data["arms"]["graft"]["overall"]["perplexity"] == pytest.approx(math.e)
 
     jobs.clear()
+    log.clear()
     assert main(["bench", str(noop), "--workload", "chat", "--num-prompts", "2", "--arms", "graft"]) == 0
     assert [(j["arm"], bool(j["workloads"])) for j in jobs] == [("graft", True), ("plain", False)]  # scorer
+    assert log[-1] == ("finish", "plain", ["graft/chat/0", "graft/chat/1"])
     jobs.clear()
     assert main(["bench", str(noop), "--workload", "chat", "--num-prompts", "2", "--arms", "graft",
                  "--no-ppl"]) == 0
     assert [j["arm"] for j in jobs] == ["graft"]
+
+
+# ------------------------------------------------------------ alternating repeats, statistics
+def test_arm_order_alternates():
+    assert bench.arm_order(["graft", "plain"], 1) == [["graft", "plain"]]
+    assert bench.arm_order(["graft", "plain"], 4) == [["graft", "plain"], ["plain", "graft"],
+                                                      ["graft", "plain"], ["plain", "graft"]]
+    assert bench.arm_order(["graft"], 3) == [["graft"]] * 3
+    with pytest.raises(ValueError, match="at least 1"):
+        bench.arm_order(["graft", "plain"], 0)
+
+
+def test_repeats_take_turns_and_each_engine_loads_once(tmp_path, fake_arms, capsys):
+    log, jobs, walls = fake_arms
+    walls.update(plain=[2.0, 1.0, 4.0], graft=[1.0, 1.0, 1.0])  # per run: 12/wall tokens/s
+    path = tmp_path / "r.json"
+    assert main(["bench", str(ROOT / "deployments" / "noop.yaml"), "--workload", "chat", "--num-prompts", "3",
+                 "--max-tokens", "4", "--repeat", "3", "--json", str(path)]) == 0
+    text = capsys.readouterr().out
+    steps = [e for e in log if e[0] in ("start", "ready", "run", "finish")]
+    assert steps == [
+        ("start", "graft", True), ("ready", "graft"), ("start", "plain", True), ("ready", "plain"),
+        ("run", "graft", 0), ("run", "plain", 0),
+        ("run", "plain", 1), ("run", "graft", 1),
+        ("run", "graft", 2), ("run", "plain", 2),
+        ("finish", "graft", []), ("finish", "plain", ["graft/chat/0", "graft/chat/1", "graft/chat/2"])]
+    data = json.loads(path.read_text())
+    assert data["settings"]["order"] == [["graft", "plain"], ["plain", "graft"], ["graft", "plain"]]
+    plain = data["arms"]["plain"]["workloads"]["chat"]["summary"]
+    assert plain["output_tok_s_runs"] == [3.0, 6.0, 1.5]  # 6 tokens per run, in run order
+    assert plain["output_tok_s"] == 3.0 and (plain["output_tok_s_min"], plain["output_tok_s_max"]) == (1.5, 6.0)
+    ratio = data["comparison"]["ratio"]
+    assert ratio["ratio"] == pytest.approx(2.0)  # graft 6.0 / plain's median 3.0
+    assert ratio["runs"] == pytest.approx([2.0, 1.0, 4.0]) and (ratio["min"], ratio["max"]) == (1.0, 4.0)
+    assert "arms alternating: graft plain, plain graft, graft plain" in " ".join(text.split())
+    assert "paired ratios 1.000-4.000" in text
+
+
+def test_median_spread_and_ratio():
+    assert bench.median([3.0, 1.0, 2.0]) == 2.0
+    assert bench.median([4.0, 1.0, 2.0, 3.0]) == 2.5  # even count: the mean of the middle two
+    assert bench.median([]) is None
+    assert bench.spread([2.0, None, 5.0, 1.0]) == {"median": 2.0, "min": 1.0, "max": 5.0, "n": 3}
+    assert bench.spread([]) == {"median": None, "min": None, "max": None, "n": 0}
+    assert bench.paired_ratios([2.0, 4.0], [1.0, 8.0]) == [0.5, 2.0]
+    with pytest.raises(ValueError):
+        bench.paired_ratios([1.0], [1.0, 2.0])
+    r = bench.ratio_of([100.0, 110.0, 90.0], [95.0, 99.0, 90.0])
+    assert r["ratio"] == pytest.approx(95.0 / 100.0)
+    assert (r["min"], r["max"]) == (pytest.approx(0.9), pytest.approx(1.0))
+    assert bench.ratio_of([], [1.0]) is None and bench.ratio_of([0.0], [1.0]) is None
+    assert bench.ratio_of([2.0], [3.0])["ratio"] == 1.5
+
+
+def test_an_arm_failing_mid_run_closes_the_other(tmp_path, monkeypatch, capsys):
+    log = []
+
+    class Failing(FakeArm):
+        def run_round(self, r):
+            super().run_round(r)
+            if self.job["arm"] == "plain" and r == 1:
+                raise bench.ArmFailed("plain", "boom", str(tmp_path / "none.log"))
+
+    monkeypatch.setattr(bench.command, "ArmProcess", lambda job, *a, **k: Failing(job, log))
+    assert main(["bench", str(PLAIN), "--workload", "chat", "--num-prompts", "2", "--repeat", "3"]) == 4
+    assert "the plain arm failed" in capsys.readouterr().err
+    assert ("close", "graft") in log and ("close", "plain") in log
+    assert not any(e[0] == "finish" for e in log)
 
 
 def test_median_run_and_repeat_rendering(tok):

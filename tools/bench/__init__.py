@@ -5,8 +5,17 @@ engines, each in its own spawned child process with an in-process vLLM engine:
 
 * ``graft``: ``vllm.LLM(**llm_kwargs(plan, graft=True))``: the deployment's plugins active;
 * ``plain``: ``vllm.LLM(**llm_kwargs(plan, graft=False))``: the same model and engine
-  arguments, no plugins. It runs second and also scores both arms' outputs under the
+  arguments, no plugins. It finishes second and also scores both arms' outputs under the
   unmodified model (perplexity).
+
+Both engines are loaded once (one after the other: the graft arm's first, then plain's) and
+stay loaded; with ``--repeat N`` the parent then asks each arm in turn to run every workload
+once, alternating the order per run (graft plain, plain graft, graft plain, ...:
+:func:`.stats.arm_order`), so that neither arm always runs first. Each figure is the median of
+the N runs (tokens/s) or comes from the run with the median wall time (the others), with the
+min-max range; the ratio is graft / plain of the medians, its range that of the per-run ratios.
+``vllm-graft bench --suite`` (:mod:`.suite`) runs a list of such cases and writes
+BENCHMARKS.md's generated section.
 
 How each figure is measured (also written into the JSON output, ``measurement``):
 
@@ -39,16 +48,16 @@ drives vLLM) and :mod:`.command` (the parent side and the command line).
 from __future__ import annotations
 
 from .command import (EXIT_DIFFERENT, EXIT_INVALID, EXIT_OK, EXIT_RUN_FAILED, EXIT_USAGE, ArmFailed,
-                      add_command, cmd_bench)
+                      ArmProcess, add_command, cmd_bench, run_arms, run_bench)
 from .report import COLUMNS, render_report, render_table, write_plot
-from .stats import (ARMS, BUSY_OTHER_CPUS, MEASUREMENT, SCHEMA, assemble, compare_outputs,
-                    first_difference, mean, median_run, nll_of, percentile, relative_change,
-                    request_timing, summarize, token_gaps)
+from .stats import (ARMS, BUSY_OTHER_CPUS, MEASUREMENT, SCHEMA, arm_order, assemble, compare_outputs,
+                    first_difference, mean, median, median_run, nll_of, paired_ratios, percentile,
+                    ratio_of, relative_change, request_timing, spread, summarize, token_gaps)
 
 __all__ = [
     "ARMS", "BUSY_OTHER_CPUS", "COLUMNS", "EXIT_DIFFERENT", "EXIT_INVALID", "EXIT_OK", "EXIT_RUN_FAILED",
-    "EXIT_USAGE", "MEASUREMENT", "SCHEMA", "ArmFailed", "add_command", "assemble", "cmd_bench",
-    "compare_outputs", "first_difference", "mean", "median_run", "nll_of", "percentile",
-    "relative_change", "render_report", "render_table", "request_timing", "summarize", "token_gaps",
-    "write_plot",
+    "EXIT_USAGE", "MEASUREMENT", "SCHEMA", "ArmFailed", "ArmProcess", "add_command", "arm_order", "assemble",
+    "cmd_bench", "compare_outputs", "first_difference", "mean", "median", "median_run", "nll_of",
+    "paired_ratios", "percentile", "ratio_of", "relative_change", "render_report", "render_table",
+    "request_timing", "run_arms", "run_bench", "spread", "summarize", "token_gaps", "write_plot",
 ]

@@ -188,9 +188,12 @@ def _score(llm: Any, sequences: dict[str, tuple[list[int], list[int]]],
     return out
 
 
-def _arm_main(job: dict[str, Any], result_path: str, events: Any) -> None:  # events: a Connection
-    """Entry of an arm's child process (spawned): start the engine, warm it up, run every
-    workload, score what it is asked to score, write the result as JSON."""
+def _arm_main(job: dict[str, Any], result_path: str, events: Any, commands: Any = None) -> None:
+    """Entry of an arm's child process (spawned): start the engine, warm it up, then run what
+    the parent asks through ``commands`` (a Connection: ``("run", round)`` runs every workload
+    once, ``("finish", score)`` ends), score what it is asked to score, write the result as
+    JSON. Without ``commands`` it runs ``job["repeat"]`` rounds by itself and finishes with
+    ``job["score"]``. Events go to the parent through ``events``."""
     log = os.open(job["log_path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -199,8 +202,20 @@ def _arm_main(job: dict[str, Any], result_path: str, events: Any) -> None:  # ev
     def send(kind: str, payload: Any = None) -> None:
         events.send((arm, kind, payload))
 
+    if commands is None:
+        script = [("run", r) for r in range(max(1, int(job.get("repeat", 1))))] + [("finish", job.get("score"))]
+
+        def receive() -> tuple[str, Any]:
+            return script.pop(0)
+    else:
+        def receive() -> tuple[str, Any]:
+            try:
+                return tuple(commands.recv())  # type: ignore[return-value]
+            except EOFError:  # the parent is gone
+                raise SystemExit("the parent closed the command pipe") from None
+
     try:
-        result = _arm_run(job, send)
+        result = _arm_run(job, send, receive)
         status = 0
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which decides
         traceback.print_exc()
@@ -220,7 +235,8 @@ def _arm_main(job: dict[str, Any], result_path: str, events: Any) -> None:  # ev
     # parent's resource tracker are released) and the engine shut down with the LLM object.
 
 
-def _arm_run(job: dict[str, Any], send: Callable[[str, Any], None]) -> dict[str, Any]:
+def _arm_run(job: dict[str, Any], send: Callable[[str, Any], None],
+             receive: Callable[[], tuple[str, Any]]) -> dict[str, Any]:
     from vllm_graft.integration.bridge import ENV_CONFIG, ENV_FILE
     from vllm_graft.integration.env import installed_vllm
     from vllm_graft.integration.launch import apply_env_defaults
@@ -253,42 +269,60 @@ def _arm_run(job: dict[str, Any], send: Callable[[str, Any], None]) -> dict[str,
                               "rss_after_load_mib": rss_after_load, "workloads": {}}
 
     workloads = job["workloads"]
+    engine["warmup_s"] = 0.0
     if workloads:
         send("phase", "warming up")
         t = time.perf_counter()
-        first = workloads[0]["prompts"][0]["token_ids"][:16]
-        llm.generate([{"prompt_token_ids": first}], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+        # every workload's first prompts (as many as run at once), a few tokens each: the first
+        # timed run then meets no shape the engine has not seen at start-up
+        size = job["batch"] or max(len(w["prompts"]) for w in workloads)
+        for w in workloads:
+            llm.generate([{"prompt_token_ids": p["token_ids"]} for p in w["prompts"][:size]],
+                         SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
         engine["warmup_s"] = time.perf_counter() - t
+        repeat = max(1, int(job.get("repeat", 1)))
+        send("total", repeat * sum(p["max_tokens"] for w in workloads for p in w["prompts"]))
+    send("phase", "ready")
+    send("ready", None)
 
-        sampler = _KVSampler(pool)
-        vllm_version = installed_vllm()[1] if installed_vllm() else None
-        from vllm_graft.integration.targets import BENCH_SCHEDULE
+    runs: dict[str, list[dict[str, Any]]] = {w["name"]: [] for w in workloads}
+    sampler = _KVSampler(pool)
+    patched = False
+    try:
+        while True:
+            command, payload = receive()
+            if command == "finish":
+                score = dict(payload or {})
+                break
+            if command != "run":
+                raise ValueError(f"unknown command {command!r}")
+            if workloads and not patched:
+                vllm_version = installed_vllm()[1] if installed_vllm() else None
+                from vllm_graft.integration.targets import BENCH_SCHEDULE
 
-        PATCHES.apply(BENCH_SCHEDULE.owner, scheduler, BENCH_SCHEDULE.attribute, sampler.wrap, wrap=True,
-                      versions=BENCH_SCHEDULE.versions, vllm_version=vllm_version,
-                      reason=BENCH_SCHEDULE.reason)
-        try:
-            repeat = max(1, int(job.get("repeat", 1)))
-            send("total", repeat * sum(p["max_tokens"] for w in workloads for p in w["prompts"]))
+                PATCHES.apply(BENCH_SCHEDULE.owner, scheduler, BENCH_SCHEDULE.attribute, sampler.wrap, wrap=True,
+                              versions=BENCH_SCHEDULE.versions, vllm_version=vllm_version,
+                              reason=BENCH_SCHEDULE.reason)
+                patched = True
+            r = int(payload)
             for w in workloads:
-                runs = []
-                for r in range(repeat):
-                    send("phase", f"generating {w['name']}" + (f" ({r + 1}/{repeat})" if repeat > 1 else ""))
-                    llm.reset_prefix_cache()  # every run starts with a cold prefix cache
-                    runs.append(_generate(
-                        llm, w["prompts"], batch=job["batch"], ignore_eos=job["ignore_eos"], sampler=sampler,
-                        on_tokens=lambda k: send("advance", k), tag=f"{w['name']}-{r}"))
-                result["workloads"][w["name"]] = median_run(runs)
-        finally:
+                send("phase", f"generating {w['name']} (run {r + 1})")
+                llm.reset_prefix_cache()  # every run starts with a cold prefix cache
+                runs[w["name"]].append(_generate(
+                    llm, w["prompts"], batch=job["batch"], ignore_eos=job["ignore_eos"], sampler=sampler,
+                    on_tokens=lambda k: send("advance", k), tag=f"{w['name']}-{r}"))
+            send("phase", f"run {r + 1} done, waiting")
+            send("round_done", r)
+    finally:
+        if patched:
             PATCHES.undo("bench")
-        result["peak_rss_mib"] = _rss_mib()
-        if job["arm"] == "graft":
-            result["runtime_report"] = RUNTIME.report()
-    else:
-        engine["warmup_s"] = 0.0
-        result["peak_rss_mib"] = _rss_mib()
+    for name, done in runs.items():
+        if done:
+            result["workloads"][name] = median_run(done)
+    result["peak_rss_mib"] = _rss_mib()
+    if workloads and job["arm"] == "graft":
+        result["runtime_report"] = RUNTIME.report()
 
-    score = dict(job.get("score") or {})
     for name, w in result["workloads"].items():  # this arm's own outputs, when it scores
         if job.get("score_own"):
             for i, (p, r) in enumerate(zip(job["workloads_by_name"][name], w["requests"])):

@@ -18,7 +18,7 @@ from rich.markup import escape
 
 from .arm import _arm_main
 from .report import render_report, write_plot
-from .stats import ARMS, assemble
+from .stats import ARMS, arm_order, assemble
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_RUN_FAILED, EXIT_DIFFERENT = 0, 1, 2, 4, 5
 
@@ -30,43 +30,124 @@ class ArmFailed(RuntimeError):
         self.arm, self.log_path, self.error_type = arm, log_path, error_type
 
 
-def _run_child(job: dict[str, Any], workdir: Path, on_event: Callable[[str, str, Any], None],
-               timeout: float | None = None) -> dict[str, Any]:
-    """Run one arm in a spawned child process; events are passed to ``on_event``."""
-    import multiprocessing
+class ArmProcess:
+    """One arm in a spawned child process (:func:`.arm._arm_main`) that loads its engine once and
+    then runs what it is told: :meth:`run_round` (every workload once) any number of times,
+    then :meth:`finish` (scoring, result). Events go to ``on_event`` while the parent waits."""
 
-    ctx = multiprocessing.get_context("spawn")
-    receiver, sender = ctx.Pipe(duplex=False)
-    result_path = str(workdir / f"{job['arm']}.json")
-    proc = ctx.Process(target=_arm_main, args=(job, result_path, sender), name=f"vllm-graft-bench-{job['arm']}")
-    proc.start()
-    sender.close()  # the child holds the only write end: EOF when it exits
-    start = time.monotonic()
-    try:
+    def __init__(self, job: dict[str, Any], workdir: Path, on_event: Callable[[str, str, Any], None],
+                 timeout: float | None = None) -> None:
+        import multiprocessing
+
+        self.job, self.on_event, self.timeout = job, on_event, timeout
+        self.result_path = str(workdir / f"{job['arm']}.json")
+        ctx = multiprocessing.get_context("spawn")
+        self._events, sender = ctx.Pipe(duplex=False)
+        receiver, self._commands = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_arm_main, args=(job, self.result_path, sender, receiver),
+                                name=f"vllm-graft-bench-{job['arm']}")
+        self.proc.start()
+        sender.close()  # the child holds the only write end: EOF when it exits
+        receiver.close()
+        self.started = time.monotonic()
+
+    def _pump(self, until: str | None) -> None:
+        """Pass events on until one of kind ``until`` arrives (None: until the child exits)."""
+        arm = self.job["arm"]
         while True:
-            if receiver.poll(0.2):
+            if self._events.poll(0.2):
                 try:
-                    on_event(*receiver.recv())
+                    who, kind, payload = self._events.recv()
                 except EOFError:
                     break
-            elif not proc.is_alive() and not receiver.poll(0):
+                if until is not None and kind == until:
+                    return
+                if kind not in ("ready", "round_done"):
+                    self.on_event(who, kind, payload)
+            elif not self.proc.is_alive() and not self._events.poll(0):
                 break
-            if timeout and time.monotonic() - start > timeout:
-                raise ArmFailed(job["arm"], f"timed out after {timeout:.0f} s", job["log_path"])
-        proc.join(60)  # the result is on disk once the pipe is closed; a stuck teardown is ended below
+            if self.timeout and time.monotonic() - self.started > self.timeout:
+                self.close()
+                raise ArmFailed(arm, f"timed out after {self.timeout:.0f} s", self.job["log_path"])
+        self.proc.join(60)  # the result is on disk once the pipe is closed; a stuck teardown is ended below
+        self.close()
+        if until is not None:  # it exited before saying what was waited for: its result says why
+            self._read()
+            raise ArmFailed(arm, f"the process exited with code {self.proc.exitcode} before {until}",
+                            self.job["log_path"])
+
+    def _read(self) -> dict[str, Any]:
+        if not os.path.exists(self.result_path):
+            raise ArmFailed(self.job["arm"], f"the process exited with code {self.proc.exitcode} and wrote "
+                                             "no result", self.job["log_path"])
+        with open(self.result_path) as f:
+            result = json.load(f)
+        if "error" in result:
+            raise ArmFailed(self.job["arm"], result["error"], self.job["log_path"], result.get("error_type"))
+        return result
+
+    def _send(self, command: str, payload: Any) -> None:
+        try:
+            self._commands.send((command, payload))
+        except (BrokenPipeError, OSError):
+            self._pump(None)
+            self._read()
+            raise ArmFailed(self.job["arm"], "the process is gone", self.job["log_path"])
+
+    def wait_ready(self) -> None:
+        self._pump("ready")
+
+    def run_round(self, index: int) -> None:
+        self._send("run", index)
+        self._pump("round_done")
+
+    def finish(self, score: dict[str, Any] | None = None) -> dict[str, Any]:
+        self._send("finish", score or {})
+        self._pump(None)
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(10)
+        for conn in (self._events, self._commands):
+            conn.close()
+
+
+def run_arms(jobs: dict[str, dict[str, Any]], order: list[list[str]], *, start: Callable[[dict[str, Any]], Any],
+             score_for_plain: Callable[[dict[str, Any]], dict[str, Any]],
+             scorer_job: dict[str, Any] | None = None) -> tuple[dict[str, dict[str, Any]], dict | None]:
+    """Drive the arms: start each arm's process in the order of the first run (one at a time:
+    the next starts once the previous is warm, so engine loads do not overlap), run every
+    round in its order (``order[r]``: the arms take turns, alternating), then finish the graft
+    arm, then plain, which scores the graft arm's outputs (``score_for_plain(graft result)``)
+    and its own. ``scorer_job``: a plain engine that only scores (when plain did not generate).
+    ``start(job)`` returns an :class:`ArmProcess` (or a stand-in). Returns the generating arms'
+    raw results and the scores."""
+    procs: dict[str, Any] = {}
+    results: dict[str, dict[str, Any]] = {}
+    scores = None
+    try:
+        for arm in order[0]:
+            procs[arm] = start(jobs[arm])
+            procs[arm].wait_ready()
+        for r, arms in enumerate(order):
+            for arm in arms:
+                procs[arm].run_round(r)
+        for arm in [a for a in ("graft", "plain") if a in procs]:
+            extra = score_for_plain(results["graft"]) if arm == "plain" and "graft" in results else {}
+            results[arm] = procs.pop(arm).finish(extra)
+            if "scores" in results[arm]:
+                scores = results[arm]["scores"]
+        if scorer_job is not None:
+            proc = procs["plain-scorer"] = start(scorer_job)
+            proc.wait_ready()
+            raw = procs.pop("plain-scorer").finish(score_for_plain(results["graft"]))
+            scores = raw.get("scores")
     finally:
-        receiver.close()
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(10)
-    if not os.path.exists(result_path):
-        raise ArmFailed(job["arm"], f"the process exited with code {proc.exitcode} and wrote no result",
-                        job["log_path"])
-    with open(result_path) as f:
-        result = json.load(f)
-    if "error" in result:
-        raise ArmFailed(job["arm"], result["error"], job["log_path"], result.get("error_type"))
-    return result
+        for proc in procs.values():
+            proc.close()
+    return results, scores
 
 
 def _parse_arms(text: str) -> list[str]:
@@ -112,19 +193,54 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
         for w in W.WORKLOADS.values():
             out.print(f"[bold]{w.name}[/]: {escape(w.summary)}\n  {escape(w.describe)}")
         return EXIT_OK
+    if getattr(args, "suite", None):
+        from .suite import cmd_suite
+
+        return cmd_suite(args, out, err, run_bench=run_bench, add_command=add_command)
     if not args.deployment:
-        err.print("[bold red]error:[/] give a deployment file: vllm-graft bench DEPLOYMENT.yaml")
+        err.print("[bold red]error:[/] give a deployment file: vllm-graft bench DEPLOYMENT.yaml "
+                  "(or a suite: vllm-graft bench --suite FILE)")
         return EXIT_USAGE
+    rc, result = run_bench(args, out, err)
+    if result is None:
+        return rc
+    render_report(result, out)
+    if args.json:
+        text = json.dumps(result, indent=1, default=str)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n")
+            out.print(f"JSON written to {escape(args.json)}")
+    if args.plot:
+        write_plot(result, args.plot)
+        out.print(f"plot written to {escape(args.plot)}")
+    wall = result["wall_s"]
+    out.print(f"[dim]bench wall time {wall:.1f} s; engine logs in {escape(str(args.log_dir))}[/]" if args.log_dir
+              else f"[dim]bench wall time {wall:.1f} s[/]")
+    cmp = result["comparison"]
+    if args.require_identical and cmp is not None and not cmp["identical"]:
+        return EXIT_DIFFERENT
+    return EXIT_OK
+
+
+def run_bench(args: argparse.Namespace, out: Console, err: Console,
+              progress: Any = None) -> tuple[int, dict[str, Any] | None]:
+    """Validate, run both arms and assemble the result (no rendering): (exit code, result or
+    None when it failed; the reason is printed on ``err``). ``progress``: a running
+    rich Progress to add this run's bars to (the suite's); otherwise one of its own."""
+    from vllm_graft.tools import workloads as W
+
     try:
         arms = _parse_arms(args.arms)
         names = W.parse_names(args.workload)
     except ValueError as e:
         err.print(f"[bold red]error:[/] {escape(str(e))}")
-        return EXIT_USAGE
+        return EXIT_USAGE, None
     if args.num_prompts < 1 or args.max_tokens < 1 or args.batch < 0 or args.repeat < 1:
         err.print("[bold red]error:[/] --num-prompts, --max-tokens and --repeat must be at least 1, "
                   "--batch at least 0")
-        return EXIT_USAGE
+        return EXIT_USAGE, None
 
     from vllm_graft.hooks import DeploymentError
 
@@ -137,7 +253,7 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
         err.print(f"[bold red]✗ {escape(e.source)}: {n} problem{'s' if n != 1 else ''}[/] (no engine started)")
         for p in e.problems:
             err.print(f"  [red]•[/] {escape(str(p))}")
-        return EXIT_INVALID
+        return EXIT_INVALID, None
 
     max_model_len = _max_model_len(plan)
     try:
@@ -148,12 +264,12 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
             tokenizer = W.Tokenizer.from_model(model)
         except (OSError, ValueError, ImportError) as e:
             err.print(f"[bold red]error:[/] cannot load the tokenizer of {escape(str(model))}: {escape(str(e))}")
-            return EXIT_INVALID
+            return EXIT_INVALID, None
         prompt_sets = W.build(names, tokenizer, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
                               max_model_len=max_model_len, seed=args.seed)
     except W.WorkloadError as e:
         err.print(f"[bold red]error:[/] {escape(str(e))}")
-        return EXIT_USAGE
+        return EXIT_USAGE, None
 
     plugins = [f"{e.kind}:{e.name}" for e in plan.enabled]
     settings = {"arms": arms, "workloads": names, "num_prompts": args.num_prompts,
@@ -175,66 +291,73 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
                                TimeElapsedColumn)
 
     t_start = time.perf_counter()
-    results: dict[str, dict[str, Any]] = {}
-    scores: dict[str, list[float]] | None = None
-    plan_runs: list[tuple[str, bool, bool]] = []  # (arm, generate, score)
-    if "graft" in arms:
-        plan_runs.append(("graft", True, False))
-    if "plain" in arms:
-        plan_runs.append(("plain", True, not args.no_ppl))
-    elif not args.no_ppl:
-        plan_runs.append(("plain", False, True))  # scorer only: the unmodified model
-
-    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                        MofNCompleteColumn(), TextColumn("{task.fields[unit]}"), TimeElapsedColumn(),
-                        console=out, transient=False)
+    order = arm_order([a for a in ("graft", "plain") if a in arms], args.repeat)
+    settings["order"] = order
+    owns_progress = progress is None
+    if progress is None:
+        progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                            MofNCompleteColumn(), TextColumn("{task.fields[unit]}"), TimeElapsedColumn(),
+                            console=out, transient=False)
     totals: dict[Any, int] = {}
+    added: list[Any] = []
+
+    def start(job: dict[str, Any]) -> ArmProcess:
+        label = job["arm"] if job["workloads"] else "plain (scoring only)"
+        task = progress.add_task(f"{label}: starting", total=None, unit="tokens")
+        added.append(task)
+        score_task: list[Any] = []
+
+        def on_event(who: str, kind: str, payload: Any) -> None:
+            if kind == "phase":
+                progress.update(task, description=f"{label}: {payload}")
+                if payload == "done" and task in totals:  # EOS can end requests early
+                    progress.update(task, completed=totals[task])
+            elif kind == "total":
+                totals[task] = payload
+                progress.update(task, total=payload)
+            elif kind == "advance":
+                progress.advance(task, payload)
+            elif kind == "total_score":
+                if task in totals:  # generation done (fewer tokens than budgeted at EOS)
+                    progress.update(task, completed=totals[task])
+                score_task.append(progress.add_task(f"{label}: perplexity", total=payload, unit="sequences"))
+                added.append(score_task[0])
+            elif kind == "advance_score" and score_task:
+                progress.advance(score_task[0], payload)
+
+        return ArmProcess(job, workdir, on_event, timeout=args.timeout or None)
+
+    def job_for(arm: str, generate: bool, score_own: bool) -> dict[str, Any]:
+        return {"arm": arm, "llm_kwargs": llm_kwargs(plan, graft=(arm == "graft"), **overrides),
+                "workloads": wl_jobs if generate else [], "batch": args.batch, "repeat": args.repeat,
+                "ignore_eos": args.ignore_eos, "log_path": str(workdir / f"{arm}.log"),
+                "score_own": score_own, "workloads_by_name": by_name}
+
+    def score_for_plain(graft_raw: dict[str, Any]) -> dict[str, Any]:
+        if args.no_ppl:
+            return {}
+        return {f"graft/{ps.name}/{p.index}": (list(p.token_ids), r["output_token_ids"])
+                for ps in prompt_sets for p, r in zip(ps.prompts, graft_raw["workloads"][ps.name]["requests"])}
+
+    jobs = {arm: job_for(arm, True, arm == "plain" and not args.no_ppl) for arm in arms}
+    scorer = job_for("plain", False, False) if "plain" not in arms and not args.no_ppl else None
     try:
-        with progress:
-            for arm, generate, score in plan_runs:
-                label = arm if generate else "plain (scoring only)"
-                task = progress.add_task(f"{label}: starting", total=None, unit="tokens")
-                score_task: list[Any] = []
-
-                def on_event(who: str, kind: str, payload: Any, task=task, label=label,
-                             score_task=score_task) -> None:
-                    if kind == "phase":
-                        progress.update(task, description=f"{label}: {payload}")
-                        if payload == "done" and task in totals:  # EOS can end requests early
-                            progress.update(task, completed=totals[task])
-                    elif kind == "total":
-                        totals[task] = payload
-                        progress.update(task, total=payload)
-                    elif kind == "advance":
-                        progress.advance(task, payload)
-                    elif kind == "total_score":
-                        if task in totals:  # generation done (fewer tokens than budgeted at EOS)
-                            progress.update(task, completed=totals[task])
-                        score_task.append(progress.add_task(f"{label}: perplexity", total=payload, unit="sequences"))
-                    elif kind == "advance_score" and score_task:
-                        progress.advance(score_task[0], payload)
-
-                job = {"arm": arm, "llm_kwargs": llm_kwargs(plan, graft=(arm == "graft"), **overrides),
-                       "workloads": wl_jobs if generate else [], "batch": args.batch, "repeat": args.repeat,
-                       "ignore_eos": args.ignore_eos, "log_path": str(workdir / f"{arm}.log"),
-                       "score_own": score and generate, "workloads_by_name": by_name, "score": {}}
-                if score and "graft" in results:
-                    for ps in prompt_sets:
-                        for p, r in zip(ps.prompts, results["graft"]["workloads"][ps.name]["requests"]):
-                            job["score"][f"graft/{ps.name}/{p.index}"] = (list(p.token_ids), r["output_token_ids"])
-                raw = _run_child(job, workdir, on_event, timeout=args.timeout or None)
-                progress.update(task, description=f"{label}: done")
-                if generate:
-                    results[arm] = raw
-                if "scores" in raw:
-                    scores = raw["scores"]
+        if owns_progress:
+            progress.start()
+        results, scores = run_arms(jobs, order, start=start, score_for_plain=score_for_plain, scorer_job=scorer)
     except ArmFailed as e:
         err.print(f"[bold red]✗ the {e.arm} arm failed:[/] {escape(str(e))}")
         tail = _tail(e.log_path)
         if tail:
             err.print(f"[dim]last lines of {escape(e.log_path)}:[/]\n{escape(tail)}")
         err.print(f"full log: {escape(e.log_path)}")
-        return EXIT_INVALID if e.error_type == "DeploymentError" else EXIT_RUN_FAILED
+        return (EXIT_INVALID if e.error_type == "DeploymentError" else EXIT_RUN_FAILED), None
+    finally:
+        if owns_progress:
+            progress.stop()
+        else:
+            for task in added:
+                progress.remove_task(task)
     wall = time.perf_counter() - t_start
 
     from vllm_graft.integration.env import installed_vllm
@@ -249,27 +372,11 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
                                  "engine_args": plan.deployment.engine},
                       settings=settings, prompt_sets=prompt_sets, arm_results=results, scores=scores,
                       decode=tokenizer.decode, wall_s=wall, environment=environment)
-    render_report(result, out)
-    if args.json:
-        text = json.dumps(result, indent=1, default=str)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text + "\n")
-            out.print(f"JSON written to {escape(args.json)}")
-    if args.plot:
-        write_plot(result, args.plot)
-        out.print(f"plot written to {escape(args.plot)}")
-    out.print(f"[dim]bench wall time {wall:.1f} s; engine logs in {escape(str(workdir))}[/]" if keep_logs
-              else f"[dim]bench wall time {wall:.1f} s[/]")
     if not keep_logs:
         import shutil
 
         shutil.rmtree(workdir, ignore_errors=True)
-    cmp = result["comparison"]
-    if args.require_identical and cmp is not None and not cmp["identical"]:
-        return EXIT_DIFFERENT
-    return EXIT_OK
+    return EXIT_OK, result
 
 
 # ============================================================================== parser
@@ -298,8 +405,9 @@ def add_command(sub: Any) -> None:
                    help="requests in flight at once; the next is submitted when one finishes "
                         "(default 0: all of a workload's requests at once)")
     p.add_argument("--repeat", type=int, default=1, metavar="N",
-                   help="run each workload N times per engine and report the run with the median wall "
-                        "time, with the tokens/s range (default 1)")
+                   help="run each workload N times per engine, the two arms taking turns in an "
+                        "alternating order (graft plain, plain graft, ...; both engines stay loaded); "
+                        "report the median tokens/s with the min-max range (default 1)")
     p.add_argument("--seed", type=int, default=0, help="workload selection and engine seed (default 0)")
     p.add_argument("--arms", default="plain,graft", metavar="ARMS",
                    help="which arms to run: plain, graft or plain,graft (default both)")
@@ -312,4 +420,17 @@ def add_command(sub: Any) -> None:
     p.add_argument("--timeout", type=float, default=0, metavar="S", help="give up on an arm after S seconds")
     p.add_argument("--require-identical", action="store_true",
                    help="exit 5 when the arms' greedy outputs differ")
+    p.add_argument("--suite", metavar="FILE", nargs="?", const="DEFAULT",
+                   help="run every case of a suite file (YAML; default benchmarks/suite.yaml) and write "
+                        "its results, BENCHMARKS.md's generated section and a plot (--quick, --only)")
+    p.add_argument("--quick", action="store_true", help="suite: the suite file's quick settings "
+                                                        "(fewer prompts, tokens, repeats)")
+    p.add_argument("--only", action="append", metavar="NAME[,NAME]",
+                   help="suite: run only these cases (repeatable or a comma list)")
+    p.add_argument("--list-cases", action="store_true", help="suite: list the cases and exit")
+    p.add_argument("--render", action="store_true",
+                   help="suite: run nothing; rewrite the Markdown section and plot from the saved results")
+    p.add_argument("--no-write", action="store_true",
+                   help="suite: print the table only; do not write the results, Markdown section and "
+                        "plot the suite file names")
     p.set_defaults(func=cmd_bench)

@@ -57,13 +57,20 @@ def _identical_cell(cmp: dict[str, Any] | None) -> str:
     return f"[red]{text} no{where}[/]"
 
 
+def _order_text(order: list[list[str]] | None) -> str:
+    """How the arms took turns, e.g. "; arms alternating: graft plain, plain graft, graft plain"."""
+    if not order or len(order) < 2 or len(order[0]) < 2:
+        return ""
+    return "; arms alternating: " + ", ".join(" ".join(o) for o in order)
+
+
 def render_table(result: dict[str, Any]) -> Table:
     s = result["settings"]
     runs = s.get("repeat") or 1
     plugins = ", ".join(result.get("plugins") or []) or "no plugins"
     table = Table(title=f"vllm-graft bench: {escape(result['deployment'])} ({escape(plugins)}); "
                         f"{s['num_prompts']} prompts x <= {s['max_tokens']} tokens per workload, greedy"
-                        + (f"; median of {runs} runs" if runs > 1 else ""),
+                        + (f"; median of {runs} runs" if runs > 1 else "") + _order_text(s.get("order")),
                   title_justify="left")
     columns = [c for c in COLUMNS if c[1] != "output_tok_s_range" or runs > 1]
     table.add_column("workload", no_wrap=True)
@@ -121,6 +128,11 @@ def render_report(result: dict[str, Any], console: Console) -> None:
                     console.print(f"  {escape(name)} #{p['index']} ({escape(p.get('source', ''))}): first "
                                   f"difference at output token {pos} (plain {tok['plain']}, graft {tok['graft']}; "
                                   f"{p['plain_tokens']} vs {p['graft_tokens']} tokens)")
+    ratio = (cmp or {}).get("ratio")
+    if ratio is not None and (result["settings"].get("repeat") or 1) > 1 and ratio.get("min") is not None:
+        console.print(f"Speed: graft / plain output tokens/s {ratio['ratio']:.3f} (median of each arm's "
+                      f"{result['settings']['repeat']} runs; the runs' paired ratios {ratio['min']:.3f}-"
+                      f"{ratio['max']:.3f}).")
     busy = [(arm, name, w["summary"]["other_cpus"]) for arm, a in result["arms"].items()
             for name, w in a["workloads"].items()
             if (w["summary"].get("other_cpus") or 0) > BUSY_OTHER_CPUS]

@@ -11,8 +11,14 @@ SCHEMA = "vllm-graft-bench/1"
 
 MEASUREMENT = {
     "output_tok_s": "output tokens of all requests / wall time from the first request submitted "
-                    "to the last token received (warm-up excluded); with --repeat N, the run with "
-                    "the median wall time (every run's figure under output_tok_s_runs)",
+                    "to the last token received (warm-up excluded); with --repeat N, the median of "
+                    "the N runs (every run's figure under output_tok_s_runs, in run order; the other "
+                    "figures come from the run with the median wall time)",
+    "repeats": "with --repeat N both engines stay loaded and the arms take turns: run r of every "
+               "workload goes through the arms in the order settings.order[r], which alternates "
+               "(graft then plain, plain then graft, ...), so neither arm always runs first",
+    "ratio": "graft / plain median output tokens/s; its range is the min-max of the ratios of the "
+             "two arms' runs with the same index (adjacent in time)",
     "ttft": "per request: perf_counter when the engine step returning its first output token "
             "ends - when the request was submitted (LLMEngine.add_request, in-process engine "
             "driven step by step)",
@@ -138,6 +144,44 @@ def summarize(requests: Sequence[dict[str, Any]], wall_s: float) -> dict[str, An
     }
 
 
+def median(values: Sequence[float]) -> float | None:
+    """The median (the mean of the two middle values for an even count); None for no values."""
+    return percentile(values, 50)
+
+
+def spread(values: Sequence[float]) -> dict[str, Any]:
+    """Median, min, max and count of repeated measurements (None figures for none)."""
+    xs = [float(v) for v in values if v is not None]
+    return {"median": median(xs), "min": min(xs, default=None), "max": max(xs, default=None), "n": len(xs)}
+
+
+def arm_order(arms: Sequence[str], repeat: int) -> list[list[str]]:
+    """The order the arms take in each of ``repeat`` runs: the given order in run 0, reversed
+    in run 1, and so on alternately (A B, B A, A B, ...), so that neither arm always goes first
+    (a warm cache, a neighbour's job ending) in a run."""
+    if repeat < 1:
+        raise ValueError(f"repeat must be at least 1, got {repeat}")
+    return [list(arms) if r % 2 == 0 else list(arms)[::-1] for r in range(repeat)]
+
+
+def paired_ratios(plain: Sequence[float], graft: Sequence[float]) -> list[float]:
+    """graft / plain of the runs with the same index (the same round, adjacent in time)."""
+    if len(plain) != len(graft):
+        raise ValueError(f"{len(plain)} plain runs vs {len(graft)} graft runs")
+    return [g / p for p, g in zip(plain, graft) if p]
+
+
+def ratio_of(plain_runs: Sequence[float], graft_runs: Sequence[float]) -> dict[str, Any] | None:
+    """The speed ratio of two arms from their runs' tokens/s (in run order): the ratio of the
+    medians, with the min-max of the paired per-run ratios as its spread."""
+    p, g = median(plain_runs), median(graft_runs)
+    if p is None or g is None or p == 0:
+        return None
+    pairs = paired_ratios(plain_runs, graft_runs) if len(plain_runs) == len(graft_runs) else []
+    return {"ratio": g / p, "min": min(pairs, default=None), "max": max(pairs, default=None),
+            "runs": pairs}
+
+
 def relative_change(plain: float | None, graft: float | None) -> float | None:
     if plain is None or graft is None or plain == 0:
         return None
@@ -151,13 +195,36 @@ def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     chosen = dict(runs[order[len(runs) // 2]])
     first = [r["output_token_ids"] for r in runs[0]["requests"]]
     chosen["repeat_index"] = order[len(runs) // 2]
-    chosen["repeats"] = [{"wall_s": r["wall_s"], "output_tokens": sum(len(q["output_token_ids"]) for q in r["requests"]),
-                          "kv_blocks_peak": r["kv_blocks_peak"]} for r in runs]
+    chosen["repeats"] = []
+    for r in runs:
+        ttft = [q["ttft_s"] for q in r["requests"] if q.get("ttft_s") is not None]
+        gaps = [g for q in r["requests"] for g in q.get("itl_s", [])]
+        chosen["repeats"].append({"wall_s": r["wall_s"], "kv_blocks_peak": r["kv_blocks_peak"],
+                                  "output_tokens": sum(len(q["output_token_ids"]) for q in r["requests"]),
+                                  "ttft_mean_s": mean(ttft), "itl_mean_s": mean(gaps),
+                                  "other_cpus": r.get("other_cpus")})
     chosen["repeats_identical"] = all([q["output_token_ids"] for q in r["requests"]] == first for r in runs)
     return chosen
 
 
 # ====================================================================== result assembly
+def _runs_of(summary: dict[str, Any]) -> list[float]:
+    runs = summary.get("output_tok_s_runs") or []
+    return list(runs) if runs else ([summary["output_tok_s"]] if summary.get("output_tok_s") else [])
+
+
+def _overall_runs(raw: dict[str, Any], prompt_sets: Sequence[Any]) -> list[float]:
+    """Tokens/s of each run over all workloads (run r: its tokens / its walls, summed)."""
+    reps = [raw["workloads"][ps.name].get("repeats") for ps in prompt_sets]
+    if not reps or any(not r for r in reps) or len({len(r) for r in reps}) != 1:
+        return []
+    out = []
+    for k in range(len(reps[0])):
+        wall = sum(r[k]["wall_s"] for r in reps)
+        out.append(sum(r[k]["output_tokens"] for r in reps) / wall if wall > 0 else 0.0)
+    return out
+
+
 def assemble(*, deployment: str, plan_info: dict[str, Any], settings: dict[str, Any],
              prompt_sets: Sequence[Any], arm_results: dict[str, dict[str, Any]],
              scores: dict[str, list[float]] | None, decode: Callable[[Sequence[int]], str],
@@ -192,11 +259,24 @@ def assemble(*, deployment: str, plan_info: dict[str, Any], settings: dict[str, 
             summary.update(runs=len(repeats), output_tok_s_runs=rates,
                            output_tok_s_min=min(rates, default=None), output_tok_s_max=max(rates, default=None),
                            runs_identical=w.get("repeats_identical", True))
+            if len(rates) > 1:
+                summary["output_tok_s"] = median(rates)
+                for key in ("ttft_mean_s", "itl_mean_s", "other_cpus"):
+                    sp = spread([r.get(key) for r in repeats if r.get(key) is not None])
+                    summary[f"{key}_min"], summary[f"{key}_max"] = sp["min"], sp["max"]
+                busy = [r.get("other_cpus") for r in repeats if r.get("other_cpus") is not None]
+                if busy:
+                    summary["other_cpus"] = max(busy)  # the worst run flags the figure
             workloads[ps.name] = {"summary": summary, "kv_blocks_per_step": w.get("kv_blocks_per_step", []),
                                   "requests": requests}
             all_requests += requests
             total_wall += w["wall_s"]
         overall = summarize(all_requests, total_wall)
+        per_run = _overall_runs(raw, prompt_sets)
+        overall.update(output_tok_s_runs=per_run, output_tok_s_min=min(per_run, default=None),
+                       output_tok_s_max=max(per_run, default=None), runs=len(per_run) or 1)
+        if len(per_run) > 1:
+            overall["output_tok_s"] = median(per_run)
         peaks = [w["summary"]["kv_blocks_peak"] for w in workloads.values() if w["summary"]["kv_blocks_peak"] is not None]
         overall.update(runs_identical=all(w["summary"]["runs_identical"] for w in workloads.values()),
                        kv_blocks_peak=max(peaks) if peaks else None,
@@ -213,7 +293,11 @@ def assemble(*, deployment: str, plan_info: dict[str, Any], settings: dict[str, 
             for p, prompt in zip(cmp["prompts"], ps.prompts):
                 p["source"] = prompt.source
             per[ps.name] = cmp
-        comparison = {"identical": all(c["identical"] for c in per.values()),
+        for ps in prompt_sets:
+            per[ps.name]["ratio"] = ratio_of(_runs_of(arms["plain"]["workloads"][ps.name]["summary"]),
+                                             _runs_of(arms["graft"]["workloads"][ps.name]["summary"]))
+        comparison = {"ratio": ratio_of(_runs_of(arms["plain"]["overall"]), _runs_of(arms["graft"]["overall"])),
+                      "identical": all(c["identical"] for c in per.values()),
                       "n_identical": sum(c["n_identical"] for c in per.values()),
                       "n": sum(c["n"] for c in per.values()), "workloads": per}
     graft_raw = arm_results.get("graft") or {}
