@@ -44,28 +44,49 @@ def run_kept(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
              experts: Experts) -> tuple[torch.Tensor, int] | None:
     """``(output [T, H] in the dtype of x, kept slots)`` for the routing ``weights``/``ids``
     ``[T, k]``, computed on the slots of nonzero weight only; None when every slot is kept
-    (the caller runs its full routing, unchanged)."""
+    (the caller runs its full routing, unchanged).
+
+    The rows go to ``experts`` rank by rank: first every token's first kept slot (all ``T``
+    tokens, in order, when each keeps one: then they are ``x`` itself), then the second kept
+    slot of the tokens that have one, and so on; so each token's sum is one multiply and one
+    fused multiply-add per further slot, on contiguous blocks of rows."""
     keep = weights != 0
     if bool(keep.all()):
         return None
     T, k = weights.shape
-    tok, slot = keep.nonzero(as_tuple=True)  # token-major, slots in order within a token
-    w = weights[tok, slot].float()
+    n_kept = keep.sum(dim=1)
+    rank = torch.where(keep, keep.cumsum(dim=1) - 1, k)
+    by_rank = rank.argsort(dim=1, stable=True)  # per token: its kept slots in order, then the pruned
     fp32 = x.dtype == torch.float32
-    row_w = torch.ones_like(w) if fp32 else w
-    rows = experts(x.index_select(0, tok), row_w.unsqueeze(1).contiguous(),
-                   ids[tok, slot].to(torch.int32).unsqueeze(1).contiguous())
-    rank = (keep.cumsum(dim=1) - 1)[tok, slot]  # 0 for a token's first kept slot, 1 for the next...
-    out = torch.zeros(T, rows.shape[1], dtype=torch.float32, device=rows.device)
+    parts = []  # (tokens or None for all T, slots)
     for j in range(k):
-        sel = rank == j
-        if not bool(sel.any()):
+        has = n_kept > j
+        if j == 0 and bool(has.all()):
+            parts.append((None, by_rank[:, 0]))
+            continue
+        t = has.nonzero()[:, 0]
+        if t.numel() == 0:
             break
-        t = tok[sel]
-        r = rows[sel]
-        if fp32:
-            wj = w[sel].unsqueeze(1)
-            out[t] = r * wj if j == 0 else torch.addcmul(out[t], r, wj)
+        parts.append((t, by_rank[t, j]))
+    toks = [torch.arange(T, device=x.device) if t is None else t for t, _ in parts]
+    w = torch.cat([weights[t, s] for t, (_, s) in zip(toks, parts)]).float()
+    ids_rows = torch.cat([ids[t, s] for t, (_, s) in zip(toks, parts)]).to(torch.int32)
+    x_rows = torch.cat([x if t is None else x.index_select(0, t) for t, _ in parts])
+    row_w = torch.ones_like(w) if fp32 else w
+    rows = experts(x_rows.contiguous(), row_w.unsqueeze(1).contiguous(), ids_rows.unsqueeze(1).contiguous())
+    out = None
+    a = 0
+    for j, ((t, _), tt) in enumerate(zip(parts, toks)):
+        b = a + tt.numel()
+        r, wj = rows[a:b], w[a:b].unsqueeze(1)
+        if j == 0:
+            first = r * wj if fp32 else r.float()
+            if t is None:
+                out = first
+            else:
+                out = torch.zeros(T, rows.shape[1], dtype=torch.float32, device=rows.device)
+                out[t] = first
         else:
-            out[t] = r.float() if j == 0 else out[t] + r.float()
-    return (out if fp32 else out.to(x.dtype)), int(tok.numel())
+            out[t] = torch.addcmul(out[t], r, wj) if fp32 else out[t] + r.float()
+        a = b
+    return (out if fp32 else out.to(x.dtype)), a
