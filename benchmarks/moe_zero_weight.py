@@ -13,6 +13,8 @@ with:
     .venv/bin/python benchmarks/moe_zero_weight.py [--tokens 256] [--hidden 256] [--inter 128] [--share 0.5]
 
 Timings are medians of --repeat runs; the machine is shared, so compare rows of one run.
+(It answers no: the kernel computes weight-0 slots. The MoE adapter now leaves them out itself,
+``integration/adapters/moe/skip.py``; ``benchmarks/moe_skip.py`` times vLLM's MoE layer with it.)
 """
 from __future__ import annotations
 

@@ -2,10 +2,15 @@
 activate fewer experts (never fewer than ``min_k`` >= 1). See ``reference.py`` for the rule and
 the scheduler, ``kernel.py`` for the fused Triton routing kernel.
 
-What it saves in vLLM's CPU engine: the *logical* expert evaluations (reported as
-``saved_share``). vLLM's layer takes ``[T, top_k]`` routing, so a pruned slot is passed as
-weight 0 on the token's top expert; whether the expert kernel skips that work is measured by
-``benchmarks/moe_zero_weight.py`` (README, "MoE plugins").
+What it saves in vLLM's CPU engine: the pruned expert evaluations are not computed. vLLM's
+layer takes ``[T, top_k]`` routing, so a pruned slot is passed as weight 0 (on the token's top
+expert), which the MoE contract defines as "slot pruned"; the MoE adapter then runs vLLM's expert
+kernel on the kept (token, expert) pairs only (``integration/adapters/moe/skip.py``: in float32
+the layer output is bit-identical to computing the slot with weight 0). The plugin reports the
+share saved (``saved_share``); the adapter counts ``slots_skipped``. Where the adapter cannot skip
+(not vLLM's CPU platform, quantized experts, expert parallelism) or with
+``VLLM_GRAFT_MOE_SKIP=0``, pruned slots are computed with weight 0 and the saving is logical
+only. What it saves in time: ``benchmarks/moe_skip.py`` (BENCHMARKS.md, "dynamic-topk").
 """
 from __future__ import annotations
 
