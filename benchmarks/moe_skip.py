@@ -1,0 +1,189 @@
+"""MoE-layer time in vLLM's CPU engine: plain top-2 vs dynamic-topk, with pruned slots computed
+with weight 0 (the route before the skip) and left out (the skip). Issue 21.
+
+What is timed: vLLM's own MoE layer of ``models/shapes/mixtral-110m`` (hidden 512, 8 experts of
+intermediate 1024, top-2; 8 layers; random weights, ``load_format: dummy``), float32, eager: the
+``experts`` module of layer 0 of the model vLLM built (``MoERunner._forward_impl``: router, then
+``RoutedExperts.forward_modular``, vLLM's quant method and ``cpu_fused_moe``), one engine, the
+arms interleaved on the same layer and weights:
+
+  plain     the model's own top-2: the runner with vLLM's ``CPURouter`` and the experts' own path
+  weight-0  dynamic-topk routing, pruned slots computed with weight 0 (``graft_skip`` off; in an
+            engine: ``VLLM_GRAFT_MOE_SKIP=0``)
+  skip      dynamic-topk routing, pruned slots left out (the default)
+
+Router logits: the ones the bundled trained ``graft-tiny-mixtral`` (top-2 of 8, the same routing
+shape) computes in its 4 MoE layers on the bench's chat and code-completion prompts (recorded
+with a forward pre-hook on its MoE layers, plain vLLM, greedy), pooled; dummy weights give
+near-uniform logits, under which dynamic-topk prunes nothing. Each call takes a window of
+``T`` consecutive recorded tokens (a fixed list of windows, the same for every arm); ``T=8``
+is a decode step of 8 sequences, ``T=512`` a prefill chunk. The hidden states are random.
+
+Also printed: the share of slots pruned in the windows, whether skip and weight-0 outputs are
+bit-identical on every window, and the layer time split into routing (``select_experts``) and
+experts (``forward_modular``).
+
+    .venv/bin/python benchmarks/moe_skip.py [--tokens 8,512] [--repeat 9] [--calls 16]
+
+Each round runs every arm, in rotating order, over the same ``--calls`` windows, timing every
+call. Printed per arm: the median over rounds of the mean call time, and the "best" time (each
+window's fastest round, averaged over windows: on a shared machine other jobs only add time). The
+machine is shared: compare arms of one run, and repeat runs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "models" / "graft-tiny-mixtral"
+SHAPE = ROOT / "models" / "shapes" / "mixtral-110m"
+
+
+def _shutdown(llm) -> None:
+    import gc
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def record_logits(num_prompts: int, max_tokens: int) -> torch.Tensor:
+    """Router logits ``[N, 8]`` of graft-tiny-mixtral's MoE layers on the bench prompts."""
+    from vllm import LLM, SamplingParams
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner_interface import MoERunnerInterface
+
+    from vllm_graft.tools.workloads import Tokenizer, build
+
+    sets = build(["chat", "code-completion"], Tokenizer.from_model(TINY), num_prompts=num_prompts,
+                 max_tokens=max_tokens, max_model_len=2048)
+    prompts = [{"prompt_token_ids": list(p.token_ids)} for s in sets for p in s.prompts]
+    llm = LLM(model=str(TINY), dtype="float32", max_model_len=2048, enforce_eager=True, seed=0)
+    seen: list[torch.Tensor] = []
+    try:
+        layers = llm.apply_model(lambda m: [x for x in m.modules() if isinstance(x, MoERunnerInterface)])[0]
+        hooks = [layer.register_forward_pre_hook(lambda mod, args: seen.append(args[1].detach().float().clone()))
+                 for layer in layers]
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+        for h in hooks:
+            h.remove()
+    finally:
+        _shutdown(llm)
+    return torch.cat(seen)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="8,512", help="tokens per layer call (comma-separated)")
+    ap.add_argument("--repeat", type=int, default=9, help="rounds (medians over rounds)")
+    ap.add_argument("--calls", type=int, default=16, help="layer calls per arm and round")
+    ap.add_argument("--threshold", type=float, default=None, help="dynamic-topk threshold (default: the plugin's)")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per workload for the logits")
+    args = ap.parse_args()
+
+    logits = record_logits(args.prompts, 32)
+
+    from vllm import LLM
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    from vllm_graft.hooks import Kind
+    from vllm_graft.integration import launch
+    from vllm_graft.integration.adapters.moe.engine import GraftRouter
+    from vllm_graft.integration.runtime import RUNTIME
+
+    params = {} if args.threshold is None else {"threshold": args.threshold}
+    plan = launch.plan_from_dict({"model": str(SHAPE),
+                                  "engine": {"dtype": "float32", "max_model_len": 2048, "load_format": "dummy"},
+                                  "moe": [{"plugin": "dynamic-topk", "params": params}]})
+    llm = LLM(**launch.llm_kwargs(plan), seed=0)
+    runner = None
+    try:
+        runner = sorted(llm.apply_model(lambda m: [x for x in m.modules() if isinstance(x, MoERunner)])[0],
+                        key=lambda r: r.layer_name)[0]
+        assert isinstance(runner.router, GraftRouter), type(runner.router)
+        graft_router, experts = runner.router, runner.routed_experts
+        inst = RUNTIME.instances[(Kind.MOE, "dynamic-topk")]
+        config = llm.llm_engine.vllm_config
+        H = experts.hidden_size
+
+        def arm(name: str) -> None:
+            runner.router = graft_router.inner if name == "plain" else graft_router
+            experts.graft_skip = name == "skip"
+
+        print(f"vLLM MoE layer {runner.layer_name} of {SHAPE.name} (hidden {H}, {experts.global_num_experts} "
+              f"experts, intermediate {experts.intermediate_size_per_partition}, top-{experts.top_k}), float32, "
+              f"{torch.get_num_threads()} threads; dynamic-topk {inst.params.criterion} threshold "
+              f"{inst.params.threshold}; router logits: graft-tiny-mixtral, {logits.shape[0]} token x layer rows")
+        g = torch.Generator().manual_seed(0)
+        arms = ["plain", "weight-0", "skip"]
+        for T in [int(t) for t in args.tokens.split(",")]:
+            starts = torch.randint(0, logits.shape[0] - T, (args.calls,), generator=g).tolist()
+            windows = [logits[s:s + T].contiguous() for s in starts]
+            x = torch.randn(T, H, generator=g)
+            w_all = torch.cat([inst.route(0, lg, experts.top_k, True)[0] for lg in windows])
+            pruned = float((w_all == 0).float().mean())
+            with torch.inference_mode(), set_forward_context(None, config):
+                same = True
+                for lg in windows:  # warm-up, and the exactness check
+                    outs = {}
+                    for a in arms:
+                        arm(a)
+                        outs[a] = runner._forward_impl(x, lg, None).clone()
+                    same &= torch.equal(outs["skip"], outs["weight-0"])
+                # per arm: [round][window] seconds, for the layer, its routing and its experts
+                layer = {a: [] for a in arms}
+                route = {a: [] for a in arms}
+                kern = {a: [] for a in arms}
+                for r in range(args.repeat):
+                    for a in arms[r % 3:] + arms[:r % 3]:
+                        arm(a)
+                        lt, rt, kt = [], [], []
+                        for lg in windows:
+                            t0 = time.perf_counter()
+                            runner._forward_impl(x, lg, None)
+                            t1 = time.perf_counter()
+                            w, ids = runner.router.select_experts(x, lg)
+                            t2 = time.perf_counter()
+                            experts.forward_modular(x, w, ids)
+                            t3 = time.perf_counter()
+                            lt.append(t1 - t0)
+                            rt.append(t2 - t1)
+                            kt.append(t3 - t2)
+                        layer[a].append(lt)
+                        route[a].append(rt)
+                        kern[a].append(kt)
+
+            def med(v):  # median over rounds of the mean over windows
+                return statistics.median(statistics.fmean(rnd) for rnd in v)
+
+            def best(v):  # mean over windows of the fastest round (noise on a shared machine only adds)
+                return statistics.fmean(min(col) for col in zip(*v))
+
+            print(f"T={T} tokens per call: {pruned:.1%} of slots pruned by dynamic-topk; skip == weight-0 "
+                  f"bit for bit on all {len(windows)} windows: {same}")
+            print(f"  {'arm':9s} {'median ms':>9s} {'vs plain':>8s} {'best ms':>8s} {'vs plain':>8s} "
+                  f"{'routing':>8s} {'experts':>8s}   (ms per layer call; median of {args.repeat} rounds x "
+                  f"{args.calls} calls; best: each call's fastest round; routing/experts: best)")
+            p_med, p_best = med(layer["plain"]), best(layer["plain"])
+            for a in arms:
+                m, b = med(layer[a]), best(layer[a])
+                print(f"  {a:9s} {1e3 * m:9.3f} {p_med / m:7.2f}x {1e3 * b:8.3f} {p_best / b:7.2f}x "
+                      f"{1e3 * best(route[a]):8.3f} {1e3 * best(kern[a]):8.3f}")
+    finally:
+        if runner is not None:
+            runner.router = graft_router
+            experts.graft_skip = True
+        _shutdown(llm)
+
+
+if __name__ == "__main__":
+    main()
