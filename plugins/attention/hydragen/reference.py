@@ -101,8 +101,8 @@ def hydragen_attention(query: torch.Tensor, kv_cache: torch.Tensor, batch: Paged
 
 # ---------------------------------------------------------------- the batched CPU path
 #: Sequences with at most this many new tokens (decode, speculative verification) share one
-#: padded suffix call; longer ones (prefill chunks) get a call each, so no sequence is padded
-#: to a prefill chunk's length.
+#: padded suffix call; longer ones (prefill chunks) get a call each (:class:`_LongCall`), so no
+#: sequence is padded to a prefill chunk's length.
 SHORT_QUERIES = 16
 #: Largest additive mask (sequences x query rows x keys) one batched suffix call builds; a
 #: larger step attends its short sequences one by one as well.
@@ -184,6 +184,40 @@ class _SuffixCall:
         out[rows], lse[rows] = o[self.q_ok], l[self.q_ok]
 
 
+class _LongCall:
+    """One sequence with many new tokens (a prefill chunk): its query heads attend its suffix
+    in one fused call, K/V repeated to the query heads (no padding, no ``g``-fold mask); where
+    the suffix is exactly its new tokens (a first chunk) the call is causal without a mask."""
+
+    def __init__(self, plan: StepPlan, tree, table: torch.Tensor, i: int, device) -> None:
+        bs = tree.block_size
+        start, end = tree.suffix_start[i], -(-plan.seq_lens[i] // bs)
+        self.nb = end - start
+        self.blocks = table[i, start:end].long()
+        self.n = plan.seq_lens[i] - start * bs  # suffix keys
+        self.q0, self.m = plan.query_start[i], plan.q_lens[i]
+        self.causal = self.n == self.m
+        self.mask = None
+        if not self.causal:
+            q_pos = torch.arange(self.n - self.m, self.n, device=device)
+            hidden = torch.arange(self.n, device=device)[None, :] > q_pos[:, None]
+            self.mask = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))[None, None]
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def run(self, query, kv_cache, layer, out, lse) -> None:
+        hkv, h = layer.num_kv_heads, layer.num_heads
+        if hkv not in self._rows:
+            self._rows[hkv] = _cache_rows(self.blocks, hkv)
+        k, v = _gather(kv_cache, self._rows[hkv], (1,), self.nb)
+        k = k[:, :, : self.n].repeat_interleave(h // hkv, dim=1)
+        v = v[:, :, : self.n].repeat_interleave(h // hkv, dim=1)
+        rows = slice(self.q0, self.q0 + self.m)
+        q = query[rows].float().transpose(0, 1)[None]  # [1, H, m, D]
+        o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, self.causal, attn_mask=self.mask, scale=layer.scale)
+        out[rows], lse[rows] = o[0].transpose(0, 1), l[0].transpose(0, 1)
+
+
 class _StepIndex:
     """A step's batched-path indices for one block size and GQA group (kept in the plan's
     ``cache``, reused by every layer)."""
@@ -192,12 +226,13 @@ class _StepIndex:
         tree = plan.prefixes(bs)
         active = [i for i, q in enumerate(plan.q_lens) if q > 0]
         short = [i for i in active if plan.q_lens[i] <= SHORT_QUERIES]
-        calls = [[i] for i in active if plan.q_lens[i] > SHORT_QUERIES]
+        self.calls: list = [_LongCall(plan, tree, table, i, device)
+                            for i in active if plan.q_lens[i] > SHORT_QUERIES]
         if short:
             width = max(-(-plan.seq_lens[i] // bs) - tree.suffix_start[i] for i in short) * bs
             m = max(plan.q_lens[i] for i in short)
-            calls += [short] if len(short) * m * g * width <= SUFFIX_MASK_MAX else [[i] for i in short]
-        self.calls = [_SuffixCall(plan, tree, table, seqs, g, device) for seqs in calls]
+            calls = [short] if len(short) * m * g * width <= SUFFIX_MASK_MAX else [[i] for i in short]
+            self.calls += [_SuffixCall(plan, tree, table, seqs, g, device) for seqs in calls]
         self.groups = [(torch.tensor(group_rows(plan, grp.seqs), dtype=torch.long, device=device),
                         torch.tensor(grp.blocks, dtype=torch.long, device=device)) for grp in tree.groups]
         self._group_rows: dict[tuple[int, int], torch.Tensor] = {}
