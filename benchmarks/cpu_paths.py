@@ -4,7 +4,8 @@
 
 Each row times the old path and the new one on the same inputs (median of ``--repeat`` calls
 after warm-up, this process's torch threads) and checks that they agree, so a figure in
-BENCHMARKS.md can be reproduced on another machine:
+BENCHMARKS.md can be reproduced on another machine. The last column is what the plain arm runs
+instead (an fp32 matmul for the quant rows, vLLM's C++ attention for hydragen):
 
 * ``w4a8``: the fp64 emulation that rebuilds the int8 weight on every call, against the int8
   weight unpacked once at load and ``torch._int_mm`` (``cpu_weights: int8``); bit-identical.
@@ -12,6 +13,10 @@ BENCHMARKS.md can be reproduced on another machine:
   unpacked once (``cpu_weights: indices``); bit-identical.
 * paged attention: the per-sequence loop against the batched path (one masked attention
   over blocks gathered at once), for a decode step and for a chunked-prefill step.
+* hydragen: the per-sequence reference against the batched CPU path, for a decode step of
+  sequences sharing a 1K-token prefix (one group, and four groups of 8), beside vLLM's own
+  C++ paged attention on the same step (the plain arm's kernel; the cache written in its
+  layout by its own op), the column "host kernel ms".
 """
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ import torch
 
 from vllm_graft.hooks import AttentionLayer, PagedBatch
 from vllm_graft.plugins.attention import _shared as shared
+from vllm_graft.plugins.attention.hydragen import HydragenParams
+from vllm_graft.plugins.attention.hydragen import reference as hydragen
 from vllm_graft.plugins.quant.squeezellm import reference as sq
 from vllm_graft.plugins.quant.w4a8 import reference as w4
 
@@ -88,14 +95,87 @@ def attention_rows(repeat: int) -> list[tuple]:
     return rows
 
 
+def _shared_prefix_step(S: int, groups: int, prefix_blocks: int, own: int, H: int = 9, Hkv: int = 3,
+                       D: int = 64, B: int = 128):
+    """A decode step of ``S`` sequences in ``groups`` equal groups, each group sharing
+    ``prefix_blocks`` blocks (prefix caching's same block ids), each sequence ``own`` more tokens."""
+    g = torch.Generator().manual_seed(2)
+    per, nid, rows = S // groups, groups * prefix_blocks, []
+    prefixes = [list(range(k * prefix_blocks, (k + 1) * prefix_blocks)) for k in range(groups)]
+    for i in range(S):
+        n = -(-own // B)
+        rows.append(prefixes[i // per] + list(range(nid, nid + n)))
+        nid += n
+    width = max(map(len, rows))
+    table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
+    lens = torch.full((S,), prefix_blocks * B + own, dtype=torch.int32)
+    batch = PagedBatch(torch.arange(S + 1, dtype=torch.int32), lens, table)
+    kv = torch.randn(nid + 1, Hkv, B, 2 * D, generator=g)
+    return torch.randn(S, H, D, generator=g), kv, batch, AttentionLayer(H, Hkv, D, D ** -0.5, B)
+
+
+def _vllm_attention(q: torch.Tensor, kv: torch.Tensor, batch: PagedBatch, layer: AttentionLayer):
+    """vLLM's CPU paged attention on this step (None without vLLM): a function computing it."""
+    try:
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:
+        return None
+    from vllm_graft.hooks import split_kv_cache
+
+    N, hkv, B, d2 = kv.shape
+    isa = _get_attn_isa(q.dtype, B, d2 // 2)
+    k, v = split_kv_cache(kv)
+    host = torch.zeros_like(kv).view(N, hkv, 2 * B, d2 // 2)
+    k_cache, v_cache = host.chunk(2, dim=2)
+    flat = lambda t: t.permute(0, 2, 1, 3).reshape(N * B, hkv, -1).contiguous()  # noqa: E731
+    ops.cpu_attn_reshape_and_cache(flat(k), flat(v), k_cache, v_cache, torch.arange(N * B), isa,
+                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=batch.seq_lens.numel(), num_heads=layer.num_heads, num_kv_heads=hkv,
+        head_dim=layer.head_size, seq_lens=batch.seq_lens, dtype=q.dtype,
+        query_start_loc=batch.query_start_loc, causal=True, sliding_window_size=-1, isa=isa,
+        enable_kv_split=False)
+    out = torch.empty_like(q)
+
+    def run() -> torch.Tensor:
+        ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=k_cache, value_cache=v_cache, output=out,
+            query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, scale=layer.scale,
+            causal=True, alibi_slopes=None, sliding_window=-1, block_table=batch.block_table,
+            softcap=0.0, scheduler_metadata=meta, s_aux=None)
+        return out
+
+    return run
+
+
+def hydragen_rows(repeat: int, cases=((32, 1, 8, 40), (32, 4, 8, 40), (8, 1, 8, 40))) -> list[tuple]:
+    rows = []
+    for S, groups, prefix_blocks, own in cases:
+        q, kv, batch, layer = _shared_prefix_step(S, groups, prefix_blocks, own)
+        m = hydragen.Hydragen(HydragenParams())
+        plan = m.plan(batch)
+        old = lambda: hydragen.hydragen_attention(q, kv, batch, layer, plan)  # noqa: E731
+        new = lambda: hydragen.hydragen_attention_batched(q, kv, batch, layer, plan)  # noqa: E731
+        host = _vllm_attention(q, kv, batch, layer)
+        agree = torch.allclose(old(), new(), atol=1e-5, rtol=1e-5)
+        if host is not None:
+            agree = agree and torch.allclose(host(), new(), atol=1e-5, rtol=1e-5)
+        rows.append((f"hydragen, decode: {S} seqs in {groups} group(s) sharing {prefix_blocks * 128} "
+                     f"tokens + {own} own, GQA 9/3 x 64", _ms(old, repeat), _ms(new, repeat), agree,
+                     float("nan") if host is None else _ms(host, repeat)))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=50, help="timed calls per path (median reported)")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {args.repeat} calls\n")
-    print("| path | old ms | new ms | speed-up | agree | fp32 matmul ms |")
+    print("| path | old ms | new ms | speed-up | agree | host kernel ms |")
     print("|---|---:|---:|---:|---|---:|")
-    for name, old, new, agree, dense in quant_rows(args.repeat) + attention_rows(args.repeat):
+    for name, old, new, agree, dense in (quant_rows(args.repeat) + attention_rows(args.repeat)
+                                         + hydragen_rows(args.repeat)):
         dense_s = "-" if dense != dense else f"{dense:.3f}"
         print(f"| {name} | {old:.3f} | {new:.3f} | {old / new:.1f}x | {'yes' if agree else 'NO'} | {dense_s} |")
 

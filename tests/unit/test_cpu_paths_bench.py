@@ -12,8 +12,10 @@ def test_every_timed_pair_agrees():
     spec = importlib.util.spec_from_file_location("cpu_paths", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    rows = mod.quant_rows(1, out=64, inp=256, tokens=3) + mod.attention_rows(1)
-    assert len(rows) == 5
+    rows = (mod.quant_rows(1, out=64, inp=256, tokens=3) + mod.attention_rows(1)
+            + mod.hydragen_rows(1, cases=((4, 1, 2, 40), (4, 2, 2, 130))))
+    assert len(rows) == 7
+    assert all(r[4] > 0 for r in rows[-2:])  # vLLM's kernel ran (installed here) and agreed
     for name, old, new, agree, _ in rows:
         assert agree, name
         assert old > 0 and new > 0, name
