@@ -10,7 +10,8 @@ arms interleaved on the same layer and weights:
   plain     the model's own top-2: the runner with vLLM's ``CPURouter`` and the experts' own path
   weight-0  dynamic-topk routing, pruned slots computed with weight 0 (``graft_skip`` off; in an
             engine: ``VLLM_GRAFT_MOE_SKIP=0``)
-  skip      dynamic-topk routing, pruned slots left out (the default)
+  skip-all  dynamic-topk routing, pruned slots left out in every layer call (``VLLM_GRAFT_MOE_SKIP=1``)
+  skip      the default: left out in layer calls with at least 32 pruned slots, else weight-0
 
 Router logits: the ones the bundled trained ``graft-tiny-mixtral`` (top-2 of 8, the same routing
 shape) computes in its 4 MoE layers on the bench's chat and code-completion prompts (recorded
@@ -97,7 +98,7 @@ def main() -> None:
 
     from vllm_graft.hooks import Kind
     from vllm_graft.integration import launch
-    from vllm_graft.integration.adapters.moe.engine import GraftRouter
+    from vllm_graft.integration.adapters.moe.engine import SKIP_MIN_DEFAULT, GraftRouter
     from vllm_graft.integration.runtime import RUNTIME
 
     params = {} if args.threshold is None else {"threshold": args.threshold}
@@ -117,14 +118,15 @@ def main() -> None:
 
         def arm(name: str) -> None:
             runner.router = graft_router.inner if name == "plain" else graft_router
-            experts.graft_skip = name == "skip"
+            experts.graft_skip = name.startswith("skip")
+            experts.graft_skip_min = 1 if name == "skip-all" else SKIP_MIN_DEFAULT
 
         print(f"vLLM MoE layer {runner.layer_name} of {SHAPE.name} (hidden {H}, {experts.global_num_experts} "
               f"experts, intermediate {experts.intermediate_size_per_partition}, top-{experts.top_k}), float32, "
               f"{torch.get_num_threads()} threads; dynamic-topk {inst.params.criterion} threshold "
               f"{inst.params.threshold}; router logits: graft-tiny-mixtral, {logits.shape[0]} token x layer rows")
         g = torch.Generator().manual_seed(0)
-        arms = ["plain", "weight-0", "skip"]
+        arms = ["plain", "weight-0", "skip-all", "skip"]
         for T in [int(t) for t in args.tokens.split(",")]:
             starts = torch.randint(0, logits.shape[0] - T, (args.calls,), generator=g).tolist()
             windows = [logits[s:s + T].contiguous() for s in starts]
@@ -138,13 +140,13 @@ def main() -> None:
                     for a in arms:
                         arm(a)
                         outs[a] = runner._forward_impl(x, lg, None).clone()
-                    same &= torch.equal(outs["skip"], outs["weight-0"])
+                    same &= torch.equal(outs["skip"], outs["weight-0"]) and torch.equal(outs["skip-all"], outs["weight-0"])
                 # per arm: [round][window] seconds, for the layer, its routing and its experts
                 layer = {a: [] for a in arms}
                 route = {a: [] for a in arms}
                 kern = {a: [] for a in arms}
                 for r in range(args.repeat):
-                    for a in arms[r % 3:] + arms[:r % 3]:
+                    for a in arms[r % len(arms):] + arms[:r % len(arms)]:
                         arm(a)
                         lt, rt, kt = [], [], []
                         for lg in windows:
@@ -168,7 +170,7 @@ def main() -> None:
             def best(v):  # mean over windows of the fastest round (noise on a shared machine only adds)
                 return statistics.fmean(min(col) for col in zip(*v))
 
-            print(f"T={T} tokens per call: {pruned:.1%} of slots pruned by dynamic-topk; skip == weight-0 "
+            print(f"T={T} tokens per call: {pruned:.1%} of slots pruned by dynamic-topk; skip, skip-all == weight-0 "
                   f"bit for bit on all {len(windows)} windows: {same}")
             print(f"  {'arm':9s} {'median ms':>9s} {'vs plain':>8s} {'best ms':>8s} {'vs plain':>8s} "
                   f"{'routing':>8s} {'experts':>8s}   (ms per layer call; median of {args.repeat} rounds x "
@@ -181,7 +183,7 @@ def main() -> None:
     finally:
         if runner is not None:
             runner.router = graft_router
-            experts.graft_skip = True
+            experts.graft_skip, experts.graft_skip_min = True, SKIP_MIN_DEFAULT
         _shutdown(llm)
 
 

@@ -10,8 +10,9 @@ then runs vLLM's expert path on the kept (token, expert) pairs only
   a token with no kept slot);
 * in half precision (vLLM's ``cpu_fused_moe`` directly): tokens with one kept slot bit for bit,
   the others within the rounding of their dtype;
-* bundled tiny-mixtral with dynamic-topk: greedy tokens and log-probabilities identical with and
-  without the skip, and the skipped slots counted equal the evaluations dynamic-topk saved.
+* bundled tiny-mixtral with dynamic-topk: greedy tokens and log-probabilities identical with the
+  skip in every layer call, with the default minimum (32 pruned slots per call) and without it,
+  and the skipped slots counted equal the evaluations dynamic-topk saved.
 """
 from __future__ import annotations
 
@@ -86,25 +87,33 @@ def _generate(llm):
 
 
 def test_greedy_tokens_identical_with_and_without_the_skip_and_skips_counted(engine):
+    from vllm_graft.integration.adapters.moe.engine import SKIP_MIN_DEFAULT
+
     llm, _, experts, _ = engine
-    assert all(e.graft_skip for e in experts)
-    tokens, logprobs, events, described = _generate(llm)
-    for e in experts:
-        e.graft_skip = False
+    assert all(e.graft_skip and e.graft_skip_min == SKIP_MIN_DEFAULT for e in experts)
+    runs = {}
     try:
-        tokens0, logprobs0, events0, described0 = _generate(llm)
+        for name, on, least in (("always", True, 1), ("default", True, SKIP_MIN_DEFAULT), ("off", False, 1)):
+            for e in experts:
+                e.graft_skip, e.graft_skip_min = on, least
+            runs[name] = _generate(llm)
     finally:
         for e in experts:
-            e.graft_skip = True
-    assert tokens == tokens0 and all(len(t) == NEW_TOKENS for t in tokens)
-    assert logprobs == logprobs0  # bit for bit
-    assert described["expert_evaluations"] == described0["expert_evaluations"]
+            e.graft_skip, e.graft_skip_min = True, SKIP_MIN_DEFAULT
+    tokens, logprobs, events, described = runs["always"]
+    assert all(len(t) == NEW_TOKENS for t in tokens)
+    for name in ("default", "off"):
+        assert runs[name][0] == tokens
+        assert runs[name][1] == logprobs  # bit for bit
+        assert runs[name][3]["expert_evaluations"] == described["expert_evaluations"]
     saved = described["evaluations_topk"] - described["expert_evaluations"]
     assert saved > 0.2 * described["evaluations_topk"]
-    # every slot dynamic-topk pruned was left out of the kernel, and only those
+    # always: every slot dynamic-topk pruned was left out of the kernel, and only those
     assert events["slots_skipped"] == saved
     assert events["slots_computed"] <= described["expert_evaluations"]
-    assert "slots_skipped" not in events0 and "slots_computed" not in events0
+    # default: the prefill step's layer calls (3 prompts) skip, the decode steps (3 tokens) do not
+    assert 0 < runs["default"][2]["slots_skipped"] < saved
+    assert "slots_skipped" not in runs["off"][2] and "slots_computed" not in runs["off"][2]
 
 
 def _routing(inst, logits, top_k=2):

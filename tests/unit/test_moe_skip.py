@@ -95,3 +95,13 @@ def test_half_precision_rows_are_weighted_in_the_kernel():
     rows = experts(x[one], w[one, :1].contiguous(), ids[one, :1].contiguous())
     assert torch.equal(out[one], rows)
     assert torch.allclose(out.float(), _full(x, w, ids, mats), rtol=3e-2, atol=3e-2)
+
+
+def test_fewer_pruned_slots_than_the_minimum_leave_the_full_routing():
+    _, calls, experts = _experts()
+    w = torch.rand(6, 2) + 0.1
+    w[:3, 1] = 0  # 3 pruned slots
+    ids = torch.zeros(6, 2, dtype=torch.int32)
+    assert run_kept(torch.randn(6, H), w, ids, experts, min_pruned=4) is None and calls == []
+    out, kept = run_kept(torch.randn(6, H), w, ids, experts, min_pruned=3)
+    assert kept == 9 and len(calls) == 1

@@ -49,7 +49,10 @@ as a top-1 routing, and forms each token's weighted sum the way the kernel does
 CPU platform, unquantized experts (``UnquantizedFusedMoEMethod``), no expert or data
 parallelism, router weights applied after the experts, no shared experts passed to the kernel;
 elsewhere, and with ``VLLM_GRAFT_MOE_SKIP=0`` (the weight-0 route, for A/B measurements), the
-slots are computed with weight 0 as before. Counted per layer call under the routing plugin's
+slots are computed with weight 0 as before. A layer call with fewer than 32 pruned slots
+(``VLLM_GRAFT_MOE_SKIP=N`` sets the number; a decode step of a few sequences) computes them with
+weight 0 too: there the gathers cost more than the rows, which run on the expert the token
+already uses. Counted per layer call under the routing plugin's
 name: ``slots_computed`` and ``slots_skipped`` (expert evaluations run and left out).
 
 Patches: none. ``register_oot`` is vLLM's extension point; vLLM has no unregister, so
@@ -114,8 +117,27 @@ log = logging.getLogger("vllm_graft")
 #: The in-tree class names that ``register_oot`` replaces.
 OOT_NAME = "MoERunner"
 OOT_EXPERTS = "RoutedExperts"
-#: ``0``: compute pruned (weight-0) slots with weight 0 instead of leaving them out.
+#: ``N``: leave pruned (weight-0) slots out of a layer call that has at least N of them
+#: (default :data:`SKIP_MIN_DEFAULT`; ``1``: always; ``0``: never, the weight-0 route).
 SKIP_ENV = "VLLM_GRAFT_MOE_SKIP"
+#: Below this many pruned slots in a layer call (a decode step of a few sequences) the rows cost
+#: less than the skip's gathers (~0.2 ms per layer call on mixtral-110m, where a row costs
+#: ~0.015 ms): the layer computes them with weight 0, on the expert the token already uses.
+SKIP_MIN_DEFAULT = 32
+
+
+def skip_min_from_env() -> int:
+    """The minimum number of pruned slots a layer call leaves out (0: none), from ``SKIP_ENV``."""
+    raw = os.environ.get(SKIP_ENV, "").strip()
+    if not raw:
+        return SKIP_MIN_DEFAULT
+    try:
+        n = int(raw)
+    except ValueError:
+        raise MoEAdapterError(f"{SKIP_ENV}={raw!r}: expected a whole number (0: compute pruned "
+                              f"slots with weight 0; N: leave them out when a layer call has at least "
+                              f"N; unset: {SKIP_MIN_DEFAULT})") from None
+    return max(0, n)
 
 
 # ------------------------------------------------------------------------------- router
@@ -238,13 +260,15 @@ class GraftRoutedExperts(RoutedExperts):
     """vLLM's ``RoutedExperts`` that leaves routing slots of weight 0 out of the expert kernel.
 
     ``graft_skip`` (set at construction from the active deployment; tests and benchmarks may
-    flip it on a built layer) turns the skip on; at the layer's first forward
+    flip it on a built layer) turns the skip on, for layer calls with at least
+    ``graft_skip_min`` pruned slots (``VLLM_GRAFT_MOE_SKIP``); at the layer's first forward
     :meth:`_graft_skip_unsupported` may turn it off for good, logging why.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.graft_skip = ADAPTER.skip_count is not None
+        self.graft_skip_min = max(1, ADAPTER.skip_min)
         self._graft_skip_checked = False
 
     def forward_modular(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -258,7 +282,7 @@ class GraftRoutedExperts(RoutedExperts):
                     log.info("vllm-graft: MoE layer %s computes pruned slots with weight 0 (%s)",
                              self.layer_name, why)
             if self.graft_skip:
-                done = run_kept(x, topk_weights, topk_ids, self._graft_rows)
+                done = run_kept(x, topk_weights, topk_ids, self._graft_rows, min_pruned=self.graft_skip_min)
                 if done is not None:
                     out, kept = done
                     count = ADAPTER.skip_count
@@ -321,6 +345,8 @@ class MoEAdapter(Adapter):
         #: ``count(event, n)`` under the routing plugin's name while pruned slots are skipped
         #: (a plugin routes and ``VLLM_GRAFT_MOE_SKIP`` is not 0), else None.
         self.skip_count: Callable[[str, int], None] | None = None
+        #: Fewest pruned slots a layer call leaves out (``VLLM_GRAFT_MOE_SKIP``).
+        self.skip_min = SKIP_MIN_DEFAULT
 
     def engine_overrides(self, enabled: list[Enabled], plan: Plan) -> dict[str, Any]:
         require_eager(plan)
@@ -347,7 +373,8 @@ class MoEAdapter(Adapter):
             MoERunner.register_oot(GraftMoERunner)
         self.chain = chain
         self.skip_count = None
-        if chain.routes and os.environ.get(SKIP_ENV, "1") != "0":
+        self.skip_min = skip_min_from_env()
+        if chain.routes and self.skip_min > 0:
             experts = op_registry_oot.get(OOT_EXPERTS)
             if experts is None:
                 RoutedExperts.register_oot(GraftRoutedExperts)

@@ -55,10 +55,11 @@ Experts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def run_kept(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-             experts: Experts) -> tuple[torch.Tensor, int] | None:
+             experts: Experts, min_pruned: int = 1) -> tuple[torch.Tensor, int] | None:
     """``(output [T, H] in the dtype of x, kept slots)`` for the routing ``weights``/``ids``
-    ``[T, k]``, computed on the slots of nonzero weight only; None when every slot is kept
-    (the caller runs its full routing, unchanged).
+    ``[T, k]``, computed on the slots of nonzero weight only; None when fewer than
+    ``min_pruned`` (at least 1) slots have weight 0 (the caller runs its full routing,
+    unchanged).
 
     Layout (few passes over ``[T, H]`` data: each costs a parallel region): the tokens are
     ordered by how many slots they keep (most first, stable), so that for every rank ``j`` the
@@ -69,10 +70,10 @@ def run_kept(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     ``addcmul_`` (the kernel's fused multiply-add); one ``index_copy_`` puts the tokens back in
     their order."""
     keep = weights != 0
-    if bool(keep.all()):
-        return None
     T, k = weights.shape
     n_kept = keep.sum(dim=1)
+    if T * k - int(n_kept.sum()) < max(1, min_pruned):
+        return None
     order = torch.argsort(n_kept, descending=True, stable=True)
     counts = [int(c) for c in (n_kept.unsqueeze(1) > torch.arange(k, device=n_kept.device)).sum(0)]
     rank = torch.where(keep, keep.cumsum(dim=1) - 1, k)
