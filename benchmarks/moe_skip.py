@@ -25,6 +25,14 @@ bit-identical on every window, and the layer time split into routing (``select_e
 experts (``forward_modular``).
 
     .venv/bin/python benchmarks/moe_skip.py [--tokens 8,512] [--repeat 9] [--calls 16]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/moe_skip.py --kernel    # the experts only
+
+``--kernel`` times the experts alone, without an engine: vLLM's ``cpu_fused_moe`` (the kernel
+``CPUUnquantizedExperts.apply`` calls) on prepacked random weights of the same shape, with the
+same routings (plain: softmax top-2, renormalised; dynamic-topk: the plugin's reference), the
+skip through the adapter's own ``run_kept``; its thread count follows ``OMP_NUM_THREADS`` (the
+engine's in-process worker binds its own), so the work can be timed on one thread, where the
+shared machine's scheduling delays at each parallel region's barrier do not enter.
 
 Each round runs every arm, in rotating order, over the same ``--calls`` windows, timing every
 call. Printed per arm: the median over rounds of the mean call time, and the "best" time (each
@@ -81,6 +89,85 @@ def record_logits(num_prompts: int, max_tokens: int) -> torch.Tensor:
     return torch.cat(seen)
 
 
+def _report(T, pruned, same, arms, times, repeat, calls, parts=None) -> None:
+    def med(v):  # median over rounds of the mean over windows
+        return statistics.median(statistics.fmean(rnd) for rnd in v)
+
+    def best(v):  # mean over windows of the fastest round (noise on a shared machine only adds)
+        return statistics.fmean(min(col) for col in zip(*v))
+
+    print(f"T={T} tokens per call: {pruned:.1%} of slots pruned by dynamic-topk; skip, skip-all == weight-0 "
+          f"bit for bit on all {calls} windows: {same}")
+    extra = f" {'routing':>8s} {'experts':>8s}" if parts else ""
+    print(f"  {'arm':9s} {'median ms':>9s} {'vs plain':>8s} {'best ms':>8s} {'vs plain':>8s}{extra}   (ms per "
+          f"call; median of {repeat} rounds x {calls} calls; best: each call's fastest round)")
+    p_med, p_best = med(times["plain"]), best(times["plain"])
+    for a in arms:
+        m, b = med(times[a]), best(times[a])
+        tail = f" {1e3 * best(parts[0][a]):8.3f} {1e3 * best(parts[1][a]):8.3f}" if parts else ""
+        print(f"  {a:9s} {1e3 * m:9.3f} {p_med / m:7.2f}x {1e3 * b:8.3f} {p_best / b:7.2f}x{tail}")
+
+
+def kernel_only(args, logits: torch.Tensor) -> None:
+    """The experts alone: vLLM's cpu_fused_moe at the shape, the same routings and windows."""
+    import json
+
+    from vllm._custom_ops import cpu_fused_moe, cpu_prepack_moe_weight
+
+    from vllm_graft.integration.adapters.moe.engine import SKIP_MIN_DEFAULT
+    from vllm_graft.integration.adapters.moe.skip import run_kept
+    from vllm_graft.plugins.moe.dynamic_topk.reference import dynamic_topk
+
+    cfg = json.loads((SHAPE / "config.json").read_text())
+    H, I, E, k = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_local_experts"], cfg["num_experts_per_tok"]
+    g = torch.Generator().manual_seed(0)
+    w13 = cpu_prepack_moe_weight(torch.randn(E, 2 * I, H, generator=g) * 0.02, "vec")
+    w2 = cpu_prepack_moe_weight(torch.randn(E, H, I, generator=g) * 0.02, "vec")
+
+    def kernel(x, w, ids):
+        out = torch.empty(x.shape[0], H)
+        cpu_fused_moe(out, x, w13, w2, None, None, w.contiguous(), ids.to(torch.int32).contiguous(), "silu", "vec")
+        return out
+
+    threshold = 0.8 if args.threshold is None else args.threshold
+    print(f"vLLM cpu_fused_moe at the shape of {SHAPE.name} (hidden {H}, {E} experts, intermediate {I}, "
+          f"top-{k}), float32, {torch.get_num_threads()} threads; dynamic-topk mass threshold {threshold}; "
+          f"router logits: graft-tiny-mixtral, {logits.shape[0]} token x layer rows")
+    arms = ["plain", "weight-0", "skip-all", "skip"]
+    for T in [int(t) for t in args.tokens.split(",")]:
+        starts = torch.randint(0, logits.shape[0] - T, (args.calls,), generator=g).tolist()
+        x = torch.randn(T, H, generator=g)
+        cases = []
+        for s0 in starts:
+            lg = logits[s0:s0 + T]
+            pw, pid = lg.softmax(-1).topk(k, dim=-1)
+            dw, did, _ = dynamic_topk(lg, k, True, threshold=threshold)
+            cases.append(((pw / pw.sum(-1, keepdim=True)).contiguous(), pid.int().contiguous(),
+                          dw.contiguous(), did.int().contiguous()))
+        pruned = float(torch.cat([c[2] for c in cases]).eq(0).float().mean())
+
+        def call(a, c):
+            if a == "plain":
+                return kernel(x, c[0], c[1])
+            if a == "weight-0":
+                return kernel(x, c[2], c[3])
+            done = run_kept(x, c[2], c[3], kernel, min_pruned=1 if a == "skip-all" else SKIP_MIN_DEFAULT)
+            return kernel(x, c[2], c[3]) if done is None else done[0]
+
+        same = all(torch.equal(call("skip-all", c), call("weight-0", c)) and torch.equal(call("skip", c), call("weight-0", c))
+                   for c in cases)
+        times = {a: [] for a in arms}
+        for r in range(args.repeat):
+            for a in arms[r % len(arms):] + arms[:r % len(arms)]:
+                ts = []
+                for c in cases:
+                    t0 = time.perf_counter()
+                    call(a, c)
+                    ts.append(time.perf_counter() - t0)
+                times[a].append(ts)
+        _report(T, pruned, same, arms, times, args.repeat, args.calls)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="8,512", help="tokens per layer call (comma-separated)")
@@ -88,9 +175,12 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=16, help="layer calls per arm and round")
     ap.add_argument("--threshold", type=float, default=None, help="dynamic-topk threshold (default: the plugin's)")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per workload for the logits")
+    ap.add_argument("--kernel", action="store_true", help="time the experts alone (cpu_fused_moe), no engine")
     args = ap.parse_args()
 
     logits = record_logits(args.prompts, 32)
+    if args.kernel:
+        return kernel_only(args, logits)
 
     from vllm import LLM
     from vllm.forward_context import set_forward_context
@@ -164,22 +254,7 @@ def main() -> None:
                         route[a].append(rt)
                         kern[a].append(kt)
 
-            def med(v):  # median over rounds of the mean over windows
-                return statistics.median(statistics.fmean(rnd) for rnd in v)
-
-            def best(v):  # mean over windows of the fastest round (noise on a shared machine only adds)
-                return statistics.fmean(min(col) for col in zip(*v))
-
-            print(f"T={T} tokens per call: {pruned:.1%} of slots pruned by dynamic-topk; skip, skip-all == weight-0 "
-                  f"bit for bit on all {len(windows)} windows: {same}")
-            print(f"  {'arm':9s} {'median ms':>9s} {'vs plain':>8s} {'best ms':>8s} {'vs plain':>8s} "
-                  f"{'routing':>8s} {'experts':>8s}   (ms per layer call; median of {args.repeat} rounds x "
-                  f"{args.calls} calls; best: each call's fastest round; routing/experts: best)")
-            p_med, p_best = med(layer["plain"]), best(layer["plain"])
-            for a in arms:
-                m, b = med(layer[a]), best(layer[a])
-                print(f"  {a:9s} {1e3 * m:9.3f} {p_med / m:7.2f}x {1e3 * b:8.3f} {p_best / b:7.2f}x "
-                      f"{1e3 * best(route[a]):8.3f} {1e3 * best(kern[a]):8.3f}")
+            _report(T, pruned, same, arms, layer, args.repeat, args.calls, parts=(route, kern))
     finally:
         if runner is not None:
             runner.router = graft_router
