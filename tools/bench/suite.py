@@ -391,22 +391,30 @@ def write_suite_plot(rows: Sequence[dict[str, Any]], path: str | os.PathLike[str
     FigureCanvasAgg(fig)
     ax = fig.subplots()
     ys = list(range(len(rows)))[::-1]
+    values = [1.0]
     for y, r in zip(ys, rows):
         met = r.get("met")
-        color = "#2ca02c" if met else "#d62728" if met is False else "#7f7f7f"
-        ax.barh(y, r["ratio"], color=color, height=0.6)
-        if r.get("ratio_min") is not None and r.get("ratio_max") is not None:
-            ax.plot([r["ratio_min"], r["ratio_max"]], [y, y], color="black", linewidth=1)
+        color = "#2ca02c" if met else "#d62728" if met is False else "#555555"
+        lo, hi = r.get("ratio_min"), r.get("ratio_max")
+        if lo is not None and hi is not None:
+            ax.plot([lo, hi], [y, y], color=color, linewidth=1.2, alpha=0.6)
+            values += [lo, hi]
+        ax.plot([r["ratio"]], [y], "o", color=color, markersize=6)
         if r.get("target") is not None:
-            ax.plot([r["target"]] * 2, [y - 0.4, y + 0.4], color="black", linestyle="--", linewidth=1.2)
-        ax.text(max(r["ratio"], r.get("ratio_max") or 0) + 0.03, y, f"{r['ratio']:.2f}", va="center", fontsize=7)
+            ax.plot([r["target"]], [y], marker="|", color="black", markersize=14, markeredgewidth=2)
+            values.append(r["target"])
+        ax.annotate(f"{r['ratio']:.2f}", (r["ratio"], y), xytext=(0, 6), textcoords="offset points",
+                    ha="center", fontsize=7)
+        values.append(r["ratio"])
     ax.axvline(1.0, color="#999999", linewidth=0.8)
+    ax.set_xscale("log")  # ratios: 0.5x and 2x equally far from 1
+    ax.set_xlim(min(values) / 1.3, max(values) * 1.3)
+    ax.set_ylim(-0.7, len(rows) - 0.3)
     ax.set_yticks(ys, [r["name"] for r in rows], fontsize=7)
-    ax.set_xlabel("plugin / plain output tokens/s (bar: median; line: min-max of runs; dashed: target)",
-                  fontsize=7)
+    ax.set_xlabel("plugin / plain output tokens/s, log scale (dot: median; line: min-max of the runs; "
+                  "|: target; green met, red not)", fontsize=7)
     ax.tick_params(axis="x", labelsize=7)
-    ax.set_xlim(0, max([r.get("ratio_max") or r["ratio"] for r in rows] + [r.get("target") or 0 for r in rows]
-                       + [1.0]) * 1.15)
+    ax.grid(axis="x", alpha=0.3, which="both")
     fig.tight_layout()
     fig.savefig(str(path))
     return True
