@@ -120,9 +120,10 @@ OOT_EXPERTS = "RoutedExperts"
 #: ``N``: leave pruned (weight-0) slots out of a layer call that has at least N of them
 #: (default :data:`SKIP_MIN_DEFAULT`; ``1``: always; ``0``: never, the weight-0 route).
 SKIP_ENV = "VLLM_GRAFT_MOE_SKIP"
-#: Below this many pruned slots in a layer call (a decode step of a few sequences) the rows cost
-#: less than the skip's gathers (~0.2 ms per layer call on mixtral-110m, where a row costs
-#: ~0.015 ms): the layer computes them with weight 0, on the expert the token already uses.
+#: Below this many pruned slots in a layer call (a decode step of a few sequences) the layer
+#: computes them with weight 0: each runs on the expert the token already uses (~0.02 ms, no
+#: extra weights read on mixtral-110m), and the skip's own gathers and sums cost ~0.1 ms per call
+#: there (BENCHMARKS.md, "dynamic-topk"; the crossover is not finely measured).
 SKIP_MIN_DEFAULT = 32
 
 
