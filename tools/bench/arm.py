@@ -1,7 +1,8 @@
 """The arm process of `vllm-graft bench`: a spawned child that starts an in-process vLLM engine
-(plain or with the deployment), warms it up, runs every workload stamping each output token,
-samples the KV block pool and scores outputs (perplexity); it writes its result as JSON for the
-parent (:mod:`.command`). vLLM is imported only inside its functions."""
+(plain or with the deployment), warms it up, then, each time the parent (:mod:`.command`) says
+``run``, runs every workload once stamping each output token and sampling the KV block pool
+(the parent alternates the two arms' runs); at ``finish`` it scores outputs (perplexity) and
+writes its result as JSON. vLLM is imported only inside its functions."""
 from __future__ import annotations
 
 import json

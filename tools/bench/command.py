@@ -1,6 +1,7 @@
 """`vllm-graft bench DEPLOYMENT`: the command line and the parent side of a bench run: build
-the workloads, run each arm in its own spawned process (:mod:`.arm`), assemble, render and
-write the result."""
+the workloads, start each arm in its own spawned process (:mod:`.arm`), have the arms take
+turns run by run (:func:`run_arms`), assemble, render and write the result. ``--suite``
+hands over to :mod:`.suite`."""
 from __future__ import annotations
 
 import argparse
@@ -417,7 +418,8 @@ def add_command(sub: Any) -> None:
     p.add_argument("--json", metavar="FILE", help="write the full result as JSON ('-': stdout)")
     p.add_argument("--plot", metavar="FILE", help="write a PNG of the figures")
     p.add_argument("--log-dir", metavar="DIR", help="keep the engines' logs and raw results here")
-    p.add_argument("--timeout", type=float, default=0, metavar="S", help="give up on an arm after S seconds")
+    p.add_argument("--timeout", type=float, default=0, metavar="S", help="give up on an arm S seconds after its process started (it stays alive "
+                        "while the other arm takes its turns)")
     p.add_argument("--require-identical", action="store_true",
                    help="exit 5 when the arms' greedy outputs differ")
     p.add_argument("--suite", metavar="FILE", nargs="?", const="DEFAULT",

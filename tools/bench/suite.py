@@ -353,7 +353,7 @@ def render_markdown(rows: Sequence[dict[str, Any]], meta: dict[str, Any], plot: 
         wl = f"{r['workload']} {r['num_prompts']} x {r['max_tokens']}" + (f", batch {r['batch']}" if r["batch"] else "")
         quality = "-" if r.get("ppl_change") is None else f"{r['ppl_change'] * 100:+.2f}% ppl"
         ident = "-" if r.get("compared") is None else f"{r['identical']}/{r['compared']}"
-        runs = f"{r['repeat']} runs" + (", quick" if r.get("quick") else "") + f", {r['run_at'][:10]}"
+        runs = f"{r['repeat']} runs" + (", quick" if r.get("quick") else "") + f", {r['run_at']}"
         lines.append(f"| {r['name']} | {dep} | {r['model']} | {wl} | {_tok(r, 'plain')} | {_tok(r, 'graft')} | "
                      f"{_ratio(r)} | {_target(r)} | {_pair(r.get('kv_blocks_plain'), r.get('kv_blocks_graft'))} | "
                      f"{_pair(r.get('rss_mib_plain'), r.get('rss_mib_graft'), '{:.0f}')} | {quality} | {ident} | "
