@@ -69,8 +69,10 @@ def run_kept(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     product, ``w_0 * y_0``) and the others come back unweighted and are added in place with
     ``addcmul_`` (the kernel's fused multiply-add); one ``index_copy_`` puts the tokens back in
     their order."""
-    keep = weights != 0
     T, k = weights.shape
+    if T * k < max(1, min_pruned):  # cannot have enough pruned slots (a decode step): no tensor op
+        return None
+    keep = weights != 0
     n_kept = keep.sum(dim=1)
     if T * k - int(n_kept.sum()) < max(1, min_pruned):
         return None
