@@ -19,7 +19,7 @@ def registry():
 @pytest.fixture
 def cpu_env():
     names = {"dtype", "max_model_len", "quantization", "speculative_config", "attention_backend",
-             "additional_config", "enforce_eager", "block_size", "load_format"}
+             "additional_config", "enforce_eager", "block_size", "load_format", "num_gpu_blocks_override"}
     return Environment(platform="cpu", vllm_version="0.32.0", engine_args=frozenset(names))
 
 
