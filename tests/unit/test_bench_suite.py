@@ -182,10 +182,10 @@ def test_case_row_and_markdown():
     assert len(table) == 3
     cells = [c.strip() for c in table[0].split("|")[1:-1]]
     assert cells[:8] == ["noop-attention", "`deployments/shapes/noop-attention.yaml`", "llama-108m", "chat 8 x 32",
-                         "100.0 (90-110)", "95.0 (90-99)", "**0.95** (0.90-1.06)", ">= 0.95: yes"]
+                         "100.0 (90-110)", "95.0 (90-99)", "**0.950** (0.90-1.06)", ">= 0.95: yes"]
     assert cells[8:12] == ["10 / 5", "1000 / 900", "+5.00% ppl", "8/8"]
     slow_cells = [c.strip() for c in table[1].split("|")[1:-1]]
-    assert slow_cells[6:8] == ["**0.94** (0.94-0.94)", ">= 0.95: **no**"] and slow_cells[10:12] == ["-", "7/8"]
+    assert slow_cells[6:8] == ["**0.940** (0.94-0.94)", ">= 0.95: **no**"] and slow_cells[10:12] == ["-", "7/8"]
     assert "quick" in slow_cells[-1]
     assert cells[12] == "**0.7** (disturbed)" and slow_cells[12] == "0.2"  # above busy_limit 0.5: flagged
     assert "failed: exit code 4" in table[2]
@@ -329,3 +329,9 @@ def test_render_rewrites_the_section_from_saved_results(tmp_path, monkeypatch):
     (tmp_path / "B.md").write_text(DOC)
     assert main(["bench", "--suite", str(path), "--render"]) == 0
     assert (tmp_path / "B.md").read_text() == both  # the same section from the saved rows
+
+
+def test_a_ratio_just_below_its_target_is_not_rounded_up():
+    row = {"ratio": 0.9496, "ratio_min": 0.92, "ratio_max": 0.96, "repeat": 3, "target": 0.95, "met": False}
+    assert S._ratio(row) == "**0.9496** (0.92-0.96)" and S._target(row) == ">= 0.95: **no**"
+    assert S._ratio(row | {"ratio": 0.9512, "met": True}) == "**0.951** (0.92-0.96)"

@@ -304,7 +304,8 @@ def _ratio(row: dict[str, Any]) -> str:
     if r is None:
         return "-"
     lo, hi = row.get("ratio_min"), row.get("ratio_max")
-    return f"**{r:.2f}**" + (f" ({lo:.2f}-{hi:.2f})" if lo is not None and hi is not None and row.get("repeat", 1) > 1
+    digits = 4 if row.get("met") is False and round(r, 3) >= (row.get("target") or 0) else 3  # 0.9498 < 0.95
+    return f"**{r:.{digits}f}**" + (f" ({lo:.2f}-{hi:.2f})" if lo is not None and hi is not None and row.get("repeat", 1) > 1
                               else "")
 
 
