@@ -1,7 +1,8 @@
 """Pre-quantised checkpoints in vLLM's CPU engine: `vllm-graft quantize dfloat11` on the
 bundled tiny Llama, loaded with a plain ``LLM(model=OUT)`` (no deployment: the checkpoint's
-``quantization_config`` names the plugin), gives bit-identical greedy tokens and logprobs to
-plain vLLM running the model in bfloat16; broken checkpoints fail naming the tensor."""
+``quantization_config`` names the plugin), gives plain vLLM's greedy tokens in bfloat16, and
+bit-identical logprobs where vLLM's bf16 GEMM is torch's own (on a CPU with AMX tiles vLLM uses
+its own kernels, and the logprobs agree to rounding); broken checkpoints fail naming the tensor."""
 from __future__ import annotations
 
 import os
@@ -62,7 +63,9 @@ def _run(model, **kw):
         gc.collect()
 
 
-def test_dfloat11_checkpoint_is_bit_identical_to_bf16(df11):
+def test_dfloat11_checkpoint_gives_plain_bf16_tokens(df11):
+    """Greedy tokens identical to plain vLLM bf16; logprobs bit-identical where vLLM multiplies bf16
+    weights with torch's own matmul, within rounding where it uses its AMX kernels."""
     plain_toks, plain_lps, _, _ = _run(MODEL, dtype="bfloat16")
     toks, lps, methods, events = _run(df11)
     assert methods == ["GraftLinearMethod"]  # every linear layer, embed_tokens and lm_head
@@ -70,9 +73,28 @@ def test_dfloat11_checkpoint_is_bit_identical_to_bf16(df11):
     assert events.get("load") == 18 and "quantize" not in events
     assert events.get("apply", 0) > 0 and events.get("embed", 0) > 0
     assert toks == plain_toks
+    if not _host_bf16_gemm_is_torchs():
+        # vLLM's CPU engine multiplies bf16 weights with its own AMX kernels (sgl-kernel's
+        # weight_packed_linear, oneDNN) where the CPU has AMX tiles; dfloat11 multiplies its
+        # decoded (bit-identical) weight with torch's F.linear. Same weights, another kernel's
+        # summation order: the logprobs agree to rounding, not to the bit.
+        worst = max(abs(a[t] - b[t]) for x, y in zip(lps, plain_lps) for a, b in zip(x, y)
+                    for t in a.keys() & b.keys())
+        print(f"dfloat11: host bf16 GEMM is vLLM's AMX kernel; max |logprob diff| {worst:.2e}")
+        assert worst < 0.05
+        return
     assert lps == plain_lps  # the top-5 logprobs of every step, as floats: bit-identical
     print(f"dfloat11: {sum(map(len, toks))} greedy tokens and their top-{TOP_LOGPROBS} logprobs "
           "identical to plain vLLM bf16")
+
+
+def _host_bf16_gemm_is_torchs() -> bool:
+    """Whether vLLM's CPU engine computes an unquantised bf16 linear layer with torch's own
+    matmul (as dfloat11 does), rather than its AMX kernels (``check_cpu_sgl_kernel`` and the
+    oneDNN path both take AMX tiles where the CPU has them)."""
+    import torch
+
+    return not torch.cpu._is_amx_tile_supported()
 
 
 def _variant(src: Path, dst: Path, edit_state=None, edit_cfg=None) -> Path:
