@@ -2,7 +2,12 @@
 vLLM's CUSTOM backend on CUDA) run on the CPU engine: ``VLLM_GRAFT_ATTENTION_BACKEND=generic``
 puts it in place of CPU_ATTN. Exact plugins through it give plain vLLM's greedy tokens, and a KV
 compressor through it (no attention plugin: the backend's exact PyTorch attention), and the kv4
-storage format, give the same tokens as on the stock CPU route."""
+storage format, give the same tokens as on the stock CPU route.
+
+On the stock CPU route, the attention ``noop`` both ways: by default (``host_kernel``) vLLM's own
+cache write and C++ kernel compute every layer behind vllm-graft's backend and the plugin is
+never called; with ``host_kernel: false`` the shared PyTorch paged attention computes every layer.
+Both give plain vLLM's greedy tokens, and the events say which route ran."""
 from __future__ import annotations
 
 import os
@@ -20,6 +25,7 @@ LLAMA = str(Path(__file__).resolve().parents[2] / "models" / "graft-tiny-llama")
 ENGINE = {"dtype": "float32", "max_model_len": 1024, "block_size": 32, "enforce_eager": True}
 NEW_TOKENS = 16
 STREAMING = {"plugin": "streaming", "params": {"sink_blocks": 1, "budget_blocks": 4}}
+NOOP_TORCH = {"plugin": "noop", "params": {"host_kernel": False}}
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +43,7 @@ def _greedy(prompts, sections: dict | None, *, generic: bool) -> dict:
 
     from vllm_graft.integration import launch
     from vllm_graft.integration.adapters import custom_backend
+    from vllm_graft.integration.runtime import RUNTIME
 
     env = os.environ
     old = env.get("VLLM_GRAFT_ATTENTION_BACKEND")
@@ -48,13 +55,14 @@ def _greedy(prompts, sections: dict | None, *, generic: bool) -> dict:
             res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
                                                        ignore_eos=True), use_tqdm=False)
             tokens = [list(r.outputs[0].token_ids) for r in res]
+            counts = dict(RUNTIME.counts("attention", "noop")) if sections else {}
     finally:
         if old is None:
             env.pop("VLLM_GRAFT_ATTENTION_BACKEND", None)
         else:
             env["VLLM_GRAFT_ATTENTION_BACKEND"] = old
     calls = {k: custom_backend.CALLS[k] - before[k] for k in before}
-    return {"tokens": tokens, "calls": calls}
+    return {"tokens": tokens, "calls": calls, "noop": counts}
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +77,10 @@ def runs(prompts):
         "kv4-cpu": _greedy(prompts, {"kvcompress": {"plugin": "kv4"}}, generic=False),
         "noop": _greedy(prompts, {"attention": {"plugin": "noop"}}, generic=True),
         "kv4-generic": _greedy(prompts, {"kvcompress": {"plugin": "kv4"}}, generic=True),
+        "noop-host": _greedy(prompts, {"attention": {"plugin": "noop"}}, generic=False),
+        "noop-torch": _greedy(prompts, {"attention": NOOP_TORCH}, generic=False),
+        "noop-host+streaming": _greedy(prompts, {"attention": {"plugin": "noop"}, "kvcompress": STREAMING},
+                                       generic=False),
     }
 
 
@@ -89,3 +101,28 @@ def test_kv_compressor_through_the_generic_backend_matches_the_cpu_route(runs, n
     # streaming's budget is below the prompts' length and kv4 is lossy: both really changed
     # something, so the equality above is not plain vLLM's tokens twice
     assert generic["tokens"] != runs["plain"]["tokens"]
+
+
+def test_noop_default_hands_every_layer_to_vllms_kernel(runs):
+    host = runs["noop-host"]
+    assert host["tokens"] == runs["plain"]["tokens"]
+    # 4 layers: every layer call went to the host kernel, none through the plugin
+    assert host["noop"].get("host", 0) >= 4 * NEW_TOKENS
+    assert "forward" not in host["noop"] and "plan" not in host["noop"]
+    assert host["calls"] == {"build": 0, "forward": 0}
+
+
+def test_noop_without_the_host_kernel_computes_every_layer_itself(runs):
+    torch_route = runs["noop-torch"]
+    assert torch_route["tokens"] == runs["plain"]["tokens"]
+    assert torch_route["noop"].get("forward", 0) >= 4 * NEW_TOKENS
+    assert "host" not in torch_route["noop"]
+
+
+def test_the_host_kernel_reads_a_kv_compressors_rewritten_block_tables(runs):
+    """streaming frees blocks (its budget is below these prompts' length); with the noop on the
+    host kernel the tokens are streaming's own, not plain vLLM's."""
+    both = runs["noop-host+streaming"]
+    assert both["noop"].get("host", 0) > 0
+    assert both["tokens"] == runs["streaming-cpu"]["tokens"]
+    assert both["tokens"] != runs["plain"]["tokens"]
