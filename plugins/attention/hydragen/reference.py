@@ -110,12 +110,12 @@ SUFFIX_MASK_MAX = 1 << 24
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-           mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused attention with its log-sum-exp (PyTorch's CPU flash attention): ``q`` [S, Hkv, M, D],
-    ``k``/``v`` [S, Hkv, L, D] float32, ``mask`` additive [S, 1, M, L] or None. Returns ``o``
-    [S, Hkv, M, D] and ``lse`` [S, Hkv, M] (natural log)."""
+           mask: torch.Tensor | None = None, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused attention with its log-sum-exp (PyTorch's CPU flash attention): ``q`` [S, h, M, D],
+    ``k``/``v`` [S, h, L, D] float32, ``mask`` additive [S, 1, M, L] or None, ``causal`` (top-left
+    aligned, for M == L). Returns ``o`` [S, h, M, D] and ``lse`` [S, h, M] (natural log)."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+        q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
 
 
 def _cache_rows(block_ids: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -139,7 +139,7 @@ class _SuffixCall:
     """One padded suffix call's indices (the same for every layer of a step): sequences
     ``seqs``, their query rows padded to ``m`` and their suffix blocks padded to ``nb``."""
 
-    def __init__(self, plan: StepPlan, tree, table: torch.Tensor, seqs: list[int], g: int,
+    def __init__(self, plan: StepPlan, tree, table: torch.Tensor, seqs: list[int], hkv: int, g: int,
                  device: torch.device) -> None:
         bs = tree.block_size
         self.S, self.g = len(seqs), g
@@ -165,16 +165,11 @@ class _SuffixCall:
         allowed[:, :, 0] |= ~self.q_ok  # a padding query sees one key: no empty row, no NaN
         allowed = allowed.repeat_interleave(g, dim=1)  # query rows are (token, head-in-group)
         self.mask = torch.zeros(allowed.shape, device=device).masked_fill_(~allowed, float("-inf"))[:, None]
-        self._rows: dict[int, torch.Tensor] = {}
-
-    def cache_rows(self, hkv: int) -> torch.Tensor:
-        if hkv not in self._rows:
-            self._rows[hkv] = _cache_rows(self.blocks, hkv)
-        return self._rows[hkv]
+        self.cache_rows = _cache_rows(self.blocks, hkv)
 
     def run(self, query, kv_cache, layer, out, lse) -> None:
         hkv, g, S, m = layer.num_kv_heads, self.g, self.S, self.m
-        k, v = _gather(kv_cache, self.cache_rows(hkv), (S,), self.nb)
+        k, v = _gather(kv_cache, self.cache_rows, (S,), self.nb)
         d = query.shape[-1]
         q = query[self.rows].float().view(S, m, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(S, hkv, m * g, d)
         o, l = _flash(q, k, v, layer.scale, self.mask)
@@ -189,7 +184,7 @@ class _LongCall:
     in one fused call, K/V repeated to the query heads (no padding, no ``g``-fold mask); where
     the suffix is exactly its new tokens (a first chunk) the call is causal without a mask."""
 
-    def __init__(self, plan: StepPlan, tree, table: torch.Tensor, i: int, device) -> None:
+    def __init__(self, plan: StepPlan, tree, table: torch.Tensor, i: int, hkv: int, device) -> None:
         bs = tree.block_size
         start, end = tree.suffix_start[i], -(-plan.seq_lens[i] // bs)
         self.nb = end - start
@@ -202,45 +197,38 @@ class _LongCall:
             q_pos = torch.arange(self.n - self.m, self.n, device=device)
             hidden = torch.arange(self.n, device=device)[None, :] > q_pos[:, None]
             self.mask = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))[None, None]
-        self._rows: dict[int, torch.Tensor] = {}
+        self.cache_rows = _cache_rows(self.blocks, hkv)
 
     def run(self, query, kv_cache, layer, out, lse) -> None:
         hkv, h = layer.num_kv_heads, layer.num_heads
-        if hkv not in self._rows:
-            self._rows[hkv] = _cache_rows(self.blocks, hkv)
-        k, v = _gather(kv_cache, self._rows[hkv], (1,), self.nb)
+        k, v = _gather(kv_cache, self.cache_rows, (1,), self.nb)
         k = k[:, :, : self.n].repeat_interleave(h // hkv, dim=1)
         v = v[:, :, : self.n].repeat_interleave(h // hkv, dim=1)
         rows = slice(self.q0, self.q0 + self.m)
         q = query[rows].float().transpose(0, 1)[None]  # [1, H, m, D]
-        o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, self.causal, attn_mask=self.mask, scale=layer.scale)
+        o, l = _flash(q, k, v, layer.scale, self.mask, self.causal)
         out[rows], lse[rows] = o[0].transpose(0, 1), l[0].transpose(0, 1)
 
 
 class _StepIndex:
-    """A step's batched-path indices for one block size and GQA group (kept in the plan's
+    """A step's batched-path indices for one block size and head layout (kept in the plan's
     ``cache``, reused by every layer)."""
 
-    def __init__(self, plan: StepPlan, table: torch.Tensor, bs: int, g: int, device) -> None:
+    def __init__(self, plan: StepPlan, table: torch.Tensor, bs: int, hkv: int, g: int, device) -> None:
         tree = plan.prefixes(bs)
         active = [i for i, q in enumerate(plan.q_lens) if q > 0]
         short = [i for i in active if plan.q_lens[i] <= SHORT_QUERIES]
-        self.calls: list = [_LongCall(plan, tree, table, i, device)
+        self.calls: list = [_LongCall(plan, tree, table, i, hkv, device)
                             for i in active if plan.q_lens[i] > SHORT_QUERIES]
         if short:
             width = max(-(-plan.seq_lens[i] // bs) - tree.suffix_start[i] for i in short) * bs
             m = max(plan.q_lens[i] for i in short)
             calls = [short] if len(short) * m * g * width <= SUFFIX_MASK_MAX else [[i] for i in short]
-            self.calls += [_SuffixCall(plan, tree, table, seqs, g, device) for seqs in calls]
+            self.calls += [_SuffixCall(plan, tree, table, seqs, hkv, g, device) for seqs in calls]
+        #: per prefix group: its queries' token rows, its cache rows, its block count
         self.groups = [(torch.tensor(group_rows(plan, grp.seqs), dtype=torch.long, device=device),
-                        torch.tensor(grp.blocks, dtype=torch.long, device=device)) for grp in tree.groups]
-        self._group_rows: dict[tuple[int, int], torch.Tensor] = {}
-
-    def group_cache_rows(self, i: int, hkv: int) -> torch.Tensor:
-        if (i, hkv) not in self._group_rows:
-            self._group_rows[i, hkv] = _cache_rows(self.groups[i][1], hkv)
-        return self._group_rows[i, hkv]
+                        _cache_rows(torch.tensor(grp.blocks, device=device), hkv), len(grp.blocks))
+                       for grp in tree.groups]
 
 
 def hydragen_attention_batched(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
@@ -250,18 +238,18 @@ def hydragen_attention_batched(query: torch.Tensor, kv_cache: torch.Tensor, batc
     (PyTorch's CPU flash attention, which returns the log-sum-exp), merged as there."""
     bs, hkv = kv_cache.shape[2], layer.num_kv_heads
     g = layer.num_heads // hkv
-    key = ("batched", bs, g)
+    key = ("batched", bs, hkv, g)
     index = plan.cache.get(key)
     if index is None:
-        index = plan.cache[key] = _StepIndex(plan, batch.block_table, bs, g, query.device)
+        index = plan.cache[key] = _StepIndex(plan, batch.block_table, bs, hkv, g, query.device)
     out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
     lse = torch.full(query.shape[:2], float("-inf"), device=query.device)
     for call in index.calls:
         call.run(query, kv_cache, layer, out, lse)
     d = query.shape[-1]
-    for i, (rows, blocks) in enumerate(index.groups):
+    for rows, cache_rows, nb in index.groups:
         r = rows.numel()
-        k, v = _gather(kv_cache, index.group_cache_rows(i, hkv), (1,), blocks.numel())
+        k, v = _gather(kv_cache, cache_rows, (1,), nb)
         q = query[rows].float().view(r, hkv, g, d).permute(1, 0, 2, 3).reshape(1, hkv, r * g, d)
         o, l = _flash(q, k, v, layer.scale)
         o = o.view(hkv, r, g, d).permute(1, 0, 2, 3).reshape(r, hkv * g, d)
