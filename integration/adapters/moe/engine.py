@@ -269,7 +269,7 @@ class GraftRoutedExperts(RoutedExperts):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.graft_skip = ADAPTER.skip_count is not None
-        self.graft_skip_min = max(1, ADAPTER.skip_min)
+        self.graft_skip_min = ADAPTER.skip_min  # run_kept takes at least 1
         self._graft_skip_checked = False
 
     def forward_modular(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

@@ -70,11 +70,12 @@ def run_kept(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     ``addcmul_`` (the kernel's fused multiply-add); one ``index_copy_`` puts the tokens back in
     their order."""
     T, k = weights.shape
-    if T * k < max(1, min_pruned):  # cannot have enough pruned slots (a decode step): no tensor op
+    min_pruned = max(1, min_pruned)
+    if T * k < min_pruned:  # cannot have enough pruned slots (a decode step): no tensor op
         return None
     keep = weights != 0
     n_kept = keep.sum(dim=1)
-    if T * k - int(n_kept.sum()) < max(1, min_pruned):
+    if T * k - int(n_kept.sum()) < min_pruned:
         return None
     order = torch.argsort(n_kept, descending=True, stable=True)
     counts = [int(c) for c in (n_kept.unsqueeze(1) > torch.arange(k, device=n_kept.device)).sum(0)]
