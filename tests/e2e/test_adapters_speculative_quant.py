@@ -150,14 +150,19 @@ def plain():
 NOOP_OP = {"plugin": "noop", "params": {"host_gemm": False}}
 
 
-def test_quant_noop_matches_plain_and_runs_every_linear_layer(plain):
-    plain_tokens, plain_layers = plain
-    with engine({"quant": NOOP_OP}) as llm:
+def _quant_noop(section: dict):
+    """One engine with the quant noop ``section``: (greedy tokens, linear layers, events after
+    load, events after generation)."""
+    with engine({"quant": section}) as llm:
         assert llm.llm_engine.vllm_config.model_config.quantization == "graft-noop"
         after_load = dict(_events(Kind.QUANT, "noop"))
         got = _tokens(llm.generate(PROMPTS, _greedy(), use_tqdm=False))
-        layers = _linear_layers(llm)
-        events = _events(Kind.QUANT, "noop")
+        return got, _linear_layers(llm), after_load, _events(Kind.QUANT, "noop")
+
+
+def test_quant_noop_matches_plain_and_runs_every_linear_layer(plain):
+    plain_tokens, plain_layers = plain
+    got, layers, after_load, events = _quant_noop(NOOP_OP)
     assert got == plain_tokens
     # every linear layer (and only those) went through the plugin, once each
     assert [n for n, *_ in layers] == [n for n, *_ in plain_layers]
@@ -174,11 +179,7 @@ def test_quant_noop_default_hands_every_layer_to_vllms_dense_gemm(plain):
     """The noop's default (``host_gemm``): its dense weight goes to vLLM's own unquantised
     linear method (oneDNN prepacked on this CPU), so no call goes through the plugin."""
     plain_tokens, plain_layers = plain
-    with engine({"quant": {"plugin": "noop"}}) as llm:
-        assert llm.llm_engine.vllm_config.model_config.quantization == "graft-noop"
-        got = _tokens(llm.generate(PROMPTS, _greedy(), use_tqdm=False))
-        layers = _linear_layers(llm)
-        events = _events(Kind.QUANT, "noop")
+    got, layers, _, events = _quant_noop({"plugin": "noop"})
     assert got == plain_tokens
     assert [n for n, *_ in layers] == [n for n, *_ in plain_layers]
     assert {cls for _, cls, _, _ in layers} == {"GraftLinearMethod"}
