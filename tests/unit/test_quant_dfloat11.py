@@ -141,3 +141,66 @@ def test_stored_tensors_and_registration():
         DFloat11Params(chunk=3)
     with pytest.raises(TypeError, match="bfloat16"):
         m.quantize(torch.zeros(2, 2))
+
+
+# ------------------------------------------------------------ the C++ CPU decoder (cpu.py)
+def _cpp_available() -> bool:
+    from vllm_graft.plugins.quant.dfloat11 import cpu
+
+    fn, reason = cpu.decoder()
+    if fn is None:
+        import shutil
+
+        if shutil.which("c++") or shutil.which("g++"):
+            pytest.fail(f"a C++ compiler is installed but the decoder did not build: {reason}")
+        pytest.skip(f"no C++ compiler here: {reason}")
+    return True
+
+
+@pytest.mark.parametrize("chunk", [16, 64, 128, 1000])
+@pytest.mark.parametrize("rows", [[48], [37, 5, 90], [1, 1, 64]])
+def test_cpp_decoder_equals_the_torch_decoder(chunk, rows):
+    """Both CPU decoders on the same loaded layer (fused shards of uneven sizes, chunks that
+    do not divide them): the same bf16 bits, and those of the original weight."""
+    _cpp_available()
+    g = torch.Generator().manual_seed(chunk + len(rows))
+    shards = [(torch.randn(r, 70, generator=g) * 0.03).to(torch.bfloat16) for r in rows]
+    cpp, ref = plugin(chunk=chunk), plugin(chunk=chunk, cpu_decoder="torch")
+    stored = [cpp.quantize(s) for s in shards]
+    tensors = cpp.load({k: [s[k] for s in stored] for k in stored[0]}, rows)
+    a, b = cpp.weight(tensors), ref.weight(tensors)
+    assert same_bits(a, b) and same_bits(a, torch.cat(shards))
+
+
+def test_cpp_decoder_every_bit_pattern_and_real_weights():
+    _cpp_available()
+    w = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(256, 256)
+    for max_len in (12, 16):
+        assert same_bits(roundtrip(plugin(max_code_len=max_len), [w]), w)
+    from safetensors.torch import load_file
+
+    sd = load_file(str(MODEL / "model.safetensors"))
+    q, k, v = (sd[f"model.layers.0.self_attn.{p}_proj.weight"].to(torch.bfloat16) for p in "qkv")
+    assert same_bits(roundtrip(plugin(), [q, k, v]), torch.cat([q, k, v]))
+
+
+def test_cpp_decoder_that_cannot_build_says_so_once_and_decodes_with_torch(monkeypatch, caplog):
+    from vllm_graft.plugins.quant.dfloat11 import cpu, reference
+
+    monkeypatch.setattr(cpu, "_built", [None, "RuntimeError: no compiler (test)"])
+    monkeypatch.setattr(reference, "_said_no_cpp", [])
+    w = (torch.randn(20, 30) * 0.1).to(torch.bfloat16)
+    m = plugin(chunk=16)
+    t = m.load({k: [v] for k, v in m.quantize(w).items()}, [20])
+    with caplog.at_level("WARNING", logger="vllm_graft"):
+        assert same_bits(m.weight(t), w)
+        assert same_bits(m.weight(t), w)
+    said = [r.getMessage() for r in caplog.records if "C++ CPU decoder" in r.getMessage()]
+    assert len(said) == 1 and "no compiler (test)" in said[0] and "cpu_decoder: torch" in said[0]
+
+
+def test_cpu_decoder_is_not_a_checkpoint_parameter():
+    assert "cpu_decoder" not in plugin(cpu_decoder="torch").checkpoint_params()
+    assert plugin().checkpoint_params()["chunk"] == 128
+    with pytest.raises(Exception, match="cpu_decoder"):
+        DFloat11Params(cpu_decoder="asm")

@@ -7,6 +7,8 @@ to computing with the bf16 weight. Pre-quantised checkpoints only make sense her
 saves memory but gains nothing on load); see ``vllm-graft quantize dfloat11``.
 """
 
+from typing import Literal
+
 from pydantic import Field
 
 from vllm_graft.hooks import Capabilities, KernelParams, Registration, hookimpl
@@ -21,6 +23,12 @@ class DFloat11Params(KernelParams):
         "`chunk` steps each; each chunk costs a 32-bit start offset (32/chunk bits per weight)"))
     max_code_len: int = Field(12, ge=8, le=16, description=(
         "longest Huffman code in bits (the decoder's lookup table has 2**max_code_len entries)"))
+    cpu_decoder: Literal["cpp", "torch"] = Field("cpp", description=(
+        "the CPU path (kernel: reference): 'cpp' decodes with a C++ loop built on first use by "
+        "torch's extension loader (needs a C++ compiler, as vLLM's CPU engine does; cached "
+        "once built; where it cannot be built the log says why and 'torch' runs); 'torch' "
+        "decodes with the vectorised torch loop of `chunk` steps (~10x slower). Same weights "
+        "either way"))
 
 
 @hookimpl

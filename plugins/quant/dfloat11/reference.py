@@ -18,6 +18,7 @@ table of ``2**max_code_len`` entries, advance.
 from __future__ import annotations
 
 import heapq
+import logging
 import zlib
 
 import numpy as np
@@ -25,6 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from vllm_graft.hooks import QuantMethod, StoredTensor
+
+from .cpu import decode_bf16, lanes_out, tables
+
+log = logging.getLogger("vllm_graft")
 
 # ------------------------------------------------------------------------- Huffman codes
 
@@ -176,6 +181,7 @@ def decode(tensors: dict[str, torch.Tensor], max_code_len: int = 12) -> torch.Te
 
 
 # ---------------------------------------------------------------------- the QuantMethod
+_said_no_cpp: list[str] = []  # the C++ decoder's build failure, warned once per process
 STORED = ("sign_mantissa", "exponents", "code_lengths", "chunk_offsets", "header")
 
 
@@ -245,14 +251,28 @@ class DFloat11(QuantMethod):
             "sym_table": torch.cat(syms),
             "len_table": torch.cat(lens).to(torch.uint8),
             "shard_counts": torch.tensor(counts, dtype=torch.int64),
+            # the C++ decoder's: where each chunk's symbols land in the flat weight, how many,
+            # and its lookup tables (24 KiB per shard at max_code_len 12)
+            **dict(zip(("lane_start", "lane_count"), lanes_out(counts, self.params.chunk))),
+            **dict(zip(("multi_table", "single_table"), tables(torch.cat(syms), torch.cat(lens), L))),
         }
 
     def checkpoint_params(self):
-        return self.params.model_dump(mode="json", exclude={"kernel"})
+        return self.params.model_dump(mode="json", exclude={"kernel", "cpu_decoder"})
 
     def weight(self, tensors) -> torch.Tensor:
         """The exact bf16 weight ``[out, in]``, decoded from ``tensors`` (what ``load`` made)."""
         chunk = self.params.chunk
+        if (self.params.kernel == "reference" and self.params.cpu_decoder == "cpp"
+                and tensors["stream"].device.type == "cpu" and "lane_start" in tensors):
+            w, reason = decode_bf16(tensors, chunk, self.params.max_code_len)
+            if w is not None:
+                return w
+            if not _said_no_cpp:
+                _said_no_cpp.append(reason)
+                log.warning("dfloat11: the C++ CPU decoder could not be built (%s); decoding with "
+                            "the torch decoder instead (much slower; `cpu_decoder: torch` chooses it "
+                            "without the attempt)", reason)
         decoder = decode_exponents
         if self.params.kernel == "triton":
             from .kernel import decode_exponents as decoder
