@@ -34,7 +34,7 @@ def hf_tok():
 
 
 def build(tok, names=None, n=4, max_tokens=32, seed=0, max_model_len=2048):
-    return W.build(names or list(W.WORKLOADS), tok, num_prompts=n, max_tokens=max_tokens,
+    return W.build(names or W.parse_names(None), tok, num_prompts=n, max_tokens=max_tokens,
                    max_model_len=max_model_len, seed=seed)
 
 
@@ -151,10 +151,11 @@ def test_stdlib_files_skip_tests(tmp_path):
 
 
 def test_parse_names():
-    assert W.parse_names(None) == list(W.WORKLOADS)
+    assert W.parse_names(None) == [n for n in W.WORKLOADS if n != "long-context-4k"]
     assert W.parse_names(["chat,long-context", "chat", " code-completion "]) == [
         "chat", "long-context", "code-completion"]
-    assert W.parse_names(["all"]) == list(W.WORKLOADS)
+    assert W.parse_names(["all"]) == W.parse_names(None)
+    assert W.parse_names(["long-context-4k", "all"])[0] == "long-context-4k"  # named, it runs
     with pytest.raises(W.UnknownWorkloadError) as e:
         W.parse_names(["chat,shared_prefix,bogus"])
     text = str(e.value)
@@ -504,6 +505,66 @@ def test_arm_jobs_differ_only_in_the_deployment(tmp_path, fake_arms, capsys):
     assert main(["bench", str(noop), "--workload", "chat", "--num-prompts", "2", "--arms", "graft",
                  "--no-ppl"]) == 0
     assert [j["arm"] for j in jobs] == ["graft"]
+
+
+def test_baseline_decides_what_the_plain_arm_runs(tmp_path, fake_arms, capsys):
+    """--baseline FILE: the plain arm runs that file's plain twin (here vLLM's own ngram
+    speculation against plain vLLM); --baseline no-package: the deployment's twin with vLLM's
+    plugin loader told to skip vllm-graft; a baseline on another model is refused."""
+    _, jobs, _ = fake_arms
+    ngram, plain = ROOT / "deployments" / "spec-vllm-ngram.yaml", ROOT / "deployments" / "plain.yaml"
+    args = ["--workload", "chat", "--num-prompts", "2", "--max-tokens", "4", "--no-ppl"]
+    assert main(["bench", str(ngram), "--baseline", str(plain), *args]) == 0, capsys.readouterr()
+    by_arm = {j["arm"]: j for j in jobs}
+    assert "speculative_config" in by_arm["graft"]["llm_kwargs"]
+    assert "speculative_config" not in by_arm["plain"]["llm_kwargs"]
+    assert by_arm["plain"]["env"] == {} == by_arm["graft"]["env"]
+
+    jobs.clear()
+    assert main(["bench", str(ROOT / "deployments" / "noop.yaml"), "--baseline", "no-package", *args]) == 0
+    by_arm = {j["arm"]: j for j in jobs}
+    allowed = by_arm["plain"]["env"]["VLLM_PLUGINS"].split(",")
+    assert "vllm_graft" not in allowed and by_arm["graft"]["env"] == {}
+    assert by_arm["plain"]["llm_kwargs"]["model"] == by_arm["graft"]["llm_kwargs"]["model"]
+
+    jobs.clear()
+    capsys.readouterr()
+    other = tmp_path / "other.yaml"
+    other.write_text(f"model: {ROOT / 'models' / 'graft-tiny-mixtral'}\n")
+    assert main(["bench", str(plain), "--baseline", str(other), *args]) == 2
+    assert "the baseline must run the same model" in capsys.readouterr().err and not jobs
+    short = tmp_path / "short.yaml"
+    short.write_text(f"model: {ROOT / 'models' / 'graft-tiny-llama'}\nengine: {{max_model_len: 512}}\n")
+    assert main(["bench", str(plain), "--baseline", str(short), *args]) == 2
+    assert "allows 512 tokens" in capsys.readouterr().err and not jobs
+
+
+def test_the_arm_applies_its_environment_before_vllm(monkeypatch):
+    """The no-package baseline works only if VLLM_PLUGINS is set in the arm's process before
+    vLLM reads it: _arm_run sets the job's env first thing (then fails here on purpose, at the
+    first vLLM import, which the test replaces)."""
+    import builtins
+    import os
+
+    from vllm_graft.tools.bench import arm
+
+    seen = {}
+    real_import = builtins.__import__
+
+    def fake_import(name, *a, **kw):
+        if name == "vllm":
+            seen["VLLM_PLUGINS"] = os.environ.get("VLLM_PLUGINS")
+            raise ImportError("stop here")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    with pytest.raises(ImportError, match="stop here"):
+        arm._arm_run({"env": {"VLLM_PLUGINS": "lora_filesystem_resolver"}, "arm": "plain"},
+                     lambda *a: None, lambda: ("finish", None))
+    monkeypatch.setattr(builtins, "__import__", real_import)
+    assert seen == {"VLLM_PLUGINS": "lora_filesystem_resolver"}
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
 
 
 # ------------------------------------------------------------ alternating repeats, statistics

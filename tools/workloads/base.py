@@ -132,3 +132,4 @@ class Workload:
     summary: str  # one line
     describe: str  # what it models and how it is built
     build: Callable[[BuildContext], tuple[list[Prompt], dict[str, Any]]]
+    in_all: bool = True  # run when no workload (or `all`) is named

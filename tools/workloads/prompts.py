@@ -11,6 +11,7 @@ from .sources import _functions, _stdlib_windows, stdlib_files
 
 #: Target prompt length of ``long-context`` (tokens), shortened when the output would not fit.
 LONG_CONTEXT_TOKENS = 1800
+LONG_CONTEXT_4K_TOKENS = 3900
 #: Target length of the shared prefix of ``shared-prefix`` (tokens).
 SHARED_PREFIX_TOKENS = 1024
 #: Requests per shared prefix in ``shared-prefix``.
@@ -136,19 +137,24 @@ def _common_prefix(seqs: Sequence[Sequence[int]]) -> list[int]:
     return out
 
 
-def _long_context(ctx: BuildContext) -> tuple[list[Prompt], dict[str, Any]]:
+def _long_context(ctx: BuildContext, *, name: str = "long-context",
+                  tokens: int = LONG_CONTEXT_TOKENS) -> tuple[list[Prompt], dict[str, Any]]:
     tok = ctx.tokenizer
-    length = min(LONG_CONTEXT_TOKENS, ctx.prompt_budget)
+    length = min(tokens, ctx.prompt_budget)
     if length < 256:
-        raise WorkloadError(f"long-context: max_tokens {ctx.max_tokens} leaves only {length} prompt "
+        raise WorkloadError(f"{name}: max_tokens {ctx.max_tokens} leaves only {length} prompt "
                             f"tokens in max_model_len {ctx.max_model_len} (needs at least 256)")
     root = ctx.stdlib
-    windows = itertools.islice(_stdlib_windows(tok, root, ctx.rng("long-context"), length), ctx.num_prompts)
-    prompts = [ctx.make("long-context", i, ids, source) for i, (ids, source) in enumerate(windows)]
+    windows = itertools.islice(_stdlib_windows(tok, root, ctx.rng(name), length), ctx.num_prompts)
+    prompts = [ctx.make(name, i, ids, source) for i, (ids, source) in enumerate(windows)]
     if len(prompts) < ctx.num_prompts:
-        raise WorkloadError(f"long-context: only {len(prompts)} stdlib files in {root} are long "
+        raise WorkloadError(f"{name}: only {len(prompts)} stdlib files in {root} are long "
                             f"enough for {length}-token prompts; {ctx.num_prompts} asked")
     return prompts, {"prompt_tokens_target": length}
+
+
+def _long_context_4k(ctx: BuildContext) -> tuple[list[Prompt], dict[str, Any]]:
+    return _long_context(ctx, name="long-context-4k", tokens=LONG_CONTEXT_4K_TOKENS)
 
 
 def _code_completion(ctx: BuildContext) -> tuple[list[Prompt], dict[str, Any]]:

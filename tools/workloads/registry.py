@@ -10,8 +10,9 @@ from typing import Sequence
 
 from .base import BuildContext, PromptSet, Tokenizer, Workload, WorkloadError
 from .long_context import LONG_RECALL_SPAN, _long_recall
-from .prompts import (EXTRACTIVE_MAX_LINES, LONG_CONTEXT_TOKENS, SHARED_PREFIX_GROUP, SHARED_PREFIX_TOKENS,
-                      _chat, _code_completion, _extractive, _long_context, _shared_prefix)
+from .prompts import (EXTRACTIVE_MAX_LINES, LONG_CONTEXT_4K_TOKENS, LONG_CONTEXT_TOKENS, SHARED_PREFIX_GROUP,
+                      SHARED_PREFIX_TOKENS, _chat, _code_completion, _extractive, _long_context,
+                      _long_context_4k, _shared_prefix)
 from .sources import stdlib_dir
 
 
@@ -75,20 +76,28 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
         "needs retrieval from the middle of the context (what sparse attention must keep). The "
         "stats name each prompt's repeated span (scored_spans) and the distance to its first copy.",
         _long_recall),
+    Workload(
+        "long-context-4k", f"~{LONG_CONTEXT_4K_TOKENS}-token Python source windows, continued",
+        f"As long-context, at {LONG_CONTEXT_4K_TOKENS} tokens (needs max_model_len above that, so it "
+        "is not in `all` for the bundled 2K models): decode attends over ~4K tokens, the context "
+        "sparse decode attention is measured at.",
+        _long_context_4k, in_all=False),
 )}
 
 
 def parse_names(values: Sequence[str] | None) -> list[str]:
     """``--workload`` values (repeatable, each a comma list) -> workload names in the given
-    order, duplicates dropped; none given -> all. Raises :class:`UnknownWorkloadError`."""
+    order, duplicates dropped; none given -> all (those ``in_all``: every one but
+    long-context-4k, which needs a longer context than the bundled models'). Raises
+    :class:`UnknownWorkloadError`."""
     if not values:
-        return list(WORKLOADS)
+        return [n for n, w in WORKLOADS.items() if w.in_all]
     names: list[str] = []
     for value in values:
         for part in value.split(","):
             part = part.strip()
             if part == "all":
-                names += [n for n in WORKLOADS if n not in names]
+                names += [n for n, w in WORKLOADS.items() if w.in_all and n not in names]
             elif part and part not in names:
                 names.append(part)
     unknown = [n for n in names if n not in WORKLOADS]
