@@ -54,6 +54,13 @@ def test_default_suite_is_valid_and_covers_the_issue():
         if Path(c.deployment).name.startswith("noop-"):
             assert c.target == 0.95, c.name
     assert cases["w4a8"].target == 0.8
+    assert cases["squeezellm"].target == 0.8 and cases["dfloat11"].target == 0.3
+    assert (cases["package-no-deployment"].baseline, cases["package-no-deployment"].target) == ("no-package", 0.98)
+    assert cases["snapkv-kvcap"].target == 2.0 and cases["squeezed-4k"].target == 1.2
+    assert cases["squeezed-4k"].workload == "long-context-4k"
+    for name in ("vllm-ngram-b1", "vllm-ngram-b8"):  # vLLM's own ngram beside the plugins
+        argv = S.bench_argv(suite, cases[name], quick=True)
+        assert Path(argv[argv.index("--baseline") + 1]) == ROOT / "deployments" / "plain.yaml"
     assert (cases["lookahead-b1"].target, cases["lookahead-b1"].batch) == (2.0, 1)
     assert (cases["lookahead-b8"].target, cases["lookahead-b8"].batch) == (1.2, 8)
     assert (cases["adaptive-b32"].target, cases["adaptive-b32"].batch) == (1.0, 32)
@@ -128,7 +135,7 @@ def test_select_cases():
     suite = S.load_suite(DEFAULT)
     assert [c.name for c in suite.select(None)] == [c.name for c in suite.cases]
     assert [c.name for c in suite.select(["w4a8,noop-moe"])] == ["noop-moe", "w4a8"]  # suite order
-    with pytest.raises(S.SuiteError, match="unknown case\\(s\\) 'w4a9'; cases: noop-attention"):
+    with pytest.raises(S.SuiteError, match="unknown case\\(s\\) 'w4a9'; cases: package-no-deployment, noop-attention"):
         suite.select(["w4a9"])
 
 

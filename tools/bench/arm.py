@@ -246,6 +246,7 @@ def _arm_run(job: dict[str, Any], send: Callable[[str, Any], None],
     # environment would leak into the plain arm (and conflict in the graft arm).
     os.environ.pop(ENV_FILE, None)
     os.environ.pop(ENV_CONFIG, None)
+    os.environ.update(job.get("env") or {})  # e.g. the no-package baseline's VLLM_PLUGINS
     apply_env_defaults(in_process=True)
 
     send("phase", "loading model")

@@ -19,7 +19,7 @@ from rich.markup import escape
 
 from .arm import _arm_main
 from .report import render_report, write_plot
-from .stats import ARMS, arm_order, assemble
+from .stats import ARMS, NO_PACKAGE, arm_order, assemble
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_RUN_FAILED, EXIT_DIFFERENT = 0, 1, 2, 4, 5
 
@@ -164,6 +164,32 @@ def _parse_arms(text: str) -> list[str]:
     return arms
 
 
+def _baseline(plan: Any, baseline: str | None) -> tuple[Any, dict[str, str]]:
+    """What the plain arm runs: ``(plan whose plain twin it is, environment)``. ``None``: the
+    deployment's own twin. A deployment file: that file's twin (same model). ``no-package``:
+    the deployment's twin with vLLM told, through ``VLLM_PLUGINS``, to load every general
+    plugin except vllm-graft's (what installing the package costs)."""
+    if baseline is None:
+        return plan, {}
+    if baseline == NO_PACKAGE:
+        from importlib.metadata import entry_points
+
+        others = sorted({e.name for e in entry_points(group="vllm.general_plugins")} - {"vllm_graft"})
+        return plan, {"VLLM_PLUGINS": ",".join(others)}  # "" matches no plugin, as vLLM parses it
+    from vllm_graft.integration.launch import load_plan
+
+    base = load_plan(baseline)
+    mine = plan.model.path if plan.model is not None else plan.deployment.model
+    theirs = base.model.path if base.model is not None else base.deployment.model
+    if str(Path(str(mine)).resolve()) != str(Path(str(theirs)).resolve()):
+        raise ValueError(f"{baseline} runs {theirs}, the deployment {mine}: the baseline must run "
+                         "the same model")
+    if _max_model_len(base) < _max_model_len(plan):
+        raise ValueError(f"{baseline} allows {_max_model_len(base)} tokens per sequence, the "
+                         f"deployment {_max_model_len(plan)}: the workloads would not fit it")
+    return base, {}
+
+
 def _max_model_len(plan: Any) -> int:
     value = plan.deployment.engine.get("max_model_len")
     if value:
@@ -256,6 +282,15 @@ def run_bench(args: argparse.Namespace, out: Console, err: Console,
             err.print(f"  [red]•[/] {escape(str(p))}")
         return EXIT_INVALID, None
 
+    try:
+        plain_plan, plain_env = _baseline(plan, args.baseline)
+    except DeploymentError as e:
+        err.print(f"[bold red]✗ baseline {escape(e.source)}: {escape(str(e.problems[0]))}[/] (no engine started)")
+        return EXIT_INVALID, None
+    except ValueError as e:
+        err.print(f"[bold red]error:[/] --baseline: {escape(str(e))}")
+        return EXIT_USAGE, None
+
     max_model_len = _max_model_len(plan)
     try:
         model = plan.model.path if plan.model is not None else plan.deployment.model
@@ -273,7 +308,7 @@ def run_bench(args: argparse.Namespace, out: Console, err: Console,
         return EXIT_USAGE, None
 
     plugins = [f"{e.kind}:{e.name}" for e in plan.enabled]
-    settings = {"arms": arms, "workloads": names, "num_prompts": args.num_prompts,
+    settings = {"arms": arms, "baseline": args.baseline, "workloads": names, "num_prompts": args.num_prompts,
                 "max_tokens": args.max_tokens, "batch": args.batch, "repeat": args.repeat, "seed": args.seed,
                 "ignore_eos": args.ignore_eos, "max_model_len": max_model_len,
                 "perplexity": not args.no_ppl, "temperature": 0.0}
@@ -329,7 +364,10 @@ def run_bench(args: argparse.Namespace, out: Console, err: Console,
         return ArmProcess(job, workdir, on_event, timeout=args.timeout or None)
 
     def job_for(arm: str, generate: bool, score_own: bool) -> dict[str, Any]:
-        return {"arm": arm, "llm_kwargs": llm_kwargs(plan, graft=(arm == "graft"), **overrides),
+        graft = arm == "graft"
+        twin = plan if graft else plain_plan
+        return {"arm": arm, "llm_kwargs": llm_kwargs(twin, graft=graft, **overrides),
+                "env": {} if graft else plain_env,
                 "workloads": wl_jobs if generate else [], "batch": args.batch, "repeat": args.repeat,
                 "ignore_eos": args.ignore_eos, "log_path": str(workdir / f"{arm}.log"),
                 "score_own": score_own, "workloads_by_name": by_name}
@@ -412,6 +450,14 @@ def add_command(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="workload selection and engine seed (default 0)")
     p.add_argument("--arms", default="plain,graft", metavar="ARMS",
                    help="which arms to run: plain, graft or plain,graft (default both)")
+    p.add_argument("--baseline", metavar="DEPLOYMENT|no-package",
+                   help="what the plain arm runs (default: the deployment's plain twin, its model and "
+                        "engine section without plugins). A deployment file: that file's plain twin, "
+                        "same model (e.g. the deployment turns on vLLM's own ngram speculation in its "
+                        "engine section, the baseline is plain vLLM). 'no-package': the twin with "
+                        "vLLM's plugin loader told to skip vllm-graft (VLLM_PLUGINS), to measure what "
+                        "installing the package costs. Perplexity is scored by the plain arm, so "
+                        "under the baseline's engine")
     p.add_argument("--ignore-eos", action="store_true",
                    help="generate max-tokens tokens even past <|endoftext|> (fixed output lengths)")
     p.add_argument("--no-ppl", action="store_true", help="skip scoring outputs under the unmodified model")

@@ -70,6 +70,7 @@ def render_table(result: dict[str, Any]) -> Table:
     plugins = ", ".join(result.get("plugins") or []) or "no plugins"
     table = Table(title=f"vllm-graft bench: {escape(result['deployment'])} ({escape(plugins)}); "
                         f"{s['num_prompts']} prompts x <= {s['max_tokens']} tokens per workload, greedy"
+                        + (f"; plain arm: {escape(s['baseline'])}" if s.get("baseline") else "")
                         + (f"; median of {runs} runs" if runs > 1 else "") + _order_text(s.get("order")),
                   title_justify="left")
     columns = [c for c in COLUMNS if c[1] != "output_tok_s_range" or runs > 1]

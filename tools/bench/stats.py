@@ -6,6 +6,9 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Sequence
 
+#: ``bench --baseline no-package``: the plain arm's vLLM loads every general plugin but this one.
+NO_PACKAGE = "no-package"
+
 ARMS = ("plain", "graft")
 SCHEMA = "vllm-graft-bench/1"
 

@@ -87,6 +87,9 @@ class Case(RunSettings):
     deployment: str
     target: Optional[float] = Field(None, gt=0)
     note: Optional[str] = None
+    # what the plain arm runs (bench --baseline): a deployment file (relative to the suite file)
+    # or "no-package"; none: the deployment's plain twin
+    baseline: Optional[str] = None
     quick: RunSettings = Field(default_factory=RunSettings)
 
 
@@ -213,6 +216,10 @@ def bench_argv(suite: Suite, case: Case, quick: bool) -> list[str]:
             "--max-tokens", str(s["max_tokens"]), "--repeat", str(s["repeat"]), "--seed", str(s["seed"])]
     if s["batch"]:
         argv += ["--batch", str(s["batch"])]
+    if case.baseline:
+        from .stats import NO_PACKAGE
+
+        argv += ["--baseline", case.baseline if case.baseline == NO_PACKAGE else str(suite.resolve(case.baseline))]
     if s["ignore_eos"]:
         argv.append("--ignore-eos")
     ppl = s["ppl"] if s["ppl"] is not None else not uses_dummy_weights(deployment)
@@ -241,7 +248,7 @@ def case_row(case: Case, argv: Sequence[str], result: dict[str, Any], *, quick: 
             if w["summary"].get("other_cpus") is not None]
     model = result.get("model") or ""
     return {
-        "name": case.name, "deployment": case.deployment, "note": case.note,
+        "name": case.name, "deployment": case.deployment, "baseline": case.baseline, "note": case.note,
         "plugins": result.get("plugins") or [], "model": Path(str(model)).name,
         "workload": ",".join(result["settings"]["workloads"]),
         "num_prompts": result["settings"]["num_prompts"], "max_tokens": result["settings"]["max_tokens"],
@@ -268,7 +275,8 @@ def case_row(case: Case, argv: Sequence[str], result: dict[str, Any], *, quick: 
 
 def failed_row(case: Case, argv: Sequence[str], reason: str, *, quick: bool,
                display_argv: Sequence[str] | None = None) -> dict[str, Any]:
-    return {"name": case.name, "deployment": case.deployment, "note": case.note, "target": case.target,
+    return {"name": case.name, "deployment": case.deployment, "baseline": case.baseline, "note": case.note,
+            "target": case.target,
             "quick": quick, "command": "vllm-graft bench " + " ".join(display_argv or argv),
             "failed": reason, "run_at": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
@@ -347,6 +355,8 @@ def render_markdown(rows: Sequence[dict[str, Any]], meta: dict[str, Any], plot: 
               "|---|---|---|---|---:|---:|---:|---|---:|---:|---:|---|---:|---|"]
     for r in rows:
         dep = f"`{Path(r['deployment']).as_posix().removeprefix('../')}`"
+        if r.get("baseline"):
+            dep += f" vs `{Path(r['baseline']).as_posix().removeprefix('../')}`"
         if r.get("failed"):
             lines.append(f"| {r['name']} | {dep} | - | - | - | - | failed: {r['failed'][:80]} | {_target(r)} "
                          f"| - | - | - | - | - | {r['run_at']} |")
@@ -451,10 +461,14 @@ def cmd_suite(args: argparse.Namespace, out: Any, err: Any, *, run_bench: Any, a
     root = Path.cwd()
 
     def shown(argv: list[str]) -> list[str]:  # paths as the reader would type them
-        try:
-            return [os.path.relpath(argv[0], root)] + argv[1:]
-        except ValueError:
-            return argv
+        out = list(argv)
+        for i, a in enumerate(out):
+            if i == 0 or (out[i - 1] == "--baseline" and os.path.isabs(a)):
+                try:
+                    out[i] = os.path.relpath(a, root)
+                except ValueError:
+                    pass
+        return out
 
     if args.list_cases:
         for c in suite.cases:
