@@ -21,9 +21,8 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-OURS = tuple(str(ROOT / d) + os.sep for d in ("hooks", "integration", "plugins"))
-LAUNCHER = str(ROOT / "integration" / "launch.py")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _profiling import LAUNCHER, OURS, label, outermost_ours  # noqa: E402
 
 
 def _child(path: str, out) -> None:
@@ -43,12 +42,10 @@ def _child(path: str, out) -> None:
         profile.disable()
         load = time.perf_counter() - t
     stats = pstats.Stats(profile).stats  # {(file, line, fn): (cc, nc, tt, ct, callers)}
-    ours = {k: v for k, v in stats.items() if k[0].startswith(OURS) and k[0] != LAUNCHER}
-    # outermost: no caller of ours (other than the launcher) above it
-    top = {k: v for k, v in ours.items() if not any(c in ours for c in v[4])}
+    top = outermost_ours(stats)
     total = sum(v[3] for v in top.values())
-    slow = sorted(((v[3], f"{Path(k[0]).relative_to(ROOT)}:{k[1]} {k[2]}") for k, v in ours.items()),
-                  reverse=True)[:5]
+    ours = {k: v for k, v in stats.items() if k[0].startswith(OURS) and k[0] != LAUNCHER}
+    slow = sorted(((v[3], label(k)) for k, v in ours.items()), reverse=True)[:5]
     out.send({"load_s": load, "ours_s": total, "slowest": slow})
 
 

@@ -1,0 +1,30 @@
+"""What the profiling scripts of this folder share: which functions are vllm-graft's own and
+how to name a profiled function (``startup.py``, ``profile_steps.py``)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OURS = tuple(str(ROOT / d) + os.sep for d in ("hooks", "integration", "plugins"))
+LAUNCHER = str(ROOT / "integration" / "launch.py")  # wraps the whole engine: not counted
+
+
+def outermost_ours(stats: dict) -> dict:
+    """Of cProfile's ``pstats.Stats(...).stats``, vllm-graft's functions that no function of
+    ours (other than the launcher) called: their cumulative times add up without overlap."""
+    ours = {k: v for k, v in stats.items() if k[0].startswith(OURS) and k[0] != LAUNCHER}
+    return {k: v for k, v in ours.items() if not any(c in ours for c in v[4])}
+
+
+def label(key: tuple) -> str:
+    """``file:line function``, the file relative to the repository or to site-packages."""
+    file, line, fn = key
+    if file == "~":
+        return fn
+    try:
+        file = str(Path(file).relative_to(ROOT))
+    except ValueError:
+        parts = Path(file).parts
+        file = "/".join(parts[parts.index("site-packages") + 1:]) if "site-packages" in parts else file
+    return f"{file}:{line} {fn}"
