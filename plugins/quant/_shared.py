@@ -2,11 +2,36 @@
 Triton kernel both need lives here, so that ``kernel.py`` never imports ``reference.py``):
 
 * :func:`quantize_activations`: symmetric int8 activations per token (the A8 of W4A8; the W4A8
-  reference's integer-GEMM emulation and its Triton GEMM both quantise ``x`` with it).
+  reference's integer-GEMM emulation and its Triton GEMM both quantise ``x`` with it);
+* :func:`cpu_extension`: a method's compiled CPU path (its ``cpu.py``: C++ built once per
+  machine by torch's extension loader), or why it cannot be built.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
+
+_built: dict[str, tuple] = {}
+_build_lock = threading.Lock()
+
+
+def cpu_extension(name: str, source: str, functions: list[str]) -> tuple[object | None, str | None]:
+    """``(module, None)``: the C++ ``source`` built with ``torch.utils.cpp_extension.load_inline``
+    (``-O3``; torch caches the build per source, so it compiles once per machine, ~30 s), its
+    ``functions`` bound; ``(None, reason)`` where it cannot be built (no compiler, no headers).
+    Tried once per process and name."""
+    with _build_lock:
+        if name not in _built:
+            try:
+                from torch.utils.cpp_extension import load_inline
+
+                _built[name] = (load_inline(name=name, cpp_sources=[source], functions=functions,
+                                            extra_cflags=["-O3"], verbose=False), None)
+            except Exception as e:  # noqa: BLE001 - reported by the caller, which falls back
+                text = str(e).strip()
+                _built[name] = (None, f"{type(e).__name__}: {text.splitlines()[-1] if text else e}")
+        return _built[name]
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

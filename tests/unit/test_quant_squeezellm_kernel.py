@@ -60,7 +60,8 @@ def test_the_unpacked_index_path_is_bit_identical_to_unpacking_per_call(bits, dt
 
     g = torch.Generator().manual_seed(bits)
     w = torch.randn(40, 64, generator=g)
-    fast = SqueezeLLM(SqueezeLLMParams(bits=bits, kmeans_iters=3))
+    # the torch gather (the C++ path's own tests: test_quant_squeezellm_cpu.py)
+    fast = SqueezeLLM(SqueezeLLMParams(bits=bits, kmeans_iters=3, cpu_dequant="torch"))
     slow = SqueezeLLM(SqueezeLLMParams(bits=bits, kmeans_iters=3, cpu_weights="packed"))
     q = fast.quantize(w)
     t_fast, t_slow = fast.load({k: [v] for k, v in q.items()}, [40]), slow.load({k: [v] for k, v in q.items()}, [40])

@@ -16,9 +16,9 @@ decoder.
 """
 from __future__ import annotations
 
-import threading
-
 import torch
+
+from .._shared import cpu_extension
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -133,24 +133,9 @@ torch::Tensor dfloat11_decode_bf16(torch::Tensor stream, torch::Tensor pos, torc
 }
 """
 
-_lock = threading.Lock()
-_built: list = []  # [module] or [None, reason] once tried
-
-
 def decoder():
     """``(function, None)`` once the C++ decoder is built, else ``(None, reason)``."""
-    with _lock:
-        if not _built:
-            try:
-                from torch.utils.cpp_extension import load_inline
-
-                module = load_inline(name="vllm_graft_dfloat11_cpu", cpp_sources=[_SOURCE],
-                                     functions=["dfloat11_decode_bf16"], extra_cflags=["-O3"],
-                                     verbose=False)
-                _built.extend([module, None])
-            except Exception as e:  # noqa: BLE001 - no compiler, no headers: reported, torch path
-                _built.extend([None, f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"])
-        module, reason = _built
+    module, reason = cpu_extension("vllm_graft_dfloat11_cpu", _SOURCE, ["dfloat11_decode_bf16"])
     return (module.dfloat11_decode_bf16 if module is not None else None), reason
 
 

@@ -23,6 +23,11 @@ class SqueezeLLMParams(KernelParams):
         "unpacked once at load (+1 byte per weight beside the bit planes), and gathers the dense "
         "weight from it per call; 'packed' keeps the bit planes only and unpacks them on every "
         "call (~30x slower). Same results either way"))
+    cpu_dequant: Literal["cpp", "torch"] = Field("cpp", description=(
+        "with cpu_weights 'indices': 'cpp' builds the dense weight with a C++ loop (built on first "
+        "use by torch's extension loader; needs a C++ compiler, as vLLM's CPU engine does; where "
+        "it cannot be built the log says why and 'torch' runs); 'torch' gathers it with "
+        "lut.gather (~6x slower). Same results either way"))
     outliers: float = Field(0.004, ge=0.0, le=0.1, description=(
         "fraction of each weight matrix kept exactly in the sparse part: largest magnitudes"))
     sensitive: float = Field(0.0005, ge=0.0, le=0.1, description=(

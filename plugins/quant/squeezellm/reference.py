@@ -14,10 +14,17 @@ Stored per ``[out, in]`` weight (``bits`` = 3 or 4; ``in`` a multiple of 8):
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from vllm_graft.hooks import QuantMethod, StoredTensor
+
+from .cpu import dequantize_rows, fused_linear
+
+log = logging.getLogger("vllm_graft")
+_said_no_cpp: list[str] = []  # the C++ path's build failure, warned once per process
 
 
 # ---------------------------------------------------------------------------- packing
@@ -119,7 +126,7 @@ class SqueezeLLM(QuantMethod):
         return quantize(weight, sensitivity, p.bits, p.outliers, p.sensitive, p.kmeans_iters)
 
     def checkpoint_params(self):
-        return self.params.model_dump(mode="json", exclude={"kernel", "cpu_weights"})
+        return self.params.model_dump(mode="json", exclude={"kernel", "cpu_weights", "cpu_dequant"})
 
     def stored_tensors(self, out_features, in_features):
         b = self.params.bits
@@ -161,7 +168,24 @@ class SqueezeLLM(QuantMethod):
                "sparse_vals": torch.cat(vals)}
         if self.params.kernel == "reference" and self.params.cpu_weights == "indices":
             out["indices"] = unpack_bitplanes(out["codes"], self.params.bits).to(torch.uint8)
+            # the sparse part as CSR over the joined rows too (the fused CPU path's)
+            counts = torch.bincount(out["sparse_rows"], minlength=out["codes"].shape[0])
+            out["sparse_rowptr"] = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
         return out
+
+    def dense_from_indices(self, tensors) -> torch.Tensor:
+        """The dense part from the byte indices: the C++ loop (``cpu_dequant: cpp``), else a
+        torch gather. The same values either way (the LUT's, widened exactly)."""
+        if self.params.cpu_dequant == "cpp":
+            w, reason = dequantize_rows(tensors["indices"], tensors["lut"])
+            if w is not None:
+                return w
+            if not _said_no_cpp:
+                _said_no_cpp.append(reason)
+                log.warning("squeezellm: the C++ CPU dequantisation is not used (%s); gathering the "
+                            "weights with torch instead (slower; `cpu_dequant: torch` chooses it "
+                            "without the attempt)", reason)
+        return tensors["lut"].gather(1, tensors["indices"].long())
 
     def apply(self, tensors, x, bias):
         if self.params.kernel == "triton":
@@ -169,7 +193,13 @@ class SqueezeLLM(QuantMethod):
 
             y = lut_matmul(x, tensors["codes"], tensors["lut"], self.params.bits)
         elif "indices" in tensors:  # unpacked once at load: the same weight, without the unpacking
-            y = F.linear(x, tensors["lut"].gather(1, tensors["indices"].long()).to(x.dtype))
+            y = None
+            if self.params.cpu_dequant == "cpp":  # decode-sized: the weight never written out
+                y = fused_linear(x.reshape(-1, x.shape[-1]), tensors)
+            if y is not None:  # the sparse part included
+                y = y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+                return y if bias is None else y + bias
+            y = F.linear(x, self.dense_from_indices(tensors).to(x.dtype))
         else:
             y = F.linear(x, dequantize(tensors["codes"], tensors["lut"], self.params.bits).to(x.dtype))
         y = add_sparse(y, x, tensors["sparse_rows"], tensors["sparse_cols"], tensors["sparse_vals"])
