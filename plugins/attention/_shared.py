@@ -46,16 +46,36 @@ def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, hea
     return flat_blocks(k, seq_len), flat_blocks(v, seq_len)
 
 
-def causal_probs(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """Softmax probabilities ``[H, q, n]`` (float32) of the last ``len(q)`` positions ``q [q, H, D]``
-    over their causal context ``k [n, H_kv, D]``."""
+def causal_probs(q: torch.Tensor, k: torch.Tensor, scale: float,
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax probabilities ``[H, q, n]`` (float32) of the queries ``q [q, H, D]`` over their
+    causal context ``k [n, H_kv, D]``; the queries are the last ``len(q)`` positions, or at
+    ``positions`` (absolute, ``[q]``)."""
     nq, h, _ = q.shape
     n, hkv = k.shape[0], k.shape[1]
     kk = k.float().repeat_interleave(h // hkv, dim=1)  # [n, H, D]
     s = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale
-    q_pos = torch.arange(n - nq, n, device=q.device).unsqueeze(1)  # absolute positions of the queries
+    if positions is None:
+        positions = torch.arange(n - nq, n, device=q.device)
+    q_pos = positions.to(q.device).unsqueeze(1)  # absolute positions of the queries
     s = s.masked_fill(torch.arange(n, device=q.device).unsqueeze(0) > q_pos, float("-inf"))  # future keys
     return s.softmax(-1)
+
+
+def fused_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`causal_attention` through PyTorch's fused attention (no ``[H, q, n]`` probabilities
+    in memory): ``[q, H, D]`` float32, equal to it to float rounding."""
+    nq, h, _ = q.shape
+    n, hkv = k.shape[0], k.shape[1]
+    qh, kh, vh = (t.float().transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, len, D]
+    if nq == n:
+        o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+                                                             enable_gqa=hkv != h)
+    else:
+        allowed = torch.arange(n, device=q.device)[None, :] <= torch.arange(n - nq, n, device=q.device)[:, None]
+        o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale,
+                                                             enable_gqa=hkv != h)
+    return o[0].transpose(0, 1)
 
 
 def attend_probs(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -171,6 +191,8 @@ def _paged_batched(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatc
         return out, mass
     if ix.S * H * ix.maxq * ix.L > BATCHED_SCORES_MAX:
         return None
+    if observe is not None and not bool(observe[: T].any()):  # nothing observed: no mass to compute
+        observe = None
     hkv = layer.num_kv_heads
     k, v = _padded_kv(kv_cache, ix, gather)
     k, v = k.float(), v.float()
@@ -209,13 +231,17 @@ def _paged(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, layer
             continue
         nb = -(-L // B)
         k, v = gather(batch.block_table[i, :nb].long())
-        p = causal_probs(query[q0:q1], flat_blocks(k, L), layer.scale)  # [H, q, L]
-        out[q0:q1] = attend_probs(p, flat_blocks(v, L)).to(query.dtype)
+        k, v = flat_blocks(k, L), flat_blocks(v, L)
+        # a long chunk: the output by fused attention; explicit probabilities only for the
+        # observed queries (e.g. SnapKV's window: the last few of a prompt), whose mass counts
+        out[q0:q1] = fused_causal_attention(query[q0:q1], k, v, layer.scale).to(query.dtype)
         if mass is not None:
-            per_key = torch.einsum("hqk,q->k", p, observe[q0:q1].to(p.dtype))
-            padded = torch.zeros(nb * B, dtype=torch.float32, device=query.device)
-            padded[:L] = per_key
-            mass[i, :nb] = padded.view(nb, B).sum(-1)
+            rows = observe[q0:q1].nonzero().squeeze(1)
+            if rows.numel():
+                p = causal_probs(query[q0:q1][rows], k, layer.scale, positions=L - (q1 - q0) + rows)
+                padded = torch.zeros(nb * B, dtype=torch.float32, device=query.device)
+                padded[:L] = p.sum((0, 1))
+                mass[i, :nb] = padded.view(nb, B).sum(-1)
     return out, mass
 
 

@@ -96,3 +96,38 @@ def test_under_inference_mode_as_in_vllms_forward():
         assert shared._step_index(batch, 16, q.shape[0]) is index
         out, mass = shared.paged_attention_with_mass(q, kv, batch, layer, observe)
     assert out.shape == q.shape and mass.shape[0] == batch.seq_lens.numel()
+
+
+def _explicit(q, kv, batch, layer, observe):
+    """Every sequence with explicit probabilities over all its queries (the definition)."""
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    mass = torch.zeros(batch.seq_lens.numel(), batch.block_table.shape[1])
+    qsl = batch.query_start_loc.tolist()
+    for i, L in enumerate(batch.seq_lens.tolist()):
+        q0, q1 = qsl[i], qsl[i + 1]
+        if q1 <= q0 or L <= 0:
+            continue
+        k, v = shared.gather_kv(kv, batch.block_table[i], L, layer.head_size)
+        p = shared.causal_probs(q[q0:q1], k, layer.scale)
+        out[q0:q1] = shared.attend_probs(p, v)
+        per_key = torch.einsum("hqk,q->k", p, observe[q0:q1].float())
+        nb = -(-L // layer.block_size)
+        mass[i, :nb] = torch.nn.functional.pad(per_key, (0, nb * layer.block_size - L)).view(nb, -1).sum(-1)
+    return out, mass
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_loop_attends_fused_and_scores_only_the_observed_queries(monkeypatch, seed):
+    """The per-sequence path (long chunks) takes its output from fused attention and the mass
+    from explicit probabilities of the observed queries alone; both equal the definition.
+    A step with nothing observed gets zero mass on the batched path too."""
+    q, kv, batch, layer, observe = case(seed, torch.float32, Hkv=[1, 2, 4][seed % 3])
+    want_out, want_mass = _explicit(q, kv, batch, layer, observe)
+    monkeypatch.setattr(shared, "BATCHED_SCORES_MAX", 0)
+    out, mass = shared.paged_attention_with_mass(q, kv, batch, layer, observe)
+    assert (out - want_out).abs().max() <= 1e-5
+    assert (mass - want_mass).abs().max() <= 1e-4 * max(1.0, float(want_mass.abs().max()))
+    monkeypatch.setattr(shared, "BATCHED_SCORES_MAX", 1 << 24)
+    none = torch.zeros_like(observe)
+    out, mass = shared.paged_attention_with_mass(q, kv, batch, layer, none)
+    assert (out - want_out).abs().max() <= 1e-5 and not mass.any()
