@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from vllm_graft.hooks import AttentionLayer, AttentionMethod, PagedBatch, split_kv_cache
 
-from .._shared import causal_attention, gather_kv
+from .._shared import fused_causal_attention, gather_kv
 from .policy import Budget, budget, load_head_map, window_chunks
 
 
@@ -318,7 +318,7 @@ def squeezed_attention(m: Squeezed, query: torch.Tensor, kv_cache: torch.Tensor,
             if p.prefill == "sparse":
                 out[q0:q1] = sparse_rows(query[q0:q1], k, v, m, layer.scale, retrieval).to(query.dtype)
             else:
-                out[q0:q1] = causal_attention(query[q0:q1], k, v, layer.scale).to(query.dtype)
+                out[q0:q1] = fused_causal_attention(query[q0:q1], k, v, layer.scale).to(query.dtype)
             continue
         b = m.budget(n)
         key_at = lambda pos, k=k: k[pos, 0].float()  # noqa: E731
@@ -362,7 +362,7 @@ def squeezed_attention_triton(m: Squeezed, query: torch.Tensor, kv_cache: torch.
             if p.prefill == "sparse":
                 out[q0:q1] = sparse_rows(query[q0:q1], k, v, m, layer.scale, retrieval).to(query.dtype)
             else:
-                out[q0:q1] = causal_attention(query[q0:q1], k, v, layer.scale).to(query.dtype)
+                out[q0:q1] = fused_causal_attention(query[q0:q1], k, v, layer.scale).to(query.dtype)
     if not rows:
         return out
     budgets = [m.budget(n) for n in lens]

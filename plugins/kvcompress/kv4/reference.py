@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 
 from vllm_graft.hooks import AttentionLayer, PagedBatch
-from vllm_graft.plugins.attention._shared import causal_attention, flat_blocks, paged_attention_with_mass
+from vllm_graft.plugins.attention._shared import flat_blocks, fused_causal_attention, paged_attention_with_mass
 
 from .layout import bytes_per_token, offsets, unsupported
 
@@ -219,8 +219,8 @@ def paged_attention_kv4(query: torch.Tensor, kv_cache: torch.Tensor, batch: Page
             continue
         nbi = -(-L // B)
         k, v = dequantize_block_rows(kv_cache[batch.block_table[i, :nbi].long()], D, B, value_group)
-        out[q0:q1] = causal_attention(query[q0:q1], flat_blocks(k, L), flat_blocks(v, L),
-                                      layer.scale).to(out.dtype)
+        out[q0:q1] = fused_causal_attention(query[q0:q1], flat_blocks(k, L), flat_blocks(v, L),
+                                            layer.scale).to(out.dtype)
     return out, None
 
 
