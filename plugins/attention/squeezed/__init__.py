@@ -44,6 +44,13 @@ class SqueezedParams(KernelParams):
         "full", description="'full': prompt tokens get full causal attention (serving); 'sparse': each "
         "prompt token attends as it would when decoded (teacher forcing, to measure quality from "
         "prompt log-probabilities)")
+    cpu_path: Literal["batched", "per-sequence"] = Field(
+        "batched", description="the torch path (kernel: reference), mode centroid without a head map "
+        "and with refresh 1: 'batched' scores every decode row of a step at once against chunk "
+        "centroids kept between steps (computed once per full chunk, checked against the cache's "
+        "keys) and attends to the chosen chunks only; 'per-sequence' is the oracle, one row at a "
+        "time over all its keys. The same chunks are chosen (up to exact score ties) and the "
+        "outputs agree to float rounding. Other modes always run per sequence")
     head_map: str | None = Field(None, description="head-map file of `vllm-graft calibrate razor`. "
                                  "Mode streaming-heads: its retrieval heads attend fully, the others to the "
                                  "sinks + recent window. Modes centroid and recycled: its retrieval heads choose "

@@ -229,6 +229,7 @@ class Squeezed(AttentionMethod):
         self.stats = Stats()
         self.selections: OrderedDict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self.reused = 0
+        self._centroids: dict[int, CentroidCache] = {}  # the batched path's, by layer
 
     def refreshing(self) -> bool:
         return self.params.mode in ("centroid", "recycled") and self.params.refresh > 1
@@ -264,12 +265,25 @@ class Squeezed(AttentionMethod):
         return budget(n, p.chunk, p.budget, p.sink_tokens, p.recent_tokens)
 
     def forward(self, query, kv_cache, batch, layer, plan=None):
-        if kv_cache.shape[2] % self.params.chunk:
-            raise ValueError(f"squeezed: chunk {self.params.chunk} must divide the KV block size "
+        p = self.params
+        if kv_cache.shape[2] % p.chunk:
+            raise ValueError(f"squeezed: chunk {p.chunk} must divide the KV block size "
                              f"{kv_cache.shape[2]}; set params.chunk to a divisor of it")
-        if self.params.kernel == "triton":
+        if p.kernel == "triton":
             return squeezed_attention_triton(self, query, kv_cache, batch, layer)
+        if p.cpu_path == "batched" and p.mode == "centroid" and self.head_map is None \
+                and p.refresh == 1 and p.prefill == "full":
+            return squeezed_attention_batched(self, query, kv_cache, batch, layer)
         return squeezed_attention(self, query, kv_cache, batch, layer)
+
+    def centroids(self, layer: AttentionLayer, kv_cache: torch.Tensor) -> "CentroidCache":
+        """This layer's chunk centroids kept between steps (made again for a new cache)."""
+        cache = self._centroids.get(layer.index)
+        N, hkv, B, D2 = kv_cache.shape
+        if cache is None or cache.shape != (N, hkv, B // self.params.chunk, D2 // 2):
+            cache = self._centroids[layer.index] = CentroidCache(N, hkv, B, D2 // 2, self.params.chunk,
+                                                                  kv_cache.device)
+        return cache
 
     def describe(self) -> dict[str, Any]:
         s = self.stats
@@ -391,4 +405,118 @@ def squeezed_attention_triton(m: Squeezed, query: torch.Tensor, kv_cache: torch.
         m.stats.add(n, hkv, int(mk.repeat_interleave(p.chunk, dim=1)[:, :n].sum()),
                     b.num_chunks * scoring_heads(hkv, retrieval) if s is not None and p.mode == "centroid" else 0)
     sparse_decode_triton(query, kv_cache, batch, layer, p.chunk, rows, seqs, lens, masks, out)
+    return out
+
+
+# ------------------------------------------------------------------ the batched CPU path
+class CentroidCache:
+    """One layer's chunk centroids ``[N, H_kv, B/chunk, D]`` (fp32), kept between steps: a chunk's
+    centroid is computed once, when its ``chunk`` tokens are in the cache, with the key vector of
+    its first token (KV head 0) as a fingerprint; a chunk whose fingerprint no longer matches the
+    cache (its block freed and written again by another request) is computed again. Extra
+    memory: one key vector per chunk, 1/chunk of the key cache."""
+
+    def __init__(self, N: int, hkv: int, B: int, D: int, chunk: int, device) -> None:
+        self.chunk, self.per_block = chunk, B // chunk
+        self.shape = (N, hkv, self.per_block, D)
+        self.cent = torch.zeros(N, hkv, self.per_block, D, dtype=torch.float32, device=device)
+        self.mark = torch.full((N, self.per_block, D), float("nan"), dtype=torch.float32, device=device)
+        self.computed = 0  # chunks computed (or computed again)
+
+    def lookup(self, kv_cache: torch.Tensor, blocks: torch.Tensor, subs: torch.Tensor,
+               complete: torch.Tensor) -> torch.Tensor:
+        """Centroids ``[..., H_kv, D]`` of the chunks ``(blocks, subs)`` (any shape); those marked
+        ``complete`` are brought up to date first (the others are returned as they are: the
+        caller does not score them)."""
+        N, hkv, B, D2 = kv_cache.shape
+        D, c = D2 // 2, self.chunk
+        kv = kv_cache.view(N, hkv, 2, self.per_block, c, D)  # the layout of split_kv_cache
+        b, j = blocks[complete], subs[complete]
+        if b.numel():
+            first = kv[b, 0, 0, j, 0].float()  # [U, D]: the chunk's first key, KV head 0
+            stale = (first != self.mark[b, j]).any(-1)  # NaN marks never match
+            if bool(stale.any()):
+                flat = torch.unique(b[stale] * self.per_block + j[stale])
+                ub, uj = flat // self.per_block, flat % self.per_block
+                keys = kv[ub, :, 0, uj].float()  # [U, H_kv, c, D]
+                self.cent[ub, :, uj] = keys.sum(2) / c
+                self.mark[ub, uj] = keys[:, 0, 0]
+                self.computed += flat.numel()
+        return self.cent[blocks, :, subs]
+
+
+def squeezed_attention_batched(m: Squeezed, query: torch.Tensor, kv_cache: torch.Tensor,
+                               batch: PagedBatch, layer: AttentionLayer) -> torch.Tensor:
+    """Mode centroid, no head map, refresh 1 (``cpu_path: batched``): prefill rows by fused
+    causal attention per sequence; every decode row of the step at once: chunk scores from the
+    kept centroids (:class:`CentroidCache`), the forced chunks plus the best ``extra`` ones
+    (ranked as a stable sort ranks them), one gather of the chosen chunks' keys and values
+    straight from the cache and one fused attention over them."""
+    p = m.params
+    out = torch.empty_like(query)
+    N, hkv, B, D2 = kv_cache.shape
+    D, c, H = D2 // 2, p.chunk, query.shape[1]
+    dev = query.device
+    qsl, lens = batch.query_start_loc.tolist(), batch.seq_lens.tolist()
+    decode = []
+    for i, n in enumerate(lens):
+        q0, q1 = qsl[i], qsl[i + 1]
+        if q1 <= q0 or n <= 0:
+            continue
+        if q1 - q0 > 1:
+            k, v = gather_kv(kv_cache, batch.block_table[i, : -(-n // B)], n, layer.head_size)
+            out[q0:q1] = fused_causal_attention(query[q0:q1], k, v, layer.scale).to(query.dtype)
+        else:
+            decode.append(i)
+    if not decode:
+        return out
+    S = len(decode)
+    budgets = [m.budget(lens[i]) for i in decode]
+    rows = torch.tensor([qsl[i] for i in decode], device=dev)
+    n = torch.tensor([lens[i] for i in decode], device=dev)
+    C = max(b.num_chunks for b in budgets)
+    ci = torch.arange(C, device=dev)
+    col = lambda vals: torch.tensor(vals, device=dev)[:, None]  # noqa: E731
+    num = col([b.num_chunks for b in budgets])
+    n_sink, extra = col([len(b.sink) for b in budgets]), col([b.extra for b in budgets])
+    r_start = col([b.recent[0] if b.recent else b.num_chunks for b in budgets])
+    full = col([b.full for b in budgets])
+    eligible = ci < num  # [S, C]
+    forced = (ci < n_sink) | ((ci >= r_start) & eligible)
+    table = batch.block_table[torch.tensor(decode, device=dev)].long()
+    blocks = table.gather(1, (ci // (B // c)).clamp(max=table.shape[1] - 1).expand(S, C))
+    subs = (ci % (B // c)).expand(S, C)
+    q = query[rows].float().view(S, hkv, H // hkv, D)
+    sel = forced | (full & eligible)
+    if bool(((extra > 0) & ~full).any()):
+        complete = eligible & ((ci + 1) * c <= n[:, None]) & ~forced  # the chunks that get scores
+        cent = m.centroids(layer, kv_cache).lookup(kv_cache, blocks, subs, complete)  # [S, C, Hkv, D]
+        sc = (torch.einsum("shgd,schd->shgc", q, cent) * layer.scale).amax(2)  # [S, Hkv, C]
+        sc = sc.masked_fill(~complete[:, None, :], float("-inf"))
+        order = torch.argsort(sc, dim=2, descending=True, stable=True)
+        rank = torch.empty_like(order).scatter_(2, order, ci.expand_as(order).contiguous())
+        sel = sel[:, None, :] | ((rank < extra[:, :, None]) & complete[:, None, :])
+    else:
+        sel = sel[:, None, :].expand(S, hkv, C)
+    # the chosen chunks of each (row, KV head), in position order, padded to the most chosen
+    K = int(sel.sum(-1).max())
+    chosen = torch.where(sel, ci, C).sort(dim=-1).values[..., :K]  # [S, Hkv, K]; C = padding
+    valid_chunk = chosen < C
+    chosen = chosen.clamp(max=C - 1)
+    kv = kv_cache.view(N, hkv, 2, B // c, c, D)
+    heads = torch.arange(hkv, device=dev)[None, :, None]
+    picked = kv[blocks.gather(1, chosen.view(S, -1)).view(S, hkv, K), heads, :,
+                chosen % (B // c)]  # [S, Hkv, K, 2, c, D]
+    k = picked[:, :, :, 0].reshape(S, hkv, K * c, D).float()
+    v = picked[:, :, :, 1].reshape(S, hkv, K * c, D).float()
+    pos = (chosen[..., None] * c + torch.arange(c, device=dev)).reshape(S, hkv, K * c)
+    allowed = (valid_chunk[..., None].expand(S, hkv, K, c).reshape(S, hkv, K * c)) & (pos < n[:, None, None])
+    mask = allowed.repeat_interleave(H // hkv, dim=1)[:, :, None, :]  # [S, H, 1, K*c]
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.reshape(S, H, 1, D), k, v, attn_mask=mask, scale=layer.scale, enable_gqa=hkv != H)
+    out[rows] = o.reshape(S, H, D).to(query.dtype)
+    attended = allowed.sum((1, 2)).tolist()
+    scored = ~full[:, 0]  # counted as the per-sequence path counts them (it scores every such row)
+    for t in range(S):
+        m.stats.add(lens[decode[t]], hkv, attended[t], budgets[t].num_chunks * hkv if bool(scored[t]) else 0)
     return out
