@@ -13,6 +13,12 @@ instead (an fp32 matmul for the quant rows, vLLM's C++ attention for hydragen):
   unpacked once (``cpu_weights: indices``); bit-identical.
 * paged attention: the per-sequence loop against the batched path (one masked attention
   over blocks gathered at once), for a decode step and for a chunked-prefill step.
+* ``squeezellm`` layer call: the torch gather against the C++ path (``cpu_dequant: cpp``,
+  decode-sized: fused LUT lookups and multiply-adds); to fp32 rounding.
+* ``dfloat11`` layer call: the torch decoder against the C++ one (``cpu_decoder: cpp``), each
+  decoding the weight then multiplying in bf16; bit-identical. Host: the bf16 matmul alone.
+* ``squeezed`` at K = 1/8 on a 4K context: the per-sequence path against the batched one
+  (centroids kept between steps), beside vLLM's C++ full attention on the same step.
 * hydragen: the per-sequence reference against the batched CPU path, for a decode step of
   sequences sharing a 1K-token prefix (one group, and four groups of 8), beside vLLM's own
   C++ paged attention on the same step (the plain arm's kernel; the cache written in its
@@ -31,6 +37,11 @@ from vllm_graft.hooks import AttentionLayer, PagedBatch
 from vllm_graft.plugins.attention import _shared as shared
 from vllm_graft.plugins.attention.hydragen import HydragenParams
 from vllm_graft.plugins.attention.hydragen import reference as hydragen
+from vllm_graft.plugins.attention.squeezed import SqueezedParams
+from vllm_graft.plugins.attention.squeezed import reference as squeezed
+from vllm_graft.plugins.quant.dfloat11 import DFloat11Params
+from vllm_graft.plugins.quant.dfloat11 import reference as df11
+from vllm_graft.plugins.quant.squeezellm import SqueezeLLMParams
 from vllm_graft.plugins.quant.squeezellm import reference as sq
 from vllm_graft.plugins.quant.w4a8 import reference as w4
 
@@ -62,6 +73,23 @@ def quant_rows(repeat: int, out: int = 1536, inp: int = 576, tokens: int = 8) ->
     new = lambda: torch.nn.functional.linear(x, lut.gather(1, idx.long()).float())  # noqa: E731
     rows.append((f"squeezellm 4-bit {out}x{inp}, {tokens} tokens", _ms(old, repeat), _ms(new, repeat),
                  torch.equal(old(), new()), _ms(lambda: x @ w.T, repeat)))
+    # the whole layer call (sparse part included): the torch gather against the C++ path
+    params = {"bits": 4, "kmeans_iters": 4}
+    fast, slow = sq.SqueezeLLM(SqueezeLLMParams(**params)), sq.SqueezeLLM(SqueezeLLMParams(**params, cpu_dequant="torch"))
+    t = fast.load({k: [v] for k, v in fast.quantize(w).items()}, [out])
+    old, new = (lambda: slow.apply(t, x, None)), (lambda: fast.apply(t, x, None))
+    rows.append((f"squeezellm 4-bit layer call {out}x{inp}, {tokens} tokens: torch gather vs C++ "
+                 "(cpu_dequant)", _ms(old, repeat), _ms(new, repeat),
+                 torch.allclose(old(), new(), rtol=1e-5, atol=1e-6), _ms(lambda: x @ w.T, repeat)))
+    # dfloat11: the torch decoder against the C++ one, each decoding then multiplying in bf16
+    wb = w.to(torch.bfloat16)
+    fast, slow = df11.DFloat11(DFloat11Params()), df11.DFloat11(DFloat11Params(cpu_decoder="torch"))
+    t = fast.load({k: [v] for k, v in fast.quantize(wb).items()}, [out])
+    xb = x.to(torch.bfloat16)
+    old, new = (lambda: slow.apply(t, xb, None)), (lambda: fast.apply(t, xb, None))
+    rows.append((f"dfloat11 layer call {out}x{inp}, {tokens} tokens: torch decoder vs C++ (cpu_decoder); "
+                 "host: bf16 matmul", _ms(old, max(3, repeat // 10)), _ms(new, repeat), torch.equal(old(), new()),
+                 _ms(lambda: xb @ wb.T, repeat)))
     return rows
 
 
@@ -167,6 +195,26 @@ def hydragen_rows(repeat: int, cases=((32, 1, 8, 40), (32, 4, 8, 40), (8, 1, 8, 
     return rows
 
 
+def squeezed_rows(repeat: int, cases=((4, 4096),), B: int = 128) -> list[tuple]:
+    """squeezed at K = 1/8 (chunk 16, 16 sink and 64 recent tokens), a decode step: the
+    per-sequence path against the batched one (its centroids already kept: the steady state),
+    beside vLLM's C++ full attention on the same step."""
+    rows = []
+    for S, ctx in cases:
+        q, kv, batch, layer = _step(S, ctx, 1, B=B)
+        params = {"budget": 0.125, "chunk": 16, "sink_tokens": 16, "recent_tokens": 64}
+        fast = squeezed.Squeezed(SqueezedParams(**params))
+        slow = squeezed.Squeezed(SqueezedParams(**params, cpu_path="per-sequence"))
+        old = lambda: slow.forward(q, kv, batch, layer)  # noqa: E731
+        new = lambda: fast.forward(q, kv, batch, layer)  # noqa: E731
+        host = _vllm_attention(q, kv, batch, layer)
+        rows.append((f"squeezed K=1/8, decode: {S} seqs x {ctx} ctx, GQA 9/3 x 64 (host: full attention)",
+                     _ms(old, max(3, repeat // 5)), _ms(new, repeat),
+                     torch.allclose(old(), new(), atol=1e-5, rtol=1e-5),
+                     float("nan") if host is None else _ms(host, repeat)))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=50, help="timed calls per path (median reported)")
@@ -175,7 +223,7 @@ def main() -> None:
     print("| path | old ms | new ms | speed-up | agree | host kernel ms |")
     print("|---|---:|---:|---:|---|---:|")
     for name, old, new, agree, dense in (quant_rows(args.repeat) + attention_rows(args.repeat)
-                                         + hydragen_rows(args.repeat)):
+                                         + hydragen_rows(args.repeat) + squeezed_rows(args.repeat)):
         dense_s = "-" if dense != dense else f"{dense:.3f}"
         print(f"| {name} | {old:.3f} | {new:.3f} | {old / new:.1f}x | {'yes' if agree else 'NO'} | {dense_s} |")
 
