@@ -4,7 +4,8 @@ Triton kernel both need lives here, so that ``kernel.py`` never imports ``refere
 * :func:`quantize_activations`: symmetric int8 activations per token (the A8 of W4A8; the W4A8
   reference's integer-GEMM emulation and its Triton GEMM both quantise ``x`` with it);
 * :func:`cpu_extension`: a method's compiled CPU path (its ``cpu.py``: C++ built once per
-  machine by torch's extension loader), or why it cannot be built.
+  machine by torch's extension loader), or why it cannot be built;
+* :func:`scratch`: a reused buffer for a weight rebuilt on every call.
 """
 from __future__ import annotations
 
@@ -39,3 +40,19 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.float()
     s = (x.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-8)
     return torch.round(x / s).clamp(-127, 127).to(torch.int8), s
+
+
+_scratch: dict[tuple, torch.Tensor] = {}
+
+
+def scratch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A buffer of ``shape`` and ``dtype`` reused from call to call: a weight rebuilt on every
+    layer call (dequantised, decoded) goes here instead of into fresh memory, whose first
+    touch (page faults) costs as much as rebuilding it. Its contents are overwritten by the
+    next layer of the same shape: use it only for a weight consumed before that (inside one
+    ``apply``)."""
+    key = (tuple(shape), dtype)
+    buf = _scratch.get(key)
+    if buf is None:
+        buf = _scratch[key] = torch.empty(shape, dtype=dtype)
+    return buf

@@ -204,3 +204,20 @@ def test_cpu_decoder_is_not_a_checkpoint_parameter():
     assert plugin().checkpoint_params()["chunk"] == 128
     with pytest.raises(Exception, match="cpu_decoder"):
         DFloat11Params(cpu_decoder="asm")
+
+
+def test_apply_decodes_into_a_reused_buffer_and_weight_into_a_fresh_one():
+    """apply() decodes into one buffer per weight shape (fresh memory's page faults cost as much
+    as the decode); weight() returns a tensor of its own, which a later decode leaves alone."""
+    _cpp_available()
+    g = torch.Generator().manual_seed(5)
+    w1, w2 = ((torch.randn(24, 40, generator=g) * 0.05).to(torch.bfloat16) for _ in range(2))
+    m = plugin(chunk=16)
+    t1, t2 = (m.load({k: [v] for k, v in m.quantize(w).items()}, [24]) for w in (w1, w2))
+    kept = m.weight(t1)
+    a = m.weight(t1, reuse=True)
+    b = m.weight(t2, reuse=True)
+    assert a.data_ptr() == b.data_ptr() and same_bits(b, w2)  # one buffer, overwritten
+    assert same_bits(kept, w1) and kept.data_ptr() != a.data_ptr()
+    x = torch.randn(3, 40, generator=g).to(torch.bfloat16)
+    assert torch.equal(m.apply(t1, x, None), torch.nn.functional.linear(x, w1))

@@ -84,3 +84,13 @@ def test_cpu_dequant_is_not_a_checkpoint_parameter():
     assert "cpu_dequant" not in R.SqueezeLLM(SqueezeLLMParams(cpu_dequant="torch")).checkpoint_params()
     with pytest.raises(Exception, match="cpu_dequant"):
         SqueezeLLMParams(cpu_dequant="simd")
+
+
+def test_larger_calls_reuse_one_buffer_for_the_dense_weight():
+    _built()
+    fast, _, t, g = _layer(4, 48, 72)
+    a = fast.dense_from_indices(t, reuse=True)
+    b = fast.dense_from_indices(t, reuse=True)
+    c = fast.dense_from_indices(t)
+    assert a.data_ptr() == b.data_ptr() != c.data_ptr()
+    assert torch.equal(c, t["lut"].gather(1, t["indices"].long()).float()) and torch.equal(a, c)

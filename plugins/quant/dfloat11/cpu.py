@@ -32,10 +32,12 @@ _SOURCE = r"""
 // out_start, out_count: int64 [lanes]; multi: int32, indexed by the next max_len bits: the
 // codes that lie whole inside them (up to 3: symbols in bits 0-23, their count in 24-25,
 // their bits in 26-30); single: int16, the first code alone (length << 8 | symbol), for a
-// lane's last symbols; a lane's tables start at base; sm: uint8 [n]. Returns bf16 [n].
+// lane's last symbols; a lane's tables start at base; sm: uint8 [n]; out: bf16 [n], written
+// and returned.
 torch::Tensor dfloat11_decode_bf16(torch::Tensor stream, torch::Tensor pos, torch::Tensor base,
                                    torch::Tensor multi, torch::Tensor single, torch::Tensor out_start,
-                                   torch::Tensor out_count, torch::Tensor sm, int64_t max_len) {
+                                   torch::Tensor out_count, torch::Tensor sm, int64_t max_len,
+                                   torch::Tensor out) {
   TORCH_CHECK(stream.is_contiguous() && pos.is_contiguous() && base.is_contiguous() &&
               multi.is_contiguous() && single.is_contiguous() && out_start.is_contiguous() &&
               out_count.is_contiguous() && sm.is_contiguous(), "dfloat11: tensors must be contiguous");
@@ -46,7 +48,8 @@ torch::Tensor dfloat11_decode_bf16(torch::Tensor stream, torch::Tensor pos, torc
               multi.numel() == single.numel(), "dfloat11: unexpected tables or dtypes");
   const int64_t n = sm.numel();
   const int64_t lanes = pos.numel();
-  auto out = torch::empty({n}, torch::dtype(torch::kBFloat16));
+  TORCH_CHECK(out.scalar_type() == torch::kBFloat16 && out.is_contiguous() && out.numel() == n,
+              "dfloat11: out must be contiguous bf16 with one value per weight");
   const uint8_t* s = stream.data_ptr<uint8_t>();
   const int64_t* p0 = pos.data_ptr<int64_t>();
   const int64_t* b0 = base.data_ptr<int64_t>();
@@ -177,13 +180,17 @@ def lanes_out(counts: list[int], chunk: int) -> tuple[torch.Tensor, torch.Tensor
     return torch.cat(starts), torch.cat(sizes)
 
 
-def decode_bf16(tensors: dict[str, torch.Tensor], chunk: int, max_len: int):
-    """The bf16 weight ``[out, in]`` through the C++ decoder, or ``None`` (with the reason)
-    where it cannot be built. ``tensors``: what ``DFloat11.load`` made, on the CPU."""
+def decode_bf16(tensors: dict[str, torch.Tensor], chunk: int, max_len: int, out: torch.Tensor | None = None):
+    """``(weight, None)``: the bf16 weight ``[out, in]`` through the C++ decoder, written into
+    ``out`` when given (e.g. ``quant._shared.scratch``); ``(None, reason)`` where it cannot be
+    built. ``tensors``: what ``DFloat11.load`` made, on the CPU."""
     fn, reason = decoder()
     if fn is None:
         return None, reason
     sm = tensors["sign_mantissa"]
-    out = fn(tensors["stream"], tensors["chunk_pos"], tensors["table_base"], tensors["multi_table"],
-             tensors["single_table"], tensors["lane_start"], tensors["lane_count"], sm.reshape(-1), max_len)
-    return out.view(sm.shape), None
+    if out is None:
+        out = torch.empty(sm.shape, dtype=torch.bfloat16)
+    fn(tensors["stream"], tensors["chunk_pos"], tensors["table_base"], tensors["multi_table"],
+       tensors["single_table"], tensors["lane_start"], tensors["lane_count"], sm.reshape(-1), max_len,
+       out.view(-1))
+    return out, None

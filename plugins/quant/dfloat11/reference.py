@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from vllm_graft.hooks import QuantMethod, StoredTensor
 
+from .._shared import scratch
 from .cpu import decode_bf16, lanes_out, tables
 
 log = logging.getLogger("vllm_graft")
@@ -260,12 +261,16 @@ class DFloat11(QuantMethod):
     def checkpoint_params(self):
         return self.params.model_dump(mode="json", exclude={"kernel", "cpu_decoder"})
 
-    def weight(self, tensors) -> torch.Tensor:
-        """The exact bf16 weight ``[out, in]``, decoded from ``tensors`` (what ``load`` made)."""
+    def weight(self, tensors, reuse: bool = False) -> torch.Tensor:
+        """The exact bf16 weight ``[out, in]``, decoded from ``tensors`` (what ``load`` made);
+        with ``reuse``, the C++ decoder writes it into a buffer that the next decode of a
+        weight of this shape overwrites (for a weight used at once, as ``apply`` does)."""
         chunk = self.params.chunk
         if (self.params.kernel == "reference" and self.params.cpu_decoder == "cpp"
                 and tensors["stream"].device.type == "cpu" and "lane_start" in tensors):
-            w, reason = decode_bf16(tensors, chunk, self.params.max_code_len)
+            sm = tensors["sign_mantissa"]
+            w, reason = decode_bf16(tensors, chunk, self.params.max_code_len,
+                                    scratch(sm.shape, torch.bfloat16) if reuse else None)
             if w is not None:
                 return w
             if not _said_no_cpp:
@@ -289,7 +294,7 @@ class DFloat11(QuantMethod):
         return join_bf16(flat.reshape(sm.shape), sm)
 
     def apply(self, tensors, x, bias):
-        return F.linear(x, self.weight(tensors).to(x.dtype), bias)
+        return F.linear(x, self.weight(tensors, reuse=True).to(x.dtype), bias)
 
     def embed(self, tensors, ids):
-        return F.embedding(ids, self.weight(tensors))
+        return F.embedding(ids, self.weight(tensors, reuse=True))

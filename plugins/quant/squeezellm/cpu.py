@@ -131,15 +131,16 @@ torch::Tensor squeezellm_linear(torch::Tensor x, torch::Tensor indices, torch::T
   return y;
 }
 
-// indices: uint8 [out, in]; lut: fp16 [out, k], k <= 16. Returns fp32 [out, in].
-torch::Tensor squeezellm_dequantize(torch::Tensor indices, torch::Tensor lut) {
+// indices: uint8 [out, in]; lut: fp16 [out, k], k <= 16; w: fp32 [out, in], written and returned.
+torch::Tensor squeezellm_dequantize(torch::Tensor indices, torch::Tensor lut, torch::Tensor w) {
   TORCH_CHECK(indices.dim() == 2 && lut.dim() == 2 && indices.size(0) == lut.size(0),
               "squeezellm: indices [out, in] and lut [out, k] expected");
   TORCH_CHECK(indices.scalar_type() == torch::kUInt8 && lut.scalar_type() == torch::kHalf &&
               lut.size(1) <= 16 && indices.is_contiguous() && lut.is_contiguous(),
               "squeezellm: contiguous uint8 indices and an fp16 LUT of at most 16 entries expected");
   const int64_t out = indices.size(0), in = indices.size(1), k = lut.size(1);
-  auto w = torch::empty({out, in}, torch::dtype(torch::kFloat32));
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.dim() == 2 &&
+              w.size(0) == out && w.size(1) == in, "squeezellm: w must be contiguous fp32 [out, in]");
   const uint8_t* ip = indices.data_ptr<uint8_t>();
   const at::Half* lp = lut.data_ptr<at::Half>();
   float* wp = w.data_ptr<float>();
@@ -186,12 +187,15 @@ def fused_linear(x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Ten
                                     tensors["sparse_cols"], tensors["sparse_vals"])
 
 
-def dequantize_rows(indices: torch.Tensor, lut: torch.Tensor):
-    """The dense weight ``[out, in]`` (fp32) through the C++ dequantiser, or ``(None, reason)``
-    where it cannot be built or does not apply (not on the CPU, not an fp16 LUT)."""
+def dequantize_rows(indices: torch.Tensor, lut: torch.Tensor, out: torch.Tensor | None = None):
+    """``(weight, None)``: the dense weight ``[out, in]`` (fp32) through the C++ dequantiser,
+    written into ``out`` when given (e.g. ``quant._shared.scratch``); ``(None, reason)`` where
+    it cannot be built or does not apply (not on the CPU, not an fp16 LUT)."""
     if indices.device.type != "cpu" or lut.dtype != torch.float16:
         return None, f"the C++ path takes CPU tensors and an fp16 LUT ({indices.device}, {lut.dtype})"
     fn, reason = dequantizer()
     if fn is None:
         return None, reason
-    return fn(indices, lut), None
+    if out is None:
+        out = torch.empty(indices.shape, dtype=torch.float32)
+    return fn(indices, lut, out), None

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from vllm_graft.hooks import QuantMethod, StoredTensor
 
+from .._shared import scratch
 from .cpu import dequantize_rows, fused_linear
 
 log = logging.getLogger("vllm_graft")
@@ -173,11 +174,13 @@ class SqueezeLLM(QuantMethod):
             out["sparse_rowptr"] = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
         return out
 
-    def dense_from_indices(self, tensors) -> torch.Tensor:
-        """The dense part from the byte indices: the C++ loop (``cpu_dequant: cpp``), else a
-        torch gather. The same values either way (the LUT's, widened exactly)."""
+    def dense_from_indices(self, tensors, reuse: bool = False) -> torch.Tensor:
+        """The dense part from the byte indices: the C++ loop (``cpu_dequant: cpp``; into a
+        buffer reused from call to call with ``reuse``), else a torch gather. The same values
+        either way (the LUT's, widened exactly)."""
         if self.params.cpu_dequant == "cpp":
-            w, reason = dequantize_rows(tensors["indices"], tensors["lut"])
+            idx = tensors["indices"]
+            w, reason = dequantize_rows(idx, tensors["lut"], scratch(idx.shape, torch.float32) if reuse else None)
             if w is not None:
                 return w
             if not _said_no_cpp:
@@ -199,7 +202,7 @@ class SqueezeLLM(QuantMethod):
             if y is not None:  # the sparse part included
                 y = y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
                 return y if bias is None else y + bias
-            y = F.linear(x, self.dense_from_indices(tensors).to(x.dtype))
+            y = F.linear(x, self.dense_from_indices(tensors, reuse=True).to(x.dtype))
         else:
             y = F.linear(x, dequantize(tensors["codes"], tensors["lut"], self.params.bits).to(x.dtype))
         y = add_sparse(y, x, tensors["sparse_rows"], tensors["sparse_cols"], tensors["sparse_vals"])
