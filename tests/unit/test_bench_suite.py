@@ -342,3 +342,35 @@ def test_a_ratio_just_below_its_target_is_not_rounded_up():
     row = {"ratio": 0.9496, "ratio_min": 0.92, "ratio_max": 0.96, "repeat": 3, "target": 0.95, "met": False}
     assert S._ratio(row) == "**0.9496** (0.92-0.96)" and S._target(row) == ">= 0.95: **no**"
     assert S._ratio(row | {"ratio": 0.9512, "met": True}) == "**0.951** (0.92-0.96)"
+
+
+def test_a_decode_metric_case_takes_the_decode_ratio():
+    """A case with ``metric: decode`` (squeezed-4k: the target is decode speed) is judged by the
+    bench's decode ratio (1 / inter-token latency), not by output tokens/s with prefill in it."""
+    from vllm_graft.tools.bench.stats import _decode_runs, ratio_of
+
+    raw = {"workloads": {"a": {"repeats": [{"itl_mean_s": 0.02}, {"itl_mean_s": 0.04}]},
+                         "b": {"repeats": [{"itl_mean_s": 0.04}, {"itl_mean_s": 0.04}]}}}
+    sets = [type("PS", (), {"name": n})() for n in ("a", "b")]
+    assert _decode_runs(raw, sets) == [pytest.approx(1 / 0.03), pytest.approx(25.0)]
+    raw["workloads"]["b"]["repeats"][1]["itl_mean_s"] = None  # a run without decode tokens
+    assert _decode_runs(raw, sets) == []
+    suite = S.load_suite(DEFAULT)
+    case = {c.name: c for c in suite.cases}["squeezed-4k"]
+    assert case.metric == "decode"
+    result = fake_result([10.0, 10.0, 10.0], [8.0, 8.0, 8.0])  # output tok/s: 0.8 with prefill
+    result["comparison"]["decode_ratio"] = ratio_of([50.0, 50.0, 50.0], [65.0, 60.0, 70.0])
+    row = S.case_row(case, ["x"], result, quick=True)
+    assert row["ratio"] == pytest.approx(1.3) and row["met"] is True and row["metric"] == "decode"
+    assert S._ratio(row).endswith(" decode")
+    with pytest.raises(S.SuiteError, match="metric"):
+        S.parse_suite({"cases": [{"name": "x", "deployment": "d.yaml", "metric": "latency"}]}, "s.yaml")
+
+
+def test_a_baseline_file_that_is_not_there_is_refused(tmp_path):
+    (tmp_path / "d.yaml").write_text("model: m\n")
+    (tmp_path / "s.yaml").write_text("cases: [{name: x, deployment: d.yaml, baseline: nowhere.yaml}]\n")
+    with pytest.raises(S.SuiteError, match="cases\\[0\\].baseline: no file 'nowhere.yaml'"):
+        S.load_suite(tmp_path / "s.yaml")
+    (tmp_path / "s.yaml").write_text("cases: [{name: x, deployment: d.yaml, baseline: no-package}]\n")
+    assert S.load_suite(tmp_path / "s.yaml").cases[0].baseline == "no-package"

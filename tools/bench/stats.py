@@ -20,6 +20,8 @@ MEASUREMENT = {
     "repeats": "with --repeat N both engines stay loaded and the arms take turns: run r of every "
                "workload goes through the arms in the order settings.order[r], which alternates "
                "(graft then plain, plain then graft, ...), so neither arm always runs first",
+    "decode_ratio": "as ratio, of decode rates (1 / mean inter-token latency of each run): decode "
+                    "steps alone, prefill left out",
     "ratio": "graft / plain median output tokens/s; its range is the min-max of the ratios of the "
              "two arms' runs with the same index (adjacent in time)",
     "ttft": "per request: perf_counter when the engine step returning its first output token "
@@ -216,6 +218,21 @@ def _runs_of(summary: dict[str, Any]) -> list[float]:
     return list(runs) if runs else ([summary["output_tok_s"]] if summary.get("output_tok_s") else [])
 
 
+def _decode_runs(raw: dict[str, Any], prompt_sets: Sequence[Any]) -> list[float]:
+    """Decode rate of each run: 1 / its mean inter-token latency (over all workloads' output
+    tokens after each request's first), the speed of decode steps without prefill."""
+    reps = [raw["workloads"][ps.name].get("repeats") for ps in prompt_sets]
+    if not reps or any(not r for r in reps) or len({len(r) for r in reps}) != 1:
+        return []
+    out = []
+    for k in range(len(reps[0])):
+        itl = [r[k].get("itl_mean_s") for r in reps]
+        if any(x is None or x <= 0 for x in itl):
+            return []
+        out.append(1.0 / (sum(itl) / len(itl)))
+    return out
+
+
 def _overall_runs(raw: dict[str, Any], prompt_sets: Sequence[Any]) -> list[float]:
     """Tokens/s of each run over all workloads (run r: its tokens / its walls, summed)."""
     reps = [raw["workloads"][ps.name].get("repeats") for ps in prompt_sets]
@@ -300,6 +317,8 @@ def assemble(*, deployment: str, plan_info: dict[str, Any], settings: dict[str, 
             per[ps.name]["ratio"] = ratio_of(_runs_of(arms["plain"]["workloads"][ps.name]["summary"]),
                                              _runs_of(arms["graft"]["workloads"][ps.name]["summary"]))
         comparison = {"ratio": ratio_of(_runs_of(arms["plain"]["overall"]), _runs_of(arms["graft"]["overall"])),
+                      "decode_ratio": ratio_of(_decode_runs(arm_results["plain"], prompt_sets),
+                                               _decode_runs(arm_results["graft"], prompt_sets)),
                       "identical": all(c["identical"] for c in per.values()),
                       "n_identical": sum(c["n_identical"] for c in per.values()),
                       "n": sum(c["n"] for c in per.values()), "workloads": per}

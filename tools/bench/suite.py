@@ -35,9 +35,11 @@ import platform
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .stats import NO_PACKAGE
 
 MARK_START, MARK_END = "<!-- bench-suite:start -->", "<!-- bench-suite:end -->"
 SUITE_SCHEMA = "vllm-graft-bench-suite/1"
@@ -90,6 +92,9 @@ class Case(RunSettings):
     # what the plain arm runs (bench --baseline): a deployment file (relative to the suite file)
     # or "no-package"; none: the deployment's plain twin
     baseline: Optional[str] = None
+    # what the ratio compares: output tokens/s of the whole run (default) or decode speed alone
+    # (1 / inter-token latency: prefill left out), for a target stated in decode speed
+    metric: Literal["output", "decode"] = "output"
     quick: RunSettings = Field(default_factory=RunSettings)
 
 
@@ -192,6 +197,9 @@ def load_suite(path: str | os.PathLike[str], *, check_files: bool = True) -> Sui
             if not suite.resolve(c.deployment).is_file():
                 raise SuiteError(f"{path}: cases[{i}].deployment: no file {c.deployment!r} "
                                  f"(paths are relative to the suite file's folder, {suite.folder})")
+            if c.baseline and c.baseline != NO_PACKAGE and not suite.resolve(c.baseline).is_file():
+                raise SuiteError(f"{path}: cases[{i}].baseline: no file {c.baseline!r} (a deployment "
+                                 f"relative to the suite file's folder, {suite.folder}, or {NO_PACKAGE})")
     return suite
 
 
@@ -217,8 +225,6 @@ def bench_argv(suite: Suite, case: Case, quick: bool) -> list[str]:
     if s["batch"]:
         argv += ["--batch", str(s["batch"])]
     if case.baseline:
-        from .stats import NO_PACKAGE
-
         argv += ["--baseline", case.baseline if case.baseline == NO_PACKAGE else str(suite.resolve(case.baseline))]
     if s["ignore_eos"]:
         argv.append("--ignore-eos")
@@ -242,13 +248,14 @@ def case_row(case: Case, argv: Sequence[str], result: dict[str, Any], *, quick: 
     arms = result["arms"]
     plain, graft = arms["plain"]["overall"], arms["graft"]["overall"]
     cmp = result["comparison"] or {}
-    ratio = cmp.get("ratio") or {}
+    ratio = (cmp.get("decode_ratio") if case.metric == "decode" else cmp.get("ratio")) or {}
     pp, gp = plain.get("perplexity"), graft.get("perplexity")
     busy = [w["summary"].get("other_cpus") for a in arms.values() for w in a["workloads"].values()
             if w["summary"].get("other_cpus") is not None]
     model = result.get("model") or ""
     return {
         "name": case.name, "deployment": case.deployment, "baseline": case.baseline, "note": case.note,
+        "metric": case.metric,
         "plugins": result.get("plugins") or [], "model": Path(str(model)).name,
         "workload": ",".join(result["settings"]["workloads"]),
         "num_prompts": result["settings"]["num_prompts"], "max_tokens": result["settings"]["max_tokens"],
@@ -314,7 +321,7 @@ def _ratio(row: dict[str, Any]) -> str:
     lo, hi = row.get("ratio_min"), row.get("ratio_max")
     digits = 4 if row.get("met") is False and round(r, 3) >= (row.get("target") or 0) else 3  # 0.9498 < 0.95
     return f"**{r:.{digits}f}**" + (f" ({lo:.2f}-{hi:.2f})" if lo is not None and hi is not None and row.get("repeat", 1) > 1
-                              else "")
+                              else "") + (" decode" if row.get("metric") == "decode" else "")
 
 
 def _target(row: dict[str, Any]) -> str:
@@ -344,7 +351,8 @@ def render_markdown(rows: Sequence[dict[str, Any]], meta: dict[str, Any], plot: 
              f"`{meta['results']}`): both engines loaded once, then the arms take turns, alternating which "
              "goes first (graft plain, plain graft, ...); tok/s is the median of the runs, (min-max) the "
              "range; the ratio is plugin / plain of the medians, (min-max) the range of the per-run ratios "
-             "of the same round. Memory: KV blocks at peak and peak RSS, plain / plugin. Quality: change "
+             "of the same round (marked 'decode': of decode speed, 1 / inter-token latency, prefill "
+             "left out). Memory: KV blocks at peak and peak RSS, plain / plugin. Quality: change "
              "of the outputs' perplexity under the unmodified model ('-': random weights, not measured). "
              "Busy CPUs: the most CPUs other processes used during any timed run (above "
              f"{meta['busy_limit']} the timings are disturbed).", ""]
