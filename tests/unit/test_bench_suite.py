@@ -346,14 +346,14 @@ def test_a_ratio_just_below_its_target_is_not_rounded_up():
 
 def test_a_decode_metric_case_takes_the_decode_ratio():
     """A case with ``metric: decode`` (squeezed-4k: the target is decode speed) is judged by the
-    bench's decode ratio (1 / inter-token latency), not by output tokens/s with prefill in it."""
+    bench's decode ratio (1 / median inter-token latency), not by output tokens/s with prefill in it."""
     from vllm_graft.tools.bench.stats import _decode_runs, ratio_of
 
-    raw = {"workloads": {"a": {"repeats": [{"itl_mean_s": 0.02}, {"itl_mean_s": 0.04}]},
-                         "b": {"repeats": [{"itl_mean_s": 0.04}, {"itl_mean_s": 0.04}]}}}
+    raw = {"workloads": {"a": {"repeats": [{"itl_p50_s": 0.02}, {"itl_p50_s": 0.04}]},
+                         "b": {"repeats": [{"itl_p50_s": 0.04}, {"itl_p50_s": 0.04}]}}}
     sets = [type("PS", (), {"name": n})() for n in ("a", "b")]
     assert _decode_runs(raw, sets) == [pytest.approx(1 / 0.03), pytest.approx(25.0)]
-    raw["workloads"]["b"]["repeats"][1]["itl_mean_s"] = None  # a run without decode tokens
+    raw["workloads"]["b"]["repeats"][1]["itl_p50_s"] = None  # a run without decode tokens
     assert _decode_runs(raw, sets) == []
     suite = S.load_suite(DEFAULT)
     case = {c.name: c for c in suite.cases}["squeezed-4k"]

@@ -20,8 +20,8 @@ MEASUREMENT = {
     "repeats": "with --repeat N both engines stay loaded and the arms take turns: run r of every "
                "workload goes through the arms in the order settings.order[r], which alternates "
                "(graft then plain, plain then graft, ...), so neither arm always runs first",
-    "decode_ratio": "as ratio, of decode rates (1 / mean inter-token latency of each run): decode "
-                    "steps alone, prefill left out",
+    "decode_ratio": "as ratio, of decode rates (1 / median inter-token latency of each run): "
+                    "decode steps alone, prefill left out",
     "ratio": "graft / plain median output tokens/s; its range is the min-max of the ratios of the "
              "two arms' runs with the same index (adjacent in time)",
     "ttft": "per request: perf_counter when the engine step returning its first output token "
@@ -207,6 +207,7 @@ def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         chosen["repeats"].append({"wall_s": r["wall_s"], "kv_blocks_peak": r["kv_blocks_peak"],
                                   "output_tokens": sum(len(q["output_token_ids"]) for q in r["requests"]),
                                   "ttft_mean_s": mean(ttft), "itl_mean_s": mean(gaps),
+                                  "itl_p50_s": percentile(gaps, 50),
                                   "other_cpus": r.get("other_cpus")})
     chosen["repeats_identical"] = all([q["output_token_ids"] for q in r["requests"]] == first for r in runs)
     return chosen
@@ -219,14 +220,16 @@ def _runs_of(summary: dict[str, Any]) -> list[float]:
 
 
 def _decode_runs(raw: dict[str, Any], prompt_sets: Sequence[Any]) -> list[float]:
-    """Decode rate of each run: 1 / its mean inter-token latency (over all workloads' output
-    tokens after each request's first), the speed of decode steps without prefill."""
+    """Decode rate of each run: 1 / its median inter-token latency (of each workload's output
+    tokens after each request's first; averaged over workloads): the speed of a decode step.
+    The median, not the mean: a gap that spans another request's prefill chunk (requests
+    arriving together) is an outlier of the prefill, not of decoding."""
     reps = [raw["workloads"][ps.name].get("repeats") for ps in prompt_sets]
     if not reps or any(not r for r in reps) or len({len(r) for r in reps}) != 1:
         return []
     out = []
     for k in range(len(reps[0])):
-        itl = [r[k].get("itl_mean_s") for r in reps]
+        itl = [r[k].get("itl_p50_s") for r in reps]
         if any(x is None or x <= 0 for x in itl):
             return []
         out.append(1.0 / (sum(itl) / len(itl)))

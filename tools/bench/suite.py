@@ -351,8 +351,8 @@ def render_markdown(rows: Sequence[dict[str, Any]], meta: dict[str, Any], plot: 
              f"`{meta['results']}`): both engines loaded once, then the arms take turns, alternating which "
              "goes first (graft plain, plain graft, ...); tok/s is the median of the runs, (min-max) the "
              "range; the ratio is plugin / plain of the medians, (min-max) the range of the per-run ratios "
-             "of the same round (marked 'decode': of decode speed, 1 / inter-token latency, prefill "
-             "left out). Memory: KV blocks at peak and peak RSS, plain / plugin. Quality: change "
+             "of the same round (marked 'decode': of decode speed, 1 / median inter-token latency, "
+             "prefill left out). Memory: KV blocks at peak and peak RSS, plain / plugin. Quality: change "
              "of the outputs' perplexity under the unmodified model ('-': random weights, not measured). "
              "Busy CPUs: the most CPUs other processes used during any timed run (above "
              f"{meta['busy_limit']} the timings are disturbed).", ""]
