@@ -5,10 +5,12 @@ Triton kernel both need lives here, so that ``kernel.py`` never imports ``refere
   reference's integer-GEMM emulation and its Triton GEMM both quantise ``x`` with it);
 * :func:`cpu_extension`: a method's compiled CPU path (its ``cpu.py``: C++ built once per
   machine by torch's extension loader), or why it cannot be built;
-* :func:`scratch`: a reused buffer for a weight rebuilt on every call.
+* :func:`scratch`: a reused buffer for a weight rebuilt on every call;
+* :func:`fallback_once`: the log line of a compiled path that cannot run, said once.
 """
 from __future__ import annotations
 
+import logging
 import threading
 
 import torch
@@ -56,3 +58,17 @@ def scratch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if buf is None:
         buf = _scratch[key] = torch.empty(shape, dtype=dtype)
     return buf
+
+
+_said: set[str] = set()
+
+
+def fallback_once(plugin: str, what: str, reason: str | None, param: str) -> None:
+    """Say once per process and plugin that its compiled CPU path ``what`` is not used (why)
+    and that the torch path runs instead; ``param`` is the setting that chooses the torch path
+    without trying."""
+    if plugin not in _said:
+        _said.add(plugin)
+        logging.getLogger("vllm_graft").warning(
+            "%s: the C++ CPU %s is not used (%s); the torch path runs instead (slower; `%s: torch` "
+            "chooses it without the attempt)", plugin, what, reason, param)

@@ -185,10 +185,12 @@ def test_cpp_decoder_every_bit_pattern_and_real_weights():
 
 
 def test_cpp_decoder_that_cannot_build_says_so_once_and_decodes_with_torch(monkeypatch, caplog):
-    from vllm_graft.plugins.quant.dfloat11 import cpu, reference
+    from vllm_graft.plugins.quant.dfloat11 import cpu
 
     monkeypatch.setattr(cpu, "decoder", lambda: (None, "RuntimeError: no compiler (test)"))
-    monkeypatch.setattr(reference, "_said_no_cpp", [])
+    from vllm_graft.plugins.quant import _shared
+
+    monkeypatch.setattr(_shared, "_said", set())
     w = (torch.randn(20, 30) * 0.1).to(torch.bfloat16)
     m = plugin(chunk=16)
     t = m.load({k: [v] for k, v in m.quantize(w).items()}, [20])

@@ -71,7 +71,9 @@ def test_larger_calls_and_batched_shapes_are_bit_identical():
 def test_a_path_that_cannot_be_built_says_so_once(monkeypatch, caplog):
     fast, slow, t, g = _layer(4, 16, 32)
     monkeypatch.setattr(cpu, "_module", lambda: (None, "RuntimeError: no compiler (test)"))
-    monkeypatch.setattr(R, "_said_no_cpp", [])
+    from vllm_graft.plugins.quant import _shared
+
+    monkeypatch.setattr(_shared, "_said", set())
     x = torch.randn(20, 32, generator=g)
     with caplog.at_level("WARNING", logger="vllm_graft"):
         assert torch.equal(fast.apply(t, x, None), slow.apply(t, x, None))

@@ -18,7 +18,6 @@ table of ``2**max_code_len`` entries, advance.
 from __future__ import annotations
 
 import heapq
-import logging
 import zlib
 
 import numpy as np
@@ -27,10 +26,8 @@ import torch.nn.functional as F
 
 from vllm_graft.hooks import QuantMethod, StoredTensor
 
-from .._shared import scratch
+from .._shared import fallback_once, scratch
 from .cpu import decode_bf16, lanes_out, tables
-
-log = logging.getLogger("vllm_graft")
 
 # ------------------------------------------------------------------------- Huffman codes
 
@@ -182,7 +179,6 @@ def decode(tensors: dict[str, torch.Tensor], max_code_len: int = 12) -> torch.Te
 
 
 # ---------------------------------------------------------------------- the QuantMethod
-_said_no_cpp: list[str] = []  # the C++ decoder's build failure, warned once per process
 STORED = ("sign_mantissa", "exponents", "code_lengths", "chunk_offsets", "header")
 
 
@@ -273,11 +269,7 @@ class DFloat11(QuantMethod):
                                     scratch(sm.shape, torch.bfloat16) if reuse else None)
             if w is not None:
                 return w
-            if not _said_no_cpp:
-                _said_no_cpp.append(reason)
-                log.warning("dfloat11: the C++ CPU decoder could not be built (%s); decoding with "
-                            "the torch decoder instead (much slower; `cpu_decoder: torch` chooses it "
-                            "without the attempt)", reason)
+            fallback_once("dfloat11", "decoder", reason, "cpu_decoder")
         decoder = decode_exponents
         if self.params.kernel == "triton":
             from .kernel import decode_exponents as decoder

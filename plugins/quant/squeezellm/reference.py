@@ -14,18 +14,13 @@ Stored per ``[out, in]`` weight (``bits`` = 3 or 4; ``in`` a multiple of 8):
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 
 from vllm_graft.hooks import QuantMethod, StoredTensor
 
-from .._shared import scratch
+from .._shared import fallback_once, scratch
 from .cpu import dequantize_rows, fused_linear
-
-log = logging.getLogger("vllm_graft")
-_said_no_cpp: list[str] = []  # the C++ path's build failure, warned once per process
 
 
 # ---------------------------------------------------------------------------- packing
@@ -183,11 +178,7 @@ class SqueezeLLM(QuantMethod):
             w, reason = dequantize_rows(idx, tensors["lut"], scratch(idx.shape, torch.float32) if reuse else None)
             if w is not None:
                 return w
-            if not _said_no_cpp:
-                _said_no_cpp.append(reason)
-                log.warning("squeezellm: the C++ CPU dequantisation is not used (%s); gathering the "
-                            "weights with torch instead (slower; `cpu_dequant: torch` chooses it "
-                            "without the attempt)", reason)
+            fallback_once("squeezellm", "dequantisation", reason, "cpu_dequant")
         return tensors["lut"].gather(1, tensors["indices"].long())
 
     def apply(self, tensors, x, bias):
