@@ -135,7 +135,7 @@ def test_select_cases():
     suite = S.load_suite(DEFAULT)
     assert [c.name for c in suite.select(None)] == [c.name for c in suite.cases]
     assert [c.name for c in suite.select(["w4a8,noop-moe"])] == ["noop-moe", "w4a8"]  # suite order
-    with pytest.raises(S.SuiteError, match="unknown case\\(s\\) 'w4a9'; cases: package-no-deployment, noop-attention"):
+    with pytest.raises(S.SuiteError, match="unknown case\\(s\\) 'w4a9'; cases: package-no-deployment, a-a-control, noop-attention"):
         suite.select(["w4a9"])
 
 
