@@ -418,10 +418,13 @@ class CentroidCache:
 
     def __init__(self, N: int, hkv: int, B: int, D: int, chunk: int, device) -> None:
         self.chunk, self.per_block = chunk, B // chunk
-        self.shape = (N, hkv, self.per_block, D)
         self.cent = torch.zeros(N, hkv, self.per_block, D, dtype=torch.float32, device=device)
         self.mark = torch.full((N, self.per_block, D), float("nan"), dtype=torch.float32, device=device)
         self.computed = 0  # chunks computed (or computed again)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.cent.shape)
 
     def lookup(self, kv_cache: torch.Tensor, blocks: torch.Tensor, subs: torch.Tensor,
                complete: torch.Tensor) -> torch.Tensor:
