@@ -219,16 +219,22 @@ def _runs_of(summary: dict[str, Any]) -> list[float]:
     return list(runs) if runs else ([summary["output_tok_s"]] if summary.get("output_tok_s") else [])
 
 
+def _repeats(raw: dict[str, Any], prompt_sets: Sequence[Any]) -> list[list[dict[str, Any]]]:
+    """Each workload's per-run figures, or [] unless every workload has the same number of runs."""
+    reps = [raw["workloads"][ps.name].get("repeats") for ps in prompt_sets]
+    if not reps or any(not r for r in reps) or len({len(r) for r in reps}) != 1:
+        return []
+    return reps
+
+
 def _decode_runs(raw: dict[str, Any], prompt_sets: Sequence[Any]) -> list[float]:
     """Decode rate of each run: 1 / its median inter-token latency (of each workload's output
     tokens after each request's first; averaged over workloads): the speed of a decode step.
     The median, not the mean: a gap that spans another request's prefill chunk (requests
     arriving together) is an outlier of the prefill, not of decoding."""
-    reps = [raw["workloads"][ps.name].get("repeats") for ps in prompt_sets]
-    if not reps or any(not r for r in reps) or len({len(r) for r in reps}) != 1:
-        return []
+    reps = _repeats(raw, prompt_sets)
     out = []
-    for k in range(len(reps[0])):
+    for k in range(len(reps[0]) if reps else 0):
         itl = [r[k].get("itl_p50_s") for r in reps]
         if any(x is None or x <= 0 for x in itl):
             return []
@@ -238,11 +244,9 @@ def _decode_runs(raw: dict[str, Any], prompt_sets: Sequence[Any]) -> list[float]
 
 def _overall_runs(raw: dict[str, Any], prompt_sets: Sequence[Any]) -> list[float]:
     """Tokens/s of each run over all workloads (run r: its tokens / its walls, summed)."""
-    reps = [raw["workloads"][ps.name].get("repeats") for ps in prompt_sets]
-    if not reps or any(not r for r in reps) or len({len(r) for r in reps}) != 1:
-        return []
+    reps = _repeats(raw, prompt_sets)
     out = []
-    for k in range(len(reps[0])):
+    for k in range(len(reps[0]) if reps else 0):
         wall = sum(r[k]["wall_s"] for r in reps)
         out.append(sum(r[k]["output_tokens"] for r in reps) / wall if wall > 0 else 0.0)
     return out
