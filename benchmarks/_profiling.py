@@ -1,9 +1,13 @@
-"""What the profiling scripts of this folder share: which functions are vllm-graft's own and
-how to name a profiled function (``startup.py``, ``profile_steps.py``)."""
+"""What the profiling scripts of this folder share: running one engine in a fresh child
+process, which functions are vllm-graft's own and how to name a profiled function
+(``startup.py``, ``profile_steps.py``)."""
 from __future__ import annotations
 
+import multiprocessing
 import os
+import sys
 from pathlib import Path
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 OURS = tuple(str(ROOT / d) + os.sep for d in ("hooks", "integration", "plugins"))
@@ -28,3 +32,20 @@ def label(key: tuple) -> str:
         parts = Path(file).parts
         file = "/".join(parts[parts.index("site-packages") + 1:]) if "site-packages" in parts else file
     return f"{file}:{line} {fn}"
+
+
+def run_in_child(target: Callable[..., None], *args: Any, what: str) -> Any:
+    """``target(*args, sender)`` in a fresh spawned process (so every engine pays the same
+    imports); returns what it sent; exits naming ``what`` when the child died first."""
+    ctx = multiprocessing.get_context("spawn")
+    receiver, sender = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=target, args=(*args, sender))
+    proc.start()
+    sender.close()
+    try:
+        row = receiver.recv()
+    except EOFError:
+        proc.join()
+        sys.exit(f"{what} failed (exit code {proc.exitcode})")
+    proc.join()
+    return row

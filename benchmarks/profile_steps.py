@@ -17,13 +17,12 @@ calls. Perplexity and output equality are the bench's business, not this script'
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _profiling import label, outermost_ours  # noqa: E402
+from _profiling import label, outermost_ours, run_in_child  # noqa: E402
 
 
 def _child(path: str, graft: bool, settings: dict, out) -> None:
@@ -64,18 +63,7 @@ def _child(path: str, graft: bool, settings: dict, out) -> None:
 
 
 def _run(path: str, graft: bool, settings: dict) -> dict:
-    ctx = multiprocessing.get_context("spawn")
-    receiver, sender = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(path, graft, settings, sender))
-    proc.start()
-    sender.close()
-    try:
-        row = receiver.recv()
-    except EOFError:
-        proc.join()
-        sys.exit(f"{path}: the {'plugin' if graft else 'plain'} engine failed (exit code {proc.exitcode})")
-    proc.join()
-    return row
+    return run_in_child(_child, path, graft, settings, what=f"{path}: the {'plugin' if graft else 'plain'} engine")
 
 
 def render(path: str, settings: dict, arms: dict[str, dict]) -> str:

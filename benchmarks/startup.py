@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _profiling import LAUNCHER, OURS, label, outermost_ours  # noqa: E402
+from _profiling import LAUNCHER, OURS, label, outermost_ours, run_in_child  # noqa: E402
 
 
 def _child(path: str, out) -> None:
@@ -54,18 +53,9 @@ def main() -> None:
     ap.add_argument("deployments", nargs="+", help="deployment files (each built in its own process)")
     ap.add_argument("--json", help="write the rows here too")
     args = ap.parse_args()
-    ctx = multiprocessing.get_context("spawn")
     rows = []
     for path in args.deployments:
-        receiver, sender = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child, args=(path, sender))
-        proc.start()
-        sender.close()
-        try:
-            row = receiver.recv()
-        except EOFError:
-            sys.exit(f"{path}: the engine did not start (exit code {proc.join() or proc.exitcode})")
-        proc.join()
+        row = run_in_child(_child, path, what=f"{path}: the engine")
         row["deployment"] = path
         rows.append(row)
         print(f"{path}: engine load {row['load_s']:.1f} s, of which vllm-graft's own code "
