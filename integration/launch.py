@@ -56,8 +56,20 @@ def plan_from_dict(data: dict[str, Any], *, source: str = "deployment",
                                    base_dir=base_dir))
 
 
-def apply_env_defaults(*, in_process: bool | None = None) -> None:
+def apply_env_defaults(*, in_process: bool | None = None, engine: dict[str, Any] | None = None) -> None:
+    """Set :data:`CPU_ENV_DEFAULTS` where the user has not. ``engine`` (the engine arguments
+    about to be used): where it sets ``kv_cache_memory_bytes`` the KV-space default is left
+    unset, since vLLM's CPU platform lets ``VLLM_CPU_KVCACHE_SPACE`` override that argument."""
+    explicit_kv = (engine or {}).get("kv_cache_memory_bytes") is not None
     for key, value in CPU_ENV_DEFAULTS.items():
+        if key == "VLLM_CPU_KVCACHE_SPACE" and explicit_kv:
+            if os.environ.get(key):
+                import logging
+                logging.getLogger("vllm_graft").warning(
+                    "VLLM_CPU_KVCACHE_SPACE=%s is set, and vLLM's CPU engine lets it override the "
+                    "deployment's kv_cache_memory_bytes=%s; unset it for the deployment's value",
+                    os.environ[key], engine["kv_cache_memory_bytes"])
+            continue
         os.environ.setdefault(key, value)
     if in_process is not None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
@@ -108,8 +120,9 @@ def in_process_engine(plan: Plan, *, graft: bool = True, **overrides: Any) -> It
     engine built in this process set up."""
     from vllm import LLM
 
-    apply_env_defaults(in_process=True)
-    llm = LLM(**llm_kwargs(plan, graft=graft, **overrides))
+    kwargs = llm_kwargs(plan, graft=graft, **overrides)
+    apply_env_defaults(in_process=True, engine=kwargs)
+    llm = LLM(**kwargs)
     try:
         yield llm
     finally:

@@ -86,11 +86,12 @@ def start_engine(plan: Plan):
     from .launch import apply_env_defaults, llm_kwargs
 
     check_vllm_version()
-    apply_env_defaults()
+    kwargs = llm_kwargs(plan)
+    apply_env_defaults(engine=kwargs)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
 
-    return LLM(**llm_kwargs(plan))
+    return LLM(**kwargs)
 
 
 def stream(llm, prompt: str, max_tokens: int, console: Console, *, temperature: float = 0.0,
@@ -254,7 +255,10 @@ def cmd_serve(args: argparse.Namespace, console: Console) -> int:
     if args.dry_run:
         return EXIT_OK
     check_vllm_version()
-    apply_env_defaults()
+    engine = dict(plan.deployment.engine)
+    if any(a.split("=")[0] == "--kv-cache-memory-bytes" for a in args.vllm_args or ()):
+        engine["kv_cache_memory_bytes"] = "from the command line"
+    apply_env_defaults(engine=engine)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(argv[0], argv)

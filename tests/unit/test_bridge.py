@@ -1,6 +1,7 @@
 """The bridge's logic without starting an engine: deployment routes, engine overrides,
 version checks, the patch registry, and the `serve` command line."""
 import json
+import os
 import types
 
 import pytest
@@ -199,3 +200,19 @@ def test_serve_command_passes_engine_args_and_deployment():
     cfg = json.loads(argv[argv.index("--additional-config") + 1])
     assert cfg["graft"]["attention"] == {"plugin": "noop"}
     assert argv[-2:] == ["--port", "8123"]
+
+
+# ----------------------------------------------------------------------------- environment defaults
+def test_env_default_kv_space_is_left_unset_for_an_explicit_byte_budget(monkeypatch, caplog):
+    # vLLM's CPU platform lets VLLM_CPU_KVCACHE_SPACE override kv_cache_memory_bytes, so the
+    # launch default must not be set where the deployment caps the KV pool in bytes.
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    launch.apply_env_defaults(engine={"kv_cache_memory_bytes": 236_000_000})
+    assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ
+    launch.apply_env_defaults(engine={"dtype": "float32"})
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == launch.CPU_ENV_DEFAULTS["VLLM_CPU_KVCACHE_SPACE"]
+    # a user's own value wins, and the conflict is said
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    launch.apply_env_defaults(engine={"kv_cache_memory_bytes": 236_000_000})
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert "override the deployment's kv_cache_memory_bytes=236000000" in caplog.text
