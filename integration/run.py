@@ -21,20 +21,29 @@ from rich.table import Table
 
 from vllm_graft.hooks import DeploymentError, Plan
 
-DEMO_PROMPTS = (
-    "def fibonacci(n):",
-    "import os\nimport sys\n\n\ndef main():",
-    "The history of the",
-)
 DEMO_DEPLOYMENT = "demo.yaml"
+#: What the demo runs through both arms, one request at a time: code completion (what the
+#: speculative plugin speeds up, lossless) and ~1.8K-token code windows (where eviction holds fewer
+#: KV blocks per request).
+DEMO_WORKLOADS = ("code-completion", "long-context")
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 
 def add_command(sub) -> None:
-    d = sub.add_parser("demo", help="run the bundled model in vLLM with the default deployment, streaming")
+    d = sub.add_parser(
+        "demo", help="plain vLLM vs a deployment of real plugins on the bundled model: speed, KV, quality",
+        description="Runs the same prompts (code completion, and ~1.8K-token code windows, one "
+                    "request at a time) through plain vLLM and through a deployment (default: "
+                    "deployments/demo.yaml: lookahead speculation + streaming KV eviction), each "
+                    "engine in its own process, and prints a sample of each arm's text and a table: "
+                    "tokens/s, KV blocks held while decoding, accepted draft tokens per step, "
+                    "identical outputs, and the perplexity change of the outputs under the "
+                    "unmodified model. vLLM's own log goes to a file (--log-dir keeps it).")
     d.add_argument("--deployment", help=f"deployment file (default: deployments/{DEMO_DEPLOYMENT})")
-    d.add_argument("--max-tokens", type=int, default=48)
-    d.add_argument("--prompt", action="append", help="a prompt (repeatable; default: three built-in ones)")
+    d.add_argument("--quick", action="store_true", help="2 prompts x 48 tokens per workload (default 4 x 64)")
+    d.add_argument("--num-prompts", type=int, metavar="N", help="prompts per workload")
+    d.add_argument("--max-tokens", type=int, metavar="N", help="output tokens per request")
+    d.add_argument("--log-dir", metavar="DIR", help="keep vLLM's full engine logs (one per arm) in DIR")
     d.set_defaults(func=cmd_demo)
 
     g = sub.add_parser("generate", help="generate from a prompt with a deployment applied, streaming")
@@ -145,11 +154,12 @@ def print_report(console: Console) -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------------------- commands
 def cmd_demo(args: argparse.Namespace, console: Console) -> int:
-    from .cli import EXIT_INVALID, EXIT_OK, package_version
+    from vllm_graft.tools.bench.command import EXIT_OK as BENCH_OK, run_bench
+
+    from .cli import EXIT_INVALID, package_version
     from .env import installed_vllm
     from .launch import deployments_dir, models_dir
 
-    _quiet_vllm()
     models_dir()  # a clear error if the bundled models are missing
     path = args.deployment or str(deployments_dir() / DEMO_DEPLOYMENT)
     found = installed_vllm()
@@ -158,25 +168,88 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     plan = _load(path, console)
     if plan is None:
         return EXIT_INVALID
-    t0 = time.perf_counter()
-    console.print("[dim]starting the vLLM CPU engine (in this process)...[/]")
-    llm = start_engine(plan)
-    startup = time.perf_counter() - t0
-    console.print(f"[dim]engine ready in {startup:.1f} s[/]")
-    results = []
-    for i, prompt in enumerate(args.prompt or DEMO_PROMPTS):
-        console.rule(f"prompt {i + 1}")
-        console.print(f"[bold]{escape(prompt)}[/]", end="")
-        r = stream(llm, prompt, args.max_tokens, console, request_id=f"demo-{i}")
-        results.append(r)
-        console.print(f"[dim]{len(r['token_ids'])} tokens in {r['wall_s']:.2f} s "
-                      f"({r['tokens_per_s']:.0f} tok/s, first token after {1000 * (r['ttft_s'] or 0):.0f} ms)[/]")
-    console.rule("plugins")
-    print_report(console)
-    total = sum(len(r["token_ids"]) for r in results)
-    console.print(f"engine start-up {startup:.1f} s · {total} tokens generated · "
-                  f"demo wall time {time.perf_counter() - t0:.1f} s")
-    return EXIT_OK
+    bench_args = argparse.Namespace(
+        deployment=path, workload=[",".join(DEMO_WORKLOADS)],
+        num_prompts=args.num_prompts or (2 if args.quick else 4),
+        max_tokens=args.max_tokens or (48 if args.quick else 64), batch=1, repeat=1, seed=0,
+        arms="plain,graft", baseline=None, ignore_eos=False, no_ppl=False, log_dir=args.log_dir,
+        timeout=0)
+    console.print(f"[dim]the same {bench_args.num_prompts} prompts per workload "
+                  f"({', '.join(DEMO_WORKLOADS)}), one request at a time, through plain vLLM and "
+                  "through the deployment: each engine in its own process, vLLM's log in "
+                  + (escape(args.log_dir) if args.log_dir else "a temporary file (--log-dir keeps it)") + "[/]")
+    err = Console(stderr=True, highlight=False, width=console.width)
+    rc, result = run_bench(bench_args, console, err)
+    if result is None:
+        return rc
+    print_demo(result, console)
+    return BENCH_OK
+
+
+def _decode_mean(blocks_per_step: Sequence[int]) -> float | None:
+    """Mean KV blocks held over the steps after a request's first one (its prefill)."""
+    if not blocks_per_step:
+        return None
+    rest = blocks_per_step[1:] or blocks_per_step
+    return sum(rest) / len(rest)
+
+
+def print_demo(result: dict[str, Any], console: Console) -> None:
+    """A sample of each workload's text from both arms, then the demo's summary table."""
+    from vllm_graft.tools.bench.stats import relative_change
+
+    arms = result["arms"]
+    cmp = result["comparison"]["workloads"]
+    for w in result["workloads"]:
+        name = w["name"]
+        prompt = w["prompts"][0]
+        plain_req = arms["plain"]["workloads"][name]["requests"][0]
+        graft_req = arms["graft"]["workloads"][name]["requests"][0]
+        same = cmp[name]["prompts"][0]
+        console.rule(f"{name}: prompt 1 of {w['num_prompts']} ({escape(str(prompt.get('source')))})")
+        tail = "\n".join(prompt["text"].rstrip("\n").split("\n")[-3:])
+        console.print(f"[dim]... {escape(tail)}[/]")
+        for arm, req in (("plain", plain_req), ("graft", graft_req)):
+            text = req.get("output_text") or ""
+            console.print(f"[bold]{arm}:[/] {escape(text[:240])}{'…' if len(text) > 240 else ''}")
+        console.print("[green]identical tokens[/]" if same["identical"] else
+                      f"[yellow]outputs part at output token {same['first_diff']}[/]")
+
+    table = Table(title="plain vLLM vs the deployment (same prompts, greedy, one request at a time)",
+                  box=None, padding=(0, 2))
+    for col in ("workload", "plain tok/s", "graft tok/s", "speed", "KV blocks held (decode)",
+                "identical", "ppl change"):
+        table.add_column(col, justify="left" if col in ("workload", "identical") else "right")
+    for w in result["workloads"]:
+        name = w["name"]
+        p, g = (arms[a]["workloads"][name] for a in ("plain", "graft"))
+        ps, gs = p["summary"], g["summary"]
+        ratio = cmp[name]["ratio"]["ratio"] if cmp[name].get("ratio") else None
+        held = [_decode_mean(x["kv_blocks_per_step"]) for x in (p, g)]
+        held_text = ("-" if None in held else
+                     f"{held[0]:.1f} -> {held[1]:.1f} ({100 * relative_change(held[0], held[1]):+.0f}%)"
+                     if held[0] else f"{held[0]:.1f} -> {held[1]:.1f}")
+        ppl = relative_change(ps.get("perplexity"), gs.get("perplexity"))
+        table.add_row(name, f"{ps['output_tok_s']:.0f}", f"{gs['output_tok_s']:.0f}",
+                      f"{ratio:.2f}x" if ratio else "-", held_text,
+                      f"{cmp[name]['n_identical']}/{cmp[name]['n']}",
+                      f"{100 * ppl:+.1f}%" if ppl is not None else "-")
+    console.rule("summary")
+    console.print(table)
+    for r in result.get("runtime_report") or []:
+        ev = r.get("events", {})
+        if r["kind"] == "speculative" and ev.get("propose"):
+            console.print(f"{r['name']}: {ev.get('accepted', 0)} of {ev.get('drafted', 0)} drafted tokens "
+                          f"accepted, {ev.get('accepted', 0) / ev['propose']:.2f} per step that drafted "
+                          f"({ev['propose']} steps): each such step emits that many tokens plus its own")
+        elif r["kind"] == "kvcompress" and "blocks_freed" in ev:
+            console.print(f"{r['name']}: {ev['blocks_freed']} KV blocks freed while requests ran")
+    console.print("[dim]tok/s: output tokens / wall time of the workload; KV blocks held: mean blocks in "
+                  "use per engine step after a request's first (prefill) step; ppl change: perplexity "
+                  "of the deployment's outputs against plain vLLM's, both scored by the unmodified "
+                  "model (lower is better). The full A/B bench: vllm-graft bench DEPLOYMENT.[/]")
+    console.print(f"[dim]demo wall time {result['wall_s']:.1f} s (both engines loaded, prompts run, "
+                  "outputs scored)[/]")
 
 
 def cmd_generate(args: argparse.Namespace, console: Console) -> int:
