@@ -21,21 +21,34 @@ CPU_ENV_DEFAULTS = {
 
 
 def repo_root() -> Path:
+    """The folder holding hooks/, integration/, models/ and deployments/: the checkout in a source
+    (editable) install, ``site-packages/vllm_graft`` in one from a wheel, which ships the
+    bundled models and the example deployments there as data (see setup.py)."""
     return Path(__file__).resolve().parent.parent
 
 
+#: Overrides where the bundled models are read from (a folder holding graft-tiny-llama/ ...).
+MODELS_ENV = "VLLM_GRAFT_MODELS"
+
+
 def models_dir() -> Path:
-    """The bundled models (present in a source checkout; a wheel does not ship them)."""
-    folder = Path(os.environ.get("VLLM_GRAFT_MODELS", repo_root() / "models"))
+    """The bundled models: ``$VLLM_GRAFT_MODELS`` if set, else ``models/`` beside the package
+    (the checkout's, or the copy a wheel installs); a clear error when they are not there."""
+    folder = Path(os.environ.get(MODELS_ENV) or repo_root() / "models")
     if not (folder / "graft-tiny-llama" / "config.json").is_file():
+        where = (f"{MODELS_ENV}={os.environ[MODELS_ENV]}" if os.environ.get(MODELS_ENV)
+                 else "the installed package")
         raise FileNotFoundError(
-            f"the bundled models are not at {folder}: run from a source checkout of vllm-graft "
-            "(git clone, then `make install`), or set VLLM_GRAFT_MODELS to the folder holding "
-            "graft-tiny-llama/ and graft-tiny-mixtral/")
+            f"the bundled models are not at {folder} ({where}): set {MODELS_ENV} to a folder "
+            "holding graft-tiny-llama/ and graft-tiny-mixtral/, or reinstall vllm-graft from its "
+            "wheel or a checkout (both carry them)")
     return folder
 
 
 def deployments_dir() -> Path:
+    """The example deployments (``deployments/`` beside the package, as for :func:`models_dir`);
+    their model paths (``../models/NAME``) are relative to each file, so they find the models
+    beside them wherever the package is installed."""
     return repo_root() / "deployments"
 
 
