@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from .arm import _arm_main
-from .report import render_report, write_plot
+from .report import PLOT_INSTALL, plot_available, render_report, write_plot
 from .stats import ARMS, NO_PACKAGE, arm_order, assemble
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_RUN_FAILED, EXIT_DIFFERENT = 0, 1, 2, 4, 5
@@ -227,6 +227,10 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     if not args.deployment:
         err.print("[bold red]error:[/] give a deployment file: vllm-graft bench DEPLOYMENT.yaml "
                   "(or a suite: vllm-graft bench --suite FILE)")
+        return EXIT_USAGE
+    if args.plot and not plot_available():
+        err.print(f"[bold red]error:[/] --plot needs matplotlib, which is not installed: {escape(PLOT_INSTALL)} "
+                  "(no engine started)")
         return EXIT_USAGE
     rc, result = run_bench(args, out, err)
     if result is None:

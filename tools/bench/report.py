@@ -181,10 +181,25 @@ def _bar_label(v: float) -> str:
     return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
 
+#: matplotlib is optional (only the plots use it): the extra that brings it.
+PLOT_INSTALL = "pip install 'vllm-graft[plot]'"
+
+
+def plot_available() -> bool:
+    """Whether matplotlib can be imported (checked before an engine starts, for --plot)."""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def write_plot(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """A PNG of the side-by-side figures (matplotlib, Agg canvas: no display needed)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError(f"the plot needs matplotlib, which is not installed: {PLOT_INSTALL}",
+                                  name="matplotlib") from e
 
     arms = [a for a in ARMS if a in result["arms"]]
     names = [w["name"] for w in result["workloads"]]

@@ -39,6 +39,7 @@ from typing import Any, Literal, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .report import PLOT_INSTALL
 from .stats import NO_PACKAGE
 
 MARK_START, MARK_END = "<!-- bench-suite:start -->", "<!-- bench-suite:end -->"
@@ -577,7 +578,7 @@ def cmd_suite(args: argparse.Namespace, out: Any, err: Any, *, run_bench: Any, a
             if suite.output.markdown:
                 plot_rel = os.path.relpath(plot_path, suite.resolve(suite.output.markdown).parent)
         else:
-            out.print("[yellow]no plot:[/] matplotlib is not installed (pip install matplotlib)")
+            out.print(f"[yellow]no plot:[/] matplotlib is not installed ({escape(PLOT_INSTALL)})")
     if suite.output.markdown:
         md = suite.resolve(suite.output.markdown)
         if len({r.get("run") for r in rows}) > 1:
