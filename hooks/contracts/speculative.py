@@ -46,6 +46,15 @@ class Proposer(PluginImpl[P]):
         """The request ended (finished or aborted): release its state. Default: nothing."""
 
     # ---- optional extras; a proposer that does not ask for them costs nothing extra ----
+    #: True when a request's drafts depend only on that request's own tokens (like vLLM's
+    #: prompt-lookup ``ngram``). False (the default): they may depend on other requests
+    #: (a shared trie, a shared token matrix), so the same request drafts differently from one
+    #: run to the next. Under sampling, which tokens a seeded request gets depends on its
+    #: drafts, so for a request with a ``seed`` and temperature > 0 the adapter discards
+    #: the drafts of such a proposer (``propose`` is still called, so it keeps learning):
+    #: the same seed then gives the same text, as it does in plain vLLM.
+    per_request_drafts: bool = False
+
     #: How many of the target's most probable next tokens per verified position this
     #: proposer wants through :meth:`observe_topk` (Token Recycling). 0 (the default): the
     #: adapter computes no top-k and never calls :meth:`observe_topk`. Read once, when the

@@ -109,6 +109,35 @@ def test_each_row_is_proposed_from_its_own_sequence_under_its_request_id():
     assert counts == {"propose": 2, "drafted": 6}
 
 
+def test_seeded_sampled_requests_keep_no_drafts_from_a_cross_request_proposer():
+    # a seeded request's sampled tokens depend on its drafts; drafts from shared state would
+    # make the same seed give different text run to run, so they are discarded (the plugin is
+    # still asked, so it keeps learning)
+    p = Echo()
+    d, counts = make(p)
+    ids, n = batch([[1, 2, 3], [4, 5]])
+    assert d.propose(["a", "b"], [[3], [5]], n, ids, seeded=["b"]) == [[3, 3, 3], []]
+    assert [c[0] for c in p.calls] == ["a", "b"]
+    assert counts == {"propose": 2, "drafted": 3, "seeded_undrafted": 3}
+    # a proposer whose drafts depend on the request alone keeps them
+    q = Echo()
+    q.per_request_drafts = True
+    d, counts = make(q)
+    assert d.propose(["a", "b"], [[3], [5]], n, ids, seeded=["b"]) == [[3, 3, 3], [5, 5, 5]]
+    assert "seeded_undrafted" not in counts
+
+
+def test_adaptive_forwards_per_request_drafts_of_its_inner_proposer():
+    from vllm_graft.plugins.speculative.adaptive.reference import Adaptive
+
+    inner = Echo()
+    params = type("P", (), dict(num_speculative_tokens=4, fixed_cost_tokens=8.0, prior_acceptance=0.5,
+                                decay=0.9, probe_every=16, learn_cost=True, measure_goodput=False))()
+    assert Adaptive(params, inner=inner).per_request_drafts is False
+    inner.per_request_drafts = True
+    assert Adaptive(params, inner=inner).per_request_drafts is True
+
+
 def test_rows_mid_prefill_get_no_call_and_no_drafts():
     p = Echo()
     d, counts = make(p)

@@ -11,7 +11,13 @@ plus one token of its own. :meth:`Drafting.propose` passes it to ``Proposer.acce
 request_id, num_accepted, num_verified)`` and counts it. Events (``count(event, n)``):
 ``propose`` (plugin calls, one per request and step), ``drafted`` (tokens proposed),
 ``verified`` (drafts vLLM checked), ``accepted`` (drafts it kept), ``finish`` (requests
-ended).
+ended), ``seeded_undrafted`` (drafts discarded for a seeded sampled request, below).
+
+Seeded sampling: vLLM's rejection sampler draws a seeded request's random numbers per draft
+it verifies, so which tokens the request gets depends on its drafts. Unless the plugin says
+its drafts depend only on the request's own tokens (``Proposer.per_request_drafts``), the
+drafts of a request with a seed and temperature > 0 are discarded, so the same seed gives the
+same text on every run, as in plain vLLM.
 
 The target's top-k: :meth:`Drafting.logits_topk` keeps the step's top-k ids with the rows per
 request (a request's drafts plus the bonus row, in ``input_batch`` order); the ``propose``
@@ -20,7 +26,7 @@ step, then the drafts the step verified) to ``Proposer.observe_topk``.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 from vllm_graft.hooks import Proposer
 
@@ -89,10 +95,12 @@ class Drafting:
             self.plugin.observe_topk(request_id, context[:m], ids[first:first + m])
 
     def propose(self, req_ids: Sequence[str | None], sampled_token_ids: Sequence[Sequence[int]],
-                num_tokens: Sequence[int], token_ids: Any) -> list[list[int]]:
+                num_tokens: Sequence[int], token_ids: Any,
+                seeded: Collection[str] = ()) -> list[list[int]]:
         """Drafts per batch row. ``token_ids[i, :num_tokens[i]]`` is row i's sequence so far
         (a 2-D numpy array in vLLM); a row whose ``sampled_token_ids`` is empty (mid-prefill)
-        gets no drafts and no plugin call."""
+        gets no drafts and no plugin call. ``seeded``: the requests sampled with their own
+        seed (see the module docstring)."""
         if len(req_ids) < len(sampled_token_ids):
             raise RuntimeError(f"vllm-graft speculative adapter: {len(sampled_token_ids)} batch "
                                f"rows but only {len(req_ids)} request ids")
@@ -100,7 +108,8 @@ class Drafting:
             self._observe_topk(req_ids, sampled_token_ids, num_tokens, token_ids)
         self.plugin.begin_step(sum(1 for s in sampled_token_ids if len(s)), self.step_tokens)
         out: list[list[int]] = []
-        n_calls = n_drafted = n_verified = n_accepted = 0
+        n_calls = n_drafted = n_verified = n_accepted = n_seeded = 0
+        discard = set() if getattr(self.plugin, "per_request_drafts", False) else set(seeded)
         for i, sampled in enumerate(sampled_token_ids):
             if not len(sampled):
                 out.append([])
@@ -121,10 +130,14 @@ class Drafting:
             drafts = self.plugin.propose(request_id, token_ids[i, :n].tolist(), budget)
             n_calls += 1
             drafts = self._checked(drafts, request_id)[:budget]
+            if request_id in discard:
+                n_seeded += len(drafts)
+                drafts = []
             n_drafted += len(drafts)
             out.append(drafts)
         for event, n in (("propose", n_calls), ("drafted", n_drafted),
-                         ("verified", n_verified), ("accepted", n_accepted)):
+                         ("verified", n_verified), ("accepted", n_accepted),
+                         ("seeded_undrafted", n_seeded)):
             if n:
                 self.count(event, n)
         return out

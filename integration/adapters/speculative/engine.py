@@ -176,8 +176,11 @@ class GraftProposer:
             raise RuntimeError(
                 "vllm-graft: GraftProposer.propose was called before the runner's "
                 "_update_states; is the speculative adapter's patch applied (vllm_graft.integration.patches.PATCHES)?")
-        return self.drafting.propose(runner.input_batch.req_ids, sampled_token_ids,
-                                     num_tokens_no_spec, token_ids_cpu)
+        batch = runner.input_batch
+        # rows sampled with a request seed: vLLM gives exactly those a torch.Generator
+        seeded = [batch.req_ids[i] for i in getattr(batch, "generators", {}) if i < len(batch.req_ids)]
+        return self.drafting.propose(batch.req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
+                                     seeded=seeded)
 
 
 def _update_states_wrapper(original: Callable) -> Callable:

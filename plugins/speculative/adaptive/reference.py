@@ -26,6 +26,7 @@ class Adaptive(Proposer):
         super().__init__(params)
         self.inner = inner if inner is not None else build_inner(params)
         self.topk = int(getattr(self.inner, "topk", 0) or 0)  # forwarded
+        self.per_request_drafts = bool(getattr(self.inner, "per_request_drafts", False))  # forwarded
         self.policy = GoodputPolicy(
             params.num_speculative_tokens, fixed_cost_tokens=params.fixed_cost_tokens,
             prior_acceptance=params.prior_acceptance, decay=params.decay,
