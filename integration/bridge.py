@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from .env import detect_environment, installed_vllm
 from . import runner
 from .patches import PATCHES, PatchError
 from .targets import CREATE_ENGINE_CONFIG
-from .runtime import RUNTIME
+from .runtime import ENV_REPORT_DIR, RUNTIME  # noqa: F401  ENV_REPORT_DIR: user-facing, beside the others
 
 log = logging.getLogger("vllm_graft")
 
@@ -57,6 +58,7 @@ def register() -> None:
     if _registered:
         return
     _registered = True
+    _check_additional_config_argv(sys.argv)
     found = installed_vllm()
     data, source = _deployment_from_env()
     if found is not None and not _supported(found[1]):
@@ -69,6 +71,32 @@ def register() -> None:
     if data is not None:
         plan = resolve(data, source=source)
         activate(plan, source=source)
+
+
+def _check_additional_config_argv(argv: list[str]) -> None:
+    """vLLM calls :func:`register` while it builds its command line, before parsing it; a
+    ``--additional-config`` carrying a deployment (it names ``graft``) that is not valid JSON
+    is refused here, saying where the JSON breaks and how to quote it (vLLM's own message only
+    says the value "cannot be converted to <function loads>")."""
+    names = ("--additional-config", "--additional_config")
+    for i, arg in enumerate(argv):
+        if arg in names and i + 1 < len(argv):
+            text = argv[i + 1]
+        elif arg.split("=", 1)[0] in names and "=" in arg:
+            text = arg.split("=", 1)[1]
+        else:
+            continue
+        if "graft" not in text:
+            continue
+        try:
+            json.loads(text)
+        except ValueError as e:
+            raise DeploymentError([Problem(
+                "--additional-config", f"is not valid JSON: {e}", value=text,
+                hint="write the deployment as one JSON object in single quotes for the shell, e.g. "
+                     """--additional-config '{"graft": {"speculative": {"plugin": "lookahead"}}}', """
+                     "or put it in a YAML file and set VLLM_GRAFT_DEPLOYMENT=FILE")],
+                "--additional-config") from None
 
 
 def _supported(version: str) -> bool:
@@ -209,6 +237,7 @@ def activate(plan: Plan, *, source: str) -> None:
     names = ", ".join(f"{e.kind}:{e.name}" for e in plan.enabled) or "no plugins"
     log.info("vllm-graft: deployment from %s active in process %d (%s)", source, os.getpid(), names)
     _log_activation(source, plan)
+    RUNTIME.start_reporting(os.environ.get(ENV_REPORT_DIR) or None)
 
 
 def deactivate() -> None:

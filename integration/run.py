@@ -55,6 +55,16 @@ def add_command(sub) -> None:
     g.add_argument("--json", action="store_true", help="print the outputs and plugin report as JSON")
     g.set_defaults(func=cmd_generate)
 
+    r = sub.add_parser(
+        "report", help="what the plugins did in a running (or stopped) server: the per-process reports summed",
+        description="Reads the reports that every vLLM process (front end, engine core, workers) "
+                    "writes while VLLM_GRAFT_REPORT_DIR=DIR is set (one JSON file per process, "
+                    "rewritten at most once a second while plugins count events) and prints each "
+                    "plugin's events summed over the processes.")
+    r.add_argument("dir", help="the folder VLLM_GRAFT_REPORT_DIR named")
+    r.add_argument("--json", action="store_true", help="print the summed report as JSON")
+    r.set_defaults(func=cmd_report)
+
     s = sub.add_parser(
         "serve", help="start vLLM's OpenAI-compatible server with a deployment applied",
         description="Starts `vllm serve MODEL` with the deployment's engine arguments and the "
@@ -284,6 +294,55 @@ def cmd_generate(args: argparse.Namespace, console: Console) -> int:
         print(json.dumps({"outputs": results, "plugins": RUNTIME.report()}, indent=2))
     else:
         print_report(console)
+    return EXIT_OK
+
+
+def read_reports(folder: str) -> dict[str, Any]:
+    """The per-process reports in ``folder`` and each plugin's events summed over them."""
+    from collections import Counter
+    from pathlib import Path
+
+    processes, plugins = [], {}
+    for path in sorted(Path(folder).glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # mid-replace or foreign: the next read sees it
+        processes.append({"process": data.get("process"), "pid": data.get("pid"),
+                          "written_at": data.get("written_at"), "file": path.name})
+        for p in data.get("plugins", []):
+            entry = plugins.setdefault((p["kind"], p["name"]), {"kind": p["kind"], "name": p["name"],
+                                                               "events": Counter(), "processes": []})
+            entry["events"].update(p.get("events", {}))
+            entry["processes"].append(data.get("process"))
+    return {"processes": processes,
+            "plugins": [dict(e, events=dict(e["events"])) for e in plugins.values()]}
+
+
+def cmd_report(args: argparse.Namespace, console: Console) -> int:
+    from .cli import EXIT_INVALID, EXIT_OK
+    from .runtime import ENV_REPORT_DIR
+
+    if not os.path.isdir(args.dir):
+        console.print(f"[bold red]error:[/] {escape(args.dir)} is not a folder: start vLLM with "
+                      f"{ENV_REPORT_DIR}={escape(args.dir)} set, then read it here")
+        return EXIT_INVALID
+    summed = read_reports(args.dir)
+    if args.json:
+        print(json.dumps(summed, indent=1))
+        return EXIT_OK
+    if not summed["processes"]:
+        console.print(f"no reports in {escape(args.dir)}: no vLLM process has activated a deployment "
+                      f"with {ENV_REPORT_DIR} set to it")
+        return EXIT_OK
+    table = Table(title=f"what each plugin did, summed over {len(summed['processes'])} processes",
+                  box=None, padding=(0, 2))
+    for col in ("kind", "plugin", "events", "processes"):
+        table.add_column(col, overflow="fold")
+    for p in summed["plugins"]:
+        events = ", ".join(f"{k}={v}" for k, v in sorted(p["events"].items())) or "none yet"
+        table.add_row(p["kind"], p["name"], escape(events), escape(", ".join(map(str, p["processes"]))))
+    console.print(table)
     return EXIT_OK
 
 

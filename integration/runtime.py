@@ -7,13 +7,25 @@ in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, what `vllm-graft demo` 
 """
 from __future__ import annotations
 
+import json
+import logging
+import os
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_graft.hooks import Kind, Plan, PluginImpl, contract_for
 from vllm_graft.hooks.deployment import Enabled
+
+
+log = logging.getLogger("vllm_graft")
+
+#: Where each process writes what its plugins did (see :meth:`Runtime.write_report`).
+ENV_REPORT_DIR = "VLLM_GRAFT_REPORT_DIR"
+#: A process rewrites its report at most this often, and only when events were counted since.
+REPORT_EVERY_S = 1.0
 
 
 class PluginContractError(TypeError):
@@ -28,6 +40,9 @@ class Runtime:
     instances: dict[tuple[Kind, str], PluginImpl] = field(default_factory=dict)
     events: Counter = field(default_factory=Counter)  # (kind, name, event) -> count
     adapters: list[Any] = field(default_factory=list)  # activated, in order
+    report_dir: str | None = None  # VLLM_GRAFT_REPORT_DIR at activation
+    _dirty: bool = False  # events counted since the last report
+    _reporter: threading.Thread | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -57,6 +72,49 @@ class Runtime:
     def count(self, kind: Kind, name: str, event: str, n: int = 1) -> None:
         """Record that plugin ``name`` did ``event`` (n times): the proof it was reached."""
         self.events[(Kind(kind), name, event)] += n
+        self._dirty = True
+
+    def start_reporting(self, folder: str | None) -> None:
+        """Report to ``folder`` (None: not at all): written now, then by a daemon thread every
+        :data:`REPORT_EVERY_S` when events were counted since (the hot path only sets a flag)."""
+        self.report_dir = folder
+        if folder is None:
+            return
+        self.write_report()
+        if self._reporter is None or not self._reporter.is_alive():
+            def loop() -> None:
+                while self.report_dir is not None:
+                    time.sleep(REPORT_EVERY_S)
+                    if self._dirty:
+                        self._dirty = False
+                        self.write_report()
+
+            self._reporter = threading.Thread(target=loop, name="vllm-graft-report", daemon=True)
+            self._reporter.start()
+
+    def write_report(self) -> None:
+        """Write :meth:`report` to ``<report_dir>/<process>-<pid>.json`` (replaced atomically):
+        how a server's user sees what the plugins did in vLLM's engine and worker processes
+        (``vllm-graft report DIR`` adds them up). Written at activation, then (see
+        :meth:`start_reporting`) within :data:`REPORT_EVERY_S` of events being counted. A failed write is logged once and
+        turns the report off; serving goes on."""
+        if self.report_dir is None:
+            return
+        import multiprocessing
+
+        process = multiprocessing.current_process().name
+        path = os.path.join(self.report_dir, f"{process}-{os.getpid()}.json")
+        try:
+            os.makedirs(self.report_dir, exist_ok=True)
+            data = {"pid": os.getpid(), "process": process, "source": self.source,
+                    "written_at": time.time(), "plugins": self.report()}
+            with open(path + ".tmp", "w") as f:
+                json.dump(data, f, default=str)
+            os.replace(path + ".tmp", path)
+        except OSError as e:
+            log.warning("vllm-graft: cannot write the plugin report to %s (%s); %s is ignored from now on",
+                        path, e, ENV_REPORT_DIR)
+            self.report_dir = None
 
     def counts(self, kind: Kind, name: str) -> dict[str, int]:
         return {ev: c for (k, nm, ev), c in self.events.items() if k == Kind(kind) and nm == name}
@@ -76,7 +134,8 @@ class Runtime:
         return out
 
     def reset(self) -> None:
-        self.plan = self.source = self.config_json = None
+        self.plan = self.source = self.config_json = self.report_dir = None  # ends the reporter
+        self._dirty = False
         self.instances.clear()
         self.events.clear()
         self.adapters.clear()

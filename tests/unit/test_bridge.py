@@ -2,6 +2,7 @@
 version checks, the patch registry, and the `serve` command line."""
 import json
 import os
+import time
 import types
 
 import pytest
@@ -216,3 +217,61 @@ def test_env_default_kv_space_is_left_unset_for_an_explicit_byte_budget(monkeypa
     launch.apply_env_defaults(engine={"kv_cache_memory_bytes": 236_000_000})
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert "override the deployment's kv_cache_memory_bytes=236000000" in caplog.text
+
+
+# ----------------------------------------------------------------------------- --additional-config JSON
+@pytest.mark.parametrize("argv", [
+    ["api_server", "--additional-config", '{"graft": {"speculative": {"plugin": "lookahead"}'],
+    ["api_server", '--additional_config={"graft": {speculative: 1}}'],
+])
+def test_malformed_additional_config_with_a_deployment_is_refused_with_the_fix(argv):
+    with pytest.raises(DeploymentError) as info:
+        bridge._check_additional_config_argv(argv)
+    text = str(info.value)
+    assert "--additional-config: is not valid JSON" in text and "line 1 column" in text
+    assert "single quotes" in text and "VLLM_GRAFT_DEPLOYMENT" in text
+
+
+def test_additional_config_without_a_deployment_or_valid_is_left_to_vllm():
+    bridge._check_additional_config_argv(["s", "--additional-config", "{not json, no deployment}"])
+    bridge._check_additional_config_argv(["s", "--additional-config", '{"graft": {}}'])
+    bridge._check_additional_config_argv(["s", "--additional-config"])  # vLLM says what is missing
+
+
+# ----------------------------------------------------------------------------- plugin reports
+def test_each_process_writes_its_report_and_report_sums_them(tmp_path, monkeypatch):
+    from vllm_graft.hooks import Kind
+    from vllm_graft.integration import run, runtime
+
+    rt = runtime.Runtime()
+    plan = launch.load_plan(REPO / "deployments" / "demo.yaml")
+    monkeypatch.setattr(runtime, "REPORT_EVERY_S", 0.01)
+    rt.plan, rt.source = plan, "test"
+    rt.start_reporting(str(tmp_path / "r"))
+    (written,) = (tmp_path / "r").glob("*.json")
+    assert json.loads(written.read_text())["plugins"][0]["events"] == {}
+    rt.count(Kind.SPECULATIVE, "lookahead", "accepted", 5)  # the reporter thread writes it
+    deadline = time.time() + 10
+    while "accepted" not in written.read_text():
+        assert time.time() < deadline, "the report was not rewritten after an event"
+        time.sleep(0.01)
+    rt.reset()  # stops the reporter
+    # a second process's file (what an engine core and a worker each write)
+    other = json.loads(written.read_text())
+    other["pid"], other["process"] = 1, "VllmWorker-0"
+    (tmp_path / "r" / "VllmWorker-0-1.json").write_text(json.dumps(other))
+    summed = run.read_reports(str(tmp_path / "r"))
+    assert len(summed["processes"]) == 2
+    (spec,) = [p for p in summed["plugins"] if p["kind"] == "speculative"]
+    assert spec["events"] == {"accepted": 10} and len(spec["processes"]) == 2
+
+
+def test_a_report_that_cannot_be_written_turns_itself_off(tmp_path, caplog):
+    from vllm_graft.integration import runtime
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    rt = runtime.Runtime()
+    rt.report_dir = str(blocker / "sub")  # a folder under a file: cannot be made
+    rt.write_report()
+    assert rt.report_dir is None and "cannot write the plugin report" in caplog.text
