@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.graft-installed
 
-.PHONY: install wheels demo test test-unit docs train-models eval-models clean-venv
+.PHONY: install wheel wheels demo test test-unit docs train-models eval-models clean-venv
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,14 @@ install: $(STAMP)
 # quality change (under a minute on 2 cores).
 demo: install
 	$(VENV)/bin/vllm-graft demo
+
+# A wheel that works alone, into dist/: the package with the bundled models and deployments as
+# data (pip install 'dist/vllm_graft-0.1.0-py3-none-any.whl[cpu]', see the README). build/ is
+# removed first: setuptools would ship files left there by an older build.
+wheel: install
+	rm -rf build
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w dist .
+	@ls -l dist/vllm_graft-*.whl
 
 # The example third-party plugin is installed from its own folder, as a user would, and its
 # own conformance suite runs with ours.
