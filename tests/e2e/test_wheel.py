@@ -230,6 +230,7 @@ def test_demo_runs_from_outside_the_repo(beside_vllm):
     pkg = installed_package(bin_dir, cwd)
     assert str(pkg / "deployments" / "demo.yaml") in out and str(pkg / "models") in out, out[-3000:]
     assert "tok/s" in out and len(out.strip().splitlines()) > 20, out[-3000:]
+    assert "KV blocks held" in out and "code-completion" in out and "long-context" in out, out[-3000:]
     for where in (ROOT / "models", ROOT / "deployments"):
         assert str(where) not in out + proc.stderr
 
@@ -246,10 +247,12 @@ def test_without_vllm_the_static_commands_work_and_the_engine_ones_say_what_to_i
     assert run_in(bin_dir, cwd, "vllm-graft", "models", "path").stdout.strip() == str(pkg / "models")
     plain = pkg / "deployments" / "plain.yaml"
     for args, says in ((("generate", plain, "hello"), "vLLM is not installed"),
+                       (("demo", "--quick"), "vLLM is not installed"),
+                       (("bench", plain), "vLLM is not installed"),
                        (("patches", plain), "needs vllm"),
                        (("kvbench",), "needs tokenizers"),
                        (("bench", plain, "--plot", cwd / "b.png"), "vllm-graft[plot]")):
         proc = run_in(bin_dir, cwd, "vllm-graft", *args, check=False)
         assert proc.returncode in (2, 3), (args, proc.stdout[-2000:] + proc.stderr[-2000:])
         assert says in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr[-2000:])
-        assert "[plot]" in proc.stderr if args[0] == "bench" else "vllm-graft[cpu]" in proc.stderr
+        assert "[plot]" in proc.stderr if "--plot" in args else "vllm-graft[cpu]" in proc.stderr

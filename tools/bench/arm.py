@@ -247,7 +247,7 @@ def _arm_run(job: dict[str, Any], send: Callable[[str, Any], None],
     os.environ.pop(ENV_FILE, None)
     os.environ.pop(ENV_CONFIG, None)
     os.environ.update(job.get("env") or {})  # e.g. the no-package baseline's VLLM_PLUGINS
-    apply_env_defaults(in_process=True, engine=job["llm_kwargs"])
+    apply_env_defaults(in_process=True, engine=job.get("llm_kwargs"))
 
     send("phase", "loading model")
     t = time.perf_counter()

@@ -275,7 +275,10 @@ def run_bench(args: argparse.Namespace, out: Console, err: Console,
 
     from vllm_graft.hooks import DeploymentError
 
+    from vllm_graft.integration.bridge import check_vllm_version
     from vllm_graft.integration.launch import llm_kwargs, load_plan
+
+    check_vllm_version()  # no vLLM (or an unsupported one): say so before reading any model
 
     try:
         plan = load_plan(args.deployment)
