@@ -92,8 +92,12 @@ def render_plugins() -> str:
         "Every plugin here passes the conformance kit in CI (tests/conformance). "
         "`vllm-graft plugins` lists these and any installed third-party plugin.",
         "",
-        "| kind | name | paper | lossless | platforms | dtypes | parameters |",
-        "|---|---|---|---|---|---|---|",
+        "Parallelism: the vLLM parallelism a plugin has been run under (`tp` tensor, `pp` pipeline, "
+        "`dp` data, `ep` expert; tests/e2e/test_tensor_parallel.py runs the `tp` ones at two ranks); "
+        "`vllm-graft check` refuses the others.",
+        "",
+        "| kind | name | paper | lossless | platforms | dtypes | parallelism | parameters |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for e in get_registry().entries():
         if e.source.package != BUILTIN_PACKAGE:
@@ -101,7 +105,8 @@ def render_plugins() -> str:
         reg, caps = e.registration, e.registration.capabilities
         params = "<br>".join(_param(n, f) for n, f in reg.params.model_fields.items()) or "-"
         lines.append(f"| {e.kind.value} | `{e.name}` | {reg.paper} | {'yes' if caps.lossless else 'no'} | "
-                     f"{', '.join(caps.platforms)} | {', '.join(caps.dtypes)} | {params} |")
+                     f"{', '.join(caps.platforms)} | {', '.join(caps.dtypes)} | {', '.join(caps.parallelism)} | "
+                     f"{params} |")
     return "\n".join(lines) + "\n\n" + PLUGIN_FILES
 
 

@@ -35,6 +35,14 @@ MODEL_FEATURES = {
 #: causal decoder attention over the paged cache).
 ATTENTION_BACKEND_LIMITS = tuple(MODEL_FEATURES)
 PLATFORMS = ("cpu", "cuda")
+#: vLLM's kinds of parallelism, as a plugin declares them (``Capabilities.parallelism``), each
+#: with the engine argument that turns it on.
+PARALLELISM = {
+    "tp": "tensor_parallel_size",
+    "pp": "pipeline_parallel_size",
+    "dp": "data_parallel_size",
+    "ep": "enable_expert_parallel",
+}
 
 
 class Params(BaseModel):
@@ -105,6 +113,10 @@ class Capabilities(BaseModel):
     unsupported_features: tuple[str, ...] = Field(
         default=(), description="model attention features it cannot serve (see MODEL_FEATURES)"
     )
+    parallelism: tuple[str, ...] = Field(
+        default=("dp",), description="vLLM parallelism it has been run under: 'tp' (tensor), 'pp' "
+        "(pipeline), 'dp' (data: independent replicas, so every plugin), 'ep' (expert). A plugin "
+        "that declares nothing is refused with tensor, pipeline or expert parallelism")
     role: str | None = Field(
         default=None, description="for kinds where plugins compose by role (KindSpec.roles): the role it "
         "fills, e.g. kvcompress 'eviction' (the default) or 'storage'")
@@ -123,6 +135,14 @@ class Capabilities(BaseModel):
         bad = [d for d in v if d not in DTYPES]
         if bad:
             raise ValueError(f"unknown dtype(s) {bad}; accepted: {list(DTYPES)}")
+        return v
+
+    @field_validator("parallelism")
+    @classmethod
+    def _known_parallelism(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [x for x in v if x not in PARALLELISM]
+        if bad:
+            raise ValueError(f"unknown parallelism {bad}; accepted: {list(PARALLELISM)}")
         return v
 
     @field_validator("platforms")

@@ -160,9 +160,12 @@ def _deployment_from_env() -> tuple[dict[str, Any] | None, str]:
     return None, ""
 
 
-def resolve(data: dict[str, Any], *, source: str, engine_model: str | None = None) -> Plan:
+def resolve(data: dict[str, Any], *, source: str, engine_model: str | None = None,
+            engine_args: dict[str, Any] | None = None) -> Plan:
     """Validate a deployment (a dict, or ``{"__file__": path}``) against the installed
-    vLLM and the registered plugins. Raises :class:`DeploymentError` listing every problem."""
+    vLLM and the registered plugins. Raises :class:`DeploymentError` listing every problem.
+    ``engine_args``: what the engine was started with beyond the deployment's engine section
+    (its parallelism, from vLLM's own flags), checked as if the section said it."""
     base_dir = None
     if "__file__" in data:
         path = data["__file__"]
@@ -173,6 +176,12 @@ def resolve(data: dict[str, Any], *, source: str, engine_model: str | None = Non
         raise DeploymentError([Problem("additional_config.graft", "must be a mapping (a deployment)",
                                        value=data)], source)
     data = dict(data)
+    if engine_args:
+        engine = dict(data.get("engine") or {}) if isinstance(data.get("engine", {}), dict) else data["engine"]
+        if isinstance(engine, dict):
+            for key, value in engine_args.items():
+                engine.setdefault(key, value)
+            data["engine"] = engine
     if engine_model is not None:
         given = data.get("model")
         if given is None:
@@ -319,7 +328,11 @@ def _create_engine_config(original):
             os.environ.pop(ENV_CONFIG, None)
             return original(self, *args, **kwargs)
 
-        plan = resolve(data, source=source, engine_model=self.model)
+        from vllm_graft.hooks.registry import PARALLELISM
+
+        parallel = {arg: getattr(self, arg) for arg in PARALLELISM.values()
+                    if getattr(self, arg, None) not in (None, False, 1)}
+        plan = resolve(data, source=source, engine_model=self.model, engine_args=parallel)
         activate(plan, source=source)
         try:
             _apply_engine_overrides(self, plan)

@@ -49,14 +49,15 @@ def cmd_plugins(args: argparse.Namespace, console: Console) -> int:
         return EXIT_OK
     title = f"vllm-graft plugins ({len(entries)}{' ' + args.kind if args.kind else ''})"
     table = Table(title=title, show_lines=False)
-    for col in ("kind", "name", "version", "package", "lossless"):
+    for col in ("kind", "name", "version", "package", "lossless", "parallelism"):
         table.add_column(col, no_wrap=True)
     table.add_column("summary", overflow="fold", ratio=3)
     table.add_column("paper", overflow="fold", ratio=2)
     for e in entries:
         caps = e.registration.capabilities
         table.add_row(str(e.kind), e.name, e.source.version, e.source.package,
-                      "yes" if caps.lossless else "no", e.registration.summary, e.registration.paper)
+                      "yes" if caps.lossless else "no", ",".join(caps.parallelism),
+                      e.registration.summary, e.registration.paper)
     console.print(table)
     if not entries:
         console.print(f"no {args.kind + ' ' if args.kind else ''}plugins registered")

@@ -73,6 +73,7 @@ def apply_env_defaults(*, in_process: bool | None = None, engine: dict[str, Any]
     """Set :data:`CPU_ENV_DEFAULTS` where the user has not. ``engine`` (the engine arguments
     about to be used): where it sets ``kv_cache_memory_bytes`` the KV-space default is left
     unset, since vLLM's CPU platform lets ``VLLM_CPU_KVCACHE_SPACE`` override that argument."""
+    _bind_threads_per_rank(engine or {})
     explicit_kv = (engine or {}).get("kv_cache_memory_bytes") is not None
     for key, value in CPU_ENV_DEFAULTS.items():
         if key == "VLLM_CPU_KVCACHE_SPACE" and explicit_kv:
@@ -86,6 +87,35 @@ def apply_env_defaults(*, in_process: bool | None = None, engine: dict[str, Any]
         os.environ.setdefault(key, value)
     if in_process is not None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+
+
+def _bind_threads_per_rank(engine: dict[str, Any]) -> None:
+    """vLLM's CPU engine binds each rank's threads to a NUMA node of its own ("auto") and
+    refuses tensor or pipeline parallelism beyond the node count ("Not enough allowed NUMA nodes
+    to bind threads of 2 local CPUWorkers"). Where the user has not set
+    ``VLLM_CPU_OMP_THREADS_BIND`` and there are more ranks than nodes, give each rank an equal
+    share of this process's CPUs instead ("0|1" for 2 ranks on 2 CPUs), and say so."""
+    world = 1
+    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+        value = engine.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            world *= value
+    if world == 1 or os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return
+    import glob
+
+    nodes = len(glob.glob("/sys/devices/system/node/node[0-9]*")) or 1
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if world <= nodes or len(cpus) < world:
+        return  # vLLM's own binding works, or there is no CPU per rank (vLLM says so)
+    share = len(cpus) // world
+    groups = [cpus[r * share:(r + 1) * share] for r in range(world)]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups)
+    import logging
+
+    logging.getLogger("vllm_graft").info(
+        "vllm-graft: %d ranks on %d NUMA node(s): VLLM_CPU_OMP_THREADS_BIND=%s (each rank its share "
+        "of the CPUs; set it yourself to choose)", world, nodes, os.environ["VLLM_CPU_OMP_THREADS_BIND"])
 
 
 def llm_kwargs(plan: Plan, *, graft: bool = True, **overrides: Any) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from ..kinds import ENGINE_KEYS_OWNED, KINDS, Kind
-from ..registry import DTYPES, MODEL_FEATURES, Entry, Params, Registry
+from ..registry import DTYPES, MODEL_FEATURES, PARALLELISM, Entry, Params, Registry
 from .load import ModelInfo, load_file
 from .problems import DeploymentError, Loc, Problem, _path, did_you_mean, pydantic_problems
 from .schema import DTYPE_ALIASES, Deployment, PluginChoice
@@ -141,6 +141,7 @@ def validate(
             problems += pydantic_problems(e, params_model, prefix=(*loc, "params"))
             continue
         _check_capabilities(entry, path, platform, env.vllm_version, dtype, model, problems, notes)
+        _check_parallelism(entry, path, engine, problems)
         _check_params(entry, path, params, context, problems)
         enabled.append(Enabled(kind, entry, params, path))
 
@@ -302,6 +303,30 @@ def _check_capabilities(
                                     f"architecture {', '.join(model.architectures) or 'unknown'}",
                                     value=entry.name,
                                     accepted="architectures " + ", ".join(caps.architectures)))
+
+
+def parallelism_in_use(engine: dict[str, Any]) -> dict[str, Any]:
+    """The kinds of parallelism an engine section turns on (``{"tp": 2, "ep": True}``)."""
+    used = {}
+    for mode, arg in PARALLELISM.items():
+        value = engine.get(arg)
+        if isinstance(value, bool) or value is None:
+            if value:
+                used[mode] = value
+        elif isinstance(value, int) and value > 1:
+            used[mode] = value
+    return used
+
+
+def _check_parallelism(entry: Entry, path: str, engine: dict[str, Any], problems: list[Problem]) -> None:
+    caps = entry.registration.capabilities
+    for mode, value in parallelism_in_use(engine).items():
+        if mode not in caps.parallelism:
+            arg = PARALLELISM[mode]
+            problems.append(Problem(
+                f"{path}.plugin", f"{entry.kind} plugin {entry.name!r} has not been run under "
+                f"{arg}={value}", value=entry.name, accepted="parallelism " + (", ".join(caps.parallelism) or "none"),
+                hint=f"Run with {arg}: {'false' if isinstance(value, bool) else 1}, or leave the plugin out"))
 
 
 def _check_params(entry: Entry, path: str, params: BaseModel, context: DeploymentContext,

@@ -19,7 +19,9 @@ def registry():
 @pytest.fixture
 def cpu_env():
     names = {"dtype", "max_model_len", "quantization", "speculative_config", "attention_backend",
-             "additional_config", "enforce_eager", "block_size", "load_format", "num_gpu_blocks_override"}
+             "additional_config", "enforce_eager", "block_size", "load_format", "num_gpu_blocks_override",
+             "kv_cache_memory_bytes", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+             "enable_expert_parallel"}
     return Environment(platform="cpu", vllm_version="0.32.0", engine_args=frozenset(names))
 
 

@@ -275,3 +275,19 @@ def test_a_report_that_cannot_be_written_turns_itself_off(tmp_path, caplog):
     rt.report_dir = str(blocker / "sub")  # a folder under a file: cannot be made
     rt.write_report()
     assert rt.report_dir is None and "cannot write the plugin report" in caplog.text
+
+
+def test_ranks_beyond_the_numa_nodes_get_a_share_of_the_cpus_each(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    import glob
+
+    monkeypatch.setattr(glob, "glob", lambda pattern: ["/sys/devices/system/node/node0"])
+    launch.apply_env_defaults(engine={"tensor_parallel_size": 2})
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0,1|2,3"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "3|2")  # the user's choice stays
+    launch.apply_env_defaults(engine={"tensor_parallel_size": 2})
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "3|2"
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    launch.apply_env_defaults(engine={"dtype": "float32"})  # one rank: vLLM's own binding
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ

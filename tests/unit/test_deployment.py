@@ -248,3 +248,33 @@ def test_engine_argument_names_read_from_installed_vllm():
     names = engine_argument_names()
     assert {"dtype", "max_model_len", "enforce_eager", "speculative_config"} <= names
     assert detect_environment().engine_args == names
+
+
+# ----------------------------------------------------------------------------- parallelism
+def test_plugins_not_run_under_tensor_parallelism_are_refused_with_the_fix(registry, cpu_env):
+    from pathlib import Path
+
+    llama = str(Path(__file__).resolve().parents[2] / "models" / "graft-tiny-llama")
+    data = {"model": llama, "engine": {"dtype": "float32", "tensor_parallel_size": 2},
+            "kvcompress": {"plugin": "kv4"}}
+    with pytest.raises(DeploymentError) as info:
+        validate(data, registry, cpu_env)
+    (problem,) = info.value.problems
+    assert problem.path == "kvcompress.plugin" and "has not been run under tensor_parallel_size=2" in str(problem)
+    assert "Run with tensor_parallel_size: 1" in str(problem)
+    # declared and tested at two ranks (tests/e2e/test_tensor_parallel.py): accepted
+    for plugin in ("streaming", "h2o", "snapkv"):
+        validate(dict(data, kvcompress={"plugin": plugin}), registry, cpu_env)
+    validate(dict(data, kvcompress=None, speculative={"plugin": "lookahead"}), registry, cpu_env)
+    # one rank, or data parallelism (independent replicas): every plugin
+    validate(dict(data, engine={"dtype": "float32", "data_parallel_size": 2}), registry, cpu_env)
+    with pytest.raises(DeploymentError, match="enable_expert_parallel=True"):
+        validate(dict(data, engine={"dtype": "float32", "enable_expert_parallel": True}), registry, cpu_env)
+
+
+def test_parallelism_capability_accepts_only_vllms_kinds():
+    from vllm_graft.hooks import Capabilities
+
+    assert Capabilities(lossless=True).parallelism == ("dp",)
+    with pytest.raises(ValueError, match="unknown parallelism"):
+        Capabilities(lossless=True, parallelism=("tensor",))

@@ -16,14 +16,15 @@ from vllm_graft.integration.adapters.kvcompress import state as _state
 ENV_TRACE = "VLLM_GRAFT_KVCOMPRESS_TRACE"
 
 
-def trace(event: str, n: int) -> None:
-    """Append a scores-channel event to the :data:`ENV_TRACE` file, if one is named."""
+def trace(event: str, n: int, **detail: Any) -> None:
+    """Append a scores-channel event (and its ``detail``, e.g. which blocks) to the
+    :data:`ENV_TRACE` file, if one is named."""
     path = os.environ.get(ENV_TRACE)
     if path:
         import json
 
         with open(path, "a") as f:
-            f.write(json.dumps({"pid": os.getpid(), "event": event, "n": n}) + "\n")
+            f.write(json.dumps({"pid": os.getpid(), "event": event, "n": n, **detail}) + "\n")
 
 
 def _attach_drops(out: Any) -> Any:

@@ -29,6 +29,17 @@ from vllm_graft.integration.patches import PATCHES
 
 
 # ------------------------------------------------------------------------------ patches
+
+def _tensor_parallel_sum(mass: Any) -> Any:
+    """The step's attention mass summed over the tensor-parallel ranks (each holds some KV
+    heads; the block table, and so what is freed, is shared): every rank then drops the same
+    blocks, those one rank with all heads would drop. One rank: the mass as is."""
+    from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
+
+    if get_tensor_model_parallel_world_size() == 1:
+        return mass
+    return tensor_model_parallel_all_reduce(mass.contiguous())
+
 def install_patch(salt: bool = False) -> None:
     """Wrap ``GPUModelRunner._build_attention_metadata`` and, for a lossy compressor,
     ``Request.__init__`` (the prefix-cache salt) (idempotent; why: :mod:`...targets`)."""
@@ -160,7 +171,7 @@ class KVCompressAdapter(Adapter):
                 backend.SEAMS.kv_format = _FormatSeam(fmt, fmt_e.name, runtime)
             if scored:
                 install_scores_channel()
-                active.scored = _Scores(compressor, e.name, count)
+                active.scored = _Scores(compressor, e.name, count, reduce=_tensor_parallel_sum)
                 backend.SEAMS.method = _ScoringAttention(active.scored)
                 backend.SEAMS.method_name = e.name
                 backend.SEAMS.count = count

@@ -40,10 +40,15 @@ class _Scores:
     """Worker-side state of a ``needs_scores`` compressor: per request, each logical block's
     accumulated score and the blocks dropped so far (see "The scores channel" above)."""
 
-    def __init__(self, compressor: KVCompressor, name: str, count: Callable[[str, int], None]) -> None:
+    def __init__(self, compressor: KVCompressor, name: str, count: Callable[[str, int], None],
+                 reduce: Callable[[Any], Any] | None = None) -> None:
         self.compressor, self.name, self.count = compressor, name, count
         self.reqs: dict[str, _ReqScores] = {}
         self.pending: _StepPlan | None = None
+        #: the step's mass ``[rows, width]`` -> its sum over the ranks that share the block table
+        #: (tensor parallelism: each rank holds some KV heads, so its mass is partial; summed,
+        #: every rank decides on all heads' mass, the same blocks as one rank would). None: as is.
+        self.reduce = reduce
 
     def forget(self, req_ids: Any) -> None:
         for r in req_ids or ():
@@ -90,7 +95,7 @@ class _Scores:
         if plan is None:
             return {}
         B = plan.block_size
-        mass = plan.mass.tolist()
+        mass = (plan.mass if self.reduce is None else self.reduce(plan.mass)).tolist()
         drops: dict[str, list[int]] = {}
         for i, (req_id, computed, q, prompt, _) in enumerate(plan.rows):
             if q <= 0:
@@ -115,7 +120,7 @@ class _Scores:
             if new:
                 st.dropped.update(new)
                 drops[req_id] = new
-                trace("worker_dropped", len(new))
+                trace("worker_dropped", len(new), req=req_id, blocks=new)
         self.count("worker_steps", sum(1 for r in plan.rows if r[2] > 0))
         return drops
 

@@ -45,5 +45,5 @@ def graft_register_kv_compressors(register):
         params=H2OParams,
         impl="vllm_graft.plugins.kvcompress.h2o.reference:H2O",
         # it scores blocks in its own attention, which an attention plugin would replace
-        capabilities=Capabilities(lossless=False, incompatible_with=("attention:*",)),
+        capabilities=Capabilities(lossless=False, incompatible_with=("attention:*",), parallelism=("tp", "dp")),
     ))

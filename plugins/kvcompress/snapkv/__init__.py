@@ -61,5 +61,5 @@ def graft_register_kv_compressors(register):
         params=SnapKVParams,
         impl="vllm_graft.plugins.kvcompress.snapkv.reference:SnapKV",
         # it scores blocks in its own attention, which an attention plugin would replace
-        capabilities=Capabilities(lossless=False, incompatible_with=("attention:*",)),
+        capabilities=Capabilities(lossless=False, incompatible_with=("attention:*",), parallelism=("tp", "dp")),
     ))

@@ -35,5 +35,5 @@ def graft_register_spec_proposers(register):
               "Generation Accuracy (KDD 2024); Fu et al., Lookahead Decoding (ICML 2024)",
         params=LookaheadParams,
         impl="vllm_graft.plugins.speculative.lookahead.reference:TrieLookahead",
-        capabilities=Capabilities(lossless=True),
+        capabilities=Capabilities(lossless=True, parallelism=("tp", "dp")),
     ))
