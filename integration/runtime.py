@@ -91,6 +91,15 @@ class Runtime:
 
             self._reporter = threading.Thread(target=loop, name="vllm-graft-report", daemon=True)
             self._reporter.start()
+            import atexit
+
+            atexit.register(self._final_report)
+
+    def _final_report(self) -> None:
+        """At interpreter exit: the events of the last second (a process shut down normally)."""
+        if self._dirty:
+            self._dirty = False
+            self.write_report()
 
     def write_report(self) -> None:
         """Write :meth:`report` to ``<report_dir>/<process>-<pid>.json`` (replaced atomically):

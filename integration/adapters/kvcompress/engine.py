@@ -34,7 +34,8 @@ def _tensor_parallel_sum(mass: Any) -> Any:
     """The step's attention mass summed over the tensor-parallel ranks (each holds some KV
     heads; the block table, and so what is freed, is shared): every rank then drops the same
     blocks, those one rank with all heads would drop. One rank: the mass as is."""
-    from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
+    from vllm.distributed.communication_op import tensor_model_parallel_all_reduce
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 
     if get_tensor_model_parallel_world_size() == 1:
         return mass
