@@ -176,12 +176,8 @@ def resolve(data: dict[str, Any], *, source: str, engine_model: str | None = Non
         raise DeploymentError([Problem("additional_config.graft", "must be a mapping (a deployment)",
                                        value=data)], source)
     data = dict(data)
-    if engine_args:
-        engine = dict(data.get("engine") or {}) if isinstance(data.get("engine", {}), dict) else data["engine"]
-        if isinstance(engine, dict):
-            for key, value in engine_args.items():
-                engine.setdefault(key, value)
-            data["engine"] = engine
+    if engine_args and isinstance(data.get("engine") or {}, dict):  # a malformed section is validation's
+        data["engine"] = {**engine_args, **(data.get("engine") or {})}
     if engine_model is not None:
         given = data.get("model")
         if given is None:
@@ -328,10 +324,11 @@ def _create_engine_config(original):
             os.environ.pop(ENV_CONFIG, None)
             return original(self, *args, **kwargs)
 
+        from vllm_graft.hooks.deployment.validate import parallelism_in_use
         from vllm_graft.hooks.registry import PARALLELISM
 
-        parallel = {arg: getattr(self, arg) for arg in PARALLELISM.values()
-                    if getattr(self, arg, None) not in (None, False, 1)}
+        used = parallelism_in_use({arg: getattr(self, arg, None) for arg in PARALLELISM.values()})
+        parallel = {PARALLELISM[mode]: value for mode, value in used.items()}
         plan = resolve(data, source=source, engine_model=self.model, engine_args=parallel)
         activate(plan, source=source)
         try:

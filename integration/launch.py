@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,6 +12,8 @@ from vllm_graft.hooks import Plan, get_registry, validate
 from vllm_graft.hooks.deployment import load_file
 
 from .env import detect_environment
+
+log = logging.getLogger("vllm_graft")
 
 #: Environment defaults for the vLLM CPU engine on a small machine (a user's value wins).
 CPU_ENV_DEFAULTS = {
@@ -78,8 +81,7 @@ def apply_env_defaults(*, in_process: bool | None = None, engine: dict[str, Any]
     for key, value in CPU_ENV_DEFAULTS.items():
         if key == "VLLM_CPU_KVCACHE_SPACE" and explicit_kv:
             if os.environ.get(key):
-                import logging
-                logging.getLogger("vllm_graft").warning(
+                log.warning(
                     "VLLM_CPU_KVCACHE_SPACE=%s is set, and vLLM's CPU engine lets it override the "
                     "deployment's kv_cache_memory_bytes=%s; unset it for the deployment's value",
                     os.environ[key], engine["kv_cache_memory_bytes"])
@@ -95,11 +97,10 @@ def _bind_threads_per_rank(engine: dict[str, Any]) -> None:
     to bind threads of 2 local CPUWorkers"). Where the user has not set
     ``VLLM_CPU_OMP_THREADS_BIND`` and there are more ranks than nodes, give each rank an equal
     share of this process's CPUs instead ("0|1" for 2 ranks on 2 CPUs), and say so."""
-    world = 1
-    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
-        value = engine.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
-            world *= value
+    from vllm_graft.hooks.deployment.validate import parallelism_in_use
+
+    used = parallelism_in_use(engine)
+    world = used.get("tp", 1) * used.get("pp", 1)
     if world == 1 or os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
         return
     import glob
@@ -111,9 +112,7 @@ def _bind_threads_per_rank(engine: dict[str, Any]) -> None:
     share = len(cpus) // world
     groups = [cpus[r * share:(r + 1) * share] for r in range(world)]
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups)
-    import logging
-
-    logging.getLogger("vllm_graft").info(
+    log.info(
         "vllm-graft: %d ranks on %d NUMA node(s): VLLM_CPU_OMP_THREADS_BIND=%s (each rank its share "
         "of the CPUs; set it yourself to choose)", world, nodes, os.environ["VLLM_CPU_OMP_THREADS_BIND"])
 

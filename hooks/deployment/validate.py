@@ -310,10 +310,7 @@ def parallelism_in_use(engine: dict[str, Any]) -> dict[str, Any]:
     used = {}
     for mode, arg in PARALLELISM.items():
         value = engine.get(arg)
-        if isinstance(value, bool) or value is None:
-            if value:
-                used[mode] = value
-        elif isinstance(value, int) and value > 1:
+        if value is True or (isinstance(value, int) and not isinstance(value, bool) and value > 1):
             used[mode] = value
     return used
 
