@@ -1,0 +1,81 @@
+"""Tree attention for one sequence in plain PyTorch: the oracle of :mod:`.kernel`.
+
+A verify pass runs the target model once over all ``N`` nodes of a draft tree. Node ``i``'s
+query attends to
+
+* the sequence's verified context: ``context_len`` tokens whose keys and values are in a paged
+  cache, token ``t`` in block ``block_table[t // block_size]`` at slot ``t % block_size``;
+* the tree nodes that are its ancestors-or-self (:func:`.tree.ancestor_mask`), whose keys and
+  values this pass computed (``k_tree``/``v_tree``; not in the cache: only the accepted ones
+  will be written there, after verification).
+
+So each node sees exactly what it would see if its root-to-node path had been decoded as a
+plain sequence, and one pass scores every candidate path.
+
+Shapes: ``q [N, Hq, D]``; ``k_cache``/``v_cache [num_blocks, block_size, Hkv, D]`` (any strides:
+a permuted view of a ``[num_blocks, Hkv, block_size, D]`` cache works); ``block_table [>= ceil(
+context_len / block_size)]`` (int); ``k_tree``/``v_tree [N, Hkv, D]``; ``parents [N]``;
+``out [N, Hq, D]`` in ``q``'s dtype. Grouped-query attention: query head ``h`` reads kv head
+``h // (Hq // Hkv)``. Scores and softmax in float32.
+"""
+from __future__ import annotations
+
+import torch
+
+from .tree import ancestor_mask
+
+
+def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_table: torch.Tensor, context_len: int, k_tree: torch.Tensor,
+                 v_tree: torch.Tensor, parents: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """``(N, Hq, Hkv, D, block_size)`` after checking the arguments agree; ``ValueError`` naming
+    the argument otherwise."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [N, Hq, D], got shape {tuple(q.shape)}")
+    n, hq, d = q.shape
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, Hkv, D], got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    _, bs, hkv, dk = k_cache.shape
+    if dk != d:
+        raise ValueError(f"head size differs: q has {d}, the cache {dk}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"the query heads ({hq}) must be a multiple of the kv heads ({hkv})")
+    for name, t in (("k_tree", k_tree), ("v_tree", v_tree)):
+        if tuple(t.shape) != (n, hkv, d):
+            raise ValueError(f"{name} must be [N, Hkv, D] = {(n, hkv, d)}, got {tuple(t.shape)}")
+    if tuple(parents.shape) != (n,):
+        raise ValueError(f"parents must be [N] = [{n}], got {tuple(parents.shape)}")
+    if context_len < 0:
+        raise ValueError(f"context_len must be >= 0, got {context_len}")
+    need = -(-context_len // bs)
+    if block_table.ndim != 1 or block_table.numel() < need:
+        raise ValueError(f"block_table must be 1-D with at least {need} entries for {context_len} "
+                         f"context tokens in blocks of {bs}, got shape {tuple(block_table.shape)}")
+    return n, hq, hkv, d, bs
+
+
+def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   block_table: torch.Tensor, context_len: int, k_tree: torch.Tensor,
+                   v_tree: torch.Tensor, parents: torch.Tensor, scale: float) -> torch.Tensor:
+    """``out [N, Hq, D]``: softmax attention of each node over the context and its
+    ancestors-or-self (see the module docstring)."""
+    context_len = int(context_len)
+    n, hq, hkv, d, bs = check_shapes(q, k_cache, v_cache, block_table, context_len, k_tree,
+                                     v_tree, parents)
+    nb = -(-context_len // bs)
+    ids = block_table[:nb].long().to(k_cache.device)
+    # the context's keys/values in token order: [context_len, Hkv, D]
+    k_ctx = k_cache[ids].reshape(nb * bs, hkv, d)[:context_len]
+    v_ctx = v_cache[ids].reshape(nb * bs, hkv, d)[:context_len]
+    keys = torch.cat([k_ctx, k_tree.to(k_ctx.dtype)]).float()  # [L + N, Hkv, D]
+    values = torch.cat([v_ctx, v_tree.to(v_ctx.dtype)]).float()
+    group = hq // hkv
+    keys = keys.repeat_interleave(group, dim=1)  # [L + N, Hq, D]
+    values = values.repeat_interleave(group, dim=1)
+    allowed = torch.cat([torch.ones(n, context_len, dtype=torch.bool),
+                         ancestor_mask(parents)], dim=1).to(q.device)  # [N, L + N]
+    scores = torch.einsum("nhd,thd->hnt", q.float(), keys) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))  # every row keeps at least itself
+    out = torch.einsum("hnt,thd->nhd", torch.softmax(scores, dim=-1), values)
+    return out.to(q.dtype)

@@ -1,0 +1,101 @@
+"""The Triton tree-attention kernel (plugins/speculative/_tree/kernel.py) against its PyTorch
+reference under TRITON_INTERPRET=1: multi-head, grouped-query and multi-query heads, contexts
+that end mid-block, at a block's end or are empty, block and head sizes that are not powers of
+two, a tree of more than 32 nodes (several bitmask words, bit 31 included), a cache given as
+a permuted view, fp32 and fp16. Small shapes: the interpreter runs each program in NumPy."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from vllm_graft.plugins.speculative._tree import DraftTree, ancestor_mask, tree_attention  # noqa: E402
+
+pytest.importorskip("triton")
+
+from vllm_graft.plugins.speculative._tree.kernel import (  # noqa: E402
+    pack_ancestor_bits,
+    tree_attention_triton,
+)
+
+pytestmark = pytest.mark.kernel
+
+TREE = DraftTree.from_chains([[1, 2, 3], [1, 4], [5, 6, 7, 8], [5, 6, 9]])  # 9 nodes, depth 4
+
+
+def big_tree(n: int = 40, seed: int = 0) -> DraftTree:
+    rng = random.Random(seed)
+    parents = [-1] + [rng.randrange(max(-1, i - 6), i) for i in range(1, n)]  # depth grows
+    return DraftTree([rng.randrange(100) for _ in range(n)], parents)
+
+
+def case(tree, hq, hkv, d, bs, context_len, dtype=torch.float32, seed=0, head_major=False):
+    """Random queries, a paged context in scattered blocks (unused slots of the last block hold
+    garbage), the tree's own keys/values. ``head_major``: the caches are permuted views of
+    ``[num_blocks, Hkv, block_size, D]`` tensors."""
+    g = torch.Generator().manual_seed(seed)
+    n = len(tree)
+    nb = -(-context_len // bs)
+    num_blocks = nb + 4
+    shape = (num_blocks, hkv, bs, d) if head_major else (num_blocks, bs, hkv, d)
+    k_cache, v_cache = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+    if head_major:
+        k_cache, v_cache = k_cache.permute(0, 2, 1, 3), v_cache.permute(0, 2, 1, 3)
+    table = torch.randperm(num_blocks, generator=g)[: nb + 1].to(torch.int32)
+    if context_len % bs:
+        k_cache[int(table[nb - 1]), context_len % bs:] = 1e3
+        v_cache[int(table[nb - 1]), context_len % bs:] = 1e3
+    q = torch.randn(n, hq, d, generator=g)
+    k_tree, v_tree = torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g)
+    return (q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), table, context_len,
+            k_tree.to(dtype), v_tree.to(dtype), tree.parents, d ** -0.5)
+
+
+@pytest.mark.parametrize("tree, hq, hkv, d, bs, context_len, head_major", [
+    (TREE, 4, 2, 32, 16, 37, False),  # grouped-query, ends mid-block
+    (TREE, 2, 2, 16, 8, 16, True),  # multi-head, ends at a block's end, head-major cache view
+    (TREE, 4, 1, 16, 16, 0, False),  # multi-query, no context
+    (TREE, 6, 2, 24, 12, 30, False),  # group of 3, block 12, head size 24: padded tiles
+    (big_tree(), 4, 2, 16, 16, 21, False),  # 40 nodes: two bitmask words
+])
+def test_kernel_matches_the_reference_fp32(tree, hq, hkv, d, bs, context_len, head_major):
+    args = case(tree, hq, hkv, d, bs, context_len, head_major=head_major)
+    out = tree_attention_triton(*args)
+    ref = tree_attention(*args)
+    err = (out - ref).abs().max().item()
+    print(f"N={len(tree)} Hq={hq} Hkv={hkv} D={d} B={bs} L={context_len}: max |diff| {err:.2e}")
+    assert out.dtype == torch.float32 and err < 1e-5
+
+
+def test_kernel_matches_the_reference_fp16():
+    args = case(TREE, 4, 2, 16, 8, 19, dtype=torch.float16, seed=1)
+    out = tree_attention_triton(*args)
+    assert out.dtype == torch.float16
+    assert (out.float() - tree_attention(*args).float()).abs().max().item() < 2e-3
+
+
+def test_ancestor_bits_pack_the_mask():
+    tree = big_tree(40, seed=2)
+    mask = ancestor_mask(tree.parents)
+    bits = pack_ancestor_bits(mask)
+    assert bits.shape == (40, 2) and bits.dtype == torch.int32
+    unpacked = ((bits.long()[:, :, None] >> torch.arange(32)) & 1).reshape(40, 64)[:, :40].bool()
+    assert torch.equal(unpacked, mask)
+    assert torch.equal(bits[:, 0] < 0, mask[:, 31]) and bool(mask[:, 31].any())  # bit 31: the sign
+
+
+def test_launcher_reuses_given_bits_and_refuses_bad_ones():
+    args = case(TREE, 4, 2, 16, 8, 9)
+    bits = pack_ancestor_bits(TREE.ancestor_mask())
+    assert torch.allclose(tree_attention_triton(*args, ancestor_bits=bits), tree_attention(*args), atol=1e-5)
+    with pytest.raises(ValueError, match=r"ancestor_bits must be int32 \[N, ceil\(N / 32\)\]"):
+        tree_attention_triton(*args, ancestor_bits=bits.long())
+    with pytest.raises(ValueError, match="multiple of the kv heads"):
+        tree_attention_triton(args[0][:, :3], *args[1:])
+    with pytest.raises(ValueError, match="unit stride along the head dimension"):
+        tree_attention_triton(args[0], args[1].transpose(2, 3).contiguous().transpose(2, 3), *args[2:])
