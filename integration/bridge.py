@@ -328,8 +328,11 @@ def _create_engine_config(original):
         from vllm_graft.hooks.registry import PARALLELISM
 
         used = parallelism_in_use({arg: getattr(self, arg, None) for arg in PARALLELISM.values()})
-        parallel = {PARALLELISM[mode]: value for mode, value in used.items()}
-        plan = resolve(data, source=source, engine_model=self.model, engine_args=parallel)
+        flags = {PARALLELISM[mode]: value for mode, value in used.items()}
+        dtype = getattr(self, "dtype", None)  # vLLM's --dtype: what the plugins' dtype checks must see
+        if dtype is not None and str(dtype) != "auto":
+            flags["dtype"] = str(dtype).removeprefix("torch.")
+        plan = resolve(data, source=source, engine_model=self.model, engine_args=flags)
         activate(plan, source=source)
         try:
             _apply_engine_overrides(self, plan)

@@ -298,7 +298,10 @@ def cmd_generate(args: argparse.Namespace, console: Console) -> int:
 
 
 def read_reports(folder: str) -> dict[str, Any]:
-    """The per-process reports in ``folder`` and each plugin's events summed over them."""
+    """The per-process reports in ``folder`` and each plugin's events summed over them, counting
+    one rank of a tensor-parallel group: every rank runs a worker-side plugin on its shard of the
+    same steps, so the ranks after the first repeat its counts (they are listed in
+    ``processes``, with their ``tensor_parallel_rank``, but not added)."""
     from collections import Counter
     from pathlib import Path
 
@@ -308,8 +311,12 @@ def read_reports(folder: str) -> dict[str, Any]:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue  # mid-replace or foreign: the next read sees it
+        rank = data.get("tensor_parallel_rank")
         processes.append({"process": data.get("process"), "pid": data.get("pid"),
-                          "written_at": data.get("written_at"), "file": path.name})
+                          "tensor_parallel_rank": rank, "written_at": data.get("written_at"),
+                          "file": path.name})
+        if rank:  # a later rank of a tensor-parallel group
+            continue
         for p in data.get("plugins", []):
             entry = plugins.setdefault((p["kind"], p["name"]), {"kind": p["kind"], "name": p["name"],
                                                                "events": Counter(), "processes": []})
@@ -335,7 +342,11 @@ def cmd_report(args: argparse.Namespace, console: Console) -> int:
         console.print(f"no reports in {escape(args.dir)}: no vLLM process has activated a deployment "
                       f"with {ENV_REPORT_DIR} set to it")
         return EXIT_OK
-    table = Table(title=f"what each plugin did, summed over {len(summed['processes'])} processes",
+    later = sum(1 for p in summed["processes"] if p.get("tensor_parallel_rank"))
+    title = f"what each plugin did, summed over {len(summed['processes']) - later} processes"
+    if later:
+        title += f" (not counted: {later} later tensor-parallel ranks, which repeat the first rank's)"
+    table = Table(title=title,
                   box=None, padding=(0, 2))
     for col in ("kind", "plugin", "events", "processes"):
         table.add_column(col, overflow="fold")

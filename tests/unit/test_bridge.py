@@ -264,6 +264,13 @@ def test_each_process_writes_its_report_and_report_sums_them(tmp_path, monkeypat
     assert len(summed["processes"]) == 2
     (spec,) = [p for p in summed["plugins"] if p["kind"] == "speculative"]
     assert spec["events"] == {"accepted": 10} and len(spec["processes"]) == 2
+    # the second rank of a tensor-parallel group repeats the first's counts: listed, not added
+    other.update(pid=2, process="VllmWorker-1", tensor_parallel_rank=1)
+    (tmp_path / "r" / "VllmWorker-1-2.json").write_text(json.dumps(other))
+    summed = run.read_reports(str(tmp_path / "r"))
+    assert [p["tensor_parallel_rank"] for p in summed["processes"]][-1] == 1
+    (spec,) = [p for p in summed["plugins"] if p["kind"] == "speculative"]
+    assert spec["events"] == {"accepted": 10} and len(spec["processes"]) == 2
 
 
 def test_a_report_that_cannot_be_written_turns_itself_off(tmp_path, caplog):
