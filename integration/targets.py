@@ -133,6 +133,10 @@ USES: tuple[Target, ...] = (
            "must see VLLM_USE_V2_MODEL_RUNNER as vllm-graft set it", "use"),
     Target("adapters.moe", "vllm.model_executor.custom_op", "", "op_registry_oot",
            "vLLM has no unregister for register_oot; deactivate removes the MoERunner entry", "use"),
+    Target("adapters.moe", "vllm.distributed.eplb.policy", "", "EPLB_POLICIES",
+           "EPLBConfig.policy accepts only 'default' (a Literal), so a plugin's expert placement is "
+           "given to vLLM's load balancer by replacing that entry, which EplbState reads when it is "
+           "built (adapters/moe/eplb.py)", "use"),
 )
 
 #: Every patch, in the order of the owners above.

@@ -116,6 +116,16 @@ class MoEScheduler(PluginImpl[P]):
         them. Default: nothing.
         """
 
+    def expert_placement(self) -> "list[list[int]] | None":
+        """Where expert parallelism should put the experts, or None (the default: vLLM's own
+        placement). A placement is vLLM's EPLB ``physical_to_logical_map``: one row per MoE layer
+        (in :attr:`MoEModel.moe_layers` order), row ``l`` lists the ``E`` logical experts by
+        physical slot, and EP rank ``r`` holds slots ``r*E/N .. (r+1)*E/N - 1``. Called after
+        :meth:`bind`. Where the engine runs with ``enable_expert_parallel`` and ``enable_eplb``
+        the MoE adapter gives vLLM's load balancer a policy that answers every rearrangement with
+        this placement (at most one plugin of a deployment may return one)."""
+        return None
+
     @classmethod
     def implements(cls, step: str) -> bool:
         """Whether this class overrides ``step`` (one of :data:`MOE_STEPS`)."""

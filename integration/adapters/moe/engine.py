@@ -103,6 +103,7 @@ from vllm_graft.integration.runtime import Runtime
 from vllm_graft.integration.adapters import Adapter
 from vllm_graft.integration.adapters.moe.chain import MoEChain
 from vllm_graft.integration.adapters.moe.skip import run_kept
+from vllm_graft.integration.adapters.moe import eplb
 from vllm_graft.integration.adapters.moe.checks import (
     MoEAdapterError,
     bind,
@@ -348,6 +349,8 @@ class MoEAdapter(Adapter):
         self.skip_count: Callable[[str, int], None] | None = None
         #: Fewest pruned slots a layer call leaves out (``VLLM_GRAFT_MOE_SKIP``).
         self.skip_min = SKIP_MIN_DEFAULT
+        #: vLLM's EPLB policy while a plugin gives the expert placement (see :mod:`.eplb`).
+        self.placement: eplb.Installed | None = None
 
     def engine_overrides(self, enabled: list[Enabled], plan: Plan) -> dict[str, Any]:
         require_eager(plan)
@@ -364,6 +367,8 @@ class MoEAdapter(Adapter):
             bind(enabled, facts, runtime)
         chain = MoEChain([(e.name, runtime.instance(e)) for e in enabled],
                          count=lambda name, event, n: runtime.count(Kind.MOE, name, event, n))
+        self._undo_placement()
+        self.placement = eplb.install([(e.name, runtime.instance(e).expert_placement()) for e in enabled])
         current = op_registry_oot.get(OOT_NAME)
         if current is not None and current is not GraftMoERunner:
             raise MoEAdapterError(
@@ -393,7 +398,13 @@ class MoEAdapter(Adapter):
         log.info("vllm-graft: MoE layers will run %s (routing: %s)", chain.participants,
                  chain.router[0] if chain.router else "the model's own top-k")
 
+    def _undo_placement(self) -> None:
+        if self.placement is not None:
+            self.placement.undo()
+            self.placement = None
+
     def deactivate(self) -> None:
+        self._undo_placement()
         if op_registry_oot.get(OOT_NAME) is GraftMoERunner:
             del op_registry_oot[OOT_NAME]
         if op_registry_oot.get(OOT_EXPERTS) is GraftRoutedExperts:

@@ -35,6 +35,13 @@ class AffinityPlacement(MoEScheduler):
         self.assembler = StepAssembler(model.moe_layers)
         self.A = np.zeros((max(L - 1, 0), E, E))
 
+    def expert_placement(self) -> list[list[int]] | None:
+        """The placement file's ``physical_to_logical_map`` where ``apply`` is set (checked
+        against the model by :meth:`bind`)."""
+        if not self.params.apply or self.placement is None:
+            return None
+        return self.placement.to_vllm(self.model.moe_layers if self.model else [])["physical_to_logical_map"]
+
     def observe(self, layer_idx, topk_ids, topk_weights):
         if self.assembler is None:
             return
