@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.graft-installed
 
-.PHONY: install wheel wheels demo test test-unit docs train-models eval-models clean-venv
+.PHONY: install wheel wheels demo test test-unit test-tp docs train-models eval-models clean-venv
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,10 @@ test: install wheels
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit
+
+# Every plugin alone at tensor_parallel_size=2 (~12 min on 2 CPUs; CI runs part of it).
+test-tp: install
+	GRAFT_TP_MATRIX=all $(PY) -m pytest -q tests/e2e/test_tensor_parallel.py
 
 # Retrain the bundled models (~15 min each on 2 cores) and re-evaluate them; see models/README.md.
 train-models: install

@@ -256,14 +256,14 @@ def test_plugins_not_run_under_tensor_parallelism_are_refused_with_the_fix(regis
 
     llama = str(Path(__file__).resolve().parents[2] / "models" / "graft-tiny-llama")
     data = {"model": llama, "engine": {"dtype": "float32", "tensor_parallel_size": 2},
-            "kvcompress": {"plugin": "kv4"}}
+            "kvcompress": {"plugin": "sample-evict"}}  # declares no parallelism (the default: dp)
     with pytest.raises(DeploymentError) as info:
         validate(data, registry, cpu_env)
     (problem,) = info.value.problems
     assert problem.path == "kvcompress.plugin" and "has not been run under tensor_parallel_size=2" in str(problem)
     assert "Run with tensor_parallel_size: 1" in str(problem)
-    # declared and tested at two ranks (tests/e2e/test_tensor_parallel.py): accepted
-    for plugin in ("streaming", "h2o", "snapkv"):
+    # declared and tested at two ranks (tests/e2e/test_tensor_parallel*.py): accepted
+    for plugin in ("streaming", "h2o", "snapkv", "kv4"):
         validate(dict(data, kvcompress={"plugin": plugin}), registry, cpu_env)
     validate(dict(data, kvcompress=None, speculative={"plugin": "lookahead"}), registry, cpu_env)
     # one rank, or data parallelism (independent replicas): every plugin
@@ -278,3 +278,76 @@ def test_parallelism_capability_accepts_only_vllms_kinds():
     assert Capabilities(lossless=True).parallelism == ("dp",)
     with pytest.raises(ValueError, match="unknown parallelism"):
         Capabilities(lossless=True, parallelism=("tensor",))
+
+
+def test_expert_parallelism_on_the_cpu_engine_is_refused_naming_vllms_crash(registry, cpu_env):
+    from pathlib import Path
+
+    mixtral = str(Path(__file__).resolve().parents[2] / "models" / "graft-tiny-mixtral")
+    data = {"model": mixtral, "engine": {"dtype": "float32", "tensor_parallel_size": 2,
+                                         "enable_expert_parallel": True},
+            "moe": [{"plugin": "affinity-placement"}]}  # declares ep: only the platform refuses
+    with pytest.raises(DeploymentError) as info:
+        validate(data, registry, cpu_env)
+    (problem,) = info.value.problems
+    assert problem.path == "engine.enable_expert_parallel" and "crashes" in str(problem)
+    assert "Run with enable_expert_parallel: false on cpu" in str(problem)
+    gpu = Environment(platform="cuda", vllm_version="0.33.0", engine_args=cpu_env.engine_args | {"enable_eplb"})
+    validate(dict(data, platform="cuda"), registry, gpu)
+
+
+def test_affinity_placement_apply_needs_a_placement_vllm_can_place(registry, cpu_env):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    gpu = Environment(platform="cuda", vllm_version="0.33.0",
+                      engine_args=cpu_env.engine_args | {"enable_eplb", "eplb_config"})
+    placement = str(root / "deployments" / "placement-tiny-mixtral-4.json")  # 4 devices
+    engine = {"dtype": "float32", "tensor_parallel_size": 4, "enable_expert_parallel": True, "enable_eplb": True}
+    data = {"model": str(root / "models" / "graft-tiny-mixtral"), "platform": "cuda", "engine": engine,
+            "moe": [{"plugin": "affinity-placement",
+                     "params": {"devices": 4, "placement_file": placement, "apply": True}}]}
+    plan = validate(data, registry, gpu)
+    assert plan.enabled[0].params.apply
+
+    def problems(**change):
+        moe = dict(data["moe"][0], params={**data["moe"][0]["params"], **change.pop("params", {})})
+        with pytest.raises(DeploymentError) as info:
+            validate(dict(data, moe=[moe], **change), registry, gpu)
+        return " | ".join(str(p) for p in info.value.problems)
+
+    assert "needs placement_file" in problems(params={"placement_file": None})
+    assert "set engine.enable_eplb: true" in problems(engine={k: v for k, v in engine.items() if k != "enable_eplb"})
+    assert "devices is 4 but expert parallelism spans" in problems(engine={**engine, "tensor_parallel_size": 2})
+    assert "num_redundant_experts to 0" in problems(engine={**engine, "eplb_config": {"num_redundant_experts": 2}})
+    assert "vLLM's CPU engine cannot run" in problems(platform="cpu")
+
+
+def test_every_plugin_declaring_tensor_parallelism_has_a_two_rank_case():
+    """A plugin declares "tp" only if tests/e2e/test_tensor_parallel.py runs it at two ranks."""
+    from pathlib import Path
+
+    from vllm_graft.hooks import make_plugin_manager
+
+    cases = (Path(__file__).resolve().parents[1] / "e2e" / "test_tensor_parallel.py").read_text()
+    registry = make_plugin_manager(allow=None, trace=False).build_registry()
+    declared = [(kind, e.name) for kind in Kind for e in registry.entries(kind)
+                if "tp" in e.registration.capabilities.parallelism]
+    assert len(declared) >= 20
+    missing = [f"{kind}:{name}" for kind, name in declared if f'"plugin": "{name}"' not in cases]
+    assert not missing, f"declare tp without a two-rank case: {missing}"
+
+
+def test_pipeline_parallelism_in_eager_mode_on_the_cpu_engine_is_refused(registry, cpu_env):
+    from pathlib import Path
+
+    llama = str(Path(__file__).resolve().parents[2] / "models" / "graft-tiny-llama")
+    data = {"model": llama, "engine": {"dtype": "float32", "pipeline_parallel_size": 2},
+            "kvcompress": {"plugin": "streaming"}}  # run at two stages (tests/e2e/test_tensor_parallel.py)
+    validate(data, registry, cpu_env)
+    with pytest.raises(DeploymentError) as info:
+        validate(dict(data, engine={**data["engine"], "enforce_eager": True}), registry, cpu_env)
+    (problem,) = info.value.problems
+    assert problem.path == "engine.pipeline_parallel_size" and "enforce_eager" in str(problem)
+    with pytest.raises(DeploymentError, match="has not been run under pipeline_parallel_size=2"):
+        validate(dict(data, kvcompress={"plugin": "h2o"}), registry, cpu_env)  # its stages disagree

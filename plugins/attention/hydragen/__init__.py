@@ -28,6 +28,6 @@ def graft_register_attention(register):
         paper="Hydragen: High-Throughput LLM Inference with Shared Prefixes (arXiv:2402.05099)",
         params=HydragenParams,
         impl="vllm_graft.plugins.attention.hydragen.reference:Hydragen",
-        capabilities=Capabilities(lossless=True, head_sizes=(32, 64, 80, 96, 112, 128, 160, 192, 224, 256),
+        capabilities=Capabilities(parallelism=("tp", "dp"), lossless=True, head_sizes=(32, 64, 80, 96, 112, 128, 160, 192, 224, 256),
                                   unsupported_features=ATTENTION_BACKEND_LIMITS),
     ))

@@ -27,5 +27,5 @@ def graft_register_attention(register):
         paper="-",
         params=NoopParams,
         impl="vllm_graft.plugins.attention.noop.reference:NoopAttention",
-        capabilities=Capabilities(lossless=True, unsupported_features=ATTENTION_BACKEND_LIMITS),
+        capabilities=Capabilities(parallelism=("tp", "dp"), lossless=True, unsupported_features=ATTENTION_BACKEND_LIMITS),
     ))

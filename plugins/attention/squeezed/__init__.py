@@ -127,6 +127,6 @@ def graft_register_attention(register):
               "recycled; RazorAttention (arXiv:2407.15891) for mode streaming-heads",
         params=SqueezedParams,
         impl="vllm_graft.plugins.attention.squeezed.reference:Squeezed",
-        capabilities=Capabilities(lossless=False, head_sizes=(32, 64, 80, 96, 112, 128, 160, 192, 224, 256),
+        capabilities=Capabilities(parallelism=("tp", "dp"), lossless=False, head_sizes=(32, 64, 80, 96, 112, 128, 160, 192, 224, 256),
                                   unsupported_features=ATTENTION_BACKEND_LIMITS),
     ))

@@ -41,7 +41,7 @@ def graft_register_kv_compressors(register):
               "Lin et al. 2024, QServe (arXiv:2405.04532)",
         params=KV4Params,
         impl="vllm_graft.plugins.kvcompress.kv4.reference:KV4",
-        capabilities=Capabilities(lossless=False, role="storage",
+        capabilities=Capabilities(parallelism=("tp", "dp"), lossless=False, role="storage",
                                   # an attention plugin reads the dense cache layout
                                   incompatible_with=("attention:*",),
                                   dtypes=("float32", "float16", "bfloat16"),

@@ -10,5 +10,5 @@ def graft_register_kv_compressors(register):
         paper="-",
         params=NoParams,
         impl="vllm_graft.plugins.kvcompress.noop.reference:KeepAll",
-        capabilities=Capabilities(lossless=True),
+        capabilities=Capabilities(parallelism=("tp", "dp"), lossless=True),
     ))

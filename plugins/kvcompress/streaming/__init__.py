@@ -37,5 +37,5 @@ def graft_register_kv_compressors(register):
         paper="Xiao et al. 2023, Efficient Streaming Language Models with Attention Sinks (arXiv:2309.17453)",
         params=StreamingParams,
         impl="vllm_graft.plugins.kvcompress.streaming.reference:Streaming",
-        capabilities=Capabilities(lossless=False, parallelism=("tp", "dp")),
+        capabilities=Capabilities(lossless=False, parallelism=("tp", "pp", "dp")),
     ))

@@ -40,5 +40,5 @@ def graft_register_moe_schedulers(register):
         paper="MC-MoE: mixture compressor for MoE LLMs (online dynamic pruning of activated experts)",
         params=Params,
         impl="vllm_graft.plugins.moe.dynamic_topk.reference:DynamicTopK",
-        capabilities=Capabilities(lossless=False, dtypes=("float32", "float16", "bfloat16")),
+        capabilities=Capabilities(parallelism=("tp", "dp"), lossless=False, dtypes=("float32", "float16", "bfloat16")),
     ))

@@ -44,5 +44,5 @@ def graft_register_moe_schedulers(register):
         paper="ExpertFlow (adaptive expert scheduling) / EdgeMoE (expert offloading with preloading)",
         params=Params,
         impl="vllm_graft.plugins.moe.expert_cache.reference:ExpertCacheScheduler",
-        capabilities=Capabilities(lossless=True),
+        capabilities=Capabilities(parallelism=("tp", "dp"), lossless=True),
     ))

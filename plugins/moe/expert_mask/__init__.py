@@ -62,7 +62,7 @@ def graft_register_moe_schedulers(register):
         paper="MoTE (tunable experts): detect behaviour-distinctive experts, mask them in the router",
         params=Params,
         impl="vllm_graft.plugins.moe.expert_mask.reference:ExpertMaskScheduler",
-        capabilities=Capabilities(lossless=False),
+        capabilities=Capabilities(parallelism=("tp", "dp"), lossless=False),
     ))
 
 

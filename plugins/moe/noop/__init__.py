@@ -10,5 +10,5 @@ def graft_register_moe_schedulers(register):
         paper="-",
         params=NoParams,
         impl="vllm_graft.plugins.moe.noop.reference:TopK",
-        capabilities=Capabilities(lossless=True, architectures=("MixtralForCausalLM",)),
+        capabilities=Capabilities(parallelism=("tp", "dp"), lossless=True, architectures=("MixtralForCausalLM",)),
     ))

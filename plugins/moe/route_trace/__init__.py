@@ -36,5 +36,5 @@ def graft_register_moe_schedulers(register):
         paper="- (the routing traces ExFlow / ExpertFlow-style simulations run on)",
         params=Params,
         impl="vllm_graft.plugins.moe.route_trace.reference:RouteTrace",
-        capabilities=Capabilities(lossless=True),
+        capabilities=Capabilities(parallelism=("tp", "dp"), lossless=True),
     ))

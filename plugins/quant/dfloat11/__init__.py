@@ -40,5 +40,5 @@ def graft_register_quant_methods(register):
               "Dynamic-Length Float (DFloat11), arXiv:2504.11651",
         params=DFloat11Params,
         impl="vllm_graft.plugins.quant.dfloat11.reference:DFloat11",
-        capabilities=Capabilities(lossless=True, dtypes=("bfloat16",)),
+        capabilities=Capabilities(parallelism=("tp", "dp"), lossless=True, dtypes=("bfloat16",)),
     ))

@@ -20,5 +20,5 @@ def graft_register_quant_methods(register):
         paper="-",
         params=FullPrecisionParams,
         impl="vllm_graft.plugins.quant.noop.reference:FullPrecision",
-        capabilities=Capabilities(lossless=True),
+        capabilities=Capabilities(parallelism=("tp", "dp"), lossless=True),
     ))

@@ -45,5 +45,5 @@ def graft_register_quant_methods(register):
         paper="Kim et al. 2024, SqueezeLLM: Dense-and-Sparse Quantization, arXiv:2306.07629",
         params=SqueezeLLMParams,
         impl="vllm_graft.plugins.quant.squeezellm.reference:SqueezeLLM",
-        capabilities=Capabilities(lossless=False, dtypes=("float16", "float32")),
+        capabilities=Capabilities(parallelism=("tp", "dp"), lossless=False, dtypes=("float16", "float32")),
     ))

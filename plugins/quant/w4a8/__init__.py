@@ -37,5 +37,5 @@ def graft_register_quant_methods(register):
         paper="Lin et al. 2024, QServe: W4A8KV4 Quantization and System Co-design, arXiv:2405.04532",
         params=W4A8Params,
         impl="vllm_graft.plugins.quant.w4a8.reference:W4A8",
-        capabilities=Capabilities(lossless=False, dtypes=("float16", "float32")),
+        capabilities=Capabilities(parallelism=("tp", "dp"), lossless=False, dtypes=("float16", "float32")),
     ))

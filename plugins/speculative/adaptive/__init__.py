@@ -68,5 +68,5 @@ def graft_register_spec_proposers(register):
               "(SmartSpec, arXiv:2406.14066)",
         params=AdaptiveParams,
         impl="vllm_graft.plugins.speculative.adaptive.reference:Adaptive",
-        capabilities=Capabilities(lossless=True),
+        capabilities=Capabilities(parallelism=("tp", "dp"), lossless=True),
     ))

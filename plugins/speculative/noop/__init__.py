@@ -10,5 +10,5 @@ def graft_register_spec_proposers(register):
         paper="-",
         params=NoParams,
         impl="vllm_graft.plugins.speculative.noop.reference:NoDraft",
-        capabilities=Capabilities(lossless=True),
+        capabilities=Capabilities(parallelism=("tp", "dp"), lossless=True),
     ))

@@ -34,5 +34,5 @@ def graft_register_spec_proposers(register):
               "(STAND, arXiv:2506.04708)",
         params=PooledNgramParams,
         impl="vllm_graft.plugins.speculative.pooled_ngram.reference:PooledNgram",
-        capabilities=Capabilities(lossless=True),
+        capabilities=Capabilities(parallelism=("tp", "dp"), lossless=True),
     ))

@@ -25,5 +25,5 @@ def graft_register_spec_proposers(register):
               "Token Recycling (arXiv:2408.08696)",
         params=TokenRecyclingParams,
         impl="vllm_graft.plugins.speculative.token_recycling.reference:TokenRecycling",
-        capabilities=Capabilities(lossless=True),
+        capabilities=Capabilities(parallelism=("tp", "dp"), lossless=True),
     ))
