@@ -93,8 +93,10 @@ def render_plugins() -> str:
         "`vllm-graft plugins` lists these and any installed third-party plugin.",
         "",
         "Parallelism: the vLLM parallelism a plugin has been run under (`tp` tensor, `pp` pipeline, "
-        "`dp` data, `ep` expert; tests/e2e/test_tensor_parallel.py runs the `tp` ones at two ranks); "
-        "`vllm-graft check` refuses the others.",
+        "`dp` data, `ep` expert; tests/e2e/test_tensor_parallel.py runs the `tp` ones at two ranks "
+        "and `streaming` at two pipeline stages; `affinity-placement`'s `ep` is its placement through "
+        "vLLM's EPLB weight movement on gloo ranks, tests/e2e/test_eplb_placement.py, not a GPU EP "
+        "engine); `vllm-graft check` refuses the others.",
         "",
         "| kind | name | paper | lossless | platforms | dtypes | parallelism | parameters |",
         "|---|---|---|---|---|---|---|---|",
