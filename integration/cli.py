@@ -195,6 +195,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "vllm_graft.tools.moe.moe_tools",  # moe-trace, moe-sim
     "vllm_graft.tools.quant.quantize",  # quantize, quant-kernel-bench
     "vllm_graft.tools.speculative.specbench",  # specbench
+    "vllm_graft.tools.speculative.treebench",  # treebench
     "vllm_graft.tools.attention.attention_bytes",  # attention-bytes
     "vllm_graft.tools.attention.sparse_quality",  # sparse-quality
     "vllm_graft.tools.kvcompress.kvbench",  # kvbench

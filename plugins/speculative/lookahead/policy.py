@@ -17,6 +17,7 @@ survive, rare ones go (frequency pruning with ageing).
 """
 from __future__ import annotations
 
+import heapq
 from typing import Sequence
 
 
@@ -93,22 +94,70 @@ class TokenTrie:
                 return None
         return node
 
+    def _match(self, tokens: Sequence[int], max_tokens: int, min_match: int) -> _Node | None:
+        """The node of the longest suffix of ``tokens`` that the trie holds with a child (see
+        :meth:`continuation`), or None."""
+        longest = min(len(tokens), self.depth - 1, max(min_match, self.depth - max_tokens))
+        for s in range(longest, max(min_match, 1) - 1, -1):
+            node = self._find(tokens[len(tokens) - s:])
+            if node is not None and node.children:
+                return node
+        return None
+
+    @staticmethod
+    def _follow(node: _Node, out: list[int], max_tokens: int) -> list[int]:
+        """Extend ``out`` (the path to ``node``) by the most frequent child (ties: lower token
+        id) at each level, up to ``max_tokens`` tokens."""
+        while node.children and len(out) < max_tokens:
+            t, node = max(node.children.items(), key=lambda kv: (kv[1].count, -kv[0]))
+            out.append(t)
+        return out
+
     def continuation(self, tokens: Sequence[int], max_tokens: int, min_match: int = 1) -> list[int]:
         """Most frequent continuation of the longest suffix of ``tokens`` that the trie
         holds with a child. Suffixes are tried from ``depth - max_tokens`` tokens (so that a
         match leaves room for ``max_tokens`` drafts in a window), but at least
         ``min_match``, down to ``min_match``."""
-        longest = min(len(tokens), self.depth - 1, max(min_match, self.depth - max_tokens))
-        for s in range(longest, max(min_match, 1) - 1, -1):
-            node = self._find(tokens[len(tokens) - s:])
-            if node is None or not node.children:
-                continue
-            out: list[int] = []
-            while node.children and len(out) < max_tokens:
-                t, node = max(node.children.items(), key=lambda kv: (kv[1].count, -kv[0]))
-                out.append(t)
-            return out
-        return []
+        node = self._match(tokens, max_tokens, min_match)
+        return [] if node is None or max_tokens <= 0 else self._follow(node, [], max_tokens)
+
+    def branches(self, tokens: Sequence[int], max_tokens: int, max_branches: int,
+                 min_match: int = 1) -> list[list[int]]:
+        """Up to ``max_branches`` continuations (at most ``max_tokens`` each) of the suffix
+        :meth:`continuation` matches, as chains for a draft tree (merge them with
+        ``DraftTree.from_chains``; they share their common prefixes). The first is
+        :meth:`continuation`'s; each next one leaves an earlier chain at the most frequent
+        child not yet in a chain (highest count; ties: the shallower, then the lower token id)
+        and follows the most frequent children from there. ``[]`` when nothing matches."""
+        node = self._match(tokens, max_tokens, min_match)
+        if node is None or max_tokens <= 0 or max_branches <= 0:
+            return []
+        chains: list[list[int]] = []
+        taken: set[tuple[int, ...]] = set()
+        heap: list[tuple[int, int, int, tuple[int, ...]]] = []  # (-count, depth, token, path)
+        at_path: dict[tuple[int, ...], _Node] = {}
+        start = ((), node)
+        while len(chains) < max_branches:
+            prefix, at = start
+            chain = self._follow(at, list(prefix), max_tokens)
+            chains.append(chain)
+            # the new chain's nodes below its branch point offer their other children
+            cur = at
+            for j in range(len(prefix), len(chain)):
+                for t, child in cur.children.items():
+                    if t != chain[j]:
+                        path = (*chain[:j], t)
+                        at_path[path] = child
+                        heapq.heappush(heap, (-child.count, j, t, path))
+                cur = cur.children[chain[j]]
+            taken.update(tuple(chain[:j + 1]) for j in range(len(chain)))
+            while heap and heap[0][3] in taken:
+                heapq.heappop(heap)
+            if not heap:
+                break
+            path = heapq.heappop(heap)[3]
+            start = (path, at_path[path])
+        return chains
 
 
 def _size(node: _Node) -> int:
