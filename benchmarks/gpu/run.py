@@ -203,6 +203,29 @@ def cases(smoke: bool, device: str) -> list[Case]:
                     lambda: topk_update_reference(lg, toks, m0.clone()),
                     lambda: recycle_update(lg, toks, m0.clone()),
                     lg.numel() * 4 + R * kk * 8, 0.0))
+
+    from vllm_graft.plugins.speculative._tree import DraftTree, tree_attention
+    from vllm_graft.plugins.speculative._tree.kernel import tree_attention_triton
+
+    # one verify step of a 28-node draft tree (breadth 4,2,1,1) over one sequence's paged context
+    tctx = 80 if smoke else 4096
+    chains = [[a, 10 + b, 20 + c, 30 + d] for a in range(4) for b in range(2) for c in range(1) for d in range(1)]
+    tree = DraftTree.from_chains(chains)
+    N = len(tree.tokens)
+    g = torch.Generator().manual_seed(3)
+    nbt = -(-tctx // bs)
+    kc = torch.randn(nbt + 1, bs, Hkv, D, generator=g).to(dt).to(device)
+    vc = torch.randn(nbt + 1, bs, Hkv, D, generator=g).to(dt).to(device)
+    bt = torch.randperm(nbt + 1, generator=g)[:nbt].to(torch.int32).to(device)
+    tq = torch.randn(N, H, D, generator=g).to(dt).to(device)
+    tk = torch.randn(N, Hkv, D, generator=g).to(dt).to(device)
+    tv = torch.randn(N, Hkv, D, generator=g).to(dt).to(device)
+    par = tree.parents.to(device)
+    out.append(Case("tree verification attention (paged context + ancestor mask)",
+                    f"ctx{tctx} nodes{N} H{H}/{Hkv} D{D}", "fp16",
+                    lambda: tree_attention(tq, kc, vc, bt, tctx, tk, tv, par, D ** -0.5),
+                    lambda: tree_attention_triton(tq, kc, vc, bt, tctx, tk, tv, par, D ** -0.5),
+                    2 * tctx * Hkv * D * elt + 2 * N * (H + 2 * Hkv) * D * elt, 2e-3))
     return out
 
 

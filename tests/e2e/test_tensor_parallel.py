@@ -69,7 +69,7 @@ CASES = {
     "squeezed": (LLAMA, "float32", SQUEEZED, "same", False),
     "kv4": (LLAMA, "float32", {"kvcompress": {"plugin": "kv4", "params": {"kernel": "reference"}}}, "same", True),
     "pooled-ngram": (LLAMA, "float32", {"speculative": {"plugin": "pooled-ngram"}}, "lossless", False),
-    "token-recycling": (LLAMA, "float32", {"speculative": {"plugin": "token-recycling"}}, "lossless", True),
+    "token-recycling": (LLAMA, "float32", {"speculative": {"plugin": "token-recycling"}}, "lossless", False),
     "adaptive": (LLAMA, "float32", {"speculative": {"plugin": "adaptive", "params": {"proposer": "lookahead"}}},
                  "lossless", False),
     "dfloat11": (LLAMA, "bfloat16", {"quant": {"plugin": "dfloat11"}}, "lossless", False),

@@ -29,6 +29,7 @@ KERNEL_TESTS = (
     "tests/unit/test_spec_recycling_kernel.py", "tests/unit/test_squeezed.py",
     "tests/unit/test_quant_w4a8.py", "tests/unit/test_kv4.py",
     "tests/kernels/test_h2o_kernel.py", "tests/kernels/test_kv4_kernel.py",
+    "tests/kernels/test_tree_attention_kernel.py",
 )
 
 
@@ -45,14 +46,19 @@ pytestmark = pytest.mark.skipif(not _nvidia_backend(), reason="this Triton has n
 
 def _bf16_plugins() -> set[str]:
     """Plugin packages (``vllm_graft.plugins.<kind>.<name>``) that run bfloat16 models; a kind's
-    ``_shared`` package counts if any plugin of the kind does."""
+    shared packages (``_shared``, ``_tree``...) count if any plugin of the kind does."""
     from vllm_graft.hooks import get_registry
+
+    from .aot import PLUGINS
 
     out = set()
     for e in get_registry().entries():
         if "bfloat16" in e.registration.capabilities.dtypes:
             out.add(e.registration.package)
-            out.add(e.registration.package.rsplit(".", 1)[0] + "._shared")
+            kind = e.registration.package.rsplit(".", 1)[0]
+            if kind.startswith("vllm_graft.plugins."):  # built in (not a third-party package)
+                out |= {f"{kind}.{p.name}" for p in (PLUGINS / kind.rsplit(".", 1)[1]).iterdir()
+                        if p.is_dir() and p.name.startswith("_") and not p.name.startswith("__")}
     return out
 
 
