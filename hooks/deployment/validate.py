@@ -331,17 +331,19 @@ def parallelism_in_use(engine: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_platform_parallelism(engine: dict[str, Any], platform: str | None, problems: list[Problem]) -> None:
-    limits = dict(PLATFORM_PARALLELISM_LIMITS.get(platform or "", {}))
+    tables = [(PLATFORM_PARALLELISM_LIMITS, None)]
     if engine.get("enforce_eager") is True:
-        limits.update(PLATFORM_EAGER_PARALLELISM_LIMITS.get(platform or "", {}))
-    for mode, value in parallelism_in_use(engine).items():
-        if mode in limits:
-            arg = PARALLELISM[mode]
-            eager = mode in PLATFORM_EAGER_PARALLELISM_LIMITS.get(platform or "", {})
-            problems.append(Problem(f"engine.{arg}", f"{limits[mode]}", value=value,
-                                    hint=(f"Drop enforce_eager (and MoE plugins, which need it), or run with {arg}: 1"
-                                          if eager else
-                                          f"Run with {arg}: {'false' if isinstance(value, bool) else 1} on {platform}")))
+        tables.append((PLATFORM_EAGER_PARALLELISM_LIMITS, "Drop enforce_eager (and MoE plugins, which need it), "
+                                                          "or run with {arg}: 1"))
+    used = parallelism_in_use(engine)
+    for table, hint in tables:
+        for mode, why in table.get(platform or "", {}).items():
+            if mode in used:
+                arg, value = PARALLELISM[mode], used[mode]
+                off = "false" if isinstance(value, bool) else 1
+                problems.append(Problem(f"engine.{arg}", why, value=value,
+                                        hint=(hint or "Run with {arg}: {off} on {platform}").format(
+                                            arg=arg, off=off, platform=platform)))
 
 
 def _check_parallelism(entry: Entry, path: str, engine: dict[str, Any], problems: list[Problem]) -> None:

@@ -38,8 +38,6 @@ def placement_policy(physical_to_logical: list[list[int]], owner: str) -> type:
         raise PlacementError(f"{owner}: a placement lists every expert once per MoE layer")
 
     class GraftPlacementPolicy(AbstractEplbPolicy):
-        placement = table
-
         @classmethod
         def rebalance_experts(cls, weight: torch.Tensor, num_replicas: int, num_groups: int,
                               num_nodes: int, num_ranks: int,
