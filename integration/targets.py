@@ -93,13 +93,19 @@ SPEC_SAMPLE = Target(
     "adapters.speculative", V1_RUNNER, "GPUModelRunner", "_sample",
     "a custom_class proposer never sees the target's logits; Token Recycling needs the top-k "
     "next tokens at each verified position (Proposer.topk/observe_topk), taken from the logits "
-    "_sample receives before the (rejection) sampler runs",
+    "_sample receives before the (rejection) sampler runs; a draft tree is verified from the same "
+    "logits after it (adapters/speculative/tree.py)",
     params=("logits", "spec_decode_metadata"))
 SPEC_UPDATE_STATES = Target(
     "adapters.speculative", V1_RUNNER, "GPUModelRunner", "_update_states",
     "a custom_class proposer gets no request ids and no finished/aborted signal; the runner's "
     "_update_states sees both (input_batch.req_ids, scheduler_output.finished_req_ids) and the "
     "drafts each step verifies", params=("scheduler_output",))
+SPEC_PREPARE_INPUTS = Target(
+    "adapters.speculative", V1_RUNNER, "GPUModelRunner", "_prepare_inputs",
+    "vLLM verifies chains only: a draft tree's nodes need rotary positions by depth, not by "
+    "index (adapters/speculative/tree.py); the positions are rewritten after vLLM computed them "
+    "and the KV slots from them", params=("scheduler_output", "num_scheduled_tokens"))
 
 BENCH_SCHEDULE = Target(
     "tools.bench", "vllm.v1.core.sched.scheduler", "Scheduler", "schedule",
@@ -142,7 +148,7 @@ USES: tuple[Target, ...] = (
 #: Every patch, in the order of the owners above.
 PATCH_TARGETS: tuple[Target, ...] = (
     CREATE_ENGINE_CONFIG, KV_REQUEST_INIT, KV_BUILD_METADATA, KV_EXECUTE_MODEL, KV_SAMPLE_TOKENS,
-    KV_UPDATE_FROM_OUTPUT, SPEC_SAMPLE, SPEC_UPDATE_STATES, BENCH_SCHEDULE)
+    KV_UPDATE_FROM_OUTPUT, SPEC_SAMPLE, SPEC_UPDATE_STATES, SPEC_PREPARE_INPUTS, BENCH_SCHEDULE)
 
 TARGETS: tuple[Target, ...] = PATCH_TARGETS + USES
 

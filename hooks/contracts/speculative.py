@@ -72,8 +72,31 @@ class Proposer(PluginImpl[P]):
         order; rows after the first rejected draft were computed on a rejected prefix, but
         still say what tends to follow that token). Default: nothing."""
 
+    #: True when this proposer drafts token *trees* (:meth:`propose_tree`), verified in one
+    #: target forward with a tree attention mask; the longest correct root-to-node path is
+    #: accepted. Read once, when the adapter builds the proposer (a class attribute or one set
+    #: in ``__init__``). False (the default): :meth:`propose` drafts a chain.
+    drafts_trees: bool = False
+
+    def propose_tree(self, request_id: str, token_ids: Sequence[int],
+                     max_nodes: int) -> tuple[list[int], list[int]]:
+        """A draft tree of at most ``max_nodes`` nodes to follow ``token_ids`` (only when
+        :attr:`drafts_trees`; then asked instead of :meth:`propose`).
+
+        Returns ``(tokens, parents)``, one entry per node: node ``i`` carries token
+        ``tokens[i]`` and follows node ``parents[i]`` (``-1``: it follows the last token of
+        ``token_ids``); parents come first (``parents[i] < i``). Siblings should carry
+        different tokens. ``([], [])`` when unsure; nodes beyond ``max_nodes`` are dropped
+        (the first ``max_nodes`` still form a tree). Under greedy decoding the longest path
+        whose every token is the target's own choice is accepted; under sampling each node is
+        accepted by the standard rejection rule (a tree's drafts are taken as deterministic),
+        so output does not depend on the tree either way. ``accepted`` then reports the
+        accepted path's length and the number of nodes verified."""
+        raise NotImplementedError(f"{type(self).__name__} sets drafts_trees but implements no propose_tree()")
+
     def begin_step(self, num_requests: int, num_tokens: int = 0) -> None:
         """A step's drafting begins; ``num_requests`` requests will be asked to
         :meth:`propose` (the batch size, for adaptive draft lengths). ``num_tokens`` is how
         many tokens the target computed in the step just run (prompt chunks, one per
         decoding request, the drafts it verified; 0 when unknown). Default: nothing."""
+

@@ -95,7 +95,7 @@ def cmd_doctor(args: argparse.Namespace, console: Any) -> int:
 ALL_DEPLOYMENTS: tuple[dict[str, Any], ...] = (
     {"attention": {"plugin": "noop"}},
     {"kvcompress": {"plugin": "h2o"}},  # lossy (prefix-cache salt) and scored (scores channel)
-    {"speculative": {"plugin": "token-recycling"}},
+    {"speculative": {"plugin": "token-recycling", "params": {"tree": True}}},  # top-k, tree verification
     {"quant": {"plugin": "noop"}},
     {"moe": [{"plugin": "noop"}]},
 )

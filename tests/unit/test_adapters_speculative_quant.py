@@ -212,6 +212,7 @@ def _proposer(plugin):
     gp = object.__new__(GraftProposer)  # skip __init__, which reads vLLM's config
     gp.drafting, _ = make(plugin)
     gp._runner = None
+    gp.tree = None  # chains (tree verification: tests/unit/test_spec_tree_engine.py)
     return gp
 
 

@@ -48,6 +48,11 @@ class Drafting:
         self.topk = max(0, int(getattr(plugin, "topk", 0) or 0))
         self.pending_topk: tuple[Any, list[int]] | None = None  # (ids [rows, topk], rows/request)
         self.step_tokens = 0  # tokens the current step computes (scheduler_output)
+        #: the plugin drafts trees (``Proposer.drafts_trees``; see :mod:`.tree`)
+        self.trees_on = bool(getattr(plugin, "drafts_trees", False))
+        self.tree_drafts: dict[str, list[int]] = {}  # request id -> parents of its last tree
+        #: request id -> (tokens, parents) of the tree the current step verifies
+        self.step_trees: dict[str, tuple[list[int], list[int]]] = {}
 
     def step_started(self, finished_req_ids: Iterable[str],
                      scheduled_spec_tokens: Mapping[str, Sequence[int]], num_tokens: int = 0) -> None:
@@ -65,6 +70,11 @@ class Drafting:
         if self.topk:
             self.drafts = {rid: list(toks) for rid, toks in scheduled_spec_tokens.items()}
         self.pending_topk = None
+        if self.trees_on:  # vLLM may trim drafts (length limit): a tree's first nodes stay a tree
+            self.step_trees = {rid: ([int(t) for t in toks], self.tree_drafts[rid][:len(toks)])
+                               for rid, toks in scheduled_spec_tokens.items()
+                               if len(toks) and rid in self.tree_drafts}
+            self.tree_drafts = {}
 
     def logits_topk(self, topk_ids: Any, rows_per_request: Sequence[int]) -> None:
         """The step's top-k ids ``[rows, topk]`` (a CPU numpy array) and how many logits rows
@@ -96,11 +106,13 @@ class Drafting:
 
     def propose(self, req_ids: Sequence[str | None], sampled_token_ids: Sequence[Sequence[int]],
                 num_tokens: Sequence[int], token_ids: Any,
-                seeded: Collection[str] = ()) -> list[list[int]]:
+                seeded: Collection[str] = (), chain_only: Collection[str] = ()) -> list[list[int]]:
         """Drafts per batch row. ``token_ids[i, :num_tokens[i]]`` is row i's sequence so far
         (a 2-D numpy array in vLLM); a row whose ``sampled_token_ids`` is empty (mid-prefill)
         gets no drafts and no plugin call. ``seeded``: the requests sampled with their own
-        seed (see the module docstring)."""
+        seed (see the module docstring). ``chain_only``: requests whose sampling the tree
+        verifier does not handle (:func:`.tree.tree_verifiable`): a tree plugin's draft is
+        cut to its first root-to-leaf path for them, and vLLM verifies that chain."""
         if len(req_ids) < len(sampled_token_ids):
             raise RuntimeError(f"vllm-graft speculative adapter: {len(sampled_token_ids)} batch "
                                f"rows but only {len(req_ids)} request ids")
@@ -108,7 +120,7 @@ class Drafting:
             self._observe_topk(req_ids, sampled_token_ids, num_tokens, token_ids)
         self.plugin.begin_step(sum(1 for s in sampled_token_ids if len(s)), self.step_tokens)
         out: list[list[int]] = []
-        n_calls = n_drafted = n_verified = n_accepted = n_seeded = 0
+        n_calls = n_drafted = n_verified = n_accepted = n_seeded = n_trees = n_cut = 0
         discard = set() if getattr(self.plugin, "per_request_drafts", False) else set(seeded)
         for i, sampled in enumerate(sampled_token_ids):
             if not len(sampled):
@@ -127,9 +139,21 @@ class Drafting:
             if budget <= 0:
                 out.append([])
                 continue
-            drafts = self.plugin.propose(request_id, token_ids[i, :n].tolist(), budget)
+            if self.trees_on:
+                tokens, parents = self._checked_tree(
+                    self.plugin.propose_tree(request_id, token_ids[i, :n].tolist(), budget), request_id)
+                tokens, parents = tokens[:budget], parents[:budget]
+                if request_id in chain_only and not is_chain(parents):
+                    tokens, parents = first_path(tokens, parents)
+                    n_cut += 1
+                drafts = tokens
+                if not is_chain(parents) and request_id not in discard:
+                    self.tree_drafts[request_id] = parents
+                    n_trees += 1
+            else:
+                drafts = self._checked(self.plugin.propose(request_id, token_ids[i, :n].tolist(), budget),
+                                       request_id)[:budget]
             n_calls += 1
-            drafts = self._checked(drafts, request_id)[:budget]
             if request_id in discard:
                 n_seeded += len(drafts)
                 drafts = []
@@ -137,7 +161,8 @@ class Drafting:
             out.append(drafts)
         for event, n in (("propose", n_calls), ("drafted", n_drafted),
                          ("verified", n_verified), ("accepted", n_accepted),
-                         ("seeded_undrafted", n_seeded)):
+                         ("seeded_undrafted", n_seeded), ("trees", n_trees),
+                         ("tree_cut_to_chain", n_cut)):
             if n:
                 self.count(event, n)
         return out
@@ -154,5 +179,37 @@ class Drafting:
                 f"propose() must return a list of token ids in [0, {self.vocab_size})")
         return tokens
 
+    def _checked_tree(self, tree: Any, request_id: str) -> tuple[list[int], list[int]]:
+        try:
+            tokens, parents = tree
+            tokens = self._checked(tokens, request_id)
+            parents = [int(p) for p in parents]
+            ok = len(parents) == len(tokens) and all(-1 <= p < i for i, p in enumerate(parents))
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"speculative plugin {self.name!r} proposed the tree {tree!r} for request "
+                f"{request_id!r}; propose_tree() must return (tokens, parents) of equal length "
+                "with -1 <= parents[i] < i (-1: the node follows the request's last token)")
+        return tokens, parents
 
-__all__ = ["Drafting"]
+
+def is_chain(parents: Sequence[int]) -> bool:
+    """Whether a tree's ``parents`` make a single chain (node i follows node i - 1): vLLM's own
+    chain verification then applies unchanged."""
+    return all(p == i - 1 for i, p in enumerate(parents))
+
+
+def first_path(tokens: Sequence[int], parents: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The tree's first root-to-leaf path (each node's first child in index order), as a chain."""
+    path: list[int] = []
+    node = -1
+    for i, p in enumerate(parents):
+        if p == node:
+            path.append(tokens[i])
+            node = i
+    return path, list(range(-1, len(path) - 1))
+
+
+__all__ = ["Drafting", "first_path", "is_chain"]

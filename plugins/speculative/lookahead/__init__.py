@@ -15,6 +15,11 @@ class LookaheadParams(BaseModel):
     max_nodes: int = Field(200_000, ge=2, description="memory cap: most trie nodes kept")
     prune_to: float = Field(0.75, gt=0.0, lt=1.0,
                             description="after pruning the trie holds at most this share of max_nodes")
+    tree: bool = Field(False, description="draft a tree of up to tree_branches continuations "
+                       "(sharing their prefixes) instead of one, verified in one forward with a tree "
+                       "attention mask; num_speculative_tokens is then the most tree nodes per step")
+    tree_branches: int = Field(4, ge=1, le=64, description="tree mode: continuations merged into the tree")
+    tree_depth: int = Field(4, ge=1, le=32, description="tree mode: most tokens per continuation")
 
     @model_validator(mode="after")
     def _consistent(self):

@@ -1,6 +1,6 @@
 """`token-recycling` proposer: the target's discarded top-k candidates, kept in a
 vocab x k successor matrix, drafted along the most probable path."""
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from vllm_graft.hooks import Capabilities, Registration, hookimpl
 
@@ -14,6 +14,19 @@ class TokenRecyclingParams(BaseModel):
                    "the top-k taken from each verify step's logits)")
     vocab_size: int | None = Field(
         None, ge=1, description="matrix rows; default: grown to the largest token id seen")
+    tree: bool = Field(False, description="draft the paper's static tree (tree_breadth) instead "
+                       "of one path, verified in one forward with a tree attention mask; "
+                       "num_speculative_tokens is then the most tree nodes per step (breadth-first)")
+    tree_breadth: list[int] = Field(
+        [4, 2, 1, 1], min_length=1, max_length=16, description="tree mode: children per node "
+        "at each depth (the tree has sum of their running products nodes: 28 for [4, 2, 1, 1])")
+
+    @field_validator("tree_breadth")
+    @classmethod
+    def _breadth(cls, value: list[int]) -> list[int]:
+        if any(b < 1 for b in value):
+            raise ValueError(f"tree_breadth entries must be >= 1, got {value}")
+        return value
 
 
 @hookimpl

@@ -35,6 +35,7 @@ class TokenRecycling(Proposer):
         super().__init__(params)
         self.topk = params.k  # asks the adapter for the verify step's top-k (observe_topk)
         self.matrix = RecyclingMatrix(params.k, params.vocab_size)
+        self.drafts_trees = bool(getattr(params, "tree", False))  # tree mode (propose_tree)
         self.proposed = self.drafted = self.observed_rows = 0
 
     def observe_topk(self, request_id: str, tokens: Sequence[int], topk_ids: Any) -> None:
@@ -70,6 +71,13 @@ class TokenRecycling(Proposer):
         self.proposed += 1
         self.drafted += len(drafts)
         return drafts
+
+    def propose_tree(self, request_id: str, token_ids: Sequence[int],
+                     max_nodes: int) -> tuple[list[int], list[int]]:
+        nodes = self.matrix.tree(token_ids[-1], self.params.tree_breadth)[:max_nodes] if token_ids else []
+        self.proposed += 1
+        self.drafted += len(nodes)
+        return [t for t, _ in nodes], [p for _, p in nodes]
 
     def describe(self) -> dict[str, Any]:
         return {"matrix_rows": len(self.matrix.m), "k": self.matrix.k,
