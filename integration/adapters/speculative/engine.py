@@ -144,9 +144,17 @@ class GraftProposer:
             RUNTIME.instance(e), e.name, k=spec.num_speculative_tokens,
             max_model_len=model.max_model_len, vocab_size=model.get_vocab_size(), count=count)
         self._runner: weakref.ReferenceType | None = None
+        self.vllm_config = vllm_config  # for load_model
 
     def load_model(self, target_model: Any) -> None:
-        """Called once by the runner; the contract gives plugins token ids only."""
+        """Called once by the runner with the model it loaded. A plugin that drafts with the
+        target itself (``needs_target_weights``, :mod:`.target`) gets it described here;
+        other plugins see token ids only."""
+        plugin = self.drafting.plugin
+        if getattr(plugin, "needs_target_weights", False):
+            from vllm_graft.integration.adapters.speculative.target import target_weights
+
+            plugin.attach_target(target_weights(target_model, self.vllm_config))
 
     def step_started(self, runner: Any, scheduler_output: Any) -> None:
         """From the patched ``_update_states``, before vLLM updates the batch."""

@@ -26,10 +26,40 @@ def request_id(r: int) -> str:
     return f"graft-conformance-req-{r}"
 
 
+def random_target(vocab: int = SPEC_VOCAB, dtype: str = "float32", seed: int = 0) -> Any:
+    """A small random Llama-style :class:`~vllm_graft.hooks.contracts.target.TargetWeights`
+    (4 layers, hidden 32, 4 query / 2 KV heads of 8, vocabulary ``vocab``), attached to a
+    self-speculative proposer (``needs_target_weights``) before the exercise, as the vLLM
+    adapter attaches the served model."""
+    import torch
+
+    from vllm_graft.hooks.contracts.target import TargetLayer, TargetWeights
+
+    g = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, dtype)
+    hidden, heads, kv_heads, head_dim, inter = 32, 4, 2, 8, 48
+
+    def r(*shape: int, scale: float = 0.2) -> Any:
+        return (torch.randn(*shape, generator=g) * scale).to(dt)
+
+    def norm() -> Any:
+        return (1 + torch.randn(hidden, generator=g) * 0.1).to(dt)
+
+    layers = [TargetLayer(qkv=r((heads + 2 * kv_heads) * head_dim, hidden), o=r(hidden, heads * head_dim),
+                          gate_up=r(2 * inter, hidden), down=r(hidden, inter),
+                          input_norm=norm(), post_attention_norm=norm()) for _ in range(4)]
+    return TargetWeights(embed=r(vocab, hidden, scale=1.0), layers=layers, final_norm=norm(),
+                         lm_head=r(vocab, hidden, scale=1.0), num_heads=heads, num_kv_heads=kv_heads,
+                         head_dim=head_dim, rms_norm_eps=1e-5, vocab_size=vocab,
+                         source="graft-conformance random target")
+
+
 def exercise_speculative(t: Target, impl: Any, dtype: str, rules: bool) -> list[tuple[str, Any]]:
     import numpy as np
 
     results = []
+    if getattr(impl, "needs_target_weights", False):
+        impl.attach_target(random_target(SPEC_VOCAB, dtype))
     topk = int(getattr(impl, "topk", 0) or 0)
     for r in range(SPEC_REQUESTS):
         rid = request_id(r)
