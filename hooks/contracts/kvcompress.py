@@ -22,6 +22,11 @@ class BlockView:
     method collects it (``needs_scores``), else ``None``; a block dropped at an earlier
     step has score ``-inf``. ``pinned`` are blocks it must keep (shared by the
     prefix cache with other requests).
+
+    ``head_scores[h][i]`` (a :attr:`KVCompressor.per_head` compressor only, else ``None``):
+    block i's score from KV head h alone (the mass of the query heads that read KV head h);
+    ``-inf`` where head h dropped the block earlier. ``scores`` is then their sum over heads
+    (``-inf`` where every head dropped the block).
     """
 
     num_tokens: int
@@ -29,6 +34,7 @@ class BlockView:
     num_prompt_tokens: int
     scores: Sequence[float] | None = None
     pinned: frozenset[int] = frozenset()
+    head_scores: Sequence[Sequence[float]] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -75,16 +81,34 @@ class KVCompressor(PluginImpl[P]):
     computed so far, ``scores`` set and ``pinned`` empty; the blocks it drops leave
     attention from the next step on and travel to the scheduler, which frees them (blocks
     shared through the prefix cache once no longer shared).
+
+    Per KV head (:attr:`per_head`, with ``needs_scores``; e.g. AdaKV). vLLM frees KV per block,
+    for every layer and head at once, but a head may stop *reading* a block. Such a compressor
+    implements :meth:`keep_heads`: per KV head, the sorted blocks that head keeps, each list
+    following the rules above (last block kept; a block a head dropped stays dropped for that
+    head). It is asked instead of ``keep`` (in the worker, once per step, with
+    ``view.head_scores`` set); the block-level answer is the **union** over heads (a block is
+    freed only when no head keeps it), and inside the kept blocks each head attends only to
+    the blocks it kept: :meth:`attend` gets ``head_mask`` and reports mass per KV head.
+    :meth:`keep` must still answer (e.g. the union), for the callers that ask per block.
     """
 
     kind = Kind.KVCOMPRESS
 
     #: True if :meth:`keep` needs ``view.scores``; the compressor then implements :meth:`attend`.
     needs_scores: bool = False
+    #: True (with ``needs_scores``) if the compressor chooses blocks per KV head
+    #: (:meth:`keep_heads`); its :meth:`attend` then takes ``head_mask`` and reports mass per KV head.
+    per_head: bool = False
 
     @abstractmethod
     def keep(self, view: BlockView) -> list[int]:
         """Sorted logical block indices to keep (see the class docstring for the rules)."""
+
+    def keep_heads(self, view: BlockView) -> list[list[int]]:
+        """Per KV head (``len(view.head_scores)`` of them), the sorted logical blocks that head
+        keeps (:attr:`per_head` compressors only; see "Per KV head" in the class docstring)."""
+        raise NotImplementedError(f"{type(self).__name__} sets per_head but implements no keep_heads()")
 
     def score_positions(self, num_prompt_tokens: int) -> tuple[int, int]:
         """Token positions ``[start, end)`` whose queries' attention counts towards the
@@ -92,13 +116,20 @@ class KVCompressor(PluginImpl[P]):
         return (0, 1 << 62)
 
     def attend(self, query: "torch.Tensor", kv_cache: "torch.Tensor", batch: PagedBatch,
-               layer: AttentionLayer, observe: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
+               layer: AttentionLayer, observe: "torch.Tensor", head_mask: "torch.Tensor | None" = None,
+               ) -> tuple["torch.Tensor", "torch.Tensor"]:
         """Causal attention over the paged batch (``needs_scores`` only), as
         :meth:`AttentionMethod.forward` (the cache in the layout of :func:`split_kv_cache`),
         plus the attention mass per block: ``(out [T, H, D], mass [num_seqs, max_blocks])``,
         ``mass[i, j]`` = the softmax probability that the queries of sequence ``i`` with
         ``observe[t]`` True put on the keys of block-table column ``j``, summed over heads
-        and those queries."""
+        and those queries.
+
+        :attr:`per_head` compressors only: ``head_mask [num_seqs, H_kv, max_blocks]`` bool (True:
+        KV head h of sequence i reads block-table column j; query head q reads KV head
+        ``q // (H / H_kv)``), and ``mass`` is ``[num_seqs, H_kv, max_blocks]``: summed over the
+        query heads of each KV head's group (not over all heads). Other compressors are called
+        without ``head_mask``."""
         raise NotImplementedError(f"{type(self).__name__} sets needs_scores but implements no attend()")
 
 

@@ -47,10 +47,11 @@ def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, hea
 
 
 def causal_probs(q: torch.Tensor, k: torch.Tensor, scale: float,
-                 positions: torch.Tensor | None = None) -> torch.Tensor:
+                 positions: torch.Tensor | None = None, key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax probabilities ``[H, q, n]`` (float32) of the queries ``q [q, H, D]`` over their
     causal context ``k [n, H_kv, D]``; the queries are the last ``len(q)`` positions, or at
-    ``positions`` (absolute, ``[q]``)."""
+    ``positions`` (absolute, ``[q]``). ``key_mask [H_kv, n]`` (bool): the keys each KV head
+    may read besides causality (False: left out for that head's group of query heads)."""
     nq, h, _ = q.shape
     n, hkv = k.shape[0], k.shape[1]
     kk = k.float().repeat_interleave(h // hkv, dim=1)  # [n, H, D]
@@ -59,6 +60,8 @@ def causal_probs(q: torch.Tensor, k: torch.Tensor, scale: float,
         positions = torch.arange(n - nq, n, device=q.device)
     q_pos = positions.to(q.device).unsqueeze(1)  # absolute positions of the queries
     s = s.masked_fill(torch.arange(n, device=q.device).unsqueeze(0) > q_pos, float("-inf"))  # future keys
+    if key_mask is not None:
+        s = s.masked_fill(~key_mask.to(torch.bool).repeat_interleave(h // hkv, dim=0)[:, None, :], float("-inf"))
     return s.softmax(-1)
 
 
@@ -175,7 +178,7 @@ def _padded_kv(kv_cache: torch.Tensor, index: _StepIndex, gather: Gather | None
 
 
 def _paged_batched(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, layer: AttentionLayer,
-                   observe: torch.Tensor | None, gather: Gather | None
+                   observe: torch.Tensor | None, gather: Gather | None, head_mask: torch.Tensor | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """:func:`_paged` for the whole batch at once, without a Python loop over sequences: every
     sequence's blocks gathered into one padded ``[S, H_kv, L, D]``, queries padded to the
@@ -184,47 +187,62 @@ def _paged_batched(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatc
     T, H, D = query.shape
     B, dev = kv_cache.shape[2], query.device
     ix = _step_index(batch, B, T)
+    hkv = layer.num_kv_heads
     out = torch.zeros(query.shape, dtype=query.dtype, device=dev)
     mass = None if observe is None else torch.zeros(
-        ix.S, batch.block_table.shape[1], dtype=torch.float32, device=dev)
+        (ix.S, hkv, batch.block_table.shape[1]) if head_mask is not None else (ix.S, batch.block_table.shape[1]),
+        dtype=torch.float32, device=dev)
     if ix.maxq == 0 or ix.nb == 0:
         return out, mass
     if ix.S * H * ix.maxq * ix.L > BATCHED_SCORES_MAX:
         return None
     if observe is not None and not bool(observe[: T].any()):  # nothing observed: no mass to compute
         observe = None
-    hkv = layer.num_kv_heads
     k, v = _padded_kv(kv_cache, ix, gather)
     k, v = k.float(), v.float()
     q = query[ix.rows].float().permute(0, 2, 1, 3)  # [S, H, maxq, D]
+    g = H // hkv
+    allowed = ix.allowed[:, None]  # [S, 1, maxq, L]
+    if head_mask is not None:  # per KV head: the blocks it reads, for its group of query heads
+        keys = head_mask[:, :, : ix.nb].to(torch.bool).repeat_interleave(g, 1).repeat_interleave(B, -1)
+        allowed = allowed & keys[:, :, None, :]  # [S, H, maxq, L]
+        allowed[:, :, :, 0] |= ~ix.q_ok[:, None, :]  # padding queries: key 0, no empty row
     if observe is None:
         o = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=ix.allowed[:, None], scale=layer.scale, enable_gqa=hkv != H)
+            q, k, v, attn_mask=allowed, scale=layer.scale, enable_gqa=hkv != H)
     else:
-        g = H // hkv
         s = torch.einsum("shqd,shkd->shqk", q, k.repeat_interleave(g, dim=1)) * layer.scale
-        p = s.masked_fill(~ix.allowed[:, None], float("-inf")).softmax(-1)
+        p = s.masked_fill(~allowed, float("-inf")).softmax(-1)
         o = torch.einsum("shqk,shkd->shqd", p, v.repeat_interleave(g, dim=1))
         w = (observe.to(torch.float32)[ix.rows] * ix.q_ok).to(p.dtype)  # [S, maxq]
-        per_key = torch.einsum("shqk,sq->sk", p, w)
-        mass[:, : ix.nb] = per_key.view(ix.S, ix.nb, B).sum(-1)
+        if head_mask is not None:  # per KV head: summed over its group's query heads
+            per_key = torch.einsum("shqk,sq->shk", p, w)
+            mass[:, :, : ix.nb] = per_key.view(ix.S, hkv, g, ix.nb, B).sum((2, 4))
+        else:
+            per_key = torch.einsum("shqk,sq->sk", p, w)
+            mass[:, : ix.nb] = per_key.view(ix.S, ix.nb, B).sum(-1)
     out[ix.out_rows] = o.permute(0, 2, 1, 3)[ix.q_ok].to(query.dtype)
     return out, mass
 
 
 def _paged(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, layer: AttentionLayer,
-           observe: torch.Tensor | None, gather: Gather | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Every sequence of ``batch``: ``(out [T, H, D], mass [num_seqs, max_blocks] or None)``."""
+           observe: torch.Tensor | None, gather: Gather | None, head_mask: torch.Tensor | None = None,
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every sequence of ``batch``: ``(out [T, H, D], mass [num_seqs, max_blocks] or None)``;
+    with ``head_mask [num_seqs, H_kv, max_blocks]`` each KV head reads only its blocks and the
+    mass is per KV head, ``[num_seqs, H_kv, max_blocks]``."""
     B = kv_cache.shape[2]
-    done = _paged_batched(query, kv_cache, batch, layer, observe, gather)
+    done = _paged_batched(query, kv_cache, batch, layer, observe, gather, head_mask)
     if done is not None:
         return done
     gather = gather or _cache_gather(kv_cache)
     qsl = batch.query_start_loc.tolist()
     lens = batch.seq_lens.tolist()
     out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
+    hkv = layer.num_kv_heads
     mass = None if observe is None else torch.zeros(
-        len(lens), batch.block_table.shape[1], dtype=torch.float32, device=query.device)
+        (len(lens), hkv, batch.block_table.shape[1]) if head_mask is not None else (len(lens), batch.block_table.shape[1]),
+        dtype=torch.float32, device=query.device)
     for i, L in enumerate(lens):
         q0, q1 = qsl[i], qsl[i + 1]
         if q1 <= q0 or L <= 0:
@@ -232,6 +250,15 @@ def _paged(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, layer
         nb = -(-L // B)
         k, v = gather(batch.block_table[i, :nb].long())
         k, v = flat_blocks(k, L), flat_blocks(v, L)
+        if head_mask is not None:  # explicit probabilities, each head masked to its blocks
+            keys = head_mask[i, :, :nb].to(torch.bool).repeat_interleave(B, -1)[:, :L]  # [H_kv, L]
+            p = causal_probs(query[q0:q1], k, layer.scale, key_mask=keys)  # [H, q, L]
+            out[q0:q1] = attend_probs(p, v).to(query.dtype)
+            if mass is not None:
+                w = observe[q0:q1].to(torch.float32)
+                per_key = torch.nn.functional.pad(torch.einsum("hqk,q->hk", p, w), (0, nb * B - L))
+                mass[i, :, :nb] = per_key.view(hkv, -1, nb, B).sum((1, 3))
+            continue
         # a long chunk: the output by fused attention; explicit probabilities only for the
         # observed queries (e.g. SnapKV's window: the last few of a prompt), whose mass counts
         out[q0:q1] = fused_causal_attention(query[q0:q1], k, v, layer.scale).to(query.dtype)
@@ -259,11 +286,14 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBat
 
 def paged_attention_with_mass(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
                               layer: AttentionLayer, observe: torch.Tensor, gather: Gather | None = None,
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
+                              head_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`paged_attention` and ``mass [num_seqs, max_blocks]`` (see ``KVCompressor.attend``):
     the softmax probability the observed queries (``observe [T]`` bool) put on each
-    block-table column, summed over heads and those queries."""
-    out, mass = _paged(query, kv_cache, batch, layer, observe, gather)
+    block-table column, summed over heads and those queries. With ``head_mask [num_seqs,
+    H_kv, max_blocks]`` (bool; a per-head compressor's), KV head h of sequence i reads only the
+    columns where it is True (its group of query heads, ``h * H / H_kv`` onwards), and the
+    mass is per KV head, ``[num_seqs, H_kv, max_blocks]`` (summed over that group)."""
+    out, mass = _paged(query, kv_cache, batch, layer, observe, gather, head_mask)
     assert mass is not None
     return out, mass
 

@@ -33,3 +33,17 @@ def test_snapkv_variants():
     assert arms["snapkv-wide 1/2"] == {"plugin": "snapkv", "params": {"budget_blocks": 32, "sink_blocks": 1,
                                                                      "window_tokens": 512}}
     assert arms["snapkv-wide 1/8"]["params"]["window_tokens"] == 128
+
+
+def test_adakv_arms_hold_snapkvs_memory():
+    from vllm_graft.hooks import get_registry
+
+    arms = dict(_arms(2048, 32, ["snapkv", "adakv", "adakv-half"], (2, 8)))
+    reg = get_registry().get("kvcompress", "adakv").registration
+    for frac, budget in (("1/2", 32), ("1/8", 8)):
+        snap = arms[f"snapkv {frac}"]["params"]
+        for name, per_head in (("adakv", budget), ("adakv-half", max(3, budget // 2))):
+            p = arms[f"{name} {frac}"]
+            assert p["plugin"] == "adakv" and p["params"]["held_blocks"] == snap["budget_blocks"] == budget
+            assert p["params"]["budget_blocks"] == per_head and p["params"]["window_tokens"] == snap["window_tokens"]
+            reg.params(**p["params"])  # valid parameters

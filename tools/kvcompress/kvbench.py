@@ -72,9 +72,15 @@ def _arms(context: int, block: int, which: list[str], fractions=(2, 4, 8),
                 params = {"budget_blocks": budget, "sink_blocks": 1, "window_tokens": window}
                 if name == "snapkv-recent":
                     params["recent_blocks"] = min(budget - 1, max(1, round(budget * h2o_recent)))
+            elif name in ("adakv", "adakv-half"):
+                # per KV head, at snapkv's memory: at most `budget` prompt blocks held (the union
+                # over heads); each head reads `budget` of them on average (adakv: all of the
+                # union once it is full) or half of that (adakv-half: per-head masking)
+                per_head = budget if name == "adakv" else max(3, budget // 2)
+                params = {"budget_blocks": per_head, "held_blocks": budget, "sink_blocks": 1, "window_tokens": block}
             else:
                 raise SystemExit(f"kvbench: unknown compressor {name!r} (streaming, h2o, h2o-mean, snapkv, snapkv-recent, "
-                                 "snapkv-wide, kv4, kv4+streaming, kv4+h2o, kv4+snapkv)")
+                                 "snapkv-wide, adakv, adakv-half, kv4, kv4+streaming, kv4+h2o, kv4+snapkv)")
             choice = {"plugin": name.split("-")[0], "params": params}
             if fmt is None:
                 arms.append((f"{name} 1/{frac}", choice))
@@ -226,7 +232,7 @@ def main(args) -> int:
             f"{'needle EM':>10}")
     print(head)
     for r in rows:
-        note = " (prompt ppl is plain's)" if "snapkv" in r["arm"] else ""
+        note = " (prompt ppl is plain's)" if "snapkv" in r["arm"] or "adakv" in r["arm"] else ""
         print(f"{r['arm']:<20}{r['pool_blocks']:>6}{r['page_bytes']:>8}{r['peak_blocks']:>11}{r['median_blocks_decode']:>9}"
               f"{base['peak_blocks'] / max(1, r['peak_blocks']):>8.1f}x"
               f"{base['peak_blocks'] * base['page_bytes'] / max(1, r['peak_blocks'] * r['page_bytes']):>13.1f}x"
@@ -248,7 +254,9 @@ def add_command(sub: Any) -> None:
     p.add_argument("--compressors", default="streaming,h2o,snapkv",
                    help="comma list (default the three eviction compressors); also h2o-mean (score: mean), "
                         "snapkv-recent (recent_blocks: the --h2o-recent share), snapkv-wide (window_tokens: "
-                        "half the budget), kv4 (the 4-bit "
+                        "half the budget), adakv (per-KV-head budgets at snapkv's memory: budget_blocks = "
+                        "held_blocks = the budget), adakv-half (each head reads half the held blocks on average), "
+                        "kv4 (the 4-bit "
                         "storage format alone) and kv4+streaming, kv4+h2o, kv4+snapkv (composed)")
     p.add_argument("--fractions", default="2,4,8", help="budgets as fractions of the context (default 2,4,8)")
     p.add_argument("--h2o-recent", type=float, default=0.5, metavar="F",

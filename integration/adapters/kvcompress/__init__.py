@@ -92,9 +92,26 @@ process can append its channel events to a file named by ``VLLM_GRAFT_KVCOMPRESS
 
 Granularity. vLLM frees KV per block and per KV-cache group, so a block's score aggregates
 its tokens, all heads and all layers: H2O and SnapKV here choose blocks for all layers at
-once, not per layer or per head as in the papers. A scored compressor brings its own
+once, not per layer or per head as in the papers. A per-head compressor (below) chooses per
+KV head inside that granularity. A scored compressor brings its own
 attention, so it cannot be combined with an attention plugin (refused at validation: its
 registration declares ``incompatible_with: attention:*``; activation checks again).
+
+Per KV head (``per_head`` compressors: ``adakv``)
+------------------------------------------------
+The same channel, with scores per KV head. The scoring attention passes the compressor's
+``attend`` a ``head_mask [rows, H_kv, width]`` (False where a row's KV head dropped the block of
+that compacted column; built once per step by the plan from each request's per-head dropped
+sets) and gets the mass back per KV head (summed over that head's query heads, and over
+layers by the plan). After the forward pass each request's per-head scores grow by it,
+``keep_heads`` is asked with ``head_scores`` (``-inf`` where that head dropped the block) and
+checked per head (:func:`.keep.check_keep_heads`; a block a head dropped stays dropped for it);
+the block-level answer is the union over heads (:func:`.keep.union_of_heads`), and only blocks
+no head keeps are dropped, skipped and freed as above. The other blocks stay held; each head's
+dropped ones are masked out of its attention (event ``head_blocks_dropped``: (head, block)
+pairs). The mass per KV head is not summed over tensor-parallel ranks (each rank holds other
+heads), so such compressors declare no ``tp``; nor do they combine with a storage format
+(refused at activation).
 
 Storage formats (``KVCacheFormat``, e.g. ``kv4``) and composition
 -----------------------------------------------------------------

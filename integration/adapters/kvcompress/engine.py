@@ -140,6 +140,19 @@ class KVCompressAdapter(Adapter):
                 "implements no attend(): the worker gets the scores from the compressor's own "
                 "attention. Implement KVCompressor.attend (see vllm_graft.plugins.kvcompress.h2o), "
                 "or set needs_scores = False.")
+        if getattr(compressor, "per_head", False):
+            if not scored:
+                raise NotImplementedError(
+                    f"kvcompress plugin {e.name!r} sets per_head but not needs_scores: per-head "
+                    "decisions come from per-head attention mass; set needs_scores = True and implement attend()")
+            if type(compressor).keep_heads is KVCompressor.keep_heads:
+                raise NotImplementedError(
+                    f"kvcompress plugin {e.name!r} sets per_head but implements no keep_heads(); implement "
+                    "KVCompressor.keep_heads (see vllm_graft.plugins.kvcompress.adakv), or set per_head = False")
+            if fmt is not None:
+                raise NotImplementedError(
+                    f"kvcompress plugin {e.name!r} masks blocks per KV head, which the storage format "
+                    f"{fmt_e.name!r}'s attention does not do; leave one of them out of the deployment")
         from vllm_graft.integration.adapters import backend  # imports vLLM
 
         if scored and backend.SEAMS.method is not None and not isinstance(backend.SEAMS.method, _ScoringAttention):

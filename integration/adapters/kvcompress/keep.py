@@ -54,6 +54,30 @@ def check_keep(view: BlockView, kept: Any, plugin: str = "?") -> list[int]:
     return out
 
 
+def check_keep_heads(view: BlockView, kept: Any, plugin: str = "?") -> list[list[int]]:
+    """``kept`` (what ``keep_heads(view)`` returned, a per-head compressor's answer) as one
+    list of ints per KV head, each following the rules of :func:`check_keep`; else
+    :class:`KeepError`. The block-level answer is their union (:func:`union_of_heads`)."""
+    heads = len(view.head_scores or ())
+    if not isinstance(kept, (list, tuple)) or len(kept) != heads:
+        raise KeepError(
+            f"kvcompress plugin {plugin!r}: keep_heads() returned {kept!r:.200} for {view.num_tokens} tokens "
+            f"in {view.num_blocks} blocks; it must be a list of {heads} block lists, one per KV head "
+            "(len(view.head_scores))")
+    out = []
+    for h, blocks in enumerate(kept):
+        try:
+            out.append(check_keep(view, blocks, plugin))
+        except KeepError as e:
+            raise KeepError(f"{e} (the list of KV head {h} in keep_heads())") from None
+    return out
+
+
+def union_of_heads(kept: Sequence[Sequence[int]]) -> list[int]:
+    """The blocks some head keeps (a block is freed only when no head keeps it), ascending."""
+    return sorted(set().union(*map(set, kept))) if kept else []
+
+
 def dropped_blocks(view: BlockView, kept: Sequence[int]) -> list[int]:
     """The blocks of ``view`` not in ``kept``, ascending."""
     keep = set(kept)

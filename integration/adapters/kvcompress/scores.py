@@ -10,7 +10,13 @@ from typing import TYPE_CHECKING, Any, Callable
 from vllm_graft.hooks import BlockView, KVCompressor
 from vllm_graft.integration.adapters.kvcompress import state as _state
 from vllm_graft.integration.adapters.kvcompress.channel import trace
-from vllm_graft.integration.adapters.kvcompress.keep import KeepError, check_keep, dropped_blocks
+from vllm_graft.integration.adapters.kvcompress.keep import (
+    KeepError,
+    check_keep,
+    check_keep_heads,
+    dropped_blocks,
+    union_of_heads,
+)
 from vllm_graft.integration.adapters.kvcompress.rows import step_rows
 
 if TYPE_CHECKING:
@@ -22,7 +28,9 @@ NEG_INF = float("-inf")
 @dataclass
 class _ReqScores:
     scores: list[float]
-    dropped: set[int]
+    dropped: set[int]  # blocks left out of attention (and freed): every head dropped them
+    head_scores: list[list[float]] | None = None  # per_head: [H_kv][block]
+    head_dropped: list[set[int]] | None = None  # per_head: the blocks each KV head no longer reads
 
 
 @dataclass
@@ -32,8 +40,29 @@ class _StepPlan:
     rows: list[tuple[str, int, int, int, list[int]]]  # (req id, computed, q, prompt, skipped)
     cols: list[list[int]]  # per row: the logical block of each block-table column after compaction
     observe: "torch.Tensor"  # [T] bool: queries whose attention counts towards the scores
-    mass: "torch.Tensor"  # [rows, width] float32, summed over layers
+    mass: "torch.Tensor | None"  # [rows, width] (per_head: [rows, H_kv, width], made at the first layer) float32, summed over layers
     block_size: int
+    head_dropped: list[list[set[int]] | None] | None = None  # per_head: per row, each KV head's dropped blocks
+    _head_mask: Any = None
+
+    def head_mask(self, num_seqs: int, hkv: int, width: int) -> "torch.Tensor":
+        """per_head: ``[num_seqs, H_kv, width]`` bool, False where a row's KV head dropped the
+        block of that column (built once per step; rows past the plan's read everything)."""
+        import torch
+
+        m = self._head_mask
+        if m is not None and tuple(m.shape) == (num_seqs, hkv, width):
+            return m
+        m = torch.ones(num_seqs, hkv, width, dtype=torch.bool)
+        for i, dropped in enumerate((self.head_dropped or [])[:num_seqs]):
+            if not dropped:
+                continue
+            for j, logical in enumerate(self.cols[i][:width]):
+                for h, d in enumerate(dropped[:hkv]):
+                    if logical in d:
+                        m[i, h, j] = False
+        self._head_mask = m
+        return m
 
 
 class _Scores:
@@ -83,8 +112,11 @@ class _Scores:
             a, b = max(lo, computed), min(hi, total)
             if a < b:
                 observe[qsl[i] + a - computed: qsl[i] + b - computed] = True
-        plan = _StepPlan(step.rows, cols, observe,
-                         torch.zeros(len(step.rows), batch.block_table.shape[1], dtype=torch.float32), B)
+        per_head = bool(getattr(self.compressor, "per_head", False))
+        mass = None if per_head else torch.zeros(len(step.rows), batch.block_table.shape[1], dtype=torch.float32)
+        plan = _StepPlan(step.rows, cols, observe, mass, B)
+        if per_head:
+            plan.head_dropped = [getattr(self.reqs.get(r[0]), "head_dropped", None) for r in step.rows]
         self.pending = plan
         return plan
 
@@ -92,23 +124,33 @@ class _Scores:
         """After the step's forward: add its attention mass to the scores, ask ``keep`` and
         return the blocks newly dropped, per request."""
         plan, self.pending = self.pending, None
-        if plan is None:
+        if plan is None or plan.mass is None:
             return {}
         B = plan.block_size
         mass = (plan.mass if self.reduce is None else self.reduce(plan.mass)).tolist()
+        per_head = plan.head_dropped is not None
         drops: dict[str, list[int]] = {}
+        head_drops = 0
         for i, (req_id, computed, q, prompt, _) in enumerate(plan.rows):
             if q <= 0:
                 continue
             st = self.reqs.setdefault(req_id, _ReqScores([], set()))
             total = computed + q
             nb = -(-total // B)
-            st.scores.extend([0.0] * (nb - len(st.scores)))
-            for j, logical in enumerate(plan.cols[i]):
-                st.scores[logical] += mass[i][j]
-            scores = tuple(NEG_INF if k in st.dropped else st.scores[k] for k in range(nb))
-            view = BlockView(num_tokens=total, block_size=B, num_prompt_tokens=prompt, scores=scores)
-            kept = check_keep(view, self.compressor.keep(view), self.name)
+            if per_head:
+                view, kept_heads = self._ask_heads(st, mass[i], plan.cols[i], total, B, prompt)
+                kept = union_of_heads(kept_heads)
+                for h, blocks in enumerate(kept_heads):
+                    new_h = set(dropped_blocks(view, blocks)) - st.head_dropped[h]
+                    head_drops += len(new_h)
+                    st.head_dropped[h] |= new_h
+            else:
+                st.scores.extend([0.0] * (nb - len(st.scores)))
+                for j, logical in enumerate(plan.cols[i]):
+                    st.scores[logical] += mass[i][j]
+                scores = tuple(NEG_INF if k in st.dropped else st.scores[k] for k in range(nb))
+                view = BlockView(num_tokens=total, block_size=B, num_prompt_tokens=prompt, scores=scores)
+                kept = check_keep(view, self.compressor.keep(view), self.name)
             back = sorted(st.dropped & set(kept))
             if back:
                 raise KeepError(
@@ -122,7 +164,39 @@ class _Scores:
                 drops[req_id] = new
                 trace("worker_dropped", len(new), req=req_id, blocks=new)
         self.count("worker_steps", sum(1 for r in plan.rows if r[2] > 0))
+        if head_drops:
+            self.count("head_blocks_dropped", head_drops)
         return drops
+
+    def _ask_heads(self, st: _ReqScores, mass: list[list[float]], cols: list[int], total: int, B: int,
+                   prompt: int) -> tuple[BlockView, list[list[int]]]:
+        """per_head: add a row's mass ``[H_kv][column]`` to its per-head scores, ask
+        ``keep_heads`` and check the answer (each head's rules, and a block a head dropped
+        stays dropped for it)."""
+        hkv, nb = len(mass), -(-total // B)
+        if st.head_scores is None:
+            st.head_scores = [[] for _ in range(hkv)]
+            st.head_dropped = [set() for _ in range(hkv)]
+        for h in range(hkv):
+            hs = st.head_scores[h]
+            hs.extend([0.0] * (nb - len(hs)))
+            for j, logical in enumerate(cols):
+                hs[logical] += mass[h][j]
+        st.scores = [sum(st.head_scores[h][k] for h in range(hkv)) for k in range(nb)]
+        head_view = tuple(tuple(NEG_INF if k in st.head_dropped[h] else st.head_scores[h][k] for k in range(nb))
+                          for h in range(hkv))
+        scores = tuple(NEG_INF if k in st.dropped else st.scores[k] for k in range(nb))
+        view = BlockView(num_tokens=total, block_size=B, num_prompt_tokens=prompt, scores=scores,
+                         head_scores=head_view)
+        kept_heads = check_keep_heads(view, self.compressor.keep_heads(view), self.name)
+        for h, blocks in enumerate(kept_heads):
+            back = sorted(st.head_dropped[h] & set(blocks))
+            if back:
+                raise KeepError(
+                    f"kvcompress plugin {self.name!r}: keep_heads() kept block(s) {back} for KV head {h} "
+                    f"({total} tokens), which that head dropped at an earlier step; a block a head dropped "
+                    "stays dropped for it (its head_scores are -inf)")
+        return view, kept_heads
 
 
 class _ScoringAttention:
@@ -143,11 +217,24 @@ class _ScoringAttention:
         if observe.numel() < n:
             observe = torch.cat([observe, torch.zeros(n - observe.numel(), dtype=torch.bool)])
         state = _state.active
+        compressor = self.scores.compressor
+        if getattr(compressor, "per_head", False):
+            # each KV head reads the blocks it kept; the mass comes back per KV head
+            S, width, hkv = batch.block_table.shape[0], batch.block_table.shape[1], layer.num_kv_heads
+            mask = plan.head_mask(S, hkv, width) if plan is not None else \
+                torch.ones(S, hkv, width, dtype=torch.bool)
+            out, mass = compressor.attend(query, kv_cache, batch, layer, observe, head_mask=mask.to(query.device))
+            if plan is not None:
+                if plan.mass is None:
+                    plan.mass = torch.zeros(len(plan.rows), hkv, width, dtype=torch.float32)
+                rows = plan.mass.shape[0]
+                plan.mass += mass[:rows, :, :width].to(plan.mass.dtype).cpu()
+            return out
         if state is not None and state.kv_format is not None and kv_cache.dtype == _uint8():
             # the cache is in the storage format: its attention reads it (and scores it)
             out, mass = state.kv_format.forward(query, kv_cache, batch, layer, observe)
         else:
-            out, mass = self.scores.compressor.attend(query, kv_cache, batch, layer, observe)
+            out, mass = compressor.attend(query, kv_cache, batch, layer, observe)
         if plan is not None:
             rows, width = plan.mass.shape
             plan.mass += mass[:rows, :width].to(plan.mass.dtype)

@@ -10,7 +10,13 @@ from typing import Any
 
 from vllm_graft.hooks import BlockView, KVCacheFormat
 from vllm_graft.hooks.contracts import split_kv_cache
-from vllm_graft.integration.adapters.kvcompress.keep import KeepError, check_keep, dropped_blocks
+from vllm_graft.integration.adapters.kvcompress.keep import (
+    KeepError,
+    check_keep,
+    check_keep_heads,
+    dropped_blocks,
+    union_of_heads,
+)
 from vllm_graft.kit.conformance.base import Skipped, Target, torch_dtype, torch_module
 from vllm_graft.kit.conformance.exercises.attention import (
     ATTENTION_SEQS,
@@ -75,6 +81,48 @@ def exercise_kvcompress(t: Target, impl: Any, dtype: str, rules: bool) -> list[t
             dropped |= set(dropped_blocks(view, kept))
             answers.append(kept)
         results.append((label, answers))
+    if getattr(impl, "per_head", False):
+        results += exercise_keep_heads(t, impl, rules)
+    return results
+
+
+def exercise_keep_heads(t: Target, impl: Any, rules: bool) -> list[tuple[str, Any]]:
+    """A per-KV-head compressor (``per_head``): ``keep_heads()`` over growing views with
+    ``head_scores`` for 2 KV heads (a block a head dropped shown ``-inf`` to it): one rule-abiding
+    list per head, ``keep()`` their union, and a block a head dropped never comes back for it."""
+    rnd = random.Random(8)
+    results = []
+    name = t.entry.name
+    for label, views in _kv_views(True):
+        dropped: list[set[int]] = [set(), set()]
+        acc: list[list[float]] = [[], []]
+        answers = []
+        for view in views:
+            for h in range(2):
+                while len(acc[h]) < view.num_blocks:
+                    acc[h].append(rnd.random() ** (1 + 3 * h))
+            heads = tuple(tuple(float("-inf") if i in dropped[h] else acc[h][i] for i in range(view.num_blocks))
+                          for h in range(2))
+            hv = BlockView(view.num_tokens, view.block_size, view.num_prompt_tokens,
+                           tuple(map(sum, zip(*heads))), head_scores=heads)
+            try:
+                kept = check_keep_heads(hv, impl.keep_heads(hv), name)
+            except KeepError as e:
+                raise t.fail(str(e)) from None
+            if rules:
+                for h in range(2):
+                    back = sorted(dropped[h] & set(kept[h]))
+                    if back:
+                        raise t.fail(f"keep_heads() keeps block(s) {back} for KV head {h}, which that head "
+                                     f"dropped earlier ({label}, {view.num_tokens} tokens)")
+                union = check_keep(hv, impl.keep(hv), name)
+                if union != union_of_heads(kept):
+                    raise t.fail(f"keep() gave {union}, not the union of keep_heads() ({union_of_heads(kept)}) "
+                                 f"({label}): a block is freed only when no head keeps it")
+            for h in range(2):
+                dropped[h] |= set(dropped_blocks(hv, kept[h]))
+            answers.append(kept)
+        results.append((f"per head {label}", answers))
     return results
 
 

@@ -20,3 +20,35 @@ def top_blocks(scores: Sequence[float], candidates: Iterable[int], k: int) -> se
         return set()
     ranked = sorted(candidates, key=lambda i: (-float(scores[i]), i))
     return set(ranked[:k])
+
+
+def adaptive_head_budget(head_scores: Sequence[Sequence[float]], candidates: Iterable[int], slots: int,
+                         floor: int = 0, cap: int | None = None) -> list[set[int]]:
+    """AdaKV's budget allocation over KV heads: ``slots`` (head, block) pairs in all, taken by
+    score over every head together (a head whose attention is concentrated on few blocks gets
+    few, a diffuse head many), after each head's own ``floor`` best blocks (the paper's
+    safeguard, so no head is left with nothing). ``head_scores[h][i]``: block i's score for
+    head h (``-inf``: the head dropped it; never chosen). ``cap``: at most this many distinct
+    blocks over all heads (vLLM frees a block only when no head keeps it, so the distinct blocks
+    are the memory held): a pair whose block no head holds yet is skipped once ``cap`` blocks
+    are held, a pair of a held block always fits. Ties: the higher score, then the lower head,
+    then the older block, so the answer is a function of the scores. Returns each head's blocks."""
+    heads = len(head_scores)
+    cands = list(candidates)
+    ranked = [sorted((i for i in cands if head_scores[h][i] != float("-inf")),
+                     key=lambda i, h=h: (-float(head_scores[h][i]), i)) for h in range(heads)]
+    key = lambda hi: (-float(head_scores[hi[0]][hi[1]]), hi[0], hi[1])  # noqa: E731
+    first = sorted(((h, i) for h in range(heads) for i in ranked[h][:max(0, floor)]), key=key)
+    rest = sorted(((h, i) for h in range(heads) for i in ranked[h][max(0, floor):]), key=key)
+    chosen: list[set[int]] = [set() for _ in range(heads)]
+    held: set[int] = set()
+    taken = 0
+    for h, i in first + rest:
+        if taken >= slots:
+            break
+        if i not in held and cap is not None and len(held) >= cap:
+            continue
+        chosen[h].add(i)
+        held.add(i)
+        taken += 1
+    return chosen

@@ -1,5 +1,6 @@
-"""``KVCompressor.attend`` of the scored compressors (``h2o``, ``snapkv``): the layer's exact
-attention and the softmax mass the observed queries put on each block.
+"""``KVCompressor.attend`` of the scored compressors (``h2o``, ``snapkv``, and per KV head
+``adakv``): the layer's exact attention and the softmax mass the observed queries put on each
+block.
 
 ``kernel: reference`` runs the attention kind's shared exact attention with mass (the oracle
 and the CPU path); ``kernel: triton`` the decode kernel of :mod:`.kernel` (imported here, only
@@ -15,10 +16,13 @@ from vllm_graft.plugins.attention._shared import paged_attention_with_mass
 
 
 def attend(kernel: str, query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
-           layer: AttentionLayer, observe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [T, H, D], mass [num_seqs, max_blocks])`` by the path ``kernel`` names."""
+           layer: AttentionLayer, observe: torch.Tensor, head_mask: torch.Tensor | None = None,
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [T, H, D], mass [num_seqs, max_blocks])`` by the path ``kernel`` names; with
+    ``head_mask [num_seqs, H_kv, max_blocks]`` (per-head compressors) each KV head reads only
+    its blocks and the mass is ``[num_seqs, H_kv, max_blocks]``."""
     if kernel == "triton":
         from .kernel import attention_with_mass
 
-        return attention_with_mass(query, kv_cache, batch, layer, observe)
-    return paged_attention_with_mass(query, kv_cache, batch, layer, observe)
+        return attention_with_mass(query, kv_cache, batch, layer, observe, head_mask=head_mask)
+    return paged_attention_with_mass(query, kv_cache, batch, layer, observe, head_mask=head_mask)

@@ -1,0 +1,61 @@
+"""`adakv` KV compressor (Ada-KV, Feng et al. 2024, arXiv:2407.11550) at block granularity, per
+KV head: SnapKV's observation-window scores, kept separately for each KV head, and AdaKV's
+adaptive allocation of one budget across the heads.
+
+Once the prompt is prefilled, every KV head keeps the ``sink_blocks`` leading blocks, the
+blocks of the observation window (the last ``window_tokens`` prompt tokens) and of the
+``recent_blocks`` last prompt blocks, and every generated block (as ``snapkv``). The other prompt
+blocks are shared out: ``budget_blocks`` is a head's *average* budget of prompt blocks, so the
+heads have ``H_kv x (budget_blocks - fixed blocks)`` (head, block) slots in all, taken by score
+over all heads together (a head whose window attention is concentrated on a few blocks takes
+few, a diffuse head many) after each head's ``floor_fraction`` share of its even budget (the
+paper's safeguard). A head's score of a block is the mass its query heads' window queries put
+on it, summed over layers (vLLM frees a block for every layer at once).
+
+Memory. vLLM frees KV per block for every head together, so a block is freed only when no head
+keeps it: the blocks held are the union of the heads' choices (up to ``H_kv x`` a head's
+budget), and inside them each head attends only to the blocks it chose (per-head masking).
+``held_blocks`` caps that union at a number of prompt blocks (the memory a request holds, as
+``snapkv``'s ``budget_blocks``): a pair that would open a block no head holds yet is skipped
+once the cap is reached. With ``held_blocks`` = ``budget_blocks`` every slot fits in the cap, so
+the heads share the union (AdaKV's choice of blocks, no masking); below, the heads read
+``budget_blocks`` of the ``held_blocks`` on average. Mid-prefill nothing is dropped.
+"""
+from pydantic import Field, model_validator
+
+from vllm_graft.hooks import Capabilities, Registration, hookimpl
+from vllm_graft.plugins.kvcompress.snapkv import SnapKVParams
+
+
+class AdaKVParams(SnapKVParams):
+    budget_blocks: int = Field(16, ge=2, description="prompt KV blocks each KV head keeps after prefill, on average "
+                               "(the heads' budget, H_kv x budget_blocks (head, block) slots, is allocated by score)")
+    floor_fraction: float = Field(0.2, ge=0.0, le=1.0, description="share of its even budget each head gets "
+                                  "before the rest is allocated by score over all heads (AdaKV's safeguard)")
+    held_blocks: int | None = Field(None, ge=2, description="at most this many prompt blocks held per request "
+                                    "(the union over heads: vLLM frees a block only when no head keeps it); "
+                                    "None: the union as chosen, up to H_kv x budget_blocks")
+
+    @model_validator(mode="after")
+    def _cap_fits_budget(self):
+        if self.held_blocks is not None and self.held_blocks < self.budget_blocks:
+            raise ValueError(f"held_blocks ({self.held_blocks}) must be at least budget_blocks ({self.budget_blocks}): "
+                             "a head keeps budget_blocks prompt blocks on average, all of them held; raise "
+                             "held_blocks or lower budget_blocks")
+        return self
+
+
+@hookimpl
+def graft_register_kv_compressors(register):
+    register(Registration(
+        name="adakv",
+        summary="Ada-KV: SnapKV scores per KV head, one prompt budget allocated across heads by score; "
+                "blocks freed where no head keeps them, per-head masking inside",
+        paper="Feng et al. 2024, Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for "
+              "Efficient LLM Inference (arXiv:2407.11550)",
+        params=AdaKVParams,
+        impl="vllm_graft.plugins.kvcompress.adakv.reference:AdaKV",
+        # its own attention (per-head masked, per-head mass); the mass is per KV head, which
+        # tensor-parallel ranks split (not summed across ranks yet): one rank
+        capabilities=Capabilities(lossless=False, incompatible_with=("attention:*",), parallelism=("dp",)),
+    ))
