@@ -97,3 +97,42 @@ def test_proposer_is_lossless_and_its_drafts_are_accepted(name, plain_tokens):
         assert topk_target.describe()["rows_observed"] > 0
         assert audit.checked > sum(len(t) for t in got) // 2
         assert not audit.mismatches, audit.mismatches[:3]
+
+
+# ------------------------------------------------------------------------ tree verification
+TREE_CASES = {  # trees of depth 4: 28 nodes (breadth 4, 2, 1, 1) and <= 16 (4 chains of 4)
+    "token-recycling": {"k": 4, "tree": True, "num_speculative_tokens": 28},
+    "lookahead": {"tree": True, "num_speculative_tokens": 16},
+}
+
+
+@pytest.mark.parametrize("name", list(TREE_CASES))
+def test_tree_mode_is_lossless_and_accepts_paths_of_its_trees(name, plain_tokens):
+    """Trees verified in one forward each (adapters/speculative/tree.py) give plain vLLM's greedy
+    tokens; vLLM's own counters see the accepted paths. Sampled requests get trees too (the
+    verdict by rejection sampling; its losslessness: tests/unit/test_spec_tree.py), except with
+    top-p, which the verifier does not reproduce: their trees are cut to a chain."""
+    from vllm import SamplingParams
+
+    with engine({"speculative": {"plugin": name, "params": TREE_CASES[name]}},
+                disable_log_stats=False) as llm:
+        before = _accepted_counter(llm)
+        got = _tokens(llm.generate(PROMPTS, _greedy(NEW_TOKENS), use_tqdm=False))
+        accepted = _accepted_counter(llm) - before
+        greedy = _events(Kind.SPECULATIVE, name)
+        sampled = llm.generate(PROMPTS[-2:], [SamplingParams(temperature=0.8, max_tokens=NEW_TOKENS),
+                                              SamplingParams(temperature=0.8, top_p=0.9, max_tokens=NEW_TOKENS)],
+                               use_tqdm=False)
+        events = _events(Kind.SPECULATIVE, name)
+    assert got == plain_tokens, f"{name} (tree): greedy output differs from plain vLLM"
+    print(name, "tree", dict(greedy))
+    assert greedy["trees"] > 0 and greedy["tree_verify"] > 0 and greedy["tree_accepted"] > 0
+    assert accepted == greedy["accepted"] >= greedy["tree_accepted"]
+    assert events["tree_verify"] > greedy["tree_verify"]  # the sampled request's trees
+    assert events.get("tree_cut_to_chain", 0) > 0  # the top-p request's
+    assert all(len(o.outputs[0].token_ids) == NEW_TOKENS for o in sampled)
+
+
+def _accepted_counter(llm) -> float:
+    return sum(float(m.value) for m in llm.get_metrics()
+               if m.name == "vllm:spec_decode_num_accepted_tokens" and hasattr(m, "value"))

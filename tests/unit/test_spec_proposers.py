@@ -369,3 +369,39 @@ def test_adaptive_turns_speculation_off_where_it_measures_slower(monkeypatch):
         clock[0] += 0.003 if a._on else 0.001
     assert ons[-20:].count(False) >= 15
     assert a.describe()["goodput_tok_s"]
+
+
+# ------------------------------------------------------------------------------ tree mode
+def _proposer(name, **params):
+    entry = get_registry().get("speculative", name)
+    return entry.registration.load()(entry.registration.params(**params))
+
+
+def test_token_recycling_tree_mode_drafts_the_static_tree_within_the_node_budget():
+    p = _proposer("token-recycling", k=3, tree=True, tree_breadth=[2, 1], num_speculative_tokens=8)
+    assert p.drafts_trees and not _proposer("token-recycling").drafts_trees
+    p.observe_topk("r", [7, 1, 2], np.array([[1, 2, 3], [4, 5, 6], [8, 9, 10]]))
+    # root 7 -> 1, 2 (breadth 2); then 1 -> 4 and 2 -> 8 (breadth 1)
+    assert p.propose_tree("r", [0, 7], 8) == ([1, 2, 4, 8], [-1, -1, 0, 1])
+    assert p.propose_tree("r", [0, 7], 3) == ([1, 2, 4], [-1, -1, 0])
+    assert p.propose_tree("r", [0, 99], 8) == ([], [])  # nothing recycled after 99
+    with pytest.raises(Exception, match="tree_breadth"):
+        get_registry().get("speculative", "token-recycling").registration.params(tree_breadth=[2, 0])
+
+
+def test_lookahead_tree_mode_merges_continuations_sharing_a_prefix():
+    p = _proposer("lookahead", tree=True, tree_branches=3, tree_depth=3, depth=4, num_speculative_tokens=16)
+    seq = [1, 2, 3, 4, 9, 1, 2, 3, 5, 9, 1, 2, 6, 7, 9, 1, 2]
+    tokens, parents = p.propose_tree("r", seq, 16)
+    chains = [[tokens[i] for i in _path(parents, leaf)] for leaf in range(len(parents)) if leaf not in parents]
+    # after "... 9 1 2" the trie saw 3 4 9 / 3 5 9 / 6 7 9: three continuations, "3" shared
+    assert sorted(chains) == [[3, 4, 9], [3, 5, 9], [6, 7, 9]] and tokens.count(3) == 1
+    assert p.propose_tree("r", seq, 2) == (tokens[:2], parents[:2])
+
+
+def _path(parents, node):
+    out = []
+    while node != -1:
+        out.append(node)
+        node = parents[node]
+    return out[::-1]

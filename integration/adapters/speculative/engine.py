@@ -94,6 +94,7 @@ from vllm_graft.integration import targets
 from vllm_graft.integration.patches import PATCHES
 from vllm_graft.integration.runtime import RUNTIME, Runtime
 from vllm_graft.integration.adapters import Adapter
+from vllm_graft.integration.adapters.speculative import tree
 from vllm_graft.integration.adapters.speculative.drafting import Drafting
 
 OWNER = "adapters.speculative"
@@ -145,6 +146,8 @@ class GraftProposer:
             max_model_len=model.max_model_len, vocab_size=model.get_vocab_size(), count=count)
         self._runner: weakref.ReferenceType | None = None
         self.vllm_config = vllm_config  # for load_model
+        #: tree verification (a plugin that drafts trees; :mod:`.tree`), else None
+        self.tree = tree.activate_verifier(count) if self.drafting.trees_on else None
 
     def load_model(self, target_model: Any) -> None:
         """Called once by the runner with the model it loaded. A plugin that drafts with the
@@ -187,8 +190,11 @@ class GraftProposer:
         batch = runner.input_batch
         # rows sampled with a request seed: vLLM gives exactly those a torch.Generator
         seeded = [batch.req_ids[i] for i in getattr(batch, "generators", {}) if i < len(batch.req_ids)]
+        chain_only = () if self.tree is None else [
+            rid for rid in batch.req_ids
+            if rid is not None and not tree.tree_verifiable(getattr(runner.requests.get(rid), "sampling_params", None))]
         return self.drafting.propose(batch.req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
-                                     seeded=seeded)
+                                     seeded=seeded, chain_only=chain_only)
 
 
 def _update_states_wrapper(original: Callable) -> Callable:
@@ -205,19 +211,38 @@ def _update_states_wrapper(original: Callable) -> Callable:
 def _sample_wrapper(original: Callable) -> Callable:
     def _sample(self, logits, spec_decode_metadata):
         drafter = getattr(self, "drafter", None)
-        if isinstance(drafter, GraftProposer) and drafter.drafting.topk and logits is not None:
+        if not isinstance(drafter, GraftProposer):
+            return original(self, logits, spec_decode_metadata)
+        if drafter.drafting.topk and logits is not None:
             drafter.logits_computed(logits, spec_decode_metadata)
-        return original(self, logits, spec_decode_metadata)
+        output = original(self, logits, spec_decode_metadata)
+        if drafter.tree is not None:
+            drafter.tree.verify(self, logits, spec_decode_metadata, output)
+        return output
 
     _sample.__wrapped__ = original  # type: ignore[attr-defined]
     return _sample
 
 
-def install_patch() -> None:
-    """Wrap ``GPUModelRunner._update_states`` and ``GPUModelRunner._sample`` (idempotent; why:
-    :mod:`...targets`)."""
+def _prepare_inputs_wrapper(original: Callable) -> Callable:
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        out = original(self, scheduler_output, num_scheduled_tokens)
+        drafter = getattr(self, "drafter", None)
+        if isinstance(drafter, GraftProposer) and drafter.tree is not None:
+            drafter.tree.prepare(self, drafter.drafting.step_trees, num_scheduled_tokens)
+        return out
+
+    _prepare_inputs.__wrapped__ = original  # type: ignore[attr-defined]
+    return _prepare_inputs
+
+
+def install_patch(trees: bool = False) -> None:
+    """Wrap ``GPUModelRunner._update_states`` and ``GPUModelRunner._sample``, and for a plugin
+    that drafts trees ``GPUModelRunner._prepare_inputs`` (idempotent; why: :mod:`...targets`)."""
     PATCHES.ensure_target(targets.SPEC_SAMPLE, _sample_wrapper)
     PATCHES.ensure_target(targets.SPEC_UPDATE_STATES, _update_states_wrapper)
+    if trees:
+        PATCHES.ensure_target(targets.SPEC_PREPARE_INPUTS, _prepare_inputs_wrapper)
 
 
 # ------------------------------------------------------------------------------ adapter
@@ -232,9 +257,13 @@ class SpeculativeAdapter(Adapter):
     def activate(self, enabled: list[Enabled], plan: Plan, runtime: Runtime) -> None:
         # The plugin itself is built by GraftProposer, in the worker that drafts.
         num_speculative_tokens(enabled[0].params)  # a bad value fails here, before start-up
-        install_patch()
+        trees = tree.drafts_trees(enabled[0], plan)
+        install_patch(trees)
+        if trees:
+            tree.install_attention(OWNER)
 
     def deactivate(self) -> None:
+        tree.uninstall_attention(OWNER)
         PATCHES.undo(OWNER)
 
 

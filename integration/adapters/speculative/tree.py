@@ -251,6 +251,11 @@ def drafts_trees(enabled: Any, plan: Any) -> bool:
         raise ValueError(f"{where}, whose verification computes attention itself; it cannot be "
                          f"combined with {', '.join(repr(o) for o in others)} yet: leave those "
                          "out of the deployment, or turn the tree off (tree: false)")
+    engine = getattr(plan.deployment, "engine", None) or {}
+    if int(engine.get("tensor_parallel_size", 1) or 1) > 1 or int(engine.get("pipeline_parallel_size", 1) or 1) > 1:
+        raise ValueError(f"{where}: tree verification runs on one rank so far (each rank would "
+                         "verify and move KV on its own); set tensor_parallel_size and "
+                         "pipeline_parallel_size to 1, or tree: false")
     if plan.platform not in (None, "cpu"):
         raise ValueError(f"{where}: tree verification runs on vLLM's CPU engine only so far "
                          f"(platform {plan.platform!r}); set tree: false to verify chains")

@@ -8,7 +8,8 @@ from vllm_graft.hooks import Capabilities, Registration, hookimpl
 class LookaheadParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    num_speculative_tokens: int = Field(4, ge=1, le=32, description="most draft tokens per step")
+    num_speculative_tokens: int = Field(4, ge=1, le=128, description="most draft tokens per step "
+                                        "(with tree: true, the most tree nodes)")
     depth: int = Field(8, ge=2, le=64, description="tokens per inserted window (matched "
                        "suffix + drafts <= depth; suffixes of up to depth - drafts tokens are matched)")
     min_match: int = Field(1, ge=1, description="shortest suffix that may be matched")

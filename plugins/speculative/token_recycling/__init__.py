@@ -9,7 +9,8 @@ class TokenRecyclingParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     num_speculative_tokens: int = Field(
-        4, ge=1, le=32, description="most draft tokens per step (the path length walked)")
+        4, ge=1, le=128, description="most draft tokens per step: the path length walked, or "
+        "with tree: true the most tree nodes (vLLM reserves that many verification slots)")
     k: int = Field(8, ge=1, le=64, description="successors kept per token (matrix columns; "
                    "the top-k taken from each verify step's logits)")
     vocab_size: int | None = Field(
