@@ -70,6 +70,9 @@ def exercise_speculative(t: Target, impl: Any, dtype: str, rules: bool) -> list[
         for _ in range(SPEC_STEPS):
             max_tokens = 4
             impl.begin_step(1, 1 + (len(drafts_seen[-1]) if drafts_seen else 0))
+            if getattr(impl, "drafts_trees", False):
+                drafts_seen.append(_tree_step(t, impl, rid, tokens, truth, topk, rnd, rules))
+                continue
             drafts = impl.propose(rid, list(tokens), max_tokens)
             try:
                 drafts = [int(x) for x in drafts]
@@ -97,6 +100,50 @@ def exercise_speculative(t: Target, impl: Any, dtype: str, rules: bool) -> list[
     for r in range(SPEC_REQUESTS):
         impl.finish(request_id(r))
     return results
+
+
+TREE_NODES = 12
+
+
+def _tree_step(t: Target, impl: Any, rid: str, tokens: list[int], truth: list[int], topk: int,
+               rnd: random.Random, rules: bool) -> list[int]:
+    """One step of a proposer that drafts trees (``Proposer.drafts_trees``): its tree checked
+    against the contract, verified greedily against the truth as the vLLM adapter's verifier
+    would (the longest path of correct nodes), then top-k rows and acceptance reported."""
+    import numpy as np
+
+    answer = impl.propose_tree(rid, list(tokens), TREE_NODES)
+    try:
+        nodes, parents = ([int(x) for x in part] for part in answer)
+    except (TypeError, ValueError):
+        raise t.fail(f"propose_tree() returned {answer!r}; it must return (tokens, parents), "
+                     "two lists of ints") from None
+    if rules and (len(nodes) != len(parents) or len(nodes) > TREE_NODES or any(x < 0 for x in nodes)
+                  or any(not -1 <= p < i for i, p in enumerate(parents))):
+        raise t.fail(f"propose_tree() returned tokens {nodes} and parents {parents} for max_nodes="
+                     f"{TREE_NODES}: equal lengths, at most max_nodes non-negative tokens, "
+                     "-1 <= parents[i] < i")
+    nodes, parents = nodes[:TREE_NODES], parents[:TREE_NODES]
+    path: list[int] = []
+    while len(tokens) + len(path) < len(truth):
+        want, at = truth[len(tokens) + len(path)], path[-1] if path else -1
+        child = next((i for i, p in enumerate(parents) if p == at and nodes[i] == want), None)
+        if child is None:
+            break
+        path.append(child)
+    if topk > 0:  # row 0 after the root; row i + 1 after node i (the truth on the accepted path)
+        depth_of = {node: d for d, node in enumerate(path)}
+        rows = [[truth[len(tokens)], *(rnd.randrange(SPEC_VOCAB) for _ in range(topk - 1))]]
+        for i in range(len(nodes)):
+            d = depth_of.get(i)
+            first = truth[len(tokens) + d + 1] if d is not None and len(tokens) + d + 1 < len(truth) \
+                else rnd.randrange(SPEC_VOCAB)
+            rows.append([first, *(rnd.randrange(SPEC_VOCAB) for _ in range(topk - 1))])
+        impl.observe_topk(rid, [tokens[-1], *nodes], np.array(rows, dtype=np.int64))
+    if nodes:
+        impl.accepted(rid, len(path), len(nodes))
+    tokens += truth[len(tokens):len(tokens) + len(path) + 1]
+    return nodes
 
 
 def _holders(obj: Any, needles: set[str], path: str, depth: int, seen: set[int]) -> list[str]:
