@@ -311,3 +311,79 @@ def test_deployment_refusals(tmp_path):
     (q / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "awq"}}))
     with pytest.raises(DeploymentError, match="quantized checkpoint \\(awq\\)"):
         validate({"model": str(q), "speculative": {"plugin": "swift"}}, reg, env)
+
+
+# ------------------------------------------------------------------------ the adapter's description
+class UnquantizedLinearMethod:  # named as vLLM's: what the adapter accepts
+    pass
+
+
+class Fp8LinearMethod:
+    pass
+
+
+class FakeLinear(torch.nn.Module):
+    """Stands in for vLLM's linear layers: ``layer(x) -> (x @ W.T, None)``."""
+
+    def __init__(self, weight, method=UnquantizedLinearMethod):
+        super().__init__()
+        self.w, self.quant_method, self.bias = weight, method(), None
+
+    def forward(self, x):
+        return x @ self.w.T, None
+
+
+def fake_vllm_llama(w: TargetWeights, name="LlamaForCausalLM", quantized=False):
+    """An object shaped like vLLM's LlamaForCausalLM (the attributes the adapter reads)."""
+    from types import SimpleNamespace as NS
+
+    n = 64
+    inv = 1.0 / (w.rope_theta ** (torch.arange(0, w.head_dim, 2, dtype=torch.float64) / w.head_dim))
+    f = torch.outer(torch.arange(n, dtype=torch.float64), inv)
+    rope = NS(is_neox_style=True, cos_sin_cache=torch.cat([f.cos(), f.sin()], -1).float(), rotary_dim=w.head_dim)
+    layers = [NS(self_attn=NS(qkv_proj=FakeLinear(l.qkv, Fp8LinearMethod if quantized else UnquantizedLinearMethod),
+                              o_proj=FakeLinear(l.o), attn=NS(sliding_window=None), rotary_emb=rope,
+                              num_heads=w.num_heads, total_num_heads=w.num_heads,
+                              num_kv_heads=w.num_kv_heads, head_dim=w.head_dim),
+                 mlp=NS(gate_up_proj=FakeLinear(l.gate_up), down_proj=FakeLinear(l.down)),
+                 input_layernorm=NS(weight=l.input_norm), post_attention_layernorm=NS(weight=l.post_attention_norm))
+              for l in w.layers]
+    cls = type(name, (), {})
+    model = cls()
+    model.model = NS(layers=layers, norm=NS(weight=w.final_norm))
+    model.embed_input_ids = lambda ids: w.embed[ids]
+    model.compute_logits = lambda h: h @ w.lm_head.T
+    return model
+
+
+def vllm_config(tp=1, pp=1, vocab=64):
+    from types import SimpleNamespace as NS
+
+    return NS(parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+              model_config=NS(hf_config=NS(rms_norm_eps=1e-5, vocab_size=vocab), model="fake"))
+
+
+def test_adapter_describes_a_vllm_llama_and_shares_its_tensors():
+    from vllm_graft.integration.adapters.speculative.target import target_weights
+
+    w = random_weights()
+    model = fake_vllm_llama(w)
+    got = target_weights(model, vllm_config())
+    assert got.layers[2].input_norm is w.layers[2].input_norm  # shared, not copied
+    assert got.rope_cos_sin is model.model.layers[0].self_attn.rotary_emb.cos_sin_cache
+    toks = list(range(20))
+    for skip in (frozenset(), frozenset({3, 4})):
+        torch.testing.assert_close(SkipDecoder(got).forward(toks, skip), SkipDecoder(w).forward(toks, skip),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_adapter_refuses_what_it_cannot_describe():
+    from vllm_graft.integration.adapters.speculative.target import TargetUnsupported, target_weights
+
+    w = random_weights()
+    with pytest.raises(TargetUnsupported, match="MixtralForCausalLM.*choose another speculative plugin"):
+        target_weights(fake_vllm_llama(w, name="MixtralForCausalLM"), vllm_config())
+    with pytest.raises(TargetUnsupported, match="tensor_parallel_size=2.*run on one rank"):
+        target_weights(fake_vllm_llama(w), vllm_config(tp=2))
+    with pytest.raises(TargetUnsupported, match="qkv_proj is quantized \\(Fp8LinearMethod\\).*unquantized"):
+        target_weights(fake_vllm_llama(w, quantized=True), vllm_config())
