@@ -32,8 +32,10 @@ class TargetLayer:
     o: Any  #: projection ``[T, heads * head_dim] -> [T, hidden]``
     gate_up: Any  #: projection to ``[T, 2 * intermediate]``: gate, then up (SiLU(gate) * up)
     down: Any  #: projection ``[T, intermediate] -> [T, hidden]``
-    input_norm: Any  #: RMSNorm weight ``[hidden]`` before attention
-    post_attention_norm: Any  #: RMSNorm weight ``[hidden]`` before the MLP
+    #: RMSNorm before attention: its weight ``[hidden]``, or a callable ``x -> RMSNorm(x)``
+    #: (the vLLM adapter passes the target's own RMSNorm layers: one fused op each on the CPU)
+    input_norm: Any
+    post_attention_norm: Any  #: RMSNorm before the MLP: weight ``[hidden]`` or callable
 
 
 @dataclass
@@ -46,7 +48,7 @@ class TargetWeights:
 
     embed: Any  #: ``[vocab, hidden]`` tensor, or a callable ``ids [T] -> [T, hidden]``
     layers: list[TargetLayer]
-    final_norm: Any  #: RMSNorm weight ``[hidden]``
+    final_norm: Any  #: RMSNorm after the last layer: weight ``[hidden]`` or callable
     lm_head: Any  #: projection ``[T, hidden] -> [T, vocab]`` (logits)
     num_heads: int
     num_kv_heads: int
@@ -58,6 +60,9 @@ class TargetWeights:
     #: carries any RoPE scaling; ``None``: computed from :attr:`rope_theta`
     rope_cos_sin: Any = None
     rotary_dim: int | None = None  #: ``None``: ``head_dim``
+    #: the target's own rotary op, ``(positions [T], q [T, heads * head_dim], k [T, kv_heads *
+    #: head_dim]) -> (q, k)`` (may work in place); ``None``: the proposer rotates with the table
+    rope: Any = None
     #: what built it, e.g. ``"vLLM LlamaForCausalLM"`` (for messages and ``describe()``)
     source: str = ""
     extra: dict[str, Any] = field(default_factory=dict)

@@ -40,8 +40,9 @@ def test_swift_is_lossless_and_its_drafts_are_accepted():
         layer = model.model.layers[1]
         # the draft calls the target's own layers: nothing of the model copied
         w = plugin.decoder.w
-        assert w.layers[1].input_norm is layer.input_layernorm.weight
-        assert w.lm_head == model.compute_logits
+        assert w.layers[1].input_norm is layer.input_layernorm
+        assert w.layers[1].qkv.__defaults__[0] is layer.self_attn.qkv_proj
+        assert w.rope is layer.self_attn.rotary_emb and w.lm_head == model.compute_logits
         before = {k: _counter(llm, f"vllm:spec_decode_num_{k}") for k in ("draft_tokens", "accepted_tokens")}
         got = _tokens(llm.generate(PROMPTS, _greedy(NEW_TOKENS), use_tqdm=False))
         after = {k: _counter(llm, f"vllm:spec_decode_num_{k}") for k in before}

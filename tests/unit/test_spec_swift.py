@@ -333,6 +333,36 @@ class FakeLinear(torch.nn.Module):
         return x @ self.w.T, None
 
 
+class FakeNorm:
+    """Stands in for vLLM's RMSNorm layer: called with ``x``."""
+
+    def __init__(self, weight):
+        self.weight = weight
+
+    def __call__(self, x):
+        from vllm_graft.plugins.speculative.swift.reference import rms_norm
+
+        return rms_norm(x, self.weight, 1e-5)
+
+
+class FakeRope:
+    """Stands in for vLLM's rotary embedding: ``(positions, q, k) -> (q, k)`` in place, NeoX."""
+
+    is_neox_style = True
+
+    def __init__(self, table, head_dim):
+        self.cos_sin_cache, self.rotary_dim, self.head_dim = table, head_dim, head_dim
+
+    def __call__(self, positions, q, k):
+        half = self.rotary_dim // 2
+        cos, sin = self.cos_sin_cache[positions, :half][:, None], self.cos_sin_cache[positions, half:][:, None]
+        for x in (q, k):
+            v = x.view(x.shape[0], -1, self.head_dim)
+            a, b = v[..., :half].clone(), v[..., half:].clone()
+            v[..., :half], v[..., half:] = a * cos - b * sin, b * cos + a * sin
+        return q, k
+
+
 def fake_vllm_llama(w: TargetWeights, name="LlamaForCausalLM", quantized=False):
     """An object shaped like vLLM's LlamaForCausalLM (the attributes the adapter reads)."""
     from types import SimpleNamespace as NS
@@ -340,17 +370,17 @@ def fake_vllm_llama(w: TargetWeights, name="LlamaForCausalLM", quantized=False):
     n = 64
     inv = 1.0 / (w.rope_theta ** (torch.arange(0, w.head_dim, 2, dtype=torch.float64) / w.head_dim))
     f = torch.outer(torch.arange(n, dtype=torch.float64), inv)
-    rope = NS(is_neox_style=True, cos_sin_cache=torch.cat([f.cos(), f.sin()], -1).float(), rotary_dim=w.head_dim)
+    rope = FakeRope(torch.cat([f.cos(), f.sin()], -1).float(), w.head_dim)
     layers = [NS(self_attn=NS(qkv_proj=FakeLinear(l.qkv, Fp8LinearMethod if quantized else UnquantizedLinearMethod),
                               o_proj=FakeLinear(l.o), attn=NS(sliding_window=None), rotary_emb=rope,
                               num_heads=w.num_heads, total_num_heads=w.num_heads,
                               num_kv_heads=w.num_kv_heads, head_dim=w.head_dim),
                  mlp=NS(gate_up_proj=FakeLinear(l.gate_up), down_proj=FakeLinear(l.down)),
-                 input_layernorm=NS(weight=l.input_norm), post_attention_layernorm=NS(weight=l.post_attention_norm))
+                 input_layernorm=FakeNorm(l.input_norm), post_attention_layernorm=FakeNorm(l.post_attention_norm))
               for l in w.layers]
     cls = type(name, (), {})
     model = cls()
-    model.model = NS(layers=layers, norm=NS(weight=w.final_norm))
+    model.model = NS(layers=layers, norm=FakeNorm(w.final_norm))
     model.embed_input_ids = lambda ids: w.embed[ids]
     model.compute_logits = lambda h: h @ w.lm_head.T
     return model
@@ -369,8 +399,11 @@ def test_adapter_describes_a_vllm_llama_and_shares_its_tensors():
     w = random_weights()
     model = fake_vllm_llama(w)
     got = target_weights(model, vllm_config())
-    assert got.layers[2].input_norm is w.layers[2].input_norm  # shared, not copied
-    assert got.rope_cos_sin is model.model.layers[0].self_attn.rotary_emb.cos_sin_cache
+    layer = model.model.layers[2]
+    assert got.layers[2].input_norm is layer.input_layernorm  # the target's own layers, called
+    assert got.layers[2].qkv.__defaults__[0] is layer.self_attn.qkv_proj
+    assert got.rope is layer.self_attn.rotary_emb
+    assert got.rope_cos_sin is layer.self_attn.rotary_emb.cos_sin_cache
     toks = list(range(20))
     for skip in (frozenset(), frozenset({3, 4})):
         torch.testing.assert_close(SkipDecoder(got).forward(toks, skip), SkipDecoder(w).forward(toks, skip),

@@ -7,15 +7,16 @@ Built in :meth:`~.engine.GraftProposer.load_model` (vLLM passes the model it jus
 
 * ``model.model.embed_tokens`` (``VocabParallelEmbedding``): passed as the callable
   ``model.embed_input_ids``;
-* per layer ``model.model.layers[i]``: ``self_attn.qkv_proj`` (q, k, v fused),
+* per layer ``model.model.layers[i]``: ``input_layernorm`` and ``post_attention_layernorm``
+  (vLLM's ``RMSNorm`` layers, called: one fused op each); ``self_attn.qkv_proj`` (q, k, v fused),
   ``self_attn.o_proj``, ``mlp.gate_up_proj`` (gate, up fused), ``mlp.down_proj`` as callables
   ``x -> layer(x)[0]``: on the CPU vLLM repacks each linear layer's weight for its GEMM
   (``layers/utils.py: dispatch_cpu_unquantized_gemm``, which frees the plain ``weight``), so
-  calling the layer is the one way to share the weights; ``input_layernorm.weight`` and
-  ``post_attention_layernorm.weight`` as tensors (shared, not copied);
-* ``model.model.norm.weight``; ``model.compute_logits`` as the LM head (vocabulary padding,
+  calling the layer is the one way to share the weights;
+* ``model.model.norm`` (called); ``model.compute_logits`` as the LM head (vocabulary padding,
   tied embeddings and ``logit_scale`` handled by vLLM);
-* ``self_attn.rotary_emb.cos_sin_cache`` (the target's own RoPE table, with its scaling).
+* ``self_attn.rotary_emb`` (called, ``(positions, q, k) -> (q, k)``: vLLM's rotary op with the
+  target's own table and scaling) and its ``cos_sin_cache``.
 
 Refused, naming the problem and the fix (before the first step, so the engine fails to
 start rather than draft wrongly): an architecture other than ``LlamaForCausalLM``, more than
@@ -55,6 +56,13 @@ def _linear(layer: Any, name: str) -> Any:
     return project
 
 
+def _norm(norm: Any) -> Any:
+    """vLLM's RMSNorm layer as a callable ``x -> norm(x)`` (one fused op on the CPU)."""
+    if getattr(norm, "has_weight", True) is False or not callable(norm):
+        raise _refuse(f"{type(norm).__name__} is not an RMSNorm with a weight", "choose another proposer")
+    return norm
+
+
 def target_weights(model: Any, vllm_config: Any) -> TargetWeights:
     """Describe vLLM's loaded ``model`` (see the module docstring)."""
     name = type(model).__name__
@@ -87,15 +95,14 @@ def target_weights(model: Any, vllm_config: Any) -> TargetWeights:
             o=_linear(attn.o_proj, p + "self_attn.o_proj"),
             gate_up=_linear(mlp.gate_up_proj, p + "mlp.gate_up_proj"),
             down=_linear(mlp.down_proj, p + "mlp.down_proj"),
-            input_norm=layer.input_layernorm.weight,
-            post_attention_norm=layer.post_attention_layernorm.weight))
+            input_norm=_norm(layer.input_layernorm), post_attention_norm=_norm(layer.post_attention_layernorm)))
     if not layers:
         raise _refuse("the model has no decoder layers on this rank", "run on one rank")
     first = inner.layers[0].self_attn
     return TargetWeights(
-        embed=model.embed_input_ids, layers=layers, final_norm=inner.norm.weight,
+        embed=model.embed_input_ids, layers=layers, final_norm=_norm(inner.norm),
         lm_head=model.compute_logits, num_heads=first.num_heads, num_kv_heads=first.num_kv_heads,
         head_dim=first.head_dim, rms_norm_eps=float(cfg.rms_norm_eps),
         vocab_size=int(cfg.vocab_size), rope_cos_sin=rope.cos_sin_cache,
-        rotary_dim=int(getattr(rope, "rotary_dim", first.head_dim)),
+        rotary_dim=int(getattr(rope, "rotary_dim", first.head_dim)), rope=rope,
         source=f"vLLM {name} ({vllm_config.model_config.model})")

@@ -42,8 +42,11 @@ def _apply(proj: Any, x: torch.Tensor) -> torch.Tensor:
     return proj(x)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm, computed in float32 and cast back, as vLLM and transformers do."""
+def rms_norm(x: torch.Tensor, weight: Any, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm, computed in float32 and cast back, as vLLM and transformers do
+    (``weight`` a tensor; a callable is the target's own norm, applied as is)."""
+    if not isinstance(weight, torch.Tensor):
+        return weight(x)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return xf.to(x.dtype) * weight
@@ -141,14 +144,19 @@ class SkipDecoder:
         out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
         return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
 
-    def attention(self, i: int, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor, cache: DraftCache | None, start: int) -> torch.Tensor:
+    def attention(self, i: int, x: torch.Tensor, positions: torch.Tensor, cos: Any,
+                  sin: Any, cache: DraftCache | None, start: int) -> torch.Tensor:
         w, layer = self.w, self.w.layers[i]
         n = x.shape[0]
         qkv = _apply(layer.qkv, x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.rope(q.reshape(n, w.num_heads, w.head_dim), cos, sin)
-        k = self.rope(k.reshape(n, w.num_kv_heads, w.head_dim), cos, sin)
+        if w.rope is not None:  # the target's own rotary op
+            q, k = w.rope(positions, q.contiguous(), k.contiguous())
+            q = q.reshape(n, w.num_heads, w.head_dim)
+            k = k.reshape(n, w.num_kv_heads, w.head_dim)
+        else:
+            q = self.rope(q.reshape(n, w.num_heads, w.head_dim), cos, sin)
+            k = self.rope(k.reshape(n, w.num_kv_heads, w.head_dim), cos, sin)
         v = v.reshape(n, w.num_kv_heads, w.head_dim)
         k, v = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, n, head_dim]
         if cache is not None:
@@ -186,7 +194,9 @@ class SkipDecoder:
         ids = torch.as_tensor(list(tokens), dtype=torch.long)
         positions = torch.arange(start, start + len(ids))
         h = self.embed(ids)
-        cos, sin = self.cos_sin(positions, h.dtype)
+        cos = sin = None
+        if w.rope is None:
+            cos, sin = self.cos_sin(positions, h.dtype)
         for i in range(self.num_layers):
             layer = w.layers[i]
             if 2 * i not in skip:
