@@ -129,7 +129,10 @@ def test_tree_attention_method_masks_node_rows_and_leaves_the_others_causal(monk
                        block_table=torch.tensor([[3, 0, 0, 0], [5, 1, 7, 2]], dtype=torch.int32))
     layer = AttentionLayer(num_heads=heads, num_kv_heads=kv_heads, head_size=dim, scale=0.3, block_size=block)
     q = torch.randn(9, heads, dim)
-    monkeypatch.setattr(T, "_ACTIVE", SimpleNamespace(plan=lambda: {1: parents}))
+    from vllm_graft.plugins.speculative._tree import ancestor_mask
+
+    pass_mask = ancestor_mask([-1, *(p + 1 for p in parents)])  # the root as node 0
+    monkeypatch.setattr(T, "_ACTIVE", SimpleNamespace(plan=lambda: {1: pass_mask}))
     method = T.TreeAttention(None)
     out = method.forward(q, cache, batch, layer, method.plan(batch))
     k, v = split_kv_cache(cache)
@@ -152,7 +155,16 @@ def test_tree_attention_method_masks_node_rows_and_leaves_the_others_causal(monk
     assert torch.allclose(out[3:], _dense_tree_attention(q[3:], k1, v1, allowed, 0.3, 2), atol=1e-5)
     # the mask matters: plain causal attention differs on the nodes with non-ancestors before them
     plain = method.forward(q, cache, batch, layer, {})
-    assert torch.allclose(plain[:4], out[:4]) and not torch.allclose(plain[5:], out[5:], atol=1e-3)
+    assert torch.allclose(plain[:4], out[:4], atol=1e-5) and not torch.allclose(plain[5:], out[5:], atol=1e-3)
+    # a batch of tree requests only; and the engine's path equals the oracle tree_attention
+    solo = PagedBatch(query_start_loc=torch.tensor([0, 6], dtype=torch.int32), seq_lens=batch.seq_lens[1:],
+                      block_table=batch.block_table[1:])
+    assert torch.allclose(method.forward(q[3:], cache, solo, layer, {0: pass_mask}), out[3:], atol=1e-6)
+    from vllm_graft.plugins.speculative._tree import tree_attention
+
+    kb, vb = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
+    oracle = tree_attention(q[4:], kb, vb, batch.block_table[1], 8, k1[8:], v1[8:], torch.tensor(parents), 0.3)
+    assert torch.allclose(out[4:], oracle, atol=1e-5)
 
 
 def _runner(context=6, block=4):

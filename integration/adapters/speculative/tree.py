@@ -91,6 +91,7 @@ class StepTree:
     tokens: list[int]
     parents: list[int]
     slots: np.ndarray  # [N + 1] KV slots of the root and the nodes, as vLLM assigned them
+    mask: torch.Tensor  # [N + 1, N + 1] bool: the pass's rows (root first) each row may see
 
 
 class TreeVerifier:
@@ -133,11 +134,12 @@ class TreeVerifier:
                 runner.positions.device, runner.positions.dtype)
             pos = context + np.arange(n + 1)
             slots = blocks[row, pos // size].astype(np.int64) * size + pos % size
-            self.step[row] = StepTree(row, first, context, list(tokens), list(parents), slots)
+            mask = _tree_parts().ancestor_mask([-1, *(p + 1 for p in parents)])  # the root as node 0
+            self.step[row] = StepTree(row, first, context, list(tokens), list(parents), slots, mask)
 
-    def plan(self) -> dict[int, list[int]]:
-        """For the attention: batch row -> parents of its tree."""
-        return {row: t.parents for row, t in self.step.items()}
+    def plan(self) -> dict[int, torch.Tensor]:
+        """For the attention: batch row -> the pass mask of its tree (root first)."""
+        return {row: t.mask for row, t in self.step.items()}
 
     # ---- 4. verification ----------------------------------------------------------------
     def verify(self, runner: Any, logits: torch.Tensor, spec_decode_metadata: Any, output: Any) -> None:
@@ -200,9 +202,10 @@ def move_kv(kv_caches: list[torch.Tensor], src: list[int], dst: list[int]) -> No
 
 
 class TreeAttention(AttentionMethod):
-    """The graft backend's attention while trees are verified: exact causal paged attention,
-    with the node rows of each tree request recomputed under the tree mask (module docstring,
-    seam 3). ``plan`` is the batch row -> parents map of the step."""
+    """The graft backend's attention while trees are verified (module docstring, seam 3): each
+    tree request's rows (its root and nodes) by ``_tree.verify_pass_attention`` under its pass
+    mask, every other sequence by exact causal paged attention. ``plan`` is the step's batch
+    row -> pass mask map."""
 
     def plan(self, batch):
         return _ACTIVE.plan() if _ACTIVE is not None else {}
@@ -210,26 +213,25 @@ class TreeAttention(AttentionMethod):
     def forward(self, query, kv_cache, batch, layer, plan=None):
         from vllm_graft.plugins.attention._shared import paged_attention
 
-        out = paged_attention(query, kv_cache, batch, layer)
         if not plan:
-            return out
-        tree_attention = _tree_parts().tree_attention
-        k_cache, v_cache = split_kv_cache(kv_cache)  # [nb, H, B, D]
-        k_blocks, v_blocks = k_cache.permute(0, 2, 1, 3), v_cache.permute(0, 2, 1, 3)  # [nb, B, H, D]
-        size = layer.block_size
-        for row, parents in plan.items():
-            n = len(parents)
-            end = int(batch.query_start_loc[row + 1])
-            seq_len = int(batch.seq_lens[row])
-            context = seq_len - n  # the root's key is in the cache with the context
-            table = batch.block_table[row]
-            pos = torch.arange(context, seq_len)
-            ids = table[pos // size].long()
-            k_tree = k_blocks[ids, pos % size]  # [N, H, D]
-            v_tree = v_blocks[ids, pos % size]
-            out[end - n:end] = tree_attention(
-                query[end - n:end], k_blocks, v_blocks, table, context, k_tree, v_tree,
-                torch.tensor(parents), layer.scale)
+            return paged_attention(query, kv_cache, batch, layer)
+        qsl = batch.query_start_loc.tolist()
+        num_seqs = len(qsl) - 1
+        out = torch.empty_like(query)
+        others = [i for i in range(num_seqs) if i not in plan]
+        if others:  # the sequences without a tree, as one smaller batch
+            rows = torch.cat([torch.arange(qsl[i], qsl[i + 1]) for i in others])
+            lens = torch.tensor([qsl[i + 1] - qsl[i] for i in others])
+            sub = type(batch)(query_start_loc=torch.cat([torch.zeros(1, dtype=lens.dtype), lens.cumsum(0)]).to(
+                                  batch.query_start_loc.dtype),
+                              seq_lens=batch.seq_lens[others], block_table=batch.block_table[others])
+            out[rows] = paged_attention(query[rows], kv_cache, sub, layer)
+        k_cache, v_cache = split_kv_cache(kv_cache)
+        verify_pass_attention = _tree_parts().verify_pass_attention
+        for row, mask in plan.items():
+            start, end = qsl[row], qsl[row + 1]
+            out[start:end] = verify_pass_attention(query[start:end], k_cache, v_cache, batch.block_table[row],
+                                                   int(batch.seq_lens[row]), mask, layer.scale)
         return out
 
 

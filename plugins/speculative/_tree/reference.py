@@ -79,3 +79,35 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     scores = scores.masked_fill(~allowed, float("-inf"))  # every row keeps at least itself
     out = torch.einsum("hnt,thd->nhd", torch.softmax(scores, dim=-1), values)
     return out.to(q.dtype)
+
+
+def verify_pass_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_table: torch.Tensor, seq_len: int, pass_mask: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """The CPU path of one sequence's verify pass in an engine that has already written the
+    pass's keys/values into the paged cache (vLLM does, before attention): ``out [R, Hq, D]``.
+
+    The pass's ``R`` queries ``q [R, Hq, D]`` are the sequence's last ``R`` positions (the root,
+    then the tree's nodes); keys/values of all ``seq_len`` positions are read from the cache in
+    the layout of ``split_kv_cache`` (``[num_blocks, Hkv, block_size, D]`` each). Every query sees
+    the ``seq_len - R`` positions before the pass; among the pass's own, query ``r`` sees ``j``
+    where ``pass_mask[r, j]`` (``[R, R]`` bool: the root's ancestor mask of the tree with the root
+    as node 0, :meth:`.tree.DraftTree.with_root`). Same result as :func:`tree_attention` (its
+    oracle; tests/unit/test_spec_tree_engine.py), computed without repeating kv heads per
+    query head, in float32.
+    """
+    r, hq, d = q.shape
+    _, hkv, bs, _ = k_cache.shape
+    seq_len = int(seq_len)
+    nb = -(-seq_len // bs)
+    ids = block_table[:nb].long().to(k_cache.device)
+    keys = k_cache[ids].transpose(0, 1).reshape(hkv, nb * bs, d)[:, :seq_len].float()  # [Hkv, S, D]
+    values = v_cache[ids].transpose(0, 1).reshape(hkv, nb * bs, d)[:, :seq_len].float()
+    group = hq // hkv
+    qg = q.float().view(r, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, g, R, D]
+    scores = torch.matmul(qg, keys.unsqueeze(1).transpose(-1, -2)) * scale  # [Hkv, g, R, S]
+    allowed = torch.ones(r, seq_len, dtype=torch.bool, device=q.device)
+    allowed[:, seq_len - r:] = pass_mask.to(q.device)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), values.unsqueeze(1))  # [Hkv, g, R, D]
+    return out.permute(2, 0, 1, 3).reshape(r, hq, d).to(q.dtype)
