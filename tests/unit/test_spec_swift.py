@@ -420,3 +420,15 @@ def test_adapter_refuses_what_it_cannot_describe():
         target_weights(fake_vllm_llama(w), vllm_config(tp=2))
     with pytest.raises(TargetUnsupported, match="qkv_proj is quantized \\(Fp8LinearMethod\\).*unquantized"):
         target_weights(fake_vllm_llama(w, quantized=True), vllm_config())
+
+
+def test_adaptive_forwards_the_target_to_a_wrapped_swift(tiny, prompt):
+    from vllm_graft.hooks import get_registry
+
+    entry = get_registry().get("speculative", "adaptive")
+    adaptive = entry.registration.load()(entry.registration.params(
+        proposer="swift", params={"skip_layers": [3], "confidence": 0.0}))
+    assert adaptive.needs_target_weights
+    adaptive.attach_target(tiny)
+    assert adaptive.inner.decoder is not None
+    assert len(adaptive.inner.propose("r", prompt, 3)) == 3

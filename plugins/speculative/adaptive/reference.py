@@ -27,6 +27,7 @@ class Adaptive(Proposer):
         self.inner = inner if inner is not None else build_inner(params)
         self.topk = int(getattr(self.inner, "topk", 0) or 0)  # forwarded
         self.per_request_drafts = bool(getattr(self.inner, "per_request_drafts", False))  # forwarded
+        self.needs_target_weights = bool(getattr(self.inner, "needs_target_weights", False))  # forwarded
         self.policy = GoodputPolicy(
             params.num_speculative_tokens, fixed_cost_tokens=params.fixed_cost_tokens,
             prior_acceptance=params.prior_acceptance, decay=params.decay,
@@ -69,6 +70,10 @@ class Adaptive(Proposer):
 
     def observe_topk(self, request_id: str, tokens: Sequence[int], topk_ids: Any) -> None:
         self.inner.observe_topk(request_id, tokens, topk_ids)
+
+    def attach_target(self, weights: Any) -> None:
+        """The target model, for a wrapped self-speculative proposer (``swift``)."""
+        self.inner.attach_target(weights)
 
     def accepted(self, request_id: str, num_accepted: int, num_verified: int) -> None:
         self._produced += num_accepted
