@@ -17,6 +17,7 @@ from .contracts import (
     StoredTensor,
     split_kv_cache,
 )
+from .contracts.target import SelfSpeculativeProposer, TargetLayer, TargetWeights
 from .kinds import KINDS, Kind, KindSpec, Role, spec
 from .deployment import (
     Deployment,
@@ -56,6 +57,6 @@ __all__ = [
     "KINDS", "KVCacheFormat", "KVCompressor", "KernelParams", "Kind", "KindSpec", "Role", "spec", "MoEModel", "MoEScheduler", "NoParams", "Params", "PagedBatch",
     "Plan", "PluginChoice", "PluginImpl",
     "PluginLoadError", "Problem", "Proposer", "QuantMethod", "StoredTensor", "Registration", "Registry",
-    "RegistryError", "get_plugin_manager", "get_registry", "hookimpl", "hookspec",
+    "RegistryError", "SelfSpeculativeProposer", "TargetLayer", "TargetWeights", "get_plugin_manager", "get_registry", "hookimpl", "hookspec",
     "contract_for", "make_plugin_manager", "split_kv_cache", "validate", "validate_file",
 ]

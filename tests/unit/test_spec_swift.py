@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_graft.hooks.contracts.target import TargetLayer, TargetWeights
+from vllm_graft.hooks import TargetLayer, TargetWeights
 from vllm_graft.plugins.speculative.swift import SwiftParams
 from vllm_graft.plugins.speculative.swift.policy import LayerSkipSearch, skippable_sublayers, spread
 from vllm_graft.plugins.speculative.swift.reference import DraftCache, SkipDecoder, Swift

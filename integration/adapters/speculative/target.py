@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_graft.hooks.contracts.target import TargetLayer, TargetWeights
+from vllm_graft.hooks import TargetLayer, TargetWeights
 
 SUPPORTED = ("LlamaForCausalLM",)
 
