@@ -35,7 +35,8 @@ ANY = _P("adapters.moe", "vllm.model_executor.custom_op.op_registry_oot", "any")
 def test_register_marks_exactly_the_v1_runner_methods():
     v1 = {t.where for t in PATCH_TARGETS if t.runner == "v1"}
     assert v1 == {f"{V1_RUNNER}.GPUModelRunner.{m}" for m in (
-        "_build_attention_metadata", "execute_model", "sample_tokens", "_sample", "_update_states")}
+        "_build_attention_metadata", "execute_model", "sample_tokens", "_sample", "_update_states",
+        "_prepare_inputs")}
 
 
 def test_decide_without_v1_patches_leaves_the_runner_to_vllm():

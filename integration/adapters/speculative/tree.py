@@ -285,6 +285,8 @@ def install_attention(owner: str) -> None:
 def uninstall_attention(owner: str) -> None:
     from vllm_graft.integration.adapters import backend
 
+    global _ACTIVE
+    _ACTIVE = None
     if backend.SEAMS.method is _ATTENTION:
         backend.SEAMS.method, backend.SEAMS.method_name = None, ""
         backend.uninstall(owner)
