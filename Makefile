@@ -50,7 +50,7 @@ wheels:
 
 test: install wheels
 	$(PY) -m pip install -q --no-deps -e $(EXAMPLE)
-	VLLM_GRAFT_WHEELS=$(WHEELS) $(PY) -m pytest -q tests $(EXAMPLE)/tests
+	VLLM_GRAFT_WHEELS=$(WHEELS) $(PY) -m pytest -q --durations=30 tests $(EXAMPLE)/tests
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit

@@ -4,6 +4,8 @@ top-k reaching Token Recycling aligned with the tokens it follows, and per-reque
 released once vLLM reports the requests finished."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from vllm_graft.hooks import Kind
@@ -100,10 +102,12 @@ def test_proposer_is_lossless_and_its_drafts_are_accepted(name, plain_tokens):
 
 
 # ------------------------------------------------------------------------ tree verification
-TREE_CASES = {  # trees of depth 4: 28 nodes (breadth 4, 2, 1, 1) and <= 16 (4 chains of 4)
-    "token-recycling": {"k": 4, "tree": True, "num_speculative_tokens": 28},
-    "lookahead": {"tree": True, "num_speculative_tokens": 16},
-}
+# Trees of depth 4 (<= 16 nodes: 4 chains of 4). Token Recycling's tree mode (28 nodes) runs in
+# the engine in tests/conformance/test_tree_mode.py (plain vLLM's greedy tokens); both pass here
+# too (GRAFT_TREE_ALL=1 adds it), kept out of CI for time.
+TREE_CASES = {"lookahead": {"tree": True, "num_speculative_tokens": 16}}
+if os.environ.get("GRAFT_TREE_ALL") == "1":
+    TREE_CASES["token-recycling"] = {"k": 4, "tree": True, "num_speculative_tokens": 28}
 
 
 @pytest.mark.parametrize("name", list(TREE_CASES))
