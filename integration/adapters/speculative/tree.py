@@ -59,7 +59,7 @@ log = logging.getLogger("vllm_graft")
 #: reproduces temperature sampling only.
 _NEUTRAL = {"top_k": (0, -1, None), "top_p": (1.0, None), "min_p": (0.0, None),
             "presence_penalty": (0.0, None), "frequency_penalty": (0.0, None),
-            "repetition_penalty": (1.0, None), "logit_bias": (None,), "bad_words": (None, []),
+            "repetition_penalty": (1.0, None), "logit_bias": (None,), "bad_words": (None,),
             "allowed_token_ids": (None,), "logprobs": (None,), "structured_outputs": (None,)}
 _GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: below it a temperature means greedy
 
@@ -70,7 +70,7 @@ def tree_verifiable(sampling_params: Any) -> bool:
         return False
     for name, neutral in _NEUTRAL.items():
         value = getattr(sampling_params, name, None)
-        if value not in neutral and not (isinstance(value, (list, dict)) and not value):
+        if value not in neutral and not (isinstance(value, (list, dict)) and not value):  # [] / {}: unset
             return False
     return not getattr(sampling_params, "logits_processors", None)
 
@@ -85,11 +85,7 @@ def _tree_parts():
 class StepTree:
     """One request's tree in the current step."""
 
-    row: int  # the request's batch row (input_batch index)
-    first: int  # its first query row (the root)
-    context: int  # tokens computed before the step (the root's position)
-    tokens: list[int]
-    parents: list[int]
+    tree: Any  # ``_tree.DraftTree``: the nodes' tokens, parents and depths
     slots: np.ndarray  # [N + 1] KV slots of the root and the nodes, as vLLM assigned them
     mask: torch.Tensor  # [N + 1, N + 1] bool: the pass's rows (root first) each row may see
 
@@ -120,22 +116,21 @@ class TreeVerifier:
         blocks = table.get_numpy_array()
         size = int(table.block_size)
         qsl = runner.query_start_loc.np
+        tree_mod = _tree_parts()
         for rid, (tokens, parents) in step_trees.items():
             row = batch.req_id_to_index.get(rid)
             n = len(parents)
             if row is None or int(num_scheduled[row]) != n + 1 or min(tokens) < 0:
                 continue  # not a decode step with all its drafts (preempted, chunked, invalidated)
             first = int(qsl[row])
-            context = int(batch.num_computed_tokens_cpu[row])
-            depth = np.empty(n, dtype=np.int64)
-            for i, p in enumerate(parents):
-                depth[i] = 1 if p < 0 else depth[p] + 1
-            runner.positions[first + 1:first + 1 + n] = torch.from_numpy(context + depth).to(
+            context = int(batch.num_computed_tokens_cpu[row])  # the root's position
+            tree = tree_mod.DraftTree(tokens, parents)
+            runner.positions[first + 1:first + 1 + n] = (context + tree.depth).to(
                 runner.positions.device, runner.positions.dtype)
             pos = context + np.arange(n + 1)
             slots = blocks[row, pos // size].astype(np.int64) * size + pos % size
-            mask = _tree_parts().ancestor_mask([-1, *(p + 1 for p in parents)])  # the root as node 0
-            self.step[row] = StepTree(row, first, context, list(tokens), list(parents), slots, mask)
+            mask = tree_mod.ancestor_mask([-1, *(p + 1 for p in parents)])  # the root as node 0
+            self.step[row] = StepTree(tree, slots, mask)
 
     def plan(self) -> dict[int, torch.Tensor]:
         """For the attention: batch row -> the pass mask of its tree (root first)."""
@@ -156,20 +151,18 @@ class TreeVerifier:
         moves_dst: list[int] = []
         n_accepted = 0
         for row, t in self.step.items():
-            n = len(t.parents)
+            tree, n = t.tree, len(t.tree)
             if row >= len(drafts) or drafts[row] != n:
                 raise RuntimeError(f"vllm-graft tree verification: batch row {row} has {drafts[row] if row < len(drafts) else None} "
                                    f"draft rows, its tree {n} nodes")
             rows = logits[int(starts[row]):int(starts[row]) + n + 1]
-            tokens = t.tokens
-            tree = tree_mod.DraftTree(torch.tensor(tokens), torch.tensor(t.parents))
             params = runner.requests[batch.req_ids[row]].sampling_params
             if params.temperature < _GREEDY_EPS:
                 verdict = tree_mod.verify_greedy(tree, rows.argmax(dim=-1).cpu())
             else:
                 probs = torch.softmax(rows.float() / float(params.temperature), dim=-1)
                 one_hot = torch.zeros(n, rows.shape[-1], dtype=torch.float64)
-                one_hot[torch.arange(n), torch.tensor(tokens)] = 1.0
+                one_hot[torch.arange(n), tree.tokens] = 1.0
                 generator = getattr(batch, "generators", {}).get(row)
                 verdict = tree_mod.verify_sampling(tree, probs, one_hot, generator)
             emitted = verdict.tokens(tree)
