@@ -77,7 +77,6 @@ def target_weights(model: Any, vllm_config: Any) -> TargetWeights:
     cfg = vllm_config.model_config.hf_config
     inner = model.model
     layers = []
-    rope = None
     for i, layer in enumerate(inner.layers):
         attn, mlp = layer.self_attn, layer.mlp
         if getattr(attn.attn, "sliding_window", None):
@@ -88,7 +87,6 @@ def target_weights(model: Any, vllm_config: Any) -> TargetWeights:
         if not getattr(r, "is_neox_style", True) or not hasattr(r, "cos_sin_cache"):
             raise _refuse(f"layer {i}'s rotary embedding ({type(r).__name__}) is not NeoX-style "
                           "with a cos/sin table", "choose another proposer")
-        rope = rope if rope is not None else r
         p = f"model.layers.{i}."
         layers.append(TargetLayer(
             qkv=_linear(attn.qkv_proj, p + "self_attn.qkv_proj"),
@@ -99,6 +97,7 @@ def target_weights(model: Any, vllm_config: Any) -> TargetWeights:
     if not layers:
         raise _refuse("the model has no decoder layers on this rank", "run on one rank")
     first = inner.layers[0].self_attn
+    rope = first.rotary_emb
     return TargetWeights(
         embed=model.embed_input_ids, layers=layers, final_norm=_norm(inner.norm),
         lm_head=model.compute_logits, num_heads=first.num_heads, num_kv_heads=first.num_kv_heads,

@@ -79,7 +79,9 @@ class SwiftParams(Params):
                     problems.append(f"skip_layers {bad} are past the model's {2 * layers} sub-layers "
                                     f"({layers} layers; 2*i: attention of layer i, 2*i+1: its MLP)")
             elif layers is not None:
-                skippable = 2 * max(0, layers - 2) if self.keep_ends else 2 * layers
+                from .policy import skippable_sublayers
+
+                skippable = len(skippable_sublayers(layers, self.keep_ends))
                 n_skip = max(1, round(self.skip_ratio * 2 * layers))
                 if n_skip > skippable:
                     problems.append(

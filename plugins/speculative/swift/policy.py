@@ -18,6 +18,7 @@ of equal scores; the local phase moves to an equal-scoring neighbour (crossing p
 from __future__ import annotations
 
 import random
+from math import comb
 from typing import Callable, Sequence
 
 
@@ -47,24 +48,21 @@ class LayerSkipSearch:
         self.candidates = list(candidates)
         self.n_skip, self.budget = n_skip, budget
         self.rng = random.Random(seed)
-        self.evaluated = 0
         self.scores: dict[frozenset[int], float] = {}
+
+    @property
+    def evaluated(self) -> int:
+        """Skip sets scored so far (each once)."""
+        return len(self.scores)
 
     def _score(self, skip: frozenset[int], score: Callable[[frozenset[int]], float]) -> float:
         if skip not in self.scores:
             self.scores[skip] = float(score(skip))
-            self.evaluated += 1
         return self.scores[skip]
-
-    def _space(self) -> int:
-        from math import comb
-
-        return comb(len(self.candidates), self.n_skip)
 
     def run(self, score: Callable[[frozenset[int]], float]) -> tuple[frozenset[int], float]:
         """The best skip set found and its score."""
-        space = self._space()
-        budget = min(self.budget, space)
+        budget = min(self.budget, comb(len(self.candidates), self.n_skip))
         best = spread(self.candidates, self.n_skip)
         best_score = self._score(best, score)
         # random phase: about half the budget

@@ -145,7 +145,9 @@ class SkipDecoder:
         return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
 
     def attention(self, i: int, x: torch.Tensor, positions: torch.Tensor, cos: Any,
-                  sin: Any, cache: DraftCache | None, start: int) -> torch.Tensor:
+                  sin: Any, cache: DraftCache | None, start: int,
+                  hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """``hidden [n, start + n]``: the causal mask (True: key not seen), for ``n > 1``."""
         w, layer = self.w, self.w.layers[i]
         n = x.shape[0]
         qkv = _apply(layer.qkv, x)
@@ -167,8 +169,7 @@ class SkipDecoder:
         qg = q.reshape(n, w.num_kv_heads, group, w.head_dim).permute(1, 2, 0, 3)
         scores = torch.matmul(qg.reshape(w.num_kv_heads, group * n, w.head_dim),
                               k.transpose(1, 2)).float() * self.scale
-        if n > 1:  # query j (position start + j) sees keys 0 .. start + j
-            hidden = torch.arange(total)[None, :] > (start + torch.arange(n))[:, None]
+        if hidden is not None:
             scores = scores.view(w.num_kv_heads, group, n, total).masked_fill(hidden, float("-inf"))
             scores = scores.view(w.num_kv_heads, group * n, total)
         out = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)  # [kv_heads, group*n, D]
@@ -197,11 +198,13 @@ class SkipDecoder:
         cos = sin = None
         if w.rope is None:
             cos, sin = self.cos_sin(positions, h.dtype)
+        # query j (position start + j) sees keys 0 .. start + j: one mask for every layer
+        hidden = torch.arange(start + len(ids))[None, :] > positions[:, None] if len(ids) > 1 else None
         for i in range(self.num_layers):
             layer = w.layers[i]
             if 2 * i not in skip:
                 h = h + self.attention(i, rms_norm(h, layer.input_norm, w.rms_norm_eps),
-                                       positions, cos, sin, cache, start)
+                                       positions, cos, sin, cache, start, hidden)
             if 2 * i + 1 not in skip:
                 h = h + self.mlp(i, rms_norm(h, layer.post_attention_norm, w.rms_norm_eps))
         logits = _apply(w.lm_head, rms_norm(h, w.final_norm, w.rms_norm_eps))
