@@ -77,8 +77,7 @@ class Runtime:
         self.events[(Kind(kind), name, event)] += n
         self._dirty = True
         if self._tp_rank is None and self.report_dir is not None:
-            # while the plugin runs vLLM's groups are up (not at activation, nor at exit)
-            self._tp_rank = _tensor_parallel_rank()
+            self._tensor_parallel_rank()  # while a plugin runs vLLM's groups are up (not at exit)
 
     def start_reporting(self, folder: str | None) -> None:
         """Report to ``folder`` (None: not at all): written now, then by a daemon thread every
