@@ -45,13 +45,14 @@ class _StepPlan:
     head_dropped: list[list[set[int]] | None] | None = None  # per_head: per row, each KV head's dropped blocks
     _head_mask: Any = None
 
-    def head_mask(self, num_seqs: int, hkv: int, width: int) -> "torch.Tensor":
-        """per_head: ``[num_seqs, H_kv, width]`` bool, False where a row's KV head dropped the
-        block of that column (built once per step; rows past the plan's read everything)."""
+    def head_mask(self, num_seqs: int, hkv: int, width: int, device: Any = "cpu") -> "torch.Tensor":
+        """per_head: ``[num_seqs, H_kv, width]`` bool on ``device``, False where a row's KV head
+        dropped the block of that column (built and moved once per step, not per layer; rows
+        past the plan's read everything)."""
         import torch
 
         m = self._head_mask
-        if m is not None and tuple(m.shape) == (num_seqs, hkv, width):
+        if m is not None and tuple(m.shape) == (num_seqs, hkv, width) and m.device == torch.device(device):
             return m
         m = torch.ones(num_seqs, hkv, width, dtype=torch.bool)
         for i, dropped in enumerate((self.head_dropped or [])[:num_seqs]):
@@ -61,7 +62,7 @@ class _StepPlan:
                 for h, d in enumerate(dropped[:hkv]):
                     if logical in d:
                         m[i, h, j] = False
-        self._head_mask = m
+        self._head_mask = m = m.to(device)
         return m
 
 
@@ -221,9 +222,9 @@ class _ScoringAttention:
         if getattr(compressor, "per_head", False):
             # each KV head reads the blocks it kept; the mass comes back per KV head
             S, width, hkv = batch.block_table.shape[0], batch.block_table.shape[1], layer.num_kv_heads
-            mask = plan.head_mask(S, hkv, width) if plan is not None else \
-                torch.ones(S, hkv, width, dtype=torch.bool)
-            out, mass = compressor.attend(query, kv_cache, batch, layer, observe, head_mask=mask.to(query.device))
+            mask = plan.head_mask(S, hkv, width, query.device) if plan is not None else \
+                torch.ones(S, hkv, width, dtype=torch.bool, device=query.device)
+            out, mass = compressor.attend(query, kv_cache, batch, layer, observe, head_mask=mask)
             if plan is not None:
                 if plan.mass is None:
                     plan.mass = torch.zeros(len(plan.rows), hkv, width, dtype=torch.float32)
