@@ -1,8 +1,9 @@
 """The Triton decode-attention kernel that emits per-block attention mass (h2o / snapkv)
-against the reference, under TRITON_INTERPRET=1 (small shapes; fp32 and fp16)."""
-import os
+against the reference, under TRITON_INTERPRET=1 (small shapes; fp32 and fp16), or compiled on
+``GRAFT_REAL_DEVICE`` (see tests/kernels/__init__.py)."""
+from tests.kernels import device
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+DEVICE = device()  # before triton is imported
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -12,7 +13,7 @@ from vllm_graft.hooks import AttentionLayer, PagedBatch  # noqa: E402
 pytestmark = pytest.mark.kernel
 
 
-def paged_case(dtype, seq_lens, q_lens, H=4, Hkv=2, D=32, B=16, seed=0):
+def paged_case(dtype, seq_lens, q_lens, H=4, Hkv=2, D=32, B=16, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     width = max(-(-L // B) for L in seq_lens) + 1
     num_blocks = len(seq_lens) * width + 3
@@ -24,6 +25,9 @@ def paged_case(dtype, seq_lens, q_lens, H=4, Hkv=2, D=32, B=16, seed=0):
     batch = PagedBatch(query_start_loc=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_table=table)
     layer = AttentionLayer(num_heads=H, num_kv_heads=Hkv, head_size=D, scale=D ** -0.5, block_size=B)
     observe = torch.rand(query.shape[0], generator=g) > 0.3
+    if device != "cpu":
+        batch = PagedBatch(*(t.to(device) for t in (qsl, batch.seq_lens, table)))
+        query, kv_cache, observe = query.to(device), kv_cache.to(device), observe.to(device)
     return query, kv_cache, batch, layer, observe
 
 
@@ -34,7 +38,7 @@ def test_decode_kernel_matches_the_reference(dtype, tol):
 
     # decode rows (one query each) of several lengths, a partial last block included,
     # plus a prefill row (which the launcher sends to the reference)
-    query, kv, batch, layer, observe = paged_case(dtype, [1, 16, 37, 70, 20], [1, 1, 1, 1, 5])
+    query, kv, batch, layer, observe = paged_case(dtype, [1, 16, 37, 70, 20], [1, 1, 1, 1, 5], device=DEVICE)
     out_k, mass_k = attention_with_mass(query, kv, batch, layer, observe)
     out_r, mass_r = paged_attention_with_mass(query, kv, batch, layer, observe)
     err_out = (out_k.float() - out_r.float()).abs().max().item()

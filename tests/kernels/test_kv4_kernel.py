@@ -1,9 +1,10 @@
 """The kv4 Triton attention kernel (4-bit K/V dequantised inside the attention) against the
 plain-PyTorch reference, under TRITON_INTERPRET=1: fp32 and fp16, ragged lengths (decode and
-prefill rows, partial last blocks), GQA, head sizes 64 and 128, block sizes 16 and 32."""
-import os
+prefill rows, partial last blocks), GQA, head sizes 64 and 128, block sizes 16 and 32. Compiled on
+``GRAFT_REAL_DEVICE`` where it is set (see tests/kernels/__init__.py)."""
+from tests.kernels import device
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+DEVICE = device()  # before triton is imported
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -13,7 +14,7 @@ from vllm_graft.hooks import AttentionLayer, PagedBatch  # noqa: E402
 pytestmark = pytest.mark.kernel
 
 
-def kv4_case(dtype, seq_lens, q_lens, H, Hkv, D, B, G=32, seed=0):
+def kv4_case(dtype, seq_lens, q_lens, H, Hkv, D, B, G=32, seed=0, device=DEVICE):
     """A kv4 cache written through the reference's write() (the cache the kernel reads in
     vLLM), scattered block ids, and queries."""
     from vllm_graft.plugins.kvcompress.kv4.reference import bytes_per_token, write
@@ -33,6 +34,9 @@ def kv4_case(dtype, seq_lens, q_lens, H, Hkv, D, B, G=32, seed=0):
     query = torch.randn(int(qsl[-1]), H, D, generator=g).to(dtype)
     batch = PagedBatch(query_start_loc=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_table=table)
     layer = AttentionLayer(num_heads=H, num_kv_heads=Hkv, head_size=D, scale=D ** -0.5, block_size=B)
+    if device != "cpu":
+        batch = PagedBatch(*(t.to(device) for t in (qsl, batch.seq_lens, table)))
+        query, cache = query.to(device), cache.to(device)
     return query, cache, batch, layer
 
 

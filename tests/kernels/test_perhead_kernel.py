@@ -1,10 +1,11 @@
 """Per-KV-head scored attention (the ``adakv`` compressor's ``attend``): each KV head reads only
 the blocks its head mask allows and the mass comes back per KV head. The reference (the shared
 exact attention, batched and per-sequence paths) against an explicit per-head loop, and the
-Triton decode kernel against the reference under TRITON_INTERPRET=1 (fp32 and fp16)."""
-import os
+Triton decode kernel against the reference under TRITON_INTERPRET=1 (fp32 and fp16), or compiled
+on ``GRAFT_REAL_DEVICE`` (see tests/kernels/__init__.py)."""
+from tests.kernels import device
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+DEVICE = device()  # before triton is imported
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -85,8 +86,9 @@ def test_masked_decode_kernel_matches_the_reference(dtype, tol):
     from vllm_graft.plugins.attention._shared import paged_attention_with_mass
     from vllm_graft.plugins.kvcompress._shared.kernel import attention_with_mass
 
-    query, kv, batch, layer, observe = paged_case(dtype, [1, 16, 37, 70, 20, 90], [1, 1, 1, 1, 5, 1])
-    mask = random_head_mask(batch, layer, seed=5)
+    query, kv, batch, layer, observe = paged_case(dtype, [1, 16, 37, 70, 20, 90], [1, 1, 1, 1, 5, 1],
+                                                  device=DEVICE)
+    mask = random_head_mask(batch, layer, seed=5).to(DEVICE)
     mask[3, 0, 0] = False  # a head whose first block is masked (the online softmax starts masked)
     out_k, mass_k = attention_with_mass(query, kv, batch, layer, observe, head_mask=mask)
     out_r, mass_r = paged_attention_with_mass(query, kv, batch, layer, observe, head_mask=mask)
@@ -101,6 +103,6 @@ def test_masked_decode_kernel_matches_the_reference(dtype, tol):
     qlen = (batch.query_start_loc[1:] - batch.query_start_loc[:-1]).tolist()
     for i, q0 in enumerate(batch.query_start_loc[:-1].tolist()):
         if qlen[i] == 1:
-            assert torch.allclose(mass_k[i].sum(-1), torch.full((layer.num_kv_heads,), group * float(observe[q0])),
+            assert torch.allclose(mass_k[i].sum(-1), torch.full((layer.num_kv_heads,), group * float(observe[q0]), device=DEVICE),
                                   atol=1e-3)
             assert bool((mass_k[i][~mask[i]] == 0).all())

@@ -2,12 +2,13 @@
 reference under TRITON_INTERPRET=1: multi-head, grouped-query and multi-query heads, contexts
 that end mid-block, at a block's end or are empty, block and head sizes that are not powers of
 two, a tree of more than 32 nodes (several bitmask words, bit 31 included), a cache given as
-a permuted view, fp32 and fp16. Small shapes: the interpreter runs each program in NumPy."""
+a permuted view, fp32 and fp16. Small shapes: the interpreter runs each program in NumPy. Compiled
+on ``GRAFT_REAL_DEVICE`` where it is set (see tests/kernels/__init__.py)."""
 from __future__ import annotations
 
-import os
+from tests.kernels import device
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+DEVICE = device()  # before triton is imported
 
 import random  # noqa: E402
 
@@ -52,8 +53,9 @@ def case(tree, hq, hkv, d, bs, context_len, dtype=torch.float32, seed=0, head_ma
         v_cache[int(table[nb - 1]), context_len % bs:] = 1e3
     q = torch.randn(n, hq, d, generator=g)
     k_tree, v_tree = torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g)
-    return (q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), table, context_len,
-            k_tree.to(dtype), v_tree.to(dtype), tree.parents, d ** -0.5)
+    return (q.to(dtype).to(DEVICE), k_cache.to(dtype).to(DEVICE), v_cache.to(dtype).to(DEVICE),
+            table.to(DEVICE), context_len, k_tree.to(dtype).to(DEVICE), v_tree.to(dtype).to(DEVICE),
+            tree.parents.to(DEVICE), d ** -0.5)
 
 
 @pytest.mark.parametrize("tree, hq, hkv, d, bs, context_len, head_major", [
@@ -91,7 +93,7 @@ def test_ancestor_bits_pack_the_mask():
 
 def test_launcher_reuses_given_bits_and_refuses_bad_ones():
     args = case(TREE, 4, 2, 16, 8, 9)
-    bits = pack_ancestor_bits(TREE.ancestor_mask())
+    bits = pack_ancestor_bits(TREE.ancestor_mask()).to(DEVICE)
     assert torch.allclose(tree_attention_triton(*args, ancestor_bits=bits), tree_attention(*args), atol=1e-5)
     with pytest.raises(ValueError, match=r"ancestor_bits must be int32 \[N, ceil\(N / 32\)\]"):
         tree_attention_triton(*args, ancestor_bits=bits.long())
