@@ -2,7 +2,8 @@
 (:func:`layer_index`), whether a layer's routing is one a routing plugin can stand in for
 (:func:`plain_softmax_routing`), and the deployment against the model: eager mode
 (:func:`require_eager`), a model with MoE layers (:func:`require_moe_model`) and plugins whose
-parameters fit it (:func:`bind`). :mod:`.engine` calls them from vLLM's side.
+parameters fit it (:func:`bind`), and on CUDA a modular MoE kernel (:func:`moe_backend_overrides`,
+:func:`monolithic_refusal`). :mod:`.engine` calls them from vLLM's side.
 """
 from __future__ import annotations
 
@@ -105,5 +106,74 @@ def require_moe_model(enabled: list[Enabled], plan: Plan,
              "(e.g. models/graft-tiny-mixtral)") for e in enabled], "deployment vs model")
 
 
+# ------------------------------------------------------------------ modular MoE kernel
+#: The ``moe_backend`` vllm-graft selects for MoE deployments on CUDA. In vLLM 0.33 it maps to
+#: modular expert kernels only, which take the router's ``(topk_weights, topk_ids)``:
+#: ``TritonExperts`` for unquantized and FP8 experts, ``TritonWNA16Experts`` for int4/int8
+#: weight-only (``fused_moe/oracle/unquantized.py``, ``fp8.py``, ``int_wna16.py``
+#: ``backend_to_kernel_cls``). Exception: MXFP4 experts, whose ``triton`` entry lists
+#: ``OAITritonMxfp4ExpertsMonolithic`` first (``oracle/mxfp4.py``); the first-forward check
+#: (:func:`monolithic_refusal`) still catches that.
+MODULAR_MOE_BACKEND = "triton"
+#: ``moe_backend`` values that can select a kernel that routes inside itself (a subclass of
+#: ``FusedMoEExpertsMonolithic``: the ``TrtLlm*ExpertsMonolithic`` of FlashInfer TRT-LLM, the
+#: AITER ones), and ``auto``, whose CUDA priority list puts FlashInfer TRT-LLM first on SM100
+#: (``oracle/unquantized.py``, ``_get_priority_backends``). A value starting with one of these
+#: is refused on CUDA (``auto`` is replaced instead).
+MONOLITHIC_CAPABLE_PREFIXES = ("flashinfer_trtllm", "aiter")
+#: The flag, as vLLM's EngineArgs names it (``--moe-backend``), in 0.32 and 0.33.
+MOE_BACKEND_ARG = "moe_backend"
+
+
+def _backend_name(value: Any) -> str:
+    """``moe_backend`` normalised the way vLLM does (``KernelConfig._normalize_moe_backend``)."""
+    return str(value).lower().replace("-", "_")
+
+
+def moe_backend_overrides(platform: str | None, engine: dict[str, Any], has_arg: bool) -> dict[str, str]:
+    """The engine arguments that make vLLM build modular MoE kernels for a deployment with MoE
+    plugins: ``{"moe_backend": "triton"}`` on CUDA, ``{}`` elsewhere.
+
+    Why: vLLM picks each MoE layer's kernel while it builds the layer, from the router the layer
+    is built with (``FusedMoEConfig.require_decomposed_backend`` is ``not
+    router.supports_monolithic_kernels``, ``fused_moe/layer.py``); the adapter swaps the router
+    only afterwards, so with ``moe_backend=auto`` an SM100 GPU gets FlashInfer's monolithic
+    TRT-LLM kernel, which routes inside itself from the logits and never calls the plugins.
+
+    ``platform``: the deployment's (``Plan.platform``; only ``"cuda"`` changes anything: the CPU
+    engine has CPU kernels only and keeps ``auto``); ``engine``: the deployment's ``engine``
+    section (an explicit ``moe_backend`` there is kept unless it can select a monolithic kernel,
+    which refuses the deployment with the fix); ``has_arg``: whether the installed vLLM's
+    EngineArgs has ``moe_backend`` (without it there is nothing to set, and the first-forward
+    check is the only guard). A ``--moe-backend`` given on vLLM's command line that differs from
+    the value returned here is refused by the bridge, naming the flag.
+    """
+    if platform != "cuda" or not has_arg:
+        return {}
+    chosen = engine.get(MOE_BACKEND_ARG)
+    if chosen is None or _backend_name(chosen) == "auto":
+        return {MOE_BACKEND_ARG: MODULAR_MOE_BACKEND}
+    name = _backend_name(chosen)
+    if name.startswith(MONOLITHIC_CAPABLE_PREFIXES):
+        raise DeploymentError([Problem(
+            f"engine.{MOE_BACKEND_ARG}", f"MoE backend {chosen!r} can run a monolithic kernel that "
+            "routes inside itself, so the enabled MoE plugins would never be called",
+            value=chosen, accepted=f"{MODULAR_MOE_BACKEND!r} (or leave it out: the MoE adapter sets it)",
+            hint=f"Set engine.{MOE_BACKEND_ARG}: {MODULAR_MOE_BACKEND} or drop it")], "deployment")
+    return {MOE_BACKEND_ARG: name}
+
+
+def monolithic_refusal(layer_name: str, quant_method: str, moe_backend: str | None) -> str:
+    """The message of the first-forward check when a layer's kernel routes by itself; it names
+    the fix (``moe_backend``)."""
+    where = f" (moe_backend={moe_backend!r})" if moe_backend else ""
+    return (f"MoE layer {layer_name}: its quant method {quant_method} runs a monolithic kernel{where} "
+            "that routes inside the kernel, so the enabled MoE plugins would never be called. "
+            f"Select a modular MoE kernel: engine.{MOE_BACKEND_ARG}: {MODULAR_MOE_BACKEND} in the "
+            f"deployment (vLLM flag --moe-backend {MODULAR_MOE_BACKEND}; the MoE adapter sets it on "
+            "CUDA unless told otherwise); or run the model unquantized, or remove the `moe:` section")
+
+
 __all__ = ["MoEAdapterError", "layer_index", "plain_softmax_routing", "require_eager", "bind",
-           "require_moe_model"]
+           "require_moe_model", "moe_backend_overrides", "monolithic_refusal", "MODULAR_MOE_BACKEND",
+           "MONOLITHIC_CAPABLE_PREFIXES", "MOE_BACKEND_ARG"]

@@ -65,6 +65,17 @@ Eager mode: plugins are Python run per layer and step (counting, observing with
 graphs would freeze or reject; :meth:`MoEAdapter.engine_overrides` sets
 ``enforce_eager=True``, and a deployment whose ``engine`` sets it to false is refused.
 
+Modular kernels on CUDA: vLLM picks each MoE layer's expert kernel while it builds the layer,
+from the router the layer is built with (vLLM 0.33 ``fused_moe/layer.py``: ``FusedMoEConfig``'s
+``require_decomposed_backend`` is ``not router.supports_monolithic_kernels``), before
+``GraftMoERunner`` swaps the router; with ``moe_backend=auto`` an SM100 GPU gets FlashInfer's
+monolithic TRT-LLM kernel (``oracle/unquantized.py``), which routes inside itself. So on CUDA
+:meth:`MoEAdapter.engine_overrides` also sets ``moe_backend="triton"`` (modular Triton experts;
+:func:`~.checks.moe_backend_overrides` decides, free of vLLM), refusing a deployment whose
+``engine.moe_backend`` can select a monolithic kernel; the CPU engine is left as it is. The
+first-forward check above remains the guard where a modular choice still ends monolithic (MXFP4
+experts) and its message names ``moe_backend``.
+
 Layer index: from the layer's name, the number after ``layers.``
 (``model.layers.3.block_sparse_moe.experts`` -> 3), else its only number
 (:func:`~.checks.layer_index`).
@@ -105,9 +116,12 @@ from vllm_graft.integration.adapters.moe.chain import MoEChain
 from vllm_graft.integration.adapters.moe.skip import run_kept
 from vllm_graft.integration.adapters.moe import eplb
 from vllm_graft.integration.adapters.moe.checks import (
+    MOE_BACKEND_ARG,
     MoEAdapterError,
     bind,
     layer_index,
+    monolithic_refusal,
+    moe_backend_overrides,
     plain_softmax_routing,
     require_eager,
     require_moe_model,
@@ -236,11 +250,9 @@ class GraftMoERunner(MoERunner):
             return
         quant_method = self.routed_experts.quant_method
         if quant_method.is_monolithic:
-            raise MoEAdapterError(
-                f"MoE layer {self.layer_name}: its quant method {type(quant_method).__name__} runs a "
-                "monolithic kernel that routes inside the kernel, so the enabled MoE plugins would "
-                "never be called. Run the model unquantized (or with a modular MoE kernel), or "
-                "remove the `moe:` section")
+            raise MoEAdapterError(monolithic_refusal(
+                self.layer_name, type(quant_method).__name__,
+                getattr(getattr(self.routed_experts, "moe_config", None), "moe_backend", None)))
         from vllm.forward_context import get_forward_context, is_forward_context_available
 
         if not is_forward_context_available():
@@ -337,6 +349,15 @@ def _moe_model(model: str, trust_remote_code: bool) -> MoEModel:
                     top_k=int(c.get_num_experts_per_token() or 0), model=str(model))
 
 
+def _has_engine_arg(name: str) -> bool:
+    """Whether the installed vLLM's EngineArgs has the field ``name``."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    return any(f.name == name for f in dataclasses.fields(EngineArgs))
+
+
 class MoEAdapter(Adapter):
     kind = Kind.MOE
     owner = "adapters.moe"
@@ -354,7 +375,14 @@ class MoEAdapter(Adapter):
 
     def engine_overrides(self, enabled: list[Enabled], plan: Plan) -> dict[str, Any]:
         require_eager(plan)
-        return {"enforce_eager": True}
+        out: dict[str, Any] = {"enforce_eager": True}
+        backend = moe_backend_overrides(plan.platform, plan.deployment.engine, _has_engine_arg(MOE_BACKEND_ARG))
+        if backend and backend != {MOE_BACKEND_ARG: plan.deployment.engine.get(MOE_BACKEND_ARG)}:
+            log.info("vllm-graft: MoE plugins on CUDA: %s=%r, a modular MoE kernel that takes the "
+                     "plugins' routing (with 'auto' vLLM may pick a kernel that routes inside itself)",
+                     MOE_BACKEND_ARG, backend[MOE_BACKEND_ARG])
+        out.update(backend)
+        return out
 
     def activate(self, enabled: list[Enabled], plan: Plan, runtime: Runtime) -> None:
         if not enabled:
