@@ -9,8 +9,11 @@ For the day a GPU is lent (the machine has torch and Triton, no vLLM). From the 
 Per case: the same inputs through the reference and the kernel, the outputs compared (the
 tolerances of the kernel tests) before anything is timed, then both timed with
 ``triton.testing.do_bench`` (median of its repeats), and the kernel's achieved bandwidth
-(the bytes it must move at least, over its time) against the device's peak. ``--smoke`` checks
-correctness on CPU under the interpreter and times nothing.
+(the bytes it must move at least, over its time) against the device's peak, which is measured
+first on the device itself (:func:`copy_bandwidth`: a 1 GiB device-to-device copy, bytes read
+plus written over the best of ten copies), not looked up by the device's name. A case that
+raises is a row that says so; the others still run. ``--smoke`` checks correctness on CPU under
+the interpreter and times nothing (it measures a small host copy only to exercise the code).
 
 It imports ``vllm_graft`` from this checkout without installing it (see :func:`_source_tree`):
 the plugins need torch, triton, pydantic, pluggy, PyYAML and packaging, nothing else.
@@ -28,9 +31,7 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 MARK_START, MARK_END = "<!-- gpu-kernels:start -->", "<!-- gpu-kernels:end -->"
-#: Peak memory bandwidth (GB/s) by device name (substring), for the "% of peak" column.
-PEAK_GBPS = {"H200": 4800, "H100 SXM": 3350, "H100 NVL": 3900, "H100": 2000, "A100-SXM4-80GB": 2039,
-             "A100": 1555, "L40S": 864, "L4": 300, "A10G": 600}
+COPY_BYTES = 1 << 30  # the peak-bandwidth copy: 1 GiB read, 1 GiB written
 
 
 def _source_tree() -> None:
@@ -236,40 +237,107 @@ def _time_ms(fn: Callable[[], object]) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100)
 
 
-def run(smoke: bool, peak: float | None) -> tuple[str, list[dict]]:
+def copy_bandwidth(device: str, nbytes: int = COPY_BYTES, repeats: int = 10) -> float:
+    """The device's memory bandwidth in GB/s, measured: ``nbytes`` copied device to device
+    (``dst.copy_(src)``), bytes read plus written over the fastest of ``repeats`` copies after
+    three warm-up copies; CUDA events time each copy on a GPU, the wall clock on the host."""
+    import torch
+
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    cuda = src.device.type == "cuda"
+    for _ in range(3):
+        dst.copy_(src)
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = []
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            seconds.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            seconds.append(time.perf_counter() - t0)
+    assert bool(dst[-1] == 1)
+    del src, dst
+    if cuda:
+        torch.cuda.empty_cache()
+    return 2 * (nbytes // 4 * 4) / min(seconds) / 1e9
+
+
+def _environment(smoke: bool) -> str:
     import torch
     import triton
 
+    if smoke:
+        name = "CPU (TRITON_INTERPRET=1: correctness only, not timed)"
+    else:
+        props = torch.cuda.get_device_properties(0)
+        name = f"{props.name} ({props.multi_processor_count} SMs, {props.total_memory / 2 ** 30:.0f} GiB)"
+    cuda = f" (CUDA {torch.version.cuda})" if torch.version.cuda else ""
+    return (f"Device: {name}; torch {torch.__version__}{cuda}, "
+            f"triton {triton.__version__}; `python benchmarks/gpu/run.py{' --smoke' if smoke else ''}`, "
+            f"{time.strftime('%Y-%m-%d')}.")
+
+
+def run(smoke: bool, peak: float | None) -> tuple[str, list[dict]]:
     device = "cpu" if smoke else "cuda"
-    name = "CPU (TRITON_INTERPRET=1: correctness only, not timed)" if smoke else torch.cuda.get_device_name()
-    if peak is None and not smoke:
-        peak = next((v for k, v in PEAK_GBPS.items() if k in name), None)
+    head = _environment(smoke)
+    if peak is not None:
+        peak_note = f"Peak bandwidth: {peak:.0f} GB/s (given with --peak-gbps, not measured)."
+    elif smoke:  # exercises the measurement; a host copy says nothing of a GPU's peak
+        host = copy_bandwidth("cpu", 64 << 20, repeats=3)
+        peak_note = f"Peak bandwidth: not measured (smoke; a 64 MiB host copy moved {host:.1f} GB/s)."
+    else:
+        peak = copy_bandwidth(device)
+        peak_note = (f"Peak bandwidth: {peak:.0f} GB/s (measured: a {COPY_BYTES / 2 ** 30:.0f} GiB "
+                     "device-to-device copy, bytes read + written, fastest of 10); \"% of peak\" is "
+                     "against it.")
+    print(head, peak_note, flush=True)
     rows = []
-    for c in cases(smoke, device):
+    try:
+        built = cases(smoke, device)
+    except Exception as e:  # noqa: BLE001 - reported in the table, the exit status says it
+        built = []
+        rows.append({"kernel": "(building the cases)", "shape": "-", "dtype": "-", "ok": False,
+                     "error": f"{type(e).__name__}: {e}"})
+    for c in built:
         print(f"  {c.kernel} ...", flush=True)
-        err = _close(c.reference(), c.triton(), c.tol)
-        ok = err <= c.tol
-        timed = ok and not smoke  # the interpreter's times say nothing about a GPU
-        ref_ms = _time_ms(c.reference) if timed else float("nan")
-        tri_ms = _time_ms(c.triton) if timed else float("nan")
+        row = {"kernel": c.kernel, "shape": c.shape, "dtype": c.dtype}
+        try:
+            err = _close(c.reference(), c.triton(), c.tol)
+            ok = err <= c.tol
+            timed = ok and not smoke  # the interpreter's times say nothing about a GPU
+            ref_ms = _time_ms(c.reference) if timed else float("nan")
+            tri_ms = _time_ms(c.triton) if timed else float("nan")
+        except Exception as e:  # noqa: BLE001 - one kernel's failure is its row; the rest still run
+            rows.append({**row, "ok": False, "error": f"{type(e).__name__}: {e}"})
+            continue
         gbps = c.bytes_moved / tri_ms / 1e6 if timed and tri_ms > 0 else float("nan")
-        rows.append({"kernel": c.kernel, "shape": c.shape, "dtype": c.dtype, "max_err": err, "ok": ok,
-                     "ref_ms": ref_ms, "triton_ms": tri_ms, "speedup": ref_ms / tri_ms if timed else float("nan"),
+        rows.append({**row, "max_err": err, "ok": ok, "ref_ms": ref_ms, "triton_ms": tri_ms,
+                     "speedup": ref_ms / tri_ms if timed else float("nan"),
                      "gbps": gbps, "peak_pct": 100 * gbps / peak if peak and timed else None})
-    head = (f"Device: {name}; torch {torch.__version__}, triton {triton.__version__}; "
-            f"`python benchmarks/gpu/run.py{' --smoke' if smoke else ''}`, "
-            f"{time.strftime('%Y-%m-%d')}. Peak bandwidth: {f'{peak:.0f} GB/s' if peak else 'unknown'}.\n\n")
     table = ["| kernel | shape | dtype | matches reference (max abs err) | reference ms | Triton ms "
              "| speed-up | GB/s | % of peak |", "|---|---|---|---|---|---|---|---|---|"]
+
     def fmt(v: float, spec: str, unit: str = "") -> str:
         return "-" if v != v else f"{v:{spec}}{unit}"  # NaN: not timed
 
     for r in rows:
+        if "error" in r:
+            msg = " ".join(r["error"].split())[:200].replace("|", "/")
+            table.append(f"| {r['kernel']} | {r['shape']} | {r['dtype']} | ERROR: {msg} | - | - | - | - | - |")
+            continue
         pct = f"{r['peak_pct']:.0f}%" if r["peak_pct"] is not None else "-"
         table.append(f"| {r['kernel']} | {r['shape']} | {r['dtype']} | {'yes' if r['ok'] else 'NO'} "
                      f"({r['max_err']:.1e}) | {fmt(r['ref_ms'], '.3f')} | {fmt(r['triton_ms'], '.3f')} | "
                      f"{fmt(r['speedup'], '.1f', 'x')} | {fmt(r['gbps'], '.0f')} | {pct} |")
-    return head + "\n".join(table) + "\n", rows
+    return f"{head} {peak_note}\n\n" + "\n".join(table) + "\n", rows
 
 
 def update_benchmarks(text: str, path: Path = ROOT / "BENCHMARKS.md") -> None:
@@ -286,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes: correctness only")
     ap.add_argument("--out", help="write the markdown table here")
     ap.add_argument("--update-benchmarks", action="store_true", help="replace the GPU section of BENCHMARKS.md")
-    ap.add_argument("--peak-gbps", type=float, help="the device's peak memory bandwidth (default: by name)")
+    ap.add_argument("--peak-gbps", type=float, help="use this peak memory bandwidth (GB/s) instead of measuring it")
     args = ap.parse_args(argv)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported

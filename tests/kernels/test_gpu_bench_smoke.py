@@ -1,5 +1,6 @@
 """benchmarks/gpu/run.py stays runnable: its --smoke mode (CPU, TRITON_INTERPRET=1, tiny
-shapes) builds every case, and every kernel matches its reference there. No timing is checked."""
+shapes) builds every case, and every kernel matches its reference there; a case that raises is
+its own row; the copy that measures the peak bandwidth runs. No timing is checked."""
 from __future__ import annotations
 
 import importlib.util
@@ -44,3 +45,29 @@ def test_update_benchmarks_replaces_only_the_marked_section(tmp_path):
     path.write_text(f"# B\nbefore\n{run.MARK_START}\nold\n{run.MARK_END}\nafter\n")
     run.update_benchmarks("| new |\n", path)
     assert path.read_text() == f"# B\nbefore\n{run.MARK_START}\n| new |\n{run.MARK_END}\nafter\n"
+
+
+def test_a_case_that_raises_is_a_row_and_the_others_still_run(monkeypatch):
+    import torch
+
+    run = _module()
+
+    def boom():
+        raise RuntimeError("no kernel image | for this device")
+
+    same = run.Case("fine", "s", "fp32", lambda: torch.ones(3), lambda: torch.ones(3), 12, 0.0)
+    broken = run.Case("broken", "s", "fp32", lambda: torch.ones(3), boom, 12, 0.0)
+    monkeypatch.setattr(run, "cases", lambda smoke, device: [broken, same])
+    text, rows = run.run(smoke=True, peak=None)
+    assert [r["ok"] for r in rows] == [False, True]
+    assert "| broken | s | fp32 | ERROR: RuntimeError: no kernel image / for this device |" in text
+    assert "| fine | s | fp32 | yes (0.0e+00) |" in text
+    assert "Peak bandwidth: not measured (smoke; a 64 MiB host copy moved" in text
+
+
+def test_copy_bandwidth_counts_bytes_read_and_written(monkeypatch):
+    run = _module()
+    clock = iter([0.0, 0.5, 1.0, 1.25])  # two timed copies: 0.5 s and 0.25 s
+    monkeypatch.setattr(run.time, "perf_counter", lambda: next(clock))
+    # 8 MiB read + 8 MiB written in the fastest copy (0.25 s)
+    assert run.copy_bandwidth("cpu", 8 << 20, repeats=2) == 2 * (8 << 20) / 0.25 / 1e9
