@@ -61,16 +61,18 @@ def _ninja_on_path() -> None:
 _scratch: dict[tuple, torch.Tensor] = {}
 
 
-def scratch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A buffer of ``shape`` and ``dtype`` reused from call to call: a weight rebuilt on every
-    layer call (dequantised, decoded) goes here instead of into fresh memory, whose first
-    touch (page faults) costs as much as rebuilding it. Its contents are overwritten by the
-    next layer of the same shape: use it only for a weight consumed before that (inside one
-    ``apply``)."""
-    key = (tuple(shape), dtype)
+def scratch(shape: tuple[int, ...], dtype: torch.dtype,
+            device: torch.device | str | None = None) -> torch.Tensor:
+    """A buffer of ``shape`` and ``dtype`` on ``device`` (default: the host) reused from call to
+    call: a weight rebuilt on every layer call (dequantised, decoded) goes here instead of into
+    fresh memory, whose first touch (page faults) costs as much as rebuilding it. Its contents
+    are overwritten by the next layer of the same shape: use it only for a weight consumed
+    before that (inside one ``apply``). Pass the device of the tensors it is computed with."""
+    device = torch.device("cpu" if device is None else device)
+    key = (tuple(shape), dtype, device)
     buf = _scratch.get(key)
     if buf is None:
-        buf = _scratch[key] = torch.empty(shape, dtype=dtype)
+        buf = _scratch[key] = torch.empty(shape, dtype=dtype, device=device)
     return buf
 
 

@@ -150,7 +150,7 @@ def tables(sym_table: torch.Tensor, len_table: torch.Tensor, max_len: int) -> tu
     size = 1 << max_len
     sym = sym_table.to(torch.int64).view(-1, size)
     ln = len_table.to(torch.int64).view(-1, size)
-    idx = torch.arange(size, dtype=torch.int64)
+    idx = torch.arange(size, dtype=torch.int64, device=sym.device)
     multi = torch.zeros_like(sym)
     used = torch.zeros_like(sym)  # bits taken so far
     count = torch.zeros_like(sym)
@@ -167,13 +167,14 @@ def tables(sym_table: torch.Tensor, len_table: torch.Tensor, max_len: int) -> tu
     return multi.to(torch.int32).reshape(-1), single.reshape(-1)
 
 
-def lanes_out(counts: list[int], chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def lanes_out(counts: list[int], chunk: int,
+              device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Where each lane's symbols go in the flat weight, and how many it has: shards (each
-    ``counts[i]`` weights, its own chunks) are laid one after another."""
+    ``counts[i]`` weights, its own chunks) are laid one after another (on ``device``)."""
     starts, sizes = [], []
     offset = 0
     for c in counts:
-        k = torch.arange(-(-c // chunk), dtype=torch.int64) * chunk
+        k = torch.arange(-(-c // chunk), dtype=torch.int64, device=device) * chunk
         starts.append(k + offset)
         sizes.append(torch.clamp(c - k, max=chunk))
         offset += c
@@ -189,7 +190,7 @@ def decode_bf16(tensors: dict[str, torch.Tensor], chunk: int, max_len: int, out:
         return None, reason
     sm = tensors["sign_mantissa"]
     if out is None:
-        out = torch.empty(sm.shape, dtype=torch.bfloat16)
+        out = torch.empty(sm.shape, dtype=torch.bfloat16, device=sm.device)
     fn(tensors["stream"], tensors["chunk_pos"], tensors["table_base"], tensors["multi_table"],
        tensors["single_table"], tensors["lane_start"], tensors["lane_count"], sm.reshape(-1), max_len,
        out.view(-1))

@@ -78,7 +78,8 @@ def canonical_codes(lengths: np.ndarray) -> np.ndarray:
 
 def decode_table(lengths: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(symbol, length)`` lookup tables (uint8/int64 ``[2**max_len]``) indexed by the next
-    ``max_len`` bits of the stream."""
+    ``max_len`` bits of the stream, on ``lengths``' device (built on the host: called at load,
+    never per call)."""
     lens = lengths.cpu().numpy().astype(np.int64)
     if lens.max(initial=0) > max_len:
         raise ValueError(f"code_lengths: a code of {lens.max()} bits exceeds max_code_len {max_len}")
@@ -91,7 +92,7 @@ def decode_table(lengths: torch.Tensor, max_len: int) -> tuple[torch.Tensor, tor
         if hi > 1 << max_len:
             raise ValueError("code_lengths: not a valid prefix code (Kraft sum above 1)")
         sym[lo:hi], ln[lo:hi] = s, lens[s]
-    return torch.from_numpy(sym), torch.from_numpy(ln)
+    return torch.from_numpy(sym).to(lengths.device), torch.from_numpy(ln).to(lengths.device)
 
 
 # ----------------------------------------------------------------------------- encoder
@@ -110,7 +111,8 @@ def crc_bf16(weight: torch.Tensor) -> int:
 
 
 def encode(weight: torch.Tensor, chunk: int = 128, max_code_len: int = 12) -> dict[str, torch.Tensor]:
-    """Compress one bf16 weight (any shape; rows are dim 0) into the stored tensors."""
+    """Compress one bf16 weight (any shape; rows are dim 0) into the stored tensors (encoded
+    on the host with NumPy, returned on ``weight``'s device)."""
     exponent, sign_mantissa = split_bf16(weight)
     flat = exponent.reshape(-1)
     n = flat.size
@@ -127,13 +129,9 @@ def encode(weight: torch.Tensor, chunk: int = 128, max_code_len: int = 12) -> di
     stream = np.concatenate([np.packbits(bits), np.zeros(3, dtype=np.uint8)])
     offsets = starts[:-1][::chunk].astype(np.int32) if n else np.zeros(0, np.int32)
     header = np.array([n, total, crc_bf16(weight), chunk], dtype=np.int64)
-    return {
-        "sign_mantissa": torch.from_numpy(sign_mantissa.copy()),
-        "exponents": torch.from_numpy(stream),
-        "code_lengths": torch.from_numpy(lengths),
-        "chunk_offsets": torch.from_numpy(offsets),
-        "header": torch.from_numpy(header),
-    }
+    return {k: torch.from_numpy(v).to(weight.device) for k, v in (
+        ("sign_mantissa", sign_mantissa.copy()), ("exponents", stream), ("code_lengths", lengths),
+        ("chunk_offsets", offsets), ("header", header))}
 
 
 # ----------------------------------------------------------------------------- decoder
@@ -234,12 +232,14 @@ class DFloat11(QuantMethod):
             sym, ln = decode_table(t["code_lengths"], L)
             streams.append(t["exponents"])
             positions.append(t["chunk_offsets"].to(torch.int64) + bit_base)
-            bases.append(torch.full((t["chunk_offsets"].numel(),), i << L, dtype=torch.int64))
+            bases.append(torch.full((t["chunk_offsets"].numel(),), i << L, dtype=torch.int64,
+                                    device=t["chunk_offsets"].device))
             syms.append(sym)
             lens.append(ln)
             counts.append(int(t["header"][0]))
             bit_base += t["exponents"].numel() * 8
         sm = stored["sign_mantissa"]
+        device = sm[0].device
         return {
             "sign_mantissa": torch.cat(sm, 0) if len(sm) > 1 else sm[0],
             "stream": torch.cat(streams),
@@ -247,10 +247,10 @@ class DFloat11(QuantMethod):
             "table_base": torch.cat(bases),
             "sym_table": torch.cat(syms),
             "len_table": torch.cat(lens).to(torch.uint8),
-            "shard_counts": torch.tensor(counts, dtype=torch.int64),
-            # the C++ decoder's: where each chunk's symbols land in the flat weight, how many,
-            # and its lookup tables (24 KiB per shard at max_code_len 12)
-            **dict(zip(("lane_start", "lane_count"), lanes_out(counts, self.params.chunk))),
+            "shard_counts": torch.tensor(counts, dtype=torch.int64, device=device),
+            # where each chunk's symbols land in the flat weight and how many (both decoders),
+            # and the C++ decoder's lookup tables (24 KiB per shard at max_code_len 12)
+            **dict(zip(("lane_start", "lane_count"), lanes_out(counts, self.params.chunk, device))),
             **dict(zip(("multi_table", "single_table"), tables(torch.cat(syms), torch.cat(lens), L))),
         }
 
@@ -266,7 +266,7 @@ class DFloat11(QuantMethod):
                 and tensors["stream"].device.type == "cpu" and "lane_start" in tensors):
             sm = tensors["sign_mantissa"]
             w, reason = decode_bf16(tensors, chunk, self.params.max_code_len,
-                                    scratch(sm.shape, torch.bfloat16) if reuse else None)
+                                    scratch(sm.shape, torch.bfloat16, sm.device) if reuse else None)
             if w is not None:
                 return w
             fallback_once("dfloat11", "decoder", reason, "cpu_decoder")
@@ -276,13 +276,18 @@ class DFloat11(QuantMethod):
         exps = decoder(tensors["stream"], tensors["chunk_pos"], tensors["table_base"],
                                 tensors["sym_table"], tensors["len_table"].to(torch.int64), chunk,
                                 self.params.max_code_len)
-        counts = tensors["shard_counts"].tolist()
-        if len(counts) == 1:
-            flat = exps.reshape(-1)[:counts[0]]
-        else:
-            per = [-(-c // chunk) * chunk for c in counts]
-            flat = torch.cat([p[:c] for p, c in zip(exps.reshape(-1).split(per), counts)])
         sm = tensors["sign_mantissa"]
+        n = sm.numel()
+        # Drop the symbols past each shard's end without reading a count on the host (no sync:
+        # this runs inside vLLM's CUDA graphs): one shard is its first n symbols; several are
+        # scattered to where their lanes start, their padding to a spare slot past the end.
+        if tensors["shard_counts"].numel() == 1:
+            flat = exps.reshape(-1)[:n]
+        else:
+            j = torch.arange(chunk, dtype=torch.int64, device=exps.device)
+            start, count = tensors["lane_start"], tensors["lane_count"]
+            where = torch.where(j < count[:, None], start[:, None] + j, n)
+            flat = exps.new_empty(n + 1).scatter_(0, where.reshape(-1), exps.reshape(-1))[:n]
         return join_bf16(flat.reshape(sm.shape), sm)
 
     def apply(self, tensors, x, bias):

@@ -197,5 +197,5 @@ def dequantize_rows(indices: torch.Tensor, lut: torch.Tensor, out: torch.Tensor 
     if fn is None:
         return None, reason
     if out is None:
-        out = torch.empty(indices.shape, dtype=torch.float32)
+        out = torch.empty(indices.shape, dtype=torch.float32, device=indices.device)
     return fn(indices, lut, out), None

@@ -30,7 +30,7 @@ def pack_bitplanes(idx: torch.Tensor, bits: int) -> torch.Tensor:
     if n % 8:
         raise ValueError(f"squeezellm packs 8 columns per byte: in_features {n} is not a multiple of 8")
     idx = idx.to(torch.int32)
-    weights = (1 << torch.arange(8, dtype=torch.int32))
+    weights = (1 << torch.arange(8, dtype=torch.int32, device=idx.device))
     planes = [(((idx >> b) & 1).view(out, n // 8, 8) * weights).sum(-1) for b in range(bits)]
     return torch.cat(planes, 1).to(torch.uint8)
 
@@ -40,8 +40,8 @@ def unpack_bitplanes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     out, width = codes.shape
     n8 = width // bits
     c = codes.to(torch.int64).view(out, bits, n8, 1)
-    bit = (c >> torch.arange(8, dtype=torch.int64)) & 1  # [out, bits, n8, 8]
-    return (bit.view(out, bits, n8 * 8) << torch.arange(bits).view(1, bits, 1)).sum(1)
+    bit = (c >> torch.arange(8, dtype=torch.int64, device=c.device)) & 1  # [out, bits, n8, 8]
+    return (bit.view(out, bits, n8 * 8) << torch.arange(bits, device=c.device).view(1, bits, 1)).sum(1)
 
 
 # -------------------------------------------------------------------------- quantiser
@@ -54,7 +54,7 @@ def weighted_kmeans_rows(w: torch.Tensor, s: torch.Tensor, k: int, iters: int) -
     ws = w.gather(1, order)
     cs = s.gather(1, order).cumsum(1)
     total = cs[:, -1:].clamp_min(1e-30)
-    qs = (torch.arange(k, dtype=torch.float32) + 0.5) / k
+    qs = (torch.arange(k, dtype=torch.float32, device=w.device) + 0.5) / k
     pos = torch.searchsorted(cs / total, qs.expand(w.shape[0], k).contiguous()).clamp_max(w.shape[1] - 1)
     c = ws.gather(1, pos)
     for _ in range(iters):
@@ -69,7 +69,7 @@ def weighted_kmeans_rows(w: torch.Tensor, s: torch.Tensor, k: int, iters: int) -
 def sparse_mask(w: torch.Tensor, sens: torch.Tensor, outliers: float, sensitive: float) -> torch.Tensor:
     """Weights kept exactly: the ``outliers`` fraction of largest magnitudes and the
     ``sensitive`` fraction of largest sensitivities (of the whole matrix)."""
-    mask = torch.zeros(w.shape, dtype=torch.bool)
+    mask = torch.zeros(w.shape, dtype=torch.bool, device=w.device)
     n = w.numel()
     for score, frac in ((w.float().abs(), outliers), (sens.float(), sensitive)):
         k = int(round(frac * n))
@@ -92,7 +92,7 @@ def quantize(w: torch.Tensor, sens: torch.Tensor | None, bits: int, outliers: fl
     dense = lut.gather(1, a)
     rows, cols = mask.nonzero(as_tuple=True)
     vals = (w.float()[rows, cols] - dense.float()[rows, cols]).to(torch.float16)
-    rowptr = torch.zeros(out + 1, dtype=torch.int32)
+    rowptr = torch.zeros(out + 1, dtype=torch.int32, device=w.device)
     rowptr[1:] = torch.bincount(rows, minlength=out).cumsum(0).to(torch.int32)
     return {"codes": pack_bitplanes(a, bits), "lut": lut, "sparse_rowptr": rowptr,
             "sparse_cols": cols.to(torch.int32), "sparse_vals": vals}
@@ -154,7 +154,8 @@ class SqueezeLLM(QuantMethod):
         base = 0
         for ptr, c, v in zip(stored["sparse_rowptr"], stored["sparse_cols"], stored["sparse_vals"]):
             n = ptr.numel() - 1
-            rows.append(torch.repeat_interleave(torch.arange(n) + base, (ptr[1:] - ptr[:-1]).long()))
+            rows.append(torch.repeat_interleave(torch.arange(n, device=ptr.device) + base,
+                                                (ptr[1:] - ptr[:-1]).long()))
             cols.append(c.long())
             vals.append(v)
             base += n
@@ -166,7 +167,7 @@ class SqueezeLLM(QuantMethod):
             out["indices"] = unpack_bitplanes(out["codes"], self.params.bits).to(torch.uint8)
             # the sparse part as CSR over the joined rows too (the fused CPU path's)
             counts = torch.bincount(out["sparse_rows"], minlength=out["codes"].shape[0])
-            out["sparse_rowptr"] = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+            out["sparse_rowptr"] = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
         return out
 
     def dense_from_indices(self, tensors, reuse: bool = False) -> torch.Tensor:
@@ -175,7 +176,8 @@ class SqueezeLLM(QuantMethod):
         either way (the LUT's, widened exactly)."""
         if self.params.cpu_dequant == "cpp":
             idx = tensors["indices"]
-            w, reason = dequantize_rows(idx, tensors["lut"], scratch(idx.shape, torch.float32) if reuse else None)
+            w, reason = dequantize_rows(idx, tensors["lut"],
+                                        scratch(idx.shape, torch.float32, idx.device) if reuse else None)
             if w is not None:
                 return w
             fallback_once("squeezellm", "dequantisation", reason, "cpu_dequant")

@@ -33,8 +33,8 @@ def quantize(w: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
     G = -(-n // group_size)
     pad = G * group_size - n
     q8g = torch.nn.functional.pad(q8, (0, pad)).view(out, G, group_size)
-    valid = torch.nn.functional.pad(torch.ones(n), (0, pad)).view(G, group_size).bool()
-    big = torch.tensor(1e9)
+    valid = torch.nn.functional.pad(torch.ones(n, device=w.device), (0, pad)).view(G, group_size).bool()
+    big = torch.tensor(1e9, device=w.device)
     lo = torch.where(valid, q8g, big).amin(-1)
     hi = torch.where(valid, q8g, -big).amax(-1)
     mult = torch.clamp(torch.ceil((hi - lo) / 15), min=1, max=127)
@@ -51,7 +51,7 @@ def int8_weight(t: dict[str, torch.Tensor], group_size: int) -> torch.Tensor:
     p = t["qweight"].to(torch.int32)
     q4 = torch.stack([p & 15, p >> 4], -1).view(p.shape[0], -1)
     n = q4.shape[1]
-    g = torch.arange(n) // group_size
+    g = torch.arange(n, device=p.device) // group_size
     zero = t["group_zero"].to(torch.int32)[:, g]
     mult = t["group_mult"].to(torch.int32)[:, g]
     return ((q4 - zero) * mult).clamp(-128, 127)
