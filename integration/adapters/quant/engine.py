@@ -37,7 +37,12 @@ The package:
   this module imports without vLLM.
 
 Events counted: ``quantize`` (layers quantised), ``apply`` (linear calls), ``load`` (layers
-loaded from a pre-quantised checkpoint), ``embed`` (embedding calls).
+loaded from a pre-quantised checkpoint), ``embed`` (embedding calls), ``captured`` (calls
+captured into a CUDA graph, whose replays are not counted: see :mod:`.tensors`).
+
+On CUDA (vLLM 0.33): the tensors a plugin builds at load follow the layer weight's device
+(:func:`.tensors.follow_device`), and ``vllm_graft::quant_linear`` is captured in vLLM's
+CUDA graphs (not a splitting op), its body free of host syncs (:mod:`.tensors` says why).
 
 Deactivation removes the names from vLLM's registries again (``QUANTIZATION_METHODS``, the
 platform's ``supported_quantization`` and the custom-config dict), so a later plain engine

@@ -20,6 +20,14 @@ the result as buffers; errors name the checkpoint tensor (``...k_proj.exponents`
 itself skips its "weights not initialized" check for quantised models, so these checks are
 the only guard against a silently unloaded tensor.
 
+Devices (:func:`~.tensors.follow_device`): the layer's device is that of its loaded
+parameters (``weight``, or for a pre-quantised checkpoint its fixed-shape stored tensors),
+which vLLM creates on the accelerator. Ragged tensors, kept from the checkpoint reader (on the
+host), are moved there before ``verify``/``load``, so a shard's tensors share one device; and
+whatever ``quantize``/``load`` return is moved there before it becomes a buffer or the host's
+dense weight. Syncs and host work in ``verify``/``load``/``quantize`` are fine (load time);
+``apply`` runs inside vLLM's CUDA graphs and must not sync (see :mod:`.tensors`).
+
 A method whose ``dense_weight(tensors)`` gives a dense weight (its ``apply`` is exactly
 ``F.linear`` with it) is handed to the host's own dense GEMM instead (:meth:`PluginLinear._host_gemm`;
 in vLLM, its unquantised linear method, which prepacks the weight for oneDNN on CPU): no
@@ -27,7 +35,8 @@ opaque op, no per-call Python, and ``apply`` is not called.
 
 Events counted: ``quantize`` (layers quantised), ``load`` (layers loaded), ``dense`` (layers
 handed to the host's dense GEMM), ``apply`` (linear calls through the plugin), ``embed``
-(embedding calls).
+(embedding calls), ``captured`` (linear or embedding calls captured into a CUDA graph: their
+replays run no Python and are not counted; see :mod:`.tensors`).
 """
 from __future__ import annotations
 
@@ -41,7 +50,9 @@ from vllm_graft.integration.runtime import RUNTIME
 from vllm_graft.integration.adapters.quant.checkpoint import checkpoint_tensor_name, quantization_name
 from vllm_graft.integration.adapters.quant.tensors import (
     BUFFER_PREFIX,
+    capturing,
     check_quantized,
+    follow_device,
     install_tensors,
     layer_tensors,
     quant_embed_op,
@@ -126,8 +137,21 @@ class PluginLinear:
         self.parts[tname][idx] = loaded.detach().clone()
         self.seen[tname].add(idx)
 
+    def _device(self, layer):
+        """Where the layer's tensors belong: the device of its loaded parameters (for a
+        pre-quantised checkpoint, its fixed-shape stored tensors; the ragged ones and the trap
+        ``weight`` are placeholders), else the host."""
+        names = [t for t, spec in self.specs.items() if not spec.ragged] \
+            if self.prequantized else ["weight"]
+        for tname in names:
+            t = getattr(layer, tname, None)
+            if isinstance(t, torch.Tensor):
+                return t.device
+        return torch.device("cpu")
+
     def _stored_parts(self, layer) -> dict[str, list]:
         n = len(self.shard_rows)
+        device = self._device(layer)
         out: dict[str, list] = {}
         for tname, spec in self.specs.items():
             seen = self.seen[tname]
@@ -138,9 +162,9 @@ class PluginLinear:
                 raise ValueError(f"{', '.join(names)}: missing from the checkpoint (a "
                                  f"{self.plugin_label()} checkpoint stores "
                                  f"{', '.join(self.specs)} for every quantised layer)")
-            if spec.ragged:
-                out[tname] = [self.parts[tname][None]] if whole else \
-                    [self.parts[tname][i] for i in range(n)]
+            if spec.ragged:  # read from the checkpoint on the host: to the layer's device
+                out[tname] = [p.to(device) for p in ([self.parts[tname][None]] if whole else
+                                                    [self.parts[tname][i] for i in range(n)])]
             else:
                 data = getattr(layer, tname).data
                 k = spec.shape[0] // self.out_features
@@ -198,7 +222,7 @@ class PluginLinear:
                 tensors = self.plugin.load(stored, rows)
             except ValueError as e:
                 raise ValueError(f"{self.plugin_label()} checkpoint, layer {self.prefix}: {e}") from e
-            tensors = check_quantized(tensors, self.name)
+            tensors = follow_device(check_quantized(tensors, self.name), self._device(layer))
             for tname in (*self.specs, "weight"):
                 delattr(layer, tname)
             self.parts = {}
@@ -214,7 +238,7 @@ class PluginLinear:
         tensors = self.plugin.quantize(layer.weight.data)
         if self.plugin.stored_tensors(self.out_features, self.in_features) is not None:
             tensors = self.plugin.load({k: [v] for k, v in tensors.items()}, [self.out_features])
-        tensors = check_quantized(tensors, self.name)
+        tensors = follow_device(check_quantized(tensors, self.name), layer.weight.device)
         self._count("quantize")
         if self._use_dense(layer, tensors):
             return
@@ -233,7 +257,8 @@ class PluginLinear:
         return self._embed_op(ids, [tensors[n] for n in self.names], self.key)
 
     def compute_embedding(self, ids, tensors):
-        self._count("embed")
+        """The embedding op's body; graph-safe like :meth:`compute`."""
+        self._count("captured" if capturing(ids) else "embed")
         out = self.plugin.embed(dict(zip(self.names, tensors)), ids)
         want = (*ids.shape, self.in_features)
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
@@ -242,8 +267,10 @@ class PluginLinear:
         return out
 
     def compute(self, x, tensors, bias):
-        """The custom op's body: runs eagerly on every call, compiled graph or not."""
-        self._count("apply")
+        """The custom op's body: runs eagerly on every call, compiled graph or not, but inside
+        a CUDA graph only once, at capture. So it must not sync with the host (it reads shapes
+        and dtypes only), and while capturing it counts ``captured``, not ``apply``."""
+        self._count("captured" if capturing(x) else "apply")
         out = self.plugin.apply(dict(zip(self.names, tensors)), x, bias)
         want = (*x.shape[:-1], self.out_features)
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or out.dtype != x.dtype:

