@@ -32,6 +32,7 @@ from vllm_graft.kit.conformance.base import (
     tolerance,
     torch_module,
 )
+from vllm_graft.kit.conformance.device import check_device
 from vllm_graft.kit.conformance.exercises import EXERCISES
 from vllm_graft.kit.conformance.exercises.attention import (
     ATTENTION_SEQS,
@@ -320,6 +321,8 @@ CHECKS: list[Check] = [
           check_params_reject),
     Check("contract", "the reference path keeps the kind's rules on generated inputs", check_contract),
     Check("parity", "Triton kernels match the reference (TRITON_INTERPRET=1)", check_parity),
+    Check("device", "on a fake CUDA device: no host tensor mixed in; host syncs per call reported",
+          check_device),
     Check("state", "nothing of a request is held after finish()", check_state,
           kinds=(Kind.SPECULATIVE,)),  # the one kind told when a request ends
     Check("engine", "in vLLM's CPU engine; lossless = plain vLLM's greedy tokens", check_engine,
@@ -330,7 +333,7 @@ __all__ = [
     "ATTENTION_SEQS", "ATTENTION_SHAPES", "BUILTIN_PACKAGE", "CHECKS", "Check", "ConformanceError",
     "EXERCISES", "FORMAT_REL_TOL", "MOE_EXPERTS", "MOE_LAYERS", "MOE_TOKENS", "MOE_TOPK",
     "QUANT_SHAPES", "SPEC_REQUESTS", "SPEC_STEPS", "SPEC_VOCAB", "Skipped", "Target", "build",
-    "check_contract", "check_engine", "check_params_reject", "check_params_roundtrip",
+    "check_contract", "check_device", "check_engine", "check_params_reject", "check_params_roundtrip",
     "check_parity", "check_registration", "check_state", "compare", "example_params",
     "exact_attention", "exercise_attention", "exercise_kv_format", "exercise_kvcompress",
     "exercise_moe", "exercise_quant", "exercise_speculative", "model_topk", "request_id",

@@ -118,6 +118,8 @@ class _StepIndex:
         self.q_ok = j[None, :] < qlen[:, None]  # [S, maxq]
         self.rows = (qsl[:-1, None] + j[None, :]).clamp(0, max(num_rows - 1, 0))
         self.out_rows = self.rows[self.q_ok]
+        # the padded outputs' real rows, as an index (read per layer without a host sync)
+        self.q_ok_flat = self.q_ok.reshape(-1).nonzero().squeeze(1)
         q_pos = (lens - qlen)[:, None] + j[None, :]  # absolute position of each query
         k_pos = torch.arange(self.L, device=dev)
         allowed = (k_pos[None, None, :] <= q_pos[:, :, None]) & self.q_ok[:, :, None]  # causal
@@ -196,8 +198,8 @@ def _paged_batched(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatc
         return out, mass
     if ix.S * H * ix.maxq * ix.L > BATCHED_SCORES_MAX:
         return None
-    if observe is not None and not bool(observe[: T].any()):  # nothing observed: no mass to compute
-        observe = None
+    if observe is not None and observe.device.type == "cpu" and not bool(observe[: T].any()):
+        observe = None  # nothing observed: no mass to compute (asked on the host only: a sync per layer on a GPU)
     k, v = _padded_kv(kv_cache, ix, gather)
     k, v = k.float(), v.float()
     q = query[ix.rows].float().permute(0, 2, 1, 3)  # [S, H, maxq, D]
@@ -221,7 +223,8 @@ def _paged_batched(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatc
         else:
             per_key = torch.einsum("shqk,sq->sk", p, w)
             mass[:, : ix.nb] = per_key.view(ix.S, ix.nb, B).sum(-1)
-    out[ix.out_rows] = o.permute(0, 2, 1, 3)[ix.q_ok].to(query.dtype)
+    o = o.permute(0, 2, 1, 3).reshape(ix.S * ix.maxq, H, -1).index_select(0, ix.q_ok_flat)
+    out[ix.out_rows] = o.to(query.dtype)
     return out, mass
 
 

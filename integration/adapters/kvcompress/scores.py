@@ -114,7 +114,13 @@ class _Scores:
             if a < b:
                 observe[qsl[i] + a - computed: qsl[i] + b - computed] = True
         per_head = bool(getattr(self.compressor, "per_head", False))
-        mass = None if per_head else torch.zeros(len(step.rows), batch.block_table.shape[1], dtype=torch.float32)
+        # on the attention's device (vLLM's batch tensors are there): built on the host from
+        # the rows, moved once per step; the mass is summed there over the layers and read
+        # back once, in finalize
+        device = batch.block_table.device
+        observe = observe.to(device, non_blocking=True)
+        mass = None if per_head else torch.zeros(len(step.rows), batch.block_table.shape[1],
+                                                 dtype=torch.float32, device=device)
         plan = _StepPlan(step.rows, cols, observe, mass, B)
         if per_head:
             plan.head_dropped = [getattr(self.reqs.get(r[0]), "head_dropped", None) for r in step.rows]
@@ -214,9 +220,9 @@ class _ScoringAttention:
         import torch
 
         n = query.shape[0]
-        observe = plan.observe[:n] if plan is not None else torch.zeros(n, dtype=torch.bool)
-        if observe.numel() < n:
-            observe = torch.cat([observe, torch.zeros(n - observe.numel(), dtype=torch.bool)])
+        observe = plan.observe[:n] if plan is not None else torch.zeros(n, dtype=torch.bool, device=query.device)
+        if observe.shape[0] < n:
+            observe = torch.cat([observe, observe.new_zeros(n - observe.shape[0])])
         state = _state.active
         compressor = self.scores.compressor
         if getattr(compressor, "per_head", False):
@@ -226,10 +232,10 @@ class _ScoringAttention:
                 torch.ones(S, hkv, width, dtype=torch.bool, device=query.device)
             out, mass = compressor.attend(query, kv_cache, batch, layer, observe, head_mask=mask)
             if plan is not None:
-                if plan.mass is None:
-                    plan.mass = torch.zeros(len(plan.rows), hkv, width, dtype=torch.float32)
+                if plan.mass is None:  # made at the first layer, where the mass is
+                    plan.mass = torch.zeros(len(plan.rows), hkv, width, dtype=torch.float32, device=mass.device)
                 rows = plan.mass.shape[0]
-                plan.mass += mass[:rows, :, :width].to(plan.mass.dtype).cpu()
+                plan.mass += mass[:rows, :, :width].to(plan.mass.dtype)
             return out
         if state is not None and state.kv_format is not None and kv_cache.dtype == _uint8():
             # the cache is in the storage format: its attention reads it (and scores it)

@@ -118,15 +118,25 @@ class SkipDecoder:
         e = self.w.embed
         return e[ids] if isinstance(e, torch.Tensor) else e(ids)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        need = int(positions.max()) + 1
+    def device(self) -> torch.device:
+        """Where the target's weights are (the draft's tensors are made there)."""
+        for t in (self.w.embed, self.w.lm_head, self.w.final_norm):
+            weight = t if isinstance(t, torch.Tensor) else getattr(t, "weight", None)
+            if isinstance(weight, torch.Tensor):
+                return weight.device
+        return torch.device("cpu")
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
+                need: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``need``: one past the largest position (given, it saves a host sync)."""
+        need = int(positions.max()) + 1 if need is None else need
         table = self._cos_sin
         if table is None or (self.w.rope_cos_sin is None and table.shape[0] < need):
             n = max(need, 2 * (table.shape[0] if table is not None else 256))
             inv = 1.0 / (self.w.rope_theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float64)
                                                / self.rotary_dim))
             freqs = torch.outer(torch.arange(n, dtype=torch.float64), inv)
-            table = torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
+            table = torch.cat([freqs.cos(), freqs.sin()], dim=-1).float().to(positions.device)
             self._cos_sin = table
         elif table.shape[0] < need:
             raise ValueError(f"position {need - 1} is past the target's RoPE table "
@@ -192,14 +202,16 @@ class SkipDecoder:
             raise ValueError(f"the cache was filled skipping {sorted(cache.skip)}, not {sorted(skip)}")
         w = self.w
         start = len(cache) if cache is not None else 0
-        ids = torch.as_tensor(list(tokens), dtype=torch.long)
-        positions = torch.arange(start, start + len(ids))
+        dev = self.device()
+        ids = torch.as_tensor(list(tokens), dtype=torch.long, device=dev)
+        positions = torch.arange(start, start + len(ids), device=dev)
         h = self.embed(ids)
         cos = sin = None
         if w.rope is None:
-            cos, sin = self.cos_sin(positions, h.dtype)
+            cos, sin = self.cos_sin(positions, h.dtype, need=start + len(ids))
         # query j (position start + j) sees keys 0 .. start + j: one mask for every layer
-        hidden = torch.arange(start + len(ids))[None, :] > positions[:, None] if len(ids) > 1 else None
+        hidden = (torch.arange(start + len(ids), device=dev)[None, :] > positions[:, None]
+                  if len(ids) > 1 else None)
         for i in range(self.num_layers):
             layer = w.layers[i]
             if 2 * i not in skip:

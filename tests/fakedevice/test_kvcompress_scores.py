@@ -1,0 +1,75 @@
+"""The scored compressors' worker half (h2o, snapkv, adakv: the step's plan, the scoring
+attention over every layer, finalize) with vLLM's inputs on the device: the step's observe
+mask and its mass must follow the query's device (issue 32, breakage 1)."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from vllm_graft.hooks import get_registry
+from vllm_graft.integration.adapters.kvcompress.rows import step_rows
+from vllm_graft.integration.adapters.kvcompress.scores import _Scores, _ScoringAttention
+from vllm_graft.kit.conformance.exercises.attention import ATTENTION_SEQS, attention_case
+
+PARAMS = {"h2o": {"budget_blocks": 2, "sink_blocks": 1, "recent_blocks": 1},
+          "snapkv": {"budget_blocks": 2, "sink_blocks": 1, "window_tokens": 4},
+          "adakv": {"budget_blocks": 2, "sink_blocks": 1, "window_tokens": 4}}
+LAYERS = 3
+
+
+def _compressor(name):
+    reg = get_registry().get("kvcompress", name).registration
+    return reg.load()(reg.params(**PARAMS[name]))
+
+
+def _step(device, name):
+    """One step of three layers: (outputs, the drops reported, blocks dropped per KV head)."""
+    q, kv, batch, layer = attention_case((4, 2, 16, 4), "float32", seed=5)
+    events = []
+    sc = _Scores(_compressor(name), name, lambda ev, n: events.append((ev, n)))
+    att = _ScoringAttention(sc)
+    rows = [(f"r{i}", n - qn, qn, n if qn > 1 else n - 1, []) for i, (n, qn) in enumerate(ATTENTION_SEQS)]
+    step_rows.step = types.SimpleNamespace(rows=rows, block_size=layer.block_size)
+    try:
+        with device:
+            q, kv = device.put(q, kv)
+            batch = type(batch)(*device.put(batch.query_start_loc, batch.seq_lens, batch.block_table))
+            with device.region("plan (step)"):
+                plan = att.plan(batch)
+            outs = []
+            for i in range(LAYERS):
+                with device.region(f"layer {i}"):
+                    outs.append(att.forward(q, kv, batch, layer, plan))
+            with device.region("finalize (step)"):
+                drops = sc.finalize()
+    finally:
+        step_rows.step = None
+    dropped = sum(len(d) for st in sc.reqs.values() for d in (st.head_dropped or [st.dropped]))
+    return outs, drops, dropped
+
+
+@pytest.mark.parametrize("name", sorted(PARAMS))
+def test_a_scored_step_runs_on_the_device_and_syncs_once_per_step(device, name):
+    outs, drops, dropped = _step(device, name)
+    assert all(o.device == outs[0].device for o in outs)
+    assert dropped  # the budget is below every prompt: something is dropped (per KV head: adakv)
+    if getattr(device, "real", False):
+        return
+    # the step's plan reads the batch layout once, the first layer indexes the step (a few
+    # syncs, once per step), the other layers read nothing back to the host, and finalize
+    # reads the mass summed over the layers once
+    per = device.sync_counts()
+    assert all(per.get(f"layer {i}", 0) == 0 for i in range(1, LAYERS)), device.report()
+    assert per.get("layer 0", 0) <= 4, device.report()
+    assert per.get("plan (step)", 0) <= 1 and per.get("finalize (step)", 0) <= 1, device.report()
+
+
+def test_the_host_and_the_device_step_decide_the_same_drops(device):
+    from vllm_graft.kit.fakedevice import FakeDevice
+
+    host_outs, host_drops, _ = _step(FakeDevice(), "h2o")  # nothing put: every tensor on the host
+    dev_outs, dev_drops, _ = _step(device, "h2o")
+    assert dev_drops == host_drops
+    torch.testing.assert_close(dev_outs[-1].cpu(), host_outs[-1])
