@@ -324,3 +324,40 @@ def test_through_the_op_on_the_host_counts_apply():
         m.apply(layer, torch.randn(2, IN), None)
     assert syncs == []
     assert RUNTIME.counts(Kind.QUANT, m.name).get("apply", 0) == before + 1
+
+
+class _HostBuilt:
+    """A third-party-style method that builds its tensors with NumPy (on the host), as many do:
+    the adapter, not the plugin, puts them on the weight's device."""
+
+    def __new__(cls):
+        import numpy as np
+
+        from vllm_graft.hooks import QuantMethod
+        from vllm_graft.plugins.quant.noop import FullPrecisionParams
+
+        class HostBuilt(QuantMethod):
+            def quantize(self, weight):
+                w = weight.detach().cpu().numpy()
+                return {"w": torch.from_numpy(np.ascontiguousarray(w)),
+                        "rows": torch.from_numpy(np.arange(w.shape[0]))}
+
+            def apply(self, tensors, x, bias):
+                return torch.nn.functional.linear(x, tensors["w"][tensors["rows"]], bias)
+
+        return HostBuilt(FullPrecisionParams(host_gemm=False))
+
+
+def test_a_plugin_that_builds_on_the_host_gets_device_buffers():
+    m = PluginLinear(_HostBuilt(), "hostbuilt", prefix="model.layers.0.mlp.down_proj")
+    m.out_features, m.in_features, m.shard_rows, m.params_dtype = 6, IN, [6], torch.float32
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(on_device(torch.randn(6, IN)), requires_grad=False)
+    with FakeDevice():
+        m.process_weights_after_loading(layer)
+        bufs = _plugin_buffers(layer)
+        assert bufs and all(is_on_device(b) for b in bufs.values()), \
+            [n for n, b in bufs.items() if not is_on_device(b)]
+        tensors = qtensors.layer_tensors(layer)
+        y = m.compute(on_device(torch.randn(2, IN)), [tensors[n] for n in m.names], None)
+    assert is_on_device(y)
