@@ -47,6 +47,14 @@ class QuantMethod(PluginImpl[P]):
     them, split per shard, into the tensors ``apply`` gets. A missing tensor, an unquantised
     ``weight`` where stored tensors belong, a wrong shape or dtype, or a ``verify`` that
     raises, stops loading with an error naming the checkpoint tensor.
+
+    Devices and CUDA graphs (vLLM on a GPU). The weight ``quantize`` gets, and a checkpoint's
+    stored tensors ``verify``/``load`` get, are on the accelerator (online, ``load`` gets what
+    ``quantize`` returned, where it made it); the host moves whatever they return to the weight's device (so NumPy-built tables are fine there, and host syncs such as
+    ``.item()`` are fine at load). ``apply`` and ``embed`` run inside vLLM's CUDA graphs: they
+    must make every tensor on the device of those given (``device=x.device``) and never read a
+    tensor's value on the host (no ``.item()``, ``.tolist()``, ``bool(t)``, ``.cpu()``, no
+    data-dependent Python); their Python runs once, at capture.
     """
 
     kind = Kind.QUANT
