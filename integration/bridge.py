@@ -363,24 +363,42 @@ def _apply_engine_overrides(engine_args: Any, plan: Plan) -> None:
     from .adapters import adapter_for
 
     wanted: dict[str, Any] = dict(plan.deployment.engine)
+    why: dict[str, str] = {}  # the adapters' reasons, by engine argument
     for kind in Kind:
         if plan.by_kind(kind):
-            wanted.update(adapter_for(kind).engine_overrides(plan.by_kind(kind), plan))
+            adapter = adapter_for(kind)
+            overrides = adapter.engine_overrides(plan.by_kind(kind), plan)
+            wanted.update(overrides)
+            why.update({k: f"{kind.value} plugins need {k}={overrides[k]!r}: {w}"
+                        for k, w in adapter.engine_why.items() if k in overrides})
     problems = []
     defaults = _engine_defaults()
     for key, value in wanted.items():
+        if key in why and key in plan.deployment.engine and plan.deployment.engine[key] != value:
+            problems.append(Problem(
+                f"engine.{key}", why[key], value=plan.deployment.engine[key], accepted=repr(value),
+                hint=f"drop {key} from the deployment's engine section, or leave the plugin out"))
+            continue
+        if not hasattr(engine_args, key) and key in why:
+            continue  # this vLLM build has no such argument (nothing to turn off)
         current = getattr(engine_args, key, None)
         if current == value:
             continue
         if key in defaults and current != defaults[key] and current is not None:
             problems.append(Problem(
-                f"engine.{key}", "the deployment needs a different value than vLLM was started with",
+                f"engine.{key}", why.get(key, "the deployment needs a different value than vLLM was started with"),
                 value=current, accepted=repr(value),
                 hint=f"drop --{key.replace('_', '-')} from the vLLM command line"))
             continue
         setattr(engine_args, key, value)
+        if key in why and why[key] not in _logged_why:
+            _logged_why.add(why[key])
+            log.warning("vllm-graft: %s set for this engine because %s", f"{key}={value!r}", why[key])
     if problems:
         raise DeploymentError(problems, "deployment vs vLLM engine arguments")
+
+
+_logged_why: set[str] = set()
 
 
 def _engine_defaults() -> dict[str, Any]:

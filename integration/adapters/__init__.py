@@ -5,7 +5,8 @@ lazily, so that a deployment without, say, a quantization plugin never imports v
 quantization layer. Contract of an adapter (see :class:`Adapter`):
 
 * ``engine_overrides(enabled, plan)``: engine arguments the plugins need (e.g.
-  ``speculative_config`` for a proposer); applied by the bridge in the front end.
+  ``speculative_config`` for a proposer); applied by the bridge in the front end
+  (``engine_why`` says why, for the log and for the refusal of a conflicting value).
 * ``activate(enabled, plan, runtime)``: register into vLLM in this process (called in
   every vLLM process); must be idempotent per deployment.
 * ``deactivate()``: undo it (the bridge also undoes the adapter's patches).
@@ -26,6 +27,10 @@ from vllm_graft.integration.runtime import Runtime
 class Adapter:
     kind: Kind
     owner: str = "adapter"
+    #: Why the adapter needs an engine argument it sets in :meth:`engine_overrides` (by
+    #: argument name): the bridge logs it once when it sets the argument for the user, and
+    #: names it when the user's own value conflicts.
+    engine_why: dict[str, str] = {}
 
     def engine_overrides(self, enabled: list[Enabled], plan: Plan) -> dict[str, Any]:
         return {}

@@ -27,17 +27,42 @@ def trace(event: str, n: int, **detail: Any) -> None:
             f.write(json.dumps({"pid": os.getpid(), "event": event, "n": n, **detail}) + "\n")
 
 
+_warned_async = False
+
+
 def _attach_drops(out: Any) -> Any:
-    """Worker: finalize the step and put the dropped blocks on the ModelRunnerOutput."""
+    """Worker: finalize the step and put the dropped blocks on the ModelRunnerOutput.
+
+    The adapter turns vLLM's async scheduling off (``engine_overrides``), so ``out`` is a plain
+    ``ModelRunnerOutput``. Should an async output come anyway (``AsyncGPUModelRunnerOutput``,
+    vLLM 0.33 CUDA: no ``req_ids``, the step's output kept as ``_model_runner_output`` and
+    returned by ``get_output()``), the drops go on that inner output, which reaches the
+    scheduler, and a warning says the blocks are freed a step late."""
+    global _warned_async
     state = _state.active
-    if state is None or state.scored is None or out is None or not hasattr(out, "req_ids"):
+    if state is None or state.scored is None or out is None:
+        return out
+    inner = getattr(out, "_model_runner_output", None)
+    if not hasattr(out, "req_ids") and inner is None:
         return out
     drops = state.scored.finalize()
-    if drops:
-        import copy
+    if not drops:
+        return out
+    import copy
 
-        out = copy.copy(out)  # never mark a shared (e.g. empty) output object
-        out.graft_kv_drops = drops
+    if inner is not None and not hasattr(out, "req_ids"):
+        if not _warned_async:
+            _warned_async = True
+            import logging
+
+            logging.getLogger("vllm_graft").warning(
+                "vllm-graft kvcompress: vLLM runs with async scheduling although the deployment turned "
+                "it off; dropped KV blocks are reported on the wrapped output and freed a step late")
+        out._model_runner_output = copy.copy(inner)
+        out._model_runner_output.graft_kv_drops = drops
+        return out
+    out = copy.copy(out)  # never mark a shared (e.g. empty) output object
+    out.graft_kv_drops = drops
     return out
 
 

@@ -96,6 +96,18 @@ def rewrite(builder: Any, cm: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------ adapter
+
+#: vLLM's engine argument: async scheduling (on by default on CUDA vLLM 0.33 when nothing
+#: turns it off; off on the CPU engine).
+ASYNC_SCHEDULING = "async_scheduling"
+ASYNC_WHY = (
+    "a KV compressor's drops travel from the worker to the scheduler on the step's "
+    "ModelRunnerOutput and the scheduler frees those blocks in the same step; with async "
+    "scheduling vLLM wraps that output (AsyncGPUModelRunnerOutput) and schedules the next step "
+    "before it has read this one, so the blocks would be freed a step late or never and the "
+    "scheduler's and the worker's views of each request's blocks could part (vLLM turns async "
+    "scheduling off the same way for speculative methods it cannot run ahead)")
+
 class _FormatSeam:
     """What the backend calls for a storage format: its ``write`` (``do_kv_cache_update``)
     and its attention (``forward``), counted as the format's events."""
@@ -117,8 +129,10 @@ class KVCompressAdapter(Adapter):
     kind = Kind.KVCOMPRESS
     owner = OWNER
 
+    engine_why = {ASYNC_SCHEDULING: ASYNC_WHY}
+
     def engine_overrides(self, enabled, plan):
-        return attention_backend_overrides(plan)
+        return {**attention_backend_overrides(plan), ASYNC_SCHEDULING: False}
 
     def activate(self, enabled, plan, runtime):
         # deployment validation allows one plugin per role: an eviction compressor and/or a
