@@ -3,7 +3,11 @@
 ``vllm-graft doctor [--vllm-source DIR|WHEEL ...]`` checks, without importing or running vLLM,
 that each given source (default: the installed vLLM) has everything in :func:`.checks.needs`,
 and prints one table (a column per source); exit 1 if anything is missing, each failure
-naming the file and the name. The CUDA wheel needs no GPU::
+naming the file and the name. ``behaviour`` rows (:mod:`.behaviour`) check what vLLM does, read
+statically: async scheduling's default and the output type it wraps, vllm-graft's custom ops
+vs vLLM's splitting ops and CUDA graphs, MoE kernel selection; a row is ``n/a`` on a build
+without that behaviour (the CPU build: no async scheduling, no CUDA graphs, CPU MoE kernels),
+which is not a failure. The CUDA wheel needs no GPU::
 
     pip download vllm==0.33.0 --no-deps -d wheels/
     vllm-graft doctor --vllm-source wheels/vllm-0.33.0-*.whl --vllm-source .venv/lib/python3.11/site-packages
@@ -64,13 +68,16 @@ def cmd_doctor(args: argparse.Namespace, console: Any) -> int:
     except FileNotFoundError as e:
         console.print(f"[bold red]doctor:[/] {escape(str(e))}")
         return 2
-    failed = sum(1 for row in results for r in row if r)
+    from .checks import is_problem, status
+
+    failed = sum(1 for row in results for r in row if is_problem(r))
     if args.json:
         print(json.dumps({
             "sources": [{"location": str(s.location), "version": s.version,
                          "distribution": s.distribution} for s in sources],
             "checks": [{"what": n.what, "key": n.key, "owner": n.owner, "runner": n.runner,
-                        "results": row} for n, row in zip(reqs, results)],
+                        "reads": list(n.reads), "results": row, "status": [status(r) for r in row]}
+                       for n, row in zip(reqs, results)],
             "failed": failed}, indent=2))
         return EXIT_MISSING if failed else EXIT_OK
     table = Table(show_header=True, box=None, padding=(0, 1))
@@ -79,14 +86,28 @@ def cmd_doctor(args: argparse.Namespace, console: Any) -> int:
     for s in sources:
         table.add_column(f"{s.distribution} {s.version}", overflow="fold")
     for n, row in zip(reqs, results):
-        if args.failures_only and not any(row):
+        if args.failures_only and not any(is_problem(r) for r in row):
             continue
-        table.add_row(n.what, escape(n.key), escape(n.owner), n.runner,
-                      *[f"[red]MISSING: {escape(r)}[/]" if r else "[green]ok[/]" for r in row])
+        key = escape(n.key) + (f" [dim](reads {escape(', '.join(n.reads))})[/]" if n.reads else "")
+        table.add_row(n.what, key, escape(n.owner), n.runner, *[_cell(n.what, r) for r in row])
     console.print(table)
-    verdict = (f"[bold red]{failed} missing[/]" if failed else "[bold green]everything present[/]")
+    verdict = (f"[bold red]{failed} missing or wrong[/]" if failed
+               else "[bold green]everything present[/]")
     console.print(f"{len(reqs)} checks x {len(sources)} source(s): {verdict}")
     return EXIT_MISSING if failed else EXIT_OK
+
+
+def _cell(what: str, result: str | None) -> str:
+    from rich.markup import escape
+
+    from .checks import status
+
+    s = status(result)
+    if s == "ok":
+        return "[green]ok[/]"
+    if s == "n/a":
+        return f"[yellow]n/a: {escape(result)}[/]"
+    return f"[red]{'PROBLEM' if what == 'behaviour' else 'MISSING'}: {escape(result)}[/]"
 
 
 # ------------------------------------------------------------------------------ patches

