@@ -27,6 +27,10 @@ Shipped inside vllm-graft as a pytest plugin (the ``pytest11`` entry point
   :class:`vllm_graft.hooks.KernelParams`), the Triton path (``kernel: triton``, run under
   ``TRITON_INTERPRET=1``) gives the reference path's results on the same generated
   inputs, in float32 and float16; skipped, saying why, for a plugin without kernels;
+* ``device``: the ``contract`` exercise again, with every tensor the kit hands the plugin on
+  a fake CUDA device (:mod:`vllm_graft.kit.fakedevice`): an op that mixes one with a host
+  tensor the plugin made fails (it would raise on CUDA), and the host syncs each hot method
+  costs per call (per step or per layer) are reported;
 * ``state``: a speculative proposer holds nothing of a request after ``finish``;
 * ``engine``: the plugin in vLLM's CPU engine on a bundled model; a lossless plugin must
   reproduce plain vLLM's greedy tokens, a lossy one reports its agreement. Needs

@@ -73,3 +73,20 @@ def test_the_host_and_the_device_step_decide_the_same_drops(device):
     dev_outs, dev_drops, _ = _step(device, "h2o")
     assert dev_drops == host_drops
     torch.testing.assert_close(dev_outs[-1].cpu(), host_outs[-1])
+
+
+def test_the_mode_catches_the_step_mask_left_on_the_host(monkeypatch):
+    """The bug this suite was built for, put back: the step's observe mask and mass made on
+    the host (as before the fix) fail at the first scored layer on the fake device."""
+    from vllm_graft.kit.fakedevice import DeviceMixError, FakeDevice
+
+    original = _Scores.plan
+
+    def host_plan(self, batch):
+        plan = original(self, batch)
+        plan.observe, plan.mass = plan.observe.cpu(), plan.mass.cpu()
+        return plan
+
+    monkeypatch.setattr(_Scores, "plan", host_plan)
+    with pytest.raises(DeviceMixError, match="mixes a device tensor with a host tensor"):
+        _step(FakeDevice(), "h2o")

@@ -213,9 +213,10 @@ class TreeAttention(AttentionMethod):
         out = torch.empty_like(query)
         others = [i for i in range(num_seqs) if i not in plan]
         if others:  # the sequences without a tree, as one smaller batch
-            rows = torch.cat([torch.arange(qsl[i], qsl[i + 1]) for i in others])
-            lens = torch.tensor([qsl[i + 1] - qsl[i] for i in others])
-            sub = type(batch)(query_start_loc=torch.cat([torch.zeros(1, dtype=lens.dtype), lens.cumsum(0)]).to(
+            dev = query.device
+            rows = torch.cat([torch.arange(qsl[i], qsl[i + 1], device=dev) for i in others])
+            lens = torch.tensor([qsl[i + 1] - qsl[i] for i in others], device=dev)
+            sub = type(batch)(query_start_loc=torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(
                                   batch.query_start_loc.dtype),
                               seq_lens=batch.seq_lens[others], block_table=batch.block_table[others])
             out[rows] = paged_attention(query[rows], kv_cache, sub, layer)
