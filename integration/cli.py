@@ -44,24 +44,50 @@ def package_version() -> str:
 def cmd_plugins(args: argparse.Namespace, console: Console) -> int:
     registry = get_registry()
     entries = registry.entries(args.kind)
+    syncs = _host_syncs(entries) if getattr(args, "host_syncs", False) else None
     if args.json:
-        print(json.dumps([_entry_json(e) for e in entries], indent=2))
+        rows = [_entry_json(e) for e in entries]
+        if syncs is not None:
+            for row, e in zip(rows, entries):
+                row["host_syncs"] = syncs[(e.kind, e.name)]
+        print(json.dumps(rows, indent=2))
         return EXIT_OK
     title = f"vllm-graft plugins ({len(entries)}{' ' + args.kind if args.kind else ''})"
     table = Table(title=title, show_lines=False)
     for col in ("kind", "name", "version", "package", "lossless", "parallelism"):
         table.add_column(col, no_wrap=True)
+    if syncs is not None:
+        table.add_column("host syncs per call", overflow="fold", ratio=2)
     table.add_column("summary", overflow="fold", ratio=3)
     table.add_column("paper", overflow="fold", ratio=2)
     for e in entries:
         caps = e.registration.capabilities
-        table.add_row(str(e.kind), e.name, e.source.version, e.source.package,
-                      "yes" if caps.lossless else "no", ",".join(caps.parallelism),
-                      e.registration.summary, e.registration.paper)
+        cells = [str(e.kind), e.name, e.source.version, e.source.package,
+                 "yes" if caps.lossless else "no", ",".join(caps.parallelism)]
+        if syncs is not None:
+            got = syncs[(e.kind, e.name)]
+            cells.append(got["error"] if "error" in got else ", ".join(
+                f"{m} {r['per_call']:g}/{r['per']}" for m, r in got.items()) or "-")
+        table.add_row(*cells, e.registration.summary, e.registration.paper)
     console.print(table)
     if not entries:
         console.print(f"no {args.kind + ' ' if args.kind else ''}plugins registered")
     return EXIT_OK
+
+
+def _host_syncs(entries) -> dict[Any, dict[str, Any]]:
+    """Each plugin's host syncs per call of its hot methods, from the conformance kit's
+    exercise on a fake CUDA device (:mod:`vllm_graft.kit.conformance.device`; needs torch)."""
+    from vllm_graft.kit.conformance.checks import Target, example_params
+    from vllm_graft.kit.conformance.device import host_syncs
+
+    out: dict[Any, dict[str, Any]] = {}
+    for e in entries:
+        try:
+            out[(e.kind, e.name)] = host_syncs(Target(e, example_params(e)))
+        except Exception as err:  # a plugin that fails the device check says why, the rest still list
+            out[(e.kind, e.name)] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+    return out
 
 
 def _entry_json(e) -> dict[str, Any]:
@@ -216,6 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plugins", help="list registered plugins")
     p.add_argument("--kind", choices=[k.value for k in Kind], help="only this kind")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--host-syncs", action="store_true",
+                   help="also run each plugin's conformance exercise on a fake CUDA device and report "
+                        "the host syncs (.item(), .tolist(), bool(t), .cpu()...) per call of its hot "
+                        "methods, per step or per layer (needs torch; a few seconds)")
     p.set_defaults(func=cmd_plugins)
 
     c = sub.add_parser("check", help="validate a deployment file and explain what it enables")

@@ -128,3 +128,14 @@ def test_console_script_installed():
     proc = subprocess.run([exe, "plugins", "--json"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert {d["kind"] for d in json.loads(proc.stdout)} == {"attention", "kvcompress", "speculative", "quant", "moe"}
+
+
+def test_plugins_host_syncs_reports_each_hot_method_per_step_or_layer(capsys):
+    """`plugins --json --host-syncs`: the conformance exercise on a fake CUDA device, per plugin
+    the host syncs each hot method costs per call; the MoE observers read the routing back to
+    the host every layer, the model-order router does not."""
+    assert cli.main(["plugins", "--json", "--host-syncs", "--kind", "moe"]) == 0
+    rows = {r["name"]: r["host_syncs"] for r in json.loads(capsys.readouterr().out)}
+    assert rows["route-trace"]["observe"]["per"] == "layer" and rows["route-trace"]["observe"]["per_call"] > 0
+    assert any("route_trace/reference.py" in w for w in rows["route-trace"]["observe"]["where"])
+    assert rows["noop"]["route"] == {"per": "layer", "calls": 8, "syncs": 0, "per_call": 0.0, "where": []}
