@@ -5,7 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.graft-installed
 
-.PHONY: install wheel wheels demo test test-unit test-tp docs train-models eval-models clean-venv
+.PHONY: install wheel wheels demo test test-unit test-tp docs train-models eval-models clean-venv \
+	gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -69,6 +70,25 @@ train-models: install
 
 eval-models: install
 	$(PY) models/evaluate.py
+
+# The one GPU check, on a lent GPU machine (torch + Triton + CUDA, no vLLM, no network; see
+# benchmarks/gpu/README.md): dependencies from benchmarks/gpu/wheels, the kernel tests and the
+# fake-device suite on CUDA, then benchmarks/gpu/run.py; its report to OUT, within 420 s.
+OUT ?= gpu-check.md
+gpu-check:
+	PYTHON=$(PYTHON) bash benchmarks/gpu/check.sh $(OUT)
+
+# The wheels gpu-check installs where they are missing (pydantic and its helpers, pluggy,
+# PyYAML, packaging, pytest), into benchmarks/gpu/wheels (ignored by git: carry it to the GPU
+# machine). pydantic-core and PyYAML are binary: one wheel per Python in GPU_PY (the GPU
+# machine's python3 was 3.12); ~5 MiB for one version.
+GPU_PY ?= 3.12
+gpu-wheels:
+	for v in $(GPU_PY); do $(PYTHON) -m pip download -q --disable-pip-version-check --only-binary=:all: \
+	    --python-version $$v --implementation cp --platform manylinux_2_28_x86_64 \
+	    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d benchmarks/gpu/wheels \
+	    pydantic pluggy PyYAML packaging pytest || exit 1; done
+	@ls benchmarks/gpu/wheels && du -sh benchmarks/gpu/wheels
 
 docs: install
 	$(PY) docs/generate.py
