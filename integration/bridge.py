@@ -370,7 +370,7 @@ def _apply_engine_overrides(engine_args: Any, plan: Plan) -> None:
             overrides = adapter.engine_overrides(plan.by_kind(kind), plan)
             wanted.update(overrides)
             why.update({k: f"{kind.value} plugins need {k}={overrides[k]!r}: {w}"
-                        for k, w in adapter.engine_why.items() if k in overrides})
+                        for k, w in getattr(adapter, "engine_why", {}).items() if k in overrides})
     problems = []
     defaults = _engine_defaults()
     for key, value in wanted.items():
