@@ -78,7 +78,7 @@ def cmd_plugins(args: argparse.Namespace, console: Console) -> int:
 def _host_syncs(entries) -> dict[Any, dict[str, Any]]:
     """Each plugin's host syncs per call of its hot methods, from the conformance kit's
     exercise on a fake CUDA device (:mod:`vllm_graft.kit.conformance.device`; needs torch)."""
-    from vllm_graft.kit.conformance.checks import Target, example_params
+    from vllm_graft.kit.conformance.base import Target, example_params
     from vllm_graft.kit.conformance.device import host_syncs
 
     out: dict[Any, dict[str, Any]] = {}

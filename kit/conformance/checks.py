@@ -28,6 +28,8 @@ from vllm_graft.kit.conformance.base import (
     Skipped,
     Target,
     build,
+    example_params,
+    exercise_dtypes,
     max_err,
     tolerance,
     torch_module,
@@ -100,27 +102,6 @@ def resolve_specs(specs: Sequence[str], registry: Registry | None = None) -> lis
                              "package installed (pip install -e .) so its entry point is seen?") from None
         out[(e.kind, e.name)] = e
     return list(out.values())
-
-
-def example_params(entry: Entry, override: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Parameters to build the plugin with: ``override``, else the model's defaults, else the
-    first of its ``json_schema_extra["examples"]``."""
-    model = entry.registration.params
-    if override is not None:
-        return dict(override)
-    try:
-        model()
-        return {}
-    except ValidationError:
-        pass
-    extra = model.model_config.get("json_schema_extra") or {}
-    examples = extra.get("examples") if isinstance(extra, dict) else None
-    if examples:
-        return dict(examples[0])
-    raise ConformanceError(
-        f"{entry.kind.value}:{entry.name}: parameter model {model.__name__} has required fields "
-        "and no example; add model_config = ConfigDict(extra='forbid', json_schema_extra="
-        "{'examples': [{...}]}) or pass params= to the graft_conformance marker")
 
 
 # ----------------------------------------------------------------------- registration/params
@@ -224,12 +205,7 @@ def check_params_reject(t: Target) -> str:
     return f"refused {tried} bad parameter sets"
 
 
-def _dtypes(t: Target) -> list[str]:
-    """The dtypes to exercise: float32 and float16 where declared; bfloat16 only for a plugin
-    that declares nothing else (the Triton interpreter's bf16 is unreliable)."""
-    declared = t.entry.registration.capabilities.dtypes
-    chosen = [d for d in ("float32", "float16") if d in declared]
-    return chosen or [d for d in declared if d == "bfloat16"] or ["float32"]
+_dtypes = exercise_dtypes
 
 
 def check_contract(t: Target) -> str:

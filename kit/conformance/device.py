@@ -18,7 +18,7 @@ import os
 from typing import Any
 
 from vllm_graft.hooks import KERNEL_FIELD, Kind
-from vllm_graft.kit.conformance.base import Target, build
+from vllm_graft.kit.conformance.base import Target, build, exercise_dtypes
 from vllm_graft.kit.conformance.exercises import EXERCISES
 
 #: The methods each kind's adapter calls per step or per layer (the ones whose syncs matter),
@@ -41,7 +41,6 @@ def run_on_fake_device(t: Target) -> tuple[Any, list[str]]:
     """The kind's exercise (reference path, the first dtype the plugin declares) under a
     :class:`~vllm_graft.kit.fakedevice.FakeDevice`; returns it and the methods watched.
     Raises :class:`~vllm_graft.kit.fakedevice.DeviceMixError` on a mixed-device op."""
-    from vllm_graft.kit.conformance.checks import _dtypes
     from vllm_graft.kit.fakedevice import FakeDevice
 
     changes = {KERNEL_FIELD: "reference"} if KERNEL_FIELD in t.entry.registration.params.model_fields else {}
@@ -49,7 +48,7 @@ def run_on_fake_device(t: Target) -> tuple[Any, list[str]]:
     fd = FakeDevice(inputs_from=[HARNESS])
     watched = fd.wrap(impl, HOT[t.kind])
     with fd:
-        EXERCISES[t.kind](t, impl, _dtypes(t)[0], False)
+        EXERCISES[t.kind](t, impl, exercise_dtypes(t)[0], False)
     return fd, watched
 
 

@@ -8,13 +8,11 @@
   never syncs with the host (``.item()``, ``.tolist()``, ``bool(t)``, ``.cpu()``...) when vLLM
   calls it inside a CUDA graph capture, and does not count ``apply`` there.
 
-The "device" is a marker, self-contained here (the suite's general fake-device mode lives in
-``tests/fakedevice/``): :class:`OnDevice` is a CPU tensor whose ``device`` answers ``meta`` (a
-device that is not the host; the plugins' CPU-only C++ paths then step aside, as on CUDA), and
-whose ops raise :class:`DeviceMix` when they meet a host tensor of dim > 0 (CUDA raises the
-same way). Under :class:`FakeDevice`, ``device=`` that device (factories, ``.to``) gives marked
-tensors and ``.cpu()`` unmarked ones. :func:`host_syncs` counts the Python-level host syncs
-anywhere (also inside the custom op's body, which a TorchFunctionMode does not see).
+The device is the suite's fake CUDA device (:mod:`vllm_graft.kit.fakedevice`): CPU tensors
+marked as on ``cuda:0``; an op that mixes one with a host tensor of dim > 0 raises
+:class:`~vllm_graft.kit.fakedevice.DeviceMixError` (CUDA raises the same way), and host syncs on
+device tensors are recorded. The op's body is called as the op runs it (``compute``), so the
+mode sees inside it.
 """
 from __future__ import annotations
 
@@ -22,8 +20,6 @@ import contextlib
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
 
 from vllm_graft.integration.adapters.quant import tensors as qtensors
 from vllm_graft.integration.adapters.quant.checkpoint import stored_specs
@@ -31,122 +27,38 @@ from vllm_graft.integration.adapters.quant.linear import PluginLinear
 from vllm_graft.integration.adapters.quant.tensors import BUFFER_PREFIX
 from vllm_graft.integration.runtime import RUNTIME
 from vllm_graft.hooks import Kind
+from vllm_graft.kit.fakedevice import FAKE as FAKE_DEVICE
+from vllm_graft.kit.fakedevice import DeviceMixError, FakeDevice
 
-FAKE = torch.device("meta")
-
-
-class DeviceMix(RuntimeError):
-    pass
-
-
-_TO_HOST = {"cpu", "numpy", "tolist", "item", "__bool__", "__int__", "__float__", "__index__"}
-_MAY_CROSS = {"to", "copy_", "__setitem__"}  # cross-device copies CUDA allows
-
-
-def _name(func) -> str:
-    return getattr(func, "__name__", "") or str(func)
-
-
-def _mark(out):
-    return tree_map(lambda t: t.as_subclass(OnDevice)
-                    if isinstance(t, torch.Tensor) and not isinstance(t, OnDevice) else t, out)
-
-
-class OnDevice(torch.Tensor):
-    """A tensor "on the device" (its data is on the CPU)."""
-
-    @property
-    def device(self):  # noqa: D401 - what plugin code sees
-        return FAKE
-
-    @property
-    def is_cuda(self):
-        return False
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        leaves = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        marked = any(isinstance(a, OnDevice) for a in leaves)
-        name = _name(func)
-        host = [tuple(a.shape) for a in leaves if not isinstance(a, OnDevice) and a.dim() > 0]
-        if marked and host and name not in _MAY_CROSS:
-            raise DeviceMix(f"{name}: a device tensor meets host tensor(s) {host}")
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
-        if name in _TO_HOST:  # a host copy (on the CPU, .cpu() returns the same object)
-            return out.as_subclass(torch.Tensor) if isinstance(out, OnDevice) else out
-        return _mark(out) if marked else out
-
-    def __repr__(self, **kw):
-        return f"OnDevice({self.as_subclass(torch.Tensor)!r})"
-
-
-def _target(args, kwargs):
-    """The device a ``.to``/factory call names (None: none)."""
-    for a in (*args, kwargs.get("device")):
-        if isinstance(a, (torch.device, str)):
-            try:
-                return torch.device(a)
-            except RuntimeError:
-                continue
-    return None
-
-
-class FakeDevice(TorchFunctionMode):
-    """``device=meta`` in a factory, or ``.to(meta)``: a marked CPU tensor; ``.to("cpu")`` of a
-    marked one: unmarked."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        name = _name(func)
-        if name == "to":
-            dev = _target(args[1:], kwargs)
-            if dev is not None:
-                self_, rest = args[0], [a if not isinstance(a, (torch.device, str)) else "cpu"
-                                         for a in args[1:]]
-                if "device" in kwargs:
-                    kwargs["device"] = "cpu"
-                with torch._C.DisableTorchFunctionSubclass():
-                    out = torch.Tensor.to(self_, *rest, **kwargs)
-                    if dev == FAKE:
-                        return out.as_subclass(OnDevice)
-                    return out.as_subclass(torch.Tensor)
-        elif kwargs.get("device") is not None and torch.device(kwargs["device"]) == FAKE:
-            kwargs["device"] = "cpu"
-            with torch._C.DisableTorchFunctionSubclass():
-                return _mark(func(*args, **kwargs))
-        return func(*args, **kwargs)
+#: The suite's fake device (vllm_graft.kit.fakedevice): one instance, so a tensor marked by
+#: ``on_device`` stays marked in every ``with FD:`` block of a test.
+FD = FakeDevice()
+FAKE = FAKE_DEVICE
 
 
 def on_device(t: torch.Tensor) -> torch.Tensor:
-    return t.clone().as_subclass(OnDevice)
+    return FD.put(t.clone())
 
 
 def is_on_device(t) -> bool:
-    return isinstance(t, OnDevice)
+    return FD.is_marked(t)
+
+
+def _param(t: torch.Tensor) -> torch.nn.Parameter:
+    """A parameter on the device, as vLLM leaves a loaded weight."""
+    return FD.put(torch.nn.Parameter(t, requires_grad=False))
 
 
 @contextlib.contextmanager
 def host_syncs():
-    """Count the host syncs made from Python anywhere (custom op bodies included)."""
+    """The host syncs made on device tensors meanwhile (``.item()``, ``.tolist()``, ``bool(t)``,
+    ``.cpu()``...), as the fake device records them."""
     seen: list[str] = []
-    names = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
-    saved = {n: getattr(torch.Tensor, n) for n in names}
-
-    def recorder(n, orig):
-        def f(self, *a, **k):
-            seen.append(n)
-            return orig(self, *a, **k)
-        return f
-
-    for n, orig in saved.items():
-        setattr(torch.Tensor, n, recorder(n, orig))
+    first = len(FD.syncs)
     try:
         yield seen
     finally:
-        for n, orig in saved.items():
-            setattr(torch.Tensor, n, orig)
+        seen.extend(f"{s.op} at {s.where}" for s in FD.syncs[first:])
 
 
 # ------------------------------------------------------------------------------ the plugins
@@ -200,8 +112,8 @@ def _online_layer(key):
     the device."""
     m = _method(key)
     layer = torch.nn.Module()
-    layer.weight = torch.nn.Parameter(on_device(_weight(key)), requires_grad=False)
-    with FakeDevice():
+    layer.weight = _param(_weight(key))
+    with FD:
         m.process_weights_after_loading(layer)
     return m, layer
 
@@ -218,13 +130,11 @@ def _prequantized_layer(key):
     shards = [m.plugin.quantize(part) for part in torch.split(w, SHARDS, 0)]  # on the host
     for tname, spec in specs.items():
         if spec.ragged:  # an empty placeholder parameter, its shards kept by _collect
-            layer.register_parameter(tname, torch.nn.Parameter(
-                on_device(torch.empty(0, dtype=getattr(torch, spec.dtype))), requires_grad=False))
+            layer.register_parameter(tname, _param(torch.empty(0, dtype=getattr(torch, spec.dtype))))
             for i, sh in enumerate(shards):
                 m._collect(tname, None, sh[tname], shard_id=i)
             continue
-        p = torch.nn.Parameter(on_device(torch.empty(spec.shape, dtype=getattr(torch, spec.dtype))),
-                               requires_grad=False)
+        p = _param(torch.empty(spec.shape, dtype=getattr(torch, spec.dtype)))
         layer.register_parameter(tname, p)
 
         def loader(param, loaded, shard_id, tname=tname):
@@ -234,8 +144,8 @@ def _prequantized_layer(key):
 
         for i, sh in enumerate(shards):
             m._load_rows(tname, loader, p, sh[tname], shard_id=i)
-    layer.weight = torch.nn.Parameter(on_device(torch.empty(0)), requires_grad=False)  # the trap
-    with FakeDevice():
+    layer.weight = _param(torch.empty(0))  # the trap
+    with FD:
         m.process_weights_after_loading(layer)
     return m, layer, w
 
@@ -246,11 +156,11 @@ def _plugin_buffers(layer):
 
 def test_the_fake_device_catches_what_cuda_refuses():
     d = on_device(torch.ones(4))
-    with pytest.raises(DeviceMix):
-        d + torch.ones(4)
-    with pytest.raises(DeviceMix):
-        torch.zeros(4)[torch.arange(2).as_subclass(OnDevice)]
-    with FakeDevice():
+    with FD:
+        with pytest.raises(DeviceMixError):
+            d + torch.ones(4)
+        with pytest.raises(DeviceMixError):
+            torch.zeros(4)[FD.put(torch.arange(2))]
         assert is_on_device(torch.zeros(3, device=d.device)) and is_on_device(d + 1)
         assert is_on_device(torch.ones(2).to(d.device)) and not is_on_device(d.cpu())
         assert d.device == FAKE
@@ -289,7 +199,7 @@ def test_apply_on_the_device_without_host_syncs_under_capture(key, prequantized,
     x = on_device(torch.randn(3, IN).to(m.params_dtype))
     before = RUNTIME.counts(Kind.QUANT, m.name)
     tensors = qtensors.layer_tensors(layer)
-    with FakeDevice(), host_syncs() as syncs:
+    with FD, host_syncs() as syncs:
         y = m.compute(x, [tensors[n] for n in m.names], None)  # the op's body, as the op runs it
     assert syncs == [], f"{key}: host syncs inside the op body: {syncs}"
     assert is_on_device(y) and tuple(y.shape) == (3, sum(SHARDS))
@@ -305,11 +215,11 @@ def test_device_path_computes_what_the_host_path_does(key):
     m, layer, w = _prequantized_layer(key)
     x = torch.randn(5, IN).to(m.params_dtype)
     tensors = qtensors.layer_tensors(layer)
-    with FakeDevice():
+    with FD:
         y = m.compute(on_device(x), [tensors[n] for n in m.names], None)
-    host = {n: t.as_subclass(torch.Tensor) for n, t in tensors.items()}
+    host = {n: t.detach().clone() for n, t in tensors.items()}  # unmarked: the host's copy
     want = m.plugin.apply(host, x, None)
-    torch.testing.assert_close(y.as_subclass(torch.Tensor), want)
+    torch.testing.assert_close(y.detach().clone(), want)
     if key.startswith("dfloat11"):  # lossless: the decoded weight is the original, bit for bit
         assert torch.equal(m.plugin.weight(host).view(torch.int16), w.view(torch.int16))
 
@@ -318,7 +228,7 @@ def test_through_the_op_on_the_host_counts_apply():
     """On the CPU engine nothing is captured: the op counts ``apply`` as before."""
     m, layer = _online_layer("w4a8")
     for n, b in list(layer.named_buffers()):
-        layer.register_buffer(n, b.as_subclass(torch.Tensor), persistent=False)
+        layer.register_buffer(n, b.detach().clone(), persistent=False)  # unmarked: the host
     before = RUNTIME.counts(Kind.QUANT, m.name).get("apply", 0)
     with host_syncs() as syncs:
         m.apply(layer, torch.randn(2, IN), None)
@@ -352,8 +262,8 @@ def test_a_plugin_that_builds_on_the_host_gets_device_buffers():
     m = PluginLinear(_HostBuilt(), "hostbuilt", prefix="model.layers.0.mlp.down_proj")
     m.out_features, m.in_features, m.shard_rows, m.params_dtype = 6, IN, [6], torch.float32
     layer = torch.nn.Module()
-    layer.weight = torch.nn.Parameter(on_device(torch.randn(6, IN)), requires_grad=False)
-    with FakeDevice():
+    layer.weight = _param(torch.randn(6, IN))
+    with FD:
         m.process_weights_after_loading(layer)
         bufs = _plugin_buffers(layer)
         assert bufs and all(is_on_device(b) for b in bufs.values()), \
@@ -361,3 +271,22 @@ def test_a_plugin_that_builds_on_the_host_gets_device_buffers():
         tensors = qtensors.layer_tensors(layer)
         y = m.compute(on_device(torch.randn(2, IN)), [tensors[n] for n in m.names], None)
     assert is_on_device(y)
+
+
+def test_without_the_adapter_moving_them_host_built_buffers_fail_on_the_device(monkeypatch):
+    """The fix put back: with the adapter keeping what the plugin built where it was built, the
+    buffers stay on the host and the first call mixes them with device activations."""
+    import vllm_graft.integration.adapters.quant.linear as qlinear
+
+    for module in (qtensors, qlinear):
+        monkeypatch.setattr(module, "follow_device", lambda tensors, device: tensors)
+    m = PluginLinear(_HostBuilt(), "hostbuilt", prefix="model.layers.0.mlp.down_proj")
+    m.out_features, m.in_features, m.shard_rows, m.params_dtype = 6, IN, [6], torch.float32
+    layer = torch.nn.Module()
+    layer.weight = _param(torch.randn(6, IN))
+    with FD:
+        m.process_weights_after_loading(layer)
+        assert not any(is_on_device(b) for b in _plugin_buffers(layer).values())
+        tensors = qtensors.layer_tensors(layer)
+        with pytest.raises(DeviceMixError):
+            m.compute(on_device(torch.randn(2, IN)), [tensors[n] for n in m.names], None)

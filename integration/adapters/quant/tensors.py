@@ -114,7 +114,7 @@ def capturing(x: Any) -> bool:
         return False
     import torch
 
-    return torch.cuda.is_current_stream_capturing()
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 #: Linear methods by key, for the custom op (weak: an engine's methods go with its model).
