@@ -258,13 +258,20 @@ class _HostBuilt:
         return HostBuilt(FullPrecisionParams(host_gemm=False))
 
 
-def test_a_plugin_that_builds_on_the_host_gets_device_buffers():
+def _host_built_layer():
+    """The host-building plugin's method and a layer whose weight is on the device, loaded."""
     m = PluginLinear(_HostBuilt(), "hostbuilt", prefix="model.layers.0.mlp.down_proj")
     m.out_features, m.in_features, m.shard_rows, m.params_dtype = 6, IN, [6], torch.float32
     layer = torch.nn.Module()
     layer.weight = _param(torch.randn(6, IN))
     with FD:
         m.process_weights_after_loading(layer)
+    return m, layer
+
+
+def test_a_plugin_that_builds_on_the_host_gets_device_buffers():
+    m, layer = _host_built_layer()
+    with FD:
         bufs = _plugin_buffers(layer)
         assert bufs and all(is_on_device(b) for b in bufs.values()), \
             [n for n, b in bufs.items() if not is_on_device(b)]
@@ -280,12 +287,8 @@ def test_without_the_adapter_moving_them_host_built_buffers_fail_on_the_device(m
 
     for module in (qtensors, qlinear):
         monkeypatch.setattr(module, "follow_device", lambda tensors, device: tensors)
-    m = PluginLinear(_HostBuilt(), "hostbuilt", prefix="model.layers.0.mlp.down_proj")
-    m.out_features, m.in_features, m.shard_rows, m.params_dtype = 6, IN, [6], torch.float32
-    layer = torch.nn.Module()
-    layer.weight = _param(torch.randn(6, IN))
+    m, layer = _host_built_layer()
     with FD:
-        m.process_weights_after_loading(layer)
         assert not any(is_on_device(b) for b in _plugin_buffers(layer).values())
         tensors = qtensors.layer_tensors(layer)
         with pytest.raises(DeviceMixError):
