@@ -6,6 +6,7 @@ from .contracts import (
     AttentionLayer,
     AttentionMethod,
     BlockView,
+    KeepError,
     KVCacheFormat,
     KVCompressor,
     MoEModel,
@@ -15,7 +16,11 @@ from .contracts import (
     Proposer,
     QuantMethod,
     StoredTensor,
+    check_keep,
+    check_keep_heads,
+    dropped_blocks,
     split_kv_cache,
+    union_of_heads,
 )
 from .contracts.target import SelfSpeculativeProposer, TargetLayer, TargetWeights
 from .kinds import KINDS, Kind, KindSpec, Role, spec
@@ -54,9 +59,10 @@ __all__ = [
     "CONTRACTS", "AttentionLayer", "AttentionMethod", "BlockView", "Capabilities", "Deployment",
     "DeploymentContext",
     "DeploymentError", "ENTRY_POINT_GROUP", "Environment", "GraftPluginManager", "KERNEL_FIELD",
-    "KINDS", "KVCacheFormat", "KVCompressor", "KernelParams", "Kind", "KindSpec", "Role", "spec", "MoEModel", "MoEScheduler", "NoParams", "Params", "PagedBatch",
+    "KINDS", "KVCacheFormat", "KVCompressor", "KeepError", "KernelParams", "Kind", "KindSpec", "Role", "spec", "MoEModel", "MoEScheduler", "NoParams", "Params", "PagedBatch",
     "Plan", "PluginChoice", "PluginImpl",
     "PluginLoadError", "Problem", "Proposer", "QuantMethod", "StoredTensor", "Registration", "Registry",
     "RegistryError", "SelfSpeculativeProposer", "TargetLayer", "TargetWeights", "get_plugin_manager", "get_registry", "hookimpl", "hookspec",
-    "contract_for", "make_plugin_manager", "split_kv_cache", "validate", "validate_file",
+    "check_keep", "check_keep_heads", "contract_for", "dropped_blocks", "make_plugin_manager",
+    "split_kv_cache", "union_of_heads", "validate", "validate_file",
 ]

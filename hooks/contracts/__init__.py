@@ -1,7 +1,9 @@
 """One small contract per plugin kind.
 
 A registration's ``impl`` names a class implementing the contract of its kind. The
-class is built with its validated parameter model instance (``cls(params, **context)``).
+class is built with its validated parameter model instance alone (``cls(params)``, once per
+process that uses it); what else it needs arrives through its contract's methods (see
+:class:`PluginImpl`).
 The vLLM adapters in ``vllm_graft.integration`` call these methods; nothing here knows
 about vLLM, so a plugin is testable with plain tensors.
 
@@ -17,7 +19,16 @@ from __future__ import annotations
 from ..kinds import KINDS, Kind
 from .attention import AttentionLayer, AttentionMethod, PagedBatch, split_kv_cache
 from .base import PluginImpl
-from .kvcompress import BlockView, KVCacheFormat, KVCompressor
+from .kvcompress import (
+    BlockView,
+    KeepError,
+    KVCacheFormat,
+    KVCompressor,
+    check_keep,
+    check_keep_heads,
+    dropped_blocks,
+    union_of_heads,
+)
 from .moe import MOE_STEPS, MoEModel, MoEScheduler
 from .quant import QuantMethod, StoredTensor
 from .speculative import Proposer
@@ -36,6 +47,7 @@ def contract_for(kind: Kind | str, role: str | None = None) -> type[PluginImpl]:
 
 __all__ = [
     "CONTRACTS", "MOE_STEPS", "AttentionLayer", "AttentionMethod", "BlockView",
-    "KVCacheFormat", "KVCompressor", "MoEModel", "MoEScheduler", "PagedBatch", "PluginImpl",
+    "KVCacheFormat", "KVCompressor", "KeepError", "check_keep", "check_keep_heads", "dropped_blocks",
+    "union_of_heads", "MoEModel", "MoEScheduler", "PagedBatch", "PluginImpl",
     "Proposer", "QuantMethod", "StoredTensor", "contract_for", "split_kv_cache",
 ]

@@ -12,7 +12,19 @@ P = TypeVar("P", bound=BaseModel)
 
 
 class PluginImpl(ABC, Generic[P]):
-    """Base of every contract: holds the validated parameters."""
+    """Base of every contract: holds the validated parameters.
+
+    What a plugin is built with: its validated parameter model instance alone,
+    ``cls(params)`` (``self.params``), once in each vLLM process that uses it (the engine core
+    and every worker build their own instance: state is not shared between them). Everything
+    else arrives through the contract's methods: the layer's facts and the step's batch
+    (:class:`AttentionLayer`, :class:`PagedBatch`) with each attention call, a request's
+    :class:`BlockView` with each ``keep``, the request id with each proposal, the model's MoE
+    facts once through :meth:`MoEScheduler.bind`, the target's weights through
+    :meth:`SelfSpeculativeProposer.attach_target`. Facts about the deployment (platform, dtype,
+    model, KV block size) are for :meth:`Params.check_deployment`, at validation. A subclass
+    that overrides ``__init__`` takes ``params`` and calls ``super().__init__(params)``.
+    """
 
     kind: Kind
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from operator import index as _index
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..kinds import Kind
 from .attention import AttentionLayer, PagedBatch
@@ -27,6 +28,22 @@ class BlockView:
     block i's score from KV head h alone (the mass of the query heads that read KV head h);
     ``-inf`` where head h dropped the block earlier. ``scores`` is then their sum over heads
     (``-inf`` where every head dropped the block).
+
+    ``step_scores[i]`` (``needs_scores`` only, where the worker asks; else ``None``): block i's
+    mass from **this step's** queries alone (those :meth:`KVCompressor.score_positions` selects,
+    summed over heads and layers), the part this step added to ``scores``; ``0.0`` for a block
+    no observed query of the step read, ``-inf`` for a block dropped earlier. A scorer that
+    ranks blocks by the current query (TOVA) reads it; one that accumulates (H2O) reads
+    ``scores``.
+
+    ``request_id``: the request's id (vLLM's, stable over every step of the request, the same in
+    the scheduler and the worker), to key per-request state a compressor keeps itself; ``None``
+    where the caller has no request (e.g. a view built by hand or by the conformance kit). A
+    compressor without scores must still decide from the view's numbers alone (see
+    "Determinism" in :class:`KVCompressor`).
+
+    ``step_scores`` and ``request_id`` default to ``None``, so views built without them (older
+    callers, tests) stay valid: read them with a fallback.
     """
 
     num_tokens: int
@@ -35,6 +52,8 @@ class BlockView:
     scores: Sequence[float] | None = None
     pinned: frozenset[int] = frozenset()
     head_scores: Sequence[Sequence[float]] | None = None
+    step_scores: Sequence[float] | None = None
+    request_id: str | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -91,6 +110,12 @@ class KVCompressor(PluginImpl[P]):
     freed only when no head keeps it), and inside the kept blocks each head attends only to
     the blocks it kept: :meth:`attend` gets ``head_mask`` and reports mass per KV head.
     :meth:`keep` must still answer (e.g. the union), for the callers that ask per block.
+
+    Testing a compressor. :func:`check_keep` (and :func:`check_keep_heads`,
+    :func:`dropped_blocks`, :func:`union_of_heads`; all exported by ``vllm_graft.hooks``) are
+    the checks the adapter and the conformance kit run on every answer: call them in your own
+    tests. :func:`vllm_graft.plugins.paged.paged_attention_with_mass` is the exact PyTorch
+    :meth:`attend` the built-in scored compressors use (its Triton decode kernel beside it).
     """
 
     kind = Kind.KVCOMPRESS
@@ -131,6 +156,88 @@ class KVCompressor(PluginImpl[P]):
         query heads of each KV head's group (not over all heads). Other compressors are called
         without ``head_mask``."""
         raise NotImplementedError(f"{type(self).__name__} sets needs_scores but implements no attend()")
+
+
+# ------------------------------------------------------------------ the rules of keep()
+class KeepError(ValueError):
+    """A :meth:`KVCompressor.keep` answer breaks the rules (the message names the plugin)."""
+
+
+def check_keep(view: BlockView, kept: Any, plugin: str = "?") -> list[int]:
+    """``kept`` (what ``keep(view)`` returned) as a list of ints, if it follows the rules of
+    :meth:`KVCompressor.keep` that one answer can show; else :class:`KeepError`.
+
+    The KV-compression adapter runs it on every answer in vLLM's engine and the conformance kit
+    on every generated view; call it in a compressor's own tests::
+
+        kept = check_keep(view, MyCompressor(params).keep(view), "my-compressor")
+
+    (The "once dropped, stays dropped" rule spans calls: the adapter checks it against the
+    blocks it already freed; in a test, keep the :func:`dropped_blocks` of earlier answers.)
+    Accepts lists, tuples, ranges, numpy arrays and tensors of integers.
+    """
+    def fail(why: str) -> KeepError:
+        shown = kept if not isinstance(kept, (list, tuple)) or len(kept) <= 16 else \
+            f"{list(kept[:16])}... ({len(kept)} items)"
+        return KeepError(
+            f"kvcompress plugin {plugin!r}: keep() returned {shown!r} for {view.num_tokens} tokens "
+            f"in {view.num_blocks} blocks of {view.block_size} (prompt {view.num_prompt_tokens} "
+            f"tokens, pinned {sorted(view.pinned)}); {why}")
+
+    if hasattr(kept, "tolist") and not isinstance(kept, (list, tuple)):
+        kept = kept.tolist()  # a numpy array or torch tensor
+    if not isinstance(kept, (list, tuple, range)):
+        raise fail("it must be a list of block indices")
+    out: list[int] = []
+    for i in kept:
+        try:
+            if isinstance(i, bool):
+                raise TypeError
+            out.append(_index(i))  # ints and numpy/torch integer scalars
+        except TypeError:
+            raise fail(f"{i!r} is not a block index (an int)") from None
+    n = view.num_blocks
+    bad = [i for i in out if not 0 <= i < n]
+    if bad:
+        raise fail(f"block(s) {bad} are out of range(0, {n})")
+    if any(a >= b for a, b in zip(out, out[1:])):
+        raise fail("indices must be sorted ascending, without duplicates")
+    if n and out[-1:] != [n - 1]:
+        raise fail(f"the last block ({n - 1}, being written) must be kept")
+    missing = sorted(view.pinned - set(out))
+    if missing:
+        raise fail(f"pinned block(s) {missing} (shared with other requests) must be kept")
+    return out
+
+
+def check_keep_heads(view: BlockView, kept: Any, plugin: str = "?") -> list[list[int]]:
+    """``kept`` (what ``keep_heads(view)`` returned, a per-head compressor's answer) as one
+    list of ints per KV head, each following the rules of :func:`check_keep`; else
+    :class:`KeepError`. The block-level answer is their union (:func:`union_of_heads`)."""
+    heads = len(view.head_scores or ())
+    if not isinstance(kept, (list, tuple)) or len(kept) != heads:
+        raise KeepError(
+            f"kvcompress plugin {plugin!r}: keep_heads() returned {kept!r:.200} for {view.num_tokens} tokens "
+            f"in {view.num_blocks} blocks; it must be a list of {heads} block lists, one per KV head "
+            "(len(view.head_scores))")
+    out = []
+    for h, blocks in enumerate(kept):
+        try:
+            out.append(check_keep(view, blocks, plugin))
+        except KeepError as e:
+            raise KeepError(f"{e} (the list of KV head {h} in keep_heads())") from None
+    return out
+
+
+def union_of_heads(kept: Sequence[Sequence[int]]) -> list[int]:
+    """The blocks some head keeps (a block is freed only when no head keeps it), ascending."""
+    return sorted(set().union(*map(set, kept))) if kept else []
+
+
+def dropped_blocks(view: BlockView, kept: Sequence[int]) -> list[int]:
+    """The blocks of ``view`` not in ``kept``, ascending."""
+    keep = set(kept)
+    return [i for i in range(view.num_blocks) if i not in keep]
 
 
 class KVCacheFormat(PluginImpl[P]):

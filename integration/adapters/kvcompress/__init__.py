@@ -71,8 +71,9 @@ Worker. While a scored compressor is active, the backend's attention seam
 column, into the step's plan (summed over heads, layers and the queries the compressor's
 ``score_positions`` selects). After the forward pass (wrappers of ``GPUModelRunner.
 execute_model`` and ``sample_tokens``) each row's mass is folded into its request's
-per-logical-block scores, ``keep`` is asked with ``num_tokens`` = all computed tokens and the
-scores (``-inf`` for blocks dropped before), and the newly dropped blocks are (1) recorded in
+per-logical-block scores, ``keep`` is asked with ``num_tokens`` = all computed tokens, the
+scores (``-inf`` for blocks dropped before), the step's own mass (``step_scores``) and the
+request's id (``request_id``), and the newly dropped blocks are (1) recorded in
 the worker, whose rewriter leaves them out of attention from the next step on, and (2) put on
 the step's ``ModelRunnerOutput`` as ``graft_kv_drops`` ``{request id: [logical blocks]}``.
 Finished, preempted and resumed requests (from the ``SchedulerOutput`` given to

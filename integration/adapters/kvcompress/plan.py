@@ -24,6 +24,7 @@ def blocks_to_free(
     block_size: int,
     num_prompt_tokens: int,
     held: Sequence[tuple[bool, int]],
+    request_id: str | None = None,
 ) -> list[int] | None:
     """The scheduler's decision for one request: the logical blocks to free now.
 
@@ -39,7 +40,7 @@ def blocks_to_free(
         return None
     pinned = frozenset(i for i in range(n) if not held[i][0] and held[i][1] > 1)
     view = BlockView(num_tokens=num_tokens, block_size=block_size,
-                     num_prompt_tokens=num_prompt_tokens, pinned=pinned)
+                     num_prompt_tokens=num_prompt_tokens, pinned=pinned, request_id=request_id)
     kept = check_keep(view, compressor.keep(view), plugin)
     back = [i for i in kept if held[i][0]]
     if back:
@@ -57,12 +58,15 @@ def blocks_to_skip(
     num_tokens: int,
     block_size: int,
     num_prompt_tokens: int,
+    request_id: str | None = None,
 ) -> list[int]:
     """The worker's decision for one batch row: the logical blocks its attention leaves out
-    (``num_tokens`` = tokens computed before this step). Raises :class:`KeepError`."""
+    (``num_tokens`` = tokens computed before this step; ``request_id`` passed on in the view).
+    Raises :class:`KeepError`."""
     if num_tokens <= 0:
         return []
-    view = BlockView(num_tokens=num_tokens, block_size=block_size, num_prompt_tokens=num_prompt_tokens)
+    view = BlockView(num_tokens=num_tokens, block_size=block_size, num_prompt_tokens=num_prompt_tokens,
+                     request_id=request_id)
     return dropped_blocks(view, check_keep(view, compressor.keep(view), plugin))
 
 

@@ -57,7 +57,8 @@ class _StepRows:
                 self.rows.append((req_id, computed, q, int(prompt_lens[i]), skip))
             else:
                 skip = blocks_to_skip(state.compressor, state.name, num_tokens=computed,
-                                      block_size=block_size, num_prompt_tokens=int(prompt_lens[i]))
+                                      block_size=block_size, num_prompt_tokens=int(prompt_lens[i]),
+                                      request_id=req_id)
             if computed > 0 and state.scored is None:
                 calls += 1
             skipped += len(skip)

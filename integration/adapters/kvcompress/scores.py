@@ -68,7 +68,11 @@ class _StepPlan:
 
 class _Scores:
     """Worker-side state of a ``needs_scores`` compressor: per request, each logical block's
-    accumulated score and the blocks dropped so far (see "The scores channel" above)."""
+    accumulated score and the blocks dropped so far (see "The scores channel" above).
+
+    Each step, :meth:`finalize` shows the compressor a :class:`BlockView` per request with the
+    accumulated ``scores``, the step's own mass per block (``step_scores``: what this step
+    added) and the request's id (``request_id``)."""
 
     def __init__(self, compressor: KVCompressor, name: str, count: Callable[[str, int], None],
                  reduce: Callable[[Any], Any] | None = None) -> None:
@@ -145,7 +149,7 @@ class _Scores:
             total = computed + q
             nb = -(-total // B)
             if per_head:
-                view, kept_heads = self._ask_heads(st, mass[i], plan.cols[i], total, B, prompt)
+                view, kept_heads = self._ask_heads(st, mass[i], plan.cols[i], total, B, prompt, req_id)
                 kept = union_of_heads(kept_heads)
                 for h, blocks in enumerate(kept_heads):
                     new_h = set(dropped_blocks(view, blocks)) - st.head_dropped[h]
@@ -153,10 +157,14 @@ class _Scores:
                     st.head_dropped[h] |= new_h
             else:
                 st.scores.extend([0.0] * (nb - len(st.scores)))
+                step = [0.0] * nb  # this step's own mass per logical block
                 for j, logical in enumerate(plan.cols[i]):
                     st.scores[logical] += mass[i][j]
+                    step[logical] += mass[i][j]
                 scores = tuple(NEG_INF if k in st.dropped else st.scores[k] for k in range(nb))
-                view = BlockView(num_tokens=total, block_size=B, num_prompt_tokens=prompt, scores=scores)
+                step_scores = tuple(NEG_INF if k in st.dropped else step[k] for k in range(nb))
+                view = BlockView(num_tokens=total, block_size=B, num_prompt_tokens=prompt, scores=scores,
+                                 step_scores=step_scores, request_id=req_id)
                 kept = check_keep(view, self.compressor.keep(view), self.name)
             back = sorted(st.dropped & set(kept))
             if back:
@@ -176,7 +184,7 @@ class _Scores:
         return drops
 
     def _ask_heads(self, st: _ReqScores, mass: list[list[float]], cols: list[int], total: int, B: int,
-                   prompt: int) -> tuple[BlockView, list[list[int]]]:
+                   prompt: int, req_id: str | None = None) -> tuple[BlockView, list[list[int]]]:
         """per_head: add a row's mass ``[H_kv][column]`` to its per-head scores, ask
         ``keep_heads`` and check the answer (each head's rules, and a block a head dropped
         stays dropped for it)."""
@@ -184,17 +192,20 @@ class _Scores:
         if st.head_scores is None:
             st.head_scores = [[] for _ in range(hkv)]
             st.head_dropped = [set() for _ in range(hkv)]
+        step = [0.0] * nb  # this step's own mass per logical block, summed over the KV heads
         for h in range(hkv):
             hs = st.head_scores[h]
             hs.extend([0.0] * (nb - len(hs)))
             for j, logical in enumerate(cols):
                 hs[logical] += mass[h][j]
+                step[logical] += mass[h][j]
         st.scores = [sum(st.head_scores[h][k] for h in range(hkv)) for k in range(nb)]
         head_view = tuple(tuple(NEG_INF if k in st.head_dropped[h] else st.head_scores[h][k] for k in range(nb))
                           for h in range(hkv))
         scores = tuple(NEG_INF if k in st.dropped else st.scores[k] for k in range(nb))
+        step_scores = tuple(NEG_INF if k in st.dropped else step[k] for k in range(nb))
         view = BlockView(num_tokens=total, block_size=B, num_prompt_tokens=prompt, scores=scores,
-                         head_scores=head_view)
+                         head_scores=head_view, step_scores=step_scores, request_id=req_id)
         kept_heads = check_keep_heads(view, self.compressor.keep_heads(view), self.name)
         for h, blocks in enumerate(kept_heads):
             back = sorted(st.head_dropped[h] & set(blocks))

@@ -54,7 +54,7 @@ class GraftKVCompressManager(FullAttentionManager):
         free = blocks_to_free(
             state.compressor, state.name, num_tokens=processed_computed_tokens,
             block_size=self.block_size, num_prompt_tokens=num_prompt_tokens,
-            held=[(b.is_null, b.ref_cnt) for b in blocks])
+            held=[(b.is_null, b.ref_cnt) for b in blocks], request_id=request_id)
         if free is None:
             return
         state.count("steps", 1)
