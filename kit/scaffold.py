@@ -1,9 +1,11 @@
 """`vllm-graft new-plugin KIND NAME`: a ready-to-install plugin package from a template.
 
-The package holds the registration and its parameter model, a reference and a kernel
-module whose methods raise NotImplementedError until written, a test suite wired to the
-conformance kit, a README and a pyproject whose ``vllm_graft`` entry point makes vLLM
-(through vllm-graft) find it once installed (``pip install -e DIR``).
+The package holds the registration and its parameter model (a ``Params``), a reference module
+whose methods raise NotImplementedError until written, a test suite wired to the conformance
+kit, a README and a pyproject whose ``vllm_graft`` entry point makes vLLM (through vllm-graft)
+find it once installed (``pip install -e DIR``). A plugin without a kernel is complete;
+``--kernel`` adds one: parameters from ``KernelParams`` (``kernel: reference | triton``) and a
+``kernel.py`` module the reference dispatches to.
 """
 from __future__ import annotations
 
@@ -72,8 +74,23 @@ def camel(name: str) -> str:
     return "".join(p.capitalize() for p in re.split(r"[-_]", name) if p)
 
 
-def render(kind: Kind, name: str, package: str) -> dict[str, str]:
-    """File path (relative to the package folder) -> text."""
+def _args(sig: str) -> list[str]:
+    """The arguments of ``sig`` after ``self``, without annotations (defaults kept)."""
+    inner = sig.split("(", 1)[1].rsplit(")", 1)[0]
+    out = []
+    for a in inner.split(",")[1:]:
+        name, _, default = a.partition("=")
+        name = name.split(":")[0].strip()
+        out.append(f"{name}={default.strip()}" if default else name)
+    return out
+
+
+def render(kind: Kind, name: str, package: str, kernel: bool = False) -> dict[str, str]:
+    """File path (relative to the package folder) -> text. Without ``kernel`` the plugin is a
+    reference alone (parameters from :class:`~vllm_graft.hooks.Params`, no ``kernel.py``); with
+    it, parameters from :class:`~vllm_graft.hooks.KernelParams` (``kernel: reference | triton``)
+    and a ``kernel.py`` the reference dispatches to. No generated module relies on
+    ``from __future__ import annotations``: every name an annotation uses is imported."""
     spec = {**TEMPLATES[kind], "hook": KINDS[kind].hook, "contract": KINDS[kind].contract}
     cls = camel(name)
     dist = f"graft-{name}" if not name.startswith("graft-") else name
@@ -84,17 +101,29 @@ def render(kind: Kind, name: str, package: str) -> dict[str, str]:
             "\n".join([doc_lines[0], *("        " + d for d in doc_lines[1:])])
         return f'    def {sig}:\n        """{doc_text}"""\n        {body}\n'
 
-    ref_methods = "\n".join(method(sig, doc, (
-        "if self.params.kernel == \"triton\":\n"
-        f"            from . import kernel\n\n"
-        f"            return kernel.{sig.split('(')[0]}(self, {', '.join(a.split(':')[0].split('=')[0].strip() for a in sig.split('(', 1)[1].rsplit(')', 1)[0].split(',')[1:])})\n"
-        f"        raise NotImplementedError(\"{name}: write the reference {sig.split('(')[0]}() in {package}/reference.py\")"))
-        for sig, doc in spec["methods"])
+    def body(sig: str) -> str:
+        meth = sig.split("(")[0]
+        todo = f"raise NotImplementedError(\"{name}: write the reference {meth}() in {package}/reference.py\")"
+        if not kernel:
+            return todo
+        call = ", ".join(["self", *(a.split("=")[0] for a in _args(sig))])
+        return (f"if self.params.kernel == \"triton\":\n"
+                f"            from . import kernel\n\n"
+                f"            return kernel.{meth}({call})\n"
+                f"        {todo}")
+
+    ref_methods = "\n".join(method(sig, doc, body(sig)) for sig, doc in spec["methods"])
     kernel_funcs = "\n\n".join(
-        f"def {sig.split('(')[0]}(plugin, {', '.join(a.strip() for a in sig.split('(', 1)[1].rsplit(')', 1)[0].split(',')[1:])}):\n"
+        f"def {sig.split('(')[0]}(plugin, {', '.join(_args(sig))}):\n"
         f'    """The Triton path of {cls}.{sig.split("(")[0]} (same inputs and result as the reference)."""\n'
         f"    raise NotImplementedError(\"{name}: write the Triton kernel for {sig.split('(')[0]}() in {package}/kernel.py\")\n"
         for sig, _ in spec["methods"])
+    base = "KernelParams" if kernel else "Params"
+    base_doc = ("\n    `kernel` (from KernelParams) picks 'reference' or 'triton' (kernel.py)." if kernel else
+                "\n    (A Triton kernel is an addition: derive from KernelParams, which adds\n"
+                "    `kernel: reference | triton`, or generate with --kernel.)")
+    role = '\n            role="eviction",  # or "storage" (a KVCacheFormat): how it composes in kvcompress:' \
+        if kind is Kind.KVCOMPRESS else ""
     files = {
         "pyproject.toml": f'''\
 [build-system]
@@ -125,13 +154,13 @@ testpaths = ["tests"]
 """`{name}`: a vllm-graft {kind.value} plugin (registration and parameters)."""
 from pydantic import Field
 
-from vllm_graft.hooks import Capabilities, KernelParams, Registration, hookimpl
+from vllm_graft.hooks import Capabilities, {base}, Registration, hookimpl
 
 
-class Params(KernelParams):
+class {cls}Params({base}):
     """Parameters, as written under `params:` in a deployment. Give every field a type,
     a default and bounds (Field(..., ge=...)): the conformance kit checks that bad values
-    are refused. `kernel` (from KernelParams) picks 'reference' or 'triton'."""
+    are refused.{base_doc}"""
 
     example: int = Field(1, ge=1, description="replace with your parameters")
 
@@ -142,36 +171,32 @@ def {spec["hook"]}(register):
         name="{name}",
         summary="One line: what it does",
         paper="The paper's title (venue or arXiv id)",
-        params=Params,
-        impl="{package}.reference:{cls}",
-        capabilities=Capabilities(lossless={spec["lossless"]}, platforms=("cpu", "cuda")),
+        params={cls}Params,
+        impl="{package}.reference:{cls}",  # imported only when a deployment enables it
+        # Where it runs; a deployment outside it is refused before vLLM starts, naming the
+        # field (every field: docs/tutorial.md in vllm-graft, "Capabilities").
+        capabilities=Capabilities(
+            lossless={spec["lossless"]},  # True: the kit and the engine check hold it to plain vLLM's output
+            platforms=("cpu", "cuda"),
+            dtypes=("float32", "float16", "bfloat16"),
+            head_sizes=None,  # None: any
+            parallelism=("dp",),  # add "tp", "pp", "ep" once it has run right under them{role}
+        ),
     ))
 ''',
         f"{package}/reference.py": f'''\
 """The reference implementation of `{name}`: plain PyTorch, readable beside the paper.
-It is the CPU path and the oracle the Triton kernel is tested against."""
-from __future__ import annotations
-
+It is the CPU path{" and the oracle the Triton kernel is tested against" if kernel else ""}."""
 from vllm_graft.hooks import {spec["imports"]}
 
 
 class {cls}({spec["contract"]}):
 {ref_methods}''',
-        f"{package}/kernel.py": f'''\
-"""Triton kernels of `{name}` and their launchers (`kernel: triton` in the parameters).
-
-On a machine without a GPU they run under TRITON_INTERPRET=1 (the conformance kit sets
-it): fp32/fp16 only, small shapes. Import triton inside the launchers, not at module level,
-so the reference path never needs it.
-"""
-from __future__ import annotations
-
-
-{kernel_funcs}''',
         "tests/test_conformance.py": f'''\
 """The vllm-graft conformance kit on this plugin: registration, parameters, the
-{kind.value} contract on generated inputs, Triton-vs-reference parity, and (with vLLM
-installed) a run in vLLM's CPU engine. `pytest --graft-no-engine` skips the engine."""
+{kind.value} contract on generated inputs,{" Triton-vs-reference parity," if kernel else ""} and (with vLLM
+installed) a run in vLLM's CPU engine. `pytest --graft-no-engine` skips the engine.
+Other parameters: pytest.mark.graft_conformance("{kind.value}:{name}", params={{"example": 2}})."""
 import pytest
 
 pytestmark = pytest.mark.graft_conformance("{kind.value}:{name}")
@@ -199,12 +224,24 @@ model: path/to/model
 ```
 
 and run `vllm-graft generate deployment.yaml "def main("` or
-`vllm-graft bench deployment.yaml` to compare it with plain vLLM.
+`vllm-graft bench deployment.yaml` to compare it with plain vLLM
+(`--baseline OTHER.yaml --baseline-as-is`: against another deployment, e.g. a built-in plugin).
 
-What to write: `{package}/reference.py` (the algorithm), `{package}/kernel.py` (its Triton
-kernel), the parameters and capabilities in `{package}/__init__.py`.
+What to write: `{package}/reference.py` (the algorithm){f", `{package}/kernel.py` (its Triton kernel)" if kernel else ""},
+the parameters and capabilities in `{package}/__init__.py`.
 ''',
     }
+    if kernel:
+        files[f"{package}/kernel.py"] = f'''\
+"""Triton kernels of `{name}` and their launchers (`kernel: triton` in the parameters).
+
+On a machine without a GPU they run under TRITON_INTERPRET=1 (the conformance kit sets
+it): fp32/fp16 only, small shapes. Import triton inside the launchers, not at module level,
+so the reference path never needs it.
+"""
+
+
+{kernel_funcs}'''
     return files
 
 
@@ -224,13 +261,13 @@ def cmd_new_plugin(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[red]{out} exists and is not empty[/red]: choose another --dir, or --force "
                       "to write over it")
         return 2
-    for rel, text in render(kind, name, package).items():
+    for rel, text in render(kind, name, package, kernel=args.kernel).items():
         path = out / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(textwrap.dedent(text) if rel.endswith(".toml") else text)
     console.print(f"created the {kind.value} plugin [bold]{name}[/bold] in {out}/ (package {package})\n"
-                  f"next: pip install -e {out} && cd {out} && pytest   "
-                  "(the conformance checks fail until reference.py and kernel.py are written)")
+                  f"next: pip install -e {out} && cd {out} && pytest   (the conformance checks fail "
+                  f"until reference.py{' and kernel.py are' if args.kernel else ' is'} written)")
     return 0
 
 
@@ -240,5 +277,8 @@ def add_command(sub: Any) -> None:
     p.add_argument("name", help="the plugin name (lower-case, digits, '-', '_')")
     p.add_argument("--dir", help="where to create it (default: ./graft-NAME)")
     p.add_argument("--package", help="the Python package name (default: graft_NAME)")
+    p.add_argument("--kernel", action="store_true",
+                   help="add a Triton kernel: parameters from KernelParams (kernel: reference | triton) "
+                        "and a kernel.py the reference dispatches to (default: the reference alone)")
     p.add_argument("--force", action="store_true", help="write into a non-empty folder")
     p.set_defaults(func=cmd_new_plugin)

@@ -205,3 +205,71 @@ def test_relative_links_resolve(path):
         assert dest.exists(), f"{path.name} links to {target}, which does not exist"
         if anchor and dest.suffix == ".md":
             assert anchor in anchors(dest), f"{path.name} links to {target}: no such heading"
+
+
+# ------------------------------------------------------------------------------ the tutorial's plugins
+TUTORIAL = ROOT / "docs" / "tutorial.md"
+#: ``<!-- docs-test: KIND NAME params|reference.py -->`` right before a python code block
+TUTORIAL_BLOCK = re.compile(r"^<!-- docs-test: (\w+) ([\w-]+) (params|reference\.py) -->\n```python\n(.*?)^```",
+                            re.M | re.S)
+
+
+def tutorial_plugins() -> dict[str, tuple[str, dict[str, str]]]:
+    """Per kind, the tutorial's minimal plugin: (name, {"params": ..., "reference.py": ...})."""
+    out: dict[str, tuple[str, dict[str, str]]] = {}
+    for kind, name, part, code in TUTORIAL_BLOCK.findall(TUTORIAL.read_text()):
+        got = out.setdefault(kind, (name, {}))
+        assert got[0] == name, f"tutorial: two {kind} plugins ({got[0]}, {name})"
+        got[1][part] = code
+    return out
+
+
+def test_the_tutorial_has_a_minimal_plugin_of_each_kind():
+    plugins = tutorial_plugins()
+    assert sorted(plugins) == sorted(KINDS)
+    for kind, (name, parts) in plugins.items():
+        assert set(parts) == {"params", "reference.py"}, f"tutorial's {kind} plugin {name}: {sorted(parts)}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_tutorials_plugin_builds_from_the_scaffold_and_passes_the_kit(kind, tmp_path, monkeypatch, capsys):
+    """`vllm-graft new-plugin KIND NAME`, the tutorial's parameter class put in the generated
+    ``__init__.py`` and its ``reference.py`` written, registered with a plugin manager (nothing
+    installed): every check of the kit but the engine's passes (or does not apply)."""
+    import sys
+
+    from vllm_graft.hooks import make_plugin_manager
+    from vllm_graft.integration.cli import main
+    from vllm_graft.kit.conformance import checks as c
+    from vllm_graft.kit.scaffold import camel
+
+    name, parts = tutorial_plugins()[kind]
+    out = tmp_path / name
+    assert main(["new-plugin", kind, name, "--dir", str(out)]) == 0
+    package = "graft_" + name.replace("-", "_")
+    init = out / package / "__init__.py"
+    generated = re.compile(rf"^class {camel(name)}Params\(Params\):\n.*?(?=\n\n\n@hookimpl)", re.M | re.S)
+    text, n = generated.subn(lambda _: parts["params"].rstrip("\n"), init.read_text())
+    assert n == 1, "the scaffold's parameter class is not where the tutorial says"
+    init.write_text(text)
+    (out / package / "reference.py").write_text(parts["reference.py"])
+
+    monkeypatch.syspath_prepend(str(out))
+    for mod in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+        monkeypatch.delitem(sys.modules, mod)
+    module = __import__(package)
+    pm = make_plugin_manager(entry_points=False)
+    pm.register(module, name=name)
+    entry = pm.build_registry().get(kind, name)
+    target = c.Target(entry, c.example_params(entry))
+    ran = []
+    for check in c.CHECKS:
+        if check.engine or (check.kinds is not None and entry.kind not in check.kinds):
+            continue
+        try:
+            print(f"{kind}:{name}/{check.name}: {check.func(target)}")
+        except c.Skipped:
+            assert check.name == "parity", f"{kind}:{name}: {check.name} skipped"  # no kernel: no parity
+            continue
+        ran.append(check.name)
+    assert {"registration", "params-roundtrip", "params-reject", "contract", "device"} <= set(ran)
