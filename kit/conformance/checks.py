@@ -40,10 +40,12 @@ from vllm_graft.kit.conformance.exercises.attention import (
     ATTENTION_SEQS,
     ATTENTION_SHAPES,
     exact_attention,
+    exact_attention_with_mass,
     exercise_attention,
 )
 from vllm_graft.kit.conformance.exercises.kvcompress import (
     FORMAT_REL_TOL,
+    exercise_attend,
     exercise_kv_format,
     exercise_kvcompress,
 )
@@ -311,7 +313,7 @@ __all__ = [
     "QUANT_SHAPES", "SPEC_REQUESTS", "SPEC_STEPS", "SPEC_VOCAB", "Skipped", "Target", "build",
     "check_contract", "check_device", "check_engine", "check_params_reject", "check_params_roundtrip",
     "check_parity", "check_registration", "check_state", "compare", "example_params",
-    "exact_attention", "exercise_attention", "exercise_kv_format", "exercise_kvcompress",
-    "exercise_moe", "exercise_quant", "exercise_speculative", "model_topk", "request_id",
+    "exact_attention", "exact_attention_with_mass", "exercise_attend", "exercise_attention",
+    "exercise_kv_format", "exercise_kvcompress", "exercise_moe", "exercise_quant", "exercise_speculative", "model_topk", "request_id",
     "resolve_specs", "triton_runs_here",
 ]

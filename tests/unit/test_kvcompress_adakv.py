@@ -198,6 +198,12 @@ class _PerHead(KVCompressor):
     def keep(self, view):
         return sorted(set().union(*map(set, self.keep_heads(view)))) if view.head_scores else list(range(view.num_blocks))
 
+    def attend(self, query, kv_cache, batch, layer, observe, head_mask=None):
+        # a scored compressor must attend (the adapter refuses one without): the public helper
+        from vllm_graft.plugins.paged import paged_attention_with_mass
+
+        return paged_attention_with_mass(query, kv_cache, batch, layer, observe, head_mask=head_mask)
+
 
 class HeadComesBack(_PerHead):
     def keep_heads(self, view):  # head 0 keeps a window that moves back over its dropped blocks

@@ -1,6 +1,9 @@
-"""The kit's attention exercise: paged batches (one prefill, ragged decodes, a chunked-prefill
-continuation) over GQA shapes, checked against the kit's own float64 oracle
-(:func:`exact_attention`, also the oracle of the KV storage-format exercise).
+"""The kit's attention exercise: ``plan`` then ``forward`` on paged batches (one prefill, ragged
+decodes, a chunked-prefill continuation) over GQA shapes, checked against the kit's own float64
+oracle (:func:`exact_attention`; with the attention mass, :func:`exact_attention_with_mass`, the
+oracle of ``KVCompressor.attend`` and of the KV storage-format exercise): exactly for a lossless
+plugin or one whose ``uses_host_kernel()`` is True, and for every plugin at the first position
+of a sequence (one key: any causal attention returns its value).
 """
 from __future__ import annotations
 
@@ -58,28 +61,76 @@ def attention_case(shape: tuple[int, int, int, int], dtype: str, seed: int):
 def exact_attention(q, kv, batch: PagedBatch, layer: AttentionLayer):
     """The kit's own oracle: token-by-token gather of the paged cache (per block and head,
     ``block_size`` keys then ``block_size`` values), causal softmax in float64."""
+    return exact_attention_with_mass(q, kv, batch, layer)[0]
+
+
+def exact_attention_with_mass(q, kv, batch: PagedBatch, layer: AttentionLayer, observe=None,
+                              head_mask=None):
+    """:func:`exact_attention` and the attention mass ``KVCompressor.attend`` reports, in float64:
+    ``(out [T, H, D], mass)``. ``mass[i, j]`` is the softmax probability the queries of sequence
+    ``i`` with ``observe[t]`` True put on the keys of block-table column ``j``, summed over heads
+    and those queries (``None`` without ``observe``). With ``head_mask [num_seqs, H_kv,
+    max_blocks]`` (bool) KV head ``h`` of sequence ``i`` reads only the columns where it is True
+    (for its group of query heads), and ``mass`` is ``[num_seqs, H_kv, max_blocks]``, summed over
+    the query heads of each KV head's group."""
     torch = torch_module()
     bs, d = layer.block_size, layer.head_size
     flat = kv.reshape(kv.shape[0], kv.shape[1], 2 * bs * d)  # per block and KV head
+    group = layer.num_heads // layer.num_kv_heads
 
     def token(i: int, p: int, which: int):  # which 0: key, 1: value
         start = (which * bs + p % bs) * d
         return flat[int(batch.block_table[i, p // bs]), :, start:start + d]
 
+    num_seqs, width = batch.block_table.shape
     out = torch.zeros(q.shape, dtype=torch.float64)
-    for i in range(batch.seq_lens.numel()):
+    mass = None
+    if observe is not None:
+        mass = torch.zeros((num_seqs, layer.num_kv_heads, width) if head_mask is not None
+                           else (num_seqs, width), dtype=torch.float64)
+    for i in range(num_seqs):
         n = int(batch.seq_lens[i])
         q0, q1 = int(batch.query_start_loc[i]), int(batch.query_start_loc[i + 1])
+        if n <= 0 or q1 <= q0:
+            continue
         keys = torch.stack([token(i, p, 0) for p in range(n)])
         vals = torch.stack([token(i, p, 1) for p in range(n)])
         keys, vals = keys.double(), vals.double()  # [n, Hkv, D]
+        column = torch.arange(n) // bs  # the block-table column of each key
         for r in range(q1 - q0):
             pos = n - (q1 - q0) + r  # the query's own position: it sees keys 0..pos
+            seen = observe is not None and bool(observe[q0 + r])
             for hh in range(layer.num_heads):
-                kvh = hh // (layer.num_heads // layer.num_kv_heads)
+                kvh = hh // group
                 s = keys[: pos + 1, kvh] @ q[q0 + r, hh].double() * layer.scale
-                out[q0 + r, hh] = torch.softmax(s, 0) @ vals[: pos + 1, kvh]
-    return out
+                if head_mask is not None:
+                    reads = head_mask[i, kvh].to(torch.bool)[column[: pos + 1]]
+                    s = s.masked_fill(~reads, float("-inf"))
+                p = torch.softmax(s, 0)
+                out[q0 + r, hh] = p @ vals[: pos + 1, kvh]
+                if seen:
+                    row = mass[i, kvh] if head_mask is not None else mass[i]
+                    row.index_add_(0, column[: pos + 1], p)
+    return out, mass
+
+
+def _check_first_token(t: Target, out, q, kv, batch: PagedBatch, layer: AttentionLayer, dtype: str,
+                       label: str) -> None:
+    """What any causal attention gives, lossy or not: a query at position 0 sees one key, its
+    own, so its output is that token's value (softmax over one key is 1)."""
+    exact = None
+    for i in range(batch.seq_lens.numel()):
+        n = int(batch.seq_lens[i])
+        q0, q1 = int(batch.query_start_loc[i]), int(batch.query_start_loc[i + 1])
+        if n != q1 - q0 or q1 <= q0:
+            continue  # its queries do not start at position 0
+        if exact is None:
+            exact = exact_attention(q, kv, batch, layer)
+        err = max_err(out[q0], exact[q0])
+        if not err <= tolerance(dtype) * 10:
+            raise t.fail(f"forward() gave the query at position 0 of sequence {i} an output {err:.3g} off "
+                         f"its own value ({label}); that query sees one key, its own, so any causal "
+                         "attention (lossy or not) returns that token's value there")
 
 
 def exercise_attention(t: Target, impl: Any, dtype: str, rules: bool) -> list[tuple[str, Any]]:
@@ -87,6 +138,7 @@ def exercise_attention(t: Target, impl: Any, dtype: str, rules: bool) -> list[tu
     results = []
     lossless = t.entry.registration.capabilities.lossless
     sizes = t.entry.registration.capabilities.head_sizes
+    host = bool(impl.uses_host_kernel()) if rules else False
     for j, shape in enumerate(ATTENTION_SHAPES):
         if sizes is not None and shape[2] not in sizes:
             continue
@@ -104,12 +156,15 @@ def exercise_attention(t: Target, impl: Any, dtype: str, rules: bool) -> list[tu
                 raise t.fail(f"forward returned non-finite values ({label})")
             if not (torch.equal(kv, kv_before) and torch.equal(q, q_before)):
                 raise t.fail(f"forward modified its query or KV cache in place ({label})")
-            if lossless:
+            if lossless or host:
                 err = max_err(out, exact_attention(q, kv, batch, layer))
                 if err > tolerance(dtype) * 10:
-                    raise t.fail(f"declared lossless, but its output differs from exact causal "
+                    why = "declared lossless" if lossless else \
+                        "uses_host_kernel() is True (the host's kernel then replaces forward())"
+                    raise t.fail(f"{why}, but forward() differs from exact causal "
                                  f"attention by {err:.3g} ({label})")
                 label += f" max|err| vs exact {err:.2e}"
+            _check_first_token(t, out, q, kv, batch, layer, dtype, label)
         results.append((label, out))
     if not results:
         raise Skipped(f"declares head sizes {sizes}; the kit generates {sorted({s[2] for s in ATTENTION_SHAPES})}")

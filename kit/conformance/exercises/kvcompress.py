@@ -1,7 +1,9 @@
-"""The kit's kvcompress exercises: an eviction compressor's ``keep()`` over growing views of
-simulated requests, and a KV storage format (role ``storage``, :class:`KVCacheFormat`)
-written and read back as vLLM does; :func:`exercise_kvcompress` dispatches formats to
-:func:`exercise_kv_format`.
+"""The kit's kvcompress exercises: an eviction compressor's ``keep()`` (and ``keep_heads()``)
+over growing views of simulated requests; a scored compressor's ``score_positions()`` and its
+``attend()`` on ragged paged GQA batches against the kit's own float64 attention and mass
+(:func:`~.attention.exact_attention_with_mass`); and a KV storage format (role ``storage``,
+:class:`KVCacheFormat`) written and read back as vLLM does, its attention and mass against the
+same oracle. :func:`exercise_kvcompress` dispatches formats to :func:`exercise_kv_format`.
 """
 from __future__ import annotations
 
@@ -17,12 +19,20 @@ from vllm_graft.integration.adapters.kvcompress.keep import (
     dropped_blocks,
     union_of_heads,
 )
-from vllm_graft.kit.conformance.base import Skipped, Target, torch_dtype, torch_module
+from vllm_graft.kit.conformance.base import (
+    Skipped,
+    Target,
+    max_err,
+    tolerance,
+    torch_dtype,
+    torch_module,
+)
 from vllm_graft.kit.conformance.exercises.attention import (
     ATTENTION_SEQS,
     ATTENTION_SHAPES,
     attention_case,
     exact_attention,
+    exact_attention_with_mass,
 )
 
 
@@ -38,7 +48,8 @@ def _kv_views(needs_scores: bool):
                 while len(scores_acc) < nb:
                     scores_acc.append(rnd.random())
                 scores = tuple(scores_acc[:nb]) if needs_scores else None
-                seq.append(BlockView(num_tokens=n, block_size=bs, num_prompt_tokens=prompt, scores=scores))
+                seq.append(BlockView(num_tokens=n, block_size=bs, num_prompt_tokens=prompt, scores=scores,
+                                     request_id=f"kit-{bs}-{prompt}"))
             yield f"block={bs} prompt={prompt}", seq
 
 
@@ -83,6 +94,119 @@ def exercise_kvcompress(t: Target, impl: Any, dtype: str, rules: bool) -> list[t
         results.append((label, answers))
     if getattr(impl, "per_head", False):
         results += exercise_keep_heads(t, impl, rules)
+    if getattr(impl, "needs_scores", False):
+        if rules:
+            check_score_positions(t, impl)
+        results += exercise_attend(t, impl, dtype, rules)
+    return results
+
+
+def check_score_positions(t: Target, impl: Any) -> None:
+    """``score_positions(num_prompt_tokens)``: ``(start, end)`` ints with ``0 <= start <= end``,
+    not empty for every prompt length (the scores would then stay zero)."""
+    ranges = []
+    for prompt in (1, 5, 100, 700):
+        got = impl.score_positions(prompt)
+        try:
+            start, end = got
+            ok = all(isinstance(x, int) and not isinstance(x, bool) for x in (start, end)) and 0 <= start <= end
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise t.fail(f"score_positions({prompt}) returned {got!r}; it must return (start, end), two "
+                         "ints with 0 <= start <= end (token positions whose queries' attention is scored)")
+        ranges.append((start, end))
+    if all(a == b for a, b in ranges):
+        raise t.fail(f"score_positions() is empty for every prompt length tried ({ranges}): no query's "
+                     "attention would ever count, so every score stays 0")
+
+
+def _observed(num_rows: int):
+    """The queries whose mass counts in the attend exercise: a fixed mix (a decode sequence
+    with none observed, a prefill and a chunk with some)."""
+    torch = torch_module()
+    return torch.tensor([r % 3 != 1 for r in range(num_rows)], dtype=torch.bool)
+
+
+def _head_mask(batch, hkv: int, bs: int, seed: int):
+    """A per-KV-head block mask ``[num_seqs, H_kv, max_blocks]``: random, with the last block
+    of each sequence read by every head (the one being written, always kept)."""
+    torch = torch_module()
+    g = torch.Generator().manual_seed(seed)
+    num_seqs, width = batch.block_table.shape
+    mask = torch.rand(num_seqs, hkv, width, generator=g) < 0.6
+    for i in range(num_seqs):
+        last = (int(batch.seq_lens[i]) - 1) // bs
+        mask[i, :, last] = True
+    return mask
+
+
+def exercise_attend(t: Target, impl: Any, dtype: str, rules: bool) -> list[tuple[str, Any]]:
+    """A scored compressor's ``attend()`` (``needs_scores``) on the attention exercise's paged
+    batches (one prefill, ragged decodes, a chunked-prefill continuation; GQA and MHA; head
+    sizes 64 and 128; blocks of 16 and 32; the block table's unused tail pointing at other
+    sequences' blocks), with a mix of observed queries; per KV head with a random ``head_mask``
+    for a ``per_head`` compressor. Output and mass are compared with the kit's float64
+    computation (:func:`~.attention.exact_attention_with_mass`)."""
+    torch = torch_module()
+    per_head = bool(getattr(impl, "per_head", False))
+    sizes = t.entry.registration.capabilities.head_sizes
+    results = []
+    for j, shape in enumerate(ATTENTION_SHAPES):
+        h, hkv, d, bs = shape
+        if sizes is not None and d not in sizes:
+            continue
+        q, kv, batch, layer = attention_case(shape, dtype, seed=200 + j)
+        observe = _observed(q.shape[0])
+        head_mask = _head_mask(batch, hkv, bs, seed=210 + j) if per_head else None
+        label = f"attend H={h} Hkv={hkv} D={d} block={bs} {dtype}" + (" per KV head" if per_head else "")
+        before = [x.clone() for x in (q, kv, observe)]
+        if per_head:
+            got = impl.attend(q, kv, batch, layer, observe, head_mask=head_mask.clone())
+        else:
+            got = impl.attend(q, kv, batch, layer, observe)
+        try:
+            out, mass = got
+        except (TypeError, ValueError):
+            raise t.fail(f"attend() returned {type(got).__name__}; it must return (out [T, H, D], mass) "
+                         f"({label})") from None
+        if rules:
+            want_mass = (batch.block_table.shape[0], hkv, batch.block_table.shape[1]) if per_head \
+                else tuple(batch.block_table.shape)
+            if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype:
+                raise t.fail(f"attend() returned out {getattr(out, 'shape', out)} {getattr(out, 'dtype', '')} "
+                             f"for query {tuple(q.shape)} {q.dtype} ({label}); it must be [T, H, D] in "
+                             "the query's dtype")
+            if not isinstance(mass, torch.Tensor) or tuple(mass.shape) != want_mass or not mass.is_floating_point():
+                raise t.fail(f"attend() returned mass {getattr(mass, 'shape', mass)} "
+                             f"{getattr(mass, 'dtype', '')} ({label}); it must be a floating tensor "
+                             + (f"[num_seqs, H_kv, max_blocks] = {list(want_mass)} (per KV head, with head_mask)"
+                                if per_head else f"[num_seqs, max_blocks] = {list(want_mass)}"))
+            if not (torch.isfinite(out).all() and torch.isfinite(mass.float()).all()):
+                raise t.fail(f"attend() returned non-finite values ({label})")
+            if not all(torch.equal(a, b) for a, b in zip((q, kv, observe), before)):
+                raise t.fail(f"attend() modified its query, KV cache or observe in place ({label})")
+            exact, exact_mass = exact_attention_with_mass(q, kv, batch, layer, observe, head_mask)
+            err = max_err(out, exact)
+            if not err <= tolerance(dtype) * 10:
+                raise t.fail(f"attend() output differs from exact causal attention over the paged batch "
+                             f"{'(each KV head masked to its head_mask blocks) ' if per_head else ''}by "
+                             f"{err:.3g} ({label}); it must compute the layer's attention as "
+                             "AttentionMethod.forward does")
+            merr = max_err(mass, exact_mass)
+            if not merr <= tolerance(dtype) * 10:
+                diff = (mass.double() - exact_mass).abs()
+                at = tuple(int(x) for x in (diff == diff.max()).nonzero()[0])
+                raise t.fail(
+                    f"attend() mass differs from the kit's exact computation by {merr:.3g} at mass{list(at)}: "
+                    f"got {mass[at].item():.4g}, expected {exact_mass[at].item():.4g} ({label}); mass must be "
+                    "the softmax probability the observed queries (observe[t] True) put on the keys of each "
+                    "block-table column, summed over " + ("the query heads of each KV head" if per_head else
+                                                         "heads") + " and those queries (got per sequence "
+                    f"{[round(x, 3) for x in mass.double().flatten(1).sum(1).tolist()]}, expected "
+                    f"{[round(x, 3) for x in exact_mass.flatten(1).sum(1).tolist()]})")
+            label += f" max|err| out {err:.2e} mass {merr:.2e}"
+        results.append((label, (out, mass)))
     return results
 
 
@@ -184,15 +308,19 @@ def exercise_kv_format(t: Target, impl: Any, dtype: str, rules: bool) -> list[tu
                          f"the K/V it was given (relative error; at most {FORMAT_REL_TOL}) ({label}): "
                          "write() loses or misplaces tokens, or forward() misreads the page")
         if rules:
-            observe = torch.ones(q.shape[0], dtype=torch.bool)
-            out2, mass = impl.forward(q, cache, batch, layer, observe)
+            observe = _observed(q.shape[0])
+            _, mass = impl.forward(q, cache, batch, layer, observe)
             if mass is None or tuple(mass.shape) != tuple(batch.block_table.shape):
                 raise t.fail(f"forward(observe=...) returned mass {getattr(mass, 'shape', mass)}, expected "
                              f"{tuple(batch.block_table.shape)} (an eviction compressor that needs scores reads it)")
-            qs = torch.tensor([qn for _, qn in ATTENTION_SEQS], dtype=torch.float32) * h
-            if (mass.sum(1).float() - qs).abs().max() > 1e-2 * qs.max():
-                raise t.fail(f"attention mass per sequence sums to {mass.sum(1).tolist()}, expected "
-                             f"{qs.tolist()} (one per observed query and head)")
+            _, exact_mass = exact_attention_with_mass(q, dense, batch, layer, observe)
+            mrel = ((mass.double() - exact_mass).norm() / exact_mass.norm()).item()
+            if not mrel <= FORMAT_REL_TOL:
+                raise t.fail(f"forward(observe=...) returned attention mass {mrel:.3f} off the kit's exact mass "
+                             f"over the K/V it was given (relative error; at most {FORMAT_REL_TOL}) ({label}): "
+                             f"per sequence {[round(x, 3) for x in mass.double().sum(1).tolist()]}, expected "
+                             f"{[round(x, 3) for x in exact_mass.sum(1).tolist()]}; mass[i, j] is the softmax "
+                             "probability the observed queries put on block-table column j, summed over heads")
         results.append((label, out))
         print(f"{t.spec} {label}: {width} bytes/token/head (dense fp16 {4 * d}), "
               f"attention {rel:.3f} off exact (relative)")

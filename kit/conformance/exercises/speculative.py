@@ -1,6 +1,13 @@
 """The kit's speculative exercise (simulated requests with repetitive 'target model'
 continuations, drafts accepted as a verifier would) and the ``state`` check: a proposer
 holds nothing of a request after ``finish()``.
+
+The exercise calls every method of the contract as the speculative adapter does (``begin_step``,
+``propose`` or ``propose_tree``, ``observe_topk`` where ``topk`` > 0, ``accepted``, ``finish``),
+with ``max_tokens`` / ``max_nodes`` varying from step to step; the kit is the verifier (its
+acceptance is the longest correct prefix of the drafts, or path of the tree). A draft must fit
+the request's vocabulary: every token the kit shows a proposer (the requests, the target's
+top-k, the random target of a self-speculative proposer) is below :data:`SPEC_VOCAB`.
 """
 from __future__ import annotations
 
@@ -12,6 +19,10 @@ from vllm_graft.kit.conformance.base import Target, build
 SPEC_REQUESTS = 6
 SPEC_STEPS = 25
 SPEC_VOCAB = 64
+#: ``max_tokens`` per step (capped by the plugin's ``num_speculative_tokens``), varied as vLLM
+#: varies it near a request's length limit; ``max_nodes`` of a tree step likewise.
+SPEC_MAX_TOKENS = (4, 4, 2, 4, 1, 3)
+TREE_MAX_NODES = (12, 12, 5, 12, 3)
 
 
 def _truth(r: int, length: int) -> list[int]:
@@ -61,17 +72,19 @@ def exercise_speculative(t: Target, impl: Any, dtype: str, rules: bool) -> list[
     if getattr(impl, "needs_target_weights", False):
         impl.attach_target(random_target(SPEC_VOCAB, dtype))
     topk = int(getattr(impl, "topk", 0) or 0)
+    cap = int(getattr(impl.params, "num_speculative_tokens", 0) or 0) or max(SPEC_MAX_TOKENS)
     for r in range(SPEC_REQUESTS):
         rid = request_id(r)
         truth = _truth(r, 40 + SPEC_STEPS * 6)
         tokens = truth[:40]
         drafts_seen = []
         rnd = random.Random(1000 + r)
-        for _ in range(SPEC_STEPS):
-            max_tokens = 4
+        for step in range(SPEC_STEPS):
+            max_tokens = min(cap, SPEC_MAX_TOKENS[(step + r) % len(SPEC_MAX_TOKENS)])
             impl.begin_step(1, 1 + (len(drafts_seen[-1]) if drafts_seen else 0))
             if getattr(impl, "drafts_trees", False):
-                drafts_seen.append(_tree_step(t, impl, rid, tokens, truth, topk, rnd, rules))
+                max_nodes = TREE_MAX_NODES[(step + r) % len(TREE_MAX_NODES)]
+                drafts_seen.append(_tree_step(t, impl, rid, tokens, truth, topk, rnd, rules, max_nodes))
                 continue
             drafts = impl.propose(rid, list(tokens), max_tokens)
             try:
@@ -79,8 +92,13 @@ def exercise_speculative(t: Target, impl: Any, dtype: str, rules: bool) -> list[
             except (TypeError, ValueError):
                 raise t.fail(f"propose() returned {drafts!r}; it must return a list of token ids") from None
             if rules and (len(drafts) > max_tokens or any(x < 0 for x in drafts)):
-                raise t.fail(f"propose() returned {drafts} for max_tokens={max_tokens}: at most "
-                             "max_tokens non-negative token ids")
+                raise t.fail(f"propose() returned {drafts} for max_tokens={max_tokens} ({rid}, "
+                             f"{len(tokens)} tokens): at most max_tokens non-negative token ids")
+            if rules and any(x >= SPEC_VOCAB for x in drafts):
+                raise t.fail(f"propose() returned {drafts} ({rid}, {len(tokens)} tokens): token id(s) "
+                             f"{sorted({x for x in drafts if x >= SPEC_VOCAB})} are outside the vocabulary "
+                             f"[0, {SPEC_VOCAB}) (every token the kit showed it is below {SPEC_VOCAB}); "
+                             "draft tokens the target could produce")
             drafts = drafts[:max_tokens]
             nxt = truth[len(tokens):len(tokens) + len(drafts) + 1]
             acc = 0
@@ -106,24 +124,28 @@ TREE_NODES = 12
 
 
 def _tree_step(t: Target, impl: Any, rid: str, tokens: list[int], truth: list[int], topk: int,
-               rnd: random.Random, rules: bool) -> list[int]:
+               rnd: random.Random, rules: bool, max_nodes: int = TREE_NODES) -> list[int]:
     """One step of a proposer that drafts trees (``Proposer.drafts_trees``): its tree checked
     against the contract, verified greedily against the truth as the vLLM adapter's verifier
     would (the longest path of correct nodes), then top-k rows and acceptance reported."""
     import numpy as np
 
-    answer = impl.propose_tree(rid, list(tokens), TREE_NODES)
+    answer = impl.propose_tree(rid, list(tokens), max_nodes)
     try:
         nodes, parents = ([int(x) for x in part] for part in answer)
     except (TypeError, ValueError):
         raise t.fail(f"propose_tree() returned {answer!r}; it must return (tokens, parents), "
                      "two lists of ints") from None
-    if rules and (len(nodes) != len(parents) or len(nodes) > TREE_NODES or any(x < 0 for x in nodes)
+    if rules and (len(nodes) != len(parents) or len(nodes) > max_nodes or any(x < 0 for x in nodes)
                   or any(not -1 <= p < i for i, p in enumerate(parents))):
         raise t.fail(f"propose_tree() returned tokens {nodes} and parents {parents} for max_nodes="
-                     f"{TREE_NODES}: equal lengths, at most max_nodes non-negative tokens, "
+                     f"{max_nodes}: equal lengths, at most max_nodes non-negative tokens, "
                      "-1 <= parents[i] < i")
-    nodes, parents = nodes[:TREE_NODES], parents[:TREE_NODES]
+    if rules and any(x >= SPEC_VOCAB for x in nodes):
+        raise t.fail(f"propose_tree() returned tokens {nodes} ({rid}): token id(s) "
+                     f"{sorted({x for x in nodes if x >= SPEC_VOCAB})} are outside the vocabulary "
+                     f"[0, {SPEC_VOCAB}) (every token the kit showed it is below {SPEC_VOCAB})")
+    nodes, parents = nodes[:max_nodes], parents[:max_nodes]
     path: list[int] = []
     while len(tokens) + len(path) < len(truth):
         want, at = truth[len(tokens) + len(path)], path[-1] if path else -1
