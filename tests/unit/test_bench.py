@@ -236,8 +236,8 @@ def _request(ids, ttft=0.05, step=0.01):
 def _arm(prompt_sets, outputs, wall, kv, rss, ttft=0.05, busy=0.1):
     return {"engine": {"load_s": 3.0, "warmup_s": 0.2, "num_blocks": 2047, "block_size": 128},
             "deployment_active": False, "peak_rss_mib": rss, "rss_after_load_mib": rss - 10,
-            "workloads": {ps.name: {"wall_s": wall, "kv_blocks_peak": kv, "kv_blocks_per_step": [1, kv, 2],
-                                    "cpu_s": wall, "other_cpus": busy if ps.name == "chat" else 0.0,
+            "workloads": {ps.name: {"wall_s": wall, "kv_blocks_peak": kv, "kv_blocks_per_step": [1, kv, 2, kv // 3],
+                                    "kv_decode_steps": [False, False, True, True], "cpu_s": wall, "other_cpus": busy if ps.name == "chat" else 0.0,
                                     "requests": [_request(o, ttft) for o in outputs[ps.name]]}
                           for ps in prompt_sets}}
 
@@ -273,6 +273,9 @@ def test_assemble(result):
     assert graft["workloads"]["chat"]["summary"]["output_tok_s"] == pytest.approx(24.0)
     assert graft["overall"]["output_tok_s"] == pytest.approx(24 / 1.0)
     assert graft["overall"]["kv_blocks_peak"] == 3 and plain["overall"]["kv_blocks_peak"] == 6
+    # the median over the decode steps only (the prefill's peak left out), per workload and overall
+    assert graft["workloads"]["chat"]["summary"]["kv_blocks_decode_median"] == 1.5
+    assert graft["overall"]["kv_blocks_decode_median"] == 1.5 and plain["overall"]["kv_blocks_decode_median"] == 2
     assert graft["workloads"]["chat"]["summary"]["ttft_mean_s"] == pytest.approx(0.1)
     assert plain["workloads"]["chat"]["summary"]["perplexity"] == pytest.approx(math.exp(0.5))
     cmp = result["comparison"]
@@ -292,7 +295,7 @@ def test_json_has_table_and_detail(result):
     assert set(data["arms"]) == {"plain", "graft"}
     for arm in data["arms"].values():
         for key in ("output_tok_s", "ttft_mean_s", "ttft_p90_s", "itl_mean_s", "itl_p90_s",
-                    "kv_blocks_peak", "peak_rss_mib", "perplexity"):  # every table column
+                    "kv_blocks_peak", "kv_blocks_decode_median", "peak_rss_mib", "perplexity"):  # every table column
             assert arm["overall"][key] is not None
         assert "token_times_s" in arm["workloads"]["chat"]["requests"][0]
     assert set(data["measurement"]) >= {"ttft", "itl", "kv_blocks", "peak_rss", "perplexity", "identical"}
@@ -539,6 +542,33 @@ def test_baseline_decides_what_the_plain_arm_runs(tmp_path, fake_arms, capsys):
     assert "allows 512 tokens" in capsys.readouterr().err and not jobs
 
 
+def test_baseline_as_is_runs_the_other_deployment_with_its_plugins(tmp_path, fake_arms, capsys):
+    """--baseline OTHER.yaml --baseline-as-is: the plain arm runs OTHER.yaml with its plugins
+    (two deployments side by side); neither arm scores, a plain engine (OTHER's twin) scores
+    both arms' outputs; without a baseline file the flag is refused."""
+    log, jobs, _ = fake_arms
+    kv4 = ROOT / "deployments" / "kvcompress-kv4.yaml"
+    streaming = ROOT / "deployments" / "kvcompress-kv4-streaming.yaml"
+    path = tmp_path / "r.json"
+    args = ["--workload", "chat", "--num-prompts", "2", "--max-tokens", "4", "--json", str(path)]
+    assert main(["bench", str(streaming), "--baseline", str(kv4), "--baseline-as-is", *args]) == 0, capsys.readouterr()
+    by_arm = {(j["arm"], bool(j["workloads"])): j for j in jobs}
+    graft, baseline, scorer = by_arm[("graft", True)], by_arm[("plain", True)], by_arm[("plain", False)]
+    assert "graft" in graft["llm_kwargs"]["additional_config"]
+    assert "streaming" not in json.dumps(baseline["llm_kwargs"]["additional_config"])  # kv4 alone, as is
+    assert "kv4" in json.dumps(baseline["llm_kwargs"]["additional_config"]) and baseline["report_plugins"]
+    assert "additional_config" not in scorer["llm_kwargs"] and not scorer["report_plugins"]
+    assert not baseline["score_own"] and not graft["score_own"] and not scorer["score_own"]
+    assert log[-1] == ("finish", "plain", ["graft/chat/0", "graft/chat/1", "plain/chat/0", "plain/chat/1"])
+    data = json.loads(path.read_text())
+    assert data["settings"]["baseline_as_is"] is True
+    assert data["arms"]["plain"]["overall"]["perplexity"] == pytest.approx(math.e)
+    capsys.readouterr()
+    jobs.clear()
+    assert main(["bench", str(streaming), "--baseline-as-is", *args]) == 2
+    assert "--baseline-as-is needs --baseline" in capsys.readouterr().err and not jobs
+
+
 def test_the_arm_applies_its_environment_before_vllm(monkeypatch):
     """The no-package baseline works only if VLLM_PLUGINS is set in the arm's process before
     vLLM reads it: _arm_run sets the job's env first thing (then fails here on purpose, at the
@@ -658,3 +688,20 @@ def test_median_run_and_repeat_rendering(tok):
     text = _text(bench.render_table(r))
     assert "median of 3 runs" in text and "(min-max)" in text and "1.0-4.0" in text
     assert "(min-max)" not in _text(bench.render_table(r | {"settings": {**r["settings"], "repeat": 1}}))
+
+
+def test_kv_sampler_flags_decode_steps():
+    from types import SimpleNamespace as NS
+
+    from vllm_graft.tools.bench.arm import _KVSampler
+
+    reqs = {"a": NS(num_computed_tokens=10, num_prompt_tokens=10),  # its prompt's last chunk: not decoding
+            "b": NS(num_computed_tokens=11, num_prompt_tokens=10)}
+    pool = NS(num_gpu_blocks=9, get_num_free_blocks=lambda: 4)
+    sampler = _KVSampler(pool, NS(requests=reqs))
+    outs = iter([NS(num_scheduled_tokens={"a": 2, "b": 1}), NS(num_scheduled_tokens={"b": 1}),
+                 NS(num_scheduled_tokens={})])
+    schedule = sampler.wrap(lambda: next(outs))
+    for _ in range(3):
+        schedule()
+    assert sampler.steps == [4, 4, 4] and sampler.decode == [False, True, False]

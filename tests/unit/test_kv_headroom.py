@@ -62,8 +62,12 @@ def test_unknown_arm_is_refused_with_the_choices(capsys):
     from vllm_graft.integration.cli import main
 
     with pytest.raises(SystemExit) as e:
-        main(["kv-headroom", "--arms", "streaming,h2o"])
-    assert "unknown arm(s) h2o" in str(e.value) and "oracle" in str(e.value)
+        main(["kv-headroom", "--arms", "streaming,h3o"])
+    assert "unknown arm(s) h3o" in str(e.value) and "oracle" in str(e.value) and "h2o" in str(e.value)
+    with pytest.raises(SystemExit, match="per KV head"):  # refused before the model loads
+        main(["kv-headroom", "--arms", "adakv"])
+    with pytest.raises(SystemExit, match="invalid parameters"):
+        main(["kv-headroom", "--arms", "h2o", "--params", '{"sink_blocks": -1}'])
 
 
 def test_plugin_arms_are_kvbenchs_and_the_study_arms_are_snapkvs_planner_or_more_streaming():
@@ -84,3 +88,11 @@ def test_a_fraction_that_leaves_fewer_than_two_blocks_is_refused():
 
     with pytest.raises(SystemExit, match="--fractions 64 leave fewer than 2 of the context's 64 blocks"):
         main(["kv-headroom", "--fractions", "4,64"])
+
+
+def test_registered_plugins_are_arms_too():
+    # a registered plugin outside kv-headroom's own arms: kvbench's budget, --params under its own JSON
+    assert kh.arm_choice("streaming:{\"sink_blocks\": 2}", 512, 32, 2, 0) == {
+        "plugin": "streaming", "params": {"budget_blocks": 8, "sink_blocks": 2}}
+    with pytest.raises(SystemExit, match="storage format"):
+        kh.arm_choice("kv4", 512, 32, 2, 0)

@@ -47,3 +47,37 @@ def test_adakv_arms_hold_snapkvs_memory():
             assert p["plugin"] == "adakv" and p["params"]["held_blocks"] == snap["budget_blocks"] == budget
             assert p["params"]["budget_blocks"] == per_head and p["params"]["window_tokens"] == snap["window_tokens"]
             reg.params(**p["params"])  # valid parameters
+
+
+def test_any_registered_compressor_by_name_with_params():
+    from vllm_graft.hooks import get_registry
+
+    # a registered plugin kvbench has no arm of its own for: the budget through its parameter
+    # model's budget_blocks/sink_blocks; `noop` has no budget_blocks, so it runs once
+    arms = dict(_arms(2048, 32, ["noop", 'streaming:{"sink_blocks": 2}'], (2, 8), params={}))
+    assert arms["noop"] == {"plugin": "noop", "params": {}}
+    assert arms["streaming 1/8"]["params"] == {"budget_blocks": 8, "sink_blocks": 2}
+    # --params apply to every compressor, a NAME:{JSON} entry's win; both validated by the plugin
+    arms = dict(_arms(2048, 32, ["h2o", 'streaming:{"budget_blocks": 5}'], (4,), params={"sink_blocks": 3}))
+    assert arms["h2o 1/4"]["params"]["sink_blocks"] == 3
+    assert arms["streaming 1/4"]["params"] == {"budget_blocks": 5, "sink_blocks": 3}
+    with pytest.raises(SystemExit, match=r"streaming.*invalid parameters.*sink_blocks"):
+        _arms(2048, 32, ["streaming"], (4,), params={"sink_blocks": 40})
+    with pytest.raises(SystemExit, match=r"streaming.*invalid parameters.*window"):
+        _arms(2048, 32, ['streaming:{"window": 3}'], (4,))
+    if ("kvcompress", "strided") in get_registry():  # the example package's (tests/e2e/test_kvbench_third_party.py)
+        arms = dict(_arms(2048, 32, ["strided", "kv4+strided"], (2,)))
+        assert arms["strided 1/2"] == {"plugin": "strided", "params": {"budget_blocks": 32, "sink_blocks": 1}}
+        assert arms["kv4+strided 1/2"][0]["plugin"] == "strided"
+        with pytest.raises(SystemExit, match="unknown compressor 'tova'.*strided"):
+            _arms(2048, 32, ["tova"])
+
+
+def test_comma_lists_keep_json_whole():
+    from vllm_graft.tools.plugin_args import PluginArgError, parse_spec, split_list
+
+    assert split_list('streaming,h2o:{"a": 1, "b": [1, 2]},snapkv') == ["streaming", 'h2o:{"a": 1, "b": [1, 2]}',
+                                                                        "snapkv"]
+    assert parse_spec('h2o:{"score": "mean"}') == ("h2o", {"score": "mean"})
+    with pytest.raises(PluginArgError, match="not JSON"):
+        parse_spec("h2o:{score}")

@@ -108,3 +108,21 @@ def test_sparse_quality_arms_with_a_head_map():
     assert SqueezedParams(**{k: v for k, v in arms["recycled K=0.25 refresh 16"].items()}).refresh == 16
     assert [a for a in SQ._arms(argparse.Namespace(**{**vars(args), "head_map": None}))
             if "heads" in a[0]] == []
+
+
+def test_sparse_quality_takes_any_registered_attention_plugin(capsys):
+    """--plugin NAME --params JSON: plain vLLM against any registered attention plugin, its
+    parameters validated by its model; for squeezed, --params go under every arm's own;
+    an unknown plugin is refused (before any engine) naming the registered ones."""
+    from vllm_graft.integration.cli import main
+
+    args = argparse.Namespace(budget=[0.25], modes="window", refresh=1, chunk=16, sink=16, recent=64,
+                              head_map=None, plugin="hydragen", params=None)
+    assert SQ._arms(args) == [("plain vLLM", None), ("hydragen", {})]
+    args.plugin, args.params = "squeezed", '{"sink_tokens": 32}'
+    assert [p["sink_tokens"] for _, p in SQ._arms(args)[1:]] == [32]
+    assert main(["sparse-quality", "--plugin", "tova"]) == 2
+    err = capsys.readouterr().err
+    assert "no attention plugin named 'tova'" in err and "squeezed" in err
+    assert main(["sparse-quality", "--params", '{"bogus": 1}']) == 2
+    assert "invalid parameters" in capsys.readouterr().err

@@ -254,6 +254,13 @@ def test_moe_sim_command(tmp_path, capsys):
     assert {c["capacity"] for c in r["cache"]} == {2, 4}
     assert P.Placement.load(tmp_path / "p.json").problems(2) == []
     assert main(["moe-sim", str(tmp_path / "t.npz"), "--devices", "3"]) == 2
+    # the simulated plugins are chosen by name; one without the simulator's functions, or an
+    # unknown one, is refused naming those that have them
+    capsys.readouterr()
+    assert main(["moe-sim", str(tmp_path / "t.npz"), "--cache", "dynamic-topk"]) == 2
+    assert "moe plugins that have: expert-cache" in " ".join(capsys.readouterr().out.split())
+    assert main(["moe-sim", str(tmp_path / "t.npz"), "--placement", "tova"]) == 2
+    assert "no moe plugin named 'tova'; registered: " in " ".join(capsys.readouterr().out.split())
 
 
 def test_calibrate_and_moe_commands_refuse_bad_arguments(tmp_path, capsys):

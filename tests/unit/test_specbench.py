@@ -67,3 +67,23 @@ def test_every_default_arm_has_a_valid_deployment(arm):
     else:
         (e,) = plan.enabled
         assert e.name == arm and (e.kind, e.name) in get_registry()
+
+
+def test_any_registered_proposer_is_an_arm_with_params():
+    """An arm without a spec-X.yaml that names a registered proposer runs it on plain.yaml's
+    model; --params (under an X:{JSON} entry's) override a proposer arm's parameters, a file's
+    too; unknown names and bad parameters are refused naming the choices."""
+    from vllm_graft.tools.plugin_args import PluginArgError
+    from vllm_graft.tools.speculative.specbench import arm_plan
+
+    plain = arm_plan("plain")
+    swift = arm_plan('swift:{"num_speculative_tokens": 3}')
+    assert swift.deployment.model == plain.deployment.model and swift.deployment.speculative.plugin == "swift"
+    assert swift.deployment.speculative.params["num_speculative_tokens"] == 3
+    assert arm_plan("lookahead", {"num_speculative_tokens": 2}).deployment.speculative.params == {
+        "num_speculative_tokens": 2}
+    assert arm_plan("plain", {"num_speculative_tokens": 2}).enabled == []  # no proposer to give them to
+    with pytest.raises(PluginArgError, match="no speculative plugin named 'tova'; registered: .*lookahead"):
+        arm_plan("tova")
+    with pytest.raises(PluginArgError, match="invalid parameters.*bogus"):
+        arm_plan('lookahead:{"bogus": 1}')

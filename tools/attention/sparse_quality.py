@@ -1,5 +1,6 @@
 """`vllm-graft sparse-quality`: perplexity and attention KV read of sparse decode attention
 (`squeezed`) versus plain vLLM, and versus the sink + window baseline at the same budget.
+(``--plugin NAME --params JSON``: any registered attention plugin against plain vLLM instead.)
 
 Each arm is a vLLM CPU engine on the bundled dense model scoring a long-prompt workload with
 ``prompt_logprobs``: ``long-context`` (default: ~1800-token windows of stdlib Python source,
@@ -58,7 +59,16 @@ def _floats(text: str) -> list[float]:
 
 
 def _arms(args: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
+    """``(label, the plugin's parameters)`` per arm; ``None``: plain vLLM. ``--plugin`` other
+    than squeezed: plain vLLM and that plugin with ``--params`` (squeezed's modes and budgets
+    do not apply). For squeezed, ``--params`` go under every arm's own."""
+    from vllm_graft.tools.plugin_args import parse_json_params, validate
+
     arms: list[tuple[str, dict[str, Any] | None]] = [("plain vLLM", None)]
+    plugin = getattr(args, "plugin", None) or "squeezed"
+    extra = parse_json_params(getattr(args, "params", None))
+    if plugin != "squeezed":
+        return arms + [(plugin, validate("attention", plugin, extra))]
     base = {"chunk": args.chunk, "sink_tokens": args.sink, "recent_tokens": args.recent, "prefill": "sparse"}
     # with a head map, each selection mode also runs with it: retrieval heads choose, the others keep the window
     maps = [("", {})] + ([("+heads", {"head_map": args.head_map})] if args.head_map else [])
@@ -77,7 +87,9 @@ def _arms(args: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
                                  {**base, "mode": mode, "budget": b, "refresh": args.refresh, **hm}))
     if args.head_map:
         arms.append(("streaming-heads", {**base, "mode": "streaming-heads", "head_map": args.head_map}))
-    return arms
+    if not extra:  # the deployment validates the arms' own parameters when each engine starts
+        return arms
+    return [(name, None if p is None else validate("attention", plugin, {**p, **extra})) for name, p in arms]
 
 
 def _top1(entry: Any) -> int:
@@ -131,7 +143,7 @@ def load_workload(name: str, tok: Any, args: argparse.Namespace
 
 def run_arm(model: str, engine: dict[str, Any], params: dict[str, Any] | None,
             prompts: list[list[int]], spans: list[tuple[int, int]],
-            firsts: list[tuple[int, int]] | None = None) -> dict[str, Any]:
+            firsts: list[tuple[int, int]] | None = None, plugin: str = "squeezed") -> dict[str, Any]:
     from vllm import SamplingParams
 
     from vllm_graft.integration import launch
@@ -139,7 +151,7 @@ def run_arm(model: str, engine: dict[str, Any], params: dict[str, Any] | None,
     from vllm_graft.integration.runtime import RUNTIME
 
     data: dict[str, Any] = {"model": model, "engine": engine,
-                            "attention": {"plugin": "squeezed", "params": params or {}}}
+                            "attention": {"plugin": plugin, "params": params or {}}}
     plan = launch.plan_from_dict(data)
     with launch.in_process_engine(plan, graft=params is not None, seed=0) as llm:
         res = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -152,9 +164,9 @@ def run_arm(model: str, engine: dict[str, Any], params: dict[str, Any] | None,
             first = [x for r, p, (a, b) in zip(res, prompts, firsts) for x in nll_of(r.prompt_logprobs, p[:b], a)]
             out["first_copy_ppl"] = math.exp(sum(first) / len(first))
         if params is not None:
-            (impl,) = RUNTIME.instances.values()
-            out["describe"] = impl.describe()
-            out["kv_read_fraction"] = out["describe"]["kv_read_fraction"]
+            impl = next(iter(RUNTIME.instances.values()))
+            out["describe"] = impl.describe() or {}
+            out["kv_read_fraction"] = out["describe"].get("kv_read_fraction")  # squeezed counts it
     return out
 
 
@@ -174,13 +186,22 @@ def cmd_sparse_quality(args: argparse.Namespace, console: Console) -> int:
 
         Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {escape(str(e))}")
         return 2
+    from vllm_graft.tools.plugin_args import PluginArgError
+
+    try:  # the plugin and its parameters validated before any engine starts
+        arms = _arms(args)
+    except PluginArgError as e:
+        from rich.markup import escape
+
+        Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {escape(str(e))}")
+        return 2
     scored = ("the repeated span" if args.workload == "long-recall"
               else f"tokens from position {args.score_from}")
     results = []
     progress = Console(stderr=True, highlight=False) if args.json == "-" else console
-    for name, params in _arms(args):
+    for name, params in arms:
         progress.print(f"[dim]{name}...[/]")
-        r = run_arm(model, engine, params, prompts, spans, firsts)
+        r = run_arm(model, engine, params, prompts, spans, firsts, plugin=args.plugin)
         results.append({"arm": name, "params": params, **r})
     plain = results[0]["ppl"]
     for r in results:
@@ -208,7 +229,7 @@ def cmd_sparse_quality(args: argparse.Namespace, console: Console) -> int:
         frac = r.get("kv_read_fraction")
         t.add_row(r["arm"], f"{r['ppl']:.3f}", f"{(r['ppl'] / plain - 1) * 100:+.2f}%",
                   f"{r['mean_abs_dnll']:.4f}", f"{r['top1_agreement'] * 100:.1f}%",
-                  "100%" if frac is None else f"{frac * 100:.1f}%")
+                  f"{frac * 100:.1f}%" if frac is not None else "100%" if r["params"] is None else "-")
     console.print(t)
     return 0
 
@@ -220,6 +241,13 @@ def add_command(sub: Any) -> None:
         description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
         formatter_class=_HelpFormatter)
     p.add_argument("--model", help="model folder (default: the bundled graft-tiny-llama)")
+    p.add_argument("--plugin", default="squeezed", metavar="NAME",
+                   help="the attention plugin measured (default squeezed); any registered attention plugin "
+                        "(a third party's too): plain vLLM against it with --params (the squeezed options "
+                        "below do not apply; KV read is shown where its describe() reports kv_read_fraction)")
+    p.add_argument("--params", metavar="JSON",
+                   help="the plugin's parameters, validated by its parameter model (squeezed: over every "
+                        "arm's own, e.g. '{\"sink_tokens\": 32}')")
     p.add_argument("--workload", default="long-context", metavar="NAME",
                    help="bench workload with prompts of at least 1024 tokens: long-context (default), "
                         "long-recall (only the repeated function is scored) or shared-prefix")

@@ -41,11 +41,27 @@ def _system_busy_s() -> float | None:
 
 
 class _KVSampler:
-    """Blocks in use in the scheduler's KV pool, sampled after every schedule()."""
+    """Blocks in use in the scheduler's KV pool, sampled after every schedule(), and which of
+    those steps were decode steps: every scheduled request past its prompt (the scheduler has
+    already counted the step's tokens as computed, so a request decodes when it has computed
+    more than its prompt; a step holding any prompt token, a prefill chunk or a preempted
+    request's recomputation, is not one)."""
 
-    def __init__(self, pool: Any) -> None:
+    def __init__(self, pool: Any, scheduler: Any = None) -> None:
         self.pool = pool
+        self.scheduler = scheduler
         self.reset()
+
+    def decoding(self, out: Any) -> bool:
+        requests = getattr(self.scheduler, "requests", None)
+        scheduled = getattr(out, "num_scheduled_tokens", None)
+        if not requests or not scheduled:
+            return False
+        for rid in scheduled:
+            req = requests.get(rid)
+            if req is None or req.num_computed_tokens <= req.num_prompt_tokens:
+                return False
+        return True
 
     def in_use(self) -> int:
         return self.pool.num_gpu_blocks - 1 - self.pool.get_num_free_blocks()  # minus the null block
@@ -53,12 +69,14 @@ class _KVSampler:
     def reset(self) -> None:
         self.peak = 0
         self.steps: list[int] = []
+        self.decode: list[bool] = []  # per step: a decode step
 
     def wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def schedule(*args: Any, **kwargs: Any) -> Any:
             out = original(*args, **kwargs)
             n = self.in_use()
             self.steps.append(n)
+            self.decode.append(self.decoding(out))
             self.peak = max(self.peak, n)
             return out
 
@@ -163,7 +181,8 @@ def _generate(llm: Any, prompts: Sequence[dict[str, Any]], *, batch: int, ignore
         })
     return {"wall_s": wall, "cpu_s": cpu, "other_cpus": others, "requests": requests,
             "kv_blocks_peak": sampler.peak if sampler else None,
-            "kv_blocks_per_step": list(sampler.steps) if sampler else []}
+            "kv_blocks_per_step": list(sampler.steps) if sampler else [],
+            "kv_decode_steps": list(sampler.decode) if sampler else []}
 
 
 def _score(llm: Any, sequences: dict[str, tuple[list[int], list[int]]],
@@ -288,7 +307,7 @@ def _arm_run(job: dict[str, Any], send: Callable[[str, Any], None],
     send("ready", None)
 
     runs: dict[str, list[dict[str, Any]]] = {w["name"]: [] for w in workloads}
-    sampler = _KVSampler(pool)
+    sampler = _KVSampler(pool, scheduler)
     patched = False
     try:
         while True:
@@ -322,7 +341,7 @@ def _arm_run(job: dict[str, Any], send: Callable[[str, Any], None],
         if done:
             result["workloads"][name] = median_run(done)
     result["peak_rss_mib"] = _rss_mib()
-    if workloads and job["arm"] == "graft":
+    if workloads and job.get("report_plugins", job["arm"] == "graft"):  # graft, or an as-is baseline
         result["runtime_report"] = RUNTIME.report()
 
     for name, w in result["workloads"].items():  # this arm's own outputs, when it scores

@@ -117,12 +117,15 @@ class ArmProcess:
 
 def run_arms(jobs: dict[str, dict[str, Any]], order: list[list[str]], *, start: Callable[[dict[str, Any]], Any],
              score_for_plain: Callable[[dict[str, Any]], dict[str, Any]],
-             scorer_job: dict[str, Any] | None = None) -> tuple[dict[str, dict[str, Any]], dict | None]:
+             scorer_job: dict[str, Any] | None = None,
+             score_all: Callable[[dict[str, dict[str, Any]]], dict[str, Any]] | None = None,
+             ) -> tuple[dict[str, dict[str, Any]], dict | None]:
     """Drive the arms: start each arm's process in the order of the first run (one at a time:
     the next starts once the previous is warm, so engine loads do not overlap), run every
     round in its order (``order[r]``: the arms take turns, alternating), then finish the graft
     arm, then plain, which scores the graft arm's outputs (``score_for_plain(graft result)``)
-    and its own. ``scorer_job``: a plain engine that only scores (when plain did not generate).
+    and its own. ``scorer_job``: a plain engine that only scores (when plain did not generate,
+    or ran a deployment as is): what ``score_all(results)`` gives it, else the graft arm's outputs.
     ``start(job)`` returns an :class:`ArmProcess` (or a stand-in). Returns the generating arms'
     raw results and the scores."""
     procs: dict[str, Any] = {}
@@ -143,7 +146,8 @@ def run_arms(jobs: dict[str, dict[str, Any]], order: list[list[str]], *, start: 
         if scorer_job is not None:
             proc = procs["plain-scorer"] = start(scorer_job)
             proc.wait_ready()
-            raw = procs.pop("plain-scorer").finish(score_for_plain(results["graft"]))
+            payload = score_all(results) if score_all else score_for_plain(results["graft"])
+            raw = procs.pop("plain-scorer").finish(payload)
             scores = raw.get("scores")
     finally:
         for proc in procs.values():
@@ -289,6 +293,10 @@ def run_bench(args: argparse.Namespace, out: Console, err: Console,
             err.print(f"  [red]•[/] {escape(str(p))}")
         return EXIT_INVALID, None
 
+    if getattr(args, "baseline_as_is", False) and args.baseline in (None, NO_PACKAGE):
+        err.print("[bold red]error:[/] --baseline-as-is needs --baseline OTHER.yaml: the deployment file the "
+                  "plain arm runs with its plugins")
+        return EXIT_USAGE, None
     try:
         plain_plan, plain_env = _baseline(plan, args.baseline)
     except DeploymentError as e:
@@ -315,7 +323,9 @@ def run_bench(args: argparse.Namespace, out: Console, err: Console,
         return EXIT_USAGE, None
 
     plugins = [f"{e.kind}:{e.name}" for e in plan.enabled]
-    settings = {"arms": arms, "baseline": args.baseline, "workloads": names, "num_prompts": args.num_prompts,
+    as_is = bool(getattr(args, "baseline_as_is", False))
+    settings = {"arms": arms, "baseline": args.baseline, "baseline_as_is": as_is, "workloads": names,
+                "num_prompts": args.num_prompts,
                 "max_tokens": args.max_tokens, "batch": args.batch, "repeat": args.repeat, "seed": args.seed,
                 "ignore_eos": args.ignore_eos, "max_model_len": max_model_len,
                 "perplexity": not args.no_ppl, "temperature": 0.0}
@@ -373,24 +383,34 @@ def run_bench(args: argparse.Namespace, out: Console, err: Console,
     def job_for(arm: str, generate: bool, score_own: bool) -> dict[str, Any]:
         graft = arm == "graft"
         twin = plan if graft else plain_plan
-        return {"arm": arm, "llm_kwargs": llm_kwargs(twin, graft=graft, **overrides),
+        # --baseline-as-is: the plain arm runs the baseline file with its plugins (not the
+        # scorer, which scores every output under the unmodified model)
+        plugins = graft or (as_is and generate)
+        return {"arm": arm, "llm_kwargs": llm_kwargs(twin, graft=plugins, **overrides), "report_plugins": plugins,
                 "env": {} if graft else plain_env,
                 "workloads": wl_jobs if generate else [], "batch": args.batch, "repeat": args.repeat,
                 "ignore_eos": args.ignore_eos, "log_path": str(workdir / f"{arm}.log"),
                 "score_own": score_own, "workloads_by_name": by_name}
 
-    def score_for_plain(graft_raw: dict[str, Any]) -> dict[str, Any]:
-        if args.no_ppl:
-            return {}
-        return {f"graft/{ps.name}/{p.index}": (list(p.token_ids), r["output_token_ids"])
-                for ps in prompt_sets for p, r in zip(ps.prompts, graft_raw["workloads"][ps.name]["requests"])}
+    def outputs_of(arm: str, raw: dict[str, Any]) -> dict[str, Any]:
+        return {f"{arm}/{ps.name}/{p.index}": (list(p.token_ids), r["output_token_ids"])
+                for ps in prompt_sets for p, r in zip(ps.prompts, raw["workloads"][ps.name]["requests"])}
 
-    jobs = {arm: job_for(arm, True, arm == "plain" and not args.no_ppl) for arm in arms}
-    scorer = job_for("plain", False, False) if "plain" not in arms and not args.no_ppl else None
+    def score_for_plain(graft_raw: dict[str, Any]) -> dict[str, Any]:
+        if args.no_ppl or as_is:  # an as-is baseline does not score: the scorer does
+            return {}
+        return outputs_of("graft", graft_raw)
+
+    def score_all(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        return {k: v for arm, raw in results.items() for k, v in outputs_of(arm, raw).items()}
+
+    jobs = {arm: job_for(arm, True, arm == "plain" and not args.no_ppl and not as_is) for arm in arms}
+    scorer = job_for("plain", False, False) if ("plain" not in arms or as_is) and not args.no_ppl else None
     try:
         if owns_progress:
             progress.start()
-        results, scores = run_arms(jobs, order, start=start, score_for_plain=score_for_plain, scorer_job=scorer)
+        results, scores = run_arms(jobs, order, start=start, score_for_plain=score_for_plain, scorer_job=scorer,
+                                   score_all=score_all)
     except ArmFailed as e:
         err.print(f"[bold red]✗ the {e.arm} arm failed:[/] {escape(str(e))}")
         tail = _tail(e.log_path)
@@ -464,7 +484,12 @@ def add_command(sub: Any) -> None:
                         "engine section, the baseline is plain vLLM). 'no-package': the twin with "
                         "vLLM's plugin loader told to skip vllm-graft (VLLM_PLUGINS), to measure what "
                         "installing the package costs. Perplexity is scored by the plain arm, so "
-                        "under the baseline's engine")
+                        "under the baseline's engine. With --baseline-as-is the file runs with its plugins")
+    p.add_argument("--baseline-as-is", action="store_true",
+                   help="run the --baseline deployment file as is, its plugins on, as the plain arm: two "
+                        "deployments side by side (e.g. a third-party KV compressor against streaming on "
+                        "the same model); a separate plain engine (the file's twin) scores both arms' "
+                        "outputs under the unmodified model")
     p.add_argument("--ignore-eos", action="store_true",
                    help="generate max-tokens tokens even past <|endoftext|> (fixed output lengths)")
     p.add_argument("--no-ppl", action="store_true", help="skip scoring outputs under the unmodified model")

@@ -40,6 +40,7 @@ COLUMNS: tuple[tuple[str, str, Callable[[Any], str], str], ...] = (
     ("ITL mean ms", "itl_mean_s", _ms, "lower"),
     ("ITL p90 ms", "itl_p90_s", _ms, "lower"),
     ("KV blocks peak", "kv_blocks_peak", lambda x: _num(x, "{:d}"), "lower"),
+    ("KV blocks decode", "kv_blocks_decode_median", lambda x: _num(x, "{:g}"), "lower"),  # median
     ("peak RSS MiB", "peak_rss_mib", lambda x: _num(x, "{:.0f}"), "lower"),
     ("ppl", "perplexity", lambda x: _num(x, "{:.3f}"), "lower"),
     ("busy CPUs", "other_cpus", lambda x: _num(x, "{:.1f}"), ""),  # used by other processes
@@ -71,6 +72,7 @@ def render_table(result: dict[str, Any]) -> Table:
     table = Table(title=f"vllm-graft bench: {escape(result['deployment'])} ({escape(plugins)}); "
                         f"{s['num_prompts']} prompts x <= {s['max_tokens']} tokens per workload, greedy"
                         + (f"; plain arm: {escape(s['baseline'])}" if s.get("baseline") else "")
+                        + (" as is (its plugins on)" if s.get("baseline_as_is") else "")
                         + (f"; median of {runs} runs" if runs > 1 else "") + _order_text(s.get("order")),
                   title_justify="left")
     columns = [c for c in COLUMNS if c[1] != "output_tok_s_range" or runs > 1]
@@ -158,7 +160,8 @@ def render_report(result: dict[str, Any], console: Console) -> None:
     console.print("[dim]How measured: TTFT/ITL from per-token perf_counter stamps taken as each engine step "
                   "returns (in-process engine driven step by step; vLLM's RequestStateStats kept in the JSON); "
                   "tokens/s = output tokens / wall time of the run; KV blocks = peak blocks allocated in the "
-                  "scheduler's block pool (sampled after each schedule()); peak RSS = ru_maxrss of the arm's "
+                  "scheduler's block pool (sampled after each schedule()), and their median over the decode "
+                  "steps (every scheduled request past its prompt; the peak is usually the prefill); peak RSS = ru_maxrss of the arm's "
                   "process; ppl = output tokens under the unmodified model (prompt_logprobs).[/]")
     report = result.get("runtime_report")
     if report is not None:

@@ -32,7 +32,9 @@ MEASUREMENT = {
     "vllm_metrics": "vLLM's RequestOutput.metrics (RequestStateStats): first_token_latency and "
                     "(last_token_ts - first_token_ts) / (n - 1), kept per request as a cross-check",
     "kv_blocks": "blocks allocated from the scheduler's KV block pool (total - free - null block), "
-                 "sampled after every Scheduler.schedule(); peak per workload",
+                 "sampled after every Scheduler.schedule(); peak per workload, and the median over the "
+                 "decode steps (steps where every scheduled request is past its prompt: the prefill "
+                 "makes the peak, a KV compressor acts on the decode steps)",
     "peak_rss": "ru_maxrss of the arm's child process after its last timed workload",
     "other_cpus": "CPUs used on average by other processes during a run (/proc/stat busy time minus "
                   "the arm's own CPU time, / wall time); well above 0 means the timings are disturbed",
@@ -193,6 +195,14 @@ def relative_change(plain: float | None, graft: float | None) -> float | None:
     return (graft - plain) / plain
 
 
+def decode_series(w: dict[str, Any]) -> list[int]:
+    """KV blocks in use at a workload run's decode steps (``kv_blocks_per_step`` where
+    ``kv_decode_steps`` is true: every scheduled request past its prompt). Results without the
+    flags (older files) have none."""
+    flags = w.get("kv_decode_steps") or []
+    return [n for n, d in zip(w.get("kv_blocks_per_step") or [], flags) if d]
+
+
 def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Of repeated runs of one workload, the one with the median wall time (the upper median
     for an even count), with every run's headline figures under ``repeats``."""
@@ -278,7 +288,9 @@ def assemble(*, deployment: str, plan_info: dict[str, Any], settings: dict[str, 
                        "perplexity": math.exp(sum(nll) / len(nll)) if nll else None}
                 requests.append(req)
             summary = summarize(requests, w["wall_s"])
-            summary.update(kv_blocks_peak=w.get("kv_blocks_peak"), kv_blocks_total=raw["engine"].get("num_blocks"),
+            decode_blocks = decode_series(w)
+            summary.update(kv_blocks_peak=w.get("kv_blocks_peak"), kv_blocks_decode_median=median(decode_blocks),
+                           kv_decode_steps=len(decode_blocks), kv_blocks_total=raw["engine"].get("num_blocks"),
                            peak_rss_mib=raw.get("peak_rss_mib"),
                            other_cpus=w.get("other_cpus"))
             repeats = w.get("repeats") or [{"wall_s": w["wall_s"], "output_tokens": summary["output_tokens"]}]
@@ -295,6 +307,7 @@ def assemble(*, deployment: str, plan_info: dict[str, Any], settings: dict[str, 
                 if busy:
                     summary["other_cpus"] = max(busy)  # the worst run flags the figure
             workloads[ps.name] = {"summary": summary, "kv_blocks_per_step": w.get("kv_blocks_per_step", []),
+                                  "kv_decode_steps": w.get("kv_decode_steps", []),
                                   "requests": requests}
             all_requests += requests
             total_wall += w["wall_s"]
@@ -307,6 +320,7 @@ def assemble(*, deployment: str, plan_info: dict[str, Any], settings: dict[str, 
         peaks = [w["summary"]["kv_blocks_peak"] for w in workloads.values() if w["summary"]["kv_blocks_peak"] is not None]
         overall.update(runs_identical=all(w["summary"]["runs_identical"] for w in workloads.values()),
                        kv_blocks_peak=max(peaks) if peaks else None,
+                       kv_blocks_decode_median=median([n for w in workloads.values() for n in decode_series(w)]),
                        kv_blocks_total=raw["engine"].get("num_blocks"), peak_rss_mib=raw.get("peak_rss_mib"))
         arms[arm] = {"engine": raw["engine"], "deployment_active": raw.get("deployment_active"),
                      "peak_rss_mib": raw.get("peak_rss_mib"), "rss_after_load_mib": raw.get("rss_after_load_mib"),
@@ -341,5 +355,7 @@ def assemble(*, deployment: str, plan_info: dict[str, Any], settings: dict[str, 
         "arms": arms,
         "comparison": comparison,
         "runtime_report": graft_raw.get("runtime_report"),
+        # bench --baseline-as-is: what the baseline deployment's plugins did in the plain arm
+        "baseline_runtime_report": (arm_results.get("plain") or {}).get("runtime_report"),
         "wall_s": wall_s,
     }

@@ -23,6 +23,10 @@ Arms (budgets of ``--fractions`` of the context, in blocks):
   It shows what attention-mass scoring could gain at best if its scores foresaw the decoded
   tokens (a reference, not a strict bound: the blocks that most lower the loss need not be the
   most attended).
+* any other registered kvcompress plugin, by name (a third party's too; ``NAME:{JSON}`` or
+  ``--params`` for its parameters): its budget set as ``kvbench`` sets it, its own ``keep``
+  asked after every step; a scored plugin gets the mass of the prompt queries its
+  ``score_positions`` select (what it would accumulate while decoding is not replayed).
 
 Scores are summed over layers and heads, like the plugins'. Beside each arm's change against
 plain attention, the change against ``streaming`` at the same budget with a 90% interval from a
@@ -93,10 +97,20 @@ def planner(plugin: str, params: dict[str, Any]):
     return reg.load()(reg.params(**params))
 
 
-def arm_choice(name: str, context: int, block: int, frac: int, extra: int) -> dict[str, Any]:
+def arm_choice(name: str, context: int, block: int, frac: int, extra: int,
+               params: dict[str, Any] | None = None) -> dict[str, Any]:
     """``{"plugin", "params"}`` of an arm at budget 1/``frac``: ``kvbench``'s own arm for
     the plugins; ``prompt-mean`` and ``oracle`` are SnapKV's planner with a 1-token window
-    (their scores come from elsewhere); ``streaming+`` is streaming with ``extra`` more blocks."""
+    (their scores come from elsewhere); ``streaming+`` is streaming with ``extra`` more blocks.
+    Any other ``name`` is a registered kvcompress plugin (``NAME`` or ``NAME:{JSON}``) as
+    ``kvbench`` builds its arm (``params``: ``--params``, under the entry's own)."""
+    if name not in ARMS and name != "streaming+":
+        arms = _arms(context, block, [name], (frac,), params=params)[1:]
+        (_, choice), = arms
+        if isinstance(choice, list) or choice["plugin"] == "kv4":
+            raise SystemExit(f"kv-headroom: {name!r}: a storage format is not an eviction policy; "
+                             "kv-headroom replays which blocks a policy keeps")
+        return choice
     base = {"prompt-mean": "snapkv", "oracle": "snapkv", "streaming+": "streaming"}.get(name, name)
     choice = dict(_arms(context, block, [base], (frac,)))[f"{base} 1/{frac}"]
     params = dict(choice["params"])
@@ -120,7 +134,7 @@ def bootstrap(diffs: list[float], tokens: list[int], *, reps: int = 2000, seed: 
 
 
 def study(model_dir: str, texts, *, block: int, chunk: int, gen: int, fractions, arms,
-          progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+          progress: Callable[[str], None] = lambda s: None, params: dict[str, Any] | None = None) -> dict[str, Any]:
     """Gen ppl of every arm at every budget (``fractions`` of each text's blocks) with its
     comparisons (see the module docstring)."""
     import torch
@@ -161,17 +175,20 @@ def study(model_dir: str, texts, *, block: int, chunk: int, gen: int, fractions,
         }
         for frac in fractions:
             for name in [*arms, "streaming+"]:
-                choice = arm_choice(name, context, block, frac, extra)
+                choice = arm_choice(name, context, block, frac, extra, params)
                 comp = planner(choice["plugin"], choice["params"])
-                if choice["plugin"] == "streaming":
+                if not comp.needs_scores:  # streaming, or any registered policy without scores
                     def keep(s, comp=comp):
                         return comp.keep(BlockView(s, block, prompt))
                 else:
                     if name in sources:
                         scores = sources[name]
-                    else:  # SnapKV's own: the mass of its observation window's queries
+                    elif name in ARMS:  # SnapKV's own: the mass of its observation window's queries
                         window = choice["params"]["window_tokens"]
                         scores = block_mass(att, slice(max(0, prompt - window), prompt), n, block)
+                    else:  # another scored plugin: the mass of the prompt queries it scores with
+                        lo, hi = comp.score_positions(prompt)
+                        scores = block_mass(att, slice(max(0, lo), min(hi, prompt)), n, block)
                     sc = scores[:nbp].tolist()
 
                     def keep(s, comp=comp, sc=sc):
@@ -195,7 +212,7 @@ def study(model_dir: str, texts, *, block: int, chunk: int, gen: int, fractions,
         ppl = math.exp(sum(vals) / total)
         row = {"arm": label, "gen_ppl": ppl, "change": ppl / plain - 1,
                "blocks": sum(kept_blocks[label]) / len(kept_blocks[label])}
-        frac = label.split(" ")[1]
+        frac = label.rsplit(" ", 1)[1]
         refs = () if label.startswith("streaming") else (
             ("vs_streaming", f"streaming {frac}"), ("vs_streaming_more", f"streaming+{extra} {frac}"))
         for key, ref in refs:
@@ -215,10 +232,26 @@ def main(args) -> int:
     model = args.model or str(models_dir() / DEFAULT_MODEL)
     if not 0 < args.gen_tokens < args.context // 2:
         raise SystemExit(f"kv-headroom: --gen-tokens must be between 1 and half the context ({args.context // 2})")
-    arms = [a for a in args.arms.split(",") if a]
-    unknown = [a for a in arms if a not in ARMS]
+    from vllm_graft.hooks import get_registry
+    from vllm_graft.tools.plugin_args import PluginArgError, parse_json_params, parse_spec, split_list
+
+    arms = split_list(args.arms)
+    try:
+        params = parse_json_params(args.params)
+        named = {a: parse_spec(a)[0] for a in arms if a not in ARMS}
+    except PluginArgError as e:
+        raise SystemExit(f"kv-headroom: {e}") from None
+    registry = get_registry()
+    unknown = [a for a, name in named.items() if ("kvcompress", name) not in registry or name in ("kv4", "noop")]
     if unknown:
-        raise SystemExit(f"kv-headroom: unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
+        known = [n for n in registry.names("kvcompress") if n not in ("kv4", "noop")]
+        raise SystemExit(f"kv-headroom: unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)} or a "
+                         f"registered kvcompress plugin ({', '.join(known)}), optionally NAME:{{JSON params}}")
+    for a, name in named.items():
+        reg = registry.get("kvcompress", name).registration
+        if getattr(reg.load(), "per_head", False):
+            raise SystemExit(f"kv-headroom: {name!r} chooses blocks per KV head (keep_heads), which this "
+                             "replay does not model; measure it with kvbench")
     if "streaming" not in arms:
         arms.insert(0, "streaming")  # the reference of the comparison
     tok = Tokenizer.from_model(model)
@@ -229,8 +262,12 @@ def main(args) -> int:
     if small:
         raise SystemExit(f"kv-headroom: --fractions {','.join(map(str, small))} leave fewer than 2 of the context's "
                          f"{blocks} blocks of {args.block} tokens; use smaller fractions or a longer --context")
+    context = -(-args.context // args.block) * args.block
+    for a in named:  # parameters validated (by each plugin's model) before the model is loaded
+        for frac in fractions:
+            arm_choice(a, context, args.block, frac, 0, params)
     res = study(model, texts, block=args.block, chunk=args.chunk, gen=args.gen_tokens, fractions=fractions,
-                arms=arms, progress=lambda s: console.print(f"[dim]{s}[/]"))
+                arms=arms, progress=lambda s: console.print(f"[dim]{s}[/]"), params=params)
     table = Table(title=f"gen ppl of the last {args.gen_tokens} tokens of {args.texts} texts "
                         f"({res['gen_tokens']} tokens), block {args.block}: plain {res['plain_gen_ppl']:.3f}")
     for col in ("arm", "blocks", "gen ppl", "vs plain", "vs streaming [90%]",
@@ -257,7 +294,16 @@ def add_command(sub: Any) -> None:
         "kv-headroom", help="KV eviction policies against an oracle and against streaming, with intervals",
         description=__doc__.split("\n\n", 1)[1].split("\n\nScores")[0])
     p.add_argument("--model", help=f"model folder (default: the bundled {DEFAULT_MODEL})")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma list (default all: {', '.join(ARMS)})")
+    p.add_argument("--arms", default=",".join(ARMS),
+                   help=f"comma list (default all: {', '.join(ARMS)}); also any registered kvcompress plugin "
+                        "by name (a third party's too), optionally NAME:{JSON} with its parameters, its budget "
+                        "set as kvbench sets it (budget_blocks and sink_blocks where its parameter model has "
+                        "them); a scored plugin's (needs_scores) blocks are scored by the mass of the prompt "
+                        "queries its score_positions select (decode-time accumulation is not replayed), and "
+                        "per-KV-head plugins are refused")
+    p.add_argument("--params", metavar="JSON",
+                   help="parameters for the registered-plugin arms of --arms that are not kv-headroom's own "
+                        "(under a NAME:{JSON} entry's), validated by each plugin's parameter model")
     p.add_argument("--fractions", default="2,4,8", help="budgets as fractions of the context (default 2,4,8)")
     add_text_arguments(p, texts=16)
     p.add_argument("--json", help="write the rows to this file")

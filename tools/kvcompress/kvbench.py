@@ -1,7 +1,9 @@
 """`vllm-graft kvbench`: KV-compression figures versus plain vLLM on the bundled model.
 
-For plain vLLM and each eviction compressor (``streaming``, ``h2o``, ``snapkv``) at budgets
-of 1/2, 1/4 and 1/8 of the context (in KV blocks), one in-process engine each, with a fixed
+For plain vLLM and each eviction compressor (``streaming``, ``h2o``, ``snapkv`` by default; any
+registered kvcompress plugin by name, a third party's included, with ``--params`` or
+``NAME:{JSON}``) at budgets of 1/2, 1/4 and 1/8 of the context (in KV blocks), one in-process
+engine each, with a fixed
 KV pool (``--pool-blocks``) and chunked prefill (``--chunk`` tokens per step, so eviction
 also happens between prefill chunks):
 
@@ -45,47 +47,102 @@ from typing import Any
 DEFAULT_MODEL = "graft-tiny-llama"
 
 
+#: kvbench's own arms: budgets and parameters it knows how to set for these built-ins
+BUILTIN_ARMS = ("streaming", "h2o", "h2o-mean", "snapkv", "snapkv-recent", "snapkv-wide", "adakv", "adakv-half",
+                "kv4", "kv4+streaming", "kv4+h2o", "kv4+snapkv")
+
+
+def _generic_params(name: str, budget: int) -> dict[str, Any] | None:
+    """A registered compressor kvbench has no arm of its own for: the budget in
+    ``budget_blocks`` and one sink in ``sink_blocks`` where its parameter model has those
+    fields; ``None`` when it has no ``budget_blocks`` (one arm, not one per fraction)."""
+    from vllm_graft.tools.plugin_args import param_fields
+
+    fields = param_fields("kvcompress", name)
+    if "budget_blocks" not in fields:
+        return None
+    return {"budget_blocks": budget, **({"sink_blocks": 1} if "sink_blocks" in fields else {})}
+
+
 def _arms(context: int, block: int, which: list[str], fractions=(2, 4, 8),
-          h2o_recent: float = 0.5, h2o_heavy: int | None = None) -> list[tuple[str, Any]]:
+          h2o_recent: float = 0.5, h2o_heavy: int | None = None,
+          params: dict[str, Any] | None = None) -> list[tuple[str, Any]]:
+    """``(label, kvcompress section)`` per arm: plain, then each compressor of ``which`` at each
+    budget of ``fractions``. An entry of ``which`` is one of :data:`BUILTIN_ARMS` or the name of
+    any registered kvcompress plugin (``kv4+NAME`` composes it with kv4), optionally followed by
+    ``:{JSON}``, parameters for that entry; ``params`` apply to every entry's compressor. Given
+    parameters override kvbench's own (the budget included) and are validated by the plugin's
+    parameter model."""
+    from vllm_graft.tools.plugin_args import PluginArgError, parse_spec, validate
+
     blocks = context // block
     arms: list[tuple[str, Any]] = [("plain", None)]
-    if "kv4" in which:
-        arms.append(("kv4", {"plugin": "kv4"}))
+    try:
+        specs = [parse_spec(w) for w in which]
+    except PluginArgError as e:
+        raise SystemExit(f"kvbench: {e}") from None
+    for spec, own in specs:
+        if spec == "kv4":  # the storage format alone; --params are the eviction compressors'
+            try:
+                arms.append(("kv4", {"plugin": "kv4", **({"params": validate("kvcompress", "kv4", own)}
+                                                         if own else {})}))
+            except PluginArgError as e:
+                raise SystemExit(f"kvbench: {e}") from None
+    done: set[str] = set()  # registered plugins without a budget: one arm each
     for frac in fractions:
         budget = blocks // frac
-        for name in which:
-            if name == "kv4":
+        for spec, own in specs:
+            if spec == "kv4":
                 continue
-            fmt = None
+            name, fmt = spec, None
             if name.startswith("kv4+"):
                 fmt, name = {"plugin": "kv4"}, name[len("kv4+"):]
             if name == "streaming":
-                params = {"budget_blocks": budget, "sink_blocks": 1}
+                arm_params = {"budget_blocks": budget, "sink_blocks": 1}
             elif name in ("h2o", "h2o-mean"):
                 recent = min(budget - 1, max(1, round(budget * h2o_recent)))
                 if h2o_heavy is not None:  # a fixed number of heavy blocks, the rest recent
                     recent = max(1, budget - 1 - h2o_heavy)
-                params = {"budget_blocks": budget, "sink_blocks": 1, "recent_blocks": recent,
-                          **({"score": "mean"} if name == "h2o-mean" else {})}
+                arm_params = {"budget_blocks": budget, "sink_blocks": 1, "recent_blocks": recent,
+                              **({"score": "mean"} if name == "h2o-mean" else {})}
             elif name in ("snapkv", "snapkv-recent", "snapkv-wide"):
                 window = (budget // 2) * block if name == "snapkv-wide" else block  # wide: half the budget
-                params = {"budget_blocks": budget, "sink_blocks": 1, "window_tokens": window}
+                arm_params = {"budget_blocks": budget, "sink_blocks": 1, "window_tokens": window}
                 if name == "snapkv-recent":
-                    params["recent_blocks"] = min(budget - 1, max(1, round(budget * h2o_recent)))
+                    arm_params["recent_blocks"] = min(budget - 1, max(1, round(budget * h2o_recent)))
             elif name in ("adakv", "adakv-half"):
                 # per KV head, at snapkv's memory: at most `budget` prompt blocks held (the union
                 # over heads); each head reads `budget` of them on average (adakv: all of the
                 # union once it is full) or half of that (adakv-half: per-head masking)
                 per_head = budget if name == "adakv" else max(3, budget // 2)
-                params = {"budget_blocks": per_head, "held_blocks": budget, "sink_blocks": 1, "window_tokens": block}
+                arm_params = {"budget_blocks": per_head, "held_blocks": budget, "sink_blocks": 1,
+                              "window_tokens": block}
             else:
-                raise SystemExit(f"kvbench: unknown compressor {name!r} (streaming, h2o, h2o-mean, snapkv, snapkv-recent, "
-                                 "snapkv-wide, adakv, adakv-half, kv4, kv4+streaming, kv4+h2o, kv4+snapkv)")
-            choice = {"plugin": name.split("-")[0], "params": params}
+                from vllm_graft.hooks import get_registry
+
+                if ("kvcompress", name) not in get_registry() or name == "kv4":
+                    known = [n for n in get_registry().names("kvcompress") if n not in ("noop", "kv4")]
+                    raise SystemExit(f"kvbench: unknown compressor {name!r}: kvbench's arms are "
+                                     f"{', '.join(BUILTIN_ARMS)}, and any registered kvcompress plugin "
+                                     f"by name ({', '.join(known)}), optionally NAME:{{JSON params}}")
+                arm_params = _generic_params(name, budget)
+                if arm_params is None:
+                    if spec in done:
+                        continue
+                    done.add(spec)
+                    arm_params = {}
+            plugin = name if name not in BUILTIN_ARMS else name.split("-")[0]
+            arm_params = {**arm_params, **(params or {}), **(own or {})}
+            try:
+                validate("kvcompress", plugin, arm_params)
+            except PluginArgError as e:
+                raise SystemExit(f"kvbench: {e}") from None
+            choice = {"plugin": plugin, "params": arm_params}
+            label = name if spec in done else f"{name} 1/{frac}"
             if fmt is None:
-                arms.append((f"{name} 1/{frac}", choice))
+                arms.append((label, choice))
             else:
-                arms.append((f"kv4+{name} 1/{frac}", [choice, fmt]))
+                arms.append((f"kv4+{label}", [choice, fmt]))
     return arms
 
 
@@ -199,6 +256,7 @@ def _dense_page_bytes(model: str, block: int) -> int:
 
 def main(args) -> int:
     from vllm_graft.integration import launch
+    from vllm_graft.tools.plugin_args import PluginArgError, parse_json_params, split_list
     from vllm_graft.tools.workloads import Tokenizer, needle_haystack, stdlib_texts
 
     launch.apply_env_defaults(in_process=True)
@@ -211,12 +269,18 @@ def main(args) -> int:
     room = args.decode_tokens + 1  # output tokens
     if not 0 <= args.gen_tokens < args.context // 2:
         raise SystemExit(f"kvbench: --gen-tokens must be between 0 and half the context ({args.context // 2})")
+    fractions = tuple(int(f) for f in args.fractions.split(","))
+    try:
+        params = parse_json_params(args.params)
+    except PluginArgError as e:
+        raise SystemExit(f"kvbench: {e}") from None
+    # every arm named and its parameters validated before any text is read or engine started
+    arms = _arms(args.context, args.block, split_list(args.compressors), fractions, args.h2o_recent,
+                 args.h2o_heavy, params)
     texts = stdlib_texts(tok, num=args.texts, tokens=args.context - 1, seed=args.seed)
     needles = needle_haystack(tok, num_prompts=args.needles, context_tokens=args.context - room, seed=args.seed)
     rows = []
-    fractions = tuple(int(f) for f in args.fractions.split(","))
-    for label, kv in _arms(args.context, args.block, args.compressors.split(","), fractions, args.h2o_recent,
-                           args.h2o_heavy):
+    for label, kv in arms:
         r = run_arm(model, kv, texts, needles, block=args.block, chunk=args.chunk, pool=args.pool_blocks,
                     context=args.context, max_seqs=args.needles, decode=args.decode_tokens, gen=args.gen_tokens)
         r["arm"], r["kvcompress"] = label, kv
@@ -252,12 +316,20 @@ def add_command(sub: Any) -> None:
         description=__doc__.split("\n\n", 1)[1].split("\n\nSnapKV")[0])
     p.add_argument("--model", help=f"model folder (default: the bundled {DEFAULT_MODEL})")
     p.add_argument("--compressors", default="streaming,h2o,snapkv",
-                   help="comma list (default the three eviction compressors); also h2o-mean (score: mean), "
+                   help="comma list (default the three eviction compressors): any registered kvcompress "
+                        "plugin by name (a third party's too: its parameter model's budget_blocks and "
+                        "sink_blocks fields get the budget and 1 sink; without budget_blocks it runs once), "
+                        "each optionally NAME:{JSON} with its own parameters (they override kvbench's and "
+                        "are validated by the plugin's parameter model); "
+                        "kvbench's own arms besides the plugins: h2o-mean (score: mean), "
                         "snapkv-recent (recent_blocks: the --h2o-recent share), snapkv-wide (window_tokens: "
                         "half the budget), adakv (per-KV-head budgets at snapkv's memory: budget_blocks = "
                         "held_blocks = the budget), adakv-half (each head reads half the held blocks on average), "
                         "kv4 (the 4-bit "
                         "storage format alone) and kv4+streaming, kv4+h2o, kv4+snapkv (composed)")
+    p.add_argument("--params", metavar="JSON",
+                   help="parameters for every named eviction compressor, e.g. '{\"sink_blocks\": 2}' "
+                        "(over kvbench's own, under a NAME:{JSON} entry's)")
     p.add_argument("--fractions", default="2,4,8", help="budgets as fractions of the context (default 2,4,8)")
     p.add_argument("--h2o-recent", type=float, default=0.5, metavar="F",
                    help="share of an h2o (and snapkv-recent) budget kept for the recent window (default 0.5, "

@@ -12,7 +12,9 @@ costs in quality.
 ``moe-sim T.npz`` prints the simulations of ``affinity-placement`` (all-to-all volume of
 round-robin, linear and affinity placement on N devices, with a lower bound) and
 ``expert-cache`` (hit rate and bytes moved per token of LRU, LFU and affinity prefetch at
-capacities C), fitting on the first half of every workload segment and evaluating on the rest.
+capacities C), fitting on the first half of every workload segment and evaluating on the rest;
+``--placement NAME`` / ``--cache NAME`` simulate another registered moe plugin's ``policy`` module
+instead (a third party's too), where it has the same functions.
 """
 from __future__ import annotations
 
@@ -151,7 +153,42 @@ def _sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-bytes", type=int, help="bytes of one expert (default: from the model's config.json)")
     p.add_argument("--place-out", metavar="FILE.json", help="write the affinity placement for --place-devices here")
     p.add_argument("--place-devices", type=int, default=4, help="devices of the written placement (default 4)")
+    p.add_argument("--placement", default="affinity-placement", metavar="NAME",
+                   help="the moe plugin whose policy module is simulated for placement (default "
+                        "affinity-placement; any registered moe plugin, a third party's too, with the same "
+                        "functions: " + ", ".join(PLACEMENT_API) + ")")
+    p.add_argument("--cache", default="expert-cache", metavar="NAME",
+                   help="the moe plugin whose policy module is simulated for the expert cache (default "
+                        "expert-cache; any registered moe plugin with " + ", ".join(CACHE_API) + ")")
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+
+
+#: What moe-sim calls in a plugin's ``policy`` module (pure Python, no tensors): the
+#: placement simulation's and the cache simulation's functions, as the built-ins
+#: ``affinity-placement`` and ``expert-cache`` define them.
+PLACEMENT_API = ("affinity", "solve", "volume", "round_robin", "linear", "lower_bound")
+CACHE_API = ("POLICIES", "sets_from_trace", "simulate")
+
+
+def _simulator(name: str, what: str, api: tuple[str, ...]) -> Any:
+    """The ``policy`` module of the registered moe plugin ``name`` (a third party's too), if it
+    has the functions of ``api``; else an error naming the moe plugins that do."""
+    from vllm_graft.hooks import get_registry
+    from vllm_graft.tools.plugin_args import PluginArgError, registration
+
+    def module(reg: Any) -> Any:
+        try:
+            mod = reg.part("policy")
+        except ImportError:
+            return None
+        return mod if all(hasattr(mod, f) for f in api) else None
+
+    mod = module(registration("moe", name))
+    if mod is None:
+        able = [e.name for e in get_registry().entries("moe") if module(e.registration) is not None]
+        raise PluginArgError(f"--{what} {name}: the moe plugin has no policy module with {', '.join(api)} "
+                             f"(what moe-sim's {what} simulation calls); moe plugins that have: {', '.join(able)}")
+    return mod
 
 
 def _ints(text: str | None) -> list[int]:
@@ -176,12 +213,16 @@ def cmd_sim(args: argparse.Namespace, console: Console) -> int:
     from vllm_graft.hooks import get_registry
     from vllm_graft.integration.cli import EXIT_OK, EXIT_USAGE
 
-    moe = {name: get_registry().get("moe", name).registration
-           for name in ("affinity-placement", "expert-cache", "route-trace")}
-    P = moe["affinity-placement"].part("policy")
-    cache = moe["expert-cache"].part("policy")
+    from vllm_graft.tools.plugin_args import PluginArgError
+
+    try:
+        P = _simulator(getattr(args, "placement", None) or "affinity-placement", "placement", PLACEMENT_API)
+        cache = _simulator(getattr(args, "cache", None) or "expert-cache", "cache", CACHE_API)
+    except PluginArgError as e:
+        console.print(f"[bold red]error:[/] {escape(str(e))}")
+        return EXIT_USAGE
     POLICIES, sets_from_trace, simulate = cache.POLICIES, cache.sets_from_trace, cache.simulate
-    traces = moe["route-trace"].part("reference")
+    traces = get_registry().get("moe", "route-trace").registration.part("reference")
     Trace, TraceError = traces.Trace, traces.TraceError
 
     try:

@@ -64,6 +64,12 @@ def add_command(sub: Any) -> None:
     e.add_argument("--window-len", type=int, default=512, help="tokens per window (default 512)")
     e.add_argument("--batch", type=int, default=8, help="prompts in the tokens/s batch (default 8)")
     e.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
+    e.add_argument("--method", action="append", default=[], metavar="NAME[:{JSON}]",
+                   help="also evaluate the first MODEL with the registered quant plugin NAME applied when "
+                        "vLLM loads it (online, a deployment's quant section; a third party's plugin too), "
+                        "with --params or its own JSON (validated by its parameter model); repeatable or a "
+                        "comma list. Its size columns are the source checkpoint's (bits/param not shown)")
+    e.add_argument("--params", metavar="JSON", help="parameters for every --method plugin (under NAME:{JSON})")
     e.add_argument("--json", action="store_true", help="print JSON only")
     e.set_defaults(func=cmd_quant_eval)
 
@@ -92,9 +98,23 @@ def cmd_quant_eval(args: argparse.Namespace, console: Any) -> int:
     from vllm_graft.integration.cli import EXIT_OK
     from vllm_graft.integration.launch import apply_env_defaults
 
+    from vllm_graft.integration.cli import EXIT_USAGE
+    from vllm_graft.tools.plugin_args import PluginArgError, parse_json_params, parse_spec, split_list, validate
+
+    try:  # every plugin and its parameters validated before any engine starts
+        common = parse_json_params(getattr(args, "params", None))
+        methods = []
+        for item in [x for part in getattr(args, "method", None) or [] for x in split_list(part)]:
+            name, own = parse_spec(item)
+            methods.append({"plugin": name, "params": validate("quant", name, {**common, **(own or {})})})
+    except PluginArgError as e:
+        console.print(f"[red]vllm-graft quant-eval: {e}[/red]")
+        return EXIT_USAGE
     apply_env_defaults(in_process=True)
     rows = [evaluate(m, dtype=args.dtype, windows=args.windows, window_len=args.window_len,
                      batch=args.batch, max_tokens=args.max_tokens) for m in args.models]
+    rows += [evaluate(args.models[0], dtype=args.dtype, windows=args.windows, window_len=args.window_len,
+                      batch=args.batch, max_tokens=args.max_tokens, quant=q) for q in methods]
     base = rows[0]["perplexity"]
     for r in rows:
         r["ppl_change_pct"] = round(100 * (r["perplexity"] / base - 1), 3)
@@ -104,14 +124,17 @@ def cmd_quant_eval(args: argparse.Namespace, console: Any) -> int:
         for r in rows:
             console.print(f"{r['model']}: ppl {r['perplexity']:.4f} ({r['ppl_change_pct']:+.2f}%), "
                           f"{r['tokens_per_s']:.1f} tok/s, {r['checkpoint_bytes']} bytes, "
-                          f"{r['bits_per_param']:.3f} bits/param ({r['quant_method'] or 'unquantised'}, {r['dtype']})")
+                          + (f"{r['bits_per_param']:.3f} bits/param " if r["bits_per_param"] is not None else "")
+                          + f"({r['quant_method'] or 'unquantised'}, {r['dtype']})")
         console.print(json.dumps(rows))
     return EXIT_OK
 
 
 def evaluate(model: str, *, dtype: str = "auto", windows: int = 16, window_len: int = 512,
-             batch: int = 8, max_tokens: int = 64) -> dict[str, Any]:
-    """Held-out perplexity, tokens/s and size of one model in vLLM (in-process engine)."""
+             batch: int = 8, max_tokens: int = 64, quant: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Held-out perplexity, tokens/s and size of one model in vLLM (in-process engine).
+    ``quant`` (``{"plugin", "params"}``): with that quant plugin applied at load (a
+    deployment's ``quant`` section); the sizes are then the source checkpoint's."""
     import gc
     import math
     import time
@@ -133,8 +156,15 @@ def evaluate(model: str, *, dtype: str = "auto", windows: int = 16, window_len: 
                     n *= d
                 tensor_bytes += n * {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
                                      "U8": 1, "I8": 1}.get(t.get_dtype(), 4)
-    llm = LLM(model=str(path), dtype=dtype, max_model_len=max(window_len + 8, 1024),
-              enforce_eager=True, seed=0)
+    engine = {"dtype": dtype, "max_model_len": max(window_len + 8, 1024), "enforce_eager": True}
+    if quant is None:
+        llm = LLM(model=str(path), **engine, seed=0)
+    else:
+        from vllm_graft.integration import launch
+
+        plan = launch.plan_from_dict({"model": str(path.resolve()), "engine": engine, "quant": quant},
+                                     source=f"quant-eval --method {quant['plugin']}")
+        llm = LLM(**launch.llm_kwargs(plan, graft=True), seed=0)
     try:
         tok = llm.get_tokenizer()
         ids = tok(corpus_text("heldout", 400_000)).input_ids
@@ -154,19 +184,26 @@ def evaluate(model: str, *, dtype: str = "auto", windows: int = 16, window_len: 
         gen = llm.generate(prompts, sp, use_tqdm=False)
         dt = time.perf_counter() - t0
         n_out = sum(len(o.outputs[0].token_ids) for o in gen)
+        if quant is not None:  # what the plugin did (the in-process engine's runtime)
+            from vllm_graft.integration.runtime import RUNTIME
+
+            report = RUNTIME.report()
         engine_dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
     q = cfg.get("quantization_config") or {}
+    if quant is not None:
+        q = {"quant_method": f"{quant['plugin']} (online)", "params": quant["params"], "runtime_report": report}
     n_weights = _source_params(cfg, path)
     return {
         "model": str(path), "quant_method": q.get("quant_method"), "params": q.get("params"),
         "dtype": engine_dtype, "perplexity": math.exp(sum(nll) / len(nll)), "scored_tokens": len(nll),
         "tokens_per_s": n_out / dt, "generated_tokens": n_out, "batch": batch,
         "checkpoint_bytes": n_bytes, "tensor_bytes": tensor_bytes,
-        "bits_per_param": 8 * tensor_bytes / n_weights, "params_count": n_weights,
+        "bits_per_param": 8 * tensor_bytes / n_weights if quant is None else None, "params_count": n_weights,
+        **({"runtime_report": q["runtime_report"]} if quant is not None else {}),
     }
 
 

@@ -2,7 +2,9 @@
 
 Arms (deployment files, default from ``deployments/``): ``plain`` (no speculation),
 ``vllm-ngram`` (vLLM's built-in ``ngram`` proposer, set through the deployment's ``engine:
-speculative_config``; no graft plugin) and one per graft proposer (``spec-<name>.yaml``).
+speculative_config``; no graft plugin) and one per graft proposer (``spec-<name>.yaml``); any
+registered proposer without such a file (a third party's), or ``NAME:{JSON}``, runs on
+``plain.yaml``'s model with that plugin and its parameters (``--params``).
 Each (arm, workload) pair gets a fresh in-process vLLM engine in its own spawned process,
 so no proposer learns from another workload, and runs, in order, on disjoint prompts of the workload:
 
@@ -59,6 +61,43 @@ def arm_file(arm: str) -> Path:
     return deployments_dir() / ("plain.yaml" if arm == "plain" else f"spec-{arm}.yaml")
 
 
+def arm_plan(arm: str, params: dict[str, Any] | None = None) -> Any:
+    """The validated plan an arm runs. ``NAME`` is ``deployments/spec-NAME.yaml`` (``plain``,
+    ``vllm-ngram`` and the built-in proposers have one) or a path to a ``.yaml``; any other
+    registered speculative plugin (a third party's too) runs on ``deployments/plain.yaml``'s
+    model and engine with ``speculative: {plugin: NAME, params}``. Parameters (``params``:
+    ``--params``; a ``NAME:{JSON}`` entry's own over them) override those of the arm's graft
+    proposer (a file's included; arms without one, plain and vllm-ngram, are left as they are)
+    and are validated by the plugin's parameter model.
+    Unknown: :class:`~vllm_graft.tools.plugin_args.PluginArgError` naming the choices."""
+    from vllm_graft.integration.launch import load_plan, plan_from_dict
+    from vllm_graft.tools.plugin_args import PluginArgError, parse_spec, registration, validate
+
+    name, own = parse_spec(arm) if not arm.endswith((".yaml", ".yml")) else (arm, None)
+    path = arm_file(name)
+    if path.is_file():
+        if not (params or own):
+            return load_plan(path)
+        import yaml
+
+        data = yaml.safe_load(path.read_text()) or {}
+        spec = data.get("speculative")
+        if isinstance(spec, dict) and spec.get("plugin"):  # the file's proposer, its parameters overridden
+            spec["params"] = validate("speculative", spec["plugin"],
+                                      {**(spec.get("params") or {}), **(params or {}), **(own or {})})
+        elif own:
+            raise PluginArgError(f"arm {arm!r}: {path} enables no graft proposer to give parameters to")
+        return plan_from_dict(data, source=str(path), base_dir=path.parent)
+    try:
+        registration("speculative", name)
+    except PluginArgError as e:
+        raise PluginArgError(f"arm {arm!r}: no file {path} and {e}") from None
+    merged = validate("speculative", name, {**(params or {}), **(own or {})})
+    base = load_plan(arm_file("plain")).deployment
+    return plan_from_dict({"model": str(base.model), "engine": dict(base.engine),
+                           "speculative": {"plugin": name, "params": merged}}, source=f"specbench arm {arm}")
+
+
 def _counters(llm: Any) -> dict[str, float]:
     out = dict.fromkeys(COUNTERS, 0.0)
     names = {v: k for k, v in COUNTERS.items()}
@@ -103,13 +142,14 @@ def prompts_needed(workloads: Sequence[str], b1_prompts: int, batches: Sequence[
 
 
 def run_arm(arm: str, workload: str, prompts: list[Any], *, b1_prompts: int,
-            batches: Sequence[int], max_tokens: int, seed: int) -> dict[str, Any]:
+            batches: Sequence[int], max_tokens: int, seed: int,
+            params: dict[str, Any] | None = None) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_graft.integration.launch import load_plan, llm_kwargs
+    from vllm_graft.integration.launch import llm_kwargs
 
-    plan = load_plan(arm_file(arm))
+    plan = arm_plan(arm, params)
     kwargs = llm_kwargs(plan, graft=bool(plan.enabled), seed=seed, enforce_eager=True,
                         disable_log_stats=False)
     llm = LLM(**kwargs)
@@ -214,7 +254,15 @@ def main(args: argparse.Namespace) -> int:
 
     apply_env_defaults(in_process=True)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    arms = [a for part in args.arms for a in part.split(",") if a]
+    from vllm_graft.tools.plugin_args import PluginArgError, parse_json_params, split_list
+
+    arms = [a for part in args.arms for a in split_list(part)]
+    try:
+        params = parse_json_params(args.params)
+        for arm in arms:  # every arm's deployment validated before any engine starts
+            arm_plan(arm, params)
+    except PluginArgError as e:
+        raise SystemExit(f"specbench: {e}") from None
     workloads = [w for part in args.workload for w in part.split(",") if w]
     batches = sorted({int(b) for part in args.batch for b in part.split(",") if b and int(b) > 1})
     plan = load_plan(arm_file("plain"))
@@ -234,7 +282,7 @@ def main(args: argparse.Namespace) -> int:
             with ctx.Pool(1) as pool:
                 results.setdefault(arm, {})[w] = pool.apply(run_arm, (arm, w, sets[w]), dict(
                     b1_prompts=args.b1_prompts, batches=batches, max_tokens=args.max_tokens,
-                    seed=args.seed))
+                    seed=args.seed, params=params))
             print(f"[specbench] {arm} / {w}: {time.perf_counter() - t0:.1f}s", flush=True)
     rows = summarize(results, workloads)
     table = render(rows, batches)
@@ -253,7 +301,13 @@ def add_command(sub: Any) -> None:
                        "(acceptance, forward passes per token, tokens/s at several batch sizes)")
     p.add_argument("--arms", action="append", default=None,
                    help=f"comma list (default: {','.join(DEFAULT_ARMS)}); an arm X is "
-                        "deployments/spec-X.yaml (plain: deployments/plain.yaml)")
+                        "deployments/spec-X.yaml (plain: deployments/plain.yaml) or a .yaml path; any other "
+                        "registered speculative plugin (a third party's too), or X:{JSON} with its "
+                        "parameters, runs on deployments/plain.yaml's model with that proposer")
+    p.add_argument("--params", metavar="JSON",
+                   help="parameters for every arm's graft proposer (over a spec-X.yaml file's, under an "
+                        "X:{JSON} entry's), e.g. '{\"num_speculative_tokens\": 6}'; validated by the "
+                        "plugin's parameter model; plain and vllm-ngram are left as they are")
     p.add_argument("--workload", action="append", default=None,
                    help=f"comma list (default: {','.join(DEFAULT_WORKLOADS)})")
     p.add_argument("--batch", action="append", default=None,
