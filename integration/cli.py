@@ -81,10 +81,13 @@ def _host_syncs(entries) -> dict[Any, dict[str, Any]]:
     from vllm_graft.kit.conformance.base import Target, example_params
     from vllm_graft.kit.conformance.device import host_syncs
 
+    import contextlib
+
     out: dict[Any, dict[str, Any]] = {}
     for e in entries:
-        try:
-            out[(e.kind, e.name)] = host_syncs(Target(e, example_params(e)))
+        try:  # what an exercise prints goes to stderr: stdout carries the table or the JSON
+            with contextlib.redirect_stdout(sys.stderr):
+                out[(e.kind, e.name)] = host_syncs(Target(e, example_params(e)))
         except Exception as err:  # a plugin that fails the device check says why, the rest still list
             out[(e.kind, e.name)] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
     return out
