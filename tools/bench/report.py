@@ -78,8 +78,9 @@ def render_table(result: dict[str, Any]) -> Table:
     columns = [c for c in COLUMNS if c[1] != "output_tok_s_range" or runs > 1]
     table.add_column("workload", no_wrap=True)
     table.add_column("arm", no_wrap=True)
-    for header, *_ in columns:
-        table.add_column(header, justify="right", no_wrap=True)
+    for header, *_ in columns:  # two-line headers: the numbers set the width (cells never wrap)
+        table.add_column("\n".join(header.rsplit(" ", 1)) if len(header) > 9 else header,
+                         justify="right", no_wrap=True)
     table.add_column("identical", no_wrap=True)
     arms = [a for a in ARMS if a in result["arms"]]
     names = [w["name"] for w in result["workloads"]]
