@@ -57,8 +57,6 @@ _SYNC_METHODS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index_
 #: Ops whose output lives on the host whatever the input (their results are not marked).
 _TO_HOST = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu",
             "__array__", "__format__", "__repr__", "equal", "allclose"}
-#: Ops that move data across devices legitimately (a copy, never a mixed-device compute).
-_CROSS = {"copy_", "to", "cuda", "cpu", "__setitem__", "__getitem__", "index_select", "type_as"}
 #: Tensor properties a marked tensor answers as a CUDA tensor would.
 _PROPS = {"device": lambda: FAKE, "is_cuda": lambda: True, "is_cpu": lambda: False}
 
@@ -110,14 +108,12 @@ def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
             yield from _tensors(o, depth + 1)
 
 
-def caller(skip: Iterable[str] = ()) -> str:
-    """``file:line`` of the innermost frame outside torch, this module and ``skip``."""
-    skip = tuple(skip)
+def caller() -> str:
+    """``file:line`` of the innermost frame outside torch and this module."""
     f = sys._getframe(1)
     while f is not None:
         fn = os.path.abspath(f.f_code.co_filename)
-        if fn != _HERE and not fn.startswith(_TORCH_DIR) and "contextlib" not in fn \
-                and not any(fn.startswith(s) for s in skip):
+        if fn != _HERE and not fn.startswith(_TORCH_DIR) and "contextlib" not in fn:
             return f"{fn}:{f.f_lineno}"
         f = f.f_back
     return "?"
@@ -127,14 +123,12 @@ class FakeDevice(TorchFunctionMode):
     """Use as ``with FakeDevice(inputs_from=[harness_dir]) as fd: ...`` (see the module doc).
 
     ``inputs_from``: files or folders whose factory calls make device tensors (the harness
-    that plays vLLM). ``count_from``: when given, only syncs whose caller is under one of
-    these paths are recorded (the plugin's and the adapter's code, not the harness's)."""
+    that plays vLLM); the syncs made there are the harness's own and are not recorded."""
 
-    def __init__(self, inputs_from: Iterable[str] = (), count_from: Iterable[str] | None = None) -> None:
+    def __init__(self, inputs_from: Iterable[str] = ()) -> None:
         super().__init__()
         self._marked: dict[int, weakref.ref] = {}
         self.inputs_from = tuple(os.path.abspath(p) for p in inputs_from)
-        self.count_from = None if count_from is None else tuple(os.path.abspath(p) for p in count_from)
         self.syncs: list[Sync] = []
         self._regions: list[str] = []
         self.calls: Counter[str] = Counter()  # region name -> times entered
@@ -188,8 +182,6 @@ class FakeDevice(TorchFunctionMode):
         where = caller()
         if self.inputs_from and where.startswith(self.inputs_from):
             return  # the harness reading its own results
-        if self.count_from is not None and not any(where.startswith(p) for p in self.count_from):
-            return
         self.syncs.append(Sync(op, where, self._regions[-1] if self._regions else ""))
 
     def sync_counts(self) -> dict[str, int]:
@@ -207,8 +199,11 @@ class FakeDevice(TorchFunctionMode):
         return out
 
     # ------------------------------------------------------------------ the mode
-    def _from_inputs(self) -> bool:
-        return bool(self.inputs_from) and caller().startswith(self.inputs_from)
+    def _from_inputs(self, args: tuple, kwargs: dict) -> bool:
+        """A factory call (no tensor in) made by the harness: what vLLM would hand the plugin.
+        Only factories walk the stack: every other op's result follows its inputs."""
+        return bool(self.inputs_from) and next(_tensors((args, kwargs)), None) is None \
+            and caller().startswith(self.inputs_from)
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None):
         kwargs = dict(kwargs or {})
@@ -251,7 +246,7 @@ class FakeDevice(TorchFunctionMode):
                 return out
             return self._mark(out)
         out = func(*args, **kwargs)
-        if target is None and self._from_inputs():
+        if target is None and self._from_inputs(args, kwargs):
             self._mark(out)
         return out
 
