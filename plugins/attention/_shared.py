@@ -117,9 +117,10 @@ class _StepIndex:
         j = torch.arange(self.maxq, device=dev)
         self.q_ok = j[None, :] < qlen[:, None]  # [S, maxq]
         self.rows = (qsl[:-1, None] + j[None, :]).clamp(0, max(num_rows - 1, 0))
-        self.out_rows = self.rows[self.q_ok]
-        # the padded outputs' real rows, as an index (read per layer without a host sync)
+        # the padded outputs' real rows, as an index (read per layer without a host sync), and
+        # the query rows they are (one nonzero per step: the mask is read once)
         self.q_ok_flat = self.q_ok.reshape(-1).nonzero().squeeze(1)
+        self.out_rows = self.rows.reshape(-1).index_select(0, self.q_ok_flat)
         q_pos = (lens - qlen)[:, None] + j[None, :]  # absolute position of each query
         k_pos = torch.arange(self.L, device=dev)
         allowed = (k_pos[None, None, :] <= q_pos[:, :, None]) & self.q_ok[:, :, None]  # causal
