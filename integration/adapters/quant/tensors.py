@@ -87,11 +87,10 @@ def follow_device(tensors: dict[str, Any], device: Any) -> dict[str, Any]:
 
 
 def install_tensors(layer: Any, tensors: dict[str, Any]) -> None:
-    """Keep ``tensors`` on ``layer`` as non-persistent buffers ``graft_<name>``, on the device
-    of its ``weight`` (:func:`follow_device`), and drop the full-precision ``weight`` unless
-    one of them still uses its memory."""
+    """Keep ``tensors`` (already on the device of the layer's ``weight``: the caller ran
+    :func:`follow_device`) on ``layer`` as non-persistent buffers ``graft_<name>``, and drop the
+    full-precision ``weight`` unless one of them still uses its memory."""
     weight = layer.weight
-    tensors = follow_device(tensors, weight.device)
     keep = keeps_storage(tensors, weight)
     for name, t in tensors.items():
         layer.register_buffer(BUFFER_PREFIX + name, t, persistent=False)
