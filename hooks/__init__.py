@@ -21,6 +21,10 @@ from .contracts import (
     dropped_blocks,
     split_kv_cache,
     union_of_heads,
+    BLOCKED,
+    KV_LAYOUTS,
+    PACKED,
+    KVCacheLayout,
 )
 from .contracts.target import SelfSpeculativeProposer, TargetLayer, TargetWeights
 from .kinds import KINDS, Kind, KindSpec, Role, spec
@@ -64,5 +68,5 @@ __all__ = [
     "PluginLoadError", "Problem", "Proposer", "QuantMethod", "StoredTensor", "Registration", "Registry",
     "RegistryError", "SelfSpeculativeProposer", "TargetLayer", "TargetWeights", "get_plugin_manager", "get_registry", "hookimpl", "hookspec",
     "check_keep", "check_keep_heads", "contract_for", "dropped_blocks", "make_plugin_manager",
-    "split_kv_cache", "union_of_heads", "validate", "validate_file",
+    "split_kv_cache", "KVCacheLayout", "BLOCKED", "PACKED", "KV_LAYOUTS", "union_of_heads", "validate", "validate_file",
 ]

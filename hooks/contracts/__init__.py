@@ -17,7 +17,16 @@ One module per kind; :data:`CONTRACTS` maps each kind to its contract class.
 from __future__ import annotations
 
 from ..kinds import KINDS, Kind
-from .attention import AttentionLayer, AttentionMethod, PagedBatch, split_kv_cache
+from .attention import (
+    BLOCKED,
+    KV_LAYOUTS,
+    PACKED,
+    AttentionLayer,
+    AttentionMethod,
+    KVCacheLayout,
+    PagedBatch,
+    split_kv_cache,
+)
 from .base import PluginImpl
 from .kvcompress import (
     BlockView,
@@ -49,5 +58,5 @@ __all__ = [
     "CONTRACTS", "MOE_STEPS", "AttentionLayer", "AttentionMethod", "BlockView",
     "KVCacheFormat", "KVCompressor", "KeepError", "check_keep", "check_keep_heads", "dropped_blocks",
     "union_of_heads", "MoEModel", "MoEScheduler", "PagedBatch", "PluginImpl",
-    "Proposer", "QuantMethod", "StoredTensor", "contract_for", "split_kv_cache",
+    "Proposer", "QuantMethod", "StoredTensor", "contract_for", "split_kv_cache", "KVCacheLayout", "BLOCKED", "PACKED", "KV_LAYOUTS",
 ]

@@ -13,6 +13,71 @@ if TYPE_CHECKING:  # torch is only needed by implementations
 
 
 @dataclass(frozen=True)
+class KVCacheLayout:
+    """How one layer's paged cache ``[num_blocks, H_kv, block_size, C]`` holds keys and values.
+
+    The backend a plugin rides on decides it and hands it to the plugin as
+    :attr:`AttentionLayer.kv_layout`; a plugin reads the cache only through :meth:`split`
+    (and, where it writes, :meth:`write`), and says which layouts it reads in
+    ``kv_layouts`` (a class attribute of :class:`AttentionMethod` and of
+    ``KVCompressor``; default ``("blocked",)``). Two layouts exist:
+
+    * ``blocked`` (:data:`BLOCKED`): for each block and KV head the memory holds the block's
+      keys ``[block_size, D]`` followed by its values, so ``C = 2*D`` but the last two dims
+      are not "K and V side by side per token" (vLLM's CPU layout, read by its kernel as
+      ``view(N, H_kv, 2*block_size, D).chunk(2, dim=2)``; also vllm-graft's generic
+      backend). The view must be contiguous per (block, head).
+    * ``packed`` (:data:`PACKED`): each token's key and value side by side along ``C``
+      (``C = 2*D``: ``kv_cache[..., :D]`` are keys, ``kv_cache[..., D:]`` values), in any
+      physical order of the other dims, which the 4-D view's strides carry (vLLM's CUDA
+      backends FLASH_ATTN, TRITON_ATTN and FLASHINFER: physically ``[N, B, H, C]`` (NHD)
+      by default, ``[N, H, B, C]`` (HND) where the backend asks for it).
+
+    Either way :meth:`split` returns two ``[num_blocks, H_kv, block_size, D]`` views with a
+    unit stride along ``D``; kernels take their strides, never assume them.
+    """
+
+    name: str
+
+    def split(self, kv_cache: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
+        """``(key_cache, value_cache)``, each ``[num_blocks, H_kv, block_size, D]``, as views."""
+        n, h, b, c = kv_cache.shape
+        d = c // 2
+        if self.name == "blocked":
+            kv = kv_cache.view(n, h, 2, b, d)
+            return kv[:, :, 0], kv[:, :, 1]
+        if self.name == "packed":
+            return kv_cache[..., :d], kv_cache[..., d:]
+        raise ValueError(f"unknown KV-cache layout {self.name!r}; expected 'blocked' or 'packed'")
+
+    def write(self, key: "torch.Tensor", value: "torch.Tensor", kv_cache: "torch.Tensor",
+              slot_mapping: "torch.Tensor") -> None:
+        """Store ``key``/``value`` ``[T, H_kv, D]`` at ``slot_mapping`` (slot = block *
+        block_size + offset; negative slots are padding and are not written) in this layout.
+        A reference write for routes without a kernel of their own (it reads the padding mask
+        on the host once per call): on CUDA vLLM's backends write the cache themselves."""
+        k_cache, v_cache = self.split(kv_cache)
+        block_size = kv_cache.shape[2]
+        n = slot_mapping.shape[0]
+        slots = slot_mapping.long()
+        valid = slots >= 0
+        if not bool(valid.all()):
+            slots, key, value = slots[valid], key[:n][valid], value[:n][valid]
+        else:
+            key, value = key[:n], value[:n]
+        blocks, offsets = slots // block_size, slots % block_size
+        k_cache[blocks, :, offsets] = key.to(k_cache.dtype)
+        v_cache[blocks, :, offsets] = value.to(v_cache.dtype)
+
+
+#: vLLM's CPU layout and vllm-graft's generic backend (see :class:`KVCacheLayout`).
+BLOCKED = KVCacheLayout("blocked")
+#: vLLM's CUDA backends: K and V side by side per token (see :class:`KVCacheLayout`).
+PACKED = KVCacheLayout("packed")
+KV_LAYOUTS = {BLOCKED.name: BLOCKED, PACKED.name: PACKED}
+
+
+@dataclass(frozen=True)
 class AttentionLayer:
     """Static facts about one attention layer."""
 
@@ -24,6 +89,8 @@ class AttentionLayer:
     #: the decoder layer's index in the model (0-based; -1 where unknown), for per-layer
     #: choices such as a head map
     index: int = -1
+    #: how the cache handed to the plugin holds K and V (the backend's layout)
+    kv_layout: KVCacheLayout = BLOCKED
 
 
 @dataclass
@@ -40,23 +107,21 @@ class PagedBatch:
     block_table: "torch.Tensor"  # [num_seqs, max_blocks] int32
 
 
-def split_kv_cache(kv_cache: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
+def split_kv_cache(kv_cache: "torch.Tensor", layout: KVCacheLayout | None = None
+                   ) -> tuple["torch.Tensor", "torch.Tensor"]:
     """``(key_cache, value_cache)``, each ``[num_blocks, H_kv, block_size, D]``, as views of
-    one layer's paged cache ``[num_blocks, H_kv, block_size, 2*D]``.
-
-    The last two dims are not "K and V side by side per token": for each block and KV head
-    the memory holds the block's keys ``[block_size, D]`` followed by its values (vLLM's CPU
-    layout, read by its kernel as ``view(N, H_kv, 2*block_size, D).chunk(2, dim=2)``).
-    """
-    n, h, b, d2 = kv_cache.shape
-    kv = kv_cache.view(n, h, 2, b, d2 // 2)
-    return kv[:, :, 0], kv[:, :, 1]
+    one layer's paged cache ``[num_blocks, H_kv, block_size, 2*D]`` in ``layout`` (default
+    :data:`BLOCKED`; a plugin passes ``layer.kv_layout``). See :class:`KVCacheLayout`."""
+    return (layout or BLOCKED).split(kv_cache)
 
 
 class AttentionMethod(PluginImpl[P]):
     """Attention over a paged KV cache."""
 
     kind = Kind.ATTENTION
+    #: the :class:`KVCacheLayout` names this method reads (and writes) the cache in; a route
+    #: whose backend keeps another layout refuses the plugin at start-up, naming the layout
+    kv_layouts: tuple[str, ...] = ("blocked",)
 
     def uses_host_kernel(self) -> bool:
         """True when :meth:`forward` is exactly plain causal attention over the whole cache on

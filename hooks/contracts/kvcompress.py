@@ -125,6 +125,9 @@ class KVCompressor(PluginImpl[P]):
     #: True (with ``needs_scores``) if the compressor chooses blocks per KV head
     #: (:meth:`keep_heads`); its :meth:`attend` then takes ``head_mask`` and reports mass per KV head.
     per_head: bool = False
+    #: the ``KVCacheLayout`` names :meth:`attend` reads the cache in (``needs_scores`` only;
+    #: see ``hooks.contracts.attention.KVCacheLayout``)
+    kv_layouts: tuple[str, ...] = ("blocked",)
 
     @abstractmethod
     def keep(self, view: BlockView) -> list[int]:
@@ -144,7 +147,8 @@ class KVCompressor(PluginImpl[P]):
                layer: AttentionLayer, observe: "torch.Tensor", head_mask: "torch.Tensor | None" = None,
                ) -> tuple["torch.Tensor", "torch.Tensor"]:
         """Causal attention over the paged batch (``needs_scores`` only), as
-        :meth:`AttentionMethod.forward` (the cache in the layout of :func:`split_kv_cache`),
+        :meth:`AttentionMethod.forward` (the cache in ``layer.kv_layout``: read it with
+        ``layer.kv_layout.split(kv_cache)``; list the layouts you read in ``kv_layouts``),
         plus the attention mass per block: ``(out [T, H, D], mass [num_seqs, max_blocks])``,
         ``mass[i, j]`` = the softmax probability that the queries of sequence ``i`` with
         ``observe[t]`` True put on the keys of block-table column ``j``, summed over heads
