@@ -10,6 +10,7 @@ Triton kernel both need lives here, so that ``kernel.py`` never imports ``refere
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
@@ -19,23 +20,86 @@ _built: dict[str, tuple] = {}
 _build_lock = threading.Lock()
 
 
+#: ``VLLM_GRAFT_BUILD_TIMEOUT``: seconds a process waits for another one's build of the same
+#: extension before it stops with an error naming the lock file (default 900).
+BUILD_TIMEOUT_ENV = "VLLM_GRAFT_BUILD_TIMEOUT"
+
+log = logging.getLogger("vllm_graft")
+
+
+class BuildLockTimeout(RuntimeError):
+    """Another process held an extension's build lock for longer than the timeout."""
+
+
 def cpu_extension(name: str, source: str, functions: list[str]) -> tuple[object | None, str | None]:
     """``(module, None)``: the C++ ``source`` built with ``torch.utils.cpp_extension.load_inline``
     (``-O3``; torch caches the build per source, so it compiles once per machine, ~30 s), its
     ``functions`` bound; ``(None, reason)`` where it cannot be built (no compiler, no headers).
-    Tried once per process and name."""
+    Tried once per process and name. The build runs under :func:`build_lock`, so a build killed
+    midway (whose torch ``lock`` file stays behind) does not hang the next process."""
     with _build_lock:
         if name not in _built:
             try:
-                from torch.utils.cpp_extension import load_inline
+                from torch.utils.cpp_extension import _get_build_directory, load_inline
 
                 _ninja_on_path()
-                _built[name] = (load_inline(name=name, cpp_sources=[source], functions=functions,
-                                            extra_cflags=["-O3"], verbose=False), None)
+                with build_lock(_get_build_directory(name, False)):
+                    _built[name] = (load_inline(name=name, cpp_sources=[source], functions=functions,
+                                                extra_cflags=["-O3"], verbose=False), None)
+            except BuildLockTimeout:
+                raise
             except Exception as e:  # noqa: BLE001 - reported by the caller, which falls back
                 text = str(e).strip()
                 _built[name] = (None, f"{type(e).__name__}: {text.splitlines()[-1] if text else e}")
         return _built[name]
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: str, timeout: float | None = None):
+    """Hold ``<build_dir>/graft.lock`` (an ``flock``: the kernel drops it when its process dies)
+    while torch builds or loads the extension in ``build_dir``.
+
+    torch's loader guards a build with a plain ``lock`` file that it removes when done and
+    waits on, without a timeout, while it exists (``torch.utils.file_baton.FileBaton``): a
+    process killed during the build leaves it behind and every later process waits forever.
+    Every vllm-graft build holds this flock first, so a torch ``lock`` found while holding it
+    has no live owner: it is reported and removed. Waiting for another live build times out
+    after ``VLLM_GRAFT_BUILD_TIMEOUT`` seconds (default 900) with an error naming the file."""
+    import fcntl
+    import os
+    import time
+
+    os.makedirs(build_dir, exist_ok=True)
+    path = os.path.join(build_dir, "graft.lock")
+    limit = float(os.environ.get(BUILD_TIMEOUT_ENV, "900")) if timeout is None else timeout
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        start, said = time.monotonic(), False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                waited = time.monotonic() - start
+                if waited > limit:
+                    raise BuildLockTimeout(
+                        f"vllm-graft: waited {waited:.0f} s for another process building the C++ "
+                        f"extension in {build_dir} (it holds {path}). If no such process is running, "
+                        f"remove {build_dir} and start again; raise {BUILD_TIMEOUT_ENV} for a slower "
+                        "machine") from None
+                if not said:
+                    log.info("vllm-graft: another process is building the C++ extension in %s; "
+                             "waiting (up to %.0f s)", build_dir, limit)
+                    said = True
+                time.sleep(0.2)
+        stale = os.path.join(build_dir, "lock")
+        if os.path.exists(stale):
+            log.warning("vllm-graft: removing %s, a build lock left by a process that stopped "
+                        "during its build (no process holds %s); building again", stale, path)
+            os.remove(stale)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
