@@ -5,6 +5,8 @@ with mass) and the graft attention backend (when no attention plugin is enabled)
 
 * :func:`gather_kv`: one sequence's keys and values ``[seq_len, H_kv, D]`` from the cache
   (:func:`flat_blocks` for blocks read otherwise, e.g. dequantised);
+* :func:`head_major_kv`: many blocks' keys and values ``[..., H_kv, nb*B, D]`` in one gather;
+* :func:`cache_strides`: the (block, head, token) strides of split K and V views for a kernel;
 * :func:`causal_attention`: the last ``len(q)`` positions of a context attending causally
   (GQA: query head ``h`` reads KV head ``h // (H / H_kv)``), in float32;
 * :func:`paged_attention` / :func:`paged_attention_with_mass`: every sequence of a
@@ -19,20 +21,60 @@ from typing import Callable
 
 import torch
 
-from vllm_graft.hooks import AttentionLayer, AttentionMethod, PagedBatch, split_kv_cache
+from vllm_graft.hooks import BLOCKED, AttentionLayer, AttentionMethod, KVCacheLayout, PagedBatch
 
 #: ``gather(block_ids)``: the keys and values ``[nb, H_kv, B, D]`` each of those blocks
 Gather = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def _cache_gather(kv_cache: torch.Tensor) -> Gather:
-    """Blocks read from the layout of ``split_kv_cache``."""
-    k_cache, v_cache = split_kv_cache(kv_cache)  # [N, H_kv, B, D] each
+def _cache_gather(kv_cache: torch.Tensor, layout: KVCacheLayout = BLOCKED) -> Gather:
+    """Blocks read through ``layout.split`` (any layout, any strides)."""
+    k_cache, v_cache = layout.split(kv_cache)  # [N, H_kv, B, D] each
 
     def gather(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return k_cache[ids], v_cache[ids]
+        return k_cache.index_select(0, ids), v_cache.index_select(0, ids)
 
     return gather
+
+
+def cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor, who: str) -> tuple[int, ...]:
+    """``(K block, K head, K token, V block, V head, V token)`` strides of the ``[N, H_kv, B, D]``
+    views a kernel reads; ``ValueError`` unless both have a unit stride along ``D``."""
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError(f"{who}: the key and value caches need a unit stride along the head dim, got "
+                         f"K strides {tuple(k_cache.stride())}, V strides {tuple(v_cache.stride())}; pass "
+                         "the views layer.kv_layout.split(kv_cache) gives of a cache whose last dim is "
+                         "contiguous")
+    return (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+
+
+def cache_rows(block_ids: torch.Tensor, hkv: int) -> torch.Tensor:
+    """Rows of a blocked cache viewed ``[N * H_kv, 2, B, D]`` for ``block_ids [..., nb]``, in
+    ``[..., H_kv, nb]`` order (the argument :func:`head_major_kv` takes for the blocked layout)."""
+    heads = torch.arange(hkv, device=block_ids.device)
+    return (block_ids.long().unsqueeze(-2) * hkv + heads[:, None]).reshape(-1)
+
+
+def head_major_kv(kv_cache: torch.Tensor, layout: KVCacheLayout, block_ids: torch.Tensor,
+                  rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V ``[*lead, H_kv, nb*B, D]`` of the blocks ``block_ids [*lead, nb]`` (int), in the
+    cache's dtype. Blocked layout (per block and KV head, ``B`` keys then ``B`` values): one
+    index_select of whole ``[2, B, D]`` chunks straight into head-major order, at ``rows``
+    (:func:`cache_rows` of ``block_ids``, built here when not given); any other layout: one
+    index_select per split view, then a copy into head-major order. No host sync."""
+    N, hkv, B, C = kv_cache.shape
+    D = C // 2
+    lead, nb = tuple(block_ids.shape[:-1]), block_ids.shape[-1]
+    if layout.name == BLOCKED.name:
+        if rows is None:
+            rows = cache_rows(block_ids, hkv)
+        kv = kv_cache.reshape(N * hkv, 2, B, D).index_select(0, rows).view(*lead, hkv, nb, 2, B, D)
+        return (kv.select(-3, 0).reshape(*lead, hkv, nb * B, D),
+                kv.select(-3, 1).reshape(*lead, hkv, nb * B, D))
+    ids = block_ids.reshape(-1).long()
+    return tuple(c.index_select(0, ids).view(*lead, nb, hkv, B, D).transpose(-4, -3)
+                 .reshape(*lead, hkv, nb * B, D) for c in layout.split(kv_cache))
 
 
 def flat_blocks(blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -40,9 +82,11 @@ def flat_blocks(blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
     return blocks.permute(0, 2, 1, 3).reshape(-1, blocks.shape[1], blocks.shape[3])[:seq_len]
 
 
-def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, head_size: int):
-    """K, V ``[seq_len, H_kv, D]`` of one sequence from ``kv_cache [N, H_kv, B, 2D]``."""
-    k, v = _cache_gather(kv_cache)(block_ids.long())
+def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, head_size: int,
+              layout: KVCacheLayout = BLOCKED):
+    """K, V ``[seq_len, H_kv, D]`` of one sequence from ``kv_cache [N, H_kv, B, 2D]`` in
+    ``layout`` (a plugin passes ``layer.kv_layout``)."""
+    k, v = _cache_gather(kv_cache, layout)(block_ids.long())
     return flat_blocks(k, seq_len), flat_blocks(v, seq_len)
 
 
@@ -132,8 +176,7 @@ class _StepIndex:
     def cache_rows(self, hkv: int) -> torch.Tensor:
         """Rows of the cache viewed ``[N * H_kv, 2, B, D]``, in ``[S, H_kv, nb]`` order."""
         if hkv not in self._cache_rows:
-            heads = torch.arange(hkv, device=self.table.device)
-            self._cache_rows[hkv] = (self.table[:, None, :] * hkv + heads[None, :, None]).reshape(-1)
+            self._cache_rows[hkv] = cache_rows(self.table, hkv)
         return self._cache_rows[hkv]
 
 
@@ -162,19 +205,15 @@ def _step_index(batch: PagedBatch, block_size: int, num_rows: int) -> _StepIndex
     return index
 
 
-def _padded_kv(kv_cache: torch.Tensor, index: _StepIndex, gather: Gather | None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K, V ``[S, H_kv, nb*B, D]`` of the step's blocks. From the cache itself (the layout of
-    ``split_kv_cache``: per block and KV head, ``B`` keys then ``B`` values), one index_select
-    of whole ``[2, B, D]`` chunks straight into sequence-head order; through ``gather`` (e.g. a
-    storage format's dequantisation), a gather and a copy."""
+def _padded_kv(kv_cache: torch.Tensor, index: _StepIndex, gather: Gather | None,
+               layout: KVCacheLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V ``[S, H_kv, nb*B, D]`` of the step's blocks. From the cache itself in ``layout``
+    (:func:`head_major_kv`: for the blocked layout one index_select of whole ``[2, B, D]``
+    chunks); through ``gather`` (e.g. a storage format's dequantisation), a gather and a copy."""
     S, nb = index.S, index.nb
     if gather is None:
-        N, hkv, B, D2 = kv_cache.shape
-        D = D2 // 2
-        kv = kv_cache.reshape(N * hkv, 2, B, D).index_select(0, index.cache_rows(hkv))
-        kv = kv.view(S, hkv, nb, 2, B, D)
-        return kv[:, :, :, 0].reshape(S, hkv, nb * B, D), kv[:, :, :, 1].reshape(S, hkv, nb * B, D)
+        rows = index.cache_rows(kv_cache.shape[1]) if layout.name == BLOCKED.name else None
+        return head_major_kv(kv_cache, layout, index.table, rows)
     k, v = gather(index.table.reshape(-1))  # [S*nb, H_kv, B, D]
     _, hkv, B, D = k.shape
     return tuple(t.view(S, nb, hkv, B, D).permute(0, 2, 1, 3, 4).reshape(S, hkv, nb * B, D) for t in (k, v))
@@ -201,7 +240,7 @@ def _paged_batched(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatc
         return None
     if observe is not None and observe.device.type == "cpu" and not bool(observe[: T].any()):
         observe = None  # nothing observed: no mass to compute (asked on the host only: a sync per layer on a GPU)
-    k, v = _padded_kv(kv_cache, ix, gather)
+    k, v = _padded_kv(kv_cache, ix, gather, layer.kv_layout)
     k, v = k.float(), v.float()
     q = query[ix.rows].float().permute(0, 2, 1, 3)  # [S, H, maxq, D]
     g = H // hkv
@@ -239,7 +278,7 @@ def _paged(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, layer
     done = _paged_batched(query, kv_cache, batch, layer, observe, gather, head_mask)
     if done is not None:
         return done
-    gather = gather or _cache_gather(kv_cache)
+    gather = gather or _cache_gather(kv_cache, layer.kv_layout)
     qsl = batch.query_start_loc.tolist()
     lens = batch.seq_lens.tolist()
     out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
@@ -283,8 +322,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBat
     Sequence i's queries are rows ``query_start_loc[i]:query_start_loc[i+1]``, the last ``q``
     of its ``seq_lens[i]`` positions; its keys are the first ``seq_lens[i]`` slots of the
     blocks ``block_table[i]``. Computed in float32. ``gather(block_ids)`` gives those blocks'
-    keys and values ``[nb, H_kv, B, D]`` each (default: read from the layout of
-    ``split_kv_cache``; a storage format such as ``kv4`` passes its dequantisation)."""
+    keys and values ``[nb, H_kv, B, D]`` each (default: read through ``layer.kv_layout.split``;
+    a storage format such as ``kv4`` passes its dequantisation)."""
     return _paged(query, kv_cache, batch, layer, None, gather)[0]
 
 
@@ -305,6 +344,8 @@ def paged_attention_with_mass(query: torch.Tensor, kv_cache: torch.Tensor, batch
 class PagedAttention(AttentionMethod):
     """Exact causal attention over the paged KV cache (the ``noop`` attention plugin; the graft
     backend's attention when no attention plugin is enabled)."""
+
+    kv_layouts = ("blocked", "packed")  # reads through layer.kv_layout.split
 
     def forward(self, query, kv_cache, batch, layer, plan=None):
         return paged_attention(query, kv_cache, batch, layer)

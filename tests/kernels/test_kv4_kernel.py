@@ -14,15 +14,18 @@ from vllm_graft.hooks import AttentionLayer, PagedBatch  # noqa: E402
 pytestmark = pytest.mark.kernel
 
 
-def kv4_case(dtype, seq_lens, q_lens, H, Hkv, D, B, G=32, seed=0, device=DEVICE):
+def kv4_case(dtype, seq_lens, q_lens, H, Hkv, D, B, G=32, seed=0, device=DEVICE, nhd=False):
     """A kv4 cache written through the reference's write() (the cache the kernel reads in
-    vLLM), scattered block ids, and queries."""
+    vLLM), scattered block ids, and queries. ``nhd``: the page is a ``[N, H_kv, B, C]`` view of
+    a ``[N, B, H_kv, C]`` tensor (vLLM's CUDA order)."""
     from vllm_graft.plugins.kvcompress.kv4.reference import bytes_per_token, write
 
     g = torch.Generator().manual_seed(seed)
     width = max(-(-L // B) for L in seq_lens) + 1
     num_blocks = len(seq_lens) * width + 3
-    cache = torch.zeros(num_blocks, Hkv, B, bytes_per_token(D, B, G), dtype=torch.uint8)
+    C = bytes_per_token(D, B, G)
+    cache = torch.zeros(num_blocks, B, Hkv, C, dtype=torch.uint8).permute(0, 2, 1, 3) if nhd else \
+        torch.zeros(num_blocks, Hkv, B, C, dtype=torch.uint8)
     perm = torch.randperm(num_blocks - 1, generator=g)[: len(seq_lens) * width] + 1
     table = perm.view(len(seq_lens), width).to(torch.int32)
     for i, L in enumerate(seq_lens):

@@ -67,14 +67,14 @@ def test_each_kernel_against_its_reference_part(dtype):
     assert tree.groups
     out = K.hydragen_attention_triton(q, kv, batch, layer, plan)  # fills plan.cache
     ix = plan.cache[("triton", bs, "cpu")]
-    k_cache, v_cache = K.split_kv_cache(kv)
+    k_cache, v_cache = layer.kv_layout.split(kv)
     prec = "ieee" if dtype == torch.float32 else None
     # prefix kernel
     nr = ix["num_rows"]
     o_p = torch.empty((nr, h, d)), torch.empty((nr, h))
     K._prefix_kernel[(ix["num_groups"], hkv, -(-ix["max_rows"] * (h // hkv) // K.BLOCK_M))](
         q, k_cache, v_cache, o_p[0], o_p[1], ix["grp_row_start"], ix["rows"], ix["grp_blk_start"],
-        ix["blks"], q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        ix["blks"], q.stride(0), q.stride(1), *K.cache_strides(k_cache, v_cache, "test"),
         o_p[0].stride(0), o_p[0].stride(1), o_p[1].stride(0), layer.scale,
         G=h // hkv, D=d, BLOCK_D=d, BS=bs, BLOCK_M=K.BLOCK_M, PREC=prec)
     errs = []

@@ -10,7 +10,8 @@
 * :func:`_merge_kernel`: per token and head, the suffix partial merged with the token's
   prefix partials (one per tree level) by log-sum-exp, written in the output dtype.
 
-Caches are read in the layout of ``hooks.contracts.split_kv_cache``.
+Caches are read through ``layer.kv_layout.split`` with the K and V views' own strides (block,
+head, token; unit stride along D), so any layout and physical order works.
 """
 from __future__ import annotations
 
@@ -18,14 +19,16 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_graft.hooks import AttentionLayer, PagedBatch, split_kv_cache
+from vllm_graft.hooks import AttentionLayer, PagedBatch
+
+from .._shared import cache_strides
 
 from .policy import StepPlan, group_rows
 
 
 @triton.jit
 def _prefix_kernel(Q, K, V, O, LSE, grp_row_start, rows, grp_blk_start, blks,
-                   sq_t, sq_h, sk_n, sk_h, sk_t, so_r, so_h, slse_r, scale,
+                   sq_t, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t, so_r, so_h, slse_r, scale,
                    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
                    BLOCK_M: tl.constexpr, PREC: tl.constexpr):
     grp = tl.program_id(0)
@@ -53,14 +56,13 @@ def _prefix_kernel(Q, K, V, O, LSE, grp_row_start, rows, grp_blk_start, blks,
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for j in range(b0, b1):
         blk = tl.load(blks + j).to(tl.int64)
-        off = blk * sk_n + kvh * sk_h + t[:, None] * sk_t + d[None, :]
-        k = tl.load(K + off, mask=d_ok[None, :], other=0.0)
+        k = tl.load(K + blk * sk_n + kvh * sk_h + t[:, None] * sk_t + d[None, :], mask=d_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + off, mask=d_ok[None, :], other=0.0)
+        v = tl.load(V + blk * sv_n + kvh * sv_h + t[:, None] * sv_t + d[None, :], mask=d_ok[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     o = acc / l_i[:, None]
@@ -71,7 +73,7 @@ def _prefix_kernel(Q, K, V, O, LSE, grp_row_start, rows, grp_blk_start, blks,
 
 @triton.jit
 def _suffix_kernel(Q, K, V, O, LSE, tok_seq, tok_pos, seq_start_blk, BT, sbt,
-                   sq_t, sq_h, sk_n, sk_h, sk_t, so_t, so_h, slse_t, scale,
+                   sq_t, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t, so_t, so_h, slse_t, scale,
                    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
                    BLOCK_G: tl.constexpr, PREC: tl.constexpr):
     tk = tl.program_id(0)
@@ -92,15 +94,14 @@ def _suffix_kernel(Q, K, V, O, LSE, tok_seq, tok_pos, seq_start_blk, BT, sbt,
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for lb in range(b0, pos // BS + 1):
         blk = tl.load(BT + seq * sbt + lb).to(tl.int64)
-        off = blk * sk_n + kvh * sk_h + t[:, None] * sk_t + d[None, :]
-        k = tl.load(K + off, mask=d_ok[None, :], other=0.0)
+        k = tl.load(K + blk * sk_n + kvh * sk_h + t[:, None] * sk_t + d[None, :], mask=d_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
         s = tl.where((lb * BS + t)[None, :] <= pos, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + off, mask=d_ok[None, :], other=0.0)
+        v = tl.load(V + blk * sv_n + kvh * sv_h + t[:, None] * sv_t + d[None, :], mask=d_ok[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     o = acc / l_i[:, None]
@@ -188,7 +189,8 @@ def hydragen_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, batch
     hkv = layer.num_kv_heads
     g = num_heads // hkv
     ix = _indices(plan, bs, query.device)
-    k_cache, v_cache = split_kv_cache(kv_cache)
+    k_cache, v_cache = layer.kv_layout.split(kv_cache)
+    strides = cache_strides(k_cache, v_cache, "hydragen triton kernel")
     prec = "ieee" if query.dtype == torch.float32 else None
     block_d = triton.next_power_of_2(d)
     dev = query.device
@@ -197,8 +199,7 @@ def hydragen_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, batch
     table = batch.block_table
     _suffix_kernel[(num_tokens, hkv)](
         query, k_cache, v_cache, o_s, lse_s, ix["tok_seq"], ix["tok_pos"], ix["start_blk"],
-        table, table.stride(0), query.stride(0), query.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        table, table.stride(0), query.stride(0), query.stride(1), *strides,
         o_s.stride(0), o_s.stride(1), lse_s.stride(0), layer.scale,
         G=g, D=d, BLOCK_D=block_d, BS=bs, BLOCK_G=max(16, triton.next_power_of_2(g)), PREC=prec)
     nr = max(ix["num_rows"], 1)
@@ -208,8 +209,7 @@ def hydragen_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, batch
         grid = (ix["num_groups"], hkv, triton.cdiv(ix["max_rows"] * g, BLOCK_M))
         _prefix_kernel[grid](
             query, k_cache, v_cache, o_p, lse_p, ix["grp_row_start"], ix["rows"],
-            ix["grp_blk_start"], ix["blks"], query.stride(0), query.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            ix["grp_blk_start"], ix["blks"], query.stride(0), query.stride(1), *strides,
             o_p.stride(0), o_p.stride(1), lse_p.stride(0), layer.scale,
             G=g, D=d, BLOCK_D=block_d, BS=bs, BLOCK_M=BLOCK_M, PREC=prec)
     _merge_kernel[(num_tokens, num_heads)](

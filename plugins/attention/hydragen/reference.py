@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from vllm_graft.hooks import AttentionLayer, AttentionMethod, PagedBatch, split_kv_cache
+from vllm_graft.hooks import AttentionLayer, AttentionMethod, PagedBatch
+
+from .._shared import cache_rows as _cache_rows
+from .._shared import head_major_kv
 
 from .policy import StepPlan, group_rows
 
@@ -48,7 +51,7 @@ def prefix_attention(query: torch.Tensor, kv_cache: torch.Tensor, rows: torch.Te
                      blocks: torch.Tensor, layer: AttentionLayer):
     """One group: the queries at token ``rows`` (all its sequences' new tokens) stacked
     against the group's blocks, read once. Returns ``o`` [R, H, D], ``lse`` [R, H] (float32)."""
-    k_cache, v_cache = split_kv_cache(kv_cache)
+    k_cache, v_cache = layer.kv_layout.split(kv_cache)
     hkv, g = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads
     r = rows.numel()
     q = query[rows.long()].float().view(r, hkv, g, -1).permute(1, 0, 2, 3).reshape(hkv, r * g, -1)
@@ -61,7 +64,7 @@ def suffix_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_row: tor
                      start_block: int, seq_len: int, layer: AttentionLayer):
     """One sequence: its new tokens ``query`` [q, H, D] against its own blocks from
     ``start_block`` to the end of its ``seq_len`` tokens, causally."""
-    k_cache, v_cache = split_kv_cache(kv_cache)
+    k_cache, v_cache = layer.kv_layout.split(kv_cache)
     bs = kv_cache.shape[2]
     hkv, g = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads
     nq = query.shape[0]
@@ -118,21 +121,11 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
 
 
-def _cache_rows(block_ids: torch.Tensor, hkv: int) -> torch.Tensor:
-    """Rows of a cache viewed ``[N * Hkv, 2, B, D]`` for ``block_ids`` [..., nb], in
-    [..., Hkv, nb] order."""
-    heads = torch.arange(hkv, device=block_ids.device)
-    return (block_ids.long().unsqueeze(-2) * hkv + heads[:, None]).reshape(-1)
-
-
-def _gather(kv_cache: torch.Tensor, rows: torch.Tensor, lead: tuple[int, ...], nb: int):
-    """K, V ``[*lead, Hkv, nb * B, D]`` float32 of the cache rows from :func:`_cache_rows` (the
-    layout of ``split_kv_cache``: per block and KV head, B keys then B values)."""
-    n, hkv, bs, d2 = kv_cache.shape
-    kv = kv_cache.reshape(n * hkv, 2, bs, d2 // 2).index_select(0, rows)
-    kv = kv.view(*lead, hkv, nb, 2, bs, d2 // 2).float()
-    return (kv.select(-3, 0).reshape(*lead, hkv, nb * bs, d2 // 2),
-            kv.select(-3, 1).reshape(*lead, hkv, nb * bs, d2 // 2))
+def _gather(kv_cache: torch.Tensor, layer: AttentionLayer, blocks: torch.Tensor, rows: torch.Tensor):
+    """K, V ``[*lead, Hkv, nb * B, D]`` float32 of ``blocks [*lead, nb]`` in ``layer.kv_layout``
+    (``rows``: :func:`_cache_rows` of them, the blocked layout's one index_select)."""
+    k, v = head_major_kv(kv_cache, layer.kv_layout, blocks, rows)
+    return k.float(), v.float()
 
 
 class _SuffixCall:
@@ -169,7 +162,7 @@ class _SuffixCall:
 
     def run(self, query, kv_cache, layer, out, lse) -> None:
         hkv, g, S, m = layer.num_kv_heads, self.g, self.S, self.m
-        k, v = _gather(kv_cache, self.cache_rows, (S,), self.nb)
+        k, v = _gather(kv_cache, layer, self.blocks, self.cache_rows)
         d = query.shape[-1]
         q = query[self.rows].float().view(S, m, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(S, hkv, m * g, d)
         o, l = _flash(q, k, v, layer.scale, self.mask)
@@ -201,7 +194,7 @@ class _LongCall:
 
     def run(self, query, kv_cache, layer, out, lse) -> None:
         hkv, h = layer.num_kv_heads, layer.num_heads
-        k, v = _gather(kv_cache, self.cache_rows, (1,), self.nb)
+        k, v = _gather(kv_cache, layer, self.blocks[None], self.cache_rows)
         k = k[:, :, : self.n].repeat_interleave(h // hkv, dim=1)
         v = v[:, :, : self.n].repeat_interleave(h // hkv, dim=1)
         rows = slice(self.q0, self.q0 + self.m)
@@ -225,10 +218,12 @@ class _StepIndex:
             m = max(plan.q_lens[i] for i in short)
             calls = [short] if len(short) * m * g * width <= SUFFIX_MASK_MAX else [[i] for i in short]
             self.calls += [_SuffixCall(plan, tree, table, seqs, hkv, g, device) for seqs in calls]
-        #: per prefix group: its queries' token rows, its cache rows, its block count
-        self.groups = [(torch.tensor(group_rows(plan, grp.seqs), dtype=torch.long, device=device),
-                        _cache_rows(torch.tensor(grp.blocks, device=device), hkv), len(grp.blocks))
-                       for grp in tree.groups]
+        #: per prefix group: its queries' token rows, its blocks [1, nb], their cache rows
+        self.groups = []
+        for grp in tree.groups:
+            blocks = torch.tensor([grp.blocks], dtype=torch.long, device=device)
+            self.groups.append((torch.tensor(group_rows(plan, grp.seqs), dtype=torch.long, device=device),
+                                blocks, _cache_rows(blocks, hkv)))
 
 
 def hydragen_attention_batched(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
@@ -247,9 +242,9 @@ def hydragen_attention_batched(query: torch.Tensor, kv_cache: torch.Tensor, batc
     for call in index.calls:
         call.run(query, kv_cache, layer, out, lse)
     d = query.shape[-1]
-    for rows, cache_rows, nb in index.groups:
+    for rows, blocks, cache_rows in index.groups:
         r = rows.numel()
-        k, v = _gather(kv_cache, cache_rows, (1,), nb)
+        k, v = _gather(kv_cache, layer, blocks, cache_rows)
         q = query[rows].float().view(r, hkv, g, d).permute(1, 0, 2, 3).reshape(1, hkv, r * g, d)
         o, l = _flash(q, k, v, layer.scale)
         o = o.view(hkv, r, g, d).permute(1, 0, 2, 3).reshape(r, hkv * g, d)
@@ -259,6 +254,8 @@ def hydragen_attention_batched(query: torch.Tensor, kv_cache: torch.Tensor, batc
 
 
 class Hydragen(AttentionMethod):
+    kv_layouts = ("blocked", "packed")  # reference and kernel read through layer.kv_layout.split
+
     def __init__(self, params) -> None:
         super().__init__(params)
         self.steps = 0

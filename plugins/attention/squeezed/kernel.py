@@ -10,7 +10,8 @@
 between the two (top-k over the scores plus the forced sink and window chunks) and the prefill
 rows run in PyTorch, in ``reference.squeezed_attention_triton`` (the same code as the reference
 path), which imports this module when ``kernel: triton`` is chosen; this module imports nothing
-of the reference.
+of the reference. The cache is read through ``layer.kv_layout.split``, each of K and V with its
+own strides (block, head, token; unit stride along D), so any layout and physical order works.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_graft.hooks import split_kv_cache
+from .._shared import cache_strides
 
 
 @triton.jit
@@ -52,7 +53,8 @@ def _chunk_score_kernel(Q, K, S, row_tok, row_seq, row_len, BT, sbt, sq_t, sq_h,
 
 @triton.jit
 def _sparse_decode_kernel(Q, K, V, O, row_tok, row_seq, row_len, SEL, NSEL, BT, sbt,
-                          sq_t, sq_h, sk_n, sk_h, sk_t, so_t, so_h, ssel_r, ssel_h, sn_r, scale,
+                          sq_t, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t, so_t, so_h, ssel_r, ssel_h, sn_r,
+                          scale,
                           G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
                           CHUNK: tl.constexpr, TILE: tl.constexpr, BLOCK_G: tl.constexpr,
                           PREC: tl.constexpr):
@@ -79,15 +81,17 @@ def _sparse_decode_kernel(Q, K, V, O, row_tok, row_seq, row_len, SEL, NSEL, BT, 
         first = c * CHUNK
         blk = tl.load(BT + seq * sbt + first // BS).to(tl.int64)
         t_ok = (j < CHUNK) & (first + j < n)
-        off = blk * sk_n + kvh * sk_h + ((first % BS) + j)[:, None] * sk_t + d[None, :]
-        k = tl.load(K + off, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+        slot = ((first % BS) + j)[:, None]
+        k = tl.load(K + blk * sk_n + kvh * sk_h + slot * sk_t + d[None, :], mask=t_ok[:, None] & d_ok[None, :],
+                    other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
         s = tl.where(t_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + off, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(V + blk * sv_n + kvh * sv_h + slot * sv_t + d[None, :], mask=t_ok[:, None] & d_ok[None, :],
+                    other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     o = acc / l_i[:, None]
@@ -101,14 +105,15 @@ def chunk_scores_triton(query, kv_cache, batch, layer, chunk, rows, seqs, lens) 
     dev = query.device
     hkv, d = layer.num_kv_heads, layer.head_size
     g = layer.num_heads // hkv
-    k_cache, _ = split_kv_cache(kv_cache)
+    k_cache, v_cache = layer.kv_layout.split(kv_cache)
+    sk = cache_strides(k_cache, v_cache, "squeezed triton kernel")[:3]
     c_max = max(-(-n // chunk) for n in lens)
     scores = torch.full((len(rows), hkv, c_max), float("-inf"), dtype=torch.float32, device=dev)
     t = lambda x: torch.tensor(x, dtype=torch.int32, device=dev)  # noqa: E731
     table = batch.block_table
     _chunk_score_kernel[(len(rows), hkv)](
         query, k_cache, scores, t(rows), t(seqs), t(lens), table, table.stride(0),
-        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        query.stride(0), query.stride(1), *sk,
         scores.stride(0), scores.stride(1), layer.scale, G=g, D=d,
         BLOCK_D=triton.next_power_of_2(d), BS=kv_cache.shape[2], CHUNK=chunk,
         BLOCK_G=max(16, triton.next_power_of_2(g)))
@@ -127,13 +132,13 @@ def sparse_decode_triton(query, kv_cache, batch, layer, chunk, rows, seqs, lens,
     for r, mk in enumerate(sel_masks):
         order = torch.argsort((~mk).to(torch.int8), dim=1, stable=True)[:, :width]  # chosen first
         sel[r, :, :order.shape[1]] = order.to(torch.int32)
-    k_cache, v_cache = split_kv_cache(kv_cache)
+    k_cache, v_cache = layer.kv_layout.split(kv_cache)
+    strides = cache_strides(k_cache, v_cache, "squeezed triton kernel")
     t = lambda x: torch.tensor(x, dtype=torch.int32, device=dev)  # noqa: E731
     table = batch.block_table
     _sparse_decode_kernel[(len(rows), hkv)](
         query, k_cache, v_cache, out, t(rows), t(seqs), t(lens), sel, counts.to(dev), table,
-        table.stride(0), query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), out.stride(0), out.stride(1), sel.stride(0), sel.stride(1),
-        counts.stride(0), layer.scale, G=g, D=d, BLOCK_D=triton.next_power_of_2(d),
+        table.stride(0), query.stride(0), query.stride(1), *strides, out.stride(0), out.stride(1),
+        sel.stride(0), sel.stride(1), counts.stride(0), layer.scale, G=g, D=d, BLOCK_D=triton.next_power_of_2(d),
         BS=kv_cache.shape[2], CHUNK=chunk, TILE=max(16, chunk), BLOCK_G=max(16, triton.next_power_of_2(g)),
         PREC="ieee" if query.dtype == torch.float32 else None)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vllm_graft.hooks import AttentionLayer, AttentionMethod, PagedBatch, split_kv_cache
+from vllm_graft.hooks import BLOCKED, AttentionLayer, AttentionMethod, KVCacheLayout, PagedBatch
 
 from .._shared import fused_causal_attention, gather_kv
 from .policy import Budget, budget, load_head_map, window_chunks
@@ -220,6 +220,7 @@ class Stats:
 
 
 class Squeezed(AttentionMethod):
+    kv_layouts = ("blocked", "packed")  # every path reads through layer.kv_layout.split
     #: chunk selections kept for reuse between refreshes (oldest dropped first)
     MAX_SELECTIONS = 8192
 
@@ -327,7 +328,7 @@ def squeezed_attention(m: Squeezed, query: torch.Tensor, kv_cache: torch.Tensor,
         q0, q1 = qsl[i], qsl[i + 1]
         if q1 == q0:
             continue
-        k, v = gather_kv(kv_cache, batch.block_table[i, : -(-n // bs)], n, layer.head_size)
+        k, v = gather_kv(kv_cache, batch.block_table[i, : -(-n // bs)], n, layer.head_size, layer.kv_layout)
         if q1 - q0 > 1:
             if p.prefill == "sparse":
                 out[q0:q1] = sparse_rows(query[q0:q1], k, v, m, layer.scale, retrieval).to(query.dtype)
@@ -372,7 +373,7 @@ def squeezed_attention_triton(m: Squeezed, query: torch.Tensor, kv_cache: torch.
             seqs.append(i)
             lens.append(n)
         elif q1 > q0:  # prefill / chunked prefill: the PyTorch path
-            k, v = gather_kv(kv_cache, batch.block_table[i, : -(-n // bs)], n, layer.head_size)
+            k, v = gather_kv(kv_cache, batch.block_table[i, : -(-n // bs)], n, layer.head_size, layer.kv_layout)
             if p.prefill == "sparse":
                 out[q0:q1] = sparse_rows(query[q0:q1], k, v, m, layer.scale, retrieval).to(query.dtype)
             else:
@@ -384,7 +385,7 @@ def squeezed_attention_triton(m: Squeezed, query: torch.Tensor, kv_cache: torch.
     scores = chunk_scores_triton(query, kv_cache, batch, layer, p.chunk, rows, seqs, lens) \
         if need_scores else None
     masks = []
-    k_cache, _ = split_kv_cache(kv_cache)
+    k_cache, _ = layer.kv_layout.split(kv_cache)
     for r, (b, n) in enumerate(zip(budgets, lens)):
         row = batch.block_table[seqs[r]]
         key_at = lambda pos, row=row: k_cache[int(row[pos // bs]), 0, pos % bs].float()  # noqa: E731
@@ -392,7 +393,7 @@ def squeezed_attention_triton(m: Squeezed, query: torch.Tensor, kv_cache: torch.
         s = None
         if mk is None:
             if p.mode == "recycled" and not b.full:  # the full step's mass: PyTorch (reference)
-                k, _ = gather_kv(kv_cache, row[: -(-n // bs)], n, layer.head_size)
+                k, _ = gather_kv(kv_cache, row[: -(-n // bs)], n, layer.head_size, layer.kv_layout)
                 mk, s = choose(m, query[rows[r]], k, b, layer, retrieval)
             else:
                 s = scores[r, :, :b.num_chunks] if scores is not None and not b.full else None
@@ -427,21 +428,20 @@ class CentroidCache:
         return tuple(self.cent.shape)
 
     def lookup(self, kv_cache: torch.Tensor, blocks: torch.Tensor, subs: torch.Tensor,
-               complete: torch.Tensor) -> torch.Tensor:
+               complete: torch.Tensor, layout: KVCacheLayout = BLOCKED) -> torch.Tensor:
         """Centroids ``[..., H_kv, D]`` of the chunks ``(blocks, subs)`` (any shape); those marked
         ``complete`` are brought up to date first (the others are returned as they are: the
-        caller does not score them)."""
-        N, hkv, B, D2 = kv_cache.shape
-        D, c = D2 // 2, self.chunk
-        kv = kv_cache.view(N, hkv, 2, self.per_block, c, D)  # the layout of split_kv_cache
+        caller does not score them). The keys are read in ``layout``."""
+        keys_of = layout.split(kv_cache)[0].unflatten(2, (self.per_block, self.chunk))  # [N, H_kv, B/c, c, D]
+        c = self.chunk
         b, j = blocks[complete], subs[complete]
         if b.numel():
-            first = kv[b, 0, 0, j, 0].float()  # [U, D]: the chunk's first key, KV head 0
+            first = keys_of[b, 0, j, 0].float()  # [U, D]: the chunk's first key, KV head 0
             stale = (first != self.mark[b, j]).any(-1)  # NaN marks never match
             if bool(stale.any()):
                 flat = torch.unique(b[stale] * self.per_block + j[stale])
                 ub, uj = flat // self.per_block, flat % self.per_block
-                keys = kv[ub, :, 0, uj].float()  # [U, H_kv, c, D]
+                keys = keys_of[ub, :, uj].float()  # [U, H_kv, c, D]
                 self.cent[ub, :, uj] = keys.sum(2) / c
                 self.mark[ub, uj] = keys[:, 0, 0]
                 self.computed += flat.numel()
@@ -467,7 +467,7 @@ def squeezed_attention_batched(m: Squeezed, query: torch.Tensor, kv_cache: torch
         if q1 <= q0 or n <= 0:
             continue
         if q1 - q0 > 1:
-            k, v = gather_kv(kv_cache, batch.block_table[i, : -(-n // B)], n, layer.head_size)
+            k, v = gather_kv(kv_cache, batch.block_table[i, : -(-n // B)], n, layer.head_size, layer.kv_layout)
             out[q0:q1] = fused_causal_attention(query[q0:q1], k, v, layer.scale).to(query.dtype)
         else:
             decode.append(i)
@@ -493,7 +493,8 @@ def squeezed_attention_batched(m: Squeezed, query: torch.Tensor, kv_cache: torch
     sel = forced | (full & eligible)
     if bool(((extra > 0) & ~full).any()):
         complete = eligible & ((ci + 1) * c <= n[:, None]) & ~forced  # the chunks that get scores
-        cent = m.centroids(layer, kv_cache).lookup(kv_cache, blocks, subs, complete)  # [S, C, Hkv, D]
+        cent = m.centroids(layer, kv_cache).lookup(kv_cache, blocks, subs, complete,
+                                                                 layer.kv_layout)  # [S, C, Hkv, D]
         sc = (torch.einsum("shgd,schd->shgc", q, cent) * layer.scale).amax(2)  # [S, Hkv, C]
         sc = sc.masked_fill(~complete[:, None, :], float("-inf"))
         order = torch.argsort(sc, dim=2, descending=True, stable=True)
@@ -506,12 +507,15 @@ def squeezed_attention_batched(m: Squeezed, query: torch.Tensor, kv_cache: torch
     chosen = torch.where(sel, ci, C).sort(dim=-1).values[..., :K]  # [S, Hkv, K]; C = padding
     valid_chunk = chosen < C
     chosen = chosen.clamp(max=C - 1)
-    kv = kv_cache.view(N, hkv, 2, B // c, c, D)
     heads = torch.arange(hkv, device=dev)[None, :, None]
-    picked = kv[blocks.gather(1, chosen.view(S, -1)).view(S, hkv, K), heads, :,
-                chosen % (B // c)]  # [S, Hkv, K, 2, c, D]
-    k = picked[:, :, :, 0].reshape(S, hkv, K * c, D).float()
-    v = picked[:, :, :, 1].reshape(S, hkv, K * c, D).float()
+    at = (blocks.gather(1, chosen.view(S, -1)).view(S, hkv, K), heads)
+    if layer.kv_layout.name == BLOCKED.name:  # one gather of each chunk's keys and values
+        picked = kv_cache.view(N, hkv, 2, B // c, c, D)[at[0], at[1], :, chosen % (B // c)]  # [S, Hkv, K, 2, c, D]
+        k = picked[:, :, :, 0].reshape(S, hkv, K * c, D).float()
+        v = picked[:, :, :, 1].reshape(S, hkv, K * c, D).float()
+    else:  # one gather per split view
+        k, v = (part.unflatten(2, (B // c, c))[at[0], at[1], chosen % (B // c)].reshape(S, hkv, K * c, D).float()
+                for part in layer.kv_layout.split(kv_cache))
     pos = (chosen[..., None] * c + torch.arange(c, device=dev)).reshape(S, hkv, K * c)
     allowed = (valid_chunk[..., None].expand(S, hkv, K, c).reshape(S, hkv, K * c)) & (pos < n[:, None, None])
     mask = allowed.repeat_interleave(H // hkv, dim=1)[:, :, None, :]  # [S, H, 1, K*c]

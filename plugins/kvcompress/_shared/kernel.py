@@ -14,7 +14,8 @@ online softmax; their mass is 0), and the launcher sums the mass over each KV he
 query heads instead of over all heads.
 
 Shapes and strides: query ``[T, H, D]``; key/value caches ``[num_blocks, H_kv, B, D]``
-(views of vLLM's ``[num_blocks, H_kv, B, 2*D]`` per :func:`split_kv_cache`); block table
+(``layer.kv_layout.split`` of the layer's ``[num_blocks, H_kv, B, 2*D]``: each read with its own
+strides, so any layout and physical order works; unit stride along D); block table
 ``[S, max_blocks]``; head mask ``[S, H_kv, max_blocks]`` (int8); out ``[T, H, D]``; mass
 ``[S, H, max_blocks]`` (summed over heads, or over each KV head's group, by the launcher).
 ``B`` and ``D`` must be powers of two (vLLM CPU: B a multiple of 32).
@@ -25,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_graft.hooks import AttentionLayer, PagedBatch, split_kv_cache
-from vllm_graft.plugins.attention._shared import paged_attention_with_mass
+from vllm_graft.hooks import AttentionLayer, PagedBatch
+from vllm_graft.plugins.attention._shared import cache_strides, paged_attention_with_mass
 
 
 @triton.jit
@@ -93,7 +94,9 @@ def decode_attention_with_mass(query: torch.Tensor, k_cache: torch.Tensor, v_cac
     Hkv, B = k_cache.shape[1], k_cache.shape[2]
     if (B & (B - 1)) or (D & (D - 1)):
         raise ValueError(f"block size {B} and head size {D} must be powers of two for the Triton kernel")
-    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and query.stride(2) == 1
+    strides = cache_strides(k_cache, v_cache, "attention-with-mass triton kernel")
+    if query.stride(2) != 1:
+        query = query.contiguous()
     width = block_table.shape[1]
     out = torch.zeros(T, H, D, dtype=query.dtype, device=query.device)
     mass = torch.zeros(S, H, width, dtype=torch.float32, device=query.device)
@@ -106,8 +109,7 @@ def decode_attention_with_mass(query: torch.Tensor, k_cache: torch.Tensor, v_cac
     s_hs, s_hh = (0, 0) if head_mask is None else (hm.stride(0), hm.stride(1))
     _decode_mass_kernel[(S, H)](
         query, k_cache, v_cache, table, lens, rows, out, mass, bm, bl, hm,
-        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
+        query.stride(0), query.stride(1), *strides, table.stride(0),
         out.stride(0), out.stride(1), mass.stride(0), mass.stride(1), s_hs, s_hh,
         float(scale), GROUP=H // Hkv, B=B, D=D, HAS_MASK=head_mask is not None,
     )
@@ -132,7 +134,7 @@ def attention_with_mass(query: torch.Tensor, kv_cache: torch.Tensor, batch: Page
     if bool(decode.any()):
         seqs = decode.nonzero().flatten()
         rows = qsl[:-1][seqs].long()
-        k_cache, v_cache = split_kv_cache(kv_cache)
+        k_cache, v_cache = layer.kv_layout.split(kv_cache)
         d_out, d_mass = decode_attention_with_mass(query, k_cache, v_cache, batch.block_table[seqs],
                                                    batch.seq_lens[seqs], rows, layer.scale,
                                                    None if head_mask is None else head_mask[seqs])

@@ -10,6 +10,7 @@ from .._shared.policy import adaptive_head_budget, with_pinned
 
 
 class AdaKV(KVCompressor):
+    kv_layouts = ("blocked", "packed")  # attend reads through layer.kv_layout.split (reference and kernel)
     needs_scores = True
     per_head = True
 

@@ -15,6 +15,7 @@ from .._shared.policy import sink_window, top_blocks, with_pinned
 
 
 class H2O(KVCompressor):
+    kv_layouts = ("blocked", "packed")  # attend reads through layer.kv_layout.split (reference and kernel)
     needs_scores = True
 
     def keep(self, view: BlockView) -> list[int]:

@@ -11,7 +11,9 @@ GQA: query head ``h`` reads KV head ``h // (H / H_kv)``.
 
 Float16 parameters are read as two bytes and bitcast (the page is ``uint8``). ``B`` and
 ``D/2`` must be powers of two (tl.arange); the layout is :mod:`.reference`'s (its offsets
-from :mod:`.layout`).
+from :mod:`.layout`). The page ``[N, H_kv, B, C]`` is read through the view's block, head and
+token strides (a unit stride along ``C`` is required), so any physical order of the first three
+dims works (vLLM's CUDA backends allocate NHD, ``[N, B, H_kv, C]``).
 """
 from __future__ import annotations
 
@@ -121,7 +123,11 @@ def paged_attention_kv4_triton(query: torch.Tensor, kv_cache: torch.Tensor, batc
         return out
     rows = int(seq_of.numel())
     table = batch.block_table.contiguous()
-    cache = kv_cache if kv_cache.is_contiguous() else kv_cache.contiguous()
+    if kv_cache.stride(3) != 1:
+        raise ValueError(f"kv4 triton kernel: the cache needs a unit stride along its byte dim, got strides "
+                         f"{tuple(kv_cache.stride())}; pass the layer's [N, H_kv, B, C] view of a cache whose "
+                         "last dim is contiguous")
+    cache = kv_cache
     _kv4_attention_kernel[(rows, H)](
         query, cache, table, seq_of.to(torch.int32).contiguous(), pos.to(torch.int32).contiguous(), out,
         query.stride(0), query.stride(1), cache.stride(0), cache.stride(1), cache.stride(2),

@@ -243,6 +243,12 @@ from vllm_graft.hooks import KVCacheFormat  # noqa: E402
 class KV4(KVCacheFormat):
     """The ``kv4`` storage format (see the module doc)."""
 
+    #: The page is kv4's own byte rows (no K|V split, so the layout's split does not apply): the
+    #: reference writes and reads it by indexing the 4-D ``[N, H_kv, B, C]`` view (which follows
+    #: its strides) and the kernel takes the view's strides, so it holds in either layout and any
+    #: physical order of the first three dims (tests/kernels/test_layouts.py).
+    kv_layouts = ("blocked", "packed")
+
     def bytes_per_token(self, head_size: int, block_size: int) -> int:
         return bytes_per_token(head_size, block_size, self.params.value_group_size)
 

@@ -9,6 +9,7 @@ from .._shared.policy import top_blocks, with_pinned
 
 
 class SnapKV(KVCompressor):
+    kv_layouts = ("blocked", "packed")  # attend reads through layer.kv_layout.split (reference and kernel)
     needs_scores = True
 
     def score_positions(self, num_prompt_tokens: int) -> tuple[int, int]:

@@ -88,8 +88,8 @@ def verify_pass_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     pass's keys/values into the paged cache (vLLM does, before attention): ``out [R, Hq, D]``.
 
     The pass's ``R`` queries ``q [R, Hq, D]`` are the sequence's last ``R`` positions (the root,
-    then the tree's nodes); keys/values of all ``seq_len`` positions are read from the cache in
-    the layout of ``split_kv_cache`` (``[num_blocks, Hkv, block_size, D]`` each). Every query sees
+    then the tree's nodes); keys/values of all ``seq_len`` positions are read from the cache views
+    ``[num_blocks, Hkv, block_size, D]`` that ``layer.kv_layout.split`` gives (any strides). Every query sees
     the ``seq_len - R`` positions before the pass; among the pass's own, query ``r`` sees ``j``
     where ``pass_mask[r, j]`` (``[R, R]`` bool: the root's ancestor mask of the tree with the root
     as node 0, :meth:`.tree.DraftTree.with_root`). Same result as :func:`tree_attention` (its
