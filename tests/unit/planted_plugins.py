@@ -6,10 +6,13 @@ kit must fail it naming that method. Registered as the kit sees any plugin: a
 (:func:`planted`), not installed through an entry point."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from pydantic import BaseModel
 
 from vllm_graft.hooks import (
+    BLOCKED,
     AttentionMethod,
     Capabilities,
     Kind,
@@ -121,10 +124,48 @@ class PerHeadIgnoresMask(PerHead):
         return out, (mass / hkv)[:, None, :].expand(-1, hkv, -1).contiguous()
 
 
+class ScoredClaimsPackedReadsBlocked(Scored):
+    """Claims the packed layout, but its attend reads the cache in the blocked memory order."""
+
+    kv_layouts = ("blocked", "packed")
+
+    def attend(self, query, kv_cache, batch, layer, observe):
+        return paged_attention_with_mass(query, kv_cache, batch, dataclasses.replace(layer, kv_layout=BLOCKED),
+                                         observe)
+
+
 # ------------------------------------------------------------------------------- attention
 class Exact(AttentionMethod):
     def forward(self, query, kv_cache, batch, layer, plan=None):
         return paged_attention(query, kv_cache, batch, layer)
+
+
+class ExactPacked(Exact):
+    """Correct, in both layouts."""
+
+    kv_layouts = ("blocked", "packed")
+
+
+class ClaimsPackedReadsBlocked(ExactPacked):
+    """Claims the packed layout, but reads the cache in the blocked memory order (ignores
+    ``layer.kv_layout``)."""
+
+    def forward(self, query, kv_cache, batch, layer, plan=None):
+        return paged_attention(query, kv_cache, batch, dataclasses.replace(layer, kv_layout=BLOCKED))
+
+
+class ClaimsPackedViewsBlocked(ExactPacked):
+    """Claims the packed layout, but views the cache as blocked memory (``view`` fails on an
+    NHD-ordered cache)."""
+
+    def forward(self, query, kv_cache, batch, layer, plan=None):
+        n, h, b, c = kv_cache.shape
+        kv_cache.view(n, h, 2, b, c // 2)
+        return super().forward(query, kv_cache, batch, layer)
+
+
+class UnknownLayout(Exact):
+    kv_layouts = ("paged-nhd",)
 
 
 class ForwardZeros(AttentionMethod):

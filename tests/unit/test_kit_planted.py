@@ -71,6 +71,27 @@ def test_attention_planted():
     fails(planted(Kind.ATTENTION, pp.HostKernelButSparse), "uses_host_kernel()", "forward() differs")
 
 
+def test_layouts_are_exercised_as_claimed():
+    """Every case runs in each cache the plugin's kv_layouts claims (blocked; packed as NHD and
+    HND), and only those; a plugin that claims packed but reads blocked memory fails."""
+    t = planted(Kind.ATTENTION, pp.ExactPacked, lossless=True)
+    labels = [label for label, _ in c.exercise_attention(t, c.build(t), "float32", True)]
+    assert [x.split(" max|err|")[0] for x in labels[:3]] == [
+        "H=4 Hkv=2 D=64 block=16 float32", "H=4 Hkv=2 D=64 block=16 float32 packed-NHD",
+        "H=4 Hkv=2 D=64 block=16 float32 packed-HND"]
+    assert len(labels) == 9
+    t = planted(Kind.ATTENTION, pp.Exact, lossless=True)
+    assert not any("packed" in label for label, _ in c.exercise_attention(t, c.build(t), "float32", True))
+    fails(planted(Kind.ATTENTION, pp.ClaimsPackedReadsBlocked, lossless=True),
+          "declared lossless, but forward() differs", "packed-NHD")
+    fails(planted(Kind.ATTENTION, pp.ClaimsPackedReadsBlocked), "position 0", "packed-NHD")  # lossy too
+    fails(planted(Kind.ATTENTION, pp.ClaimsPackedViewsBlocked, lossless=True), "forward() raised RuntimeError",
+          "packed-NHD", "layer.kv_layout.split")
+    fails(planted(Kind.ATTENTION, pp.UnknownLayout, lossless=True), "kv_layouts = ('paged-nhd',)",
+          "'blocked', 'packed'")
+    fails(planted(Kind.KVCOMPRESS, pp.ScoredClaimsPackedReadsBlocked), "attend() output differs", "packed-NHD")
+
+
 # ----------------------------------------------------------------------------- speculative
 def test_speculative_planted():
     assert c.check_contract(planted(Kind.SPECULATIVE, pp.Repeat, lossless=True))

@@ -4,12 +4,21 @@ oracle (:func:`exact_attention`; with the attention mass, :func:`exact_attention
 oracle of ``KVCompressor.attend`` and of the KV storage-format exercise): exactly for a lossless
 plugin or one whose ``uses_host_kernel()`` is True, and for every plugin at the first position
 of a sequence (one key: any causal attention returns its value).
+
+Each case runs in every cache the plugin's ``kv_layouts`` claims (:func:`claimed_caches`): the
+blocked layout, and for ``packed`` both physical orders vLLM's CUDA backends use (a logical
+``[N, H_kv, B, 2D]`` view of ``[N, B, H_kv, 2D]``, and ``[N, H_kv, B, 2D]`` itself), the same
+tokens written into each by ``KVCacheLayout.write``; the oracle reads through the layout's split.
+A plugin that claims ``packed`` but reads the blocked memory order gets wrong numbers (or an
+error) there and fails.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from vllm_graft.hooks import AttentionLayer, PagedBatch
+import dataclasses
+
+from vllm_graft.hooks import BLOCKED, KV_LAYOUTS, PACKED, AttentionLayer, KVCacheLayout, PagedBatch
 from vllm_graft.kit.conformance.base import (
     Skipped,
     Target,
@@ -29,7 +38,42 @@ ATTENTION_SHAPES = [  # (heads, kv heads, head size, block size)
 ATTENTION_SEQS = [(7, 7), (40, 1), (19, 3), (33, 1)]
 
 
-def attention_case(shape: tuple[int, int, int, int], dtype: str, seed: int):
+#: The caches a claimed layout is exercised in (a layout name -> the physical orders tried).
+LAYOUT_CACHES = {"blocked": ("blocked",), "packed": ("packed-NHD", "packed-HND")}
+
+
+def claimed_caches(t: Target, impl: Any) -> list[str]:
+    """The caches to exercise ``impl`` in: those of each layout its ``kv_layouts`` names."""
+    names = getattr(impl, "kv_layouts", ("blocked",))
+    if isinstance(names, str) or not names or any(n not in KV_LAYOUTS for n in names):
+        raise t.fail(f"kv_layouts = {names!r}; it must be a non-empty tuple of layout names from "
+                     f"{sorted(KV_LAYOUTS)} (the layouts its reads of the cache handle)")
+    return [c for n in names for c in LAYOUT_CACHES[n]]
+
+
+def relaid_cache(kv, cache: str) -> tuple[KVCacheLayout, Any]:
+    """The keys and values of the blocked cache ``kv [N, H_kv, B, 2D]`` written by
+    ``KVCacheLayout.write`` into a fresh (NaN-filled) cache ``cache`` (a name of
+    :data:`LAYOUT_CACHES`); returns its layout and the logical ``[N, H_kv, B, 2D]`` view."""
+    torch = torch_module()
+    n, hkv, bs, c = kv.shape
+    if cache == "blocked":
+        return BLOCKED, kv
+    if cache == "packed-NHD":
+        out = torch.full((n, bs, hkv, c), float("nan"), dtype=kv.dtype).permute(0, 2, 1, 3)
+    elif cache == "packed-HND":
+        out = torch.full((n, hkv, bs, c), float("nan"), dtype=kv.dtype)
+    else:
+        raise ValueError(f"unknown cache {cache!r}; expected one of {[x for v in LAYOUT_CACHES.values() for x in v]}")
+    k, v = BLOCKED.split(kv)
+    tokens = lambda x: x.permute(0, 2, 1, 3).reshape(n * bs, hkv, c // 2)  # noqa: E731  (slot order)
+    PACKED.write(tokens(k), tokens(v), out, torch.arange(n * bs))
+    return PACKED, out
+
+
+def attention_case(shape: tuple[int, int, int, int], dtype: str, seed: int, cache: str = "blocked"):
+    """Queries, a paged cache (in ``cache``, see :func:`relaid_cache`; the same tokens for every
+    cache), the batch and the layer (its ``kv_layout`` the cache's)."""
     torch = torch_module()
     h, hkv, d, bs = shape
     g = torch.Generator().manual_seed(seed)
@@ -55,12 +99,15 @@ def attention_case(shape: tuple[int, int, int, int], dtype: str, seed: int):
     kv = torch.randn(num_blocks, hkv, bs, 2 * d, generator=g).to(dt)
     q = torch.randn(qsl[-1], h, d, generator=g).to(dt)
     layer = AttentionLayer(num_heads=h, num_kv_heads=hkv, head_size=d, scale=d ** -0.5, block_size=bs)
+    if cache != "blocked":
+        layout, kv = relaid_cache(kv, cache)
+        layer = dataclasses.replace(layer, kv_layout=layout)
     return q, kv, batch, layer
 
 
 def exact_attention(q, kv, batch: PagedBatch, layer: AttentionLayer):
-    """The kit's own oracle: token-by-token gather of the paged cache (per block and head,
-    ``block_size`` keys then ``block_size`` values), causal softmax in float64."""
+    """The kit's own oracle: token-by-token gather of the paged cache (through
+    ``layer.kv_layout.split``), causal softmax in float64."""
     return exact_attention_with_mass(q, kv, batch, layer)[0]
 
 
@@ -74,13 +121,12 @@ def exact_attention_with_mass(q, kv, batch: PagedBatch, layer: AttentionLayer, o
     (for its group of query heads), and ``mass`` is ``[num_seqs, H_kv, max_blocks]``, summed over
     the query heads of each KV head's group."""
     torch = torch_module()
-    bs, d = layer.block_size, layer.head_size
-    flat = kv.reshape(kv.shape[0], kv.shape[1], 2 * bs * d)  # per block and KV head
+    bs = layer.block_size
+    parts = layer.kv_layout.split(kv)  # K, V [N, H_kv, B, D]
     group = layer.num_heads // layer.num_kv_heads
 
     def token(i: int, p: int, which: int):  # which 0: key, 1: value
-        start = (which * bs + p % bs) * d
-        return flat[int(batch.block_table[i, p // bs]), :, start:start + d]
+        return parts[which][int(batch.block_table[i, p // bs]), :, p % bs]
 
     num_seqs, width = batch.block_table.shape
     out = torch.zeros(q.shape, dtype=torch.float64)
@@ -139,33 +185,56 @@ def exercise_attention(t: Target, impl: Any, dtype: str, rules: bool) -> list[tu
     lossless = t.entry.registration.capabilities.lossless
     sizes = t.entry.registration.capabilities.head_sizes
     host = bool(impl.uses_host_kernel()) if rules else False
+    caches = claimed_caches(t, impl)
     for j, shape in enumerate(ATTENTION_SHAPES):
         if sizes is not None and shape[2] not in sizes:
             continue
-        q, kv, batch, layer = attention_case(shape, dtype, seed=100 + j)
-        kv_before, q_before = kv.clone(), q.clone()
-        plan = impl.plan(batch)
-        out = impl.forward(q, kv, batch, layer, plan)
-        label = f"H={shape[0]} Hkv={shape[1]} D={shape[2]} block={shape[3]} {dtype}"
-        if rules:
-            if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype:
-                raise t.fail(f"forward returned {getattr(out, 'shape', out)} "
-                             f"{getattr(out, 'dtype', '')} for query {tuple(q.shape)} {q.dtype} "
-                             f"({label}); it must return [T, H, D] in the query's dtype")
-            if not torch.isfinite(out).all():
-                raise t.fail(f"forward returned non-finite values ({label})")
-            if not (torch.equal(kv, kv_before) and torch.equal(q, q_before)):
-                raise t.fail(f"forward modified its query or KV cache in place ({label})")
-            if lossless or host:
-                err = max_err(out, exact_attention(q, kv, batch, layer))
-                if err > tolerance(dtype) * 10:
-                    why = "declared lossless" if lossless else \
-                        "uses_host_kernel() is True (the host's kernel then replaces forward())"
-                    raise t.fail(f"{why}, but forward() differs from exact causal "
-                                 f"attention by {err:.3g} ({label})")
-                label += f" max|err| vs exact {err:.2e}"
-            _check_first_token(t, out, q, kv, batch, layer, dtype, label)
-        results.append((label, out))
+        for cache in caches:
+            results.append(_attention_once(t, impl, shape, j, cache, dtype, rules, lossless, host))
     if not results:
         raise Skipped(f"declares head sizes {sizes}; the kit generates {sorted({s[2] for s in ATTENTION_SHAPES})}")
     return results
+
+
+def call_in_cache(t: Target, cache: str, label: str, method: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``; an error in a cache other than the blocked one is reported as
+    the plugin's claim of that layout failing."""
+    if cache == "blocked":
+        return fn(*args, **kwargs)
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - reported with the layout it claims
+        raise t.fail(f"{method} raised {type(e).__name__}: {e} ({label}); kv_layouts claims "
+                     f"{cache.split('-')[0]!r}, so it must read the cache through "
+                     "layer.kv_layout.split(kv_cache), whatever the view's strides") from None
+
+
+def _attention_once(t: Target, impl: Any, shape, j: int, cache: str, dtype: str, rules: bool,
+                    lossless: bool, host: bool) -> tuple[str, Any]:
+    torch = torch_module()
+    q, kv, batch, layer = attention_case(shape, dtype, seed=100 + j, cache=cache)
+    kv_before, q_before = kv.clone(), q.clone()
+    label = f"H={shape[0]} Hkv={shape[1]} D={shape[2]} block={shape[3]} {dtype}"
+    if cache != "blocked":
+        label += f" {cache}"
+    plan = impl.plan(batch)
+    out = call_in_cache(t, cache, label, "forward()", impl.forward, q, kv, batch, layer, plan)
+    if rules:
+        if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype:
+            raise t.fail(f"forward returned {getattr(out, 'shape', out)} "
+                         f"{getattr(out, 'dtype', '')} for query {tuple(q.shape)} {q.dtype} "
+                         f"({label}); it must return [T, H, D] in the query's dtype")
+        if not torch.isfinite(out).all():
+            raise t.fail(f"forward returned non-finite values ({label})")
+        if not (torch.equal(kv, kv_before) and torch.equal(q, q_before)):
+            raise t.fail(f"forward modified its query or KV cache in place ({label})")
+        if lossless or host:
+            err = max_err(out, exact_attention(q, kv, batch, layer))
+            if err > tolerance(dtype) * 10:
+                why = "declared lossless" if lossless else \
+                    "uses_host_kernel() is True (the host's kernel then replaces forward())"
+                raise t.fail(f"{why}, but forward() differs from exact causal "
+                             f"attention by {err:.3g} ({label})")
+            label += f" max|err| vs exact {err:.2e}"
+        _check_first_token(t, out, q, kv, batch, layer, dtype, label)
+    return label, out

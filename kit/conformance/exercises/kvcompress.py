@@ -31,6 +31,8 @@ from vllm_graft.kit.conformance.exercises.attention import (
     ATTENTION_SEQS,
     ATTENTION_SHAPES,
     attention_case,
+    call_in_cache,
+    claimed_caches,
     exact_attention,
     exact_attention_with_mass,
 )
@@ -147,67 +149,79 @@ def exercise_attend(t: Target, impl: Any, dtype: str, rules: bool) -> list[tuple
     sizes 64 and 128; blocks of 16 and 32; the block table's unused tail pointing at other
     sequences' blocks), with a mix of observed queries; per KV head with a random ``head_mask``
     for a ``per_head`` compressor. Output and mass are compared with the kit's float64
-    computation (:func:`~.attention.exact_attention_with_mass`)."""
-    torch = torch_module()
+    computation (:func:`~.attention.exact_attention_with_mass`), in every cache its
+    ``kv_layouts`` claims (:func:`~.attention.claimed_caches`)."""
     per_head = bool(getattr(impl, "per_head", False))
     sizes = t.entry.registration.capabilities.head_sizes
     results = []
+    caches = claimed_caches(t, impl)
     for j, shape in enumerate(ATTENTION_SHAPES):
         h, hkv, d, bs = shape
         if sizes is not None and d not in sizes:
             continue
-        q, kv, batch, layer = attention_case(shape, dtype, seed=200 + j)
-        observe = _observed(q.shape[0])
-        head_mask = _head_mask(batch, hkv, bs, seed=210 + j) if per_head else None
-        label = f"attend H={h} Hkv={hkv} D={d} block={bs} {dtype}" + (" per KV head" if per_head else "")
-        before = [x.clone() for x in (q, kv, observe)]
-        if per_head:
-            got = impl.attend(q, kv, batch, layer, observe, head_mask=head_mask.clone())
-        else:
-            got = impl.attend(q, kv, batch, layer, observe)
-        try:
-            out, mass = got
-        except (TypeError, ValueError):
-            raise t.fail(f"attend() returned {type(got).__name__}; it must return (out [T, H, D], mass) "
-                         f"({label})") from None
-        if rules:
-            want_mass = (batch.block_table.shape[0], hkv, batch.block_table.shape[1]) if per_head \
-                else tuple(batch.block_table.shape)
-            if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype:
-                raise t.fail(f"attend() returned out {getattr(out, 'shape', out)} {getattr(out, 'dtype', '')} "
-                             f"for query {tuple(q.shape)} {q.dtype} ({label}); it must be [T, H, D] in "
-                             "the query's dtype")
-            if not isinstance(mass, torch.Tensor) or tuple(mass.shape) != want_mass or not mass.is_floating_point():
-                raise t.fail(f"attend() returned mass {getattr(mass, 'shape', mass)} "
-                             f"{getattr(mass, 'dtype', '')} ({label}); it must be a floating tensor "
-                             + (f"[num_seqs, H_kv, max_blocks] = {list(want_mass)} (per KV head, with head_mask)"
-                                if per_head else f"[num_seqs, max_blocks] = {list(want_mass)}"))
-            if not (torch.isfinite(out).all() and torch.isfinite(mass.float()).all()):
-                raise t.fail(f"attend() returned non-finite values ({label})")
-            if not all(torch.equal(a, b) for a, b in zip((q, kv, observe), before)):
-                raise t.fail(f"attend() modified its query, KV cache or observe in place ({label})")
-            exact, exact_mass = exact_attention_with_mass(q, kv, batch, layer, observe, head_mask)
-            err = max_err(out, exact)
-            if not err <= tolerance(dtype) * 10:
-                raise t.fail(f"attend() output differs from exact causal attention over the paged batch "
-                             f"{'(each KV head masked to its head_mask blocks) ' if per_head else ''}by "
-                             f"{err:.3g} ({label}); it must compute the layer's attention as "
-                             "AttentionMethod.forward does")
-            merr = max_err(mass, exact_mass)
-            if not merr <= tolerance(dtype) * 10:
-                diff = (mass.double() - exact_mass).abs()
-                at = tuple(int(x) for x in (diff == diff.max()).nonzero()[0])
-                raise t.fail(
-                    f"attend() mass differs from the kit's exact computation by {merr:.3g} at mass{list(at)}: "
-                    f"got {mass[at].item():.4g}, expected {exact_mass[at].item():.4g} ({label}); mass must be "
-                    "the softmax probability the observed queries (observe[t] True) put on the keys of each "
-                    "block-table column, summed over " + ("the query heads of each KV head" if per_head else
-                                                         "heads") + " and those queries (got per sequence "
-                    f"{[round(x, 3) for x in mass.double().flatten(1).sum(1).tolist()]}, expected "
-                    f"{[round(x, 3) for x in exact_mass.flatten(1).sum(1).tolist()]})")
-            label += f" max|err| out {err:.2e} mass {merr:.2e}"
-        results.append((label, (out, mass)))
+        for cache in caches:
+            results.append(_attend_once(t, impl, shape, j, cache, dtype, rules, per_head))
     return results
+
+
+def _attend_once(t: Target, impl: Any, shape, j: int, cache: str, dtype: str, rules: bool,
+                 per_head: bool) -> tuple[str, Any]:
+    torch = torch_module()
+    h, hkv, d, bs = shape
+    q, kv, batch, layer = attention_case(shape, dtype, seed=200 + j, cache=cache)
+    observe = _observed(q.shape[0])
+    head_mask = _head_mask(batch, hkv, bs, seed=210 + j) if per_head else None
+    label = f"attend H={h} Hkv={hkv} D={d} block={bs} {dtype}" + (" per KV head" if per_head else "")
+    if cache != "blocked":
+        label += f" {cache}"
+    before = [x.clone() for x in (q, kv, observe)]
+    if per_head:
+        got = call_in_cache(t, cache, label, "attend()", impl.attend, q, kv, batch, layer, observe,
+                            head_mask=head_mask.clone())
+    else:
+        got = call_in_cache(t, cache, label, "attend()", impl.attend, q, kv, batch, layer, observe)
+    try:
+        out, mass = got
+    except (TypeError, ValueError):
+        raise t.fail(f"attend() returned {type(got).__name__}; it must return (out [T, H, D], mass) "
+                     f"({label})") from None
+    if rules:
+        want_mass = (batch.block_table.shape[0], hkv, batch.block_table.shape[1]) if per_head \
+            else tuple(batch.block_table.shape)
+        if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype:
+            raise t.fail(f"attend() returned out {getattr(out, 'shape', out)} {getattr(out, 'dtype', '')} "
+                         f"for query {tuple(q.shape)} {q.dtype} ({label}); it must be [T, H, D] in "
+                         "the query's dtype")
+        if not isinstance(mass, torch.Tensor) or tuple(mass.shape) != want_mass or not mass.is_floating_point():
+            raise t.fail(f"attend() returned mass {getattr(mass, 'shape', mass)} "
+                         f"{getattr(mass, 'dtype', '')} ({label}); it must be a floating tensor "
+                         + (f"[num_seqs, H_kv, max_blocks] = {list(want_mass)} (per KV head, with head_mask)"
+                            if per_head else f"[num_seqs, max_blocks] = {list(want_mass)}"))
+        if not (torch.isfinite(out).all() and torch.isfinite(mass.float()).all()):
+            raise t.fail(f"attend() returned non-finite values ({label})")
+        if not all(torch.equal(a, b) for a, b in zip((q, kv, observe), before)):
+            raise t.fail(f"attend() modified its query, KV cache or observe in place ({label})")
+        exact, exact_mass = exact_attention_with_mass(q, kv, batch, layer, observe, head_mask)
+        err = max_err(out, exact)
+        if not err <= tolerance(dtype) * 10:
+            raise t.fail(f"attend() output differs from exact causal attention over the paged batch "
+                         f"{'(each KV head masked to its head_mask blocks) ' if per_head else ''}by "
+                         f"{err:.3g} ({label}); it must compute the layer's attention as "
+                         "AttentionMethod.forward does")
+        merr = max_err(mass, exact_mass)
+        if not merr <= tolerance(dtype) * 10:
+            diff = (mass.double() - exact_mass).abs()
+            at = tuple(int(x) for x in (diff == diff.max()).nonzero()[0])
+            raise t.fail(
+                f"attend() mass differs from the kit's exact computation by {merr:.3g} at mass{list(at)}: "
+                f"got {mass[at].item():.4g}, expected {exact_mass[at].item():.4g} ({label}); mass must be "
+                "the softmax probability the observed queries (observe[t] True) put on the keys of each "
+                "block-table column, summed over " + ("the query heads of each KV head" if per_head else
+                                                     "heads") + " and those queries (got per sequence "
+                f"{[round(x, 3) for x in mass.double().flatten(1).sum(1).tolist()]}, expected "
+                f"{[round(x, 3) for x in exact_mass.flatten(1).sum(1).tolist()]})")
+        label += f" max|err| out {err:.2e} mass {merr:.2e}"
+    return label, (out, mass)
 
 
 def exercise_keep_heads(t: Target, impl: Any, rules: bool) -> list[tuple[str, Any]]:
