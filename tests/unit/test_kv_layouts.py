@@ -9,11 +9,40 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_graft.hooks import AttentionMethod, Kind, KVCacheFormat, get_registry
-from vllm_graft.kit.conformance.exercises.attention import ATTENTION_SHAPES, attention_case
+import dataclasses
+
+from vllm_graft.hooks import AttentionLayer, AttentionMethod, Kind, KVCacheFormat, PagedBatch, get_registry
+from vllm_graft.kit.conformance.exercises.attention import relaid_cache
 from vllm_graft.kit.conformance.exercises.kvcompress import _head_mask, _observed
 
 CACHES = ("blocked", "packed-NHD", "packed-HND")
+#: (tokens in the cache, new tokens) per sequence: long decodes (sparse methods choose among
+#: their chunks), a chunked prefill, a prefill; and two sequences sharing prefix blocks (hydragen)
+SEQS = [(200, 1), (37, 1), (19, 3), (130, 1), (24, 24)]
+SHAPES = [(4, 2, 64, 16), (4, 4, 32, 32)]
+
+
+def case(shape, seed):
+    h, hkv, d, bs = shape
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // bs) for n, _ in SEQS]
+    num_blocks = sum(need) + 2
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    table = torch.zeros(len(SEQS), max(need) + 1, dtype=torch.int32)
+    at = 0
+    for i, k in enumerate(need):
+        table[i, :k] = torch.tensor(perm[at:at + k])
+        table[i, k:] = perm[-1]
+        at += k
+    table[3, :2] = table[0, :2]  # sequences 0 and 3 share their first two blocks
+    qsl = [0]
+    for _, q in SEQS:
+        qsl.append(qsl[-1] + q)
+    batch = PagedBatch(torch.tensor(qsl, dtype=torch.int32), torch.tensor([n for n, _ in SEQS], dtype=torch.int32),
+                       table)
+    kv = torch.randn(num_blocks, hkv, bs, 2 * d, generator=g)
+    q = torch.randn(qsl[-1], h, d, generator=g)
+    return q, kv, batch, AttentionLayer(h, hkv, d, d ** -0.5, bs, index=0)
 
 
 def shipped(kind: Kind):
@@ -24,8 +53,10 @@ def readers():
     """(spec, entry, params): each shipped attention method and scored compressor, with the
     parameter sets whose paths read the cache differently."""
     variants = {
-        "squeezed": [{}, {"cpu_path": "per-sequence"}, {"mode": "recycled", "refresh": 4},
-                     {"mode": "window"}, {"prefill": "sparse", "budget": 0.5}],
+        "squeezed": [{"sink_tokens": 16, "recent_tokens": 16, **p} for p in (
+            {}, {"cpu_path": "per-sequence"}, {"mode": "recycled", "refresh": 4}, {"mode": "window"},
+            {"prefill": "sparse"})],
+        "hydragen": [{"min_blocks": 1}],
     }
     out = []
     for e in shipped(Kind.ATTENTION):
@@ -43,13 +74,16 @@ def _build(entry, params):
 
 
 def _run(impl, shape, cache, seed):
-    q, kv, batch, layer = attention_case(shape, "float32", seed=seed, cache=cache)
+    q, kv, batch, layer = case(shape, seed)
+    layout, kv = relaid_cache(kv, cache)
+    layer = dataclasses.replace(layer, kv_layout=layout)
     if isinstance(impl, AttentionMethod):
         return [impl.forward(q, kv, batch, layer, impl.plan(batch))]
     observe = _observed(q.shape[0])
     if getattr(impl, "per_head", False):
-        return list(impl.attend(q, kv, batch, layer, observe,
-                                head_mask=_head_mask(batch, layer.num_kv_heads, layer.block_size, seed + 1)))
+        mask = _head_mask(batch, layer.num_kv_heads, layer.block_size, seed + 1)
+        mask[:, :, 0] = True  # every query sees a key
+        return list(impl.attend(q, kv, batch, layer, observe, head_mask=mask))
     return list(impl.attend(q, kv, batch, layer, observe))
 
 
@@ -63,7 +97,7 @@ def test_every_shipped_reader_is_found():
 def test_same_output_in_every_layout(entry, params):
     assert set(_build(entry, params).kv_layouts) == {"blocked", "packed"}, \
         f"{entry.name} should claim both layouts (its reads go through layer.kv_layout.split)"
-    for j, shape in enumerate(ATTENTION_SHAPES[:2]):
+    for j, shape in enumerate(SHAPES):
         want = None
         for cache in CACHES:
             got = _run(_build(entry, params), shape, cache, seed=300 + j)  # fresh state per cache
