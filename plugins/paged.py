@@ -9,8 +9,10 @@ Importing this module imports torch, not Triton: the kernel's launcher imports T
 first called, so set ``TRITON_INTERPRET=1`` before that on a machine without a GPU.
 
 Shapes (vLLM's, see :mod:`vllm_graft.hooks.contracts`): ``query [T, H, D]`` (every sequence's
-new tokens packed), ``kv_cache [num_blocks, H_kv, block_size, 2*D]`` (per block and KV head the
-keys, then the values: :func:`~vllm_graft.hooks.split_kv_cache`), a
+new tokens packed), ``kv_cache [num_blocks, H_kv, block_size, 2*D]`` in the layout
+``layer.kv_layout`` says (:class:`~vllm_graft.hooks.KVCacheLayout`: blocked or packed, any
+physical order; every function here reads it through ``layer.kv_layout.split``, so a plugin built
+on them may claim ``kv_layouts = ("blocked", "packed")``), a
 :class:`~vllm_graft.hooks.PagedBatch` (``query_start_loc``, ``seq_lens``, ``block_table``) and
 the :class:`~vllm_graft.hooks.AttentionLayer` (``scale``, ``num_kv_heads``...). GQA: query head
 ``h`` reads KV head ``h // (H / H_kv)``. Results are computed in float32; ``out`` has the
@@ -31,7 +33,8 @@ query's dtype, ``mass`` is float32 on the query's device.
 * :func:`triton_attention_with_mass`: the Triton launcher (decode rows, one query each, in the
   kernel; rows with several queries through the reference). Block size and head size must be
   powers of two;
-* :func:`causal_attention`, :func:`gather_kv`: one sequence at a time, for a plugin's own loop.
+* :func:`causal_attention`, :func:`gather_kv` (pass ``layer.kv_layout``): one sequence at a time,
+  for a plugin's own loop.
 
 Example, a scored compressor (``needs_scores``)::
 
@@ -39,6 +42,7 @@ Example, a scored compressor (``needs_scores``)::
 
     class MyScorer(KVCompressor):
         needs_scores = True
+        kv_layouts = ("blocked", "packed")  # it reads only through paged_attention_with_mass
 
         def attend(self, query, kv_cache, batch, layer, observe):
             return paged_attention_with_mass(query, kv_cache, batch, layer, observe)
