@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from vllm_graft.hooks import AttentionLayer, MoEModel, PagedBatch, get_registry, split_kv_cache
+from vllm_graft.hooks import BLOCKED, AttentionLayer, MoEModel, PagedBatch, get_registry, split_kv_cache
 from vllm_graft.integration.adapters.moe.chain import MoEChain
 from vllm_graft.kit.conformance.checks import example_params
 from vllm_graft.kit.conformance.exercises.moe import MOE_EXPERTS, MOE_LAYERS, MOE_TOKENS, MOE_TOPK, model_topk
@@ -47,8 +47,8 @@ def test_every_moe_scheduler_composed_in_one_chain_keeps_the_router_device(devic
 
 
 def test_tree_attention_runs_on_the_device_and_matches_the_host(device, monkeypatch):
+    from tests.unit.test_spec_tree_engine import step_tree, verifier_with
     from vllm_graft.integration.adapters.speculative import tree as T
-    from vllm_graft.plugins.speculative._tree import ancestor_mask
 
     torch.manual_seed(0)
     heads, kv_heads, dim, block = 4, 2, 8, 4
@@ -58,13 +58,11 @@ def test_tree_attention_runs_on_the_device_and_matches_the_host(device, monkeypa
     table = torch.tensor([[3, 0, 0, 0], [5, 1, 7, 2]], dtype=torch.int32)
     layer = AttentionLayer(num_heads=heads, num_kv_heads=kv_heads, head_size=dim, scale=0.3, block_size=block)
     q = torch.randn(9, heads, dim)
-    pass_mask = ancestor_mask([-1, *(p + 1 for p in parents)])
     method = T.TreeAttention(None)
-    monkeypatch.setattr(T, "_ACTIVE", SimpleNamespace(plan=lambda: {1: pass_mask}))
+    monkeypatch.setattr(T, "_ACTIVE", verifier_with({1: step_tree(parents, start=3, context=7)}, others=True))
     host = method.forward(q, cache, PagedBatch(qsl, lens, table), layer, method.plan(PagedBatch(qsl, lens, table)))
     with device:
-        dq, dcache, dqsl, dlens, dtable, dmask = device.put(q, cache, qsl, lens, table, pass_mask)
-        monkeypatch.setattr(T, "_ACTIVE", SimpleNamespace(plan=lambda: {1: dmask}))
+        dq, dcache, dqsl, dlens, dtable = device.put(q, cache, qsl, lens, table)
         batch = PagedBatch(dqsl, dlens, dtable)
         out = method.forward(dq, dcache, batch, layer, method.plan(batch))
         assert out.device == dq.device
@@ -88,6 +86,8 @@ def test_the_tree_verifier_moves_kv_and_writes_its_verdict_on_the_device(device)
         logits, sampled = device.put(logits, sampled)
         v = T.TreeVerifier(lambda e, n=1: None)
         v.prepare(runner, {"r": (tokens, parents)}, np.array([1, 5]))
+        v.plan(PagedBatch(*device.put(torch.tensor([0, 1, 6], dtype=torch.int32), torch.tensor([10, 11]),
+                                      torch.zeros(2, 4, dtype=torch.int32)))).layout = BLOCKED
         with device.region("verify (step)"):
             v.verify(runner, logits, SimpleNamespace(num_draft_tokens=[0, 4]),
                      out := SimpleNamespace(sampled_token_ids=sampled))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_graft.hooks import AttentionLayer, PagedBatch, Proposer, split_kv_cache
+from vllm_graft.hooks import BLOCKED, AttentionLayer, PagedBatch, Proposer, split_kv_cache
 from vllm_graft.integration.adapters.speculative import tree as T
 from vllm_graft.integration.adapters.speculative.drafting import Drafting, first_path, is_chain
 
@@ -98,6 +98,23 @@ def _cache(num_blocks=6, heads=2, block=4, dim=8, seed=0):
     return torch.randn(num_blocks, heads, block, 2 * dim, generator=g)
 
 
+def step_tree(parents, start, context, slots=None):
+    """A tree's entry in the verifier's step (tokens do not matter to the attention)."""
+    from vllm_graft.plugins.speculative._tree import DraftTree, ancestor_mask
+
+    tree = DraftTree(list(range(1, len(parents) + 1)), parents)
+    mask = ancestor_mask([-1, *(p + 1 for p in parents)])  # the root as node 0
+    slots = np.zeros(len(parents) + 1, dtype=np.int64) if slots is None else slots
+    return T.StepTree(tree, slots, mask, start, context)
+
+
+def verifier_with(step, others):
+    """A TreeVerifier whose step holds ``step`` (batch row -> StepTree)."""
+    v = T.TreeVerifier(lambda e, n=1: None)
+    v.step, v.others = dict(step), others
+    return v
+
+
 def test_move_kv_copies_keys_and_values_between_slots():
     caches = [_cache(seed=1), _cache(seed=2)]
     before = [c.clone() for c in caches]
@@ -129,10 +146,7 @@ def test_tree_attention_method_masks_node_rows_and_leaves_the_others_causal(monk
                        block_table=torch.tensor([[3, 0, 0, 0], [5, 1, 7, 2]], dtype=torch.int32))
     layer = AttentionLayer(num_heads=heads, num_kv_heads=kv_heads, head_size=dim, scale=0.3, block_size=block)
     q = torch.randn(9, heads, dim)
-    from vllm_graft.plugins.speculative._tree import ancestor_mask
-
-    pass_mask = ancestor_mask([-1, *(p + 1 for p in parents)])  # the root as node 0
-    monkeypatch.setattr(T, "_ACTIVE", SimpleNamespace(plan=lambda: {1: pass_mask}))
+    monkeypatch.setattr(T, "_ACTIVE", verifier_with({1: step_tree(parents, start=3, context=7)}, others=True))
     method = T.TreeAttention(None)
     out = method.forward(q, cache, batch, layer, method.plan(batch))
     k, v = split_kv_cache(cache)
@@ -154,12 +168,15 @@ def test_tree_attention_method_masks_node_rows_and_leaves_the_others_causal(monk
             p = parents[p]
     assert torch.allclose(out[3:], _dense_tree_attention(q[3:], k1, v1, allowed, 0.3, 2), atol=1e-5)
     # the mask matters: plain causal attention differs on the nodes with non-ancestors before them
-    plain = method.forward(q, cache, batch, layer, {})
+    plain = method.forward(q, cache, batch, layer, None)
     assert torch.allclose(plain[:4], out[:4], atol=1e-5) and not torch.allclose(plain[5:], out[5:], atol=1e-3)
     # a batch of tree requests only; and the engine's path equals the oracle tree_attention
     solo = PagedBatch(query_start_loc=torch.tensor([0, 6], dtype=torch.int32), seq_lens=batch.seq_lens[1:],
                       block_table=batch.block_table[1:])
-    assert torch.allclose(method.forward(q[3:], cache, solo, layer, {0: pass_mask}), out[3:], atol=1e-6)
+    monkeypatch.setattr(T, "_ACTIVE", verifier_with({0: step_tree(parents, start=0, context=7)}, others=False))
+    solo_plan = method.plan(solo)
+    assert solo_plan.kernel is None  # host tensors: the PyTorch reference
+    assert torch.allclose(method.forward(q[3:], cache, solo, layer, solo_plan), out[3:], atol=1e-6)
     from vllm_graft.plugins.speculative._tree import tree_attention
 
     kb, vb = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
@@ -195,7 +212,9 @@ def test_verifier_positions_verdict_and_kv_moves():
     tokens, parents = [11, 12, 13, 14], [-1, -1, 1, 2]  # root -> 11 | root -> 12 -> 13 -> 14
     v.prepare(runner, {"r": (tokens, parents), "gone": ([1], [-1])}, np.array([1, 5]))
     assert runner.positions.tolist() == [100, 101, 7, 7, 8, 9]  # depths 1, 1, 2, 3 after position 6
+    assert v.others  # row 0 ("x") has a token and no tree
     (t,) = v.step.values()
+    assert (t.start, t.context) == (1, 6)
     # positions 6..10 of row 1 in blocks [2, 5, 3] of 4: slots 5*4+2, 5*4+3, 3*4+0, 3*4+1, 3*4+2
     assert t.slots.tolist() == [22, 23, 12, 13, 14]
     # logits rows: row 0 of request "x" (no drafts), then root + 4 nodes of "r"
@@ -205,6 +224,11 @@ def test_verifier_positions_verdict_and_kv_moves():
         logits[row, best] = 5.0
     sampled = torch.tensor([[3, -1, -1, -1, -1], [12, 0, 0, 0, 0]], dtype=torch.int32)  # vLLM's chain verdict
     before = runner.kv_caches[0].clone()
+    with pytest.raises(RuntimeError, match="layout is unknown"):  # no attention layer ran the plan
+        v.verify(runner, logits, SimpleNamespace(num_draft_tokens=[0, 4]), SimpleNamespace(sampled_token_ids=sampled.clone()))
+    v.prepare(runner, {"r": (tokens, parents)}, np.array([1, 5]))
+    plan = v.plan(SimpleNamespace(query_start_loc=torch.tensor([0, 1, 6], dtype=torch.int32)))
+    plan.layout = BLOCKED  # what the attention layers record
     v.verify(runner, logits, SimpleNamespace(num_draft_tokens=[0, 4]), SimpleNamespace(sampled_token_ids=sampled))
     assert sampled.tolist() == [[3, -1, -1, -1, -1], [12, 13, 0, -1, -1]]  # path 12, 13 + bonus 0
     # node 1 (token 12) moves from slot 12 to 23 (position 7), node 2 (13) from 13 to 12 (position 8)
@@ -236,6 +260,31 @@ def test_tree_mode_refuses_what_it_cannot_run_with():
     with pytest.raises(ValueError, match="one rank"):
         T.drafts_trees(e, plan)
     plan.deployment.engine["tensor_parallel_size"] = 1
-    plan.platform = "cuda"
-    with pytest.raises(ValueError, match="CPU engine only"):
+    plan.deployment.engine["pipeline_parallel_size"] = 2
+    with pytest.raises(ValueError, match="one rank"):
         T.drafts_trees(e, plan)
+    plan.deployment.engine["pipeline_parallel_size"] = 1
+    for platform in ("cpu", "cuda", None):  # CUDA: the Triton tree kernel, Model Runner V1
+        plan.platform = platform
+        assert T.drafts_trees(e, plan) is True
+    for platform in ("rocm", "xpu", "tpu"):
+        plan.platform = platform
+        with pytest.raises(ValueError, match=f"platform '{platform}' has neither path"):
+            T.drafts_trees(e, plan)
+    plan.platform = "cuda"
+    plan.deployment.engine["tensor_parallel_size"] = 2  # still one rank on CUDA
+    with pytest.raises(ValueError, match="one rank"):
+        T.drafts_trees(e, plan)
+
+
+def test_tree_patches_are_v1_only_so_the_runner_selects_v1():
+    """On CUDA the tree's patches (GPUModelRunner._prepare_inputs, _sample) are Model Runner V1's:
+    integration/runner.py sets VLLM_USE_V2_MODEL_RUNNER=0, or refuses an explicit 1."""
+    from vllm_graft.integration import runner, targets
+
+    patches = [targets.SPEC_SAMPLE, targets.SPEC_UPDATE_STATES, targets.SPEC_PREPARE_INPUTS]
+    assert all(p.runner == "v1" for p in patches)
+    assert targets.SPEC_PREPARE_INPUTS.params == ("scheduler_output", "num_scheduled_tokens")
+    assert targets.SPEC_SAMPLE.params == ("logits", "spec_decode_metadata")
+    assert runner.decide(patches, None).set_env
+    assert "_prepare_inputs" in (runner.decide(patches, "1").refusal or "")

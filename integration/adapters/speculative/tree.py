@@ -15,9 +15,14 @@ runner (``GPUModelRunner``, which the CPU runner inherits):
    stay vLLM's (computed from the original positions before the rewrite), so every node has
    its own slot.
 3. **Attention** (the graft attention backend, :mod:`..backend`, with :class:`TreeAttention` as
-   its method): every row gets exact causal paged attention (``plugins/attention/_shared``), and
-   the node rows of a tree request are recomputed with ``_tree.tree_attention``: node ``i``
-   sees the context (the root included) and its own ancestors-or-self only.
+   its method): rows without a tree get exact causal paged attention
+   (``plugins/attention/_shared``), and the rows of a tree request (root and nodes) attention
+   under its pass mask: node ``i`` sees the context (the root included) and its own
+   ancestors-or-self only. On CUDA the Triton kernel ``_tree.kernel`` computes them (the
+   context read from the paged cache, the pass's own keys/values gathered from their slots);
+   on CPU ``_tree.verify_pass_attention``. The cache is read through ``layer.kv_layout``
+   (blocked on CPU, packed on CUDA). The step's indices (:class:`TreePlan`) are built once on
+   the host and moved once; the layers read them without a host sync.
 4. **Verification** (patched ``_sample``, after vLLM's rejection sampler): for each tree
    request the logits rows (root, then node ``i`` at row ``i + 1``) go to
    ``_tree.verify_greedy`` (argmax; temperature 0) or ``_tree.verify_sampling`` (temperature
@@ -35,12 +40,14 @@ output or logprobs (what the verifier would have to reproduce of vLLM's sampler)
 others the tree is cut to its first root-to-leaf path and vLLM verifies that chain (counted as
 ``tree_cut_to_chain``). A seeded sampled request gets no drafts, as for chains.
 
-Limits, refused at start-up with the reason: one KV-cache group (plain decoder models); no
-attention plugin or KV compressor in the same deployment (the tree needs the backend's own
-attention and the cache's plain layout); the CPU engine (the CUDA route, Model Runner V2 and
-the Triton kernel ``_tree.kernel`` in the engine are not wired yet). The attention is the
-PyTorch reference: on CPU it is slower than vLLM's C++ kernel, so a tree's extra accepted
-tokens must pay for that (see BENCHMARKS.md).
+Limits, refused at start-up with the reason (:func:`drafts_trees`): one KV-cache group (plain
+decoder models); no attention plugin or KV compressor in the same deployment (the tree needs
+the backend's attention seam for itself); one rank (TP = PP = 1); vLLM's CPU engine or CUDA
+(other platforms have no path). On CUDA the patched methods are Model Runner V1's, which
+``integration/runner.py`` selects (vLLM also picks V1 for a ``custom_class`` proposer); the
+backend's full CUDA graphs are off while the method is set. On CPU the attention is the
+PyTorch reference, slower than vLLM's C++ kernel, so a tree's extra accepted tokens must pay
+for that (see BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -51,7 +58,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_graft.hooks import AttentionMethod, split_kv_cache
+from vllm_graft.hooks import BLOCKED, PACKED, AttentionMethod, KVCacheLayout
 
 log = logging.getLogger("vllm_graft")
 
@@ -83,11 +90,13 @@ def _tree_parts():
 
 @dataclass
 class StepTree:
-    """One request's tree in the current step."""
+    """One request's tree in the current step (host data, from ``_prepare_inputs``)."""
 
     tree: Any  # ``_tree.DraftTree``: the nodes' tokens, parents and depths
     slots: np.ndarray  # [N + 1] KV slots of the root and the nodes, as vLLM assigned them
     mask: torch.Tensor  # [N + 1, N + 1] bool: the pass's rows (root first) each row may see
+    start: int = 0  # the root's query row in the step
+    context: int = 0  # tokens before the root (the root's position)
 
 
 class TreeVerifier:
@@ -96,15 +105,20 @@ class TreeVerifier:
     def __init__(self, count) -> None:
         self.count = count
         self.step: dict[int, StepTree] = {}  # batch row -> its tree, this step
+        #: batch rows with query tokens this step that carry no tree (causal attention)
+        self.others = False
+        #: the step's attention plan (:class:`TreePlan`); its ``layout`` is the cache's
+        self.last_plan: TreePlan | None = None
 
     # ---- 2. positions -------------------------------------------------------------------
     def prepare(self, runner: Any, step_trees: dict[str, tuple[list[int], list[int]]],
                 num_scheduled: np.ndarray) -> None:
         """After vLLM's ``_prepare_inputs``: note this step's trees (request id -> ``(tokens,
-        parents)``, :attr:`.drafting.Drafting.step_trees`), rewrite node positions. A tree left
-        out here is verified by vLLM as the chain of its flattened nodes: still exact, as vLLM
-        then computes and checks them as one sequence."""
+        parents)``, :attr:`.drafting.Drafting.step_trees`), rewrite node positions (one copy to
+        the device per step). A tree left out here is verified by vLLM as the chain of its
+        flattened nodes: still exact, as vLLM then computes and checks them as one sequence."""
         self.step = {}
+        self.last_plan = None
         if not step_trees:
             return
         batch = runner.input_batch
@@ -117,6 +131,8 @@ class TreeVerifier:
         size = int(table.block_size)
         qsl = runner.query_start_loc.np
         tree_mod = _tree_parts()
+        rows: list[np.ndarray] = []
+        values: list[np.ndarray] = []
         for rid, (tokens, parents) in step_trees.items():
             row = batch.req_id_to_index.get(rid)
             n = len(parents)
@@ -125,107 +141,260 @@ class TreeVerifier:
             first = int(qsl[row])
             context = int(batch.num_computed_tokens_cpu[row])  # the root's position
             tree = tree_mod.DraftTree(tokens, parents)
-            runner.positions[first + 1:first + 1 + n] = (context + tree.depth).to(
-                runner.positions.device, runner.positions.dtype)
+            rows.append(np.arange(first + 1, first + 1 + n))
+            values.append(context + tree.depth.numpy())
             pos = context + np.arange(n + 1)
             slots = blocks[row, pos // size].astype(np.int64) * size + pos % size
             mask = tree_mod.ancestor_mask([-1, *(p + 1 for p in parents)])  # the root as node 0
-            self.step[row] = StepTree(tree, slots, mask)
+            self.step[row] = StepTree(tree, slots, mask, first, context)
+        if rows:
+            dev = runner.positions.device
+            index = torch.from_numpy(np.concatenate(rows)).to(dev)
+            runner.positions[index] = torch.from_numpy(np.concatenate(values)).to(dev, runner.positions.dtype)
+        self.others = any(int(num_scheduled[r]) > 0 for r in range(len(num_scheduled)) if r not in self.step)
 
-    def plan(self) -> dict[int, torch.Tensor]:
-        """For the attention: batch row -> the pass mask of its tree (root first)."""
-        return {row: t.mask for row, t in self.step.items()}
+    def plan(self, batch: Any) -> "TreePlan | None":
+        """For the attention (once per step): the step's trees with their device indices."""
+        if not self.step:
+            return None
+        self.last_plan = TreePlan.build(self.step, self.others, batch.query_start_loc.device)
+        return self.last_plan
 
     # ---- 4. verification ----------------------------------------------------------------
     def verify(self, runner: Any, logits: torch.Tensor, spec_decode_metadata: Any, output: Any) -> None:
         """After vLLM's rejection sampler: replace each tree request's sampled tokens with its
-        tree's verdict and move the accepted nodes' KV (see the module docstring)."""
+        tree's verdict and move the accepted nodes' KV (see the module docstring). Reads the
+        logits back once for the greedy trees and once for the sampled ones."""
         if not self.step or spec_decode_metadata is None or logits is None:
             return
         tree_mod = _tree_parts()
         drafts = list(spec_decode_metadata.num_draft_tokens)
         starts = np.concatenate([[0], np.cumsum(np.asarray(drafts) + 1)])
-        sampled = output.sampled_token_ids
         batch = runner.input_batch
-        moves_src: list[int] = []
-        moves_dst: list[int] = []
-        n_accepted = 0
+        greedy: list[tuple[int, StepTree]] = []
+        sampling: list[tuple[int, StepTree, float]] = []
         for row, t in self.step.items():
-            tree, n = t.tree, len(t.tree)
+            n = len(t.tree)
             if row >= len(drafts) or drafts[row] != n:
                 raise RuntimeError(f"vllm-graft tree verification: batch row {row} has {drafts[row] if row < len(drafts) else None} "
                                    f"draft rows, its tree {n} nodes")
-            rows = logits[int(starts[row]):int(starts[row]) + n + 1]
-            params = runner.requests[batch.req_ids[row]].sampling_params
-            if params.temperature < _GREEDY_EPS:
-                verdict = tree_mod.verify_greedy(tree, rows.argmax(dim=-1).cpu())
+            temperature = float(runner.requests[batch.req_ids[row]].sampling_params.temperature)
+            if temperature < _GREEDY_EPS:
+                greedy.append((row, t))
             else:
-                probs = torch.softmax(rows.float() / float(params.temperature), dim=-1)
-                one_hot = torch.zeros(n, rows.shape[-1], dtype=torch.float64)
-                one_hot[torch.arange(n), tree.tokens] = 1.0
+                sampling.append((row, t, temperature))
+
+        def logit_rows(items) -> torch.Tensor:  # the trees' logits rows, in order, on their device
+            idx = np.concatenate([np.arange(starts[it[0]], starts[it[0]] + len(it[1].tree) + 1) for it in items])
+            return logits[torch.from_numpy(idx).to(logits.device)]
+
+        verdicts: dict[int, Any] = {}
+        if greedy:
+            top = logit_rows(greedy).argmax(dim=-1).cpu()  # one read-back for every greedy tree
+            at = 0
+            for row, t in greedy:
+                verdicts[row] = tree_mod.verify_greedy(t.tree, top[at:at + len(t.tree) + 1])
+                at += len(t.tree) + 1
+        if sampling:
+            temps = torch.tensor([temp for _, t, temp in sampling for _ in range(len(t.tree) + 1)],
+                                 dtype=torch.float32).to(logits.device)
+            probs = torch.softmax(logit_rows(sampling).float() / temps[:, None], dim=-1).cpu()  # one read-back
+            at = 0
+            for row, t, _ in sampling:
+                n = len(t.tree)
+                one_hot = torch.zeros(n, probs.shape[-1], dtype=torch.float64)
+                one_hot[torch.arange(n), t.tree.tokens] = 1.0
                 generator = getattr(batch, "generators", {}).get(row)
-                verdict = tree_mod.verify_sampling(tree, probs, one_hot, generator)
-            emitted = verdict.tokens(tree)
-            sampled[row].fill_(-1)
-            sampled[row, :len(emitted)] = torch.tensor(emitted, dtype=sampled.dtype)
+                verdicts[row] = tree_mod.verify_sampling(t.tree, probs[at:at + n + 1], one_hot, generator)
+                at += n + 1
+        sampled = output.sampled_token_ids
+        rows = sorted(verdicts)
+        block = torch.full((len(rows), sampled.shape[1]), -1, dtype=sampled.dtype)
+        moves_src: list[int] = []
+        moves_dst: list[int] = []
+        n_accepted = 0
+        for i, row in enumerate(rows):
+            t, verdict = self.step[row], verdicts[row]
+            emitted = verdict.tokens(t.tree)
+            block[i, :len(emitted)] = torch.tensor(emitted, dtype=sampled.dtype)
             for k, node in enumerate(verdict.accepted):
                 if node != k:  # slot of node k-th on the path vs where the sequence needs it
                     moves_src.append(int(t.slots[1 + node]))
                     moves_dst.append(int(t.slots[1 + k]))
             n_accepted += len(verdict.accepted)
+        sampled[torch.tensor(rows, dtype=torch.long).to(sampled.device)] = block.to(sampled.device)
         if moves_src:
-            move_kv(runner.kv_caches, moves_src, moves_dst)
+            layout = self.last_plan.layout if self.last_plan is not None else None
+            if layout is None:
+                raise RuntimeError("vllm-graft tree verification: accepted nodes' KV must move but no "
+                                   "attention layer ran the step's tree plan, so the cache layout is "
+                                   "unknown (is the graft attention backend installed?)")
+            move_kv(runner.kv_caches, moves_src, moves_dst, layout)
         self.count("tree_verify", len(self.step))
         if n_accepted:
             self.count("tree_accepted", n_accepted)
         self.step = {}
+        self.last_plan = None
 
 
-def move_kv(kv_caches: list[torch.Tensor], src: list[int], dst: list[int]) -> None:
-    """Copy the keys/values at KV slots ``src`` to slots ``dst`` in every layer's cache (layout
-    of ``split_kv_cache``). Sources are read before any destination is written."""
+def move_kv(kv_caches: list[torch.Tensor], src: list[int], dst: list[int],
+            layout: KVCacheLayout = BLOCKED) -> None:
+    """Copy the keys/values at KV slots ``src`` to slots ``dst`` in every layer's cache
+    ``[num_blocks, H_kv, block_size, 2*D]`` in ``layout`` (the one the layers ran with).
+    Sources are read before any destination is written. The slot indices go to the caches'
+    device once per call, not per layer."""
+    if not src:
+        return
+    index: dict[tuple, tuple[torch.Tensor, ...]] = {}
     for cache in kv_caches:
         if cache is None:
             continue
         size = cache.shape[2]
-        s = torch.tensor(src, dtype=torch.long, device=cache.device)
-        d = torch.tensor(dst, dtype=torch.long, device=cache.device)
-        for part in split_kv_cache(cache):
-            part[d // size, :, d % size] = part[s // size, :, s % size]
+        key = (cache.device, size)
+        if key not in index:
+            slots = torch.tensor([src, dst], dtype=torch.long).to(cache.device)
+            index[key] = (slots[0] // size, slots[0] % size, slots[1] // size, slots[1] % size)
+        s_blk, s_off, d_blk, d_off = index[key]
+        # packed: a token's key and value are one row of C; blocked: keys and values apart
+        parts = (cache,) if layout.name == PACKED.name else layout.split(cache)
+        for part in parts:
+            part[d_blk, :, d_off] = part[s_blk, :, s_off]
+
+
+@dataclass
+class PassRows:
+    """One tree's verify pass in the step: its query rows ``start:start + R`` (root first)."""
+
+    row: int  # batch row
+    start: int
+    size: int  # R = nodes + 1
+    context: int  # tokens before the root
+    parents: torch.Tensor  # [R] (host): the pass as a tree, the root as node 0
+    mask: torch.Tensor  # [R, R] bool, on the device
+    bits: torch.Tensor | None  # [R, ceil(R / 32)] int32 ancestor bitmask (device; Triton path)
+    at: int  # offset of its rows in TreePlan.pos / .batch_rows
+
+
+@dataclass
+class TreePlan:
+    """The step's tree passes for :class:`TreeAttention`: built once per step on the host and
+    moved to the device once, read by every layer without a host sync."""
+
+    trees: list[PassRows]
+    others: bool  # rows without a tree: computed by causal paged attention first
+    pos: torch.Tensor  # [sum R] positions of every pass row (device)
+    batch_rows: torch.Tensor  # [sum R] batch row of every pass row (device)
+    #: the Triton kernel's module (``_tree.kernel``) on CUDA where Triton imports, else None
+    kernel: Any = None
+    layout: KVCacheLayout | None = None  # the cache layout the layers ran with (for move_kv)
+    _slots: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (block size, block, offset)
+
+    def __bool__(self) -> bool:
+        return bool(self.trees)
+
+    @classmethod
+    def build(cls, step: dict[int, StepTree], others: bool, device: torch.device) -> "TreePlan":
+        kernel = _triton_kernel() if device.type == "cuda" else None
+        trees, pos, brow, bits, masks = [], [], [], [], []
+        at = 0
+        for row, t in sorted(step.items()):
+            r = t.mask.shape[0]
+            parents = torch.cat([torch.tensor([-1]), t.tree.parents + 1])
+            trees.append(PassRows(row, t.start, r, t.context, parents, t.mask, None, at))
+            pos.append(torch.arange(t.context, t.context + r))
+            brow.append(torch.full((r,), row, dtype=torch.long))
+            masks.append(t.mask.reshape(-1))
+            if kernel is not None:
+                bits.append(kernel.pack_ancestor_bits(t.mask).reshape(-1))
+            at += r
+        # one copy each to the device; every tree's pieces are views of them
+        masks_dev = torch.cat(masks).to(device)
+        bits_dev = torch.cat(bits).to(device) if kernel is not None else None
+        b = m = 0
+        for p in trees:
+            p.mask = masks_dev[m:m + p.size * p.size].view(p.size, p.size)
+            m += p.size * p.size
+            if bits_dev is not None:
+                words = -(-p.size // 32)
+                p.bits = bits_dev[b:b + p.size * words].view(p.size, words)
+                b += p.size * words
+        return cls(trees, others, torch.cat(pos).to(device), torch.cat(brow).to(device), kernel)
+
+    def pass_slots(self, block_table: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block id, offset) ``[sum R]`` of every pass row in the step's block table (on the
+        device; computed at the first layer, kept for the others)."""
+        if self._slots is None or self._slots[0] != block_size:
+            blk = block_table[self.batch_rows, self.pos // block_size].long()
+            self._slots = (block_size, blk, self.pos % block_size)
+        return self._slots[1], self._slots[2]
+
+
+_KERNEL: Any = None  # the module _tree.kernel once imported; False: Triton missing
+_PATHS_LOGGED: set[str] = set()
+
+
+def _triton_kernel():
+    """The Triton tree kernel's module (``_tree.kernel``), or None where Triton cannot be
+    imported (logged once)."""
+    global _KERNEL
+    if _KERNEL is None:
+        try:
+            from vllm_graft.plugins.speculative._tree import kernel
+        except ImportError as e:
+            log.warning("vllm-graft tree verification: Triton cannot be imported (%s); the tree rows "
+                        "run the PyTorch reference on the device (slow)", e)
+            _KERNEL = False
+        else:
+            _KERNEL = kernel
+    return _KERNEL or None
+
+
+def _log_path(path: str, device: torch.device) -> None:
+    if path not in _PATHS_LOGGED:
+        _PATHS_LOGGED.add(path)
+        log.info("vllm-graft tree verification: tree rows by %s on %s", path, device)
 
 
 class TreeAttention(AttentionMethod):
-    """The graft backend's attention while trees are verified (module docstring, seam 3): each
-    tree request's rows (its root and nodes) by ``_tree.verify_pass_attention`` under its pass
-    mask, every other sequence by exact causal paged attention. ``plan`` is the step's batch
-    row -> pass mask map."""
+    """The graft backend's attention while trees are verified (module docstring, seam 3): every
+    row by exact causal paged attention (``plugins/attention/_shared``, skipped when every row
+    is a tree's), then each tree request's rows (its root and nodes) under its pass mask: on
+    CUDA by the Triton kernel ``_tree.kernel`` (the context from the paged cache, the pass's
+    own keys/values gathered from their slots), elsewhere by ``_tree.verify_pass_attention``.
+    Reads the cache through ``layer.kv_layout`` (both layouts). ``plan`` is the step's
+    :class:`TreePlan` (None without trees)."""
+
+    kv_layouts = ("blocked", "packed")
 
     def plan(self, batch):
-        return _ACTIVE.plan() if _ACTIVE is not None else {}
+        return _ACTIVE.plan(batch) if _ACTIVE is not None else None
 
     def forward(self, query, kv_cache, batch, layer, plan=None):
         from vllm_graft.plugins.attention._shared import paged_attention
 
         if not plan:
             return paged_attention(query, kv_cache, batch, layer)
-        qsl = batch.query_start_loc.tolist()
-        num_seqs = len(qsl) - 1
-        out = torch.empty_like(query)
-        others = [i for i in range(num_seqs) if i not in plan]
-        if others:  # the sequences without a tree, as one smaller batch
-            dev = query.device
-            rows = torch.cat([torch.arange(qsl[i], qsl[i + 1], device=dev) for i in others])
-            lens = torch.tensor([qsl[i + 1] - qsl[i] for i in others], device=dev)
-            sub = type(batch)(query_start_loc=torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(
-                                  batch.query_start_loc.dtype),
-                              seq_lens=batch.seq_lens[others], block_table=batch.block_table[others])
-            out[rows] = paged_attention(query[rows], kv_cache, sub, layer)
-        k_cache, v_cache = split_kv_cache(kv_cache)
-        verify_pass_attention = _tree_parts().verify_pass_attention
-        for row, mask in plan.items():
-            start, end = qsl[row], qsl[row + 1]
-            out[start:end] = verify_pass_attention(query[start:end], k_cache, v_cache, batch.block_table[row],
-                                                   int(batch.seq_lens[row]), mask, layer.scale)
+        layout = layer.kv_layout
+        plan.layout = layout
+        out = paged_attention(query, kv_cache, batch, layer) if plan.others else torch.zeros_like(query)
+        k_cache, v_cache = layout.split(kv_cache)  # [num_blocks, H_kv, B, D] each
+        if plan.kernel is None:
+            _log_path("the PyTorch reference (_tree.verify_pass_attention)", query.device)
+            verify_pass_attention = _tree_parts().verify_pass_attention
+            for p in plan.trees:
+                out[p.start:p.start + p.size] = verify_pass_attention(
+                    query[p.start:p.start + p.size], k_cache, v_cache, batch.block_table[p.row],
+                    p.context + p.size, p.mask, layer.scale)
+            return out
+        _log_path("the Triton kernel (_tree.kernel)", query.device)
+        blk, off = plan.pass_slots(batch.block_table, kv_cache.shape[2])
+        k_pass, v_pass = k_cache[blk, :, off], v_cache[blk, :, off]  # [sum R, H_kv, D]
+        kc, vc = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # the kernel's [N, B, H_kv, D]
+        for p in plan.trees:
+            rows = slice(p.at, p.at + p.size)
+            out[p.start:p.start + p.size] = plan.kernel.tree_attention_triton(
+                query[p.start:p.start + p.size], kc, vc, batch.block_table[p.row], p.context,
+                k_pass[rows], v_pass[rows], p.parents, layer.scale, ancestor_bits=p.bits)
         return out
 
 
@@ -252,9 +421,13 @@ def drafts_trees(enabled: Any, plan: Any) -> bool:
         raise ValueError(f"{where}: tree verification runs on one rank so far (each rank would "
                          "verify and move KV on its own); set tensor_parallel_size and "
                          "pipeline_parallel_size to 1, or tree: false")
-    if plan.platform not in (None, "cpu"):
-        raise ValueError(f"{where}: tree verification runs on vLLM's CPU engine only so far "
-                         f"(platform {plan.platform!r}); set tree: false to verify chains")
+    if plan.platform not in (None, "cpu", "cuda"):
+        raise ValueError(f"{where}: tree verification runs on vLLM's CPU engine and on CUDA (the "
+                         f"Triton tree kernel, Model Runner V1) only; platform {plan.platform!r} has "
+                         "neither path. Set tree: false to verify chains")
+    # CUDA: the patches below (GPUModelRunner._prepare_inputs, _sample) are V1-only targets, so
+    # integration/runner.py selects Model Runner V1 or refuses VLLM_USE_V2_MODEL_RUNNER=1; vLLM
+    # itself also picks V1 for a custom_class proposer (config/vllm.py:3066-3068 in 0.33).
     return True
 
 
