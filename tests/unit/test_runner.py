@@ -161,7 +161,8 @@ def test_the_block_table_rewrite_refuses_to_run_outside_the_v1_patch():
 
     spec = GraftKVCompressSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32,
                                compressor="streaming")
-    builder, cm = SimpleNamespace(kv_cache_spec=spec, block_size=16), object()
+    builder = SimpleNamespace(kv_cache_spec=spec, block_size=16)
+    cm = SimpleNamespace(block_table_tensor=torch.zeros(1, 1, dtype=torch.int32))  # on the host
     with pytest.raises(KVCompressError, match="Model Runner V2"):
         rewrite(builder, cm)
 

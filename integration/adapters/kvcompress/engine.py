@@ -8,6 +8,7 @@ load it in a process that never starts an engine (the bench's parent, for instan
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllm_graft.hooks import Kind, KVCacheFormat, KVCompressor
@@ -19,13 +20,15 @@ from vllm_graft.integration.adapters.kvcompress.channel import (
     update_from_output_wrapper,
 )
 from vllm_graft.integration.adapters.kvcompress.keep import KeepAll
-from vllm_graft.integration.adapters.kvcompress.plan import KVCompressError, compact_rows
-from vllm_graft.integration.adapters.kvcompress.rows import build_attention_metadata_wrapper, step_rows
+from vllm_graft.integration.adapters.kvcompress.plan import KVCompressError, RowBuffers, compaction_index
+from vllm_graft.integration.adapters.kvcompress.rows import build_attention_metadata_wrapper, host_seq_lens, step_rows
 from vllm_graft.integration.adapters.kvcompress.salt import composition_salt, request_init_wrapper
 from vllm_graft.integration.adapters.kvcompress.scores import _Scores, _ScoringAttention
 from vllm_graft.integration.adapters.kvcompress.state import OWNER, Active
 from vllm_graft.integration import targets
 from vllm_graft.integration.patches import PATCHES
+
+log = logging.getLogger("vllm_graft")
 
 
 # ------------------------------------------------------------------------------ patches
@@ -56,9 +59,72 @@ def install_scores_channel() -> None:
     PATCHES.ensure_target(targets.KV_UPDATE_FROM_OUTPUT, update_from_output_wrapper)
 
 
+#: The builder attribute holding its :class:`~.plan.RowBuffers` (one per builder: vLLM gives
+#: each micro-batch a builder of its own).
+_BUFFERS = "_graft_kv_rows"
+#: The builder attribute caching the KV-cache block size its compressor decides in.
+_BLOCK_SIZE = "_graft_kv_block_size"
+
+
+def _row_buffers(builder: Any, cm: Any) -> RowBuffers:
+    """The builder's persistent block table and seq_lens, made at its first build with
+    ``max_num_seqs`` rows and the width of the table vLLM hands it."""
+    table = cm.block_table_tensor
+    buf = getattr(builder, _BUFFERS, None)
+    if buf is not None and buf.fits(table):
+        return buf
+    sched = getattr(getattr(builder, "vllm_config", None), "scheduler_config", None)
+    max_rows = getattr(sched, "max_num_seqs", None)
+    if buf is not None:
+        if max_rows is not None:
+            raise KVCompressError(
+                f"vllm-graft kvcompress: the block table handed to the attention metadata builder "
+                f"changed from {tuple(buf.table.shape)} {buf.table.dtype} on {buf.table.device} to "
+                f"{tuple(table.shape)} {table.dtype} on {table.device}; the rewriter's persistent "
+                "buffers (which CUDA graphs captured) cannot follow. This vLLM builds metadata "
+                "differently from the one the adapter was written for.")
+        log.warning("vllm-graft kvcompress: block table %s no longer fits the rewriter's buffers %s "
+                    "(builder without a vllm_config); new buffers, at new addresses",
+                    tuple(table.shape), tuple(buf.table.shape))
+    buf = RowBuffers(max(table.shape[0], max_rows or 0), table, cm.seq_lens)
+    setattr(builder, _BUFFERS, buf)
+    return buf
+
+
+def _manager_block_size(runner: Any, spec: Any) -> int:
+    """The KV-cache (manager) block size of the builder's layers. vLLM gives a builder the
+    spec with the kernel block size when it splits each KV-cache block into kernel blocks
+    (v1/worker/utils.py ``AttentionGroup.create_metadata_builders``); the compressor decides
+    in the manager's blocks. Found as the KV-cache group whose spec, at the kernel block size,
+    is the builder's."""
+    from dataclasses import replace
+
+    from vllm_graft.integration.adapters.kvcompress.vllm_spec import GraftKVCompressSpec
+
+    sizes = set()
+    for group in getattr(getattr(runner, "kv_cache_config", None), "kv_cache_groups", None) or ():
+        s = group.kv_cache_spec
+        per_layer = getattr(s, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+        for x in per_layer.values() if isinstance(per_layer, dict) else (s,):
+            if isinstance(x, GraftKVCompressSpec) and x.block_size % spec.block_size == 0 \
+                    and replace(x, block_size=spec.block_size) == spec:
+                sizes.add(x.block_size)
+    if len(sizes) > 1:
+        raise NotImplementedError(
+            f"vllm-graft kvcompress: KV-cache groups of block sizes {sorted(sizes)} share the "
+            f"attention kernel's block size {spec.block_size}; the rewriter cannot tell which "
+            "one a builder serves. Give the model one KV-cache block size (--block-size).")
+    return sizes.pop() if sizes else spec.block_size
+
+
 def rewrite(builder: Any, cm: Any) -> Any:
     """The backend's metadata rewriter: drop skipped blocks from each row (see "Worker half"
-    in the package doc)."""
+    in the package doc). On a device it always returns the builder's persistent block table
+    and seq_lens (dummy, profiling and CUDA-graph capture builds and steps that drop nothing
+    included: then with the runner's values), so a full CUDA graph replays with this step's
+    rows; on the host (no graphs) a build that drops nothing returns ``cm`` itself. The
+    runner's tensors are never written (the drafter gets the same ``cm``), and nothing is read
+    back from the device: the drops and the lengths are known on the host."""
     from vllm_graft.integration.adapters.kvcompress.vllm_spec import GraftKVCompressSpec
 
     spec = getattr(builder, "kv_cache_spec", None)
@@ -67,31 +133,44 @@ def rewrite(builder: Any, cm: Any) -> Any:
     if getattr(builder, "is_cross_attention", False) or getattr(builder, "is_encoder_only_attention", False):
         return cm
     step = getattr(step_rows, "step", None)
-    if step is None:
-        if not getattr(step_rows, "inside", False):
-            # a builder called outside the patched V1 method: Model Runner V2 (integration/
-            # runner.py should have prevented it) or a vLLM that builds metadata elsewhere
-            raise KVCompressError(
-                "vllm-graft kvcompress: attention metadata is being built outside "
-                f"{targets.KV_BUILD_METADATA.where} (is this worker running vLLM's Model Runner "
-                "V2?); the freed blocks cannot be dropped from the block table, so attention "
-                "would read blocks that belong to other requests. Run with "
-                f"VLLM_USE_V2_MODEL_RUNNER=0 in every vLLM process.")
-        return cm  # a dummy / profiling batch
-    block_size = spec.block_size
-    if getattr(builder, "block_size", block_size) != block_size:
-        raise NotImplementedError(
-            f"vllm-graft kvcompress: kernel blocks ({builder.block_size}) smaller than KV-cache "
-            f"blocks ({block_size}) are not supported")
+    if step is None and not getattr(step_rows, "inside", False):
+        # a builder called outside the patched V1 method: Model Runner V2 (integration/
+        # runner.py should have prevented it) or a vLLM that builds metadata elsewhere
+        raise KVCompressError(
+            "vllm-graft kvcompress: attention metadata is being built outside "
+            f"{targets.KV_BUILD_METADATA.where} (is this worker running vLLM's Model Runner "
+            "V2?); the freed blocks cannot be dropped from the block table, so attention "
+            "would read blocks that belong to other requests. Run with "
+            f"VLLM_USE_V2_MODEL_RUNNER=0 in every vLLM process.")
+    table = cm.block_table_tensor
+    on_host = table.device.type == "cpu"
+    if step is None:  # a dummy / profiling / CUDA-graph capture batch: nothing to drop
+        if on_host:
+            return cm
+        table, seq_lens = _row_buffers(builder, cm).fill(table, cm.seq_lens)
+        return cm.replace(block_table_tensor=table, seq_lens=seq_lens, _num_computed_tokens_cache=None)
+    block_size = getattr(builder, _BLOCK_SIZE, None)
+    if block_size is None:
+        block_size = _manager_block_size(step.runner, spec)
+        setattr(builder, _BLOCK_SIZE, block_size)
     skips = step.skips(cm, block_size, _state.current(spec.compressor))
-    if not any(skips):
+    if on_host and not any(skips):
         return cm
-    table, seq_lens = compact_rows(cm.block_table_tensor, cm.seq_lens, skips, block_size)
+    host_lens = host_seq_lens(cm)
+    index = compaction_index(skips, host_lens.numpy(), block_size, table.shape[1],
+                             block_size // spec.block_size)
+    table, seq_lens = _row_buffers(builder, cm).fill(cm.block_table_tensor, cm.seq_lens, index)
     changes: dict[str, Any] = {"block_table_tensor": table, "seq_lens": seq_lens,
-                               "max_seq_len": int(seq_lens.max()) if seq_lens.numel() else 0,
                                "_num_computed_tokens_cache": None}
-    if getattr(cm, "seq_lens_cpu_upper_bound", None) is not None:
-        changes["seq_lens_cpu_upper_bound"] = seq_lens.cpu()
+    if index is not None:
+        import torch
+
+        upper = host_lens.clone()
+        upper[torch.from_numpy(index[:, 0]).long()] -= torch.from_numpy(index[:, 1]).to(upper.dtype)
+        if getattr(cm, "seq_lens_cpu_upper_bound", None) is not None:
+            changes["seq_lens_cpu_upper_bound"] = upper
+        if upper.numel():  # max_seq_len may stay an upper bound; this one is exact, from the host
+            changes["max_seq_len"] = min(int(cm.max_seq_len), int(upper.max()))
     return cm.replace(**changes)
 
 

@@ -109,3 +109,97 @@ def compact_rows(
         table[i, row.numel():] = 0
         lens[i] -= block_size * len(skip)
     return table, lens
+
+
+def compaction_index(
+    skips: Sequence[Sequence[int]],
+    seq_lens_host: Sequence[int],
+    block_size: int,
+    width: int,
+    blocks_per_block: int = 1,
+):
+    """The host half of :meth:`RowBuffers.fill`: one int32 array ``[rows with skips, 2 + W]``,
+    per such row its index, the tokens it loses (``block_size`` per skipped block) and the
+    gather index of its first ``W`` columns (``W``: the widest such row's used columns,
+    ``ceil(seq_len / column size)``): new column j reads old column ``index[j]``, or is the
+    null block where ``index[j]`` is -1. Returns None when no row skips a block.
+
+    ``skips[i]``: ascending logical blocks of ``block_size`` tokens; the table's columns may
+    be kernel blocks, ``blocks_per_block`` of them per logical block (vLLM splits a KV-cache
+    block into kernel blocks when a backend needs smaller ones). ``seq_lens_host``: each row's
+    length, known on the host. Raises :class:`KVCompressError` if a skipped block is not a
+    full block before the row's last one."""
+    import numpy as np
+
+    rows = [i for i, s in enumerate(skips) if s]
+    if not rows:
+        return None
+    column = block_size // blocks_per_block
+    used = {i: min(width, -(-int(seq_lens_host[i]) // column)) for i in rows}
+    w = max(used.values())
+    out = np.full((len(rows), 2 + w), -1, dtype=np.int32)
+    for k, i in enumerate(rows):
+        skip = np.asarray(skips[i], dtype=np.int64)
+        last = (int(seq_lens_host[i]) - 1) // block_size  # the row's last logical block: kept
+        if skip[0] < 0 or skip[-1] >= last or (skip[-1] + 1) * blocks_per_block > used[i]:
+            raise KVCompressError(
+                f"row {i} (length {int(seq_lens_host[i])}, {used[i]} of {width} columns of "
+                f"{column} tokens): skipped blocks {list(skips[i])} must be full blocks before the "
+                "row's last one")
+        cols = (skip[:, None] * blocks_per_block + np.arange(blocks_per_block)).ravel()
+        keep = np.ones(used[i], dtype=bool)
+        keep[cols] = False
+        kept = np.flatnonzero(keep)
+        out[k, 0] = i
+        out[k, 1] = len(skip) * block_size
+        out[k, 2:2 + kept.size] = kept
+    return out
+
+
+class RowBuffers:
+    """A metadata builder's fixed-address block table ``[rows, width]`` and ``seq_lens
+    [rows]``, on the device of the runner's. With full CUDA graphs the attention kernels keep
+    the addresses seen at capture, so the rewriter hands these (views of their first rows) at
+    capture and at every step after, filled with the step's values; the runner's tensors are
+    only read."""
+
+    def __init__(self, rows: int, block_table: "torch.Tensor", seq_lens: "torch.Tensor") -> None:
+        import torch
+
+        self.table = torch.zeros((rows, block_table.shape[1]), dtype=block_table.dtype,
+                                 device=block_table.device)
+        self.seq_lens = torch.zeros(rows, dtype=seq_lens.dtype, device=seq_lens.device)
+
+    def fits(self, block_table: "torch.Tensor") -> bool:
+        return (block_table.shape[0] <= self.table.shape[0] and block_table.shape[1] == self.table.shape[1]
+                and block_table.dtype == self.table.dtype and block_table.device == self.table.device)
+
+    def fill(self, block_table: "torch.Tensor", seq_lens: "torch.Tensor", index=None):
+        """Copy the step's ``block_table``/``seq_lens`` in, then compact the rows of ``index``
+        (:func:`compaction_index`; None: none) on the device: one host-to-device copy of the
+        index, no read back. Returns the views ``(table[:rows], seq_lens[:rows])``."""
+        import torch
+
+        n = block_table.shape[0]
+        table, lens = self.table[:n], self.seq_lens[:n]
+        table.copy_(block_table)
+        lens.copy_(seq_lens[:n])
+        if index is None:
+            return table, lens
+        host = torch.from_numpy(index)
+        if table.is_cuda and torch.cuda.is_available():
+            # a fresh pinned tensor from torch's caching host allocator, which keeps it until
+            # the asynchronous copy has read it
+            pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+            pinned.copy_(host)
+            host = pinned
+        dev = host.to(table.device, non_blocking=True)
+        rows = dev[:, 0].long()
+        lose = dev[:, 1].to(lens.dtype)
+        gather = dev[:, 2:].long()
+        w = gather.shape[1]
+        values = block_table[:, :w].index_select(0, rows).gather(1, gather.clamp(min=0))
+        values = values.masked_fill(gather < 0, 0)  # vLLM's null block
+        table[:, :w].index_copy_(0, rows, values)
+        lens.index_copy_(0, rows, seq_lens.index_select(0, rows) - lose)
+        return table, lens

@@ -33,7 +33,7 @@ class _StepRows:
         batch = self.runner.input_batch
         n = min(int(cm.num_reqs), batch.num_reqs)
         qsl = cm.query_start_loc_cpu[: n + 1].tolist()
-        seq_lens = cm.seq_lens[:n].tolist()
+        seq_lens = host_seq_lens(cm)[:n].tolist()
         prompt_lens = batch.num_prompt_tokens[:n].tolist()
         req_ids = batch.req_ids[:n]
         out: list[list[int]] = []
@@ -68,6 +68,22 @@ class _StepRows:
         if skipped:
             state.count("blocks_skipped", skipped)
         return out
+
+
+def host_seq_lens(cm: Any) -> Any:
+    """The rows' lengths on the host, without reading the device: vLLM's
+    ``seq_lens_cpu_upper_bound`` (num_computed + num_scheduled per row, exact unless async
+    speculative decoding, which the adapter turns off with async scheduling), else ``seq_lens``
+    when it is a host tensor."""
+    upper = getattr(cm, "seq_lens_cpu_upper_bound", None)
+    if upper is not None:
+        return upper
+    if cm.seq_lens.device.type == "cpu":
+        return cm.seq_lens
+    raise KVCompressError(
+        "vllm-graft kvcompress: the attention metadata has no seq_lens_cpu_upper_bound and its "
+        "seq_lens are on the device; the rewriter would have to read them back every step. This "
+        f"vLLM builds attention metadata differently from the one the adapter was written for ({VERSIONS})")
 
 
 #: ``step_rows.step``: the :class:`_StepRows` of the metadata build under way in this thread;
