@@ -17,12 +17,15 @@ the plugin's own ``describe()``; `vllm-graft demo` and `bench` print both.
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any
 
 from vllm_graft.hooks import KINDS, Kind, Plan
 from vllm_graft.hooks.deployment import Enabled
 
 from vllm_graft.integration.runtime import Runtime
+
+log = logging.getLogger("vllm_graft")
 
 class Adapter:
     kind: Kind
@@ -43,10 +46,30 @@ class Adapter:
 
 
 def attention_backend_overrides(plan: Plan) -> dict[str, Any]:
-    """Engine arguments of the adapters that install vllm-graft's attention backend (attention,
-    kvcompress): on CUDA vLLM selects the CUSTOM backend (:mod:`.custom_backend`) only when
-    asked; on CPU the CPU_ATTN override needs nothing."""
-    return {"attention_backend": "CUSTOM"} if plan.platform == "cuda" else {}
+    """Engine arguments of the adapters that install vllm-graft's attention seams (attention,
+    kvcompress). On CPU and on CUDA nothing: vLLM picks its backend as it would, and the one it
+    picks carries the seams (CPU_ATTN; FLASH_ATTN, FLASHINFER, TRITON_ATTN). Only where the
+    deployment's engine section names a CUDA backend the bridge does not know (e.g.
+    FLEX_ATTENTION) does vLLM get ``attention_backend=CUSTOM``: vllm-graft's generic backend,
+    PyTorch attention on every layer (said once in the log)."""
+    if plan.platform != "cuda":
+        return {}
+    asked = (plan.deployment.engine or {}).get("attention_backend")
+    if asked is None or str(asked).upper() in _CUDA_BACKENDS_WITH_SEAMS or str(asked).upper() == "CUSTOM":
+        return {}
+    if asked not in _warned_generic:
+        _warned_generic.add(asked)
+        log.warning("vllm-graft: attention_backend=%s has no vllm-graft seams; the deployment runs "
+                    "on vllm-graft's generic CUSTOM backend instead (PyTorch attention on every layer, "
+                    "no full CUDA graphs: much slower than vLLM's kernels). Leave attention_backend "
+                    "out, or name FLASH_ATTN, FLASHINFER or TRITON_ATTN, to keep vLLM's kernels.", asked)
+    return {"attention_backend": "CUSTOM"}
+
+
+#: vLLM's CUDA backends that vllm-graft subclasses (:data:`.backend.CUDA_PATHS`; named here so
+#: that the front end need not import vLLM)
+_CUDA_BACKENDS_WITH_SEAMS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")
+_warned_generic: set[str] = set()
 
 
 _cache: dict[Kind, Adapter] = {}

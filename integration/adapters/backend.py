@@ -18,9 +18,13 @@ need the backend, so it is shared and installed while either is active:
 
 With neither hook set the backend behaves exactly as ``CPUAttentionBackend``.
 
-On CUDA the route is :mod:`.custom_backend` (a backend of our own registered as vLLM's
-``CUSTOM``); it shares these seams. ``VLLM_GRAFT_ATTENTION_BACKEND=generic`` selects that
-backend on CPU too (it then overrides ``CPU_ATTN``), which is how its code is tested here.
+On CUDA the same seams ride vLLM's own backends: :mod:`.cuda_backends` subclasses
+``FLASH_ATTN`` and ``TRITON_ATTN`` (``FLASHINFER`` in :mod:`.cuda_flashinfer`), and vLLM
+chooses among them as it would. :mod:`.custom_backend` (vLLM's ``CUSTOM``, PyTorch attention)
+is the fallback for a backend the bridge does not know (asked for in the deployment's engine
+section); every other member gets a guard that refuses it while the deployment needs the
+seams. ``VLLM_GRAFT_ATTENTION_BACKEND=generic`` puts the generic backend in place of
+``CPU_ATTN`` on CPU, which is how its code is tested here.
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-from vllm_graft.hooks import AttentionLayer, PagedBatch, split_kv_cache
+from vllm_graft.hooks import BLOCKED, PACKED, AttentionLayer, KVCacheLayout, PagedBatch, split_kv_cache
 
 log = logging.getLogger("vllm_graft")
 
@@ -45,6 +49,15 @@ BACKEND_PATH = f"{__name__}.GraftCPUAttentionBackend"
 #: named here by path so that the route never imports it.
 GENERIC_PATH = f"{__package__}.custom_backend.GraftAttentionBackend"
 GENERIC_CPU_PATH = f"{__package__}.custom_backend.GraftGenericCPUBackend"
+#: CUDA: the enum members overridden with a subclass of vLLM's own backend (the ones vLLM 0.33
+#: picks among for decoder models, platforms/cuda.py:155-182), by member name
+CUDA_PATHS = {
+    "FLASH_ATTN": f"{__package__}.cuda_backends.GraftFlashAttentionBackend",
+    "TRITON_ATTN": f"{__package__}.cuda_backends.GraftTritonAttentionBackend",
+    "FLASHINFER": f"{__package__}.cuda_flashinfer.GraftFlashInferBackend",
+}
+#: members left alone on CUDA: ours (CUSTOM) and the CPU platform's
+_UNGUARDED = ("CUSTOM", "CPU_ATTN")
 
 
 @dataclass
@@ -65,7 +78,8 @@ class Seams:
     # forward(query, kv_cache, batch, layer) -> out (see kvcompress._FormatSeam)
     kv_format: Any = None
     owners: set[str] = field(default_factory=set)
-    route: str = ""  # the backend class registered (see install)
+    route: str = ""  # the backend classes registered, ";"-joined (see install)
+    installed: list[Any] = field(default_factory=list)  # the enum members overridden
 
 
 SEAMS = Seams()
@@ -76,8 +90,10 @@ SEAMS = Seams()
 BACKEND_ENV = "VLLM_GRAFT_ATTENTION_BACKEND"
 
 
-def route() -> tuple[AttentionBackendEnum, str]:
-    """Which vLLM backend enum member this process overrides, and with which class."""
+def routes() -> dict[AttentionBackendEnum, str]:
+    """The enum members this process overrides, each with its class path: on CPU ``CPU_ATTN``;
+    on CUDA ``FLASH_ATTN``/``TRITON_ATTN``/``FLASHINFER`` (subclasses of vLLM's), ``CUSTOM``
+    (the generic fallback) and a guard for every other member."""
     import os
 
     from vllm.platforms import current_platform
@@ -86,24 +102,40 @@ def route() -> tuple[AttentionBackendEnum, str]:
     if choice not in ("", "cpu", "generic"):
         raise ValueError(f"{BACKEND_ENV}={choice!r}: expected 'generic' or nothing")
     if current_platform.is_cpu():
-        return AttentionBackendEnum.CPU_ATTN, GENERIC_CPU_PATH if choice == "generic" else BACKEND_PATH
+        return {AttentionBackendEnum.CPU_ATTN: GENERIC_CPU_PATH if choice == "generic" else BACKEND_PATH}
     if current_platform.is_cuda():
-        return AttentionBackendEnum.CUSTOM, GENERIC_PATH
+        if choice == "generic":
+            log.warning("vllm-graft: %s=generic is a CPU test switch; on CUDA vLLM's own backends "
+                        "carry the seams (attention_backend=CUSTOM selects the generic one)", BACKEND_ENV)
+        from .cuda_backends import guard_path  # imports vLLM's FLASH_ATTN and TRITON_ATTN modules
+
+        out = {AttentionBackendEnum[name]: path for name, path in CUDA_PATHS.items()}
+        out[AttentionBackendEnum.CUSTOM] = GENERIC_PATH
+        for member in AttentionBackendEnum:
+            if member not in out and member.name not in _UNGUARDED:
+                out[member] = guard_path(member.name)
+        return out
     raise NotImplementedError(
-        f"vllm-graft's attention backend runs on the vLLM CPU engine and on CUDA (CUSTOM backend); "
-        f"this platform is {current_platform.device_name!r}. Leave the attention/kvcompress "
-        "sections out of the deployment here.")
+        f"vllm-graft's attention backend runs on the vLLM CPU engine and on CUDA; this platform "
+        f"is {current_platform.device_name!r}. Leave the attention/kvcompress sections out of "
+        "the deployment here.")
 
 
 def install(owner: str) -> None:
-    """Route vLLM's backend to ours (idempotent); ``owner`` is the adapter asking."""
-    member, path = route()
-    if not SEAMS.owners or SEAMS.route != path:  # the route changes only between engines (tests)
-        SEAMS.route = path
-        register_backend(member, path)
-        if member is not AttentionBackendEnum.CPU_ATTN:
-            log.info("vllm-graft: attention backend %s registered as %s (engine argument "
-                     "attention_backend=%s)", path, member.name, member.name)
+    """Route vLLM's backends to ours (idempotent); ``owner`` is the adapter asking."""
+    table = routes()
+    key = ";".join(sorted(table.values()))
+    if not SEAMS.owners or SEAMS.route != key:  # the route changes only between engines (tests)
+        if SEAMS.installed:
+            _clear_overrides()
+        SEAMS.route = key
+        SEAMS.installed = list(table)
+        for member, path in table.items():
+            register_backend(member, path)
+        if AttentionBackendEnum.CPU_ATTN not in table:
+            log.info("vllm-graft: vLLM's attention backends %s carry the plugins' seams (CUSTOM: "
+                     "the generic fallback; other backends are refused while the seams are needed)",
+                     ", ".join(CUDA_PATHS))
         _clear_selector_cache()
     SEAMS.owners.add(owner)
 
@@ -111,7 +143,7 @@ def install(owner: str) -> None:
 def uninstall(owner: str) -> None:
     SEAMS.owners.discard(owner)
     if not SEAMS.owners:
-        route()[0].clear_override()
+        _clear_overrides()
         SEAMS.route = ""
         _clear_selector_cache()
         SEAMS.method, SEAMS.method_name, SEAMS.count = None, "", None
@@ -119,6 +151,59 @@ def uninstall(owner: str) -> None:
         SEAMS.customize_spec = None
         SEAMS.rewriters.clear()
         SEAMS.kv_format = None
+
+
+def _clear_overrides() -> None:
+    for member in SEAMS.installed:
+        member.clear_override()
+    SEAMS.installed = []
+
+
+def host_kernel_available(plan: Any = None) -> bool:
+    """This process's route hands plain attention (``uses_host_kernel``) to the host's own
+    kernel: vLLM's CPU backend, or on CUDA vLLM's FLASH_ATTN/TRITON_ATTN/FLASHINFER. The generic
+    backend (the CPU test switch; on CUDA the CUSTOM fallback) calls the method instead."""
+    import os
+
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return os.environ.get(BACKEND_ENV, "").strip().lower() != "generic"
+    return bool(current_platform.is_cuda()) and not generic_requested(plan)
+
+
+def kv_layout(plan: Any = None) -> KVCacheLayout:
+    """The layout of the cache a plugin is handed on this process's route: ``packed`` on
+    CUDA (vLLM's backends), ``blocked`` on CPU and in the generic backend (which ``plan``'s
+    engine section selects by naming a backend the bridge does not know, or CUSTOM)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda() and not generic_requested(plan):
+        return PACKED
+    return BLOCKED
+
+
+def generic_requested(plan: Any) -> bool:
+    """``plan``'s engine section names an attention backend that vLLM's CUDA overrides do not
+    cover (CUSTOM, or one the bridge does not know): the generic backend computes it."""
+    engine = getattr(getattr(plan, "deployment", None), "engine", None) or {}
+    asked = engine.get("attention_backend")
+    return asked is not None and str(asked).upper() not in CUDA_PATHS
+
+
+def require_layout(plugin: str, kv_layouts: Any, plan: Any = None, what: str = "plugin") -> None:
+    """Refuse ``plugin`` (at activation) if it does not read the cache layout of this route
+    (:func:`kv_layout`); ``kv_layouts`` is its ``AttentionMethod.kv_layouts`` /
+    ``KVCompressor.kv_layouts`` claim."""
+    layout = kv_layout(plan)
+    claimed = tuple(kv_layouts or ())
+    if layout.name not in claimed:
+        raise NotImplementedError(
+            f"vllm-graft {what} {plugin!r} reads the KV cache in layout(s) {list(claimed)}, but "
+            f"this route hands it the {layout.name!r} layout (hooks KVCacheLayout: "
+            f"{'vLLM CUDA backends, K|V packed per token' if layout is PACKED else 'blocked per block and head'}); "
+            f"add {layout.name!r} to the plugin's kv_layouts once it reads the cache through "
+            "layer.kv_layout.split, or leave it out of the deployment on this platform")
 
 
 def customize_spec(spec):
@@ -263,4 +348,5 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     v_cache[blocks, :, offsets] = value.to(v_cache.dtype)
 
 
-__all__ = ["SEAMS", "install", "uninstall", "write_kv", "GraftCPUAttentionBackend"]
+__all__ = ["SEAMS", "CUDA_PATHS", "install", "uninstall", "routes", "require_layout", "kv_layout",
+           "host_kernel_available", "generic_requested", "write_kv", "GraftCPUAttentionBackend"]

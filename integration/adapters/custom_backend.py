@@ -1,30 +1,29 @@
-"""vllm-graft's device-agnostic attention backend: the route on GPU (vLLM's ``CUSTOM`` backend).
+"""vllm-graft's device-agnostic attention backend: the fallback on CUDA (vLLM's ``CUSTOM``).
 
 On CPU vLLM always selects ``CPU_ATTN`` and :mod:`.backend` overrides it with a subclass of
-the stock CPU backend (layers without a plugin keep vLLM's own C++ kernel). On CUDA there is
-no such stock backend to extend whose cache layout our kernels read, so this module is a
-backend of its own, written only against vLLM's backend interface
-(``v1/attention/backend.py``: ``AttentionBackend``, ``AttentionMetadataBuilder``,
-``AttentionImpl``):
+the stock CPU backend; on CUDA :mod:`.cuda_backends` subclasses vLLM's FLASH_ATTN, FLASHINFER
+and TRITON_ATTN the same way. This module is a backend of its own, written only against
+vLLM's backend interface (``v1/attention/backend.py``: ``AttentionBackend``,
+``AttentionMetadataBuilder``, ``AttentionImpl``), for a CUDA backend the bridge does not know:
+where the deployment's engine section names one (e.g. FLEX_ATTENTION), the adapters ask the
+engine for ``attention_backend=CUSTOM`` instead, with one warning naming the slowdown
+(:func:`vllm_graft.integration.adapters.attention_backend_overrides`).
 
 * the cache is the standard 4-D per-layer view ``[num_blocks, H_kv, block_size, 2*D]`` in the
   head-major layout (``supported_kv_cache_layouts`` = ``LBHNC``), written by
-  :func:`.backend.write_kv` in the layout of ``hooks.contracts.split_kv_cache``;
-* the metadata builder runs the same seams as the CPU backend (KV-compression rewriters,
+  :func:`.backend.write_kv` in the ``blocked`` layout (``hooks.KVCacheLayout``);
+* the metadata builder runs the same seams as the other backends (KV-compression rewriters,
   then ``AttentionMethod.plan``) and hands the plugin a :class:`~vllm_graft.hooks.PagedBatch`;
 * the impl calls ``AttentionMethod.forward`` for every decoder layer. With no attention
   plugin enabled (a KV compressor alone) it computes exact attention with the PyTorch
   reference (``plugins/attention/noop``) and says so in the log: slow, but correct; with a KV
-  storage format (``kv4``) it writes and attends through the format, as the CPU backend does.
+  storage format (``kv4``) it writes and attends through the format. Python runs in attention
+  every step, so the builder declares no CUDA-graph support (vLLM compiles attention piecewise).
 
-:func:`.backend.install` registers it as ``AttentionBackendEnum.CUSTOM`` on CUDA, and the
-attention and KV-compression adapters set the engine argument ``attention_backend=CUSTOM``
-there (vLLM selects ``CUSTOM`` only when asked). Not verified on a CUDA build of vLLM: the
-GPU machine this project is sometimes lent has no vLLM. The same class is exercised on the
-CPU engine instead: with ``VLLM_GRAFT_ATTENTION_BACKEND=generic`` :func:`.backend.install`
-overrides ``CPU_ATTN`` with :class:`GraftGenericCPUBackend` (this backend under the name the
-CPU platform selects), and ``tests/e2e/test_custom_backend.py`` checks greedy tokens against
-plain vLLM through it.
+The same class is exercised on the CPU engine: with ``VLLM_GRAFT_ATTENTION_BACKEND=generic``
+:func:`.backend.install` overrides ``CPU_ATTN`` with :class:`GraftGenericCPUBackend` (this
+backend under the name the CPU platform selects), and ``tests/e2e/test_custom_backend.py``
+checks greedy tokens against plain vLLM through it.
 """
 from __future__ import annotations
 
@@ -44,7 +43,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from vllm_graft.hooks import AttentionLayer, PagedBatch
+from vllm_graft.hooks import BLOCKED, AttentionLayer, PagedBatch
 
 from .backend import GENERIC_CPU_PATH, GENERIC_PATH, SEAMS, _layer_index, customize_spec, write_kv
 
@@ -79,6 +78,13 @@ class GraftAttentionMetadataBuilder(AttentionMetadataBuilder[GraftAttentionMetad
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size  # read by the KV-compression rewriter
+        method = SEAMS.method
+        if method is not None and BLOCKED.name not in tuple(getattr(method, "kv_layouts", (BLOCKED.name,))):
+            raise NotImplementedError(
+                f"vllm-graft attention plugin {SEAMS.method_name!r} reads the KV cache in layout(s) "
+                f"{list(method.kv_layouts)}; vllm-graft's generic backend (attention_backend=CUSTOM) "
+                "keeps the 'blocked' layout: let vLLM choose its backend instead (drop "
+                "--attention-backend CUSTOM)")
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> GraftAttentionMetadata:

@@ -415,6 +415,170 @@ def _monolithic(src: VLLMSource, module: str, name: str, depth: int = 0) -> bool
     return False
 
 
+# ------------------------------------------------------------------ CUDA attention backends
+REGISTRY = "vllm/v1/attention/backends/registry.py"
+SELECTOR = "vllm/v1/attention/selector.py"
+CUDA_PLATFORM = "vllm/platforms/cuda.py"
+V2_ATTN_UTILS = "vllm/v1/worker/gpu/attn_utils.py"
+CUDA_OWNER = "integration/adapters/cuda_backends.py (GraftBuilderMixin, GraftImplMixin)"
+ROUTE_OWNER = "integration/adapters/backend.py (routes, install)"
+#: vLLM's CUDA backends vllm-graft subclasses: member -> (module, backend, builder, impl)
+CUDA_BACKENDS = {
+    "FLASH_ATTN": ("vllm.v1.attention.backends.flash_attn", "FlashAttentionBackend",
+                   "FlashAttentionMetadataBuilder", "FlashAttentionImpl"),
+    "TRITON_ATTN": ("vllm.v1.attention.backends.triton_attn", "TritonAttentionBackend",
+                    "TritonAttentionMetadataBuilder", "TritonAttentionImpl"),
+    "FLASHINFER": ("vllm.v1.attention.backends.flashinfer", "FlashInferBackend",
+                   "FlashInferMetadataBuilder", "FlashInferImpl"),
+}
+#: what the mixins override, with the parameters they pass on (class role -> method -> params)
+MIXIN_OVERRIDES = {
+    "builder": {"build": ("common_prefix_len", "common_attn_metadata", "fast_build"),
+                "get_cudagraph_support": ("vllm_config", "kv_cache_spec"),
+                "supports_update_block_table": ()},
+    "impl": {"forward": ("layer", "query", "key", "value", "kv_cache", "attn_metadata", "output",
+                         "output_scale", "output_block_scale"),
+             "do_kv_cache_update": ("layer", "key", "value", "kv_cache", "slot_mapping")},
+    "backend": {"customize_spec": ("spec",), "get_builder_cls": (), "get_impl_cls": (), "get_name": ()},
+}
+
+
+def _cpu_attention(src: VLLMSource) -> NotApplicable | None:
+    if build_platform(src) == "cpu":
+        return NotApplicable("CPU build: the bridge overrides CPU_ATTN (integration/adapters/backend.py)")
+    return None
+
+
+def _line(text: str, pattern: str) -> int | None:
+    m = re.search(pattern, text)
+    return text.count("\n", 0, m.start()) + 1 if m else None
+
+
+def registry_override_check(src: VLLMSource) -> str | None:
+    """``register_backend(member, path)`` overrides an existing enum member (``get_path`` reads
+    the overrides), the three members and CUSTOM exist, and the selector memoises its result in
+    ``_cached_get_attn_backend`` (which ``install`` clears)."""
+    na = _cpu_attention(src)
+    if na is not None:
+        return na
+    text = src.read(REGISTRY)
+    if text is None:
+        return f"{REGISTRY} not found"
+    for name in (*CUDA_BACKENDS, "CUSTOM"):
+        if not re.search(rf"^\s+{name}\s*=", text, re.M):
+            return f"{REGISTRY}: AttentionBackendEnum has no member {name}"
+    if not re.search(r"_ATTN_OVERRIDES\[backend\]\s*=\s*class_path", text):
+        return f"{REGISTRY}: register_backend no longer stores class_path in _ATTN_OVERRIDES[backend]"
+    if not re.search(r"_ATTN_OVERRIDES\.get\(self", text):
+        return f"{REGISTRY}: get_path no longer reads _ATTN_OVERRIDES"
+    sel = src.read(SELECTOR) or ""
+    if not re.search(r"@(functools\.)?(cache|lru_cache)[^\n]*\ndef _cached_get_attn_backend\(", sel):
+        return (f"{SELECTOR}: no memoised _cached_get_attn_backend any more; recheck "
+                "backend._clear_selector_cache")
+    return None
+
+
+def cuda_selection_check(src: VLLMSource) -> str | None:
+    """For non-MLA models the CUDA platform picks among FLASH_ATTN, FLASHINFER and TRITON_ATTN
+    (before FLEX_ATTENTION), and takes each candidate's class from ``get_class()`` (so an
+    override is what it validates and returns)."""
+    na = _cpu_attention(src)
+    if na is not None:
+        return na
+    tree = _tree(src, CUDA_PLATFORM)
+    if tree is None:
+        return f"{CUDA_PLATFORM} not found"
+    fn = _function(tree, "_get_backend_priorities")
+    if fn is None:
+        return f"{CUDA_PLATFORM} defines no _get_backend_priorities"
+    lists = [[e.attr for e in n.elts if isinstance(e, ast.Attribute)] for n in ast.walk(fn)
+             if isinstance(n, ast.List)]
+    plain = [l for l in lists if "FLEX_ATTENTION" in l]
+    if not plain:
+        return f"{CUDA_PLATFORM}:{fn.lineno}: no non-MLA priority list (with FLEX_ATTENTION) found"
+    for l in plain:
+        head = l[:l.index("FLEX_ATTENTION")]
+        if set(head) - set(CUDA_BACKENDS) or not set(CUDA_BACKENDS) <= set(head):
+            return (f"{CUDA_PLATFORM}:{fn.lineno}: the non-MLA priorities before FLEX_ATTENTION are "
+                    f"{head}; vllm-graft subclasses {sorted(CUDA_BACKENDS)} (backend.CUDA_PATHS)")
+    if not re.search(r"backend\.get_class\(\)", src.read(CUDA_PLATFORM) or ""):
+        return f"{CUDA_PLATFORM}: candidates no longer come from AttentionBackendEnum.get_class()"
+    return None
+
+
+def graph_support_check(src: VLLMSource) -> str | None:
+    """The runner resolves the CUDA-graph mode from the minimum ``get_cudagraph_support`` over
+    the builders, and ``NEVER`` turns FULL decode graphs into PIECEWISE (attention eager)."""
+    na = _cpu_attention(src)
+    if na is not None:
+        return na
+    runner = src.read(RUNNER) or ""
+    if not re.search(r"builder_cls\.get_cudagraph_support\(", runner):
+        return f"{RUNNER}: the runner no longer asks builder_cls.get_cudagraph_support"
+    if "resolve_cudagraph_mode_and_sizes(" not in runner:
+        return f"{RUNNER}: the runner no longer calls resolve_cudagraph_mode_and_sizes"
+    comp = src.read(COMPILATION) or ""
+    at = _line(comp, r"setting cudagraph_mode=PIECEWISE because")
+    if "def resolve_cudagraph_mode_and_sizes" not in comp or at is None:
+        return (f"{COMPILATION}: resolve_cudagraph_mode_and_sizes no longer downgrades to PIECEWISE "
+                "for a builder with NEVER support; recheck GraftBuilderMixin.get_cudagraph_support")
+    return None
+
+
+def update_block_table_check(src: VLLMSource) -> str | None:
+    """V1 reuses a group's metadata through ``update_block_table`` where the builder
+    ``supports_update_block_table``, without calling ``build()`` (the rewriters' seam)."""
+    na = _cpu_attention(src)
+    if na is not None:
+        return na
+    runner = src.read(RUNNER) or ""
+    at = _line(runner, r"builder\.supports_update_block_table")
+    if at is None or "builder.update_block_table(" not in runner:
+        return NotApplicable(f"{RUNNER} no longer reuses metadata through update_block_table")
+    return None
+
+
+def packed_layout_check(src: VLLMSource) -> str | None:
+    """FLASH_ATTN, TRITON_ATTN and FLASHINFER write the cache outside ``forward``
+    (``forward_includes_kv_cache_update = False``) and read it K|V packed per token along the
+    last dim (``split(head_size, dim=-1)``): ``hooks.PACKED``."""
+    na = _cpu_attention(src)
+    if na is not None:
+        return na
+    for member, (module, backend, _, _) in CUDA_BACKENDS.items():
+        path = src.module_path(module)
+        text = src.read(path) if path else None
+        if text is None:
+            return f"module {module} not found"
+        if not re.search(r"forward_includes_kv_cache_update\s*(:\s*bool)?\s*=\s*False", text):
+            return f"{path}: {backend} no longer sets forward_includes_kv_cache_update = False"
+        if not re.search(r"\.split\(\s*(self\.head_size|hs)\s*,\s*dim=-1\s*\)", text):
+            return (f"{path}: {member} no longer splits the cache's last dim into K and V "
+                    "(split(head_size, dim=-1)); recheck hooks.PACKED")
+    return None
+
+
+def mixin_override_check(src: VLLMSource) -> str | None:
+    """Each method the graft mixins override exists on vLLM's FLASH_ATTN/TRITON_ATTN/FLASHINFER
+    classes and takes the parameters the mixin passes on."""
+    na = _cpu_attention(src)
+    if na is not None:
+        return na
+    for module, backend, builder, impl in CUDA_BACKENDS.values():
+        for role, cls in (("backend", backend), ("builder", builder), ("impl", impl)):
+            members = src.members(module, cls)
+            if members is None:
+                return f"{module}.{cls} not found"
+            for name, params in MIXIN_OVERRIDES[role].items():
+                if name not in members:
+                    return f"{module}.{cls} (with its vLLM bases) has no {name!r}"
+                m = members[name]
+                missing = [p for p in params if m is not None and not m.varargs and p not in m.params]
+                if missing:
+                    return f"{module}.{cls}.{name} no longer takes {missing} (it takes {list(m.params)})"
+    return None
+
+
 def facts(custom_ops: list[tuple[str, str]]) -> list[Fact]:
     """Every behaviour row; ``custom_ops``: the package's torch custom ops (one row each)."""
     out = [
@@ -442,6 +606,26 @@ def facts(custom_ops: list[tuple[str, str]]) -> list[Fact]:
              moe_backend_reaches_layer_check),
         Fact("monolithic MoE: moe_backend='triton' selects modular experts only (unquantized)",
              (UNQUANT,), MOE_OWNER, triton_is_modular_check),
+        Fact("CUDA backends: register_backend overrides FLASH_ATTN/TRITON_ATTN/FLASHINFER/CUSTOM by "
+             "path (get_path reads the overrides); the selector's memo is _cached_get_attn_backend",
+             (REGISTRY, SELECTOR), ROUTE_OWNER, registry_override_check),
+        Fact("CUDA backends: non-MLA models get FLASH_ATTN, FLASHINFER or TRITON_ATTN (before "
+             "FLEX_ATTENTION), each candidate from get_class() (the override)",
+             (CUDA_PLATFORM,), ROUTE_OWNER, cuda_selection_check),
+        Fact("CUDA backends: the graph mode comes from the minimum get_cudagraph_support over the "
+             "builders; NEVER downgrades FULL decode graphs to PIECEWISE", (RUNNER, COMPILATION),
+             CUDA_OWNER, graph_support_check),
+        Fact("CUDA backends: V1 reuses metadata through update_block_table (bypassing build(), the "
+             "rewriters' seam) where supports_update_block_table", (RUNNER,), CUDA_OWNER,
+             update_block_table_check, runner="v1"),
+        Fact("CUDA backends: FLASH_ATTN, TRITON_ATTN, FLASHINFER write the cache outside forward and "
+             "keep K|V packed per token along the last dim (hooks.PACKED)",
+             tuple(f"vllm/{m.split('.', 1)[1].replace('.', '/')}.py" for m, *_ in CUDA_BACKENDS.values()),
+             CUDA_OWNER, packed_layout_check),
+        Fact("CUDA backends: every method the graft mixins override exists on vLLM's classes with the "
+             "parameters passed on",
+             tuple(f"vllm/{m.split('.', 1)[1].replace('.', '/')}.py" for m, *_ in CUDA_BACKENDS.values()),
+             CUDA_OWNER, mixin_override_check),
     ]
     return out
 

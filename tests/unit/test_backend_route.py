@@ -1,7 +1,7 @@
 """Which vLLM attention backend vllm-graft's attention/kvcompress adapters install, per platform
 (no engine): CPU_ATTN overridden on CPU (the stock-derived class, or the generic one when
-VLLM_GRAFT_ATTENTION_BACKEND=generic), CUSTOM on CUDA with ``attention_backend=CUSTOM`` asked
-of the engine, and a clear refusal elsewhere."""
+VLLM_GRAFT_ATTENTION_BACKEND=generic), vLLM's own backends on CUDA (tests/unit/test_cuda_backends.py)
+with no engine argument asked, and a clear refusal elsewhere."""
 from __future__ import annotations
 
 import importlib
@@ -22,6 +22,7 @@ def _vllm():
     registry = importlib.import_module("vllm.v1.attention.backends.registry")
     backend = importlib.import_module("vllm_graft.integration.adapters.backend")
     custom = importlib.import_module("vllm_graft.integration.adapters.custom_backend")
+    importlib.import_module("vllm_graft.integration.adapters.cuda_backends")  # before faking CUDA
     return platforms, registry.AttentionBackendEnum, backend, custom
 
 
@@ -41,18 +42,21 @@ def test_route_per_platform(monkeypatch, kind, env, member, path):
     monkeypatch.setattr(platforms, "current_platform", _platform(kind))
     monkeypatch.setenv(backend.BACKEND_ENV, env)
     module = backend if path == "BACKEND_PATH" else custom
-    assert backend.route() == (enum[member], getattr(module, path))
+    table = backend.routes()
+    assert table[enum[member]] == getattr(module, path)
+    if kind == "cuda":  # vLLM's own backends carry the seams; CUSTOM is the fallback
+        assert {m.name: table[m] for m in table if m.name in backend.CUDA_PATHS} == backend.CUDA_PATHS
 
 
 def test_route_refuses_other_platforms_and_bad_env(monkeypatch):
     platforms, _, backend, _ = _vllm()
     monkeypatch.setattr(platforms, "current_platform", _platform("tpu"))
     with pytest.raises(NotImplementedError, match="CPU engine and on CUDA.*'tpu'"):
-        backend.route()
+        backend.routes()
     monkeypatch.setattr(platforms, "current_platform", _platform("cpu"))
     monkeypatch.setenv(backend.BACKEND_ENV, "flash")
     with pytest.raises(ValueError, match="expected 'generic'"):
-        backend.route()
+        backend.routes()
 
 
 def test_install_registers_and_uninstall_restores(monkeypatch):
@@ -73,9 +77,9 @@ def test_install_registers_and_uninstall_restores(monkeypatch):
 
 @pytest.mark.parametrize("section", [{"attention": {"plugin": "hydragen"}},
                                      {"kvcompress": {"plugin": "streaming"}}])
-def test_cuda_deployments_ask_the_engine_for_the_custom_backend(section):
+def test_deployments_leave_the_backend_to_vllm(section):
     model = str(launch.models_dir() / "graft-tiny-llama")
-    for platform, expected in (("cuda", {"attention_backend": "CUSTOM"}), ("cpu", {})):
+    for platform, expected in (("cuda", {}), ("cpu", {})):
         plan = launch.plan_from_dict({"model": model, "platform": platform, **section})
         (e,) = plan.enabled
         got = adapter_for(e.kind).engine_overrides(plan.enabled, plan)

