@@ -92,8 +92,9 @@ _SPECS = (
         Kind.ATTENTION, "Attention backends", "graft_register_attention", "AttentionMethod",
         allows_many=False,
         routes={"cpu": "attention backend: overrides vLLM's CPU_ATTN backend",
-                "cuda": "attention backend: vLLM's CUSTOM backend (--attention-backend CUSTOM)"},
-        engine_keys=("attention_backend",)),
+                "cuda": "attention backend: overrides vLLM's FLASH_ATTN, FLASHINFER and "
+                        "TRITON_ATTN (vLLM's kernel wherever the math is plain attention); "
+                        "the generic CUSTOM backend for a backend the bridge does not know"}),
     KindSpec(
         Kind.KVCOMPRESS, "KV-cache compressors", "graft_register_kv_compressors", "KVCompressor",
         allows_many=True,

@@ -343,6 +343,33 @@ def test_a_blocked_only_plugin_is_refused_on_cuda_and_accepted_on_cpu(cuda, monk
         cuda.require_layout("packed-only", ("packed",))
 
 
+def test_a_scored_compressor_reading_only_blocked_is_refused_on_cuda(cuda):
+    from vllm_graft.hooks import KVCompressor
+    from vllm_graft.integration.adapters.kvcompress.engine import ADAPTER
+
+    class BlockedScorer(KVCompressor):  # needs scores, its attend reads blocked memory only
+        needs_scores = True
+
+        def keep(self, view):
+            return list(range(view.num_blocks))
+
+        def attend(self, query, kv_cache, batch, layer, observe, head_mask=None):
+            raise AssertionError("never called here")
+
+    entry = SimpleNamespace(name="blocked-scorer", params={},
+                            entry=SimpleNamespace(registration=SimpleNamespace(
+                                capabilities=SimpleNamespace(lossless=False))))
+    plan = SimpleNamespace(deployment=SimpleNamespace(engine={}))
+    runtime = SimpleNamespace(instance=lambda _: BlockedScorer(None), count=lambda *a: None)
+    try:
+        with pytest.raises(NotImplementedError, match=r"kvcompress plugin 'blocked-scorer' reads "
+                                                      r"the KV cache in layout\(s\) \['blocked'\]"):
+            ADAPTER.activate([entry], plan, runtime)
+    finally:
+        ADAPTER.deactivate()
+    assert not cuda.SEAMS.owners  # nothing left installed
+
+
 # ------------------------------------------------------------------ CUDA graphs per deployment
 def _resolved_mode(builders) -> str:
     """vLLM's own resolution (installed CompilationConfig.resolve_cudagraph_mode_and_sizes,

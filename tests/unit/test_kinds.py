@@ -28,7 +28,7 @@ def test_every_kind_has_one_spec_and_each_spec_names_real_things():
 
 def test_hook_and_engine_key_tables_are_derived_from_the_specs():
     assert HOOK_KINDS == {s.hook: k for k, s in KINDS.items()}
-    assert set(ENGINE_KEYS_OWNED) == {"attention_backend", "speculative_config", "quantization"}
+    assert set(ENGINE_KEYS_OWNED) == {"speculative_config", "quantization"}  # attention_backend: the user's choice (CUDA overrides all three stock backends)
 
 
 def test_deployment_has_one_section_per_kind_shaped_by_allows_many():

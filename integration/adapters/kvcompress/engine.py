@@ -248,6 +248,9 @@ class KVCompressAdapter(Adapter):
                     f"{fmt_e.name!r}'s attention does not do; leave one of them out of the deployment")
         from vllm_graft.integration.adapters import backend  # imports vLLM
 
+        if scored:  # its attend() reads the cache: in the layout of the route's backend
+            backend.require_layout(e.name, getattr(compressor, "kv_layouts", ("blocked",)), plan,
+                                   "kvcompress plugin")
         if scored and backend.SEAMS.method is not None and not isinstance(backend.SEAMS.method, _ScoringAttention):
             raise NotImplementedError(
                 f"kvcompress plugin {e.name!r} needs attention scores, which it computes in its own "

@@ -444,6 +444,7 @@ def install_attention(owner: str) -> None:
     if backend.SEAMS.method is not None and backend.SEAMS.method is not _ATTENTION:
         raise ValueError(f"tree verification needs the graft attention backend's method, and "
                          f"attention plugin {backend.SEAMS.method_name!r} holds it")
+    backend.require_layout("tree-verification", TreeAttention.kv_layouts, what="attention method")
     backend.install(owner)
     backend.SEAMS.method, backend.SEAMS.method_name = _ATTENTION, "tree-verification"
     backend.SEAMS.host_kernel = False
