@@ -24,10 +24,12 @@ from vllm_graft.hooks import KINDS, Kind
 TEMPLATES: dict[Kind, dict[str, Any]] = {
     Kind.ATTENTION: {
         "lossless": True,
-        "imports": "AttentionLayer, AttentionMethod, PagedBatch, split_kv_cache",
+        "imports": "AttentionLayer, AttentionMethod, PagedBatch",
         "methods": [("forward(self, query, kv_cache, batch: PagedBatch, layer: AttentionLayer, plan=None)",
                      "Attention output [T, H, D] for query [T, H, D] over the paged cache\n"
-                     "(split_kv_cache(kv_cache) gives keys and values [blocks, H_kv, block_size, D]).")],
+                     "(layer.kv_layout.split(kv_cache) gives keys and values [blocks, H_kv, block_size, D]\n"
+                     "in the layout of the backend the plugin rides on; add \"packed\" to kv_layouts once\n"
+                     "the plugin reads only through it, so it runs on CUDA).")],
     },
     Kind.KVCOMPRESS: {
         "lossless": False,

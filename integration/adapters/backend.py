@@ -51,6 +51,9 @@ GENERIC_PATH = f"{__package__}.custom_backend.GraftAttentionBackend"
 GENERIC_CPU_PATH = f"{__package__}.custom_backend.GraftGenericCPUBackend"
 #: CUDA: the enum members overridden with a subclass of vLLM's own backend (the ones vLLM 0.33
 #: picks among for decoder models, platforms/cuda.py:155-182), by member name
+#: the class-name prefix of :mod:`.cuda_backends`' guard subclasses (see its ``guard_class``),
+#: named by path so that routing never imports that module (vLLM imports it when it selects)
+GUARD_PREFIX = "GraftGuarded_"
 CUDA_PATHS = {
     "FLASH_ATTN": f"{__package__}.cuda_backends.GraftFlashAttentionBackend",
     "TRITON_ATTN": f"{__package__}.cuda_backends.GraftTritonAttentionBackend",
@@ -107,13 +110,11 @@ def routes() -> dict[AttentionBackendEnum, str]:
         if choice == "generic":
             log.warning("vllm-graft: %s=generic is a CPU test switch; on CUDA vLLM's own backends "
                         "carry the seams (attention_backend=CUSTOM selects the generic one)", BACKEND_ENV)
-        from .cuda_backends import guard_path  # imports vLLM's FLASH_ATTN and TRITON_ATTN modules
-
         out = {AttentionBackendEnum[name]: path for name, path in CUDA_PATHS.items()}
         out[AttentionBackendEnum.CUSTOM] = GENERIC_PATH
         for member in AttentionBackendEnum:
             if member not in out and member.name not in _UNGUARDED:
-                out[member] = guard_path(member.name)
+                out[member] = f"{__package__}.cuda_backends.{GUARD_PREFIX}{member.name}"
         return out
     raise NotImplementedError(
         f"vllm-graft's attention backend runs on the vLLM CPU engine and on CUDA; this platform "

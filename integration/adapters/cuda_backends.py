@@ -44,7 +44,7 @@ from vllm.v1.attention.backends.triton_attn import (
 
 from vllm_graft.hooks import PACKED, AttentionLayer, PagedBatch
 
-from .backend import SEAMS, _layer_index, customize_spec
+from .backend import GUARD_PREFIX, SEAMS, _layer_index, customize_spec
 
 log = logging.getLogger("vllm_graft")
 
@@ -130,6 +130,12 @@ class GraftImplMixin:
         fmt = SEAMS.kv_format is not None and kv_cache.dtype == torch.uint8
         if method is None and not fmt:
             return super().forward(*stock)
+        plan = getattr(attn_metadata, "graft_plan", None)
+        plain = getattr(method, "plain", None)  # a scored compressor's step that scores nothing
+        if not fmt and plain is not None and plain(plan):
+            if SEAMS.count:
+                SEAMS.count("stock_layers", 1)
+            return super().forward(*stock)
         who = SEAMS.method_name if method is not None else "kvcompress storage format"
         self._graft_refuse_unsupported(who, output_scale, output_block_scale, fmt)
         n = attn_metadata.graft_num_tokens
@@ -141,7 +147,7 @@ class GraftImplMixin:
         if method is None:
             out = SEAMS.kv_format.forward(q, kv_cache, batch, spec)
         else:
-            out = method.forward(q, kv_cache, batch, spec, getattr(attn_metadata, "graft_plan", None))
+            out = method.forward(q, kv_cache, batch, spec, plan)
         if out.shape != (n, self.num_heads, self.head_size):
             raise RuntimeError(f"vllm-graft {who!r} returned shape {tuple(out.shape)}, expected "
                                f"{(n, self.num_heads, self.head_size)}")
@@ -214,7 +220,6 @@ class GraftTritonAttentionBackend(GraftBackendMixin, TritonAttentionBackend):
 
 
 # ------------------------------------------------------------------ guards for other members
-GUARD_PREFIX = "GraftGuarded_"
 _guards: dict[str, type] = {}
 
 

@@ -288,6 +288,33 @@ def test_forward_dispatch(cuda, monkeypatch, which):
         impl.forward(*args)
 
 
+@pytest.mark.parametrize("per_head", [False, True])
+def test_a_scored_step_that_scores_nothing_runs_vllms_kernel(cuda, monkeypatch, per_head):
+    """SnapKV's decode steps (no query in the observation window) are plain attention over the
+    kept blocks: vLLM's kernel computes them; a step that observes runs the compressor's attend;
+    a per-head compressor masks blocks per head, so it never hands a step to the stock kernel."""
+    from vllm_graft.integration.adapters.kvcompress.scores import _ScoringAttention, _StepPlan
+
+    _, fa, _, cb, _ = _mods()
+    calls = []
+    monkeypatch.setattr(fa.FlashAttentionImpl, "forward", lambda self, *a, **k: calls.append("stock") or a[6])
+    impl = _impl(cb.GraftFlashAttentionImpl)
+    scoring = _ScoringAttention(SimpleNamespace(compressor=SimpleNamespace(per_head=per_head)))
+    monkeypatch.setattr(scoring, "forward", lambda q, *a, **k: calls.append("attend") or torch.zeros_like(q))
+    counted = []
+    cuda.install("test")
+    cuda.SEAMS.method, cuda.SEAMS.method_name = scoring, "scored"
+    cuda.SEAMS.count = lambda event, k: counted.append(event)
+    batch = SimpleNamespace()
+    query, output = torch.randn(3, 4, 8), torch.zeros(3, 4, 8)
+    for observed in (False, True):
+        plan = _StepPlan([], [], torch.zeros(3, dtype=torch.bool), None, 4, observed=observed)
+        md = SimpleNamespace(graft_batch=batch, graft_num_tokens=3, graft_plan=plan)
+        impl.forward(None, query, None, None, torch.zeros(2, 2, 4, 16), md, output)
+    assert calls == (["attend", "attend"] if per_head else ["stock", "attend"])
+    assert counted.count("stock_layers") == (0 if per_head else 1)
+
+
 def test_storage_format_writes_and_attends_in_its_page(cuda, monkeypatch):
     from vllm_graft.hooks import PagedBatch
 

@@ -44,6 +44,8 @@ class _StepPlan:
     block_size: int
     head_dropped: list[list[set[int]] | None] | None = None  # per_head: per row, each KV head's dropped blocks
     _head_mask: Any = None
+    #: some query of the step counts towards the scores (known on the host when planning)
+    observed: bool = True
 
     def head_mask(self, num_seqs: int, hkv: int, width: int, device: Any = "cpu") -> "torch.Tensor":
         """per_head: ``[num_seqs, H_kv, width]`` bool on ``device``, False where a row's KV head
@@ -122,10 +124,11 @@ class _Scores:
         # the rows, moved once per step; the mass is summed there over the layers and read
         # back once, in finalize
         device = batch.block_table.device
+        observed = bool(observe.any())  # the host tensor, before it moves
         observe = observe.to(device, non_blocking=True)
         mass = None if per_head else torch.zeros(len(step.rows), batch.block_table.shape[1],
                                                  dtype=torch.float32, device=device)
-        plan = _StepPlan(step.rows, cols, observe, mass, B)
+        plan = _StepPlan(step.rows, cols, observe, mass, B, observed=observed)
         if per_head:
             plan.head_dropped = [getattr(self.reqs.get(r[0]), "head_dropped", None) for r in step.rows]
         self.pending = plan
@@ -226,6 +229,16 @@ class _ScoringAttention:
 
     def plan(self, batch: Any) -> Any:
         return self.scores.plan(batch)
+
+    def plain(self, plan: Any) -> bool:
+        """This step is plain attention over the kept blocks: no query counts towards the
+        scores and the compressor masks nothing per head, so the mass would be zero and the
+        output vLLM's. A backend with a kernel of its own (vLLM's CUDA backends) then runs
+        its kernel instead of :meth:`forward` (e.g. SnapKV's decode steps, which score
+        nothing); :meth:`_Scores.finalize` still runs on the zero mass."""
+        if getattr(self.scores.compressor, "per_head", False):
+            return False
+        return plan is None or not plan.observed
 
     def forward(self, query, kv_cache, batch, layer, plan=None):
         import torch
