@@ -399,3 +399,30 @@ def test_verify_sampling_is_lossless(deterministic, trials):
         bad = losslessness(*run_trials(broken, tokens[:2000], target[:2000], draft[:2000]), p0, p1)
         print(f"  {broken.__name__}: first token chi2 {bad[0]:.1f}, second given first {bad[2]:.1f}")
         assert bad[0] > lim0
+
+
+def test_verify_sampling_draws_on_the_generators_device(monkeypatch):
+    """vLLM's per-request generators are CUDA generators on CUDA: every draw is asked on the
+    generator's device (a CPU draw with a CUDA generator raises)."""
+
+    class Gen:  # stands in for a torch.Generator on another device
+        device = torch.device("meta")
+
+    asked = []
+    real_rand = torch.rand
+
+    def rand(*a, generator=None, device=None, **k):
+        asked.append(("rand", device))
+        return real_rand(*a, **k).fill_(0.99)  # rejects every node: the bonus is drawn
+
+    def multinomial(p, n, generator=None):
+        asked.append(("multinomial", p.device))
+        return torch.zeros(n, dtype=torch.long)
+
+    monkeypatch.setattr(torch, "rand", rand)
+    monkeypatch.setattr(torch, "multinomial", multinomial)
+    tree = DraftTree([1, 2], [-1, 0])
+    target = torch.tensor([[0.7, 0.1, 0.1, 0.1]] * 3)
+    verify_sampling(tree, target, torch.full((2, 4), 0.25), Gen())
+    assert [k for k, _ in asked] == ["rand", "multinomial"]
+    assert all(dev == torch.device("meta") for _, dev in asked)

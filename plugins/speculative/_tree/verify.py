@@ -88,8 +88,9 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor, draft_probs: to
     """Lossless verification under sampling (recursive rejection sampling; see the module
     docstring). ``target_probs [N + 1, V]``: the target's distribution at the root (row 0) and
     after each node (row ``i + 1``); ``draft_probs [N, V]``: the distribution node ``i``'s token
-    was drawn from. Rows need not be normalised. Runs on the host in float64 with
-    ``generator`` (a CPU generator) for every random draw. A draft token the draft gave zero
+    was drawn from. Rows need not be normalised. Runs on the host in float64; every random draw
+    comes from ``generator`` on the generator's own device (vLLM's per-request generators are
+    CUDA generators on CUDA), read back one draw at a time. A draft token the draft gave zero
     probability is accepted when the target gives it any (the limit of ``p(x) / q(x)``).
     """
     n = len(tree)
@@ -104,6 +105,7 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor, draft_probs: to
     target = target_probs.detach().to("cpu", torch.float64)
     draft = draft_probs.detach().to("cpu", torch.float64)
     tokens = tree.tokens.tolist()
+    draws = generator.device if generator is not None else torch.device("cpu")
     accepted: list[int] = []
     node = ROOT
     while True:
@@ -111,7 +113,7 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor, draft_probs: to
         for c in tree.children(node):
             x = tokens[c]
             q = draft[c] / draft[c].sum()
-            u = float(torch.rand((), generator=generator, dtype=torch.float64))
+            u = float(torch.rand((), generator=generator, dtype=torch.float64, device=draws))
             if u * float(q[x]) < float(p[x]):  # u < p(x) / q(x), without dividing
                 accepted.append(c)
                 node = c
@@ -121,5 +123,5 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor, draft_probs: to
             if total > 0.0:  # 0 only when p == q, where rejecting has probability 0
                 p = residual / total
         else:
-            bonus = int(torch.multinomial(p, 1, generator=generator))
+            bonus = int(torch.multinomial(p.to(draws), 1, generator=generator))
             return Verdict(accepted, bonus)
