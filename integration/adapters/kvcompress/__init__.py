@@ -33,8 +33,11 @@ does not hear from the scheduler, so it calls the same ``keep`` with the same vi
 :class:`~vllm_graft.hooks.KVCompressor`); one with ``needs_scores`` decides in the worker
 instead (see "The scores channel"). Keys are cached after RoPE, so the kept keys keep their positions; the step's
 queries are the last ``query_len`` positions of the shortened row, so causality among them
-is unchanged. A row whose compressor drops nothing is left as it is (the noop path costs one
-``keep`` call per row and no tensor work).
+is unchanged. On the host (the CPU engine) a step whose compressor drops nothing leaves the
+metadata as it is (one ``keep`` call per row, no tensor work); on a device every build returns
+the rewriter's persistent block table and ``seq_lens`` (:class:`.plan.RowBuffers`: the same
+addresses at CUDA-graph capture and at every step, since full graphs keep the addresses they
+captured), copied from the runner's on the device and compacted with one host-built index.
 
 (That is the path of deterministic compressors such as ``streaming``; scored ones are below.)
 The scheduler frees what ``keep`` dropped at ``processed_computed_tokens``; the worker drops
