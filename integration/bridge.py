@@ -241,8 +241,27 @@ def activate(plan: Plan, *, source: str) -> None:
         raise
     names = ", ".join(f"{e.kind}:{e.name}" for e in plan.enabled) or "no plugins"
     log.info("vllm-graft: deployment from %s active in process %d (%s)", source, os.getpid(), names)
+    _warn_reference_on_gpu(plan)
     _log_activation(source, plan)
     RUNTIME.start_reporting(os.environ.get(ENV_REPORT_DIR) or None)
+
+
+def _warn_reference_on_gpu(plan: Plan) -> None:
+    """On CUDA, say which plugins run their PyTorch reference (``kernel: reference``, the
+    default of every plugin with Triton kernels) instead of their kernels: correct, but not
+    what a GPU deployment wants, and nothing else would tell."""
+    from vllm.platforms import current_platform
+
+    from vllm_graft.hooks import KERNEL_FIELD
+
+    if not current_platform.is_cuda():
+        return
+    slow = [f"{e.kind}:{e.name}" for e in plan.enabled
+            if getattr(e.params, KERNEL_FIELD, None) == "reference"]
+    if slow:
+        log.warning("vllm-graft: %s run their plain-PyTorch reference on CUDA (kernel: reference, "
+                    "the default); set `kernel: triton` in each plugin's parameters for its Triton "
+                    "kernels", ", ".join(slow))
 
 
 def deactivate() -> None:

@@ -10,6 +10,7 @@ override is checked by path and by the ImportError vLLM's selector counts as "un
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 from types import SimpleNamespace
 
@@ -438,3 +439,24 @@ def test_cuda_graph_mode_per_deployment(cuda, section, expected):
     finally:
         bridge.deactivate()
     assert _resolved_mode([fa.FlashAttentionMetadataBuilder]) == "FULL_AND_PIECEWISE"  # plain vLLM
+
+
+def test_plugins_left_on_their_reference_are_named_on_cuda(cuda, caplog, monkeypatch):
+    from vllm_graft.integration import bridge, launch
+
+    def activate(kernel):
+        caplog.clear()
+        plan = launch.plan_from_dict({"model": str(launch.models_dir() / "graft-tiny-llama"),
+                                      "platform": "cuda",
+                                      "kvcompress": {"plugin": "h2o", "params": {"kernel": kernel}}})
+        with caplog.at_level(logging.WARNING, logger="vllm_graft"):
+            bridge.activate(plan, source="test")
+        bridge.deactivate()
+        return [r.getMessage() for r in caplog.records if "kernel: triton" in r.getMessage()]
+
+    said = activate("reference")
+    assert len(said) == 1 and "kvcompress:h2o" in said[0]
+    assert activate("triton") == []
+    platforms = importlib.import_module("vllm.platforms")
+    monkeypatch.setattr(platforms, "current_platform", _platform("cpu"))
+    assert activate("reference") == []  # the reference is the CPU path
