@@ -45,9 +45,15 @@ EXAMPLE := examples/graft-flexq
 WHEELS ?= $(HOME)/.cache/vllm-graft/wheels
 VLLM_CUDA = $(shell $(PYTHON) -c "import runpy; b = [x for x in runpy.run_path('hooks/versions.py')['VLLM_BUILDS'] if x.platform == 'cuda']; print(b[0].checked if b else '')")
 
+# FlashInfer at the CUDA build's pin (hooks/versions.py; ~62 MB) is read the same way, for its names
+# and signatures.
+FLASHINFER_PIN = $(shell $(PYTHON) -c "import runpy; p = runpy.run_path('hooks/versions.py')['FLASHINFER']; print(p.version if p else '')")
 wheels:
 	@ls $(WHEELS)/vllm-$(VLLM_CUDA)-*.whl >/dev/null 2>&1 || $(PY) -m pip download -q --no-deps \
 	    -d $(WHEELS) vllm==$(VLLM_CUDA) || echo "could not fetch vllm==$(VLLM_CUDA): its doctor test will skip"
+	@test -z "$(FLASHINFER_PIN)" || ls $(WHEELS)/flashinfer_python-$(FLASHINFER_PIN)-*.whl >/dev/null 2>&1 \
+	    || $(PY) -m pip download -q --no-deps -d $(WHEELS) flashinfer-python==$(FLASHINFER_PIN) \
+	    || echo "could not fetch flashinfer-python==$(FLASHINFER_PIN): its doctor checks will skip"
 
 test: install wheels
 	$(PY) -m pip install -q --no-deps -e $(EXAMPLE)

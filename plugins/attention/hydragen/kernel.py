@@ -8,7 +8,9 @@
 * :func:`_suffix_kernel`: decode attention of one token (all query heads of one KV head)
   over its sequence's own blocks from its suffix start, causally masked.
 * :func:`_merge_kernel`: per token and head, the suffix partial merged with the token's
-  prefix partials (one per tree level) by log-sum-exp, written in the output dtype.
+  prefix partials (one per tree level) by log-sum-exp, written in the output dtype; on CUDA
+  with FlashInfer usable, ``flashinfer.cascade.merge_state`` does the merge instead
+  (``flashinfer.py``, chosen once and logged).
 
 Caches are read through ``layer.kv_layout.split`` with the K and V views' own strides (block,
 head, token; unit stride along D), so any layout and physical order works.
@@ -23,6 +25,7 @@ from vllm_graft.hooks import AttentionLayer, PagedBatch
 
 from .._shared import cache_strides
 
+from .flashinfer import merge_partials, use_flashinfer_merge
 from .policy import StepPlan, group_rows
 
 
@@ -212,6 +215,8 @@ def hydragen_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, batch
             ix["grp_blk_start"], ix["blks"], query.stride(0), query.stride(1), *strides,
             o_p.stride(0), o_p.stride(1), lse_p.stride(0), layer.scale,
             G=g, D=d, BLOCK_D=block_d, BS=bs, BLOCK_M=BLOCK_M, PREC=prec)
+    if use_flashinfer_merge(query):  # FlashInfer's cascade merge_state where it may run
+        return merge_partials(o_s, lse_s, o_p, lse_p, ix, plan, bs, out)
     _merge_kernel[(num_tokens, num_heads)](
         o_s, lse_s, o_p, lse_p, ix["part_start"], ix["part_rows"], out,
         o_s.stride(0), o_s.stride(1), lse_s.stride(0), o_p.stride(0), o_p.stride(1),

@@ -43,9 +43,10 @@ class TokenRecycling(Proposer):
         self.observed_rows += len(tokens)
 
     def update_from_logits(self, tokens: Any, logits: Any) -> None:
-        """The same update from raw logits ``[R, V]`` (row r follows ``tokens[r]``): the Triton
-        kernel when the logits are on a GPU, else the PyTorch reference. (The vLLM adapter
-        passes top-k ids to :meth:`observe_topk` instead; this is the device-side route.)"""
+        """The same update from raw logits ``[R, V]`` (row r follows ``tokens[r]``): FlashInfer's
+        top-k or the Triton kernel when the logits are on a GPU, else the PyTorch reference. (The
+        vLLM adapter passes top-k ids to :meth:`observe_topk` instead; this is the device-side
+        route.)"""
         import torch
 
         tokens = torch.as_tensor(tokens, device=logits.device).reshape(-1)
@@ -54,8 +55,8 @@ class TokenRecycling(Proposer):
         self.matrix._grow(int(tokens.max()))
         width = min(self.matrix.k, int(logits.shape[1]))
         out = torch.full((len(self.matrix.m), width), -1, dtype=torch.int64, device=logits.device)
-        if logits.is_cuda:
-            from .kernel import recycle_update
+        if logits.is_cuda:  # FlashInfer's top_k where it may run, else the Triton kernel
+            from .flashinfer import recycle_update
 
             recycle_update(logits, tokens, out)
         else:
