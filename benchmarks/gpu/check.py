@@ -12,14 +12,20 @@ repository root, inside a time budget (420 s by default, ``GPU_CHECK_BUDGET``):
 3. tests: ``pytest tests/kernels`` (and ``tests/fakedevice`` where it exists) with
    ``GRAFT_REAL_DEVICE=cuda``: the kernels compiled and run on the GPU, the fake-device suite on
    real CUDA tensors; stopped (SIGINT, so pytest still reports) at its share of the budget;
-4. kernel benchmark: ``benchmarks/gpu/run.py`` (peak bandwidth measured on the device).
+4. FlashInfer: Hydragen's merge by ``flashinfer.cascade.merge_state`` against the Triton merge
+   kernel, both checked against the reference and timed (``benchmarks/gpu/flashinfer_merge.py``;
+   "skipped" with the reason where FlashInfer cannot run, e.g. not installed at vLLM's pin). The
+   packed-layout kernels (``tests/kernels/test_layouts.py``) and tree attention against its dense
+   oracle (``tests/kernels/test_tree_attention_kernel.py``) run in stage 3;
+5. kernel benchmark: ``benchmarks/gpu/run.py`` (peak bandwidth measured on the device).
 
 Every stage is a row of the markdown report written to OUT (rewritten after each stage, so a
 run cut short still leaves one); a stage that fails says so there and the next still runs.
 The exit status is 0 only if every stage passed.
 
 ``--smoke`` is the CPU rehearsal CI runs (tests/unit/test_gpu_check.py): Triton interpreted,
-two of the kernel test files on the host, ``run.py --smoke``; the wheels only if something is
+two of the kernel test files on the host, ``flashinfer_merge.py --smoke``, ``run.py --smoke``; the
+wheels only if something is
 missing. ``GPU_CHECK_TESTS`` (paths and pytest options, space separated) replaces the tests run.
 """
 from __future__ import annotations
@@ -302,6 +308,30 @@ def tests(report: Report, python: str, env: dict, work: Path, budget: float) -> 
         report.section("tests: the end of pytest's output", tail(log))
 
 
+def flashinfer_merge(report: Report, python: str, env: dict, work: Path, budget: float) -> None:
+    """Hydragen's merge by FlashInfer's cascade.merge_state vs the Triton kernel (correctness and
+    time; benchmarks/gpu/flashinfer_merge.py); "skipped" where FlashInfer cannot run."""
+    out, log = work / "flashinfer.md", work / "flashinfer.log"
+    cmd = [python, "benchmarks/gpu/flashinfer_merge.py", "--out", str(out)] + (["--smoke"] if report.smoke else [])
+    env = dict(env)
+    env.pop("GRAFT_REAL_DEVICE", None)
+    rc, seconds = run_stage(cmd, env, budget, log)
+    text = out.read_text() if out.exists() else ""
+    note = next((s for s in text.splitlines() if s.startswith("FlashInfer:")), "")
+    if rc is None:
+        result, detail = "TIMEOUT", f"stopped at its {budget:.0f} s budget"
+    elif rc != 0 or not text:
+        result, detail = "FAILED", "a merge missed the reference" if text else f"no table (exit {rc})"
+    else:
+        result = "ok" if note.startswith("FlashInfer: used") else "skipped"
+        detail = "Triton merge matches the reference; " + (note or "FlashInfer: not reported")
+    report.add("flashinfer merge", result, seconds, detail)
+    if text:
+        report.section("Hydragen merge: FlashInfer vs Triton (benchmarks/gpu/flashinfer_merge.py)", text)
+    if result not in ("ok", "skipped"):
+        report.section("flashinfer merge: the end of its output", tail(log))
+
+
 def bench(report: Report, python: str, env: dict, work: Path, budget: float) -> None:
     out, log = work / "bench.md", work / "bench.log"
     cmd = [python, "benchmarks/gpu/run.py", "--out", str(out)] + (["--smoke"] if report.smoke else [])
@@ -349,7 +379,9 @@ def main(argv: list[str] | None = None) -> int:
         dependencies(report, args.python, env, site, info.get("python", "?")[:4].rstrip("."))
         package(report, args.python, env, site)
         left = budget - (time.monotonic() - start)
-        tests(report, args.python, env, work, min(test_share, max(left - 90, 30)))  # 90 s kept for run.py
+        tests(report, args.python, env, work, min(test_share, max(left - 150, 30)))  # 150 s kept below
+        left = budget - (time.monotonic() - start)
+        flashinfer_merge(report, args.python, env, work, min(60, max(left - 90, 30)))  # 90 s kept for run.py
         left = budget - (time.monotonic() - start)
         bench(report, args.python, env, work, max(left - 5, 30))
     finally:

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu" / "check.sh"
-STAGES = ("environment", "dependencies", "package", "tests", "kernel benchmark", "total")
+STAGES = ("environment", "dependencies", "package", "tests", "flashinfer merge", "kernel benchmark", "total")
 
 
 def _module():
@@ -43,7 +43,10 @@ def test_smoke_writes_a_passing_row_per_stage(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = _rows(text)
     assert list(rows) == list(STAGES), text
-    assert all(r[0] == "ok" for r in rows.values()), text
+    assert all(r[0] == "ok" for s, r in rows.items() if s != "flashinfer merge"), text
+    assert rows["flashinfer merge"][:1] == ["skipped"] and rows["flashinfer merge"][2] == (
+        "Triton merge matches the reference; FlashInfer: skipped: the tensors are on cpu; FlashInfer runs on CUDA only. "
+        "Device: host (Triton interpreted)."), text
     assert " 0 failed, 0 errors" in rows["tests"][2] and "tests/kernels/test_h2o_kernel.py" in rows["tests"][2]
     assert rows["kernel benchmark"][2].startswith("10 kernels, 10 match their reference")
     assert "## Kernel timings (benchmarks/gpu/run.py)" in text and "CPU rehearsal" in text
@@ -62,6 +65,7 @@ def test_without_cuda_every_stage_still_runs_and_reports(tmp_path):
     assert rows["environment"][0] == "FAILED" and "torch sees no CUDA device" in rows["environment"][2]
     assert rows["tests"][0] == "FAILED" and "GRAFT_REAL_DEVICE=cuda" in rows["tests"][2]
     assert rows["kernel benchmark"][0] == "FAILED" and "no CUDA device" in text
+    assert rows["flashinfer merge"][0] == "FAILED"
     assert rows["total"][0] == "FAILED" and "## Test failures" in text
 
 
