@@ -7,7 +7,11 @@ naming the file and the name. ``behaviour`` rows (:mod:`.behaviour`) check what 
 statically: async scheduling's default and the output type it wraps, vllm-graft's custom ops
 vs vLLM's splitting ops and CUDA graphs, MoE kernel selection; a row is ``n/a`` on a build
 without that behaviour (the CPU build: no async scheduling, no CUDA graphs, CPU MoE kernels),
-which is not a failure. The CUDA wheel needs no GPU::
+which is not a failure. ``flashinfer`` rows (:mod:`.flashinfer`) check every FlashInfer name and
+call of vllm-graft against the FlashInfer release the source pins, read from its wheel in
+``~/.cache/vllm-graft/wheels`` (``make wheels``; ``VLLM_GRAFT_WHEELS`` elsewhere) or an installed
+copy at that release; ``n/a`` naming the fetch command when neither is here. The CUDA wheel
+needs no GPU::
 
     pip download vllm==0.33.0 --no-deps -d wheels/
     vllm-graft doctor --vllm-source wheels/vllm-0.33.0-*.whl --vllm-source .venv/lib/python3.11/site-packages
