@@ -31,7 +31,7 @@ from typing import Callable, Iterable
 from vllm_graft.hooks.versions import FLASHINFER
 
 from .behaviour import NotApplicable
-from .source import VLLMSource, _absolute, _top_statements
+from .source import PackageSource, VLLMSource, _absolute, _top_statements
 
 WHEELS_ENV = "VLLM_GRAFT_WHEELS"
 
@@ -117,7 +117,7 @@ class Signature:
     varkw: bool
 
 
-class FlashInferSource:
+class FlashInferSource(PackageSource):
     """A FlashInfer release read without importing it: a wheel or a folder holding flashinfer/."""
 
     def __init__(self, location: str | Path) -> None:
@@ -132,23 +132,10 @@ class FlashInferSource:
             raise FileNotFoundError(f"{self.location}: not a flashinfer wheel or a folder holding flashinfer/")
         self.version = self._version()
 
-    def read(self, path: str) -> str | None:
-        if self._zip is not None:
-            return self._zip.read(path).decode() if path in self._names else None
-        f = self.root / path
-        return f.read_text() if f.is_file() else None
-
     def _version(self) -> str:
         text = self.read("flashinfer/_build_meta.py") or ""
         m = re.search(r"""__version__\s*=\s*['"]([^'"]+)['"]""", text)
         return m.group(1) if m else "unknown"
-
-    def module_path(self, module: str) -> str | None:
-        base = module.replace(".", "/")
-        for path in (f"{base}.py", f"{base}/__init__.py"):
-            if self.read(path) is not None:
-                return path
-        return None
 
     @lru_cache(maxsize=None)
     def _top(self, module: str) -> dict[str, ast.AST]:

@@ -22,7 +22,30 @@ class Method:
     varargs: bool  # *args or **kwargs: accepts what it is not named for
 
 
-class VLLMSource:
+class PackageSource:
+    """Files of a Python package read without importing it, from a wheel (a zip) or a folder
+    (``root``); subclasses open ``location`` and set ``_zip``/``_names`` or ``root``."""
+
+    location: Path
+    root: Path
+    _zip: zipfile.ZipFile | None = None
+    _names: set[str]
+
+    def read(self, path: str) -> str | None:
+        if self._zip is not None:
+            return self._zip.read(path).decode() if path in self._names else None
+        f = self.root / path
+        return f.read_text() if f.is_file() else None
+
+    def module_path(self, module: str) -> str | None:
+        base = module.replace(".", "/")
+        for path in (f"{base}.py", f"{base}/__init__.py"):
+            if self.read(path) is not None:
+                return path
+        return None
+
+
+class VLLMSource(PackageSource):
     def __init__(self, location: str | Path) -> None:
         self.location = Path(location)
         self._zip: zipfile.ZipFile | None = None
@@ -43,12 +66,6 @@ class VLLMSource:
         self.distribution = self._distribution()
 
     # ------------------------------------------------------------------ files
-    def read(self, path: str) -> str | None:
-        if self._zip is not None:
-            return self._zip.read(path).decode() if path in self._names else None
-        f = self.root / path
-        return f.read_text() if f.is_file() else None
-
     def _version(self) -> str:
         text = self.read("vllm/_version.py") or ""
         m = re.search(r"""__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", text)
@@ -64,13 +81,6 @@ class VLLMSource:
             text = metas[0].read_text() if metas else ""
         m = re.search(r"^Name:\s*(\S+)", text, re.M)
         return m.group(1).replace("_", "-").lower() if m else "unknown"
-
-    def module_path(self, module: str) -> str | None:
-        base = module.replace(".", "/")
-        for path in (f"{base}.py", f"{base}/__init__.py"):
-            if self.read(path) is not None:
-                return path
-        return None
 
     @lru_cache(maxsize=None)
     def tree(self, module: str) -> ast.Module | None:
