@@ -22,7 +22,6 @@ from __future__ import annotations
 import ast
 import os
 import re
-import zipfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -121,11 +120,8 @@ class FlashInferSource(PackageSource):
     """A FlashInfer release read without importing it: a wheel or a folder holding flashinfer/."""
 
     def __init__(self, location: str | Path) -> None:
-        self.location = Path(location)
-        self._zip: zipfile.ZipFile | None = None
-        if self.location.is_file() and self.location.suffix == ".whl":
-            self._zip = zipfile.ZipFile(self.location)
-            self._names = set(self._zip.namelist())
+        if self._open_wheel(location):
+            pass
         elif (self.location / "flashinfer" / "__init__.py").is_file():
             self.root = self.location
         else:

@@ -31,6 +31,17 @@ class PackageSource:
     _zip: zipfile.ZipFile | None = None
     _names: set[str]
 
+    def _open_wheel(self, location: str | Path) -> bool:
+        """Set ``location``; open it as a zip when it is a wheel (True), else leave ``root`` to
+        the subclass (False)."""
+        self.location = Path(location)
+        self._zip = None
+        if self.location.is_file() and self.location.suffix == ".whl":
+            self._zip = zipfile.ZipFile(self.location)
+            self._names = set(self._zip.namelist())
+            return True
+        return False
+
     def read(self, path: str) -> str | None:
         if self._zip is not None:
             return self._zip.read(path).decode() if path in self._names else None
@@ -47,11 +58,8 @@ class PackageSource:
 
 class VLLMSource(PackageSource):
     def __init__(self, location: str | Path) -> None:
-        self.location = Path(location)
-        self._zip: zipfile.ZipFile | None = None
-        if self.location.is_file() and self.location.suffix == ".whl":
-            self._zip = zipfile.ZipFile(self.location)
-            self._names = set(self._zip.namelist())
+        if self._open_wheel(location):
+            pass
         elif self.location.is_dir():
             if (self.location / "vllm").is_dir():
                 self.root = self.location
