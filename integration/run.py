@@ -27,6 +27,10 @@ DEMO_DEPLOYMENT = "demo.yaml"
 #: KV blocks per request).
 DEMO_WORKLOADS = ("code-completion", "long-context")
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+#: `vllm-graft report` reads once no process rewrote its report for this many report periods
+#: (runtime.REPORT_EVERY_S), waiting at most REPORT_WAIT_S seconds.
+REPORT_QUIET_PERIODS = 2.5
+REPORT_WAIT_S = 6.0
 
 
 def add_command(sub) -> None:
@@ -63,6 +67,13 @@ def add_command(sub) -> None:
                     "plugin's events summed over the processes.")
     r.add_argument("dir", help="the folder VLLM_GRAFT_REPORT_DIR named")
     r.add_argument("--json", action="store_true", help="print the summed report as JSON")
+    r.add_argument("--metrics", metavar="URL",
+                   help="also read vLLM's /metrics at URL (e.g. http://127.0.0.1:8000/metrics) and "
+                        "put its speculative-decoding counters beside the report's")
+    r.add_argument("--no-wait", action="store_true",
+                   help=f"read the reports at once (default: wait up to {REPORT_WAIT_S:.0f} s until no "
+                        "process has rewritten its report for a while, so a run that just ended is "
+                        "counted in full)")
     r.set_defaults(func=cmd_report)
 
     s = sub.add_parser(
@@ -326,15 +337,118 @@ def read_reports(folder: str) -> dict[str, Any]:
             "plugins": [dict(e, events=dict(e["events"])) for e in plugins.values()]}
 
 
+def read_settled_reports(folder: str, *, quiet_s: float, timeout_s: float,
+                         clock: Any = time.time, sleep: Any = time.sleep) -> tuple[dict[str, Any], bool]:
+    """:func:`read_reports` once no process has rewritten its report for ``quiet_s`` (a process
+    rewrites it within ``REPORT_EVERY_S`` of counting events, so events of the last second of a
+    run are in a file only a moment later), waiting at most ``timeout_s``. Returns the reports
+    and whether they had settled (False: a process is still counting, e.g. a busy server)."""
+    deadline = clock() + timeout_s
+    while True:
+        summed = read_reports(folder)
+        newest = max((p["written_at"] for p in summed["processes"] if p.get("written_at")), default=None)
+        age = None if newest is None else clock() - newest
+        if age is None or age >= quiet_s:
+            return summed, True
+        if clock() + (quiet_s - age) > deadline:
+            return summed, False
+        sleep(min(quiet_s - age, max(0.0, deadline - clock())) + 0.05)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """vLLM's Prometheus ``/metrics`` text: each sample name (labels dropped) with its values
+    summed over label sets (one per engine and model)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+#: vLLM's counters that a speculative plugin's report counts the same way (see
+#: :mod:`.adapters.speculative.drafting`): /metrics sample name -> the report's figure.
+SPEC_METRICS = {"vllm:spec_decode_num_draft_tokens_total": "verified",
+                "vllm:spec_decode_num_accepted_tokens_total": "accepted"}
+
+
+def spec_counter_notes(events: dict[str, int], metrics: dict[str, float] | None = None) -> list[str]:
+    """One line per figure of a speculative plugin's events that vLLM also counts: which of
+    vLLM's counters it equals, the value ``metrics`` (parsed ``/metrics``) has, and why the two
+    may differ."""
+    verified, accepted = events.get("verified", 0), events.get("accepted", 0)
+    drafted, seeded = events.get("drafted", 0), events.get("seeded_undrafted", 0)
+    unseen = events.get("verified_without_propose", 0)
+    got = {key: metrics.get(name) for name, key in SPEC_METRICS.items()} if metrics is not None else {}
+
+    def vs(expected: int, key: str) -> str:
+        value = got.get(key)
+        if metrics is None:
+            return ""
+        if value is None:
+            return "; /metrics has no such counter (speculative decoding off, or log stats disabled)"
+        return "; /metrics: " + (f"{value:.0f}, equal" if value == expected else f"{value:.0f}, DIFFERENT")
+
+    lines = [f"verified={verified}" + (f" + verified_without_propose={unseen}" if unseen else "")
+             + " is vLLM's spec_decode_num_draft_tokens" + vs(verified + unseen, "verified")]
+    line = f"accepted={accepted} is vLLM's spec_decode_num_accepted_tokens" + vs(accepted, "accepted")
+    if unseen:
+        line += (f" (vLLM's also holds whichever of the {unseen} placeholder drafts, token id 0, the "
+                 "target sampled: vLLM verified them in steps it did not call the drafter, a request "
+                 "being within num_speculative_tokens of max_model_len)")
+    lines.append(line)
+    if drafted > verified:
+        lines.append(f"drafted={drafted}: {drafted - verified} of these were never verified (vLLM "
+                     "counts only what it scheduled: the request ended first, or the scheduler cut "
+                     "them at the token budget, max_model_len or a preemption)")
+    if seeded:
+        lines.append(f"seeded_undrafted={seeded}: drafts discarded for seeded sampled requests, "
+                     "never sent to vLLM")
+    return lines
+
+
+def _fetch_metrics(url: str) -> dict[str, float]:
+    import httpx
+
+    return parse_metrics(httpx.get(url, timeout=10).text)
+
+
 def cmd_report(args: argparse.Namespace, console: Console) -> int:
     from .cli import EXIT_INVALID, EXIT_OK
-    from .runtime import ENV_REPORT_DIR
+    from .runtime import ENV_REPORT_DIR, REPORT_EVERY_S
 
     if not os.path.isdir(args.dir):
         console.print(f"[bold red]error:[/] {escape(args.dir)} is not a folder: start vLLM with "
                       f"{ENV_REPORT_DIR}={escape(args.dir)} set, then read it here")
         return EXIT_INVALID
-    summed = read_reports(args.dir)
+    metrics = None
+    if args.metrics:
+        try:
+            metrics = _fetch_metrics(args.metrics)
+        except Exception as e:  # noqa: BLE001 - any failure to reach the server is the user's to fix
+            console.print(f"[bold red]error:[/] cannot read vLLM's metrics at {escape(args.metrics)} ({e}): "
+                          "pass the server's /metrics URL, e.g. http://127.0.0.1:8000/metrics")
+            return EXIT_INVALID
+    if args.no_wait:
+        summed, settled = read_reports(args.dir), None
+    else:
+        summed, settled = read_settled_reports(args.dir, quiet_s=REPORT_QUIET_PERIODS * REPORT_EVERY_S,
+                                               timeout_s=REPORT_WAIT_S)
+    restarts = _earlier_runs(summed["processes"])
+    for p in summed["plugins"]:
+        if p["kind"] == "speculative":
+            p["vllm_counters"] = {"spec_decode_num_draft_tokens": p["events"].get("verified", 0)
+                                  + p["events"].get("verified_without_propose", 0),
+                                  "spec_decode_num_accepted_tokens": p["events"].get("accepted", 0)}
+            p["vllm_counter_notes"] = spec_counter_notes(p["events"], metrics)
+    summed["settled"] = settled
+    if metrics is not None:
+        summed["metrics"] = {name: metrics.get(name) for name in SPEC_METRICS}
     if args.json:
         print(json.dumps(summed, indent=1))
         return EXIT_OK
@@ -354,7 +468,27 @@ def cmd_report(args: argparse.Namespace, console: Console) -> int:
         events = ", ".join(f"{k}={v}" for k, v in sorted(p["events"].items())) or "none yet"
         table.add_row(p["kind"], p["name"], escape(events), escape(", ".join(map(str, p["processes"]))))
     console.print(table)
+    for p in summed["plugins"]:
+        for line in p.get("vllm_counter_notes", ()):
+            console.print(f"{escape(p['name'])}: {escape(line)}")
+    if settled is False:
+        console.print(f"[yellow]the reports were still being rewritten after {REPORT_WAIT_S:.0f} s (a "
+                      "process is counting: the server is serving): the last second's events may be "
+                      "missing; read again once it is idle[/]")
+    if restarts:
+        console.print(f"[yellow]this folder holds reports of {restarts} earlier vLLM process(es) of the "
+                      "same role (a restarted server?): their events are summed too, while vLLM's "
+                      "/metrics counts since its start; give each server run an empty folder[/]")
     return EXIT_OK
+
+
+def _earlier_runs(processes: Sequence[dict[str, Any]]) -> int:
+    """Reports beyond the first of each process name (MainProcess, EngineCore, VllmWorker-0, ...):
+    processes of earlier server runs that wrote to the same folder."""
+    from collections import Counter
+
+    names = Counter(p.get("process") for p in processes)
+    return sum(n - 1 for n in names.values() if n > 1)
 
 
 def serve_command(plan: Plan, vllm_args: Sequence[str]) -> list[str]:

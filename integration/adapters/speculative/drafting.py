@@ -11,7 +11,18 @@ plus one token of its own. :meth:`Drafting.propose` passes it to ``Proposer.acce
 request_id, num_accepted, num_verified)`` and counts it. Events (``count(event, n)``):
 ``propose`` (plugin calls, one per request and step), ``drafted`` (tokens proposed),
 ``verified`` (drafts vLLM checked), ``accepted`` (drafts it kept), ``finish`` (requests
-ended), ``seeded_undrafted`` (drafts discarded for a seeded sampled request, below).
+ended), ``seeded_undrafted`` (drafts discarded for a seeded sampled request, below),
+``verified_without_propose`` (below).
+
+vLLM's counters: ``verified`` counts what vLLM's ``vllm:spec_decode_num_draft_tokens`` counts and
+``accepted`` what ``vllm:spec_decode_num_accepted_tokens`` counts (``Scheduler.update_from_output``:
+the drafts scheduled for a request in a step, and its sampled tokens minus one), both in the
+step that verified them. ``drafted`` is larger: drafts proposed for a request that then ended, or
+that the scheduler cut (token budget, ``max_model_len``, preemption), are never verified. In a
+step whose longest request is within ``k`` tokens of ``max_model_len`` vLLM does not call the
+drafter (``GPUModelRunner._input_fits_in_drafter``) and schedules ``k`` placeholder drafts (token
+id 0) per request instead; the next step counts those as ``verified_without_propose``, and vLLM's
+accepted count includes whichever of them the target happened to sample.
 
 Seeded sampling: vLLM's rejection sampler draws a seeded request's random numbers per draft
 it verifies, so which tokens the request gets depends on its drafts. Unless the plugin says
@@ -64,6 +75,11 @@ class Drafting:
             self.plugin.finish(request_id)
         if finished:
             self.count("finish", len(finished))
+        # Drafts the last step verified that no ``propose`` saw: vLLM skipped the drafter that step
+        # and verified placeholder drafts of its own (see the module docstring).
+        unseen = sum(self.verified.values())
+        if unseen:
+            self.count("verified_without_propose", unseen)
         # -1 marks a draft slot vLLM invalidated (structured output): not verified.
         self.verified = {rid: sum(1 for t in toks if t >= 0)
                          for rid, toks in scheduled_spec_tokens.items()}
