@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.graft-installed
 
-.PHONY: install wheel wheels demo test test-unit test-tp docs train-models eval-models clean-venv \
+.PHONY: install wheel wheels demo test test-unit test-tp test-faults docs train-models eval-models clean-venv \
 	gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml setup.py
@@ -65,6 +65,10 @@ test-unit: install
 # Every plugin alone at tensor_parallel_size=2 (~12 min on 2 CPUs; CI runs part of it).
 test-tp: install
 	GRAFT_TP_MATRIX=all $(PY) -m pytest -q tests/e2e/test_tensor_parallel.py
+
+# Every fault-injection case in vLLM's engine, one engine per case (CI runs part of it).
+test-faults: install
+	GRAFT_FAULTS_FULL=1 $(PY) -m pytest -q tests/e2e/test_faults.py tests/unit/test_faults_unit.py
 
 # Retrain the bundled models (~15 min each on 2 cores) and re-evaluate them; see models/README.md.
 train-models: install

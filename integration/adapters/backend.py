@@ -41,6 +41,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
 from vllm_graft.hooks import BLOCKED, PACKED, AttentionLayer, KVCacheLayout, PagedBatch, split_kv_cache
+from vllm_graft.integration.adapters.plugin_calls import raised
 
 log = logging.getLogger("vllm_graft")
 
@@ -252,7 +253,7 @@ class GraftCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             )
             metadata.graft_batch = batch
             if SEAMS.method is not None:
-                metadata.graft_plan = SEAMS.method.plan(batch)
+                metadata.graft_plan = call_plan(SEAMS.method, batch)
                 if SEAMS.count:
                     SEAMS.count("plan", 1)
         return metadata
@@ -295,11 +296,11 @@ class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
         spec = AttentionLayer(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                               head_size=self.head_size, scale=self.scale,
                               block_size=kv_cache.shape[2], index=_layer_index(layer))
-        out = method.forward(query[:n], kv_cache, batch, spec, getattr(attn_metadata, "graft_plan", None))
-        if out.shape != (n, self.num_heads, self.head_size):
-            raise RuntimeError(
-                f"attention plugin {SEAMS.method_name!r} returned shape {tuple(out.shape)}, "
-                f"expected {(n, self.num_heads, self.head_size)}")
+        try:
+            out = method.forward(query[:n], kv_cache, batch, spec, getattr(attn_metadata, "graft_plan", None))
+        except Exception as e:
+            raise raised("attention", SEAMS.method_name, "forward()", e) from e
+        check_output(SEAMS.method_name, out, (n, self.num_heads, self.head_size))
         output[:n].copy_(out.to(output.dtype))
         if SEAMS.count:
             SEAMS.count("forward", 1)
@@ -317,9 +318,36 @@ class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
         spec = AttentionLayer(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                               head_size=self.head_size, scale=self.scale,
                               block_size=kv_cache.shape[2], index=_layer_index(layer))
-        out = SEAMS.kv_format.forward(query[:n], kv_cache, batch, spec)
+        try:
+            out = SEAMS.kv_format.forward(query[:n], kv_cache, batch, spec)
+        except Exception as e:
+            raise raised("kvcompress", "storage format", "forward()", e) from e
+        check_output("kvcompress storage format", out, (n, self.num_heads, self.head_size))
         output[:n].copy_(out.to(output.dtype))
         return output
+
+
+def call_plan(method: Any, batch: PagedBatch) -> Any:
+    """``method.plan(batch)`` (the builder's once-per-step call); an exception names the plugin."""
+    try:
+        return method.plan(batch)
+    except Exception as e:
+        raise raised("attention", SEAMS.method_name or type(method).__name__, "plan()", e) from e
+
+
+def check_output(who: str, out: Any, shape: tuple[int, int, int]) -> None:
+    """Refuse what an attention plugin's ``forward`` returned unless it is a floating-point
+    tensor of ``shape`` ``[T, H, D]`` (another floating dtype is converted to the layer's, as
+    the contract allows). Reads shape and dtype only: no host sync."""
+    if not isinstance(out, torch.Tensor):
+        raise RuntimeError(f"attention plugin {who!r}: forward() returned {type(out).__name__}; "
+                           f"AttentionMethod.forward must return a tensor [T, H, D] = {list(shape)}")
+    if tuple(out.shape) != shape:
+        raise RuntimeError(f"attention plugin {who!r} returned shape {tuple(out.shape)}, expected "
+                           f"{shape}: AttentionMethod.forward must return [T, H, D], one row per query token")
+    if not out.is_floating_point():
+        raise RuntimeError(f"attention plugin {who!r}: forward() returned a {out.dtype} tensor; "
+                           "AttentionMethod.forward must return floating-point values (the query's dtype)")
 
 
 def _layer_index(layer) -> int:

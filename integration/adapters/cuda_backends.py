@@ -44,7 +44,8 @@ from vllm.v1.attention.backends.triton_attn import (
 
 from vllm_graft.hooks import PACKED, AttentionLayer, PagedBatch
 
-from .backend import GUARD_PREFIX, SEAMS, _layer_index, customize_spec
+from .backend import GUARD_PREFIX, SEAMS, _layer_index, call_plan, check_output, customize_spec
+from .plugin_calls import raised
 
 log = logging.getLogger("vllm_graft")
 
@@ -100,7 +101,7 @@ class GraftBuilderMixin:
             metadata.graft_batch = batch
             metadata.graft_num_tokens = cm.num_actual_tokens
             if method_runs():
-                metadata.graft_plan = SEAMS.method.plan(batch)
+                metadata.graft_plan = call_plan(SEAMS.method, batch)
                 if SEAMS.count:
                     SEAMS.count("plan", 1)
         return metadata
@@ -144,13 +145,14 @@ class GraftImplMixin:
                               block_size=kv_cache.shape[2], index=_layer_index(layer),
                               kv_layout=PACKED)
         q = query[:n].view(n, self.num_heads, self.head_size)
-        if method is None:
-            out = SEAMS.kv_format.forward(q, kv_cache, batch, spec)
-        else:
-            out = method.forward(q, kv_cache, batch, spec, plan)
-        if out.shape != (n, self.num_heads, self.head_size):
-            raise RuntimeError(f"vllm-graft {who!r} returned shape {tuple(out.shape)}, expected "
-                               f"{(n, self.num_heads, self.head_size)}")
+        try:
+            if method is None:
+                out = SEAMS.kv_format.forward(q, kv_cache, batch, spec)
+            else:
+                out = method.forward(q, kv_cache, batch, spec, plan)
+        except Exception as e:
+            raise raised("attention", who, "forward()", e) from e
+        check_output(who, out, (n, self.num_heads, self.head_size))
         output[:n].view(n, self.num_heads, self.head_size).copy_(out.to(output.dtype))
         if SEAMS.count and method is not None:
             SEAMS.count("forward", 1)

@@ -45,7 +45,17 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_graft.hooks import BLOCKED, AttentionLayer, PagedBatch
 
-from .backend import GENERIC_CPU_PATH, GENERIC_PATH, SEAMS, _layer_index, customize_spec, write_kv
+from .backend import (
+    GENERIC_CPU_PATH,
+    GENERIC_PATH,
+    SEAMS,
+    _layer_index,
+    call_plan,
+    check_output,
+    customize_spec,
+    write_kv,
+)
+from .plugin_calls import raised
 
 log = logging.getLogger("vllm_graft")
 
@@ -99,7 +109,7 @@ class GraftAttentionMetadataBuilder(AttentionMetadataBuilder[GraftAttentionMetad
         batch = PagedBatch(query_start_loc=cm.query_start_loc[: n + 1], seq_lens=cm.seq_lens[:n],
                            block_table=cm.block_table_tensor[:n])
         method = _method()
-        plan = method.plan(batch)
+        plan = call_plan(method, batch)
         if SEAMS.count and SEAMS.method is not None:
             SEAMS.count("plan", 1)
         return GraftAttentionMetadata(
@@ -152,13 +162,16 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
                               head_size=self.head_size, scale=self.scale,
                               block_size=kv_cache.shape[2], index=_layer_index(layer))
         q = query[:n].view(n, self.num_heads, self.head_size)
-        if SEAMS.method is None and SEAMS.kv_format is not None and kv_cache.dtype == torch.uint8:
-            out = SEAMS.kv_format.forward(q, kv_cache, attn_metadata.graft_batch, spec)
-        else:
-            out = _method().forward(q, kv_cache, attn_metadata.graft_batch, spec, attn_metadata.graft_plan)
-        if out.shape != (n, self.num_heads, self.head_size):
-            raise RuntimeError(f"attention plugin {SEAMS.method_name or 'reference'!r} returned shape "
-                               f"{tuple(out.shape)}, expected {(n, self.num_heads, self.head_size)}")
+        fmt = SEAMS.method is None and SEAMS.kv_format is not None and kv_cache.dtype == torch.uint8
+        who = "kvcompress storage format" if fmt else SEAMS.method_name or "reference"
+        try:
+            if fmt:
+                out = SEAMS.kv_format.forward(q, kv_cache, attn_metadata.graft_batch, spec)
+            else:
+                out = _method().forward(q, kv_cache, attn_metadata.graft_batch, spec, attn_metadata.graft_plan)
+        except Exception as e:
+            raise raised("attention", who, "forward()", e) from e
+        check_output(who, out, (n, self.num_heads, self.head_size))
         output[:n].view(n, self.num_heads, self.head_size).copy_(out.to(output.dtype))
         if SEAMS.count and SEAMS.method is not None:
             SEAMS.count("forward", 1)

@@ -18,7 +18,18 @@ from vllm_graft.hooks import (
     union_of_heads,
 )
 
-__all__ = ["KeepAll", "KeepError", "check_keep", "check_keep_heads", "dropped_blocks", "union_of_heads"]
+from vllm_graft.integration.adapters.plugin_calls import raised
+
+__all__ = ["KeepAll", "KeepError", "ask", "check_keep", "check_keep_heads", "dropped_blocks", "union_of_heads"]
+
+
+def ask(compressor: KVCompressor, view: BlockView, plugin: str, method: str = "keep"):
+    """``compressor.keep(view)`` (or ``keep_heads``), unchecked; an exception it raises is
+    re-raised naming the plugin (:func:`~vllm_graft.integration.adapters.plugin_calls.raised`)."""
+    try:
+        return getattr(compressor, method)(view)
+    except Exception as e:
+        raise raised("kvcompress", plugin, f"{method}()", e) from e
 
 
 class KeepAll(KVCompressor):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 from vllm_graft.hooks import BlockView, KVCompressor
-from vllm_graft.integration.adapters.kvcompress.keep import KeepError, check_keep, dropped_blocks
+from vllm_graft.integration.adapters.kvcompress.keep import KeepError, ask, check_keep, dropped_blocks
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +41,7 @@ def blocks_to_free(
     pinned = frozenset(i for i in range(n) if not held[i][0] and held[i][1] > 1)
     view = BlockView(num_tokens=num_tokens, block_size=block_size,
                      num_prompt_tokens=num_prompt_tokens, pinned=pinned, request_id=request_id)
-    kept = check_keep(view, compressor.keep(view), plugin)
+    kept = check_keep(view, ask(compressor, view, plugin), plugin)
     back = [i for i in kept if held[i][0]]
     if back:
         raise KeepError(
@@ -67,7 +67,7 @@ def blocks_to_skip(
         return []
     view = BlockView(num_tokens=num_tokens, block_size=block_size, num_prompt_tokens=num_prompt_tokens,
                      request_id=request_id)
-    return dropped_blocks(view, check_keep(view, compressor.keep(view), plugin))
+    return dropped_blocks(view, check_keep(view, ask(compressor, view, plugin), plugin))
 
 
 def runs(indices: Sequence[int]) -> list[tuple[int, int]]:

@@ -12,6 +12,7 @@ from vllm_graft.integration.adapters.kvcompress import state as _state
 from vllm_graft.integration.adapters.kvcompress.channel import trace
 from vllm_graft.integration.adapters.kvcompress.keep import (
     KeepError,
+    ask,
     check_keep,
     check_keep_heads,
     dropped_blocks,
@@ -168,7 +169,7 @@ class _Scores:
                 step_scores = tuple(NEG_INF if k in st.dropped else step[k] for k in range(nb))
                 view = BlockView(num_tokens=total, block_size=B, num_prompt_tokens=prompt, scores=scores,
                                  step_scores=step_scores, request_id=req_id)
-                kept = check_keep(view, self.compressor.keep(view), self.name)
+                kept = check_keep(view, ask(self.compressor, view, self.name), self.name)
             back = sorted(st.dropped & set(kept))
             if back:
                 raise KeepError(
@@ -209,7 +210,7 @@ class _Scores:
         step_scores = tuple(NEG_INF if k in st.dropped else step[k] for k in range(nb))
         view = BlockView(num_tokens=total, block_size=B, num_prompt_tokens=prompt, scores=scores,
                          head_scores=head_view, step_scores=step_scores, request_id=req_id)
-        kept_heads = check_keep_heads(view, self.compressor.keep_heads(view), self.name)
+        kept_heads = check_keep_heads(view, ask(self.compressor, view, self.name, "keep_heads"), self.name)
         for h, blocks in enumerate(kept_heads):
             back = sorted(st.head_dropped[h] & set(blocks))
             if back:

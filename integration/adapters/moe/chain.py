@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from vllm_graft.hooks.contracts.moe import MOE_STEPS, MoEScheduler
+from vllm_graft.integration.adapters.plugin_calls import raised
 
 if TYPE_CHECKING:
     import torch
@@ -72,7 +73,10 @@ class MoEChain:
         num_tokens = router_logits.shape[0]
         logits = router_logits
         for name, s in self.adjusters:
-            out = s.adjust_logits(layer_idx, logits)
+            try:
+                out = s.adjust_logits(layer_idx, logits)
+            except Exception as e:
+                raise raised("MoE", name, "adjust_logits()", e) from e
             if tuple(out.shape) != tuple(logits.shape):
                 raise ValueError(f"MoE plugin {name!r}: adjust_logits returned shape "
                                  f"{tuple(out.shape)} for logits of shape {tuple(logits.shape)}")
@@ -83,7 +87,10 @@ class MoEChain:
             weights, ids = model_topk(logits)
         else:
             name, s = self.router
-            weights, ids = s.route(layer_idx, logits, top_k, renormalize)
+            try:
+                weights, ids = s.route(layer_idx, logits, top_k, renormalize)
+            except Exception as e:
+                raise raised("MoE", name, "route()", e) from e
             want = (num_tokens, top_k)
             if tuple(weights.shape) != want or tuple(ids.shape) != want:
                 raise ValueError(f"MoE plugin {name!r}: route returned weights {tuple(weights.shape)} "
@@ -93,13 +100,36 @@ class MoEChain:
                                 f"ids), got ({weights.dtype}, {ids.dtype})")
             weights = weights.to(logits.device).float().contiguous()
             ids = ids.to(logits.device).int().contiguous()
+            check_expert_ids(name, ids, logits.shape[-1])
             if count is not None:
                 count(name, "route", 1)
         for name, s in self.observers:
-            s.observe(layer_idx, ids, weights)
+            try:
+                s.observe(layer_idx, ids, weights)
+            except Exception as e:
+                raise raised("MoE", name, "observe()", e) from e
             if count is not None:
                 count(name, "observe", 1)
         if count is not None:
             for name in self.participants:
                 count(name, "tokens", num_tokens)
         return weights, ids
+
+
+def check_expert_ids(name: str, ids: "torch.Tensor", num_experts: int) -> None:
+    """Refuse routing ids outside ``[0, num_experts)`` (vLLM's expert kernels index their weights
+    by them). On host tensors (vLLM's CPU engine) a ``ValueError`` naming the plugin; on a device,
+    a device-side assert (``torch._assert_async``: no host sync per layer; the engine stops at
+    the next sync, and CUDA reports the assert without this message)."""
+    if not ids.numel():
+        return
+    msg = (f"MoE plugin {name!r}: route returned expert ids outside [0, {num_experts}) (the layer's "
+           "experts); MoEScheduler.route must return ids of this layer's experts")
+    if ids.device.type == "cpu":
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"{msg}: got ids from {lo} to {hi}")
+        return
+    import torch
+
+    torch._assert_async(((ids >= 0) & (ids < num_experts)).all(), msg)

@@ -47,6 +47,7 @@ import torch
 from vllm_graft.hooks import Kind, QuantMethod
 
 from vllm_graft.integration.runtime import RUNTIME
+from vllm_graft.integration.adapters.plugin_calls import raised
 from vllm_graft.integration.adapters.quant.checkpoint import checkpoint_tensor_name, quantization_name
 from vllm_graft.integration.adapters.quant.tensors import (
     BUFFER_PREFIX,
@@ -259,7 +260,10 @@ class PluginLinear:
     def compute_embedding(self, ids, tensors):
         """The embedding op's body; graph-safe like :meth:`compute`."""
         self._count("captured" if capturing(ids) else "embed")
-        out = self.plugin.embed(dict(zip(self.names, tensors)), ids)
+        try:
+            out = self.plugin.embed(dict(zip(self.names, tensors)), ids)
+        except Exception as e:
+            raise raised("quant", self.name, "embed()", e) from e
         want = (*ids.shape, self.in_features)
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
             raise ValueError(f"quant plugin {self.name!r}: embed() returned "
@@ -271,7 +275,10 @@ class PluginLinear:
         a CUDA graph only once, at capture. So it must not sync with the host (it reads shapes
         and dtypes only), and while capturing it counts ``captured``, not ``apply``."""
         self._count("captured" if capturing(x) else "apply")
-        out = self.plugin.apply(dict(zip(self.names, tensors)), x, bias)
+        try:
+            out = self.plugin.apply(dict(zip(self.names, tensors)), x, bias)
+        except Exception as e:
+            raise raised("quant", self.name, "apply()", e) from e
         want = (*x.shape[:-1], self.out_features)
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or out.dtype != x.dtype:
             got = (tuple(out.shape), out.dtype) if isinstance(out, torch.Tensor) else type(out)

@@ -37,9 +37,13 @@ step, then the drafts the step verified) to ``Proposer.observe_topk``.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 from vllm_graft.hooks import Proposer
+from vllm_graft.integration.adapters.plugin_calls import raised
+
+log = logging.getLogger("vllm_graft")
 
 
 class Drafting:
@@ -157,7 +161,7 @@ class Drafting:
                 continue
             if self.trees_on:
                 tokens, parents = self._checked_tree(
-                    self.plugin.propose_tree(request_id, token_ids[i, :n].tolist(), budget), request_id)
+                    self._call("propose_tree", request_id, token_ids[i, :n].tolist(), budget), request_id)
                 tokens, parents = tokens[:budget], parents[:budget]
                 if request_id in chain_only and not is_chain(parents):
                     tokens, parents = first_path(tokens, parents)
@@ -167,8 +171,11 @@ class Drafting:
                     self.tree_drafts[request_id] = parents
                     n_trees += 1
             else:
-                drafts = self._checked(self.plugin.propose(request_id, token_ids[i, :n].tolist(), budget),
-                                       request_id)[:budget]
+                drafts = self._checked(self._call("propose", request_id, token_ids[i, :n].tolist(), budget),
+                                       request_id)
+                if len(drafts) > budget:
+                    self._too_many(len(drafts), budget)
+                    drafts = drafts[:budget]
             n_calls += 1
             if request_id in discard:
                 n_seeded += len(drafts)
@@ -183,8 +190,25 @@ class Drafting:
                 self.count(event, n)
         return out
 
+    def _call(self, method: str, request_id: str, token_ids: list[int], budget: int) -> Any:
+        """The plugin's ``propose``/``propose_tree``; an exception names the plugin."""
+        try:
+            return getattr(self.plugin, method)(request_id, token_ids, budget)
+        except Exception as e:
+            raise raised("speculative", self.name, f"{method}()", e) from e
+
+    def _too_many(self, got: int, budget: int) -> None:
+        """More drafts than asked: the contract drops the extra ones; said once per plugin."""
+        if not getattr(self, "_warned_extra", False):
+            self._warned_extra = True
+            log.warning("vllm-graft: speculative plugin %r proposed %d drafts where %d were asked "
+                        "(max_tokens); the extra ones are dropped (Proposer.propose), this time and "
+                        "every later time (said once)", self.name, got, budget)
+
     def _checked(self, drafts: Any, request_id: str) -> list[int]:
         try:
+            if isinstance(drafts, (str, bytes, dict, set)):  # iterable, but not a list of ids
+                raise TypeError
             tokens = [int(t) for t in drafts]
             ok = all(0 <= t < self.vocab_size for t in tokens)
         except (TypeError, ValueError):
