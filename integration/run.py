@@ -27,6 +27,13 @@ DEMO_DEPLOYMENT = "demo.yaml"
 #: KV blocks per request).
 DEMO_WORKLOADS = ("code-completion", "long-context")
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+#: Timed runs per arm in the demo, after each arm's warm-up; the arms alternate (graft plain,
+#: plain graft, ...) so that neither always runs first.
+DEMO_REPEATS = 3
+#: Above this many CPUs used by other processes during any timed run (the bench's busy-CPU
+#: measurement, /proc/stat), the demo says its speed figures are disturbed. The figure also holds
+#: the demo's own parent process and the idle arm (seen up to ~0.09 on a shared machine).
+DEMO_BUSY_CPUS = 0.25
 #: `vllm-graft report` reads once no process rewrote its report for this many report periods
 #: (runtime.REPORT_EVERY_S), waiting at most REPORT_WAIT_S seconds.
 REPORT_QUIET_PERIODS = 2.5
@@ -42,11 +49,16 @@ def add_command(sub) -> None:
                     "engine in its own process, and prints a sample of each arm's text and a table: "
                     "tokens/s, KV blocks held while decoding, accepted draft tokens per step, "
                     "identical outputs, and the perplexity change of the outputs under the "
-                    "unmodified model. vLLM's own log goes to a file (--log-dir keeps it).")
+                    "unmodified model. Each arm is warmed up, then the arms take turns over "
+                    f"{DEMO_REPEATS} timed runs; tokens/s is the median run with the min-max, and "
+                    "the demo says when other processes used the CPU meanwhile (the figure is then "
+                    "not the plugins'). vLLM's own log goes to a file (--log-dir keeps it).")
     d.add_argument("--deployment", help=f"deployment file (default: deployments/{DEMO_DEPLOYMENT})")
     d.add_argument("--quick", action="store_true", help="2 prompts x 48 tokens per workload (default 4 x 64)")
     d.add_argument("--num-prompts", type=int, metavar="N", help="prompts per workload")
     d.add_argument("--max-tokens", type=int, metavar="N", help="output tokens per request")
+    d.add_argument("--repeat", type=int, metavar="N",
+                   help=f"timed runs per arm, the arms alternating (default {DEMO_REPEATS})")
     d.add_argument("--log-dir", metavar="DIR", help="keep vLLM's full engine logs (one per arm) in DIR")
     d.set_defaults(func=cmd_demo)
 
@@ -192,12 +204,14 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     bench_args = argparse.Namespace(
         deployment=path, workload=[",".join(DEMO_WORKLOADS)],
         num_prompts=args.num_prompts or (2 if args.quick else 4),
-        max_tokens=args.max_tokens or (48 if args.quick else 64), batch=1, repeat=1, seed=0,
+        max_tokens=args.max_tokens or (48 if args.quick else 64), batch=1,
+        repeat=DEMO_REPEATS if getattr(args, "repeat", None) is None else args.repeat, seed=0,
         arms="plain,graft", baseline=None, ignore_eos=False, no_ppl=False, log_dir=args.log_dir,
         timeout=0)
     console.print(f"[dim]the same {bench_args.num_prompts} prompts per workload "
                   f"({', '.join(DEMO_WORKLOADS)}), one request at a time, through plain vLLM and "
-                  "through the deployment: each engine in its own process, vLLM's log in "
+                  f"through the deployment, {bench_args.repeat} timed runs per arm after a warm-up, "
+                  "the arms taking turns: each engine in its own process, vLLM's log in "
                   + (escape(args.log_dir) if args.log_dir else "a temporary file (--log-dir keeps it)") + "[/]")
     err = Console(stderr=True, highlight=False, width=console.width)
     rc, result = run_bench(bench_args, console, err)
@@ -213,6 +227,44 @@ def _decode_mean(blocks_per_step: Sequence[int]) -> float | None:
         return None
     rest = blocks_per_step[1:] or blocks_per_step
     return sum(rest) / len(rest)
+
+
+def disturbance(other_cpus: Sequence[float | None], limit: float = DEMO_BUSY_CPUS) -> dict[str, Any]:
+    """The demo's verdict on its timings from the CPUs other processes used during each timed
+    run (the bench's ``other_cpus``): ``busy`` when the worst run is above ``limit``, None when no
+    run could be measured (no /proc/stat), with the sentence the demo prints."""
+    known = [float(x) for x in other_cpus if x is not None]
+    if not known:
+        return {"busy": None, "max_cpus": None, "limit": limit,
+                "text": "what other processes used of the CPU was not measured (no /proc/stat): "
+                        "the speed figures may be disturbed"}
+    worst = max(known)
+    if worst > limit:
+        text = (f"the machine was busy: other processes used up to {worst:.2f} CPUs during the timed "
+                f"runs (more than {limit:g}): these speed figures are not the plugins'; run the demo "
+                "again when the machine is quiet")
+    else:
+        text = (f"the machine was quiet: other processes used at most {worst:.2f} CPUs during the "
+                f"timed runs (limit {limit:g})")
+    return {"busy": worst > limit, "max_cpus": worst, "limit": limit, "text": text}
+
+
+def _rate(summary: dict[str, Any]) -> str:
+    """Median tokens/s with the runs' min-max when there were several runs."""
+    text = f"{summary['output_tok_s']:.0f}"
+    lo, hi = summary.get("output_tok_s_min"), summary.get("output_tok_s_max")
+    if (summary.get("runs") or 1) > 1 and lo is not None and hi is not None:
+        text += f" ({lo:.0f}-{hi:.0f})"
+    return text
+
+
+def _speed(ratio: dict[str, Any] | None) -> str:
+    if not ratio:
+        return "-"
+    text = f"{ratio['ratio']:.2f}x"
+    if ratio.get("min") is not None and ratio.get("max") is not None and len(ratio.get("runs") or ()) > 1:
+        text += f" ({ratio['min']:.2f}-{ratio['max']:.2f})"
+    return text
 
 
 def print_demo(result: dict[str, Any], console: Console) -> None:
@@ -245,18 +297,27 @@ def print_demo(result: dict[str, Any], console: Console) -> None:
         name = w["name"]
         p, g = (arms[a]["workloads"][name] for a in ("plain", "graft"))
         ps, gs = p["summary"], g["summary"]
-        ratio = cmp[name]["ratio"]["ratio"] if cmp[name].get("ratio") else None
         held = [_decode_mean(x["kv_blocks_per_step"]) for x in (p, g)]
         held_text = ("-" if None in held else
                      f"{held[0]:.1f} -> {held[1]:.1f} ({100 * relative_change(held[0], held[1]):+.0f}%)"
                      if held[0] else f"{held[0]:.1f} -> {held[1]:.1f}")
         ppl = relative_change(ps.get("perplexity"), gs.get("perplexity"))
-        table.add_row(name, f"{ps['output_tok_s']:.0f}", f"{gs['output_tok_s']:.0f}",
-                      f"{ratio:.2f}x" if ratio else "-", held_text,
+        table.add_row(name, _rate(ps), _rate(gs), _speed(cmp[name].get("ratio")), held_text,
                       f"{cmp[name]['n_identical']}/{cmp[name]['n']}",
                       f"{100 * ppl:+.1f}%" if ppl is not None else "-")
     console.rule("summary")
     console.print(table)
+    runs = max((arms[a]["workloads"][w["name"]]["summary"].get("runs") or 1
+                for a in ("plain", "graft") for w in result["workloads"]), default=1)
+    verdict = disturbance([arms[a]["workloads"][w["name"]]["summary"].get("other_cpus")
+                           for a in ("plain", "graft") for w in result["workloads"]])
+    result["disturbance"] = verdict
+    if runs > 1:
+        console.print(f"tok/s: the median of {runs} timed runs per arm (min-max in brackets), the arms "
+                      "taking turns after a warm-up; speed: graft / plain of the medians, with the "
+                      "min-max of the runs' paired ratios")
+    style = "bold yellow" if verdict["busy"] is not False else "green"
+    console.print(f"[{style}]{escape(verdict['text'])}[/]")
     for r in result.get("runtime_report") or []:
         ev = r.get("events", {})
         if r["kind"] == "speculative" and ev.get("propose"):

@@ -326,6 +326,7 @@ def _arm_run(job: dict[str, Any], send: Callable[[str, Any], None],
                               reason=BENCH_SCHEDULE.reason)
                 patched = True
             r = int(payload)
+            RUNTIME.fresh_cross_request_state()  # no run drafts from the previous run's outputs
             for w in workloads:
                 send("phase", f"generating {w['name']} (run {r + 1})")
                 llm.reset_prefix_cache()  # every run starts with a cold prefix cache
