@@ -40,7 +40,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-from vllm_graft.hooks import BLOCKED, PACKED, AttentionLayer, KVCacheLayout, PagedBatch, split_kv_cache
+from vllm_graft.hooks import BLOCKED, PACKED, AttentionLayer, KVCacheLayout, PagedBatch
 from vllm_graft.integration.adapters.plugin_calls import raised
 
 log = logging.getLogger("vllm_graft")
@@ -361,20 +361,9 @@ def _layer_index(layer) -> int:
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store ``key``/``value`` ``[T, H_kv, D]`` at ``slot_mapping`` (slot = block * B + offset;
-    negative slots are padding) in the layout of ``split_kv_cache``."""
-    k_cache, v_cache = split_kv_cache(kv_cache)
-    block_size = kv_cache.shape[2]
-    n = slot_mapping.shape[0]
-    slots = slot_mapping.long()
-    valid = slots >= 0
-    if not bool(valid.all()):
-        slots, key, value = slots[valid], key[:n][valid], value[:n][valid]
-    else:
-        key, value = key[:n], value[:n]
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, :, offsets] = key.to(k_cache.dtype)
-    v_cache[blocks, :, offsets] = value.to(v_cache.dtype)
+    """Store ``key``/``value`` ``[T, H_kv, D]`` at ``slot_mapping`` (negative slots are padding)
+    in the ``blocked`` layout the plugins read on this route (``hooks.BLOCKED.write``)."""
+    BLOCKED.write(key, value, kv_cache, slot_mapping)
 
 
 __all__ = ["SEAMS", "CUDA_PATHS", "install", "uninstall", "routes", "require_layout", "kv_layout",

@@ -46,6 +46,9 @@ def _platform(kind: str):
 def cuda(monkeypatch):
     _mods()  # vLLM's modules read the real platform at import: import them first
     importlib.import_module("vllm.v1.attention.backends.flex_attention")
+    # and those the bridge's activation imports, which would otherwise bind the fake platform
+    # for the rest of the session (the sampler then asks for FlashInfer)
+    importlib.import_module("vllm.v1.sample.ops.topk_topp_sampler")
     backend = importlib.import_module("vllm_graft.integration.adapters.backend")
     platforms = importlib.import_module("vllm.platforms")
     monkeypatch.setattr(platforms, "current_platform", _platform("cuda"))
