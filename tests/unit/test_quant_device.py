@@ -21,6 +21,7 @@ import contextlib
 import pytest
 import torch
 
+from vllm_graft.integration.adapters.plugin_calls import PluginRaised
 from vllm_graft.integration.adapters.quant import tensors as qtensors
 from vllm_graft.integration.adapters.quant.checkpoint import stored_specs
 from vllm_graft.integration.adapters.quant.linear import PluginLinear
@@ -291,5 +292,6 @@ def test_without_the_adapter_moving_them_host_built_buffers_fail_on_the_device(m
     with FD:
         assert not any(is_on_device(b) for b in _plugin_buffers(layer).values())
         tensors = qtensors.layer_tensors(layer)
-        with pytest.raises(DeviceMixError):
+        with pytest.raises(PluginRaised) as caught:  # the adapter names the plugin, the cause is kept
             m.compute(on_device(torch.randn(2, IN)), [tensors[n] for n in m.names], None)
+        assert isinstance(caught.value.__cause__, DeviceMixError)
