@@ -6,6 +6,7 @@ Exit codes (stable, for scripts):
   2  bad command line (unknown command, missing argument)
   3  a plugin failed to load (import error, invalid registration), or what the command needs is
      missing: vLLM (or a supported version of it), torch, matplotlib; the message says what to install
+  4  `soak`: a check failed (the table and the lines above it say which)
 """
 from __future__ import annotations
 
@@ -219,6 +220,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "vllm_graft.integration.run",  # demo, generate, serve
     "vllm_graft.integration.doctor",  # doctor, patches
     "vllm_graft.tools.bench",  # bench
+    "vllm_graft.tools.soak",  # soak
     "vllm_graft.kit.scaffold",  # new-plugin
     "vllm_graft.tools.calibrate",  # calibrate METHOD (expert-mask, razor)
     "vllm_graft.tools.moe.moe_tools",  # moe-trace, moe-sim

@@ -46,6 +46,9 @@ class Runtime:
     #: down at shutdown, before the last report is written at exit)
     _tp_rank: int | None = None
     _reporter: threading.Thread | None = field(default=None, repr=False)
+    #: adapter-side objects holding per-request tables (:meth:`track_state`), by label
+    state_holders: dict[str, Any] = field(default_factory=dict, repr=False)
+    _last_sizes: dict[str, int] | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -90,9 +93,10 @@ class Runtime:
             def loop() -> None:
                 while self.report_dir is not None:
                     time.sleep(REPORT_EVERY_S)
-                    if self._dirty:
+                    sizes = self.state_sizes()
+                    if self._dirty or sizes != self._last_sizes:
                         self._dirty = False
-                        self.write_report()
+                        self.write_report(sizes)
 
             self._reporter = threading.Thread(target=loop, name="vllm-graft-report", daemon=True)
             self._reporter.start()
@@ -106,7 +110,7 @@ class Runtime:
             self._dirty = False
             self.write_report()
 
-    def write_report(self) -> None:
+    def write_report(self, sizes: dict[str, int] | None = None) -> None:
         """Write :meth:`report` to ``<report_dir>/<process>-<pid>.json`` (replaced atomically):
         how a server's user sees what the plugins did in vLLM's engine and worker processes
         (``vllm-graft report DIR`` adds them up). Written at activation, then (see
@@ -122,7 +126,9 @@ class Runtime:
             os.makedirs(self.report_dir, exist_ok=True)
             data = {"pid": os.getpid(), "process": process, "source": self.source,
                     "tensor_parallel_rank": self._tensor_parallel_rank(),
-                    "written_at": time.time(), "plugins": self.report()}
+                    "written_at": time.time(), "plugins": self.report(),
+                    "state_sizes": self.state_sizes() if sizes is None else sizes}
+            self._last_sizes = data["state_sizes"]
             with open(path + ".tmp", "w") as f:
                 json.dump(data, f, default=str)
             os.replace(path + ".tmp", path)
@@ -153,6 +159,23 @@ class Runtime:
             })
         return out
 
+    def track_state(self, label: str, holder: Any) -> None:
+        """Have :meth:`state_sizes` look into ``holder`` (an adapter object holding per-request
+        tables) under ``label``. Read only; the holder is kept for the process's life."""
+        self.state_holders[label] = holder
+
+    def state_sizes(self) -> dict[str, int]:
+        """Entries per request-keyed table of this process: each dict with string keys (vLLM's
+        request ids are strings) found on a plugin instance or a :meth:`track_state` holder, or on
+        their vllm_graft attributes two levels down, as ``"kind/name.attr[.attr]": len``. Tables
+        empty or keyed otherwise (layers, token ids) are left out. What `vllm-graft soak` reads from
+        the reports to see per-request state return to its start after a drain."""
+        out: dict[str, int] = {}
+        roots = [(f"{k}/{n}", impl) for (k, n), impl in list(self.instances.items())]
+        for label, obj in roots + list(self.state_holders.items()):
+            _request_tables(obj, label, out, depth=2, seen=set())
+        return out
+
     def fresh_cross_request_state(self) -> list[str]:
         """Rebuild in place (``__init__`` again with the same parameters) each speculative plugin
         instance whose drafts draw on state shared across requests (not ``per_request_drafts``),
@@ -177,6 +200,28 @@ class Runtime:
         self.instances.clear()
         self.events.clear()
         self.adapters.clear()
+        self.state_holders.clear()
+        self._last_sizes = None
+
+
+def _request_tables(obj: Any, label: str, out: dict[str, int], depth: int, seen: set[int]) -> None:
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    try:
+        attrs = list(vars(obj).items())
+    except TypeError:  # no __dict__ (slots, builtins)
+        return
+    for name, value in attrs:
+        if isinstance(value, dict):
+            try:
+                keys = list(value)  # the engine thread may be changing it
+            except RuntimeError:
+                continue
+            if keys and all(isinstance(k, str) for k in keys):
+                out[f"{label}.{name}"] = len(keys)
+        elif depth > 1 and type(value).__module__.startswith("vllm_graft."):
+            _request_tables(value, f"{label}.{name}", out, depth - 1, seen)
 
 
 def write_report_now(*_worker: Any) -> None:

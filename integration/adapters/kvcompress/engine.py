@@ -276,6 +276,7 @@ class KVCompressAdapter(Adapter):
                                      for x, _ in instances])
             install_patch(salt=salt is not None)
             active = _state.active = Active(compressor, e.name, count, salt=salt, needs_scores=scored)
+            runtime.track_state(f"kvcompress/{e.name}/adapter", active)  # read by `soak`
             if fmt is not None:
                 active.kv_format, active.format_name = fmt, fmt_e.name
                 backend.SEAMS.kv_format = _FormatSeam(fmt, fmt_e.name, runtime)

@@ -145,6 +145,7 @@ class GraftProposer:
         self.drafting = Drafting(
             RUNTIME.instance(e), e.name, k=spec.num_speculative_tokens,
             max_model_len=model.max_model_len, vocab_size=model.get_vocab_size(), count=count)
+        RUNTIME.track_state(f"speculative/{e.name}/adapter", self.drafting)  # read by `soak`
         self._runner: weakref.ReferenceType | None = None
         self.vllm_config = vllm_config  # for load_model
         #: tree verification (a plugin that drafts trees; :mod:`.tree`), else None
