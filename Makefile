@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.graft-installed
 
-.PHONY: install wheel wheels demo test test-unit test-tp test-faults docs train-models eval-models clean-venv \
+.PHONY: install wheel wheels demo test test-unit test-tp test-faults soak docs train-models eval-models clean-venv \
 	gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml setup.py
@@ -69,6 +69,16 @@ test-tp: install
 # Every fault-injection case in vLLM's engine, one engine per case (CI runs part of it).
 test-faults: install
 	GRAFT_FAULTS_FULL=1 $(PY) -m pytest -q tests/e2e/test_faults.py tests/unit/test_faults_unit.py
+
+# The soak suite in full (issue 35): vLLM's OpenAI server per deployment under a 1 -> 64 ramp
+# of mixed requests with a KV pool too small for it, then the drain checks; one table at the end.
+# SOAK_MINUTES=30 for the long run. CI runs the short form (tests/e2e/test_soak.py).
+SOAK_MINUTES ?= 3
+SOAK_DEPLOYMENTS ?= deployments/plain.yaml deployments/noop.yaml deployments/spec-lookahead.yaml \
+	deployments/kvcompress-kv4-streaming.yaml deployments/quant-w4a8.yaml deployments/moe-dynamic-topk.yaml \
+	deployments/demo.yaml
+soak: install
+	$(VENV)/bin/vllm-graft soak $(SOAK_DEPLOYMENTS) --minutes $(SOAK_MINUTES)
 
 # Retrain the bundled models (~15 min each on 2 cores) and re-evaluate them; see models/README.md.
 train-models: install
