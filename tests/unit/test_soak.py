@@ -219,3 +219,19 @@ def test_runtime_state_sizes_counts_request_keyed_tables():
     assert "speculative/fake.per_request" not in rt.state_sizes()
     rt.reset()
     assert rt.state_sizes() == {}
+
+
+def test_unseeded_mix_and_stop_if():
+    specs = [RequestMix(CORPUS, 512, seed=1, seeded=False).draw() for _ in range(300)]
+    assert not [s for s in specs if s.seed is not None] and [s for s in specs if not s.greedy]
+    assert [s for s in (RequestMix(CORPUS, 512, seed=1).draw() for _ in range(300)) if s.seed is not None]
+    sent = []
+
+    async def handler(request):
+        sent.append(1)
+        return await _server(request)
+
+    specs = [RequestSpec(index=i, prompt=[0], max_tokens=4, level=1) for i in range(10)]
+    got = asyncio.run(drive("http://127.0.0.1:1", "m", specs, timeout=5, transport=httpx.MockTransport(handler),
+                            stop_if=lambda: "the server exited" if len(sent) >= 4 else None))
+    assert len(got) == len(sent) == 4

