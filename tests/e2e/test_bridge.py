@@ -9,7 +9,6 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import gc  # noqa: E402
 import json  # noqa: E402
-import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -22,6 +21,8 @@ from vllm_graft.hooks import DeploymentError  # noqa: E402
 from vllm_graft.integration import bridge, launch  # noqa: E402
 from vllm_graft.integration.patches import PATCHES  # noqa: E402
 from vllm_graft.integration.runtime import RUNTIME  # noqa: E402
+
+from .servers import free_port  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -131,19 +132,13 @@ def test_loads_in_every_process_of_a_multiprocess_engine(tmp_path, plain_tokens)
     assert tokens == plain_tokens
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_applies_the_deployment(tmp_path, plain_tokens):
     """`vllm-graft serve`: an OpenAI-compatible server whose processes run the deployment."""
     deploy = tmp_path / "d.yaml"
     deploy.write_text(f"model: {LLAMA}\nengine:\n  dtype: float32\n  max_model_len: 512\n"
                       "attention:\n  plugin: noop\n")
     log = tmp_path / "activations.jsonl"
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, bridge.ENV_ACTIVATION_LOG: str(log), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     server = subprocess.Popen([sys.executable, "-m", "vllm_graft.integration.cli", "serve", str(deploy),
                                "--port", str(port), "--served-model-name", "tiny"],

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ import pytest
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("vllm")
+
+from .servers import free_port, server_env  # noqa: E402
 
 pytestmark = [
     pytest.mark.e2e,
@@ -36,32 +37,20 @@ MAX_MODEL_LEN = 384
 CODE = "".join(f"def handler_{i}(event, context):\n    return process(event, {i})\n\n" for i in range(12))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_GRAFT_")}
-    env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, **extra)
-    return env
-
-
 def _report(reports: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "vllm_graft.integration.cli", "report", str(reports), *extra],
-                          capture_output=True, text=True, env=_env(), timeout=60)
+                          capture_output=True, text=True, env=server_env(), timeout=60)
 
 
 def test_report_equals_vllm_metrics_on_the_same_server_run(tmp_path):
     reports = tmp_path / "reports"
     log_path = tmp_path / "server.log"
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", LLAMA, "--dtype", "float32",
             "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", "tiny", "--port", str(port),
             "--additional-config", json.dumps({"graft": {"speculative": {"plugin": "lookahead"}}})]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(argv, env=_env(VLLM_GRAFT_REPORT_DIR=str(reports)), stdout=log,
+        proc = subprocess.Popen(argv, env=server_env(VLLM_GRAFT_REPORT_DIR=str(reports)), stdout=log,
                                 stderr=subprocess.STDOUT, cwd=tmp_path)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -11,8 +11,6 @@ fit the model, malformed JSON) is refused before any engine starts, naming the f
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +21,8 @@ import pytest
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("vllm")
+
+from .servers import free_port, server_env  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -40,18 +40,6 @@ CODE = "def read_config(path):\n    with open(path"
 LONG_CODE = "".join(f"def handler_{i}(event, context):\n    return process(event, {i})\n\n" for i in range(40))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_GRAFT_")}
-    env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, **extra)
-    return env
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("server")
@@ -59,12 +47,12 @@ def server(tmp_path_factory):
     template.write_text(CHAT_TEMPLATE)
     reports = folder / "reports"
     log_path = folder / "server.log"
-    port = _free_port()
+    port = free_port()
     argv = SERVER + ["--model", LLAMA, "--dtype", "float32", "--max-model-len", "2048",
                      "--served-model-name", "tiny", "--port", str(port), "--chat-template", str(template),
                      "--additional-config", json.dumps(DEPLOYMENT)]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(argv, env=_env(VLLM_GRAFT_REPORT_DIR=str(reports)), stdout=log,
+        proc = subprocess.Popen(argv, env=server_env(VLLM_GRAFT_REPORT_DIR=str(reports)), stdout=log,
                                 stderr=subprocess.STDOUT, cwd=folder)
     base = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -182,7 +170,7 @@ def test_the_plugins_ran_metrics_and_report(server):
     deadline = time.time() + 10
     while True:
         out = subprocess.run([sys.executable, "-m", "vllm_graft.integration.cli", "report", "--json",
-                              str(server["reports"])], capture_output=True, text=True, env=_env())
+                              str(server["reports"])], capture_output=True, text=True, env=server_env())
         assert out.returncode == 0, out.stderr
         summed = {(p["kind"], p["name"]): p for p in json.loads(out.stdout)["plugins"]}
         ev = summed[("kvcompress", "streaming")]["events"]
@@ -194,7 +182,7 @@ def test_the_plugins_ran_metrics_and_report(server):
     processes = {p["process"] for p in json.loads(out.stdout)["processes"]}
     assert {"MainProcess", "EngineCore"} <= processes and any(p.startswith("VllmWorker") for p in processes)
     table = subprocess.run([sys.executable, "-m", "vllm_graft.integration.cli", "report", str(server["reports"])],
-                           capture_output=True, text=True, env=_env())
+                           capture_output=True, text=True, env=server_env())
     assert "blocks_freed=" in table.stdout and "lookahead" in table.stdout
 
 
@@ -212,9 +200,9 @@ BAD = {
 
 
 def _start_bad(model: str, config: str, folder: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(SERVER + ["--model", model, "--dtype", "float32", "--port", str(_free_port()),
+    return subprocess.run(SERVER + ["--model", model, "--dtype", "float32", "--port", str(free_port()),
                                     "--additional-config", config],
-                          env=_env(), capture_output=True, text=True, timeout=240, cwd=folder)
+                          env=server_env(), capture_output=True, text=True, timeout=240, cwd=folder)
 
 
 def test_bad_input_is_refused_before_the_engine_starts(tmp_path):
