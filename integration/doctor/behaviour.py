@@ -15,6 +15,7 @@ the CUDA facts.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -449,18 +450,27 @@ def _cpu_attention(src: VLLMSource) -> NotApplicable | None:
     return None
 
 
+def _cuda_attention(check: Callable[[VLLMSource], str | None]) -> Callable[[VLLMSource], str | None]:
+    """A check of the CUDA attention route: n/a on a CPU build (see :func:`_cpu_attention`)."""
+
+    @functools.wraps(check)
+    def run(src: VLLMSource) -> str | None:
+        na = _cpu_attention(src)
+        return na if na is not None else check(src)
+
+    return run
+
+
 def _line(text: str, pattern: str) -> int | None:
     m = re.search(pattern, text)
     return text.count("\n", 0, m.start()) + 1 if m else None
 
 
+@_cuda_attention
 def registry_override_check(src: VLLMSource) -> str | None:
     """``register_backend(member, path)`` overrides an existing enum member (``get_path`` reads
     the overrides), the three members and CUSTOM exist, and the selector memoises its result in
     ``_cached_get_attn_backend`` (which ``install`` clears)."""
-    na = _cpu_attention(src)
-    if na is not None:
-        return na
     text = src.read(REGISTRY)
     if text is None:
         return f"{REGISTRY} not found"
@@ -478,13 +488,11 @@ def registry_override_check(src: VLLMSource) -> str | None:
     return None
 
 
+@_cuda_attention
 def cuda_selection_check(src: VLLMSource) -> str | None:
     """For non-MLA models the CUDA platform picks among FLASH_ATTN, FLASHINFER and TRITON_ATTN
     (before FLEX_ATTENTION), and takes each candidate's class from ``get_class()`` (so an
     override is what it validates and returns)."""
-    na = _cpu_attention(src)
-    if na is not None:
-        return na
     tree = _tree(src, CUDA_PLATFORM)
     if tree is None:
         return f"{CUDA_PLATFORM} not found"
@@ -506,12 +514,10 @@ def cuda_selection_check(src: VLLMSource) -> str | None:
     return None
 
 
+@_cuda_attention
 def graph_support_check(src: VLLMSource) -> str | None:
     """The runner resolves the CUDA-graph mode from the minimum ``get_cudagraph_support`` over
     the builders, and ``NEVER`` turns FULL decode graphs into PIECEWISE (attention eager)."""
-    na = _cpu_attention(src)
-    if na is not None:
-        return na
     runner = src.read(RUNNER) or ""
     if not re.search(r"builder_cls\.get_cudagraph_support\(", runner):
         return f"{RUNNER}: the runner no longer asks builder_cls.get_cudagraph_support"
@@ -525,12 +531,10 @@ def graph_support_check(src: VLLMSource) -> str | None:
     return None
 
 
+@_cuda_attention
 def update_block_table_check(src: VLLMSource) -> str | None:
     """V1 reuses a group's metadata through ``update_block_table`` where the builder
     ``supports_update_block_table``, without calling ``build()`` (the rewriters' seam)."""
-    na = _cpu_attention(src)
-    if na is not None:
-        return na
     runner = src.read(RUNNER) or ""
     at = _line(runner, r"builder\.supports_update_block_table")
     if at is None or "builder.update_block_table(" not in runner:
@@ -538,13 +542,11 @@ def update_block_table_check(src: VLLMSource) -> str | None:
     return None
 
 
+@_cuda_attention
 def packed_layout_check(src: VLLMSource) -> str | None:
     """FLASH_ATTN, TRITON_ATTN and FLASHINFER write the cache outside ``forward``
     (``forward_includes_kv_cache_update = False``) and read it K|V packed per token along the
     last dim (``split(head_size, dim=-1)``): ``hooks.PACKED``."""
-    na = _cpu_attention(src)
-    if na is not None:
-        return na
     for member, (module, backend, _, _) in CUDA_BACKENDS.items():
         path = src.module_path(module)
         text = src.read(path) if path else None
@@ -558,12 +560,10 @@ def packed_layout_check(src: VLLMSource) -> str | None:
     return None
 
 
+@_cuda_attention
 def mixin_override_check(src: VLLMSource) -> str | None:
     """Each method the graft mixins override exists on vLLM's FLASH_ATTN/TRITON_ATTN/FLASHINFER
     classes and takes the parameters the mixin passes on."""
-    na = _cpu_attention(src)
-    if na is not None:
-        return na
     for module, backend, builder, impl in CUDA_BACKENDS.values():
         for role, cls in (("backend", backend), ("builder", builder), ("impl", impl)):
             members = src.members(module, cls)
@@ -589,14 +589,12 @@ def _function_calls(fn: ast.AST, attr: str) -> bool:
                for n in ast.walk(fn))
 
 
+@_cuda_attention
 def capture_through_build_check(src: VLLMSource) -> str | None:
     """Full CUDA graphs are captured from ``_dummy_run``, which builds attention metadata with
     the runner's ``_build_attention_metadata`` (the patch that tells the rewriter about the step);
     the builders' ``build_for_cudagraph_capture`` calls ``build`` (where the rewriter runs), so
     the graphs capture the rewriter's persistent buffers, not the runner's."""
-    na = _cpu_attention(src)
-    if na is not None:
-        return na
     runner = _tree(src, RUNNER)
     if runner is None:
         return f"{RUNNER} not found"
