@@ -165,6 +165,8 @@ def rewrite(builder: Any, cm: Any) -> Any:
     if index is not None:
         import torch
 
+        # on the host by design: vLLM's seq_lens_cpu_upper_bound is a CPU tensor (FlashInfer's
+        # plan reads it there), lowered from the host-known drops, never read back from the device
         upper = host_lens.clone()
         upper[torch.from_numpy(index[:, 0]).long()] -= torch.from_numpy(index[:, 1]).to(upper.dtype)
         if getattr(cm, "seq_lens_cpu_upper_bound", None) is not None:
