@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.graft-installed
 
 .PHONY: install wheel wheels demo test test-unit test-tp test-faults soak docs train-models eval-models clean-venv \
-	gpu-check gpu-wheels test-counters
+	gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -67,9 +67,6 @@ test-tp: install
 	GRAFT_TP_MATRIX=all $(PY) -m pytest -q tests/e2e/test_tensor_parallel.py
 
 # Every fault-injection case in vLLM's engine, one engine per case (CI runs part of it).
-test-counters: install
-	GRAFT_SERVER_COUNTERS=1 $(PY) -m pytest -q tests/e2e/test_report_metrics.py
-
 test-faults: install
 	GRAFT_FAULTS_FULL=1 $(PY) -m pytest -q tests/e2e/test_faults.py tests/unit/test_faults_unit.py
 

@@ -34,8 +34,8 @@ DEMO_REPEATS = 3
 #: measurement, /proc/stat), the demo says its speed figures are disturbed. The figure also holds
 #: the demo's own parent process and the idle arm (seen up to ~0.09 on a shared machine).
 DEMO_BUSY_CPUS = 0.25
-#: `vllm-graft report` reads once no process rewrote its report for this many report periods
-#: (runtime.REPORT_EVERY_S), waiting at most REPORT_WAIT_S seconds.
+#: `vllm-graft report` reads once this many report periods (runtime.REPORT_EVERY_S) have passed
+#: since it was called and since any process last rewrote its report, waiting at most REPORT_WAIT_S.
 REPORT_QUIET_PERIODS = 2.5
 REPORT_WAIT_S = 6.0
 
@@ -400,20 +400,27 @@ def read_reports(folder: str) -> dict[str, Any]:
 
 def read_settled_reports(folder: str, *, quiet_s: float, timeout_s: float,
                          clock: Any = time.time, sleep: Any = time.sleep) -> tuple[dict[str, Any], bool]:
-    """:func:`read_reports` once no process has rewritten its report for ``quiet_s`` (a process
-    rewrites it within ``REPORT_EVERY_S`` of counting events, so events of the last second of a
-    run are in a file only a moment later), waiting at most ``timeout_s``. Returns the reports
-    and whether they had settled (False: a process is still counting, e.g. a busy server)."""
-    deadline = clock() + timeout_s
+    """:func:`read_reports` once ``quiet_s`` has passed since this call and no process has
+    rewritten its report for ``quiet_s``, waiting at most ``timeout_s``. Returns the reports and
+    whether they had settled (False: a process is still counting, e.g. a busy server).
+
+    A process rewrites its report within ``REPORT_EVERY_S`` of counting events, so the events of
+    the last second before this call may not be in any file yet, and no file says so: a run of
+    requests shorter than a report period (20 requests on the tiny model take ~0.5 s) left every
+    file as it was at activation, long idle, and a read at once saw none of the run (a CI failure
+    of tests/e2e/test_report_metrics.py). Hence the wait of ``quiet_s`` from the call, always."""
+    start = clock()
+    deadline = start + timeout_s
     while True:
         summed = read_reports(folder)
         newest = max((p["written_at"] for p in summed["processes"] if p.get("written_at")), default=None)
-        age = None if newest is None else clock() - newest
-        if age is None or age >= quiet_s:
+        now = clock()
+        wait = max(0.0, start + quiet_s - now, 0.0 if newest is None else newest + quiet_s - now)
+        if wait == 0.0:
             return summed, True
-        if clock() + (quiet_s - age) > deadline:
+        if now + wait > deadline:
             return summed, False
-        sleep(min(quiet_s - age, max(0.0, deadline - clock())) + 0.05)
+        sleep(min(wait, max(0.0, deadline - now)) + 0.05)
 
 
 def parse_metrics(text: str) -> dict[str, float]:

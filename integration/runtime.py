@@ -93,10 +93,17 @@ class Runtime:
             def loop() -> None:
                 while self.report_dir is not None:
                     time.sleep(REPORT_EVERY_S)
-                    sizes = self.state_sizes()
-                    if self._dirty or sizes != self._last_sizes:
-                        self._dirty = False
-                        self.write_report(sizes)
+                    try:
+                        sizes = self.state_sizes()
+                        if self._dirty or sizes != self._last_sizes:
+                            self._dirty = False
+                            self.write_report(sizes)
+                    except RuntimeError as e:
+                        # the engine's thread changed a table while this one read it ("dictionary
+                        # changed size during iteration", e.g. in a plugin's describe()): it would
+                        # end this thread and freeze the report; the next period reads again
+                        self._dirty = True
+                        log.debug("vllm-graft: plugin report not written this period (%s); retrying", e)
 
             self._reporter = threading.Thread(target=loop, name="vllm-graft-report", daemon=True)
             self._reporter.start()
@@ -143,7 +150,9 @@ class Runtime:
         return self._tp_rank
 
     def counts(self, kind: Kind, name: str) -> dict[str, int]:
-        return {ev: c for (k, nm, ev), c in self.events.items() if k == Kind(kind) and nm == name}
+        # list(): one C-level copy under the GIL, so the reporter thread never iterates a Counter
+        # the engine's thread is adding a key to
+        return {ev: c for (k, nm, ev), c in list(self.events.items()) if k == Kind(kind) and nm == name}
 
     def report(self) -> list[dict[str, Any]]:
         """Per enabled plugin: its parameters, the events counted in this process, and

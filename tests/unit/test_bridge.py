@@ -273,6 +273,40 @@ def test_each_process_writes_its_report_and_report_sums_them(tmp_path, monkeypat
     assert spec["events"] == {"accepted": 10} and len(spec["processes"]) == 2
 
 
+def test_report_thread_survives_a_table_changed_while_it_reads(tmp_path, monkeypatch):
+    """The reporter thread reads plugin tables the engine's thread is changing; a RuntimeError
+    ("dictionary changed size during iteration") ended the thread without a word and froze the
+    report from then on. It now retries the next period."""
+    from vllm_graft.hooks import Kind
+    from vllm_graft.integration import launch, runtime
+
+    class Racy:
+        calls = 0
+
+        def describe(self):
+            Racy.calls += 1
+            if Racy.calls == 2:  # the first periodic write meets a table being changed
+                raise RuntimeError("dictionary changed size during iteration")
+            return {"calls": Racy.calls}
+
+    rt = runtime.Runtime()
+    rt.plan, rt.source = launch.load_plan(REPO / "deployments" / "demo.yaml"), "test"
+    (spec,) = [e for e in rt.plan.enabled if e.kind == Kind.SPECULATIVE]
+    rt.instances[(spec.kind, spec.name)] = Racy()
+    monkeypatch.setattr(runtime, "REPORT_EVERY_S", 0.01)
+    rt.start_reporting(str(tmp_path / "r"))  # write 1
+    (written,) = (tmp_path / "r").glob("*.json")
+    rt.count(Kind.SPECULATIVE, spec.name, "drafted", 3)  # write 2 raises, write 3 has it
+    deadline = time.time() + 10
+    try:
+        while "drafted" not in written.read_text():
+            assert time.time() < deadline, "the reporter stopped after a racing read"
+            time.sleep(0.01)
+        assert Racy.calls >= 3 and rt._reporter.is_alive()
+    finally:
+        rt.reset()
+
+
 def test_a_report_that_cannot_be_written_turns_itself_off(tmp_path, caplog):
     from vllm_graft.integration import runtime
 

@@ -118,10 +118,27 @@ def test_report_waits_until_no_process_rewrote_its_report_for_a_while(tmp_path):
     summed, settled = run.read_settled_reports(str(f), quiet_s=2.5, timeout_s=6, clock=clock, sleep=clock.sleep)
     assert settled and clock.slept and clock.now >= 102.5
     assert summed["plugins"][0]["events"] == {"accepted": 5}
-    # long idle: read at once
+    # long idle files: still one quiet period from the call, since events counted just before it
+    # are written only within a report period (a run of 20 requests can take less than one)
     clock = Clock(200.0)
     _, settled = run.read_settled_reports(str(f), quiet_s=2.5, timeout_s=6, clock=clock, sleep=clock.sleep)
-    assert settled and not clock.slept
+    assert settled and 202.5 <= clock.now < 203
+
+
+def test_report_sees_events_written_after_it_was_called(tmp_path):
+    """The race CI met: every file long idle (written at activation), the run's events counted in
+    the last half second and written by the worker's reporter a moment after the call."""
+    f = tmp_path / "r"
+    _write(f, "VllmWorker-0-11", 90.0, {})
+    clock = Clock(100.0)
+
+    def sleep(s):
+        clock.sleep(s)
+        if not (f / "VllmWorker-0-11.json").read_text().count("accepted"):
+            _write(f, "VllmWorker-0-11", 100.6, {"accepted": 7})  # the reporter's next period
+
+    summed, settled = run.read_settled_reports(str(f), quiet_s=2.5, timeout_s=6, clock=clock, sleep=sleep)
+    assert settled and summed["plugins"][0]["events"] == {"accepted": 7} and clock.now >= 103.1
 
 
 def test_report_gives_up_waiting_on_a_busy_server_and_says_so(tmp_path):
