@@ -84,8 +84,8 @@ def add_command(sub) -> None:
                         "put its speculative-decoding counters beside the report's")
     r.add_argument("--no-wait", action="store_true",
                    help=f"read the reports at once (default: wait up to {REPORT_WAIT_S:.0f} s until no "
-                        "process has rewritten its report for a while, so a run that just ended is "
-                        "counted in full)")
+                        "process has rewritten its report for a while, nor since the call, so a run "
+                        "that just ended is counted in full)")
     r.set_defaults(func=cmd_report)
 
     s = sub.add_parser(
