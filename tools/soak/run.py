@@ -172,12 +172,14 @@ async def _graft_run(server: Server, mix: RequestMix, ramp: Ramp, opts: Options,
         await asyncio.sleep(0.5)
     drained = {"kv_usage": m.get(KV_USAGE), "running": m.get(RUNNING), "waiting": m.get(WAITING),
                "seconds_to_settle": round(DRAIN_WAIT_S - (deadline - time.monotonic()), 1)}
-    # per-request state: each process rewrites its report within 1 s of a change
-    settle = time.monotonic() + STATE_SETTLE_S
+    # per-request state: each process rewrites its report within 1 s of a change, so a change
+    # just before this point may be in no file yet: quiet both since the last write and since here
+    settle_from = time.monotonic()
+    settle = settle_from + STATE_SETTLE_S
     while True:
         state = await asyncio.to_thread(server.state_sizes)
         grown = {k: v for k, v in state.items() if v > start["state"].get(k, 0)}
-        quiet = time.time() - server.reports_written_at() > 2.5
+        quiet = min(time.time() - server.reports_written_at(), time.monotonic() - settle_from) > 2.5
         if (not grown and quiet) or time.monotonic() > settle:
             break
         await asyncio.sleep(0.5)
