@@ -88,6 +88,13 @@ KV_UPDATE_FROM_OUTPUT = Target(
     "adapters.kvcompress", "vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output",
     _SCORES + " (scheduler: record the drops; the KV manager frees them)",
     params=("scheduler_output", "model_runner_output"))
+KV_AFTER_SCHEDULE = Target(
+    "adapters.kvcompress", "vllm.v1.core.sched.scheduler", "Scheduler", "_update_after_schedule",
+    "a rule-based compressor's keep() is asked twice per step, by the scheduler (which frees) and "
+    "by the worker (which leaves blocks out of attention); the blocks the scheduler freed this "
+    "step ride on the SchedulerOutput it hands the worker (end of schedule(); Scheduler.schedule "
+    "itself is the bench's), so the worker can check it never reads one",
+    params=("scheduler_output",))
 
 SPEC_SAMPLE = Target(
     "adapters.speculative", V1_RUNNER, "GPUModelRunner", "_sample",
@@ -148,7 +155,7 @@ USES: tuple[Target, ...] = (
 #: Every patch, in the order of the owners above.
 PATCH_TARGETS: tuple[Target, ...] = (
     CREATE_ENGINE_CONFIG, KV_REQUEST_INIT, KV_BUILD_METADATA, KV_EXECUTE_MODEL, KV_SAMPLE_TOKENS,
-    KV_UPDATE_FROM_OUTPUT, SPEC_SAMPLE, SPEC_UPDATE_STATES, SPEC_PREPARE_INPUTS, BENCH_SCHEDULE)
+    KV_UPDATE_FROM_OUTPUT, KV_AFTER_SCHEDULE, SPEC_SAMPLE, SPEC_UPDATE_STATES, SPEC_PREPARE_INPUTS, BENCH_SCHEDULE)
 
 TARGETS: tuple[Target, ...] = PATCH_TARGETS + USES
 

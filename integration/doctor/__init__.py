@@ -120,6 +120,7 @@ def _cell(what: str, result: str | None) -> str:
 ALL_DEPLOYMENTS: tuple[dict[str, Any], ...] = (
     {"attention": {"plugin": "noop"}},
     {"kvcompress": {"plugin": "h2o"}},  # lossy (prefix-cache salt) and scored (scores channel)
+    {"kvcompress": {"plugin": "streaming"}},  # rule-based (the frees check)
     {"speculative": {"plugin": "token-recycling", "params": {"tree": True}}},  # top-k, tree verification
     {"quant": {"plugin": "noop"}},
     {"moe": [{"plugin": "noop"}]},

@@ -639,6 +639,32 @@ def metadata_fields_check(src: VLLMSource) -> str | None:
     return None
 
 
+SCHED_OUTPUT = "vllm/v1/core/sched/output.py"
+SCHEDULER = "vllm/v1/core/sched/scheduler.py"
+
+
+def scheduler_output_carries_check(src: VLLMSource) -> str | None:
+    """``SchedulerOutput`` is a plain ``@dataclass`` (no ``slots``, so an extra attribute set on it
+    is pickled with it to the worker processes) and ``Scheduler.schedule`` ends by calling
+    ``self._update_after_schedule(scheduler_output)`` (where the frees are put on it)."""
+    out = _tree(src, SCHED_OUTPUT)
+    cls = _class(out, "SchedulerOutput") if out is not None else None
+    if cls is None:
+        return f"{SCHED_OUTPUT}: no SchedulerOutput"
+    for dec in cls.decorator_list:
+        if isinstance(dec, ast.Call) and any(k.arg == "slots" for k in dec.keywords):
+            return f"{SCHED_OUTPUT}:{cls.lineno}: SchedulerOutput has slots; graft_kv_freed cannot ride on it"
+    if not any(getattr(d, "id", getattr(getattr(d, "func", None), "id", None)) == "dataclass"
+               for d in cls.decorator_list):
+        return f"{SCHED_OUTPUT}:{cls.lineno}: SchedulerOutput is no longer a dataclass"
+    sched = _tree(src, SCHEDULER)
+    scls = _class(sched, "Scheduler") if sched is not None else None
+    fn = _function(scls, "schedule") if scls is not None else None
+    if fn is None or not _function_calls(fn, "_update_after_schedule"):
+        return f"{SCHEDULER}: Scheduler.schedule no longer calls _update_after_schedule"
+    return None
+
+
 def custom_class_forces_v1_check(src: VLLMSource) -> str | None:
     """A ``custom_class`` speculative method (how every vllm-graft proposer is installed) is
     a feature Model Runner V2 lacks, so vLLM picks V1 for it (tree verification's patches are
@@ -708,6 +734,10 @@ def facts(custom_ops: list[tuple[str, str]]) -> list[Fact]:
         Fact("KV rewriter: CommonAttentionMetadata has seq_lens_cpu_upper_bound, "
              "_num_computed_tokens_cache and replace(); FlashInfer's plan reads the upper bound",
              (ATTN_BACKEND,), REWRITER_OWNER, metadata_fields_check),
+        Fact("KV frees check: SchedulerOutput is a plain dataclass (extra attributes are pickled to "
+             "the workers) and Scheduler.schedule ends in _update_after_schedule",
+             (SCHED_OUTPUT, SCHEDULER), "integration/adapters/kvcompress/channel.py (after_schedule_wrapper)",
+             scheduler_output_carries_check),
         Fact("tree verification: a custom_class speculative method makes vLLM use Model Runner V1",
              (CONFIG_VLLM,), TREE_OWNER, custom_class_forces_v1_check),
     ]

@@ -106,6 +106,10 @@ FATAL = [
                                  "being written) must be kept"], None),
     ("kvcompress", "drop_pinned", ["'fault-kvcompress': keep() returned",
                                    "pinned block(s) [0, 1] (shared with other requests) must be kept"], PINNED),
+    # the scheduler frees block 0, the worker's call for the same view keeps it: without the
+    # frees check, attention read a freed block without a word
+    ("kvcompress", "differs", ["kvcompress plugin 'fault-kvcompress': keep() answered the scheduler and "
+                               "the worker differently", "the scheduler freed block(s) [0]"], None),
     ("speculative", "raise", ["speculative plugin 'fault-speculative': propose() raised RuntimeError"], None),
     *[("speculative", mode, ["speculative plugin 'fault-speculative' proposed",
                              "propose() must return a list of token ids in [0, 4096)"], None)
@@ -119,6 +123,7 @@ FATAL = [
     ("moe", "topk_shape", ["MoE plugin 'fault-moe': route returned weights", "both must be [T, top_k]"], None),
 ]
 SHORT = {("attention", "raise"), ("attention", "dtype"), ("kvcompress", "raise"), ("kvcompress", "drop_pinned"),
+         ("kvcompress", "differs"),
          ("speculative", "raise"), ("speculative", "oov"), ("quant", "raise"), ("quant", "shape"),
          ("moe", "raise"), ("moe", "ids_high")}
 FULL = os.environ.get("GRAFT_FAULTS_FULL") == "1"

@@ -95,11 +95,19 @@ class FaultAttention(AttentionMethod):
 class FaultKeep(KVCompressor):
     """Keeps every block. Faults: ``raise``, ``out_of_range`` (adds block ``num_blocks``),
     ``unsorted`` (descending), ``drop_last`` (drops the block being written), ``drop_pinned``
-    (drops the blocks shared through the prefix cache), ``slow``."""
+    (drops the blocks shared through the prefix cache), ``differs`` (not a function of its view:
+    the first call for a request and length drops block 0, a second call with the same view,
+    the worker's after the scheduler's, keeps it), ``slow``."""
 
     def keep(self, view):
         n = view.num_blocks
-        mode = _on(self.params, "raise", "out_of_range", "unsorted", "drop_last", "drop_pinned", "slow")
+        mode = _on(self.params, "raise", "out_of_range", "unsorted", "drop_last", "drop_pinned", "differs",
+                   "slow")
+        if mode == "differs":
+            seen = self.__dict__.setdefault("_seen", set())
+            first = (view.request_id, view.num_tokens) not in seen
+            seen.add((view.request_id, view.num_tokens))
+            return list(range(1, n)) if first and n >= 2 and 0 not in view.pinned else list(range(n))
         if mode == "raise":
             raise RuntimeError("injected fault in keep")
         if mode == "out_of_range":

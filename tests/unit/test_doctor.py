@@ -560,3 +560,24 @@ def test_rewriter_and_tree_rows_report_what_changed(tmp_path):
     src = _behaviour_tree(tmp_path / "c", **{"vllm__config__vllm.py": CONFIG + CONFIG_V2.replace(
         '"custom_class"', '"other"')})
     assert "no longer rules out Model Runner V2" in bh.custom_class_forces_v1_check(src)
+
+
+def test_frees_check_row_fails_when_the_scheduler_output_cannot_carry_the_frees(tmp_path):
+    sched = """
+        class Scheduler:
+            def schedule(self):
+                scheduler_output = SchedulerOutput()
+                self._update_after_schedule(scheduler_output)
+                return scheduler_output
+    """
+    ok = _fake_vllm(tmp_path / "ok", {"vllm/v1/core/sched/scheduler.py": sched,
+                                      "vllm/v1/core/sched/output.py": "@dataclass\nclass SchedulerOutput:\n    x: int\n"})
+    assert bh.scheduler_output_carries_check(ok) is None
+    slots = _fake_vllm(tmp_path / "slots", {"vllm/v1/core/sched/scheduler.py": sched,
+                                            "vllm/v1/core/sched/output.py":
+                                                "@dataclass(slots=True)\nclass SchedulerOutput:\n    x: int\n"})
+    assert "SchedulerOutput has slots" in bh.scheduler_output_carries_check(slots)
+    moved = _fake_vllm(tmp_path / "moved", {
+        "vllm/v1/core/sched/scheduler.py": sched.replace("self._update_after_schedule(scheduler_output)", "pass"),
+        "vllm/v1/core/sched/output.py": "@dataclass\nclass SchedulerOutput:\n    x: int\n"})
+    assert "no longer calls _update_after_schedule" in bh.scheduler_output_carries_check(moved)

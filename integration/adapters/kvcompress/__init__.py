@@ -45,6 +45,17 @@ what ``keep`` drops at the step's computed length, which is never smaller. As dr
 stay dropped, the worker reads a subset of the blocks the scheduler still holds: never a
 freed one. (Pinned blocks the worker drops stay held until no longer shared.)
 
+The frees check. That argument needs ``keep`` to be a function of its view, which the contract
+requires but nothing enforced: a compressor answering the two calls differently had the worker
+read a block the scheduler had freed, and the pool may have handed it to another request,
+without a word. So the manager notes each block it frees; a wrapper of ``Scheduler.
+_update_after_schedule`` (the end of ``schedule()``) puts the step's frees on the
+SchedulerOutput as ``graft_kv_freed`` ``{request id: {block size: [logical blocks]}}`` (none for
+a request preempted in that step); the worker's ``execute_model`` wrapper adds them to
+``Active.worker_freed`` (forgetting finished, preempted and resumed requests), and the
+rewriter raises a :class:`~vllm_graft.hooks.KeepError` naming the plugin, the request and the
+blocks when its own answer would read one of them (``check_freed_skipped``).
+
 Prefix-cache salt
 -----------------
 KV computed while a lossy compressor evicts is not the plain KV of the same tokens, yet the

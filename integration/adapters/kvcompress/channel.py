@@ -66,16 +66,62 @@ def _attach_drops(out: Any) -> Any:
     return out
 
 
+def _gone(scheduler_output: Any) -> set[str]:
+    """The requests whose blocks are all gone at this step: finished, preempted, resumed (a
+    resumed request is computed again from its first block)."""
+    out: set[str] = set()
+    for ids in (scheduler_output.finished_req_ids, getattr(scheduler_output, "preempted_req_ids", None),
+                getattr(getattr(scheduler_output, "scheduled_cached_reqs", None), "resumed_req_ids", None)):
+        out.update(ids or ())
+    return out
+
+
+#: The SchedulerOutput attribute carrying the blocks a rule-based compressor's scheduler freed
+#: in that step: ``{request id: {block size: [logical blocks]}}``.
+FREED_ATTR = "graft_kv_freed"
+
+
+def after_schedule_wrapper(original: Callable) -> Callable:
+    """Scheduler, ``Scheduler._update_after_schedule`` (the end of ``schedule()``): put the
+    blocks this step's ``remove_skipped_blocks`` calls freed on the SchedulerOutput
+    (:data:`FREED_ATTR`), except those of requests preempted in the same step (all their blocks
+    went back), for the worker's check."""
+    def _update_after_schedule(self, scheduler_output, *args, **kwargs):
+        state = _state.active
+        if state is not None and state.freed_now:
+            preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
+            freed = {r: b for r, b in state.freed_now.items() if r not in preempted}
+            state.freed_now = {}
+            if freed:
+                setattr(scheduler_output, FREED_ATTR, freed)
+        return original(self, scheduler_output, *args, **kwargs)
+
+    _update_after_schedule.__wrapped__ = original  # type: ignore[attr-defined]
+    return _update_after_schedule
+
+
+def note_freed(state: Any, scheduler_output: Any) -> None:
+    """Worker: forget the requests whose blocks are gone, then add the blocks the scheduler
+    freed this step (:data:`FREED_ATTR`) to ``state.worker_freed``."""
+    table = state.worker_freed
+    for req_id in _gone(scheduler_output) if table else ():
+        table.pop(req_id, None)
+    for req_id, by_size in (getattr(scheduler_output, FREED_ATTR, None) or {}).items():
+        mine = table.setdefault(req_id, {})
+        for block_size, blocks in by_size.items():
+            mine.setdefault(block_size, set()).update(blocks)
+
+
 def execute_model_wrapper(original: Callable) -> Callable:
     """Worker, ``GPUModelRunner.execute_model``: forget finished, preempted and resumed
-    requests, then attach the step's drops."""
+    requests; note the blocks the scheduler freed (rule-based compressors) or attach the
+    step's drops (scored ones)."""
     def execute_model(self, scheduler_output, *args, **kwargs):
         state = _state.active
         if state is not None and state.scored is not None:
-            sc = state.scored
-            sc.forget(scheduler_output.finished_req_ids)
-            sc.forget(getattr(scheduler_output, "preempted_req_ids", None))
-            sc.forget(getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", None))
+            state.scored.forget(_gone(scheduler_output))
+        elif state is not None:
+            note_freed(state, scheduler_output)
         return _attach_drops(original(self, scheduler_output, *args, **kwargs))
 
     execute_model.__wrapped__ = original  # type: ignore[attr-defined]

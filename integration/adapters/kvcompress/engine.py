@@ -15,6 +15,7 @@ from vllm_graft.hooks import Kind, KVCacheFormat, KVCompressor
 from vllm_graft.integration.adapters import Adapter, attention_backend_overrides
 from vllm_graft.integration.adapters.kvcompress import state as _state
 from vllm_graft.integration.adapters.kvcompress.channel import (
+    after_schedule_wrapper,
     execute_model_wrapper,
     sample_tokens_wrapper,
     update_from_output_wrapper,
@@ -50,6 +51,12 @@ def install_patch(salt: bool = False) -> None:
     if salt:
         PATCHES.ensure_target(targets.KV_REQUEST_INIT, request_init_wrapper)
     PATCHES.ensure_target(targets.KV_BUILD_METADATA, build_attention_metadata_wrapper)
+
+
+def install_frees_channel() -> None:
+    """The two patches that carry a rule-based compressor's frees to the worker (idempotent)."""
+    PATCHES.ensure_target(targets.KV_AFTER_SCHEDULE, after_schedule_wrapper)
+    PATCHES.ensure_target(targets.KV_EXECUTE_MODEL, execute_model_wrapper)
 
 
 def install_scores_channel() -> None:
@@ -282,6 +289,8 @@ class KVCompressAdapter(Adapter):
             if fmt is not None:
                 active.kv_format, active.format_name = fmt, fmt_e.name
                 backend.SEAMS.kv_format = _FormatSeam(fmt, fmt_e.name, runtime)
+            if not scored and not isinstance(compressor, KeepAll):
+                install_frees_channel()
             if scored:
                 install_scores_channel()
                 active.scored = _Scores(compressor, e.name, count, reduce=_tensor_parallel_sum)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
+from vllm_graft.integration.adapters.kvcompress.keep import KeepError
 from vllm_graft.integration.adapters.kvcompress.plan import KVCompressError, blocks_to_skip
 from vllm_graft.integration.adapters.kvcompress.state import VERSIONS, Active
 from vllm_graft.integration.targets import KV_BUILD_METADATA
@@ -59,6 +60,9 @@ class _StepRows:
                 skip = blocks_to_skip(state.compressor, state.name, num_tokens=computed,
                                       block_size=block_size, num_prompt_tokens=int(prompt_lens[i]),
                                       request_id=req_id)
+                freed = state.worker_freed.get(req_id)
+                if freed and freed.get(block_size):
+                    check_freed_skipped(state.name, req_id, computed, freed[block_size], skip)
             if computed > 0 and state.scored is None:
                 calls += 1
             skipped += len(skip)
@@ -68,6 +72,20 @@ class _StepRows:
         if skipped:
             state.count("blocks_skipped", skipped)
         return out
+
+
+def check_freed_skipped(plugin: str, req_id: str, computed: int, freed: set[int], skip: list[int]) -> None:
+    """Raise :class:`~vllm_graft.hooks.KeepError` if the worker's answer would read a block the
+    scheduler freed: ``keep`` answered the two differently for the same view."""
+    read = freed.difference(skip)
+    if read:
+        raise KeepError(
+            f"kvcompress plugin {plugin!r}: keep() answered the scheduler and the worker differently "
+            f"for request {req_id!r} at {computed} computed tokens: the scheduler freed block(s) "
+            f"{sorted(read)}, which the worker's answer keeps, so attention would read KV blocks "
+            "that may already hold another request's. keep() must be a function of its view only "
+            "(num_tokens, block_size, num_prompt_tokens, request_id; pinned is the scheduler's), "
+            "and a dropped block must stay dropped")
 
 
 def host_seq_lens(cm: Any) -> Any:

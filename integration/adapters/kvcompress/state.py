@@ -26,12 +26,21 @@ class Active:
     scored: Any = None  # worker-side state of a needs_scores compressor (a scores._Scores)
     needs_scores: bool = False
     to_free: dict = None  # scheduler side: request id -> logical blocks the worker dropped
+    # rule-based compressors (see "The frees check" in the package doc): the scheduler's blocks
+    # freed in this schedule() (request id -> {block size: [logical blocks]}), and in the worker
+    # every block the scheduler freed per request and block size, which its skips must contain
+    freed_now: dict = None
+    worker_freed: dict = None
     kv_format: KVCacheFormat | None = None  # the storage format (e.g. kv4), if one is enabled
     format_name: str = ""
 
     def __post_init__(self):
         if self.to_free is None:
             self.to_free = {}
+        if self.freed_now is None:
+            self.freed_now = {}
+        if self.worker_freed is None:
+            self.worker_freed = {}
 
     @property
     def spec_name(self) -> str:

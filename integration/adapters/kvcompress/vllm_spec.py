@@ -62,6 +62,8 @@ class GraftKVCompressManager(FullAttentionManager):
             self._remove_blocks_in_range(request_id, start, end)
         if free:
             state.count("blocks_freed", len(free))
+            # for the worker's check (channel.after_schedule_wrapper puts it on the SchedulerOutput)
+            state.freed_now.setdefault(request_id, {}).setdefault(self.block_size, []).extend(free)
 
     def _free_reported(self, request_id, blocks, state):
         """Scored compressors: free what the worker reported dropped, except blocks
@@ -83,6 +85,7 @@ class GraftKVCompressManager(FullAttentionManager):
     def free(self, request_id):
         if _state.active is not None:
             _state.active.to_free.pop(request_id, None)
+            _state.active.freed_now.pop(request_id, None)
         return super().free(request_id)
 
 
