@@ -347,6 +347,18 @@ CUDA_BACKEND_TREE = {
 }
 
 
+SCHED_TREE = {
+    "vllm/v1/core/sched/scheduler.py": """
+        class Scheduler:
+            def schedule(self):
+                scheduler_output = SchedulerOutput()
+                self._update_after_schedule(scheduler_output)
+                return scheduler_output
+    """,
+    "vllm/v1/core/sched/output.py": "@dataclass\nclass SchedulerOutput:\n    x: int\n",
+}
+
+
 def _behaviour_tree(tmp_path, distribution="vllm", **override):
     files = {"vllm/engine/__init__.py": "", "vllm/engine/arg_utils.py": ARGS,
              "vllm/config/__init__.py": "", "vllm/config/vllm.py": CONFIG,
@@ -366,6 +378,7 @@ def _behaviour_tree(tmp_path, distribution="vllm", **override):
     files["vllm/v1/attention/backend.py"] = ATTN_BACKEND_BASE
     files["vllm/v1/attention/backends/flashinfer.py"] += "\n    seq_lens_cpu_upper_bound = None\n"
     files["vllm/config/vllm.py"] += CONFIG_V2
+    files.update(SCHED_TREE)
     files.update({k.replace("__", "/"): v for k, v in override.items()})
     return _fake_vllm(tmp_path, files, distribution=distribution)
 
@@ -501,8 +514,9 @@ def test_behaviour_rows_on_the_installed_cpu_build():
     rows = _behaviour_results(str(installed_source().location))
     for key, (s, r) in rows.items():
         if key.startswith(("async scheduling:", "KV rewriter: CommonAttentionMetadata",
-                           "tree verification:")):  # the field exists, an explicit False is
-            assert s == "ok", (key, r)  # kept; metadata fields and V1 for custom_class hold on CPU too
+                           "tree verification:", "KV frees check:")):  # the field exists, an explicit
+            # False is kept; metadata fields, V1 for custom_class and the frees' ride hold on CPU too
+            assert s == "ok", (key, r)
         else:  # async off on CPU, no CUDA graphs, CPU MoE kernels: n/a, each saying why
             assert s == "n/a" and r, (key, r)
     assert "vllm/platforms/cpu.py" in next(r for k, (_, r) in rows.items() if k.startswith("async scheduling on"))
@@ -563,13 +577,7 @@ def test_rewriter_and_tree_rows_report_what_changed(tmp_path):
 
 
 def test_frees_check_row_fails_when_the_scheduler_output_cannot_carry_the_frees(tmp_path):
-    sched = """
-        class Scheduler:
-            def schedule(self):
-                scheduler_output = SchedulerOutput()
-                self._update_after_schedule(scheduler_output)
-                return scheduler_output
-    """
+    sched = SCHED_TREE["vllm/v1/core/sched/scheduler.py"]
     ok = _fake_vllm(tmp_path / "ok", {"vllm/v1/core/sched/scheduler.py": sched,
                                       "vllm/v1/core/sched/output.py": "@dataclass\nclass SchedulerOutput:\n    x: int\n"})
     assert bh.scheduler_output_carries_check(ok) is None
