@@ -37,6 +37,10 @@ class Target:
     action: str = "patch"  # "patch": replaced; "use": called or read (private or unstable)
     params: tuple[str, ...] = ()  # parameters the replacement (or the call) relies on
     versions: str = SUPPORTED_VLLM  # the range it was checked against
+    # a patch's way out (shown by `vllm-graft patches`): the upstream issue or PR that would make
+    # it unnecessary, or "none found" and what vLLM would need; and when to remove it
+    upstream: str = ""
+    remove_when: str = ""
 
     @property
     def where(self) -> str:
@@ -64,37 +68,60 @@ _SCORES = ("a score-based compressor decides in the worker (which has the attent
 CREATE_ENGINE_CONFIG = Target(
     "bridge", "vllm.engine.arg_utils", "EngineArgs", "create_engine_config",
     "vLLM has no hook that sees additional_config before it builds the engine; the deployment "
-    "must be validated, activated and exported to child processes there")
+    "must be validated, activated and exported to child processes there",
+    upstream=("none found: a general plugin gets no call with the engine arguments before the "
+              "config is built (Platform.pre_register_and_update, vllm#12432, exists for "
+              "platform plugins only)"),
+    remove_when=("vLLM calls general plugins with EngineArgs (additional_config included) "
+                 "before create_engine_config"))
 
 KV_REQUEST_INIT = Target(
     "adapters.kvcompress", "vllm.v1.request", "Request", "__init__",
     "KV computed while a lossy compressor evicts blocks is not the plain KV of its tokens; the "
     "prefix cache hashes blocks by tokens (and cache_salt), so every request's cache_salt gets "
     "the compressor's name and parameters in front: blocks are shared only between requests of "
-    "the same compressor and budget", params=("cache_salt",))
+    "the same compressor and budget", params=("cache_salt",),
+    upstream=("none found: cache_salt is per request; no engine-level key enters the block "
+              "hashes"),
+    remove_when=("vLLM folds a KV-cache spec or engine-level key into prefix-cache block "
+                 "hashes"))
 KV_BUILD_METADATA = Target(
     "adapters.kvcompress", V1_RUNNER, "GPUModelRunner", "_build_attention_metadata",
     "the attention-metadata builder sees batch rows but not their requests; KV compression "
     "needs each row's request (input_batch.req_ids) and prompt length to drop the blocks the "
-    "scheduler freed", params=("num_scheduled_tokens", "for_cudagraph_capture"))
+    "scheduler freed", params=("num_scheduled_tokens", "for_cudagraph_capture"),
+    upstream=("token eviction asked in vllm#3532 (H2O; closed as stale); no issue asks for "
+              "request ids in CommonAttentionMetadata"),
+    remove_when="the metadata builders get each row's request id, or vLLM leaves freed blocks out of the worker's block table itself")
 KV_EXECUTE_MODEL = Target(
     "adapters.kvcompress", V1_RUNNER, "GPUModelRunner", "execute_model",
     _SCORES + " (worker: forget finished/preempted requests, attach drops)",
-    params=("scheduler_output",))
+    params=("scheduler_output",),
+    upstream=("none found: only KV connectors carry per-request data between worker and "
+              "scheduler"),
+    remove_when=("ModelRunnerOutput/SchedulerOutput carry an extension field vLLM hands the KV"
+                 " cache manager (and the worker)"))
 KV_SAMPLE_TOKENS = Target(
     "adapters.kvcompress", V1_RUNNER, "GPUModelRunner", "sample_tokens",
-    _SCORES + " (worker: attach the step's drops)")
+    _SCORES + " (worker: attach the step's drops)",
+    upstream="none found (as KV_EXECUTE_MODEL)",
+    remove_when="ModelRunnerOutput carries an extension field vLLM hands the KV cache manager")
 KV_UPDATE_FROM_OUTPUT = Target(
     "adapters.kvcompress", "vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output",
     _SCORES + " (scheduler: record the drops; the KV manager frees them)",
-    params=("scheduler_output", "model_runner_output"))
+    params=("scheduler_output", "model_runner_output"),
+    upstream="none found (as KV_EXECUTE_MODEL)",
+    remove_when=("the scheduler hands a ModelRunnerOutput extension field to the KV cache "
+                 "manager"))
 KV_AFTER_SCHEDULE = Target(
     "adapters.kvcompress", "vllm.v1.core.sched.scheduler", "Scheduler", "_update_after_schedule",
     "a rule-based compressor's keep() is asked twice per step, by the scheduler (which frees) and "
     "by the worker (which leaves blocks out of attention); the blocks the scheduler freed this "
     "step ride on the SchedulerOutput it hands the worker (end of schedule(); Scheduler.schedule "
     "itself is the bench's), so the worker can check it never reads one",
-    params=("scheduler_output",))
+    params=("scheduler_output",),
+    upstream="none found (as KV_EXECUTE_MODEL)",
+    remove_when="SchedulerOutput carries the KV cache manager's frees, or vLLM rewrites the worker's block table from them")
 
 SPEC_SAMPLE = Target(
     "adapters.speculative", V1_RUNNER, "GPUModelRunner", "_sample",
@@ -102,22 +129,30 @@ SPEC_SAMPLE = Target(
     "next tokens at each verified position (Proposer.topk/observe_topk), taken from the logits "
     "_sample receives before the (rejection) sampler runs; a draft tree is verified from the same "
     "logits after it (adapters/speculative/tree.py)",
-    params=("logits", "spec_decode_metadata"))
+    params=("logits", "spec_decode_metadata"),
+    upstream="vllm#36219 (RFC: one proposer interface, open) and vllm#39487 (custom callable proposer, merged): neither gives a proposer the target's logits; vLLM's tree attention verifies EAGLE trees only",
+    remove_when="the proposer interface receives the target's top-k at verified positions and verifies custom_class trees")
 SPEC_UPDATE_STATES = Target(
     "adapters.speculative", V1_RUNNER, "GPUModelRunner", "_update_states",
     "a custom_class proposer gets no request ids and no finished/aborted signal; the runner's "
     "_update_states sees both (input_batch.req_ids, scheduler_output.finished_req_ids) and the "
-    "drafts each step verifies", params=("scheduler_output",))
+    "drafts each step verifies", params=("scheduler_output",),
+    upstream="vllm#36219 (RFC: one proposer interface, open)",
+    remove_when="the proposer interface receives request ids, finished requests and each step's verified drafts")
 SPEC_PREPARE_INPUTS = Target(
     "adapters.speculative", V1_RUNNER, "GPUModelRunner", "_prepare_inputs",
     "vLLM verifies chains only: a draft tree's nodes need rotary positions by depth, not by "
     "index (adapters/speculative/tree.py); the positions are rewritten after vLLM computed them "
-    "and the KV slots from them", params=("scheduler_output", "num_scheduled_tokens"))
+    "and the KV slots from them", params=("scheduler_output", "num_scheduled_tokens"),
+    upstream="none found: vLLM's tree attention serves EAGLE's own trees only",
+    remove_when="vLLM verifies a custom_class proposer's draft tree (positions by depth)")
 
 BENCH_SCHEDULE = Target(
     "tools.bench", "vllm.v1.core.sched.scheduler", "Scheduler", "schedule",
     "vLLM exposes no per-step KV block count; the bench samples the block pool right after "
-    "each allocation (only in `vllm-graft bench`, never in a deployment)")
+    "each allocation (only in `vllm-graft bench`, never in a deployment)",
+    upstream="none found: vllm:kv_cache_usage_perc is a gauge sampled per stats interval",
+    remove_when="vLLM's stats expose KV blocks in use per engine step")
 
 #: Private or unstable vLLM names the adapters call or read (no patch, but an upgrade can
 #: break them just the same).

@@ -136,10 +136,17 @@ def applied_patches(data: dict[str, Any], source: str) -> list[dict[str, Any]]:
     bridge._install_config_hook()
     bridge.activate(plan, source=source)
     try:
+        from vllm_graft.integration.targets import PATCH_TARGETS
+
         served = runner.plugins_by_owner(plan.enabled)
-        return [{"target": p.where, "owner": p.owner, "plugins": served.get(p.owner, []),
-                 "reason": p.reason, "versions": p.versions, "runner": p.runner}
-                for p in PATCHES.applied()]
+        entries = {t.where: t for t in PATCH_TARGETS}
+        rows = []
+        for p in PATCHES.applied():
+            entry = entries.get(p.where)
+            rows.append({"target": p.where, "owner": p.owner, "plugins": served.get(p.owner, []),
+                         "reason": p.reason, "versions": p.versions, "runner": p.runner,
+                         "upstream": entry.upstream if entry else "", "remove_when": entry.remove_when if entry else ""})
+        return rows
     finally:
         bridge.deactivate()
 
@@ -176,7 +183,7 @@ def cmd_patches(args: argparse.Namespace, console: Any) -> int:
         print(json.dumps(list(rows.values()), indent=2))
         return EXIT_OK
     table = Table(show_header=True, box=None, padding=(0, 1))
-    for col in ("vLLM target", "patched for", "runner", "checked on", "why"):
+    for col in ("vLLM target", "patched for", "runner", "checked on", "why", "upstream", "remove when"):
         table.add_column(col, overflow="fold")
     from vllm_graft.hooks.versions import VLLM_BUILDS
 
@@ -184,7 +191,8 @@ def cmd_patches(args: argparse.Namespace, console: Any) -> int:
                         for b in VLLM_BUILDS)
     for r in rows.values():
         table.add_row(escape(r["target"]), escape(", ".join(r["plugins"]) or r["owner"]), r["runner"],
-                      escape(f"{r['versions']}: {checked}"), escape(r["reason"]))
+                      escape(f"{r['versions']}: {checked}"), escape(r["reason"]), escape(r["upstream"]),
+                      escape(r["remove_when"]))
     console.print(table)
     console.print(f"{len(rows)} patch(es). The register with every target: "
                   "vllm_graft/integration/targets.py; check a vLLM build with `vllm-graft doctor`.")

@@ -131,6 +131,9 @@ def test_every_patch_a_deployment_applies_is_in_the_register():
     assert set(applied) == set(register)
     for where, row in applied.items():
         assert row["reason"] == register[where].reason and row["runner"] == register[where].runner
+        # each patch says its way out: the upstream change that would remove it, and when
+        assert row["upstream"] == register[where].upstream and len(row["upstream"]) > 20, where
+        assert row["remove_when"] == register[where].remove_when and len(row["remove_when"]) > 20, where
     assert applied["vllm.v1.worker.gpu_model_runner.GPUModelRunner._sample"]["plugins"] == [
         "speculative:token-recycling"]
 
@@ -589,3 +592,10 @@ def test_frees_check_row_fails_when_the_scheduler_output_cannot_carry_the_frees(
         "vllm/v1/core/sched/scheduler.py": sched.replace("self._update_after_schedule(scheduler_output)", "pass"),
         "vllm/v1/core/sched/output.py": "@dataclass\nclass SchedulerOutput:\n    x: int\n"})
     assert "no longer calls _update_after_schedule" in bh.scheduler_output_carries_check(moved)
+
+
+def test_every_patch_in_the_register_names_its_way_out():
+    """vllm-ascend's patch notes carry the upstream change that would make each patch needless
+    and when to remove it; every entry of ours does too (the bench's included)."""
+    for t in PATCH_TARGETS:
+        assert len(t.upstream) > 20 and len(t.remove_when) > 20, t.where
