@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.graft-installed
 
 .PHONY: install wheel wheels demo test test-unit test-tp test-faults soak docs train-models eval-models clean-venv \
-	gpu-check gpu-wheels
+	gpu-check gpu-wheels suffix
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -79,6 +79,13 @@ SOAK_DEPLOYMENTS ?= deployments/plain.yaml deployments/noop.yaml deployments/spe
 	deployments/demo.yaml
 soak: install
 	$(VENV)/bin/vllm-graft soak $(SOAK_DEPLOYMENTS) --minutes $(SOAK_MINUTES)
+
+# vLLM's `suffix` speculative method (the peer in benchmarks/suite.yaml's vllm-suffix cases)
+# needs arctic-inference, which has no wheel for this platform: built from source (~1 min).
+suffix: install
+	$(PY) -m pip install -q cmake ninja nanobind==2.9.2
+	PATH=$(abspath $(VENV))/bin:$$PATH CMAKE_PREFIX_PATH=$$($(PY) -m nanobind --cmake_dir) \
+	    $(PY) -m pip install -q --no-deps --no-build-isolation arctic-inference==0.3.0
 
 # Retrain the bundled models (~15 min each on 2 cores) and re-evaluate them; see models/README.md.
 train-models: install

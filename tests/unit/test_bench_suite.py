@@ -374,3 +374,47 @@ def test_a_baseline_file_that_is_not_there_is_refused(tmp_path):
         S.load_suite(tmp_path / "s.yaml")
     (tmp_path / "s.yaml").write_text("cases: [{name: x, deployment: d.yaml, baseline: no-package}]\n")
     assert S.load_suite(tmp_path / "s.yaml").cases[0].baseline == "no-package"
+
+
+def test_a_case_that_needs_a_missing_package_is_skipped_and_says_how_to_get_it(tmp_path, monkeypatch, capsys):
+    d = dep(tmp_path)
+    path = write_suite(tmp_path, {
+        "output": {"results": "r.json", "markdown": None, "plot": None},
+        "cases": [{"name": "peer", "deployment": d.name, "requires": "no_such_module_xyz: make peer"},
+                  {"name": "here", "deployment": d.name, "requires": "yaml: pip install pyyaml"}]})
+    calls = []
+    from vllm_graft.tools.bench import command
+
+    monkeypatch.setattr(command, "run_bench",
+                        lambda ns, *a, **k: (calls.append(ns), (0, fake_result([100.0] * 3, [120.0] * 3)))[1])
+    assert main(["bench", "--suite", str(path)]) == 0  # a skip is not a failure
+    out = " ".join(capsys.readouterr().out.split())
+    assert "peer: skipped, needs the Python package 'no_such_module_xyz' (make peer)" in out
+    assert len(calls) == 1 and [r["name"] for r in json.loads((tmp_path / "r.json").read_text())["rows"]] == ["here"]
+    with pytest.raises(S.SuiteError, match="requires"):
+        S.load_suite(write_suite(tmp_path, {"cases": [{"name": "x", "deployment": d.name, "requires": "no colon"}]},
+                                 name="bad.yaml"))
+
+
+def test_suffix_tree_of_vllms_peer_is_emptied_before_each_timed_run():
+    """vLLM's `suffix` drafter caches earlier responses; the bench evicts them in the worker
+    (a stand-in for arctic_inference's SuffixDecodingCache: cached_requests, evict_cached_response)."""
+    from types import SimpleNamespace
+
+    from vllm_graft.tools.bench.arm import _empty_suffix_tree
+
+    class Cache:
+        def __init__(self):
+            self.responses = {"r1": [1, 2], "r2": [3]}
+
+        @property
+        def cached_requests(self):
+            return self.responses.keys()
+
+        def evict_cached_response(self, req_id):
+            del self.responses[req_id]
+
+    cache = Cache()
+    worker = SimpleNamespace(model_runner=SimpleNamespace(drafter=SimpleNamespace(suffix_cache=cache)))
+    assert _empty_suffix_tree(worker) == 2 and cache.responses == {}
+    assert _empty_suffix_tree(SimpleNamespace(model_runner=SimpleNamespace(drafter=None))) == 0

@@ -255,6 +255,27 @@ def _arm_main(job: dict[str, Any], result_path: str, events: Any, commands: Any 
     # parent's resource tracker are released) and the engine shut down with the LLM object.
 
 
+def _empty_suffix_tree(worker: Any) -> int:
+    """In a worker: evict every response vLLM's ``suffix`` drafter (``SuffixDecodingProposer``,
+    ``v1/spec_decode/suffix_decoding.py``) cached in its global tree; returns how many."""
+    cache = getattr(getattr(getattr(worker, "model_runner", None), "drafter", None), "suffix_cache", None)
+    if cache is None:
+        return 0
+    cached = list(cache.cached_requests)
+    for req_id in cached:
+        cache.evict_cached_response(req_id)
+    return len(cached)
+
+
+def _fresh_vllm_suffix_tree(llm: Any) -> None:
+    """vLLM's ``suffix`` method drafts from a global tree of earlier responses: a timed run
+    repeating the warm-up's and the previous run's prompts would draft their outputs back. Emptied
+    before each run, as :meth:`Runtime.fresh_cross_request_state` renews the plugins' state."""
+    spec = getattr(llm.llm_engine.vllm_config, "speculative_config", None)
+    if getattr(spec, "method", None) == "suffix":
+        llm.collective_rpc(_empty_suffix_tree)
+
+
 def _arm_run(job: dict[str, Any], send: Callable[[str, Any], None],
              receive: Callable[[], tuple[str, Any]]) -> dict[str, Any]:
     from vllm_graft.integration.bridge import ENV_CONFIG, ENV_FILE
@@ -327,6 +348,7 @@ def _arm_run(job: dict[str, Any], send: Callable[[str, Any], None],
                 patched = True
             r = int(payload)
             RUNTIME.fresh_cross_request_state()  # no run drafts from the previous run's outputs
+            _fresh_vllm_suffix_tree(llm)  # nor vLLM's own suffix method
             for w in workloads:
                 send("phase", f"generating {w['name']} (run {r + 1})")
                 llm.reset_prefix_cache()  # every run starts with a cold prefix cache

@@ -97,6 +97,22 @@ class Case(RunSettings):
     # (1 / inter-token latency: prefill left out), for a target stated in decode speed
     metric: Literal["output", "decode"] = "output"
     quick: RunSettings = Field(default_factory=RunSettings)
+    # an optional package the case needs, as "module: how to install it" (e.g. vLLM's `suffix`
+    # method needs arctic_inference): without it the case is skipped, said in one line
+    requires: Optional[str] = Field(None, pattern=r"^[A-Za-z_][\w.]*: .+$")
+
+    def missing(self) -> str | None:
+        """What this case needs that is not installed (None: nothing)."""
+        if self.requires is None:
+            return None
+        import importlib.util
+
+        module, _, install = self.requires.partition(": ")
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        return None if found else f"needs the Python package {module!r} ({install})"
 
 
 class Output(BaseModel):
@@ -525,6 +541,10 @@ def cmd_suite(args: argparse.Namespace, out: Any, err: Any, *, run_bench: Any, a
         for c in cases:
             argv = bench_argv(suite, c, args.quick)
             progress.update(overall, description=f"suite: {c.name}")
+            if c.missing():
+                out.print(f"{escape(c.name)}: skipped, {escape(c.missing())}")
+                progress.advance(overall)
+                continue
             ns = parser.parse_args(["bench", *argv])
             if args.log_dir:
                 ns.log_dir = str(Path(args.log_dir) / c.name)
