@@ -5,7 +5,8 @@ Every request ends in exactly one outcome:
 * ``ok``: HTTP 200 with ``n`` choices, each with a finish reason (a stream: each choice's
   finish reason and the final ``[DONE]``);
 * ``rejected``: HTTP 400 for a prompt over ``max_model_len`` (expected);
-* ``aborted``: the client closed the stream after ``cut_after`` chunks (expected);
+* ``aborted``: the client closed the stream after ``cut_after`` chunks (expected; a stream that
+  ends complete before its cut is ``ok``);
 * ``hung``: no complete answer within the per-request timeout;
 * ``error``: anything else (another status, a 400 for a valid request, a 200 for an over-long
   one, a broken or incomplete body, a refused connection), with the reason.
@@ -82,9 +83,9 @@ async def _send(client: Any, base: str, spec: RequestSpec, model: str) -> Outcom
             chunks += 1
             if spec.cut_after is not None and chunks >= spec.cut_after:
                 return Outcome(spec.index, "aborted")  # leaving the block closes the connection
-    if spec.cut_after is not None:
-        return Outcome(spec.index, "error", reason=f"the stream ended after {chunks} chunks, before the "
-                                                   f"cut at {spec.cut_after} (max_tokens={spec.max_tokens}, ignore_eos)")
+    # A stream that ended before its cut is a whole answer sent in fewer chunks than the cut:
+    # speculative decoding emits several tokens per chunk (24 tokens in 7 chunks, in the 30-minute
+    # soak of demo.yaml); it must then be complete like any other.
     if not done or sorted(finished) != list(range(spec.n)):
         return Outcome(spec.index, "error", reason=f"incomplete stream: [DONE] {'seen' if done else 'missing'}, "
                                                    f"finish reasons for choices {sorted(finished)} of {spec.n}")
