@@ -651,12 +651,12 @@ def scheduler_output_carries_check(src: VLLMSource) -> str | None:
     cls = _class(out, "SchedulerOutput") if out is not None else None
     if cls is None:
         return f"{SCHED_OUTPUT}: no SchedulerOutput"
-    for dec in cls.decorator_list:
-        if isinstance(dec, ast.Call) and any(k.arg == "slots" for k in dec.keywords):
-            return f"{SCHED_OUTPUT}:{cls.lineno}: SchedulerOutput has slots; graft_kv_freed cannot ride on it"
-    if not any(getattr(d, "id", getattr(getattr(d, "func", None), "id", None)) == "dataclass"
-               for d in cls.decorator_list):
+    dataclass = next((d for d in cls.decorator_list
+                      if getattr(d.func if isinstance(d, ast.Call) else d, "id", None) == "dataclass"), None)
+    if dataclass is None:
         return f"{SCHED_OUTPUT}:{cls.lineno}: SchedulerOutput is no longer a dataclass"
+    if isinstance(dataclass, ast.Call) and any(k.arg == "slots" for k in dataclass.keywords):
+        return f"{SCHED_OUTPUT}:{cls.lineno}: SchedulerOutput has slots; graft_kv_freed cannot ride on it"
     sched = _tree(src, SCHEDULER)
     scls = _class(sched, "Scheduler") if sched is not None else None
     fn = _function(scls, "schedule") if scls is not None else None

@@ -541,8 +541,9 @@ def cmd_suite(args: argparse.Namespace, out: Any, err: Any, *, run_bench: Any, a
         for c in cases:
             argv = bench_argv(suite, c, args.quick)
             progress.update(overall, description=f"suite: {c.name}")
-            if c.missing():
-                out.print(f"{escape(c.name)}: skipped, {escape(c.missing())}")
+            missing = c.missing()
+            if missing:
+                out.print(f"{escape(c.name)}: skipped, {escape(missing)}")
                 progress.advance(overall)
                 continue
             ns = parser.parse_args(["bench", *argv])

@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from vllm_graft.integration.run import REPORT_QUIET_PERIODS
+from vllm_graft.integration.runtime import REPORT_EVERY_S
+
 from .driver import EXPECTED, Outcome, drive, run_request
 from .server import (KV_USAGE, PREEMPTIONS, RUNNING, SERVED_NAME, WAITING, Server, kv_bytes_per_token)
 from .workload import CPU_SEED_BUG, LEVELS, SHORT_LEVELS, Ramp, RequestMix, RequestSpec, corpus_ids, iter_specs
@@ -25,6 +28,9 @@ from .workload import CPU_SEED_BUG, LEVELS, SHORT_LEVELS, Ramp, RequestMix, Requ
 SAMPLE_EVERY_S = 2.0
 DRAIN_WAIT_S = 30.0
 STATE_SETTLE_S = 10.0
+#: how long no report may have been rewritten before its state counts as current: the period
+#: `vllm-graft report` waits (each process rewrites within REPORT_EVERY_S of a change)
+REPORT_QUIET_S = REPORT_QUIET_PERIODS * REPORT_EVERY_S
 #: RSS may grow this much over the second half of the run (allocator pools, caches filling)
 RSS_SLACK_MB, RSS_SLACK_FRACTION = 64.0, 0.10
 COMPARE_CONCURRENCY = 8
@@ -127,7 +133,7 @@ async def _graft_run(server: Server, mix: RequestMix, ramp: Ramp, opts: Options,
     if warm.kind != "ok":
         raise RuntimeError(f"the warm-up request failed: {warm.reason}; the end of {server.log_path}:\n"
                            f"{server.log_tail()}")
-    await asyncio.sleep(2.5 * 1.0 + 0.5)  # the reporter rewrites within 1 s of a change
+    await asyncio.sleep(REPORT_QUIET_S + 0.5)  # the reporter rewrites within 1 s of a change
     start = {"rss_mb": server.rss_mb(), "state": server.state_sizes(), "metrics": server.metrics()}
     samples: list[dict[str, Any]] = []
     t0 = time.monotonic()
@@ -179,7 +185,7 @@ async def _graft_run(server: Server, mix: RequestMix, ramp: Ramp, opts: Options,
     while True:
         state = await asyncio.to_thread(server.state_sizes)
         grown = {k: v for k, v in state.items() if v > start["state"].get(k, 0)}
-        quiet = min(time.time() - server.reports_written_at(), time.monotonic() - settle_from) > 2.5
+        quiet = min(time.time() - server.reports_written_at(), time.monotonic() - settle_from) > REPORT_QUIET_S
         if (not grown and quiet) or time.monotonic() > settle:
             break
         await asyncio.sleep(0.5)
