@@ -260,9 +260,11 @@ def package(report: Report, python: str, env: dict, site: Path) -> None:
                + ("" if ok else f": {out.splitlines()[-1] if out else 'import failed'}"))
 
 
-def junit_counts(path: Path) -> tuple[dict, list[str]]:
+def junit_counts(path: Path) -> tuple[dict, list[str], list[str]]:
+    """Counts, one line per failing test, and the traceback tails of the first three (a one-line
+    message alone did not say where the first GPU run's failures came from)."""
     counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
-    failed = []
+    failed, traces = [], []
     root = ET.parse(path).getroot()
     for suite in root.iter("testsuite"):
         for k in counts:
@@ -271,7 +273,10 @@ def junit_counts(path: Path) -> tuple[dict, list[str]]:
         for bad in list(case.findall("failure")) + list(case.findall("error")):
             msg = (bad.get("message") or "").strip().splitlines()
             failed.append(f"- `{case.get('classname')}::{case.get('name')}`: {msg[0][:200] if msg else bad.tag}")
-    return counts, failed
+            if len(traces) < 3:
+                lines = (bad.text or "").rstrip().splitlines()[-25:]
+                traces.append(f"`{case.get('classname')}::{case.get('name')}`:\n\n```\n" + "\n".join(lines) + "\n```")
+    return counts, failed, traces
 
 
 def tests(report: Report, python: str, env: dict, work: Path, budget: float) -> None:
@@ -293,7 +298,7 @@ def tests(report: Report, python: str, env: dict, work: Path, budget: float) -> 
         report.add("tests", "FAILED", seconds, f"{where} ({device}): pytest wrote no report (exit {rc})")
         report.section("tests: the end of pytest's output", tail(log))
         return
-    counts, failed = junit_counts(xml)
+    counts, failed, traces = junit_counts(xml)
     bad = counts["failures"] + counts["errors"]
     passed = counts["tests"] - bad - counts["skipped"]
     result = "TIMEOUT" if rc is None else ("ok" if rc == 0 and not bad else "FAILED")
@@ -304,6 +309,7 @@ def tests(report: Report, python: str, env: dict, work: Path, budget: float) -> 
     report.add("tests", result, seconds, detail)
     if failed:
         report.section("Test failures", "\n".join(failed[:40]) + (f"\n- ... {len(failed) - 40} more" if len(failed) > 40 else ""))
+        report.section("The first failures' tracebacks (last 25 lines each)", "\n\n".join(traces))
     elif result != "ok":
         report.section("tests: the end of pytest's output", tail(log))
 

@@ -13,7 +13,7 @@ from vllm_graft.plugins.attention.hydragen.reference import merge
 from vllm_graft.plugins.speculative.token_recycling import flashinfer as tfi
 from vllm_graft.plugins.speculative.token_recycling.reference import topk_update_reference
 
-from ..unit.test_flashinfer import FakeFlashInfer
+from ..fake_flashinfer import FakeFlashInfer
 
 
 @pytest.fixture

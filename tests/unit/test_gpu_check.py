@@ -90,3 +90,23 @@ def test_the_checkout_imports_through_the_links_with_its_entry_points(tmp_path):
     origin, names = done.stdout.splitlines()
     assert Path(origin).resolve() == ROOT / "plugins" / "__init__.py"
     assert "'h2o-kvcompress'" in names and "'dfloat11'" in names
+
+
+def test_collecting_the_gpu_tests_leaves_triton_compiled(tmp_path):
+    """On the GPU the check's test stage collects tests/kernels and tests/fakedevice with
+    GRAFT_REAL_DEVICE=cuda; nothing collected may set TRITON_INTERPRET, or kernels imported after
+    it are interpreted while helpers imported before are not (the first H100 run, 2026-11-27:
+    25 kernel tests failed with "Cannot call @triton.jit'd outside of the scope of a kernel",
+    because a fake-device module imported tests/unit/test_flashinfer.py)."""
+    check = _module()
+    (tmp_path / "probe.py").write_text(
+        "import os\n"
+        "def pytest_collection_finish(session):\n"
+        "    print('TRITON_INTERPRET=' + repr(os.environ.get('TRITON_INTERPRET')))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(GRAFT_REAL_DEVICE="cuda", PYTHONPATH=f"{tmp_path}{os.pathsep}{env.get('PYTHONPATH', '')}")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "probe", "-p", "no:cacheprovider",
+                           "--collect-only", "-q", *check.KERNEL_TESTS, "tests/fakedevice"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert "TRITON_INTERPRET=" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "TRITON_INTERPRET=None" in done.stdout, done.stdout[-2000:]
