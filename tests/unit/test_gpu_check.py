@@ -97,11 +97,16 @@ def test_collecting_the_gpu_tests_leaves_triton_compiled(tmp_path):
     GRAFT_REAL_DEVICE=cuda; nothing collected may set TRITON_INTERPRET, or kernels imported after
     it are interpreted while helpers imported before are not (the first H100 run, 2026-11-27:
     25 kernel tests failed with "Cannot call @triton.jit'd outside of the scope of a kernel",
-    because a fake-device module imported tests/unit/test_flashinfer.py)."""
+    because a fake-device module imported tests/unit/test_flashinfer.py; 3 more, test_squeezed,
+    from tests/unit/test_squeezed.py, imported inside the test)."""
     check = _module()
+    # and nothing they import while running: every tests.unit module a collected file names
     (tmp_path / "probe.py").write_text(
-        "import os\n"
+        "import importlib, os, re\n"
         "def pytest_collection_finish(session):\n"
+        "    for path in sorted({str(item.path) for item in session.items}):\n"
+        "        for name in re.findall(r'from (?:tests|\\.\\.)\\.?(unit\\.\\w+) import', open(path).read()):\n"
+        "            importlib.import_module('tests.' + name)\n"
         "    print('TRITON_INTERPRET=' + repr(os.environ.get('TRITON_INTERPRET')))\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(GRAFT_REAL_DEVICE="cuda", PYTHONPATH=f"{tmp_path}{os.pathsep}{env.get('PYTHONPATH', '')}")
