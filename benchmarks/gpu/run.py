@@ -61,6 +61,13 @@ class Case:
     triton: Callable[[], object]
     bytes_moved: int  # the least the kernel must read and write
     tol: float
+    #: what plain vLLM would run instead (attention kernels): torch's scaled_dot_product_attention
+    #: over the same keys and values gathered contiguous beforehand, a lower bound of a paged
+    #: FlashAttention call on the same bytes (vLLM itself is not on the GPU machine)
+    plain: Callable[[], object] | None = None
+    #: the reference's attention output from its return value, where plain computes the same
+    #: attention (checked before timing: a wrongly gathered plain would time the wrong thing)
+    same_as_plain: Callable[[object], object] | None = None
 
 
 def _close(a, b, tol: float) -> float:
@@ -74,6 +81,28 @@ def _close(a, b, tol: float) -> float:
 
 
 # ------------------------------------------------------------------------------ cases
+def _contiguous(kv, batch, ctx: int):
+    """The keys and values of a decode batch's paged cache (the blocked layout, split by the
+    contract's own :func:`split_kv_cache`) gathered into [B, Hkv, ctx, D] each, outside the
+    timed call."""
+    from vllm_graft.hooks import split_kv_cache
+
+    out = []
+    for cache in split_kv_cache(kv):  # [blocks, Hkv, bs, D]
+        g = cache[batch.block_table.long()]  # [B, nblk, Hkv, bs, D]
+        B, nblk, Hkv, bs, D = g.shape
+        out.append(g.permute(0, 2, 1, 3, 4).reshape(B, Hkv, nblk * bs, D)[:, :, :ctx].contiguous())
+    return out[0], out[1]
+
+
+def _sdpa(q, k, v, scale: float, mask=None):
+    """Plain attention: q [B, H, Lq, D] over k, v [B, Hkv, Lk, D] (grouped heads), torch's own
+    dispatch (FlashAttention-2 or memory-efficient on a GPU)."""
+    import torch.nn.functional as F
+
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
+
 def _paged(B, ctx, H, Hkv, D, bs, dtype, device, shared_prefix=0, seed=0):
     """A decode batch: B sequences of ``ctx`` tokens (the first ``shared_prefix`` in blocks
     shared by all), one query each, scattered block ids."""
@@ -91,6 +120,12 @@ def _paged(B, ctx, H, Hkv, D, bs, dtype, device, shared_prefix=0, seed=0):
     kv = torch.randn(n_blocks, Hkv, bs, 2 * D, generator=g).to(dtype).to(device)
     q = torch.randn(B, H, D, generator=g).to(dtype).to(device)
     return q, kv, batch, AttentionLayer(H, Hkv, D, D ** -0.5, bs, index=0), n_blocks
+
+
+def _decode_plain(q, kv, batch, ctx: int, scale: float) -> Callable[[], object]:
+    k, v = _contiguous(kv, batch, ctx)
+    q4 = q[:, :, None, :]  # [B, H, 1, D]
+    return lambda: _sdpa(q4, k, v, scale)
 
 
 def cases(smoke: bool, device: str) -> list[Case]:
@@ -112,7 +147,8 @@ def cases(smoke: bool, device: str) -> list[Case]:
     out.append(Case("hydragen (prefix+suffix+merge)", f"B{B} ctx{ctx} shared{pre} H{H}/{Hkv} D{D}", "fp16",
                     lambda: ref_m.forward(q, kv, batch, layer, ref_m.plan(batch)),
                     lambda: tri_m.forward(q, kv, batch, layer, plan),
-                    nb * Hkv * bs * 2 * D * elt + 2 * q.numel() * elt, 2e-3))
+                    nb * Hkv * bs * 2 * D * elt + 2 * q.numel() * elt, 2e-3,
+                    plain=_decode_plain(q, kv, batch, ctx, layer.scale), same_as_plain=lambda out: out))
 
     from vllm_graft.plugins.attention.squeezed import SqueezedParams
     from vllm_graft.plugins.attention.squeezed.reference import Squeezed
@@ -123,7 +159,8 @@ def cases(smoke: bool, device: str) -> list[Case]:
     out.append(Case("squeezed (chunk scores + sparse decode, K=1/8)", f"B{B} ctx{ctx} H{H}/{Hkv} D{D}", "fp16",
                     lambda: sq_ref.forward(q2, kv2, batch2, layer2),
                     lambda: sq_tri.forward(q2, kv2, batch2, layer2),
-                    nb2 * Hkv * bs * D * elt + nb2 * Hkv * bs * 2 * D * elt // 8, 2e-3))
+                    nb2 * Hkv * bs * D * elt + nb2 * Hkv * bs * 2 * D * elt // 8, 2e-3,
+                    plain=_decode_plain(q2, kv2, batch2, ctx, layer2.scale)))
 
     from vllm_graft.plugins.kvcompress._shared.reference import attend
 
@@ -131,7 +168,8 @@ def cases(smoke: bool, device: str) -> list[Case]:
     out.append(Case("h2o/snapkv attention with block mass", f"B{B} ctx{ctx} H{H}/{Hkv} D{D}", "fp16",
                     lambda: attend("reference", q2, kv2, batch2, layer2, observe),
                     lambda: attend("triton", q2, kv2, batch2, layer2, observe),
-                    nb2 * Hkv * bs * 2 * D * elt, 2e-3))
+                    nb2 * Hkv * bs * 2 * D * elt, 2e-3,
+                    plain=_decode_plain(q2, kv2, batch2, ctx, layer2.scale), same_as_plain=lambda out: out[0]))
 
     from vllm_graft.plugins.kvcompress.kv4.kernel import paged_attention_kv4_triton
     from vllm_graft.plugins.kvcompress.kv4.reference import bytes_per_token, paged_attention_kv4, write
@@ -146,7 +184,8 @@ def cases(smoke: bool, device: str) -> list[Case]:
     out.append(Case("kv4 paged attention (4-bit KV)", f"B{B} ctx{ctx} H{H}/{Hkv} D{D}", "fp16",
                     lambda: paged_attention_kv4(q2, cache, batch2, layer2, G)[0],
                     lambda: paged_attention_kv4_triton(q2, cache, batch2, layer2, G),
-                    cache.numel(), 2e-3))
+                    cache.numel(), 2e-3,
+                    plain=_decode_plain(q2, kv2, batch2, ctx, layer2.scale)))  # fp16 KV of the same shape
 
     from vllm_graft.plugins.moe.dynamic_topk.kernel import dynamic_topk_triton
     from vllm_graft.plugins.moe.dynamic_topk.reference import dynamic_topk
@@ -222,11 +261,17 @@ def cases(smoke: bool, device: str) -> list[Case]:
     tk = torch.randn(N, Hkv, D, generator=g).to(dt).to(device)
     tv = torch.randn(N, Hkv, D, generator=g).to(dt).to(device)
     par = tree.parents.to(device)
+    # plain: a chain of the same N tokens verified with a causal mask over the same context
+    ck = torch.cat([kc[bt.long()].reshape(-1, Hkv, D)[:tctx], tk]).transpose(0, 1)[None].contiguous()
+    cv = torch.cat([vc[bt.long()].reshape(-1, Hkv, D)[:tctx], tv]).transpose(0, 1)[None].contiguous()
+    causal = torch.ones(N, tctx + N, dtype=torch.bool, device=device).tril(tctx)
+    tq4 = tq.transpose(0, 1)[None]
     out.append(Case("tree verification attention (paged context + ancestor mask)",
                     f"ctx{tctx} nodes{N} H{H}/{Hkv} D{D}", "fp16",
                     lambda: tree_attention(tq, kc, vc, bt, tctx, tk, tv, par, D ** -0.5),
                     lambda: tree_attention_triton(tq, kc, vc, bt, tctx, tk, tv, par, D ** -0.5),
-                    2 * tctx * Hkv * D * elt + 2 * N * (H + 2 * Hkv) * D * elt, 2e-3))
+                    2 * tctx * Hkv * D * elt + 2 * N * (H + 2 * Hkv) * D * elt, 2e-3,
+                    plain=lambda: _sdpa(tq4, ck, cv, D ** -0.5, causal)))
     return out
 
 
@@ -315,15 +360,24 @@ def run(smoke: bool, peak: float | None) -> tuple[str, list[dict]]:
             timed = ok and not smoke  # the interpreter's times say nothing about a GPU
             ref_ms = _time_ms(c.reference) if timed else float("nan")
             tri_ms = _time_ms(c.triton) if timed else float("nan")
+            if c.plain is not None:
+                got = c.plain()  # runs in --smoke too
+                if c.same_as_plain is not None:
+                    plain_err = _close(c.same_as_plain(c.reference()), got[:, :, 0], c.tol)
+                    if plain_err > c.tol:
+                        raise AssertionError(f"plain attention differs from the reference by {plain_err:.1e}")
+            plain_ms = _time_ms(c.plain) if timed and c.plain is not None else float("nan")
         except Exception as e:  # noqa: BLE001 - one kernel's failure is its row; the rest still run
             rows.append({**row, "ok": False, "error": f"{type(e).__name__}: {e}"})
             continue
         gbps = c.bytes_moved / tri_ms / 1e6 if timed and tri_ms > 0 else float("nan")
         rows.append({**row, "max_err": err, "ok": ok, "ref_ms": ref_ms, "triton_ms": tri_ms,
-                     "speedup": ref_ms / tri_ms if timed else float("nan"),
+                     "speedup": ref_ms / tri_ms if timed else float("nan"), "plain_ms": plain_ms,
+                     "vs_plain": plain_ms / tri_ms if timed else float("nan"),
                      "gbps": gbps, "peak_pct": 100 * gbps / peak if peak and timed else None})
     table = ["| kernel | shape | dtype | matches reference (max abs err) | reference ms | Triton ms "
-             "| speed-up | GB/s | % of peak |", "|---|---|---|---|---|---|---|---|---|"]
+             "| speed-up | GB/s | % of peak | plain attention ms | Triton vs plain |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def fmt(v: float, spec: str, unit: str = "") -> str:
         return "-" if v != v else f"{v:{spec}}{unit}"  # NaN: not timed
@@ -331,13 +385,19 @@ def run(smoke: bool, peak: float | None) -> tuple[str, list[dict]]:
     for r in rows:
         if "error" in r:
             msg = " ".join(r["error"].split())[:200].replace("|", "/")
-            table.append(f"| {r['kernel']} | {r['shape']} | {r['dtype']} | ERROR: {msg} | - | - | - | - | - |")
+            table.append(f"| {r['kernel']} | {r['shape']} | {r['dtype']} | ERROR: {msg} | - | - | - | - | - | - | - |")
             continue
         pct = f"{r['peak_pct']:.0f}%" if r["peak_pct"] is not None else "-"
         table.append(f"| {r['kernel']} | {r['shape']} | {r['dtype']} | {'yes' if r['ok'] else 'NO'} "
                      f"({r['max_err']:.1e}) | {fmt(r['ref_ms'], '.3f')} | {fmt(r['triton_ms'], '.3f')} | "
-                     f"{fmt(r['speedup'], '.1f', 'x')} | {fmt(r['gbps'], '.0f')} | {pct} |")
-    return f"{head} {peak_note}\n\n" + "\n".join(table) + "\n", rows
+                     f"{fmt(r['speedup'], '.1f', 'x')} | {fmt(r['gbps'], '.0f')} | {pct} | "
+                     f"{fmt(r['plain_ms'], '.3f')} | {fmt(r['vs_plain'], '.2f', 'x')} |")
+    note = ("\"plain attention\": what plain vLLM runs instead, approximated by torch's "
+            "scaled_dot_product_attention over the same keys and values gathered contiguous before "
+            "timing (vLLM is not on this machine; a lower bound of its paged FlashAttention); the tree "
+            "row's plain is a causal chain of as many tokens. \"Triton vs plain\" above 1x is faster "
+            "than plain.")
+    return f"{head} {peak_note}\n\n" + "\n".join(table) + "\n\n" + note + "\n", rows
 
 
 def update_benchmarks(text: str, path: Path = ROOT / "BENCHMARKS.md") -> None:
