@@ -82,9 +82,14 @@ def test_reference_masks_each_kv_head_and_reports_its_mass(batched, monkeypatch)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
-def test_masked_decode_kernel_matches_the_reference(dtype, tol):
+@pytest.mark.parametrize("splits", [None, 3], ids=["sms", "3-splits"])
+def test_masked_decode_kernel_matches_the_reference(dtype, tol, splits, monkeypatch):
     from vllm_graft.plugins.attention._shared import paged_attention_with_mass
+    from vllm_graft.plugins.kvcompress._shared import kernel
     from vllm_graft.plugins.kvcompress._shared.kernel import attention_with_mass
+
+    if splits:  # the context split in parts (a split whose pages a head masks wholly included)
+        monkeypatch.setattr(kernel, "_split_count", lambda *a: splits)
 
     query, kv, batch, layer, observe = paged_case(dtype, [1, 16, 37, 70, 20, 90], [1, 1, 1, 1, 5, 1],
                                                   device=DEVICE)

@@ -1,15 +1,24 @@
 """Triton decode attention over a paged KV cache that also emits per-block attention mass
 (``kernel: triton`` of the scored compressors, ``h2o`` and ``snapkv``).
 
-One program per (sequence, query head): the sequence's single query (decode) walks the
-blocks of its block-table row, keeping the online-softmax state (running max ``m``, sum
-``l``, accumulator) and storing each block's own max and exp-sum; a second walk turns those
-into the block's share of the final softmax, ``l_b * exp(m_b - m) / l``. Rows with more than
-one query (prefill chunks) go through the reference (the attention kind's shared exact
-attention with mass).
+Flash-decoding shaped (the first GPU run, BENCHMARKS.md "GPU kernel timings", found the
+earlier one-program-per-query-head, one-page-per-step kernel at 0.07x plain attention):
+
+* ``_mass_split_kernel``, one program per (sequence, KV head, split of the context): the
+  ``GROUP`` query heads of that KV head together (the keys and values read once for all of
+  them, scores by ``tl.dot``), ``PAGES`` pages of the block table per step. It keeps the online
+  softmax state of its split (max ``m``, sum ``l``, accumulator) and stores each page's own max
+  and exp-sum per query head;
+* ``_mass_reduce_kernel``, one program per (sequence, query head): merges the splits into the
+  output and turns each page's statistics into its share of the final softmax,
+  ``l_b * exp(m_b - m) / l``.
+
+The number of splits is chosen from the block table's width and the device's SM count, never
+from the sequences' lengths (no host read). Rows with more than one query (prefill chunks) go
+through the reference (the attention kind's shared exact attention with mass).
 
 Per KV head (a per-head compressor, e.g. ``adakv``): with a head mask ``[S, H_kv, max_blocks]``
-(``HAS_MASK``), a program skips the blocks its KV head does not read (they add nothing to the
+(``HAS_MASK``) a program leaves out the pages its KV head does not read (they add nothing to the
 online softmax; their mass is 0), and the launcher sums the mass over each KV head's group of
 query heads instead of over all heads.
 
@@ -29,66 +38,131 @@ import triton.language as tl
 from vllm_graft.hooks import AttentionLayer, PagedBatch
 from vllm_graft.plugins.attention._shared import cache_strides, paged_attention_with_mass
 
+_FLOOR = tl.constexpr(-1e30)  # a finite max for a page or step with no valid key, so exp(-inf - floor) = 0
+
 
 @triton.jit
-def _decode_mass_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, qrow_ptr, out_ptr, mass_ptr, bm_ptr, bl_ptr, hm_ptr,
-    s_qt, s_qh, s_kn, s_kh, s_kb, s_vn, s_vh, s_vb, s_tt, s_ot, s_oh, s_ms, s_mh, s_hs, s_hh,
-    scale, GROUP: tl.constexpr, B: tl.constexpr, D: tl.constexpr, HAS_MASK: tl.constexpr,
+def _mass_split_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, qrow_ptr, bm_ptr, bl_ptr, hm_ptr, pm_ptr, pl_ptr, pacc_ptr,
+    s_qt, s_qh, s_kn, s_kh, s_kb, s_vn, s_vh, s_vb, s_tt, s_ms, s_mh, s_hs, s_hh, s_ps, s_ph, s_pp,
+    scale, pages_per_split,
+    GROUP: tl.constexpr, GP: tl.constexpr, B: tl.constexpr, D: tl.constexpr, PAGES: tl.constexpr,
+    HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    L = tl.load(lens_ptr + seq)
+    row = tl.load(qrow_ptr + seq)
+    nb = tl.cdiv(L, B)
+    first = split * pages_per_split
+    last = tl.minimum(first + pages_per_split, nb)
+    g = tl.arange(0, GP)
+    heads = kvh * GROUP + g
+    live = g < GROUP
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + row * s_qt + heads[:, None] * s_qh + d[None, :], mask=live[:, None], other=0.0)
+    tok = tl.arange(0, PAGES * B)
+    page_of = tok // B
+    pg = tl.arange(0, PAGES)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    l = tl.zeros([GP], dtype=tl.float32)
+    acc = tl.zeros([GP, D], dtype=tl.float32)
+    for c in range(first, last, PAGES):
+        page = c + page_of
+        valid = (page < last) & (page * B + tok % B < L)
+        bid = tl.load(table_ptr + seq * s_tt + page, mask=page < last, other=0).to(tl.int64)
+        if HAS_MASK:  # the pages this KV head does not read: no key is valid
+            reads = tl.load(hm_ptr + seq * s_hs + kvh * s_hh + page, mask=page < last, other=0)
+            valid = valid & (reads != 0)
+        k = tl.load(k_ptr + bid[:, None] * s_kn + kvh * s_kh + (tok % B)[:, None] * s_kb + d[None, :],
+                    mask=valid[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s * scale, float("-inf"))  # [GP, PAGES * B]
+        s3 = tl.reshape(s, (GP, PAGES, B))
+        m_b = tl.maximum(tl.max(s3, axis=2), _FLOOR)  # [GP, PAGES]
+        l_b = tl.sum(tl.exp(s3 - m_b[:, :, None]), axis=2)
+        at = seq * s_ms + heads[:, None] * s_mh + (c + pg)[None, :]
+        keep = live[:, None] & ((c + pg) < last)[None, :]
+        tl.store(bm_ptr + at, m_b, mask=keep)
+        tl.store(bl_ptr + at, l_b, mask=keep)
+        m_new = tl.maximum(m, tl.max(m_b, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        v = tl.load(v_ptr + bid[:, None] * s_vn + kvh * s_vh + (tok % B)[:, None] * s_vb + d[None, :],
+                    mask=valid[:, None], other=0.0)
+        if IEEE:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        l = l * alpha + tl.sum(p, axis=1)
+        m = m_new
+    at = seq * s_ps + heads * s_ph + split * s_pp
+    tl.store(pm_ptr + at, m, mask=live)
+    tl.store(pl_ptr + at, l, mask=live)
+    tl.store(pacc_ptr + (at * D)[:, None] + d[None, :], acc, mask=live[:, None])
+
+
+@triton.jit
+def _mass_reduce_kernel(
+    lens_ptr, qrow_ptr, out_ptr, mass_ptr, bm_ptr, bl_ptr, pm_ptr, pl_ptr, pacc_ptr,
+    s_ot, s_oh, s_ms, s_mh, s_ps, s_ph, s_pp, n_split,
+    B: tl.constexpr, D: tl.constexpr, SP: tl.constexpr, CHUNK: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    kvh = head // GROUP
     L = tl.load(lens_ptr + seq)
     row = tl.load(qrow_ptr + seq)
+    sp = tl.arange(0, SP)
     d = tl.arange(0, D)
-    t = tl.arange(0, B)
-    q = tl.load(q_ptr + row * s_qt + head * s_qh + d).to(tl.float32)
-    m = -float("inf")
-    l = 0.0
-    acc = tl.zeros([D], dtype=tl.float32)
+    at = seq * s_ps + head * s_ph + sp * s_pp
+    m_i = tl.load(pm_ptr + at, mask=sp < n_split, other=float("-inf"))
+    l_i = tl.load(pl_ptr + at, mask=sp < n_split, other=0.0)
+    acc_i = tl.load(pacc_ptr + (at * D)[:, None] + d[None, :], mask=(sp < n_split)[:, None], other=0.0)
+    m = tl.max(m_i, axis=0)
+    w = tl.exp(m_i - m)
+    l = tl.sum(l_i * w, axis=0)
+    out = tl.sum(acc_i * w[:, None], axis=0) / l
+    tl.store(out_ptr + row * s_ot + head * s_oh + d, out.to(out_ptr.dtype.element_ty))
     nb = tl.cdiv(L, B)
-    for b in range(0, nb):
-        bid = tl.load(table_ptr + seq * s_tt + b).to(tl.int64)
-        valid = b * B + t < L
-        if HAS_MASK:  # the blocks this KV head does not read: no key is valid
-            reads = tl.load(hm_ptr + seq * s_hs + kvh * s_hh + b).to(tl.int32)
-            valid = b * B + t < L * reads
-        k = tl.load(k_ptr + bid * s_kn + kvh * s_kh + t[:, None] * s_kb + d[None, :],
-                    mask=valid[:, None], other=0.0).to(tl.float32)
-        s = tl.sum(k * q[None, :], axis=1) * scale
-        s = tl.where(valid, s, -float("inf"))
-        m_b = tl.max(s, axis=0)
-        if HAS_MASK:  # a skipped block: a finite floor, so p = exp(-inf) = 0 (not NaN)
-            m_b = tl.maximum(m_b, -1e30)
-        p = tl.exp(s - m_b)
-        l_b = tl.sum(p, axis=0)
-        v = tl.load(v_ptr + bid * s_vn + kvh * s_vh + t[:, None] * s_vb + d[None, :],
-                    mask=valid[:, None], other=0.0).to(tl.float32)
-        acc_b = tl.sum(p[:, None] * v, axis=0)
-        m_new = tl.maximum(m, m_b)
-        a_old = tl.exp(m - m_new)
-        a_new = tl.exp(m_b - m_new)
-        acc = acc * a_old + acc_b * a_new
-        l = l * a_old + l_b * a_new
-        m = m_new
-        tl.store(bm_ptr + seq * s_ms + head * s_mh + b, m_b)
-        tl.store(bl_ptr + seq * s_ms + head * s_mh + b, l_b)
-    tl.store(out_ptr + row * s_ot + head * s_oh + d, (acc / l).to(out_ptr.dtype.element_ty))
-    for b in range(0, nb):
-        m_b = tl.load(bm_ptr + seq * s_ms + head * s_mh + b)
-        l_b = tl.load(bl_ptr + seq * s_ms + head * s_mh + b)
-        tl.store(mass_ptr + seq * s_ms + head * s_mh + b, l_b * tl.exp(m_b - m) / l)
+    for c in range(0, nb, CHUNK):
+        pages = c + tl.arange(0, CHUNK)
+        ok = pages < nb
+        base = seq * s_ms + head * s_mh + pages
+        m_b = tl.load(bm_ptr + base, mask=ok, other=_FLOOR)
+        l_b = tl.load(bl_ptr + base, mask=ok, other=0.0)
+        tl.store(mass_ptr + base, l_b * tl.exp(m_b - m) / l, mask=ok)
+
+
+_SMS: dict = {}
+
+
+def _split_count(device: torch.device, programs: int, width: int, pages: int) -> int:
+    """Splits of the context so that about four programs per SM run (from the device's SM
+    count, read once), at most one per ``pages`` pages of the block table's width."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in _SMS:
+            _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        sms = _SMS[index]
+    else:
+        sms = 1
+    return max(1, min(triton.cdiv(4 * sms, max(programs, 1)), triton.cdiv(width, pages)))
 
 
 def decode_attention_with_mass(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_table: torch.Tensor, seq_lens: torch.Tensor, query_rows: torch.Tensor,
-                               scale: float, head_mask: torch.Tensor | None = None
+                               scale: float, head_mask: torch.Tensor | None = None, splits: int | None = None,
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention for the sequences whose single query is row ``query_rows[s]`` of
     ``query``: ``(out [len(query_rows), H, D], mass [S, H, max_blocks])`` (fp32 mass). With
     ``head_mask [S, H_kv, max_blocks]`` (bool), KV head h of sequence s reads only the columns
-    where it is True (the sequence's last block must be one of them)."""
+    where it is True (the sequence's last block must be one of them). ``splits`` fixes the
+    number of context splits (tests; default: from the SM count)."""
     S = query_rows.numel()
     T, H, D = query.shape
     Hkv, B = k_cache.shape[1], k_cache.shape[2]
@@ -97,21 +171,39 @@ def decode_attention_with_mass(query: torch.Tensor, k_cache: torch.Tensor, v_cac
     strides = cache_strides(k_cache, v_cache, "attention-with-mass triton kernel")
     if query.stride(2) != 1:
         query = query.contiguous()
+    group = H // Hkv
     width = block_table.shape[1]
-    out = torch.zeros(T, H, D, dtype=query.dtype, device=query.device)
-    mass = torch.zeros(S, H, width, dtype=torch.float32, device=query.device)
+    pages = max(1, 64 // B)  # 64 keys per step
+    n_split = splits or _split_count(query.device, S * Hkv, width, pages)
+    per_split = triton.cdiv(triton.cdiv(width, n_split), pages) * pages
+    n_split = triton.cdiv(width, per_split)
+    dev = query.device
+    out = torch.empty(T, H, D, dtype=query.dtype, device=dev)
+    mass = torch.zeros(S, H, width, dtype=torch.float32, device=dev)
     bm = torch.empty_like(mass)
     bl = torch.empty_like(mass)
+    pm = torch.empty(S, H, n_split, dtype=torch.float32, device=dev)
+    pl = torch.empty_like(pm)
+    pacc = torch.empty(S, H, n_split, D, dtype=torch.float32, device=dev)
     table = block_table.contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     rows = query_rows.to(torch.int32).contiguous()
     hm = lens if head_mask is None else head_mask.to(torch.int8).contiguous()  # lens: an unread placeholder
     s_hs, s_hh = (0, 0) if head_mask is None else (hm.stride(0), hm.stride(1))
-    _decode_mass_kernel[(S, H)](
-        query, k_cache, v_cache, table, lens, rows, out, mass, bm, bl, hm,
-        query.stride(0), query.stride(1), *strides, table.stride(0),
-        out.stride(0), out.stride(1), mass.stride(0), mass.stride(1), s_hs, s_hh,
-        float(scale), GROUP=H // Hkv, B=B, D=D, HAS_MASK=head_mask is not None,
+    if query.dtype != k_cache.dtype:
+        raise ValueError(f"attention-with-mass triton kernel: query {query.dtype} and cache {k_cache.dtype} differ")
+    _mass_split_kernel[(S, Hkv, n_split)](
+        query, k_cache, v_cache, table, lens, rows, bm, bl, hm, pm, pl, pacc,
+        query.stride(0), query.stride(1), *strides, table.stride(0), mass.stride(0), mass.stride(1),
+        s_hs, s_hh, pm.stride(0), pm.stride(1), pm.stride(2),
+        float(scale), per_split,
+        GROUP=group, GP=max(16, triton.next_power_of_2(group)), B=B, D=D, PAGES=pages,
+        HAS_MASK=head_mask is not None, IEEE=query.dtype == torch.float32,
+    )
+    _mass_reduce_kernel[(S, H)](
+        lens, rows, out, mass, bm, bl, pm, pl, pacc,
+        out.stride(0), out.stride(1), mass.stride(0), mass.stride(1), pm.stride(0), pm.stride(1), pm.stride(2),
+        n_split, B=B, D=D, SP=max(2, triton.next_power_of_2(n_split)), CHUNK=128,
     )
     return out[rows.long()], mass
 
