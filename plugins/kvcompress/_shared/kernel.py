@@ -139,10 +139,14 @@ def _mass_reduce_kernel(
 
 
 _SMS: dict = {}
+#: tuning knobs read at each launch (benchmarks/gpu/sweep_mass.py varies them on a GPU)
+KEYS_PER_STEP = 64
+NUM_WARPS = 4
+PROGRAMS_PER_SM = 4
 
 
 def _split_count(device: torch.device, programs: int, width: int, pages: int) -> int:
-    """Splits of the context so that about four programs per SM run (from the device's SM
+    """Splits of the context so that about ``PROGRAMS_PER_SM`` programs per SM run (from the device's SM
     count, read once), at most one per ``pages`` pages of the block table's width."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -151,7 +155,7 @@ def _split_count(device: torch.device, programs: int, width: int, pages: int) ->
         sms = _SMS[index]
     else:
         sms = 1
-    return max(1, min(triton.cdiv(4 * sms, max(programs, 1)), triton.cdiv(width, pages)))
+    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, max(programs, 1)), triton.cdiv(width, pages)))
 
 
 def decode_attention_with_mass(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -173,7 +177,7 @@ def decode_attention_with_mass(query: torch.Tensor, k_cache: torch.Tensor, v_cac
         query = query.contiguous()
     group = H // Hkv
     width = block_table.shape[1]
-    pages = max(1, 64 // B)  # 64 keys per step
+    pages = max(1, KEYS_PER_STEP // B)
     n_split = splits or _split_count(query.device, S * Hkv, width, pages)
     per_split = triton.cdiv(triton.cdiv(width, n_split), pages) * pages
     n_split = triton.cdiv(width, per_split)
@@ -198,7 +202,7 @@ def decode_attention_with_mass(query: torch.Tensor, k_cache: torch.Tensor, v_cac
         s_hs, s_hh, pm.stride(0), pm.stride(1), pm.stride(2),
         float(scale), per_split,
         GROUP=group, GP=max(16, triton.next_power_of_2(group)), B=B, D=D, PAGES=pages,
-        HAS_MASK=head_mask is not None, IEEE=query.dtype == torch.float32,
+        HAS_MASK=head_mask is not None, IEEE=query.dtype == torch.float32, num_warps=NUM_WARPS,
     )
     _mass_reduce_kernel[(S, H)](
         lens, rows, out, mass, bm, bl, pm, pl, pacc,
