@@ -105,6 +105,10 @@ class PagedBatch:
     query_start_loc: "torch.Tensor"  # [num_seqs + 1] int32
     seq_lens: "torch.Tensor"  # [num_seqs] int32
     block_table: "torch.Tensor"  # [num_seqs, max_blocks] int32
+    #: the most query rows of any sequence, as a host int where the route knows it without
+    #: reading the device (vLLM's ``CommonAttentionMetadata.max_query_len``); 1 means a step of
+    #: decodes only, which a plugin may take without a host sync. None: not known.
+    max_query_len: int | None = None
 
 
 def split_kv_cache(kv_cache: "torch.Tensor", layout: KVCacheLayout | None = None

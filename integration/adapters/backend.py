@@ -250,6 +250,7 @@ class GraftCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
                 query_start_loc=metadata.query_start_loc,
                 seq_lens=metadata.seq_lens,
                 block_table=metadata.block_table,
+                max_query_len=int(common_attn_metadata.max_query_len),
             )
             metadata.graft_batch = batch
             if SEAMS.method is not None:

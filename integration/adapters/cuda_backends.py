@@ -97,7 +97,8 @@ class GraftBuilderMixin:
         if attends_in_python() and cm.causal is True:
             n = cm.num_reqs
             batch = PagedBatch(query_start_loc=cm.query_start_loc[: n + 1],
-                               seq_lens=cm.seq_lens[:n], block_table=cm.block_table_tensor[:n])
+                               seq_lens=cm.seq_lens[:n], block_table=cm.block_table_tensor[:n],
+                               max_query_len=int(cm.max_query_len))
             metadata.graft_batch = batch
             metadata.graft_num_tokens = cm.num_actual_tokens
             if method_runs():

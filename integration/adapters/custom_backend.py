@@ -107,7 +107,7 @@ class GraftAttentionMetadataBuilder(AttentionMetadataBuilder[GraftAttentionMetad
                                       "attention only")
         n = cm.num_reqs
         batch = PagedBatch(query_start_loc=cm.query_start_loc[: n + 1], seq_lens=cm.seq_lens[:n],
-                           block_table=cm.block_table_tensor[:n])
+                           block_table=cm.block_table_tensor[:n], max_query_len=int(cm.max_query_len))
         method = _method()
         plan = call_plan(method, batch)
         if SEAMS.count and SEAMS.method is not None:

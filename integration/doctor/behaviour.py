@@ -620,14 +620,16 @@ def capture_through_build_check(src: VLLMSource) -> str | None:
 def metadata_fields_check(src: VLLMSource) -> str | None:
     """``CommonAttentionMetadata`` has ``seq_lens_cpu_upper_bound`` (FlashInfer's plan reads it,
     so the rewriter lowers it on the host), ``_num_computed_tokens_cache`` (reset when seq_lens
-    change) and ``replace`` (the rewriter returns a new object; the drafter gets the same ``cm``)."""
+    change) and ``replace`` (the rewriter returns a new object; the drafter gets the same ``cm``);
+    ``max_query_len``, a host int the builders put on ``PagedBatch`` (the scored compressors'
+    Triton attention takes a decode-only step without a host sync when it is 1)."""
     base = _tree(src, ATTN_BACKEND)
     cls = _class(base, "CommonAttentionMetadata") if base is not None else None
     if cls is None:
         return f"{ATTN_BACKEND}: no CommonAttentionMetadata"
     fields = {t.target.id for t in cls.body if isinstance(t, ast.AnnAssign) and isinstance(t.target, ast.Name)}
     missing = [f for f in ("seq_lens", "block_table_tensor", "seq_lens_cpu_upper_bound", "max_seq_len",
-                           "_num_computed_tokens_cache") if f not in fields]
+                           "max_query_len", "_num_computed_tokens_cache") if f not in fields]
     if missing:
         return f"{ATTN_BACKEND}: CommonAttentionMetadata has no {missing}"
     if _function(cls, "replace") is None:
@@ -732,7 +734,8 @@ def facts(custom_ops: list[tuple[str, str]]) -> list[Fact]:
              "what the graphs keep)", (RUNNER, ATTN_BACKEND), REWRITER_OWNER,
              capture_through_build_check, runner="v1"),
         Fact("KV rewriter: CommonAttentionMetadata has seq_lens_cpu_upper_bound, "
-             "_num_computed_tokens_cache and replace(); FlashInfer's plan reads the upper bound",
+             "_num_computed_tokens_cache, max_query_len (host int, on PagedBatch) and replace(); "
+             "FlashInfer's plan reads the upper bound",
              (ATTN_BACKEND,), REWRITER_OWNER, metadata_fields_check),
         Fact("KV frees check: SchedulerOutput is a plain dataclass (extra attributes are pickled to "
              "the workers) and Scheduler.schedule ends in _update_after_schedule",

@@ -98,3 +98,37 @@ def test_the_context_split_in_any_number_of_parts_gives_the_reference(dtype, tol
         nb = -(-L // layer.block_size)
         assert abs(mass_k[i].sum().item() - layer.num_heads) < 1e-3
         assert torch.all(mass_k[i, :, nb:] == 0)
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["per-block", "per-kv-head"])
+def test_a_decode_only_step_takes_the_path_without_host_reads(per_head, monkeypatch):
+    """With ``max_query_len == 1`` on the batch (the builders set it from vLLM's host int) the
+    launcher runs over every sequence without reading the device: the same output and mass as
+    the path that looks (rows found on the host), a padded sequence of length 0 and a
+    sequence with no query this step included (they write no row and have no mass)."""
+    import dataclasses
+
+    from vllm_graft.plugins.kvcompress._shared import kernel
+    from vllm_graft.plugins.kvcompress._shared.kernel import attention_with_mass
+
+    lens, qlens = [16, 37, 0, 70, 20, 5], [1, 1, 1, 1, 0, 1]
+    query, kv, batch, layer, observe = paged_case(torch.float32, lens, qlens, device=DEVICE)
+    head_mask = None
+    if per_head:
+        from tests.kernels.test_perhead_kernel import random_head_mask
+
+        head_mask = random_head_mask(batch, layer, seed=2).to(DEVICE)
+    want_out, want_mass = attention_with_mass(query, kv, batch, layer, observe, head_mask=head_mask)
+    fast = dataclasses.replace(batch, max_query_len=1)
+
+    def no_host_reads(*a, **k):
+        raise AssertionError("the decode-only path read the device on the host")
+
+    monkeypatch.setattr(torch.Tensor, "any", no_host_reads)
+    monkeypatch.setattr(torch.Tensor, "nonzero", no_host_reads)
+    got_out, got_mass = attention_with_mass(query, kv, fast, layer, observe, head_mask=head_mask)
+    monkeypatch.undo()
+    assert (got_out.float() - want_out.float()).abs().max().item() < 1e-5
+    assert (got_mass - want_mass).abs().max().item() < 1e-5
+    assert torch.all(got_mass[2] == 0) and torch.all(got_mass[4] == 0)
+    assert bool(got_mass[0].sum() > 0)

@@ -164,7 +164,7 @@ class _Cm(SimpleNamespace):
 def _cm(seq_lens, q_lens):
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     n = len(seq_lens)
-    return _Cm(num_reqs=n, num_actual_tokens=int(qsl[-1]), query_start_loc=qsl,
+    return _Cm(num_reqs=n, num_actual_tokens=int(qsl[-1]), query_start_loc=qsl, max_query_len=max(q_lens),
                seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
                block_table_tensor=torch.arange(n * 4, dtype=torch.int32).view(n, 4), causal=True)
 

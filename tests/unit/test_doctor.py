@@ -271,6 +271,7 @@ ATTN_BACKEND_BASE = """
         seq_lens: torch.Tensor
         block_table_tensor: torch.Tensor
         max_seq_len: int
+        max_query_len: int
         seq_lens_cpu_upper_bound: torch.Tensor | None = None
         _num_computed_tokens_cache: torch.Tensor | None = None
         def replace(self, **kwargs):

@@ -123,11 +123,13 @@ def _mass_reduce_kernel(
     m_i = tl.load(pm_ptr + at, mask=sp < n_split, other=float("-inf"))
     l_i = tl.load(pl_ptr + at, mask=sp < n_split, other=0.0)
     acc_i = tl.load(pacc_ptr + (at * D)[:, None] + d[None, :], mask=(sp < n_split)[:, None], other=0.0)
-    m = tl.max(m_i, axis=0)
+    m = tl.maximum(tl.max(m_i, axis=0), _FLOOR)  # floored: a sequence of length 0 has no key
     w = tl.exp(m_i - m)
     l = tl.sum(l_i * w, axis=0)
+    l = tl.where(l > 0, l, 1.0)
     out = tl.sum(acc_i * w[:, None], axis=0) / l
-    tl.store(out_ptr + row * s_ot + head * s_oh + d, out.to(out_ptr.dtype.element_ty))
+    # a sequence of length 0 (a padded or query-less row) writes nothing: its row may be another's
+    tl.store(out_ptr + row * s_ot + head * s_oh + d, out.to(out_ptr.dtype.element_ty), mask=(d * 0 + L) > 0)
     nb = tl.cdiv(L, B)
     for c in range(0, nb, CHUNK):
         pages = c + tl.arange(0, CHUNK)
@@ -167,6 +169,16 @@ def decode_attention_with_mass(query: torch.Tensor, k_cache: torch.Tensor, v_cac
     ``head_mask [S, H_kv, max_blocks]`` (bool), KV head h of sequence s reads only the columns
     where it is True (the sequence's last block must be one of them). ``splits`` fixes the
     number of context splits (tests; default: from the SM count)."""
+    out, mass = _decode_all_rows(query, k_cache, v_cache, block_table, seq_lens, query_rows, scale,
+                                 head_mask, splits)
+    return out[query_rows.long()], mass
+
+
+def _decode_all_rows(query, k_cache, v_cache, block_table, seq_lens, query_rows, scale, head_mask=None,
+                     splits=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`decode_attention_with_mass` with the output as ``[T, H, D]`` in ``query``'s rows:
+    sequence s writes row ``query_rows[s]``, a sequence of length 0 writes nothing (rows no
+    sequence writes are 0) and has no mass."""
     S = query_rows.numel()
     T, H, D = query.shape
     Hkv, B = k_cache.shape[1], k_cache.shape[2]
@@ -182,7 +194,7 @@ def decode_attention_with_mass(query: torch.Tensor, k_cache: torch.Tensor, v_cac
     per_split = triton.cdiv(triton.cdiv(width, n_split), pages) * pages
     n_split = triton.cdiv(width, per_split)
     dev = query.device
-    out = torch.empty(T, H, D, dtype=query.dtype, device=dev)
+    out = torch.zeros(T, H, D, dtype=query.dtype, device=dev)
     mass = torch.zeros(S, H, width, dtype=torch.float32, device=dev)
     bm = torch.empty_like(mass)
     bl = torch.empty_like(mass)
@@ -209,7 +221,7 @@ def decode_attention_with_mass(query: torch.Tensor, k_cache: torch.Tensor, v_cac
         out.stride(0), out.stride(1), mass.stride(0), mass.stride(1), pm.stride(0), pm.stride(1), pm.stride(2),
         n_split, B=B, D=D, SP=max(2, triton.next_power_of_2(n_split)), CHUNK=128,
     )
-    return out[rows.long()], mass
+    return out, mass
 
 
 def attention_with_mass(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
@@ -219,8 +231,17 @@ def attention_with_mass(query: torch.Tensor, kv_cache: torch.Tensor, batch: Page
     reference for the others; with ``head_mask`` (a per-head compressor's), per KV head."""
     qsl = batch.query_start_loc
     qlen = (qsl[1:] - qsl[:-1]).long()
-    decode = (qlen == 1) & (batch.seq_lens > 0)
     hkv, width = layer.num_kv_heads, batch.block_table.shape[1]
+    if batch.max_query_len == 1:  # decodes only (the route says so on the host): no host sync
+        k_cache, v_cache = layer.kv_layout.split(kv_cache)
+        lens = torch.where(qlen == 1, batch.seq_lens, torch.zeros_like(batch.seq_lens))
+        out, d_mass = _decode_all_rows(query, k_cache, v_cache, batch.block_table, lens, qsl[:-1],
+                                       layer.scale, head_mask)
+        w = observe[qsl[:-1].long().clamp(max=max(query.shape[0] - 1, 0))].to(torch.float32) * (lens > 0)
+        if head_mask is None:
+            return out, d_mass.sum(1) * w[:, None]
+        return out, d_mass.view(qlen.numel(), hkv, -1, width).sum(2) * w[:, None, None]
+    decode = (qlen == 1) & (batch.seq_lens > 0)
     shape = (qlen.numel(), hkv, width) if head_mask is not None else (qlen.numel(), width)
     out, mass = torch.zeros_like(query), torch.zeros(shape, dtype=torch.float32, device=query.device)
     others = ~decode & (qlen > 0)
