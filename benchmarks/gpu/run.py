@@ -116,7 +116,8 @@ def _paged(B, ctx, H, Hkv, D, bs, dtype, device, shared_prefix=0, seed=0):
     perm = torch.randperm(n_blocks, generator=g)
     table = torch.stack([torch.cat([perm[:pre], perm[pre + i * own: pre + (i + 1) * own]]) for i in range(B)])
     batch = PagedBatch(torch.arange(B + 1, dtype=torch.int32, device=device),
-                       torch.full((B,), ctx, dtype=torch.int32, device=device), table.to(torch.int32).to(device))
+                       torch.full((B,), ctx, dtype=torch.int32, device=device), table.to(torch.int32).to(device),
+                       max_query_len=1)  # as vLLM's builders say of a decode-only step
     kv = torch.randn(n_blocks, Hkv, bs, 2 * D, generator=g).to(dtype).to(device)
     q = torch.randn(B, H, D, generator=g).to(dtype).to(device)
     return q, kv, batch, AttentionLayer(H, Hkv, D, D ** -0.5, bs, index=0), n_blocks
