@@ -10,15 +10,16 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from vllm_graft.hooks import BlockView, KVCacheFormat
-from vllm_graft.hooks.contracts import split_kv_cache
-from vllm_graft.integration.adapters.kvcompress.keep import (
+from vllm_graft.hooks import (
+    BlockView,
     KeepError,
+    KVCacheFormat,
     check_keep,
     check_keep_heads,
     dropped_blocks,
     union_of_heads,
 )
+from vllm_graft.hooks.contracts import split_kv_cache
 from vllm_graft.kit.conformance.base import (
     Skipped,
     Target,
