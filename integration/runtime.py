@@ -186,8 +186,9 @@ class Runtime:
         return out
 
     def fresh_cross_request_state(self) -> list[str]:
-        """Rebuild in place (``__init__`` again with the same parameters) each speculative plugin
-        instance whose drafts draw on state shared across requests (not ``per_request_drafts``),
+        """Renew (``Proposer.fresh_drafting_state``: by default ``__init__`` again with the same
+        parameters) each speculative plugin instance whose drafts draw on state shared across
+        requests (not ``per_request_drafts``),
         so that a timed run of the bench or demo, which repeat the same prompts, does not draft
         from the previous run's outputs. One given the target's weights (``needs_target_weights``)
         is kept as it is, said in a log line. Returns the names rebuilt."""
@@ -199,7 +200,7 @@ class Runtime:
                 log.info("vllm-graft: speculative plugin %r keeps its state between timed runs (it holds "
                          "the target's weights); its later runs may draft from earlier runs' outputs", name)
                 continue
-            type(impl).__init__(impl, impl.params)
+            impl.fresh_drafting_state()
             renewed.append(name)
         return renewed
 

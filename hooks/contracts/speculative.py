@@ -94,6 +94,15 @@ class Proposer(PluginImpl[P]):
         accepted path's length and the number of nodes verified."""
         raise NotImplementedError(f"{type(self).__name__} sets drafts_trees but implements no propose_tree()")
 
+    def fresh_drafting_state(self) -> None:
+        """Forget what drafts draw on across requests (tries, token tables), keeping the
+        parameters; called by the bench and demo before each timed run, which repeat the same
+        prompts, so that no run drafts the previous run's outputs back (only for proposers
+        that are not :attr:`per_request_drafts`). Default: ``__init__`` again with the same
+        parameters. A proposer that also learns about the engine rather than the text (e.g.
+        ``adaptive``'s measured step costs) may keep that part."""
+        type(self).__init__(self, self.params)
+
     def begin_step(self, num_requests: int, num_tokens: int = 0) -> None:
         """A step's drafting begins; ``num_requests`` requests will be asked to
         :meth:`propose` (the batch size, for adaptive draft lengths). ``num_tokens`` is how

@@ -371,6 +371,40 @@ def test_adaptive_turns_speculation_off_where_it_measures_slower(monkeypatch):
     assert a.describe()["goodput_tok_s"]
 
 
+def test_adaptive_fresh_drafting_state_keeps_what_it_measured_of_the_engine(monkeypatch):
+    """Before each timed run the bench renews drafting state (no run drafts the last run's
+    outputs). ``adaptive`` renews its wrapped proposer and the acceptance statistics, and
+    keeps the step-cost fit and the goodput per mode, which a serving engine keeps for life:
+    after a renewal it runs the mode it measured faster, without trying both again."""
+    from vllm_graft.plugins.speculative.adaptive import reference
+
+    clock = [0.0]
+    monkeypatch.setattr(reference.time, "perf_counter", lambda: clock[0])
+    a = build("adaptive", proposer="lookahead", params={"depth": 4})
+    history = [1, 2, 3, 1, 2, 3, 1, 2, 3]
+    for step in range(60):  # as above: drafting measures slower at batch 8
+        a.begin_step(8, 8 + 8 * a._on * 3)
+        for r in range(8):
+            if a._on:
+                a.accepted(f"r{r}", 1, 3)
+            a.propose(f"r{r}", history, 3)
+        clock[0] += 0.003 if a._on else 0.001
+    inner, bandit = a.inner, a.bandit
+    inner.propose("r0", history, 3)  # the trie holds something
+    assert inner.trie.num_nodes > 0 and a.policy.stats
+    fit, cost = list(a.policy._fit), a.policy.c
+    a.fresh_drafting_state()
+    assert a.inner is inner and inner.trie.num_nodes == 0  # the wrapped trie renewed in place
+    assert not a.policy.stats and a.policy.total == [0.0, 0.0]
+    assert a.bandit is bandit and a.policy._fit == fit and a.policy.c == cost
+    ons = []
+    for step in range(5):
+        clock[0] += 5.0 if step == 0 else 0.001  # the pause between runs is no step
+        a.begin_step(8, 8)
+        ons.append(a._on)
+    assert ons == [False] * 5  # no re-trial of both modes: off, as measured
+
+
 # ------------------------------------------------------------------------------ tree mode
 def _proposer(name, **params):
     entry = get_registry().get("speculative", name)

@@ -39,6 +39,23 @@ class Adaptive(Proposer):
         self._prev: tuple[int, bool] | None = None  # (batch size, mode) of the previous step
         self._produced = self._verified = self._requests = 0  # of the step just run
 
+    def fresh_drafting_state(self) -> None:
+        """The wrapped proposer's drafting state and the acceptance statistics are renewed;
+        what was measured of the engine is kept (the step-cost fit and the goodput of
+        speculation on and off per batch size): it says nothing of earlier outputs, and a
+        deployment keeps it for its whole life, so a timed run starts as a serving engine
+        would, not from the prior."""
+        self.inner.fresh_drafting_state()
+        policy = self.policy
+        fresh = GoodputPolicy(
+            self.params.num_speculative_tokens, fixed_cost_tokens=self.params.fixed_cost_tokens,
+            prior_acceptance=self.params.prior_acceptance, decay=self.params.decay,
+            probe_every=self.params.probe_every, learn_cost=self.params.learn_cost)
+        fresh.c, fresh._fit, fresh.cost_samples = policy.c, policy._fit, policy.cost_samples
+        self.policy = fresh
+        self._last_step, self._prev, self._step_tokens = None, None, 0
+        self._produced = self._verified = self._requests = 0
+
     def begin_step(self, num_requests: int, num_tokens: int = 0) -> None:
         # The time since the previous step's drafting is one engine step: the forward pass
         # of the step just run (``num_tokens``: prompt chunks, decodes, verified drafts), plus
