@@ -333,6 +333,32 @@ def test_cost_model_is_learnt_from_step_times():
     assert flat.c == 8
 
 
+def test_mode_bandit_waits_longer_between_re_trials_that_change_nothing():
+    """Each re-trial runs the slower mode; while they confirm the better one, the wait
+    doubles (32, 64, 128, ...); a re-trial that flips it brings the wait back."""
+    from vllm_graft.plugins.speculative.adaptive.policy import ModeBandit
+
+    b = ModeBandit(min_samples=2, explore_every=8, max_explore_every=64)
+    slow_on = True
+    trials = []
+    for step in range(400):
+        on = b.choose(8, model_says_on=False)
+        if on:
+            trials.append(step)
+        b.record(8, on, tokens=8, seconds=(0.004 if on else 0.001) if slow_on else (0.001 if on else 0.004))
+    retrial_starts = [t for i, t in enumerate(trials) if i == 0 or t != trials[i - 1] + 1][1:]
+    gaps = [b2 - a2 for a2, b2 in zip(retrial_starts, retrial_starts[1:])]
+    assert gaps[:3] == sorted(gaps[:3]) and gaps[2] > 2 * gaps[0]  # backing off
+    assert max(gaps) <= 64 + 2 and len(trials) < 40  # capped; few slow steps in 400
+    assert b.wait[b.bucket(8)] == 64
+    # the other mode becomes the faster: a re-trial finds it, and the wait starts over
+    slow_on = False
+    for step in range(200):
+        on = b.choose(8, model_says_on=False)
+        b.record(8, on, tokens=8, seconds=0.001 if on else 0.004)
+    assert b._best(b.bucket(8)) is True
+
+
 def test_mode_bandit_tries_both_then_keeps_the_faster_and_re_explores():
     from vllm_graft.plugins.speculative.adaptive.policy import ModeBandit
 

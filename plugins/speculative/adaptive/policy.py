@@ -133,16 +133,22 @@ class ModeBandit:
     so the final say is measured: each finished decode-only step gives a sample
     ``tokens produced / step time`` for the mode it ran in; per bucket, an exponentially
     weighted mean per mode. A bucket tries both modes first (``min_samples`` steps each),
-    then runs the better one, re-trying the other for ``min_samples`` steps every
-    ``explore_every`` steps.
+    then runs the better one, re-trying the other for ``min_samples`` steps after
+    ``explore_every`` steps. Each re-trial that leaves the better mode as it was doubles the
+    wait before the next one (up to ``max_explore_every``), since every re-trial runs the
+    slower mode; one that changes it brings the wait back to ``explore_every``.
     """
 
-    def __init__(self, *, decay: float = 0.8, min_samples: int = 3, explore_every: int = 32) -> None:
+    def __init__(self, *, decay: float = 0.8, min_samples: int = 3, explore_every: int = 32,
+                 max_explore_every: int = 1024) -> None:
         self.decay, self.min_samples, self.explore_every = decay, min_samples, explore_every
+        self.max_explore_every = max(explore_every, max_explore_every)
         # bucket -> {mode: [weighted sum, weight, samples]}, and steps since last exploration
         self.stats: dict[int, dict[bool, list[float]]] = {}
         self.since: dict[int, int] = {}
         self.exploring: dict[int, int] = {}
+        self.wait: dict[int, int] = {}  # bucket -> steps between re-trials
+        self.best_before: dict[int, bool] = {}  # bucket -> the better mode when its re-trial began
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -168,15 +174,21 @@ class ModeBandit:
         for m in (model_says_on, not model_says_on):  # try both, the model's choice first
             if counts[m] < self.min_samples:
                 return m
+        best = self._best(b)
         if self.exploring.get(b, 0) > 0:
             self.exploring[b] -= 1
-            return not self._best(b)
+            return not best
+        if b in self.best_before:  # a re-trial just ended: wait longer if it changed nothing
+            same = self.best_before.pop(b) == best
+            self.wait[b] = min(2 * self.wait.get(b, self.explore_every), self.max_explore_every) \
+                if same else self.explore_every
         self.since[b] = self.since.get(b, 0) + 1
-        if self.since[b] >= self.explore_every:
+        if self.since[b] >= self.wait.get(b, self.explore_every):
             self.since[b] = 0
             self.exploring[b] = self.min_samples - 1
-            return not self._best(b)
-        return self._best(b)
+            self.best_before[b] = best
+            return not best
+        return best
 
     def _best(self, b: int) -> bool:
         st = self.stats[b]
