@@ -143,9 +143,14 @@ SPEC_PREPARE_INPUTS = Target(
     "adapters.speculative", V1_RUNNER, "GPUModelRunner", "_prepare_inputs",
     "vLLM verifies chains only: a draft tree's nodes need rotary positions by depth, not by "
     "index (adapters/speculative/tree.py); the positions are rewritten after vLLM computed them "
-    "and the KV slots from them", params=("scheduler_output", "num_scheduled_tokens"),
-    upstream="none found: vLLM's tree attention serves EAGLE's own trees only",
-    remove_when="vLLM verifies a custom_class proposer's draft tree (positions by depth)")
+    "and the KV slots from them. And vLLM takes its speculative path (rejection sampler, "
+    "speculative metadata) on every step once speculative decoding is configured, even one with "
+    "no drafts; such a step (synchronous scheduling, attention-only model) gets the plain path",
+    params=("scheduler_output", "num_scheduled_tokens"),
+    upstream="none found: vLLM's tree attention serves EAGLE's own trees only; the every-step "
+             "speculative path came with recurrent (GDN/Mamba) backends' zero-draft rows",
+    remove_when="vLLM verifies a custom_class proposer's draft tree (positions by depth) and "
+                "samples a step with no drafts without its rejection sampler")
 
 BENCH_SCHEDULE = Target(
     "tools.bench", "vllm.v1.core.sched.scheduler", "Scheduler", "schedule",

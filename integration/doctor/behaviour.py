@@ -682,6 +682,34 @@ def custom_class_forces_v1_check(src: VLLMSource) -> str | None:
     return None
 
 
+def plain_step_check(src: VLLMSource) -> str | None:
+    """``GPUModelRunner._prepare_inputs`` reads ``self.speculative_config`` exactly once (to
+    choose the speculative path), and ``_sample`` runs the plain sampler when
+    ``spec_decode_metadata is None``: the speculative adapter clears the attribute around
+    ``_prepare_inputs`` for a step with no drafts (adapters/speculative/engine.py,
+    ``plain_step``)."""
+    tree = _tree(src, RUNNER)
+    classes = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "GPUModelRunner"] \
+        if tree is not None else []
+    if not classes:
+        return f"{RUNNER}: no GPUModelRunner"
+    prep = next((f for c in classes if (f := _function(c, "_prepare_inputs")) is not None), None)
+    sample = next((f for c in classes if (f := _function(c, "_sample")) is not None), None)
+    if prep is None or sample is None:
+        return f"{RUNNER}: GPUModelRunner has no {'_prepare_inputs' if prep is None else '_sample'}"
+    reads = [n for n in ast.walk(prep) if isinstance(n, ast.Attribute) and n.attr == "speculative_config"
+             and isinstance(n.value, ast.Name) and n.value.id == "self"]
+    if len(reads) != 1:
+        return (f"{RUNNER}:{prep.lineno}: _prepare_inputs reads self.speculative_config {len(reads)} "
+                "times (the zero-draft plain path assumes once)")
+    plain = any(isinstance(n, ast.If) and isinstance(n.test, ast.Compare)
+                and isinstance(n.test.left, ast.Name) and n.test.left.id == "spec_decode_metadata"
+                and isinstance(n.test.ops[0], ast.Is) for n in ast.walk(sample))
+    if not plain:
+        return f"{RUNNER}:{sample.lineno}: _sample no longer has an `if spec_decode_metadata is None` path"
+    return None
+
+
 def facts(custom_ops: list[tuple[str, str]]) -> list[Fact]:
     """Every behaviour row; ``custom_ops``: the package's torch custom ops (one row each)."""
     out = [
@@ -743,6 +771,10 @@ def facts(custom_ops: list[tuple[str, str]]) -> list[Fact]:
              scheduler_output_carries_check),
         Fact("tree verification: a custom_class speculative method makes vLLM use Model Runner V1",
              (CONFIG_VLLM,), TREE_OWNER, custom_class_forces_v1_check),
+        Fact("speculative steps with no drafts: _prepare_inputs reads self.speculative_config once "
+             "to take the speculative path, and _sample has a plain-sampler path for "
+             "spec_decode_metadata None", (RUNNER,),
+             "integration/adapters/speculative/engine.py (plain_step)", plain_step_check, runner="v1"),
     ]
     return out
 

@@ -206,6 +206,8 @@ def test_speculative_noop_matches_plain_and_is_called_every_step(plain):
     # no drafts, so one step per token, and the plugin is asked after each of them
     assert first["propose"] == sum(len(t) for t in got)
     assert "drafted" not in first and "verified" not in first
+    # and with no drafts scheduled every step takes vLLM's plain path (no rejection sampler)
+    assert first["plain_steps"] >= max(len(t) for t in got)
     assert "finish" not in first
     assert second["finish"] == len(PROMPTS)
 

@@ -450,3 +450,27 @@ def test_patched_sample_takes_topk_before_vllm_samples_only_when_asked():
     wrapped(Runner(quiet, ["a"]), logits, meta)
     assert quiet.drafting.pending_topk is None
     assert wrapped(Runner(None), logits, meta) == "sampled"
+
+
+def test_a_step_with_no_drafts_takes_the_plain_path_only_when_safe():
+    """plain_step: no drafts scheduled, synchronous scheduling (asynchronous scheduling
+    schedules placeholder drafts), and every KV cache group attention (a recurrent backend
+    reads the previous step at an offset only the speculative path applies)."""
+    pytest.importorskip("vllm")
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    from vllm_graft.integration.adapters.speculative.engine import plain_step
+
+    def runner(*specs, async_scheduling=False):
+        return SimpleNamespace(use_async_scheduling=async_scheduling, kv_cache_config=SimpleNamespace(
+            kv_cache_groups=[SimpleNamespace(kv_cache_spec=s) for s in specs]))
+
+    attn = FullAttentionSpec.__new__(FullAttentionSpec)
+    mamba = MambaSpec.__new__(MambaSpec)
+    none, some = SimpleNamespace(scheduled_spec_decode_tokens={}), \
+        SimpleNamespace(scheduled_spec_decode_tokens={"r": [1, 2]})
+    assert plain_step(runner(attn), none)
+    assert not plain_step(runner(attn), some)
+    assert not plain_step(runner(attn, async_scheduling=True), none)
+    assert not plain_step(runner(attn, mamba), none)
+    assert not plain_step(runner(), none)  # no groups known: not assumed attention-only

@@ -260,6 +260,18 @@ RUNNER_CG = """
             if key in cached and builder.supports_update_block_table:
                 return builder.update_block_table(cached[key], None, None)
     """
+#: what the speculative zero-draft row reads
+RUNNER_SPEC = """
+    class GPUModelRunner:
+        def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+            use_spec_decode = self.speculative_config is not None
+            if not use_spec_decode:
+                spec_decode_metadata = None
+        def _sample(self, logits, spec_decode_metadata):
+            if spec_decode_metadata is None:
+                return self.sampler(logits=logits)
+            return self.rejection_sampler(spec_decode_metadata, None, logits)
+    """
 #: what the KV-rewriter and tree rows read
 RUNNER_CAPTURE = """
     class GPUModelRunner2:
@@ -379,6 +391,7 @@ def _behaviour_tree(tmp_path, distribution="vllm", **override):
     files["vllm/v1/worker/gpu_model_runner.py"] += RUNNER_CG
     files["vllm/config/compilation.py"] += COMPILATION_CG
     files["vllm/v1/worker/gpu_model_runner.py"] += RUNNER_CAPTURE
+    files["vllm/v1/worker/gpu_model_runner.py"] += RUNNER_SPEC
     files["vllm/v1/attention/backend.py"] = ATTN_BACKEND_BASE
     files["vllm/v1/attention/backends/flashinfer.py"] += "\n    seq_lens_cpu_upper_bound = None\n"
     files["vllm/config/vllm.py"] += CONFIG_V2
@@ -518,7 +531,7 @@ def test_behaviour_rows_on_the_installed_cpu_build():
     rows = _behaviour_results(str(installed_source().location))
     for key, (s, r) in rows.items():
         if key.startswith(("async scheduling:", "KV rewriter: CommonAttentionMetadata",
-                           "tree verification:", "KV frees check:")):  # the field exists, an explicit
+                           "tree verification:", "KV frees check:", "speculative steps with no drafts")):  # the field exists, an explicit
             # False is kept; metadata fields, V1 for custom_class and the frees' ride hold on CPU too
             assert s == "ok", (key, r)
         else:  # async off on CPU, no CUDA graphs, CPU MoE kernels: n/a, each saying why
@@ -578,6 +591,12 @@ def test_rewriter_and_tree_rows_report_what_changed(tmp_path):
     src = _behaviour_tree(tmp_path / "c", **{"vllm__config__vllm.py": CONFIG + CONFIG_V2.replace(
         '"custom_class"', '"other"')})
     assert "no longer rules out Model Runner V2" in bh.custom_class_forces_v1_check(src)
+    twice = RUNNER + RUNNER_SPEC.replace("spec_decode_metadata = None", "x = self.speculative_config")
+    src = _behaviour_tree(tmp_path / "d", **{"vllm__v1__worker__gpu_model_runner.py": twice})
+    assert "reads self.speculative_config 2 times" in bh.plain_step_check(src)
+    gone = RUNNER + RUNNER_SPEC.replace("if spec_decode_metadata is None:", "if logits is None:")
+    src = _behaviour_tree(tmp_path / "e", **{"vllm__v1__worker__gpu_model_runner.py": gone})
+    assert "no longer has an `if spec_decode_metadata is None` path" in bh.plain_step_check(src)
 
 
 def test_frees_check_row_fails_when_the_scheduler_output_cannot_carry_the_frees(tmp_path):

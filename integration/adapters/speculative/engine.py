@@ -228,11 +228,51 @@ def _sample_wrapper(original: Callable) -> Callable:
     return _sample
 
 
+def _attention_only(runner: Any) -> bool:
+    """Every KV cache group of the runner is attention (no recurrent state such as Mamba or
+    GDN, whose backends read the previous step at an offset only the speculative path applies).
+    Read once per runner."""
+    known = runner.__dict__.get("_graft_attention_only")
+    if known is None:
+        from vllm.v1.kv_cache_interface import AttentionSpec
+
+        groups = getattr(getattr(runner, "kv_cache_config", None), "kv_cache_groups", None)
+        known = bool(groups) and all(isinstance(g.kv_cache_spec, AttentionSpec) for g in groups)
+        runner.__dict__["_graft_attention_only"] = known
+    return known
+
+
+def plain_step(runner: Any, scheduler_output: Any) -> bool:
+    """This step verifies no drafts, so it may take vLLM's non-speculative path (the plain
+    sampler, no rejection sampler or speculative metadata): no request has draft tokens
+    scheduled, the scheduling is synchronous (asynchronous scheduling schedules placeholder
+    drafts and is left alone) and the model is attention only."""
+    return (not scheduler_output.scheduled_spec_decode_tokens
+            and not getattr(runner, "use_async_scheduling", False)
+            and _attention_only(runner))
+
+
 def _prepare_inputs_wrapper(original: Callable) -> Callable:
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
-        out = original(self, scheduler_output, num_scheduled_tokens)
         drafter = getattr(self, "drafter", None)
-        if isinstance(drafter, GraftProposer) and drafter.tree is not None:
+        if not isinstance(drafter, GraftProposer):
+            return original(self, scheduler_output, num_scheduled_tokens)
+        if plain_step(self, scheduler_output):
+            # vLLM takes the speculative path on every step once speculative decoding is
+            # configured (`use_spec_decode = self.speculative_config is not None`, read once
+            # here), even when no request has a draft: its rejection sampler and metadata then
+            # cost ~10% of a step on a small model (BENCHMARKS.md, "adaptive"). A step with no
+            # drafts gets the plain path, as plain vLLM would run it.
+            spec = self.speculative_config
+            self.speculative_config = None
+            try:
+                out = original(self, scheduler_output, num_scheduled_tokens)
+            finally:
+                self.speculative_config = spec
+            drafter.drafting.count("plain_steps", 1)
+            return out
+        out = original(self, scheduler_output, num_scheduled_tokens)
+        if drafter.tree is not None:
             drafter.tree.prepare(self, drafter.drafting.step_trees, num_scheduled_tokens)
         return out
 
@@ -241,12 +281,12 @@ def _prepare_inputs_wrapper(original: Callable) -> Callable:
 
 
 def install_patch(trees: bool = False) -> None:
-    """Wrap ``GPUModelRunner._update_states`` and ``GPUModelRunner._sample``, and for a plugin
-    that drafts trees ``GPUModelRunner._prepare_inputs`` (idempotent; why: :mod:`...targets`)."""
+    """Wrap ``GPUModelRunner._update_states``, ``GPUModelRunner._sample`` and
+    ``GPUModelRunner._prepare_inputs`` (idempotent; why: :mod:`...targets`). ``trees`` is
+    accepted for callers that said whether the plugin drafts trees; the wrappers serve both."""
     PATCHES.ensure_target(targets.SPEC_SAMPLE, _sample_wrapper)
     PATCHES.ensure_target(targets.SPEC_UPDATE_STATES, _update_states_wrapper)
-    if trees:
-        PATCHES.ensure_target(targets.SPEC_PREPARE_INPUTS, _prepare_inputs_wrapper)
+    PATCHES.ensure_target(targets.SPEC_PREPARE_INPUTS, _prepare_inputs_wrapper)
 
 
 # ------------------------------------------------------------------------------ adapter
