@@ -19,15 +19,12 @@ import run  # noqa: E402  (benchmarks/gpu/run.py: the source tree, the cases' bu
 def main() -> int:
     run._source_tree()
     import torch
-    import triton.testing
 
     from vllm_graft.hooks import split_kv_cache
     from vllm_graft.plugins.kvcompress._shared import kernel
     from vllm_graft.plugins.kvcompress._shared.reference import attend
 
-    def ms(fn):
-        return triton.testing.do_bench(fn, warmup=25, rep=100)
-
+    ms = run._time_ms
     print(run._environment(False))
     rows = ["| sequences x context | keys/step | warps | programs/SM | launcher ms | attend ms | plain ms "
             "| launcher vs plain |", "|---|---|---|---|---|---|---|---|"]

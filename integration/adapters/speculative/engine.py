@@ -280,10 +280,9 @@ def _prepare_inputs_wrapper(original: Callable) -> Callable:
     return _prepare_inputs
 
 
-def install_patch(trees: bool = False) -> None:
+def install_patch() -> None:
     """Wrap ``GPUModelRunner._update_states``, ``GPUModelRunner._sample`` and
-    ``GPUModelRunner._prepare_inputs`` (idempotent; why: :mod:`...targets`). ``trees`` is
-    accepted for callers that said whether the plugin drafts trees; the wrappers serve both."""
+    ``GPUModelRunner._prepare_inputs`` (idempotent; why: :mod:`...targets`)."""
     PATCHES.ensure_target(targets.SPEC_SAMPLE, _sample_wrapper)
     PATCHES.ensure_target(targets.SPEC_UPDATE_STATES, _update_states_wrapper)
     PATCHES.ensure_target(targets.SPEC_PREPARE_INPUTS, _prepare_inputs_wrapper)
@@ -301,9 +300,8 @@ class SpeculativeAdapter(Adapter):
     def activate(self, enabled: list[Enabled], plan: Plan, runtime: Runtime) -> None:
         # The plugin itself is built by GraftProposer, in the worker that drafts.
         num_speculative_tokens(enabled[0].params)  # a bad value fails here, before start-up
-        trees = tree.drafts_trees(enabled[0], plan)
-        install_patch(trees)
-        if trees:
+        install_patch()
+        if tree.drafts_trees(enabled[0], plan):
             tree.install_attention(OWNER)
 
     def deactivate(self) -> None:

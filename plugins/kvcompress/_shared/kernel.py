@@ -31,6 +31,8 @@ strides, so any layout and physical order works; unit stride along D); block tab
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -140,23 +142,23 @@ def _mass_reduce_kernel(
         tl.store(mass_ptr + base, l_b * tl.exp(m_b - m) / l, mask=ok)
 
 
-_SMS: dict = {}
 #: tuning knobs read at each launch (benchmarks/gpu/sweep_mass.py varies them on a GPU)
 KEYS_PER_STEP = 64
 NUM_WARPS = 4
 PROGRAMS_PER_SM = 4
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _split_count(device: torch.device, programs: int, width: int, pages: int) -> int:
     """Splits of the context so that about ``PROGRAMS_PER_SM`` programs per SM run (from the device's SM
     count, read once), at most one per ``pages`` pages of the block table's width."""
+    sms = 1
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in _SMS:
-            _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-        sms = _SMS[index]
-    else:
-        sms = 1
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, max(programs, 1)), triton.cdiv(width, pages)))
 
 
@@ -185,6 +187,8 @@ def _decode_all_rows(query, k_cache, v_cache, block_table, seq_lens, query_rows,
     if (B & (B - 1)) or (D & (D - 1)):
         raise ValueError(f"block size {B} and head size {D} must be powers of two for the Triton kernel")
     strides = cache_strides(k_cache, v_cache, "attention-with-mass triton kernel")
+    if query.dtype != k_cache.dtype:
+        raise ValueError(f"attention-with-mass triton kernel: query {query.dtype} and cache {k_cache.dtype} differ")
     if query.stride(2) != 1:
         query = query.contiguous()
     group = H // Hkv
@@ -206,8 +210,6 @@ def _decode_all_rows(query, k_cache, v_cache, block_table, seq_lens, query_rows,
     rows = query_rows.to(torch.int32).contiguous()
     hm = lens if head_mask is None else head_mask.to(torch.int8).contiguous()  # lens: an unread placeholder
     s_hs, s_hh = (0, 0) if head_mask is None else (hm.stride(0), hm.stride(1))
-    if query.dtype != k_cache.dtype:
-        raise ValueError(f"attention-with-mass triton kernel: query {query.dtype} and cache {k_cache.dtype} differ")
     _mass_split_kernel[(S, Hkv, n_split)](
         query, k_cache, v_cache, table, lens, rows, bm, bl, hm, pm, pl, pacc,
         query.stride(0), query.stride(1), *strides, table.stride(0), mass.stride(0), mass.stride(1),
@@ -224,6 +226,15 @@ def _decode_all_rows(query, k_cache, v_cache, block_table, seq_lens, query_rows,
     return out, mass
 
 
+def _fold_heads(mass: torch.Tensor, weight: torch.Tensor, hkv: int, per_head: bool) -> torch.Tensor:
+    """The kernel's per-query-head mass ``[S, H, width]`` summed over all heads (``[S, width]``),
+    or per KV head over its group of query heads (``[S, H_kv, width]``), times ``weight [S]``."""
+    S, _, width = mass.shape
+    if per_head:
+        return mass.view(S, hkv, -1, width).sum(2) * weight[:, None, None]
+    return mass.sum(1) * weight[:, None]
+
+
 def attention_with_mass(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
                         layer: AttentionLayer, observe: torch.Tensor, head_mask: torch.Tensor | None = None,
                         ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,9 +249,7 @@ def attention_with_mass(query: torch.Tensor, kv_cache: torch.Tensor, batch: Page
         out, d_mass = _decode_all_rows(query, k_cache, v_cache, batch.block_table, lens, qsl[:-1],
                                        layer.scale, head_mask)
         w = observe[qsl[:-1].long().clamp(max=max(query.shape[0] - 1, 0))].to(torch.float32) * (lens > 0)
-        if head_mask is None:
-            return out, d_mass.sum(1) * w[:, None]
-        return out, d_mass.view(qlen.numel(), hkv, -1, width).sum(2) * w[:, None, None]
+        return out, _fold_heads(d_mass, w, hkv, per_head=head_mask is not None)
     decode = (qlen == 1) & (batch.seq_lens > 0)
     shape = (qlen.numel(), hkv, width) if head_mask is not None else (qlen.numel(), width)
     out, mass = torch.zeros_like(query), torch.zeros(shape, dtype=torch.float32, device=query.device)
@@ -256,9 +265,5 @@ def attention_with_mass(query: torch.Tensor, kv_cache: torch.Tensor, batch: Page
                                                    batch.seq_lens[seqs], rows, layer.scale,
                                                    None if head_mask is None else head_mask[seqs])
         out[rows] = d_out
-        w = observe[rows].to(torch.float32)
-        if head_mask is None:
-            mass[seqs] = d_mass.sum(1) * w[:, None]
-        else:  # per KV head: the sum over its group of query heads
-            mass[seqs] = d_mass.view(len(seqs), hkv, -1, width).sum(2) * w[:, None, None]
+        mass[seqs] = _fold_heads(d_mass, observe[rows].to(torch.float32), hkv, per_head=head_mask is not None)
     return out, mass

@@ -28,16 +28,19 @@ class Adaptive(Proposer):
         self.topk = int(getattr(self.inner, "topk", 0) or 0)  # forwarded
         self.per_request_drafts = bool(getattr(self.inner, "per_request_drafts", False))  # forwarded
         self.needs_target_weights = bool(getattr(self.inner, "needs_target_weights", False))  # forwarded
-        self.policy = GoodputPolicy(
-            params.num_speculative_tokens, fixed_cost_tokens=params.fixed_cost_tokens,
-            prior_acceptance=params.prior_acceptance, decay=params.decay,
-            probe_every=params.probe_every, learn_cost=params.learn_cost)
+        self.policy = self._new_policy()
         self._last_step: float | None = None  # when the previous step's drafting began
         self._step_tokens = 0  # estimate of the tokens the next step computes (no num_tokens)
         self.bandit = ModeBandit() if params.measure_goodput else None
         self._on = True  # this step's mode (the bandit's choice)
         self._prev: tuple[int, bool] | None = None  # (batch size, mode) of the previous step
         self._produced = self._verified = self._requests = 0  # of the step just run
+
+    def _new_policy(self) -> GoodputPolicy:
+        p = self.params
+        return GoodputPolicy(p.num_speculative_tokens, fixed_cost_tokens=p.fixed_cost_tokens,
+                             prior_acceptance=p.prior_acceptance, decay=p.decay,
+                             probe_every=p.probe_every, learn_cost=p.learn_cost)
 
     def fresh_drafting_state(self) -> None:
         """The wrapped proposer's drafting state and the acceptance statistics are renewed;
@@ -46,11 +49,7 @@ class Adaptive(Proposer):
         deployment keeps it for its whole life, so a timed run starts as a serving engine
         would, not from the prior."""
         self.inner.fresh_drafting_state()
-        policy = self.policy
-        fresh = GoodputPolicy(
-            self.params.num_speculative_tokens, fixed_cost_tokens=self.params.fixed_cost_tokens,
-            prior_acceptance=self.params.prior_acceptance, decay=self.params.decay,
-            probe_every=self.params.probe_every, learn_cost=self.params.learn_cost)
+        policy, fresh = self.policy, self._new_policy()
         fresh.c, fresh._fit, fresh.cost_samples = policy.c, policy._fit, policy.cost_samples
         self.policy = fresh
         self._last_step, self._prev, self._step_tokens = None, None, 0
