@@ -31,7 +31,7 @@ def _child(path: str, graft: bool, settings: dict, out) -> None:
     import pstats
     import time
 
-    from vllm_graft.integration import launch
+    from vllm_graft.cli import launch
     from vllm_graft.tools import workloads as W
 
     launch.apply_env_defaults(in_process=True)

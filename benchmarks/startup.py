@@ -31,7 +31,7 @@ def _child(path: str, out) -> None:
     import pstats
     import time
 
-    from vllm_graft.integration import launch
+    from vllm_graft.cli import launch
 
     plan = launch.load_plan(path)
     profile = cProfile.Profile()

@@ -61,11 +61,6 @@ class KindSpec:
         """The deployment-file section (and ``--kind`` value)."""
         return self.kind.value
 
-    @property
-    def adapter(self) -> str:
-        """Module of the kind's vLLM adapter (exposing ``ADAPTER``)."""
-        return f"vllm_graft.integration.adapters.{self.kind.value}.engine"
-
     def route(self, platform: str | None) -> str:
         """How the kind reaches vLLM on ``platform`` (both platforms' routes if unknown)."""
         if platform in self.routes:

@@ -32,7 +32,7 @@ from vllm_graft.hooks.deployment import load_file, parse_json
 from vllm_graft.hooks.versions import SUPPORTED_VLLM, VLLM_BUILDS  # the adapters were checked against these
 
 from .env import detect_environment, installed_vllm
-from . import runner
+from . import model_runner
 from .patches import PATCHES, PatchError
 from .targets import CREATE_ENGINE_CONFIG
 from .runtime import ENV_REPORT_DIR, RUNTIME  # noqa: F401  ENV_REPORT_DIR: user-facing, beside the others
@@ -107,7 +107,7 @@ def _supported(version: str) -> bool:
 
 
 def _unsupported_message(found: tuple[str, str]) -> str:
-    from .cli import package_version
+    from .env import package_version
 
     builds = ", ".join(f"{b.distribution} {b.minor}.* on {b.platform} (pip install "
                        f"'vllm-graft[{b.extra}]')" for b in VLLM_BUILDS)
@@ -271,7 +271,7 @@ def deactivate() -> None:
     for patch in PATCHES.applied():
         if patch.owner != "bridge":
             PATCHES.undo(patch.owner)
-    runner.restore()
+    model_runner.restore()
     RUNTIME.reset()
 
 
@@ -364,9 +364,9 @@ def _create_engine_config(original):
             self.additional_config = {}
         self.additional_config[ADDITIONAL_CONFIG_KEY] = json.loads(text)
         try:  # Model Runner V1 where a patch needs it (see .runner)
-            decision = runner.before_config(PATCHES.applied(), runner.plugins_by_owner(plan.enabled))
+            decision = model_runner.before_config(PATCHES.applied(), model_runner.plugins_by_owner(plan.enabled))
             config = original(self, *args, **kwargs)
-            runner.after_config(config, decision)
+            model_runner.after_config(config, decision)
         except BaseException:
             deactivate()
             raise

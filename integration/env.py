@@ -50,3 +50,11 @@ def detect_environment(platform: str | None = None) -> Environment:
     dist, version = found
     return Environment(platform=platform or VLLM_DISTRIBUTIONS[dist], vllm_version=version,
                        engine_args=engine_argument_names())
+
+
+def package_version() -> str:
+    """vllm-graft's own installed version (package metadata)."""
+    try:
+        return md.version("vllm-graft")
+    except md.PackageNotFoundError:
+        return "unknown (not installed)"

@@ -3,8 +3,8 @@
 ``bench`` and ``workloads`` are the A/B benchmark every kind shares; ``attention/``,
 ``kvcompress/``, ``speculative/``, ``quant/`` and ``moe/`` hold each kind's own figures
 (and ``calibrate`` the offline calibration passes). Each command module has
-``add_command(subparsers)``; the CLI (:mod:`vllm_graft.integration.cli`) registers them.
-Tools start vLLM through :mod:`vllm_graft.integration.launch` and read plugins through the
+``add_command(subparsers)``; the CLI (:mod:`vllm_graft.cli.main`) registers them.
+Tools start vLLM through :mod:`vllm_graft.cli.launch` and read plugins through the
 registry; they import vLLM's public API (``vllm.LLM``, ``SamplingParams``) only inside
 functions, so ``vllm-graft plugins`` stays fast.
 """

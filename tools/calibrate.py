@@ -57,7 +57,7 @@ def _mask_args(p: argparse.ArgumentParser) -> None:
 def _deployment_data(path: str | None) -> tuple[dict[str, Any], Path]:
     from vllm_graft.hooks.deployment import load_file
 
-    from vllm_graft.integration.launch import models_dir
+    from vllm_graft.cli.launch import models_dir
 
     if path:
         return load_file(path), Path(path).resolve().parent
@@ -67,10 +67,10 @@ def _deployment_data(path: str | None) -> tuple[dict[str, Any], Path]:
 
 def _run_mask(args: argparse.Namespace, console: Console) -> int:
     from vllm_graft.hooks import get_registry
-    from vllm_graft.integration.cli import EXIT_OK, EXIT_USAGE
-    from vllm_graft.integration.launch import apply_env_defaults
+    from vllm_graft.cli.main import EXIT_OK, EXIT_USAGE
+    from vllm_graft.cli.launch import apply_env_defaults
     from vllm_graft.tools.moe.moe_record import read_prompt_file, record, text_sets, with_tracer
-    from vllm_graft.integration.run import _quiet_vllm
+    from vllm_graft.cli.engine_commands import _quiet_vllm
 
     policy = get_registry().get("moe", "expert-mask").registration.part("policy")
     activation_frequency, mask_from, most_distinctive = (policy.activation_frequency, policy.mask_from,

@@ -20,7 +20,7 @@ import importlib
 import logging
 from typing import Any
 
-from vllm_graft.hooks import KINDS, Kind, Plan
+from vllm_graft.hooks import Kind, Plan
 from vllm_graft.hooks.deployment import Enabled
 
 from vllm_graft.integration.runtime import Runtime
@@ -75,10 +75,14 @@ _warned_generic: set[str] = set()
 _cache: dict[Kind, Adapter] = {}
 
 
+def adapter_module(kind: Kind) -> str:
+    """Module of ``kind``'s vLLM adapter (exposing ``ADAPTER``): ``<this package>.<kind>.engine``."""
+    return f"{__name__}.{Kind(kind).value}.engine"
+
+
 def adapter_for(kind: Kind) -> Adapter:
-    """The adapter of ``kind``: ``ADAPTER`` of its module (:attr:`KindSpec.adapter`,
-    ``vllm_graft.integration.adapters.<kind>.engine``), imported on first use."""
+    """The adapter of ``kind``: ``ADAPTER`` of :func:`adapter_module`, imported on first use."""
     kind = Kind(kind)
     if kind not in _cache:
-        _cache[kind] = importlib.import_module(KINDS[kind].adapter).ADAPTER
+        _cache[kind] = importlib.import_module(adapter_module(kind)).ADAPTER
     return _cache[kind]

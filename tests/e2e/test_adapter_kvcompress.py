@@ -156,7 +156,7 @@ class Run:
 
 
 def plan_for(kvcompress=None, engine=None):
-    from vllm_graft.integration import launch
+    from vllm_graft.cli import launch
 
     data = {"model": str(LLAMA), "engine": {**ENGINE, **(engine or {})}}
     if kvcompress:
@@ -168,7 +168,7 @@ def run(prompt_ids, kvcompress=None, new_tokens=NEW_TOKENS, engine=None) -> Run:
     """Generate greedily for the prompts, stepping the engine to watch its block pool."""
     from vllm import LLM, SamplingParams
 
-    from vllm_graft.integration import launch
+    from vllm_graft.cli import launch
     from vllm_graft.integration.runtime import RUNTIME
 
     llm = LLM(**launch.llm_kwargs(plan_for(kvcompress, engine), graft=bool(kvcompress)), seed=0)

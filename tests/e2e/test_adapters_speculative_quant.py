@@ -109,7 +109,7 @@ def _tokens(outputs):
 @contextmanager
 def engine(graft: dict | None, engine_args: dict = ENGINE, **overrides):
     """An in-process vLLM engine with the deployment sections ``graft`` (None: plain vLLM)."""
-    from vllm_graft.integration import launch
+    from vllm_graft.cli import launch
 
     plan = launch.plan_from_dict({"model": str(MODEL), "engine": engine_args, **(graft or {})})
     assert ("additional_config" in launch.llm_kwargs(plan, graft=graft is not None)) == (graft is not None)

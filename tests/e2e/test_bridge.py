@@ -18,7 +18,8 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 from vllm_graft.hooks import DeploymentError  # noqa: E402
-from vllm_graft.integration import bridge, launch  # noqa: E402
+from vllm_graft.integration import bridge  # noqa: E402
+from vllm_graft.cli import launch
 from vllm_graft.integration.patches import PATCHES  # noqa: E402
 from vllm_graft.integration.runtime import RUNTIME  # noqa: E402
 
@@ -140,7 +141,7 @@ def test_serve_applies_the_deployment(tmp_path, plain_tokens):
     log = tmp_path / "activations.jsonl"
     port = free_port()
     env = {**os.environ, bridge.ENV_ACTIVATION_LOG: str(log), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    server = subprocess.Popen([sys.executable, "-m", "vllm_graft.integration.cli", "serve", str(deploy),
+    server = subprocess.Popen([sys.executable, "-m", "vllm_graft.cli.main", "serve", str(deploy),
                                "--port", str(port), "--served-model-name", "tiny"],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

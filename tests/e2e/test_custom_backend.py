@@ -41,7 +41,7 @@ def prompts():
 def _greedy(prompts, sections: dict | None, *, generic: bool) -> dict:
     from vllm import SamplingParams
 
-    from vllm_graft.integration import launch
+    from vllm_graft.cli import launch
     from vllm_graft.integration.adapters import custom_backend
     from vllm_graft.integration.runtime import RUNTIME
 

@@ -81,7 +81,7 @@ def messages(err: BaseException | None) -> str:
 
 
 def start(kind: str, **params):
-    from vllm_graft.integration import launch
+    from vllm_graft.cli import launch
 
     model = MIXTRAL if kind == "moe" else LLAMA
     plan = launch.plan_from_dict({"model": str(model), "engine": ENGINE,
@@ -165,7 +165,7 @@ def test_slow_plugin_delays_but_finishes_with_the_same_tokens(kind, caplog):
 SCRIPT = textwrap.dedent("""
     import sys
     from vllm import SamplingParams
-    from vllm_graft.integration import launch
+    from vllm_graft.cli import launch
     plan = launch.plan_from_dict({"model": sys.argv[1], "engine": %r,
                                   "kvcompress": {"plugin": "fault-kvcompress", "params": {"fault": "drop_last"}}})
     from vllm import LLM

@@ -180,7 +180,7 @@ def _short_run(kvcompress):
     first decode step), in-process (the interpreted kernel is slow: keep it short)."""
     from vllm import LLM, SamplingParams
 
-    from vllm_graft.integration import launch
+    from vllm_graft.cli import launch
 
     engine = {**scenario.ENGINE, "num_gpu_blocks_override": 64}
     plan = launch.plan_from_dict({"model": str(scenario.LLAMA), "engine": engine, "kvcompress": kvcompress})

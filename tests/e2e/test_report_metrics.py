@@ -24,7 +24,7 @@ from .servers import free_port, server_env  # noqa: E402
 
 # It failed in a full CI run, and 1 run in 6 alone (lookahead's events empty): the 20 requests
 # took less than one report period, so no file had them yet and all looked long idle; `report`
-# now always waits a quiet period from its call (integration/run.py read_settled_reports;
+# now always waits a quiet period from its call (cli/engine_commands.py read_settled_reports;
 # tests/unit/test_report_counters.py plants that race).
 pytestmark = pytest.mark.e2e
 
@@ -35,7 +35,7 @@ CODE = "".join(f"def handler_{i}(event, context):\n    return process(event, {i}
 
 
 def _report(reports: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vllm_graft.integration.cli", "report", str(reports), *extra],
+    return subprocess.run([sys.executable, "-m", "vllm_graft.cli.main", "report", str(reports), *extra],
                           capture_output=True, text=True, env=server_env(), timeout=60)
 
 

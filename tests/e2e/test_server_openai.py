@@ -169,7 +169,7 @@ def test_the_plugins_ran_metrics_and_report(server):
     # the per-process plugin reports (VLLM_GRAFT_REPORT_DIR), summed by `vllm-graft report`
     deadline = time.time() + 10
     while True:
-        out = subprocess.run([sys.executable, "-m", "vllm_graft.integration.cli", "report", "--json",
+        out = subprocess.run([sys.executable, "-m", "vllm_graft.cli.main", "report", "--json",
                               str(server["reports"])], capture_output=True, text=True, env=server_env())
         assert out.returncode == 0, out.stderr
         summed = {(p["kind"], p["name"]): p for p in json.loads(out.stdout)["plugins"]}
@@ -181,7 +181,7 @@ def test_the_plugins_ran_metrics_and_report(server):
         time.sleep(0.5)
     processes = {p["process"] for p in json.loads(out.stdout)["processes"]}
     assert {"MainProcess", "EngineCore"} <= processes and any(p.startswith("VllmWorker") for p in processes)
-    table = subprocess.run([sys.executable, "-m", "vllm_graft.integration.cli", "report", str(server["reports"])],
+    table = subprocess.run([sys.executable, "-m", "vllm_graft.cli.main", "report", str(server["reports"])],
                            capture_output=True, text=True, env=server_env())
     assert "blocks_freed=" in table.stdout and "lookahead" in table.stdout
 

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_short_soak_of_a_lossless_deployment(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_GRAFT_")}
-    out = subprocess.run([sys.executable, "-m", "vllm_graft.integration.cli", "soak",
+    out = subprocess.run([sys.executable, "-m", "vllm_graft.cli.main", "soak",
                           str(REPO / "deployments" / "noop.yaml"), "--short", "--json", "--timeout", "240",
                           "--dir", str(tmp_path)],
                          capture_output=True, text=True, env=env, timeout=900)

@@ -165,7 +165,7 @@ def test_the_wheel_carries_the_models_and_deployments_and_no_repo_tooling(wheel)
                  "models/shapes/mixtral-110m/tokenizer.json",  # a symlink in the checkout: a copy here
                  "deployments/demo.yaml", "deployments/shapes/w4a8.yaml",
                  "deployments/calibration/prose-mask.json", "deployments/placement-tiny-mixtral-4.json",
-                 "integration/cli.py", "kit/conformance/pytest_plugin.py"):
+                 "cli/main.py", "kit/conformance/pytest_plugin.py"):
         assert f"vllm_graft/{must}" in names, must
     for name in names:
         assert not name.startswith(("vllm_graft/models/logs/", "tests/", "benchmarks/", "examples/")), name

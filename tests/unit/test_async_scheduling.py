@@ -10,7 +10,8 @@ import types
 import pytest
 
 from vllm_graft.hooks import DeploymentError
-from vllm_graft.integration import bridge, launch
+from vllm_graft.integration import bridge
+from vllm_graft.cli import launch
 
 
 def _plan(platform, section, engine=None):

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_graft.integration import launch
+from vllm_graft.cli import launch
 from vllm_graft.integration.adapters import adapter_for
 
 # vLLM (hence triton) is imported by the tests, not at collection: the kernel test modules

@@ -14,7 +14,7 @@ from rich.console import Console
 
 from vllm_graft.tools import bench
 from vllm_graft.tools import workloads as W
-from vllm_graft.integration.cli import main
+from vllm_graft.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "models" / "graft-tiny-llama"
@@ -393,7 +393,7 @@ def test_bad_deployment_exits_1_before_any_engine(tmp_path, capsys, no_engine):
 def test_bad_deployment_never_imports_vllm(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: nowhere\nplatfrom: cpu\n")
-    code = ("import sys; from vllm_graft.integration.cli import main\n"
+    code = ("import sys; from vllm_graft.cli.main import main\n"
             f"rc = main(['bench', {str(bad)!r}])\n"
             "print(rc, sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -486,7 +486,7 @@ def test_arm_jobs_differ_only_in_the_deployment(tmp_path, fake_arms, capsys):
     assert graft["workloads"] == plain["workloads"]
     assert "graft" in graft["llm_kwargs"]["additional_config"]
     assert "additional_config" not in plain["llm_kwargs"]
-    from vllm_graft.integration.launch import SHARED_ENGINE_KEYS
+    from vllm_graft.cli.launch import SHARED_ENGINE_KEYS
 
     common = {k: v for k, v in graft["llm_kwargs"].items() if k != "additional_config"}
     assert {k: plain["llm_kwargs"].get(k) for k in common} == common

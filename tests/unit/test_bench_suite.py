@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vllm_graft.integration.cli import main
+from vllm_graft.cli.main import main
 from vllm_graft.tools.bench import suite as S
 
 ROOT = Path(__file__).resolve().parents[2]

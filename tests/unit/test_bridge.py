@@ -8,7 +8,8 @@ import types
 import pytest
 
 from vllm_graft.hooks import DeploymentError
-from vllm_graft.integration import bridge, launch
+from vllm_graft.integration import bridge
+from vllm_graft.cli import launch
 from vllm_graft.integration.patches import PatchError, PatchRegistry
 
 REPO = launch.repo_root()
@@ -190,7 +191,7 @@ def test_entry_point_with_unsupported_vllm_and_no_deployment_changes_nothing(mon
 
 # ----------------------------------------------------------------------------- serve argv
 def test_serve_command_passes_engine_args_and_deployment():
-    from vllm_graft.integration.run import serve_command
+    from vllm_graft.cli.engine_commands import serve_command
 
     plan = launch.load_plan(REPO / "deployments" / "noop.yaml")
     argv = serve_command(plan, ["--", "--port", "8123"])
@@ -241,7 +242,8 @@ def test_additional_config_without_a_deployment_or_valid_is_left_to_vllm():
 # ----------------------------------------------------------------------------- plugin reports
 def test_each_process_writes_its_report_and_report_sums_them(tmp_path, monkeypatch):
     from vllm_graft.hooks import Kind
-    from vllm_graft.integration import run, runtime
+    from vllm_graft.integration import runtime
+    from vllm_graft.cli import engine_commands as run
 
     rt = runtime.Runtime()
     plan = launch.load_plan(REPO / "deployments" / "demo.yaml")
@@ -278,7 +280,8 @@ def test_report_thread_survives_a_table_changed_while_it_reads(tmp_path, monkeyp
     ("dictionary changed size during iteration") ended the thread without a word and froze the
     report from then on. It now retries the next period."""
     from vllm_graft.hooks import Kind
-    from vllm_graft.integration import launch, runtime
+    from vllm_graft.integration import runtime
+    from vllm_graft.cli import launch
 
     class Racy:
         calls = 0

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vllm_graft.tools.attention import calibrate_razor as razor
-from vllm_graft.integration.cli import main
+from vllm_graft.cli.main import main
 from vllm_graft.plugins.attention.squeezed import SqueezedParams
 from vllm_graft.plugins.attention.squeezed.policy import load_head_map
 from vllm_graft.plugins.attention.squeezed.reference import Squeezed

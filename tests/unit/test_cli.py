@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 
-from vllm_graft.integration import cli
+from vllm_graft.cli import main as cli
 
 REPO_DEPLOYMENT = """
 engine: {dtype: float32}
@@ -76,9 +76,10 @@ def test_every_kind_has_its_adapter_module(tmp_path, capsys):
     import importlib.util
 
     from vllm_graft.hooks import KINDS
+    from vllm_graft.integration.adapters import adapter_module
 
     for spec in KINDS.values():  # found without importing it (the adapter imports vLLM)
-        assert importlib.util.find_spec(spec.adapter) is not None, spec.adapter
+        assert importlib.util.find_spec(adapter_module(spec.kind)) is not None, spec.kind
     path = tmp_path / "d.yaml"
     path.write_text(REPO_DEPLOYMENT)
     code, out, _ = run(capsys, "check", str(path), "--platform", "cpu")

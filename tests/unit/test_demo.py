@@ -5,7 +5,7 @@ import argparse
 
 from rich.console import Console
 
-from vllm_graft.integration import run
+from vllm_graft.cli import engine_commands as run
 
 
 def _arm(tok_s, ppl, blocks, text):

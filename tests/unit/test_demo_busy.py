@@ -4,7 +4,7 @@ import argparse
 
 from rich.console import Console
 
-from vllm_graft.integration import run
+from vllm_graft.cli import engine_commands as run
 
 
 def test_busy_when_any_timed_run_saw_other_processes_above_the_limit():

@@ -151,7 +151,7 @@ def test_no_dead_names(path):
 
 
 def subcommands() -> set[str]:
-    from vllm_graft.integration.cli import build_parser
+    from vllm_graft.cli.main import build_parser
     parser = build_parser()
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return set(action.choices)
@@ -239,7 +239,7 @@ def test_the_tutorials_plugin_builds_from_the_scaffold_and_passes_the_kit(kind, 
     import sys
 
     from vllm_graft.hooks import make_plugin_manager
-    from vllm_graft.integration.cli import main
+    from vllm_graft.cli.main import main
     from vllm_graft.kit.conformance import checks as c
     from vllm_graft.kit.scaffold import camel
 

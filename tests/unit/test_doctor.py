@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from vllm_graft.hooks.versions import VLLM_BUILDS
-from vllm_graft.integration.doctor import ALL_DEPLOYMENTS, applied_patches, doctor
-from vllm_graft.integration.doctor.checks import (
+from vllm_graft.cli.doctor import ALL_DEPLOYMENTS, applied_patches, doctor
+from vllm_graft.cli.doctor.checks import (
     _import_check,
     _override_check,
     _target_check,
@@ -28,7 +28,7 @@ from vllm_graft.integration.doctor.checks import (
     VLLMImport,
     Subclass,
 )
-from vllm_graft.integration.doctor.source import Method, VLLMSource
+from vllm_graft.cli.doctor.source import Method, VLLMSource
 from vllm_graft.integration.targets import PATCH_TARGETS, SPEC_SAMPLE, KV_BUILD_METADATA
 
 WHEELS = Path(os.environ.get("VLLM_GRAFT_WHEELS", Path.home() / ".cache" / "vllm-graft" / "wheels"))
@@ -120,7 +120,7 @@ def test_imports_and_subclasses_are_found_in_our_files():
 # ------------------------------------------------------------------ patches vs the register
 def test_every_patch_a_deployment_applies_is_in_the_register():
     pytest.importorskip("vllm")
-    from vllm_graft.integration.doctor import _bundled_model
+    from vllm_graft.cli.doctor import _bundled_model
 
     model = str(_bundled_model())
     applied = {}
@@ -140,7 +140,7 @@ def test_every_patch_a_deployment_applies_is_in_the_register():
 
 def test_cli_doctor_and_patches(capsys):
     pytest.importorskip("vllm")
-    from vllm_graft.integration.cli import main
+    from vllm_graft.cli.main import main
 
     assert main(["doctor", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -156,7 +156,7 @@ def test_cli_doctor_and_patches(capsys):
 
 
 # ------------------------------------------------------------------ behaviour rows
-from vllm_graft.integration.doctor import behaviour as bh  # noqa: E402
+from vllm_graft.cli.doctor import behaviour as bh  # noqa: E402
 
 ARGS = """
     class EngineArgs:
@@ -247,7 +247,7 @@ BASE_LOADER = """
     """
 
 
-#: what the CUDA-backend rows read (integration/doctor/behaviour.py, "CUDA attention backends")
+#: what the CUDA-backend rows read (cli/doctor/behaviour.py, "CUDA attention backends")
 RUNNER_CG = """
     class GPUModelRunner:
         def _check_and_update_cudagraph_mode(self, backends):
@@ -475,7 +475,7 @@ def test_splitting_op_rows(tmp_path, monkeypatch):
 
 
 def test_our_custom_ops_are_found():
-    from vllm_graft.integration.doctor.checks import PACKAGE, our_files
+    from vllm_graft.cli.doctor.checks import PACKAGE, our_files
 
     ops = dict(bh.our_custom_ops([(str(f.relative_to(PACKAGE)), f.read_text()) for f in our_files()]))
     assert set(ops) >= {"vllm_graft::quant_linear", "vllm_graft::quant_embed"}
@@ -526,7 +526,7 @@ def _behaviour_results(location):
 
 def test_behaviour_rows_on_the_installed_cpu_build():
     pytest.importorskip("vllm")
-    from vllm_graft.integration.doctor.checks import installed_source
+    from vllm_graft.cli.doctor.checks import installed_source
 
     rows = _behaviour_results(str(installed_source().location))
     for key, (s, r) in rows.items():

@@ -17,10 +17,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from vllm_graft.hooks import versions  # noqa: E402
-from vllm_graft.integration.doctor import flashinfer as dfi  # noqa: E402
-from vllm_graft.integration.doctor.behaviour import NotApplicable  # noqa: E402
-from vllm_graft.integration.doctor.checks import PACKAGE, _rel, is_problem, our_files  # noqa: E402
-from vllm_graft.integration.doctor.source import VLLMSource  # noqa: E402
+from vllm_graft.cli.doctor import flashinfer as dfi  # noqa: E402
+from vllm_graft.cli.doctor.behaviour import NotApplicable  # noqa: E402
+from vllm_graft.cli.doctor.checks import PACKAGE, _rel, is_problem, our_files  # noqa: E402
+from vllm_graft.cli.doctor.source import VLLMSource  # noqa: E402
 from vllm_graft.plugins import _flashinfer  # noqa: E402
 
 from ..fake_flashinfer import FakeFlashInfer  # noqa: E402
@@ -328,7 +328,7 @@ def test_doctor_rows_on_a_build_pinning_another_flashinfer_or_none(tmp_path):
 
 def test_the_installed_cpu_build_shows_flashinfer_rows_as_na():
     pytest.importorskip("vllm")
-    from vllm_graft.integration.doctor.checks import installed_source, needs
+    from vllm_graft.cli.doctor.checks import installed_source, needs
 
     src = installed_source()
     rows = [n for n in needs([src]) if n.what == "flashinfer"]

@@ -199,7 +199,7 @@ def test_attention_bytes_ratio_approaches_the_batch_size():
 def test_attention_bytes_command(capsys):
     import json
 
-    from vllm_graft.integration.cli import main
+    from vllm_graft.cli.main import main
 
     assert main(["attention-bytes", "--batch", "8", "--prefix", "1024", "--suffix", "0", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

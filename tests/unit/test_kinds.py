@@ -12,6 +12,7 @@ from vllm_graft.hooks import (
 from vllm_graft.hooks.deployment import Deployment
 from vllm_graft.hooks.kinds import ENGINE_KEYS_OWNED, HOOK_KINDS
 from vllm_graft.hooks.registry import SUPPORTED_VLLM
+from vllm_graft.integration.adapters import adapter_module
 
 
 def test_every_kind_has_one_spec_and_each_spec_names_real_things():
@@ -20,7 +21,7 @@ def test_every_kind_has_one_spec_and_each_spec_names_real_things():
         assert spec.kind is kind and spec.section == kind.value
         assert callable(getattr(specs, spec.hook)), spec.hook  # its hookspec exists
         assert CONTRACTS[kind].__name__ == spec.contract
-        assert importlib.util.find_spec(spec.adapter) is not None, spec.adapter
+        assert importlib.util.find_spec(adapter_module(kind)) is not None, adapter_module(kind)
         assert spec.route("cpu") and spec.route("cuda") and spec.route(None)
         for role in spec.roles:
             assert contract_for(kind, role.name).__name__ == role.contract

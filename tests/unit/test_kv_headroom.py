@@ -59,7 +59,7 @@ def test_bootstrap_interval_brackets_the_estimate_and_collapses_for_equal_arms()
 
 
 def test_unknown_arm_is_refused_with_the_choices(capsys):
-    from vllm_graft.integration.cli import main
+    from vllm_graft.cli.main import main
 
     with pytest.raises(SystemExit) as e:
         main(["kv-headroom", "--arms", "streaming,h3o"])
@@ -84,7 +84,7 @@ def test_plugin_arms_are_kvbenchs_and_the_study_arms_are_snapkvs_planner_or_more
 
 
 def test_a_fraction_that_leaves_fewer_than_two_blocks_is_refused():
-    from vllm_graft.integration.cli import main
+    from vllm_graft.cli.main import main
 
     with pytest.raises(SystemExit, match="--fractions 64 leave fewer than 2 of the context's 64 blocks"):
         main(["kv-headroom", "--fractions", "4,64"])

@@ -5,17 +5,26 @@
   integration/, the bridge; tools/ and kit/ import even the public API only inside functions;
 * tools/ and kit/ reach plugins only through the registry (``Registration.load()`` /
   ``Registration.part(module)``), never by importing ``vllm_graft.plugins``;
+* folders point one way: hooks <- plugins <- integration <- cli/tools/kit (:data:`RANK`), counting
+  module paths written in strings (entry points, ``import_module``, ``f"vllm_graft.x.{...}"``);
 * no module of the package imports another that imports it back (function-level imports
   count: a cycle is a cycle in the design even when deferred).
 """
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {"hooks": "vllm_graft.hooks", "plugins": "vllm_graft.plugins",
-           "integration": "vllm_graft.integration", "kit": "vllm_graft.kit", "tools": "vllm_graft.tools"}
+           "integration": "vllm_graft.integration", "cli": "vllm_graft.cli", "kit": "vllm_graft.kit",
+           "tools": "vllm_graft.tools"}
+#: The folders' direction: a module may import (or name in a string, as entry points and
+#: ``import_module`` do) only its own folder's rank or a lower one. hooks/ is the contract,
+#: plugins/ implement it, integration/ is what vLLM loads and patches; the user's side (the
+#: command line, the benchmark tools, the conformance kit) sits on top and nothing points back up.
+RANK = {"hooks": 0, "plugins": 1, "integration": 2, "cli": 3, "tools": 3, "kit": 3}
 #: vLLM's public API that the tools may use to drive an engine
 VLLM_PUBLIC = {"vllm", "vllm.sampling_params", "vllm.inputs"}
 
@@ -56,6 +65,50 @@ def _imports(name, path, is_pkg, modules, top_only=False):
             continue
         found += [(node.lineno, t, id(node) in top) for t in targets]
     return found
+
+
+_NAMED = re.compile(r"\bvllm_graft\.(" + "|".join(FOLDERS) + r")\b")
+
+
+def _docstrings(tree):
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+    return out
+
+
+def _folder_references(path):
+    """(line, folder) for every import of ``vllm_graft.<folder>`` in the file and every string
+    (docstrings aside) that names one: a module path in a string is an import deferred."""
+    tree = ast.parse(path.read_text(), str(path))
+    docs = _docstrings(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            names = [node.value]
+        else:
+            continue
+        found += [(node.lineno, m.group(1)) for n in names for m in _NAMED.finditer(n)]
+    return found
+
+
+def folder_direction(root=None):
+    """``path:line: folder -> folder`` for every reference that points to a higher folder."""
+    root = root or ROOT
+    bad = []
+    for folder in FOLDERS:
+        for path in sorted((root / folder).rglob("*.py")):
+            for line, target in _folder_references(path):
+                if RANK[target] > RANK[folder]:
+                    bad.append(f"{path.relative_to(root)}:{line}: {folder} -> {target}")
+    return bad
 
 
 def _is(module, prefix):
@@ -146,6 +199,19 @@ def test_the_checks_find_what_they_look_for(tmp_path):
     assert cycles(mods) == [["vllm_graft.hooks.a", "vllm_graft.hooks.b"]]
 
 
+def test_the_folder_direction_check_fails_on_a_planted_violation(tmp_path):
+    _fake_tree(tmp_path, {
+        "hooks/h.py": 'ADAPTER = "vllm_graft.integration.adapters.x"\n',  # a string import
+        "plugins/p.py": "from vllm_graft.hooks import h\n",  # down: fine
+        "integration/i.py": "def f():\n    from vllm_graft.cli import main\n",  # deferred, still up
+        "cli/c.py": '"""See vllm_graft.tools.bench."""\nfrom vllm_graft.tools import t\n',  # peers
+        "tools/t.py": "import importlib\nimportlib.import_module(f'vllm_graft.plugins.{x}')\n",
+        "kit/k.py": "from vllm_graft.cli import c\n",
+    })
+    assert folder_direction(tmp_path) == ["hooks/h.py:1: hooks -> integration",
+                                          "integration/i.py:2: integration -> cli"]
+
+
 # ------------------------------------------------------------------------- the real tree
 def test_hooks_and_plugins_do_not_import_vllm():
     assert violations(no_vllm_in_hooks_or_plugins) == []
@@ -159,12 +225,16 @@ def test_tools_and_kit_reach_plugins_only_through_the_registry():
     assert violations(plugins_only_through_the_registry) == []
 
 
+def test_folders_point_one_way():
+    assert folder_direction() == []
+
+
 def test_no_import_cycles():
     assert cycles() == []
 
 
 def test_importing_hooks_plugins_and_cli_loads_no_vllm():
-    code = ("import sys, vllm_graft.hooks, vllm_graft.integration.cli as c; "
+    code = ("import sys, vllm_graft.hooks, vllm_graft.cli.main as c; "
             "from vllm_graft.hooks import get_registry\n"
             "[e.registration.load() for e in get_registry().entries()]\n"
             "c.build_parser()\n"

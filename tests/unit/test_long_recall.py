@@ -85,7 +85,7 @@ def test_sparse_quality_spans_and_refusals(tok):
 
 
 def test_sparse_quality_cli_refuses_before_any_engine(capsys):
-    from vllm_graft.integration.cli import main
+    from vllm_graft.cli.main import main
 
     assert main(["sparse-quality", "--workload", "chat"]) == 2
     assert "use long-context, long-recall or shared-prefix" in capsys.readouterr().err
@@ -114,7 +114,7 @@ def test_sparse_quality_takes_any_registered_attention_plugin(capsys):
     """--plugin NAME --params JSON: plain vLLM against any registered attention plugin, its
     parameters validated by its model; for squeezed, --params go under every arm's own;
     an unknown plugin is refused (before any engine) naming the registered ones."""
-    from vllm_graft.integration.cli import main
+    from vllm_graft.cli.main import main
 
     args = argparse.Namespace(budget=[0.25], modes="window", refresh=1, chunk=16, sink=16, recent=64,
                               head_map=None, plugin="hydragen", params=None)

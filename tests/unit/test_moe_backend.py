@@ -52,7 +52,7 @@ def test_the_first_forward_refusal_names_the_fix():
 
 def _adapter_overrides(platform, engine=None):
     pytest.importorskip("vllm")
-    from vllm_graft.integration import launch
+    from vllm_graft.cli import launch
     from vllm_graft.integration.adapters import adapter_for
 
     plan = launch.plan_from_dict({"model": str(launch.models_dir() / "graft-tiny-mixtral"),

@@ -238,7 +238,7 @@ def test_live_cache_plugin_matches_the_simulation():
 
 # ------------------------------------------------------------------------------ moe-sim
 def test_moe_sim_command(tmp_path, capsys):
-    from vllm_graft.integration.cli import main
+    from vllm_graft.cli.main import main
 
     t = random_trace(7, steps=(200, 100))
     t.save(tmp_path / "t.npz")
@@ -265,7 +265,7 @@ def test_moe_sim_command(tmp_path, capsys):
 
 def test_calibrate_and_moe_commands_refuse_bad_arguments(tmp_path, capsys):
     from vllm_graft.tools.calibrate import METHODS
-    from vllm_graft.integration.cli import main
+    from vllm_graft.cli.main import main
 
     assert list(METHODS) == ["expert-mask", "razor"] and METHODS["expert-mask"].plugin == "moe:expert-mask"
     assert METHODS["razor"].plugin == "attention:squeezed"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from vllm_graft.hooks import QuantMethod, StoredTensor
-from vllm_graft.integration import cli
+from vllm_graft.cli import main as cli
 from vllm_graft.integration.adapters.quant import checkpoint as quant
 from vllm_graft.tools.quant.quantize import QuantizeError, quantize_checkpoint
 

@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 
 from vllm_graft.hooks import Proposer
-from vllm_graft.integration import run
+from vllm_graft.cli import engine_commands as run
 from vllm_graft.integration.adapters.speculative.drafting import Drafting
 
 

@@ -1,4 +1,4 @@
-"""Model Runner V1/V2 (integration/runner.py): a deployment whose patches only Model Runner V1
+"""Model Runner V1/V2 (integration/model_runner.py): a deployment whose patches only Model Runner V1
 reaches gets V1, or is refused; the others leave the choice to vLLM.
 
 The engine-config tests run vLLM's own selection (``VllmConfig.use_v2_model_runner``) on the
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from vllm_graft.integration import runner
-from vllm_graft.integration.runner import ENV_RUNNER, RunnerError, decide
+from vllm_graft.integration import model_runner as runner
+from vllm_graft.integration.model_runner import ENV_RUNNER, RunnerError, decide
 from vllm_graft.integration.targets import PATCH_TARGETS, V1_RUNNER
 
 MODEL = os.path.join(os.path.dirname(__file__), "..", "..", "models", "graft-tiny-llama")

@@ -8,7 +8,7 @@ import pytest
 
 from vllm_graft.hooks import CONTRACTS, KERNEL_FIELD, KINDS, KernelParams, Kind, Params, Registration
 from vllm_graft.hooks.registry import Entry, Source
-from vllm_graft.integration.cli import main
+from vllm_graft.cli.main import main
 from vllm_graft.kit.conformance import checks as c
 from vllm_graft.kit.scaffold import TEMPLATES, _args
 

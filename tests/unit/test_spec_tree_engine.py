@@ -279,8 +279,9 @@ def test_tree_mode_refuses_what_it_cannot_run_with():
 
 def test_tree_patches_are_v1_only_so_the_runner_selects_v1():
     """On CUDA the tree's patches (GPUModelRunner._prepare_inputs, _sample) are Model Runner V1's:
-    integration/runner.py sets VLLM_USE_V2_MODEL_RUNNER=0, or refuses an explicit 1."""
-    from vllm_graft.integration import runner, targets
+    integration/model_runner.py sets VLLM_USE_V2_MODEL_RUNNER=0, or refuses an explicit 1."""
+    from vllm_graft.integration import targets
+    from vllm_graft.integration import model_runner as runner
 
     patches = [targets.SPEC_SAMPLE, targets.SPEC_UPDATE_STATES, targets.SPEC_PREPARE_INPUTS]
     assert all(p.runner == "v1" for p in patches)

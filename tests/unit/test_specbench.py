@@ -9,7 +9,7 @@ import pytest
 from vllm_graft.hooks import get_registry
 from vllm_graft.tools.speculative import specbench as S
 from vllm_graft.tools import workloads as W
-from vllm_graft.integration.launch import load_plan
+from vllm_graft.cli.launch import load_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 

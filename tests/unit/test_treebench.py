@@ -230,7 +230,7 @@ def test_figures_and_ratios_are_computed_as_documented():
 
 
 def test_the_command_is_registered():
-    from vllm_graft.integration.cli import build_parser
+    from vllm_graft.cli.main import build_parser
 
     args = build_parser().parse_args(["treebench", "--breadth", "3,2,1", "--num-prompts", "2"])
     assert args.breadth == (3, 2, 1) and args.num_prompts == 2 and args.max_tokens == 64

@@ -146,7 +146,7 @@ def run_arm(model: str, engine: dict[str, Any], params: dict[str, Any] | None,
             firsts: list[tuple[int, int]] | None = None, plugin: str = "squeezed") -> dict[str, Any]:
     from vllm import SamplingParams
 
-    from vllm_graft.integration import launch
+    from vllm_graft.cli import launch
     from vllm_graft.tools.bench import nll_of
     from vllm_graft.integration.runtime import RUNTIME
 
@@ -171,7 +171,7 @@ def run_arm(model: str, engine: dict[str, Any], params: dict[str, Any] | None,
 
 
 def cmd_sparse_quality(args: argparse.Namespace, console: Console) -> int:
-    from vllm_graft.integration import launch
+    from vllm_graft.cli import launch
     from vllm_graft.tools import workloads
 
     launch.apply_env_defaults(in_process=True)

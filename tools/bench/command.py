@@ -180,7 +180,7 @@ def _baseline(plan: Any, baseline: str | None) -> tuple[Any, dict[str, str]]:
 
         others = sorted({e.name for e in entry_points(group="vllm.general_plugins")} - {"vllm_graft"})
         return plan, {"VLLM_PLUGINS": ",".join(others)}  # "" matches no plugin, as vLLM parses it
-    from vllm_graft.integration.launch import load_plan
+    from vllm_graft.cli.launch import load_plan
 
     base = load_plan(baseline)
     mine = plan.model.path if plan.model is not None else plan.deployment.model
@@ -280,7 +280,7 @@ def run_bench(args: argparse.Namespace, out: Console, err: Console,
     from vllm_graft.hooks import DeploymentError
 
     from vllm_graft.integration.bridge import check_vllm_version
-    from vllm_graft.integration.launch import llm_kwargs, load_plan
+    from vllm_graft.cli.launch import llm_kwargs, load_plan
 
     check_vllm_version()  # no vLLM (or an unsupported one): say so before reading any model
 

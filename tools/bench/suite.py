@@ -47,7 +47,7 @@ SUITE_SCHEMA = "vllm-graft-bench-suite/1"
 
 
 def default_suite_path() -> Path:
-    from vllm_graft.integration.launch import repo_root
+    from vllm_graft.cli.launch import repo_root
 
     return repo_root() / "benchmarks" / "suite.yaml"
 

@@ -155,7 +155,7 @@ def run_arm(model: str, kvcompress: dict[str, Any] | None, texts, needles, *, bl
             pool: int, context: int, max_seqs: int, decode: int = 384, gen: int = 128) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
-    from vllm_graft.integration import launch
+    from vllm_graft.cli import launch
     from vllm_graft.integration.forcing import ForceTokens, forced_logprobs, forced_params
 
     engine_args = {"dtype": "float32", "max_model_len": context, "block_size": block, "enforce_eager": True,
@@ -255,14 +255,14 @@ def _dense_page_bytes(model: str, block: int) -> int:
 
 
 def main(args) -> int:
-    from vllm_graft.integration import launch
+    from vllm_graft.cli import launch
     from vllm_graft.tools.plugin_args import PluginArgError, parse_json_params, split_list
     from vllm_graft.tools.workloads import Tokenizer, needle_haystack, stdlib_texts
 
     launch.apply_env_defaults(in_process=True)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-    from vllm_graft.integration.launch import models_dir
+    from vllm_graft.cli.launch import models_dir
 
     model = args.model or str(models_dir() / DEFAULT_MODEL)
     tok = Tokenizer.from_model(model)

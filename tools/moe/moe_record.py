@@ -63,8 +63,8 @@ def record(data: dict[str, Any], base_dir: str | os.PathLike[str] | None, sets: 
     from vllm_graft.hooks import Kind
 
     from vllm_graft.tools.bench import nll_of
-    from vllm_graft.integration.launch import plan_from_dict
-    from vllm_graft.integration.run import start_engine
+    from vllm_graft.cli.launch import plan_from_dict
+    from vllm_graft.cli.engine_commands import start_engine
     from vllm_graft.integration.runtime import RUNTIME
 
     say = on_phase or (lambda s: None)

@@ -47,10 +47,10 @@ def cmd_trace(args: argparse.Namespace, console: Console) -> int:
     from vllm_graft.hooks import DeploymentError
     from vllm_graft.hooks.deployment import load_file
 
-    from vllm_graft.integration.cli import EXIT_INVALID, EXIT_OK, EXIT_USAGE
-    from vllm_graft.integration.launch import apply_env_defaults, load_plan
+    from vllm_graft.cli.main import EXIT_INVALID, EXIT_OK, EXIT_USAGE
+    from vllm_graft.cli.launch import apply_env_defaults, load_plan
     from vllm_graft.tools.moe.moe_record import record, with_tracer, workload_sets
-    from vllm_graft.integration.run import _quiet_vllm
+    from vllm_graft.cli.engine_commands import _quiet_vllm
     from vllm_graft.tools.workloads import WorkloadError
 
     if not args.out.endswith(".npz"):
@@ -211,7 +211,7 @@ def expert_bytes_of(model: str | None) -> int | None:
 
 def cmd_sim(args: argparse.Namespace, console: Console) -> int:
     from vllm_graft.hooks import get_registry
-    from vllm_graft.integration.cli import EXIT_OK, EXIT_USAGE
+    from vllm_graft.cli.main import EXIT_OK, EXIT_USAGE
 
     from vllm_graft.tools.plugin_args import PluginArgError
 

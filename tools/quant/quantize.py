@@ -79,7 +79,7 @@ def add_command(sub: Any) -> None:
 
 
 def cmd_quantize(args: argparse.Namespace, console: Any) -> int:
-    from vllm_graft.integration.cli import EXIT_INVALID, EXIT_OK
+    from vllm_graft.cli.main import EXIT_INVALID, EXIT_OK
 
     try:
         params = parse_params(args.param)
@@ -95,10 +95,10 @@ def cmd_quantize(args: argparse.Namespace, console: Any) -> int:
 
 
 def cmd_quant_eval(args: argparse.Namespace, console: Any) -> int:
-    from vllm_graft.integration.cli import EXIT_OK
-    from vllm_graft.integration.launch import apply_env_defaults
+    from vllm_graft.cli.main import EXIT_OK
+    from vllm_graft.cli.launch import apply_env_defaults
 
-    from vllm_graft.integration.cli import EXIT_USAGE
+    from vllm_graft.cli.main import EXIT_USAGE
     from vllm_graft.tools.plugin_args import PluginArgError, parse_json_params, parse_spec, split_list, validate
 
     try:  # every plugin and its parameters validated before any engine starts
@@ -160,7 +160,7 @@ def evaluate(model: str, *, dtype: str = "auto", windows: int = 16, window_len: 
     if quant is None:
         llm = LLM(model=str(path), **engine, seed=0)
     else:
-        from vllm_graft.integration import launch
+        from vllm_graft.cli import launch
 
         plan = launch.plan_from_dict({"model": str(path.resolve()), "engine": engine, "quant": quant},
                                      source=f"quant-eval --method {quant['plugin']}")

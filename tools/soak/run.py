@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from vllm_graft.integration.run import REPORT_QUIET_PERIODS
+from vllm_graft.cli.engine_commands import REPORT_QUIET_PERIODS
 from vllm_graft.integration.runtime import REPORT_EVERY_S
 
 from .driver import EXPECTED, Outcome, drive, run_request
@@ -59,7 +59,7 @@ class Check:
 
 
 def soak(path: str, opts: Options, say: Callable[[str], None] = print) -> dict[str, Any]:
-    from vllm_graft.integration.launch import llm_kwargs, load_plan
+    from vllm_graft.cli.launch import llm_kwargs, load_plan
 
     plan = load_plan(path)
     kwargs = llm_kwargs(plan, graft=True)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_graft.integration.run import SERVER_MODULE, engine_flags
+from vllm_graft.cli.engine_commands import SERVER_MODULE, engine_flags
 
 SERVED_NAME = "soak"
 #: vLLM's /metrics samples the soak reads (labels summed).
@@ -144,7 +144,7 @@ class Server:
     def metrics(self) -> dict[str, float]:
         import httpx
 
-        from vllm_graft.integration.run import parse_metrics
+        from vllm_graft.cli.engine_commands import parse_metrics
 
         return parse_metrics(httpx.get(self.base + "/metrics", timeout=10).text)
 

@@ -54,7 +54,7 @@ COUNTERS = {"drafts": "vllm:spec_decode_num_drafts",
 def arm_file(arm: str) -> Path:
     """``deployments/spec-<arm>.yaml`` (``plain``: ``deployments/plain.yaml``), or ``arm``
     itself when it names a ``.yaml`` file."""
-    from vllm_graft.integration.launch import deployments_dir
+    from vllm_graft.cli.launch import deployments_dir
 
     if arm.endswith((".yaml", ".yml")):
         return Path(arm)
@@ -70,7 +70,7 @@ def arm_plan(arm: str, params: dict[str, Any] | None = None) -> Any:
     proposer (a file's included; arms without one, plain and vllm-ngram, are left as they are)
     and are validated by the plugin's parameter model.
     Unknown: :class:`~vllm_graft.tools.plugin_args.PluginArgError` naming the choices."""
-    from vllm_graft.integration.launch import load_plan, plan_from_dict
+    from vllm_graft.cli.launch import load_plan, plan_from_dict
     from vllm_graft.tools.plugin_args import PluginArgError, parse_spec, registration, validate
 
     name, own = parse_spec(arm) if not arm.endswith((".yaml", ".yml")) else (arm, None)
@@ -147,7 +147,7 @@ def run_arm(arm: str, workload: str, prompts: list[Any], *, b1_prompts: int,
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_graft.integration.launch import llm_kwargs
+    from vllm_graft.cli.launch import llm_kwargs
 
     plan = arm_plan(arm, params)
     kwargs = llm_kwargs(plan, graft=bool(plan.enabled), seed=seed, enforce_eager=True,
@@ -249,7 +249,7 @@ def render(rows: list[dict[str, Any]], batches: Sequence[int]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from vllm_graft.integration.launch import apply_env_defaults, load_plan
+    from vllm_graft.cli.launch import apply_env_defaults, load_plan
     from vllm_graft.tools.workloads import Tokenizer
 
     apply_env_defaults(in_process=True)

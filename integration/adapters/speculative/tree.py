@@ -44,7 +44,7 @@ Limits, refused at start-up with the reason (:func:`drafts_trees`): one KV-cache
 decoder models); no attention plugin or KV compressor in the same deployment (the tree needs
 the backend's attention seam for itself); one rank (TP = PP = 1); vLLM's CPU engine or CUDA
 (other platforms have no path). On CUDA the patched methods are Model Runner V1's, which
-``integration/runner.py`` selects (vLLM also picks V1 for a ``custom_class`` proposer); the
+``integration/model_runner.py`` selects (vLLM also picks V1 for a ``custom_class`` proposer); the
 backend's full CUDA graphs are off while the method is set. On CPU the attention is the
 PyTorch reference, slower than vLLM's C++ kernel, so a tree's extra accepted tokens must pay
 for that (see BENCHMARKS.md).
@@ -426,7 +426,7 @@ def drafts_trees(enabled: Any, plan: Any) -> bool:
                          f"Triton tree kernel, Model Runner V1) only; platform {plan.platform!r} has "
                          "neither path. Set tree: false to verify chains")
     # CUDA: the patches below (GPUModelRunner._prepare_inputs, _sample) are V1-only targets, so
-    # integration/runner.py selects Model Runner V1 or refuses VLLM_USE_V2_MODEL_RUNNER=1; vLLM
+    # integration/model_runner.py selects Model Runner V1 or refuses VLLM_USE_V2_MODEL_RUNNER=1; vLLM
     # itself also picks V1 for a custom_class proposer (config/vllm.py:3066-3068 in 0.33).
     return True
 

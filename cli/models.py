@@ -85,7 +85,7 @@ def cmd_list(args: argparse.Namespace, console: Any) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    from .launch import deployments_dir, models_dir
+    from vllm_graft.cli.launch import deployments_dir, models_dir
 
     try:
         root = models_dir()
@@ -110,7 +110,7 @@ def cmd_list(args: argparse.Namespace, console: Any) -> int:
 def cmd_path(args: argparse.Namespace, console: Any) -> int:
     from rich.markup import escape
 
-    from .launch import deployments_dir, models_dir
+    from vllm_graft.cli.launch import deployments_dir, models_dir
 
     if args.deployments:
         if args.name:

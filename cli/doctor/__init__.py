@@ -129,7 +129,8 @@ ALL_DEPLOYMENTS: tuple[dict[str, Any], ...] = (
 
 def applied_patches(data: dict[str, Any], source: str) -> list[dict[str, Any]]:
     """Activate ``data`` in this process (no engine), list its patches, deactivate."""
-    from vllm_graft.integration import bridge, runner
+    from vllm_graft.integration import bridge
+    from vllm_graft.integration import model_runner
     from vllm_graft.integration.patches import PATCHES
 
     plan = bridge.resolve(data, source=source)
@@ -138,7 +139,7 @@ def applied_patches(data: dict[str, Any], source: str) -> list[dict[str, Any]]:
     try:
         from vllm_graft.integration.targets import PATCH_TARGETS
 
-        served = runner.plugins_by_owner(plan.enabled)
+        served = model_runner.plugins_by_owner(plan.enabled)
         entries = {t.where: t for t in PATCH_TARGETS}
         rows = []
         for p in PATCHES.applied():
@@ -200,6 +201,6 @@ def cmd_patches(args: argparse.Namespace, console: Any) -> int:
 
 
 def _bundled_model():
-    from vllm_graft.integration.launch import models_dir
+    from vllm_graft.cli.launch import models_dir
 
     return models_dir() / "graft-tiny-mixtral"

@@ -247,7 +247,7 @@ def splitting_op_check(op: str) -> Callable[[VLLMSource], str | None]:
         if decision is None:
             return (f"{op} is not in vLLM's default splitting ops ({where}), so CUDA graphs capture "
                     "it, and no decision is recorded for it: make its body graph-safe or a splitting "
-                    "op and record which in integration/doctor/behaviour.py OP_GRAPH_DECISIONS")
+                    "op and record which in cli/doctor/behaviour.py OP_GRAPH_DECISIONS")
         if decision == "split":
             return None if op in ops else (
                 f"{op} must run between graph pieces ({decided_in}) but is not in vLLM's default "
@@ -581,7 +581,7 @@ def mixin_override_check(src: VLLMSource) -> str | None:
 
 ATTN_BACKEND = "vllm/v1/attention/backend.py"
 REWRITER_OWNER = "integration/adapters/kvcompress/engine.py (rewrite) and plan.py (RowBuffers)"
-TREE_OWNER = "integration/adapters/speculative/tree.py (drafts_trees) and integration/runner.py"
+TREE_OWNER = "integration/adapters/speculative/tree.py (drafts_trees) and integration/model_runner.py"
 
 
 def _function_calls(fn: ast.AST, attr: str) -> bool:
@@ -678,7 +678,7 @@ def custom_class_forces_v1_check(src: VLLMSource) -> str | None:
         return NotApplicable(f"{CONFIG_VLLM}: this build has no Model Runner V2 switch")
     if not re.search(r"method\s+in\s+\([^)]*[\"']custom_class[\"']", text):
         return (f"{CONFIG_VLLM}: a custom_class speculative method no longer rules out Model Runner "
-                "V2; integration/runner.py must force V1 itself")
+                "V2; integration/model_runner.py must force V1 itself")
     return None
 
 

@@ -106,8 +106,8 @@ def _quiet_vllm() -> None:
 
 
 def _load(path: str, console: Console) -> Plan | None:
-    from .cli import _print_plan
-    from .launch import load_plan
+    from vllm_graft.cli.main import _print_plan
+    from vllm_graft.cli.launch import load_plan
 
     try:
         plan = load_plan(path)
@@ -124,8 +124,8 @@ def _load(path: str, console: Console) -> Plan | None:
 
 def start_engine(plan: Plan):
     """An in-process vLLM engine with ``plan`` applied (by the bridge, via additional_config)."""
-    from .bridge import check_vllm_version
-    from .launch import apply_env_defaults, llm_kwargs
+    from vllm_graft.integration.bridge import check_vllm_version
+    from vllm_graft.cli.launch import apply_env_defaults, llm_kwargs
 
     check_vllm_version()
     kwargs = llm_kwargs(plan)
@@ -168,7 +168,7 @@ def stream(llm, prompt: str, max_tokens: int, console: Console, *, temperature: 
 
 
 def print_report(console: Console) -> list[dict[str, Any]]:
-    from .runtime import RUNTIME
+    from vllm_graft.integration.runtime import RUNTIME
 
     report = RUNTIME.report()
     if not report:
@@ -189,9 +189,9 @@ def print_report(console: Console) -> list[dict[str, Any]]:
 def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     from vllm_graft.tools.bench.command import EXIT_OK as BENCH_OK, run_bench
 
-    from .cli import EXIT_INVALID, package_version
-    from .env import installed_vllm
-    from .launch import deployments_dir, models_dir
+    from vllm_graft.cli.main import EXIT_INVALID, package_version
+    from vllm_graft.integration.env import installed_vllm
+    from vllm_graft.cli.launch import deployments_dir, models_dir
 
     models_dir()  # a clear error if the bundled models are missing
     path = args.deployment or str(deployments_dir() / DEMO_DEPLOYMENT)
@@ -335,7 +335,7 @@ def print_demo(result: dict[str, Any], console: Console) -> None:
 
 
 def cmd_generate(args: argparse.Namespace, console: Console) -> int:
-    from .cli import EXIT_INVALID, EXIT_OK
+    from vllm_graft.cli.main import EXIT_INVALID, EXIT_OK
 
     _quiet_vllm()
     if args.json:  # stdout carries only the JSON: everything else (vLLM's logs too) goes to stderr
@@ -361,7 +361,7 @@ def cmd_generate(args: argparse.Namespace, console: Console) -> int:
             os.dup2(real_stdout, 1)
             os.close(real_stdout)
     if args.json:
-        from .runtime import RUNTIME
+        from vllm_graft.integration.runtime import RUNTIME
 
         print(json.dumps({"outputs": results, "plugins": RUNTIME.report()}, indent=2))
     else:
@@ -487,8 +487,8 @@ def _fetch_metrics(url: str) -> dict[str, float]:
 
 
 def cmd_report(args: argparse.Namespace, console: Console) -> int:
-    from .cli import EXIT_INVALID, EXIT_OK
-    from .runtime import ENV_REPORT_DIR, REPORT_EVERY_S
+    from vllm_graft.cli.main import EXIT_INVALID, EXIT_OK
+    from vllm_graft.integration.runtime import ENV_REPORT_DIR, REPORT_EVERY_S
 
     if not os.path.isdir(args.dir):
         console.print(f"[bold red]error:[/] {escape(args.dir)} is not a folder: start vLLM with "
@@ -578,8 +578,8 @@ def engine_flags(kwargs: dict) -> list[str]:
 
 def serve_command(plan: Plan, vllm_args: Sequence[str]) -> list[str]:
     """The `vllm serve` command line for ``plan`` (engine section as flags)."""
-    from .bridge import deployment_for_engine
-    from .launch import llm_kwargs
+    from vllm_graft.integration.bridge import deployment_for_engine
+    from vllm_graft.cli.launch import llm_kwargs
 
     kwargs = llm_kwargs(plan)
     model = kwargs.pop("model")
@@ -596,9 +596,9 @@ def serve_command(plan: Plan, vllm_args: Sequence[str]) -> list[str]:
 
 
 def cmd_serve(args: argparse.Namespace, console: Console) -> int:
-    from .bridge import check_vllm_version
-    from .cli import EXIT_INVALID, EXIT_OK
-    from .launch import apply_env_defaults
+    from vllm_graft.integration.bridge import check_vllm_version
+    from vllm_graft.cli.main import EXIT_INVALID, EXIT_OK
+    from vllm_graft.cli.launch import apply_env_defaults
 
     plan = _load(args.deployment, console)
     if plan is None:

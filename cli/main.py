@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.metadata as md
 import json
 import os
 import sys
@@ -25,20 +24,13 @@ from rich.table import Table
 from vllm_graft.hooks import KINDS, DeploymentError, Kind, PluginLoadError, RegistryError, get_registry
 from vllm_graft.hooks.deployment import Plan, validate_file
 
-from .env import detect_environment, installed_vllm
+from vllm_graft.integration.env import detect_environment, installed_vllm, package_version
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_PLUGIN = 0, 1, 2, 3
 
 def route(kind: Kind, platform: str | None) -> str:
     """How ``kind``'s plugins reach vLLM on ``platform`` (its :class:`~vllm_graft.hooks.KindSpec`)."""
     return KINDS[Kind(kind)].route(platform)
-
-
-def package_version() -> str:
-    try:
-        return md.version("vllm-graft")
-    except md.PackageNotFoundError:
-        return "unknown (not installed)"
 
 
 # ------------------------------------------------------------------------------ commands
@@ -206,10 +198,9 @@ def missing_dependency_hint(module: str | None) -> str | None:
 
 
 def _unsupported_vllm(e: BaseException) -> bool:
-    # Looked up, not imported: the bridge imports this module (a cycle otherwise); whoever
-    # raised it has imported the bridge.
-    bridge = sys.modules.get("vllm_graft.integration.bridge")
-    return bridge is not None and isinstance(e, bridge.UnsupportedVLLMError)
+    from vllm_graft.integration.bridge import UnsupportedVLLMError  # imports no vLLM
+
+    return isinstance(e, UnsupportedVLLMError)
 
 
 # ------------------------------------------------------------------------------ parser
@@ -217,8 +208,8 @@ def _unsupported_vllm(e: BaseException) -> bool:
 #: ``func(args, console) -> exit code``. They must not import vLLM at import time
 #: (``vllm-graft plugins`` and ``check`` stay fast).
 COMMAND_MODULES: tuple[str, ...] = (
-    "vllm_graft.integration.run",  # demo, generate, serve
-    "vllm_graft.integration.doctor",  # doctor, patches
+    "vllm_graft.cli.engine_commands",  # demo, generate, serve
+    "vllm_graft.cli.doctor",  # doctor, patches
     "vllm_graft.tools.bench",  # bench
     "vllm_graft.tools.soak",  # soak
     "vllm_graft.kit.scaffold",  # new-plugin
@@ -231,7 +222,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "vllm_graft.tools.attention.sparse_quality",  # sparse-quality
     "vllm_graft.tools.kvcompress.kvbench",  # kvbench
     "vllm_graft.tools.kvcompress.kv_headroom",  # kv-headroom
-    "vllm_graft.integration.models_cmd",  # models [list | path [NAME]]
+    "vllm_graft.cli.models",  # models [list | path [NAME]]
 )
 
 

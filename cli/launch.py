@@ -11,7 +11,7 @@ from typing import Any, Iterator
 from vllm_graft.hooks import Plan, get_registry, validate
 from vllm_graft.hooks.deployment import load_file
 
-from .env import detect_environment
+from vllm_graft.integration.env import detect_environment
 
 log = logging.getLogger("vllm_graft")
 
@@ -57,7 +57,7 @@ def deployments_dir() -> Path:
 
 def load_plan(path: str | os.PathLike[str], *, platform: str | None = None) -> Plan:
     """Validate a deployment file (raises DeploymentError listing every problem)."""
-    from .bridge import absolute_model
+    from vllm_graft.integration.bridge import absolute_model
 
     data = load_file(path)
     return absolute_model(validate(data, get_registry(), detect_environment(platform), source=str(path),
@@ -66,7 +66,7 @@ def load_plan(path: str | os.PathLike[str], *, platform: str | None = None) -> P
 
 def plan_from_dict(data: dict[str, Any], *, source: str = "deployment",
                    base_dir: str | os.PathLike[str] | None = None) -> Plan:
-    from .bridge import absolute_model
+    from vllm_graft.integration.bridge import absolute_model
 
     return absolute_model(validate(data, get_registry(), detect_environment(), source=source,
                                    base_dir=base_dir))
@@ -121,7 +121,7 @@ def llm_kwargs(plan: Plan, *, graft: bool = True, **overrides: Any) -> dict[str,
     """Keyword arguments for ``vllm.LLM``: the deployment's model and engine section, plus
     (with ``graft``) the deployment itself in ``additional_config``. ``graft=False`` gives
     the plain-vLLM twin of the same deployment (what the A/B bench compares against)."""
-    from .bridge import deployment_for_engine
+    from vllm_graft.integration.bridge import deployment_for_engine
 
     if plan.deployment.model is None and "model" not in overrides:
         raise ValueError("the deployment names no model; give one (model: FOLDER) or pass model=")
@@ -144,7 +144,7 @@ SHARED_ENGINE_KEYS = ("enforce_eager",)
 def shared_engine_overrides(plan: Plan) -> dict[str, Any]:
     from vllm_graft.hooks import Kind
 
-    from .adapters import adapter_for
+    from vllm_graft.integration.adapters import adapter_for
 
     out: dict[str, Any] = {}
     for kind in Kind:
