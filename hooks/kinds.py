@@ -61,6 +61,12 @@ class KindSpec:
         """The deployment-file section (and ``--kind`` value)."""
         return self.kind.value
 
+    @property
+    def owner(self) -> str:
+        """Who owns the kind's patches of vLLM and its hooks' registrations (the patch
+        register's ``owner``, ``vllm-graft patches``): ``adapters.<kind>``."""
+        return f"adapters.{self.kind.value}"
+
     def route(self, platform: str | None) -> str:
         """How the kind reaches vLLM on ``platform`` (both platforms' routes if unknown)."""
         if platform in self.routes:

@@ -294,9 +294,7 @@ def _install_config_hook() -> None:
     if PATCHES.is_patched(EngineArgs, "create_engine_config"):
         return
     try:
-        t = CREATE_ENGINE_CONFIG
-        PATCHES.apply(t.owner, EngineArgs, t.attribute, _create_engine_config, wrap=True,
-                      reason=t.reason, versions=t.versions)
+        PATCHES.apply(CREATE_ENGINE_CONFIG, _create_engine_config, on=EngineArgs)
     except PatchError as e:  # pragma: no cover - vLLM moved the method
         raise UnsupportedVLLMError(str(e)) from e
 

@@ -29,6 +29,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from vllm_graft.hooks.kinds import KINDS, Kind
+
 log = logging.getLogger("vllm_graft")
 
 ENV_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
@@ -65,7 +67,7 @@ def plugins_by_owner(enabled: Iterable[Any]) -> dict[str, list[str]]:
     its kind's adapter (``adapters.<kind>``), so this names the plugins each patch serves."""
     out: dict[str, list[str]] = {}
     for e in enabled:
-        out.setdefault(f"adapters.{e.kind}", []).append(f"{e.kind}:{e.name}")
+        out.setdefault(KINDS[Kind(e.kind)].owner, []).append(f"{e.kind}:{e.name}")
     return out
 
 

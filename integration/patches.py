@@ -6,8 +6,8 @@ has none, an adapter patches, and only through :data:`PATCHES`, which records wh
 what and why, checks the installed vLLM against the versions the patch was written for,
 refuses a second patch of the same attribute, and can undo everything it applied.
 
-Every patch an adapter applies is an entry of the patch register, :mod:`.targets`
-(:meth:`PatchRegistry.ensure_target`); :meth:`applied` lists what this process applied
+Every patch is an entry of the patch register, :mod:`.targets`, applied by
+:meth:`PatchRegistry.apply` (the only way); :meth:`applied` lists what this process applied
 (``vllm-graft patches``), each with its :attr:`Patch.runner`.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ class PatchError(RuntimeError):
 
 @dataclass
 class Patch:
-    owner: str  # who needs it, e.g. "adapters.speculative"
+    owner: str  # who needs it, e.g. "adapters.speculative" (KindSpec.owner)
     target: Any  # the object patched (a class or module)
     attribute: str
     reason: str  # why vLLM's own hooks are not enough
@@ -47,69 +47,67 @@ class Patch:
         return f"{module + '.' if module and module != name else ''}{name}.{self.attribute}"
 
 
+def _qualified(fn: Any) -> str:
+    """``module:qualname`` of a function or bound method, ``vllm_graft.`` left off."""
+    fn = getattr(fn, "__func__", fn)
+    module = getattr(fn, "__module__", "?").removeprefix("vllm_graft.")
+    return f"{module}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
 class PatchRegistry:
     def __init__(self) -> None:
         self._applied: dict[tuple[int, str], Patch] = {}
 
-    def apply(
-        self,
-        owner: str,
-        target: Any,
-        attribute: str,
-        replacement: Any | Callable[[Any], Any],
-        *,
-        reason: str,
-        versions: str,
-        vllm_version: str | None = None,
-        wrap: bool = False,
-    ) -> Patch:
-        """Set ``target.attribute`` to ``replacement`` (or ``replacement(original)`` with ``wrap``).
+    def apply(self, target: "Target", replacement: Callable[[Any], Any], *, on: Any = None,
+              vllm_version: str | None = None) -> Patch:
+        """The one way to patch vLLM: wrap ``target``'s attribute with ``replacement(original)``.
 
-        Refuses a second patch of the same attribute (by any owner), an attribute that does
-        not exist (vLLM moved it: the patch must be re-checked), and a vLLM version outside
-        ``versions``.
+        ``target`` is an entry of the patch register (:mod:`.targets`): the owner, the reason and
+        the checked vLLM range come from it, and ``replacement`` must be the wrapper the entry
+        names (:attr:`~.targets.Target.wrapper`), so the register says where every patch lives.
+        ``on`` is the object patched when it is an instance (the bench samples one engine's
+        scheduler); by default the entry's class or module (imports vLLM).
+
+        Idempotent for the entry's owner (adapters activate once per engine). Refuses a second
+        patch of the same attribute by another owner, an attribute that does not exist (vLLM
+        moved it: the patch must be re-checked), a vLLM version (``vllm_version``, default the
+        installed one) outside the entry's range, and a replacement the entry does not name.
         """
-        key = (id(target), attribute)
-        if key in self._applied:
-            prev = self._applied[key]
+        obj = target.resolve() if on is None else on
+        key = (id(obj), target.attribute)
+        prev = self._applied.get(key)
+        if prev is not None:
+            if prev.owner == target.owner:
+                return prev
             raise PatchError(
-                f"{prev.where} is already patched by {prev.owner} ({prev.reason}); {owner} "
+                f"{prev.where} is already patched by {prev.owner} ({prev.reason}); {target.owner} "
                 f"cannot patch it again. Undo the first patch, or extend it.")
-        if not hasattr(target, attribute):
+        if target.wrapper and _qualified(replacement) != target.wrapper:
             raise PatchError(
-                f"{owner} wants to patch {getattr(target, '__qualname__', target)}.{attribute}, which "
-                f"this vLLM does not have; the patch was written for vLLM {versions}.")
-        if vllm_version is not None and not SpecifierSet(versions).contains(
+                f"{target.owner}'s patch of {target.where} must be {target.wrapper} (its entry in "
+                f"vllm_graft/integration/targets.py), not {_qualified(replacement)}: name the new "
+                "wrapper in the entry.")
+        if not hasattr(obj, target.attribute):
+            raise PatchError(
+                f"{target.owner} wants to patch {getattr(obj, '__qualname__', obj)}.{target.attribute}, "
+                f"which this vLLM does not have; the patch was written for vLLM {target.versions}.")
+        if vllm_version is None:
+            from .env import installed_vllm
+
+            found = installed_vllm()
+            vllm_version = found[1] if found else None
+        if vllm_version is not None and not SpecifierSet(target.versions).contains(
                 Version(vllm_version).base_version, prereleases=True):
             raise PatchError(
-                f"{owner}'s patch of {getattr(target, '__qualname__', target)}.{attribute} was checked "
-                f"against vLLM {versions}, not {vllm_version}; re-check it before widening the range.")
-        original = getattr(target, attribute)
-        patch = Patch(owner, target, attribute, reason, versions, original)
-        setattr(target, attribute, replacement(original) if wrap else replacement)
+                f"{target.owner}'s patch of {getattr(obj, '__qualname__', obj)}.{target.attribute} was "
+                f"checked against vLLM {target.versions}, not {vllm_version}; re-check it before "
+                "widening the range.")
+        original = getattr(obj, target.attribute)
+        patch = Patch(target.owner, obj, target.attribute, target.reason, target.versions, original,
+                      runner=target.runner)
+        setattr(obj, target.attribute, replacement(original))
         self._applied[key] = patch
-        log.debug("vllm-graft: patched %s for %s (%s)", patch.where, owner, reason)
-        return patch
-
-    def ensure(self, owner: str, target: Any, attribute: str, replacement: Any, *, reason: str,
-               versions: str, wrap: bool = False) -> Patch:
-        """:meth:`apply` against the installed vLLM's version, unless ``owner`` already
-        patched ``target.attribute`` (idempotent: adapters activate once per engine)."""
-        from .env import installed_vllm
-
-        prev = self._applied.get((id(target), attribute))
-        if prev is not None and prev.owner == owner:
-            return prev
-        found = installed_vllm()
-        return self.apply(owner, target, attribute, replacement, reason=reason, versions=versions,
-                          vllm_version=found[1] if found else None, wrap=wrap)
-
-    def ensure_target(self, target: "Target", replacement: Any, *, wrap: bool = True) -> Patch:
-        """:meth:`ensure` for an entry of the patch register (:data:`.targets.PATCH_TARGETS`):
-        owner, reason and checked range come from the entry; imports vLLM."""
-        patch = self.ensure(target.owner, target.resolve(), target.attribute, replacement,
-                            reason=target.reason, versions=target.versions, wrap=wrap)
-        patch.runner = target.runner
+        log.debug("vllm-graft: patched %s for %s (%s)", patch.where, target.owner, target.reason)
         return patch
 
     def undo(self, owner: str | None = None) -> list[Patch]:

@@ -1,9 +1,11 @@
 """The patch register: every place in vLLM that vllm-graft patches, or reaches into past its
 public API, with why, for which plugins, and on which model runner it runs.
 
-This is the one file to read before upgrading vLLM. Adapters patch only through
-:meth:`~vllm_graft.integration.patches.PatchRegistry.ensure_target` with an entry of
-:data:`TARGETS` (the reason, the owner and the checked range come from here), and
+This is the one file to read before upgrading vLLM. Everything patches only through
+:meth:`~vllm_graft.integration.patches.PatchRegistry.apply` with an entry of :data:`TARGETS`:
+the reason, the owner (a kind's ``KindSpec.owner`` from ``hooks/kinds.py``, or :data:`BRIDGE`,
+:data:`BENCH`), the checked range (``hooks/versions.py``), the wrapper (``module:function``,
+which ``apply`` insists on), the upstream issue or PR and when to remove it come from here, and
 ``vllm-graft doctor --vllm-source DIR|WHEEL`` checks every entry statically against a vLLM
 source tree or wheel: the module, the class, the attribute, the parameters the replacement
 relies on. The doctor finds the rest on its own (every ``from vllm... import`` in the package,
@@ -22,14 +24,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vllm_graft.hooks.kinds import KINDS, Kind
 from vllm_graft.hooks.versions import SUPPORTED_VLLM
 
 V1_RUNNER = "vllm.v1.worker.gpu_model_runner"  # GPUModelRunner of Model Runner V1
+BRIDGE = "bridge"  # the front end (integration/bridge.py)
+BENCH = "tools.bench"  # `vllm-graft bench` only, never a deployment
+ATTENTION, KVCOMPRESS, SPECULATIVE, QUANT, MOE = (KINDS[k].owner for k in (
+    Kind.ATTENTION, Kind.KVCOMPRESS, Kind.SPECULATIVE, Kind.QUANT, Kind.MOE))
 
 
 @dataclass(frozen=True)
 class Target:
-    owner: str  # who needs it: "bridge", "adapters.<kind>", "tools.bench"
+    owner: str  # who needs it: BRIDGE, BENCH or a kind's KindSpec.owner ("adapters.<kind>")
     module: str  # e.g. "vllm.v1.worker.gpu_model_runner"
     qualname: str  # the class ("" for a module attribute)
     attribute: str  # what is patched or used
@@ -41,6 +48,9 @@ class Target:
     # it unnecessary, or "none found" and what vLLM would need; and when to remove it
     upstream: str = ""
     remove_when: str = ""
+    #: a patch's replacement, ``module:qualname`` under ``vllm_graft.`` (a function taking the
+    #: original); PatchRegistry.apply refuses any other, so the entry says where the patch lives
+    wrapper: str = ""
 
     @property
     def where(self) -> str:
@@ -66,17 +76,18 @@ _SCORES = ("a score-based compressor decides in the worker (which has the attent
            "each step (pickled across processes in vLLM's multiprocess executor)")
 
 CREATE_ENGINE_CONFIG = Target(
-    "bridge", "vllm.engine.arg_utils", "EngineArgs", "create_engine_config",
+    BRIDGE, "vllm.engine.arg_utils", "EngineArgs", "create_engine_config",
     "vLLM has no hook that sees additional_config before it builds the engine; the deployment "
     "must be validated, activated and exported to child processes there",
     upstream=("none found: a general plugin gets no call with the engine arguments before the "
               "config is built (Platform.pre_register_and_update, vllm#12432, exists for "
               "platform plugins only)"),
     remove_when=("vLLM calls general plugins with EngineArgs (additional_config included) "
-                 "before create_engine_config"))
+                 "before create_engine_config"),
+    wrapper="integration.bridge:_create_engine_config")
 
 KV_REQUEST_INIT = Target(
-    "adapters.kvcompress", "vllm.v1.request", "Request", "__init__",
+    KVCOMPRESS, "vllm.v1.request", "Request", "__init__",
     "KV computed while a lossy compressor evicts blocks is not the plain KV of its tokens; the "
     "prefix cache hashes blocks by tokens (and cache_salt), so every request's cache_salt gets "
     "the compressor's name and parameters in front: blocks are shared only between requests of "
@@ -84,63 +95,71 @@ KV_REQUEST_INIT = Target(
     upstream=("none found: cache_salt is per request; no engine-level key enters the block "
               "hashes"),
     remove_when=("vLLM folds a KV-cache spec or engine-level key into prefix-cache block "
-                 "hashes"))
+                 "hashes"),
+    wrapper="integration.adapters.kvcompress.salt:request_init_wrapper")
 KV_BUILD_METADATA = Target(
-    "adapters.kvcompress", V1_RUNNER, "GPUModelRunner", "_build_attention_metadata",
+    KVCOMPRESS, V1_RUNNER, "GPUModelRunner", "_build_attention_metadata",
     "the attention-metadata builder sees batch rows but not their requests; KV compression "
     "needs each row's request (input_batch.req_ids) and prompt length to drop the blocks the "
     "scheduler freed", params=("num_scheduled_tokens", "for_cudagraph_capture"),
     upstream=("token eviction asked in vllm#3532 (H2O; closed as stale); no issue asks for "
               "request ids in CommonAttentionMetadata"),
-    remove_when="the metadata builders get each row's request id, or vLLM leaves freed blocks out of the worker's block table itself")
+    remove_when="the metadata builders get each row's request id, or vLLM leaves freed blocks out of the worker's block table itself",
+    wrapper="integration.adapters.kvcompress.rows:build_attention_metadata_wrapper")
 KV_EXECUTE_MODEL = Target(
-    "adapters.kvcompress", V1_RUNNER, "GPUModelRunner", "execute_model",
+    KVCOMPRESS, V1_RUNNER, "GPUModelRunner", "execute_model",
     _SCORES + " (worker: forget finished/preempted requests, attach drops)",
     params=("scheduler_output",),
     upstream=("none found: only KV connectors carry per-request data between worker and "
               "scheduler"),
     remove_when=("ModelRunnerOutput/SchedulerOutput carry an extension field vLLM hands the KV"
-                 " cache manager (and the worker)"))
+                 " cache manager (and the worker)"),
+    wrapper="integration.adapters.kvcompress.channel:execute_model_wrapper")
 KV_SAMPLE_TOKENS = Target(
-    "adapters.kvcompress", V1_RUNNER, "GPUModelRunner", "sample_tokens",
+    KVCOMPRESS, V1_RUNNER, "GPUModelRunner", "sample_tokens",
     _SCORES + " (worker: attach the step's drops)",
     upstream="none found (as KV_EXECUTE_MODEL)",
-    remove_when="ModelRunnerOutput carries an extension field vLLM hands the KV cache manager")
+    remove_when="ModelRunnerOutput carries an extension field vLLM hands the KV cache manager",
+    wrapper="integration.adapters.kvcompress.channel:sample_tokens_wrapper")
 KV_UPDATE_FROM_OUTPUT = Target(
-    "adapters.kvcompress", "vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output",
+    KVCOMPRESS, "vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output",
     _SCORES + " (scheduler: record the drops; the KV manager frees them)",
     params=("scheduler_output", "model_runner_output"),
     upstream="none found (as KV_EXECUTE_MODEL)",
     remove_when=("the scheduler hands a ModelRunnerOutput extension field to the KV cache "
-                 "manager"))
+                 "manager"),
+    wrapper="integration.adapters.kvcompress.channel:update_from_output_wrapper")
 KV_AFTER_SCHEDULE = Target(
-    "adapters.kvcompress", "vllm.v1.core.sched.scheduler", "Scheduler", "_update_after_schedule",
+    KVCOMPRESS, "vllm.v1.core.sched.scheduler", "Scheduler", "_update_after_schedule",
     "a rule-based compressor's keep() is asked twice per step, by the scheduler (which frees) and "
     "by the worker (which leaves blocks out of attention); the blocks the scheduler freed this "
     "step ride on the SchedulerOutput it hands the worker (end of schedule(); Scheduler.schedule "
     "itself is the bench's), so the worker can check it never reads one",
     params=("scheduler_output",),
     upstream="none found (as KV_EXECUTE_MODEL)",
-    remove_when="SchedulerOutput carries the KV cache manager's frees, or vLLM rewrites the worker's block table from them")
+    remove_when="SchedulerOutput carries the KV cache manager's frees, or vLLM rewrites the worker's block table from them",
+    wrapper="integration.adapters.kvcompress.channel:after_schedule_wrapper")
 
 SPEC_SAMPLE = Target(
-    "adapters.speculative", V1_RUNNER, "GPUModelRunner", "_sample",
+    SPECULATIVE, V1_RUNNER, "GPUModelRunner", "_sample",
     "a custom_class proposer never sees the target's logits; Token Recycling needs the top-k "
     "next tokens at each verified position (Proposer.topk/observe_topk), taken from the logits "
     "_sample receives before the (rejection) sampler runs; a draft tree is verified from the same "
     "logits after it (adapters/speculative/tree.py)",
     params=("logits", "spec_decode_metadata"),
     upstream="vllm#36219 (RFC: one proposer interface, open) and vllm#39487 (custom callable proposer, merged): neither gives a proposer the target's logits; vLLM's tree attention verifies EAGLE trees only",
-    remove_when="the proposer interface receives the target's top-k at verified positions and verifies custom_class trees")
+    remove_when="the proposer interface receives the target's top-k at verified positions and verifies custom_class trees",
+    wrapper="integration.adapters.speculative.engine:_sample_wrapper")
 SPEC_UPDATE_STATES = Target(
-    "adapters.speculative", V1_RUNNER, "GPUModelRunner", "_update_states",
+    SPECULATIVE, V1_RUNNER, "GPUModelRunner", "_update_states",
     "a custom_class proposer gets no request ids and no finished/aborted signal; the runner's "
     "_update_states sees both (input_batch.req_ids, scheduler_output.finished_req_ids) and the "
     "drafts each step verifies", params=("scheduler_output",),
     upstream="vllm#36219 (RFC: one proposer interface, open)",
-    remove_when="the proposer interface receives request ids, finished requests and each step's verified drafts")
+    remove_when="the proposer interface receives request ids, finished requests and each step's verified drafts",
+    wrapper="integration.adapters.speculative.engine:_update_states_wrapper")
 SPEC_PREPARE_INPUTS = Target(
-    "adapters.speculative", V1_RUNNER, "GPUModelRunner", "_prepare_inputs",
+    SPECULATIVE, V1_RUNNER, "GPUModelRunner", "_prepare_inputs",
     "vLLM verifies chains only: a draft tree's nodes need rotary positions by depth, not by "
     "index (adapters/speculative/tree.py); the positions are rewritten after vLLM computed them "
     "and the KV slots from them. And vLLM takes its speculative path (rejection sampler, "
@@ -150,43 +169,45 @@ SPEC_PREPARE_INPUTS = Target(
     upstream="none found: vLLM's tree attention serves EAGLE's own trees only; the every-step "
              "speculative path came with recurrent (GDN/Mamba) backends' zero-draft rows",
     remove_when="vLLM verifies a custom_class proposer's draft tree (positions by depth) and "
-                "samples a step with no drafts without its rejection sampler")
+                "samples a step with no drafts without its rejection sampler",
+    wrapper="integration.adapters.speculative.engine:_prepare_inputs_wrapper")
 
 BENCH_SCHEDULE = Target(
-    "tools.bench", "vllm.v1.core.sched.scheduler", "Scheduler", "schedule",
+    BENCH, "vllm.v1.core.sched.scheduler", "Scheduler", "schedule",
     "vLLM exposes no per-step KV block count; the bench samples the block pool right after "
     "each allocation (only in `vllm-graft bench`, never in a deployment)",
     upstream="none found: vllm:kv_cache_usage_perc is a gauge sampled per stats interval",
-    remove_when="vLLM's stats expose KV blocks in use per engine step")
+    remove_when="vLLM's stats expose KV blocks in use per engine step",
+    wrapper="tools.bench.arm:_KVSampler.wrap")
 
 #: Private or unstable vLLM names the adapters call or read (no patch, but an upgrade can
 #: break them just the same).
 USES: tuple[Target, ...] = (
-    Target("adapters.attention", "vllm.v1.attention.backends.registry", "AttentionBackendEnum",
+    Target(ATTENTION, "vllm.v1.attention.backends.registry", "AttentionBackendEnum",
            "CPU_ATTN", "the CPU engine's backend, overridden with vllm-graft's subclass", "use"),
-    Target("adapters.attention", "vllm.v1.attention.backends.registry", "AttentionBackendEnum",
+    Target(ATTENTION, "vllm.v1.attention.backends.registry", "AttentionBackendEnum",
            "CUSTOM", "the backend vllm-graft registers on CUDA", "use"),
-    Target("adapters.attention", "vllm.v1.attention.backends.registry",
+    Target(ATTENTION, "vllm.v1.attention.backends.registry",
            "AttentionBackendEnum", "clear_override",
            "undo the override when the last adapter using the backend deactivates", "use"),
-    Target("adapters.attention", "vllm.v1.attention.selector", "", "_cached_get_attn_backend",
+    Target(ATTENTION, "vllm.v1.attention.selector", "", "_cached_get_attn_backend",
            "vLLM caches the selected backend class; a later engine in the process must see the "
            "current registration", "use"),
-    Target("adapters.kvcompress", "vllm.v1.kv_cache_spec_registry", "KVCacheSpecRegistry",
+    Target(KVCOMPRESS, "vllm.v1.kv_cache_spec_registry", "KVCacheSpecRegistry",
            "_ensure_registered", "the registry fills itself lazily; the spec is registered "
            "after vLLM's own", "use"),
-    Target("adapters.kvcompress", "vllm.v1.core.single_type_kv_cache_manager",
+    Target(KVCOMPRESS, "vllm.v1.core.single_type_kv_cache_manager",
            "FullAttentionManager", "_remove_blocks_in_range",
            "frees the evicted blocks the way R-SWA frees its gap", "use",
            params=("request_id", "first_block", "last_block")),
-    Target("bridge", "vllm.config.vllm", "VllmConfig", "use_v2_model_runner",
+    Target(BRIDGE, "vllm.config.vllm", "VllmConfig", "use_v2_model_runner",
            "read after vLLM builds its config: a deployment with a V1-only patch must get V1", "use"),
-    Target("bridge", "vllm.envs", "", "disable_envs_cache",
+    Target(BRIDGE, "vllm.envs", "", "disable_envs_cache",
            "vLLM caches its environment once an engine is up; a second engine in the process "
            "must see VLLM_USE_V2_MODEL_RUNNER as vllm-graft set it", "use"),
-    Target("adapters.moe", "vllm.model_executor.custom_op", "", "op_registry_oot",
+    Target(MOE, "vllm.model_executor.custom_op", "", "op_registry_oot",
            "vLLM has no unregister for register_oot; deactivate removes the MoERunner entry", "use"),
-    Target("adapters.moe", "vllm.distributed.eplb.policy", "", "EPLB_POLICIES",
+    Target(MOE, "vllm.distributed.eplb.policy", "", "EPLB_POLICIES",
            "EPLBConfig.policy accepts only 'default' (a Literal), so a plugin's expert placement is "
            "given to vLLM's load balancer by replacing that entry, which EplbState reads when it is "
            "built (adapters/moe/eplb.py)", "use"),

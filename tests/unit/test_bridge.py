@@ -16,40 +16,74 @@ REPO = launch.repo_root()
 
 
 # ------------------------------------------------------------------------ patch registry
-class Target:
+class Patched:
     def method(self):
         return "original"
 
 
+def _entry(owner="me", attribute="method", versions=">=0.32,<0.34", wrapper=""):
+    from vllm_graft.integration.targets import Target
+
+    return Target(owner, __name__, "Patched", attribute, "test", versions=versions, wrapper=wrapper)
+
+
+def _wrapper(orig):
+    return lambda self: "patched+" + orig(self)
+
+
 def test_patch_wraps_and_undoes():
     reg = PatchRegistry()
-    reg.apply("me", Target, "method", lambda orig: (lambda self: "patched+" + orig(self)),
-              wrap=True, reason="test", versions=">=0.32,<0.34", vllm_version="0.32.0")
-    assert Target().method() == "patched+original"
+    reg.apply(_entry(), _wrapper, on=Patched, vllm_version="0.32.0")
+    assert Patched().method() == "patched+original"
     assert [p.owner for p in reg.applied()] == ["me"]
+    assert reg.apply(_entry(), _wrapper, on=Patched, vllm_version="0.32.0") is reg.applied()[0]  # idempotent
+    assert Patched().method() == "patched+original"
     assert reg.undo("me")[0].attribute == "method"
-    assert Target().method() == "original" and not reg.applied()
+    assert Patched().method() == "original" and not reg.applied()
 
 
 def test_patch_refuses_double_patch_naming_the_first_owner():
     reg = PatchRegistry()
-    reg.apply("first", Target, "method", lambda self: 1, reason="why", versions=">=0")
+    reg.apply(_entry("first", versions=">=0"), lambda orig: lambda self: 1, on=Patched)
     try:
         with pytest.raises(PatchError, match="already patched by first"):
-            reg.apply("second", Target, "method", lambda self: 2, reason="x", versions=">=0")
-        assert Target().method() == 1  # the first patch is intact
+            reg.apply(_entry("second", versions=">=0"), lambda orig: lambda self: 2, on=Patched)
+        assert Patched().method() == 1  # the first patch is intact
     finally:
         reg.undo()
-    assert Target().method() == "original"
+    assert Patched().method() == "original"
 
 
-def test_patch_refuses_missing_attribute_and_unchecked_version():
+def test_patch_refuses_missing_attribute_unchecked_version_and_an_unnamed_wrapper():
     reg = PatchRegistry()
     with pytest.raises(PatchError, match="does not have"):
-        reg.apply("me", Target, "gone", None, reason="r", versions=">=0.32,<0.34")
+        reg.apply(_entry(attribute="gone"), _wrapper, on=Patched)
     with pytest.raises(PatchError, match="checked against vLLM >=0.32,<0.34, not 0.35.0"):
-        reg.apply("me", Target, "method", None, reason="r", versions=">=0.32,<0.34", vllm_version="0.35.0")
-    assert Target().method() == "original" and not reg.applied()
+        reg.apply(_entry(), _wrapper, on=Patched, vllm_version="0.35.0")
+    named = _entry(wrapper=f"{__name__.removeprefix('vllm_graft.')}:_wrapper")
+    with pytest.raises(PatchError, match="must be .*:_wrapper .*not .*<lambda>"):
+        reg.apply(named, lambda orig: orig, on=Patched, vllm_version="0.32.0")
+    assert Patched().method() == "original" and not reg.applied()
+    reg.apply(named, _wrapper, on=Patched, vllm_version="0.32.0")  # the wrapper it names
+    assert Patched().method() == "patched+original"
+    reg.undo()
+
+
+def test_every_patch_entry_names_its_wrapper_and_the_wrapper_exists():
+    import importlib
+
+    from vllm_graft.hooks import KINDS
+    from vllm_graft.integration import targets
+
+    owners = {spec.owner for spec in KINDS.values()} | {targets.BRIDGE, targets.BENCH}
+    for t in targets.TARGETS:
+        assert t.owner in owners, t
+    for t in targets.PATCH_TARGETS:
+        module, qualname = t.wrapper.split(":")
+        obj = importlib.import_module(f"vllm_graft.{module}")
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        assert callable(obj), t.wrapper
 
 
 # ------------------------------------------------------------------------- routes / config

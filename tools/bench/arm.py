@@ -339,12 +339,9 @@ def _arm_run(job: dict[str, Any], send: Callable[[str, Any], None],
             if command != "run":
                 raise ValueError(f"unknown command {command!r}")
             if workloads and not patched:
-                vllm_version = installed_vllm()[1] if installed_vllm() else None
                 from vllm_graft.integration.targets import BENCH_SCHEDULE
 
-                PATCHES.apply(BENCH_SCHEDULE.owner, scheduler, BENCH_SCHEDULE.attribute, sampler.wrap, wrap=True,
-                              versions=BENCH_SCHEDULE.versions, vllm_version=vllm_version,
-                              reason=BENCH_SCHEDULE.reason)
+                PATCHES.apply(BENCH_SCHEDULE, sampler.wrap, on=scheduler)
                 patched = True
             r = int(payload)
             RUNTIME.fresh_cross_request_state()  # no run drafts from the previous run's outputs
@@ -359,7 +356,9 @@ def _arm_run(job: dict[str, Any], send: Callable[[str, Any], None],
             send("round_done", r)
     finally:
         if patched:
-            PATCHES.undo("bench")
+            from vllm_graft.integration.targets import BENCH_SCHEDULE
+
+            PATCHES.undo(BENCH_SCHEDULE.owner)  # was "bench": the owner is "tools.bench"
     for name, done in runs.items():
         if done:
             result["workloads"][name] = median_run(done)

@@ -23,9 +23,10 @@ import logging
 
 from vllm_graft.hooks import Kind
 
+from vllm_graft.integration import targets
 from vllm_graft.integration.adapters import Adapter, attention_backend_overrides, backend
 
-OWNER = "adapters.attention"
+OWNER = targets.ATTENTION
 log = logging.getLogger("vllm_graft")
 
 

@@ -49,21 +49,21 @@ def install_patch(salt: bool = False) -> None:
     """Wrap ``GPUModelRunner._build_attention_metadata`` and, for a lossy compressor,
     ``Request.__init__`` (the prefix-cache salt) (idempotent; why: :mod:`...targets`)."""
     if salt:
-        PATCHES.ensure_target(targets.KV_REQUEST_INIT, request_init_wrapper)
-    PATCHES.ensure_target(targets.KV_BUILD_METADATA, build_attention_metadata_wrapper)
+        PATCHES.apply(targets.KV_REQUEST_INIT, request_init_wrapper)
+    PATCHES.apply(targets.KV_BUILD_METADATA, build_attention_metadata_wrapper)
 
 
 def install_frees_channel() -> None:
     """The two patches that carry a rule-based compressor's frees to the worker (idempotent)."""
-    PATCHES.ensure_target(targets.KV_AFTER_SCHEDULE, after_schedule_wrapper)
-    PATCHES.ensure_target(targets.KV_EXECUTE_MODEL, execute_model_wrapper)
+    PATCHES.apply(targets.KV_AFTER_SCHEDULE, after_schedule_wrapper)
+    PATCHES.apply(targets.KV_EXECUTE_MODEL, execute_model_wrapper)
 
 
 def install_scores_channel() -> None:
     """The three patches of the scores channel (idempotent)."""
-    PATCHES.ensure_target(targets.KV_EXECUTE_MODEL, execute_model_wrapper)
-    PATCHES.ensure_target(targets.KV_SAMPLE_TOKENS, sample_tokens_wrapper)
-    PATCHES.ensure_target(targets.KV_UPDATE_FROM_OUTPUT, update_from_output_wrapper)
+    PATCHES.apply(targets.KV_EXECUTE_MODEL, execute_model_wrapper)
+    PATCHES.apply(targets.KV_SAMPLE_TOKENS, sample_tokens_wrapper)
+    PATCHES.apply(targets.KV_UPDATE_FROM_OUTPUT, update_from_output_wrapper)
 
 
 #: The builder attribute holding its :class:`~.plan.RowBuffers` (one per builder: vLLM gives

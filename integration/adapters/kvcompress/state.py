@@ -9,9 +9,10 @@ from typing import Any, Callable
 
 from vllm_graft.hooks.registry import SUPPORTED_VLLM
 from vllm_graft.hooks import KVCacheFormat, KVCompressor
+from vllm_graft.integration import targets
 from vllm_graft.integration.adapters.kvcompress.plan import KVCompressError
 
-OWNER = "adapters.kvcompress"
+OWNER = targets.KVCOMPRESS
 VERSIONS = SUPPORTED_VLLM  # the adapter was written and checked against this range
 
 

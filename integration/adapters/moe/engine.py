@@ -110,6 +110,7 @@ from vllm_graft.hooks import Kind, Plan
 from vllm_graft.hooks.contracts import MoEModel
 from vllm_graft.hooks.deployment import Enabled
 
+from vllm_graft.integration import targets
 from vllm_graft.integration.runtime import Runtime
 from vllm_graft.integration.adapters import Adapter
 from vllm_graft.integration.adapters.moe.chain import MoEChain
@@ -360,7 +361,7 @@ def _has_engine_arg(name: str) -> bool:
 
 class MoEAdapter(Adapter):
     kind = Kind.MOE
-    owner = "adapters.moe"
+    owner = targets.MOE
 
     def __init__(self) -> None:
         #: The active deployment's chain, read by every GraftMoERunner built while active.

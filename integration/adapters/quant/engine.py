@@ -57,6 +57,7 @@ from typing import Any
 from vllm_graft.hooks import Kind, Plan
 from vllm_graft.hooks.deployment import Enabled
 
+from vllm_graft.integration import targets
 from vllm_graft.integration.runtime import Runtime
 from vllm_graft.integration.adapters import Adapter
 # The adapter's vLLM-free API, also reachable here (the unit tests use it through this module).
@@ -76,7 +77,7 @@ from vllm_graft.integration.adapters.quant.tensors import (  # noqa: F401
     quant_linear_op,
 )
 
-OWNER = "adapters.quant"
+OWNER = targets.QUANT
 
 
 class QuantAdapter(Adapter):

@@ -98,7 +98,7 @@ from vllm_graft.integration.adapters import Adapter
 from vllm_graft.integration.adapters.speculative import tree
 from vllm_graft.integration.adapters.speculative.drafting import Drafting
 
-OWNER = "adapters.speculative"
+OWNER = targets.SPECULATIVE
 
 #: Drafts per step when the plugin's parameters have no ``num_speculative_tokens`` field.
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
@@ -283,9 +283,9 @@ def _prepare_inputs_wrapper(original: Callable) -> Callable:
 def install_patch() -> None:
     """Wrap ``GPUModelRunner._update_states``, ``GPUModelRunner._sample`` and
     ``GPUModelRunner._prepare_inputs`` (idempotent; why: :mod:`...targets`)."""
-    PATCHES.ensure_target(targets.SPEC_SAMPLE, _sample_wrapper)
-    PATCHES.ensure_target(targets.SPEC_UPDATE_STATES, _update_states_wrapper)
-    PATCHES.ensure_target(targets.SPEC_PREPARE_INPUTS, _prepare_inputs_wrapper)
+    PATCHES.apply(targets.SPEC_SAMPLE, _sample_wrapper)
+    PATCHES.apply(targets.SPEC_UPDATE_STATES, _update_states_wrapper)
+    PATCHES.apply(targets.SPEC_PREPARE_INPUTS, _prepare_inputs_wrapper)
 
 
 # ------------------------------------------------------------------------------ adapter
