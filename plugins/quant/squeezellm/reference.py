@@ -159,7 +159,9 @@ class SqueezeLLM(QuantMethod):
             cols.append(c.long())
             vals.append(v)
             base += n
-        cat = (lambda t: t[0] if len(t) == 1 else torch.cat(t, 0))
+        def cat(t):
+            return t[0] if len(t) == 1 else torch.cat(t, 0)
+
         out = {"codes": cat(stored["codes"]), "lut": cat(stored["lut"]),
                "sparse_rows": torch.cat(rows), "sparse_cols": torch.cat(cols),
                "sparse_vals": torch.cat(vals)}
