@@ -102,7 +102,6 @@ def reference_weights(logits, ids, weights, renormalize: bool):
 
 
 def _check_route_weights(t: Target, logits, w, ids, renorm: bool, label: str) -> None:
-    torch_module()  # refuses clearly without torch
     used = w.float() > 0
     for tok in range(ids.shape[0]):
         chosen = ids[tok][used[tok]].tolist()
