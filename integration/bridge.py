@@ -44,8 +44,6 @@ ENV_CONFIG = "VLLM_GRAFT_CONFIG"  # internal: the resolved deployment (JSON), fo
 ENV_ACTIVATION_LOG = "VLLM_GRAFT_ACTIVATION_LOG"  # debugging aid: append one line per activation
 ADDITIONAL_CONFIG_KEY = "graft"
 
-_registered = False
-
 
 class UnsupportedVLLMError(RuntimeError):
     pass
@@ -53,11 +51,11 @@ class UnsupportedVLLMError(RuntimeError):
 
 # ----------------------------------------------------------------------------- entry point
 def register() -> None:
-    """``vllm.general_plugins`` entry point: called by vLLM once per process; idempotent."""
-    global _registered
-    if _registered:
+    """``vllm.general_plugins`` entry point: called by vLLM once per process; idempotent
+    (``RUNTIME.registered``, which deactivation keeps)."""
+    if RUNTIME.registered:
         return
-    _registered = True
+    RUNTIME.registered = True
     _check_additional_config_argv(sys.argv)
     found = installed_vllm()
     data, source = _deployment_from_env()
@@ -135,16 +133,13 @@ def _warn_unchecked_build(found: tuple[str, str]) -> None:
 
     release = Version(found[1]).release
     minor = f"{release[0]}.{release[1]}" if len(release) > 1 else found[1]
-    if any(b.distribution == found[0] and b.minor == minor for b in VLLM_BUILDS) or found in _warned:
+    if any(b.distribution == found[0] and b.minor == minor for b in VLLM_BUILDS) \
+            or not RUNTIME.once(("unchecked build", found)):
         return
-    _warned.add(found)
     checked = ", ".join(f"{b.distribution} {b.minor}" for b in VLLM_BUILDS)
     log.warning("vllm-graft: %s %s is in the supported range but its build was never checked "
                 "(checked: %s); run `vllm-graft doctor` to see whether everything it needs is there",
                 found[0], found[1], checked)
-
-
-_warned: set[tuple[str, str]] = set()
 
 
 # --------------------------------------------------------------------------- deployments
@@ -265,13 +260,8 @@ def _warn_reference_on_gpu(plan: Plan) -> None:
 
 
 def deactivate() -> None:
-    """Undo every adapter's registrations and patches in this process."""
-    for adapter in reversed(RUNTIME.adapters):
-        adapter.deactivate()
-    for patch in PATCHES.applied():
-        if patch.owner != "bridge":
-            PATCHES.undo(patch.owner)
-    model_runner.restore()
+    """Undo every adapter's registrations and patches in this process, and forget the
+    deployment's state: :meth:`.runtime.Runtime.reset`, which holds all of it."""
     RUNTIME.reset()
 
 
@@ -408,14 +398,10 @@ def _apply_engine_overrides(engine_args: Any, plan: Plan) -> None:
                 hint=f"drop --{key.replace('_', '-')} from the vLLM command line"))
             continue
         setattr(engine_args, key, value)
-        if key in why and why[key] not in _logged_why:
-            _logged_why.add(why[key])
+        if key in why and RUNTIME.once(("engine why", why[key])):
             log.warning("vllm-graft: %s set for this engine because %s", f"{key}={value!r}", why[key])
     if problems:
         raise DeploymentError(problems, "deployment vs vLLM engine arguments")
-
-
-_logged_why: set[str] = set()
 
 
 def _engine_defaults() -> dict[str, Any]:

@@ -97,22 +97,22 @@ def decide(patches: Iterable[Any], env: str | None, plugins: dict[str, list[str]
 
 
 # ------------------------------------------------------------------ around create_engine_config
-_we_set = False
-_logged: set[str] = set()
+# Whether vllm-graft set the variable, and which reasons were logged, live on the process's
+# runtime (RUNTIME.runner_env_set, RUNTIME.once): deactivation (RUNTIME.reset) calls restore.
 
 
 def before_config(patches: Iterable[Any], plugins: dict[str, list[str]] | None = None) -> Decision:
     """Apply :func:`decide` before vLLM builds its config (raises :class:`RunnerError`)."""
-    global _we_set
+    from .runtime import RUNTIME
+
     d = decide(list(patches), os.environ.get(ENV_RUNNER), plugins)
     if d.refusal:
         raise RunnerError(d.refusal)
     if d.set_env:
         os.environ[ENV_RUNNER] = "0"
-        _we_set = True
+        RUNTIME.runner_env_set = True
         _reset_vllm_env_cache()
-        if d.why not in _logged:
-            _logged.add(d.why)
+        if RUNTIME.once(("model runner v1", d.why)):
             log.warning("vllm-graft: Model Runner V1 selected for this engine (%s=0 set) because "
                         "%s, which Model Runner V2 does not call", ENV_RUNNER, d.why)
     return d
@@ -127,14 +127,15 @@ def after_config(config: Any, d: Decision) -> None:
             f"needs V1: {d.why}. Disable that feature or leave the plugin out of the deployment.")
 
 
-def restore() -> None:
+def restore(runtime: Any = None) -> None:
     """Undo :func:`before_config`'s variable (a later engine in this process without the plugin
-    gets vLLM's default again)."""
-    global _we_set
-    if _we_set and os.environ.get(ENV_RUNNER) == "0":  # not changed by the user since
+    gets vLLM's default again); ``runtime``: the process's by default. Called by its reset."""
+    if runtime is None:
+        from .runtime import RUNTIME as runtime
+    if runtime.runner_env_set and os.environ.get(ENV_RUNNER) == "0":  # not changed by the user since
         os.environ.pop(ENV_RUNNER, None)
         _reset_vllm_env_cache()
-    _we_set = False
+    runtime.runner_env_set = False
 
 
 def _reset_vllm_env_cache() -> None:

@@ -7,17 +7,21 @@ in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, what `vllm-graft demo` 
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 import threading
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Hashable, Iterator
 
 from vllm_graft.hooks import Kind, Plan, PluginImpl, contract_for
 from vllm_graft.hooks.deployment import Enabled
+
+from .patches import PATCHES, PatchRegistry
 
 
 log = logging.getLogger("vllm_graft")
@@ -50,6 +54,37 @@ class Runtime:
     state_holders: dict[str, Any] = field(default_factory=dict, repr=False)
     _last_sizes: dict[str, int] | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    # ---- the adapters' state of the active deployment (:meth:`reset` clears it). The adapters
+    # keep it here, on the process's :data:`RUNTIME`, and nowhere else (tests/unit/
+    # test_runtime_state.py holds them to it), whatever runtime ``activate`` is handed.
+    #: kvcompress: the active compressor and its per-request tables (an
+    #: ``adapters.kvcompress.state.Active``; None: no kvcompress plugin)
+    kvcompress: Any = field(default=None, repr=False)
+    #: speculative: the tree verifier of this process's proposer, read by the tree attention
+    #: (an ``adapters.speculative.tree.TreeVerifier``; None: no trees)
+    tree_verifier: Any = field(default=None, repr=False)
+    #: the generic attention backend's exact PyTorch attention, used while no attention plugin
+    #: is enabled (``adapters.custom_backend``; built on first use)
+    reference_attention: Any = field(default=None, repr=False)
+    #: :mod:`.model_runner` set ``VLLM_USE_V2_MODEL_RUNNER=0`` for this deployment (undone at reset)
+    runner_env_set: bool = False
+    #: what was said once since the last reset (see :meth:`once`)
+    said: set = field(default_factory=set, repr=False)
+
+    # ---- process-lifetime state (:meth:`reset` keeps it)
+    #: the patch registry whose adapter patches :meth:`reset` undoes (:data:`RUNTIME`'s is
+    #: :data:`.patches.PATCHES`; a runtime made apart, e.g. in a test, undoes none)
+    patches: PatchRegistry | None = field(default=None, repr=False)
+    #: the ``vllm.general_plugins`` entry point ran in this process (``bridge.register``: once per
+    #: process, like the front-end config hook it installs, which deactivation leaves in place)
+    registered: bool = False
+    #: the quant adapter's linear methods by key, for its custom ops (``adapters.quant.tensors``):
+    #: weak, so an engine's methods go with its model; they belong to the model, not to the
+    #: deployment, and the keys baked into a compiled graph are never reused in a process
+    linear_methods: "weakref.WeakValueDictionary[int, Any]" = field(
+        default_factory=weakref.WeakValueDictionary, repr=False)
+    linear_keys: Iterator[int] = field(default_factory=itertools.count, repr=False)
 
     @property
     def active(self) -> bool:
@@ -204,7 +239,31 @@ class Runtime:
             renewed.append(name)
         return renewed
 
+    def once(self, key: Hashable) -> bool:
+        """True the first time ``key`` is asked since the last :meth:`reset` (then False): for
+        what is said once per deployment (``if RUNTIME.once(("why", why)): log.warning(...)``)."""
+        if key in self.said:
+            return False
+        self.said.add(key)
+        return True
+
     def reset(self) -> None:
+        """Deactivation, in one call: each activated adapter's ``deactivate`` (last first), the
+        adapters' patches undone (:data:`.patches.PATCHES`; the bridge's own config hook stays),
+        :mod:`.model_runner`'s variable restored, then every per-deployment field cleared. What
+        stays is the process-lifetime state (``registered``, the linear methods)."""
+        for adapter in reversed(self.adapters):
+            adapter.deactivate()
+        if self.patches is not None:  # every adapter's patches; the bridge's config hook stays
+            from .targets import CREATE_ENGINE_CONFIG
+
+            for owner in dict.fromkeys(p.owner for p in self.patches.applied()):
+                if owner != CREATE_ENGINE_CONFIG.owner:
+                    self.patches.undo(owner)
+        if self.runner_env_set:
+            from . import model_runner
+
+            model_runner.restore(self)
         self.plan = self.source = self.config_json = self.report_dir = self._tp_rank = None  # ends the reporter
         self._dirty = False
         self.instances.clear()
@@ -212,6 +271,9 @@ class Runtime:
         self.adapters.clear()
         self.state_holders.clear()
         self._last_sizes = None
+        self.kvcompress = self.tree_verifier = self.reference_attention = None
+        self.runner_env_set = False
+        self.said.clear()
 
 
 def _request_tables(obj: Any, label: str, out: dict[str, int], depth: int, seen: set[int]) -> None:
@@ -258,5 +320,6 @@ def _tensor_parallel_rank() -> int | None:
     return get_tensor_model_parallel_rank() if model_parallel_is_initialized() else None
 
 
-#: This process's runtime.
-RUNTIME = Runtime()
+#: This process's runtime: the one object holding the active deployment's state (the plugin
+#: instances, what they did, the adapters' state); ``bridge.deactivate`` is its :meth:`~Runtime.reset`.
+RUNTIME = Runtime(patches=PATCHES)

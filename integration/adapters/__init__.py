@@ -23,7 +23,7 @@ from typing import Any
 from vllm_graft.hooks import Kind, Plan
 from vllm_graft.hooks.deployment import Enabled
 
-from vllm_graft.integration.runtime import Runtime
+from vllm_graft.integration.runtime import RUNTIME, Runtime
 
 log = logging.getLogger("vllm_graft")
 
@@ -57,8 +57,7 @@ def attention_backend_overrides(plan: Plan) -> dict[str, Any]:
     asked = (plan.deployment.engine or {}).get("attention_backend")
     if asked is None or str(asked).upper() in _CUDA_BACKENDS_WITH_SEAMS or str(asked).upper() == "CUSTOM":
         return {}
-    if asked not in _warned_generic:
-        _warned_generic.add(asked)
+    if RUNTIME.once(("generic backend", asked)):
         log.warning("vllm-graft: attention_backend=%s has no vllm-graft seams; the deployment runs "
                     "on vllm-graft's generic CUSTOM backend instead (PyTorch attention on every layer, "
                     "no full CUDA graphs: much slower than vLLM's kernels). Leave attention_backend "
@@ -69,9 +68,11 @@ def attention_backend_overrides(plan: Plan) -> dict[str, Any]:
 #: vLLM's CUDA backends that vllm-graft subclasses (:data:`.backend.CUDA_PATHS`; named here so
 #: that the front end need not import vLLM)
 _CUDA_BACKENDS_WITH_SEAMS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")
-_warned_generic: set[str] = set()
 
 
+#: Import cache (the one module-level table here): each kind's ``ADAPTER``, the same object as
+#: its module's, found once per process. It holds no deployment state: what an adapter
+#: activates lives on :data:`~vllm_graft.integration.runtime.RUNTIME`, which deactivation resets.
 _cache: dict[Kind, Adapter] = {}
 
 

