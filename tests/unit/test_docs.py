@@ -31,8 +31,9 @@ def hookspecs():
 
 
 def doc_files() -> list[Path]:
-    """The hand-written and generated project docs (not a plugin package's own README)."""
-    return [README, BENCHMARKS, *sorted((ROOT / "docs").glob("*.md"))]
+    """The hand-written and generated project docs (not a plugin package's own README), with the
+    pages BENCHMARKS.md and the README moved their detail to (docs/benchmarks/, docs/status.md)."""
+    return [README, BENCHMARKS, *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 def section(text: str, heading: str) -> str:
@@ -79,7 +80,7 @@ def test_plugin_table_is_current():
 def test_readme_is_short_and_points_to_the_results():
     text = README.read_text()
     lines = text.count("\n")
-    assert lines <= 250, f"README.md has {lines} lines: measurements go to BENCHMARKS.md, detail to docs/"
+    assert lines <= 150, f"README.md has {lines} lines: measurements go to BENCHMARKS.md, detail to docs/"
     assert "(BENCHMARKS.md)" in text
     for heading in ("Set-up: two commands", "Plugins", "Commands", "Where things live",
                     "Writing a plugin", "Status"):
@@ -113,7 +114,15 @@ def test_benchmarks_has_a_section_per_kind_and_says_what_ran_on_a_gpu():
     assert "GPU figures: kernels only" in head and "No engine has run on a GPU" in head and "CPU" in head
     for title in ("Attention plugins", "KV-compression plugins", "Speculative plugins",
                   "Quant plugins", "MoE plugins"):
-        section(text, title)
+        assert "](docs/benchmarks/" in section(text, title), f"BENCHMARKS.md, {title}: no link to its page"
+
+
+def test_benchmarks_is_led_by_the_suite_table():
+    """How to read, then the table `vllm-graft bench --suite` writes; the history lives below docs/."""
+    from vllm_graft.tools.bench import suite
+    headings = re.findall(r"^## (.+)$", BENCHMARKS.read_text(), re.M)
+    assert headings[:2] == ["How to read", "The suite: every plugin against plain vLLM, one command"]
+    assert suite.MARK_START in section(BENCHMARKS.read_text(), headings[1])
 
 
 def test_supported_vllm_range_written_once():
@@ -138,7 +147,7 @@ DEAD_NAMES = ("ready_kinds", "AdapterMissing", "ADAPTERS_READY", "hooks/contract
 
 def source_files() -> list[Path]:
     """The package's and the tests' Python files (their docstrings cite paths too), but this one."""
-    files = [p for folder in ("hooks", "plugins", "integration", "kit", "tools", "tests")
+    files = [p for folder in ("hooks", "plugins", "integration", "cli", "kit", "tools", "tests")
              for p in sorted((ROOT / folder).rglob("*.py"))]
     return [p for p in files if p != Path(__file__).resolve()]
 
@@ -169,13 +178,13 @@ def test_every_cited_command_exists_and_the_readme_lists_them_all():
             f"`vllm-graft {name}` is missing from the README's Commands list"
 
 
-REPO_PATH = re.compile(r"`((?:hooks|plugins|integration|kit|tools|tests|deployments|models|"
+REPO_PATH = re.compile(r"`((?:hooks|plugins|integration|cli|kit|tools|tests|deployments|models|"
                        r"benchmarks|examples|docs)/[^`\s:]*)")
 #: The tutorial cites files of the plugin package it builds, examples/graft-flexq.
 EXTRA_ROOTS = {"tutorial.md": [ROOT / "examples" / "graft-flexq"]}
 
 
-@pytest.mark.parametrize("path", doc_files(), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", doc_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_cited_repo_paths_exist(path):
     roots = [ROOT, *EXTRA_ROOTS.get(path.name, [])]
     for cited in REPO_PATH.findall(path.read_text()):
@@ -195,7 +204,7 @@ def anchors(path: Path) -> set[str]:
     return {slug(h) for h in re.findall(r"^#{1,6} (.+)$", text, re.M)}
 
 
-@pytest.mark.parametrize("path", doc_files(), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", doc_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(path):
     for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
         if re.match(r"[a-z]+:", target):
