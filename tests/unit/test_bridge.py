@@ -11,6 +11,7 @@ from vllm_graft.hooks import DeploymentError
 from vllm_graft.integration import bridge
 from vllm_graft.cli import launch
 from vllm_graft.integration.patches import PatchError, PatchRegistry
+from vllm_graft.integration.plan import plan_for
 
 REPO = launch.repo_root()
 
@@ -70,7 +71,8 @@ def test_patch_refuses_missing_attribute_unchecked_version_and_an_unnamed_wrappe
 
 
 def test_every_patch_entry_names_its_wrapper_and_the_wrapper_exists():
-    import importlib
+    import subprocess
+    import sys
 
     from vllm_graft.hooks import KINDS
     from vllm_graft.integration import targets
@@ -78,12 +80,20 @@ def test_every_patch_entry_names_its_wrapper_and_the_wrapper_exists():
     owners = {spec.owner for spec in KINDS.values()} | {targets.BRIDGE, targets.BENCH}
     for t in targets.TARGETS:
         assert t.owner in owners, t
-    for t in targets.PATCH_TARGETS:
-        module, qualname = t.wrapper.split(":")
-        obj = importlib.import_module(f"vllm_graft.{module}")
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-        assert callable(obj), t.wrapper
+    # In a fresh interpreter: the wrappers' modules import Triton kernels, which would then be
+    # compiled, not interpreted, for the kernel tests that run later in this process.
+    code = ("import importlib, sys\n"
+            "for w in sys.argv[1:]:\n"
+            "    module, qualname = w.split(':')\n"
+            "    obj = importlib.import_module('vllm_graft.' + module)\n"
+            "    for part in qualname.split('.'):\n"
+            "        obj = getattr(obj, part)\n"
+            "    assert callable(obj), w\n"
+            "print('ok', len(sys.argv) - 1)")
+    wrappers = [t.wrapper for t in targets.PATCH_TARGETS]
+    assert all(wrappers)
+    out = subprocess.run([sys.executable, "-c", code, *wrappers], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.split() == ["ok", str(len(wrappers))], out.stderr[-2000:]
 
 
 # ------------------------------------------------------------------------- routes / config
@@ -113,29 +123,29 @@ def test_env_route_prefers_the_resolved_config(monkeypatch, tmp_path):
 
 def test_resolve_fills_in_the_engine_model_and_makes_paths_absolute():
     model = str(REPO / "models" / "graft-tiny-llama")
-    plan = bridge.resolve({"attention": {"plugin": "noop"}}, source="t", engine_model=model)
+    plan = plan_for({"attention": {"plugin": "noop"}}, source="t", engine_model=model)
     assert plan.deployment.model == model
     assert plan.model is not None and plan.model.architectures == ("LlamaForCausalLM",)
 
 
 def test_resolve_refuses_a_different_model_than_the_engine():
     with pytest.raises(DeploymentError, match="different model than the engine runs"):
-        bridge.resolve({"model": str(REPO / "models" / "graft-tiny-mixtral")}, source="t",
-                       engine_model=str(REPO / "models" / "graft-tiny-llama"))
+        plan_for({"model": str(REPO / "models" / "graft-tiny-mixtral")}, source="t",
+                 engine_model=str(REPO / "models" / "graft-tiny-llama"))
 
 
 def test_resolve_file_route_is_relative_to_the_file(tmp_path):
     (tmp_path / "d.yaml").write_text(f"model: {REPO / 'models' / 'graft-tiny-llama'}\nattention: {{plugin: nope}}\n")
     with pytest.raises(DeploymentError) as e:
-        bridge.resolve({"__file__": str(tmp_path / "d.yaml")}, source="env")
+        plan_for({"__file__": str(tmp_path / "d.yaml")}, source="env")
     assert e.value.source == str(tmp_path / "d.yaml")
     assert "unknown attention plugin" in str(e.value) or "nope" in str(e.value)
 
 
 def test_deployment_json_round_trips_through_additional_config():
-    plan = launch.load_plan(REPO / "deployments" / "noop.yaml")
+    plan = plan_for(REPO / "deployments" / "noop.yaml")
     cfg = bridge.deployment_for_engine(plan)
-    again = bridge.resolve(cfg["graft"], source="child")
+    again = plan_for(cfg["graft"], source="child")
     assert bridge.deployment_json(again) == bridge.deployment_json(plan)
     assert again.deployment.model.startswith("/")
 
@@ -160,8 +170,8 @@ def _engine_args(**values):
 def test_engine_overrides_are_set_unless_the_user_chose_otherwise(monkeypatch):
     from vllm_graft.integration import adapters
 
-    plan = launch.plan_from_dict({"model": str(REPO / "models" / "graft-tiny-llama"),
-                                  "engine": {"max_model_len": 512}, "quant": {"plugin": "noop"}})
+    plan = plan_for({"model": str(REPO / "models" / "graft-tiny-llama"),
+                     "engine": {"max_model_len": 512}, "quant": {"plugin": "noop"}})
     monkeypatch.setattr(adapters, "adapter_for", lambda kind: FakeAdapter(kind, {"quantization": "graft-noop"}))
     args = _engine_args()
     bridge._apply_engine_overrides(args, plan)
@@ -227,7 +237,7 @@ def test_entry_point_with_unsupported_vllm_and_no_deployment_changes_nothing(mon
 def test_serve_command_passes_engine_args_and_deployment():
     from vllm_graft.cli.engine_commands import serve_command
 
-    plan = launch.load_plan(REPO / "deployments" / "noop.yaml")
+    plan = plan_for(REPO / "deployments" / "noop.yaml")
     argv = serve_command(plan, ["--", "--port", "8123"])
     assert argv[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model",
                          str(REPO / "models" / "graft-tiny-mixtral")]
@@ -280,7 +290,7 @@ def test_each_process_writes_its_report_and_report_sums_them(tmp_path, monkeypat
     from vllm_graft.cli import engine_commands as run
 
     rt = runtime.Runtime()
-    plan = launch.load_plan(REPO / "deployments" / "demo.yaml")
+    plan = plan_for(REPO / "deployments" / "demo.yaml")
     monkeypatch.setattr(runtime, "REPORT_EVERY_S", 0.01)
     rt.plan, rt.source = plan, "test"
     rt.start_reporting(str(tmp_path / "r"))
@@ -315,7 +325,6 @@ def test_report_thread_survives_a_table_changed_while_it_reads(tmp_path, monkeyp
     report from then on. It now retries the next period."""
     from vllm_graft.hooks import Kind
     from vllm_graft.integration import runtime
-    from vllm_graft.cli import launch
 
     class Racy:
         calls = 0
@@ -327,7 +336,7 @@ def test_report_thread_survives_a_table_changed_while_it_reads(tmp_path, monkeyp
             return {"calls": Racy.calls}
 
     rt = runtime.Runtime()
-    rt.plan, rt.source = launch.load_plan(REPO / "deployments" / "demo.yaml"), "test"
+    rt.plan, rt.source = plan_for(REPO / "deployments" / "demo.yaml"), "test"
     (spec,) = [e for e in rt.plan.enabled if e.kind == Kind.SPECULATIVE]
     rt.instances[(spec.kind, spec.name)] = Racy()
     monkeypatch.setattr(runtime, "REPORT_EVERY_S", 0.01)
