@@ -85,6 +85,9 @@ class Runtime:
     linear_methods: "weakref.WeakValueDictionary[int, Any]" = field(
         default_factory=weakref.WeakValueDictionary, repr=False)
     linear_keys: Iterator[int] = field(default_factory=itertools.count, repr=False)
+    #: metadata builds and layer forwards through the generic backend (``adapters.custom_backend``)
+    #: in this process, by ``"build"``/``"forward"``: tests read the difference across a run
+    backend_calls: Counter = field(default_factory=Counter, repr=False)
 
     @property
     def active(self) -> bool:
@@ -251,7 +254,7 @@ class Runtime:
         """Deactivation, in one call: each activated adapter's ``deactivate`` (last first), the
         adapters' patches undone (:data:`.patches.PATCHES`; the bridge's own config hook stays),
         :mod:`.model_runner`'s variable restored, then every per-deployment field cleared. What
-        stays is the process-lifetime state (``registered``, the linear methods)."""
+        stays is the process-lifetime state (``registered``, the linear methods, the backend calls)."""
         for adapter in reversed(self.adapters):
             adapter.deactivate()
         if self.patches is not None:  # every adapter's patches; the bridge's config hook stays

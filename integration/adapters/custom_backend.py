@@ -55,14 +55,15 @@ from .backend import (
     customize_spec,
     write_kv,
 )
+from vllm_graft.integration.runtime import RUNTIME
+
 from .plugin_calls import raised
 
 log = logging.getLogger("vllm_graft")
 
 
-#: Metadata builds and layer forwards through this backend in this process (tests read it to
-#: know the route was really taken).
-CALLS = {"build": 0, "forward": 0}
+# Metadata builds and layer forwards through this backend in this process are counted in
+# RUNTIME.backend_calls ("build", "forward"; tests read it to know the route was really taken).
 
 
 @dataclass
@@ -98,7 +99,7 @@ class GraftAttentionMetadataBuilder(AttentionMetadataBuilder[GraftAttentionMetad
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> GraftAttentionMetadata:
-        CALLS["build"] += 1
+        RUNTIME.backend_calls["build"] += 1
         cm = common_attn_metadata
         for rewrite in SEAMS.rewriters:
             cm = rewrite(self, cm)
@@ -156,7 +157,7 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
             return output.fill_(0)
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("vllm-graft's attention backend does not fuse output quantisation")
-        CALLS["forward"] += 1
+        RUNTIME.backend_calls["forward"] += 1
         n = attn_metadata.num_actual_tokens
         spec = AttentionLayer(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                               head_size=self.head_size, scale=self.scale,
@@ -178,22 +179,19 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
         return output
 
 
-_reference: Any = None
-
-
 def _method():
     """The enabled attention method, or exact PyTorch attention when none is (a KV compressor
-    alone needs this backend for its layout and rewriters but computes nothing new)."""
-    global _reference
+    alone needs this backend for its layout and rewriters but computes nothing new; built once
+    per deployment, kept as ``RUNTIME.reference_attention``)."""
     if SEAMS.method is not None:
         return SEAMS.method
-    if _reference is None:
+    if RUNTIME.reference_attention is None:
         from vllm_graft.plugins.attention._shared import PagedAttention
 
         log.warning("vllm-graft: no attention plugin is enabled; the graft attention backend "
                     "computes attention with the PyTorch reference (exact, slow)")
-        _reference = PagedAttention(None)
-    return _reference
+        RUNTIME.reference_attention = PagedAttention(None)
+    return RUNTIME.reference_attention
 
 
 class GraftAttentionBackend(AttentionBackend):

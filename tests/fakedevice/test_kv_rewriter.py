@@ -70,10 +70,10 @@ def _runner(computed, queries):
 
 @pytest.fixture
 def active():
-    previous = _state.active
-    _state.active = Active(SinkWindow(None), "sw", lambda event, n=1: None)
-    yield _state.active
-    _state.active = previous
+    previous = _state.get_active()
+    _state.set_active(Active(SinkWindow(None), "sw", lambda event, n=1: None))
+    yield _state.get_active()
+    _state.set_active(previous)
 
 
 def _put(device, cm):

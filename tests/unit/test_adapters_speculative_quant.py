@@ -13,7 +13,6 @@ from pydantic import BaseModel, ConfigDict
 
 from vllm_graft.hooks import Kind, NoParams, Proposer
 from vllm_graft.integration.adapters.quant import engine as quant
-from vllm_graft.integration.adapters.quant import tensors
 from vllm_graft.integration.adapters.speculative import engine as speculative
 from vllm_graft.integration.adapters.speculative.drafting import Drafting
 from vllm_graft.integration.adapters.speculative.engine import GraftProposer
@@ -296,6 +295,8 @@ def test_the_linear_op_runs_plugin_code_on_every_call_even_when_compiled():
     (arbitrary Python, counted per call), with a correct shape for the compiler."""
     import torch.nn.functional as F
 
+    from vllm_graft.integration.runtime import RUNTIME
+
     class Method:  # stands in for the vLLM-facing linear method
         out_features, calls = 5, 0
 
@@ -304,7 +305,7 @@ def test_the_linear_op_runs_plugin_code_on_every_call_even_when_compiled():
             return F.linear(x, tensors[0], bias) if x.sum() > 0 else -F.linear(x, tensors[0], bias)
 
     method, key = Method(), 10**9
-    tensors._LINEAR[key] = method
+    RUNTIME.linear_methods[key] = method
     op = quant.quant_linear_op()
     assert op is quant.quant_linear_op()  # registered once per process
     w, b = torch.randn(5, 3), torch.randn(5)
@@ -314,7 +315,7 @@ def test_the_linear_op_runs_plugin_code_on_every_call_even_when_compiled():
         expected = (F.linear(x, w, b) if sign > 0 else -F.linear(x, w, b)) * 2
         torch.testing.assert_close(f(x), expected)
     assert method.calls == 3
-    del tensors._LINEAR[key]
+    del RUNTIME.linear_methods[key]
 
 
 def _dense_linear(weight_fn, host=True):

@@ -8,6 +8,7 @@ import os
 from typing import Any, Callable
 
 from vllm_graft.integration.adapters.kvcompress import state as _state
+from vllm_graft.integration.runtime import RUNTIME
 
 
 #: Environment variable naming a file to which each process appends one JSON line per
@@ -27,9 +28,6 @@ def trace(event: str, n: int, **detail: Any) -> None:
             f.write(json.dumps({"pid": os.getpid(), "event": event, "n": n, **detail}) + "\n")
 
 
-_warned_async = False
-
-
 def _attach_drops(out: Any) -> Any:
     """Worker: finalize the step and put the dropped blocks on the ModelRunnerOutput.
 
@@ -38,8 +36,7 @@ def _attach_drops(out: Any) -> Any:
     vLLM 0.33 CUDA: no ``req_ids``, the step's output kept as ``_model_runner_output`` and
     returned by ``get_output()``), the drops go on that inner output, which reaches the
     scheduler, and a warning says the blocks are freed a step late."""
-    global _warned_async
-    state = _state.active
+    state = _state.get_active()
     if state is None or state.scored is None or out is None:
         return out
     inner = getattr(out, "_model_runner_output", None)
@@ -51,8 +48,7 @@ def _attach_drops(out: Any) -> Any:
     import copy
 
     if inner is not None and not hasattr(out, "req_ids"):
-        if not _warned_async:
-            _warned_async = True
+        if RUNTIME.once("kvcompress async output"):
             import logging
 
             logging.getLogger("vllm_graft").warning(
@@ -87,7 +83,7 @@ def after_schedule_wrapper(original: Callable) -> Callable:
     (:data:`FREED_ATTR`), except those of requests preempted in the same step (all their blocks
     went back), for the worker's check."""
     def _update_after_schedule(self, scheduler_output, *args, **kwargs):
-        state = _state.active
+        state = _state.get_active()
         if state is not None and state.freed_now:
             preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
             freed = {r: b for r, b in state.freed_now.items() if r not in preempted}
@@ -117,7 +113,7 @@ def execute_model_wrapper(original: Callable) -> Callable:
     requests; note the blocks the scheduler freed (rule-based compressors) or attach the
     step's drops (scored ones)."""
     def execute_model(self, scheduler_output, *args, **kwargs):
-        state = _state.active
+        state = _state.get_active()
         if state is not None and state.scored is not None:
             state.scored.forget(_gone(scheduler_output))
         elif state is not None:
@@ -139,10 +135,10 @@ def sample_tokens_wrapper(original: Callable) -> Callable:
 
 def update_from_output_wrapper(original: Callable) -> Callable:
     """Scheduler, ``Scheduler.update_from_output``: record the reported drops per request
-    (``state.active.to_free``); the KV manager frees them."""
+    (``state.get_active().to_free``); the KV manager frees them."""
     def update_from_output(self, scheduler_output, model_runner_output, *args, **kwargs):
         drops = getattr(model_runner_output, "graft_kv_drops", None)
-        state = _state.active
+        state = _state.get_active()
         if drops and state is not None:
             for req_id, blocks in drops.items():
                 if req_id in self.requests:

@@ -284,7 +284,8 @@ class KVCompressAdapter(Adapter):
             salt = composition_salt([(x.name, x.params, x.entry.registration.capabilities.lossless)
                                      for x, _ in instances])
             install_patch(salt=salt is not None)
-            active = _state.active = Active(compressor, e.name, count, salt=salt, needs_scores=scored)
+            active = Active(compressor, e.name, count, salt=salt, needs_scores=scored)
+            _state.set_active(active)
             runtime.track_state(f"kvcompress/{e.name}/adapter", active)  # read by `soak`
             if fmt is not None:
                 active.kv_format, active.format_name = fmt, fmt_e.name
@@ -307,7 +308,7 @@ class KVCompressAdapter(Adapter):
     def deactivate(self):
         import sys
 
-        _state.active = None
+        _state.set_active(None)
         backend = sys.modules.get("vllm_graft.integration.adapters.backend")
         if backend is None:  # activation failed before installing anything
             return

@@ -47,7 +47,7 @@ def request_init_wrapper(original: Callable) -> Callable:
             f"hashes prefix-cache blocks differently from the one the adapter was written for ({VERSIONS})")
 
     def __init__(self, *args, **kwargs):
-        state = _state.active
+        state = _state.get_active()
         if state is not None and state.salt is not None:
             bound = signature.bind(self, *args, **kwargs)
             bound.arguments["cache_salt"] = salted(bound.arguments.get("cache_salt"), state.salt)

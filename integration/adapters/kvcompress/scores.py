@@ -248,7 +248,7 @@ class _ScoringAttention:
         observe = plan.observe[:n] if plan is not None else torch.zeros(n, dtype=torch.bool, device=query.device)
         if observe.shape[0] < n:
             observe = torch.cat([observe, observe.new_zeros(n - observe.shape[0])])
-        state = _state.active
+        state = _state.get_active()
         compressor = self.scores.compressor
         if getattr(compressor, "per_head", False):
             # each KV head reads the blocks it kept; the mass comes back per KV head

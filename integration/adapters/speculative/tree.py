@@ -51,6 +51,7 @@ for that (see BENCHMARKS.md).
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,7 @@ import numpy as np
 import torch
 
 from vllm_graft.hooks import BLOCKED, PACKED, AttentionMethod, KVCacheLayout
+from vllm_graft.integration.runtime import RUNTIME
 
 log = logging.getLogger("vllm_graft")
 
@@ -329,29 +331,21 @@ class TreePlan:
         return self._slots[1], self._slots[2]
 
 
-_KERNEL: Any = None  # the module _tree.kernel once imported; False: Triton missing
-_PATHS_LOGGED: set[str] = set()
-
-
+@functools.cache  # an import cache: the same answer for every deployment of the process
 def _triton_kernel():
     """The Triton tree kernel's module (``_tree.kernel``), or None where Triton cannot be
     imported (logged once)."""
-    global _KERNEL
-    if _KERNEL is None:
-        try:
-            from vllm_graft.plugins.speculative._tree import kernel
-        except ImportError as e:
-            log.warning("vllm-graft tree verification: Triton cannot be imported (%s); the tree rows "
-                        "run the PyTorch reference on the device (slow)", e)
-            _KERNEL = False
-        else:
-            _KERNEL = kernel
-    return _KERNEL or None
+    try:
+        from vllm_graft.plugins.speculative._tree import kernel
+    except ImportError as e:
+        log.warning("vllm-graft tree verification: Triton cannot be imported (%s); the tree rows "
+                    "run the PyTorch reference on the device (slow)", e)
+        return None
+    return kernel
 
 
 def _log_path(path: str, device: torch.device) -> None:
-    if path not in _PATHS_LOGGED:
-        _PATHS_LOGGED.add(path)
+    if RUNTIME.once(("tree verification path", path)):
         log.info("vllm-graft tree verification: tree rows by %s on %s", path, device)
 
 
@@ -367,7 +361,8 @@ class TreeAttention(AttentionMethod):
     kv_layouts = ("blocked", "packed")
 
     def plan(self, batch):
-        return _ACTIVE.plan(batch) if _ACTIVE is not None else None
+        verifier = RUNTIME.tree_verifier
+        return verifier.plan(batch) if verifier is not None else None
 
     def forward(self, query, kv_cache, batch, layer, plan=None):
         from vllm_graft.plugins.attention._shared import paged_attention
@@ -399,15 +394,16 @@ class TreeAttention(AttentionMethod):
 
 
 # ---------------------------------------------------------------- activation (the adapter)
-_ACTIVE: TreeVerifier | None = None  # the verifier of this process's proposer
+# The verifier of this process's proposer lives on the runtime (RUNTIME.tree_verifier: set by
+# activate_verifier, cleared by uninstall_attention and by deactivation).
+#: The attention method the tree verification installs (stateless: it reads the verifier
+#: from the runtime; one object, so that the backend's seam can be told apart)
 _ATTENTION = TreeAttention(None)
 
 
 def drafts_trees(enabled: Any, plan: Any) -> bool:
     """Whether the enabled proposer drafts trees; refuses (ValueError naming the fix) what tree
     verification cannot run with (see the module docstring)."""
-    from vllm_graft.integration.runtime import RUNTIME
-
     if not getattr(RUNTIME.instance(enabled), "drafts_trees", False):
         return False
     where = f"speculative plugin {enabled.name!r} drafts trees"
@@ -433,9 +429,8 @@ def drafts_trees(enabled: Any, plan: Any) -> bool:
 
 def activate_verifier(count) -> TreeVerifier:
     """The proposer's verifier, which the attention method reads its plan from."""
-    global _ACTIVE
-    _ACTIVE = TreeVerifier(count)
-    return _ACTIVE
+    verifier = RUNTIME.tree_verifier = TreeVerifier(count)
+    return verifier
 
 
 def install_attention(owner: str) -> None:
@@ -453,8 +448,7 @@ def install_attention(owner: str) -> None:
 def uninstall_attention(owner: str) -> None:
     from vllm_graft.integration.adapters import backend
 
-    global _ACTIVE
-    _ACTIVE = None
+    RUNTIME.tree_verifier = None
     if backend.SEAMS.method is _ATTENTION:
         backend.SEAMS.method, backend.SEAMS.method_name = None, ""
         backend.uninstall(owner)
