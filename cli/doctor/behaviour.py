@@ -87,8 +87,8 @@ def _assignments(tree: ast.AST, attr: str, value: object) -> Iterator[tuple[ast.
             if any(isinstance(t, ast.Attribute) and t.attr == attr for t in node.targets):
                 yield node, guarded, conditional
         loops = (ast.For, ast.While, ast.Try, ast.With)
-        for child in ast.iter_child_nodes(node):
-            yield from walk(child, guarded, conditional or isinstance(node, loops))
+        for sub in ast.iter_child_nodes(node):
+            yield from walk(sub, guarded, conditional or isinstance(node, loops))
 
     yield from walk(tree, False, False)
 
@@ -385,10 +385,11 @@ def triton_is_modular_check(src: VLLMSource) -> str | None:
             if not names:
                 return f"{UNQUANT}:{branch.lineno}: the TRITON backend returns no kernel classes"
             for name in names:
-                members = src.members(imports.get(name, ""), name) if imports.get(name) else None
-                if members is None:
+                origin = imports.get(name)
+                members = src.members(origin, name) if origin else None
+                if origin is None or members is None:
                     return f"{UNQUANT}:{branch.lineno}: kernel class {name} not found"
-                if _monolithic(src, imports[name], name):
+                if _monolithic(src, origin, name):
                     return (f"{UNQUANT}:{branch.lineno}: moe_backend='triton' can select {name}, a "
                             "monolithic kernel that routes inside itself")
             return None
@@ -575,7 +576,7 @@ def mixin_override_check(src: VLLMSource) -> str | None:
                 m = members[name]
                 missing = [p for p in params if m is not None and not m.varargs and p not in m.params]
                 if missing:
-                    return f"{module}.{cls}.{name} no longer takes {missing} (it takes {list(m.params)})"
+                    return f"{module}.{cls}.{name} no longer takes {missing} (it takes {list(m.params) if m else []})"
     return None
 
 

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from vllm_graft.hooks.versions import FLASHINFER
 
@@ -61,8 +61,9 @@ def flashinfer_uses(files: Iterable[tuple[str, str]]) -> list[FlashInferUse]:
                     if a.name.split(".")[0] == "flashinfer":
                         out.append(FlashInferUse(a.name, f"{rel}:{node.lineno}"))
                         # ``import flashinfer.x`` binds "flashinfer"; ``... as y`` binds y to x
-                        alias[a.asname] = a.name if a.asname else None
-                        if not a.asname:
+                        if a.asname:
+                            alias[a.asname] = a.name
+                        else:
                             alias["flashinfer"] = "flashinfer"
             elif isinstance(node, ast.ImportFrom) and not node.level and node.module \
                     and node.module.split(".")[0] == "flashinfer":
@@ -70,7 +71,6 @@ def flashinfer_uses(files: Iterable[tuple[str, str]]) -> list[FlashInferUse]:
                     full = f"{node.module}.{a.name}"
                     out.append(FlashInferUse(full, f"{rel}:{node.lineno}"))
                     alias[a.asname or a.name] = full
-        alias.pop(None, None)
         if not alias:
             continue
         called: set[int] = set()
@@ -134,12 +134,14 @@ class FlashInferSource(PackageSource):
         return m.group(1) if m else "unknown"
 
     @lru_cache(maxsize=None)
-    def _top(self, module: str) -> dict[str, ast.AST]:
+    def _top(self, module: str) -> dict[str, Any]:
+        """Top-level name -> its node, or ``("from", module, name)`` / ``("import", module)``."""
         path = self.module_path(module)
-        out: dict[str, ast.AST] = {}
-        if path is None:
+        out: dict[str, Any] = {}
+        text = self.read(path) if path is not None else None
+        if path is None or text is None:
             return out
-        for node in _top_statements(ast.parse(self.read(path)).body):
+        for node in _top_statements(ast.parse(text).body):
             if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 out[node.name] = node  # a later definition (e.g. after a try/except) wins
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):
@@ -196,7 +198,8 @@ class FlashInferSource(PackageSource):
         found = self.resolve(dotted)
         if found is None:
             return None
-        _, node, kind = found
+        node: Any = found[1]  # a def or class here (kind says which)
+        kind = found[2]
         if kind == "class":
             node = next((b for b in node.body if isinstance(b, ast.FunctionDef) and b.name == "__init__"), None)
             if node is None:
@@ -240,9 +243,9 @@ def pinned_version(src: VLLMSource) -> str | None:
         metas = [n for n in src._names if n.endswith(".dist-info/METADATA") and n.startswith("vllm")]
         text = src._zip.read(metas[0]).decode() if metas else ""
     else:
-        metas = [m for m in sorted(src.root.glob("vllm*.dist-info/METADATA"))
+        files = [m for m in sorted(src.root.glob("vllm*.dist-info/METADATA"))
                  if not m.parent.name.startswith("vllm_graft")]
-        text = metas[0].read_text() if metas else ""
+        text = files[0].read_text() if files else ""
     for line in text.splitlines():
         m = re.match(r"Requires-Dist:\s*flashinfer[-_]python\s*==\s*([^\s;]+)\s*(;.*)?$", line)
         if m and not (m.group(2) and "extra" in m.group(2)):

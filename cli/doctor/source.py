@@ -84,16 +84,17 @@ class VLLMSource(PackageSource):
             metas = [n for n in self._names if n.endswith(".dist-info/METADATA")]
             text = self._zip.read(metas[0]).decode() if metas else ""
         else:
-            metas = sorted(self.root.glob("vllm*.dist-info/METADATA"))
-            metas = [m for m in metas if not m.parent.name.startswith("vllm_graft")]
-            text = metas[0].read_text() if metas else ""
+            files = [m for m in sorted(self.root.glob("vllm*.dist-info/METADATA"))
+                     if not m.parent.name.startswith("vllm_graft")]
+            text = files[0].read_text() if files else ""
         m = re.search(r"^Name:\s*(\S+)", text, re.M)
         return m.group(1).replace("_", "-").lower() if m else "unknown"
 
     @lru_cache(maxsize=None)
     def tree(self, module: str) -> ast.Module | None:
         path = self.module_path(module)
-        return ast.parse(self.read(path)) if path else None
+        text = self.read(path) if path else None
+        return ast.parse(text) if text is not None else None
 
     # ------------------------------------------------------------------ names
     def top_level(self, module: str) -> dict[str, ast.AST]:
@@ -130,7 +131,7 @@ class VLLMSource(PackageSource):
         tree = self.tree(module)
         if tree is None:
             return None
-        package = module if self.module_path(module).endswith("__init__.py") else module.rpartition(".")[0]
+        package = module if (self.module_path(module) or "").endswith("__init__.py") else module.rpartition(".")[0]
         for node in _top_statements(tree.body):
             if isinstance(node, ast.ImportFrom):
                 for a in node.names:
