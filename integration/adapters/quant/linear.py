@@ -69,6 +69,14 @@ class PluginLinear:
     ``in_features``, ``shard_rows`` and ``params_dtype``, and for a pre-quantised checkpoint
     ``specs``, ``seen`` and ``parts``."""
 
+    # set by create_weights (vllm_method.GraftLinearMethod), not here
+    in_features: int
+    shard_rows: list[int]
+    params_dtype: Any
+    specs: dict[str, Any]  # pre-quantised: stored tensor name -> its spec
+    seen: dict[str, set[int | None]]  # pre-quantised: shards loaded per stored tensor
+    parts: dict[str, Any]  # pre-quantised: ragged shards kept until all arrived
+
     def __init__(self, plugin: QuantMethod, name: str, prefix: str = "",
                  prequantized: bool = False) -> None:
         self.plugin, self.name, self.prefix = plugin, name, prefix
@@ -159,7 +167,8 @@ class PluginLinear:
             whole = None in seen
             missing = [] if whole else [i for i in range(n) if i not in seen]
             if missing or not seen:
-                names = [self.tensor_name(tname, i) for i in (missing or [None])]
+                names = ([self.tensor_name(tname, i) for i in missing] if missing
+                         else [self.tensor_name(tname, None)])
                 raise ValueError(f"{', '.join(names)}: missing from the checkpoint (a "
                                  f"{self.plugin_label()} checkpoint stores "
                                  f"{', '.join(self.specs)} for every quantised layer)")
