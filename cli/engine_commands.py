@@ -107,10 +107,10 @@ def _quiet_vllm() -> None:
 
 def _load(path: str, console: Console) -> Plan | None:
     from vllm_graft.cli.main import _print_plan
-    from vllm_graft.cli.launch import load_plan
+    from vllm_graft.integration.plan import plan_for
 
     try:
-        plan = load_plan(path)
+        plan = plan_for(path)
     except DeploymentError as e:
         n = len(e.problems)
         console.print(f"[bold red]✗ {escape(e.source)}: {n} problem{'s' if n != 1 else ''}[/] "
@@ -578,7 +578,7 @@ def engine_flags(kwargs: dict) -> list[str]:
 
 def serve_command(plan: Plan, vllm_args: Sequence[str]) -> list[str]:
     """The `vllm serve` command line for ``plan`` (engine section as flags)."""
-    from vllm_graft.integration.bridge import deployment_for_engine
+    from vllm_graft.integration.plan import deployment_for_engine
     from vllm_graft.cli.launch import llm_kwargs
 
     kwargs = llm_kwargs(plan)

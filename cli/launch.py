@@ -1,4 +1,5 @@
-"""Starting vLLM with a deployment: what `generate`, `demo`, `serve` and `bench` share."""
+"""Starting vLLM with a deployment: what `generate`, `demo`, `serve` and `bench` share. A deployment
+becomes a plan through :func:`vllm_graft.integration.plan.plan_for`."""
 from __future__ import annotations
 
 import gc
@@ -8,10 +9,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from vllm_graft.hooks import Plan, get_registry, validate
-from vllm_graft.hooks.deployment import load_file
-
-from vllm_graft.integration.env import detect_environment
+from vllm_graft.hooks import Plan
+from vllm_graft.integration.plan import deployment_for_engine, plan_adapters
 
 log = logging.getLogger("vllm_graft")
 
@@ -53,23 +52,6 @@ def deployments_dir() -> Path:
     their model paths (``../models/NAME``) are relative to each file, so they find the models
     beside them wherever the package is installed."""
     return repo_root() / "deployments"
-
-
-def load_plan(path: str | os.PathLike[str], *, platform: str | None = None) -> Plan:
-    """Validate a deployment file (raises DeploymentError listing every problem)."""
-    from vllm_graft.integration.bridge import absolute_model
-
-    data = load_file(path)
-    return absolute_model(validate(data, get_registry(), detect_environment(platform), source=str(path),
-                                   base_dir=Path(path).resolve().parent))
-
-
-def plan_from_dict(data: dict[str, Any], *, source: str = "deployment",
-                   base_dir: str | os.PathLike[str] | None = None) -> Plan:
-    from vllm_graft.integration.bridge import absolute_model
-
-    return absolute_model(validate(data, get_registry(), detect_environment(), source=source,
-                                   base_dir=base_dir))
 
 
 def apply_env_defaults(*, in_process: bool | None = None, engine: dict[str, Any] | None = None) -> None:
@@ -121,8 +103,6 @@ def llm_kwargs(plan: Plan, *, graft: bool = True, **overrides: Any) -> dict[str,
     """Keyword arguments for ``vllm.LLM``: the deployment's model and engine section, plus
     (with ``graft``) the deployment itself in ``additional_config``. ``graft=False`` gives
     the plain-vLLM twin of the same deployment (what the A/B bench compares against)."""
-    from vllm_graft.integration.bridge import deployment_for_engine
-
     if plan.deployment.model is None and "model" not in overrides:
         raise ValueError("the deployment names no model; give one (model: FOLDER) or pass model=")
     kwargs: dict[str, Any] = {"model": plan.deployment.model}
@@ -142,15 +122,10 @@ SHARED_ENGINE_KEYS = ("enforce_eager",)
 
 
 def shared_engine_overrides(plan: Plan) -> dict[str, Any]:
-    from vllm_graft.hooks import Kind
-
-    from vllm_graft.integration.adapters import adapter_for
-
     out: dict[str, Any] = {}
-    for kind in Kind:
-        if plan.by_kind(kind):
-            overrides = adapter_for(kind).engine_overrides(plan.by_kind(kind), plan)
-            out.update({k: v for k, v in overrides.items() if k in SHARED_ENGINE_KEYS})
+    for adapter in plan_adapters(plan):
+        overrides = adapter.engine_overrides(plan.by_kind(adapter.kind), plan)
+        out.update({k: v for k, v in overrides.items() if k in SHARED_ENGINE_KEYS})
     return out
 
 

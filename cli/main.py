@@ -22,9 +22,10 @@ from rich.markup import escape as _escape
 from rich.table import Table
 
 from vllm_graft.hooks import KINDS, DeploymentError, Kind, PluginLoadError, RegistryError, get_registry
-from vllm_graft.hooks.deployment import Plan, validate_file
+from vllm_graft.hooks.deployment import Plan
 
-from vllm_graft.integration.env import detect_environment, installed_vllm, package_version
+from vllm_graft.integration.env import installed_vllm, package_version
+from vllm_graft.integration.plan import plan_for
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_PLUGIN = 0, 1, 2, 3
 
@@ -103,10 +104,8 @@ def _entry_json(e) -> dict[str, Any]:
 
 
 def cmd_check(args: argparse.Namespace, console: Console) -> int:
-    registry = get_registry()
-    env = detect_environment(args.platform)
     try:
-        plan = validate_file(args.deployment, registry, env)
+        plan = plan_for(args.deployment, platform=args.platform)
     except DeploymentError as e:
         if args.json:
             print(json.dumps({"valid": False, "source": e.source,

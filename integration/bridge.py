@@ -9,8 +9,10 @@ each worker; the CPU engine always spawns them). A deployment is given in one of
 * ``VLLM_GRAFT_DEPLOYMENT=deploy.yaml`` in the environment.
 
 The front end resolves it when vLLM builds its config (:func:`_create_engine_config`, the
-one wrapper installed in every front-end process): it validates the deployment (a bad one
-fails here, before any engine process starts, with every problem listed), activates it,
+one wrapper installed in every front-end process): it validates the deployment with
+:func:`.plan.plan_for` (a bad one fails here, before any engine process starts, with every
+problem listed; an in-process engine started from an already validated plan gets that plan
+back instead), activates it,
 sets the engine arguments the plugins need (e.g. ``speculative_config``), and exports the
 resolved deployment as ``VLLM_GRAFT_CONFIG`` so the engine-core and worker processes it
 spawns activate the same one from :func:`register`.
@@ -24,16 +26,17 @@ import json
 import logging
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
-from vllm_graft.hooks import Kind, DeploymentError, Plan, Problem, get_registry, validate
-from vllm_graft.hooks.deployment import load_file, parse_json
+from vllm_graft.hooks import DeploymentError, Plan, Problem
+from vllm_graft.hooks.deployment import parse_json
 from vllm_graft.hooks.versions import SUPPORTED_VLLM, VLLM_BUILDS  # the adapters were checked against these
 
-from .env import detect_environment, installed_vllm
+from .env import installed_vllm
 from . import model_runner
 from .patches import PATCHES, PatchError
+from .plan import (ADDITIONAL_CONFIG_KEY, checkpoint_deployment, deployment_for_engine, deployment_json,
+                   graft_section, plan_adapters, plan_for)
 from .targets import CREATE_ENGINE_CONFIG
 from .runtime import ENV_REPORT_DIR, RUNTIME  # noqa: F401  ENV_REPORT_DIR: user-facing, beside the others
 
@@ -42,7 +45,6 @@ log = logging.getLogger("vllm_graft")
 ENV_FILE = "VLLM_GRAFT_DEPLOYMENT"  # user-facing: a deployment YAML file
 ENV_CONFIG = "VLLM_GRAFT_CONFIG"  # internal: the resolved deployment (JSON), for child processes
 ENV_ACTIVATION_LOG = "VLLM_GRAFT_ACTIVATION_LOG"  # debugging aid: append one line per activation
-ADDITIONAL_CONFIG_KEY = "graft"
 
 
 class UnsupportedVLLMError(RuntimeError):
@@ -67,7 +69,7 @@ def register() -> None:
         return
     _install_config_hook()
     if data is not None:
-        plan = resolve(data, source=source)
+        plan = plan_for(data, source=source)  # validated again in each process: see .plan
         activate(plan, source=source)
 
 
@@ -155,77 +157,18 @@ def _deployment_from_env() -> tuple[dict[str, Any] | None, str]:
     return None, ""
 
 
-def resolve(data: dict[str, Any], *, source: str, engine_model: str | None = None,
-            engine_args: dict[str, Any] | None = None) -> Plan:
-    """Validate a deployment (a dict, or ``{"__file__": path}``) against the installed
-    vLLM and the registered plugins. Raises :class:`DeploymentError` listing every problem.
-    ``engine_args``: what the engine was started with beyond the deployment's engine section
-    (its parallelism, from vLLM's own flags), checked as if the section said it."""
-    base_dir = None
-    if "__file__" in data:
-        path = data["__file__"]
-        data = load_file(path)
-        source = str(path)
-        base_dir = Path(path).resolve().parent
-    elif not isinstance(data, dict):
-        raise DeploymentError([Problem("additional_config.graft", "must be a mapping (a deployment)",
-                                       value=data)], source)
-    data = dict(data)
-    if engine_args and isinstance(data.get("engine") or {}, dict):  # a malformed section is validation's
-        data["engine"] = {**engine_args, **(data.get("engine") or {})}
-    if engine_model is not None:
-        given = data.get("model")
-        if given is None:
-            data["model"] = engine_model
-        elif not _same_model(given, engine_model, base_dir):
-            raise DeploymentError([Problem(
-                "model", "the deployment names a different model than the engine runs",
-                value=given, accepted=repr(engine_model),
-                hint="drop `model` from the deployment or start vLLM with the same model")], source)
-        if data.get("quant") is None:  # a checkpoint written by `vllm-graft quantize` needs its plugin
-            from .adapters.quant.checkpoint import checkpoint_deployment
-
-            implied = checkpoint_deployment(engine_model)
-            if implied is not None:
-                data["quant"] = implied["quant"]
-    plan = validate(data, get_registry(), detect_environment(), source=source, base_dir=base_dir)
-    return absolute_model(plan)
-
-
-def absolute_model(plan: Plan) -> Plan:
-    """Make a local model folder absolute (vLLM's processes may run in another working
-    directory, and a path relative to the deployment file means nothing to them)."""
-    if plan.model is not None and plan.deployment.model is not None:
-        plan.deployment.model = str(Path(plan.model.path).resolve())
-    return plan
-
-
-def _same_model(given: str, engine_model: str, base_dir: Any) -> bool:
-    def norm(p: str, base: Any) -> str:
-        q = Path(base, p) if base is not None and not Path(p).is_absolute() else Path(p)
-        return str(q.resolve()) if q.exists() else p
-
-    return norm(given, base_dir) == norm(engine_model, None)
-
-
-def deployment_json(plan: Plan) -> str:
-    return plan.deployment.to_json()
-
-
 # ----------------------------------------------------------------------------- activation
 def activate(plan: Plan, *, source: str) -> None:
     """Make ``plan`` this process's deployment: each kind's adapter registers its plugins
     into vLLM. Activating the same deployment again does nothing; a different one first
     deactivates the current one."""
-    from .adapters import adapter_for
-
     check_vllm_version()
     text = deployment_json(plan)
     if RUNTIME.active:
         if RUNTIME.config_json == text:
             return
         deactivate()
-    adapters = [adapter_for(kind) for kind in Kind if plan.by_kind(kind)]  # all found, or none run
+    adapters = plan_adapters(plan)  # all found, or none run
     RUNTIME.plan, RUNTIME.source, RUNTIME.config_json = plan, source, text
     try:
         for adapter in adapters:
@@ -289,22 +232,6 @@ def _install_config_hook() -> None:
         raise UnsupportedVLLMError(str(e)) from e
 
 
-def graft_section(additional_config: Any) -> dict[str, Any] | None:
-    """The deployment in vLLM's ``additional_config`` (a dict, or JSON text), if any."""
-    if not additional_config:
-        return None
-    if isinstance(additional_config, str):
-        additional_config = parse_json(additional_config, source="--additional-config")
-    if not isinstance(additional_config, dict):
-        return None
-    graft = additional_config.get(ADDITIONAL_CONFIG_KEY)
-    if graft is None:
-        return None
-    if isinstance(graft, str):
-        graft = parse_json(graft, source="additional_config.graft")
-    return graft
-
-
 def _create_engine_config(original):
     def create_engine_config(self, *args, **kwargs):
         graft = graft_section(self.additional_config)
@@ -320,11 +247,9 @@ def _create_engine_config(original):
             data, source = _deployment_from_env()
             if source == ENV_CONFIG and RUNTIME.source != ENV_CONFIG:
                 data = None  # exported by us for an earlier engine in this process
-        if data is None:  # a checkpoint written by `vllm-graft quantize` implies its quant plugin
-            from .adapters.quant.checkpoint import checkpoint_deployment
-
-            data = checkpoint_deployment(self.model)
-            source = f"{self.model}/config.json quantization_config"
+        if data is None and checkpoint_deployment(self.model) is not None:
+            # a checkpoint written by `vllm-graft quantize`: plan_for adds its quant plugin
+            data, source = {}, f"{self.model}/config.json quantization_config"
         if data is None:
             if RUNTIME.active:
                 deactivate()
@@ -339,7 +264,8 @@ def _create_engine_config(original):
         dtype = getattr(self, "dtype", None)  # vLLM's --dtype: what the plugins' dtype checks must see
         if dtype is not None and str(dtype) != "auto":
             flags["dtype"] = str(dtype).removeprefix("torch.")
-        plan = resolve(data, source=source, engine_model=self.model, engine_args=flags)
+        # an in-process engine started from a plan gets that plan back, not validated again
+        plan = plan_for(data, source=source, engine_model=self.model, engine_args=flags)
         activate(plan, source=source)
         try:
             _apply_engine_overrides(self, plan)
@@ -367,17 +293,13 @@ def _create_engine_config(original):
 def _apply_engine_overrides(engine_args: Any, plan: Plan) -> None:
     """Set the engine arguments the deployment's plugins need (and its ``engine`` section)
     on vLLM's EngineArgs; a conflicting value the user set is an error, not overwritten."""
-    from .adapters import adapter_for
-
     wanted: dict[str, Any] = dict(plan.deployment.engine)
     why: dict[str, str] = {}  # the adapters' reasons, by engine argument
-    for kind in Kind:
-        if plan.by_kind(kind):
-            adapter = adapter_for(kind)
-            overrides = adapter.engine_overrides(plan.by_kind(kind), plan)
-            wanted.update(overrides)
-            why.update({k: f"{kind.value} plugins need {k}={overrides[k]!r}: {w}"
-                        for k, w in getattr(adapter, "engine_why", {}).items() if k in overrides})
+    for adapter in plan_adapters(plan):
+        overrides = adapter.engine_overrides(plan.by_kind(adapter.kind), plan)
+        wanted.update(overrides)
+        why.update({k: f"{adapter.kind.value} plugins need {k}={overrides[k]!r}: {w}"
+                    for k, w in getattr(adapter, "engine_why", {}).items() if k in overrides})
     problems = []
     defaults = _engine_defaults()
     for key, value in wanted.items():
@@ -421,10 +343,5 @@ def _engine_defaults() -> dict[str, Any]:
     return out
 
 
-def deployment_for_engine(plan: Plan) -> dict[str, Any]:
-    """The ``additional_config`` that carries ``plan`` into vLLM."""
-    return {ADDITIONAL_CONFIG_KEY: json.loads(deployment_json(plan))}
-
-
-__all__ = ["register", "activate", "deactivate", "resolve", "graft_section", "check_vllm_version",
+__all__ = ["register", "activate", "deactivate", "graft_section", "check_vllm_version",
            "deployment_for_engine", "ENV_FILE", "ENV_CONFIG", "SUPPORTED_VLLM"]

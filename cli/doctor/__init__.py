@@ -133,7 +133,9 @@ def applied_patches(data: dict[str, Any], source: str) -> list[dict[str, Any]]:
     from vllm_graft.integration import model_runner
     from vllm_graft.integration.patches import PATCHES
 
-    plan = bridge.resolve(data, source=source)
+    from vllm_graft.integration.plan import plan_for
+
+    plan = plan_for(data, source=source)
     bridge._install_config_hook()
     bridge.activate(plan, source=source)
     try:

@@ -142,7 +142,8 @@ def run_engine_check(t: Target) -> str:
         import vllm  # noqa: F401
     except ImportError:
         raise Skipped("vLLM is not installed (pip install 'vllm-graft[cpu]')") from None
-    from vllm_graft.cli.launch import in_process_engine, plan_from_dict
+    from vllm_graft.cli.launch import in_process_engine
+    from vllm_graft.integration.plan import plan_for
     from vllm_graft.integration.runtime import RUNTIME
 
     model = pick_model(t)
@@ -165,10 +166,10 @@ def run_engine_check(t: Target) -> str:
     key = json.dumps({**base, "prompts": prompts, "new_tokens": new_tokens}, sort_keys=True)
     deployment = {**base, t.kind.value: {"plugin": t.entry.name, "params": t.params}}
     if key not in _plain_cache:
-        with in_process_engine(plan_from_dict(base, source="conformance"), graft=False, seed=0) as llm:
+        with in_process_engine(plan_for(base, source="conformance"), graft=False, seed=0) as llm:
             _plain_cache[key] = _generate(llm, prompts, new_tokens)
     plain = _plain_cache[key]
-    with in_process_engine(plan_from_dict(deployment, source="conformance"), seed=0) as llm:
+    with in_process_engine(plan_for(deployment, source="conformance"), seed=0) as llm:
         graft = _generate(llm, prompts, new_tokens)
         events = {ev: n for (kind, name, ev), n in RUNTIME.events.items()
                   if kind == t.kind and name == t.entry.name}

@@ -10,6 +10,7 @@ import os
 import sys
 from pathlib import Path
 from typing import Any
+from vllm_graft.integration.plan import plan_for
 
 LLAMA = Path(__file__).resolve().parents[2] / "models" / "graft-tiny-llama"
 BLOCK = 32
@@ -40,7 +41,7 @@ def run(kvcompress: dict[str, Any] | None) -> dict[str, Any]:
     data = {"model": str(LLAMA), "engine": ENGINE}
     if kvcompress:
         data["kvcompress"] = kvcompress
-    plan = launch.plan_from_dict(data)
+    plan = plan_for(data)
     llm = LLM(**launch.llm_kwargs(plan, graft=bool(kvcompress)), seed=0, disable_log_stats=False)
     engine = llm.llm_engine
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"

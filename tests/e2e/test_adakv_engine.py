@@ -16,6 +16,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from vllm_graft.integration.plan import plan_for  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -92,7 +93,7 @@ def _vllm(ids: list[int], kvcompress: dict) -> tuple[list[float], dict]:
                                             "enforce_eager": True, "max_num_batched_tokens": 128,
                                             "enable_prefix_caching": False},
             "kvcompress": kvcompress}
-    llm = LLM(**launch.llm_kwargs(launch.plan_from_dict(data), graft=True), seed=0, logits_processors=[ForceTokens])
+    llm = LLM(**launch.llm_kwargs(plan_for(data), graft=True), seed=0, logits_processors=[ForceTokens])
     RUNTIME.events.clear()
     try:
         rest = ids[P:]

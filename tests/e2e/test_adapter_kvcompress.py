@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
 
 from vllm_graft.hooks import BlockView, Capabilities, Kind, KVCompressor, Registration, hookimpl  # noqa: E402
 from vllm_graft.hooks import manager as manager_mod  # noqa: E402
+from vllm_graft.integration.plan import plan_for  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -156,12 +157,11 @@ class Run:
 
 
 def plan_for(kvcompress=None, engine=None):
-    from vllm_graft.cli import launch
 
     data = {"model": str(LLAMA), "engine": {**ENGINE, **(engine or {})}}
     if kvcompress:
         data["kvcompress"] = kvcompress
-    return launch.plan_from_dict(data)
+    return plan_for(data)
 
 
 def run(prompt_ids, kvcompress=None, new_tokens=NEW_TOKENS, engine=None) -> Run:

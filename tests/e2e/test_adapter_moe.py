@@ -109,12 +109,12 @@ class Run:
 
 
 def plan_for(moe=None, model=MIXTRAL, engine=ENGINE):
-    from vllm_graft.cli import launch
+    from vllm_graft.integration import plan
 
     data = {"model": str(model), "engine": dict(engine)}
     if moe:
         data["moe"] = moe
-    return launch.plan_from_dict(data)
+    return plan.plan_for(data)
 
 
 def run(moe=None) -> Run:

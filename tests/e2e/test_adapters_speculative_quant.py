@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
 from vllm_graft.hooks import Capabilities, Kind, Proposer, Registration, hookimpl  # noqa: E402
 
 from .test_models import PROMPTS  # noqa: E402  (chosen so that no greedy step is a near-tie)
+from vllm_graft.integration.plan import plan_for  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -111,7 +112,7 @@ def engine(graft: dict | None, engine_args: dict = ENGINE, **overrides):
     """An in-process vLLM engine with the deployment sections ``graft`` (None: plain vLLM)."""
     from vllm_graft.cli import launch
 
-    plan = launch.plan_from_dict({"model": str(MODEL), "engine": engine_args, **(graft or {})})
+    plan = plan_for({"model": str(MODEL), "engine": engine_args, **(graft or {})})
     assert ("additional_config" in launch.llm_kwargs(plan, graft=graft is not None)) == (graft is not None)
     with launch.in_process_engine(plan, graft=graft is not None, seed=0, **overrides) as llm:
         yield llm

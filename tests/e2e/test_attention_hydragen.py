@@ -13,6 +13,7 @@ import gc  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from vllm_graft.integration.plan import plan_for  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -34,7 +35,7 @@ def _runs(graft: bool) -> dict:
     (ps,) = workloads.build(["shared-prefix"], tok, num_prompts=8, max_tokens=NEW_TOKENS,
                             max_model_len=ENGINE["max_model_len"])
     prompts = [{"prompt_token_ids": list(p.token_ids)} for p in ps.prompts]
-    plan = launch.plan_from_dict({"model": LLAMA, "engine": ENGINE, "attention": {"plugin": "hydragen"}})
+    plan = plan_for({"model": LLAMA, "engine": ENGINE, "attention": {"plugin": "hydragen"}})
     llm = LLM(**launch.llm_kwargs(plan, graft=graft), seed=0)
     try:
         out = {}

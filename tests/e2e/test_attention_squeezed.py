@@ -13,6 +13,7 @@ import gc  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from vllm_graft.integration.plan import plan_for  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -32,8 +33,8 @@ def _run(params: dict | None) -> dict:
     tok = workloads.Tokenizer.from_model(LLAMA)
     (ps,) = workloads.build(["long-context"], tok, num_prompts=2, max_tokens=NEW_TOKENS,
                             max_model_len=ENGINE["max_model_len"])
-    plan = launch.plan_from_dict({"model": LLAMA, "engine": ENGINE,
-                                  "attention": {"plugin": "squeezed", "params": params or {}}})
+    plan = plan_for({"model": LLAMA, "engine": ENGINE,
+                     "attention": {"plugin": "squeezed", "params": params or {}}})
     llm = LLM(**launch.llm_kwargs(plan, graft=params is not None), seed=0)
     try:
         res = llm.generate([{"prompt_token_ids": list(p.token_ids)} for p in ps.prompts],

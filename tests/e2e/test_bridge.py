@@ -21,6 +21,7 @@ from vllm_graft.hooks import DeploymentError  # noqa: E402
 from vllm_graft.integration import bridge  # noqa: E402
 from vllm_graft.cli import launch
 from vllm_graft.integration.patches import PATCHES  # noqa: E402
+from vllm_graft.integration.plan import plan_for  # noqa: E402
 from vllm_graft.integration.runtime import RUNTIME  # noqa: E402
 
 from .servers import free_port  # noqa: E402
@@ -122,7 +123,7 @@ def test_env_file_route_in_process(tmp_path, monkeypatch, plain_tokens):
 
 def test_loads_in_every_process_of_a_multiprocess_engine(tmp_path, plain_tokens):
     log = tmp_path / "activations.jsonl"
-    plan = launch.plan_from_dict({"model": LLAMA, "engine": ENGINE, "attention": {"plugin": "noop"}})
+    plan = plan_for({"model": LLAMA, "engine": ENGINE, "attention": {"plugin": "noop"}})
     tokens = run_script(launch.llm_kwargs(plan), {"VLLM_ENABLE_V1_MULTIPROCESSING": "1",
                                                   bridge.ENV_ACTIVATION_LOG: str(log)})
     lines = [json.loads(x) for x in log.read_text().splitlines()]

@@ -18,6 +18,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from vllm_graft.integration.plan import plan_for  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -49,7 +50,7 @@ def _greedy(prompts, sections: dict | None, *, generic: bool) -> dict:
     env["VLLM_GRAFT_ATTENTION_BACKEND"] = "generic" if generic else ""
     before = dict(RUNTIME.backend_calls)
     try:
-        plan = launch.plan_from_dict({"model": LLAMA, "engine": ENGINE, **(sections or {})})
+        plan = plan_for({"model": LLAMA, "engine": ENGINE, **(sections or {})})
         with launch.in_process_engine(plan, graft=sections is not None) as llm:
             res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
                                                        ignore_eos=True), use_tqdm=False)

@@ -36,6 +36,7 @@ import pytest  # noqa: E402
 
 from tests.unit import fault_plugins  # noqa: E402
 from tests.unit.fault_plugins import FAULT  # noqa: E402
+from vllm_graft.integration.plan import plan_for  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -84,8 +85,8 @@ def start(kind: str, **params):
     from vllm_graft.cli import launch
 
     model = MIXTRAL if kind == "moe" else LLAMA
-    plan = launch.plan_from_dict({"model": str(model), "engine": ENGINE,
-                                  kind: {"plugin": f"fault-{kind}", "params": params}})
+    plan = plan_for({"model": str(model), "engine": ENGINE,
+                     kind: {"plugin": f"fault-{kind}", "params": params}})
     return launch.in_process_engine(plan, seed=0)
 
 
@@ -166,8 +167,9 @@ SCRIPT = textwrap.dedent("""
     import sys
     from vllm import SamplingParams
     from vllm_graft.cli import launch
-    plan = launch.plan_from_dict({"model": sys.argv[1], "engine": %r,
-                                  "kvcompress": {"plugin": "fault-kvcompress", "params": {"fault": "drop_last"}}})
+    from vllm_graft.integration.plan import plan_for
+    plan = plan_for({"model": sys.argv[1], "engine": %r,
+                     "kvcompress": {"plugin": "fault-kvcompress", "params": {"fault": "drop_last"}}})
     from vllm import LLM
     llm = LLM(**launch.llm_kwargs(plan, graft=True))
     try:

@@ -19,6 +19,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import pytest  # noqa: E402
 
 from . import kvcompress_scenario as scenario  # noqa: E402
+from vllm_graft.integration.plan import plan_for  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -52,7 +53,7 @@ def test_kv4_pages_are_smaller_and_the_same_memory_holds_more_blocks():
     got = {}
     for name, kv in (("plain", None), ("kv4", KV4)):
         data = {"model": str(scenario.LLAMA), "engine": engine, **({"kvcompress": kv} if kv else {})}
-        with launch.in_process_engine(launch.plan_from_dict(data), graft=bool(kv), seed=0) as llm:
+        with launch.in_process_engine(plan_for(data), graft=bool(kv), seed=0) as llm:
             core = llm.llm_engine.engine_core.engine_core
             config = core.scheduler.kv_cache_config
             (group,) = config.kv_cache_groups

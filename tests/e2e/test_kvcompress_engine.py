@@ -29,6 +29,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 from . import kvcompress_scenario as scenario  # noqa: E402
+from vllm_graft.integration.plan import plan_for  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -183,7 +184,7 @@ def _short_run(kvcompress):
     from vllm_graft.cli import launch
 
     engine = {**scenario.ENGINE, "num_gpu_blocks_override": 64}
-    plan = launch.plan_from_dict({"model": str(scenario.LLAMA), "engine": engine, "kvcompress": kvcompress})
+    plan = plan_for({"model": str(scenario.LLAMA), "engine": engine, "kvcompress": kvcompress})
     llm = LLM(**launch.llm_kwargs(plan), seed=0)
     try:
         outs = llm.generate(scenario.PROMPTS[1:2], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,

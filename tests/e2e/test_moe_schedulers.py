@@ -25,6 +25,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from vllm_graft.hooks import DeploymentError  # noqa: E402
+from vllm_graft.integration.plan import plan_for  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -56,7 +57,7 @@ def generate(moe=None):
     from vllm_graft.integration.runtime import RUNTIME
 
     d = with_tracer(data(moe)) if moe is not None else data()
-    plan = launch.plan_from_dict(d)
+    plan = plan_for(d)
     llm = LLM(**launch.llm_kwargs(plan, graft=moe is not None), seed=0)
     try:
         tracer = RUNTIME.instances.get((Kind.MOE, "route-trace"))
@@ -124,7 +125,7 @@ def test_a_mask_that_does_not_fit_the_model_is_refused_at_activation():
 
     from vllm_graft.cli import launch
 
-    plan = launch.plan_from_dict(data([{"plugin": "expert-mask", "params": {"off": {"7": [1], "0": [9]}}}]))
+    plan = plan_for(data([{"plugin": "expert-mask", "params": {"off": {"7": [1], "0": [9]}}}]))
     with pytest.raises(DeploymentError) as e:
         LLM(**launch.llm_kwargs(plan))
     text = str(e.value)

@@ -26,6 +26,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from vllm_graft.integration.plan import plan_for  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -54,9 +55,9 @@ def engine():
     from vllm_graft.integration.adapters.moe.engine import GraftMoERunner, GraftRoutedExperts
     from vllm_graft.integration.runtime import RUNTIME
 
-    plan = launch.plan_from_dict({"model": str(MIXTRAL),
-                                  "engine": {"dtype": "float32", "max_model_len": 512},
-                                  "moe": [{"plugin": "dynamic-topk"}]})
+    plan = plan_for({"model": str(MIXTRAL),
+                     "engine": {"dtype": "float32", "max_model_len": 512},
+                     "moe": [{"plugin": "dynamic-topk"}]})
     llm = LLM(**launch.llm_kwargs(plan), seed=0)
     runners = sorted(_layers(llm, MoERunner), key=lambda m: m.layer_name)
     experts = sorted(_layers(llm, GraftRoutedExperts), key=lambda m: m.layer_name)

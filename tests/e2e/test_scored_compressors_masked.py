@@ -19,6 +19,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from vllm_graft.integration.plan import plan_for  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -80,7 +81,7 @@ def _vllm(ids: list[int], kvcompress: dict | None) -> tuple[list[float], list[fl
                                             "enable_prefix_caching": False}}
     if kvcompress:
         data["kvcompress"] = kvcompress
-    llm = LLM(**launch.llm_kwargs(launch.plan_from_dict(data), graft=bool(kvcompress)), seed=0,
+    llm = LLM(**launch.llm_kwargs(plan_for(data), graft=bool(kvcompress)), seed=0,
               logits_processors=[ForceTokens])
     try:
         rest = ids[P:]

@@ -12,11 +12,12 @@ import pytest
 from vllm_graft.hooks import DeploymentError
 from vllm_graft.integration import bridge
 from vllm_graft.cli import launch
+from vllm_graft.integration.plan import plan_for
 
 
 def _plan(platform, section, engine=None):
     model = str(launch.models_dir() / "graft-tiny-llama")
-    return launch.plan_from_dict({"model": model, "platform": platform, "engine": engine or {}, **section})
+    return plan_for({"model": model, "platform": platform, "engine": engine or {}, **section})
 
 
 def _args(**kw):

@@ -11,6 +11,7 @@ import pytest
 
 from vllm_graft.cli import launch
 from vllm_graft.integration.adapters import adapter_for
+from vllm_graft.integration.plan import plan_for
 
 # vLLM (hence triton) is imported by the tests, not at collection: the kernel test modules
 # collected after this one set TRITON_INTERPRET before triton is first imported.
@@ -80,7 +81,7 @@ def test_install_registers_and_uninstall_restores(monkeypatch):
 def test_deployments_leave_the_backend_to_vllm(section):
     model = str(launch.models_dir() / "graft-tiny-llama")
     for platform, expected in (("cuda", {}), ("cpu", {})):
-        plan = launch.plan_from_dict({"model": model, "platform": platform, **section})
+        plan = plan_for({"model": model, "platform": platform, **section})
         (e,) = plan.enabled
         got = adapter_for(e.kind).engine_overrides(plan.enabled, plan)
         got.pop("async_scheduling", None)  # kvcompress: tests/unit/test_async_scheduling.py

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from vllm_graft.integration.plan import plan_for
 
 pytest.importorskip("vllm")
 
@@ -146,13 +147,13 @@ def test_engine_overrides_leave_vllm_to_choose_and_fall_back_to_custom(caplog):
     model = str(launch.models_dir() / "graft-tiny-llama")
     for engine, expected in (({}, {}), ({"attention_backend": "TRITON_ATTN"}, {}),
                              ({"attention_backend": "FLEX_ATTENTION"}, {"attention_backend": "CUSTOM"})):
-        plan = launch.plan_from_dict({"model": model, "platform": "cuda", "engine": engine,
-                                      "kvcompress": {"plugin": "streaming"}})
+        plan = plan_for({"model": model, "platform": "cuda", "engine": engine,
+                         "kvcompress": {"plugin": "streaming"}})
         got = adapter_for("kvcompress").engine_overrides(plan.enabled, plan)
         got.pop("async_scheduling", None)
         assert got == expected, engine
     assert "FLEX_ATTENTION has no vllm-graft seams" in caplog.text and "slower" in caplog.text
-    plan = launch.plan_from_dict({"model": model, "platform": "cuda", "attention": {"plugin": "hydragen"}})
+    plan = plan_for({"model": model, "platform": "cuda", "attention": {"plugin": "hydragen"}})
     assert adapter_for("attention").engine_overrides(plan.enabled, plan) == {}
 
 
@@ -430,8 +431,8 @@ def test_cuda_graph_mode_per_deployment(cuda, section, expected):
     from vllm_graft.cli import launch
 
     _, fa, ta, cb, _ = _mods()
-    plan = launch.plan_from_dict({"model": str(launch.models_dir() / "graft-tiny-llama"),
-                                  "platform": "cuda", **section})
+    plan = plan_for({"model": str(launch.models_dir() / "graft-tiny-llama"),
+                     "platform": "cuda", **section})
     bridge.activate(plan, source="test")
     try:
         builders = [cb.GraftFlashAttentionMetadataBuilder, cb.GraftTritonAttentionMetadataBuilder]
@@ -451,9 +452,9 @@ def test_plugins_left_on_their_reference_are_named_on_cuda(cuda, caplog, monkeyp
 
     def activate(kernel):
         caplog.clear()
-        plan = launch.plan_from_dict({"model": str(launch.models_dir() / "graft-tiny-llama"),
-                                      "platform": "cuda",
-                                      "kvcompress": {"plugin": "h2o", "params": {"kernel": kernel}}})
+        plan = plan_for({"model": str(launch.models_dir() / "graft-tiny-llama"),
+                         "platform": "cuda",
+                         "kvcompress": {"plugin": "h2o", "params": {"kernel": kernel}}})
         with caplog.at_level(logging.WARNING, logger="vllm_graft"):
             bridge.activate(plan, source="test")
         bridge.deactivate()

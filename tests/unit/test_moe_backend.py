@@ -14,6 +14,7 @@ from vllm_graft.integration.adapters.moe.checks import (
     moe_backend_overrides,
     monolithic_refusal,
 )
+from vllm_graft.integration.plan import plan_for
 
 
 def test_cuda_selects_the_modular_backend():
@@ -55,9 +56,9 @@ def _adapter_overrides(platform, engine=None):
     from vllm_graft.cli import launch
     from vllm_graft.integration.adapters import adapter_for
 
-    plan = launch.plan_from_dict({"model": str(launch.models_dir() / "graft-tiny-mixtral"),
-                                  "platform": platform, "engine": engine or {},
-                                  "moe": [{"plugin": "noop"}]})
+    plan = plan_for({"model": str(launch.models_dir() / "graft-tiny-mixtral"),
+                     "platform": platform, "engine": engine or {},
+                     "moe": [{"plugin": "noop"}]})
     return adapter_for("moe").engine_overrides(plan.by_kind("moe"), plan)
 
 

@@ -12,6 +12,7 @@ from vllm_graft.hooks import QuantMethod, StoredTensor
 from vllm_graft.cli import main as cli
 from vllm_graft.integration.adapters.quant import checkpoint as quant
 from vllm_graft.tools.quant.quantize import QuantizeError, quantize_checkpoint
+from vllm_graft.integration.plan import plan_for
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "graft-tiny-llama"
 
@@ -132,8 +133,8 @@ def test_a_deployment_without_quant_gets_the_checkpoints_plugin(tmp_path):
 
     out = tmp_path / "df11"
     quantize_checkpoint("dfloat11", str(MODEL), str(out), {"chunk": 64}, dtype="bfloat16", log=lambda *a: None)
-    plan = bridge.resolve({"attention": {"plugin": "noop"}}, source="t", engine_model=str(out))
+    plan = plan_for({"attention": {"plugin": "noop"}}, source="t", engine_model=str(out))
     assert sorted(f"{e.kind}:{e.name}" for e in plan.enabled) == ["attention:noop", "quant:dfloat11"]
     assert plan.deployment.quant.params == {"chunk": 64, "max_code_len": 12}
-    plan = bridge.resolve({"attention": {"plugin": "noop"}}, source="t", engine_model=str(MODEL))
+    plan = plan_for({"attention": {"plugin": "noop"}}, source="t", engine_model=str(MODEL))
     assert [f"{e.kind}:{e.name}" for e in plan.enabled] == ["attention:noop"]  # unquantised: unchanged

@@ -14,6 +14,7 @@ import torch
 from vllm_graft.hooks import BLOCKED, AttentionLayer, PagedBatch, Proposer, split_kv_cache
 from vllm_graft.integration.adapters.speculative import tree as T
 from vllm_graft.integration.adapters.speculative.drafting import Drafting, first_path, is_chain
+from vllm_graft.integration.plan import plan_for
 
 
 class Trees(Proposer):
@@ -249,9 +250,9 @@ def test_verifier_leaves_chunked_or_invalidated_trees_to_vllm():
 def test_tree_mode_refuses_what_it_cannot_run_with():
     from vllm_graft.integration import bridge
 
-    plan = bridge.resolve({"model": "models/graft-tiny-llama",
-                           "speculative": {"plugin": "token-recycling", "params": {"tree": True}},
-                           "kvcompress": {"plugin": "streaming"}}, source="test")
+    plan = plan_for({"model": "models/graft-tiny-llama",
+                     "speculative": {"plugin": "token-recycling", "params": {"tree": True}},
+                     "kvcompress": {"plugin": "streaming"}}, source="test")
     (e,) = plan.by_kind("speculative")
     with pytest.raises(ValueError, match="cannot be combined with 'streaming'"):
         T.drafts_trees(e, plan)

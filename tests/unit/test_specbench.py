@@ -9,7 +9,7 @@ import pytest
 from vllm_graft.hooks import get_registry
 from vllm_graft.tools.speculative import specbench as S
 from vllm_graft.tools import workloads as W
-from vllm_graft.cli.launch import load_plan
+from vllm_graft.integration.plan import plan_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,7 +58,7 @@ def test_extractive_prompts_end_with_the_signature_they_repeat():
 
 @pytest.mark.parametrize("arm", S.DEFAULT_ARMS)
 def test_every_default_arm_has_a_valid_deployment(arm):
-    plan = load_plan(S.arm_file(arm))
+    plan = plan_for(S.arm_file(arm))
     assert plan.deployment.model and Path(plan.deployment.model).is_dir()
     if arm == "vllm-ngram":
         assert not plan.enabled and plan.deployment.engine["speculative_config"]["method"] == "ngram"

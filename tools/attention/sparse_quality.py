@@ -147,12 +147,13 @@ def run_arm(model: str, engine: dict[str, Any], params: dict[str, Any] | None,
     from vllm import SamplingParams
 
     from vllm_graft.cli import launch
+    from vllm_graft.integration.plan import plan_for
     from vllm_graft.tools.bench import nll_of
     from vllm_graft.integration.runtime import RUNTIME
 
     data: dict[str, Any] = {"model": model, "engine": engine,
                             "attention": {"plugin": plugin, "params": params or {}}}
-    plan = launch.plan_from_dict(data)
+    plan = plan_for(data)
     with launch.in_process_engine(plan, graft=params is not None, seed=0) as llm:
         res = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)

@@ -180,9 +180,9 @@ def _baseline(plan: Any, baseline: str | None) -> tuple[Any, dict[str, str]]:
 
         others = sorted({e.name for e in entry_points(group="vllm.general_plugins")} - {"vllm_graft"})
         return plan, {"VLLM_PLUGINS": ",".join(others)}  # "" matches no plugin, as vLLM parses it
-    from vllm_graft.cli.launch import load_plan
+    from vllm_graft.integration.plan import plan_for
 
-    base = load_plan(baseline)
+    base = plan_for(baseline)
     mine = plan.model.path if plan.model is not None else plan.deployment.model
     theirs = base.model.path if base.model is not None else base.deployment.model
     if str(Path(str(mine)).resolve()) != str(Path(str(theirs)).resolve()):
@@ -280,12 +280,13 @@ def run_bench(args: argparse.Namespace, out: Console, err: Console,
     from vllm_graft.hooks import DeploymentError
 
     from vllm_graft.integration.bridge import check_vllm_version
-    from vllm_graft.cli.launch import llm_kwargs, load_plan
+    from vllm_graft.cli.launch import llm_kwargs
+    from vllm_graft.integration.plan import plan_for
 
     check_vllm_version()  # no vLLM (or an unsupported one): say so before reading any model
 
     try:
-        plan = load_plan(args.deployment)
+        plan = plan_for(args.deployment)
     except DeploymentError as e:
         n = len(e.problems)
         err.print(f"[bold red]✗ {escape(e.source)}: {n} problem{'s' if n != 1 else ''}[/] (no engine started)")

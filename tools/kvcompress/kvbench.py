@@ -156,6 +156,7 @@ def run_arm(model: str, kvcompress: dict[str, Any] | None, texts, needles, *, bl
     from vllm import LLM, SamplingParams
 
     from vllm_graft.cli import launch
+    from vllm_graft.integration.plan import plan_for
     from vllm_graft.integration.forcing import ForceTokens, forced_logprobs, forced_params
 
     engine_args = {"dtype": "float32", "max_model_len": context, "block_size": block, "enforce_eager": True,
@@ -171,7 +172,7 @@ def run_arm(model: str, kvcompress: dict[str, Any] | None, texts, needles, *, bl
     data: dict[str, Any] = {"model": model, "engine": engine_args}
     if kvcompress:
         data["kvcompress"] = kvcompress
-    plan = launch.plan_from_dict(data)
+    plan = plan_for(data)
     t0 = time.time()
     try:
         llm = LLM(**launch.llm_kwargs(plan, graft=bool(kvcompress)), seed=0, logits_processors=[ForceTokens])

@@ -63,12 +63,12 @@ def record(data: dict[str, Any], base_dir: str | os.PathLike[str] | None, sets: 
     from vllm_graft.hooks import Kind
 
     from vllm_graft.tools.bench import nll_of
-    from vllm_graft.cli.launch import plan_from_dict
+    from vllm_graft.integration.plan import plan_for
     from vllm_graft.cli.engine_commands import start_engine
     from vllm_graft.integration.runtime import RUNTIME
 
     say = on_phase or (lambda s: None)
-    plan = plan_from_dict(data, source="moe-record", base_dir=base_dir)
+    plan = plan_for(data, source="moe-record", base_dir=base_dir)
     t0 = time.perf_counter()
     say("loading the model")
     llm = start_engine(plan)

@@ -48,7 +48,8 @@ def cmd_trace(args: argparse.Namespace, console: Console) -> int:
     from vllm_graft.hooks.deployment import load_file
 
     from vllm_graft.cli.main import EXIT_INVALID, EXIT_OK, EXIT_USAGE
-    from vllm_graft.cli.launch import apply_env_defaults, load_plan
+    from vllm_graft.cli.launch import apply_env_defaults
+    from vllm_graft.integration.plan import plan_for
     from vllm_graft.tools.moe.moe_record import record, with_tracer, workload_sets
     from vllm_graft.cli.engine_commands import _quiet_vllm
     from vllm_graft.tools.workloads import WorkloadError
@@ -57,7 +58,7 @@ def cmd_trace(args: argparse.Namespace, console: Console) -> int:
         console.print("[bold red]error:[/] --out must end in .npz")
         return EXIT_USAGE
     try:
-        plan = load_plan(args.deployment)
+        plan = plan_for(args.deployment)
         data = load_file(args.deployment)
     except DeploymentError as e:
         console.print(f"[bold red]✗ {escape(e.source)}:[/]")

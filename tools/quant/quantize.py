@@ -161,8 +161,9 @@ def evaluate(model: str, *, dtype: str = "auto", windows: int = 16, window_len: 
         llm = LLM(model=str(path), **engine, seed=0)
     else:
         from vllm_graft.cli import launch
+        from vllm_graft.integration.plan import plan_for
 
-        plan = launch.plan_from_dict({"model": str(path.resolve()), "engine": engine, "quant": quant},
+        plan = plan_for({"model": str(path.resolve()), "engine": engine, "quant": quant},
                                      source=f"quant-eval --method {quant['plugin']}")
         llm = LLM(**launch.llm_kwargs(plan, graft=True), seed=0)
     try:

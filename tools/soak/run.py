@@ -59,9 +59,10 @@ class Check:
 
 
 def soak(path: str, opts: Options, say: Callable[[str], None] = print) -> dict[str, Any]:
-    from vllm_graft.cli.launch import llm_kwargs, load_plan
+    from vllm_graft.cli.launch import llm_kwargs
+    from vllm_graft.integration.plan import plan_for
 
-    plan = load_plan(path)
+    plan = plan_for(path)
     kwargs = llm_kwargs(plan, graft=True)
     plain_kwargs = llm_kwargs(plan, graft=False)
     model = str(kwargs["model"])

@@ -70,14 +70,14 @@ def arm_plan(arm: str, params: dict[str, Any] | None = None) -> Any:
     proposer (a file's included; arms without one, plain and vllm-ngram, are left as they are)
     and are validated by the plugin's parameter model.
     Unknown: :class:`~vllm_graft.tools.plugin_args.PluginArgError` naming the choices."""
-    from vllm_graft.cli.launch import load_plan, plan_from_dict
+    from vllm_graft.integration.plan import plan_for
     from vllm_graft.tools.plugin_args import PluginArgError, parse_spec, registration, validate
 
     name, own = parse_spec(arm) if not arm.endswith((".yaml", ".yml")) else (arm, None)
     path = arm_file(name)
     if path.is_file():
         if not (params or own):
-            return load_plan(path)
+            return plan_for(path)
         import yaml
 
         data = yaml.safe_load(path.read_text()) or {}
@@ -87,15 +87,15 @@ def arm_plan(arm: str, params: dict[str, Any] | None = None) -> Any:
                                       {**(spec.get("params") or {}), **(params or {}), **(own or {})})
         elif own:
             raise PluginArgError(f"arm {arm!r}: {path} enables no graft proposer to give parameters to")
-        return plan_from_dict(data, source=str(path), base_dir=path.parent)
+        return plan_for(data, source=str(path), base_dir=path.parent)
     try:
         registration("speculative", name)
     except PluginArgError as e:
         raise PluginArgError(f"arm {arm!r}: no file {path} and {e}") from None
     merged = validate("speculative", name, {**(params or {}), **(own or {})})
-    base = load_plan(arm_file("plain")).deployment
-    return plan_from_dict({"model": str(base.model), "engine": dict(base.engine),
-                           "speculative": {"plugin": name, "params": merged}}, source=f"specbench arm {arm}")
+    base = plan_for(arm_file("plain")).deployment
+    return plan_for({"model": str(base.model), "engine": dict(base.engine),
+                     "speculative": {"plugin": name, "params": merged}}, source=f"specbench arm {arm}")
 
 
 def _counters(llm: Any) -> dict[str, float]:
@@ -249,7 +249,8 @@ def render(rows: list[dict[str, Any]], batches: Sequence[int]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from vllm_graft.cli.launch import apply_env_defaults, load_plan
+    from vllm_graft.cli.launch import apply_env_defaults
+    from vllm_graft.integration.plan import plan_for
     from vllm_graft.tools.workloads import Tokenizer
 
     apply_env_defaults(in_process=True)
@@ -265,7 +266,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"specbench: {e}") from None
     workloads = [w for part in args.workload for w in part.split(",") if w]
     batches = sorted({int(b) for part in args.batch for b in part.split(",") if b and int(b) > 1})
-    plan = load_plan(arm_file("plain"))
+    plan = plan_for(arm_file("plain"))
     model = plan.deployment.model
     max_model_len = int(plan.deployment.engine.get("max_model_len", 2048))
     tok = Tokenizer.from_model(model)
