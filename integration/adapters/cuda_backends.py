@@ -75,13 +75,14 @@ class GraftBuilderMixin:
         # turns FULL_AND_PIECEWISE into PIECEWISE, attention then runs eagerly
         if attends_in_python():
             return AttentionCGSupport.NEVER
-        return super().get_cudagraph_support(vllm_config, kv_cache_spec)
+        return super().get_cudagraph_support(vllm_config, kv_cache_spec)  # type: ignore[misc]  # mixin: vLLM's builder follows in the MRO
 
     @property
     def supports_update_block_table(self) -> bool:
         # V1 reuses one group's metadata for later groups through update_block_table, which
         # bypasses build() (0.33: gpu_model_runner.py:2449-2458): off while build() has work
-        stock = self.__dict__.get("_graft_stock_update_block_table", super().supports_update_block_table)
+        stock = self.__dict__.get("_graft_stock_update_block_table",
+                                  super().supports_update_block_table)  # type: ignore[misc]  # mixin, as above
         return bool(stock) and not (SEAMS.rewriters or attends_in_python())
 
     @supports_update_block_table.setter
@@ -93,7 +94,7 @@ class GraftBuilderMixin:
         cm = common_attn_metadata
         for rewrite in SEAMS.rewriters:
             cm = rewrite(self, cm)
-        metadata = super().build(common_prefix_len, cm, fast_build)
+        metadata = super().build(common_prefix_len, cm, fast_build)  # type: ignore[misc]  # mixin, as above
         if attends_in_python() and cm.causal is True:
             n = cm.num_reqs
             batch = PagedBatch(query_start_loc=cm.query_start_loc[: n + 1],
