@@ -111,6 +111,7 @@ def before_config(patches: Iterable[Any], plugins: dict[str, list[str]] | None =
     if d.set_env:
         os.environ[ENV_RUNNER] = "0"
         RUNTIME.runner_env_set = True
+        RUNTIME.at_reset(restore)
         _reset_vllm_env_cache()
         if RUNTIME.once(("model runner v1", d.why)):
             log.warning("vllm-graft: Model Runner V1 selected for this engine (%s=0 set) because "
@@ -129,7 +130,7 @@ def after_config(config: Any, d: Decision) -> None:
 
 def restore(runtime: Any = None) -> None:
     """Undo :func:`before_config`'s variable (a later engine in this process without the plugin
-    gets vLLM's default again); ``runtime``: the process's by default. Called by its reset."""
+    gets vLLM's default again); ``runtime``: the process's by default, whose reset calls it."""
     if runtime is None:
         from .runtime import RUNTIME as runtime
     if runtime.runner_env_set and os.environ.get(ENV_RUNNER) == "0":  # not changed by the user since

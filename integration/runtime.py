@@ -16,7 +16,7 @@ import time
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterator
+from typing import Any, Callable, Hashable, Iterator
 
 from vllm_graft.hooks import Kind, Plan, PluginImpl, contract_for
 from vllm_graft.hooks.deployment import Enabled
@@ -71,6 +71,9 @@ class Runtime:
     runner_env_set: bool = False
     #: what was said once since the last reset (see :meth:`once`)
     said: set = field(default_factory=set, repr=False)
+    #: what :meth:`reset` calls (with this runtime) to undo what a deployment changed outside
+    #: vLLM's registries and the patches (:meth:`at_reset`; e.g. the model runner's variable)
+    _at_reset: list[Callable[["Runtime"], None]] = field(default_factory=list, repr=False)
 
     # ---- process-lifetime state (:meth:`reset` keeps it)
     #: the patch registry whose adapter patches :meth:`reset` undoes (:data:`RUNTIME`'s is
@@ -250,11 +253,17 @@ class Runtime:
         self.said.add(key)
         return True
 
+    def at_reset(self, undo: Callable[["Runtime"], None]) -> None:
+        """Have :meth:`reset` call ``undo(self)`` (once however often asked; last asked, first called)."""
+        if undo not in self._at_reset:
+            self._at_reset.append(undo)
+
     def reset(self) -> None:
         """Deactivation, in one call: each activated adapter's ``deactivate`` (last first), the
         adapters' patches undone (:data:`.patches.PATCHES`; the bridge's own config hook stays),
-        :mod:`.model_runner`'s variable restored, then every per-deployment field cleared. What
-        stays is the process-lifetime state (``registered``, the linear methods, the backend calls)."""
+        what :meth:`at_reset` was asked to undo (:mod:`.model_runner`'s variable), then every
+        per-deployment field cleared. What stays is the process-lifetime state (``registered``,
+        the linear methods, the backend calls)."""
         for adapter in reversed(self.adapters):
             adapter.deactivate()
         if self.patches is not None:  # every adapter's patches; the bridge's config hook stays
@@ -263,10 +272,8 @@ class Runtime:
             for owner in dict.fromkeys(p.owner for p in self.patches.applied()):
                 if owner != CREATE_ENGINE_CONFIG.owner:
                     self.patches.undo(owner)
-        if self.runner_env_set:
-            from . import model_runner
-
-            model_runner.restore(self)
+        while self._at_reset:
+            self._at_reset.pop()(self)
         self.plan = self.source = self.config_json = self.report_dir = self._tp_rank = None  # ends the reporter
         self._dirty = False
         self.instances.clear()

@@ -71,8 +71,9 @@ _CUDA_BACKENDS_WITH_SEAMS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")
 
 
 #: Import cache (the one module-level table here): each kind's ``ADAPTER``, the same object as
-#: its module's, found once per process. It holds no deployment state: what an adapter
-#: activates lives on :data:`~vllm_graft.integration.runtime.RUNTIME`, which deactivation resets.
+#: its module's, found once per process; it adds no state of its own (deactivation, which is
+#: :meth:`~vllm_graft.integration.runtime.Runtime.reset`, calls each activated adapter's
+#: ``deactivate``). Allowed by tests/unit/test_runtime_state.py.
 _cache: dict[Kind, Adapter] = {}
 
 
