@@ -8,6 +8,10 @@ from ..kinds import Kind
 from .base import P, PluginImpl
 
 
+#: The parameter that turns a proposer's tree drafting on (see :attr:`Proposer.drafts_trees`).
+TREE_FIELD = "tree"
+
+
 class Proposer(PluginImpl[P]):
     """Proposes draft tokens; the target model verifies them (chain verification: the
     longest prefix of the drafts that the target would have produced itself is kept, so
@@ -75,7 +79,11 @@ class Proposer(PluginImpl[P]):
     #: True when this proposer drafts token *trees* (:meth:`propose_tree`), verified in one
     #: target forward with a tree attention mask; the longest correct root-to-node path is
     #: accepted. Read once, when the adapter builds the proposer (a class attribute or one set
-    #: in ``__init__``). False (the default): :meth:`propose` drafts a chain.
+    #: in ``__init__``). False (the default): :meth:`propose` drafts a chain. Where trees are
+    #: turned on by a boolean parameter named ``tree`` (:data:`TREE_FIELD`, as the built-ins
+    #: do), deployment validation refuses what tree verification cannot run with (attention and
+    #: kvcompress plugins, tensor or pipeline parallelism); a proposer that sets it otherwise
+    #: meets the same refusals when the engine starts.
     drafts_trees: bool = False
 
     def propose_tree(self, request_id: str, token_ids: Sequence[int],

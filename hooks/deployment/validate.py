@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from ..contracts.speculative import TREE_FIELD
 from ..kinds import ENGINE_KEYS_OWNED, KINDS, Kind
 from ..registry import DTYPES, MODEL_FEATURES, PARALLELISM, Entry, Params, Registry
 from .load import ModelInfo, load_file
@@ -162,6 +163,7 @@ def validate(
     _check_multiples(enabled, problems)
     _check_roles(enabled, problems)
     _check_combinations(enabled, problems)
+    _check_tree_verification(enabled, engine, problems)
     _check_engine(engine, {kind for kind, _, _ in choices}, env.engine_args, problems, notes)
     _check_platform_parallelism(engine, platform, problems)
 
@@ -417,6 +419,35 @@ def _check_combinations(enabled: list[Enabled], problems: list[Problem]) -> None
                     f"{a.path}.plugin", f"{a.kind} plugin {a.name!r} cannot be combined with "
                     f"{b.kind} plugin {b.name!r} (at {b.path})", value=a.name,
                     hint="Enable only one of them"))
+
+
+def _check_tree_verification(enabled: list[Enabled], engine: dict[str, Any], problems: list[Problem]) -> None:
+    """A proposer that drafts trees (its ``tree`` parameter, :data:`TREE_FIELD`) is verified by
+    the speculative adapter's own tree attention, on one rank: not with an attention or kvcompress
+    plugin (each would hold the attention backend's method too), not under tensor or pipeline
+    parallelism (each rank would verify and move KV on its own). The adapter refuses the same
+    when the engine starts (``integration/adapters/speculative/tree.py`` ``drafts_trees``), for
+    a proposer that drafts trees without the parameter."""
+    for e in enabled:
+        if e.kind != Kind.SPECULATIVE or getattr(e.params, TREE_FIELD, None) is not True:
+            continue
+        what = f"speculative plugin {e.name!r} drafts trees ({TREE_FIELD}: true)"
+        others = [o for o in enabled if o.kind in (Kind.ATTENTION, Kind.KVCOMPRESS)]
+        if others:
+            problems.append(Problem(
+                f"{e.path}.params.{TREE_FIELD}", f"{what}, whose verification computes attention "
+                "itself: it cannot be combined with "
+                + ", ".join(f"{o.kind} plugin {o.name!r} (at {o.path})" for o in others), value=True,
+                hint=f"Set {TREE_FIELD}: false to verify chains, or leave "
+                     f"{', '.join(o.path for o in others)} out of the deployment"))
+        used = parallelism_in_use(engine)
+        for mode in ("tp", "pp"):
+            if mode in used:
+                arg = PARALLELISM[mode]
+                problems.append(Problem(
+                    f"engine.{arg}", f"{what}: tree verification runs on one rank so far (each rank "
+                    "would verify and move KV on its own)", value=used[mode],
+                    hint=f"Run with {arg}: 1, or set {e.path}.params.{TREE_FIELD}: false"))
 
 
 def _check_engine(engine: dict[str, Any], kinds: set[Kind], known: frozenset[str] | None,

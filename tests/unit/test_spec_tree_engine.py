@@ -248,12 +248,14 @@ def test_verifier_leaves_chunked_or_invalidated_trees_to_vllm():
 
 
 def test_tree_mode_refuses_what_it_cannot_run_with():
+    """The activation-time backstop (validation refuses the same for a proposer whose `tree`
+    parameter turns trees on: tests/unit/test_combinations.py): plans built past validation."""
     from vllm_graft.integration import bridge
 
     plan = plan_for({"model": "models/graft-tiny-llama",
-                     "speculative": {"plugin": "token-recycling", "params": {"tree": True}},
-                     "kvcompress": {"plugin": "streaming"}}, source="test")
+                     "speculative": {"plugin": "token-recycling", "params": {"tree": True}}}, source="test")
     (e,) = plan.by_kind("speculative")
+    plan.enabled += plan_for({"model": "models/graft-tiny-llama", "kvcompress": {"plugin": "streaming"}}).enabled
     with pytest.raises(ValueError, match="cannot be combined with 'streaming'"):
         T.drafts_trees(e, plan)
     plan.enabled = [e]

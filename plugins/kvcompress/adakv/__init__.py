@@ -56,6 +56,9 @@ def graft_register_kv_compressors(register):
         params=AdaKVParams,
         impl="vllm_graft.plugins.kvcompress.adakv.reference:AdaKV",
         # its own attention (per-head masked, per-head mass); the mass is per KV head, which
-        # tensor-parallel ranks split (not summed across ranks yet): one rank
-        capabilities=Capabilities(lossless=False, incompatible_with=("attention:*",), parallelism=("dp",)),
+        # tensor-parallel ranks split (not summed across ranks yet): one rank. kv4's attention
+        # masks whole blocks, not blocks per KV head (the adapter refuses any per_head compressor
+        # with a storage format when the engine starts; named here so validation says so first)
+        capabilities=Capabilities(lossless=False, incompatible_with=("attention:*", "kvcompress:kv4"),
+                                  parallelism=("dp",)),
     ))
