@@ -255,9 +255,9 @@ class Registry:
         self._entries: dict[tuple[Kind, str], Entry] = {}
 
     def add(self, registration: Registration, source: Source) -> None:
-        key = (registration.kind, registration.name)
         if registration.kind is None:
             raise RegistryError(f"registration {registration.name!r} has no kind")
+        key = (registration.kind, registration.name)
         if key in self._entries:
             other = self._entries[key].source
             raise RegistryError(

@@ -37,6 +37,7 @@ import sys
 import weakref
 from collections import Counter
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -110,7 +111,7 @@ def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
 
 def caller() -> str:
     """``file:line`` of the innermost frame outside torch and this module."""
-    f = sys._getframe(1)
+    f: FrameType | None = sys._getframe(1)
     while f is not None:
         fn = os.path.abspath(f.f_code.co_filename)
         if fn != _HERE and not fn.startswith(_TORCH_DIR) and "contextlib" not in fn:
@@ -141,7 +142,11 @@ class FakeDevice(TorchFunctionMode):
     def _mark(self, obj: Any) -> Any:
         for t in _tensors(obj):
             key = id(t)
-            self._marked[key] = weakref.ref(t, lambda _r, key=key, m=self._marked: m.pop(key, None))
+
+            def forget(_r: Any, key: int = key, m: dict[int, weakref.ref] = self._marked) -> None:
+                m.pop(key, None)
+
+            self._marked[key] = weakref.ref(t, forget)
         return obj
 
     def put(self, *tensors: Any) -> Any:

@@ -72,7 +72,7 @@ def example_params(entry: Entry, override: dict[str, Any] | None = None) -> dict
         pass
     extra = model.model_config.get("json_schema_extra") or {}
     examples = extra.get("examples") if isinstance(extra, dict) else None
-    if examples:
+    if isinstance(examples, list) and examples and isinstance(examples[0], dict):
         return dict(examples[0])
     raise ConformanceError(
         f"{entry.kind.value}:{entry.name}: parameter model {model.__name__} has required fields "

@@ -155,6 +155,7 @@ def exact_attention_with_mass(q, kv, batch: PagedBatch, layer: AttentionLayer, o
                 p = torch.softmax(s, 0)
                 out[q0 + r, hh] = p @ vals[: pos + 1, kvh]
                 if seen:
+                    assert mass is not None  # seen implies observe, which allocated mass
                     row = mass[i, kvh] if head_mask is not None else mass[i]
                     row.index_add_(0, column[: pos + 1], p)
     return out, mass

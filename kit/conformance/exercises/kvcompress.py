@@ -176,7 +176,7 @@ def _attend_once(t: Target, impl: Any, shape, j: int, cache: str, dtype: str, ru
     if cache != "blocked":
         label += f" {cache}"
     before = [x.clone() for x in (q, kv, observe)]
-    if per_head:
+    if head_mask is not None:  # per_head
         got = call_in_cache(t, cache, label, "attend()", impl.attend, q, kv, batch, layer, observe,
                             head_mask=head_mask.clone())
     else:

@@ -77,7 +77,7 @@ def exercise_speculative(t: Target, impl: Any, dtype: str, rules: bool) -> list[
         rid = request_id(r)
         truth = _truth(r, 40 + SPEC_STEPS * 6)
         tokens = truth[:40]
-        drafts_seen = []
+        drafts_seen: list[list[int]] = []
         rnd = random.Random(1000 + r)
         for step in range(SPEC_STEPS):
             max_tokens = min(cap, SPEC_MAX_TOKENS[(step + r) % len(SPEC_MAX_TOKENS)])
