@@ -100,7 +100,8 @@ def choose(what: str, reason: str | None, flashinfer: str, other: str) -> bool:
     if (what, reason) not in _logged:
         _logged.add((what, reason))
         if reason is None:
-            log.info("vllm-graft %s: FlashInfer %s (%s)", what, flashinfer, FLASHINFER.requirement)
+            pinned = FLASHINFER.requirement if FLASHINFER is not None else "no pinned release"
+            log.info("vllm-graft %s: FlashInfer %s (%s)", what, flashinfer, pinned)
         else:
             log.info("vllm-graft %s: %s, not FlashInfer %s: %s", what, other, flashinfer, reason)
     return reason is None

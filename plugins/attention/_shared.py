@@ -253,6 +253,7 @@ def _paged_batched(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatc
         o = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=allowed, scale=layer.scale, enable_gqa=hkv != H)
     else:
+        assert mass is not None  # allocated when observe was given
         s = torch.einsum("shqd,shkd->shqk", q, k.repeat_interleave(g, dim=1)) * layer.scale
         p = s.masked_fill(~allowed, float("-inf")).softmax(-1)
         o = torch.einsum("shqk,shkd->shqd", p, v.repeat_interleave(g, dim=1))
@@ -297,7 +298,7 @@ def _paged(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, layer
             keys = head_mask[i, :, :nb].to(torch.bool).repeat_interleave(B, -1)[:, :L]  # [H_kv, L]
             p = causal_probs(query[q0:q1], k, layer.scale, key_mask=keys)  # [H, q, L]
             out[q0:q1] = attend_probs(p, v).to(query.dtype)
-            if mass is not None:
+            if mass is not None and observe is not None:  # mass is allocated iff observe is given
                 w = observe[q0:q1].to(torch.float32)
                 per_key = torch.nn.functional.pad(torch.einsum("hqk,q->hk", p, w), (0, nb * B - L))
                 mass[i, :, :nb] = per_key.view(hkv, -1, nb, B).sum((1, 3))
@@ -305,7 +306,7 @@ def _paged(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, layer
         # a long chunk: the output by fused attention; explicit probabilities only for the
         # observed queries (e.g. SnapKV's window: the last few of a prompt), whose mass counts
         out[q0:q1] = fused_causal_attention(query[q0:q1], k, v, layer.scale).to(query.dtype)
-        if mass is not None:
+        if mass is not None and observe is not None:
             rows = observe[q0:q1].nonzero().squeeze(1)
             if rows.numel():
                 p = causal_probs(query[q0:q1][rows], k, layer.scale, positions=L - (q1 - q0) + rows)

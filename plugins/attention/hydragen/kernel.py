@@ -146,13 +146,16 @@ def _indices(plan: StepPlan, block_size: int, device: torch.device) -> dict[str,
     if got is not None:
         return got
     tree = plan.prefixes(block_size)
-    tok_seq, tok_pos = [], []
+    tok_seq: list[int] = []
+    tok_pos: list[int] = []
     for i, n in enumerate(plan.seq_lens):
         q = plan.q_lens[i]
         tok_seq += [i] * q
         tok_pos += range(n - q, n)
     num_tokens = len(tok_seq)
-    grp_row_start, rows, grp_blk_start, blks = [0], [], [0], []
+    rows: list[int] = []
+    blks: list[int] = []
+    grp_row_start, grp_blk_start = [0], [0]
     parts: list[list[int]] = [[] for _ in range(num_tokens)]
     max_rows = 0
     for g in tree.groups:

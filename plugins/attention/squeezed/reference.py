@@ -65,6 +65,7 @@ def chosen_chunks(scores: torch.Tensor | None, b: Budget, mode: str, hkv: int,
         return sel
     forced = list(b.sink) + list(b.recent)
     if b.extra:
+        assert scores is not None  # the scoring modes always pass scores
         s = scores.clone()
         s[:, forced] = float("-inf")
         sel.scatter_(1, torch.topk(s, b.extra, dim=1).indices, True)

@@ -35,8 +35,12 @@ def adaptive_head_budget(head_scores: Sequence[Sequence[float]], candidates: Ite
     then the older block, so the answer is a function of the scores. Returns each head's blocks."""
     heads = len(head_scores)
     cands = list(candidates)
-    ranked = [sorted((i for i in cands if head_scores[h][i] != float("-inf")),
-                     key=lambda i, h=h: (-float(head_scores[h][i]), i)) for h in range(heads)]
+
+    def ranked_blocks(h: int) -> list[int]:
+        return sorted((i for i in cands if head_scores[h][i] != float("-inf")),
+                      key=lambda i: (-float(head_scores[h][i]), i))
+
+    ranked = [ranked_blocks(h) for h in range(heads)]
     key = lambda hi: (-float(head_scores[hi[0]][hi[1]]), hi[0], hi[1])  # noqa: E731
     first = sorted(((h, i) for h in range(heads) for i in ranked[h][:max(0, floor)]), key=key)
     rest = sorted(((h, i) for h in range(heads) for i in ranked[h][max(0, floor):]), key=key)

@@ -61,7 +61,9 @@ class Params(BaseParams):
         if engine.get("enable_expert_parallel") is True and ranks != self.devices:
             problems.append(f"devices is {self.devices} but expert parallelism spans tensor_parallel_size x "
                             f"data_parallel_size = {ranks} ranks; make them equal")
-        eplb = engine.get("eplb_config") if isinstance(engine.get("eplb_config"), dict) else {}
+        eplb = engine.get("eplb_config")
+        if not isinstance(eplb, dict):
+            eplb = {}
         if eplb.get("num_redundant_experts", 0):
             problems.append("the placement holds one replica of each expert: set "
                             "engine.eplb_config.num_redundant_experts to 0")

@@ -40,7 +40,7 @@ FORMAT = "vllm-graft/expert-placement"
 # ------------------------------------------------------------------------------ affinity
 def affinity(sets: np.ndarray) -> np.ndarray:
     """``sets [L, N, E]`` bool (token n used expert e in layer l) -> ``A [L-1, E, E]`` counts."""
-    s = sets.astype(np.float64)
+    s: np.ndarray = sets.astype(np.float64)
     return np.einsum("lni,lnj->lij", s[:-1], s[1:])
 
 

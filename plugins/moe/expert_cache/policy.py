@@ -177,7 +177,8 @@ class ExpertCache:
                 else:
                     st.demand_loads += 1
                     gone = cache.insert(e, need, lambda c, l=l: self._victim(l, c))
-                    self._prefetched[l].discard(gone)
+                    if gone is not None:
+                        self._prefetched[l].discard(gone)
                 cache.touch(e)
             if self.prefetch and l + 1 < self.L:
                 self._prefetch_next(l, need)
@@ -200,7 +201,8 @@ class ExpertCache:
                 nxt.resident.move_to_end(e)  # keep the predicted ones from eviction
                 continue
             gone = nxt.insert(e, picked, lambda c, l=l: self._victim(l + 1, c))
-            self._prefetched[l + 1].discard(gone)
+            if gone is not None:
+                self._prefetched[l + 1].discard(gone)
             self._prefetched[l + 1].add(e)
             self.stats.prefetch_loads += 1
         for e in picked:

@@ -231,7 +231,7 @@ def most_distinctive(freq_a: Sequence[Sequence[float]], freq_b: Sequence[Sequenc
              for i, row in enumerate(scores) for e, s in enumerate(row) if s > min_score]
     cands.sort(key=lambda d: (-d.score, d.layer, d.expert))
     taken: dict[int, int] = {}
-    out = []
+    out: list[Distinctive] = []
     for d in cands:
         cap = top if per_layer else (max_per_layer if max_per_layer is not None else math.inf)
         if per_layer and max_per_layer is not None:

@@ -37,7 +37,7 @@ def code_lengths(counts: np.ndarray, max_len: int) -> np.ndarray:
     ``max_len``: rare symbols' counts are raised until the longest code fits."""
     counts = np.asarray(counts, dtype=np.int64)
     present = np.flatnonzero(counts)
-    lengths = np.zeros(256, dtype=np.uint8)
+    lengths: np.ndarray = np.zeros(256, dtype=np.uint8)
     if len(present) == 0:
         return lengths
     if len(present) == 1:
@@ -47,9 +47,9 @@ def code_lengths(counts: np.ndarray, max_len: int) -> np.ndarray:
     floor = 0.0
     while True:
         w = np.maximum(c, floor)
-        heap = [(float(w[i]), i, (i,)) for i in range(len(present))]
+        heap: list[tuple[float, int, tuple[int, ...]]] = [(float(w[i]), i, (i,)) for i in range(len(present))]
         heapq.heapify(heap)
-        depth = np.zeros(len(present), dtype=np.int64)
+        depth: np.ndarray = np.zeros(len(present), dtype=np.int64)
         tie = len(present)
         while len(heap) > 1:
             a, _, sa = heapq.heappop(heap)
@@ -66,7 +66,7 @@ def code_lengths(counts: np.ndarray, max_len: int) -> np.ndarray:
 
 def canonical_codes(lengths: np.ndarray) -> np.ndarray:
     """Canonical code values (int64 ``[256]``) for the code ``lengths``."""
-    codes = np.zeros(256, dtype=np.int64)
+    codes: np.ndarray = np.zeros(256, dtype=np.int64)
     code, prev = 0, 0
     for sym in sorted(np.flatnonzero(lengths), key=lambda s: (lengths[s], s)):
         code <<= int(lengths[sym]) - prev
@@ -84,8 +84,8 @@ def decode_table(lengths: torch.Tensor, max_len: int) -> tuple[torch.Tensor, tor
     if lens.max(initial=0) > max_len:
         raise ValueError(f"code_lengths: a code of {lens.max()} bits exceeds max_code_len {max_len}")
     codes = canonical_codes(lens)
-    sym = np.zeros(1 << max_len, dtype=np.uint8)
-    ln = np.zeros(1 << max_len, dtype=np.int64)
+    sym: np.ndarray = np.zeros(1 << max_len, dtype=np.uint8)
+    ln: np.ndarray = np.zeros(1 << max_len, dtype=np.int64)
     for s in np.flatnonzero(lens):
         lo = int(codes[s]) << (max_len - int(lens[s]))
         hi = (int(codes[s]) + 1) << (max_len - int(lens[s]))
@@ -122,8 +122,8 @@ def encode(weight: torch.Tensor, chunk: int = 128, max_code_len: int = 12) -> di
     starts = np.concatenate([[0], np.cumsum(ln)])
     total = int(starts[-1])
     # Expand every code into its bits, MSB first, then pack.
-    rep_code = np.repeat(codes[flat], ln)
-    rep_len = np.repeat(ln, ln)
+    rep_code: np.ndarray = np.repeat(codes[flat], ln)
+    rep_len: np.ndarray = np.repeat(ln, ln)
     k = np.arange(total, dtype=np.int64) - np.repeat(starts[:-1], ln)
     bits = ((rep_code >> (rep_len - 1 - k)) & 1).astype(np.uint8)
     stream = np.concatenate([np.packbits(bits), np.zeros(3, dtype=np.uint8)])

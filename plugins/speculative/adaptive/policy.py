@@ -82,10 +82,10 @@ class GoodputPolicy:
         return (s + prior * self.prior_weight) / (s + f + self.prior_weight)
 
     def acceptance_overall(self) -> float:
-        return self._estimate(*self.total, self.prior)
+        return self._estimate(self.total[0], self.total[1], self.prior)
 
     def acceptance(self, request_id: str) -> float:
-        glob = self._estimate(*self.total, self.prior)
+        glob = self._estimate(self.total[0], self.total[1], self.prior)
         st = self.stats.get(request_id)
         return glob if st is None else self._estimate(st[0], st[1], glob)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
-from vllm_graft.hooks import Kind, Proposer
+from vllm_graft.hooks import Kind, Proposer, SelfSpeculativeProposer
 
 from .policy import GoodputPolicy, ModeBandit
 
@@ -35,6 +35,8 @@ class Adaptive(Proposer):
         self._on = True  # this step's mode (the bandit's choice)
         self._prev: tuple[int, bool] | None = None  # (batch size, mode) of the previous step
         self._produced = self._verified = self._requests = 0  # of the step just run
+        self._prev_tokens = 0  # num_tokens given to the previous begin_step
+        self._prev_seconds = 0.0  # the time of the step before the previous begin_step
 
     def _new_policy(self) -> GoodputPolicy:
         p = self.params
@@ -89,6 +91,9 @@ class Adaptive(Proposer):
 
     def attach_target(self, weights: Any) -> None:
         """The target model, for a wrapped self-speculative proposer (``swift``)."""
+        if not isinstance(self.inner, SelfSpeculativeProposer):
+            raise TypeError(f"adaptive: the wrapped proposer {type(self.inner).__name__} drafts without "
+                            "the target's weights (needs_target_weights is False)")
         self.inner.attach_target(weights)
 
     def accepted(self, request_id: str, num_accepted: int, num_verified: int) -> None:

@@ -136,7 +136,7 @@ class TokenTrie:
         taken: set[tuple[int, ...]] = set()
         heap: list[tuple[int, int, int, tuple[int, ...]]] = []  # (-count, depth, token, path)
         at_path: dict[tuple[int, ...], _Node] = {}
-        start = ((), node)
+        start: tuple[tuple[int, ...], _Node] = ((), node)
         while len(chains) < max_branches:
             prefix, at = start
             chain = self._follow(at, list(prefix), max_tokens)

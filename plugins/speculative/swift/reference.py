@@ -77,11 +77,11 @@ class DraftCache:
         keys and values for positions ``0 .. start + n - 1``."""
         end = start + k.shape[1]
         buf_k, buf_v = self.k.get(layer), self.v.get(layer)
-        if buf_k is None or buf_k.shape[1] < end:
+        if buf_k is None or buf_v is None or buf_k.shape[1] < end:  # (k and v are stored together)
             cap = max(64, end, 2 * (buf_k.shape[1] if buf_k is not None else 0))
             new_k = k.new_empty(k.shape[0], cap, k.shape[2])
             new_v = v.new_empty(v.shape[0], cap, v.shape[2])
-            if buf_k is not None:
+            if buf_k is not None and buf_v is not None:
                 new_k[:, :start] = buf_k[:, :start]
                 new_v[:, :start] = buf_v[:, :start]
             self.k[layer], self.v[layer] = buf_k, buf_v = new_k, new_v

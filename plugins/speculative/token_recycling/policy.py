@@ -33,7 +33,7 @@ class RecyclingMatrix:
         self.k = k
         self.vocab_size = vocab_size
         rows = vocab_size if vocab_size else 1024
-        self.m = np.full((rows, k), EMPTY, dtype=np.int64)
+        self.m: np.ndarray = np.full((rows, k), EMPTY, dtype=np.int64)
         self.updates = 0  # rows written
 
     @property
@@ -48,7 +48,7 @@ class RecyclingMatrix:
         rows = 1 << int(max_token).bit_length()
         if self.vocab_size is not None:
             rows = min(rows, self.vocab_size)
-        grown = np.full((rows, self.k), EMPTY, dtype=np.int64)
+        grown: np.ndarray = np.full((rows, self.k), EMPTY, dtype=np.int64)
         grown[:len(self.m)] = self.m
         self.m = grown
 
@@ -56,18 +56,18 @@ class RecyclingMatrix:
         """Row ``tokens[j]`` becomes ``topk_ids[j]`` (the target's top-k after it), for each j;
         a later j wins when a token repeats. ``topk_ids`` may have more or fewer than ``k``
         columns: the first ``k`` are kept, missing ones are left empty."""
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        ids = np.asarray(topk_ids, dtype=np.int64).reshape(len(tokens), -1)
-        if not len(tokens):
+        rows = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        ids = np.asarray(topk_ids, dtype=np.int64).reshape(len(rows), -1)
+        if not len(rows):
             return
-        if tokens.min() < 0:
+        if rows.min() < 0:
             raise ValueError("token ids must be non-negative")
-        self._grow(int(tokens.max()))
+        self._grow(int(rows.max()))
         width = min(self.k, ids.shape[1])
-        self.m[tokens, :width] = ids[:, :width]
+        self.m[rows, :width] = ids[:, :width]
         if width < self.k:
-            self.m[tokens, width:] = EMPTY
-        self.updates += len(tokens)
+            self.m[rows, width:] = EMPTY
+        self.updates += len(rows)
 
     def successors(self, token: int) -> np.ndarray:
         """The row of ``token`` (empty cells are :data:`EMPTY`)."""
