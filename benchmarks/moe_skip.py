@@ -189,12 +189,13 @@ def main() -> None:
     from vllm_graft.hooks import Kind
     from vllm_graft.cli import launch
     from vllm_graft.integration.adapters.moe.engine import SKIP_MIN_DEFAULT, GraftRouter
+    from vllm_graft.integration.plan import plan_for
     from vllm_graft.integration.runtime import RUNTIME
 
     params = {} if args.threshold is None else {"threshold": args.threshold}
-    plan = launch.plan_from_dict({"model": str(SHAPE),
-                                  "engine": {"dtype": "float32", "max_model_len": 2048, "load_format": "dummy"},
-                                  "moe": [{"plugin": "dynamic-topk", "params": params}]})
+    plan = plan_for({"model": str(SHAPE),
+                     "engine": {"dtype": "float32", "max_model_len": 2048, "load_format": "dummy"},
+                     "moe": [{"plugin": "dynamic-topk", "params": params}]})
     llm = LLM(**launch.llm_kwargs(plan), seed=0)
     runner = None
     try:

@@ -32,12 +32,13 @@ def _child(path: str, graft: bool, settings: dict, out) -> None:
     import time
 
     from vllm_graft.cli import launch
+    from vllm_graft.integration.plan import plan_for
     from vllm_graft.tools import workloads as W
 
     launch.apply_env_defaults(in_process=True)
     from vllm import SamplingParams
 
-    plan = launch.load_plan(path)
+    plan = plan_for(path)
     model = plan.model.path if plan.model is not None else plan.deployment.model
     max_len = int(plan.deployment.engine.get("max_model_len") or 2048)
     (ps,) = W.build([settings["workload"]], W.Tokenizer.from_model(model), num_prompts=settings["num_prompts"],

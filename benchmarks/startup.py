@@ -32,8 +32,9 @@ def _child(path: str, out) -> None:
     import time
 
     from vllm_graft.cli import launch
+    from vllm_graft.integration.plan import plan_for
 
-    plan = launch.load_plan(path)
+    plan = plan_for(path)
     profile = cProfile.Profile()
     t = time.perf_counter()
     profile.enable()
