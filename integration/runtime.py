@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterator
 
-from vllm_graft.hooks import Kind, Plan, PluginImpl, contract_for
+from vllm_graft.hooks import Kind, Plan, contract_for
 from vllm_graft.hooks.deployment import Enabled
 
 from .patches import PATCHES, PatchRegistry
@@ -41,7 +41,7 @@ class Runtime:
     plan: Plan | None = None
     source: str | None = None  # where the deployment came from (for messages)
     config_json: str | None = None  # the resolved deployment, as passed to child processes
-    instances: dict[tuple[Kind, str], PluginImpl] = field(default_factory=dict)
+    instances: dict[tuple[Kind, str], Any] = field(default_factory=dict)  # contract instances (see instance)
     events: Counter = field(default_factory=Counter)  # (kind, name, event) -> count
     adapters: list[Any] = field(default_factory=list)  # activated, in order
     report_dir: str | None = None  # VLLM_GRAFT_REPORT_DIR at activation
@@ -99,8 +99,9 @@ class Runtime:
     def enabled(self, kind: Kind) -> list[Enabled]:
         return self.plan.by_kind(kind) if self.plan else []
 
-    def instance(self, enabled: Enabled) -> PluginImpl:
-        """The process's one instance of an enabled plugin, built on first use."""
+    def instance(self, enabled: Enabled) -> Any:
+        """The process's one instance of an enabled plugin, built on first use: an instance of
+        its kind's contract (checked when built; typed Any, as the contract depends on the kind)."""
         key = (enabled.kind, enabled.name)
         with self._lock:
             impl = self.instances.get(key)
@@ -172,11 +173,11 @@ class Runtime:
         path = os.path.join(self.report_dir, f"{process}-{os.getpid()}.json")
         try:
             os.makedirs(self.report_dir, exist_ok=True)
+            state_sizes = self.state_sizes() if sizes is None else sizes
             data = {"pid": os.getpid(), "process": process, "source": self.source,
                     "tensor_parallel_rank": self._tensor_parallel_rank(),
-                    "written_at": time.time(), "plugins": self.report(),
-                    "state_sizes": self.state_sizes() if sizes is None else sizes}
-            self._last_sizes = data["state_sizes"]
+                    "written_at": time.time(), "plugins": self.report(), "state_sizes": state_sizes}
+            self._last_sizes = state_sizes
             with open(path + ".tmp", "w") as f:
                 json.dump(data, f, default=str)
             os.replace(path + ".tmp", path)

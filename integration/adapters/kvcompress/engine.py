@@ -114,7 +114,7 @@ def _manager_block_size(runner: Any, spec: Any) -> int:
         per_layer = getattr(s, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
         for x in per_layer.values() if isinstance(per_layer, dict) else (s,):
             if isinstance(x, GraftKVCompressSpec) and x.block_size % spec.block_size == 0 \
-                    and replace(x, block_size=spec.block_size) == spec:
+                    and replace(x, block_size=spec.block_size) == spec:  # type: ignore[call-arg]  # a field of vLLM's spec
                 sizes.add(x.block_size)
     if len(sizes) > 1:
         raise NotImplementedError(

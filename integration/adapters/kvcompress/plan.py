@@ -137,7 +137,7 @@ def compaction_index(
     column = block_size // blocks_per_block
     used = {i: min(width, -(-int(seq_lens_host[i]) // column)) for i in rows}
     w = max(used.values())
-    out = np.full((len(rows), 2 + w), -1, dtype=np.int32)
+    out: np.ndarray = np.full((len(rows), 2 + w), -1, dtype=np.int32)
     for k, i in enumerate(rows):
         skip = np.asarray(skips[i], dtype=np.int64)
         last = (int(seq_lens_host[i]) - 1) // block_size  # the row's last logical block: kept
@@ -147,7 +147,7 @@ def compaction_index(
                 f"{column} tokens): skipped blocks {list(skips[i])} must be full blocks before the "
                 "row's last one")
         cols = (skip[:, None] * blocks_per_block + np.arange(blocks_per_block)).ravel()
-        keep = np.ones(used[i], dtype=bool)
+        keep: np.ndarray = np.ones(used[i], dtype=bool)
         keep[cols] = False
         kept = np.flatnonzero(keep)
         out[k, 0] = i

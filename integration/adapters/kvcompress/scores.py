@@ -4,7 +4,7 @@ score per logical block (:class:`_Scores`), one step's plan of rows and attentio
 See "The scores channel" in the package doc."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from vllm_graft.hooks import BlockView, KVCompressor
@@ -30,8 +30,8 @@ NEG_INF = float("-inf")
 class _ReqScores:
     scores: list[float]
     dropped: set[int]  # blocks left out of attention (and freed): every head dropped them
-    head_scores: list[list[float]] | None = None  # per_head: [H_kv][block]
-    head_dropped: list[set[int]] | None = None  # per_head: the blocks each KV head no longer reads
+    head_scores: list[list[float]] = field(default_factory=list)  # per_head: [H_kv][block]
+    head_dropped: list[set[int]] = field(default_factory=list)  # per_head: the blocks each KV head no longer reads
 
 
 @dataclass
@@ -193,7 +193,7 @@ class _Scores:
         ``keep_heads`` and check the answer (each head's rules, and a block a head dropped
         stays dropped for it)."""
         hkv, nb = len(mass), -(-total // B)
-        if st.head_scores is None:
+        if not st.head_scores:  # the row's first step
             st.head_scores = [[] for _ in range(hkv)]
             st.head_dropped = [set() for _ in range(hkv)]
         step = [0.0] * nb  # this step's own mass per logical block, summed over the KV heads

@@ -5,7 +5,7 @@ adapter's patch owner and supported vLLM range."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from vllm_graft.hooks.registry import SUPPORTED_VLLM
@@ -28,22 +28,14 @@ class Active:
     salt: str | None = None  # prefix-cache salt of this compressor and budget (None: lossless)
     scored: Any = None  # worker-side state of a needs_scores compressor (a scores._Scores)
     needs_scores: bool = False
-    to_free: dict = None  # scheduler side: request id -> logical blocks the worker dropped
+    to_free: dict = field(default_factory=dict)  # scheduler side: request id -> logical blocks the worker dropped
     # rule-based compressors (see "The frees check" in the package doc): the scheduler's blocks
     # freed in this schedule() (request id -> {block size: [logical blocks]}), and in the worker
     # every block the scheduler freed per request and block size, which its skips must contain
-    freed_now: dict = None
-    worker_freed: dict = None
+    freed_now: dict = field(default_factory=dict)
+    worker_freed: dict = field(default_factory=dict)
     kv_format: KVCacheFormat | None = None  # the storage format (e.g. kv4), if one is enabled
     format_name: str = ""
-
-    def __post_init__(self):
-        if self.to_free is None:
-            self.to_free = {}
-        if self.freed_now is None:
-            self.freed_now = {}
-        if self.worker_freed is None:
-            self.worker_freed = {}
 
     @property
     def spec_name(self) -> str:

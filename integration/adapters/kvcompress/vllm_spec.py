@@ -99,7 +99,7 @@ def customize_spec(spec: Any) -> Any:
     name = active.spec_name if active is not None else ""
     values = {f.name: getattr(spec, f.name) for f in fields(spec) if f.init}
     fmt = active.kv_format if active is not None else None
-    if fmt is not None:
+    if active is not None and fmt is not None:
         why = fmt.unsupported(spec.head_size, spec.block_size)
         if why is None and spec.head_size_v != spec.head_size:
             why = f"key and value head sizes differ ({spec.head_size} vs {spec.head_size_v})"

@@ -224,13 +224,13 @@ class GraftMoERunner(MoERunner):
         if chain is None:  # registered only while a deployment is active; be plain otherwise
             return
         name = self.layer_name
-        inner = self.router
+        inner = self.router  # type: ignore[has-type]  # vLLM's base class sets it
         if not isinstance(inner, BaseRouter) or isinstance(inner, ZeroExpertRouter):
             raise MoEAdapterError(
                 f"MoE layer {name}: vllm-graft's MoE plugins work through a BaseRouter's routing "
                 f"step, and this layer's router is a {type(inner).__name__}; this model's MoE "
                 "layers are not supported yet (remove the `moe:` section)")
-        if chain.routes:
+        if chain.router is not None:  # chain.routes
             why = plain_softmax_routing(self.routed_experts)
             if why is not None:
                 raise MoEAdapterError(
@@ -409,7 +409,7 @@ class MoEAdapter(Adapter):
         self.chain = chain
         self.skip_count = None
         self.skip_min = skip_min_from_env()
-        if chain.routes and self.skip_min > 0:
+        if chain.router is not None and self.skip_min > 0:  # chain.routes
             experts = op_registry_oot.get(OOT_EXPERTS)
             if experts is None:
                 RoutedExperts.register_oot(GraftRoutedExperts)

@@ -114,10 +114,10 @@ class Drafting:
             request_id = req_ids[i]
             n = int(num_tokens[i])
             before = n - len(sampled_token_ids[i]) - 1  # the last token before this step
-            if before < 0:
+            if before < 0 or request_id is None:  # None: an empty slot (it sampled nothing either)
                 continue
             context = [int(token_ids[i, before])]
-            for t in self.drafts.get(request_id, ()):  # type: ignore[arg-type]
+            for t in self.drafts.get(request_id, ()):
                 if t < 0:
                     break  # invalidated slot: no position after it
                 context.append(int(t))

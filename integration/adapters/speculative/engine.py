@@ -159,7 +159,7 @@ class GraftProposer:
         if getattr(plugin, "needs_target_weights", False):
             from vllm_graft.integration.adapters.speculative.target import target_weights
 
-            plugin.attach_target(target_weights(target_model, self.vllm_config))
+            plugin.attach_target(target_weights(target_model, self.vllm_config))  # type: ignore[attr-defined]  # needs_target_weights proposers have it
 
     def step_started(self, runner: Any, scheduler_output: Any) -> None:
         """From the patched ``_update_states``, before vLLM updates the batch."""
@@ -236,7 +236,7 @@ def _attention_only(runner: Any) -> bool:
     if known is None:
         from vllm.v1.kv_cache_interface import AttentionSpec
 
-        groups = getattr(getattr(runner, "kv_cache_config", None), "kv_cache_groups", None)
+        groups = getattr(getattr(runner, "kv_cache_config", None), "kv_cache_groups", None) or ()
         known = bool(groups) and all(isinstance(g.kv_cache_spec, AttentionSpec) for g in groups)
         runner.__dict__["_graft_attention_only"] = known
     return known

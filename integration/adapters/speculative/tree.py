@@ -145,7 +145,7 @@ class TreeVerifier:
             tree = tree_mod.DraftTree(tokens, parents)
             rows.append(np.arange(first + 1, first + 1 + n))
             values.append(context + tree.depth.numpy())
-            pos = context + np.arange(n + 1)
+            pos: np.ndarray = context + np.arange(n + 1)
             slots = blocks[row, pos // size].astype(np.int64) * size + pos % size
             mask = tree_mod.ancestor_mask([-1, *(p + 1 for p in parents)])  # the root as node 0
             self.step[row] = StepTree(tree, slots, mask, first, context)
