@@ -124,7 +124,7 @@ def validate(
     # Each plugin section that is well-formed on its own is resolved even if another is not,
     # so that one run reports every problem.
     choices = _well_formed_choices(data)
-    engine = data.get("engine") if isinstance(data.get("engine"), dict) else {}
+    engine: dict[str, Any] = data["engine"] if isinstance(data.get("engine"), dict) else {}
 
     platform = data.get("platform", "auto")
     platform = env.platform if platform == "auto" else platform
