@@ -297,10 +297,9 @@ def print_demo(result: dict[str, Any], console: Console) -> None:
         name = w["name"]
         p, g = (arms[a]["workloads"][name] for a in ("plain", "graft"))
         ps, gs = p["summary"], g["summary"]
-        held = [_decode_mean(x["kv_blocks_per_step"]) for x in (p, g)]
-        held_text = ("-" if None in held else
-                     f"{held[0]:.1f} -> {held[1]:.1f} ({100 * relative_change(held[0], held[1]):+.0f}%)"
-                     if held[0] else f"{held[0]:.1f} -> {held[1]:.1f}")
+        a, b = (_decode_mean(x["kv_blocks_per_step"]) for x in (p, g))
+        held_text = ("-" if a is None or b is None else
+                     f"{a:.1f} -> {b:.1f} ({100 * (b - a) / a:+.0f}%)" if a else f"{a:.1f} -> {b:.1f}")
         ppl = relative_change(ps.get("perplexity"), gs.get("perplexity"))
         table.add_row(name, _rate(ps), _rate(gs), _speed(cmp[name].get("ratio")), held_text,
                       f"{cmp[name]['n_identical']}/{cmp[name]['n']}",
@@ -377,7 +376,8 @@ def read_reports(folder: str) -> dict[str, Any]:
     from collections import Counter
     from pathlib import Path
 
-    processes, plugins = [], {}
+    processes: list = []
+    plugins: dict = {}
     for path in sorted(Path(folder).glob("*.json")):
         try:
             data = json.loads(path.read_text())

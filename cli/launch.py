@@ -66,7 +66,7 @@ def apply_env_defaults(*, in_process: bool | None = None, engine: dict[str, Any]
                 log.warning(
                     "VLLM_CPU_KVCACHE_SPACE=%s is set, and vLLM's CPU engine lets it override the "
                     "deployment's kv_cache_memory_bytes=%s; unset it for the deployment's value",
-                    os.environ[key], engine["kv_cache_memory_bytes"])
+                    os.environ[key], (engine or {}).get("kv_cache_memory_bytes"))
             continue
         os.environ.setdefault(key, value)
     if in_process is not None:

@@ -110,8 +110,8 @@ def _cell(what: str, result: str | None) -> str:
     if s == "ok":
         return "[green]ok[/]"
     if s == "n/a":
-        return f"[yellow]n/a: {escape(result)}[/]"
-    return f"[red]{'PROBLEM' if what == 'behaviour' else 'MISSING'}: {escape(result)}[/]"
+        return f"[yellow]n/a: {escape(result or '')}[/]"
+    return f"[red]{'PROBLEM' if what == 'behaviour' else 'MISSING'}: {escape(result or '')}[/]"
 
 
 # ------------------------------------------------------------------------------ patches
