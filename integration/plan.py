@@ -32,21 +32,17 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vllm_graft.hooks import DeploymentError, Environment, Plan, Problem, Registry, get_registry, validate
+from vllm_graft.hooks import DeploymentError, Plan, Problem, get_registry, validate
 from vllm_graft.hooks.deployment import load_file, parse_json
 
 from .env import detect_environment
+from .runtime import RUNTIME
 
 if TYPE_CHECKING:
     from .adapters import Adapter
 
 #: The key of vLLM's ``additional_config`` that carries the deployment.
 ADDITIONAL_CONFIG_KEY = "graft"
-
-#: The plan this process last validated, with the environment and registry it was validated
-#: against (see "Validated once per process").
-_last: tuple[Environment, Registry, Plan] | None = None
-
 
 def plan_for(deployment: Any, *, source: str | None = None,
              base_dir: str | os.PathLike[str] | None = None, platform: str | None = None,
@@ -83,16 +79,16 @@ def plan_for(deployment: Any, *, source: str | None = None,
             if implied is not None:
                 data["quant"] = implied["quant"]
     env, registry = detect_environment(platform), get_registry()
-    global _last
-    if engine_model is not None and _last is not None and _last[0] == env and _last[1] is registry \
-            and _canonical(json.loads(deployment_json(_last[2]))) == _canonical(data):
-        return _last[2]  # handed over by an in-process engine (see "Validated once per process")
+    last = RUNTIME.validated  # (environment, registry, plan)
+    if engine_model is not None and last is not None and last[0] == env and last[1] is registry \
+            and _canonical(json.loads(deployment_json(last[2]))) == _canonical(data):
+        return last[2]  # handed over by an in-process engine (see "Validated once per process")
     plan = validate(data, registry, env, source=source, base_dir=base_dir)
     if plan.model is not None and plan.deployment.model is not None:
         # absolute: vLLM's processes may run in another working directory, and a path relative
         # to the deployment file means nothing to them
         plan.deployment.model = str(Path(plan.model.path).resolve())
-    _last = (env, registry, plan)
+    RUNTIME.validated = (env, registry, plan)
     return plan
 
 

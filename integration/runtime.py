@@ -82,6 +82,10 @@ class Runtime:
     #: the ``vllm.general_plugins`` entry point ran in this process (``bridge.register``: once per
     #: process, like the front-end config hook it installs, which deactivation leaves in place)
     registered: bool = False
+    #: the plan this process last validated, with the environment and registry it was
+    #: validated against (:func:`.plan.plan_for` hands it to an in-process engine instead of
+    #: validating again); kept through reset, as a plan does not depend on what is active
+    validated: tuple[Any, Any, Any] | None = field(default=None, repr=False)
     #: the quant adapter's linear methods by key, for its custom ops (``adapters.quant.tensors``):
     #: weak, so an engine's methods go with its model; they belong to the model, not to the
     #: deployment, and the keys baked into a compiled graph are never reused in a process
