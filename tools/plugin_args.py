@@ -21,7 +21,9 @@ class PluginArgError(ValueError):
 def split_list(text: str) -> list[str]:
     """Split a comma list at commas outside braces, brackets and quotes:
     ``'streaming,tova:{"a": 1, "b": 2}'`` -> ``['streaming', 'tova:{"a": 1, "b": 2}']``."""
-    out, depth, quote, cur = [], 0, "", []
+    out: list[str] = []
+    cur: list[str] = []
+    depth, quote = 0, ""
     for ch in text:
         if quote:
             quote = "" if ch == quote else quote

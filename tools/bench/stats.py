@@ -104,7 +104,7 @@ def compare_outputs(plain: Sequence[Sequence[int]], graft: Sequence[Sequence[int
     """Per-prompt comparison of two arms' output token ids (same prompts, same order)."""
     if len(plain) != len(graft):
         raise ValueError(f"{len(plain)} plain outputs vs {len(graft)} graft outputs")
-    prompts = []
+    prompts: list[dict[str, Any]] = []
     for i, (a, b) in enumerate(zip(plain, graft)):
         pos = first_difference(a, b)
         prompts.append({"index": i, "identical": pos is None, "first_diff": pos,
@@ -246,9 +246,10 @@ def _decode_runs(raw: dict[str, Any], prompt_sets: Sequence[Any]) -> list[float]
     out = []
     for k in range(len(reps[0]) if reps else 0):
         itl = [r[k].get("itl_p50_s") for r in reps]
-        if any(x is None or x <= 0 for x in itl):
+        valid = [x for x in itl if x is not None and x > 0]
+        if len(valid) < len(itl):
             return []
-        out.append(1.0 / (sum(itl) / len(itl)))
+        out.append(1.0 / (sum(valid) / len(valid)))
     return out
 
 

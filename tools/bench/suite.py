@@ -62,10 +62,10 @@ class RunSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     workload: Optional[str] = None
-    num_prompts: Optional[int] = Field(None, ge=1)
-    max_tokens: Optional[int] = Field(None, ge=1)
-    batch: Optional[int] = Field(None, ge=0)
-    repeat: Optional[int] = Field(None, ge=1)
+    num_prompts: Optional[int] = Field(default=None, ge=1)
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    batch: Optional[int] = Field(default=None, ge=0)
+    repeat: Optional[int] = Field(default=None, ge=1)
     ignore_eos: Optional[bool] = None
     ppl: Optional[bool] = None  # None: on unless the deployment loads dummy weights
     seed: Optional[int] = None

@@ -191,9 +191,10 @@ def study(model_dir: str, texts, *, block: int, chunk: int, gen: int, fractions,
                         scores = block_mass(att, slice(max(0, lo), min(hi, prompt)), n, block)
                     sc = scores[:nbp].tolist()
 
-                    def keep(s, comp=comp, sc=sc):
+                    def keep_scored(s, comp=comp, sc=sc):
                         nb = -(-s // block)
                         return comp.keep(BlockView(s, block, prompt, tuple(sc + [0.0] * (nb - len(sc)))[:nb]))
+                    keep = keep_scored
                 allowed = replay_allowed(n, prompt, block, chunk, keep)
                 label = f"streaming+{extra} 1/{frac}" if name == "streaming+" else f"{name} 1/{frac}"
                 nll.setdefault(label, []).append(gen_nll(ids, allowed)[0])

@@ -73,7 +73,8 @@ def record(data: dict[str, Any], base_dir: str | os.PathLike[str] | None, sets: 
     say("loading the model")
     llm = start_engine(plan)
     try:
-        tracer = RUNTIME.instances.get((Kind.MOE, TRACE_PLUGIN))
+        # the plugin's RouteTrace, typed Any: tools reach plugins only through the registry
+        tracer: Any = RUNTIME.instances.get((Kind.MOE, TRACE_PLUGIN))
         if tracer is None:
             raise RuntimeError("the route-trace plugin was not instantiated: no MoE layer ran it")
         tracer.reset()  # nothing before the first workload (no profiling forward is recorded)
@@ -151,7 +152,8 @@ def read_prompt_file(path: str | os.PathLike[str]) -> list[str]:
         if not isinstance(data, list) or not all(isinstance(x, str) for x in data):
             raise ValueError(f"{path}: expected a JSON list of strings")
         return [x for x in data if x.strip()]
-    parts, cur = [], []
+    parts: list[str] = []
+    cur: list[str] = []
     for line in text.splitlines(keepends=True):
         if line.strip() == "---":
             parts.append("".join(cur))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import Any, Callable
 
 #: (name, out, in) of Llama-3-8B's linear layers (q/k/v and gate/up fused as vLLM runs them).
 LLAMA8B = (("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 28672, 4096),
@@ -68,7 +68,7 @@ def run(batches: list[int], shapes, device: str, iters: int, peak_gbs: float) ->
     for name, n, k in shapes:
         g = torch.Generator().manual_seed(0)
         w16 = (torch.randn(n, k, generator=g) * 0.02).half()
-        cases = {"fp16 matmul": (lambda x, w=w16.to(device): torch.matmul(x, w.T), n * k * 2)}
+        cases: dict[str, tuple[Callable[..., Any], int]] = {"fp16 matmul": (lambda x, w=w16.to(device): torch.matmul(x, w.T), n * k * 2)}
         for bits in (4, 3):
             codes = pack_bitplanes(torch.randint(0, 1 << bits, (n, k), generator=g), bits).to(device)
             lut = torch.randn(n, 1 << bits, generator=g).half().to(device)

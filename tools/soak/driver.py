@@ -60,7 +60,9 @@ async def _send(client: Any, base: str, spec: RequestSpec, model: str) -> Outcom
         return _classify_status(spec, r.status_code, r.text) or _complete(spec, r.json())
     async with client.stream("POST", url, json=spec.body(model)) as r:
         if r.status_code != 200:
-            return _classify_status(spec, r.status_code, (await r.aread()).decode(errors="replace"))
+            failed = _classify_status(spec, r.status_code, (await r.aread()).decode(errors="replace"))
+            assert failed is not None  # None only for HTTP 200
+            return failed
         if spec.over_long:
             return Outcome(spec.index, "error", reason="HTTP 200 for a prompt over max_model_len")
         texts: dict[int, list[str]] = {}

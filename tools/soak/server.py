@@ -153,6 +153,8 @@ class Server:
         import psutil
 
         out: dict[str, float] = {}
+        if self.proc is None:  # not started: nothing resident, as for a server that has exited
+            return out
         try:
             root = psutil.Process(self.proc.pid)
             procs = [root] + root.children(recursive=True)

@@ -160,18 +160,18 @@ def run_arm(arm: str, workload: str, prompts: list[Any], *, b1_prompts: int,
         for batch, sl, sequential in _runs(workload, b1_prompts, batches):
             chunk = prompts[sl]
             if workload == PARALLEL:
-                params = [SamplingParams(n=N_SAMPLES, temperature=0.8, seed=seed + p.index,
+                sampling = [SamplingParams(n=N_SAMPLES, temperature=0.8, seed=seed + p.index,
                                          max_tokens=p.max_tokens) for p in chunk]
             else:
-                params = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens) for p in chunk]
+                sampling = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens) for p in chunk]
             inputs = [TokensPrompt(prompt_token_ids=list(p.token_ids)) for p in chunk]
             before = _counters(llm)
             t0 = time.perf_counter()
             if sequential:
-                outs = [o for i, sp in zip(inputs, params)
+                outs = [o for i, sp in zip(inputs, sampling)
                         for o in llm.generate([i], sp, use_tqdm=False)]
             else:
-                outs = llm.generate(inputs, params, use_tqdm=False)
+                outs = llm.generate(inputs, sampling, use_tqdm=False)
             wall = time.perf_counter() - t0
             if batch == 0:
                 continue  # warm-up
@@ -268,6 +268,8 @@ def main(args: argparse.Namespace) -> int:
     batches = sorted({int(b) for part in args.batch for b in part.split(",") if b and int(b) > 1})
     plan = plan_for(arm_file("plain"))
     model = plan.deployment.model
+    if model is None:
+        raise SystemExit(f"specbench: {arm_file('plain')} names no model (its tokenizer makes the prompts)")
     max_model_len = int(plan.deployment.engine.get("max_model_len", 2048))
     tok = Tokenizer.from_model(model)
     total = prompts_needed(workloads, args.b1_prompts, batches)

@@ -212,11 +212,13 @@ class Drafter:
         if self.matrix is not None:
             return clip_depth(self.tree_mod, T.from_nodes(self.matrix.tree(seq[-1], self.s.breadth)), budget)
         length = min(self.s.chain_length, budget)
+        assert self.trie is not None  # an arm has a recycling matrix or a lookahead trie
         return T.from_chains(self.trie.branches(seq, length, self.s.branches, self.s.min_match))
 
     def _chain(self, seq: Sequence[int], length: int) -> list[int]:
         if self.matrix is not None:
             return self.matrix.chain(seq[-1], length)
+        assert self.trie is not None  # an arm has a recycling matrix or a lookahead trie
         return self.trie.continuation(seq, length, self.s.min_match)
 
     def draft(self, seq: Sequence[int], budget: int) -> Any:

@@ -160,7 +160,7 @@ def _long_context_4k(ctx: BuildContext) -> tuple[list[Prompt], dict[str, Any]]:
 def _code_completion(ctx: BuildContext) -> tuple[list[Prompt], dict[str, Any]]:
     tok = ctx.tokenizer
     limit = min(CODE_COMPLETION_MAX_TOKENS, ctx.prompt_budget)
-    prompts = []
+    prompts: list[Prompt] = []
     for head in _functions(ctx, "code-completion", stdlib_files(ctx.stdlib)):
         if len(prompts) == ctx.num_prompts:
             break
