@@ -94,6 +94,10 @@ def _run_mask(args: argparse.Namespace, console: Console) -> int:
     if model and not Path(model).is_absolute():
         model = str((base / model).resolve())
         data["model"] = model
+    if not model:
+        console.print(f"[bold red]error:[/] {escape(str(args.deployment))} names no model (its tokenizer "
+                      "tokenizes the prompts)")
+        return EXIT_USAGE
     sets = text_sets(model, {"behaviour": a_texts, "contrast": b_texts})
     rec = record(with_tracer(data), base, sets, score=False,
                  on_phase=lambda s: console.print(f"[dim]{escape(s)}[/]"))
@@ -132,9 +136,13 @@ def _run_mask(args: argparse.Namespace, console: Console) -> int:
         for label, d in (("without mask", data),
                          ("with mask", {**data, "moe": [{"plugin": "expert-mask",
                                                          "params": {"mask_file": str(Path(args.out).resolve())}}]})):
-            r = record(with_tracer(d), base, sets, score=True,
-                       on_phase=lambda s, label=label: console.print(f"[dim]{label}: {escape(s)}[/]"))
-            rows.append((label, r.perplexity("behaviour"), r.perplexity("contrast")))
+            def say(s: str, label: str = label) -> None:
+                console.print(f"[dim]{label}: {escape(s)}[/]")
+
+            r = record(with_tracer(d), base, sets, score=True, on_phase=say)
+            pa, pb = r.perplexity("behaviour"), r.perplexity("contrast")
+            assert pa is not None and pb is not None  # None only when no prompt token was scored
+            rows.append((label, pa, pb))
         t = Table(title="perplexity of the prompts themselves (teacher forcing)", box=None)
         for col in ("", "behaviour", "contrast"):
             t.add_column(col, justify="right")

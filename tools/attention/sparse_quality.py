@@ -34,7 +34,8 @@ def _recycled_refresh() -> int:
     from vllm_graft.hooks import get_registry
 
     params = get_registry().get("attention", "squeezed").registration.params
-    return params(mode="recycled").refresh
+    recycled: Any = params(mode="recycled")  # squeezed's own model, known only through the registry
+    return recycled.refresh
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -71,7 +72,7 @@ def _arms(args: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
         return arms + [(plugin, validate("attention", plugin, extra))]
     base = {"chunk": args.chunk, "sink_tokens": args.sink, "recent_tokens": args.recent, "prefill": "sparse"}
     # with a head map, each selection mode also runs with it: retrieval heads choose, the others keep the window
-    maps = [("", {})] + ([("+heads", {"head_map": args.head_map})] if args.head_map else [])
+    maps: list[tuple[str, dict[str, Any]]] = [("", {})] + ([("+heads", {"head_map": args.head_map})] if args.head_map else [])
     for b in args.budget:
         for mode in [m for m in args.modes.split(",") if m]:
             for tag, hm in maps if mode in ("centroid", "recycled") else maps[:1]:
@@ -159,7 +160,7 @@ def run_arm(model: str, engine: dict[str, Any], params: dict[str, Any] | None,
                            SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
         nll = [x for r, p, (a, b) in zip(res, prompts, spans) for x in nll_of(r.prompt_logprobs, p[:b], a)]
         top1 = [_top1(r.prompt_logprobs[j]) for r, (a, b) in zip(res, spans) for j in range(a, b)]
-        out = {"tokens": len(nll), "nll": sum(nll) / len(nll), "ppl": math.exp(sum(nll) / len(nll)),
+        out: dict[str, Any] = {"tokens": len(nll), "nll": sum(nll) / len(nll), "ppl": math.exp(sum(nll) / len(nll)),
                "nll_per_token": nll, "top1": top1}
         if firsts is not None and params is None:
             first = [x for r, p, (a, b) in zip(res, prompts, firsts) for x in nll_of(r.prompt_logprobs, p[:b], a)]

@@ -302,11 +302,12 @@ def _arm_run(job: dict[str, Any], send: Callable[[str, Any], None],
     core = llm.llm_engine.engine_core.engine_core  # InprocClient -> EngineCore
     scheduler = core.scheduler
     pool = scheduler.kv_cache_manager.block_pool
+    vllm = installed_vllm()
     engine = {"load_s": load_s, "num_blocks": pool.num_gpu_blocks - 1,
               "block_size": scheduler.cache_config.block_size,
               "threads": _torch_threads(),
               "prefix_caching": bool(scheduler.cache_config.enable_prefix_caching),
-              "vllm": ("%s %s" % installed_vllm()) if installed_vllm() else None}
+              "vllm": f"{vllm[0]} {vllm[1]}" if vllm else None}
     result: dict[str, Any] = {"arm": job["arm"], "engine": engine, "deployment_active": RUNTIME.active,
                               "rss_after_load_mib": rss_after_load, "workloads": {}}
 

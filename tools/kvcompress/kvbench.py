@@ -125,12 +125,12 @@ def _arms(context: int, block: int, which: list[str], fractions=(2, 4, 8),
                     raise SystemExit(f"kvbench: unknown compressor {name!r}: kvbench's arms are "
                                      f"{', '.join(BUILTIN_ARMS)}, and any registered kvcompress plugin "
                                      f"by name ({', '.join(known)}), optionally NAME:{{JSON params}}")
-                arm_params = _generic_params(name, budget)
-                if arm_params is None:
+                generic = _generic_params(name, budget)
+                if generic is None:
                     if spec in done:
                         continue
                     done.add(spec)
-                    arm_params = {}
+                arm_params = generic if generic is not None else {}
             plugin = name if name not in BUILTIN_ARMS else name.split("-")[0]
             arm_params = {**arm_params, **(params or {}), **(own or {})}
             try:

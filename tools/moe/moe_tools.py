@@ -66,6 +66,9 @@ def cmd_trace(args: argparse.Namespace, console: Console) -> int:
             console.print(f"  [red]•[/] {escape(str(p))}")
         return EXIT_INVALID
     model = plan.deployment.model
+    if model is None:
+        console.print(f"[bold red]error:[/] {escape(str(args.deployment))} names no model (its tokenizer makes the prompts)")
+        return EXIT_INVALID
     data["model"] = model
     max_model_len = int(plan.deployment.engine.get("max_model_len", 2048))
     try:
@@ -83,8 +86,10 @@ def cmd_trace(args: argparse.Namespace, console: Console) -> int:
     arms.append(("deployment", with_tracer(data), args.out))
     recs = {}
     for label, d, out in arms:
-        rec = record(d, base, sets, score=not args.no_ppl, batch=args.batch,
-                     on_phase=lambda s, label=label: console.print(f"[dim]{label}: {escape(s)}[/]"))
+        def say(s: str, label: str = label) -> None:
+            console.print(f"[dim]{label}: {escape(s)}[/]")
+
+        rec = record(d, base, sets, score=not args.no_ppl, batch=args.batch, on_phase=say)
         rec.trace.meta.update({"arm": label, "deployment": str(args.deployment), "workloads": [s.name for s in sets],
                                "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "batch": args.batch})
         rec.trace.save(out)

@@ -135,7 +135,7 @@ async def _graft_run(server: Server, mix: RequestMix, ramp: Ramp, opts: Options,
         raise RuntimeError(f"the warm-up request failed: {warm.reason}; the end of {server.log_path}:\n"
                            f"{server.log_tail()}")
     await asyncio.sleep(REPORT_QUIET_S + 0.5)  # the reporter rewrites within 1 s of a change
-    start = {"rss_mb": server.rss_mb(), "state": server.state_sizes(), "metrics": server.metrics()}
+    start: dict[str, Any] = {"rss_mb": server.rss_mb(), "state": server.state_sizes(), "metrics": server.metrics()}
     samples: list[dict[str, Any]] = []
     t0 = time.monotonic()
     stop = asyncio.Event()
@@ -161,7 +161,9 @@ async def _graft_run(server: Server, mix: RequestMix, ramp: Ramp, opts: Options,
     say(f"  ramp: {ramp.describe()}")
     task = asyncio.create_task(sampler())
     def dead() -> str | None:
-        return None if server.alive() else f"the server exited ({server.proc.returncode})"
+        if server.alive():
+            return None
+        return f"the server exited ({server.proc.returncode if server.proc is not None else 'never started'})"
 
     results = await drive(server.base, SERVED_NAME, iter_specs(mix, ramp, lambda: time.monotonic() - t0),
                           timeout=opts.timeout, on_done=progress, stop_if=dead)
