@@ -15,7 +15,7 @@ import threading
 import time
 import weakref
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Hashable, Iterator
 
 from vllm_graft.hooks import Kind, Plan, contract_for
@@ -34,6 +34,35 @@ REPORT_EVERY_S = 1.0
 
 class PluginContractError(TypeError):
     """A plugin's implementation does not implement the contract of its kind."""
+
+
+@dataclass
+class Seams:
+    """What the active adapters plug into the attention backend (:mod:`.adapters.backend`'s
+    ``SEAMS``; vLLM-free, so it lives here, on the runtime)."""
+
+    # attention plugin: (method instance, plugin name, count function)
+    method: Any = None
+    method_name: str = ""
+    #: the method computes plain attention (``AttentionMethod.uses_host_kernel``): vLLM's own
+    #: cache write and kernel run every layer, and the method is not called
+    host_kernel: bool = False
+    count: Callable[[str, int], None] | None = None
+    # KV compression: spec hook and metadata rewriters (applied in order)
+    customize_spec: Callable[[Any], Any] | None = None
+    rewriters: list[Callable[[Any, Any], Any]] = field(default_factory=list)
+    # KV storage format: an object with write(key, value, kv_cache, slot_mapping) and
+    # forward(query, kv_cache, batch, layer) -> out (see kvcompress._FormatSeam)
+    kv_format: Any = None
+    owners: set[str] = field(default_factory=set)
+    route: str = ""  # the backend classes registered, ";"-joined (see install)
+    installed: list[Any] = field(default_factory=list)  # the enum members overridden
+
+    def clear(self) -> None:
+        """Every field back to its default (the object stays: the backend holds it)."""
+        fresh = Seams()
+        for f in fields(self):
+            setattr(self, f.name, getattr(fresh, f.name))
 
 
 @dataclass
@@ -82,6 +111,10 @@ class Runtime:
     #: the ``vllm.general_plugins`` entry point ran in this process (``bridge.register``: once per
     #: process, like the front-end config hook it installs, which deactivation leaves in place)
     registered: bool = False
+    #: the attention backend's seams (what the attention and kvcompress adapters plug in)
+    seams: Seams = field(default_factory=Seams, repr=False)
+    #: each adapter's per-deployment state (``Adapter.state``: kind -> its ``State``)
+    adapter_state: dict[Any, Any] = field(default_factory=dict, repr=False)
     #: the plan this process last validated, with the environment and registry it was
     #: validated against (:func:`.plan.plan_for` hands it to an in-process engine instead of
     #: validating again); kept through reset, as a plan does not depend on what is active
@@ -287,6 +320,8 @@ class Runtime:
         self.state_holders.clear()
         self._last_sizes = None
         self.kvcompress = self.tree_verifier = self.reference_attention = None
+        self.seams.clear()
+        self.adapter_state.clear()
         self.runner_env_set = False
         self.said.clear()
 

@@ -34,6 +34,17 @@ class Adapter:
     #: argument name): the bridge logs it once when it sets the argument for the user, and
     #: names it when the user's own value conflicts.
     engine_why: dict[str, str] = {}
+    #: The dataclass of the adapter's per-deployment state, or None. The adapter object itself
+    #: holds none (it is module-level): its state is :attr:`state`, an instance on the process's
+    #: runtime (``RUNTIME.adapter_state[kind]``), which ``RUNTIME.reset`` forgets.
+    State: Any = None
+
+    @property
+    def state(self) -> Any:
+        """This process's per-deployment state of the adapter (made on first use)."""
+        if self.State is None:
+            raise TypeError(f"the {self.kind} adapter keeps no state")
+        return RUNTIME.adapter_state.setdefault(self.kind, self.State())
 
     def engine_overrides(self, enabled: list[Enabled], plan: Plan) -> dict[str, Any]:
         return {}

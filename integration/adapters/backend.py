@@ -29,8 +29,7 @@ seams. ``VLLM_GRAFT_ATTENTION_BACKEND=generic`` puts the generic backend in plac
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from vllm.v1.attention.backends.cpu_attn import (
@@ -42,6 +41,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 
 from vllm_graft.hooks import BLOCKED, PACKED, AttentionLayer, KVCacheLayout, PagedBatch
 from vllm_graft.integration.adapters.plugin_calls import raised
+from vllm_graft.integration.runtime import RUNTIME
 
 log = logging.getLogger("vllm_graft")
 
@@ -64,29 +64,9 @@ CUDA_PATHS = {
 _UNGUARDED = ("CUSTOM", "CPU_ATTN")
 
 
-@dataclass
-class Seams:
-    """What the active adapters plug into the backend (process-wide)."""
-
-    # attention plugin: (method instance, plugin name, count function)
-    method: Any = None
-    method_name: str = ""
-    #: the method computes plain attention (``AttentionMethod.uses_host_kernel``): vLLM's own
-    #: cache write and kernel run every layer, and the method is not called
-    host_kernel: bool = False
-    count: Callable[[str, int], None] | None = None
-    # KV compression: spec hook and metadata rewriters (applied in order)
-    customize_spec: Callable[[Any], Any] | None = None
-    rewriters: list[Callable[[Any, Any], Any]] = field(default_factory=list)
-    # KV storage format: an object with write(key, value, kv_cache, slot_mapping) and
-    # forward(query, kv_cache, batch, layer) -> out (see kvcompress._FormatSeam)
-    kv_format: Any = None
-    owners: set[str] = field(default_factory=set)
-    route: str = ""  # the backend classes registered, ";"-joined (see install)
-    installed: list[Any] = field(default_factory=list)  # the enum members overridden
-
-
-SEAMS = Seams()
+#: What the active adapters plug into the backend: the runtime's (:class:`~vllm_graft.integration.
+#: runtime.Seams`), which ``RUNTIME.reset`` clears.
+SEAMS = RUNTIME.seams
 
 
 #: ``VLLM_GRAFT_ATTENTION_BACKEND``: ``generic`` puts :mod:`.custom_backend` in place of

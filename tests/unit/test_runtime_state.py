@@ -110,6 +110,44 @@ def test_the_check_finds_a_planted_table_and_global(tmp_path):
         "adapters/planted.py:7 _live", "adapters/planted.py:12 global _done"]
 
 
+def adapter_attributes(root: Path) -> list[str]:
+    """``file:line Class.attr`` for every attribute an ``Adapter`` subclass sets on itself
+    (``self.x = ...``, in any method): the ADAPTER objects are module-level, so what a
+    deployment sets belongs on ``Adapter.state`` (the runtime's), not on them."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for cls in ast.walk(tree):
+            if not (isinstance(cls, ast.ClassDef) and any(getattr(b, "id", "") == "Adapter" for b in cls.bases)):
+                continue
+            for node in ast.walk(cls):
+                targets = (node.targets if isinstance(node, ast.Assign)
+                           else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+                for t in targets:
+                    if isinstance(t, ast.Attribute) and getattr(t.value, "id", "") == "self":
+                        found.append(f"{path.relative_to(root).as_posix()}:{node.lineno} {cls.name}.{t.attr}")
+    return found
+
+
+def test_the_adapters_hold_no_state_of_their_own():
+    assert adapter_attributes(INTEGRATION) == [], "put it in the adapter's State (Adapter.state)"
+
+
+def test_the_adapter_check_finds_a_planted_attribute(tmp_path):
+    (tmp_path / "a.py").write_text(textwrap.dedent("""\
+        class Adapter: ...
+
+
+        class Mine(Adapter):
+            State = dict
+
+            def activate(self, plan):
+                self.state["chain"] = plan  # on the runtime: fine
+                self.chain = plan
+        """))
+    assert adapter_attributes(tmp_path) == ["a.py:9 Mine.chain"]
+
+
 # ----------------------------------------------------------------- deactivation is one reset
 class _Adapter:
     def __init__(self, kind: str, undone: list[str]) -> None:
@@ -165,6 +203,19 @@ def test_deactivate_clears_every_adapters_state(fresh_runtime, monkeypatch):
     method = _Adapter("linear", [])  # any object a weak reference can hold
     key = register_linear(method)
     registered = rt.registered
+    # the backend's seams and the MoE and quant adapters' state (all on the runtime)
+    from vllm_graft.integration.adapters import adapter_for
+    from vllm_graft.hooks import Kind
+    from vllm_graft.integration.adapters.backend import SEAMS
+    from vllm_graft.integration.adapters.moe.engine import SKIP_MIN_DEFAULT
+
+    SEAMS.rewriters.append(lambda builder, cm: cm)
+    SEAMS.owners.add("adapters.kvcompress")
+    SEAMS.method_name = "m"
+    moe = adapter_for("moe")
+    moe.state.chain, moe.state.skip_min = object(), 7
+    adapter_for("quant").state.registered.append("graft-x")
+    assert SEAMS is rt.seams and set(rt.adapter_state) == {Kind.MOE, Kind.QUANT}
 
     bridge.deactivate()
 
@@ -176,6 +227,9 @@ def test_deactivate_clears_every_adapters_state(fresh_runtime, monkeypatch):
     assert model_runner.ENV_RUNNER not in os.environ
     assert host.method() == "original"  # the adapter's patch undone
     assert host.hook() == "patched"  # the bridge's kept
+    assert SEAMS is rt.seams and SEAMS.rewriters == [] and SEAMS.owners == set() and SEAMS.method_name == ""
+    assert rt.adapter_state == {} and moe.state.chain is None and moe.state.skip_min == SKIP_MIN_DEFAULT
+    assert adapter_for("quant").state.registered == []
     assert rt.linear_methods[key] is method and rt.registered == registered
     del rt.linear_methods[key]
     PATCHES._applied.pop((id(host), "hook"))  # only this test's (the real config hook may be there)

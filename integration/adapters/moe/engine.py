@@ -96,6 +96,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -220,7 +221,7 @@ class GraftMoERunner(MoERunner):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._graft_checked = False
-        chain = ADAPTER.chain
+        chain = ADAPTER.state.chain
         if chain is None:  # registered only while a deployment is active; be plain otherwise
             return
         name = self.layer_name
@@ -282,8 +283,8 @@ class GraftRoutedExperts(RoutedExperts):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.graft_skip = ADAPTER.skip_count is not None
-        self.graft_skip_min = ADAPTER.skip_min  # run_kept takes at least 1
+        self.graft_skip = ADAPTER.state.skip_count is not None
+        self.graft_skip_min = ADAPTER.state.skip_min  # run_kept takes at least 1
         self._graft_skip_checked = False
 
     def forward_modular(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -300,7 +301,7 @@ class GraftRoutedExperts(RoutedExperts):
                 done = run_kept(x, topk_weights, topk_ids, self._graft_rows, min_pruned=self.graft_skip_min)
                 if done is not None:
                     out, kept = done
-                    count = ADAPTER.skip_count
+                    count = ADAPTER.state.skip_count
                     if count is not None:
                         count("slots_computed", kept)
                         count("slots_skipped", topk_weights.numel() - kept)
@@ -359,20 +360,26 @@ def _has_engine_arg(name: str) -> bool:
     return any(f.name == name for f in dataclasses.fields(EngineArgs))
 
 
+@dataclass
+class MoEState:
+    """The MoE adapter's per-deployment state (on the runtime: ``ADAPTER.state``)."""
+
+    #: The active deployment's chain, read by every GraftMoERunner built while active.
+    chain: MoEChain | None = None
+    #: ``count(event, n)`` under the routing plugin's name while pruned slots are skipped
+    #: (a plugin routes and ``VLLM_GRAFT_MOE_SKIP`` is not 0), else None.
+    skip_count: Callable[[str, int], None] | None = None
+    #: Fewest pruned slots a layer call leaves out (``VLLM_GRAFT_MOE_SKIP``).
+    skip_min: int = SKIP_MIN_DEFAULT
+    #: vLLM's EPLB policy while a plugin gives the expert placement (see :mod:`.eplb`).
+    placement: eplb.Installed | None = None
+
+
 class MoEAdapter(Adapter):
     kind = Kind.MOE
     owner = targets.MOE
 
-    def __init__(self) -> None:
-        #: The active deployment's chain, read by every GraftMoERunner built while active.
-        self.chain: MoEChain | None = None
-        #: ``count(event, n)`` under the routing plugin's name while pruned slots are skipped
-        #: (a plugin routes and ``VLLM_GRAFT_MOE_SKIP`` is not 0), else None.
-        self.skip_count: Callable[[str, int], None] | None = None
-        #: Fewest pruned slots a layer call leaves out (``VLLM_GRAFT_MOE_SKIP``).
-        self.skip_min = SKIP_MIN_DEFAULT
-        #: vLLM's EPLB policy while a plugin gives the expert placement (see :mod:`.eplb`).
-        self.placement: eplb.Installed | None = None
+    State = MoEState
 
     def engine_overrides(self, enabled: list[Enabled], plan: Plan) -> dict[str, Any]:
         require_eager(plan)
@@ -397,7 +404,7 @@ class MoEAdapter(Adapter):
         chain = MoEChain([(e.name, runtime.instance(e)) for e in enabled],
                          count=lambda name, event, n: runtime.count(Kind.MOE, name, event, n))
         self._undo_placement()
-        self.placement = eplb.install([(e.name, runtime.instance(e).expert_placement()) for e in enabled])
+        self.state.placement = eplb.install([(e.name, runtime.instance(e).expert_placement()) for e in enabled])
         current = op_registry_oot.get(OOT_NAME)
         if current is not None and current is not GraftMoERunner:
             raise MoEAdapterError(
@@ -406,17 +413,17 @@ class MoEAdapter(Adapter):
                 "cannot be combined with it")
         if current is None:
             MoERunner.register_oot(GraftMoERunner)
-        self.chain = chain
-        self.skip_count = None
-        self.skip_min = skip_min_from_env()
-        if chain.router is not None and self.skip_min > 0:  # chain.routes
+        self.state.chain = chain
+        self.state.skip_count = None
+        self.state.skip_min = skip_min_from_env()
+        if chain.router is not None and self.state.skip_min > 0:  # chain.routes
             experts = op_registry_oot.get(OOT_EXPERTS)
             if experts is None:
                 RoutedExperts.register_oot(GraftRoutedExperts)
                 experts = GraftRoutedExperts
             if experts is GraftRoutedExperts:
                 name = chain.router[0]
-                self.skip_count = lambda event, n: runtime.count(Kind.MOE, name, event, n)
+                self.state.skip_count = lambda event, n: runtime.count(Kind.MOE, name, event, n)
             else:
                 log.warning("vllm-graft: vLLM's %s is already replaced by %s.%s; pruned MoE slots "
                             "will be computed with weight 0", OOT_EXPERTS, experts.__module__,
@@ -428,9 +435,9 @@ class MoEAdapter(Adapter):
                  chain.router[0] if chain.router else "the model's own top-k")
 
     def _undo_placement(self) -> None:
-        if self.placement is not None:
-            self.placement.undo()
-            self.placement = None
+        if self.state.placement is not None:
+            self.state.placement.undo()
+            self.state.placement = None
 
     def deactivate(self) -> None:
         self._undo_placement()
@@ -438,8 +445,8 @@ class MoEAdapter(Adapter):
             del op_registry_oot[OOT_NAME]
         if op_registry_oot.get(OOT_EXPERTS) is GraftRoutedExperts:
             del op_registry_oot[OOT_EXPERTS]
-        self.chain = None
-        self.skip_count = None
+        self.state.chain = None
+        self.state.skip_count = None
 
 
 ADAPTER = MoEAdapter()

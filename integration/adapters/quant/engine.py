@@ -52,6 +52,7 @@ registered with torch (it cannot be removed; it is reachable only through those 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_graft.hooks import Kind, Plan
@@ -80,12 +81,18 @@ from vllm_graft.integration.adapters.quant.tensors import (  # noqa: F401
 OWNER = targets.QUANT
 
 
+@dataclass
+class QuantState:
+    """The quant adapter's per-deployment state (on the runtime: ``ADAPTER.state``)."""
+
+    registered: list[str] = field(default_factory=list)  # vLLM quantization names registered
+
+
 class QuantAdapter(Adapter):
     kind = Kind.QUANT
     owner = OWNER
 
-    def __init__(self) -> None:
-        self._registered: list[str] = []
+    State = QuantState
 
     def engine_overrides(self, enabled: list[Enabled], plan: Plan) -> dict[str, Any]:
         (e,) = enabled  # the deployment allows one quant plugin
@@ -97,16 +104,16 @@ class QuantAdapter(Adapter):
         for e in enabled:
             name = quantization_name(e.name)
             config_class(name)
-            if name not in self._registered:
-                self._registered.append(name)
+            if name not in self.state.registered:
+                self.state.registered.append(name)
 
     def deactivate(self) -> None:
-        if self._registered:
+        if self.state.registered:
             from vllm_graft.integration.adapters.quant.vllm_method import unregister
 
-            for name in self._registered:
+            for name in self.state.registered:
                 unregister(name)
-        self._registered.clear()
+        self.state.registered.clear()
 
 
 ADAPTER = QuantAdapter()
