@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.graft-installed
 
-.PHONY: install wheel wheels demo test test-unit test-tp test-faults soak docs train-models eval-models clean-venv \
+.PHONY: install wheel wheels demo lint test test-unit test-tp test-faults soak docs train-models eval-models clean-venv \
 	gpu-check gpu-wheels suffix
 
 $(STAMP): pyproject.toml setup.py
@@ -55,7 +55,15 @@ wheels:
 	    || $(PY) -m pip download -q --no-deps -d $(WHEELS) flashinfer-python==$(FLASHINFER_PIN) \
 	    || echo "could not fetch flashinfer-python==$(FLASHINFER_PIN): its doctor checks will skip"
 
-test: install wheels
+# ruff (lint, and the format check) and mypy over hooks/ plugins/ integration/ cli/ kit/ tools/
+# (configured in pyproject.toml; mypy resolves vllm_graft.X through import-map/). Part of `make test`.
+LINT_PACKAGES := $(foreach f,hooks plugins integration cli kit tools,-p vllm_graft.$(f))
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy $(LINT_PACKAGES)
+
+test: install wheels lint
 	$(PY) -m pip install -q --no-deps -e $(EXAMPLE)
 	VLLM_GRAFT_WHEELS=$(WHEELS) $(PY) -m pytest -q --durations=30 tests $(EXAMPLE)/tests
 

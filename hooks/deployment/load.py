@@ -86,7 +86,8 @@ class ModelInfo:
 
 def model_features(cfg: dict[str, Any]) -> tuple[tuple[str, str], ...]:
     """``(feature, evidence)`` pairs for the attention features a config.json asks for."""
-    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    nested = cfg.get("text_config")
+    text: dict[str, Any] = nested if isinstance(nested, dict) else {}
     c = {**cfg, **text}
     out: list[tuple[str, str]] = []
     window = c.get("sliding_window")

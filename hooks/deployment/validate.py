@@ -138,7 +138,7 @@ def validate(
 
     block_size = engine.get("block_size")
     if not isinstance(block_size, int) or isinstance(block_size, bool):
-        block_size = DEFAULT_BLOCK_SIZES.get(platform) if "block_size" not in engine else None
+        block_size = DEFAULT_BLOCK_SIZES.get(platform or "") if "block_size" not in engine else None
     context = DeploymentContext(platform, dtype, model, block_size, dict(engine))
 
     enabled: list[Enabled] = []
@@ -202,7 +202,7 @@ def _well_formed_choices(data: dict[str, Any]) -> list[tuple[Kind, Loc, PluginCh
         raw = data.get(kind.value)
         if raw is None:
             continue
-        items = [((kind.value,), raw)] if isinstance(raw, dict) else (
+        items: list[tuple[Loc, Any]] = [((kind.value,), raw)] if isinstance(raw, dict) else (
             [((kind.value, i), r) for i, r in enumerate(raw)]
             if isinstance(raw, list) and KINDS[kind].allows_many else [])
         for loc, item in items:
@@ -333,7 +333,7 @@ def parallelism_in_use(engine: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_platform_parallelism(engine: dict[str, Any], platform: str | None, problems: list[Problem]) -> None:
-    tables = [(PLATFORM_PARALLELISM_LIMITS, None)]
+    tables: list[tuple[dict[str, dict[str, str]], str | None]] = [(PLATFORM_PARALLELISM_LIMITS, None)]
     if engine.get("enforce_eager") is True:
         tables.append((PLATFORM_EAGER_PARALLELISM_LIMITS, "Drop enforce_eager (and MoE plugins, which need it), "
                                                           "or run with {arg}: 1"))
