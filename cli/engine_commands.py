@@ -5,6 +5,7 @@ unless set) and stream tokens as the engine produces them; ``serve`` replaces th
 ``vllm serve`` (OpenAI-compatible server, multiprocess engine), the deployment passed as
 ``--additional-config '{"graft": ...}'`` so every vLLM process applies it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,23 +43,26 @@ REPORT_WAIT_S = 6.0
 
 def add_command(sub) -> None:
     d = sub.add_parser(
-        "demo", help="plain vLLM vs a deployment of real plugins on the bundled model: speed, KV, quality",
+        "demo",
+        help="plain vLLM vs a deployment of real plugins on the bundled model: speed, KV, quality",
         description="Runs the same prompts (code completion, and ~1.8K-token code windows, one "
-                    "request at a time) through plain vLLM and through a deployment (default: "
-                    "deployments/demo.yaml: lookahead speculation + streaming KV eviction), each "
-                    "engine in its own process, and prints a sample of each arm's text and a table: "
-                    "tokens/s, KV blocks held while decoding, accepted draft tokens per step, "
-                    "identical outputs, and the perplexity change of the outputs under the "
-                    "unmodified model. Each arm is warmed up, then the arms take turns over "
-                    f"{DEMO_REPEATS} timed runs; tokens/s is the median run with the min-max, and "
-                    "the demo says when other processes used the CPU meanwhile (the figure is then "
-                    "not the plugins'). vLLM's own log goes to a file (--log-dir keeps it).")
+        "request at a time) through plain vLLM and through a deployment (default: "
+        "deployments/demo.yaml: lookahead speculation + streaming KV eviction), each "
+        "engine in its own process, and prints a sample of each arm's text and a table: "
+        "tokens/s, KV blocks held while decoding, accepted draft tokens per step, "
+        "identical outputs, and the perplexity change of the outputs under the "
+        "unmodified model. Each arm is warmed up, then the arms take turns over "
+        f"{DEMO_REPEATS} timed runs; tokens/s is the median run with the min-max, and "
+        "the demo says when other processes used the CPU meanwhile (the figure is then "
+        "not the plugins'). vLLM's own log goes to a file (--log-dir keeps it).",
+    )
     d.add_argument("--deployment", help=f"deployment file (default: deployments/{DEMO_DEPLOYMENT})")
     d.add_argument("--quick", action="store_true", help="2 prompts x 48 tokens per workload (default 4 x 64)")
     d.add_argument("--num-prompts", type=int, metavar="N", help="prompts per workload")
     d.add_argument("--max-tokens", type=int, metavar="N", help="output tokens per request")
-    d.add_argument("--repeat", type=int, metavar="N",
-                   help=f"timed runs per arm, the arms alternating (default {DEMO_REPEATS})")
+    d.add_argument(
+        "--repeat", type=int, metavar="N", help=f"timed runs per arm, the arms alternating (default {DEMO_REPEATS})"
+    )
     d.add_argument("--log-dir", metavar="DIR", help="keep vLLM's full engine logs (one per arm) in DIR")
     d.set_defaults(func=cmd_demo)
 
@@ -72,27 +76,37 @@ def add_command(sub) -> None:
     g.set_defaults(func=cmd_generate)
 
     r = sub.add_parser(
-        "report", help="what the plugins did in a running (or stopped) server: the per-process reports summed",
+        "report",
+        help="what the plugins did in a running (or stopped) server: the per-process reports summed",
         description="Reads the reports that every vLLM process (front end, engine core, workers) "
-                    "writes while VLLM_GRAFT_REPORT_DIR=DIR is set (one JSON file per process, "
-                    "rewritten at most once a second while plugins count events) and prints each "
-                    "plugin's events summed over the processes.")
+        "writes while VLLM_GRAFT_REPORT_DIR=DIR is set (one JSON file per process, "
+        "rewritten at most once a second while plugins count events) and prints each "
+        "plugin's events summed over the processes.",
+    )
     r.add_argument("dir", help="the folder VLLM_GRAFT_REPORT_DIR named")
     r.add_argument("--json", action="store_true", help="print the summed report as JSON")
-    r.add_argument("--metrics", metavar="URL",
-                   help="also read vLLM's /metrics at URL (e.g. http://127.0.0.1:8000/metrics) and "
-                        "put its speculative-decoding counters beside the report's")
-    r.add_argument("--no-wait", action="store_true",
-                   help=f"read the reports at once (default: wait up to {REPORT_WAIT_S:.0f} s until no "
-                        "process has rewritten its report for a while, nor since the call, so a run "
-                        "that just ended is counted in full)")
+    r.add_argument(
+        "--metrics",
+        metavar="URL",
+        help="also read vLLM's /metrics at URL (e.g. http://127.0.0.1:8000/metrics) and "
+        "put its speculative-decoding counters beside the report's",
+    )
+    r.add_argument(
+        "--no-wait",
+        action="store_true",
+        help=f"read the reports at once (default: wait up to {REPORT_WAIT_S:.0f} s until no "
+        "process has rewritten its report for a while, nor since the call, so a run "
+        "that just ended is counted in full)",
+    )
     r.set_defaults(func=cmd_report)
 
     s = sub.add_parser(
-        "serve", help="start vLLM's OpenAI-compatible server with a deployment applied",
+        "serve",
+        help="start vLLM's OpenAI-compatible server with a deployment applied",
         description="Starts `vllm serve MODEL` with the deployment's engine arguments and the "
-                    "deployment in --additional-config. Arguments after the deployment (or after --) "
-                    "go to vllm serve unchanged, e.g. `vllm-graft serve d.yaml --port 8001`.")
+        "deployment in --additional-config. Arguments after the deployment (or after --) "
+        "go to vllm serve unchanged, e.g. `vllm-graft serve d.yaml --port 8001`.",
+    )
     s.add_argument("deployment", help="deployment YAML file")
     s.add_argument("--dry-run", action="store_true", help="print the vllm serve command and exit")
     s.add_argument("vllm_args", nargs=argparse.REMAINDER, help="passed to vllm serve")
@@ -113,8 +127,7 @@ def _load(path: str, console: Console) -> Plan | None:
         plan = plan_for(path)
     except DeploymentError as e:
         n = len(e.problems)
-        console.print(f"[bold red]✗ {escape(e.source)}: {n} problem{'s' if n != 1 else ''}[/] "
-                      "(nothing was started)")
+        console.print(f"[bold red]✗ {escape(e.source)}: {n} problem{'s' if n != 1 else ''}[/] (nothing was started)")
         for p in e.problems:
             console.print(f"  [red]•[/] {escape(str(p))}")
         return None
@@ -136,14 +149,24 @@ def start_engine(plan: Plan):
     return LLM(**kwargs)
 
 
-def stream(llm, prompt: str, max_tokens: int, console: Console, *, temperature: float = 0.0,
-           seed: int = 0, request_id: str = "0", show: bool = True) -> dict[str, Any]:
+def stream(
+    llm,
+    prompt: str,
+    max_tokens: int,
+    console: Console,
+    *,
+    temperature: float = 0.0,
+    seed: int = 0,
+    request_id: str = "0",
+    show: bool = True,
+) -> dict[str, Any]:
     """Generate for one prompt through the engine's step loop, printing text as it arrives."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed,
-                            output_kind=RequestOutputKind.DELTA)
+    params = SamplingParams(
+        temperature=temperature, max_tokens=max_tokens, seed=seed, output_kind=RequestOutputKind.DELTA
+    )
     engine = llm.llm_engine
     t0 = time.perf_counter()
     engine.add_request(request_id, prompt, params)
@@ -163,8 +186,14 @@ def stream(llm, prompt: str, max_tokens: int, console: Console, *, temperature: 
     wall = time.perf_counter() - t0
     if show:
         console.out("")
-    return {"prompt": prompt, "text": "".join(text), "token_ids": tokens, "wall_s": wall,
-            "ttft_s": first, "tokens_per_s": len(tokens) / wall if wall > 0 else None}
+    return {
+        "prompt": prompt,
+        "text": "".join(text),
+        "token_ids": tokens,
+        "wall_s": wall,
+        "ttft_s": first,
+        "tokens_per_s": len(tokens) / wall if wall > 0 else None,
+    }
 
 
 def print_report(console: Console) -> list[dict[str, Any]]:
@@ -196,23 +225,33 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     models_dir()  # a clear error if the bundled models are missing
     path = args.deployment or str(deployments_dir() / DEMO_DEPLOYMENT)
     found = installed_vllm()
-    console.rule(f"vllm-graft {package_version()} demo · {found[0]} {found[1]}" if found
-                 else "vllm-graft demo")
+    console.rule(f"vllm-graft {package_version()} demo · {found[0]} {found[1]}" if found else "vllm-graft demo")
     plan = _load(path, console)
     if plan is None:
         return EXIT_INVALID
     bench_args = argparse.Namespace(
-        deployment=path, workload=[",".join(DEMO_WORKLOADS)],
+        deployment=path,
+        workload=[",".join(DEMO_WORKLOADS)],
         num_prompts=args.num_prompts or (2 if args.quick else 4),
-        max_tokens=args.max_tokens or (48 if args.quick else 64), batch=1,
-        repeat=DEMO_REPEATS if getattr(args, "repeat", None) is None else args.repeat, seed=0,
-        arms="plain,graft", baseline=None, ignore_eos=False, no_ppl=False, log_dir=args.log_dir,
-        timeout=0)
-    console.print(f"[dim]the same {bench_args.num_prompts} prompts per workload "
-                  f"({', '.join(DEMO_WORKLOADS)}), one request at a time, through plain vLLM and "
-                  f"through the deployment, {bench_args.repeat} timed runs per arm after a warm-up, "
-                  "the arms taking turns: each engine in its own process, vLLM's log in "
-                  + (escape(args.log_dir) if args.log_dir else "a temporary file (--log-dir keeps it)") + "[/]")
+        max_tokens=args.max_tokens or (48 if args.quick else 64),
+        batch=1,
+        repeat=DEMO_REPEATS if getattr(args, "repeat", None) is None else args.repeat,
+        seed=0,
+        arms="plain,graft",
+        baseline=None,
+        ignore_eos=False,
+        no_ppl=False,
+        log_dir=args.log_dir,
+        timeout=0,
+    )
+    console.print(
+        f"[dim]the same {bench_args.num_prompts} prompts per workload "
+        f"({', '.join(DEMO_WORKLOADS)}), one request at a time, through plain vLLM and "
+        f"through the deployment, {bench_args.repeat} timed runs per arm after a warm-up, "
+        "the arms taking turns: each engine in its own process, vLLM's log in "
+        + (escape(args.log_dir) if args.log_dir else "a temporary file (--log-dir keeps it)")
+        + "[/]"
+    )
     err = Console(stderr=True, highlight=False, width=console.width)
     rc, result = run_bench(bench_args, console, err)
     if result is None:
@@ -235,17 +274,25 @@ def disturbance(other_cpus: Sequence[float | None], limit: float = DEMO_BUSY_CPU
     run could be measured (no /proc/stat), with the sentence the demo prints."""
     known = [float(x) for x in other_cpus if x is not None]
     if not known:
-        return {"busy": None, "max_cpus": None, "limit": limit,
-                "text": "what other processes used of the CPU was not measured (no /proc/stat): "
-                        "the speed figures may be disturbed"}
+        return {
+            "busy": None,
+            "max_cpus": None,
+            "limit": limit,
+            "text": "what other processes used of the CPU was not measured (no /proc/stat): "
+            "the speed figures may be disturbed",
+        }
     worst = max(known)
     if worst > limit:
-        text = (f"the machine was busy: other processes used up to {worst:.2f} CPUs during the timed "
-                f"runs (more than {limit:g}): these speed figures are not the plugins'; run the demo "
-                "again when the machine is quiet")
+        text = (
+            f"the machine was busy: other processes used up to {worst:.2f} CPUs during the timed "
+            f"runs (more than {limit:g}): these speed figures are not the plugins'; run the demo "
+            "again when the machine is quiet"
+        )
     else:
-        text = (f"the machine was quiet: other processes used at most {worst:.2f} CPUs during the "
-                f"timed runs (limit {limit:g})")
+        text = (
+            f"the machine was quiet: other processes used at most {worst:.2f} CPUs during the "
+            f"timed runs (limit {limit:g})"
+        )
     return {"busy": worst > limit, "max_cpus": worst, "limit": limit, "text": text}
 
 
@@ -285,52 +332,90 @@ def print_demo(result: dict[str, Any], console: Console) -> None:
         for arm, req in (("plain", plain_req), ("graft", graft_req)):
             text = req.get("output_text") or ""
             console.print(f"[bold]{arm}:[/] {escape(text[:240])}{'…' if len(text) > 240 else ''}")
-        console.print("[green]identical tokens[/]" if same["identical"] else
-                      f"[yellow]outputs part at output token {same['first_diff']}[/]")
+        console.print(
+            "[green]identical tokens[/]"
+            if same["identical"]
+            else f"[yellow]outputs part at output token {same['first_diff']}[/]"
+        )
 
-    table = Table(title="plain vLLM vs the deployment (same prompts, greedy, one request at a time)",
-                  box=None, padding=(0, 2))
-    for col in ("workload", "plain tok/s", "graft tok/s", "speed", "KV blocks held (decode)",
-                "identical", "ppl change"):
+    table = Table(
+        title="plain vLLM vs the deployment (same prompts, greedy, one request at a time)", box=None, padding=(0, 2)
+    )
+    for col in (
+        "workload",
+        "plain tok/s",
+        "graft tok/s",
+        "speed",
+        "KV blocks held (decode)",
+        "identical",
+        "ppl change",
+    ):
         table.add_column(col, justify="left" if col in ("workload", "identical") else "right")
     for w in result["workloads"]:
         name = w["name"]
         p, g = (arms[a]["workloads"][name] for a in ("plain", "graft"))
         ps, gs = p["summary"], g["summary"]
         a, b = (_decode_mean(x["kv_blocks_per_step"]) for x in (p, g))
-        held_text = ("-" if a is None or b is None else
-                     f"{a:.1f} -> {b:.1f} ({100 * (b - a) / a:+.0f}%)" if a else f"{a:.1f} -> {b:.1f}")
+        held_text = (
+            "-"
+            if a is None or b is None
+            else f"{a:.1f} -> {b:.1f} ({100 * (b - a) / a:+.0f}%)"
+            if a
+            else f"{a:.1f} -> {b:.1f}"
+        )
         ppl = relative_change(ps.get("perplexity"), gs.get("perplexity"))
-        table.add_row(name, _rate(ps), _rate(gs), _speed(cmp[name].get("ratio")), held_text,
-                      f"{cmp[name]['n_identical']}/{cmp[name]['n']}",
-                      f"{100 * ppl:+.1f}%" if ppl is not None else "-")
+        table.add_row(
+            name,
+            _rate(ps),
+            _rate(gs),
+            _speed(cmp[name].get("ratio")),
+            held_text,
+            f"{cmp[name]['n_identical']}/{cmp[name]['n']}",
+            f"{100 * ppl:+.1f}%" if ppl is not None else "-",
+        )
     console.rule("summary")
     console.print(table)
-    runs = max((arms[a]["workloads"][w["name"]]["summary"].get("runs") or 1
-                for a in ("plain", "graft") for w in result["workloads"]), default=1)
-    verdict = disturbance([arms[a]["workloads"][w["name"]]["summary"].get("other_cpus")
-                           for a in ("plain", "graft") for w in result["workloads"]])
+    runs = max(
+        (
+            arms[a]["workloads"][w["name"]]["summary"].get("runs") or 1
+            for a in ("plain", "graft")
+            for w in result["workloads"]
+        ),
+        default=1,
+    )
+    verdict = disturbance(
+        [
+            arms[a]["workloads"][w["name"]]["summary"].get("other_cpus")
+            for a in ("plain", "graft")
+            for w in result["workloads"]
+        ]
+    )
     result["disturbance"] = verdict
     if runs > 1:
-        console.print(f"tok/s: the median of {runs} timed runs per arm (min-max in brackets), the arms "
-                      "taking turns after a warm-up; speed: graft / plain of the medians, with the "
-                      "min-max of the runs' paired ratios")
+        console.print(
+            f"tok/s: the median of {runs} timed runs per arm (min-max in brackets), the arms "
+            "taking turns after a warm-up; speed: graft / plain of the medians, with the "
+            "min-max of the runs' paired ratios"
+        )
     style = "bold yellow" if verdict["busy"] is not False else "green"
     console.print(f"[{style}]{escape(verdict['text'])}[/]")
     for r in result.get("runtime_report") or []:
         ev = r.get("events", {})
         if r["kind"] == "speculative" and ev.get("propose"):
-            console.print(f"{r['name']}: {ev.get('accepted', 0)} of {ev.get('drafted', 0)} drafted tokens "
-                          f"accepted, {ev.get('accepted', 0) / ev['propose']:.2f} per step that drafted "
-                          f"({ev['propose']} steps): each such step emits that many tokens plus its own")
+            console.print(
+                f"{r['name']}: {ev.get('accepted', 0)} of {ev.get('drafted', 0)} drafted tokens "
+                f"accepted, {ev.get('accepted', 0) / ev['propose']:.2f} per step that drafted "
+                f"({ev['propose']} steps): each such step emits that many tokens plus its own"
+            )
         elif r["kind"] == "kvcompress" and "blocks_freed" in ev:
             console.print(f"{r['name']}: {ev['blocks_freed']} KV blocks freed while requests ran")
-    console.print("[dim]tok/s: output tokens / wall time of the workload; KV blocks held: mean blocks in "
-                  "use per engine step after a request's first (prefill) step; ppl change: perplexity "
-                  "of the deployment's outputs against plain vLLM's, both scored by the unmodified "
-                  "model (lower is better). The full A/B bench: vllm-graft bench DEPLOYMENT.[/]")
-    console.print(f"[dim]demo wall time {result['wall_s']:.1f} s (both engines loaded, prompts run, "
-                  "outputs scored)[/]")
+    console.print(
+        "[dim]tok/s: output tokens / wall time of the workload; KV blocks held: mean blocks in "
+        "use per engine step after a request's first (prefill) step; ppl change: perplexity "
+        "of the deployment's outputs against plain vLLM's, both scored by the unmodified "
+        "model (lower is better). The full A/B bench: vllm-graft bench DEPLOYMENT.[/]"
+    )
+    console.print(f"[dim]demo wall time {result['wall_s']:.1f} s (both engines loaded, prompts run, outputs scored)[/]")
 
 
 def cmd_generate(args: argparse.Namespace, console: Console) -> int:
@@ -352,8 +437,18 @@ def cmd_generate(args: argparse.Namespace, console: Console) -> int:
             if not args.json:
                 console.rule(f"prompt {i + 1}")
                 console.print(f"[bold]{escape(prompt)}[/]", end="")
-            results.append(stream(llm, prompt, args.max_tokens, console, temperature=args.temperature,
-                                  seed=args.seed, request_id=f"gen-{i}", show=not args.json))
+            results.append(
+                stream(
+                    llm,
+                    prompt,
+                    args.max_tokens,
+                    console,
+                    temperature=args.temperature,
+                    seed=args.seed,
+                    request_id=f"gen-{i}",
+                    show=not args.json,
+                )
+            )
     finally:
         if args.json:
             sys.stdout.flush()
@@ -384,22 +479,29 @@ def read_reports(folder: str) -> dict[str, Any]:
         except (OSError, ValueError):
             continue  # mid-replace or foreign: the next read sees it
         rank = data.get("tensor_parallel_rank")
-        processes.append({"process": data.get("process"), "pid": data.get("pid"),
-                          "tensor_parallel_rank": rank, "written_at": data.get("written_at"),
-                          "file": path.name})
+        processes.append(
+            {
+                "process": data.get("process"),
+                "pid": data.get("pid"),
+                "tensor_parallel_rank": rank,
+                "written_at": data.get("written_at"),
+                "file": path.name,
+            }
+        )
         if rank:  # a later rank of a tensor-parallel group
             continue
         for p in data.get("plugins", []):
-            entry = plugins.setdefault((p["kind"], p["name"]), {"kind": p["kind"], "name": p["name"],
-                                                               "events": Counter(), "processes": []})
+            entry = plugins.setdefault(
+                (p["kind"], p["name"]), {"kind": p["kind"], "name": p["name"], "events": Counter(), "processes": []}
+            )
             entry["events"].update(p.get("events", {}))
             entry["processes"].append(data.get("process"))
-    return {"processes": processes,
-            "plugins": [dict(e, events=dict(e["events"])) for e in plugins.values()]}
+    return {"processes": processes, "plugins": [dict(e, events=dict(e["events"])) for e in plugins.values()]}
 
 
-def read_settled_reports(folder: str, *, quiet_s: float, timeout_s: float,
-                         clock: Any = time.time, sleep: Any = time.sleep) -> tuple[dict[str, Any], bool]:
+def read_settled_reports(
+    folder: str, *, quiet_s: float, timeout_s: float, clock: Any = time.time, sleep: Any = time.sleep
+) -> tuple[dict[str, Any], bool]:
     """:func:`read_reports` once ``quiet_s`` has passed since this call and no process has
     rewritten its report for ``quiet_s``, waiting at most ``timeout_s``. Returns the reports and
     whether they had settled (False: a process is still counting, e.g. a busy server).
@@ -441,8 +543,10 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 #: vLLM's counters that a speculative plugin's report counts the same way (see
 #: :mod:`.adapters.speculative.drafting`): /metrics sample name -> the report's figure.
-SPEC_METRICS = {"vllm:spec_decode_num_draft_tokens_total": "verified",
-                "vllm:spec_decode_num_accepted_tokens_total": "accepted"}
+SPEC_METRICS = {
+    "vllm:spec_decode_num_draft_tokens_total": "verified",
+    "vllm:spec_decode_num_accepted_tokens_total": "accepted",
+}
 
 
 def spec_counter_notes(events: dict[str, int], metrics: dict[str, float] | None = None) -> list[str]:
@@ -462,21 +566,28 @@ def spec_counter_notes(events: dict[str, int], metrics: dict[str, float] | None 
             return "; /metrics has no such counter (speculative decoding off, or log stats disabled)"
         return "; /metrics: " + (f"{value:.0f}, equal" if value == expected else f"{value:.0f}, DIFFERENT")
 
-    lines = [f"verified={verified}" + (f" + verified_without_propose={unseen}" if unseen else "")
-             + " is vLLM's spec_decode_num_draft_tokens" + vs(verified + unseen, "verified")]
+    lines = [
+        f"verified={verified}"
+        + (f" + verified_without_propose={unseen}" if unseen else "")
+        + " is vLLM's spec_decode_num_draft_tokens"
+        + vs(verified + unseen, "verified")
+    ]
     line = f"accepted={accepted} is vLLM's spec_decode_num_accepted_tokens" + vs(accepted, "accepted")
     if unseen:
-        line += (f" (vLLM's also holds whichever of the {unseen} placeholder drafts, token id 0, the "
-                 "target sampled: vLLM verified them in steps it did not call the drafter, a request "
-                 "being within num_speculative_tokens of max_model_len)")
+        line += (
+            f" (vLLM's also holds whichever of the {unseen} placeholder drafts, token id 0, the "
+            "target sampled: vLLM verified them in steps it did not call the drafter, a request "
+            "being within num_speculative_tokens of max_model_len)"
+        )
     lines.append(line)
     if drafted > verified:
-        lines.append(f"drafted={drafted}: {drafted - verified} of these were never verified (vLLM "
-                     "counts only what it scheduled: the request ended first, or the scheduler cut "
-                     "them at the token budget, max_model_len or a preemption)")
+        lines.append(
+            f"drafted={drafted}: {drafted - verified} of these were never verified (vLLM "
+            "counts only what it scheduled: the request ended first, or the scheduler cut "
+            "them at the token budget, max_model_len or a preemption)"
+        )
     if seeded:
-        lines.append(f"seeded_undrafted={seeded}: drafts discarded for seeded sampled requests, "
-                     "never sent to vLLM")
+        lines.append(f"seeded_undrafted={seeded}: drafts discarded for seeded sampled requests, never sent to vLLM")
     return lines
 
 
@@ -491,28 +602,35 @@ def cmd_report(args: argparse.Namespace, console: Console) -> int:
     from vllm_graft.integration.runtime import ENV_REPORT_DIR, REPORT_EVERY_S
 
     if not os.path.isdir(args.dir):
-        console.print(f"[bold red]error:[/] {escape(args.dir)} is not a folder: start vLLM with "
-                      f"{ENV_REPORT_DIR}={escape(args.dir)} set, then read it here")
+        console.print(
+            f"[bold red]error:[/] {escape(args.dir)} is not a folder: start vLLM with "
+            f"{ENV_REPORT_DIR}={escape(args.dir)} set, then read it here"
+        )
         return EXIT_INVALID
     metrics = None
     if args.metrics:
         try:
             metrics = _fetch_metrics(args.metrics)
         except Exception as e:  # noqa: BLE001 - any failure to reach the server is the user's to fix
-            console.print(f"[bold red]error:[/] cannot read vLLM's metrics at {escape(args.metrics)} ({e}): "
-                          "pass the server's /metrics URL, e.g. http://127.0.0.1:8000/metrics")
+            console.print(
+                f"[bold red]error:[/] cannot read vLLM's metrics at {escape(args.metrics)} ({e}): "
+                "pass the server's /metrics URL, e.g. http://127.0.0.1:8000/metrics"
+            )
             return EXIT_INVALID
     if args.no_wait:
         summed, settled = read_reports(args.dir), None
     else:
-        summed, settled = read_settled_reports(args.dir, quiet_s=REPORT_QUIET_PERIODS * REPORT_EVERY_S,
-                                               timeout_s=REPORT_WAIT_S)
+        summed, settled = read_settled_reports(
+            args.dir, quiet_s=REPORT_QUIET_PERIODS * REPORT_EVERY_S, timeout_s=REPORT_WAIT_S
+        )
     restarts = _earlier_runs(summed["processes"])
     for p in summed["plugins"]:
         if p["kind"] == "speculative":
-            p["vllm_counters"] = {"spec_decode_num_draft_tokens": p["events"].get("verified", 0)
-                                  + p["events"].get("verified_without_propose", 0),
-                                  "spec_decode_num_accepted_tokens": p["events"].get("accepted", 0)}
+            p["vllm_counters"] = {
+                "spec_decode_num_draft_tokens": p["events"].get("verified", 0)
+                + p["events"].get("verified_without_propose", 0),
+                "spec_decode_num_accepted_tokens": p["events"].get("accepted", 0),
+            }
             p["vllm_counter_notes"] = spec_counter_notes(p["events"], metrics)
     summed["settled"] = settled
     if metrics is not None:
@@ -521,15 +639,16 @@ def cmd_report(args: argparse.Namespace, console: Console) -> int:
         print(json.dumps(summed, indent=1))
         return EXIT_OK
     if not summed["processes"]:
-        console.print(f"no reports in {escape(args.dir)}: no vLLM process has activated a deployment "
-                      f"with {ENV_REPORT_DIR} set to it")
+        console.print(
+            f"no reports in {escape(args.dir)}: no vLLM process has activated a deployment "
+            f"with {ENV_REPORT_DIR} set to it"
+        )
         return EXIT_OK
     later = sum(1 for p in summed["processes"] if p.get("tensor_parallel_rank"))
     title = f"what each plugin did, summed over {len(summed['processes']) - later} processes"
     if later:
         title += f" (not counted: {later} later tensor-parallel ranks, which repeat the first rank's)"
-    table = Table(title=title,
-                  box=None, padding=(0, 2))
+    table = Table(title=title, box=None, padding=(0, 2))
     for col in ("kind", "plugin", "events", "processes"):
         table.add_column(col, overflow="fold")
     for p in summed["plugins"]:
@@ -540,13 +659,17 @@ def cmd_report(args: argparse.Namespace, console: Console) -> int:
         for line in p.get("vllm_counter_notes", ()):
             console.print(f"{escape(p['name'])}: {escape(line)}")
     if settled is False:
-        console.print(f"[yellow]the reports were still being rewritten after {REPORT_WAIT_S:.0f} s (a "
-                      "process is counting: the server is serving): the last second's events may be "
-                      "missing; read again once it is idle[/]")
+        console.print(
+            f"[yellow]the reports were still being rewritten after {REPORT_WAIT_S:.0f} s (a "
+            "process is counting: the server is serving): the last second's events may be "
+            "missing; read again once it is idle[/]"
+        )
     if restarts:
-        console.print(f"[yellow]this folder holds reports of {restarts} earlier vLLM process(es) of the "
-                      "same role (a restarted server?): their events are summed too, while vLLM's "
-                      "/metrics counts since its start; give each server run an empty folder[/]")
+        console.print(
+            f"[yellow]this folder holds reports of {restarts} earlier vLLM process(es) of the "
+            "same role (a restarted server?): their events are summed too, while vLLM's "
+            "/metrics counts since its start; give each server run an empty folder[/]"
+        )
     return EXIT_OK
 
 

@@ -1,5 +1,6 @@
 """Starting vLLM with a deployment: what `generate`, `demo`, `serve` and `bench` share. A deployment
 becomes a plan through :func:`vllm_graft.integration.plan.plan_for`."""
+
 from __future__ import annotations
 
 import gc
@@ -38,12 +39,12 @@ def models_dir() -> Path:
     (the checkout's, or the copy a wheel installs); a clear error when they are not there."""
     folder = Path(os.environ.get(MODELS_ENV) or repo_root() / "models")
     if not (folder / "graft-tiny-llama" / "config.json").is_file():
-        where = (f"{MODELS_ENV}={os.environ[MODELS_ENV]}" if os.environ.get(MODELS_ENV)
-                 else "the installed package")
+        where = f"{MODELS_ENV}={os.environ[MODELS_ENV]}" if os.environ.get(MODELS_ENV) else "the installed package"
         raise FileNotFoundError(
             f"the bundled models are not at {folder} ({where}): set {MODELS_ENV} to a folder "
             "holding graft-tiny-llama/ and graft-tiny-mixtral/, or reinstall vllm-graft from its "
-            "wheel or a checkout (both carry them)")
+            "wheel or a checkout (both carry them)"
+        )
     return folder
 
 
@@ -66,7 +67,9 @@ def apply_env_defaults(*, in_process: bool | None = None, engine: dict[str, Any]
                 log.warning(
                     "VLLM_CPU_KVCACHE_SPACE=%s is set, and vLLM's CPU engine lets it override the "
                     "deployment's kv_cache_memory_bytes=%s; unset it for the deployment's value",
-                    os.environ[key], (engine or {}).get("kv_cache_memory_bytes"))
+                    os.environ[key],
+                    (engine or {}).get("kv_cache_memory_bytes"),
+                )
             continue
         os.environ.setdefault(key, value)
     if in_process is not None:
@@ -92,11 +95,15 @@ def _bind_threads_per_rank(engine: dict[str, Any]) -> None:
     if world <= nodes or len(cpus) < world:
         return  # vLLM's own binding works, or there is no CPU per rank (vLLM says so)
     share = len(cpus) // world
-    groups = [cpus[r * share:(r + 1) * share] for r in range(world)]
+    groups = [cpus[r * share : (r + 1) * share] for r in range(world)]
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups)
     log.info(
         "vllm-graft: %d ranks on %d NUMA node(s): VLLM_CPU_OMP_THREADS_BIND=%s (each rank its share "
-        "of the CPUs; set it yourself to choose)", world, nodes, os.environ["VLLM_CPU_OMP_THREADS_BIND"])
+        "of the CPUs; set it yourself to choose)",
+        world,
+        nodes,
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"],
+    )
 
 
 def llm_kwargs(plan: Plan, *, graft: bool = True, **overrides: Any) -> dict[str, Any]:
@@ -146,4 +153,3 @@ def in_process_engine(plan: Plan, *, graft: bool = True, **overrides: Any) -> It
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
-

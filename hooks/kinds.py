@@ -10,6 +10,7 @@ check that each of those covers every kind of this table).
 
 Nothing here imports torch or vLLM.
 """
+
 from __future__ import annotations
 
 import enum
@@ -90,33 +91,59 @@ class KindSpec:
 
 _SPECS = (
     KindSpec(
-        Kind.ATTENTION, "Attention backends", "graft_register_attention", "AttentionMethod",
+        Kind.ATTENTION,
+        "Attention backends",
+        "graft_register_attention",
+        "AttentionMethod",
         allows_many=False,
-        routes={"cpu": "attention backend: overrides vLLM's CPU_ATTN backend",
-                "cuda": "attention backend: overrides vLLM's FLASH_ATTN, FLASHINFER and "
-                        "TRITON_ATTN (vLLM's kernel wherever the math is plain attention); "
-                        "the generic CUSTOM backend for a backend the bridge does not know"}),
+        routes={
+            "cpu": "attention backend: overrides vLLM's CPU_ATTN backend",
+            "cuda": "attention backend: overrides vLLM's FLASH_ATTN, FLASHINFER and "
+            "TRITON_ATTN (vLLM's kernel wherever the math is plain attention); "
+            "the generic CUSTOM backend for a backend the bridge does not know",
+        },
+    ),
     KindSpec(
-        Kind.KVCOMPRESS, "KV-cache compressors", "graft_register_kv_compressors", "KVCompressor",
+        Kind.KVCOMPRESS,
+        "KV-cache compressors",
+        "graft_register_kv_compressors",
+        "KVCompressor",
         allows_many=True,
-        routes={"*": "KV-cache spec with its own block manager (evicted blocks return to vLLM's "
-                     "pool) and an attention backend that reads only the blocks kept"},
-        roles=(Role("eviction", "KVCompressor", "choose which KV blocks stay (eviction compressors)"),
-               Role("storage", "KVCacheFormat", "set how KV is stored (storage formats)"))),
+        routes={
+            "*": "KV-cache spec with its own block manager (evicted blocks return to vLLM's "
+            "pool) and an attention backend that reads only the blocks kept"
+        },
+        roles=(
+            Role("eviction", "KVCompressor", "choose which KV blocks stay (eviction compressors)"),
+            Role("storage", "KVCacheFormat", "set how KV is stored (storage formats)"),
+        ),
+    ),
     KindSpec(
-        Kind.SPECULATIVE, "Speculative-decoding proposers", "graft_register_spec_proposers",
-        "Proposer", allows_many=False,
+        Kind.SPECULATIVE,
+        "Speculative-decoding proposers",
+        "graft_register_spec_proposers",
+        "Proposer",
+        allows_many=False,
         routes={"*": "speculative proposer: speculative_config method=custom_class"},
-        engine_keys=("speculative_config",)),
+        engine_keys=("speculative_config",),
+    ),
     KindSpec(
-        Kind.QUANT, "Quantization methods", "graft_register_quant_methods", "QuantMethod",
+        Kind.QUANT,
+        "Quantization methods",
+        "graft_register_quant_methods",
+        "QuantMethod",
         allows_many=False,
         routes={"*": "quantization method: register_quantization_config"},
-        engine_keys=("quantization",)),
+        engine_keys=("quantization",),
+    ),
     KindSpec(
-        Kind.MOE, "MoE schedulers", "graft_register_moe_schedulers", "MoEScheduler",
+        Kind.MOE,
+        "MoE schedulers",
+        "graft_register_moe_schedulers",
+        "MoEScheduler",
         allows_many=True,
-        routes={"*": "MoE runner hook: router logits before top-k, expert placement"}),
+        routes={"*": "MoE runner hook: router logits before top-k, expert placement"},
+    ),
 )
 
 #: Every kind's facts, in the order kinds are listed everywhere.

@@ -12,6 +12,7 @@ Environment:
 ``VLLM_GRAFT_TRACE``
     ``1`` prints every hook call and its result to stderr (pluggy tracing).
 """
+
 from __future__ import annotations
 
 import importlib.metadata as md
@@ -32,6 +33,7 @@ logger = logging.getLogger("vllm_graft")
 ENTRY_POINT_GROUP = "vllm_graft"
 ENV_ALLOW = "VLLM_GRAFT_PLUGINS"
 ENV_TRACE = "VLLM_GRAFT_TRACE"
+
 
 class PluginLoadError(Exception):
     """A plugin could not be imported or its registration hook failed."""
@@ -123,8 +125,7 @@ class GraftPluginManager(pluggy.PluginManager):
                     raise
                 except Exception as e:
                     raise PluginLoadError(
-                        f"{hook_name} of plugin {plugin_name!r} ({source.package}) failed: "
-                        f"{type(e).__name__}: {e}"
+                        f"{hook_name} of plugin {plugin_name!r} ({source.package}) failed: {type(e).__name__}: {e}"
                     ) from e
         return registry
 

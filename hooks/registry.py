@@ -4,6 +4,7 @@ The registration hooks (see :mod:`vllm_graft.hooks.specs`) run once at start-up 
 fill a :class:`Registry`; everything after that (deployment validation, the CLI, the
 vLLM adapters) reads the registry and never calls a hook again.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -88,7 +89,8 @@ class KernelParams(Params):
     model_config = ConfigDict(extra="forbid")
 
     kernel: Literal["reference", "triton"] = Field(
-        "reference", description="'reference' (plain PyTorch) or 'triton' (the Triton kernels)")
+        "reference", description="'reference' (plain PyTorch) or 'triton' (the Triton kernels)"
+    )
 
 
 class Capabilities(BaseModel):
@@ -108,18 +110,23 @@ class Capabilities(BaseModel):
     )
     lossless: bool = Field(description="True if greedy outputs equal plain vLLM's")
     incompatible_with: tuple[str, ...] = Field(
-        default=(), description="plugins it cannot be combined with, as 'kind:name', 'name' or 'kind:*' (any of the kind)"
+        default=(),
+        description="plugins it cannot be combined with, as 'kind:name', 'name' or 'kind:*' (any of the kind)",
     )
     unsupported_features: tuple[str, ...] = Field(
         default=(), description="model attention features it cannot serve (see MODEL_FEATURES)"
     )
     parallelism: tuple[str, ...] = Field(
-        default=("dp",), description="vLLM parallelism it has been run under: 'tp' (tensor), 'pp' "
+        default=("dp",),
+        description="vLLM parallelism it has been run under: 'tp' (tensor), 'pp' "
         "(pipeline), 'dp' (data: independent replicas, so every plugin), 'ep' (expert). A plugin "
-        "that declares nothing is refused with tensor, pipeline or expert parallelism")
+        "that declares nothing is refused with tensor, pipeline or expert parallelism",
+    )
     role: str | None = Field(
-        default=None, description="for kinds where plugins compose by role (KindSpec.roles): the role it "
-        "fills, e.g. kvcompress 'eviction' (the default) or 'storage'")
+        default=None,
+        description="for kinds where plugins compose by role (KindSpec.roles): the role it "
+        "fills, e.g. kvcompress 'eviction' (the default) or 'storage'",
+    )
 
     @field_validator("unsupported_features")
     @classmethod
@@ -197,7 +204,8 @@ class Registration(BaseModel):
             raise ValueError(
                 f"parameter model {v.__name__} defines check_deployment but is not a subclass of "
                 "vllm_graft.hooks.Params (or KernelParams), so validation would never call it: "
-                "derive it from Params")
+                "derive it from Params"
+            )
         return v
 
     @property

@@ -15,6 +15,7 @@ its distribution::
     [project.entry-points.vllm_graft]
     my-plugin = "my_package.my_module"
 """
+
 from __future__ import annotations
 
 from typing import Callable

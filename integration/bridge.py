@@ -20,6 +20,7 @@ spawns activate the same one from :func:`register`.
 With no deployment, nothing is registered, overridden or patched besides that wrapper,
 which then only calls vLLM's own ``create_engine_config``.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,15 @@ from vllm_graft.hooks.versions import SUPPORTED_VLLM, VLLM_BUILDS  # the adapter
 from .env import installed_vllm
 from . import model_runner
 from .patches import PATCHES, PatchError
-from .plan import (ADDITIONAL_CONFIG_KEY, checkpoint_deployment, deployment_for_engine, deployment_json,
-                   graft_section, plan_adapters, plan_for)
+from .plan import (
+    ADDITIONAL_CONFIG_KEY,
+    checkpoint_deployment,
+    deployment_for_engine,
+    deployment_json,
+    graft_section,
+    plan_adapters,
+    plan_for,
+)
 from .targets import CREATE_ENGINE_CONFIG
 from .runtime import ENV_REPORT_DIR, RUNTIME  # noqa: F401  ENV_REPORT_DIR: user-facing, beside the others
 
@@ -64,8 +72,7 @@ def register() -> None:
     if found is not None and not _supported(found[1]):
         if data is not None:
             raise UnsupportedVLLMError(_unsupported_message(found))
-        log.warning("vllm-graft: %s; no deployment given, so nothing is changed",
-                    _unsupported_message(found))
+        log.warning("vllm-graft: %s; no deployment given, so nothing is changed", _unsupported_message(found))
         return
     _install_config_hook()
     if data is not None:
@@ -91,12 +98,19 @@ def _check_additional_config_argv(argv: list[str]) -> None:
         try:
             json.loads(text)
         except ValueError as e:
-            raise DeploymentError([Problem(
-                "--additional-config", f"is not valid JSON: {e}", value=text,
-                hint="write the deployment as one JSON object in single quotes for the shell, e.g. "
-                     """--additional-config '{"graft": {"speculative": {"plugin": "lookahead"}}}', """
-                     "or put it in a YAML file and set VLLM_GRAFT_DEPLOYMENT=FILE")],
-                "--additional-config") from None
+            raise DeploymentError(
+                [
+                    Problem(
+                        "--additional-config",
+                        f"is not valid JSON: {e}",
+                        value=text,
+                        hint="write the deployment as one JSON object in single quotes for the shell, e.g. "
+                        """--additional-config '{"graft": {"speculative": {"plugin": "lookahead"}}}', """
+                        "or put it in a YAML file and set VLLM_GRAFT_DEPLOYMENT=FILE",
+                    )
+                ],
+                "--additional-config",
+            ) from None
 
 
 def _supported(version: str) -> bool:
@@ -109,11 +123,14 @@ def _supported(version: str) -> bool:
 def _unsupported_message(found: tuple[str, str]) -> str:
     from .env import package_version
 
-    builds = ", ".join(f"{b.distribution} {b.minor}.* on {b.platform} (pip install "
-                       f"'vllm-graft[{b.extra}]')" for b in VLLM_BUILDS)
-    return (f"vllm-graft {package_version()} supports vLLM {SUPPORTED_VLLM}, but {found[0]} "
-            f"{found[1]} is installed. Install a supported build ({builds}) or a vllm-graft "
-            "release made for this vLLM.")
+    builds = ", ".join(
+        f"{b.distribution} {b.minor}.* on {b.platform} (pip install 'vllm-graft[{b.extra}]')" for b in VLLM_BUILDS
+    )
+    return (
+        f"vllm-graft {package_version()} supports vLLM {SUPPORTED_VLLM}, but {found[0]} "
+        f"{found[1]} is installed. Install a supported build ({builds}) or a vllm-graft "
+        "release made for this vLLM."
+    )
 
 
 def check_vllm_version() -> tuple[str, str]:
@@ -121,7 +138,8 @@ def check_vllm_version() -> tuple[str, str]:
     found = installed_vllm()
     if found is None:
         raise UnsupportedVLLMError(
-            "vLLM is not installed: pip install 'vllm-graft[cpu]' (CPU) or 'vllm-graft[gpu]' (GPU)")
+            "vLLM is not installed: pip install 'vllm-graft[cpu]' (CPU) or 'vllm-graft[gpu]' (GPU)"
+        )
     if not _supported(found[1]):
         raise UnsupportedVLLMError(_unsupported_message(found))
     _warn_unchecked_build(found)
@@ -135,13 +153,18 @@ def _warn_unchecked_build(found: tuple[str, str]) -> None:
 
     release = Version(found[1]).release
     minor = f"{release[0]}.{release[1]}" if len(release) > 1 else found[1]
-    if any(b.distribution == found[0] and b.minor == minor for b in VLLM_BUILDS) \
-            or not RUNTIME.once(("unchecked build", found)):
+    if any(b.distribution == found[0] and b.minor == minor for b in VLLM_BUILDS) or not RUNTIME.once(
+        ("unchecked build", found)
+    ):
         return
     checked = ", ".join(f"{b.distribution} {b.minor}" for b in VLLM_BUILDS)
-    log.warning("vllm-graft: %s %s is in the supported range but its build was never checked "
-                "(checked: %s); run `vllm-graft doctor` to see whether everything it needs is there",
-                found[0], found[1], checked)
+    log.warning(
+        "vllm-graft: %s %s is in the supported range but its build was never checked "
+        "(checked: %s); run `vllm-graft doctor` to see whether everything it needs is there",
+        found[0],
+        found[1],
+        checked,
+    )
 
 
 # --------------------------------------------------------------------------- deployments
@@ -194,12 +217,14 @@ def _warn_reference_on_gpu(plan: Plan) -> None:
 
     if not current_platform.is_cuda():
         return
-    slow = [f"{e.kind}:{e.name}" for e in plan.enabled
-            if getattr(e.params, KERNEL_FIELD, None) == "reference"]
+    slow = [f"{e.kind}:{e.name}" for e in plan.enabled if getattr(e.params, KERNEL_FIELD, None) == "reference"]
     if slow:
-        log.warning("vllm-graft: %s run their plain-PyTorch reference on CUDA (kernel: reference, "
-                    "the default); set `kernel: triton` in each plugin's parameters for its Triton "
-                    "kernels", ", ".join(slow))
+        log.warning(
+            "vllm-graft: %s run their plain-PyTorch reference on CUDA (kernel: reference, "
+            "the default); set `kernel: triton` in each plugin's parameters for its Triton "
+            "kernels",
+            ", ".join(slow),
+        )
 
 
 def deactivate() -> None:
@@ -214,8 +239,12 @@ def _log_activation(source: str, plan: Plan) -> None:
         return
     import multiprocessing
 
-    line = {"pid": os.getpid(), "process": multiprocessing.current_process().name,
-            "source": source, "plugins": [f"{e.kind}:{e.name}" for e in plan.enabled]}
+    line = {
+        "pid": os.getpid(),
+        "process": multiprocessing.current_process().name,
+        "source": source,
+        "plugins": [f"{e.kind}:{e.name}" for e in plan.enabled],
+    }
     with open(path, "a") as f:
         f.write(json.dumps(line) + "\n")
 
@@ -239,10 +268,16 @@ def _create_engine_config(original):
             data, source = graft, "additional_config.graft"
             env_data, env_source = _deployment_from_env()
             if env_data is not None and env_source.startswith(ENV_FILE):
-                raise DeploymentError([Problem(
-                    "additional_config.graft", f"a deployment is also given by {env_source}",
-                    hint=f"give one deployment: unset {ENV_FILE} or drop additional_config.graft")],
-                    source)
+                raise DeploymentError(
+                    [
+                        Problem(
+                            "additional_config.graft",
+                            f"a deployment is also given by {env_source}",
+                            hint=f"give one deployment: unset {ENV_FILE} or drop additional_config.graft",
+                        )
+                    ],
+                    source,
+                )
         else:
             data, source = _deployment_from_env()
             if source == ENV_CONFIG and RUNTIME.source != ENV_CONFIG:
@@ -298,15 +333,26 @@ def _apply_engine_overrides(engine_args: Any, plan: Plan) -> None:
     for adapter in plan_adapters(plan):
         overrides = adapter.engine_overrides(plan.by_kind(adapter.kind), plan)
         wanted.update(overrides)
-        why.update({k: f"{adapter.kind.value} plugins need {k}={overrides[k]!r}: {w}"
-                    for k, w in getattr(adapter, "engine_why", {}).items() if k in overrides})
+        why.update(
+            {
+                k: f"{adapter.kind.value} plugins need {k}={overrides[k]!r}: {w}"
+                for k, w in getattr(adapter, "engine_why", {}).items()
+                if k in overrides
+            }
+        )
     problems = []
     defaults = _engine_defaults()
     for key, value in wanted.items():
         if key in why and key in plan.deployment.engine and plan.deployment.engine[key] != value:
-            problems.append(Problem(
-                f"engine.{key}", why[key], value=plan.deployment.engine[key], accepted=repr(value),
-                hint=f"drop {key} from the deployment's engine section, or leave the plugin out"))
+            problems.append(
+                Problem(
+                    f"engine.{key}",
+                    why[key],
+                    value=plan.deployment.engine[key],
+                    accepted=repr(value),
+                    hint=f"drop {key} from the deployment's engine section, or leave the plugin out",
+                )
+            )
             continue
         if not hasattr(engine_args, key) and key in why:
             continue  # this vLLM build has no such argument (nothing to turn off)
@@ -314,10 +360,15 @@ def _apply_engine_overrides(engine_args: Any, plan: Plan) -> None:
         if current == value:
             continue
         if key in defaults and current != defaults[key] and current is not None:
-            problems.append(Problem(
-                f"engine.{key}", why.get(key, "the deployment needs a different value than vLLM was started with"),
-                value=current, accepted=repr(value),
-                hint=f"drop --{key.replace('_', '-')} from the vLLM command line"))
+            problems.append(
+                Problem(
+                    f"engine.{key}",
+                    why.get(key, "the deployment needs a different value than vLLM was started with"),
+                    value=current,
+                    accepted=repr(value),
+                    hint=f"drop --{key.replace('_', '-')} from the vLLM command line",
+                )
+            )
             continue
         setattr(engine_args, key, value)
         if key in why and RUNTIME.once(("engine why", why[key])):
@@ -335,13 +386,22 @@ def _engine_defaults() -> dict[str, Any]:
     for f in dataclasses.fields(EngineArgs):
         if f.default is not dataclasses.MISSING:
             out[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        elif f.default_factory is not dataclasses.MISSING:
             try:
-                out[f.name] = f.default_factory()  # type: ignore[misc]
+                out[f.name] = f.default_factory()
             except Exception:
                 pass
     return out
 
 
-__all__ = ["register", "activate", "deactivate", "graft_section", "check_vllm_version",
-           "deployment_for_engine", "ENV_FILE", "ENV_CONFIG", "SUPPORTED_VLLM"]
+__all__ = [
+    "register",
+    "activate",
+    "deactivate",
+    "graft_section",
+    "check_vllm_version",
+    "deployment_for_engine",
+    "ENV_FILE",
+    "ENV_CONFIG",
+    "SUPPORTED_VLLM",
+]

@@ -1,4 +1,5 @@
 """Which vLLM is installed, read from package metadata (without importing vLLM)."""
+
 from __future__ import annotations
 
 import ast
@@ -36,9 +37,11 @@ def engine_argument_names() -> frozenset[str] | None:
     names: set[str] = set()
     for node in ast.parse(source.read_text()).body:
         if isinstance(node, ast.ClassDef) and node.name in ("EngineArgs", "AsyncEngineArgs"):
-            names |= {s.target.id for s in node.body
-                      if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
-                      and not s.target.id.startswith("_")}
+            names |= {
+                s.target.id
+                for s in node.body
+                if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name) and not s.target.id.startswith("_")
+            }
     return frozenset(names) or None
 
 
@@ -48,8 +51,9 @@ def detect_environment(platform: str | None = None) -> Environment:
     if found is None:
         return Environment(platform=platform, vllm_version=None)
     dist, version = found
-    return Environment(platform=platform or VLLM_DISTRIBUTIONS[dist], vllm_version=version,
-                       engine_args=engine_argument_names())
+    return Environment(
+        platform=platform or VLLM_DISTRIBUTIONS[dist], vllm_version=version, engine_args=engine_argument_names()
+    )
 
 
 def package_version() -> str:

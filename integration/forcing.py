@@ -12,6 +12,7 @@ default): computed before logits processors run, so they are the model's own.
 Build the engine with ``LLM(..., logits_processors=[ForceTokens])`` (in-process engines:
 the class is passed as an object) and the requests with :func:`forced_params`.
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -49,8 +50,14 @@ class ForceTokens(AdapterLogitsProcessor):
 
 def forced_params(tokens: Sequence[int], **kwargs: Any) -> SamplingParams:
     """Greedy params that generate exactly ``tokens`` and report each one's log-probability."""
-    return SamplingParams(max_tokens=len(tokens), temperature=0.0, ignore_eos=True, logprobs=0,
-                          extra_args={FORCE_KEY: list(tokens)}, **kwargs)
+    return SamplingParams(
+        max_tokens=len(tokens),
+        temperature=0.0,
+        ignore_eos=True,
+        logprobs=0,
+        extra_args={FORCE_KEY: list(tokens)},
+        **kwargs,
+    )
 
 
 def forced_logprobs(output: Any, tokens: Sequence[int]) -> list[float]:
@@ -59,6 +66,8 @@ def forced_logprobs(output: Any, tokens: Sequence[int]) -> list[float]:
     comp = output.outputs[0]
     got = list(comp.token_ids)
     if got != list(tokens):
-        raise RuntimeError(f"forced decoding generated {got[:8]}... instead of {list(tokens)[:8]}...: build the "
-                           "engine with logits_processors=[ForceTokens]")
+        raise RuntimeError(
+            f"forced decoding generated {got[:8]}... instead of {list(tokens)[:8]}...: build the "
+            "engine with logits_processors=[ForceTokens]"
+        )
     return [step[t].logprob for step, t in zip(comp.logprobs, tokens)]

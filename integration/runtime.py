@@ -5,6 +5,7 @@ Every vLLM process (front end, engine core, workers) activates the deployment on
 in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, what `vllm-graft demo` and
 `bench` use) they are all one process, so :meth:`Runtime.report` sees every plugin.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -123,7 +124,8 @@ class Runtime:
     #: weak, so an engine's methods go with its model; they belong to the model, not to the
     #: deployment, and the keys baked into a compiled graph are never reused in a process
     linear_methods: "weakref.WeakValueDictionary[int, Any]" = field(
-        default_factory=weakref.WeakValueDictionary, repr=False)
+        default_factory=weakref.WeakValueDictionary, repr=False
+    )
     linear_keys: Iterator[int] = field(default_factory=itertools.count, repr=False)
     #: metadata builds and layer forwards through the generic backend (``adapters.custom_backend``)
     #: in this process, by ``"build"``/``"forward"``: tests read the difference across a run
@@ -149,7 +151,8 @@ class Runtime:
                     raise PluginContractError(
                         f"{enabled.kind} plugin {enabled.name!r}: impl "
                         f"{enabled.entry.registration.impl!r} must be a subclass of "
-                        f"vllm_graft.hooks.{contract.__name__} (from package {enabled.entry.source.package})")
+                        f"vllm_graft.hooks.{contract.__name__} (from package {enabled.entry.source.package})"
+                    )
                 impl = cls(enabled.params)
                 self.instances[key] = impl
             return impl
@@ -169,6 +172,7 @@ class Runtime:
             return
         self.write_report()
         if self._reporter is None or not self._reporter.is_alive():
+
             def loop() -> None:
                 while self.report_dir is not None:
                     time.sleep(REPORT_EVERY_S)
@@ -211,16 +215,26 @@ class Runtime:
         try:
             os.makedirs(self.report_dir, exist_ok=True)
             state_sizes = self.state_sizes() if sizes is None else sizes
-            data = {"pid": os.getpid(), "process": process, "source": self.source,
-                    "tensor_parallel_rank": self._tensor_parallel_rank(),
-                    "written_at": time.time(), "plugins": self.report(), "state_sizes": state_sizes}
+            data = {
+                "pid": os.getpid(),
+                "process": process,
+                "source": self.source,
+                "tensor_parallel_rank": self._tensor_parallel_rank(),
+                "written_at": time.time(),
+                "plugins": self.report(),
+                "state_sizes": state_sizes,
+            }
             self._last_sizes = state_sizes
             with open(path + ".tmp", "w") as f:
                 json.dump(data, f, default=str)
             os.replace(path + ".tmp", path)
         except OSError as e:
-            log.warning("vllm-graft: cannot write the plugin report to %s (%s); %s is ignored from now on",
-                        path, e, ENV_REPORT_DIR)
+            log.warning(
+                "vllm-graft: cannot write the plugin report to %s (%s); %s is ignored from now on",
+                path,
+                e,
+                ENV_REPORT_DIR,
+            )
             self.report_dir = None
 
     def _tensor_parallel_rank(self) -> int | None:
@@ -239,12 +253,16 @@ class Runtime:
         out = []
         for e in self.plan.enabled if self.plan else []:
             impl = self.instances.get((e.kind, e.name))
-            out.append({
-                "kind": str(e.kind), "name": e.name, "params": e.params.model_dump(mode="json"),
-                "events": self.counts(e.kind, e.name),
-                "described": impl.describe() if impl is not None else {},
-                "instantiated": impl is not None,
-            })
+            out.append(
+                {
+                    "kind": str(e.kind),
+                    "name": e.name,
+                    "params": e.params.model_dump(mode="json"),
+                    "events": self.counts(e.kind, e.name),
+                    "described": impl.describe() if impl is not None else {},
+                    "instantiated": impl is not None,
+                }
+            )
         return out
 
     def track_state(self, label: str, holder: Any) -> None:
@@ -276,8 +294,11 @@ class Runtime:
             if kind != Kind.SPECULATIVE or getattr(impl, "per_request_drafts", False):
                 continue
             if getattr(impl, "needs_target_weights", False):
-                log.info("vllm-graft: speculative plugin %r keeps its state between timed runs (it holds "
-                         "the target's weights); its later runs may draft from earlier runs' outputs", name)
+                log.info(
+                    "vllm-graft: speculative plugin %r keeps its state between timed runs (it holds "
+                    "the target's weights); its later runs may draft from earlier runs' outputs",
+                    name,
+                )
                 continue
             impl.fresh_drafting_state()
             renewed.append(name)

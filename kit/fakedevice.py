@@ -29,6 +29,7 @@ hot path has none and a report can say how many a step or a layer costs.
 Nothing here needs vLLM or a GPU. With ``GRAFT_REAL_DEVICE=cuda`` (the GPU check command),
 :func:`device_under_test` gives a real CUDA device instead and the suites run on it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,12 +53,42 @@ _HERE = os.path.abspath(__file__)
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 #: Ops that read a device tensor's values on the host (only counted for marked tensors).
-_SYNC_METHODS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu",
-                 "nonzero", "unique", "unique_consecutive", "masked_select", "equal", "allclose",
-                 "argwhere", "__array__", "__format__", "__repr__"}
+_SYNC_METHODS = {
+    "item",
+    "tolist",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+    "numpy",
+    "cpu",
+    "nonzero",
+    "unique",
+    "unique_consecutive",
+    "masked_select",
+    "equal",
+    "allclose",
+    "argwhere",
+    "__array__",
+    "__format__",
+    "__repr__",
+}
 #: Ops whose output lives on the host whatever the input (their results are not marked).
-_TO_HOST = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu",
-            "__array__", "__format__", "__repr__", "equal", "allclose"}
+_TO_HOST = {
+    "item",
+    "tolist",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+    "numpy",
+    "cpu",
+    "__array__",
+    "__format__",
+    "__repr__",
+    "equal",
+    "allclose",
+}
 #: Tensor properties a marked tensor answers as a CUDA tensor would.
 _PROPS = {"device": lambda: FAKE, "is_cuda": lambda: True, "is_cpu": lambda: False}
 
@@ -199,16 +230,23 @@ class FakeDevice(TorchFunctionMode):
         out: dict[str, dict[str, Any]] = {}
         for name, calls in self.calls.items():
             mine = [s for s in self.syncs if s.region == name]
-            out[name] = {"calls": calls, "syncs": len(mine), "per_call": round(len(mine) / calls, 2),
-                         "where": sorted({f"{s.op} at {_short(s.where)}" for s in mine})}
+            out[name] = {
+                "calls": calls,
+                "syncs": len(mine),
+                "per_call": round(len(mine) / calls, 2),
+                "where": sorted({f"{s.op} at {_short(s.where)}" for s in mine}),
+            }
         return out
 
     # ------------------------------------------------------------------ the mode
     def _from_inputs(self, args: tuple, kwargs: dict) -> bool:
         """A factory call (no tensor in) made by the harness: what vLLM would hand the plugin.
         Only factories walk the stack: every other op's result follows its inputs."""
-        return bool(self.inputs_from) and next(_tensors((args, kwargs)), None) is None \
+        return (
+            bool(self.inputs_from)
+            and next(_tensors((args, kwargs)), None) is None
             and caller().startswith(self.inputs_from)
+        )
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None):
         kwargs = dict(kwargs or {})
@@ -238,9 +276,15 @@ class FakeDevice(TorchFunctionMode):
                 self._sync(name)
             elif name == "__getitem__" and _bool_index(args):
                 self._sync("__getitem__[bool mask]")
-            elif name == "repeat_interleave" and "output_size" not in kwargs and (
-                    isinstance(kwargs.get("repeats"), torch.Tensor) or isinstance(args[0], torch.Tensor)
-                    and (len(args) < 2 or isinstance(args[1], torch.Tensor))):
+            elif (
+                name == "repeat_interleave"
+                and "output_size" not in kwargs
+                and (
+                    isinstance(kwargs.get("repeats"), torch.Tensor)
+                    or isinstance(args[0], torch.Tensor)
+                    and (len(args) < 2 or isinstance(args[1], torch.Tensor))
+                )
+            ):
                 self._sync(name)  # tensor repeats: the output size is read on the host
             self._check_mix(name, args, kwargs)
             out = func(*args, **kwargs)
@@ -305,16 +349,19 @@ class FakeDevice(TorchFunctionMode):
         if name == "__setitem__" and self.is_marked(args[0]):
             index = args[1] if len(args) > 1 else None
             value = args[2] if len(args) > 2 else None
-            if not any(True for _ in _tensors(index)) or not (isinstance(value, torch.Tensor) and not
-                                                              self.is_marked(value) and value.dim() > 0):
+            if not any(True for _ in _tensors(index)) or not (
+                isinstance(value, torch.Tensor) and not self.is_marked(value) and value.dim() > 0
+            ):
                 return  # basic slicing (a copy), or a host index with a device value
-        shapes = ", ".join(f"{'device' if self.is_marked(t) else 'HOST'} {tuple(t.shape)} {t.dtype}"
-                           for t in _tensors((args, kwargs)))
+        shapes = ", ".join(
+            f"{'device' if self.is_marked(t) else 'HOST'} {tuple(t.shape)} {t.dtype}" for t in _tensors((args, kwargs))
+        )
         raise DeviceMixError(
             f"{name}() mixes a device tensor with a host tensor of {tuple(host[0].shape)} ({shapes}) at "
             f"{caller()}: on CUDA this raises (or, indexed, fails). Create the host tensor on the "
             "device of the tensors you were given (device=query.device), or move it there once "
-            "when it is built.")
+            "when it is built."
+        )
 
 
 def _bool_index(args: tuple) -> bool:

@@ -7,6 +7,7 @@ find it once installed (``pip install -e DIR``). A plugin without a kernel is co
 ``--kernel`` adds one: parameters from ``KernelParams`` (``kernel: reference | triton``) and a
 ``kernel.py`` module the reference dispatches to.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,47 +26,71 @@ TEMPLATES: dict[Kind, dict[str, Any]] = {
     Kind.ATTENTION: {
         "lossless": True,
         "imports": "AttentionLayer, AttentionMethod, PagedBatch",
-        "methods": [("forward(self, query, kv_cache, batch: PagedBatch, layer: AttentionLayer, plan=None)",
-                     "Attention output [T, H, D] for query [T, H, D] over the paged cache\n"
-                     "(layer.kv_layout.split(kv_cache) gives keys and values [blocks, H_kv, block_size, D]\n"
-                     "in the layout of the backend the plugin rides on; add \"packed\" to kv_layouts once\n"
-                     "the plugin reads only through it, so it runs on CUDA).")],
+        "methods": [
+            (
+                "forward(self, query, kv_cache, batch: PagedBatch, layer: AttentionLayer, plan=None)",
+                "Attention output [T, H, D] for query [T, H, D] over the paged cache\n"
+                "(layer.kv_layout.split(kv_cache) gives keys and values [blocks, H_kv, block_size, D]\n"
+                'in the layout of the backend the plugin rides on; add "packed" to kv_layouts once\n'
+                "the plugin reads only through it, so it runs on CUDA).",
+            )
+        ],
     },
     Kind.KVCOMPRESS: {
         "lossless": False,
         "imports": "BlockView, KVCompressor",
-        "methods": [("keep(self, view: BlockView) -> list[int]",
-                     "Sorted logical block indices to keep: always the last block and every\n"
-                     "block in view.pinned; a dropped block never comes back.")],
+        "methods": [
+            (
+                "keep(self, view: BlockView) -> list[int]",
+                "Sorted logical block indices to keep: always the last block and every\n"
+                "block in view.pinned; a dropped block never comes back.",
+            )
+        ],
     },
     Kind.SPECULATIVE: {
         "lossless": True,
         "imports": "Proposer",
-        "methods": [("propose(self, request_id: str, token_ids, max_tokens: int) -> list[int]",
-                     "Up to max_tokens draft tokens to follow token_ids (prompt + output so far)."),
-                    ("accepted(self, request_id: str, num_accepted: int, num_verified: int) -> None",
-                     "How the last drafts fared (optional: delete this method if unused)."),
-                    ("finish(self, request_id: str) -> None",
-                     "The request ended: release everything held for it.")],
+        "methods": [
+            (
+                "propose(self, request_id: str, token_ids, max_tokens: int) -> list[int]",
+                "Up to max_tokens draft tokens to follow token_ids (prompt + output so far).",
+            ),
+            (
+                "accepted(self, request_id: str, num_accepted: int, num_verified: int) -> None",
+                "How the last drafts fared (optional: delete this method if unused).",
+            ),
+            ("finish(self, request_id: str) -> None", "The request ended: release everything held for it."),
+        ],
     },
     Kind.QUANT: {
         "lossless": False,
         "imports": "QuantMethod",
-        "methods": [("quantize(self, weight) -> dict",
-                     "The tensors that replace weight [out, in]."),
-                    ("apply(self, tensors: dict, x, bias)",
-                     "x @ W.T + bias from the quantised tensors, [T, out] in x's dtype.")],
+        "methods": [
+            ("quantize(self, weight) -> dict", "The tensors that replace weight [out, in]."),
+            (
+                "apply(self, tensors: dict, x, bias)",
+                "x @ W.T + bias from the quantised tensors, [T, out] in x's dtype.",
+            ),
+        ],
     },
     Kind.MOE: {
         "lossless": False,
         "imports": "MoEScheduler",
-        "methods": [("adjust_logits(self, layer_idx: int, router_logits)",
-                     "Router logits [T, E] to route with (delete the methods you do not need:\n"
-                     "adjust_logits, route, observe; see vllm_graft.hooks.MoEScheduler)."),
-                    ("route(self, layer_idx: int, router_logits, top_k: int, renormalize: bool)",
-                     "(topk_weights [T, top_k], topk_ids [T, top_k])."),
-                    ("observe(self, layer_idx: int, topk_ids, topk_weights) -> None",
-                     "See the routing the layer computes with.")],
+        "methods": [
+            (
+                "adjust_logits(self, layer_idx: int, router_logits)",
+                "Router logits [T, E] to route with (delete the methods you do not need:\n"
+                "adjust_logits, route, observe; see vllm_graft.hooks.MoEScheduler).",
+            ),
+            (
+                "route(self, layer_idx: int, router_logits, top_k: int, renormalize: bool)",
+                "(topk_weights [T, top_k], topk_ids [T, top_k]).",
+            ),
+            (
+                "observe(self, layer_idx: int, topk_ids, topk_weights) -> None",
+                "See the routing the layer computes with.",
+            ),
+        ],
     },
 }
 
@@ -99,33 +124,43 @@ def render(kind: Kind, name: str, package: str, kernel: bool = False) -> dict[st
 
     def method(sig: str, doc: str, body: str) -> str:
         doc_lines = doc.splitlines()
-        doc_text = doc_lines[0] if len(doc_lines) == 1 else \
-            "\n".join([doc_lines[0], *("        " + d for d in doc_lines[1:])])
+        doc_text = (
+            doc_lines[0] if len(doc_lines) == 1 else "\n".join([doc_lines[0], *("        " + d for d in doc_lines[1:])])
+        )
         return f'    def {sig}:\n        """{doc_text}"""\n        {body}\n'
 
     def body(sig: str) -> str:
         meth = sig.split("(")[0]
-        todo = f"raise NotImplementedError(\"{name}: write the reference {meth}() in {package}/reference.py\")"
+        todo = f'raise NotImplementedError("{name}: write the reference {meth}() in {package}/reference.py")'
         if not kernel:
             return todo
         call = ", ".join(["self", *(a.split("=")[0] for a in _args(sig))])
-        return (f"if self.params.kernel == \"triton\":\n"
-                f"            from . import kernel\n\n"
-                f"            return kernel.{meth}({call})\n"
-                f"        {todo}")
+        return (
+            f'if self.params.kernel == "triton":\n'
+            f"            from . import kernel\n\n"
+            f"            return kernel.{meth}({call})\n"
+            f"        {todo}"
+        )
 
     ref_methods = "\n".join(method(sig, doc, body(sig)) for sig, doc in spec["methods"])
     kernel_funcs = "\n\n".join(
         f"def {sig.split('(')[0]}(plugin, {', '.join(_args(sig))}):\n"
         f'    """The Triton path of {cls}.{sig.split("(")[0]} (same inputs and result as the reference)."""\n'
-        f"    raise NotImplementedError(\"{name}: write the Triton kernel for {sig.split('(')[0]}() in {package}/kernel.py\")\n"
-        for sig, _ in spec["methods"])
+        f'    raise NotImplementedError("{name}: write the Triton kernel for {sig.split("(")[0]}() in {package}/kernel.py")\n'
+        for sig, _ in spec["methods"]
+    )
     base = "KernelParams" if kernel else "Params"
-    base_doc = ("\n    `kernel` (from KernelParams) picks 'reference' or 'triton' (kernel.py)." if kernel else
-                "\n    (A Triton kernel is an addition: derive from KernelParams, which adds\n"
-                "    `kernel: reference | triton`, or generate with --kernel.)")
-    role = '\n            role="eviction",  # or "storage" (a KVCacheFormat): how it composes in kvcompress:' \
-        if kind is Kind.KVCOMPRESS else ""
+    base_doc = (
+        "\n    `kernel` (from KernelParams) picks 'reference' or 'triton' (kernel.py)."
+        if kernel
+        else "\n    (A Triton kernel is an addition: derive from KernelParams, which adds\n"
+        "    `kernel: reference | triton`, or generate with --kernel.)"
+    )
+    role = (
+        '\n            role="eviction",  # or "storage" (a KVCacheFormat): how it composes in kvcompress:'
+        if kind is Kind.KVCOMPRESS
+        else ""
+    )
     files = {
         "pyproject.toml": f'''\
 [build-system]
@@ -207,7 +242,7 @@ pytestmark = pytest.mark.graft_conformance("{kind.value}:{name}")
 def test_conformance(graft_check):
     graft_check()
 ''',
-        "README.md": f'''\
+        "README.md": f"""\
 # {dist}
 
 A [vllm-graft](https://github.com/) {kind.value} plugin: **{name}**.
@@ -231,7 +266,7 @@ and run `vllm-graft generate deployment.yaml "def main("` or
 
 What to write: `{package}/reference.py` (the algorithm){f", `{package}/kernel.py` (its Triton kernel)" if kernel else ""},
 the parameters and capabilities in `{package}/__init__.py`.
-''',
+""",
     }
     if kernel:
         files[f"{package}/kernel.py"] = f'''\
@@ -251,8 +286,10 @@ def cmd_new_plugin(args: argparse.Namespace, console: Console) -> int:
     kind = Kind(args.kind)
     name = args.name
     if not NAME_RE.match(name):
-        console.print(f"[red]plugin name {name!r} is not valid[/red]: use lower-case letters, "
-                      "digits, '-' and '_', starting with a letter or digit (e.g. my-compressor)")
+        console.print(
+            f"[red]plugin name {name!r} is not valid[/red]: use lower-case letters, "
+            "digits, '-' and '_', starting with a letter or digit (e.g. my-compressor)"
+        )
         return 2
     package = args.package or "graft_" + name.replace("-", "_")
     if not package.isidentifier():
@@ -260,16 +297,17 @@ def cmd_new_plugin(args: argparse.Namespace, console: Console) -> int:
         return 2
     out = Path(args.dir or f"graft-{name}")
     if out.exists() and any(out.iterdir()) and not args.force:
-        console.print(f"[red]{out} exists and is not empty[/red]: choose another --dir, or --force "
-                      "to write over it")
+        console.print(f"[red]{out} exists and is not empty[/red]: choose another --dir, or --force to write over it")
         return 2
     for rel, text in render(kind, name, package, kernel=args.kernel).items():
         path = out / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(textwrap.dedent(text) if rel.endswith(".toml") else text)
-    console.print(f"created the {kind.value} plugin [bold]{name}[/bold] in {out}/ (package {package})\n"
-                  f"next: pip install -e {out} && cd {out} && pytest   (the conformance checks fail "
-                  f"until reference.py{' and kernel.py are' if args.kernel else ' is'} written)")
+    console.print(
+        f"created the {kind.value} plugin [bold]{name}[/bold] in {out}/ (package {package})\n"
+        f"next: pip install -e {out} && cd {out} && pytest   (the conformance checks fail "
+        f"until reference.py{' and kernel.py are' if args.kernel else ' is'} written)"
+    )
     return 0
 
 
@@ -279,8 +317,11 @@ def add_command(sub: Any) -> None:
     p.add_argument("name", help="the plugin name (lower-case, digits, '-', '_')")
     p.add_argument("--dir", help="where to create it (default: ./graft-NAME)")
     p.add_argument("--package", help="the Python package name (default: graft_NAME)")
-    p.add_argument("--kernel", action="store_true",
-                   help="add a Triton kernel: parameters from KernelParams (kernel: reference | triton) "
-                        "and a kernel.py the reference dispatches to (default: the reference alone)")
+    p.add_argument(
+        "--kernel",
+        action="store_true",
+        help="add a Triton kernel: parameters from KernelParams (kernel: reference | triton) "
+        "and a kernel.py the reference dispatches to (default: the reference alone)",
+    )
     p.add_argument("--force", action="store_true", help="write into a non-empty folder")
     p.set_defaults(func=cmd_new_plugin)

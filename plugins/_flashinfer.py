@@ -9,6 +9,7 @@ and :func:`choose` logs once, per path and reason, which ran and why.
 Nothing here imports flashinfer or vllm at module level; FlashInfer is imported inside the calls
 (``vllm-graft doctor`` checks each name and signature against the pinned wheel).
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -45,14 +46,18 @@ def package_status() -> str | None:
     except importlib.metadata.PackageNotFoundError:
         version = None
     if version != FLASHINFER.version:
-        return (f"{FLASHINFER.distribution} {version} is installed but vllm-graft calls FlashInfer "
-                f"only at vLLM's pin {FLASHINFER.version}; {fix}")
+        return (
+            f"{FLASHINFER.distribution} {version} is installed but vllm-graft calls FlashInfer "
+            f"only at vLLM's pin {FLASHINFER.version}; {fix}"
+        )
     # FlashInfer compiles its modules on first use unless they come prebuilt; vLLM applies the
     # same rule (vllm/utils/flashinfer.py:86-107).
     prebuilt = any(importlib.util.find_spec(m) is not None for m in ("flashinfer_cubin", "flashinfer_jit_cache"))
     if not prebuilt and (_nvcc() is None or shutil.which("ninja") is None):
-        return ("FlashInfer's kernels are neither prebuilt (flashinfer-cubin, flashinfer-jit-cache) "
-                "nor buildable here (nvcc under CUDA_HOME or on PATH, and ninja on PATH)")
+        return (
+            "FlashInfer's kernels are neither prebuilt (flashinfer-cubin, flashinfer-jit-cache) "
+            "nor buildable here (nvcc under CUDA_HOME or on PATH, and ninja on PATH)"
+        )
     return None
 
 
@@ -82,8 +87,10 @@ def device_status(tensor: Any) -> str | None:
         return "ROCm: FlashInfer is a CUDA library"
     cap = _capability(dev.index if dev.index is not None else torch.cuda.current_device())
     if not MIN_CAPABILITY <= cap <= MAX_CAPABILITY:
-        return (f"compute capability {cap[0]}.{cap[1]} is outside {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}"
-                f"-{MAX_CAPABILITY[0]}.{MAX_CAPABILITY[1]} (vLLM's FlashInfer range)")
+        return (
+            f"compute capability {cap[0]}.{cap[1]} is outside {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}"
+            f"-{MAX_CAPABILITY[0]}.{MAX_CAPABILITY[1]} (vLLM's FlashInfer range)"
+        )
     return None
 
 

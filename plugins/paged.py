@@ -47,6 +47,7 @@ Example, a scored compressor (``needs_scores``)::
         def attend(self, query, kv_cache, batch, layer, observe):
             return paged_attention_with_mass(query, kv_cache, batch, layer, observe)
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -65,9 +66,14 @@ if TYPE_CHECKING:
     from vllm_graft.hooks import AttentionLayer, PagedBatch
 
 
-def triton_attention_with_mass(query: "torch.Tensor", kv_cache: "torch.Tensor", batch: "PagedBatch",
-                               layer: "AttentionLayer", observe: "torch.Tensor",
-                               head_mask: "torch.Tensor | None" = None) -> tuple["torch.Tensor", "torch.Tensor"]:
+def triton_attention_with_mass(
+    query: "torch.Tensor",
+    kv_cache: "torch.Tensor",
+    batch: "PagedBatch",
+    layer: "AttentionLayer",
+    observe: "torch.Tensor",
+    head_mask: "torch.Tensor | None" = None,
+) -> tuple["torch.Tensor", "torch.Tensor"]:
     """:func:`paged_attention_with_mass` with the Triton decode kernel for the rows that have
     one query (decode), the reference for the others; same arguments and result (to float
     rounding). Imports Triton on its first call."""
@@ -76,10 +82,15 @@ def triton_attention_with_mass(query: "torch.Tensor", kv_cache: "torch.Tensor", 
     return launch(query, kv_cache, batch, layer, observe, head_mask=head_mask)
 
 
-def attention_with_mass(query: "torch.Tensor", kv_cache: "torch.Tensor", batch: "PagedBatch",
-                        layer: "AttentionLayer", observe: "torch.Tensor",
-                        head_mask: "torch.Tensor | None" = None, kernel: str = "reference",
-                        ) -> tuple["torch.Tensor", "torch.Tensor"]:
+def attention_with_mass(
+    query: "torch.Tensor",
+    kv_cache: "torch.Tensor",
+    batch: "PagedBatch",
+    layer: "AttentionLayer",
+    observe: "torch.Tensor",
+    head_mask: "torch.Tensor | None" = None,
+    kernel: str = "reference",
+) -> tuple["torch.Tensor", "torch.Tensor"]:
     """``(out, mass)`` as :func:`paged_attention_with_mass`, by the path ``kernel`` names:
     ``"reference"`` (PyTorch) or ``"triton"`` (:func:`triton_attention_with_mass`)."""
     if kernel == "triton":
@@ -90,6 +101,11 @@ def attention_with_mass(query: "torch.Tensor", kv_cache: "torch.Tensor", batch: 
 
 
 __all__ = [
-    "Gather", "attention_with_mass", "causal_attention", "gather_kv", "paged_attention",
-    "paged_attention_with_mass", "triton_attention_with_mass",
+    "Gather",
+    "attention_with_mass",
+    "causal_attention",
+    "gather_kv",
+    "paged_attention",
+    "paged_attention_with_mass",
+    "triton_attention_with_mass",
 ]

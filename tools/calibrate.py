@@ -10,6 +10,7 @@ prose, and contrast B, e.g. code; prefill only), compare each layer's expert act
 frequencies, and write a mask switching off (or forcing on) the experts most distinctive for
 A. ``--evaluate`` then measures the perplexity of both sets with and without the mask.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,21 +38,37 @@ DEFAULT_DEPLOYMENT = "moe-expert-mask.yaml"
 
 
 def _mask_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--behaviour", "-a", required=True, metavar="FILE",
-                   help="prompts showing the behaviour (text with prompts separated by '---' lines, or a JSON list)")
+    p.add_argument(
+        "--behaviour",
+        "-a",
+        required=True,
+        metavar="FILE",
+        help="prompts showing the behaviour (text with prompts separated by '---' lines, or a JSON list)",
+    )
     p.add_argument("--contrast", "-b", required=True, metavar="FILE", help="contrast prompts (same format)")
     p.add_argument("--out", "-o", required=True, metavar="FILE.json", help="mask file to write")
-    p.add_argument("--deployment", metavar="FILE",
-                   help="deployment whose model (and other MoE plugins) to calibrate on "
-                        "(default: the bundled MoE model, fp32)")
+    p.add_argument(
+        "--deployment",
+        metavar="FILE",
+        help="deployment whose model (and other MoE plugins) to calibrate on (default: the bundled MoE model, fp32)",
+    )
     p.add_argument("--top", type=int, default=4, help="experts to pick (default 4)")
     p.add_argument("--per-layer", action="store_true", help="pick --top experts in every layer")
-    p.add_argument("--action", choices=["off", "on"], default="off",
-                   help="switch the picked experts off (default) or force them on")
-    p.add_argument("--contrast-method", choices=["diff", "log-ratio"], default="diff",
-                   help="f_A - f_B (default) or log((f_A+eps)/(f_B+eps))")
-    p.add_argument("--evaluate", action="store_true",
-                   help="then measure both sets' perplexity with the mask vs without")
+    p.add_argument(
+        "--action",
+        choices=["off", "on"],
+        default="off",
+        help="switch the picked experts off (default) or force them on",
+    )
+    p.add_argument(
+        "--contrast-method",
+        choices=["diff", "log-ratio"],
+        default="diff",
+        help="f_A - f_B (default) or log((f_A+eps)/(f_B+eps))",
+    )
+    p.add_argument(
+        "--evaluate", action="store_true", help="then measure both sets' perplexity with the mask vs without"
+    )
 
 
 def _deployment_data(path: str | None) -> tuple[dict[str, Any], Path]:
@@ -61,8 +78,10 @@ def _deployment_data(path: str | None) -> tuple[dict[str, Any], Path]:
 
     if path:
         return load_file(path), Path(path).resolve().parent
-    return ({"model": str(models_dir() / "graft-tiny-mixtral"),
-             "engine": {"dtype": "float32", "max_model_len": 2048}}, Path.cwd())
+    return (
+        {"model": str(models_dir() / "graft-tiny-mixtral"), "engine": {"dtype": "float32", "max_model_len": 2048}},
+        Path.cwd(),
+    )
 
 
 def _run_mask(args: argparse.Namespace, console: Console) -> int:
@@ -73,8 +92,11 @@ def _run_mask(args: argparse.Namespace, console: Console) -> int:
     from vllm_graft.cli.engine_commands import _quiet_vllm
 
     policy = get_registry().get("moe", "expert-mask").registration.part("policy")
-    activation_frequency, mask_from, most_distinctive = (policy.activation_frequency, policy.mask_from,
-                                                         policy.most_distinctive)
+    activation_frequency, mask_from, most_distinctive = (
+        policy.activation_frequency,
+        policy.mask_from,
+        policy.most_distinctive,
+    )
 
     try:
         a_texts, b_texts = read_prompt_file(args.behaviour), read_prompt_file(args.contrast)
@@ -95,12 +117,12 @@ def _run_mask(args: argparse.Namespace, console: Console) -> int:
         model = str((base / model).resolve())
         data["model"] = model
     if not model:
-        console.print(f"[bold red]error:[/] {escape(str(args.deployment))} names no model (its tokenizer "
-                      "tokenizes the prompts)")
+        console.print(
+            f"[bold red]error:[/] {escape(str(args.deployment))} names no model (its tokenizer tokenizes the prompts)"
+        )
         return EXIT_USAGE
     sets = text_sets(model, {"behaviour": a_texts, "contrast": b_texts})
-    rec = record(with_tracer(data), base, sets, score=False,
-                 on_phase=lambda s: console.print(f"[dim]{escape(s)}[/]"))
+    rec = record(with_tracer(data), base, sets, score=False, on_phase=lambda s: console.print(f"[dim]{escape(s)}[/]"))
     trace = rec.trace
     freqs = {}
     for name in ("behaviour", "contrast"):
@@ -108,21 +130,47 @@ def _run_mask(args: argparse.Namespace, console: Console) -> int:
         freqs[name] = activation_frequency(part.counts().tolist(), part.num_tokens)
     E = trace.num_experts
     top_k = trace.top_k
-    chosen = most_distinctive(freqs["behaviour"], freqs["contrast"], top=args.top, per_layer=args.per_layer,
-                              method=args.contrast_method, layers=trace.layers,
-                              max_per_layer=(E - top_k) if args.action == "off" else top_k)
+    chosen = most_distinctive(
+        freqs["behaviour"],
+        freqs["contrast"],
+        top=args.top,
+        per_layer=args.per_layer,
+        method=args.contrast_method,
+        layers=trace.layers,
+        max_per_layer=(E - top_k) if args.action == "off" else top_k,
+    )
     if not chosen:
-        console.print("[yellow]no expert is used more by the behaviour prompts than by the contrast "
-                      "prompts: no mask written[/]")
+        console.print(
+            "[yellow]no expert is used more by the behaviour prompts than by the contrast prompts: no mask written[/]"
+        )
         return 1
     num_layers = max(trace.layers) + 1
-    mask = mask_from(chosen, args.action, num_layers, E, calibration={
-        "behaviour": str(args.behaviour), "contrast": str(args.contrast),
-        "tokens": {"behaviour": trace.segment("behaviour").num_tokens,
-                   "contrast": trace.segment("contrast").num_tokens},
-        "method": args.contrast_method, "action": args.action,
-        "picked": [{"layer": d.layer, "expert": d.expert, "freq_behaviour": round(d.freq_a, 4),
-                    "freq_contrast": round(d.freq_b, 4), "score": round(d.score, 4)} for d in chosen]})
+    mask = mask_from(
+        chosen,
+        args.action,
+        num_layers,
+        E,
+        calibration={
+            "behaviour": str(args.behaviour),
+            "contrast": str(args.contrast),
+            "tokens": {
+                "behaviour": trace.segment("behaviour").num_tokens,
+                "contrast": trace.segment("contrast").num_tokens,
+            },
+            "method": args.contrast_method,
+            "action": args.action,
+            "picked": [
+                {
+                    "layer": d.layer,
+                    "expert": d.expert,
+                    "freq_behaviour": round(d.freq_a, 4),
+                    "freq_contrast": round(d.freq_b, 4),
+                    "score": round(d.score, 4),
+                }
+                for d in chosen
+            ],
+        },
+    )
     mask.save(args.out)
     table = Table(title=f"most distinctive experts for {args.behaviour} vs {args.contrast}", box=None)
     for col in ("layer", "expert", "freq A", "freq B", "score"):
@@ -133,9 +181,14 @@ def _run_mask(args: argparse.Namespace, console: Console) -> int:
     console.print(f"mask ({args.action}) written to {escape(str(args.out))}")
     if args.evaluate:
         rows = []
-        for label, d in (("without mask", data),
-                         ("with mask", {**data, "moe": [{"plugin": "expert-mask",
-                                                         "params": {"mask_file": str(Path(args.out).resolve())}}]})):
+        for label, d in (
+            ("without mask", data),
+            (
+                "with mask",
+                {**data, "moe": [{"plugin": "expert-mask", "params": {"mask_file": str(Path(args.out).resolve())}}]},
+            ),
+        ):
+
             def say(s: str, label: str = label) -> None:
                 console.print(f"[dim]{label}: {escape(s)}[/]")
 
@@ -154,7 +207,8 @@ def _run_mask(args: argparse.Namespace, console: Console) -> int:
         result = json.loads(Path(args.out).read_text())
         result.setdefault("calibration", {})["evaluation"] = {
             "perplexity_without": {"behaviour": a0, "contrast": b0},
-            "perplexity_with": {"behaviour": a1, "contrast": b1}}
+            "perplexity_with": {"behaviour": a1, "contrast": b1},
+        }
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return EXIT_OK
 
@@ -166,18 +220,27 @@ def _razor() -> Method:
     return Method(razor.NAME, razor.PLUGIN, razor.HELP, razor.add_arguments, razor.run)
 
 
-METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("expert-mask", "moe:expert-mask",
-           "find the experts most distinctive for a behaviour (two prompt sets) and write an expert mask",
-           _mask_args, _run_mask),
-    _razor(),  # RazorAttention retrieval heads -> the head map of attention:squeezed
-)}
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method(
+            "expert-mask",
+            "moe:expert-mask",
+            "find the experts most distinctive for a behaviour (two prompt sets) and write an expert mask",
+            _mask_args,
+            _run_mask,
+        ),
+        _razor(),  # RazorAttention retrieval heads -> the head map of attention:squeezed
+    )
+}
 
 
 def add_command(sub: Any) -> None:
-    p = sub.add_parser("calibrate", help="offline calibration passes that write a plugin's files",
-                       description="Offline calibration: " + "; ".join(
-                           f"{m.name} ({m.plugin}): {m.help}" for m in METHODS.values()))
+    p = sub.add_parser(
+        "calibrate",
+        help="offline calibration passes that write a plugin's files",
+        description="Offline calibration: " + "; ".join(f"{m.name} ({m.plugin}): {m.help}" for m in METHODS.values()),
+    )
     methods = p.add_subparsers(dest="method", metavar="METHOD")
     for m in METHODS.values():
         mp = methods.add_parser(m.name, help=m.help, description=f"{m.help} (for {m.plugin})")

@@ -8,6 +8,7 @@ name, with parameters given either for every named plugin (``--params JSON``) or
 parameters are validated by the plugin's own parameter model before any engine starts; an
 unknown name is refused with the registered names of its kind.
 """
+
 from __future__ import annotations
 
 import json
@@ -71,8 +72,9 @@ def registration(kind: str, name: str) -> Any:
     reg = get_registry()
     if (kind, name) not in reg:
         known = [n for n in reg.names(kind) if n != "noop"]
-        raise PluginArgError(f"no {kind} plugin named {name!r}; registered: {', '.join(known)} "
-                             f"(see `vllm-graft plugins --kind {kind}`)")
+        raise PluginArgError(
+            f"no {kind} plugin named {name!r}; registered: {', '.join(known)} (see `vllm-graft plugins --kind {kind}`)"
+        )
     return reg.get(kind, name).registration
 
 

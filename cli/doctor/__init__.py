@@ -20,6 +20,7 @@ needs no GPU::
 and lists the patches it applies (the vLLM target, which plugin, why, the checked range, the
 runner it needs); ``--all`` does it for one deployment per adapter and patch, the whole register.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,17 +32,21 @@ EXIT_OK, EXIT_MISSING = 0, 1
 
 def add_command(sub: Any) -> None:
     d = sub.add_parser("doctor", help="check a vLLM source tree or wheel against what vllm-graft patches and imports")
-    d.add_argument("--vllm-source", action="append", metavar="DIR|WHEEL",
-                   help="a folder holding vllm/ (e.g. site-packages) or a vLLM wheel; repeatable "
-                        "(default: the installed vLLM)")
+    d.add_argument(
+        "--vllm-source",
+        action="append",
+        metavar="DIR|WHEEL",
+        help="a folder holding vllm/ (e.g. site-packages) or a vLLM wheel; repeatable (default: the installed vLLM)",
+    )
     d.add_argument("--json", action="store_true", help="machine-readable output")
     d.add_argument("--failures-only", action="store_true", help="print only what is missing")
     d.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("patches", help="list the patches a deployment applies inside vLLM")
     p.add_argument("deployment", nargs="?", help="deployment YAML file (default: $VLLM_GRAFT_DEPLOYMENT)")
-    p.add_argument("--all", action="store_true",
-                   help="every patch any built-in adapter applies (one deployment per adapter)")
+    p.add_argument(
+        "--all", action="store_true", help="every patch any built-in adapter applies (one deployment per adapter)"
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_patches)
 
@@ -76,13 +81,30 @@ def cmd_doctor(args: argparse.Namespace, console: Any) -> int:
 
     failed = sum(1 for row in results for r in row if is_problem(r))
     if args.json:
-        print(json.dumps({
-            "sources": [{"location": str(s.location), "version": s.version,
-                         "distribution": s.distribution} for s in sources],
-            "checks": [{"what": n.what, "key": n.key, "owner": n.owner, "runner": n.runner,
-                        "reads": list(n.reads), "results": row, "status": [status(r) for r in row]}
-                       for n, row in zip(reqs, results)],
-            "failed": failed}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "sources": [
+                        {"location": str(s.location), "version": s.version, "distribution": s.distribution}
+                        for s in sources
+                    ],
+                    "checks": [
+                        {
+                            "what": n.what,
+                            "key": n.key,
+                            "owner": n.owner,
+                            "runner": n.runner,
+                            "reads": list(n.reads),
+                            "results": row,
+                            "status": [status(r) for r in row],
+                        }
+                        for n, row in zip(reqs, results)
+                    ],
+                    "failed": failed,
+                },
+                indent=2,
+            )
+        )
         return EXIT_MISSING if failed else EXIT_OK
     table = Table(show_header=True, box=None, padding=(0, 1))
     for col in ("check", "needed", "by", "runner"):
@@ -95,8 +117,7 @@ def cmd_doctor(args: argparse.Namespace, console: Any) -> int:
         key = escape(n.key) + (f" [dim](reads {escape(', '.join(n.reads))})[/]" if n.reads else "")
         table.add_row(n.what, key, escape(n.owner), n.runner, *[_cell(n.what, r) for r in row])
     console.print(table)
-    verdict = (f"[bold red]{failed} missing or wrong[/]" if failed
-               else "[bold green]everything present[/]")
+    verdict = f"[bold red]{failed} missing or wrong[/]" if failed else "[bold green]everything present[/]"
     console.print(f"{len(reqs)} checks x {len(sources)} source(s): {verdict}")
     return EXIT_MISSING if failed else EXIT_OK
 
@@ -146,9 +167,18 @@ def applied_patches(data: dict[str, Any], source: str) -> list[dict[str, Any]]:
         rows = []
         for p in PATCHES.applied():
             entry = entries.get(p.where)
-            rows.append({"target": p.where, "owner": p.owner, "plugins": served.get(p.owner, []),
-                         "reason": p.reason, "versions": p.versions, "runner": p.runner,
-                         "upstream": entry.upstream if entry else "", "remove_when": entry.remove_when if entry else ""})
+            rows.append(
+                {
+                    "target": p.where,
+                    "owner": p.owner,
+                    "plugins": served.get(p.owner, []),
+                    "reason": p.reason,
+                    "versions": p.versions,
+                    "runner": p.runner,
+                    "upstream": entry.upstream if entry else "",
+                    "remove_when": entry.remove_when if entry else "",
+                }
+            )
         return rows
     finally:
         bridge.deactivate()
@@ -190,15 +220,22 @@ def cmd_patches(args: argparse.Namespace, console: Any) -> int:
         table.add_column(col, overflow="fold")
     from vllm_graft.hooks.versions import VLLM_BUILDS
 
-    checked = ", ".join(f"{b.checked} {b.platform} ({'run' if b.verified == 'run' else 'static'})"
-                        for b in VLLM_BUILDS)
+    checked = ", ".join(f"{b.checked} {b.platform} ({'run' if b.verified == 'run' else 'static'})" for b in VLLM_BUILDS)
     for r in rows.values():
-        table.add_row(escape(r["target"]), escape(", ".join(r["plugins"]) or r["owner"]), r["runner"],
-                      escape(f"{r['versions']}: {checked}"), escape(r["reason"]), escape(r["upstream"]),
-                      escape(r["remove_when"]))
+        table.add_row(
+            escape(r["target"]),
+            escape(", ".join(r["plugins"]) or r["owner"]),
+            r["runner"],
+            escape(f"{r['versions']}: {checked}"),
+            escape(r["reason"]),
+            escape(r["upstream"]),
+            escape(r["remove_when"]),
+        )
     console.print(table)
-    console.print(f"{len(rows)} patch(es). The register with every target: "
-                  "vllm_graft/integration/targets.py; check a vLLM build with `vllm-graft doctor`.")
+    console.print(
+        f"{len(rows)} patch(es). The register with every target: "
+        "vllm_graft/integration/targets.py; check a vLLM build with `vllm-graft doctor`."
+    )
     return EXIT_OK
 
 

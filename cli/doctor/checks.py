@@ -19,6 +19,7 @@ source, so one table can show several), who needs it and a ``check(source) -> pr
   and call of ours exists in it with a fitting signature (:mod:`.flashinfer`; ``n/a`` where the
   build pins none or the pinned wheel is not here, naming how to fetch it).
 """
+
 from __future__ import annotations
 
 import ast
@@ -71,12 +72,19 @@ def vllm_imports(files: Iterable[Path] | None = None) -> list[VLLMImport]:
     out = []
     for f in files if files is not None else our_files():
         for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.ImportFrom) and not node.level and node.module \
-                    and (node.module == "vllm" or node.module.startswith("vllm.")):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and not node.level
+                and node.module
+                and (node.module == "vllm" or node.module.startswith("vllm."))
+            ):
                 out += [VLLMImport(node.module, a.name, f"{_rel(f)}:{node.lineno}") for a in node.names]
             elif isinstance(node, ast.Import):
-                out += [VLLMImport(a.name, None, f"{_rel(f)}:{node.lineno}") for a in node.names
-                        if a.name == "vllm" or a.name.startswith("vllm.")]
+                out += [
+                    VLLMImport(a.name, None, f"{_rel(f)}:{node.lineno}")
+                    for a in node.names
+                    if a.name == "vllm" or a.name.startswith("vllm.")
+                ]
     return out
 
 
@@ -93,12 +101,14 @@ def vllm_subclasses(files: Iterable[Path] | None = None) -> list[Subclass]:
     out = []
     for f in files if files is not None else our_files():
         tree = ast.parse(f.read_text())
-        imported = {(a.asname or a.name): (n.module, a.name) for n in ast.walk(tree)
-                    if isinstance(n, ast.ImportFrom) and not n.level and n.module
-                    and n.module.startswith("vllm.") for a in n.names}
+        imported = {
+            (a.asname or a.name): (n.module, a.name)
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and not n.level and n.module and n.module.startswith("vllm.")
+            for a in n.names
+        }
         for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
-            methods = {m.name: _method(m) for m in cls.body
-                       if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            methods = {m.name: _method(m) for m in cls.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
             for b in cls.bases:
                 b = b.value if isinstance(b, ast.Subscript) else b
                 if isinstance(b, ast.Name) and b.id in imported:
@@ -125,6 +135,7 @@ def _import_check(imp: VLLMImport) -> Callable[[VLLMSource], str | None]:
         if imp.name is not None and not src.has(imp.module, imp.name):
             return f"{path} defines no {imp.name!r} (imported at {imp.where})"
         return None
+
     return check
 
 
@@ -143,9 +154,12 @@ def _target_check(t: Target) -> Callable[[VLLMSource], str | None]:
         m = members[t.attribute]
         missing = [p for p in t.params if m is None or p not in m.params]
         if missing:
-            return (f"{path}: {t.qualname}.{t.attribute} has no parameter(s) {missing}"
-                    f"{f' (it takes {list(m.params)})' if m else ''}")
+            return (
+                f"{path}: {t.qualname}.{t.attribute} has no parameter(s) {missing}"
+                f"{f' (it takes {list(m.params)})' if m else ''}"
+            )
         return None
+
     return check
 
 
@@ -158,15 +172,17 @@ def _override_check(sub: Subclass, name: str) -> Callable[[VLLMSource], str | No
             return f"base class {sub.base[0]}.{sub.base[1]} not found"
         theirs = members.get(name)
         if theirs is None:
-            return (f"{sub.base[1]} no longer has {name!r}: {sub.name}.{name} ({sub.where}) "
-                    "overrides nothing")
+            return f"{sub.base[1]} no longer has {name!r}: {sub.name}.{name} ({sub.where}) overrides nothing"
         if ours.varargs:
             return None
         extra = [p for p in theirs.params if p not in ours.params]
         if extra:
-            return (f"{sub.base[1]}.{name} takes {list(theirs.params)}; {sub.name}.{name} "
-                    f"({sub.where}) does not accept {extra}")
+            return (
+                f"{sub.base[1]}.{name} takes {list(theirs.params)}; {sub.name}.{name} "
+                f"({sub.where}) does not accept {extra}"
+            )
         return None
+
     return check
 
 
@@ -176,6 +192,7 @@ def _fact_check(pattern: str, file: str) -> Callable[[VLLMSource], str | None]:
         if body is None:
             return f"{file} not found"
         return None if re.search(pattern, body) else f"{file} has nothing matching {pattern!r}"
+
     return check
 
 
@@ -198,8 +215,11 @@ def needs(sources: Iterable[VLLMSource] = ()) -> list[Need]:
             # a constructor's parameters are its caller's business (vLLM builds some of these
             # classes, we build others); everything else vLLM calls with its own arguments
             if name != "__init__" and any(name in (r.members(*sub.base) or {}) for r in references):
-                out.append(Need("override", f"{sub.base[1]}.{name} <- {sub.name}", sub.where, "any",
-                                _override_check(sub, name)))
+                out.append(
+                    Need(
+                        "override", f"{sub.base[1]}.{name} <- {sub.name}", sub.where, "any", _override_check(sub, name)
+                    )
+                )
     for fact in RUNNER_FACTS:
         out.append(Need("runner", fact.claim, fact.file, "v1", _fact_check(fact.pattern, fact.file)))
     texts = [(_rel(f), f.read_text()) for f in our_files()]

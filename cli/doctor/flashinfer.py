@@ -17,6 +17,7 @@ FlashInfer release the vLLM source pins, read statically (``ast``; FlashInfer is
   rows as ``n/a``; a pinned wheel that is not here shows them as ``n/a`` naming the command that
   fetches it.
 """
+
 from __future__ import annotations
 
 import ast
@@ -65,8 +66,12 @@ def flashinfer_uses(files: Iterable[tuple[str, str]]) -> list[FlashInferUse]:
                             alias[a.asname] = a.name
                         else:
                             alias["flashinfer"] = "flashinfer"
-            elif isinstance(node, ast.ImportFrom) and not node.level and node.module \
-                    and node.module.split(".")[0] == "flashinfer":
+            elif (
+                isinstance(node, ast.ImportFrom)
+                and not node.level
+                and node.module
+                and node.module.split(".")[0] == "flashinfer"
+            ):
                 for a in node.names:
                     full = f"{node.module}.{a.name}"
                     out.append(FlashInferUse(full, f"{rel}:{node.lineno}"))
@@ -79,21 +84,29 @@ def flashinfer_uses(files: Iterable[tuple[str, str]]) -> list[FlashInferUse]:
                 name = _dotted(node.func, alias)
                 if name:
                     called.add(id(node.func))
-                    star = any(isinstance(a, ast.Starred) for a in node.args) or \
-                        any(k.arg is None for k in node.keywords)
+                    star = any(isinstance(a, ast.Starred) for a in node.args) or any(
+                        k.arg is None for k in node.keywords
+                    )
                     pos = sum(1 for a in node.args if not isinstance(a, ast.Starred))
                     kws = tuple(k.arg for k in node.keywords if k.arg is not None)
                     out.append(FlashInferUse(name, f"{rel}:{node.lineno}", (pos, kws, star)))
         for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and id(node) not in called \
-                    and not isinstance(getattr(node, "ctx", None), ast.Store):
+            if (
+                isinstance(node, ast.Attribute)
+                and id(node) not in called
+                and not isinstance(getattr(node, "ctx", None), ast.Store)
+            ):
                 name = _dotted(node, alias)
                 if name and name not in alias.values():
                     out.append(FlashInferUse(name, f"{rel}:{node.lineno}"))
     # an attribute chain a.b.c also yields a.b: keep only the longest chain per line
     longest = {(u.where, u.name) for u in out}
-    return [u for u in out if u.call is not None or not any(
-        w == u.where and n != u.name and n.startswith(u.name + ".") for w, n in longest)]
+    return [
+        u
+        for u in out
+        if u.call is not None
+        or not any(w == u.where and n != u.name and n.startswith(u.name + ".") for w, n in longest)
+    ]
 
 
 def _dotted(expr: ast.expr, alias: dict[str, str]) -> str | None:
@@ -167,14 +180,17 @@ class FlashInferSource(PackageSource):
         if self.module_path(module) is None:
             return None
         i = 1
-        while i < len(parts) and self.module_path(f"{module}.{parts[i]}") is not None \
-                and not isinstance(self._top(module).get(parts[i]), (ast.FunctionDef, ast.ClassDef)):
+        while (
+            i < len(parts)
+            and self.module_path(f"{module}.{parts[i]}") is not None
+            and not isinstance(self._top(module).get(parts[i]), (ast.FunctionDef, ast.ClassDef))
+        ):
             module = f"{module}.{parts[i]}"
             i += 1
         if i == len(parts):
             return module, None, "module"
         node = self._top(module).get(parts[i])
-        rest = parts[i + 1:]
+        rest = parts[i + 1 :]
         if isinstance(node, tuple) and _depth < 10:  # re-exported: follow it
             target = f"{node[1]}.{node[2]}" if node[0] == "from" else node[1]
             if not target.startswith("flashinfer"):
@@ -188,8 +204,13 @@ class FlashInferSource(PackageSource):
                     if isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef)) and b.name == rest[0]:
                         return module, b, "method"
             return None
-        kind = ("def" if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-                else "class" if isinstance(node, ast.ClassDef) else "other")
+        kind = (
+            "def"
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            else "class"
+            if isinstance(node, ast.ClassDef)
+            else "other"
+        )
         return module, node, kind
 
     def signature(self, dotted: str) -> Signature | None:
@@ -213,8 +234,7 @@ class FlashInferSource(PackageSource):
         if kind == "class" and pos:  # a method reached by a dotted name is called unbound: self stays
             required = [r for r in required if r != pos[0]]
             pos = pos[1:]
-        return Signature(tuple(pos), tuple(k.arg for k in a.kwonlyargs), tuple(required),
-                         bool(a.vararg), bool(a.kwarg))
+        return Signature(tuple(pos), tuple(k.arg for k in a.kwonlyargs), tuple(required), bool(a.vararg), bool(a.kwarg))
 
 
 def call_problem(sig: Signature, call: tuple[int, tuple[str, ...], bool]) -> str | None:
@@ -243,8 +263,9 @@ def pinned_version(src: VLLMSource) -> str | None:
         metas = [n for n in src._names if n.endswith(".dist-info/METADATA") and n.startswith("vllm")]
         text = src._zip.read(metas[0]).decode() if metas else ""
     else:
-        files = [m for m in sorted(src.root.glob("vllm*.dist-info/METADATA"))
-                 if not m.parent.name.startswith("vllm_graft")]
+        files = [
+            m for m in sorted(src.root.glob("vllm*.dist-info/METADATA")) if not m.parent.name.startswith("vllm_graft")
+        ]
         text = files[0].read_text() if files else ""
     for line in text.splitlines():
         m = re.match(r"Requires-Dist:\s*flashinfer[-_]python\s*==\s*([^\s;]+)\s*(;.*)?$", line)
@@ -254,8 +275,7 @@ def pinned_version(src: VLLMSource) -> str | None:
 
 
 def fetch_hint(version: str) -> str:
-    return (f"pip download flashinfer-python=={version} --no-deps -d {wheels_dir()} "
-            "(`make wheels` does it)")
+    return f"pip download flashinfer-python=={version} --no-deps -d {wheels_dir()} (`make wheels` does it)"
 
 
 @lru_cache(maxsize=None)
@@ -280,9 +300,12 @@ def _with_flashinfer(check: Callable[[FlashInferSource], str | None]) -> Callabl
             return NotApplicable(f"{src.distribution} {src.version} requires no flashinfer-python")
         fi = find_flashinfer(version)
         if fi is None:
-            return NotApplicable(f"flashinfer-python=={version} (pinned by vLLM {src.version}) is not "
-                                 f"here to read; skipped: {fetch_hint(version)}")
+            return NotApplicable(
+                f"flashinfer-python=={version} (pinned by vLLM {src.version}) is not "
+                f"here to read; skipped: {fetch_hint(version)}"
+            )
         return check(fi)
+
     return run
 
 
@@ -292,8 +315,10 @@ def _pin_check(src: VLLMSource) -> str | None:
         return NotApplicable(f"{src.distribution} {src.version} requires no flashinfer-python")
     if FLASHINFER is None or FLASHINFER.version != version:
         ours = FLASHINFER.requirement if FLASHINFER else "nothing"
-        return (f"vLLM {src.version} requires flashinfer-python=={version}; hooks/versions.py pins "
-                f"{ours}: set the build's Pin to {version} and check the rows below")
+        return (
+            f"vLLM {src.version} requires flashinfer-python=={version}; hooks/versions.py pins "
+            f"{ours}: set the build's Pin to {version} and check the rows below"
+        )
     return None
 
 
@@ -310,6 +335,7 @@ def _use_check(use: FlashInferUse) -> Callable[[FlashInferSource], str | None]:
         problem = call_problem(sig, use.call)
         where = fi.module_path(found[0])
         return f"{where}: {use.name}: {problem} (called at {use.where})" if problem else None
+
     return check
 
 
@@ -322,12 +348,16 @@ class FlashInferNeed:
 
 def flashinfer_needs(files: Iterable[tuple[str, str]]) -> list[FlashInferNeed]:
     """The pin row, then one row per FlashInfer name (and per distinct call) of ours."""
-    out = [FlashInferNeed(f"flashinfer-python pin ({FLASHINFER.requirement if FLASHINFER else 'none'})",
-                          "hooks/versions.py", _pin_check)]
+    out = [
+        FlashInferNeed(
+            f"flashinfer-python pin ({FLASHINFER.requirement if FLASHINFER else 'none'})",
+            "hooks/versions.py",
+            _pin_check,
+        )
+    ]
     seen = set()
     for u in flashinfer_uses(files):
-        key = u.name if u.call is None else \
-            f"{u.name}({', '.join(['_'] * u.call[0] + [f'{k}=' for k in u.call[1]])})"
+        key = u.name if u.call is None else f"{u.name}({', '.join(['_'] * u.call[0] + [f'{k}=' for k in u.call[1]])})"
         if (key, u.where) in seen:
             continue
         seen.add((key, u.where))

@@ -5,6 +5,7 @@ unpacked one, or a wheel (``pip download vllm==0.33.0 --no-deps``) read as a zip
 module exist, which names it defines, which methods (with which parameters) a class has,
 following its bases within vLLM.
 """
+
 from __future__ import annotations
 
 import ast
@@ -66,8 +67,10 @@ class VLLMSource(PackageSource):
             elif self.location.name == "vllm" and (self.location / "__init__.py").is_file():
                 self.root = self.location.parent
             else:
-                raise FileNotFoundError(f"{self.location}: no vllm/ package in this folder; give "
-                                        "the folder that holds vllm/ (e.g. site-packages) or a wheel")
+                raise FileNotFoundError(
+                    f"{self.location}: no vllm/ package in this folder; give "
+                    "the folder that holds vllm/ (e.g. site-packages) or a wheel"
+                )
         else:
             raise FileNotFoundError(f"{self.location}: not a folder or a .whl file")
         self.version = self._version()
@@ -84,8 +87,11 @@ class VLLMSource(PackageSource):
             metas = [n for n in self._names if n.endswith(".dist-info/METADATA")]
             text = self._zip.read(metas[0]).decode() if metas else ""
         else:
-            files = [m for m in sorted(self.root.glob("vllm*.dist-info/METADATA"))
-                     if not m.parent.name.startswith("vllm_graft")]
+            files = [
+                m
+                for m in sorted(self.root.glob("vllm*.dist-info/METADATA"))
+                if not m.parent.name.startswith("vllm_graft")
+            ]
             text = files[0].read_text() if files else ""
         m = re.search(r"^Name:\s*(\S+)", text, re.M)
         return m.group(1).replace("_", "-").lower() if m else "unknown"

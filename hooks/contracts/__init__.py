@@ -14,6 +14,7 @@ block tables ``[num_seqs, max_blocks]`` of physical block ids.
 
 One module per kind; :data:`CONTRACTS` maps each kind to its contract class.
 """
+
 from __future__ import annotations
 
 from ..kinds import KINDS, Kind
@@ -55,8 +56,29 @@ def contract_for(kind: Kind | str, role: str | None = None) -> type[PluginImpl]:
 
 
 __all__ = [
-    "CONTRACTS", "MOE_STEPS", "AttentionLayer", "AttentionMethod", "BlockView",
-    "KVCacheFormat", "KVCompressor", "KeepError", "check_keep", "check_keep_heads", "dropped_blocks",
-    "union_of_heads", "MoEModel", "MoEScheduler", "PagedBatch", "PluginImpl",
-    "Proposer", "QuantMethod", "StoredTensor", "contract_for", "split_kv_cache", "KVCacheLayout", "BLOCKED", "PACKED", "KV_LAYOUTS",
+    "CONTRACTS",
+    "MOE_STEPS",
+    "AttentionLayer",
+    "AttentionMethod",
+    "BlockView",
+    "KVCacheFormat",
+    "KVCompressor",
+    "KeepError",
+    "check_keep",
+    "check_keep_heads",
+    "dropped_blocks",
+    "union_of_heads",
+    "MoEModel",
+    "MoEScheduler",
+    "PagedBatch",
+    "PluginImpl",
+    "Proposer",
+    "QuantMethod",
+    "StoredTensor",
+    "contract_for",
+    "split_kv_cache",
+    "KVCacheLayout",
+    "BLOCKED",
+    "PACKED",
+    "KV_LAYOUTS",
 ]

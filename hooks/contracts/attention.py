@@ -1,4 +1,5 @@
 """The attention contract: attention over a paged KV cache."""
+
 from __future__ import annotations
 
 from abc import abstractmethod
@@ -50,8 +51,9 @@ class KVCacheLayout:
             return kv_cache[..., :d], kv_cache[..., d:]
         raise ValueError(f"unknown KV-cache layout {self.name!r}; expected 'blocked' or 'packed'")
 
-    def write(self, key: "torch.Tensor", value: "torch.Tensor", kv_cache: "torch.Tensor",
-              slot_mapping: "torch.Tensor") -> None:
+    def write(
+        self, key: "torch.Tensor", value: "torch.Tensor", kv_cache: "torch.Tensor", slot_mapping: "torch.Tensor"
+    ) -> None:
         """Store ``key``/``value`` ``[T, H_kv, D]`` at ``slot_mapping`` (slot = block *
         block_size + offset; negative slots are padding and are not written) in this layout.
         A reference write for routes without a kernel of their own (it reads the padding mask
@@ -111,8 +113,9 @@ class PagedBatch:
     max_query_len: int | None = None
 
 
-def split_kv_cache(kv_cache: "torch.Tensor", layout: KVCacheLayout | None = None
-                   ) -> tuple["torch.Tensor", "torch.Tensor"]:
+def split_kv_cache(
+    kv_cache: "torch.Tensor", layout: KVCacheLayout | None = None
+) -> tuple["torch.Tensor", "torch.Tensor"]:
     """``(key_cache, value_cache)``, each ``[num_blocks, H_kv, block_size, D]``, as views of
     one layer's paged cache ``[num_blocks, H_kv, block_size, 2*D]`` in ``layout`` (default
     :data:`BLOCKED`; a plugin passes ``layer.kv_layout``). See :class:`KVCacheLayout`."""

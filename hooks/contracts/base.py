@@ -1,4 +1,5 @@
 """The base of every kind's contract: the validated parameters and ``describe()``."""
+
 from __future__ import annotations
 
 from abc import ABC

@@ -1,5 +1,6 @@
 """The KV-compression contracts: an eviction compressor (role ``eviction``) chooses which
 KV blocks stay; a storage format (role ``storage``) sets how K/V are stored."""
+
 from __future__ import annotations
 
 from abc import abstractmethod
@@ -143,9 +144,15 @@ class KVCompressor(PluginImpl[P]):
         scores (``needs_scores`` only). Default: every query."""
         return (0, 1 << 62)
 
-    def attend(self, query: "torch.Tensor", kv_cache: "torch.Tensor", batch: PagedBatch,
-               layer: AttentionLayer, observe: "torch.Tensor", head_mask: "torch.Tensor | None" = None,
-               ) -> tuple["torch.Tensor", "torch.Tensor"]:
+    def attend(
+        self,
+        query: "torch.Tensor",
+        kv_cache: "torch.Tensor",
+        batch: PagedBatch,
+        layer: AttentionLayer,
+        observe: "torch.Tensor",
+        head_mask: "torch.Tensor | None" = None,
+    ) -> tuple["torch.Tensor", "torch.Tensor"]:
         """Causal attention over the paged batch (``needs_scores`` only), as
         :meth:`AttentionMethod.forward` (the cache in ``layer.kv_layout``: read it with
         ``layer.kv_layout.split(kv_cache)``; list the layouts you read in ``kv_layouts``),
@@ -180,13 +187,18 @@ def check_keep(view: BlockView, kept: Any, plugin: str = "?") -> list[int]:
     blocks it already freed; in a test, keep the :func:`dropped_blocks` of earlier answers.)
     Accepts lists, tuples, ranges, numpy arrays and tensors of integers.
     """
+
     def fail(why: str) -> KeepError:
-        shown = kept if not isinstance(kept, (list, tuple)) or len(kept) <= 16 else \
-            f"{list(kept[:16])}... ({len(kept)} items)"
+        shown = (
+            kept
+            if not isinstance(kept, (list, tuple)) or len(kept) <= 16
+            else f"{list(kept[:16])}... ({len(kept)} items)"
+        )
         return KeepError(
             f"kvcompress plugin {plugin!r}: keep() returned {shown!r} for {view.num_tokens} tokens "
             f"in {view.num_blocks} blocks of {view.block_size} (prompt {view.num_prompt_tokens} "
-            f"tokens, pinned {sorted(view.pinned)}); {why}")
+            f"tokens, pinned {sorted(view.pinned)}); {why}"
+        )
 
     if hasattr(kept, "tolist") and not isinstance(kept, (list, tuple)):
         kept = kept.tolist()  # a numpy array or torch tensor
@@ -223,7 +235,8 @@ def check_keep_heads(view: BlockView, kept: Any, plugin: str = "?") -> list[list
         raise KeepError(
             f"kvcompress plugin {plugin!r}: keep_heads() returned {kept!r:.200} for {view.num_tokens} tokens "
             f"in {view.num_blocks} blocks; it must be a list of {heads} block lists, one per KV head "
-            "(len(view.head_scores))")
+            "(len(view.head_scores))"
+        )
     out = []
     for h, blocks in enumerate(kept):
         try:
@@ -277,13 +290,19 @@ class KVCacheFormat(PluginImpl[P]):
         return None
 
     @abstractmethod
-    def write(self, key: "torch.Tensor", value: "torch.Tensor", kv_cache: "torch.Tensor",
-              slot_mapping: "torch.Tensor") -> None:
+    def write(
+        self, key: "torch.Tensor", value: "torch.Tensor", kv_cache: "torch.Tensor", slot_mapping: "torch.Tensor"
+    ) -> None:
         """Store ``key``/``value`` ``[T, H_kv, D]`` at ``slot_mapping[:T]`` in ``kv_cache``."""
 
     @abstractmethod
-    def forward(self, query: "torch.Tensor", kv_cache: "torch.Tensor", batch: PagedBatch,
-                layer: AttentionLayer, observe: "torch.Tensor | None" = None
-                ) -> tuple["torch.Tensor", "torch.Tensor | None"]:
+    def forward(
+        self,
+        query: "torch.Tensor",
+        kv_cache: "torch.Tensor",
+        batch: PagedBatch,
+        layer: AttentionLayer,
+        observe: "torch.Tensor | None" = None,
+    ) -> tuple["torch.Tensor", "torch.Tensor | None"]:
         """``(out [T, H, D], mass [num_seqs, max_blocks] or None)``: causal attention of
         ``query`` over the paged batch stored in this format (see the class docstring)."""

@@ -1,4 +1,5 @@
 """The MoE contract: a scheduler that changes, decides or watches expert routing."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -108,7 +109,8 @@ class MoEScheduler(PluginImpl[P]):
         """
         raise NotImplementedError(
             f"{type(self).__qualname__} does not route: the model's own top-k does "
-            "(MoEChain calls route only on classes that override it)")
+            "(MoEChain calls route only on classes that override it)"
+        )
 
     def observe(self, layer_idx: int, topk_ids: "torch.Tensor", topk_weights: "torch.Tensor") -> None:
         """The routing the layer computes with: ``topk_ids [T, k]`` (logical expert ids,

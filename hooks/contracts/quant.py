@@ -1,4 +1,5 @@
 """The quantization contract: quantise a linear layer's weight and compute with it."""
+
 from __future__ import annotations
 
 from abc import abstractmethod

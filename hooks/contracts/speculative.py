@@ -1,4 +1,5 @@
 """The speculative contract: a proposer of draft tokens."""
+
 from __future__ import annotations
 
 from abc import abstractmethod
@@ -86,8 +87,7 @@ class Proposer(PluginImpl[P]):
     #: meets the same refusals when the engine starts.
     drafts_trees: bool = False
 
-    def propose_tree(self, request_id: str, token_ids: Sequence[int],
-                     max_nodes: int) -> tuple[list[int], list[int]]:
+    def propose_tree(self, request_id: str, token_ids: Sequence[int], max_nodes: int) -> tuple[list[int], list[int]]:
         """A draft tree of at most ``max_nodes`` nodes to follow ``token_ids`` (only when
         :attr:`drafts_trees`; then asked instead of :meth:`propose`).
 
@@ -116,4 +116,3 @@ class Proposer(PluginImpl[P]):
         :meth:`propose` (the batch size, for adaptive draft lengths). ``num_tokens`` is how
         many tokens the target computed in the step just run (prompt chunks, one per
         decoding request, the drafts it verified; 0 when unknown). Default: nothing."""
-

@@ -8,6 +8,7 @@ adapter builds the :class:`TargetWeights` from vLLM's model (Llama architecture,
 one tensor-parallel rank): the target's own tensors and linear layers, shared, never copied;
 it refuses, naming the problem and the fix, a model it cannot describe.
 """
+
 from __future__ import annotations
 
 from abc import abstractmethod

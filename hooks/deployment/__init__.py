@@ -18,6 +18,7 @@ A deployment file looks like::
 Validation happens before any engine starts and reports every problem at once; each
 problem names the field path, the value found, and what would be accepted.
 """
+
 from __future__ import annotations
 
 from .load import ModelInfo, load_file, model_features, parse_json
@@ -35,8 +36,23 @@ from .validate import (
 )
 
 __all__ = [
-    "DEFAULT_BLOCK_SIZES", "DTYPE_ALIASES", "Deployment", "DeploymentContext", "DeploymentError",
-    "Enabled", "Environment", "ModelInfo", "Plan", "PluginChoice", "Problem", "did_you_mean",
-    "load_file", "model_features", "param_path", "parse_json", "pydantic_problems", "validate",
+    "DEFAULT_BLOCK_SIZES",
+    "DTYPE_ALIASES",
+    "Deployment",
+    "DeploymentContext",
+    "DeploymentError",
+    "Enabled",
+    "Environment",
+    "ModelInfo",
+    "Plan",
+    "PluginChoice",
+    "Problem",
+    "did_you_mean",
+    "load_file",
+    "model_features",
+    "param_path",
+    "parse_json",
+    "pydantic_problems",
+    "validate",
     "validate_file",
 ]

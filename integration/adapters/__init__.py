@@ -14,6 +14,7 @@ quantization layer. Contract of an adapter (see :class:`Adapter`):
 What a plugin does at run time is recorded with ``runtime.count(kind, name, event)`` and
 the plugin's own ``describe()``; `vllm-graft demo` and `bench` print both.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -26,6 +27,7 @@ from vllm_graft.hooks.deployment import Enabled
 from vllm_graft.integration.runtime import RUNTIME, Runtime
 
 log = logging.getLogger("vllm_graft")
+
 
 class Adapter:
     kind: Kind
@@ -69,10 +71,13 @@ def attention_backend_overrides(plan: Plan) -> dict[str, Any]:
     if asked is None or str(asked).upper() in _CUDA_BACKENDS_WITH_SEAMS or str(asked).upper() == "CUSTOM":
         return {}
     if RUNTIME.once(("generic backend", asked)):
-        log.warning("vllm-graft: attention_backend=%s has no vllm-graft seams; the deployment runs "
-                    "on vllm-graft's generic CUSTOM backend instead (PyTorch attention on every layer, "
-                    "no full CUDA graphs: much slower than vLLM's kernels). Leave attention_backend "
-                    "out, or name FLASH_ATTN, FLASHINFER or TRITON_ATTN, to keep vLLM's kernels.", asked)
+        log.warning(
+            "vllm-graft: attention_backend=%s has no vllm-graft seams; the deployment runs "
+            "on vllm-graft's generic CUSTOM backend instead (PyTorch attention on every layer, "
+            "no full CUDA graphs: much slower than vLLM's kernels). Leave attention_backend "
+            "out, or name FLASH_ATTN, FLASHINFER or TRITON_ATTN, to keep vLLM's kernels.",
+            asked,
+        )
     return {"attention_backend": "CUSTOM"}
 
 

@@ -26,6 +26,7 @@ section); every other member gets a guard that refuses it while the deployment n
 seams. ``VLLM_GRAFT_ATTENTION_BACKEND=generic`` puts the generic backend in place of
 ``CPU_ATTN`` on CPU, which is how its code is tested here.
 """
+
 from __future__ import annotations
 
 import logging
@@ -89,8 +90,11 @@ def routes() -> dict[AttentionBackendEnum, str]:
         return {AttentionBackendEnum.CPU_ATTN: GENERIC_CPU_PATH if choice == "generic" else BACKEND_PATH}
     if current_platform.is_cuda():
         if choice == "generic":
-            log.warning("vllm-graft: %s=generic is a CPU test switch; on CUDA vLLM's own backends "
-                        "carry the seams (attention_backend=CUSTOM selects the generic one)", BACKEND_ENV)
+            log.warning(
+                "vllm-graft: %s=generic is a CPU test switch; on CUDA vLLM's own backends "
+                "carry the seams (attention_backend=CUSTOM selects the generic one)",
+                BACKEND_ENV,
+            )
         out = {AttentionBackendEnum[name]: path for name, path in CUDA_PATHS.items()}
         out[AttentionBackendEnum.CUSTOM] = GENERIC_PATH
         for member in AttentionBackendEnum:
@@ -100,7 +104,8 @@ def routes() -> dict[AttentionBackendEnum, str]:
     raise NotImplementedError(
         f"vllm-graft's attention backend runs on the vLLM CPU engine and on CUDA; this platform "
         f"is {current_platform.device_name!r}. Leave the attention/kvcompress sections out of "
-        "the deployment here.")
+        "the deployment here."
+    )
 
 
 def install(owner: str) -> None:
@@ -115,9 +120,11 @@ def install(owner: str) -> None:
         for member, path in table.items():
             register_backend(member, path)
         if AttentionBackendEnum.CPU_ATTN not in table:
-            log.info("vllm-graft: vLLM's attention backends %s carry the plugins' seams (CUSTOM: "
-                     "the generic fallback; other backends are refused while the seams are needed)",
-                     ", ".join(CUDA_PATHS))
+            log.info(
+                "vllm-graft: vLLM's attention backends %s carry the plugins' seams (CUSTOM: "
+                "the generic fallback; other backends are refused while the seams are needed)",
+                ", ".join(CUDA_PATHS),
+            )
         _clear_selector_cache()
     SEAMS.owners.add(owner)
 
@@ -185,7 +192,8 @@ def require_layout(plugin: str, kv_layouts: Any, plan: Any = None, what: str = "
             f"this route hands it the {layout.name!r} layout (hooks KVCacheLayout: "
             f"{'vLLM CUDA backends, K|V packed per token' if layout is PACKED else 'blocked per block and head'}); "
             f"add {layout.name!r} to the plugin's kv_layouts once it reads the cache through "
-            "layer.kv_layout.split, or leave it out of the deployment on this platform")
+            "layer.kv_layout.split, or leave it out of the deployment on this platform"
+        )
 
 
 def customize_spec(spec):
@@ -224,8 +232,9 @@ class GraftCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         for rewrite in SEAMS.rewriters:
             common_attn_metadata = rewrite(self, common_attn_metadata)
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        if ((SEAMS.method is not None and not SEAMS.host_kernel) or SEAMS.kv_format is not None) \
-                and not (self.is_cross_attention or self.is_encoder_only_attention):
+        if ((SEAMS.method is not None and not SEAMS.host_kernel) or SEAMS.kv_format is not None) and not (
+            self.is_cross_attention or self.is_encoder_only_attention
+        ):
             batch = PagedBatch(
                 query_start_loc=metadata.query_start_loc,
                 seq_lens=metadata.seq_lens,
@@ -252,31 +261,55 @@ class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         write_kv(key, value, kv_cache, slot_mapping)
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                output_scale=None, output_block_scale=None):
+    def forward(
+        self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None
+    ):
         method = SEAMS.method
         if SEAMS.host_kernel:  # the method is plain attention: vLLM's own kernel computes it
             if SEAMS.count and attn_metadata is not None:
                 SEAMS.count("host", 1)
-            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
-                                   output_scale, output_block_scale)
+            return super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+            )
         batch = getattr(attn_metadata, "graft_batch", None)
-        if SEAMS.kv_format is not None and kv_cache.dtype == torch.uint8 and batch is not None \
-                and self.attn_type == "decoder" and method is None:
+        if (
+            SEAMS.kv_format is not None
+            and kv_cache.dtype == torch.uint8
+            and batch is not None
+            and self.attn_type == "decoder"
+            and method is None
+        ):
             return self._format_forward(layer, query, kv_cache, attn_metadata, batch, output)
-        if method is None or batch is None or self.attn_type != "decoder" \
-                or output_scale is not None or output_block_scale is not None:
-            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
-                                   output_scale, output_block_scale)
-        if self.sliding_window != -1 or self.alibi_slopes is not None or self.sinks is not None \
-                or self.logits_soft_cap or self.is_fp8_kv_cache:
+        if (
+            method is None
+            or batch is None
+            or self.attn_type != "decoder"
+            or output_scale is not None
+            or output_block_scale is not None
+        ):
+            return super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+            )
+        if (
+            self.sliding_window != -1
+            or self.alibi_slopes is not None
+            or self.sinks is not None
+            or self.logits_soft_cap
+            or self.is_fp8_kv_cache
+        ):
             raise NotImplementedError(
                 f"vllm-graft attention plugin {SEAMS.method_name!r}: layers with sliding window, "
-                "ALiBi, attention sinks, soft-capping or an fp8 KV cache are not supported")
+                "ALiBi, attention sinks, soft-capping or an fp8 KV cache are not supported"
+            )
         n = attn_metadata.num_actual_tokens
-        spec = AttentionLayer(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                              head_size=self.head_size, scale=self.scale,
-                              block_size=kv_cache.shape[2], index=_layer_index(layer))
+        spec = AttentionLayer(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            scale=self.scale,
+            block_size=kv_cache.shape[2],
+            index=_layer_index(layer),
+        )
         try:
             out = method.forward(query[:n], kv_cache, batch, spec, getattr(attn_metadata, "graft_plan", None))
         except Exception as e:
@@ -287,18 +320,22 @@ class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
             SEAMS.count("forward", 1)
         return output
 
-
     def _format_forward(self, layer, query, kv_cache, attn_metadata, batch, output):
         """Attention over a cache in a storage format's page (which the C++ kernel cannot read)."""
-        if self.sliding_window != -1 or self.alibi_slopes is not None or self.sinks is not None \
-                or self.logits_soft_cap:
+        if self.sliding_window != -1 or self.alibi_slopes is not None or self.sinks is not None or self.logits_soft_cap:
             raise NotImplementedError(
                 "vllm-graft kvcompress storage format: layers with sliding window, ALiBi, attention "
-                "sinks or soft-capping are not supported")
+                "sinks or soft-capping are not supported"
+            )
         n = attn_metadata.num_actual_tokens
-        spec = AttentionLayer(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                              head_size=self.head_size, scale=self.scale,
-                              block_size=kv_cache.shape[2], index=_layer_index(layer))
+        spec = AttentionLayer(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            scale=self.scale,
+            block_size=kv_cache.shape[2],
+            index=_layer_index(layer),
+        )
         try:
             out = SEAMS.kv_format.forward(query[:n], kv_cache, batch, spec)
         except Exception as e:
@@ -321,14 +358,20 @@ def check_output(who: str, out: Any, shape: tuple[int, int, int]) -> None:
     tensor of ``shape`` ``[T, H, D]`` (another floating dtype is converted to the layer's, as
     the contract allows). Reads shape and dtype only: no host sync."""
     if not isinstance(out, torch.Tensor):
-        raise RuntimeError(f"attention plugin {who!r}: forward() returned {type(out).__name__}; "
-                           f"AttentionMethod.forward must return a tensor [T, H, D] = {list(shape)}")
+        raise RuntimeError(
+            f"attention plugin {who!r}: forward() returned {type(out).__name__}; "
+            f"AttentionMethod.forward must return a tensor [T, H, D] = {list(shape)}"
+        )
     if tuple(out.shape) != shape:
-        raise RuntimeError(f"attention plugin {who!r} returned shape {tuple(out.shape)}, expected "
-                           f"{shape}: AttentionMethod.forward must return [T, H, D], one row per query token")
+        raise RuntimeError(
+            f"attention plugin {who!r} returned shape {tuple(out.shape)}, expected "
+            f"{shape}: AttentionMethod.forward must return [T, H, D], one row per query token"
+        )
     if not out.is_floating_point():
-        raise RuntimeError(f"attention plugin {who!r}: forward() returned a {out.dtype} tensor; "
-                           "AttentionMethod.forward must return floating-point values (the query's dtype)")
+        raise RuntimeError(
+            f"attention plugin {who!r}: forward() returned a {out.dtype} tensor; "
+            "AttentionMethod.forward must return floating-point values (the query's dtype)"
+        )
 
 
 def _layer_index(layer) -> int:
@@ -340,12 +383,22 @@ def _layer_index(layer) -> int:
     return -1
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store ``key``/``value`` ``[T, H_kv, D]`` at ``slot_mapping`` (negative slots are padding)
     in the ``blocked`` layout the plugins read on this route (``hooks.BLOCKED.write``)."""
     BLOCKED.write(key, value, kv_cache, slot_mapping)
 
 
-__all__ = ["SEAMS", "CUDA_PATHS", "install", "uninstall", "routes", "require_layout", "kv_layout",
-           "host_kernel_available", "generic_requested", "write_kv", "GraftCPUAttentionBackend"]
+__all__ = [
+    "SEAMS",
+    "CUDA_PATHS",
+    "install",
+    "uninstall",
+    "routes",
+    "require_layout",
+    "kv_layout",
+    "host_kernel_available",
+    "generic_requested",
+    "write_kv",
+    "GraftCPUAttentionBackend",
+]

@@ -23,6 +23,7 @@ Other members (``FLEX_ATTENTION``, ``TRITON_FLASH_ATTN``, MLA backends, ...) get
 subclass while seams are needed: its ``validate_configuration`` gives a reason naming the fix,
 so vLLM never runs a deployment on a backend that would silently ignore it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -81,8 +82,7 @@ class GraftBuilderMixin:
     def supports_update_block_table(self) -> bool:
         # V1 reuses one group's metadata for later groups through update_block_table, which
         # bypasses build() (0.33: gpu_model_runner.py:2449-2458): off while build() has work
-        stock = self.__dict__.get("_graft_stock_update_block_table",
-                                  super().supports_update_block_table)  # type: ignore[misc]  # mixin, as above
+        stock = self.__dict__.get("_graft_stock_update_block_table", super().supports_update_block_table)  # type: ignore[misc]  # mixin, as above
         return bool(stock) and not (SEAMS.rewriters or attends_in_python())
 
     @supports_update_block_table.setter
@@ -97,9 +97,12 @@ class GraftBuilderMixin:
         metadata = super().build(common_prefix_len, cm, fast_build)  # type: ignore[misc]  # mixin, as above
         if attends_in_python() and cm.causal is True:
             n = cm.num_reqs
-            batch = PagedBatch(query_start_loc=cm.query_start_loc[: n + 1],
-                               seq_lens=cm.seq_lens[:n], block_table=cm.block_table_tensor[:n],
-                               max_query_len=int(cm.max_query_len))
+            batch = PagedBatch(
+                query_start_loc=cm.query_start_loc[: n + 1],
+                seq_lens=cm.seq_lens[:n],
+                block_table=cm.block_table_tensor[:n],
+                max_query_len=int(cm.max_query_len),
+            )
             metadata.graft_batch = batch
             metadata.graft_num_tokens = cm.num_actual_tokens
             if method_runs():
@@ -113,16 +116,15 @@ class GraftImplMixin:
     """Seams of the attention impl (put before the stock impl in the bases)."""
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
-        if SEAMS.kv_format is not None and kv_cache.dtype == torch.uint8 \
-                and self.attn_type == AttentionType.DECODER:
+        if SEAMS.kv_format is not None and kv_cache.dtype == torch.uint8 and self.attn_type == AttentionType.DECODER:
             return SEAMS.kv_format.write(key, value, kv_cache, slot_mapping)  # the format's page
         return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                output_scale=None, output_block_scale=None):
+    def forward(
+        self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None
+    ):
         method = SEAMS.method
-        stock = (layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
-                 output_block_scale)
+        stock = (layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
         if method is not None and SEAMS.host_kernel:  # plain attention: vLLM's kernel
             if SEAMS.count and attn_metadata is not None:
                 SEAMS.count("host", 1)
@@ -142,10 +144,15 @@ class GraftImplMixin:
         who = SEAMS.method_name if method is not None else "kvcompress storage format"
         self._graft_refuse_unsupported(who, output_scale, output_block_scale, fmt)
         n = attn_metadata.graft_num_tokens
-        spec = AttentionLayer(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                              head_size=self.head_size, scale=self.scale,
-                              block_size=kv_cache.shape[2], index=_layer_index(layer),
-                              kv_layout=PACKED)
+        spec = AttentionLayer(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            scale=self.scale,
+            block_size=kv_cache.shape[2],
+            index=_layer_index(layer),
+            kv_layout=PACKED,
+        )
         q = query[:n].view(n, self.num_heads, self.head_size)
         try:
             if method is None:
@@ -163,18 +170,23 @@ class GraftImplMixin:
     def _graft_refuse_unsupported(self, who, output_scale, output_block_scale, fmt: bool) -> None:
         window = getattr(self, "sliding_window", None)
         quant = str(getattr(self, "kv_cache_dtype", "auto"))
-        bad = [what for what, on in (
-            ("sliding window", window not in (None, -1, (-1, -1))),
-            ("ALiBi", getattr(self, "alibi_slopes", None) is not None),
-            ("attention sinks", getattr(self, "sinks", None) is not None),
-            ("soft-capping", bool(getattr(self, "logits_soft_cap", 0) or 0)),
-            (f"KV-cache dtype {quant!r}", not fmt and quant not in ("auto", "bfloat16", "float16", "float32")),
-            ("fused output quantisation", output_scale is not None or output_block_scale is not None),
-        ) if on]
+        bad = [
+            what
+            for what, on in (
+                ("sliding window", window not in (None, -1, (-1, -1))),
+                ("ALiBi", getattr(self, "alibi_slopes", None) is not None),
+                ("attention sinks", getattr(self, "sinks", None) is not None),
+                ("soft-capping", bool(getattr(self, "logits_soft_cap", 0) or 0)),
+                (f"KV-cache dtype {quant!r}", not fmt and quant not in ("auto", "bfloat16", "float16", "float32")),
+                ("fused output quantisation", output_scale is not None or output_block_scale is not None),
+            )
+            if on
+        ]
         if bad:
             raise NotImplementedError(
                 f"vllm-graft {who!r} on {type(self).__name__}: layers with {', '.join(bad)} are "
-                "not supported; leave the plugin out of the deployment for this model")
+                "not supported; leave the plugin out of the deployment for this model"
+            )
 
 
 class GraftBackendMixin:
@@ -228,11 +240,13 @@ _guards: dict[str, type] = {}
 
 
 def guard_reason(member_name: str) -> str:
-    return (f"vllm-graft: the deployment's attention/kvcompress plugins need vllm-graft's seams, "
-            f"which {member_name} does not carry; let vLLM choose its backend (drop "
-            "--attention-backend / attention_config.backend) or name FLASH_ATTN, FLASHINFER or "
-            "TRITON_ATTN; attention_backend=CUSTOM in the deployment's engine section runs "
-            "vllm-graft's generic backend (PyTorch attention, slow)")
+    return (
+        f"vllm-graft: the deployment's attention/kvcompress plugins need vllm-graft's seams, "
+        f"which {member_name} does not carry; let vLLM choose its backend (drop "
+        "--attention-backend / attention_config.backend) or name FLASH_ATTN, FLASHINFER or "
+        "TRITON_ATTN; attention_backend=CUSTOM in the deployment's engine section runs "
+        "vllm-graft's generic backend (PyTorch attention, slow)"
+    )
 
 
 def guard_class(member_name: str) -> type:
@@ -249,15 +263,21 @@ def guard_class(member_name: str) -> type:
             return stock.validate_configuration.__func__(cls, *args, **kwargs)
 
         name = GUARD_PREFIX + member_name
-        _guards[member_name] = type(name, (stock,), {
-            "__module__": __name__, "__qualname__": name,
-            "validate_configuration": classmethod(validate_configuration)})
+        _guards[member_name] = type(
+            name,
+            (stock,),
+            {
+                "__module__": __name__,
+                "__qualname__": name,
+                "validate_configuration": classmethod(validate_configuration),
+            },
+        )
     return _guards[member_name]
 
 
 def __getattr__(name: str) -> Any:  # the registry imports guard classes by path
     if name.startswith(GUARD_PREFIX):
-        return guard_class(name[len(GUARD_PREFIX):])
+        return guard_class(name[len(GUARD_PREFIX) :])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -265,6 +285,15 @@ def guard_path(member_name: str) -> str:
     return f"{__name__}.{GUARD_PREFIX}{member_name}"
 
 
-__all__ = ["GraftFlashAttentionBackend", "GraftTritonAttentionBackend", "GraftBuilderMixin",
-           "GraftImplMixin", "GraftBackendMixin", "attends_in_python", "guard_class", "guard_path",
-           "method_runs", "needs_seams"]
+__all__ = [
+    "GraftFlashAttentionBackend",
+    "GraftTritonAttentionBackend",
+    "GraftBuilderMixin",
+    "GraftImplMixin",
+    "GraftBackendMixin",
+    "attends_in_python",
+    "guard_class",
+    "guard_path",
+    "method_runs",
+    "needs_seams",
+]

@@ -5,6 +5,7 @@ package (0.33: flashinfer.py:12-26), which only CUDA installs have (vLLM 0.33 pi
 ``flashinfer-python==0.7.2.post1``). Where it is missing, importing this module raises the
 ImportError, and vLLM's selector counts FLASHINFER as unavailable (platforms/cuda.py:398-409).
 """
+
 from __future__ import annotations
 
 from vllm.v1.attention.backends.flashinfer import (

@@ -25,6 +25,7 @@ The same class is exercised on the CPU engine: with ``VLLM_GRAFT_ATTENTION_BACKE
 backend under the name the CPU platform selects), and ``tests/e2e/test_custom_backend.py``
 checks greedy tokens against plain vLLM through it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -85,8 +86,9 @@ class GraftAttentionMetadataBuilder(AttentionMetadataBuilder[GraftAttentionMetad
     # graphs for attention; vLLM runs these layers eagerly (piecewise graphs elsewhere).
     reorder_batch_threshold: int | None = None
 
-    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: Any,
-                 device: torch.device) -> None:
+    def __init__(
+        self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: Any, device: torch.device
+    ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size  # read by the KV-compression rewriter
         method = SEAMS.method
@@ -95,49 +97,77 @@ class GraftAttentionMetadataBuilder(AttentionMetadataBuilder[GraftAttentionMetad
                 f"vllm-graft attention plugin {SEAMS.method_name!r} reads the KV cache in layout(s) "
                 f"{list(method.kv_layouts)}; vllm-graft's generic backend (attention_backend=CUSTOM) "
                 "keeps the 'blocked' layout: let vLLM choose its backend instead (drop "
-                "--attention-backend CUSTOM)")
+                "--attention-backend CUSTOM)"
+            )
 
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> GraftAttentionMetadata:
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> GraftAttentionMetadata:
         RUNTIME.backend_calls["build"] += 1
         cm = common_attn_metadata
         for rewrite in SEAMS.rewriters:
             cm = rewrite(self, cm)
         if isinstance(cm.causal, torch.Tensor) or not cm.causal:
-            raise NotImplementedError("vllm-graft's attention backend supports causal decoder "
-                                      "attention only")
+            raise NotImplementedError("vllm-graft's attention backend supports causal decoder attention only")
         n = cm.num_reqs
-        batch = PagedBatch(query_start_loc=cm.query_start_loc[: n + 1], seq_lens=cm.seq_lens[:n],
-                           block_table=cm.block_table_tensor[:n], max_query_len=int(cm.max_query_len))
+        batch = PagedBatch(
+            query_start_loc=cm.query_start_loc[: n + 1],
+            seq_lens=cm.seq_lens[:n],
+            block_table=cm.block_table_tensor[:n],
+            max_query_len=int(cm.max_query_len),
+        )
         method = _method()
         plan = call_plan(method, batch)
         if SEAMS.count and SEAMS.method is not None:
             SEAMS.count("plan", 1)
         return GraftAttentionMetadata(
-            num_actual_tokens=cm.num_actual_tokens, max_query_len=cm.max_query_len,
-            max_seq_len=cm.max_seq_len, query_start_loc=batch.query_start_loc,
-            seq_lens=batch.seq_lens, block_table=batch.block_table, slot_mapping=cm.slot_mapping,
-            graft_batch=batch, graft_plan=plan)
+            num_actual_tokens=cm.num_actual_tokens,
+            max_query_len=cm.max_query_len,
+            max_seq_len=cm.max_seq_len,
+            query_start_loc=batch.query_start_loc,
+            seq_lens=batch.seq_lens,
+            block_table=batch.block_table,
+            slot_mapping=cm.slot_mapping,
+            graft_batch=batch,
+            graft_plan=plan,
+        )
 
 
 class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
-                 alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
-                 kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
-                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
-                 sinks: torch.Tensor | None = None, **extra: Any) -> None:
-        unsupported = [what for what, bad in (
-            ("ALiBi", alibi_slopes is not None), ("sliding window", sliding_window not in (None, -1)),
-            ("soft-capping", bool(logits_soft_cap)), ("attention sinks", sinks is not None),
-            (f"attention type {attn_type!r}", attn_type != AttentionType.DECODER),
-            (f"KV-cache dtype {kv_cache_dtype!r}", kv_cache_dtype != "auto"),
-            ("KV sharing across layers", kv_sharing_target_layer_name is not None),
-        ) if bad]
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+        **extra: Any,
+    ) -> None:
+        unsupported = [
+            what
+            for what, bad in (
+                ("ALiBi", alibi_slopes is not None),
+                ("sliding window", sliding_window not in (None, -1)),
+                ("soft-capping", bool(logits_soft_cap)),
+                ("attention sinks", sinks is not None),
+                (f"attention type {attn_type!r}", attn_type != AttentionType.DECODER),
+                (f"KV-cache dtype {kv_cache_dtype!r}", kv_cache_dtype != "auto"),
+                ("KV sharing across layers", kv_sharing_target_layer_name is not None),
+            )
+            if bad
+        ]
         if unsupported:
             raise NotImplementedError(
                 "vllm-graft's attention backend (attention/kvcompress plugins) does not support "
                 f"layers with {', '.join(unsupported)}; leave the attention and kvcompress sections "
-                "out of the deployment for this model")
+                "out of the deployment for this model"
+            )
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -151,17 +181,23 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
         else:
             write_kv(key, value, kv_cache, slot_mapping)
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                output_scale=None, output_block_scale=None):
+    def forward(
+        self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None
+    ):
         if attn_metadata is None:  # profiling run: no cache yet
             return output.fill_(0)
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("vllm-graft's attention backend does not fuse output quantisation")
         RUNTIME.backend_calls["forward"] += 1
         n = attn_metadata.num_actual_tokens
-        spec = AttentionLayer(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                              head_size=self.head_size, scale=self.scale,
-                              block_size=kv_cache.shape[2], index=_layer_index(layer))
+        spec = AttentionLayer(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            scale=self.scale,
+            block_size=kv_cache.shape[2],
+            index=_layer_index(layer),
+        )
         q = query[:n].view(n, self.num_heads, self.head_size)
         fmt = SEAMS.method is None and SEAMS.kv_format is not None and kv_cache.dtype == torch.uint8
         who = "kvcompress storage format" if fmt else SEAMS.method_name or "reference"
@@ -188,8 +224,10 @@ def _method():
     if RUNTIME.reference_attention is None:
         from vllm_graft.plugins.attention._shared import PagedAttention
 
-        log.warning("vllm-graft: no attention plugin is enabled; the graft attention backend "
-                    "computes attention with the PyTorch reference (exact, slow)")
+        log.warning(
+            "vllm-graft: no attention plugin is enabled; the graft attention backend "
+            "computes attention with the PyTorch reference (exact, slow)"
+        )
         RUNTIME.reference_attention = PagedAttention(None)
     return RUNTIME.reference_attention
 

@@ -8,6 +8,7 @@ plugin's hot-path method raises and raise :class:`PluginRaised` from it, whose m
 engine core logs and the front end shows. Zero cost when nothing raises (Python's try blocks)
 and nothing here touches tensors, so it is safe in code a CUDA graph replays.
 """
+
 from __future__ import annotations
 
 
@@ -20,7 +21,8 @@ def raised(kind: str, plugin: str, method: str, err: BaseException) -> PluginRai
     return PluginRaised(
         f"{kind} plugin {plugin!r}: {method} raised {type(err).__name__}: {err}. {method} runs inside "
         "vLLM's engine step, where vLLM cannot fail a single request, so the engine stops; a plugin's "
-        "hot-path methods must not raise. Fix the plugin, or leave it out of the deployment")
+        "hot-path methods must not raise. Fix the plugin, or leave it out of the deployment"
+    )
 
 
 __all__ = ["PluginRaised", "raised"]

@@ -61,6 +61,7 @@ vllm-graft itself registers) or ``"all"`` (every installed plugin); the command-
 required fields come from its ``json_schema_extra={"examples": [{...}]}``, or from the
 marker: ``graft_conformance("quant:my-quant", params={"bits": 4})``.
 """
+
 from vllm_graft.kit.conformance.checks import CHECKS, Check, ConformanceError, resolve_specs
 
 __all__ = ["CHECKS", "Check", "ConformanceError", "resolve_specs"]

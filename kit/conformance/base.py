@@ -3,6 +3,7 @@
 :class:`Skipped`), building the plugin as the vLLM adapters do (:func:`build`), and the
 numeric helpers (tolerances per dtype, max abs error).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -53,8 +54,7 @@ def build(target: Target, **changes: Any) -> Any:
     cls = reg.load()
     contract = contract_for(target.kind, reg.capabilities.role)
     if not (isinstance(cls, type) and issubclass(cls, contract)):
-        raise target.fail(f"impl {reg.impl!r} is {cls!r}, not a subclass of "
-                          f"vllm_graft.hooks.{contract.__name__}")
+        raise target.fail(f"impl {reg.impl!r} is {cls!r}, not a subclass of vllm_graft.hooks.{contract.__name__}")
     return cls(params)
 
 
@@ -77,7 +77,8 @@ def example_params(entry: Entry, override: dict[str, Any] | None = None) -> dict
     raise ConformanceError(
         f"{entry.kind.value}:{entry.name}: parameter model {model.__name__} has required fields "
         "and no example; add model_config = ConfigDict(extra='forbid', json_schema_extra="
-        "{'examples': [{...}]}) or pass params= to the graft_conformance marker")
+        "{'examples': [{...}]}) or pass params= to the graft_conformance marker"
+    )
 
 
 def exercise_dtypes(t: Target) -> list[str]:

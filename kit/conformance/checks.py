@@ -11,6 +11,7 @@ The shared pieces (:class:`Target`, :class:`ConformanceError`, :class:`Skipped`,
 checks run (:data:`EXERCISES`) in :mod:`.exercises`, one module per kind. Their public names
 are re-exported here.
 """
+
 from __future__ import annotations
 
 import json
@@ -95,13 +96,17 @@ def resolve_specs(specs: Sequence[str], registry: Registry | None = None) -> lis
             continue
         kind, sep, name = spec.partition(":")
         if not sep or kind not in {k.value for k in Kind}:
-            raise ValueError(f"conformance target {spec!r}: write 'kind:name' (kind one of "
-                             f"{', '.join(k.value for k in Kind)}), 'builtin' or 'all'")
+            raise ValueError(
+                f"conformance target {spec!r}: write 'kind:name' (kind one of "
+                f"{', '.join(k.value for k in Kind)}), 'builtin' or 'all'"
+            )
         try:
             e = registry.get(kind, name)
         except KeyError as err:
-            raise ValueError(f"conformance target {spec!r}: {err.args[0]}; is the plugin's "
-                             "package installed (pip install -e .) so its entry point is seen?") from None
+            raise ValueError(
+                f"conformance target {spec!r}: {err.args[0]}; is the plugin's "
+                "package installed (pip install -e .) so its entry point is seen?"
+            ) from None
         out[(e.kind, e.name)] = e
     return list(out.values())
 
@@ -128,8 +133,10 @@ def check_registration(t: Target) -> str:
         json.dumps(described)
     except (TypeError, ValueError) as e:
         raise t.fail(f"describe() is not JSON-serialisable ({e}); return plain numbers/strings") from None
-    return (f"impl {reg.impl} builds; lossless={caps.lossless}, platforms={list(caps.platforms)}, "
-            f"dtypes={list(caps.dtypes)}")
+    return (
+        f"impl {reg.impl} builds; lossless={caps.lossless}, platforms={list(caps.platforms)}, "
+        f"dtypes={list(caps.dtypes)}"
+    )
 
 
 def check_params_roundtrip(t: Target) -> str:
@@ -196,11 +203,15 @@ def check_params_reject(t: Target) -> str:
             model(**values)
         except ValidationError:
             return
-        raise t.fail(f"parameter model {model.__name__} accepted {what} ({values}); add a "
-                     "type/constraint so a deployment with it is refused before start-up")
+        raise t.fail(
+            f"parameter model {model.__name__} accepted {what} ({values}); add a "
+            "type/constraint so a deployment with it is refused before start-up"
+        )
 
-    must_fail({**base, "graft_conformance_unknown_field": 1},
-              "an unknown field (set model_config = ConfigDict(extra='forbid'))")
+    must_fail(
+        {**base, "graft_conformance_unknown_field": 1},
+        "an unknown field (set model_config = ConfigDict(extra='forbid'))",
+    )
     for name, info in model.model_fields.items():
         for what, value in _bad_values(info):
             must_fail({**base, name: value}, f"{name} = {value!r} ({what})")
@@ -256,16 +267,20 @@ def triton_runs_here() -> str | None:
     torch = torch_module()
     if torch.cuda.is_available():
         return None
-    return ("no GPU and TRITON_INTERPRET is not 1 (the pytest plugin sets it when a conformance "
-            "test is collected; set it before triton is imported)")
+    return (
+        "no GPU and TRITON_INTERPRET is not 1 (the pytest plugin sets it when a conformance "
+        "test is collected; set it before triton is imported)"
+    )
 
 
 def check_parity(t: Target) -> str:
     params = t.entry.registration.params
     if KERNEL_FIELD not in params.model_fields:
-        raise Skipped(f"no '{KERNEL_FIELD}' parameter, so the kit cannot switch the plugin to a "
-                      "Triton path (derive its parameters from vllm_graft.hooks.KernelParams when it "
-                      "has one)")
+        raise Skipped(
+            f"no '{KERNEL_FIELD}' parameter, so the kit cannot switch the plugin to a "
+            "Triton path (derive its parameters from vllm_graft.hooks.KernelParams when it "
+            "has one)"
+        )
     why = triton_runs_here()
     if why:
         raise Skipped(why)
@@ -292,28 +307,59 @@ def check_engine(t: Target) -> str:
 
 
 CHECKS: list[Check] = [
-    Check("registration", "registration fields; impl imports, builds and describes itself",
-          check_registration),
+    Check("registration", "registration fields; impl imports, builds and describes itself", check_registration),
     Check("params-roundtrip", "the parameter model survives JSON", check_params_roundtrip),
-    Check("params-reject", "unknown fields, wrong types and out-of-bound values are refused",
-          check_params_reject),
+    Check("params-reject", "unknown fields, wrong types and out-of-bound values are refused", check_params_reject),
     Check("contract", "the reference path keeps the kind's rules on generated inputs", check_contract),
     Check("parity", "Triton kernels match the reference (TRITON_INTERPRET=1)", check_parity),
-    Check("device", "on a fake CUDA device: no host tensor mixed in; host syncs per call reported",
-          check_device),
-    Check("state", "nothing of a request is held after finish()", check_state,
-          kinds=(Kind.SPECULATIVE,)),  # the one kind told when a request ends
-    Check("engine", "in vLLM's CPU engine; lossless = plain vLLM's greedy tokens", check_engine,
-          engine=True),
+    Check("device", "on a fake CUDA device: no host tensor mixed in; host syncs per call reported", check_device),
+    Check(
+        "state", "nothing of a request is held after finish()", check_state, kinds=(Kind.SPECULATIVE,)
+    ),  # the one kind told when a request ends
+    Check("engine", "in vLLM's CPU engine; lossless = plain vLLM's greedy tokens", check_engine, engine=True),
 ]
 
 __all__ = [
-    "ATTENTION_SEQS", "ATTENTION_SHAPES", "BUILTIN_PACKAGE", "CHECKS", "Check", "ConformanceError",
-    "EXERCISES", "FORMAT_REL_TOL", "MOE_EXPERTS", "MOE_LAYERS", "MOE_TOKENS", "MOE_TOPK",
-    "QUANT_SHAPES", "SPEC_REQUESTS", "SPEC_STEPS", "SPEC_VOCAB", "Skipped", "Target", "build",
-    "check_contract", "check_device", "check_engine", "check_params_reject", "check_params_roundtrip",
-    "check_parity", "check_registration", "check_state", "compare", "example_params",
-    "exact_attention", "exact_attention_with_mass", "exercise_attend", "exercise_attention",
-    "exercise_kv_format", "exercise_kvcompress", "exercise_moe", "exercise_quant", "exercise_speculative", "model_topk", "request_id",
-    "resolve_specs", "triton_runs_here",
+    "ATTENTION_SEQS",
+    "ATTENTION_SHAPES",
+    "BUILTIN_PACKAGE",
+    "CHECKS",
+    "Check",
+    "ConformanceError",
+    "EXERCISES",
+    "FORMAT_REL_TOL",
+    "MOE_EXPERTS",
+    "MOE_LAYERS",
+    "MOE_TOKENS",
+    "MOE_TOPK",
+    "QUANT_SHAPES",
+    "SPEC_REQUESTS",
+    "SPEC_STEPS",
+    "SPEC_VOCAB",
+    "Skipped",
+    "Target",
+    "build",
+    "check_contract",
+    "check_device",
+    "check_engine",
+    "check_params_reject",
+    "check_params_roundtrip",
+    "check_parity",
+    "check_registration",
+    "check_state",
+    "compare",
+    "example_params",
+    "exact_attention",
+    "exact_attention_with_mass",
+    "exercise_attend",
+    "exercise_attention",
+    "exercise_kv_format",
+    "exercise_kvcompress",
+    "exercise_moe",
+    "exercise_quant",
+    "exercise_speculative",
+    "model_topk",
+    "request_id",
+    "resolve_specs",
+    "triton_runs_here",
 ]

@@ -12,6 +12,7 @@ a CUDA-graph capture.
 :func:`host_syncs` is the same run returning the numbers (``vllm-graft plugins --json
 --host-syncs`` prints them for every plugin).
 """
+
 from __future__ import annotations
 
 import os
@@ -25,10 +26,14 @@ from vllm_graft.kit.conformance.exercises import EXERCISES
 #: and how often vLLM calls them.
 HOT: dict[Kind, dict[str, str]] = {
     Kind.ATTENTION: {"plan": "step", "forward": "layer"},
-    Kind.KVCOMPRESS: {"keep": "step", "keep_heads": "step", "attend": "layer", "write": "layer",
-                      "forward": "layer"},
-    Kind.SPECULATIVE: {"begin_step": "step", "propose": "step", "propose_tree": "step",
-                       "accepted": "step", "observe_topk": "step"},
+    Kind.KVCOMPRESS: {"keep": "step", "keep_heads": "step", "attend": "layer", "write": "layer", "forward": "layer"},
+    Kind.SPECULATIVE: {
+        "begin_step": "step",
+        "propose": "step",
+        "propose_tree": "step",
+        "accepted": "step",
+        "observe_topk": "step",
+    },
     Kind.QUANT: {"apply": "layer", "embed": "layer"},
     Kind.MOE: {"route": "layer", "adjust_logits": "layer", "observe": "layer"},
 }
@@ -73,8 +78,10 @@ def check_device(t: Target) -> str:
         r = report.get(m)
         if r is None:
             continue
-        parts.append(f"{m} ({HOT[t.kind][m]}): {r['per_call']:g} sync(s)/call over {r['calls']} call(s)"
-                     + (f" [{'; '.join(r['where'][:3])}]" if r["where"] else ""))
+        parts.append(
+            f"{m} ({HOT[t.kind][m]}): {r['per_call']:g} sync(s)/call over {r['calls']} call(s)"
+            + (f" [{'; '.join(r['where'][:3])}]" if r["where"] else "")
+        )
     return "no mixed-device op on a fake CUDA device; host syncs: " + ("; ".join(parts) or "none watched")
 
 

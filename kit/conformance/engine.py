@@ -16,6 +16,7 @@ of standard-library source in blocks of :data:`LONG_BLOCK`: more than the 16-blo
 built-ins). Plain outputs are cached per model and workload, so a suite checking many plugins
 pays for each plain engine once.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,7 +32,7 @@ PROMPTS = [
     "import os\nimport sys\n\n\ndef main(argv=None):\n    if argv is None:\n        argv = sys.argv[1:]\n"
     "    for arg in argv:",
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):",
-    "def read_config(path):\n    \"\"\"Return the parsed contents of the file at *path*.\"\"\"\n    with open(path",
+    'def read_config(path):\n    """Return the parsed contents of the file at *path*."""\n    with open(path',
 ]
 NEW_TOKENS = 16
 ENGINE = {"max_model_len": 512, "enforce_eager": True}
@@ -156,8 +157,10 @@ def run_engine_check(t: Target) -> str:
         engine = {**LONG_ENGINE, "dtype": dtype}
         prompts: list[Any] = long_prompts(model)
         new_tokens = LONG_NEW_TOKENS
-        workload = (f"{len(prompts)} prompts of {LONG_PROMPT_TOKENS} tokens "
-                    f"({LONG_PROMPT_TOKENS // LONG_BLOCK} blocks of {LONG_BLOCK}), {new_tokens} new tokens")
+        workload = (
+            f"{len(prompts)} prompts of {LONG_PROMPT_TOKENS} tokens "
+            f"({LONG_PROMPT_TOKENS // LONG_BLOCK} blocks of {LONG_BLOCK}), {new_tokens} new tokens"
+        )
     else:
         engine = {**ENGINE, "dtype": dtype}
         prompts, new_tokens = list(PROMPTS), NEW_TOKENS
@@ -171,31 +174,38 @@ def run_engine_check(t: Target) -> str:
     plain = _plain_cache[key]
     with in_process_engine(plan_for(deployment, source="conformance"), seed=0) as llm:
         graft = _generate(llm, prompts, new_tokens)
-        events = {ev: n for (kind, name, ev), n in RUNTIME.events.items()
-                  if kind == t.kind and name == t.entry.name}
+        events = {ev: n for (kind, name, ev), n in RUNTIME.events.items() if kind == t.kind and name == t.entry.name}
     same = sum(a == b for a, b in zip(plain, graft))
     agree = sum(x == y for a, b in zip(plain, graft) for x, y in zip(a, b))
     total = sum(len(a) for a in plain)
-    summary = (f"{model.name} {dtype}, {workload}: {same}/{len(plain)} sequences identical to plain "
-               f"vLLM, {agree}/{total} tokens agree; plugin events {events}")
+    summary = (
+        f"{model.name} {dtype}, {workload}: {same}/{len(plain)} sequences identical to plain "
+        f"vLLM, {agree}/{total} tokens agree; plugin events {events}"
+    )
     print(summary)
     if caps.lossless and graft != plain:
         first = next(i for i, (a, b) in enumerate(zip(plain, graft)) if a != b)
         raise ConformanceError(
             f"{t.spec}: declared lossless, but prompt {first} gives {graft[first]} where plain "
-            f"vLLM gives {plain[first]} ({summary})")
+            f"vLLM gives {plain[first]} ({summary})"
+        )
     if not events:
-        raise ConformanceError(f"{t.spec}: the engine ran but recorded no event of the plugin; "
-                               "its adapter never reached it")
+        raise ConformanceError(
+            f"{t.spec}: the engine ran but recorded no event of the plugin; its adapter never reached it"
+        )
     if expected and not any(events.get(ev, 0) > 0 for ev in expected):
-        why = "it drafts in the kit's exercise" if t.kind is Kind.SPECULATIVE else \
-            "it is declared lossy (capabilities lossless=False)"
+        why = (
+            "it drafts in the kit's exercise"
+            if t.kind is Kind.SPECULATIVE
+            else "it is declared lossy (capabilities lossless=False)"
+        )
         raise ConformanceError(
             f"{t.spec}: {why}, but in vLLM's engine it never acted: no "
             f"{' / '.join(repr(e) for e in expected)} event with parameters {t.params or '(defaults)'} "
             f"on the kit's workload ({workload}; events {events}). Give the kit parameters that make "
             f"it act there (e.g. a budget smaller than the prompts): "
             f"pytest.mark.graft_conformance({t.spec!r}, params={{...}}) on the test that uses "
-            "graft_check")
+            "graft_check"
+        )
     acted = {ev: events[ev] for ev in expected if events.get(ev, 0) > 0}
     return summary + (f"; it acted: {acted}" if acted else "")

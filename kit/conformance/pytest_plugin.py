@@ -5,6 +5,7 @@ Inert unless a test requests the ``graft_check`` fixture: then, for every plugin
 check of :data:`~vllm_graft.kit.conformance.checks.CHECKS`. This module imports
 nothing heavy: the registry is built only when such a test is collected.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,18 +19,25 @@ FIXTURE = "graft_check"
 
 def pytest_addoption(parser: Any) -> None:
     group = parser.getgroup("vllm-graft", "vllm-graft plugin conformance")
-    group.addoption("--graft-conformance", action="append", default=[], metavar="SPEC",
-                    help="also check this plugin: 'kind:name', 'builtin' or 'all' (repeatable); "
-                         "applies to tests that use the graft_check fixture")
-    group.addoption("--graft-no-engine", action="store_true",
-                    help="skip the conformance checks that start a vLLM engine")
+    group.addoption(
+        "--graft-conformance",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="also check this plugin: 'kind:name', 'builtin' or 'all' (repeatable); "
+        "applies to tests that use the graft_check fixture",
+    )
+    group.addoption(
+        "--graft-no-engine", action="store_true", help="skip the conformance checks that start a vLLM engine"
+    )
 
 
 def pytest_configure(config: Any) -> None:
     config.addinivalue_line(
         "markers",
         f"{MARKER}(*specs, params=None): run the vllm-graft conformance checks on these plugins "
-        "('kind:name', 'builtin', 'all') through the graft_check fixture")
+        "('kind:name', 'builtin', 'all') through the graft_check fixture",
+    )
     config.addinivalue_line("markers", "e2e: starts a vLLM engine (the conformance 'engine' check)")
 
 
@@ -56,7 +64,8 @@ def pytest_generate_tests(metafunc: Any) -> None:
     if not specs:
         raise pytest.UsageError(
             f"{metafunc.definition.nodeid} uses {FIXTURE} but names no plugin: mark it "
-            f"@pytest.mark.{MARKER}('kind:name') or pass --graft-conformance kind:name")
+            f"@pytest.mark.{MARKER}('kind:name') or pass --graft-conformance kind:name"
+        )
     entries = resolve_specs(specs)
     if params_override is not None and len(entries) != 1:
         raise pytest.UsageError(f"{MARKER}(params=...) needs exactly one plugin, got {len(entries)}")
@@ -67,8 +76,7 @@ def pytest_generate_tests(metafunc: Any) -> None:
             if check.kinds is not None and entry.kind not in check.kinds:
                 continue
             marks = [pytest.mark.e2e] if check.engine else []
-            cases.append(pytest.param(_Case(target, check), id=f"{target.spec}/{check.name}",
-                                      marks=marks))
+            cases.append(pytest.param(_Case(target, check), id=f"{target.spec}/{check.name}", marks=marks))
     metafunc.parametrize(FIXTURE, cases, indirect=True)
 
 

@@ -14,6 +14,7 @@ with mass) and the graft attention backend (when no attention plugin is enabled)
   observed queries put on each block (``KVCompressor.attend``);
 * :class:`PagedAttention`: the same as an ``AttentionMethod`` (the ``noop`` plugin's).
 """
+
 from __future__ import annotations
 
 import weakref
@@ -41,12 +42,20 @@ def cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor, who: str) -> tup
     """``(K block, K head, K token, V block, V head, V token)`` strides of the ``[N, H_kv, B, D]``
     views a kernel reads; ``ValueError`` unless both have a unit stride along ``D``."""
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
-        raise ValueError(f"{who}: the key and value caches need a unit stride along the head dim, got "
-                         f"K strides {tuple(k_cache.stride())}, V strides {tuple(v_cache.stride())}; pass "
-                         "the views layer.kv_layout.split(kv_cache) gives of a cache whose last dim is "
-                         "contiguous")
-    return (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+        raise ValueError(
+            f"{who}: the key and value caches need a unit stride along the head dim, got "
+            f"K strides {tuple(k_cache.stride())}, V strides {tuple(v_cache.stride())}; pass "
+            "the views layer.kv_layout.split(kv_cache) gives of a cache whose last dim is "
+            "contiguous"
+        )
+    return (
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+    )
 
 
 def cache_rows(block_ids: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -56,8 +65,9 @@ def cache_rows(block_ids: torch.Tensor, hkv: int) -> torch.Tensor:
     return (block_ids.long().unsqueeze(-2) * hkv + heads[:, None]).reshape(-1)
 
 
-def head_major_kv(kv_cache: torch.Tensor, layout: KVCacheLayout, block_ids: torch.Tensor,
-                  rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def head_major_kv(
+    kv_cache: torch.Tensor, layout: KVCacheLayout, block_ids: torch.Tensor, rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V ``[*lead, H_kv, nb*B, D]`` of the blocks ``block_ids [*lead, nb]`` (int), in the
     cache's dtype. Blocked layout (per block and KV head, ``B`` keys then ``B`` values): one
     index_select of whole ``[2, B, D]`` chunks straight into head-major order, at ``rows``
@@ -70,11 +80,12 @@ def head_major_kv(kv_cache: torch.Tensor, layout: KVCacheLayout, block_ids: torc
         if rows is None:
             rows = cache_rows(block_ids, hkv)
         kv = kv_cache.reshape(N * hkv, 2, B, D).index_select(0, rows).view(*lead, hkv, nb, 2, B, D)
-        return (kv.select(-3, 0).reshape(*lead, hkv, nb * B, D),
-                kv.select(-3, 1).reshape(*lead, hkv, nb * B, D))
+        return (kv.select(-3, 0).reshape(*lead, hkv, nb * B, D), kv.select(-3, 1).reshape(*lead, hkv, nb * B, D))
     ids = block_ids.reshape(-1).long()
-    return tuple(c.index_select(0, ids).view(*lead, nb, hkv, B, D).transpose(-4, -3)
-                 .reshape(*lead, hkv, nb * B, D) for c in layout.split(kv_cache))
+    return tuple(
+        c.index_select(0, ids).view(*lead, nb, hkv, B, D).transpose(-4, -3).reshape(*lead, hkv, nb * B, D)
+        for c in layout.split(kv_cache)
+    )
 
 
 def flat_blocks(blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -82,16 +93,22 @@ def flat_blocks(blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
     return blocks.permute(0, 2, 1, 3).reshape(-1, blocks.shape[1], blocks.shape[3])[:seq_len]
 
 
-def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, head_size: int,
-              layout: KVCacheLayout = BLOCKED):
+def gather_kv(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, head_size: int, layout: KVCacheLayout = BLOCKED
+):
     """K, V ``[seq_len, H_kv, D]`` of one sequence from ``kv_cache [N, H_kv, B, 2D]`` in
     ``layout`` (a plugin passes ``layer.kv_layout``)."""
     k, v = _cache_gather(kv_cache, layout)(block_ids.long())
     return flat_blocks(k, seq_len), flat_blocks(v, seq_len)
 
 
-def causal_probs(q: torch.Tensor, k: torch.Tensor, scale: float,
-                 positions: torch.Tensor | None = None, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+def causal_probs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: float,
+    positions: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Softmax probabilities ``[H, q, n]`` (float32) of the queries ``q [q, H, D]`` over their
     causal context ``k [n, H_kv, D]``; the queries are the last ``len(q)`` positions, or at
     ``positions`` (absolute, ``[q]``). ``key_mask [H_kv, n]`` (bool): the keys each KV head
@@ -116,12 +133,14 @@ def fused_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     n, hkv = k.shape[0], k.shape[1]
     qh, kh, vh = (t.float().transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, len, D]
     if nq == n:
-        o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
-                                                             enable_gqa=hkv != h)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qh, kh, vh, is_causal=True, scale=scale, enable_gqa=hkv != h
+        )
     else:
         allowed = torch.arange(n, device=q.device)[None, :] <= torch.arange(n - nq, n, device=q.device)[:, None]
-        o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale,
-                                                             enable_gqa=hkv != h)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=allowed, scale=scale, enable_gqa=hkv != h
+        )
     return o[0].transpose(0, 1)
 
 
@@ -195,8 +214,9 @@ def _step_index(batch: PagedBatch, block_size: int, num_rows: int) -> _StepIndex
     key holds the batch's tensors and their version counters: a batch whose tensors are
     replaced or changed in place is indexed again)."""
     global _last_index
-    key = (block_size, num_rows) + tuple((id(t), _version(t)) for t in (
-        batch.query_start_loc, batch.seq_lens, batch.block_table))
+    key = (block_size, num_rows) + tuple(
+        (id(t), _version(t)) for t in (batch.query_start_loc, batch.seq_lens, batch.block_table)
+    )
     ref, last_key, index = _last_index
     if ref is not None and ref() is batch and last_key == key:
         return index
@@ -205,8 +225,9 @@ def _step_index(batch: PagedBatch, block_size: int, num_rows: int) -> _StepIndex
     return index
 
 
-def _padded_kv(kv_cache: torch.Tensor, index: _StepIndex, gather: Gather | None,
-               layout: KVCacheLayout) -> tuple[torch.Tensor, torch.Tensor]:
+def _padded_kv(
+    kv_cache: torch.Tensor, index: _StepIndex, gather: Gather | None, layout: KVCacheLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V ``[S, H_kv, nb*B, D]`` of the step's blocks. From the cache itself in ``layout``
     (:func:`head_major_kv`: for the blocked layout one index_select of whole ``[2, B, D]``
     chunks); through ``gather`` (e.g. a storage format's dequantisation), a gather and a copy."""
@@ -219,9 +240,15 @@ def _padded_kv(kv_cache: torch.Tensor, index: _StepIndex, gather: Gather | None,
     return tuple(t.view(S, nb, hkv, B, D).permute(0, 2, 1, 3, 4).reshape(S, hkv, nb * B, D) for t in (k, v))
 
 
-def _paged_batched(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, layer: AttentionLayer,
-                   observe: torch.Tensor | None, gather: Gather | None, head_mask: torch.Tensor | None = None,
-                   ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+def _paged_batched(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: PagedBatch,
+    layer: AttentionLayer,
+    observe: torch.Tensor | None,
+    gather: Gather | None,
+    head_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """:func:`_paged` for the whole batch at once, without a Python loop over sequences: every
     sequence's blocks gathered into one padded ``[S, H_kv, L, D]``, queries padded to the
     longest, one masked attention (fused, or with explicit probabilities when ``observe`` asks
@@ -231,14 +258,20 @@ def _paged_batched(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatc
     ix = _step_index(batch, B, T)
     hkv = layer.num_kv_heads
     out = torch.zeros(query.shape, dtype=query.dtype, device=dev)
-    mass = None if observe is None else torch.zeros(
-        (ix.S, hkv, batch.block_table.shape[1]) if head_mask is not None else (ix.S, batch.block_table.shape[1]),
-        dtype=torch.float32, device=dev)
+    mass = (
+        None
+        if observe is None
+        else torch.zeros(
+            (ix.S, hkv, batch.block_table.shape[1]) if head_mask is not None else (ix.S, batch.block_table.shape[1]),
+            dtype=torch.float32,
+            device=dev,
+        )
+    )
     if ix.maxq == 0 or ix.nb == 0:
         return out, mass
     if ix.S * H * ix.maxq * ix.L > BATCHED_SCORES_MAX:
         return None
-    if observe is not None and observe.device.type == "cpu" and not bool(observe[: T].any()):
+    if observe is not None and observe.device.type == "cpu" and not bool(observe[:T].any()):
         observe = None  # nothing observed: no mass to compute (asked on the host only: a sync per layer on a GPU)
     k, v = _padded_kv(kv_cache, ix, gather, layer.kv_layout)
     k, v = k.float(), v.float()
@@ -251,7 +284,8 @@ def _paged_batched(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatc
         allowed[:, :, :, 0] |= ~ix.q_ok[:, None, :]  # padding queries: key 0, no empty row
     if observe is None:
         o = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, scale=layer.scale, enable_gqa=hkv != H)
+            q, k, v, attn_mask=allowed, scale=layer.scale, enable_gqa=hkv != H
+        )
     else:
         assert mass is not None  # allocated when observe was given
         s = torch.einsum("shqd,shkd->shqk", q, k.repeat_interleave(g, dim=1)) * layer.scale
@@ -269,9 +303,15 @@ def _paged_batched(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatc
     return out, mass
 
 
-def _paged(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, layer: AttentionLayer,
-           observe: torch.Tensor | None, gather: Gather | None, head_mask: torch.Tensor | None = None,
-           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _paged(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: PagedBatch,
+    layer: AttentionLayer,
+    observe: torch.Tensor | None,
+    gather: Gather | None,
+    head_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Every sequence of ``batch``: ``(out [T, H, D], mass [num_seqs, max_blocks] or None)``;
     with ``head_mask [num_seqs, H_kv, max_blocks]`` each KV head reads only its blocks and the
     mass is per KV head, ``[num_seqs, H_kv, max_blocks]``."""
@@ -284,9 +324,17 @@ def _paged(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, layer
     lens = batch.seq_lens.tolist()
     out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
     hkv = layer.num_kv_heads
-    mass = None if observe is None else torch.zeros(
-        (len(lens), hkv, batch.block_table.shape[1]) if head_mask is not None else (len(lens), batch.block_table.shape[1]),
-        dtype=torch.float32, device=query.device)
+    mass = (
+        None
+        if observe is None
+        else torch.zeros(
+            (len(lens), hkv, batch.block_table.shape[1])
+            if head_mask is not None
+            else (len(lens), batch.block_table.shape[1]),
+            dtype=torch.float32,
+            device=query.device,
+        )
+    )
     for i, L in enumerate(lens):
         q0, q1 = qsl[i], qsl[i + 1]
         if q1 <= q0 or L <= 0:
@@ -316,8 +364,9 @@ def _paged(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, layer
     return out, mass
 
 
-def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
-                    layer: AttentionLayer, gather: Gather | None = None) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, layer: AttentionLayer, gather: Gather | None = None
+) -> torch.Tensor:
     """Causal attention ``[T, H, D]`` of ``query [T, H, D]`` over the paged cache.
 
     Sequence i's queries are rows ``query_start_loc[i]:query_start_loc[i+1]``, the last ``q``
@@ -328,9 +377,15 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBat
     return _paged(query, kv_cache, batch, layer, None, gather)[0]
 
 
-def paged_attention_with_mass(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
-                              layer: AttentionLayer, observe: torch.Tensor, gather: Gather | None = None,
-                              head_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def paged_attention_with_mass(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: PagedBatch,
+    layer: AttentionLayer,
+    observe: torch.Tensor,
+    gather: Gather | None = None,
+    head_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`paged_attention` and ``mass [num_seqs, max_blocks]`` (see ``KVCompressor.attend``):
     the softmax probability the observed queries (``observe [T]`` bool) put on each
     block-table column, summed over heads and those queries. With ``head_mask [num_seqs,

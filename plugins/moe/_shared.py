@@ -3,6 +3,7 @@
 * :class:`StepAssembler`: one forward step's per-layer ``observe`` calls joined into per-token
   routing (``expert-cache``, ``affinity-placement``).
 """
+
 from __future__ import annotations
 
 from typing import Sequence

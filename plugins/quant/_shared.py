@@ -8,6 +8,7 @@ Triton kernel both need lives here, so that ``kernel.py`` never imports ``refere
 * :func:`scratch`: a reused buffer for a weight rebuilt on every call;
 * :func:`fallback_once`: the log line of a compiled path that cannot run, said once.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,8 +45,12 @@ def cpu_extension(name: str, source: str, functions: list[str]) -> tuple[object 
 
                 _ninja_on_path()
                 with build_lock(_get_build_directory(name, False)):
-                    _built[name] = (load_inline(name=name, cpp_sources=[source], functions=functions,
-                                                extra_cflags=["-O3"], verbose=False), None)
+                    _built[name] = (
+                        load_inline(
+                            name=name, cpp_sources=[source], functions=functions, extra_cflags=["-O3"], verbose=False
+                        ),
+                        None,
+                    )
             except BuildLockTimeout:
                 raise
             except Exception as e:  # noqa: BLE001 - reported by the caller, which falls back
@@ -86,16 +91,24 @@ def build_lock(build_dir: str, timeout: float | None = None):
                         f"vllm-graft: waited {waited:.0f} s for another process building the C++ "
                         f"extension in {build_dir} (it holds {path}). If no such process is running, "
                         f"remove {build_dir} and start again; raise {BUILD_TIMEOUT_ENV} for a slower "
-                        "machine") from None
+                        "machine"
+                    ) from None
                 if not said:
-                    log.info("vllm-graft: another process is building the C++ extension in %s; "
-                             "waiting (up to %.0f s)", build_dir, limit)
+                    log.info(
+                        "vllm-graft: another process is building the C++ extension in %s; waiting (up to %.0f s)",
+                        build_dir,
+                        limit,
+                    )
                     said = True
                 time.sleep(0.2)
         stale = os.path.join(build_dir, "lock")
         if os.path.exists(stale):
-            log.warning("vllm-graft: removing %s, a build lock left by a process that stopped "
-                        "during its build (no process holds %s); building again", stale, path)
+            log.warning(
+                "vllm-graft: removing %s, a build lock left by a process that stopped "
+                "during its build (no process holds %s); building again",
+                stale,
+                path,
+            )
             os.remove(stale)
         yield
     finally:
@@ -125,8 +138,7 @@ def _ninja_on_path() -> None:
 _scratch: dict[tuple, torch.Tensor] = {}
 
 
-def scratch(shape: tuple[int, ...], dtype: torch.dtype,
-            device: torch.device | str | None = None) -> torch.Tensor:
+def scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
     """A buffer of ``shape`` and ``dtype`` on ``device`` (default: the host) reused from call to
     call: a weight rebuilt on every layer call (dequantised, decoded) goes here instead of into
     fresh memory, whose first touch (page faults) costs as much as rebuilding it. Its contents
@@ -151,4 +163,9 @@ def fallback_once(plugin: str, what: str, reason: str | None, param: str) -> Non
         _said.add(plugin)
         logging.getLogger("vllm_graft").warning(
             "%s: the C++ CPU %s is not used (%s); the torch path runs instead (slower; `%s: torch` "
-            "chooses it without the attempt)", plugin, what, reason, param)
+            "chooses it without the attempt)",
+            plugin,
+            what,
+            reason,
+            param,
+        )

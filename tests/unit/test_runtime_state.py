@@ -182,7 +182,7 @@ def test_deactivate_clears_every_adapters_state(fresh_runtime, monkeypatch):
     assert kv_state.get_active() is not None
     kv_state.get_active().scored = SimpleNamespace(finalize=lambda: {"r": [1]})
     out = channel._attach_drops(SimpleNamespace(_model_runner_output=SimpleNamespace()))
-    assert out._model_runner_output.graft_kv_drops == {"r": [1]} and len(rt.said) == 1
+    assert out._model_runner_output.graft_kv_drops == {"r": [1]} and "kvcompress async output" in rt.said
     # speculative: the tree verifier the tree attention reads
     verifier = tree.activate_verifier(lambda *a: None)
     assert rt.tree_verifier is verifier

@@ -8,6 +8,7 @@ groups, and :func:`~vllm_graft.plugins.attention.hydragen.policy.kv_bytes_read` 
 what is read: plain reads every sequence's whole context, Hydragen the shared blocks once
 plus each suffix. The ratio approaches the batch size as the prefix dominates the suffixes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,9 @@ def _ints(text: str) -> list[int]:
     return out
 
 
-def hydragen_rows(batch: int, prefix: int, suffix: int, block_size: int, bytes_per_token: int,
-                  samples: int = 1) -> dict[str, Any]:
+def hydragen_rows(
+    batch: int, prefix: int, suffix: int, block_size: int, bytes_per_token: int, samples: int = 1
+) -> dict[str, Any]:
     """One configuration: ``batch`` sequences (``batch // samples`` prompts of ``samples``
     samples each when ``samples`` > 1: a prompt-specific part of ``suffix`` tokens shared by
     its samples, then one decoded token each) over a ``prefix``-token shared prefix."""
@@ -53,50 +55,98 @@ def hydragen_rows(batch: int, prefix: int, suffix: int, block_size: int, bytes_p
             seq_lens.append(n)
     plan = plan_prefixes(rows, seq_lens, [1] * len(rows), block_size)
     plain, read = kv_bytes_read(plan, seq_lens, bytes_per_token)
-    return {"batch": batch, "prefix": prefix, "suffix": suffix, "samples": samples,
-            "groups": len(plan.groups), "depth": plan.depth, "plain_bytes": plain,
-            "plugin_bytes": read, "ratio": plain / read}
+    return {
+        "batch": batch,
+        "prefix": prefix,
+        "suffix": suffix,
+        "samples": samples,
+        "groups": len(plan.groups),
+        "depth": plan.depth,
+        "plain_bytes": plain,
+        "plugin_bytes": read,
+        "ratio": plain / read,
+    }
 
 
 def cmd_attention_bytes(args: argparse.Namespace, console: Console) -> int:
     bytes_per_token = 2 * args.kv_heads * args.head_dim * args.dtype_bytes * args.layers
-    results = [hydragen_rows(b, p, s, args.block_size, bytes_per_token, args.samples)
-               for p in args.prefix for b in args.batch for s in args.suffix]
+    results = [
+        hydragen_rows(b, p, s, args.block_size, bytes_per_token, args.samples)
+        for p in args.prefix
+        for b in args.batch
+        for s in args.suffix
+    ]
     if args.json:
-        print(json.dumps({"plugin": "hydragen", "bytes_per_token": bytes_per_token,
-                          "block_size": args.block_size, "rows": results}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "plugin": "hydragen",
+                    "bytes_per_token": bytes_per_token,
+                    "block_size": args.block_size,
+                    "rows": results,
+                },
+                indent=1,
+            )
+        )
         return 0
-    t = Table(title=f"KV bytes read per decode step, plain vs hydragen ({args.layers} layers, "
-                    f"{args.kv_heads} KV heads, head_dim {args.head_dim}, {args.dtype_bytes}-byte "
-                    f"KV, block {args.block_size}" + (f", {args.samples} samples per prompt" if
-                                                      args.samples > 1 else "") + ")")
-    for col in ("batch", "prefix", "own tokens", "groups", "plain MiB", "hydragen MiB", "ratio",
-                "ratio / batch"):
+    t = Table(
+        title=f"KV bytes read per decode step, plain vs hydragen ({args.layers} layers, "
+        f"{args.kv_heads} KV heads, head_dim {args.head_dim}, {args.dtype_bytes}-byte "
+        f"KV, block {args.block_size}" + (f", {args.samples} samples per prompt" if args.samples > 1 else "") + ")"
+    )
+    for col in ("batch", "prefix", "own tokens", "groups", "plain MiB", "hydragen MiB", "ratio", "ratio / batch"):
         t.add_column(col, justify="right")
     for r in results:
-        t.add_row(str(r["batch"]), str(r["prefix"]), str(r["suffix"] + 1), f"{r['groups']} (depth {r['depth']})",
-                  f"{r['plain_bytes'] / 2**20:.1f}", f"{r['plugin_bytes'] / 2**20:.1f}",
-                  f"{r['ratio']:.1f}x", f"{r['ratio'] / r['batch']:.2f}")
+        t.add_row(
+            str(r["batch"]),
+            str(r["prefix"]),
+            str(r["suffix"] + 1),
+            f"{r['groups']} (depth {r['depth']})",
+            f"{r['plain_bytes'] / 2**20:.1f}",
+            f"{r['plugin_bytes'] / 2**20:.1f}",
+            f"{r['ratio']:.1f}x",
+            f"{r['ratio'] / r['batch']:.2f}",
+        )
     console.print(t)
-    console.print("own tokens: each sequence's tokens after the shared prefix, the new one included. "
-                  "The ratio approaches the batch size as the shared prefix dominates.")
+    console.print(
+        "own tokens: each sequence's tokens after the shared prefix, the new one included. "
+        "The ratio approaches the batch size as the shared prefix dominates."
+    )
     return 0
 
 
 def add_command(sub: Any) -> None:
     p = sub.add_parser(
-        "attention-bytes", help="model the KV bytes attention reads per decode step (plain vs hydragen)",
+        "attention-bytes",
+        help="model the KV bytes attention reads per decode step (plain vs hydragen)",
         description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch", type=_ints, default=[8, 32, 128], metavar="N[,N]",
-                   help="sequences sharing the prefix (default 8,32,128)")
-    p.add_argument("--prefix", type=_ints, default=[1024, 4096], metavar="T[,T]",
-                   help="shared prefix tokens (default 1024,4096)")
-    p.add_argument("--suffix", type=_ints, default=[0, 64, 256], metavar="T[,T]",
-                   help="tokens each sequence has of its own before the new one (default 0,64,256)")
-    p.add_argument("--samples", type=int, default=1, metavar="N",
-                   help="samples per prompt (n>1 sampling: the own tokens are the prompt's, shared "
-                        "by its samples up to the new token: a two-level tree; default 1)")
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--batch",
+        type=_ints,
+        default=[8, 32, 128],
+        metavar="N[,N]",
+        help="sequences sharing the prefix (default 8,32,128)",
+    )
+    p.add_argument(
+        "--prefix", type=_ints, default=[1024, 4096], metavar="T[,T]", help="shared prefix tokens (default 1024,4096)"
+    )
+    p.add_argument(
+        "--suffix",
+        type=_ints,
+        default=[0, 64, 256],
+        metavar="T[,T]",
+        help="tokens each sequence has of its own before the new one (default 0,64,256)",
+    )
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=1,
+        metavar="N",
+        help="samples per prompt (n>1 sampling: the own tokens are the prompt's, shared "
+        "by its samples up to the new token: a two-level tree; default 1)",
+    )
     p.add_argument("--block-size", type=int, default=16, metavar="B", help="KV block size (default 16)")
     p.add_argument("--layers", type=int, default=32, help="layers (default 32: Llama-3-8B)")
     p.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")

@@ -17,6 +17,7 @@ the query heads sharing it is one (the KV cache is per KV head). Averaged over `
 probes. Run as ``vllm-graft calibrate razor --out FILE`` (an entry of the method table in
 :mod:`.calibrate`: ``NAME``, ``PLUGIN``, ``HELP``, ``add_arguments(parser)``, ``run``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,10 +84,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-len", type=int, default=128, metavar="N", help="random tokens per copy (default 128)")
     p.add_argument("--repeats", type=int, default=3, metavar="R", help="copies in the probe (default 3)")
     p.add_argument("--seeds", type=int, default=3, metavar="S", help="probes averaged (default 3)")
-    p.add_argument("--induction-fraction", type=float, default=0.15, metavar="F",
-                   help="fraction of query heads kept as induction heads (default 0.15)")
-    p.add_argument("--echo-fraction", type=float, default=0.05, metavar="F",
-                   help="fraction of query heads kept as echo heads (default 0.05)")
+    p.add_argument(
+        "--induction-fraction",
+        type=float,
+        default=0.15,
+        metavar="F",
+        help="fraction of query heads kept as induction heads (default 0.15)",
+    )
+    p.add_argument(
+        "--echo-fraction",
+        type=float,
+        default=0.05,
+        metavar="F",
+        help="fraction of query heads kept as echo heads (default 0.05)",
+    )
     p.add_argument("--json", action="store_true", help="print the head map as JSON")
 
 
@@ -109,8 +120,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
     model_dir = args.model or str(models_dir() / "graft-tiny-llama")
     cfg = AutoConfig.from_pretrained(model_dir)
     if args.probe_len * args.repeats > cfg.max_position_embeddings:
-        console.print(f"[red]the probe ({args.probe_len} x {args.repeats} tokens) is longer than the "
-                      f"model's {cfg.max_position_embeddings} positions[/]")
+        console.print(
+            f"[red]the probe ({args.probe_len} x {args.repeats} tokens) is longer than the "
+            f"model's {cfg.max_position_embeddings} positions[/]"
+        )
         return 2
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
@@ -123,28 +136,45 @@ def run(args: argparse.Namespace, console: Console) -> int:
     echo, induction = echo / args.seeds, induction / args.seeds
     kv_heads = cfg.num_key_value_heads
     chosen, retrieval = classify(echo, induction, kv_heads, args.induction_fraction, args.echo_fraction)
-    data = {"format": HEAD_MAP_FORMAT, "model": Path(model_dir).name, "retrieval": retrieval,
-            "num_layers": len(retrieval), "num_kv_heads": kv_heads,
-            "echo": [[round(x, 5) for x in row] for row in echo.tolist()],
-            "induction": [[round(x, 5) for x in row] for row in induction.tolist()],
-            "retrieval_query_heads": chosen.tolist(),
-            "probe": {"len": args.probe_len, "repeats": args.repeats, "seeds": args.seeds,
-                      "induction_fraction": args.induction_fraction, "echo_fraction": args.echo_fraction}}
+    data = {
+        "format": HEAD_MAP_FORMAT,
+        "model": Path(model_dir).name,
+        "retrieval": retrieval,
+        "num_layers": len(retrieval),
+        "num_kv_heads": kv_heads,
+        "echo": [[round(x, 5) for x in row] for row in echo.tolist()],
+        "induction": [[round(x, 5) for x in row] for row in induction.tolist()],
+        "retrieval_query_heads": chosen.tolist(),
+        "probe": {
+            "len": args.probe_len,
+            "repeats": args.repeats,
+            "seeds": args.seeds,
+            "induction_fraction": args.induction_fraction,
+            "echo_fraction": args.echo_fraction,
+        },
+    }
     Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
     if args.json:
         print(json.dumps(data))
         return 0
-    t = Table(title=f"RazorAttention probe on {model_dir} ({args.seeds} x {args.repeats} copies of "
-                    f"{args.probe_len} random tokens)")
+    t = Table(
+        title=f"RazorAttention probe on {model_dir} ({args.seeds} x {args.repeats} copies of "
+        f"{args.probe_len} random tokens)"
+    )
     for col in ("layer", "head", "KV head", "echo", "induction", "retrieval"):
         t.add_column(col, justify="right")
     group = echo.shape[1] // kv_heads
     for layer in range(echo.shape[0]):
         for h in range(echo.shape[1]):
-            t.add_row(str(layer), str(h), str(h // group), f"{echo[layer, h]:.3f}",
-                      f"{induction[layer, h]:.3f}", "yes" if chosen[layer, h] else "")
+            t.add_row(
+                str(layer),
+                str(h),
+                str(h // group),
+                f"{echo[layer, h]:.3f}",
+                f"{induction[layer, h]:.3f}",
+                "yes" if chosen[layer, h] else "",
+            )
     console.print(t)
     n_kv = sum(map(sum, retrieval))
-    console.print(f"{n_kv} of {len(retrieval) * kv_heads} KV heads keep full attention; "
-                  f"head map written to {args.out}")
+    console.print(f"{n_kv} of {len(retrieval) * kv_heads} KV heads keep full attention; head map written to {args.out}")
     return 0

@@ -16,6 +16,7 @@ absolute change of each scored token's negative log-likelihood, and how often th
 next token is the one plain vLLM predicts (perplexity alone can improve by accident: the bundled
 model predicts code mostly from the recent tokens).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,20 +73,31 @@ def _arms(args: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
         return arms + [(plugin, validate("attention", plugin, extra))]
     base = {"chunk": args.chunk, "sink_tokens": args.sink, "recent_tokens": args.recent, "prefill": "sparse"}
     # with a head map, each selection mode also runs with it: retrieval heads choose, the others keep the window
-    maps: list[tuple[str, dict[str, Any]]] = [("", {})] + ([("+heads", {"head_map": args.head_map})] if args.head_map else [])
+    maps: list[tuple[str, dict[str, Any]]] = [("", {})] + (
+        [("+heads", {"head_map": args.head_map})] if args.head_map else []
+    )
     for b in args.budget:
         for mode in [m for m in args.modes.split(",") if m]:
             for tag, hm in maps if mode in ("centroid", "recycled") else maps[:1]:
                 if mode == "recycled":  # a full step every `refresh` positions (the plugin's default 16)
-                    params = {**base, "mode": mode, "budget": b, **hm,
-                              **({"refresh": args.refresh} if args.refresh > 1 else {})}
+                    params = {
+                        **base,
+                        "mode": mode,
+                        "budget": b,
+                        **hm,
+                        **({"refresh": args.refresh} if args.refresh > 1 else {}),
+                    }
                     refresh = args.refresh if args.refresh > 1 else _recycled_refresh()
                     arms.append((f"recycled{tag} K={b:g} refresh {refresh}", params))
                     continue
                 arms.append((f"{mode}{tag} K={b:g}", {**base, "mode": mode, "budget": b, **hm}))
                 if mode == "centroid" and args.refresh > 1:
-                    arms.append((f"centroid{tag} K={b:g} refresh {args.refresh}",
-                                 {**base, "mode": mode, "budget": b, "refresh": args.refresh, **hm}))
+                    arms.append(
+                        (
+                            f"centroid{tag} K={b:g} refresh {args.refresh}",
+                            {**base, "mode": mode, "budget": b, "refresh": args.refresh, **hm},
+                        )
+                    )
     if args.head_map:
         arms.append(("streaming-heads", {**base, "mode": "streaming-heads", "head_map": args.head_map}))
     if not extra:  # the deployment validates the arms' own parameters when each engine starts
@@ -103,8 +115,10 @@ def fidelity(plain: dict[str, Any], arm: dict[str, Any]) -> dict[str, float]:
     change of the scored tokens' NLL, and how often the most likely next token is the same."""
     a, b = plain["nll_per_token"], arm["nll_per_token"]
     same = sum(x == y for x, y in zip(plain["top1"], arm["top1"]))
-    return {"mean_abs_dnll": sum(abs(x - y) for x, y in zip(a, b)) / len(a),
-            "top1_agreement": same / len(plain["top1"])}
+    return {
+        "mean_abs_dnll": sum(abs(x - y) for x, y in zip(a, b)) / len(a),
+        "top1_agreement": same / len(plain["top1"]),
+    }
 
 
 #: Shortest prompt (tokens) a workload needs here: sparse attention only differs from full
@@ -112,8 +126,9 @@ def fidelity(plain: dict[str, Any], arm: dict[str, Any]) -> dict[str, float]:
 MIN_PROMPT_TOKENS = 1024
 
 
-def load_workload(name: str, tok: Any, args: argparse.Namespace
-                  ) -> tuple[list[list[int]], list[tuple[int, int]], list[tuple[int, int]] | None]:
+def load_workload(
+    name: str, tok: Any, args: argparse.Namespace
+) -> tuple[list[list[int]], list[tuple[int, int]], list[tuple[int, int]] | None]:
     """The prompts of a bench workload, the span of each that is scored (the workload's own
     ``scored_spans`` where it has them (long-recall), else from ``--score-from`` to the end) and,
     for long-recall, the spans of the first copies (what plain vLLM scores on the same tokens
@@ -121,30 +136,40 @@ def load_workload(name: str, tok: Any, args: argparse.Namespace
     Workloads with prompts shorter than MIN_PROMPT_TOKENS are refused (before any engine)."""
     from vllm_graft.tools import workloads
 
-    (ps,) = workloads.build([name], tok, num_prompts=args.num_prompts, max_tokens=16,
-                            max_model_len=args.max_model_len, seed=args.seed)
+    (ps,) = workloads.build(
+        [name], tok, num_prompts=args.num_prompts, max_tokens=16, max_model_len=args.max_model_len, seed=args.seed
+    )
     prompts = [list(p.token_ids) for p in ps.prompts]
     if min(map(len, prompts)) < MIN_PROMPT_TOKENS:
         raise workloads.WorkloadError(
             f"sparse-quality: workload {name!r} has prompts of {min(map(len, prompts))}-"
             f"{max(map(len, prompts))} tokens; it needs prompts of at least {MIN_PROMPT_TOKENS} tokens "
             "(sparse attention only differs from full attention far beyond the sinks and the recent "
-            "window): use long-context, long-recall or shared-prefix")
+            "window): use long-context, long-recall or shared-prefix"
+        )
     if "scored_spans" in ps.stats:
         spans = [(a, b) for a, b in ps.stats["scored_spans"]]
         firsts = [(a - d, b - d) for (a, b), d in zip(spans, ps.stats["recall_distance"])]
         return prompts, spans, firsts
     else:
         if args.score_from >= min(map(len, prompts)):
-            raise workloads.WorkloadError(f"sparse-quality: --score-from {args.score_from} is beyond the "
-                                          f"shortest prompt ({min(map(len, prompts))} tokens)")
+            raise workloads.WorkloadError(
+                f"sparse-quality: --score-from {args.score_from} is beyond the "
+                f"shortest prompt ({min(map(len, prompts))} tokens)"
+            )
         spans = [(args.score_from, len(p)) for p in prompts]
     return prompts, spans, None
 
 
-def run_arm(model: str, engine: dict[str, Any], params: dict[str, Any] | None,
-            prompts: list[list[int]], spans: list[tuple[int, int]],
-            firsts: list[tuple[int, int]] | None = None, plugin: str = "squeezed") -> dict[str, Any]:
+def run_arm(
+    model: str,
+    engine: dict[str, Any],
+    params: dict[str, Any] | None,
+    prompts: list[list[int]],
+    spans: list[tuple[int, int]],
+    firsts: list[tuple[int, int]] | None = None,
+    plugin: str = "squeezed",
+) -> dict[str, Any]:
     from vllm import SamplingParams
 
     from vllm_graft.cli import launch
@@ -152,16 +177,23 @@ def run_arm(model: str, engine: dict[str, Any], params: dict[str, Any] | None,
     from vllm_graft.tools.bench import nll_of
     from vllm_graft.integration.runtime import RUNTIME
 
-    data: dict[str, Any] = {"model": model, "engine": engine,
-                            "attention": {"plugin": plugin, "params": params or {}}}
+    data: dict[str, Any] = {"model": model, "engine": engine, "attention": {"plugin": plugin, "params": params or {}}}
     plan = plan_for(data)
     with launch.in_process_engine(plan, graft=params is not None, seed=0) as llm:
-        res = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+        res = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1),
+            use_tqdm=False,
+        )
         nll = [x for r, p, (a, b) in zip(res, prompts, spans) for x in nll_of(r.prompt_logprobs, p[:b], a)]
         top1 = [_top1(r.prompt_logprobs[j]) for r, (a, b) in zip(res, spans) for j in range(a, b)]
-        out: dict[str, Any] = {"tokens": len(nll), "nll": sum(nll) / len(nll), "ppl": math.exp(sum(nll) / len(nll)),
-               "nll_per_token": nll, "top1": top1}
+        out: dict[str, Any] = {
+            "tokens": len(nll),
+            "nll": sum(nll) / len(nll),
+            "ppl": math.exp(sum(nll) / len(nll)),
+            "nll_per_token": nll,
+            "top1": top1,
+        }
         if firsts is not None and params is None:
             first = [x for r, p, (a, b) in zip(res, prompts, firsts) for x in nll_of(r.prompt_logprobs, p[:b], a)]
             out["first_copy_ppl"] = math.exp(sum(first) / len(first))
@@ -178,8 +210,12 @@ def cmd_sparse_quality(args: argparse.Namespace, console: Console) -> int:
 
     launch.apply_env_defaults(in_process=True)
     model = args.model or str(launch.models_dir() / "graft-tiny-llama")
-    engine = {"dtype": "float32", "max_model_len": args.max_model_len, "block_size": args.block_size,
-              "enforce_eager": True}
+    engine = {
+        "dtype": "float32",
+        "max_model_len": args.max_model_len,
+        "block_size": args.block_size,
+        "enforce_eager": True,
+    }
     tok = workloads.Tokenizer.from_model(model)
     try:
         prompts, spans, firsts = load_workload(args.workload, tok, args)
@@ -197,8 +233,7 @@ def cmd_sparse_quality(args: argparse.Namespace, console: Console) -> int:
 
         Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {escape(str(e))}")
         return 2
-    scored = ("the repeated span" if args.workload == "long-recall"
-              else f"tokens from position {args.score_from}")
+    scored = "the repeated span" if args.workload == "long-recall" else f"tokens from position {args.score_from}"
     results = []
     progress = Console(stderr=True, highlight=False) if args.json == "-" else console
     for name, params in arms:
@@ -211,64 +246,118 @@ def cmd_sparse_quality(args: argparse.Namespace, console: Console) -> int:
     for r in results:
         del r["nll_per_token"], r["top1"]
     if args.json:
-        text = json.dumps({"workload": args.workload, "prompts": len(prompts),
-                           "prompt_tokens": [len(p) for p in prompts], "score_from": args.score_from,
-                           "scored_spans": spans, "first_copy_spans": firsts,
-                           "arms": results}, indent=1)
+        text = json.dumps(
+            {
+                "workload": args.workload,
+                "prompts": len(prompts),
+                "prompt_tokens": [len(p) for p in prompts],
+                "score_from": args.score_from,
+                "scored_spans": spans,
+                "first_copy_spans": firsts,
+                "arms": results,
+            },
+            indent=1,
+        )
         if args.json == "-":
             print(text)
         else:
             Path(args.json).write_text(text + "\n")
-    t = Table(title=f"Sparse decode attention on {args.workload} ({len(prompts)} prompts of "
-                    f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, {scored} scored "
-                    f"({sum(b - a for a, b in spans)} tokens); chunk {args.chunk}, sinks {args.sink}, recent {args.recent})")
+    t = Table(
+        title=f"Sparse decode attention on {args.workload} ({len(prompts)} prompts of "
+        f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, {scored} scored "
+        f"({sum(b - a for a, b in spans)} tokens); chunk {args.chunk}, sinks {args.sink}, recent {args.recent})"
+    )
     for col in ("arm", "perplexity", "change", "mean |dNLL|", "top-1 same as plain", "KV read"):
         t.add_column(col, justify="right" if col != "arm" else "left")
     if "first_copy_ppl" in results[0]:
-        t.add_row("plain vLLM, the same tokens at their first copy (nothing to recall)",
-                  f"{results[0]['first_copy_ppl']:.3f}", "", "", "", "")
+        t.add_row(
+            "plain vLLM, the same tokens at their first copy (nothing to recall)",
+            f"{results[0]['first_copy_ppl']:.3f}",
+            "",
+            "",
+            "",
+            "",
+        )
     for r in results:
         frac = r.get("kv_read_fraction")
-        t.add_row(r["arm"], f"{r['ppl']:.3f}", f"{(r['ppl'] / plain - 1) * 100:+.2f}%",
-                  f"{r['mean_abs_dnll']:.4f}", f"{r['top1_agreement'] * 100:.1f}%",
-                  f"{frac * 100:.1f}%" if frac is not None else "100%" if r["params"] is None else "-")
+        t.add_row(
+            r["arm"],
+            f"{r['ppl']:.3f}",
+            f"{(r['ppl'] / plain - 1) * 100:+.2f}%",
+            f"{r['mean_abs_dnll']:.4f}",
+            f"{r['top1_agreement'] * 100:.1f}%",
+            f"{frac * 100:.1f}%" if frac is not None else "100%" if r["params"] is None else "-",
+        )
     console.print(t)
     return 0
 
 
 def add_command(sub: Any) -> None:
     p = sub.add_parser(
-        "sparse-quality", help="perplexity and KV read of sparse decode attention vs plain vLLM "
-                               "and the sink+window baseline",
+        "sparse-quality",
+        help="perplexity and KV read of sparse decode attention vs plain vLLM and the sink+window baseline",
         description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
-        formatter_class=_HelpFormatter)
+        formatter_class=_HelpFormatter,
+    )
     p.add_argument("--model", help="model folder (default: the bundled graft-tiny-llama)")
-    p.add_argument("--plugin", default="squeezed", metavar="NAME",
-                   help="the attention plugin measured (default squeezed); any registered attention plugin "
-                        "(a third party's too): plain vLLM against it with --params (the squeezed options "
-                        "below do not apply; KV read is shown where its describe() reports kv_read_fraction)")
-    p.add_argument("--params", metavar="JSON",
-                   help="the plugin's parameters, validated by its parameter model (squeezed: over every "
-                        "arm's own, e.g. '{\"sink_tokens\": 32}')")
-    p.add_argument("--workload", default="long-context", metavar="NAME",
-                   help="bench workload with prompts of at least 1024 tokens: long-context (default), "
-                        "long-recall (only the repeated function is scored) or shared-prefix")
+    p.add_argument(
+        "--plugin",
+        default="squeezed",
+        metavar="NAME",
+        help="the attention plugin measured (default squeezed); any registered attention plugin "
+        "(a third party's too): plain vLLM against it with --params (the squeezed options "
+        "below do not apply; KV read is shown where its describe() reports kv_read_fraction)",
+    )
+    p.add_argument(
+        "--params",
+        metavar="JSON",
+        help="the plugin's parameters, validated by its parameter model (squeezed: over every "
+        "arm's own, e.g. '{\"sink_tokens\": 32}')",
+    )
+    p.add_argument(
+        "--workload",
+        default="long-context",
+        metavar="NAME",
+        help="bench workload with prompts of at least 1024 tokens: long-context (default), "
+        "long-recall (only the repeated function is scored) or shared-prefix",
+    )
     p.add_argument("--num-prompts", type=int, default=4, metavar="N", help="prompts (default 4)")
-    p.add_argument("--budget", type=_floats, default=[0.25, 0.125], metavar="F[,F]",
-                   help="fractions of the context attended (default 0.25,0.125)")
-    p.add_argument("--modes", default="centroid,window", help="squeezed modes to run at each budget: "
-                   "centroid, recycled, window (default centroid,window; '' for none)")
-    p.add_argument("--refresh", type=int, default=1, metavar="N",
-                   help="also run mode centroid choosing chunks only every N positions (default 1: off); "
-                        "mode recycled's full-step interval (default {recycled_refresh})")
-    p.add_argument("--head-map", help="also run mode streaming-heads with this head map, and each "
-                   "selection mode of --modes with it (arms '+heads': its retrieval heads choose chunks, "
-                   "the other heads keep the sink + window at the same budget)")
+    p.add_argument(
+        "--budget",
+        type=_floats,
+        default=[0.25, 0.125],
+        metavar="F[,F]",
+        help="fractions of the context attended (default 0.25,0.125)",
+    )
+    p.add_argument(
+        "--modes",
+        default="centroid,window",
+        help="squeezed modes to run at each budget: centroid, recycled, window (default centroid,window; '' for none)",
+    )
+    p.add_argument(
+        "--refresh",
+        type=int,
+        default=1,
+        metavar="N",
+        help="also run mode centroid choosing chunks only every N positions (default 1: off); "
+        "mode recycled's full-step interval (default {recycled_refresh})",
+    )
+    p.add_argument(
+        "--head-map",
+        help="also run mode streaming-heads with this head map, and each "
+        "selection mode of --modes with it (arms '+heads': its retrieval heads choose chunks, "
+        "the other heads keep the sink + window at the same budget)",
+    )
     p.add_argument("--chunk", type=int, default=16, help="chunk tokens (default 16)")
     p.add_argument("--sink", type=int, default=16, help="sink tokens (default 16)")
     p.add_argument("--recent", type=int, default=64, help="recent-window tokens (default 64)")
-    p.add_argument("--score-from", type=int, default=256, metavar="POS",
-                   help="score tokens from this position on (default 256; long-recall scores its repeated span)")
+    p.add_argument(
+        "--score-from",
+        type=int,
+        default=256,
+        metavar="POS",
+        help="score tokens from this position on (default 256; long-recall scores its repeated span)",
+    )
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")

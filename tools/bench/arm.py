@@ -3,6 +3,7 @@
 ``run``, runs every workload once stamping each output token and sampling the KV block pool
 (the parent alternates the two arms' runs); at ``finish`` it scores outputs (perplexity) and
 writes its result as JSON. vLLM is imported only inside its functions."""
+
 from __future__ import annotations
 
 import json
@@ -91,8 +92,16 @@ def _render(llm: Any, ids_list: Sequence[Sequence[int]]) -> list[Any]:
         return prompts
 
 
-def _generate(llm: Any, prompts: Sequence[dict[str, Any]], *, batch: int, ignore_eos: bool,
-              sampler: _KVSampler | None, on_tokens: Callable[[int], None], tag: str) -> dict[str, Any]:
+def _generate(
+    llm: Any,
+    prompts: Sequence[dict[str, Any]],
+    *,
+    batch: int,
+    ignore_eos: bool,
+    sampler: _KVSampler | None,
+    on_tokens: Callable[[int], None],
+    tag: str,
+) -> dict[str, Any]:
     """Run one workload through the engine, stamping every output token."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -101,8 +110,12 @@ def _generate(llm: Any, prompts: Sequence[dict[str, Any]], *, batch: int, ignore
     if engine.has_unfinished_requests():
         raise RuntimeError("the engine has unfinished requests before the timed run")
     inputs = _render(llm, [p["token_ids"] for p in prompts])
-    params = [SamplingParams(temperature=0.0, max_tokens=p["max_tokens"], ignore_eos=ignore_eos,
-                             output_kind=RequestOutputKind.CUMULATIVE) for p in prompts]
+    params = [
+        SamplingParams(
+            temperature=0.0, max_tokens=p["max_tokens"], ignore_eos=ignore_eos, output_kind=RequestOutputKind.CUMULATIVE
+        )
+        for p in prompts
+    ]
     n = len(prompts)
     limit = batch if batch > 0 else n
     submit = [0.0] * n
@@ -168,25 +181,33 @@ def _generate(llm: Any, prompts: Sequence[dict[str, Any]], *, batch: int, ignore
                 "prefill_s": m.first_token_ts - m.scheduled_ts,
                 "num_preemptions": getattr(m, "num_preemptions", 0),
             }
-        requests.append({
-            "output_token_ids": token_ids,
-            "finish_reason": c.finish_reason,
-            "num_cached_tokens": getattr(out, "num_cached_tokens", None),
-            "submit_s": submit[i] - t0,
-            "token_times_s": [t - submit[i] for t in times[i]],
-            **request_timing(submit[i], times[i]),
-            "vllm_ttft_s": vllm_metrics["ttft_s"] if vllm_metrics else None,
-            "vllm_tpot_s": vllm_metrics["tpot_s"] if vllm_metrics else None,
-            "vllm_metrics": vllm_metrics,
-        })
-    return {"wall_s": wall, "cpu_s": cpu, "other_cpus": others, "requests": requests,
-            "kv_blocks_peak": sampler.peak if sampler else None,
-            "kv_blocks_per_step": list(sampler.steps) if sampler else [],
-            "kv_decode_steps": list(sampler.decode) if sampler else []}
+        requests.append(
+            {
+                "output_token_ids": token_ids,
+                "finish_reason": c.finish_reason,
+                "num_cached_tokens": getattr(out, "num_cached_tokens", None),
+                "submit_s": submit[i] - t0,
+                "token_times_s": [t - submit[i] for t in times[i]],
+                **request_timing(submit[i], times[i]),
+                "vllm_ttft_s": vllm_metrics["ttft_s"] if vllm_metrics else None,
+                "vllm_tpot_s": vllm_metrics["tpot_s"] if vllm_metrics else None,
+                "vllm_metrics": vllm_metrics,
+            }
+        )
+    return {
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "other_cpus": others,
+        "requests": requests,
+        "kv_blocks_peak": sampler.peak if sampler else None,
+        "kv_blocks_per_step": list(sampler.steps) if sampler else [],
+        "kv_decode_steps": list(sampler.decode) if sampler else [],
+    }
 
 
-def _score(llm: Any, sequences: dict[str, tuple[list[int], list[int]]],
-           on_done: Callable[[int], None], chunk: int = 8) -> dict[str, list[float]]:
+def _score(
+    llm: Any, sequences: dict[str, tuple[list[int], list[int]]], on_done: Callable[[int], None], chunk: int = 8
+) -> dict[str, list[float]]:
     """NLL of each output token given prompt + preceding output, under this engine's model."""
     from vllm import SamplingParams
 
@@ -197,13 +218,13 @@ def _score(llm: Any, sequences: dict[str, tuple[list[int], list[int]]],
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     seqs = list(unique)
     for k in range(0, len(seqs), chunk):
-        part = seqs[k:k + chunk]
+        part = seqs[k : k + chunk]
         results = llm.generate([{"prompt_token_ids": list(s)} for s in part], params, use_tqdm=False)
         for s, res in zip(part, results):
             all_nll = nll_of(res.prompt_logprobs, s, 1)  # position 0 has no log-probability
             for key in unique[s]:
                 start = len(sequences[key][0])
-                out[key] = all_nll[start - 1:]
+                out[key] = all_nll[start - 1 :]
         on_done(len(part))
     return out
 
@@ -228,9 +249,10 @@ def _arm_main(job: dict[str, Any], result_path: str, events: Any, commands: Any 
         def receive() -> tuple[str, Any]:
             return script.pop(0)
     else:
+
         def receive() -> tuple[str, Any]:
             try:
-                return tuple(commands.recv())  # type: ignore[return-value]
+                return tuple(commands.recv())
             except EOFError:  # the parent is gone
                 raise SystemExit("the parent closed the command pipe") from None
 
@@ -239,8 +261,11 @@ def _arm_main(job: dict[str, Any], result_path: str, events: Any, commands: Any 
         status = 0
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which decides
         traceback.print_exc()
-        result = {"error": f"{type(e).__name__}: {e}", "error_type": type(e).__name__,
-                  "traceback": traceback.format_exc()}
+        result = {
+            "error": f"{type(e).__name__}: {e}",
+            "error_type": type(e).__name__,
+            "traceback": traceback.format_exc(),
+        }
         status = 1
     tmp = result_path + ".tmp"
     with open(tmp, "w") as f:
@@ -276,8 +301,9 @@ def _fresh_vllm_suffix_tree(llm: Any) -> None:
         llm.collective_rpc(_empty_suffix_tree)
 
 
-def _arm_run(job: dict[str, Any], send: Callable[[str, Any], None],
-             receive: Callable[[], tuple[str, Any]]) -> dict[str, Any]:
+def _arm_run(
+    job: dict[str, Any], send: Callable[[str, Any], None], receive: Callable[[], tuple[str, Any]]
+) -> dict[str, Any]:
     from vllm_graft.integration.bridge import ENV_CONFIG, ENV_FILE
     from vllm_graft.integration.env import installed_vllm
     from vllm_graft.cli.launch import apply_env_defaults
@@ -303,13 +329,21 @@ def _arm_run(job: dict[str, Any], send: Callable[[str, Any], None],
     scheduler = core.scheduler
     pool = scheduler.kv_cache_manager.block_pool
     vllm = installed_vllm()
-    engine = {"load_s": load_s, "num_blocks": pool.num_gpu_blocks - 1,
-              "block_size": scheduler.cache_config.block_size,
-              "threads": _torch_threads(),
-              "prefix_caching": bool(scheduler.cache_config.enable_prefix_caching),
-              "vllm": f"{vllm[0]} {vllm[1]}" if vllm else None}
-    result: dict[str, Any] = {"arm": job["arm"], "engine": engine, "deployment_active": RUNTIME.active,
-                              "rss_after_load_mib": rss_after_load, "workloads": {}}
+    engine = {
+        "load_s": load_s,
+        "num_blocks": pool.num_gpu_blocks - 1,
+        "block_size": scheduler.cache_config.block_size,
+        "threads": _torch_threads(),
+        "prefix_caching": bool(scheduler.cache_config.enable_prefix_caching),
+        "vllm": f"{vllm[0]} {vllm[1]}" if vllm else None,
+    }
+    result: dict[str, Any] = {
+        "arm": job["arm"],
+        "engine": engine,
+        "deployment_active": RUNTIME.active,
+        "rss_after_load_mib": rss_after_load,
+        "workloads": {},
+    }
 
     workloads = job["workloads"]
     engine["warmup_s"] = 0.0
@@ -320,8 +354,11 @@ def _arm_run(job: dict[str, Any], send: Callable[[str, Any], None],
         # timed run then meets no shape the engine has not seen at start-up
         size = job["batch"] or max(len(w["prompts"]) for w in workloads)
         for w in workloads:
-            llm.generate([{"prompt_token_ids": p["token_ids"]} for p in w["prompts"][:size]],
-                         SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+            llm.generate(
+                [{"prompt_token_ids": p["token_ids"]} for p in w["prompts"][:size]],
+                SamplingParams(temperature=0.0, max_tokens=4),
+                use_tqdm=False,
+            )
         engine["warmup_s"] = time.perf_counter() - t
         repeat = max(1, int(job.get("repeat", 1)))
         send("total", repeat * sum(p["max_tokens"] for w in workloads for p in w["prompts"]))
@@ -350,9 +387,17 @@ def _arm_run(job: dict[str, Any], send: Callable[[str, Any], None],
             for w in workloads:
                 send("phase", f"generating {w['name']} (run {r + 1})")
                 llm.reset_prefix_cache()  # every run starts with a cold prefix cache
-                runs[w["name"]].append(_generate(
-                    llm, w["prompts"], batch=job["batch"], ignore_eos=job["ignore_eos"], sampler=sampler,
-                    on_tokens=lambda k: send("advance", k), tag=f"{w['name']}-{r}"))
+                runs[w["name"]].append(
+                    _generate(
+                        llm,
+                        w["prompts"],
+                        batch=job["batch"],
+                        ignore_eos=job["ignore_eos"],
+                        sampler=sampler,
+                        on_tokens=lambda k: send("advance", k),
+                        tag=f"{w['name']}-{r}",
+                    )
+                )
             send("phase", f"run {r + 1} done, waiting")
             send("round_done", r)
     finally:
@@ -374,7 +419,8 @@ def _arm_run(job: dict[str, Any], send: Callable[[str, Any], None],
     if score:
         send("phase", "scoring outputs (perplexity)")
         send("total_score", len(score))
-        result["scores"] = _score(llm, {k: (list(v[0]), list(v[1])) for k, v in score.items()},
-                                  lambda k: send("advance_score", k))
+        result["scores"] = _score(
+            llm, {k: (list(v[0]), list(v[1])) for k, v in score.items()}, lambda k: send("advance_score", k)
+        )
     send("phase", "done")
     return result

@@ -2,6 +2,7 @@
 the workloads, start each arm in its own spawned process (:mod:`.arm`), have the arms take
 turns run by run (:func:`run_arms`), assemble, render and write the result. ``--suite``
 hands over to :mod:`.suite`."""
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,13 @@ class ArmProcess:
     then runs what it is told: :meth:`run_round` (every workload once) any number of times,
     then :meth:`finish` (scoring, result). Events go to ``on_event`` while the parent waits."""
 
-    def __init__(self, job: dict[str, Any], workdir: Path, on_event: Callable[[str, str, Any], None],
-                 timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        job: dict[str, Any],
+        workdir: Path,
+        on_event: Callable[[str, str, Any], None],
+        timeout: float | None = None,
+    ) -> None:
         import multiprocessing
 
         self.job, self.on_event, self.timeout = job, on_event, timeout
@@ -45,8 +51,9 @@ class ArmProcess:
         ctx = multiprocessing.get_context("spawn")
         self._events, sender = ctx.Pipe(duplex=False)
         receiver, self._commands = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=_arm_main, args=(job, self.result_path, sender, receiver),
-                                name=f"vllm-graft-bench-{job['arm']}")
+        self.proc = ctx.Process(
+            target=_arm_main, args=(job, self.result_path, sender, receiver), name=f"vllm-graft-bench-{job['arm']}"
+        )
         self.proc.start()
         sender.close()  # the child holds the only write end: EOF when it exits
         receiver.close()
@@ -74,13 +81,17 @@ class ArmProcess:
         self.close()
         if until is not None:  # it exited before saying what was waited for: its result says why
             self._read()
-            raise ArmFailed(arm, f"the process exited with code {self.proc.exitcode} before {until}",
-                            self.job["log_path"])
+            raise ArmFailed(
+                arm, f"the process exited with code {self.proc.exitcode} before {until}", self.job["log_path"]
+            )
 
     def _read(self) -> dict[str, Any]:
         if not os.path.exists(self.result_path):
-            raise ArmFailed(self.job["arm"], f"the process exited with code {self.proc.exitcode} and wrote "
-                                             "no result", self.job["log_path"])
+            raise ArmFailed(
+                self.job["arm"],
+                f"the process exited with code {self.proc.exitcode} and wrote no result",
+                self.job["log_path"],
+            )
         with open(self.result_path) as f:
             result = json.load(f)
         if "error" in result:
@@ -115,11 +126,15 @@ class ArmProcess:
             conn.close()
 
 
-def run_arms(jobs: dict[str, dict[str, Any]], order: list[list[str]], *, start: Callable[[dict[str, Any]], Any],
-             score_for_plain: Callable[[dict[str, Any]], dict[str, Any]],
-             scorer_job: dict[str, Any] | None = None,
-             score_all: Callable[[dict[str, dict[str, Any]]], dict[str, Any]] | None = None,
-             ) -> tuple[dict[str, dict[str, Any]], dict | None]:
+def run_arms(
+    jobs: dict[str, dict[str, Any]],
+    order: list[list[str]],
+    *,
+    start: Callable[[dict[str, Any]], Any],
+    score_for_plain: Callable[[dict[str, Any]], dict[str, Any]],
+    scorer_job: dict[str, Any] | None = None,
+    score_all: Callable[[dict[str, dict[str, Any]]], dict[str, Any]] | None = None,
+) -> tuple[dict[str, dict[str, Any]], dict | None]:
     """Drive the arms: start each arm's process in the order of the first run (one at a time:
     the next starts once the previous is warm, so engine loads do not overlap), run every
     round in its order (``order[r]``: the arms take turns, alternating), then finish the graft
@@ -186,11 +201,12 @@ def _baseline(plan: Any, baseline: str | None) -> tuple[Any, dict[str, str]]:
     mine = plan.model.path if plan.model is not None else plan.deployment.model
     theirs = base.model.path if base.model is not None else base.deployment.model
     if str(Path(str(mine)).resolve()) != str(Path(str(theirs)).resolve()):
-        raise ValueError(f"{baseline} runs {theirs}, the deployment {mine}: the baseline must run "
-                         "the same model")
+        raise ValueError(f"{baseline} runs {theirs}, the deployment {mine}: the baseline must run the same model")
     if _max_model_len(base) < _max_model_len(plan):
-        raise ValueError(f"{baseline} allows {_max_model_len(base)} tokens per sequence, the "
-                         f"deployment {_max_model_len(plan)}: the workloads would not fit it")
+        raise ValueError(
+            f"{baseline} allows {_max_model_len(base)} tokens per sequence, the "
+            f"deployment {_max_model_len(plan)}: the workloads would not fit it"
+        )
     return base, {}
 
 
@@ -229,12 +245,16 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
 
         return cmd_suite(args, out, err, run_bench=run_bench, add_command=add_command)
     if not args.deployment:
-        err.print("[bold red]error:[/] give a deployment file: vllm-graft bench DEPLOYMENT.yaml "
-                  "(or a suite: vllm-graft bench --suite FILE)")
+        err.print(
+            "[bold red]error:[/] give a deployment file: vllm-graft bench DEPLOYMENT.yaml "
+            "(or a suite: vllm-graft bench --suite FILE)"
+        )
         return EXIT_USAGE
     if args.plot and not plot_available():
-        err.print(f"[bold red]error:[/] --plot needs matplotlib, which is not installed: {escape(PLOT_INSTALL)} "
-                  "(no engine started)")
+        err.print(
+            f"[bold red]error:[/] --plot needs matplotlib, which is not installed: {escape(PLOT_INSTALL)} "
+            "(no engine started)"
+        )
         return EXIT_USAGE
     rc, result = run_bench(args, out, err)
     if result is None:
@@ -251,16 +271,20 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
         write_plot(result, args.plot)
         out.print(f"plot written to {escape(args.plot)}")
     wall = result["wall_s"]
-    out.print(f"[dim]bench wall time {wall:.1f} s; engine logs in {escape(str(args.log_dir))}[/]" if args.log_dir
-              else f"[dim]bench wall time {wall:.1f} s[/]")
+    out.print(
+        f"[dim]bench wall time {wall:.1f} s; engine logs in {escape(str(args.log_dir))}[/]"
+        if args.log_dir
+        else f"[dim]bench wall time {wall:.1f} s[/]"
+    )
     cmp = result["comparison"]
     if args.require_identical and cmp is not None and not cmp["identical"]:
         return EXIT_DIFFERENT
     return EXIT_OK
 
 
-def run_bench(args: argparse.Namespace, out: Console, err: Console,
-              progress: Any = None) -> tuple[int, dict[str, Any] | None]:
+def run_bench(
+    args: argparse.Namespace, out: Console, err: Console, progress: Any = None
+) -> tuple[int, dict[str, Any] | None]:
     """Validate, run both arms and assemble the result (no rendering): (exit code, result or
     None when it failed; the reason is printed on ``err``). ``progress``: a running
     rich Progress to add this run's bars to (the suite's); otherwise one of its own."""
@@ -273,8 +297,7 @@ def run_bench(args: argparse.Namespace, out: Console, err: Console,
         err.print(f"[bold red]error:[/] {escape(str(e))}")
         return EXIT_USAGE, None
     if args.num_prompts < 1 or args.max_tokens < 1 or args.batch < 0 or args.repeat < 1:
-        err.print("[bold red]error:[/] --num-prompts, --max-tokens and --repeat must be at least 1, "
-                  "--batch at least 0")
+        err.print("[bold red]error:[/] --num-prompts, --max-tokens and --repeat must be at least 1, --batch at least 0")
         return EXIT_USAGE, None
 
     from vllm_graft.hooks import DeploymentError
@@ -295,8 +318,10 @@ def run_bench(args: argparse.Namespace, out: Console, err: Console,
         return EXIT_INVALID, None
 
     if getattr(args, "baseline_as_is", False) and args.baseline in (None, NO_PACKAGE):
-        err.print("[bold red]error:[/] --baseline-as-is needs --baseline OTHER.yaml: the deployment file the "
-                  "plain arm runs with its plugins")
+        err.print(
+            "[bold red]error:[/] --baseline-as-is needs --baseline OTHER.yaml: the deployment file the "
+            "plain arm runs with its plugins"
+        )
         return EXIT_USAGE, None
     try:
         plain_plan, plain_env = _baseline(plan, args.baseline)
@@ -317,21 +342,39 @@ def run_bench(args: argparse.Namespace, out: Console, err: Console,
         except (OSError, ValueError, ImportError) as e:
             err.print(f"[bold red]error:[/] cannot load the tokenizer of {escape(str(model))}: {escape(str(e))}")
             return EXIT_INVALID, None
-        prompt_sets = W.build(names, tokenizer, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
-                              max_model_len=max_model_len, seed=args.seed)
+        prompt_sets = W.build(
+            names,
+            tokenizer,
+            num_prompts=args.num_prompts,
+            max_tokens=args.max_tokens,
+            max_model_len=max_model_len,
+            seed=args.seed,
+        )
     except W.WorkloadError as e:
         err.print(f"[bold red]error:[/] {escape(str(e))}")
         return EXIT_USAGE, None
 
     plugins = [f"{e.kind}:{e.name}" for e in plan.enabled]
     as_is = bool(getattr(args, "baseline_as_is", False))
-    settings = {"arms": arms, "baseline": args.baseline, "baseline_as_is": as_is, "workloads": names,
-                "num_prompts": args.num_prompts,
-                "max_tokens": args.max_tokens, "batch": args.batch, "repeat": args.repeat, "seed": args.seed,
-                "ignore_eos": args.ignore_eos, "max_model_len": max_model_len,
-                "perplexity": not args.no_ppl, "temperature": 0.0}
-    wl_jobs = [{"name": ps.name, "prompts": [{"token_ids": list(p.token_ids), "max_tokens": p.max_tokens}
-                                             for p in ps.prompts]} for ps in prompt_sets]
+    settings = {
+        "arms": arms,
+        "baseline": args.baseline,
+        "baseline_as_is": as_is,
+        "workloads": names,
+        "num_prompts": args.num_prompts,
+        "max_tokens": args.max_tokens,
+        "batch": args.batch,
+        "repeat": args.repeat,
+        "seed": args.seed,
+        "ignore_eos": args.ignore_eos,
+        "max_model_len": max_model_len,
+        "perplexity": not args.no_ppl,
+        "temperature": 0.0,
+    }
+    wl_jobs = [
+        {"name": ps.name, "prompts": [{"token_ids": list(p.token_ids), "max_tokens": p.max_tokens} for p in ps.prompts]}
+        for ps in prompt_sets
+    ]
     by_name = {ps.name: [list(p.token_ids) for p in ps.prompts] for ps in prompt_sets}
     # Per-request stats on (the cross-check of TTFT/ITL); the seed unless the deployment sets one.
     overrides: dict[str, Any] = {"disable_log_stats": False}
@@ -341,17 +384,23 @@ def run_bench(args: argparse.Namespace, out: Console, err: Console,
     workdir = Path(args.log_dir) if keep_logs else Path(tempfile.mkdtemp(prefix="vllm-graft-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
 
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
-                               TimeElapsedColumn)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     t_start = time.perf_counter()
     order = arm_order([a for a in ("graft", "plain") if a in arms], args.repeat)
     settings["order"] = order
     owns_progress = progress is None
     if progress is None:
-        progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                            MofNCompleteColumn(), TextColumn("{task.fields[unit]}"), TimeElapsedColumn(),
-                            console=out, transient=False)
+        progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[unit]}"),
+            TimeElapsedColumn(),
+            console=out,
+            transient=False,
+        )
     totals: dict[Any, int] = {}
     added: list[Any] = []
 
@@ -387,15 +436,26 @@ def run_bench(args: argparse.Namespace, out: Console, err: Console,
         # --baseline-as-is: the plain arm runs the baseline file with its plugins (not the
         # scorer, which scores every output under the unmodified model)
         plugins = graft or (as_is and generate)
-        return {"arm": arm, "llm_kwargs": llm_kwargs(twin, graft=plugins, **overrides), "report_plugins": plugins,
-                "env": {} if graft else plain_env,
-                "workloads": wl_jobs if generate else [], "batch": args.batch, "repeat": args.repeat,
-                "ignore_eos": args.ignore_eos, "log_path": str(workdir / f"{arm}.log"),
-                "score_own": score_own, "workloads_by_name": by_name}
+        return {
+            "arm": arm,
+            "llm_kwargs": llm_kwargs(twin, graft=plugins, **overrides),
+            "report_plugins": plugins,
+            "env": {} if graft else plain_env,
+            "workloads": wl_jobs if generate else [],
+            "batch": args.batch,
+            "repeat": args.repeat,
+            "ignore_eos": args.ignore_eos,
+            "log_path": str(workdir / f"{arm}.log"),
+            "score_own": score_own,
+            "workloads_by_name": by_name,
+        }
 
     def outputs_of(arm: str, raw: dict[str, Any]) -> dict[str, Any]:
-        return {f"{arm}/{ps.name}/{p.index}": (list(p.token_ids), r["output_token_ids"])
-                for ps in prompt_sets for p, r in zip(ps.prompts, raw["workloads"][ps.name]["requests"])}
+        return {
+            f"{arm}/{ps.name}/{p.index}": (list(p.token_ids), r["output_token_ids"])
+            for ps in prompt_sets
+            for p, r in zip(ps.prompts, raw["workloads"][ps.name]["requests"])
+        }
 
     def score_for_plain(graft_raw: dict[str, Any]) -> dict[str, Any]:
         if args.no_ppl or as_is:  # an as-is baseline does not score: the scorer does
@@ -410,8 +470,9 @@ def run_bench(args: argparse.Namespace, out: Console, err: Console,
     try:
         if owns_progress:
             progress.start()
-        results, scores = run_arms(jobs, order, start=start, score_for_plain=score_for_plain, scorer_job=scorer,
-                                   score_all=score_all)
+        results, scores = run_arms(
+            jobs, order, start=start, score_for_plain=score_for_plain, scorer_job=scorer, score_all=score_all
+        )
     except ArmFailed as e:
         err.print(f"[bold red]✗ the {e.arm} arm failed:[/] {escape(str(e))}")
         tail = _tail(e.log_path)
@@ -430,15 +491,26 @@ def run_bench(args: argparse.Namespace, out: Console, err: Console,
     from vllm_graft.integration.env import installed_vllm
 
     found = installed_vllm()
-    environment = {"python": sys.version.split()[0], "platform": platform.platform(),
-                   "machine": platform.machine(), "cpu_count": os.cpu_count(),
-                   "vllm": f"{found[0]} {found[1]}" if found else None,
-                   "stdlib": str(W.stdlib_dir()), "vllm_platform": plan.platform}
-    result = assemble(deployment=str(args.deployment),
-                      plan_info={"model": plan.deployment.model, "plugins": plugins,
-                                 "engine_args": plan.deployment.engine},
-                      settings=settings, prompt_sets=prompt_sets, arm_results=results, scores=scores,
-                      decode=tokenizer.decode, wall_s=wall, environment=environment)
+    environment = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "vllm": f"{found[0]} {found[1]}" if found else None,
+        "stdlib": str(W.stdlib_dir()),
+        "vllm_platform": plan.platform,
+    }
+    result = assemble(
+        deployment=str(args.deployment),
+        plan_info={"model": plan.deployment.model, "plugins": plugins, "engine_args": plan.deployment.engine},
+        settings=settings,
+        prompt_sets=prompt_sets,
+        arm_results=results,
+        scores=scores,
+        decode=tokenizer.decode,
+        wall_s=wall,
+        environment=environment,
+    )
     if not keep_logs:
         import shutil
 
@@ -451,67 +523,121 @@ def add_command(sub: Any) -> None:
     from vllm_graft.tools.workloads import WORKLOADS
 
     p = sub.add_parser(
-        "bench", help="A/B benchmark: plain vLLM vs the deployment on the same workloads",
+        "bench",
+        help="A/B benchmark: plain vLLM vs the deployment on the same workloads",
         description="Run the same deterministic workloads through plain vLLM and through the "
-                    "deployment (each in its own process, in-process engine, greedy decoding) and "
-                    "report output tokens/s, time to first token, inter-token latency, peak KV "
-                    "blocks in use, peak memory, whether greedy outputs are identical, and the "
-                    "perplexity of the outputs under the unmodified model.",
+        "deployment (each in its own process, in-process engine, greedy decoding) and "
+        "report output tokens/s, time to first token, inter-token latency, peak KV "
+        "blocks in use, peak memory, whether greedy outputs are identical, and the "
+        "perplexity of the outputs under the unmodified model.",
         epilog=f"Workloads: {', '.join(WORKLOADS)} (--list-workloads describes them). Exit codes: "
-               "0 ok, 1 invalid deployment (no engine started), 2 bad command line, 3 a plugin "
-               "failed to load, 4 an engine run failed, 5 outputs differ (with --require-identical).",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        "0 ok, 1 invalid deployment (no engine started), 2 bad command line, 3 a plugin "
+        "failed to load, 4 an engine run failed, 5 outputs differ (with --require-identical).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("deployment", nargs="?", help="deployment YAML file")
-    p.add_argument("--workload", action="append", metavar="NAME[,NAME]",
-                   help="workload(s) to run; repeatable or a comma list (default: all)")
+    p.add_argument(
+        "--workload",
+        action="append",
+        metavar="NAME[,NAME]",
+        help="workload(s) to run; repeatable or a comma list (default: all)",
+    )
     p.add_argument("--list-workloads", action="store_true", help="describe the built-in workloads and exit")
     p.add_argument("--num-prompts", type=int, default=8, metavar="N", help="prompts per workload (default 8)")
-    p.add_argument("--max-tokens", type=int, default=64, metavar="N",
-                   help="output tokens per request (default 64; less where the context is full)")
-    p.add_argument("--batch", type=int, default=0, metavar="N",
-                   help="requests in flight at once; the next is submitted when one finishes "
-                        "(default 0: all of a workload's requests at once)")
-    p.add_argument("--repeat", type=int, default=1, metavar="N",
-                   help="run each workload N times per engine, the two arms taking turns in an "
-                        "alternating order (graft plain, plain graft, ...; both engines stay loaded); "
-                        "report the median tokens/s with the min-max range (default 1)")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=64,
+        metavar="N",
+        help="output tokens per request (default 64; less where the context is full)",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=0,
+        metavar="N",
+        help="requests in flight at once; the next is submitted when one finishes "
+        "(default 0: all of a workload's requests at once)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run each workload N times per engine, the two arms taking turns in an "
+        "alternating order (graft plain, plain graft, ...; both engines stay loaded); "
+        "report the median tokens/s with the min-max range (default 1)",
+    )
     p.add_argument("--seed", type=int, default=0, help="workload selection and engine seed (default 0)")
-    p.add_argument("--arms", default="plain,graft", metavar="ARMS",
-                   help="which arms to run: plain, graft or plain,graft (default both)")
-    p.add_argument("--baseline", metavar="DEPLOYMENT|no-package",
-                   help="what the plain arm runs (default: the deployment's plain twin, its model and "
-                        "engine section without plugins). A deployment file: that file's plain twin, "
-                        "same model (e.g. the deployment turns on vLLM's own ngram speculation in its "
-                        "engine section, the baseline is plain vLLM). 'no-package': the twin with "
-                        "vLLM's plugin loader told to skip vllm-graft (VLLM_PLUGINS), to measure what "
-                        "installing the package costs. Perplexity is scored by the plain arm, so "
-                        "under the baseline's engine. With --baseline-as-is the file runs with its plugins")
-    p.add_argument("--baseline-as-is", action="store_true",
-                   help="run the --baseline deployment file as is, its plugins on, as the plain arm: two "
-                        "deployments side by side (e.g. a third-party KV compressor against streaming on "
-                        "the same model); a separate plain engine (the file's twin) scores both arms' "
-                        "outputs under the unmodified model")
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="generate max-tokens tokens even past <|endoftext|> (fixed output lengths)")
+    p.add_argument(
+        "--arms",
+        default="plain,graft",
+        metavar="ARMS",
+        help="which arms to run: plain, graft or plain,graft (default both)",
+    )
+    p.add_argument(
+        "--baseline",
+        metavar="DEPLOYMENT|no-package",
+        help="what the plain arm runs (default: the deployment's plain twin, its model and "
+        "engine section without plugins). A deployment file: that file's plain twin, "
+        "same model (e.g. the deployment turns on vLLM's own ngram speculation in its "
+        "engine section, the baseline is plain vLLM). 'no-package': the twin with "
+        "vLLM's plugin loader told to skip vllm-graft (VLLM_PLUGINS), to measure what "
+        "installing the package costs. Perplexity is scored by the plain arm, so "
+        "under the baseline's engine. With --baseline-as-is the file runs with its plugins",
+    )
+    p.add_argument(
+        "--baseline-as-is",
+        action="store_true",
+        help="run the --baseline deployment file as is, its plugins on, as the plain arm: two "
+        "deployments side by side (e.g. a third-party KV compressor against streaming on "
+        "the same model); a separate plain engine (the file's twin) scores both arms' "
+        "outputs under the unmodified model",
+    )
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="generate max-tokens tokens even past <|endoftext|> (fixed output lengths)",
+    )
     p.add_argument("--no-ppl", action="store_true", help="skip scoring outputs under the unmodified model")
     p.add_argument("--json", metavar="FILE", help="write the full result as JSON ('-': stdout)")
     p.add_argument("--plot", metavar="FILE", help="write a PNG of the figures")
     p.add_argument("--log-dir", metavar="DIR", help="keep the engines' logs and raw results here")
-    p.add_argument("--timeout", type=float, default=0, metavar="S", help="give up on an arm S seconds after its process started (it stays alive "
-                        "while the other arm takes its turns)")
-    p.add_argument("--require-identical", action="store_true",
-                   help="exit 5 when the arms' greedy outputs differ")
-    p.add_argument("--suite", metavar="FILE", nargs="?", const="DEFAULT",
-                   help="run every case of a suite file (YAML; default benchmarks/suite.yaml) and write "
-                        "its results, BENCHMARKS.md's generated section and a plot (--quick, --only)")
-    p.add_argument("--quick", action="store_true", help="suite: the suite file's quick settings "
-                                                        "(fewer prompts, tokens, repeats)")
-    p.add_argument("--only", action="append", metavar="NAME[,NAME]",
-                   help="suite: run only these cases (repeatable or a comma list)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=0,
+        metavar="S",
+        help="give up on an arm S seconds after its process started (it stays alive "
+        "while the other arm takes its turns)",
+    )
+    p.add_argument("--require-identical", action="store_true", help="exit 5 when the arms' greedy outputs differ")
+    p.add_argument(
+        "--suite",
+        metavar="FILE",
+        nargs="?",
+        const="DEFAULT",
+        help="run every case of a suite file (YAML; default benchmarks/suite.yaml) and write "
+        "its results, BENCHMARKS.md's generated section and a plot (--quick, --only)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="suite: the suite file's quick settings (fewer prompts, tokens, repeats)"
+    )
+    p.add_argument(
+        "--only",
+        action="append",
+        metavar="NAME[,NAME]",
+        help="suite: run only these cases (repeatable or a comma list)",
+    )
     p.add_argument("--list-cases", action="store_true", help="suite: list the cases and exit")
-    p.add_argument("--render", action="store_true",
-                   help="suite: run nothing; rewrite the Markdown section and plot from the saved results")
-    p.add_argument("--no-write", action="store_true",
-                   help="suite: print the table only; do not write the results, Markdown section and "
-                        "plot the suite file names")
+    p.add_argument(
+        "--render",
+        action="store_true",
+        help="suite: run nothing; rewrite the Markdown section and plot from the saved results",
+    )
+    p.add_argument(
+        "--no-write",
+        action="store_true",
+        help="suite: print the table only; do not write the results, Markdown section and plot the suite file names",
+    )
     p.set_defaults(func=cmd_bench)

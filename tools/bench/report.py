@@ -1,4 +1,5 @@
 """Rendering of a bench result: the rich table and report, and the PNG plot."""
+
 from __future__ import annotations
 
 import json
@@ -69,26 +70,30 @@ def render_table(result: dict[str, Any]) -> Table:
     s = result["settings"]
     runs = s.get("repeat") or 1
     plugins = ", ".join(result.get("plugins") or []) or "no plugins"
-    table = Table(title=f"vllm-graft bench: {escape(result['deployment'])} ({escape(plugins)}); "
-                        f"{s['num_prompts']} prompts x <= {s['max_tokens']} tokens per workload, greedy"
-                        + (f"; plain arm: {escape(s['baseline'])}" if s.get("baseline") else "")
-                        + (" as is (its plugins on)" if s.get("baseline_as_is") else "")
-                        + (f"; median of {runs} runs" if runs > 1 else "") + _order_text(s.get("order")),
-                  title_justify="left")
+    table = Table(
+        title=f"vllm-graft bench: {escape(result['deployment'])} ({escape(plugins)}); "
+        f"{s['num_prompts']} prompts x <= {s['max_tokens']} tokens per workload, greedy"
+        + (f"; plain arm: {escape(s['baseline'])}" if s.get("baseline") else "")
+        + (" as is (its plugins on)" if s.get("baseline_as_is") else "")
+        + (f"; median of {runs} runs" if runs > 1 else "")
+        + _order_text(s.get("order")),
+        title_justify="left",
+    )
     columns = [c for c in COLUMNS if c[1] != "output_tok_s_range" or runs > 1]
     table.add_column("workload", no_wrap=True)
     table.add_column("arm", no_wrap=True)
     for header, *_ in columns:  # two-line headers: the numbers set the width (cells never wrap)
-        table.add_column("\n".join(header.rsplit(" ", 1)) if len(header) > 9 else header,
-                         justify="right", no_wrap=True)
+        table.add_column("\n".join(header.rsplit(" ", 1)) if len(header) > 9 else header, justify="right", no_wrap=True)
     table.add_column("identical", no_wrap=True)
     arms = [a for a in ARMS if a in result["arms"]]
     names = [w["name"] for w in result["workloads"]]
     groups = [(n, n) for n in names] + ([("all", None)] if len(names) > 1 else [])
     cmp_all = result.get("comparison")
     for label, name in groups:
-        summaries = {a: dict(result["arms"][a]["workloads"][name]["summary"] if name else result["arms"][a]["overall"])
-                     for a in arms}
+        summaries = {
+            a: dict(result["arms"][a]["workloads"][name]["summary"] if name else result["arms"][a]["overall"])
+            for a in arms
+        }
         for summ in summaries.values():
             lo, hi = summ.get("output_tok_s_min"), summ.get("output_tok_s_max")
             summ["output_tok_s_range"] = f"{lo:.1f}-{hi:.1f}" if lo is not None and hi is not None else ""
@@ -100,14 +105,18 @@ def render_table(result: dict[str, Any]) -> Table:
                 ident = "reference"
             else:
                 ident = _identical_cell(cmp_all["workloads"][name] if name else cmp_all)
-            table.add_row(label if i == 0 else "", arm, *cells, ident,
-                          end_section=len(arms) == 1 and label != groups[-1][0])
+            table.add_row(
+                label if i == 0 else "", arm, *cells, ident, end_section=len(arms) == 1 and label != groups[-1][0]
+            )
         if len(arms) == 2:
             p, g = summaries["plain"], summaries["graft"]
-            table.add_row("", "[dim]change[/]",
-                          *[_change(p.get(key), g.get(key), better) if better else ""
-                            for _, key, _, better in columns], "",
-                          end_section=True)
+            table.add_row(
+                "",
+                "[dim]change[/]",
+                *[_change(p.get(key), g.get(key), better) if better else "" for _, key, _, better in columns],
+                "",
+                end_section=True,
+            )
     return table
 
 
@@ -126,44 +135,61 @@ def render_report(result: dict[str, Any], console: Console) -> None:
                         continue
                     shown += 1
                     pos = p["first_diff"]
-                    reqs = {a: result["arms"][a]["workloads"][name]["requests"][p["index"]]["output_token_ids"]
-                            for a in ("plain", "graft")}
+                    reqs = {
+                        a: result["arms"][a]["workloads"][name]["requests"][p["index"]]["output_token_ids"]
+                        for a in ("plain", "graft")
+                    }
                     tok = {a: (reqs[a][pos] if pos < len(reqs[a]) else "end") for a in reqs}
-                    console.print(f"  {escape(name)} #{p['index']} ({escape(p.get('source', ''))}): first "
-                                  f"difference at output token {pos} (plain {tok['plain']}, graft {tok['graft']}; "
-                                  f"{p['plain_tokens']} vs {p['graft_tokens']} tokens)")
+                    console.print(
+                        f"  {escape(name)} #{p['index']} ({escape(p.get('source', ''))}): first "
+                        f"difference at output token {pos} (plain {tok['plain']}, graft {tok['graft']}; "
+                        f"{p['plain_tokens']} vs {p['graft_tokens']} tokens)"
+                    )
     ratio = (cmp or {}).get("ratio")
     if ratio is not None and (result["settings"].get("repeat") or 1) > 1 and ratio.get("min") is not None:
-        console.print(f"Speed: graft / plain output tokens/s {ratio['ratio']:.3f} (median of each arm's "
-                      f"{result['settings']['repeat']} runs; the runs' paired ratios {ratio['min']:.3f}-"
-                      f"{ratio['max']:.3f}).")
-    busy = [(arm, name, w["summary"]["other_cpus"]) for arm, a in result["arms"].items()
-            for name, w in a["workloads"].items()
-            if (w["summary"].get("other_cpus") or 0) > BUSY_OTHER_CPUS]
+        console.print(
+            f"Speed: graft / plain output tokens/s {ratio['ratio']:.3f} (median of each arm's "
+            f"{result['settings']['repeat']} runs; the runs' paired ratios {ratio['min']:.3f}-"
+            f"{ratio['max']:.3f})."
+        )
+    busy = [
+        (arm, name, w["summary"]["other_cpus"])
+        for arm, a in result["arms"].items()
+        for name, w in a["workloads"].items()
+        if (w["summary"].get("other_cpus") or 0) > BUSY_OTHER_CPUS
+    ]
     if busy:
         where = ", ".join(f"{arm} {name} {n:.1f}" for arm, name, n in busy)
-        console.print(f"[yellow]warning:[/] other processes used CPUs during the timed runs ({where} CPUs "
-                      f"on average, of {os.cpu_count()}); those timings are unreliable: run on a quiet "
-                      "machine, or use --repeat")
+        console.print(
+            f"[yellow]warning:[/] other processes used CPUs during the timed runs ({where} CPUs "
+            f"on average, of {os.cpu_count()}); those timings are unreliable: run on a quiet "
+            "machine, or use --repeat"
+        )
     for arm in ("graft", "plain"):
         a = result["arms"].get(arm)
         if a and not a["overall"].get("runs_identical", True):
-            console.print(f"[yellow]warning:[/] the {arm} arm's repeated runs gave different greedy outputs "
-                          "(batch-dependent numerics?); the table shows the median run")
+            console.print(
+                f"[yellow]warning:[/] the {arm} arm's repeated runs gave different greedy outputs "
+                "(batch-dependent numerics?); the table shows the median run"
+            )
     for arm in ("graft", "plain"):
         a = result["arms"].get(arm)
         if a:
             e = a["engine"]
-            console.print(f"[dim]{arm}: engine load {e.get('load_s', 0):.1f} s, warm-up {e.get('warmup_s', 0):.2f} s, "
-                          f"KV pool {e.get('num_blocks')} blocks of {e.get('block_size')} tokens, "
-                          f"peak RSS {_num(a.get('peak_rss_mib'), '{:.0f}')} MiB "
-                          f"(after load {_num(a.get('rss_after_load_mib'), '{:.0f}')} MiB)[/]")
-    console.print("[dim]How measured: TTFT/ITL from per-token perf_counter stamps taken as each engine step "
-                  "returns (in-process engine driven step by step; vLLM's RequestStateStats kept in the JSON); "
-                  "tokens/s = output tokens / wall time of the run; KV blocks = peak blocks allocated in the "
-                  "scheduler's block pool (sampled after each schedule()), and their median over the decode "
-                  "steps (every scheduled request past its prompt; the peak is usually the prefill); peak RSS = ru_maxrss of the arm's "
-                  "process; ppl = output tokens under the unmodified model (prompt_logprobs).[/]")
+            console.print(
+                f"[dim]{arm}: engine load {e.get('load_s', 0):.1f} s, warm-up {e.get('warmup_s', 0):.2f} s, "
+                f"KV pool {e.get('num_blocks')} blocks of {e.get('block_size')} tokens, "
+                f"peak RSS {_num(a.get('peak_rss_mib'), '{:.0f}')} MiB "
+                f"(after load {_num(a.get('rss_after_load_mib'), '{:.0f}')} MiB)[/]"
+            )
+    console.print(
+        "[dim]How measured: TTFT/ITL from per-token perf_counter stamps taken as each engine step "
+        "returns (in-process engine driven step by step; vLLM's RequestStateStats kept in the JSON); "
+        "tokens/s = output tokens / wall time of the run; KV blocks = peak blocks allocated in the "
+        "scheduler's block pool (sampled after each schedule()), and their median over the decode "
+        "steps (every scheduled request past its prompt; the peak is usually the prefill); peak RSS = ru_maxrss of the arm's "
+        "process; ppl = output tokens under the unmodified model (prompt_logprobs).[/]"
+    )
     report = result.get("runtime_report")
     if report is not None:
         if not report:
@@ -173,9 +199,13 @@ def render_report(result: dict[str, Any], console: Console) -> None:
             for col in ("kind", "plugin", "instantiated", "events", "described"):
                 t.add_column(col, overflow="fold")
             for r in report:
-                t.add_row(r["kind"], r["name"], "yes" if r.get("instantiated") else "no",
-                          escape(", ".join(f"{k}={v}" for k, v in r.get("events", {}).items()) or "-"),
-                          escape(json.dumps(r.get("described") or {}, default=str)))
+                t.add_row(
+                    r["kind"],
+                    r["name"],
+                    "yes" if r.get("instantiated") else "no",
+                    escape(", ".join(f"{k}={v}" for k, v in r.get("events", {}).items()) or "-"),
+                    escape(json.dumps(r.get("described") or {}, default=str)),
+                )
             console.print(t)
 
 
@@ -202,16 +232,21 @@ def write_plot(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ModuleNotFoundError as e:
-        raise ModuleNotFoundError(f"the plot needs matplotlib, which is not installed: {PLOT_INSTALL}",
-                                  name="matplotlib") from e
+        raise ModuleNotFoundError(
+            f"the plot needs matplotlib, which is not installed: {PLOT_INSTALL}", name="matplotlib"
+        ) from e
 
     arms = [a for a in ARMS if a in result["arms"]]
     names = [w["name"] for w in result["workloads"]]
     labels = names + (["all"] if len(names) > 1 else [])
-    panels = [("output tokens/s", "output_tok_s", 1.0), ("TTFT mean (ms)", "ttft_mean_s", 1000.0),
-              ("ITL mean (ms)", "itl_mean_s", 1000.0), ("peak KV blocks in use", "kv_blocks_peak", 1.0),
-              ("perplexity of outputs (unmodified model)", "perplexity", 1.0),
-              ("peak RSS of the arm (MiB)", "peak_rss_mib", 1.0)]
+    panels = [
+        ("output tokens/s", "output_tok_s", 1.0),
+        ("TTFT mean (ms)", "ttft_mean_s", 1000.0),
+        ("ITL mean (ms)", "itl_mean_s", 1000.0),
+        ("peak KV blocks in use", "kv_blocks_peak", 1.0),
+        ("perplexity of outputs (unmodified model)", "perplexity", 1.0),
+        ("peak RSS of the arm (MiB)", "peak_rss_mib", 1.0),
+    ]
     colors = {"plain": "#7f7f7f", "graft": "#1f77b4"}
     fig = Figure(figsize=(15, 8), dpi=100)
     FigureCanvasAgg(fig)
@@ -221,8 +256,11 @@ def write_plot(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
         for j, arm in enumerate(arms):
             values = []
             for label in labels:
-                s = (result["arms"][arm]["overall"] if label == "all"
-                     else result["arms"][arm]["workloads"][label]["summary"])
+                s = (
+                    result["arms"][arm]["overall"]
+                    if label == "all"
+                    else result["arms"][arm]["workloads"][label]["summary"]
+                )
                 v = s.get(key)
                 values.append(float("nan") if v is None else v * scale)
             xs = [i + (j - (len(arms) - 1) / 2) * width for i in range(len(labels))]
@@ -235,13 +273,18 @@ def write_plot(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
         ax.grid(axis="y", alpha=0.3)
     axes.flat[0].legend(fontsize=8)
     cmp = result.get("comparison")
-    ident = ("-" if cmp is None else
-             f"identical greedy outputs: {cmp['n_identical']}/{cmp['n']}")
+    ident = "-" if cmp is None else f"identical greedy outputs: {cmp['n_identical']}/{cmp['n']}"
     s = result["settings"]
-    if any((w["summary"].get("other_cpus") or 0) > BUSY_OTHER_CPUS
-           for a in result["arms"].values() for w in a["workloads"].values()):
+    if any(
+        (w["summary"].get("other_cpus") or 0) > BUSY_OTHER_CPUS
+        for a in result["arms"].values()
+        for w in a["workloads"].values()
+    ):
         ident += "; WARNING: other processes were busy, timings disturbed"
-    fig.suptitle(f"vllm-graft bench {result['deployment']} ({', '.join(result.get('plugins') or []) or 'no plugins'}): "
-                 f"{s['num_prompts']} prompts x <= {s['max_tokens']} tokens, greedy; {ident}", fontsize=11)
+    fig.suptitle(
+        f"vllm-graft bench {result['deployment']} ({', '.join(result.get('plugins') or []) or 'no plugins'}): "
+        f"{s['num_prompts']} prompts x <= {s['max_tokens']} tokens, greedy; {ident}",
+        fontsize=11,
+    )
     fig.tight_layout()
     fig.savefig(str(path))

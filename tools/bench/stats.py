@@ -1,6 +1,7 @@
 """Pure helpers of `vllm-graft bench`: the timing metrics of a request and of a run, the
 comparison of two arms' greedy outputs, the choice among repeated runs and the assembly of the
 result (what --json writes and the table and plot show). No engine, no vLLM."""
+
 from __future__ import annotations
 
 import math
@@ -14,33 +15,33 @@ SCHEMA = "vllm-graft-bench/1"
 
 MEASUREMENT = {
     "output_tok_s": "output tokens of all requests / wall time from the first request submitted "
-                    "to the last token received (warm-up excluded); with --repeat N, the median of "
-                    "the N runs (every run's figure under output_tok_s_runs, in run order; the other "
-                    "figures come from the run with the median wall time)",
+    "to the last token received (warm-up excluded); with --repeat N, the median of "
+    "the N runs (every run's figure under output_tok_s_runs, in run order; the other "
+    "figures come from the run with the median wall time)",
     "repeats": "with --repeat N both engines stay loaded and the arms take turns: run r of every "
-               "workload goes through the arms in the order settings.order[r], which alternates "
-               "(graft then plain, plain then graft, ...), so neither arm always runs first",
+    "workload goes through the arms in the order settings.order[r], which alternates "
+    "(graft then plain, plain then graft, ...), so neither arm always runs first",
     "decode_ratio": "as ratio, of decode rates (1 / median inter-token latency of each run): "
-                    "decode steps alone, prefill left out",
+    "decode steps alone, prefill left out",
     "ratio": "graft / plain median output tokens/s; its range is the min-max of the ratios of the "
-             "two arms' runs with the same index (adjacent in time)",
+    "two arms' runs with the same index (adjacent in time)",
     "ttft": "per request: perf_counter when the engine step returning its first output token "
-            "ends - when the request was submitted (LLMEngine.add_request, in-process engine "
-            "driven step by step)",
+    "ends - when the request was submitted (LLMEngine.add_request, in-process engine "
+    "driven step by step)",
     "itl": "per output token after the first: gap to the previous token of the same request "
-           "(a step delivering k tokens counts as k gaps of 1/k); tpot = (last - first) / (n - 1)",
+    "(a step delivering k tokens counts as k gaps of 1/k); tpot = (last - first) / (n - 1)",
     "vllm_metrics": "vLLM's RequestOutput.metrics (RequestStateStats): first_token_latency and "
-                    "(last_token_ts - first_token_ts) / (n - 1), kept per request as a cross-check",
+    "(last_token_ts - first_token_ts) / (n - 1), kept per request as a cross-check",
     "kv_blocks": "blocks allocated from the scheduler's KV block pool (total - free - null block), "
-                 "sampled after every Scheduler.schedule(); peak per workload, and the median over the "
-                 "decode steps (steps where every scheduled request is past its prompt: the prefill "
-                 "makes the peak, a KV compressor acts on the decode steps)",
+    "sampled after every Scheduler.schedule(); peak per workload, and the median over the "
+    "decode steps (steps where every scheduled request is past its prompt: the prefill "
+    "makes the peak, a KV compressor acts on the decode steps)",
     "peak_rss": "ru_maxrss of the arm's child process after its last timed workload",
     "other_cpus": "CPUs used on average by other processes during a run (/proc/stat busy time minus "
-                  "the arm's own CPU time, / wall time); well above 0 means the timings are disturbed",
+    "the arm's own CPU time, / wall time); well above 0 means the timings are disturbed",
     "identical": "greedy output token ids, graft vs plain, per prompt; first differing output position",
     "perplexity": "exp(mean NLL of the output tokens) under the unmodified model (plain engine, "
-                  "prompt_logprobs=0 on prompt + output)",
+    "prompt_logprobs=0 on prompt + output)",
 }
 
 
@@ -86,9 +87,11 @@ def request_timing(submit: float, token_times: Sequence[float]) -> dict[str, Any
     if not token_times:
         return {"ttft_s": None, "tpot_s": None, "itl_s": []}
     n = len(token_times)
-    return {"ttft_s": token_times[0] - submit,
-            "tpot_s": (token_times[-1] - token_times[0]) / (n - 1) if n > 1 else None,
-            "itl_s": token_gaps(token_times)}
+    return {
+        "ttft_s": token_times[0] - submit,
+        "tpot_s": (token_times[-1] - token_times[0]) / (n - 1) if n > 1 else None,
+        "itl_s": token_gaps(token_times),
+    }
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -107,11 +110,11 @@ def compare_outputs(plain: Sequence[Sequence[int]], graft: Sequence[Sequence[int
     prompts: list[dict[str, Any]] = []
     for i, (a, b) in enumerate(zip(plain, graft)):
         pos = first_difference(a, b)
-        prompts.append({"index": i, "identical": pos is None, "first_diff": pos,
-                        "plain_tokens": len(a), "graft_tokens": len(b)})
+        prompts.append(
+            {"index": i, "identical": pos is None, "first_diff": pos, "plain_tokens": len(a), "graft_tokens": len(b)}
+        )
     n_same = sum(p["identical"] for p in prompts)
-    return {"identical": n_same == len(prompts), "n_identical": n_same, "n": len(prompts),
-            "prompts": prompts}
+    return {"identical": n_same == len(prompts), "n_identical": n_same, "n": len(prompts), "prompts": prompts}
 
 
 def nll_of(prompt_logprobs: Sequence[Any], token_ids: Sequence[int], start: int) -> list[float]:
@@ -141,10 +144,14 @@ def summarize(requests: Sequence[dict[str, Any]], wall_s: float) -> dict[str, An
         "output_tokens": out_tokens,
         "wall_s": wall_s,
         "output_tok_s": out_tokens / wall_s if wall_s > 0 else None,
-        "ttft_mean_s": mean(ttft), "ttft_p50_s": percentile(ttft, 50),
-        "ttft_p90_s": percentile(ttft, 90), "ttft_max_s": max(ttft) if ttft else None,
-        "itl_mean_s": mean(gaps), "itl_p50_s": percentile(gaps, 50),
-        "itl_p90_s": percentile(gaps, 90), "itl_p99_s": percentile(gaps, 99),
+        "ttft_mean_s": mean(ttft),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p90_s": percentile(ttft, 90),
+        "ttft_max_s": max(ttft) if ttft else None,
+        "itl_mean_s": mean(gaps),
+        "itl_p50_s": percentile(gaps, 50),
+        "itl_p90_s": percentile(gaps, 90),
+        "itl_p99_s": percentile(gaps, 99),
         "tpot_mean_s": mean(tpot),
         "perplexity": math.exp(sum(nll) / len(nll)) if scored and nll else None,
         "scored_tokens": len(nll) if scored else 0,
@@ -185,8 +192,7 @@ def ratio_of(plain_runs: Sequence[float], graft_runs: Sequence[float]) -> dict[s
     if p is None or g is None or p == 0:
         return None
     pairs = paired_ratios(plain_runs, graft_runs) if len(plain_runs) == len(graft_runs) else []
-    return {"ratio": g / p, "min": min(pairs, default=None), "max": max(pairs, default=None),
-            "runs": pairs}
+    return {"ratio": g / p, "min": min(pairs, default=None), "max": max(pairs, default=None), "runs": pairs}
 
 
 def relative_change(plain: float | None, graft: float | None) -> float | None:
@@ -214,11 +220,17 @@ def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for r in runs:
         ttft = [q["ttft_s"] for q in r["requests"] if q.get("ttft_s") is not None]
         gaps = [g for q in r["requests"] for g in q.get("itl_s", [])]
-        chosen["repeats"].append({"wall_s": r["wall_s"], "kv_blocks_peak": r["kv_blocks_peak"],
-                                  "output_tokens": sum(len(q["output_token_ids"]) for q in r["requests"]),
-                                  "ttft_mean_s": mean(ttft), "itl_mean_s": mean(gaps),
-                                  "itl_p50_s": percentile(gaps, 50),
-                                  "other_cpus": r.get("other_cpus")})
+        chosen["repeats"].append(
+            {
+                "wall_s": r["wall_s"],
+                "kv_blocks_peak": r["kv_blocks_peak"],
+                "output_tokens": sum(len(q["output_token_ids"]) for q in r["requests"]),
+                "ttft_mean_s": mean(ttft),
+                "itl_mean_s": mean(gaps),
+                "itl_p50_s": percentile(gaps, 50),
+                "other_cpus": r.get("other_cpus"),
+            }
+        )
     chosen["repeats_identical"] = all([q["output_token_ids"] for q in r["requests"]] == first for r in runs)
     return chosen
 
@@ -263,10 +275,18 @@ def _overall_runs(raw: dict[str, Any], prompt_sets: Sequence[Any]) -> list[float
     return out
 
 
-def assemble(*, deployment: str, plan_info: dict[str, Any], settings: dict[str, Any],
-             prompt_sets: Sequence[Any], arm_results: dict[str, dict[str, Any]],
-             scores: dict[str, list[float]] | None, decode: Callable[[Sequence[int]], str],
-             wall_s: float, environment: dict[str, Any] | None = None) -> dict[str, Any]:
+def assemble(
+    *,
+    deployment: str,
+    plan_info: dict[str, Any],
+    settings: dict[str, Any],
+    prompt_sets: Sequence[Any],
+    arm_results: dict[str, dict[str, Any]],
+    scores: dict[str, list[float]] | None,
+    decode: Callable[[Sequence[int]], str],
+    wall_s: float,
+    environment: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The bench result (what --json writes and the table and plot show) from the raw results
     of the arm processes. ``scores`` maps "arm/workload/index" to output-token NLLs."""
     arms: dict[str, Any] = {}
@@ -283,22 +303,37 @@ def assemble(*, deployment: str, plan_info: dict[str, Any], settings: dict[str, 
             for prompt, r in zip(ps.prompts, w["requests"]):
                 key = f"{arm}/{ps.name}/{prompt.index}"
                 nll = scores.get(key) if scores is not None else None
-                req = {"index": prompt.index, "source": prompt.source, "group": prompt.group,
-                       "prompt_tokens": len(prompt.token_ids), "max_tokens": prompt.max_tokens,
-                       **r, "output_text": decode(r["output_token_ids"]), "nll": nll,
-                       "perplexity": math.exp(sum(nll) / len(nll)) if nll else None}
+                req = {
+                    "index": prompt.index,
+                    "source": prompt.source,
+                    "group": prompt.group,
+                    "prompt_tokens": len(prompt.token_ids),
+                    "max_tokens": prompt.max_tokens,
+                    **r,
+                    "output_text": decode(r["output_token_ids"]),
+                    "nll": nll,
+                    "perplexity": math.exp(sum(nll) / len(nll)) if nll else None,
+                }
                 requests.append(req)
             summary = summarize(requests, w["wall_s"])
             decode_blocks = decode_series(w)
-            summary.update(kv_blocks_peak=w.get("kv_blocks_peak"), kv_blocks_decode_median=median(decode_blocks),
-                           kv_decode_steps=len(decode_blocks), kv_blocks_total=raw["engine"].get("num_blocks"),
-                           peak_rss_mib=raw.get("peak_rss_mib"),
-                           other_cpus=w.get("other_cpus"))
+            summary.update(
+                kv_blocks_peak=w.get("kv_blocks_peak"),
+                kv_blocks_decode_median=median(decode_blocks),
+                kv_decode_steps=len(decode_blocks),
+                kv_blocks_total=raw["engine"].get("num_blocks"),
+                peak_rss_mib=raw.get("peak_rss_mib"),
+                other_cpus=w.get("other_cpus"),
+            )
             repeats = w.get("repeats") or [{"wall_s": w["wall_s"], "output_tokens": summary["output_tokens"]}]
             rates = [r["output_tokens"] / r["wall_s"] for r in repeats if r["wall_s"] > 0]
-            summary.update(runs=len(repeats), output_tok_s_runs=rates,
-                           output_tok_s_min=min(rates, default=None), output_tok_s_max=max(rates, default=None),
-                           runs_identical=w.get("repeats_identical", True))
+            summary.update(
+                runs=len(repeats),
+                output_tok_s_runs=rates,
+                output_tok_s_min=min(rates, default=None),
+                output_tok_s_max=max(rates, default=None),
+                runs_identical=w.get("repeats_identical", True),
+            )
             if len(rates) > 1:
                 summary["output_tok_s"] = median(rates)
                 for key in ("ttft_mean_s", "itl_mean_s", "other_cpus"):
@@ -307,43 +342,68 @@ def assemble(*, deployment: str, plan_info: dict[str, Any], settings: dict[str, 
                 busy = [r.get("other_cpus") for r in repeats if r.get("other_cpus") is not None]
                 if busy:
                     summary["other_cpus"] = max(busy)  # the worst run flags the figure
-            workloads[ps.name] = {"summary": summary, "kv_blocks_per_step": w.get("kv_blocks_per_step", []),
-                                  "kv_decode_steps": w.get("kv_decode_steps", []),
-                                  "requests": requests}
+            workloads[ps.name] = {
+                "summary": summary,
+                "kv_blocks_per_step": w.get("kv_blocks_per_step", []),
+                "kv_decode_steps": w.get("kv_decode_steps", []),
+                "requests": requests,
+            }
             all_requests += requests
             total_wall += w["wall_s"]
         overall = summarize(all_requests, total_wall)
         per_run = _overall_runs(raw, prompt_sets)
-        overall.update(output_tok_s_runs=per_run, output_tok_s_min=min(per_run, default=None),
-                       output_tok_s_max=max(per_run, default=None), runs=len(per_run) or 1)
+        overall.update(
+            output_tok_s_runs=per_run,
+            output_tok_s_min=min(per_run, default=None),
+            output_tok_s_max=max(per_run, default=None),
+            runs=len(per_run) or 1,
+        )
         if len(per_run) > 1:
             overall["output_tok_s"] = median(per_run)
-        peaks = [w["summary"]["kv_blocks_peak"] for w in workloads.values() if w["summary"]["kv_blocks_peak"] is not None]
-        overall.update(runs_identical=all(w["summary"]["runs_identical"] for w in workloads.values()),
-                       kv_blocks_peak=max(peaks) if peaks else None,
-                       kv_blocks_decode_median=median([n for w in workloads.values() for n in decode_series(w)]),
-                       kv_blocks_total=raw["engine"].get("num_blocks"), peak_rss_mib=raw.get("peak_rss_mib"))
-        arms[arm] = {"engine": raw["engine"], "deployment_active": raw.get("deployment_active"),
-                     "peak_rss_mib": raw.get("peak_rss_mib"), "rss_after_load_mib": raw.get("rss_after_load_mib"),
-                     "overall": overall, "workloads": workloads}
+        peaks = [
+            w["summary"]["kv_blocks_peak"] for w in workloads.values() if w["summary"]["kv_blocks_peak"] is not None
+        ]
+        overall.update(
+            runs_identical=all(w["summary"]["runs_identical"] for w in workloads.values()),
+            kv_blocks_peak=max(peaks) if peaks else None,
+            kv_blocks_decode_median=median([n for w in workloads.values() for n in decode_series(w)]),
+            kv_blocks_total=raw["engine"].get("num_blocks"),
+            peak_rss_mib=raw.get("peak_rss_mib"),
+        )
+        arms[arm] = {
+            "engine": raw["engine"],
+            "deployment_active": raw.get("deployment_active"),
+            "peak_rss_mib": raw.get("peak_rss_mib"),
+            "rss_after_load_mib": raw.get("rss_after_load_mib"),
+            "overall": overall,
+            "workloads": workloads,
+        }
     comparison: dict[str, Any] | None = None
     if "plain" in arms and "graft" in arms:
         per = {}
         for ps in prompt_sets:
-            cmp = compare_outputs([r["output_token_ids"] for r in arms["plain"]["workloads"][ps.name]["requests"]],
-                                  [r["output_token_ids"] for r in arms["graft"]["workloads"][ps.name]["requests"]])
+            cmp = compare_outputs(
+                [r["output_token_ids"] for r in arms["plain"]["workloads"][ps.name]["requests"]],
+                [r["output_token_ids"] for r in arms["graft"]["workloads"][ps.name]["requests"]],
+            )
             for p, prompt in zip(cmp["prompts"], ps.prompts):
                 p["source"] = prompt.source
             per[ps.name] = cmp
         for ps in prompt_sets:
-            per[ps.name]["ratio"] = ratio_of(_runs_of(arms["plain"]["workloads"][ps.name]["summary"]),
-                                             _runs_of(arms["graft"]["workloads"][ps.name]["summary"]))
-        comparison = {"ratio": ratio_of(_runs_of(arms["plain"]["overall"]), _runs_of(arms["graft"]["overall"])),
-                      "decode_ratio": ratio_of(_decode_runs(arm_results["plain"], prompt_sets),
-                                               _decode_runs(arm_results["graft"], prompt_sets)),
-                      "identical": all(c["identical"] for c in per.values()),
-                      "n_identical": sum(c["n_identical"] for c in per.values()),
-                      "n": sum(c["n"] for c in per.values()), "workloads": per}
+            per[ps.name]["ratio"] = ratio_of(
+                _runs_of(arms["plain"]["workloads"][ps.name]["summary"]),
+                _runs_of(arms["graft"]["workloads"][ps.name]["summary"]),
+            )
+        comparison = {
+            "ratio": ratio_of(_runs_of(arms["plain"]["overall"]), _runs_of(arms["graft"]["overall"])),
+            "decode_ratio": ratio_of(
+                _decode_runs(arm_results["plain"], prompt_sets), _decode_runs(arm_results["graft"], prompt_sets)
+            ),
+            "identical": all(c["identical"] for c in per.values()),
+            "n_identical": sum(c["n_identical"] for c in per.values()),
+            "n": sum(c["n"] for c in per.values()),
+            "workloads": per,
+        }
     graft_raw = arm_results.get("graft") or {}
     return {
         "schema": SCHEMA,

@@ -24,6 +24,7 @@ A suite file (YAML; the default is ``benchmarks/suite.yaml``)::
 Adding a case is one entry under ``cases``. Everything here but :func:`cmd_suite` is pure
 (no engine): parsing, the row of a case from a bench result, the Markdown and the plot.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,6 +60,7 @@ class SuiteError(ValueError):
 # ============================================================================ the file
 class RunSettings(BaseModel):
     """Bench settings of a case (each one a `vllm-graft bench` option)."""
+
     model_config = ConfigDict(extra="forbid")
 
     workload: Optional[str] = None
@@ -81,8 +83,16 @@ class RunSettings(BaseModel):
 
 
 #: What a case gets when neither it nor the suite's defaults say.
-BUILTIN_DEFAULTS = {"workload": "chat", "num_prompts": 8, "max_tokens": 32, "batch": 0, "repeat": 3,
-                    "ignore_eos": True, "ppl": None, "seed": 0}
+BUILTIN_DEFAULTS = {
+    "workload": "chat",
+    "num_prompts": 8,
+    "max_tokens": 32,
+    "batch": 0,
+    "repeat": 3,
+    "ignore_eos": True,
+    "ppl": None,
+    "seed": 0,
+}
 
 
 class Case(RunSettings):
@@ -212,11 +222,15 @@ def load_suite(path: str | os.PathLike[str], *, check_files: bool = True) -> Sui
     if check_files:
         for i, c in enumerate(suite.cases):
             if not suite.resolve(c.deployment).is_file():
-                raise SuiteError(f"{path}: cases[{i}].deployment: no file {c.deployment!r} "
-                                 f"(paths are relative to the suite file's folder, {suite.folder})")
+                raise SuiteError(
+                    f"{path}: cases[{i}].deployment: no file {c.deployment!r} "
+                    f"(paths are relative to the suite file's folder, {suite.folder})"
+                )
             if c.baseline and c.baseline != NO_PACKAGE and not suite.resolve(c.baseline).is_file():
-                raise SuiteError(f"{path}: cases[{i}].baseline: no file {c.baseline!r} (a deployment "
-                                 f"relative to the suite file's folder, {suite.folder}, or {NO_PACKAGE})")
+                raise SuiteError(
+                    f"{path}: cases[{i}].baseline: no file {c.baseline!r} (a deployment "
+                    f"relative to the suite file's folder, {suite.folder}, or {NO_PACKAGE})"
+                )
     return suite
 
 
@@ -237,8 +251,19 @@ def bench_argv(suite: Suite, case: Case, quick: bool) -> list[str]:
     """The `vllm-graft bench` command line of a case (what the row records and what runs)."""
     s = suite.settings(case, quick)
     deployment = suite.resolve(case.deployment)
-    argv = [str(deployment), "--workload", s["workload"], "--num-prompts", str(s["num_prompts"]),
-            "--max-tokens", str(s["max_tokens"]), "--repeat", str(s["repeat"]), "--seed", str(s["seed"])]
+    argv = [
+        str(deployment),
+        "--workload",
+        s["workload"],
+        "--num-prompts",
+        str(s["num_prompts"]),
+        "--max-tokens",
+        str(s["max_tokens"]),
+        "--repeat",
+        str(s["repeat"]),
+        "--seed",
+        str(s["seed"]),
+    ]
     if s["batch"]:
         argv += ["--batch", str(s["batch"])]
     if case.baseline:
@@ -259,50 +284,82 @@ def target_met(ratio: float | None, target: float | None) -> bool | None:
     return ratio >= target
 
 
-def case_row(case: Case, argv: Sequence[str], result: dict[str, Any], *, quick: bool,
-             display_argv: Sequence[str] | None = None) -> dict[str, Any]:
+def case_row(
+    case: Case, argv: Sequence[str], result: dict[str, Any], *, quick: bool, display_argv: Sequence[str] | None = None
+) -> dict[str, Any]:
     """The suite's row of one case from its bench result (:func:`..stats.assemble`)."""
     arms = result["arms"]
     plain, graft = arms["plain"]["overall"], arms["graft"]["overall"]
     cmp = result["comparison"] or {}
     ratio = (cmp.get("decode_ratio") if case.metric == "decode" else cmp.get("ratio")) or {}
     pp, gp = plain.get("perplexity"), graft.get("perplexity")
-    busy = [w["summary"].get("other_cpus") for a in arms.values() for w in a["workloads"].values()
-            if w["summary"].get("other_cpus") is not None]
+    busy = [
+        w["summary"].get("other_cpus")
+        for a in arms.values()
+        for w in a["workloads"].values()
+        if w["summary"].get("other_cpus") is not None
+    ]
     model = result.get("model") or ""
     return {
-        "name": case.name, "deployment": case.deployment, "baseline": case.baseline, "note": case.note,
+        "name": case.name,
+        "deployment": case.deployment,
+        "baseline": case.baseline,
+        "note": case.note,
         "metric": case.metric,
-        "plugins": result.get("plugins") or [], "model": Path(str(model)).name,
+        "plugins": result.get("plugins") or [],
+        "model": Path(str(model)).name,
         "workload": ",".join(result["settings"]["workloads"]),
-        "num_prompts": result["settings"]["num_prompts"], "max_tokens": result["settings"]["max_tokens"],
-        "batch": result["settings"]["batch"], "repeat": result["settings"]["repeat"],
-        "order": result["settings"].get("order"), "quick": quick,
+        "num_prompts": result["settings"]["num_prompts"],
+        "max_tokens": result["settings"]["max_tokens"],
+        "batch": result["settings"]["batch"],
+        "repeat": result["settings"]["repeat"],
+        "order": result["settings"].get("order"),
+        "quick": quick,
         "command": "vllm-graft bench " + " ".join(display_argv or argv),
-        "plain_tok_s": plain["output_tok_s"], "plain_tok_s_min": plain.get("output_tok_s_min"),
-        "plain_tok_s_max": plain.get("output_tok_s_max"), "plain_tok_s_runs": plain.get("output_tok_s_runs"),
-        "graft_tok_s": graft["output_tok_s"], "graft_tok_s_min": graft.get("output_tok_s_min"),
-        "graft_tok_s_max": graft.get("output_tok_s_max"), "graft_tok_s_runs": graft.get("output_tok_s_runs"),
-        "ratio": ratio.get("ratio"), "ratio_min": ratio.get("min"), "ratio_max": ratio.get("max"),
-        "target": case.target, "met": target_met(ratio.get("ratio"), case.target),
-        "kv_blocks_plain": plain.get("kv_blocks_peak"), "kv_blocks_graft": graft.get("kv_blocks_peak"),
-        "rss_mib_plain": plain.get("peak_rss_mib"), "rss_mib_graft": graft.get("peak_rss_mib"),
-        "load_s_plain": arms["plain"]["engine"].get("load_s"), "load_s_graft": arms["graft"]["engine"].get("load_s"),
-        "ppl_plain": pp, "ppl_graft": gp,
+        "plain_tok_s": plain["output_tok_s"],
+        "plain_tok_s_min": plain.get("output_tok_s_min"),
+        "plain_tok_s_max": plain.get("output_tok_s_max"),
+        "plain_tok_s_runs": plain.get("output_tok_s_runs"),
+        "graft_tok_s": graft["output_tok_s"],
+        "graft_tok_s_min": graft.get("output_tok_s_min"),
+        "graft_tok_s_max": graft.get("output_tok_s_max"),
+        "graft_tok_s_runs": graft.get("output_tok_s_runs"),
+        "ratio": ratio.get("ratio"),
+        "ratio_min": ratio.get("min"),
+        "ratio_max": ratio.get("max"),
+        "target": case.target,
+        "met": target_met(ratio.get("ratio"), case.target),
+        "kv_blocks_plain": plain.get("kv_blocks_peak"),
+        "kv_blocks_graft": graft.get("kv_blocks_peak"),
+        "rss_mib_plain": plain.get("peak_rss_mib"),
+        "rss_mib_graft": graft.get("peak_rss_mib"),
+        "load_s_plain": arms["plain"]["engine"].get("load_s"),
+        "load_s_graft": arms["graft"]["engine"].get("load_s"),
+        "ppl_plain": pp,
+        "ppl_graft": gp,
         "ppl_change": (gp - pp) / pp if pp and gp is not None else None,
-        "identical": cmp.get("n_identical"), "compared": cmp.get("n"),
+        "identical": cmp.get("n_identical"),
+        "compared": cmp.get("n"),
         "busy_cpus_max": max(busy) if busy else None,
         "wall_s": result.get("wall_s"),
         "run_at": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
 
 
-def failed_row(case: Case, argv: Sequence[str], reason: str, *, quick: bool,
-               display_argv: Sequence[str] | None = None) -> dict[str, Any]:
-    return {"name": case.name, "deployment": case.deployment, "baseline": case.baseline, "note": case.note,
-            "target": case.target,
-            "quick": quick, "command": "vllm-graft bench " + " ".join(display_argv or argv),
-            "failed": reason, "run_at": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+def failed_row(
+    case: Case, argv: Sequence[str], reason: str, *, quick: bool, display_argv: Sequence[str] | None = None
+) -> dict[str, Any]:
+    return {
+        "name": case.name,
+        "deployment": case.deployment,
+        "baseline": case.baseline,
+        "note": case.note,
+        "target": case.target,
+        "quick": quick,
+        "command": "vllm-graft bench " + " ".join(display_argv or argv),
+        "failed": reason,
+        "run_at": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
 
 
 def merge_rows(suite: Suite, old: dict[str, Any], new: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -312,8 +369,13 @@ def merge_rows(suite: Suite, old: dict[str, Any], new: dict[str, dict[str, Any]]
     for c in suite.cases:
         row = new.get(c.name) or old.get(c.name)
         if row is not None:
-            rows.append(row | {"target": c.target, "met": row.get("met") if c.name in new
-                               else target_met(row.get("ratio"), c.target)})
+            rows.append(
+                row
+                | {
+                    "target": c.target,
+                    "met": row.get("met") if c.name in new else target_met(row.get("ratio"), c.target),
+                }
+            )
     return rows
 
 
@@ -337,8 +399,11 @@ def _ratio(row: dict[str, Any]) -> str:
         return "-"
     lo, hi = row.get("ratio_min"), row.get("ratio_max")
     digits = 4 if row.get("met") is False and round(r, 3) >= (row.get("target") or 0) else 3  # 0.9498 < 0.95
-    return f"**{r:.{digits}f}**" + (f" ({lo:.2f}-{hi:.2f})" if lo is not None and hi is not None and row.get("repeat", 1) > 1
-                              else "") + (" decode" if row.get("metric") == "decode" else "")
+    return (
+        f"**{r:.{digits}f}**"
+        + (f" ({lo:.2f}-{hi:.2f})" if lo is not None and hi is not None and row.get("repeat", 1) > 1 else "")
+        + (" decode" if row.get("metric") == "decode" else "")
+    )
 
 
 def _target(row: dict[str, Any]) -> str:
@@ -363,37 +428,46 @@ def _busy(x: float | None, limit: float) -> str:
 
 def render_markdown(rows: Sequence[dict[str, Any]], meta: dict[str, Any], plot: str | None) -> str:
     """The generated section: how it was run, one row per case, the plot."""
-    lines = [f"Generated by `{meta['command']}` ({meta['date']}; {meta['machine']}; the whole run took "
-             f"{meta['duration_min']:.1f} min). Each case is one `vllm-graft bench` run (the command is in "
-             f"`{meta['results']}`): both engines loaded once, then the arms take turns, alternating which "
-             "goes first (graft plain, plain graft, ...); tok/s is the median of the runs, (min-max) the "
-             "range; the ratio is plugin / plain of the medians, (min-max) the range of the per-run ratios "
-             "of the same round (marked 'decode': of decode speed, 1 / median inter-token latency, "
-             "prefill left out). Memory: KV blocks at peak and peak RSS, plain / plugin. Quality: change "
-             "of the outputs' perplexity under the unmodified model ('-': random weights, not measured). "
-             "Busy CPUs: the most CPUs other processes used during any timed run (above "
-             f"{meta['busy_limit']} the timings are disturbed).", ""]
+    lines = [
+        f"Generated by `{meta['command']}` ({meta['date']}; {meta['machine']}; the whole run took "
+        f"{meta['duration_min']:.1f} min). Each case is one `vllm-graft bench` run (the command is in "
+        f"`{meta['results']}`): both engines loaded once, then the arms take turns, alternating which "
+        "goes first (graft plain, plain graft, ...); tok/s is the median of the runs, (min-max) the "
+        "range; the ratio is plugin / plain of the medians, (min-max) the range of the per-run ratios "
+        "of the same round (marked 'decode': of decode speed, 1 / median inter-token latency, "
+        "prefill left out). Memory: KV blocks at peak and peak RSS, plain / plugin. Quality: change "
+        "of the outputs' perplexity under the unmodified model ('-': random weights, not measured). "
+        "Busy CPUs: the most CPUs other processes used during any timed run (above "
+        f"{meta['busy_limit']} the timings are disturbed).",
+        "",
+    ]
     if meta.get("shared_note"):
         lines += [meta["shared_note"], ""]
-    lines += ["| case | deployment | model | workload | plain tok/s | plugin tok/s | ratio | target | "
-              "KV blocks peak | peak RSS MiB | quality | identical | busy CPUs | run |",
-              "|---|---|---|---|---:|---:|---:|---|---:|---:|---:|---|---:|---|"]
+    lines += [
+        "| case | deployment | model | workload | plain tok/s | plugin tok/s | ratio | target | "
+        "KV blocks peak | peak RSS MiB | quality | identical | busy CPUs | run |",
+        "|---|---|---|---|---:|---:|---:|---|---:|---:|---:|---|---:|---|",
+    ]
     for r in rows:
         dep = f"`{Path(r['deployment']).as_posix().removeprefix('../')}`"
         if r.get("baseline"):
             dep += f" vs `{Path(r['baseline']).as_posix().removeprefix('../')}`"
         if r.get("failed"):
-            lines.append(f"| {r['name']} | {dep} | - | - | - | - | failed: {r['failed'][:80]} | {_target(r)} "
-                         f"| - | - | - | - | - | {r['run_at']} |")
+            lines.append(
+                f"| {r['name']} | {dep} | - | - | - | - | failed: {r['failed'][:80]} | {_target(r)} "
+                f"| - | - | - | - | - | {r['run_at']} |"
+            )
             continue
         wl = f"{r['workload']} {r['num_prompts']} x {r['max_tokens']}" + (f", batch {r['batch']}" if r["batch"] else "")
         quality = "-" if r.get("ppl_change") is None else f"{r['ppl_change'] * 100:+.2f}% ppl"
         ident = "-" if r.get("compared") is None else f"{r['identical']}/{r['compared']}"
         runs = f"{r['repeat']} runs" + (", quick" if r.get("quick") else "") + f", {r['run_at']}"
-        lines.append(f"| {r['name']} | {dep} | {r['model']} | {wl} | {_tok(r, 'plain')} | {_tok(r, 'graft')} | "
-                     f"{_ratio(r)} | {_target(r)} | {_pair(r.get('kv_blocks_plain'), r.get('kv_blocks_graft'))} | "
-                     f"{_pair(r.get('rss_mib_plain'), r.get('rss_mib_graft'), '{:.0f}')} | {quality} | {ident} | "
-                     f"{_busy(r.get('busy_cpus_max'), meta['busy_limit'])} | {runs} |")
+        lines.append(
+            f"| {r['name']} | {dep} | {r['model']} | {wl} | {_tok(r, 'plain')} | {_tok(r, 'graft')} | "
+            f"{_ratio(r)} | {_target(r)} | {_pair(r.get('kv_blocks_plain'), r.get('kv_blocks_graft'))} | "
+            f"{_pair(r.get('rss_mib_plain'), r.get('rss_mib_graft'), '{:.0f}')} | {quality} | {ident} | "
+            f"{_busy(r.get('busy_cpus_max'), meta['busy_limit'])} | {runs} |"
+        )
     notes = [r for r in rows if r.get("note")]
     if notes:
         lines.append("")
@@ -439,16 +513,20 @@ def write_suite_plot(rows: Sequence[dict[str, Any]], path: str | os.PathLike[str
         if r.get("target") is not None:
             ax.plot([r["target"]], [y], marker="|", color="black", markersize=14, markeredgewidth=2)
             values.append(r["target"])
-        ax.annotate(f"{r['ratio']:.2f}", (r["ratio"], y), xytext=(0, 6), textcoords="offset points",
-                    ha="center", fontsize=7)
+        ax.annotate(
+            f"{r['ratio']:.2f}", (r["ratio"], y), xytext=(0, 6), textcoords="offset points", ha="center", fontsize=7
+        )
         values.append(r["ratio"])
     ax.axvline(1.0, color="#999999", linewidth=0.8)
     ax.set_xscale("log")  # ratios: 0.5x and 2x equally far from 1
     ax.set_xlim(min(values) / 1.3, max(values) * 1.3)
     ax.set_ylim(-0.7, len(rows) - 0.3)
     ax.set_yticks(ys, [r["name"] for r in rows], fontsize=7)
-    ax.set_xlabel("plugin / plain output tokens/s, log scale (dot: median; line: min-max of the runs; "
-                  "|: target; green met, red not)", fontsize=7)
+    ax.set_xlabel(
+        "plugin / plain output tokens/s, log scale (dot: median; line: min-max of the runs; "
+        "|: target; green met, red not)",
+        fontsize=7,
+    )
     ax.tick_params(axis="x", labelsize=7)
     ax.grid(axis="x", alpha=0.3, which="both")
     fig.tight_layout()
@@ -461,16 +539,16 @@ def _machine() -> str:
     from vllm_graft.integration.env import installed_vllm
 
     found = installed_vllm()
-    return (f"{os.cpu_count()} CPUs, {platform.machine()}, {platform.system()}, "
-            f"{'%s %s' % found if found else 'no vLLM'}")
+    return (
+        f"{os.cpu_count()} CPUs, {platform.machine()}, {platform.system()}, {'%s %s' % found if found else 'no vLLM'}"
+    )
 
 
 def cmd_suite(args: argparse.Namespace, out: Any, err: Any, *, run_bench: Any, add_command: Any) -> int:
     """The suite command; ``run_bench`` and ``add_command`` are :mod:`.command`'s (passed in: this
     module does not import it back)."""
     from rich.markup import escape
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
-                               TimeElapsedColumn)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
     EXIT_OK, EXIT_USAGE, EXIT_RUN_FAILED = 0, 2, 4  # as `vllm-graft bench`
@@ -497,9 +575,13 @@ def cmd_suite(args: argparse.Namespace, out: Any, err: Any, *, run_bench: Any, a
 
     if args.list_cases:
         for c in suite.cases:
-            out.print(f"[bold]{escape(c.name)}[/]"
-                      + (f" (target >= {c.target:g})" if c.target else "") + ": vllm-graft bench "
-                      + escape(" ".join(shown(bench_argv(suite, c, args.quick)))), soft_wrap=True)
+            out.print(
+                f"[bold]{escape(c.name)}[/]"
+                + (f" (target >= {c.target:g})" if c.target else "")
+                + ": vllm-graft bench "
+                + escape(" ".join(shown(bench_argv(suite, c, args.quick)))),
+                soft_wrap=True,
+            )
         return EXIT_OK
 
     parser = argparse.ArgumentParser(prog="vllm-graft")
@@ -512,16 +594,30 @@ def cmd_suite(args: argparse.Namespace, out: Any, err: Any, *, run_bench: Any, a
             old = {r["name"]: r for r in json.loads(results_path.read_text()).get("rows", [])}
         except (ValueError, KeyError, TypeError):
             old = {}
-    cmdline = "vllm-graft bench --suite" + ("" if args.suite == "DEFAULT" else f" {os.path.relpath(path, root)}") \
-        + (" --quick" if args.quick else "") + ("".join(f" --only {o}" for o in args.only or []))
-    meta = {"command": cmdline, "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": _machine(), "duration_min": 0.0, "busy_limit": BUSY_OTHER_CPUS,
-            "results": os.path.relpath(results_path, suite.resolve(suite.output.markdown).parent)
-            if suite.output.markdown else str(results_path)}
+    cmdline = (
+        "vllm-graft bench --suite"
+        + ("" if args.suite == "DEFAULT" else f" {os.path.relpath(path, root)}")
+        + (" --quick" if args.quick else "")
+        + ("".join(f" --only {o}" for o in args.only or []))
+    )
+    meta = {
+        "command": cmdline,
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": _machine(),
+        "duration_min": 0.0,
+        "busy_limit": BUSY_OTHER_CPUS,
+        "results": os.path.relpath(results_path, suite.resolve(suite.output.markdown).parent)
+        if suite.output.markdown
+        else str(results_path),
+    }
 
     def save(rows: list[dict[str, Any]]) -> None:  # after every case: a stopped run keeps its rows
-        runs = {"schema": SUITE_SCHEMA, "suite": str(os.path.relpath(path, results_path.parent)),
-                "last_run": meta, "rows": rows}
+        runs = {
+            "schema": SUITE_SCHEMA,
+            "suite": str(os.path.relpath(path, results_path.parent)),
+            "last_run": meta,
+            "rows": rows,
+        }
         results_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = results_path.with_name(results_path.name + ".tmp")
         tmp.write_text(json.dumps(runs, indent=1, default=str) + "\n")
@@ -534,8 +630,16 @@ def cmd_suite(args: argparse.Namespace, out: Any, err: Any, *, run_bench: Any, a
     if args.render:
         cases = []
         meta = (json.loads(results_path.read_text()).get("last_run") or meta) if results_path.is_file() else meta
-    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[unit]}"), TimeElapsedColumn(), console=out, transient=False)
+    progress = Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[unit]}"),
+        TimeElapsedColumn(),
+        console=out,
+        transient=False,
+    )
     with progress:
         overall = progress.add_task("suite", total=len(cases), unit="cases")
         for c in cases:
@@ -557,9 +661,11 @@ def cmd_suite(args: argparse.Namespace, out: Any, err: Any, *, run_bench: Any, a
             else:
                 new[c.name] = case_row(c, argv, result, quick=args.quick, display_argv=shown(argv))
                 r = new[c.name]
-                out.print(f"{escape(c.name)}: plain {_tok(r, 'plain')} tok/s, plugin {_tok(r, 'graft')} tok/s, "
-                          f"ratio {_ratio(r).replace('**', '')}, target {_target(r).replace('**', '')}, "
-                          f"identical {r['identical']}/{r['compared']}, busy CPUs {_f(r.get('busy_cpus_max'))}")
+                out.print(
+                    f"{escape(c.name)}: plain {_tok(r, 'plain')} tok/s, plugin {_tok(r, 'graft')} tok/s, "
+                    f"ratio {_ratio(r).replace('**', '')}, target {_target(r).replace('**', '')}, "
+                    f"identical {r['identical']}/{r['compared']}, busy CPUs {_f(r.get('busy_cpus_max'))}"
+                )
             new[c.name]["run"] = run_id
             progress.advance(overall)
             meta["duration_min"] = (time.perf_counter() - t0) / 60
@@ -570,8 +676,9 @@ def cmd_suite(args: argparse.Namespace, out: Any, err: Any, *, run_bench: Any, a
         meta["duration_min"] = duration / 60
     rows = merge_rows(suite, old, new)
 
-    table = Table(title=f"vllm-graft bench suite: {escape(str(path))}" + (" (quick)" if args.quick else ""),
-                  title_justify="left")
+    table = Table(
+        title=f"vllm-graft bench suite: {escape(str(path))}" + (" (quick)" if args.quick else ""), title_justify="left"
+    )
     for col in ("case", "plain tok/s", "plugin tok/s", "ratio", "target", "identical", "busy CPUs"):
         table.add_column(col, justify="left" if col in ("case", "target") else "right")
     for r in rows:
@@ -579,10 +686,15 @@ def cmd_suite(args: argparse.Namespace, out: Any, err: Any, *, run_bench: Any, a
             table.add_row(r["name"], "-", "-", f"[red]failed: {escape(r['failed'])}[/]", _target(r), "-", "-")
             continue
         t = _target(r).replace("**", "")
-        table.add_row(r["name"] + ("" if r["name"] in new else " [dim](earlier run)[/]"), _tok(r, "plain"),
-                      _tok(r, "graft"), _ratio(r).replace("**", ""),
-                      f"[green]{t}[/]" if r.get("met") else f"[red]{t}[/]" if r.get("met") is False else t,
-                      f"{r.get('identical')}/{r.get('compared')}", _f(r.get("busy_cpus_max")))
+        table.add_row(
+            r["name"] + ("" if r["name"] in new else " [dim](earlier run)[/]"),
+            _tok(r, "plain"),
+            _tok(r, "graft"),
+            _ratio(r).replace("**", ""),
+            f"[green]{t}[/]" if r.get("met") else f"[red]{t}[/]" if r.get("met") is False else t,
+            f"{r.get('identical')}/{r.get('compared')}",
+            _f(r.get("busy_cpus_max")),
+        )
     out.print(table)
     if cases:
         out.print(f"[dim]suite wall time {duration / 60:.1f} min ({len(cases)} case(s))[/]")
@@ -603,8 +715,10 @@ def cmd_suite(args: argparse.Namespace, out: Any, err: Any, *, run_bench: Any, a
     if suite.output.markdown:
         md = suite.resolve(suite.output.markdown)
         if len({r.get("run") for r in rows}) > 1:
-            meta["shared_note"] = ("Rows come from more than one run (`--only`): each row says when it ran; "
-                                   "the header describes the latest run.")
+            meta["shared_note"] = (
+                "Rows come from more than one run (`--only`): each row says when it ran; "
+                "the header describes the latest run."
+            )
         try:
             md.write_text(replace_section(md.read_text(), render_markdown(rows, meta, plot_rel)))
         except (OSError, ValueError) as e:

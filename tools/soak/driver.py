@@ -11,6 +11,7 @@ Every request ends in exactly one outcome:
 * ``error``: anything else (another status, a 400 for a valid request, a 200 for an over-long
   one, a broken or incomplete body, a refused connection), with the reason.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -89,8 +90,12 @@ async def _send(client: Any, base: str, spec: RequestSpec, model: str) -> Outcom
     # speculative decoding emits several tokens per chunk (24 tokens in 7 chunks, in the 30-minute
     # soak of demo.yaml); it must then be complete like any other.
     if not done or sorted(finished) != list(range(spec.n)):
-        return Outcome(spec.index, "error", reason=f"incomplete stream: [DONE] {'seen' if done else 'missing'}, "
-                                                   f"finish reasons for choices {sorted(finished)} of {spec.n}")
+        return Outcome(
+            spec.index,
+            "error",
+            reason=f"incomplete stream: [DONE] {'seen' if done else 'missing'}, "
+            f"finish reasons for choices {sorted(finished)} of {spec.n}",
+        )
     return Outcome(spec.index, "ok", texts=["".join(texts.get(i, ())) for i in range(spec.n)])
 
 
@@ -107,14 +112,25 @@ def _classify_status(spec: RequestSpec, status: int, text: str) -> Outcome | Non
 def _complete(spec: RequestSpec, body: dict[str, Any]) -> Outcome:
     choices = sorted(body.get("choices", ()), key=lambda c: c.get("index", 0))
     if len(choices) != spec.n or any(not c.get("finish_reason") for c in choices):
-        return Outcome(spec.index, "error", reason=f"{len(choices)} choices for n={spec.n}, finish reasons "
-                                                   f"{[c.get('finish_reason') for c in choices]}")
+        return Outcome(
+            spec.index,
+            "error",
+            reason=f"{len(choices)} choices for n={spec.n}, finish reasons {[c.get('finish_reason') for c in choices]}",
+        )
     return Outcome(spec.index, "ok", texts=[c.get("text") or "" for c in choices])
 
 
-async def drive(base: str, model: str, specs: Iterable[RequestSpec], *, timeout: float, on_done: Callable[[RequestSpec, Outcome], None] | None = None,
-                max_connections: int = 128, transport: Any = None,
-                stop_if: Callable[[], str | None] | None = None) -> list[tuple[RequestSpec, Outcome]]:
+async def drive(
+    base: str,
+    model: str,
+    specs: Iterable[RequestSpec],
+    *,
+    timeout: float,
+    on_done: Callable[[RequestSpec, Outcome], None] | None = None,
+    max_connections: int = 128,
+    transport: Any = None,
+    stop_if: Callable[[], str | None] | None = None,
+) -> list[tuple[RequestSpec, Outcome]]:
     """Send ``specs`` keeping at most ``spec.level`` requests in flight (the level of the next
     spec), wait for every one of them, and return each with its outcome, in start order.
     ``transport``: an httpx transport in place of the network (tests). ``stop_if``: asked before

@@ -10,6 +10,7 @@ same KV cap) then answers every greedy request that completed, at the same concu
 the drain's top level at most 8, and each greedy text is compared; a differing one is sent
 again alone to both servers, and the result says whether it still differs then.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,7 +23,7 @@ from vllm_graft.cli.engine_commands import REPORT_QUIET_PERIODS
 from vllm_graft.integration.runtime import REPORT_EVERY_S
 
 from .driver import EXPECTED, Outcome, drive, run_request
-from .server import (KV_USAGE, PREEMPTIONS, RUNNING, SERVED_NAME, WAITING, Server, kv_bytes_per_token)
+from .server import KV_USAGE, PREEMPTIONS, RUNNING, SERVED_NAME, WAITING, Server, kv_bytes_per_token
 from .workload import CPU_SEED_BUG, LEVELS, SHORT_LEVELS, Ramp, RequestMix, RequestSpec, corpus_ids, iter_specs
 
 SAMPLE_EVERY_S = 2.0
@@ -69,8 +70,10 @@ def soak(path: str, opts: Options, say: Callable[[str], None] = print) -> dict[s
     max_model_len = int(kwargs.get("max_model_len") or _config(model).get("max_position_embeddings", 2048))
     kv_tokens = opts.kv_tokens or max_model_len * 5 // 4
     if kv_tokens < max_model_len:
-        raise ValueError(f"--kv-tokens {kv_tokens} is below max_model_len={max_model_len}: vLLM refuses a "
-                         "KV pool that cannot hold one request of max_model_len; give at least that")
+        raise ValueError(
+            f"--kv-tokens {kv_tokens} is below max_model_len={max_model_len}: vLLM refuses a "
+            "KV pool that cannot hold one request of max_model_len; give at least that"
+        )
     kv_bytes = kv_tokens * kv_bytes_per_token(model, kwargs.get("dtype"))
     for kw in (kwargs, plain_kwargs):
         kw["kv_cache_memory_bytes"] = kv_bytes
@@ -89,21 +92,32 @@ def soak(path: str, opts: Options, say: Callable[[str], None] = print) -> dict[s
     folder = opts.folder / name
     folder.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
-        "deployment": str(path), "plugins": [f"{e.kind}:{e.name}" for e in plan.enabled],
-        "lossless": lossless, "max_model_len": max_model_len, "kv_tokens": kv_tokens,
-        "kv_cache_memory_bytes": kv_bytes, "ramp": ramp.describe(), "seed": opts.seed, "seeded_requests": seeded,
-        "folder": str(folder)}
-    say(f"{name}: starting the server ({', '.join(result['plugins']) or 'no plugins'}; KV pool "
-        f"{kv_tokens} tokens = {kv_bytes} bytes); logs in {folder}")
+        "deployment": str(path),
+        "plugins": [f"{e.kind}:{e.name}" for e in plan.enabled],
+        "lossless": lossless,
+        "max_model_len": max_model_len,
+        "kv_tokens": kv_tokens,
+        "kv_cache_memory_bytes": kv_bytes,
+        "ramp": ramp.describe(),
+        "seed": opts.seed,
+        "seeded_requests": seeded,
+        "folder": str(folder),
+    }
+    say(
+        f"{name}: starting the server ({', '.join(result['plugins']) or 'no plugins'}; KV pool "
+        f"{kv_tokens} tokens = {kv_bytes} bytes); logs in {folder}"
+    )
     with Server(kwargs, folder, "graft") as server:
         asyncio.run(_graft_run(server, mix, ramp, opts, result, say))
         greedy = [(s, o) for s, o in result.pop("_results") if s.greedy and o.kind == "ok"]
         if not plan.enabled:
             result["greedy"] = {"verdict": "n.a.", "why": "no plugins: the deployment is plain vLLM"}
         elif not lossless:
-            result["greedy"] = {"verdict": "n.a.", "why": "lossy plugins: "
-                                + ", ".join(e.name for e in plan.enabled
-                                            if not e.entry.registration.capabilities.lossless)}
+            result["greedy"] = {
+                "verdict": "n.a.",
+                "why": "lossy plugins: "
+                + ", ".join(e.name for e in plan.enabled if not e.entry.registration.capabilities.lossless),
+            }
         elif not opts.compare:
             result["greedy"] = {"verdict": "n.a.", "why": "--no-compare"}
         else:
@@ -125,15 +139,17 @@ def _rss_total(rss: dict[str, float]) -> float:
     return round(sum(rss.values()), 1)
 
 
-async def _graft_run(server: Server, mix: RequestMix, ramp: Ramp, opts: Options, result: dict[str, Any],
-                     say: Callable[[str], None]) -> None:
+async def _graft_run(
+    server: Server, mix: RequestMix, ramp: Ramp, opts: Options, result: dict[str, Any], say: Callable[[str], None]
+) -> None:
     import httpx
 
     async with httpx.AsyncClient(timeout=opts.timeout) as client:
         warm = await run_request(client, server.base, _plain_greedy(mix, 10_000_000), SERVED_NAME, opts.timeout)
     if warm.kind != "ok":
-        raise RuntimeError(f"the warm-up request failed: {warm.reason}; the end of {server.log_path}:\n"
-                           f"{server.log_tail()}")
+        raise RuntimeError(
+            f"the warm-up request failed: {warm.reason}; the end of {server.log_path}:\n{server.log_tail()}"
+        )
     await asyncio.sleep(REPORT_QUIET_S + 0.5)  # the reporter rewrites within 1 s of a change
     start: dict[str, Any] = {"rss_mb": server.rss_mb(), "state": server.state_sizes(), "metrics": server.metrics()}
     samples: list[dict[str, Any]] = []
@@ -142,8 +158,13 @@ async def _graft_run(server: Server, mix: RequestMix, ramp: Ramp, opts: Options,
 
     async def sampler() -> None:
         while not stop.is_set():
-            samples.append({"t": round(time.monotonic() - t0, 1), "rss_mb": await asyncio.to_thread(server.rss_mb),
-                            "state": await asyncio.to_thread(server.state_sizes)})
+            samples.append(
+                {
+                    "t": round(time.monotonic() - t0, 1),
+                    "rss_mb": await asyncio.to_thread(server.rss_mb),
+                    "state": await asyncio.to_thread(server.state_sizes),
+                }
+            )
             try:
                 await asyncio.wait_for(stop.wait(), SAMPLE_EVERY_S)
             except asyncio.TimeoutError:
@@ -160,27 +181,41 @@ async def _graft_run(server: Server, mix: RequestMix, ramp: Ramp, opts: Options,
 
     say(f"  ramp: {ramp.describe()}")
     task = asyncio.create_task(sampler())
+
     def dead() -> str | None:
         if server.alive():
             return None
         return f"the server exited ({server.proc.returncode if server.proc is not None else 'never started'})"
 
-    results = await drive(server.base, SERVED_NAME, iter_specs(mix, ramp, lambda: time.monotonic() - t0),
-                          timeout=opts.timeout, on_done=progress, stop_if=dead)
+    results = await drive(
+        server.base,
+        SERVED_NAME,
+        iter_specs(mix, ramp, lambda: time.monotonic() - t0),
+        timeout=opts.timeout,
+        on_done=progress,
+        stop_if=dead,
+    )
     if dead():
-        raise RuntimeError(f"{dead()} during the load, after {len(results)} requests; the end of "
-                           f"{server.log_path}:\n{server.log_tail(3000)}")
+        raise RuntimeError(
+            f"{dead()} during the load, after {len(results)} requests; the end of "
+            f"{server.log_path}:\n{server.log_tail(3000)}"
+        )
     load_s = time.monotonic() - t0
     # drain: every request has its outcome; now vLLM's own gauges
     deadline = time.monotonic() + DRAIN_WAIT_S
     while True:
         m = await asyncio.to_thread(server.metrics)
-        if (m.get(KV_USAGE, 1) == 0 and m.get(RUNNING, 1) == 0 and m.get(WAITING, 1) == 0) \
-                or time.monotonic() > deadline:
+        if (
+            m.get(KV_USAGE, 1) == 0 and m.get(RUNNING, 1) == 0 and m.get(WAITING, 1) == 0
+        ) or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.5)
-    drained = {"kv_usage": m.get(KV_USAGE), "running": m.get(RUNNING), "waiting": m.get(WAITING),
-               "seconds_to_settle": round(DRAIN_WAIT_S - (deadline - time.monotonic()), 1)}
+    drained = {
+        "kv_usage": m.get(KV_USAGE),
+        "running": m.get(RUNNING),
+        "waiting": m.get(WAITING),
+        "seconds_to_settle": round(DRAIN_WAIT_S - (deadline - time.monotonic()), 1),
+    }
     # per-request state: each process rewrites its report within 1 s of a change, so a change
     # just before this point may be in no file yet: quiet both since the last write and since here
     settle_from = time.monotonic()
@@ -206,23 +241,33 @@ async def _graft_run(server: Server, mix: RequestMix, ramp: Ramp, opts: Options,
     for s in samples:
         for k, v in s["state"].items():
             peak_state[k] = max(peak_state.get(k, 0), v)
-    result.update({
-        "load_seconds": round(load_s, 1),
-        "requests": len(results), "outcomes": kinds,
-        "over_long_sent": sum(1 for s, _ in results if s.over_long),
-        "cut_sent": sum(1 for s, _ in results if s.cut_after is not None),
-        "greedy_sent": sum(1 for s, _ in results if s.greedy),
-        "n_gt_1_sent": sum(1 for s, _ in results if s.n > 1),
-        "failures": [{"request": s.describe(), "outcome": o.kind, "reason": o.reason}
-                     for s, o in results if o.kind not in EXPECTED][:50],
-        "preemptions": metrics.get(PREEMPTIONS, 0) - start["metrics"].get(PREEMPTIONS, 0),
-        "drained": drained,
-        "rss_mb": {"start": start["rss_mb"], "mid": mid[0]["rss_mb"] if mid else start["rss_mb"],
-                   "end": end_rss, "max_total": max((_rss_total(s["rss_mb"]) for s in samples), default=None)},
-        "state": {"start": start["state"], "peak": peak_state, "after_drain": state},
-        "last_request": {"kind": last.kind, "reason": last.reason, "alive": server.alive()},
-        "_results": results,
-    })
+    result.update(
+        {
+            "load_seconds": round(load_s, 1),
+            "requests": len(results),
+            "outcomes": kinds,
+            "over_long_sent": sum(1 for s, _ in results if s.over_long),
+            "cut_sent": sum(1 for s, _ in results if s.cut_after is not None),
+            "greedy_sent": sum(1 for s, _ in results if s.greedy),
+            "n_gt_1_sent": sum(1 for s, _ in results if s.n > 1),
+            "failures": [
+                {"request": s.describe(), "outcome": o.kind, "reason": o.reason}
+                for s, o in results
+                if o.kind not in EXPECTED
+            ][:50],
+            "preemptions": metrics.get(PREEMPTIONS, 0) - start["metrics"].get(PREEMPTIONS, 0),
+            "drained": drained,
+            "rss_mb": {
+                "start": start["rss_mb"],
+                "mid": mid[0]["rss_mb"] if mid else start["rss_mb"],
+                "end": end_rss,
+                "max_total": max((_rss_total(s["rss_mb"]) for s in samples), default=None),
+            },
+            "state": {"start": start["state"], "peak": peak_state, "after_drain": state},
+            "last_request": {"kind": last.kind, "reason": last.reason, "alive": server.alive()},
+            "_results": results,
+        }
+    )
     if kinds["hung"] or kinds["error"]:
         say(f"  the end of {server.log_path}:\n{server.log_tail(2000)}")
 
@@ -231,8 +276,9 @@ def _plain_greedy(mix: RequestMix, index: int) -> RequestSpec:
     return RequestSpec(index=index, prompt=list(mix.corpus[:40]), max_tokens=8)
 
 
-async def _compare(graft: Server, plain: Server, greedy: list[tuple[RequestSpec, Outcome]],
-                   timeout: float) -> dict[str, Any]:
+async def _compare(
+    graft: Server, plain: Server, greedy: list[tuple[RequestSpec, Outcome]], timeout: float
+) -> dict[str, Any]:
     """Every greedy completion of the graft server against the plain server's on the same request."""
     replay = []
     for spec, _ in greedy:
@@ -254,51 +300,97 @@ async def _compare(graft: Server, plain: Server, greedy: list[tuple[RequestSpec,
             for spec in differ:
                 a = await run_request(client, graft.base, spec, SERVED_NAME, timeout)
                 b = await run_request(client, plain.base, spec, SERVED_NAME, timeout)
-                alone.append({"request": spec.describe(), "differs_alone": a.texts != b.texts,
-                              "graft": a.texts, "plain": b.texts})
+                alone.append(
+                    {
+                        "request": spec.describe(),
+                        "differs_alone": a.texts != b.texts,
+                        "graft": a.texts,
+                        "plain": b.texts,
+                    }
+                )
     verdict = "yes" if not differ and not failed else "no"
-    return {"verdict": verdict, "compared": len(greedy), "differ": len(differ),
-            "differ_alone": sum(1 for d in alone if d["differs_alone"]), "plain_failed": failed[:20],
-            "details": alone[:20]}
+    return {
+        "verdict": verdict,
+        "compared": len(greedy),
+        "differ": len(differ),
+        "differ_alone": sum(1 for d in alone if d["differs_alone"]),
+        "plain_failed": failed[:20],
+        "details": alone[:20],
+    }
 
 
 def checks(r: dict[str, Any]) -> list[Check]:
     o = r["outcomes"]
     out = [
-        Check("every request answered", o["hung"] == 0 and o["error"] == 0
-              and sum(o.values()) == r["requests"],
-              f"{o['ok']} ok, {o['rejected']} over-long 400, {o['aborted']} client aborts, {o['hung']} hung, "
-              f"{o['error']} errors of {r['requests']}"),
-        Check("over-long prompts refused", o["rejected"] == r["over_long_sent"],
-              f"{o['rejected']} HTTP 400 of {r['over_long_sent']} over max_model_len"),
-        Check("vLLM preempted", r["preemptions"] > 0,
-              f"{r['preemptions']:.0f} preemptions with a {r['kv_tokens']}-token KV pool"
-              + ("" if r["preemptions"] > 0 else ": the pool was not tight enough, lower --kv-tokens")),
-        Check("KV and queues back to 0", r["drained"]["kv_usage"] == 0 and r["drained"]["running"] == 0
-              and r["drained"]["waiting"] == 0,
-              f"kv_cache_usage_perc={r['drained']['kv_usage']}, running={r['drained']['running']}, "
-              f"waiting={r['drained']['waiting']} ({r['drained']['seconds_to_settle']} s after the drain)"),
-        Check("still serving", r["last_request"]["kind"] == "ok" and r["last_request"]["alive"],
-              "a last request after the drain: " + (r["last_request"]["kind"] + " " + r["last_request"]["reason"]).strip()),
+        Check(
+            "every request answered",
+            o["hung"] == 0 and o["error"] == 0 and sum(o.values()) == r["requests"],
+            f"{o['ok']} ok, {o['rejected']} over-long 400, {o['aborted']} client aborts, {o['hung']} hung, "
+            f"{o['error']} errors of {r['requests']}",
+        ),
+        Check(
+            "over-long prompts refused",
+            o["rejected"] == r["over_long_sent"],
+            f"{o['rejected']} HTTP 400 of {r['over_long_sent']} over max_model_len",
+        ),
+        Check(
+            "vLLM preempted",
+            r["preemptions"] > 0,
+            f"{r['preemptions']:.0f} preemptions with a {r['kv_tokens']}-token KV pool"
+            + ("" if r["preemptions"] > 0 else ": the pool was not tight enough, lower --kv-tokens"),
+        ),
+        Check(
+            "KV and queues back to 0",
+            r["drained"]["kv_usage"] == 0 and r["drained"]["running"] == 0 and r["drained"]["waiting"] == 0,
+            f"kv_cache_usage_perc={r['drained']['kv_usage']}, running={r['drained']['running']}, "
+            f"waiting={r['drained']['waiting']} ({r['drained']['seconds_to_settle']} s after the drain)",
+        ),
+        Check(
+            "still serving",
+            r["last_request"]["kind"] == "ok" and r["last_request"]["alive"],
+            "a last request after the drain: "
+            + (r["last_request"]["kind"] + " " + r["last_request"]["reason"]).strip(),
+        ),
     ]
-    grown = {k: (r["state"]["start"].get(k, 0), v) for k, v in r["state"]["after_drain"].items()
-             if v > r["state"]["start"].get(k, 0)}
+    grown = {
+        k: (r["state"]["start"].get(k, 0), v)
+        for k, v in r["state"]["after_drain"].items()
+        if v > r["state"]["start"].get(k, 0)
+    }
     peak = sum(r["state"]["peak"].values())
-    out.append(Check("per-request state back to its start", not grown,
-                     (f"grown: {grown}" if grown else
-                      f"every request-keyed table back to its start (peak {peak} entries summed over "
-                      f"{len(r['state']['peak'])} tables)")))
+    out.append(
+        Check(
+            "per-request state back to its start",
+            not grown,
+            (
+                f"grown: {grown}"
+                if grown
+                else f"every request-keyed table back to its start (peak {peak} entries summed over "
+                f"{len(r['state']['peak'])} tables)"
+            ),
+        )
+    )
     mid, end = _rss_total(r["rss_mb"]["mid"]), _rss_total(r["rss_mb"]["end"])
     allowed = RSS_SLACK_MB + RSS_SLACK_FRACTION * mid
-    out.append(Check("RSS stable over the second half", end - mid <= allowed,
-                     f"{_rss_total(r['rss_mb']['start'])} MB at start, {mid} MB mid-run, {end} MB at the end "
-                     f"(allowed growth over the second half {allowed:.0f} MB)"))
+    out.append(
+        Check(
+            "RSS stable over the second half",
+            end - mid <= allowed,
+            f"{_rss_total(r['rss_mb']['start'])} MB at start, {mid} MB mid-run, {end} MB at the end "
+            f"(allowed growth over the second half {allowed:.0f} MB)",
+        )
+    )
     g = r["greedy"]
     if g["verdict"] != "n.a.":
-        out.append(Check("greedy identical to plain vLLM", g["verdict"] == "yes",
-                         f"{g['compared'] - g['differ']}/{g['compared']} identical"
-                         + (f"; {g['differ_alone']} still differ sent alone" if g["differ"] else "")
-                         + (f"; {len(g['plain_failed'])} failed on the plain server" if g["plain_failed"] else "")))
+        out.append(
+            Check(
+                "greedy identical to plain vLLM",
+                g["verdict"] == "yes",
+                f"{g['compared'] - g['differ']}/{g['compared']} identical"
+                + (f"; {g['differ_alone']} still differ sent alone" if g["differ"] else "")
+                + (f"; {len(g['plain_failed'])} failed on the plain server" if g["plain_failed"] else ""),
+            )
+        )
     return out
 
 
@@ -307,8 +399,9 @@ def row(r: dict[str, Any]) -> dict[str, str]:
     o = r["outcomes"]
     d = r["drained"]
     g = r["greedy"]
-    greedy = g["verdict"] if g["verdict"] == "n.a." else (
-        f"{g['verdict']} ({g['compared'] - g['differ']}/{g['compared']})")
+    greedy = (
+        g["verdict"] if g["verdict"] == "n.a." else (f"{g['verdict']} ({g['compared'] - g['differ']}/{g['compared']})")
+    )
     return {
         "deployment": Path(r["deployment"]).name,
         "requests": str(r["requests"]),

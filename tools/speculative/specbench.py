@@ -31,6 +31,7 @@ differences around each run):
 All arms run with ``enforce_eager`` (no torch.compile), as the graft speculative adapter's
 e2e tests do; timings on a shared CPU are noisy (``--repeat`` is not offered: run it twice).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,9 +47,11 @@ DEFAULT_ARMS = ("plain", "vllm-ngram", "token-recycling", "lookahead", "pooled-n
 DEFAULT_WORKLOADS = ("code-completion", "extractive", "chat", "parallel-sampling")
 PARALLEL = "parallel-sampling"
 N_SAMPLES = 8
-COUNTERS = {"drafts": "vllm:spec_decode_num_drafts",
-            "draft_tokens": "vllm:spec_decode_num_draft_tokens",
-            "accepted": "vllm:spec_decode_num_accepted_tokens"}
+COUNTERS = {
+    "drafts": "vllm:spec_decode_num_drafts",
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "accepted": "vllm:spec_decode_num_accepted_tokens",
+}
 
 
 def arm_file(arm: str) -> Path:
@@ -83,8 +86,9 @@ def arm_plan(arm: str, params: dict[str, Any] | None = None) -> Any:
         data = yaml.safe_load(path.read_text()) or {}
         spec = data.get("speculative")
         if isinstance(spec, dict) and spec.get("plugin"):  # the file's proposer, its parameters overridden
-            spec["params"] = validate("speculative", spec["plugin"],
-                                      {**(spec.get("params") or {}), **(params or {}), **(own or {})})
+            spec["params"] = validate(
+                "speculative", spec["plugin"], {**(spec.get("params") or {}), **(params or {}), **(own or {})}
+            )
         elif own:
             raise PluginArgError(f"arm {arm!r}: {path} enables no graft proposer to give parameters to")
         return plan_for(data, source=str(path), base_dir=path.parent)
@@ -94,8 +98,10 @@ def arm_plan(arm: str, params: dict[str, Any] | None = None) -> Any:
         raise PluginArgError(f"arm {arm!r}: no file {path} and {e}") from None
     merged = validate("speculative", name, {**(params or {}), **(own or {})})
     base = plan_for(arm_file("plain")).deployment
-    return plan_for({"model": str(base.model), "engine": dict(base.engine),
-                     "speculative": {"plugin": name, "params": merged}}, source=f"specbench arm {arm}")
+    return plan_for(
+        {"model": str(base.model), "engine": dict(base.engine), "speculative": {"plugin": name, "params": merged}},
+        source=f"specbench arm {arm}",
+    )
 
 
 def _counters(llm: Any) -> dict[str, float]:
@@ -108,15 +114,17 @@ def _counters(llm: Any) -> dict[str, float]:
     return out
 
 
-def _prompt_sets(tokenizer: Any, workloads: Sequence[str], total: int, max_tokens: int,
-                 max_model_len: int, seed: int) -> dict[str, list[Any]]:
+def _prompt_sets(
+    tokenizer: Any, workloads: Sequence[str], total: int, max_tokens: int, max_model_len: int, seed: int
+) -> dict[str, list[Any]]:
     from vllm_graft.tools import workloads as wl
 
     out = {}
     for name in workloads:
         source = "code-completion" if name == PARALLEL else name
-        (ps,) = wl.build([source], tokenizer, num_prompts=total, max_tokens=max_tokens,
-                         max_model_len=max_model_len, seed=seed)
+        (ps,) = wl.build(
+            [source], tokenizer, num_prompts=total, max_tokens=max_tokens, max_model_len=max_model_len, seed=seed
+        )
         out[name] = ps.prompts
     return out
 
@@ -141,17 +149,24 @@ def prompts_needed(workloads: Sequence[str], b1_prompts: int, batches: Sequence[
     return max(_runs(w, b1_prompts, batches)[-1][1].stop for w in workloads)
 
 
-def run_arm(arm: str, workload: str, prompts: list[Any], *, b1_prompts: int,
-            batches: Sequence[int], max_tokens: int, seed: int,
-            params: dict[str, Any] | None = None) -> dict[str, Any]:
+def run_arm(
+    arm: str,
+    workload: str,
+    prompts: list[Any],
+    *,
+    b1_prompts: int,
+    batches: Sequence[int],
+    max_tokens: int,
+    seed: int,
+    params: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     from vllm_graft.cli.launch import llm_kwargs
 
     plan = arm_plan(arm, params)
-    kwargs = llm_kwargs(plan, graft=bool(plan.enabled), seed=seed, enforce_eager=True,
-                        disable_log_stats=False)
+    kwargs = llm_kwargs(plan, graft=bool(plan.enabled), seed=seed, enforce_eager=True, disable_log_stats=False)
     llm = LLM(**kwargs)
     try:
         warm = SamplingParams(temperature=0.0, max_tokens=8)
@@ -160,16 +175,17 @@ def run_arm(arm: str, workload: str, prompts: list[Any], *, b1_prompts: int,
         for batch, sl, sequential in _runs(workload, b1_prompts, batches):
             chunk = prompts[sl]
             if workload == PARALLEL:
-                sampling = [SamplingParams(n=N_SAMPLES, temperature=0.8, seed=seed + p.index,
-                                         max_tokens=p.max_tokens) for p in chunk]
+                sampling = [
+                    SamplingParams(n=N_SAMPLES, temperature=0.8, seed=seed + p.index, max_tokens=p.max_tokens)
+                    for p in chunk
+                ]
             else:
                 sampling = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens) for p in chunk]
             inputs = [TokensPrompt(prompt_token_ids=list(p.token_ids)) for p in chunk]
             before = _counters(llm)
             t0 = time.perf_counter()
             if sequential:
-                outs = [o for i, sp in zip(inputs, sampling)
-                        for o in llm.generate([i], sp, use_tqdm=False)]
+                outs = [o for i, sp in zip(inputs, sampling) for o in llm.generate([i], sp, use_tqdm=False)]
             else:
                 outs = llm.generate(inputs, sampling, use_tqdm=False)
             wall = time.perf_counter() - t0
@@ -179,14 +195,20 @@ def run_arm(arm: str, workload: str, prompts: list[Any], *, b1_prompts: int,
             d = {k: after[k] - before[k] for k in COUNTERS}
             tokens = [list(c.token_ids) for o in outs for c in o.outputs]
             n_out = sum(len(t) for t in tokens)
-            result["runs"].append({
-                "batch": batch, "requests": len(chunk), "sequences": len(tokens),
-                "output_tokens": n_out, "wall_s": wall, "tok_s": n_out / wall if wall else 0.0,
-                **{k: int(v) for k, v in d.items()},
-                "acc_per_verify": d["accepted"] / d["drafts"] if d["drafts"] else 0.0,
-                "fwd_per_token": (n_out - d["accepted"]) / n_out if n_out else 1.0,
-                "greedy_tokens": None if workload == PARALLEL else tokens,
-            })
+            result["runs"].append(
+                {
+                    "batch": batch,
+                    "requests": len(chunk),
+                    "sequences": len(tokens),
+                    "output_tokens": n_out,
+                    "wall_s": wall,
+                    "tok_s": n_out / wall if wall else 0.0,
+                    **{k: int(v) for k, v in d.items()},
+                    "acc_per_verify": d["accepted"] / d["drafts"] if d["drafts"] else 0.0,
+                    "fwd_per_token": (n_out - d["accepted"]) / n_out if n_out else 1.0,
+                    "greedy_tokens": None if workload == PARALLEL else tokens,
+                }
+            )
         from vllm_graft.integration.runtime import RUNTIME
 
         result["plugins"] = RUNTIME.report() if plan.enabled else []
@@ -211,15 +233,15 @@ def summarize(results: dict[str, dict[str, Any]], workloads: Sequence[str]) -> l
             drafts = sum(x["drafts"] for x in runs)
             out = sum(x["output_tokens"] for x in runs)
             row: dict[str, Any] = {
-                "workload": w, "arm": arm,
+                "workload": w,
+                "arm": arm,
                 "acc_per_verify": acc / drafts if drafts else 0.0,
                 "fwd_per_token": (out - acc) / out if out else 1.0,
                 "output_tokens": out,
             }
             identical = None
             if plain is not None and w != PARALLEL:
-                identical = all(a["greedy_tokens"] == b["greedy_tokens"]
-                                for a, b in zip(runs, plain["runs"]))
+                identical = all(a["greedy_tokens"] == b["greedy_tokens"] for a, b in zip(runs, plain["runs"]))
             row["identical"] = identical
             for x in runs:
                 b = x["batch"]
@@ -238,8 +260,13 @@ def render(rows: list[dict[str, Any]], batches: Sequence[int]) -> str:
         cols += [f"tok/s@{b}", f"x plain@{b}"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        cells = [r["workload"], r["arm"], f"{r['acc_per_verify']:.2f}", f"{r['fwd_per_token']:.3f}",
-                 {True: "yes", False: "NO", None: "-"}[r["identical"]]]
+        cells = [
+            r["workload"],
+            r["arm"],
+            f"{r['acc_per_verify']:.2f}",
+            f"{r['fwd_per_token']:.3f}",
+            {True: "yes", False: "NO", None: "-"}[r["identical"]],
+        ]
         for b in (1, *batches):
             cells.append(f"{r.get(f'tok_s@{b}', 0):.0f}")
             s = r.get(f"speedup@{b}")
@@ -283,38 +310,69 @@ def main(args: argparse.Namespace) -> int:
             # Triton kernels at every engine start and trips over what its own ngram proposer
             # imported (numba), so a second engine in one process fails after an ngram one.
             with ctx.Pool(1) as pool:
-                results.setdefault(arm, {})[w] = pool.apply(run_arm, (arm, w, sets[w]), dict(
-                    b1_prompts=args.b1_prompts, batches=batches, max_tokens=args.max_tokens,
-                    seed=args.seed, params=params))
+                results.setdefault(arm, {})[w] = pool.apply(
+                    run_arm,
+                    (arm, w, sets[w]),
+                    dict(
+                        b1_prompts=args.b1_prompts,
+                        batches=batches,
+                        max_tokens=args.max_tokens,
+                        seed=args.seed,
+                        params=params,
+                    ),
+                )
             print(f"[specbench] {arm} / {w}: {time.perf_counter() - t0:.1f}s", flush=True)
     rows = summarize(results, workloads)
     table = render(rows, batches)
     print(table)
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"schema": "vllm-graft-specbench/1", "model": model, "arms": arms,
-             "workloads": workloads, "batches": [1, *batches], "max_tokens": args.max_tokens,
-             "b1_prompts": args.b1_prompts, "rows": rows, "results": results,
-             "table": table}, indent=1, default=str))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "schema": "vllm-graft-specbench/1",
+                    "model": model,
+                    "arms": arms,
+                    "workloads": workloads,
+                    "batches": [1, *batches],
+                    "max_tokens": args.max_tokens,
+                    "b1_prompts": args.b1_prompts,
+                    "rows": rows,
+                    "results": results,
+                    "table": table,
+                },
+                indent=1,
+                default=str,
+            )
+        )
     return 0
 
 
 def add_command(sub: Any) -> None:
-    p = sub.add_parser("specbench", help="speculative proposers vs vLLM's ngram and plain vLLM "
-                       "(acceptance, forward passes per token, tokens/s at several batch sizes)")
-    p.add_argument("--arms", action="append", default=None,
-                   help=f"comma list (default: {','.join(DEFAULT_ARMS)}); an arm X is "
-                        "deployments/spec-X.yaml (plain: deployments/plain.yaml) or a .yaml path; any other "
-                        "registered speculative plugin (a third party's too), or X:{JSON} with its "
-                        "parameters, runs on deployments/plain.yaml's model with that proposer")
-    p.add_argument("--params", metavar="JSON",
-                   help="parameters for every arm's graft proposer (over a spec-X.yaml file's, under an "
-                        "X:{JSON} entry's), e.g. '{\"num_speculative_tokens\": 6}'; validated by the "
-                        "plugin's parameter model; plain and vllm-ngram are left as they are")
-    p.add_argument("--workload", action="append", default=None,
-                   help=f"comma list (default: {','.join(DEFAULT_WORKLOADS)})")
-    p.add_argument("--batch", action="append", default=None,
-                   help="batch sizes besides 1 (default: 16,32)")
+    p = sub.add_parser(
+        "specbench",
+        help="speculative proposers vs vLLM's ngram and plain vLLM "
+        "(acceptance, forward passes per token, tokens/s at several batch sizes)",
+    )
+    p.add_argument(
+        "--arms",
+        action="append",
+        default=None,
+        help=f"comma list (default: {','.join(DEFAULT_ARMS)}); an arm X is "
+        "deployments/spec-X.yaml (plain: deployments/plain.yaml) or a .yaml path; any other "
+        "registered speculative plugin (a third party's too), or X:{JSON} with its "
+        "parameters, runs on deployments/plain.yaml's model with that proposer",
+    )
+    p.add_argument(
+        "--params",
+        metavar="JSON",
+        help="parameters for every arm's graft proposer (over a spec-X.yaml file's, under an "
+        "X:{JSON} entry's), e.g. '{\"num_speculative_tokens\": 6}'; validated by the "
+        "plugin's parameter model; plain and vllm-ngram are left as they are",
+    )
+    p.add_argument(
+        "--workload", action="append", default=None, help=f"comma list (default: {','.join(DEFAULT_WORKLOADS)})"
+    )
+    p.add_argument("--batch", action="append", default=None, help="batch sizes besides 1 (default: 16,32)")
     p.add_argument("--b1-prompts", type=int, default=4, help="requests run one by one at batch 1")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
     p.add_argument("--seed", type=int, default=0)

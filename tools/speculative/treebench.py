@@ -69,6 +69,7 @@ as one long chain; note that ``TokenTrie.continuation`` matches a shorter suffix
 for more tokens (a window holds the match and the drafts), so lookahead's wide chain is not
 simply the chain made longer. float32 on CPU, one torch thread by default (``--threads``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -102,8 +103,9 @@ def speculative_parts() -> tuple[Any, Any, Any]:
 
 
 # ------------------------------------------------------------------------------ the target
-def tree_inputs(cached: int, n_pending: int, parents: Any, depth: Any, ancestors: Any,
-                dtype: Any = None) -> tuple[Any, Any]:
+def tree_inputs(
+    cached: int, n_pending: int, parents: Any, depth: Any, ancestors: Any, dtype: Any = None
+) -> tuple[Any, Any]:
     """``(mask [1, 1, Q, K], position_ids [1, Q])`` for one verify forward: ``Q = n_pending +
     N`` queries (the pending tokens, then the ``N`` tree nodes) over ``K = cached + Q`` keys
     (see the module docstring). ``ancestors``: the tree's ``[N, N]`` ancestor-or-self mask."""
@@ -114,14 +116,14 @@ def tree_inputs(cached: int, n_pending: int, parents: Any, depth: Any, ancestors
     q = n_pending + n
     allowed = torch.zeros(q, cached + q, dtype=torch.bool)
     allowed[:, :cached] = True
-    allowed[:n_pending, cached:cached + n_pending] = torch.ones(
-        n_pending, n_pending, dtype=torch.bool).tril()
-    allowed[n_pending:, cached:cached + n_pending] = True
-    allowed[n_pending:, cached + n_pending:] = ancestors
+    allowed[:n_pending, cached : cached + n_pending] = torch.ones(n_pending, n_pending, dtype=torch.bool).tril()
+    allowed[n_pending:, cached : cached + n_pending] = True
+    allowed[n_pending:, cached + n_pending :] = ancestors
     mask = torch.zeros(q, cached + q, dtype=dtype).masked_fill(~allowed, float("-inf"))
     context = cached + n_pending
-    positions = torch.cat([torch.arange(cached, context, dtype=torch.long),
-                           context - 1 + torch.as_tensor(depth, dtype=torch.long)])
+    positions = torch.cat(
+        [torch.arange(cached, context, dtype=torch.long), context - 1 + torch.as_tensor(depth, dtype=torch.long)]
+    )
     return mask[None, None], positions[None]
 
 
@@ -154,12 +156,12 @@ class TreeTarget:
         if p < 1:
             raise ValueError("a verify forward needs at least one pending token (the root)")
         dtype = next(self.model.parameters()).dtype
-        mask, positions = tree_inputs(self.cached, p, tree.parents, tree.depth,
-                                      tree.ancestor_mask(), dtype)
+        mask, positions = tree_inputs(self.cached, p, tree.parents, tree.depth, tree.ancestor_mask(), dtype)
         ids = torch.cat([torch.as_tensor(list(pending), dtype=torch.long), tree.tokens])[None]
         with torch.no_grad():
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                             past_key_values=self.cache, use_cache=True)
+            out = self.model(
+                input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache, use_cache=True
+            )
         if n:
             self.cache.crop(-n)  # drop the tree: negative = tokens to remove (transformers 4 and 5)
         self.cached += p
@@ -258,8 +260,9 @@ class PromptRun:
     accept_hist: dict[int, int] = field(default_factory=dict)
 
 
-def generate(target: TreeTarget, drafter: Drafter, verify_greedy: Any, prompt: Sequence[int],
-             max_tokens: int) -> PromptRun:
+def generate(
+    target: TreeTarget, drafter: Drafter, verify_greedy: Any, prompt: Sequence[int], max_tokens: int
+) -> PromptRun:
     """Greedy speculative decoding of ``max_tokens`` tokens after ``prompt`` (module docstring)."""
     T = drafter.tree_mod.DraftTree
     target.start()
@@ -275,7 +278,7 @@ def generate(target: TreeTarget, drafter: Drafter, verify_greedy: Any, prompt: S
         seq = prompt + out
         tree = drafter.draft(seq, max_tokens - len(out) - 1)
         logits = target.forward(pending, tree)
-        rows = logits[len(pending) - 1:]  # the root's prediction, then each node's
+        rows = logits[len(pending) - 1 :]  # the root's prediction, then each node's
         verdict = verify_greedy(tree, rows.argmax(-1))
         drafter.learn(seq[-1], tree, rows)
         emitted = verdict.tokens(tree)
@@ -292,8 +295,9 @@ def generate(target: TreeTarget, drafter: Drafter, verify_greedy: Any, prompt: S
     return run
 
 
-def run_arm(model: Any, parts: tuple[Any, Any, Any], arm: str, prompts: Sequence[tuple[Sequence[int], int]],
-            settings: Settings) -> list[PromptRun]:
+def run_arm(
+    model: Any, parts: tuple[Any, Any, Any], arm: str, prompts: Sequence[tuple[Sequence[int], int]], settings: Settings
+) -> list[PromptRun]:
     """Every prompt ``(token_ids, max_tokens)`` in order, with one proposer state."""
     target = TreeTarget(model)
     drafter = Drafter(parts, arm, settings)
@@ -315,13 +319,21 @@ def figures(runs: Sequence[PromptRun], reference: Sequence[PromptRun] | None) ->
         for a, c in r.accept_hist.items():
             hist[a] = hist.get(a, 0) + c
     same = None if reference is None else sum(a.tokens == b.tokens for a, b in zip(runs, reference))
-    return {"prompts": len(runs), "output_tokens": out, "forwards": fwd, "decode_steps": steps,
-            "verify_steps": verify, "draft_nodes": nodes, "accepted": acc,
-            "nodes_per_verify": nodes / verify if verify else 0.0,
-            "acc_per_verify": acc / verify if verify else 0.0,
-            "acc_per_step": acc / steps if steps else 0.0,
-            "tok_per_fwd": out / fwd if fwd else 0.0,
-            "identical": same, "accept_hist": dict(sorted(hist.items()))}
+    return {
+        "prompts": len(runs),
+        "output_tokens": out,
+        "forwards": fwd,
+        "decode_steps": steps,
+        "verify_steps": verify,
+        "draft_nodes": nodes,
+        "accepted": acc,
+        "nodes_per_verify": nodes / verify if verify else 0.0,
+        "acc_per_verify": acc / verify if verify else 0.0,
+        "acc_per_step": acc / steps if steps else 0.0,
+        "tok_per_fwd": out / fwd if fwd else 0.0,
+        "identical": same,
+        "accept_hist": dict(sorted(hist.items())),
+    }
 
 
 def ratios(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -334,7 +346,7 @@ def ratios(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         r: dict[str, Any] = {"proposer": p}
         for name, base in (("chain", chain), ("chain_wide", wide)):
             for key in ("acc_per_verify", "tok_per_fwd"):
-                r[f"{key}_vs_{name}"] = (tree[key] / base[key] if base and base[key] else None)
+                r[f"{key}_vs_{name}"] = tree[key] / base[key] if base and base[key] else None
         x = r["acc_per_verify_vs_chain"]
         r["target_met"] = None if x is None else x >= TARGET_RATIO
         out.append(r)
@@ -347,24 +359,65 @@ def _f(x: Any, fmt: str = ".2f") -> str:
 
 def render(results: dict[str, dict[str, Any]]) -> str:
     """Markdown tables: the arms per workload, then the tree/chain ratios."""
-    cols = ["workload", "arm", "forwards", "verify steps", "nodes/verify", "acc/verify",
-            "acc/step", "tok/fwd", "identical"]
+    cols = [
+        "workload",
+        "arm",
+        "forwards",
+        "verify steps",
+        "nodes/verify",
+        "acc/verify",
+        "acc/step",
+        "tok/fwd",
+        "identical",
+    ]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for w, res in results.items():
         for arm, f in res["arms"].items():
             ident = "-" if f["identical"] is None else f"{f['identical']}/{f['prompts']}"
-            lines.append("| " + " | ".join([
-                w, arm, str(f["forwards"]), str(f["verify_steps"]), _f(f["nodes_per_verify"], ".1f"),
-                _f(f["acc_per_verify"]), _f(f["acc_per_step"]), _f(f["tok_per_fwd"], ".3f"), ident]) + " |")
-    cols = ["workload", "proposer", "tree/chain acc/verify", "tree/chain tok/fwd",
-            "tree/chain-wide acc/verify", "tree/chain-wide tok/fwd", f">= {TARGET_RATIO}x chain"]
+            lines.append(
+                "| "
+                + " | ".join(
+                    [
+                        w,
+                        arm,
+                        str(f["forwards"]),
+                        str(f["verify_steps"]),
+                        _f(f["nodes_per_verify"], ".1f"),
+                        _f(f["acc_per_verify"]),
+                        _f(f["acc_per_step"]),
+                        _f(f["tok_per_fwd"], ".3f"),
+                        ident,
+                    ]
+                )
+                + " |"
+            )
+    cols = [
+        "workload",
+        "proposer",
+        "tree/chain acc/verify",
+        "tree/chain tok/fwd",
+        "tree/chain-wide acc/verify",
+        "tree/chain-wide tok/fwd",
+        f">= {TARGET_RATIO}x chain",
+    ]
     lines += ["", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for w, res in results.items():
         for r in res["ratios"]:
-            lines.append("| " + " | ".join([
-                w, r["proposer"], _f(r["acc_per_verify_vs_chain"]), _f(r["tok_per_fwd_vs_chain"]),
-                _f(r["acc_per_verify_vs_chain_wide"]), _f(r["tok_per_fwd_vs_chain_wide"]),
-                {True: "yes", False: "no", None: "-"}[r["target_met"]]]) + " |")
+            lines.append(
+                "| "
+                + " | ".join(
+                    [
+                        w,
+                        r["proposer"],
+                        _f(r["acc_per_verify_vs_chain"]),
+                        _f(r["tok_per_fwd_vs_chain"]),
+                        _f(r["acc_per_verify_vs_chain_wide"]),
+                        _f(r["tok_per_fwd_vs_chain_wide"]),
+                        {True: "yes", False: "no", None: "-"}[r["target_met"]],
+                    ]
+                )
+                + " |"
+            )
     return "\n".join(lines)
 
 
@@ -373,8 +426,7 @@ def load_model(path: str | Path, dtype: str = "float32") -> Any:
     import torch
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype),
-                                             attn_implementation="sdpa")
+    model = LlamaForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype), attn_implementation="sdpa")
     return model.eval()
 
 
@@ -399,9 +451,14 @@ def main(args: argparse.Namespace) -> int:
         args.model = str(models_dir() / "graft-tiny-llama")
     if args.threads:
         torch.set_num_threads(args.threads)
-    settings = Settings(chain_length=args.chain_length, breadth=args.breadth, k=args.k,
-                        branches=args.branches, trie_depth=args.trie_depth,
-                        min_match=args.min_match)
+    settings = Settings(
+        chain_length=args.chain_length,
+        breadth=args.breadth,
+        k=args.k,
+        branches=args.branches,
+        trie_depth=args.trie_depth,
+        min_match=args.min_match,
+    )
     if max(settings.breadth) > settings.k:
         raise SystemExit(f"--breadth {settings.breadth} needs --k >= {max(settings.breadth)}")
     arms = [a for part in args.arms for a in part.split(",") if a]
@@ -416,11 +473,20 @@ def main(args: argparse.Namespace) -> int:
     parts = speculative_parts()
     tok = wl.Tokenizer.from_model(args.model)
     max_model_len = int(model.config.max_position_embeddings)
-    sets = wl.build(workloads, tok, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
-                    max_model_len=max_model_len, seed=args.seed)
-    print(f"[treebench] logical figures (accepted tokens per verify forward), not wall-clock; "
-          f"chain length {settings.chain_length}, recycling tree breadth {settings.breadth} "
-          f"(k={settings.k}), lookahead tree {settings.branches} branches", flush=True)
+    sets = wl.build(
+        workloads,
+        tok,
+        num_prompts=args.num_prompts,
+        max_tokens=args.max_tokens,
+        max_model_len=max_model_len,
+        seed=args.seed,
+    )
+    print(
+        f"[treebench] logical figures (accepted tokens per verify forward), not wall-clock; "
+        f"chain length {settings.chain_length}, recycling tree breadth {settings.breadth} "
+        f"(k={settings.k}), lookahead tree {settings.branches} branches",
+        flush=True,
+    )
     results: dict[str, dict[str, Any]] = {}
     raw: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for ps in sets:
@@ -434,20 +500,38 @@ def main(args: argparse.Namespace) -> int:
             rows[arm]["seconds"] = time.perf_counter() - t0
             print(f"[treebench] {ps.name} / {arm}: {rows[arm]['seconds']:.1f}s", flush=True)
         results[ps.name] = {"fingerprint": ps.fingerprint(), "arms": rows, "ratios": ratios(rows)}
-        raw[ps.name] = {a: [{"tokens": r.tokens, "forwards": r.forwards, "accepted": r.accepted}
-                            for r in runs] for a, runs in per_arm.items()}
+        raw[ps.name] = {
+            a: [{"tokens": r.tokens, "forwards": r.forwards, "accepted": r.accepted} for r in runs]
+            for a, runs in per_arm.items()
+        }
     table = render(results)
     print(table)
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"schema": SCHEMA, "model": str(args.model), "dtype": args.dtype,
-             "figure": "logical: accepted draft tokens per verify forward (not wall-clock)",
-             "settings": {**settings.__dict__, "breadth": list(settings.breadth)},
-             "recycling_tree_nodes": _tree_size(settings.breadth),
-             "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "seed": args.seed,
-             "results": results, "runs": raw, "table": table}, indent=1))
-    differ = [(w, a) for w, r in results.items() for a, f in r["arms"].items()
-              if f["identical"] is not None and f["identical"] != f["prompts"]]
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "schema": SCHEMA,
+                    "model": str(args.model),
+                    "dtype": args.dtype,
+                    "figure": "logical: accepted draft tokens per verify forward (not wall-clock)",
+                    "settings": {**settings.__dict__, "breadth": list(settings.breadth)},
+                    "recycling_tree_nodes": _tree_size(settings.breadth),
+                    "num_prompts": args.num_prompts,
+                    "max_tokens": args.max_tokens,
+                    "seed": args.seed,
+                    "results": results,
+                    "runs": raw,
+                    "table": table,
+                },
+                indent=1,
+            )
+        )
+    differ = [
+        (w, a)
+        for w, r in results.items()
+        for a, f in r["arms"].items()
+        if f["identical"] is not None and f["identical"] != f["prompts"]
+    ]
     if differ:
         print(f"[treebench] ERROR: output differs from greedy in {differ}")
         return 1
@@ -464,28 +548,41 @@ def _tree_size(breadth: Sequence[int]) -> int:
 
 
 def add_command(sub: Any) -> None:
-    p = sub.add_parser("treebench", help="tree vs chain speculative verification on the bundled "
-                       "model without vLLM: accepted tokens per verify step (logical, not wall-clock)")
-    p.add_argument("--arms", action="append", default=None,
-                   help=f"comma list (default: all: {','.join(ARMS)}; greedy always runs)")
-    p.add_argument("--workload", action="append", default=None,
-                   help=f"comma list (default: {','.join(DEFAULT_WORKLOADS)})")
+    p = sub.add_parser(
+        "treebench",
+        help="tree vs chain speculative verification on the bundled "
+        "model without vLLM: accepted tokens per verify step (logical, not wall-clock)",
+    )
+    p.add_argument(
+        "--arms", action="append", default=None, help=f"comma list (default: all: {','.join(ARMS)}; greedy always runs)"
+    )
+    p.add_argument(
+        "--workload", action="append", default=None, help=f"comma list (default: {','.join(DEFAULT_WORKLOADS)})"
+    )
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per prompt")
     p.add_argument("--chain-length", type=int, default=4, help="chain arms' draft tokens")
-    p.add_argument("--breadth", type=_ints, default=(4, 2, 1, 1),
-                   help="Token Recycling tree: children per node at each depth (default 4,2,1,1: "
-                        "28 nodes, depth 4)")
+    p.add_argument(
+        "--breadth",
+        type=_ints,
+        default=(4, 2, 1, 1),
+        help="Token Recycling tree: children per node at each depth (default 4,2,1,1: 28 nodes, depth 4)",
+    )
     p.add_argument("--k", type=int, default=8, help="Token Recycling: successors kept per token")
-    p.add_argument("--branches", type=int, default=4,
-                   help="lookahead tree: trie branches of --chain-length tokens merged")
+    p.add_argument(
+        "--branches", type=int, default=4, help="lookahead tree: trie branches of --chain-length tokens merged"
+    )
     p.add_argument("--trie-depth", type=int, default=8, help="lookahead: tokens per trie window")
     p.add_argument("--min-match", type=int, default=1, help="lookahead: shortest suffix matched")
     p.add_argument("--model", default=None, help="HF Llama folder (default: the bundled graft-tiny-llama)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (default 1: the figures do not depend on it, and a shared CPU "
-                        "stalls multi-threaded small matmuls; 0: torch's default)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: the figures do not depend on it, and a shared CPU "
+        "stalls multi-threaded small matmuls; 0: torch's default)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write every figure and every arm's output tokens to this file")
 

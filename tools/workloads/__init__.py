@@ -18,23 +18,54 @@ code-completion, extractive), :mod:`.long_context` (needle-in-a-haystack texts a
 long-recall workload) and :mod:`.registry` (the registry of workloads, ``parse_names``,
 ``build``).
 """
+
 from __future__ import annotations
 
-from .base import (BuildContext, Prompt, PromptSet, Tokenizer, Workload, WorkloadError,
-                   fingerprint)
+from .base import BuildContext, Prompt, PromptSet, Tokenizer, Workload, WorkloadError, fingerprint
 from .long_context import LONG_RECALL_LEAD, LONG_RECALL_SPAN, Needle, needle_haystack
-from .prompts import (CHAT_FORMATS, CHAT_QUESTIONS, CODE_COMPLETION_MAX_TOKENS, EXTRACTIVE_MAX_LINES,
-                      LONG_CONTEXT_TOKENS, SHARED_PREFIX_GROUP, SHARED_PREFIX_TOKENS, SYSTEM_PROMPT,
-                      _common_prefix)
+from .prompts import (
+    CHAT_FORMATS,
+    CHAT_QUESTIONS,
+    CODE_COMPLETION_MAX_TOKENS,
+    EXTRACTIVE_MAX_LINES,
+    LONG_CONTEXT_TOKENS,
+    SHARED_PREFIX_GROUP,
+    SHARED_PREFIX_TOKENS,
+    SYSTEM_PROMPT,
+    _common_prefix,
+)
 from .registry import WORKLOADS, UnknownWorkloadError, build, parse_names
-from .sources import (EXCLUDED_DIRS, FunctionHead, function_heads, stdlib_dir, stdlib_files,
-                      stdlib_texts)
+from .sources import EXCLUDED_DIRS, FunctionHead, function_heads, stdlib_dir, stdlib_files, stdlib_texts
 
 __all__ = [
-    "BuildContext", "CHAT_FORMATS", "CHAT_QUESTIONS", "CODE_COMPLETION_MAX_TOKENS", "EXCLUDED_DIRS",
-    "EXTRACTIVE_MAX_LINES", "FunctionHead", "LONG_CONTEXT_TOKENS", "LONG_RECALL_LEAD", "LONG_RECALL_SPAN",
-    "Needle", "Prompt", "PromptSet", "SHARED_PREFIX_GROUP", "SHARED_PREFIX_TOKENS", "SYSTEM_PROMPT",
-    "Tokenizer", "UnknownWorkloadError", "WORKLOADS", "Workload", "WorkloadError", "_common_prefix",
-    "build", "fingerprint", "function_heads", "needle_haystack", "parse_names", "stdlib_dir",
-    "stdlib_files", "stdlib_texts",
+    "BuildContext",
+    "CHAT_FORMATS",
+    "CHAT_QUESTIONS",
+    "CODE_COMPLETION_MAX_TOKENS",
+    "EXCLUDED_DIRS",
+    "EXTRACTIVE_MAX_LINES",
+    "FunctionHead",
+    "LONG_CONTEXT_TOKENS",
+    "LONG_RECALL_LEAD",
+    "LONG_RECALL_SPAN",
+    "Needle",
+    "Prompt",
+    "PromptSet",
+    "SHARED_PREFIX_GROUP",
+    "SHARED_PREFIX_TOKENS",
+    "SYSTEM_PROMPT",
+    "Tokenizer",
+    "UnknownWorkloadError",
+    "WORKLOADS",
+    "Workload",
+    "WorkloadError",
+    "_common_prefix",
+    "build",
+    "fingerprint",
+    "function_heads",
+    "needle_haystack",
+    "parse_names",
+    "stdlib_dir",
+    "stdlib_files",
+    "stdlib_texts",
 ]

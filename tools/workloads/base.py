@@ -1,6 +1,7 @@
 """The pieces every workload is made of: the model's tokenizer (reduced to encode/decode), a
 prompt, a workload's prompt set and its fingerprint, the build context a workload is a function
 of, and the workload itself. Never imports vLLM."""
+
 from __future__ import annotations
 
 import hashlib
@@ -16,13 +17,13 @@ class WorkloadError(ValueError):
     """A workload cannot be built with these settings (or does not exist)."""
 
 
-
 # --------------------------------------------------------------------------- tokenizer
 class Tokenizer:
     """The model's tokenizer, reduced to what the workloads need (no special tokens added)."""
 
-    def __init__(self, encode: Callable[[str], list[int]], decode: Callable[[Sequence[int]], str],
-                 name: str = "") -> None:
+    def __init__(
+        self, encode: Callable[[str], list[int]], decode: Callable[[Sequence[int]], str], name: str = ""
+    ) -> None:
         self._encode, self._decode, self.name = encode, decode, name
 
     def encode(self, text: str) -> list[int]:
@@ -40,13 +41,15 @@ class Tokenizer:
             from tokenizers import Tokenizer as Fast
 
             tok = Fast.from_file(str(folder / "tokenizer.json"))
-            return cls(lambda t: tok.encode(t, add_special_tokens=False).ids,
-                       lambda ids: tok.decode(ids, skip_special_tokens=False), str(folder))
+            return cls(
+                lambda t: tok.encode(t, add_special_tokens=False).ids,
+                lambda ids: tok.decode(ids, skip_special_tokens=False),
+                str(folder),
+            )
         from transformers import AutoTokenizer
 
         hf = AutoTokenizer.from_pretrained(str(model))
-        return cls(lambda t: hf(t, add_special_tokens=False)["input_ids"],
-                   lambda ids: hf.decode(ids), str(model))
+        return cls(lambda t: hf(t, add_special_tokens=False)["input_ids"], lambda ids: hf.decode(ids), str(model))
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -61,9 +64,14 @@ class Prompt:
     group: int | None = None  # shared-prefix group
 
     def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "source": self.source, "group": self.group,
-                "prompt_tokens": len(self.token_ids), "max_tokens": self.max_tokens,
-                "text": self.text}
+        return {
+            "index": self.index,
+            "source": self.source,
+            "group": self.group,
+            "prompt_tokens": len(self.token_ids),
+            "max_tokens": self.max_tokens,
+            "text": self.text,
+        }
 
 
 @dataclass
@@ -81,12 +89,19 @@ class PromptSet:
 
     def to_json(self) -> dict[str, Any]:
         lengths = [len(p.token_ids) for p in self.prompts]
-        return {"name": self.name, "describe": self.workload.describe,
-                "num_prompts": len(self.prompts),
-                "prompt_tokens": {"total": sum(lengths), "min": min(lengths, default=0),
-                                  "max": max(lengths, default=0),
-                                  "mean": sum(lengths) / len(lengths) if lengths else 0.0},
-                "fingerprint": self.fingerprint(), **self.stats}
+        return {
+            "name": self.name,
+            "describe": self.workload.describe,
+            "num_prompts": len(self.prompts),
+            "prompt_tokens": {
+                "total": sum(lengths),
+                "min": min(lengths, default=0),
+                "max": max(lengths, default=0),
+                "mean": sum(lengths) / len(lengths) if lengths else 0.0,
+            },
+            "fingerprint": self.fingerprint(),
+            **self.stats,
+        }
 
 
 def fingerprint(prompts: Iterable[Prompt]) -> str:
@@ -113,17 +128,25 @@ class BuildContext:
         """The longest prompt that leaves room for ``max_tokens`` (+1 for scoring)."""
         return self.max_model_len - self.max_tokens - 1
 
-    def make(self, workload: str, index: int, ids: Sequence[int], source: str,
-             group: int | None = None, text: str | None = None) -> Prompt:
+    def make(
+        self,
+        workload: str,
+        index: int,
+        ids: Sequence[int],
+        source: str,
+        group: int | None = None,
+        text: str | None = None,
+    ) -> Prompt:
         ids = tuple(ids)
         if not ids:
             raise WorkloadError(f"{workload}: prompt {index} ({source}) is empty")
         budget = min(self.max_tokens, self.max_model_len - len(ids) - 1)
         if budget < 1:
-            raise WorkloadError(f"{workload}: prompt {index} ({source}) has {len(ids)} tokens, "
-                                f"no room for output in max_model_len {self.max_model_len}")
-        return Prompt(workload, index, ids, self.tokenizer.decode(ids) if text is None else text,
-                      budget, source, group)
+            raise WorkloadError(
+                f"{workload}: prompt {index} ({source}) has {len(ids)} tokens, "
+                f"no room for output in max_model_len {self.max_model_len}"
+            )
+        return Prompt(workload, index, ids, self.tokenizer.decode(ids) if text is None else text, budget, source, group)
 
 
 @dataclass(frozen=True)

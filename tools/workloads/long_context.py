@@ -1,5 +1,6 @@
 """Long-context builders: needle-in-a-haystack retrieval prompts (KV compression) and the
 ``long-recall`` workload (a function repeated at the end of a long source window)."""
+
 from __future__ import annotations
 
 import ast
@@ -24,9 +25,9 @@ class Needle:
     source: str
 
 
-
-def needle_haystack(tokenizer: Tokenizer, *, num_prompts: int, context_tokens: int, seed: int = 0,
-                    root: Path | None = None) -> list[Needle]:
+def needle_haystack(
+    tokenizer: Tokenizer, *, num_prompts: int, context_tokens: int, seed: int = 0, root: Path | None = None
+) -> list[Needle]:
     """Needle-in-a-haystack retrieval on code: a stdlib source window of about
     ``context_tokens`` tokens (the haystack) with one line ``SECRET_<tag> = "<value>"``
     inserted at a line boundary at depth 0.1-0.9 (evenly over the prompts); the prompt ends
@@ -46,9 +47,9 @@ def needle_haystack(tokenizer: Tokenizer, *, num_prompts: int, context_tokens: i
         needle = f'SECRET_{tag} = "{value}"\n'
         question = f'\nSECRET_{tag} = "'
         text = "".join(lines[:at]) + needle + "".join(lines[at:]).rstrip("\n") + "\n" + question
-        prompt = tokenizer.encode(text)[-(context_tokens - 1):]
+        prompt = tokenizer.encode(text)[-(context_tokens - 1) :]
         full = tokenizer.encode(text + value + '"')
-        answer = full[len(tokenizer.encode(text)):]
+        answer = full[len(tokenizer.encode(text)) :]
         if not answer or tokenizer.encode(text) + answer != full:
             answer = tokenizer.encode(value + '"')  # the tokenizer merges across the boundary
         out.append(Needle(tuple(prompt), tuple(answer), round(depth, 3), source))
@@ -70,8 +71,10 @@ def _long_recall(ctx: BuildContext) -> tuple[list[Prompt], dict[str, Any]]:
     length = min(LONG_CONTEXT_TOKENS, ctx.prompt_budget)
     lo, hi = LONG_RECALL_SPAN
     if length < 4 * lo:
-        raise WorkloadError(f"long-recall: max_tokens {ctx.max_tokens} leaves only {length} prompt "
-                            f"tokens in max_model_len {ctx.max_model_len} (needs at least {4 * lo})")
+        raise WorkloadError(
+            f"long-recall: max_tokens {ctx.max_tokens} leaves only {length} prompt "
+            f"tokens in max_model_len {ctx.max_model_len} (needs at least {4 * lo})"
+        )
     hi = min(hi, length // 4)
     rng = ctx.rng("long-recall")
     root = ctx.stdlib
@@ -91,12 +94,17 @@ def _long_recall(ctx: BuildContext) -> tuple[list[Prompt], dict[str, Any]]:
         starts = [0]
         for line in text.splitlines(keepends=True):
             starts.append(starts[-1] + len(line))
-        fns = sorted((n.lineno, n.end_lineno) for n in ast.walk(tree)
-                     if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and not n.decorator_list
-                     and n.end_lineno is not None and n.lineno > 8)
+        fns = sorted(
+            (n.lineno, n.end_lineno)
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and not n.decorator_list
+            and n.end_lineno is not None
+            and n.lineno > 8
+        )
         rng.shuffle(fns)
         for first, last in fns[:12]:
-            repeat = text[starts[first - 1]:starts[last]]
+            repeat = text[starts[first - 1] : starts[last]]
             rep = tok.encode(repeat)
             if not lo <= len(rep) <= hi or len(text) - starts[first - 1] < 5 * length:
                 continue
@@ -108,15 +116,15 @@ def _long_recall(ctx: BuildContext) -> tuple[list[Prompt], dict[str, Any]]:
             lo_k, hi_k = 0, len(ends) - 1
             while lo_k < hi_k:  # the last line end whose text fits in `room` tokens
                 mid = (lo_k + hi_k + 1) // 2
-                if len(tok.encode(text[begin:ends[mid]])) <= room:
+                if len(tok.encode(text[begin : ends[mid]])) <= room:
                     lo_k = mid
                 else:
                     hi_k = mid - 1
-            filler = tok.encode(text[begin:ends[lo_k]])
+            filler = tok.encode(text[begin : ends[lo_k]])
             ids = filler + rep
             r = len(filler)
             # The first copy, token for token, inside the filler.
-            o = next((i for i in range(len(filler) - len(rep) + 1) if filler[i:i + len(rep)] == rep), None)
+            o = next((i for i in range(len(filler) - len(rep) + 1) if filler[i : i + len(rep)] == rep), None)
             if o is None or o < LONG_RECALL_LEAD or r - o < len(ids) // 2 or len(ids) < length - 64:
                 continue
             prompts.append(ctx.make("long-recall", len(prompts), ids, f"{rel}:{first}-{last}@{begin}"))
@@ -124,6 +132,8 @@ def _long_recall(ctx: BuildContext) -> tuple[list[Prompt], dict[str, Any]]:
             distances.append(r - o)
             break
     if len(prompts) < ctx.num_prompts:
-        raise WorkloadError(f"long-recall: only {len(prompts)} stdlib files in {root} give a "
-                            f"{length}-token window with a repeatable function; {ctx.num_prompts} asked")
+        raise WorkloadError(
+            f"long-recall: only {len(prompts)} stdlib files in {root} give a "
+            f"{length}-token window with a repeatable function; {ctx.num_prompts} asked"
+        )
     return prompts, {"prompt_tokens_target": length, "scored_spans": spans, "recall_distance": distances}

@@ -1,6 +1,7 @@
 """The builders of the bench's short and code workloads: ``chat``, ``shared-prefix``,
 ``long-context``, ``code-completion`` and ``extractive`` (each a function of the build context:
 its prompts and workload-specific stats)."""
+
 from __future__ import annotations
 
 import itertools
@@ -73,8 +74,7 @@ def _chat(ctx: BuildContext) -> tuple[list[Prompt], dict[str, Any]]:
     for i in range(ctx.num_prompts):
         q, f = combos[i % len(combos)]
         text = CHAT_FORMATS[f].format(q=CHAT_QUESTIONS[q])
-        prompts.append(ctx.make("chat", i, ctx.tokenizer.encode(text), f"question {q}, format {f}",
-                                text=text))
+        prompts.append(ctx.make("chat", i, ctx.tokenizer.encode(text), f"question {q}, format {f}", text=text))
     return prompts, {}
 
 
@@ -94,10 +94,15 @@ def _shared_prefix(ctx: BuildContext) -> tuple[list[Prompt], dict[str, Any]]:
     question_budget = 160
     prefix_target = min(SHARED_PREFIX_TOKENS, ctx.prompt_budget - question_budget)
     if prefix_target < 64:
-        raise WorkloadError(f"shared-prefix: max_tokens {ctx.max_tokens} leaves too little room "
-                            f"for a shared prefix in max_model_len {ctx.max_model_len}")
-    questions = (h for h in _functions(ctx, "shared-prefix", files, "questions")
-                 if len(tok.encode(h.head)) <= question_budget - 8)
+        raise WorkloadError(
+            f"shared-prefix: max_tokens {ctx.max_tokens} leaves too little room "
+            f"for a shared prefix in max_model_len {ctx.max_model_len}"
+        )
+    questions = (
+        h
+        for h in _functions(ctx, "shared-prefix", files, "questions")
+        if len(tok.encode(h.head)) <= question_budget - 8
+    )
     prompts: list[Prompt] = []
     shared: list[int] = []
     n_groups = -(-ctx.num_prompts // SHARED_PREFIX_GROUP)
@@ -119,8 +124,7 @@ def _shared_prefix(ctx: BuildContext) -> tuple[list[Prompt], dict[str, Any]]:
             q = next(questions)
             text = prefix + f"# Task {k + 1}\n{q.head}"
             ids = tok.encode(text)
-            prompts.append(ctx.make("shared-prefix", len(prompts), ids, f"{q.path}:{q.qualname}",
-                                    group=g, text=text))
+            prompts.append(ctx.make("shared-prefix", len(prompts), ids, f"{q.path}:{q.qualname}", group=g, text=text))
             group_ids.append(ids)
         shared.append(len(_common_prefix(group_ids)) if len(group_ids) > 1 else 0)
     return prompts, {"group_size": SHARED_PREFIX_GROUP, "shared_prefix_tokens": shared}
@@ -137,19 +141,24 @@ def _common_prefix(seqs: Sequence[Sequence[int]]) -> list[int]:
     return out
 
 
-def _long_context(ctx: BuildContext, *, name: str = "long-context",
-                  tokens: int = LONG_CONTEXT_TOKENS) -> tuple[list[Prompt], dict[str, Any]]:
+def _long_context(
+    ctx: BuildContext, *, name: str = "long-context", tokens: int = LONG_CONTEXT_TOKENS
+) -> tuple[list[Prompt], dict[str, Any]]:
     tok = ctx.tokenizer
     length = min(tokens, ctx.prompt_budget)
     if length < 256:
-        raise WorkloadError(f"{name}: max_tokens {ctx.max_tokens} leaves only {length} prompt "
-                            f"tokens in max_model_len {ctx.max_model_len} (needs at least 256)")
+        raise WorkloadError(
+            f"{name}: max_tokens {ctx.max_tokens} leaves only {length} prompt "
+            f"tokens in max_model_len {ctx.max_model_len} (needs at least 256)"
+        )
     root = ctx.stdlib
     windows = itertools.islice(_stdlib_windows(tok, root, ctx.rng(name), length), ctx.num_prompts)
     prompts = [ctx.make(name, i, ids, source) for i, (ids, source) in enumerate(windows)]
     if len(prompts) < ctx.num_prompts:
-        raise WorkloadError(f"{name}: only {len(prompts)} stdlib files in {root} are long "
-                            f"enough for {length}-token prompts; {ctx.num_prompts} asked")
+        raise WorkloadError(
+            f"{name}: only {len(prompts)} stdlib files in {root} are long "
+            f"enough for {length}-token prompts; {ctx.num_prompts} asked"
+        )
     return prompts, {"prompt_tokens_target": length}
 
 
@@ -167,12 +176,10 @@ def _code_completion(ctx: BuildContext) -> tuple[list[Prompt], dict[str, Any]]:
         ids = tok.encode(head.head)
         if len(ids) > limit:
             continue
-        prompts.append(ctx.make("code-completion", len(prompts), ids, f"{head.path}:{head.qualname}",
-                                text=head.head))
+        prompts.append(ctx.make("code-completion", len(prompts), ids, f"{head.path}:{head.qualname}", text=head.head))
     if len(prompts) < ctx.num_prompts:
         raise WorkloadError(f"code-completion: only {len(prompts)} functions found in {ctx.stdlib}")
     return prompts, {}
-
 
 
 #: Longest function copied by ``extractive`` (lines).
@@ -192,8 +199,9 @@ def _extractive(ctx: BuildContext) -> tuple[list[Prompt], dict[str, Any]]:
         if not 4 <= len(lines) <= EXTRACTIVE_MAX_LINES:
             continue
         first = next((i for i, line in enumerate(lines) if line.lstrip().startswith(("def ", "async def "))), 0)
-        text = fn.source.rstrip() + "\n\n\n# The same function again, unchanged:\n" + \
-            "\n".join(lines[:first + 1]) + "\n"
+        text = (
+            fn.source.rstrip() + "\n\n\n# The same function again, unchanged:\n" + "\n".join(lines[: first + 1]) + "\n"
+        )
         ids = tok.encode(text)
         if len(ids) > ctx.prompt_budget:
             continue

@@ -1,5 +1,6 @@
 """The text sources of the workloads: the ``.py`` files of the running interpreter's standard
 library, the function heads in them, and token windows of them."""
+
 from __future__ import annotations
 
 import ast
@@ -68,15 +69,19 @@ def function_heads(root: Path, rel: str) -> list[FunctionHead]:
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 qual = prefix + child.name
                 body = list(child.body)
-                doc = (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-                       and isinstance(body[0].value.value, str))
+                doc = (
+                    body
+                    and isinstance(body[0], ast.Expr)
+                    and isinstance(body[0].value, ast.Constant)
+                    and isinstance(body[0].value.value, str)
+                )
                 rest = body[1:] if doc else body
                 if len(rest) >= 2 and child.end_lineno is not None:
                     start = min([child.lineno] + [d.lineno for d in child.decorator_list])
                     cut = rest[0].lineno  # up to and including the first statement's first line
                     if rest[0].lineno > (body[0].end_lineno or 0) or not doc:
-                        head = textwrap.dedent("\n".join(lines[start - 1:cut])).rstrip()
-                        whole = textwrap.dedent("\n".join(lines[start - 1:child.end_lineno])).rstrip()
+                        head = textwrap.dedent("\n".join(lines[start - 1 : cut])).rstrip()
+                        whole = textwrap.dedent("\n".join(lines[start - 1 : child.end_lineno])).rstrip()
                         if head and not head.endswith("\\"):
                             out.append(FunctionHead(rel, qual, head, whole))
                 visit(child, qual + ".")
@@ -98,9 +103,7 @@ def _functions(ctx: BuildContext, name: str, files: list[str], *extra: Any) -> I
             yield rng.choice(heads)
 
 
-
-def _stdlib_windows(tok: Tokenizer, root: Path, rng: random.Random,
-                    length: int) -> Iterable[tuple[list[int], str]]:
+def _stdlib_windows(tok: Tokenizer, root: Path, rng: random.Random, length: int) -> Iterable[tuple[list[int], str]]:
     """Windows of exactly ``length`` token ids of stdlib source with their ``file@offset``:
     files long enough (~3.5 bytes per token on this code) in a seeded order, each window
     starting at a line boundary chosen by ``rng`` that leaves ~6 characters per token after it."""
@@ -115,14 +118,14 @@ def _stdlib_windows(tok: Tokenizer, root: Path, rng: random.Random,
         if not usable:
             continue
         start = rng.choice(usable)
-        ids = tok.encode(text[start:start + 8 * length])
+        ids = tok.encode(text[start : start + 8 * length])
         if len(ids) >= length:
             yield ids[:length], f"{rel}@{start}"
 
 
-
-def stdlib_texts(tokenizer: Tokenizer, *, num: int, tokens: int, seed: int = 0,
-                 root: Path | None = None) -> list[tuple[tuple[int, ...], str]]:
+def stdlib_texts(
+    tokenizer: Tokenizer, *, num: int, tokens: int, seed: int = 0, root: Path | None = None
+) -> list[tuple[tuple[int, ...], str]]:
     """``num`` windows of exactly ``tokens`` token ids of stdlib source (seeded choice of
     files long enough, starting at a line boundary), with their source ``file@offset``."""
     root = root or stdlib_dir()

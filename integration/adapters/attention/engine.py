@@ -17,6 +17,7 @@ to hand it to, and says so in the log.
 Events counted: ``plan`` (steps) and ``forward`` (layer calls), or ``host`` (layer calls
 computed by the host's kernel).
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,9 +49,12 @@ class AttentionAdapter(Adapter):
         backend.SEAMS.method_name = e.name
         backend.SEAMS.host_kernel = host
         if method.uses_host_kernel() and not host:
-            log.warning("vllm-graft: attention plugin %r asks for the host's own attention "
-                        "kernel; this route (vllm-graft's generic backend) has none, so the "
-                        "plugin's forward computes every layer", e.name)
+            log.warning(
+                "vllm-graft: attention plugin %r asks for the host's own attention "
+                "kernel; this route (vllm-graft's generic backend) has none, so the "
+                "plugin's forward computes every layer",
+                e.name,
+            )
         backend.SEAMS.count = lambda event, n: runtime.count(Kind.ATTENTION, e.name, event, n)
 
     def deactivate(self):

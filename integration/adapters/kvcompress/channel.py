@@ -2,6 +2,7 @@
 that carry a scored compressor's decisions from the worker to the scheduler on the step's
 ``ModelRunnerOutput`` (``graft_kv_drops``, ``{request id: [logical blocks]}``), installed by
 the adapter's ``install_scores_channel``, and the per-process event trace."""
+
 from __future__ import annotations
 
 import os
@@ -53,7 +54,8 @@ def _attach_drops(out: Any) -> Any:
 
             logging.getLogger("vllm_graft").warning(
                 "vllm-graft kvcompress: vLLM runs with async scheduling although the deployment turned "
-                "it off; dropped KV blocks are reported on the wrapped output and freed a step late")
+                "it off; dropped KV blocks are reported on the wrapped output and freed a step late"
+            )
         out._model_runner_output = copy.copy(inner)
         out._model_runner_output.graft_kv_drops = drops
         return out
@@ -66,8 +68,11 @@ def _gone(scheduler_output: Any) -> set[str]:
     """The requests whose blocks are all gone at this step: finished, preempted, resumed (a
     resumed request is computed again from its first block)."""
     out: set[str] = set()
-    for ids in (scheduler_output.finished_req_ids, getattr(scheduler_output, "preempted_req_ids", None),
-                getattr(getattr(scheduler_output, "scheduled_cached_reqs", None), "resumed_req_ids", None)):
+    for ids in (
+        scheduler_output.finished_req_ids,
+        getattr(scheduler_output, "preempted_req_ids", None),
+        getattr(getattr(scheduler_output, "scheduled_cached_reqs", None), "resumed_req_ids", None),
+    ):
         out.update(ids or ())
     return out
 
@@ -82,6 +87,7 @@ def after_schedule_wrapper(original: Callable) -> Callable:
     blocks this step's ``remove_skipped_blocks`` calls freed on the SchedulerOutput
     (:data:`FREED_ATTR`), except those of requests preempted in the same step (all their blocks
     went back), for the worker's check."""
+
     def _update_after_schedule(self, scheduler_output, *args, **kwargs):
         state = _state.get_active()
         if state is not None and state.freed_now:
@@ -112,6 +118,7 @@ def execute_model_wrapper(original: Callable) -> Callable:
     """Worker, ``GPUModelRunner.execute_model``: forget finished, preempted and resumed
     requests; note the blocks the scheduler freed (rule-based compressors) or attach the
     step's drops (scored ones)."""
+
     def execute_model(self, scheduler_output, *args, **kwargs):
         state = _state.get_active()
         if state is not None and state.scored is not None:
@@ -126,6 +133,7 @@ def execute_model_wrapper(original: Callable) -> Callable:
 
 def sample_tokens_wrapper(original: Callable) -> Callable:
     """Worker, ``GPUModelRunner.sample_tokens``: attach the step's drops."""
+
     def sample_tokens(self, *args, **kwargs):
         return _attach_drops(original(self, *args, **kwargs))
 
@@ -136,6 +144,7 @@ def sample_tokens_wrapper(original: Callable) -> Callable:
 def update_from_output_wrapper(original: Callable) -> Callable:
     """Scheduler, ``Scheduler.update_from_output``: record the reported drops per request
     (``state.get_active().to_free``); the KV manager frees them."""
+
     def update_from_output(self, scheduler_output, model_runner_output, *args, **kwargs):
         drops = getattr(model_runner_output, "graft_kv_drops", None)
         state = _state.get_active()

@@ -6,6 +6,7 @@ undoes them. The mechanism is documented in the package doc (:mod:`..kvcompress`
 This module imports vLLM only when a deployment activates it, so the adapter registry can
 load it in a process that never starts an engine (the bench's parent, for instance).
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,6 +35,7 @@ log = logging.getLogger("vllm_graft")
 
 # ------------------------------------------------------------------------------ patches
 
+
 def _tensor_parallel_sum(mass: Any) -> Any:
     """The step's attention mass summed over the tensor-parallel ranks (each holds some KV
     heads; the block table, and so what is freed, is shared): every rank then drops the same
@@ -44,6 +46,7 @@ def _tensor_parallel_sum(mass: Any) -> Any:
     if get_tensor_model_parallel_world_size() == 1:
         return mass
     return tensor_model_parallel_all_reduce(mass.contiguous())
+
 
 def install_patch(salt: bool = False) -> None:
     """Wrap ``GPUModelRunner._build_attention_metadata`` and, for a lossy compressor,
@@ -89,10 +92,14 @@ def _row_buffers(builder: Any, cm: Any) -> RowBuffers:
                 f"changed from {tuple(buf.table.shape)} {buf.table.dtype} on {buf.table.device} to "
                 f"{tuple(table.shape)} {table.dtype} on {table.device}; the rewriter's persistent "
                 "buffers (which CUDA graphs captured) cannot follow. This vLLM builds metadata "
-                "differently from the one the adapter was written for.")
-        log.warning("vllm-graft kvcompress: block table %s no longer fits the rewriter's buffers %s "
-                    "(builder without a vllm_config); new buffers, at new addresses",
-                    tuple(table.shape), tuple(buf.table.shape))
+                "differently from the one the adapter was written for."
+            )
+        log.warning(
+            "vllm-graft kvcompress: block table %s no longer fits the rewriter's buffers %s "
+            "(builder without a vllm_config); new buffers, at new addresses",
+            tuple(table.shape),
+            tuple(buf.table.shape),
+        )
     buf = RowBuffers(max(table.shape[0], max_rows or 0), table, cm.seq_lens)
     setattr(builder, _BUFFERS, buf)
     return buf
@@ -113,14 +120,18 @@ def _manager_block_size(runner: Any, spec: Any) -> int:
         s = group.kv_cache_spec
         per_layer = getattr(s, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
         for x in per_layer.values() if isinstance(per_layer, dict) else (s,):
-            if isinstance(x, GraftKVCompressSpec) and x.block_size % spec.block_size == 0 \
-                    and replace(x, block_size=spec.block_size) == spec:  # type: ignore[call-arg]  # a field of vLLM's spec
+            if (
+                isinstance(x, GraftKVCompressSpec)
+                and x.block_size % spec.block_size == 0
+                and replace(x, block_size=spec.block_size) == spec  # type: ignore[call-arg]  # vLLM's field
+            ):
                 sizes.add(x.block_size)
     if len(sizes) > 1:
         raise NotImplementedError(
             f"vllm-graft kvcompress: KV-cache groups of block sizes {sorted(sizes)} share the "
             f"attention kernel's block size {spec.block_size}; the rewriter cannot tell which "
-            "one a builder serves. Give the model one KV-cache block size (--block-size).")
+            "one a builder serves. Give the model one KV-cache block size (--block-size)."
+        )
     return sizes.pop() if sizes else spec.block_size
 
 
@@ -148,7 +159,8 @@ def rewrite(builder: Any, cm: Any) -> Any:
             f"{targets.KV_BUILD_METADATA.where} (is this worker running vLLM's Model Runner "
             "V2?); the freed blocks cannot be dropped from the block table, so attention "
             "would read blocks that belong to other requests. Run with "
-            f"VLLM_USE_V2_MODEL_RUNNER=0 in every vLLM process.")
+            f"VLLM_USE_V2_MODEL_RUNNER=0 in every vLLM process."
+        )
     table = cm.block_table_tensor
     on_host = table.device.type == "cpu"
     if step is None:  # a dummy / profiling / CUDA-graph capture batch: nothing to drop
@@ -164,11 +176,9 @@ def rewrite(builder: Any, cm: Any) -> Any:
     if on_host and not any(skips):
         return cm
     host_lens = host_seq_lens(cm)
-    index = compaction_index(skips, host_lens.numpy(), block_size, table.shape[1],
-                             block_size // spec.block_size)
+    index = compaction_index(skips, host_lens.numpy(), block_size, table.shape[1], block_size // spec.block_size)
     table, seq_lens = _row_buffers(builder, cm).fill(cm.block_table_tensor, cm.seq_lens, index)
-    changes: dict[str, Any] = {"block_table_tensor": table, "seq_lens": seq_lens,
-                               "_num_computed_tokens_cache": None}
+    changes: dict[str, Any] = {"block_table_tensor": table, "seq_lens": seq_lens, "_num_computed_tokens_cache": None}
     if index is not None:
         import torch
 
@@ -194,7 +204,9 @@ ASYNC_WHY = (
     "scheduling vLLM wraps that output (AsyncGPUModelRunnerOutput) and schedules the next step "
     "before it has read this one, so the blocks would be freed a step late or never and the "
     "scheduler's and the worker's views of each request's blocks could part (vLLM turns async "
-    "scheduling off the same way for speculative methods it cannot run ahead)")
+    "scheduling off the same way for speculative methods it cannot run ahead)"
+)
+
 
 class _FormatSeam:
     """What the backend calls for a storage format: its ``write`` (``do_kv_cache_update``)
@@ -231,7 +243,8 @@ class KVCompressAdapter(Adapter):
         if len(formats) > 1 or len(evictors) > 1:
             raise NotImplementedError(
                 f"kvcompress: at most one eviction compressor and one storage format, got "
-                f"{[e.name for e, _ in instances]}")
+                f"{[e.name for e, _ in instances]}"
+            )
         fmt_e, fmt = formats[0] if formats else (None, None)
         # a format alone keeps every block
         e, compressor = evictors[0] if evictors else (fmt_e, KeepAll())
@@ -241,48 +254,57 @@ class KVCompressAdapter(Adapter):
                 f"kvcompress plugin {e.name!r} needs attention scores (needs_scores = True) but "
                 "implements no attend(): the worker gets the scores from the compressor's own "
                 "attention. Implement KVCompressor.attend (see vllm_graft.plugins.kvcompress.h2o), "
-                "or set needs_scores = False.")
+                "or set needs_scores = False."
+            )
         if getattr(compressor, "per_head", False):
             if not scored:
                 raise NotImplementedError(
                     f"kvcompress plugin {e.name!r} sets per_head but not needs_scores: per-head "
-                    "decisions come from per-head attention mass; set needs_scores = True and implement attend()")
+                    "decisions come from per-head attention mass; set needs_scores = True and implement attend()"
+                )
             if type(compressor).keep_heads is KVCompressor.keep_heads:
                 raise NotImplementedError(
                     f"kvcompress plugin {e.name!r} sets per_head but implements no keep_heads(); implement "
-                    "KVCompressor.keep_heads (see vllm_graft.plugins.kvcompress.adakv), or set per_head = False")
+                    "KVCompressor.keep_heads (see vllm_graft.plugins.kvcompress.adakv), or set per_head = False"
+                )
             if fmt is not None:
                 raise NotImplementedError(
                     f"kvcompress plugin {e.name!r} masks blocks per KV head, which the storage format "
-                    f"{fmt_e.name!r}'s attention does not do; leave one of them out of the deployment")
+                    f"{fmt_e.name!r}'s attention does not do; leave one of them out of the deployment"
+                )
         from vllm_graft.integration.adapters import backend  # imports vLLM
 
         if scored:  # its attend() reads the cache: in the layout of the route's backend
-            backend.require_layout(e.name, getattr(compressor, "kv_layouts", ("blocked",)), plan,
-                                   "kvcompress plugin")
+            backend.require_layout(e.name, getattr(compressor, "kv_layouts", ("blocked",)), plan, "kvcompress plugin")
         if scored and backend.SEAMS.method is not None and not isinstance(backend.SEAMS.method, _ScoringAttention):
             raise NotImplementedError(
                 f"kvcompress plugin {e.name!r} needs attention scores, which it computes in its own "
                 f"attention; it cannot be combined with the attention plugin {backend.SEAMS.method_name!r}. "
-                "Leave one of them out of the deployment.")
+                "Leave one of them out of the deployment."
+            )
 
         def count(event: str, n: int = 1, _name: str = e.name) -> None:
             runtime.count(Kind.KVCOMPRESS, _name, event, n)
 
-        if fmt is not None and backend.SEAMS.method is not None \
-                and not isinstance(backend.SEAMS.method, _ScoringAttention):
+        if (
+            fmt is not None
+            and backend.SEAMS.method is not None
+            and not isinstance(backend.SEAMS.method, _ScoringAttention)
+        ):
             raise NotImplementedError(
                 f"kvcompress storage format {fmt_e.name!r} stores KV in its own layout, which the "
                 f"attention plugin {backend.SEAMS.method_name!r} cannot read; leave one of them out "
-                "of the deployment")
+                "of the deployment"
+            )
 
         from vllm_graft.integration.adapters.kvcompress import vllm_spec  # imports vLLM
 
         vllm_spec.register_spec()
         backend.install(OWNER)
         try:
-            salt = composition_salt([(x.name, x.params, x.entry.registration.capabilities.lossless)
-                                     for x, _ in instances])
+            salt = composition_salt(
+                [(x.name, x.params, x.entry.registration.capabilities.lossless) for x, _ in instances]
+            )
             install_patch(salt=salt is not None)
             active = Active(compressor, e.name, count, salt=salt, needs_scores=scored)
             _state.set_active(active)

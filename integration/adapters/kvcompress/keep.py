@@ -5,6 +5,7 @@ The rules live next to the contract, in ``vllm_graft.hooks.contracts.kvcompress`
 ``vllm_graft.hooks``: :func:`check_keep`, :func:`check_keep_heads`, :func:`dropped_blocks`,
 :func:`union_of_heads`, :class:`KeepError`); they are re-exported here for the adapter's modules.
 """
+
 from __future__ import annotations
 
 from vllm_graft.hooks import (

@@ -1,6 +1,7 @@
 """The kvcompress adapter's per-request decisions, vLLM-free: the logical blocks the scheduler
 frees (:func:`blocks_to_free`), those a worker row leaves out of attention
 (:func:`blocks_to_skip`), and how a block-table row is compacted (:func:`compact_rows`)."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
@@ -39,15 +40,21 @@ def blocks_to_free(
     if n == 0 or len(held) < n:
         return None
     pinned = frozenset(i for i in range(n) if not held[i][0] and held[i][1] > 1)
-    view = BlockView(num_tokens=num_tokens, block_size=block_size,
-                     num_prompt_tokens=num_prompt_tokens, pinned=pinned, request_id=request_id)
+    view = BlockView(
+        num_tokens=num_tokens,
+        block_size=block_size,
+        num_prompt_tokens=num_prompt_tokens,
+        pinned=pinned,
+        request_id=request_id,
+    )
     kept = check_keep(view, ask(compressor, view, plugin), plugin)
     back = [i for i in kept if held[i][0]]
     if back:
         raise KeepError(
             f"kvcompress plugin {plugin!r}: keep() returned {kept} for {num_tokens} tokens, but "
             f"block(s) {back} were dropped at an earlier step and their KV is gone; a dropped "
-            "block must stay dropped")
+            "block must stay dropped"
+        )
     return [i for i in dropped_blocks(view, kept) if not held[i][0]]
 
 
@@ -65,8 +72,9 @@ def blocks_to_skip(
     Raises :class:`KeepError`."""
     if num_tokens <= 0:
         return []
-    view = BlockView(num_tokens=num_tokens, block_size=block_size, num_prompt_tokens=num_prompt_tokens,
-                     request_id=request_id)
+    view = BlockView(
+        num_tokens=num_tokens, block_size=block_size, num_prompt_tokens=num_prompt_tokens, request_id=request_id
+    )
     return dropped_blocks(view, check_keep(view, ask(compressor, view, plugin), plugin))
 
 
@@ -105,8 +113,8 @@ def compact_rows(
         keep = torch.ones(width, dtype=torch.bool, device=table.device)
         keep[list(skip)] = False
         row = block_table[i][keep]
-        table[i, :row.numel()] = row
-        table[i, row.numel():] = 0
+        table[i, : row.numel()] = row
+        table[i, row.numel() :] = 0
         lens[i] -= block_size * len(skip)
     return table, lens
 
@@ -145,14 +153,15 @@ def compaction_index(
             raise KVCompressError(
                 f"row {i} (length {int(seq_lens_host[i])}, {used[i]} of {width} columns of "
                 f"{column} tokens): skipped blocks {list(skips[i])} must be full blocks before the "
-                "row's last one")
+                "row's last one"
+            )
         cols = (skip[:, None] * blocks_per_block + np.arange(blocks_per_block)).ravel()
         keep: np.ndarray = np.ones(used[i], dtype=bool)
         keep[cols] = False
         kept = np.flatnonzero(keep)
         out[k, 0] = i
         out[k, 1] = len(skip) * block_size
-        out[k, 2:2 + kept.size] = kept
+        out[k, 2 : 2 + kept.size] = kept
     return out
 
 
@@ -166,13 +175,16 @@ class RowBuffers:
     def __init__(self, rows: int, block_table: "torch.Tensor", seq_lens: "torch.Tensor") -> None:
         import torch
 
-        self.table = torch.zeros((rows, block_table.shape[1]), dtype=block_table.dtype,
-                                 device=block_table.device)
+        self.table = torch.zeros((rows, block_table.shape[1]), dtype=block_table.dtype, device=block_table.device)
         self.seq_lens = torch.zeros(rows, dtype=seq_lens.dtype, device=seq_lens.device)
 
     def fits(self, block_table: "torch.Tensor") -> bool:
-        return (block_table.shape[0] <= self.table.shape[0] and block_table.shape[1] == self.table.shape[1]
-                and block_table.dtype == self.table.dtype and block_table.device == self.table.device)
+        return (
+            block_table.shape[0] <= self.table.shape[0]
+            and block_table.shape[1] == self.table.shape[1]
+            and block_table.dtype == self.table.dtype
+            and block_table.device == self.table.device
+        )
 
     def fill(self, block_table: "torch.Tensor", seq_lens: "torch.Tensor", index=None):
         """Copy the step's ``block_table``/``seq_lens`` in, then compact the rows of ``index``

@@ -2,6 +2,7 @@
 vLLM-free. The wrapper of ``GPUModelRunner._build_attention_metadata`` notes the runner and
 the step's scheduled tokens in :data:`step_rows` while the builders run; :class:`_StepRows`
 maps each row to its request and computes the blocks the row leaves out of attention."""
+
 from __future__ import annotations
 
 import threading
@@ -51,15 +52,21 @@ class _StepRows:
                 raise KVCompressError(
                     f"vllm-graft kvcompress: batch row {i} has {q} query tokens but the scheduler "
                     f"gave its request {req_id!r} {scheduled}; the rows no longer follow "
-                    "input_batch.req_ids (vLLM changed how it builds attention metadata)")
+                    "input_batch.req_ids (vLLM changed how it builds attention metadata)"
+                )
             computed = seq_lens[i] - q
             if state.scored is not None:
                 skip = state.scored.skip(req_id, computed, block_size)
                 self.rows.append((req_id, computed, q, int(prompt_lens[i]), skip))
             else:
-                skip = blocks_to_skip(state.compressor, state.name, num_tokens=computed,
-                                      block_size=block_size, num_prompt_tokens=int(prompt_lens[i]),
-                                      request_id=req_id)
+                skip = blocks_to_skip(
+                    state.compressor,
+                    state.name,
+                    num_tokens=computed,
+                    block_size=block_size,
+                    num_prompt_tokens=int(prompt_lens[i]),
+                    request_id=req_id,
+                )
                 freed = state.worker_freed.get(req_id)
                 if freed and freed.get(block_size):
                     check_freed_skipped(state.name, req_id, computed, freed[block_size], skip)
@@ -85,7 +92,8 @@ def check_freed_skipped(plugin: str, req_id: str, computed: int, freed: set[int]
             f"{sorted(read)}, which the worker's answer keeps, so attention would read KV blocks "
             "that may already hold another request's. keep() must be a function of its view only "
             "(num_tokens, block_size, num_prompt_tokens, request_id; pinned is the scheduler's), "
-            "and a dropped block must stay dropped")
+            "and a dropped block must stay dropped"
+        )
 
 
 def host_seq_lens(cm: Any) -> Any:
@@ -101,7 +109,8 @@ def host_seq_lens(cm: Any) -> Any:
     raise KVCompressError(
         "vllm-graft kvcompress: the attention metadata has no seq_lens_cpu_upper_bound and its "
         "seq_lens are on the device; the rewriter would have to read them back every step. This "
-        f"vLLM builds attention metadata differently from the one the adapter was written for ({VERSIONS})")
+        f"vLLM builds attention metadata differently from the one the adapter was written for ({VERSIONS})"
+    )
 
 
 #: ``step_rows.step``: the :class:`_StepRows` of the metadata build under way in this thread;
@@ -125,7 +134,8 @@ def build_attention_metadata_wrapper(original: Callable) -> Callable:
         raise KVCompressError(
             f"vllm-graft kvcompress: GPUModelRunner._build_attention_metadata has no parameter(s) "
             f"{missing}; this vLLM builds attention metadata differently from the one the "
-            f"adapter was written for ({VERSIONS})")
+            f"adapter was written for ({VERSIONS})"
+        )
 
     def _build_attention_metadata(self, *args, **kwargs):
         bound = signature.bind_partial(self, *args, **kwargs).arguments

@@ -1,6 +1,7 @@
 """The prefix-cache salt of a lossy kvcompress deployment (see "Prefix-cache salt" in the
 package doc), vLLM-free: the salt itself and the ``Request.__init__`` wrapper that puts it in
 front of every request's ``cache_salt`` (installed by the adapter's ``install_patch``)."""
+
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -44,7 +45,8 @@ def request_init_wrapper(original: Callable) -> Callable:
     if "cache_salt" not in signature.parameters:
         raise KVCompressError(
             "vllm-graft kvcompress: vllm.v1.request.Request takes no 'cache_salt'; this vLLM "
-            f"hashes prefix-cache blocks differently from the one the adapter was written for ({VERSIONS})")
+            f"hashes prefix-cache blocks differently from the one the adapter was written for ({VERSIONS})"
+        )
 
     def __init__(self, *args, **kwargs):
         state = _state.get_active()

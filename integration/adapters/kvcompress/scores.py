@@ -2,6 +2,7 @@
 score per logical block (:class:`_Scores`), one step's plan of rows and attention mass
 (:class:`_StepPlan`), and the attention the backend runs meanwhile (:class:`_ScoringAttention`).
 See "The scores channel" in the package doc."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -77,8 +78,13 @@ class _Scores:
     accumulated ``scores``, the step's own mass per block (``step_scores``: what this step
     added) and the request's id (``request_id``)."""
 
-    def __init__(self, compressor: KVCompressor, name: str, count: Callable[[str, int], None],
-                 reduce: Callable[[Any], Any] | None = None) -> None:
+    def __init__(
+        self,
+        compressor: KVCompressor,
+        name: str,
+        count: Callable[[str, int], None],
+        reduce: Callable[[Any], Any] | None = None,
+    ) -> None:
         self.compressor, self.name, self.count = compressor, name, count
         self.reqs: dict[str, _ReqScores] = {}
         self.pending: _StepPlan | None = None
@@ -119,7 +125,7 @@ class _Scores:
             lo, hi = self.compressor.score_positions(prompt)
             a, b = max(lo, computed), min(hi, total)
             if a < b:
-                observe[qsl[i] + a - computed: qsl[i] + b - computed] = True
+                observe[qsl[i] + a - computed : qsl[i] + b - computed] = True
         per_head = bool(getattr(self.compressor, "per_head", False))
         # on the attention's device (vLLM's batch tensors are there): built on the host from
         # the rows, moved once per step; the mass is summed there over the layers and read
@@ -127,8 +133,11 @@ class _Scores:
         device = batch.block_table.device
         observed = bool(observe.any())  # the host tensor, before it moves
         observe = observe.to(device, non_blocking=True)
-        mass = None if per_head else torch.zeros(len(step.rows), batch.block_table.shape[1],
-                                                 dtype=torch.float32, device=device)
+        mass = (
+            None
+            if per_head
+            else torch.zeros(len(step.rows), batch.block_table.shape[1], dtype=torch.float32, device=device)
+        )
         plan = _StepPlan(step.rows, cols, observe, mass, B, observed=observed)
         if per_head:
             plan.head_dropped = [getattr(self.reqs.get(r[0]), "head_dropped", None) for r in step.rows]
@@ -167,15 +176,22 @@ class _Scores:
                     step[logical] += mass[i][j]
                 scores = tuple(NEG_INF if k in st.dropped else st.scores[k] for k in range(nb))
                 step_scores = tuple(NEG_INF if k in st.dropped else step[k] for k in range(nb))
-                view = BlockView(num_tokens=total, block_size=B, num_prompt_tokens=prompt, scores=scores,
-                                 step_scores=step_scores, request_id=req_id)
+                view = BlockView(
+                    num_tokens=total,
+                    block_size=B,
+                    num_prompt_tokens=prompt,
+                    scores=scores,
+                    step_scores=step_scores,
+                    request_id=req_id,
+                )
                 kept = check_keep(view, ask(self.compressor, view, self.name), self.name)
             back = sorted(st.dropped & set(kept))
             if back:
                 raise KeepError(
                     f"kvcompress plugin {self.name!r}: keep() returned {kept} for {total} tokens, but "
                     f"block(s) {back} were dropped at an earlier step and their KV is gone; a dropped "
-                    "block must stay dropped (dropped blocks have score -inf)")
+                    "block must stay dropped (dropped blocks have score -inf)"
+                )
             new = dropped_blocks(view, kept)
             new = [k for k in new if k not in st.dropped]
             if new:
@@ -187,8 +203,16 @@ class _Scores:
             self.count("head_blocks_dropped", head_drops)
         return drops
 
-    def _ask_heads(self, st: _ReqScores, mass: list[list[float]], cols: list[int], total: int, B: int,
-                   prompt: int, req_id: str | None = None) -> tuple[BlockView, list[list[int]]]:
+    def _ask_heads(
+        self,
+        st: _ReqScores,
+        mass: list[list[float]],
+        cols: list[int],
+        total: int,
+        B: int,
+        prompt: int,
+        req_id: str | None = None,
+    ) -> tuple[BlockView, list[list[int]]]:
         """per_head: add a row's mass ``[H_kv][column]`` to its per-head scores, ask
         ``keep_heads`` and check the answer (each head's rules, and a block a head dropped
         stays dropped for it)."""
@@ -204,12 +228,20 @@ class _Scores:
                 hs[logical] += mass[h][j]
                 step[logical] += mass[h][j]
         st.scores = [sum(st.head_scores[h][k] for h in range(hkv)) for k in range(nb)]
-        head_view = tuple(tuple(NEG_INF if k in st.head_dropped[h] else st.head_scores[h][k] for k in range(nb))
-                          for h in range(hkv))
+        head_view = tuple(
+            tuple(NEG_INF if k in st.head_dropped[h] else st.head_scores[h][k] for k in range(nb)) for h in range(hkv)
+        )
         scores = tuple(NEG_INF if k in st.dropped else st.scores[k] for k in range(nb))
         step_scores = tuple(NEG_INF if k in st.dropped else step[k] for k in range(nb))
-        view = BlockView(num_tokens=total, block_size=B, num_prompt_tokens=prompt, scores=scores,
-                         head_scores=head_view, step_scores=step_scores, request_id=req_id)
+        view = BlockView(
+            num_tokens=total,
+            block_size=B,
+            num_prompt_tokens=prompt,
+            scores=scores,
+            head_scores=head_view,
+            step_scores=step_scores,
+            request_id=req_id,
+        )
         kept_heads = check_keep_heads(view, ask(self.compressor, view, self.name, "keep_heads"), self.name)
         for h, blocks in enumerate(kept_heads):
             back = sorted(st.head_dropped[h] & set(blocks))
@@ -217,7 +249,8 @@ class _Scores:
                 raise KeepError(
                     f"kvcompress plugin {self.name!r}: keep_heads() kept block(s) {back} for KV head {h} "
                     f"({total} tokens), which that head dropped at an earlier step; a block a head dropped "
-                    "stays dropped for it (its head_scores are -inf)")
+                    "stays dropped for it (its head_scores are -inf)"
+                )
         return view, kept_heads
 
 
@@ -253,8 +286,11 @@ class _ScoringAttention:
         if getattr(compressor, "per_head", False):
             # each KV head reads the blocks it kept; the mass comes back per KV head
             S, width, hkv = batch.block_table.shape[0], batch.block_table.shape[1], layer.num_kv_heads
-            mask = plan.head_mask(S, hkv, width, query.device) if plan is not None else \
-                torch.ones(S, hkv, width, dtype=torch.bool, device=query.device)
+            mask = (
+                plan.head_mask(S, hkv, width, query.device)
+                if plan is not None
+                else torch.ones(S, hkv, width, dtype=torch.bool, device=query.device)
+            )
             out, mass = compressor.attend(query, kv_cache, batch, layer, observe, head_mask=mask)
             if plan is not None:
                 if plan.mass is None:  # made at the first layer, where the mass is

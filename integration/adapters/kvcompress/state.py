@@ -2,6 +2,7 @@
 deployment activated in this process (:func:`get_active`; it lives on the process's runtime,
 ``RUNTIME.kvcompress``, set by the adapter's ``activate`` and cleared by deactivation), and the
 adapter's patch owner and supported vLLM range."""
+
 from __future__ import annotations
 
 import os
@@ -63,9 +64,11 @@ def current(spec_compressor: str) -> Active:
         raise KVCompressError(
             f"a vllm-graft KV-compression cache (plugin {spec_compressor!r}) is in use in process "
             f"{os.getpid()}, but no deployment with a kvcompress plugin is active there (was "
-            "another engine with a different deployment started in this process?)")
+            "another engine with a different deployment started in this process?)"
+        )
     if spec_compressor and spec_compressor != active.spec_name:
         raise KVCompressError(
             f"this engine's KV cache was built for kvcompress plugin {spec_compressor!r}, but "
-            f"{active.spec_name!r} is active in this process")
+            f"{active.spec_name!r} is active in this process"
+        )
     return active

@@ -6,6 +6,7 @@ manager :class:`GraftKVCompressManager`, which frees the blocks the compressor d
 Imports vLLM: the adapter (:mod:`.engine`) imports this module when a deployment activates
 it. The classes are module-level so that they unpickle by name in any vLLM process.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
@@ -52,9 +53,14 @@ class GraftKVCompressManager(FullAttentionManager):
             self._free_reported(request_id, blocks, state)
             return
         free = blocks_to_free(
-            state.compressor, state.name, num_tokens=processed_computed_tokens,
-            block_size=self.block_size, num_prompt_tokens=num_prompt_tokens,
-            held=[(b.is_null, b.ref_cnt) for b in blocks], request_id=request_id)
+            state.compressor,
+            state.name,
+            num_tokens=processed_computed_tokens,
+            block_size=self.block_size,
+            num_prompt_tokens=num_prompt_tokens,
+            held=[(b.is_null, b.ref_cnt) for b in blocks],
+            request_id=request_id,
+        )
         if free is None:
             return
         state.count("steps", 1)
@@ -71,8 +77,7 @@ class GraftKVCompressManager(FullAttentionManager):
         pending = state.to_free.get(request_id)
         if not pending:
             return
-        free = sorted(i for i in pending if i < len(blocks) and not blocks[i].is_null
-                      and blocks[i].ref_cnt <= 1)
+        free = sorted(i for i in pending if i < len(blocks) and not blocks[i].is_null and blocks[i].ref_cnt <= 1)
         pending.difference_update(free)
         pending.difference_update([i for i in pending if i < len(blocks) and blocks[i].is_null])
         state.count("steps", 1)
@@ -92,8 +97,12 @@ class GraftKVCompressManager(FullAttentionManager):
 
 def customize_spec(spec: Any) -> Any:
     """The backend's ``customize_spec`` seam: plain full attention becomes compressible."""
-    if type(spec) is not FullAttentionSpec or spec.sliding_window is not None \
-            or spec.attention_chunk_size is not None or spec.non_causal:
+    if (
+        type(spec) is not FullAttentionSpec
+        or spec.sliding_window is not None
+        or spec.attention_chunk_size is not None
+        or spec.non_causal
+    ):
         return spec  # other layer kinds are not compressed
     active = _state.get_active()
     name = active.spec_name if active is not None else ""
@@ -104,12 +113,16 @@ def customize_spec(spec: Any) -> Any:
         if why is None and spec.head_size_v != spec.head_size:
             why = f"key and value head sizes differ ({spec.head_size} vs {spec.head_size_v})"
         if why is not None:
-            raise KVCompressError(f"kvcompress storage format {active.format_name!r} cannot store this "
-                                  f"model's KV cache: {why}")
+            raise KVCompressError(
+                f"kvcompress storage format {active.format_name!r} cannot store this model's KV cache: {why}"
+            )
         # the format's page: uint8 rows of bytes_per_token per token and KV head; vLLM sizes
         # its pages, and so the number of blocks in the KV memory, from these two fields
-        values.update(dtype=torch.uint8, state_content_bytes=fmt.bytes_per_token(spec.head_size, spec.block_size),
-                      page_size_padded=None)
+        values.update(
+            dtype=torch.uint8,
+            state_content_bytes=fmt.bytes_per_token(spec.head_size, spec.block_size),
+            page_size_padded=None,
+        )
         return GraftKVCompressSpec(**values, compressor=name, kv_format=active.format_name)
     return GraftKVCompressSpec(**values, compressor=name)
 
@@ -118,5 +131,4 @@ def register_spec() -> None:
     """Register the spec and its manager with vLLM (idempotent)."""
     # The built-in specs register only into an empty registry: fill it first.
     KVCacheSpecRegistry._ensure_registered()
-    KVCacheSpecRegistry.register(GraftKVCompressSpec, GraftKVCompressManager,
-                                 uniform_type_base_spec=FullAttentionSpec)
+    KVCacheSpecRegistry.register(GraftKVCompressSpec, GraftKVCompressManager, uniform_type_base_spec=FullAttentionSpec)

@@ -1,5 +1,6 @@
 """How a deployment's MoE schedulers compose in one layer call (:class:`MoEChain`). vLLM-free:
 the MoE adapter calls it from vLLM's router, the conformance kit and tests call it directly."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -34,13 +35,13 @@ class MoEChain:
             raise ValueError("an MoE chain needs at least one scheduler")
         for name, s in self.schedulers:
             if not isinstance(s, MoEScheduler):
-                raise TypeError(f"MoE plugin {name!r}: {type(s).__qualname__} is not a "
-                                "vllm_graft.hooks.MoEScheduler")
+                raise TypeError(f"MoE plugin {name!r}: {type(s).__qualname__} is not a vllm_graft.hooks.MoEScheduler")
             if not any(type(s).implements(step) for step in MOE_STEPS):
-                raise TypeError(f"MoE plugin {name!r}: {type(s).__qualname__} overrides none of "
-                                f"{', '.join(MOE_STEPS)}, so it would do nothing")
-        steps = {step: [(n, s) for n, s in self.schedulers if type(s).implements(step)]
-                 for step in MOE_STEPS}
+                raise TypeError(
+                    f"MoE plugin {name!r}: {type(s).__qualname__} overrides none of "
+                    f"{', '.join(MOE_STEPS)}, so it would do nothing"
+                )
+        steps = {step: [(n, s) for n, s in self.schedulers if type(s).implements(step)] for step in MOE_STEPS}
         self.adjusters: list[tuple[str, MoEScheduler]] = steps["adjust_logits"]
         routers = steps["route"]
         #: The plugin that routes (the last router in the list), or None: the model routes.
@@ -78,8 +79,10 @@ class MoEChain:
             except Exception as e:
                 raise raised("MoE", name, "adjust_logits()", e) from e
             if tuple(out.shape) != tuple(logits.shape):
-                raise ValueError(f"MoE plugin {name!r}: adjust_logits returned shape "
-                                 f"{tuple(out.shape)} for logits of shape {tuple(logits.shape)}")
+                raise ValueError(
+                    f"MoE plugin {name!r}: adjust_logits returned shape "
+                    f"{tuple(out.shape)} for logits of shape {tuple(logits.shape)}"
+                )
             logits = out
             if count is not None:
                 count(name, "adjust_logits", 1)
@@ -93,11 +96,15 @@ class MoEChain:
                 raise raised("MoE", name, "route()", e) from e
             want = (num_tokens, top_k)
             if tuple(weights.shape) != want or tuple(ids.shape) != want:
-                raise ValueError(f"MoE plugin {name!r}: route returned weights {tuple(weights.shape)} "
-                                 f"and ids {tuple(ids.shape)}; both must be [T, top_k] = {list(want)}")
+                raise ValueError(
+                    f"MoE plugin {name!r}: route returned weights {tuple(weights.shape)} "
+                    f"and ids {tuple(ids.shape)}; both must be [T, top_k] = {list(want)}"
+                )
             if ids.is_floating_point() or not weights.is_floating_point():
-                raise TypeError(f"MoE plugin {name!r}: route must return (floating weights, integer "
-                                f"ids), got ({weights.dtype}, {ids.dtype})")
+                raise TypeError(
+                    f"MoE plugin {name!r}: route must return (floating weights, integer "
+                    f"ids), got ({weights.dtype}, {ids.dtype})"
+                )
             weights = weights.to(logits.device).float().contiguous()
             ids = ids.to(logits.device).int().contiguous()
             check_expert_ids(name, ids, logits.shape[-1])
@@ -123,8 +130,10 @@ def check_expert_ids(name: str, ids: "torch.Tensor", num_experts: int) -> None:
     the next sync, and CUDA reports the assert without this message)."""
     if not ids.numel():
         return
-    msg = (f"MoE plugin {name!r}: route returned expert ids outside [0, {num_experts}) (the layer's "
-           "experts); MoEScheduler.route must return ids of this layer's experts")
+    msg = (
+        f"MoE plugin {name!r}: route returned expert ids outside [0, {num_experts}) (the layer's "
+        "experts); MoEScheduler.route must return ids of this layer's experts"
+    )
     if ids.device.type == "cpu":
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= num_experts:

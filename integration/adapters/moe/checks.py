@@ -5,6 +5,7 @@
 parameters fit it (:func:`bind`), and on CUDA a modular MoE kernel (:func:`moe_backend_overrides`,
 :func:`monolithic_refusal`). :mod:`.engine` calls them from vLLM's side.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,8 +38,10 @@ def layer_index(prefix: str) -> int:
     numbers = [int(part) for part in prefix.split(".") if part.isdecimal()]
     if len(numbers) == 1:
         return numbers[0]
-    raise MoEAdapterError(f"cannot tell which decoder layer MoE layer {prefix!r} belongs to "
-                          "(expected a name like 'model.layers.3.mlp.experts')")
+    raise MoEAdapterError(
+        f"cannot tell which decoder layer MoE layer {prefix!r} belongs to "
+        "(expected a name like 'model.layers.3.mlp.experts')"
+    )
 
 
 def plain_softmax_routing(routed_experts: Any) -> str | None:
@@ -61,10 +64,18 @@ def plain_softmax_routing(routed_experts: Any) -> str | None:
 def require_eager(plan: Plan) -> None:
     """Refuse a deployment whose ``engine`` turns eager mode off (see :mod:`.engine`)."""
     if plan.deployment.engine.get("enforce_eager") is False:
-        raise DeploymentError([Problem(
-            "engine.enforce_eager", "MoE plugins run Python in every MoE layer at every step, "
-            "which needs vLLM's eager mode", value=False, accepted="true (or leave it out)",
-            hint="Drop engine.enforce_eager: the MoE adapter sets it")], "deployment")
+        raise DeploymentError(
+            [
+                Problem(
+                    "engine.enforce_eager",
+                    "MoE plugins run Python in every MoE layer at every step, which needs vLLM's eager mode",
+                    value=False,
+                    accepted="true (or leave it out)",
+                    hint="Drop engine.enforce_eager: the MoE adapter sets it",
+                )
+            ],
+            "deployment",
+        )
 
 
 def bind(enabled: list[Enabled], facts: MoEModel, runtime: Runtime) -> None:
@@ -75,21 +86,28 @@ def bind(enabled: list[Enabled], facts: MoEModel, runtime: Runtime) -> None:
         try:
             runtime.instance(e).bind(facts)
         except ValueError as err:
-            problems.append(Problem(
-                f"{e.path}.params", f"MoE plugin {e.name!r} does not fit model {facts.model} "
-                f"({facts.num_layers} layers, {facts.num_experts} experts, top-{facts.top_k}): {err}"))
+            problems.append(
+                Problem(
+                    f"{e.path}.params",
+                    f"MoE plugin {e.name!r} does not fit model {facts.model} "
+                    f"({facts.num_layers} layers, {facts.num_experts} experts, top-{facts.top_k}): {err}",
+                )
+            )
     if problems:
         raise DeploymentError(problems, "deployment vs model")
 
 
-def require_moe_model(enabled: list[Enabled], plan: Plan,
-                      read_facts: Callable[[str, bool], MoEModel]) -> MoEModel | None:
+def require_moe_model(
+    enabled: list[Enabled], plan: Plan, read_facts: Callable[[str, bool], MoEModel]
+) -> MoEModel | None:
     """The model's MoE facts (``read_facts(model, trust_remote_code)``), or None when they
     cannot be known; a model without MoE layers refuses the deployment, naming the fix."""
     model = plan.deployment.model or (plan.model.path if plan.model is not None else None)
     if model is None:
-        log.warning("vllm-graft: no model known at activation, so whether it has MoE layers "
-                    "is not checked (a model without them runs the MoE plugins nowhere)")
+        log.warning(
+            "vllm-graft: no model known at activation, so whether it has MoE layers "
+            "is not checked (a model without them runs the MoE plugins nowhere)"
+        )
         return None
     try:
         facts = read_facts(model, bool(plan.deployment.engine.get("trust_remote_code", False)))
@@ -99,11 +117,19 @@ def require_moe_model(enabled: list[Enabled], plan: Plan,
     if facts.num_experts > 0:
         return facts
     archs = ", ".join(plan.model.architectures) if plan.model is not None else "unknown architecture"
-    raise DeploymentError([Problem(
-        f"{e.path}.plugin", f"MoE plugin {e.name!r} needs a model with MoE layers, but model "
-        f"{model} ({archs}) has none", value=e.name,
-        hint="Remove the `moe:` section to run this model, or run an MoE model "
-             "(e.g. models/graft-tiny-mixtral)") for e in enabled], "deployment vs model")
+    raise DeploymentError(
+        [
+            Problem(
+                f"{e.path}.plugin",
+                f"MoE plugin {e.name!r} needs a model with MoE layers, but model {model} ({archs}) has none",
+                value=e.name,
+                hint="Remove the `moe:` section to run this model, or run an MoE model "
+                "(e.g. models/graft-tiny-mixtral)",
+            )
+            for e in enabled
+        ],
+        "deployment vs model",
+    )
 
 
 # ------------------------------------------------------------------ modular MoE kernel
@@ -155,11 +181,19 @@ def moe_backend_overrides(platform: str | None, engine: dict[str, Any], has_arg:
         return {MOE_BACKEND_ARG: MODULAR_MOE_BACKEND}
     name = _backend_name(chosen)
     if name.startswith(MONOLITHIC_CAPABLE_PREFIXES):
-        raise DeploymentError([Problem(
-            f"engine.{MOE_BACKEND_ARG}", f"MoE backend {chosen!r} can run a monolithic kernel that "
-            "routes inside itself, so the enabled MoE plugins would never be called",
-            value=chosen, accepted=f"{MODULAR_MOE_BACKEND!r} (or leave it out: the MoE adapter sets it)",
-            hint=f"Set engine.{MOE_BACKEND_ARG}: {MODULAR_MOE_BACKEND} or drop it")], "deployment")
+        raise DeploymentError(
+            [
+                Problem(
+                    f"engine.{MOE_BACKEND_ARG}",
+                    f"MoE backend {chosen!r} can run a monolithic kernel that "
+                    "routes inside itself, so the enabled MoE plugins would never be called",
+                    value=chosen,
+                    accepted=f"{MODULAR_MOE_BACKEND!r} (or leave it out: the MoE adapter sets it)",
+                    hint=f"Set engine.{MOE_BACKEND_ARG}: {MODULAR_MOE_BACKEND} or drop it",
+                )
+            ],
+            "deployment",
+        )
     return {MOE_BACKEND_ARG: name}
 
 
@@ -167,13 +201,25 @@ def monolithic_refusal(layer_name: str, quant_method: str, moe_backend: str | No
     """The message of the first-forward check when a layer's kernel routes by itself; it names
     the fix (``moe_backend``)."""
     where = f" (moe_backend={moe_backend!r})" if moe_backend else ""
-    return (f"MoE layer {layer_name}: its quant method {quant_method} runs a monolithic kernel{where} "
-            "that routes inside the kernel, so the enabled MoE plugins would never be called. "
-            f"Select a modular MoE kernel: engine.{MOE_BACKEND_ARG}: {MODULAR_MOE_BACKEND} in the "
-            f"deployment (vLLM flag --moe-backend {MODULAR_MOE_BACKEND}; the MoE adapter sets it on "
-            "CUDA unless told otherwise); or run the model unquantized, or remove the `moe:` section")
+    return (
+        f"MoE layer {layer_name}: its quant method {quant_method} runs a monolithic kernel{where} "
+        "that routes inside the kernel, so the enabled MoE plugins would never be called. "
+        f"Select a modular MoE kernel: engine.{MOE_BACKEND_ARG}: {MODULAR_MOE_BACKEND} in the "
+        f"deployment (vLLM flag --moe-backend {MODULAR_MOE_BACKEND}; the MoE adapter sets it on "
+        "CUDA unless told otherwise); or run the model unquantized, or remove the `moe:` section"
+    )
 
 
-__all__ = ["MoEAdapterError", "layer_index", "plain_softmax_routing", "require_eager", "bind",
-           "require_moe_model", "moe_backend_overrides", "monolithic_refusal", "MODULAR_MOE_BACKEND",
-           "MONOLITHIC_CAPABLE_PREFIXES", "MOE_BACKEND_ARG"]
+__all__ = [
+    "MoEAdapterError",
+    "layer_index",
+    "plain_softmax_routing",
+    "require_eager",
+    "bind",
+    "require_moe_model",
+    "moe_backend_overrides",
+    "monolithic_refusal",
+    "MODULAR_MOE_BACKEND",
+    "MONOLITHIC_CAPABLE_PREFIXES",
+    "MOE_BACKEND_ARG",
+]

@@ -92,6 +92,7 @@ The package: :mod:`.chain` (how the schedulers compose in one layer call) and :m
 (layer index, routing and deployment-vs-model checks) are free of vLLM; this module is the
 vLLM half (router, runner, ``register_oot``, reading the model's config).
 """
+
 from __future__ import annotations
 
 import logging
@@ -152,9 +153,11 @@ def skip_min_from_env() -> int:
     try:
         n = int(raw)
     except ValueError:
-        raise MoEAdapterError(f"{SKIP_ENV}={raw!r}: expected a whole number (0: compute pruned "
-                              f"slots with weight 0; N: leave them out when a layer call has at least "
-                              f"N; unset: {SKIP_MIN_DEFAULT})") from None
+        raise MoEAdapterError(
+            f"{SKIP_ENV}={raw!r}: expected a whole number (0: compute pruned "
+            f"slots with weight 0; N: leave them out when a layer call has at least "
+            f"N; unset: {SKIP_MIN_DEFAULT})"
+        ) from None
     return max(0, n)
 
 
@@ -168,8 +171,7 @@ class GraftRouter(BaseRouter):
     """
 
     def __init__(self, inner: BaseRouter, chain: MoEChain, layer_idx: int, renormalize: bool) -> None:
-        super().__init__(top_k=inner.top_k, global_num_experts=inner.global_num_experts,
-                         eplb_state=inner.eplb_state)
+        super().__init__(top_k=inner.top_k, global_num_experts=inner.global_num_experts, eplb_state=inner.eplb_state)
         self.inner = inner
         self.chain = chain
         self.layer_idx = layer_idx
@@ -230,16 +232,19 @@ class GraftMoERunner(MoERunner):
             raise MoEAdapterError(
                 f"MoE layer {name}: vllm-graft's MoE plugins work through a BaseRouter's routing "
                 f"step, and this layer's router is a {type(inner).__name__}; this model's MoE "
-                "layers are not supported yet (remove the `moe:` section)")
+                "layers are not supported yet (remove the `moe:` section)"
+            )
         if chain.router is not None:  # chain.routes
             why = plain_softmax_routing(self.routed_experts)
             if why is not None:
                 raise MoEAdapterError(
                     f"MoE layer {name} routes with {why}; MoE plugin {chain.router[0]!r} replaces "
                     "routing but only receives softmax top-k parameters (top_k, renormalize). "
-                    "Use only adjust_logits/observe plugins with this model")
-        self.router = GraftRouter(inner, chain, layer_index(name),
-                                  renormalize=bool(getattr(self.routed_experts, "renormalize", True)))
+                    "Use only adjust_logits/observe plugins with this model"
+                )
+        self.router = GraftRouter(
+            inner, chain, layer_index(name), renormalize=bool(getattr(self.routed_experts, "renormalize", True))
+        )
 
     def _apply_quant_method(self, *args: Any, **kwargs: Any):
         if not self._graft_checked:
@@ -252,23 +257,30 @@ class GraftMoERunner(MoERunner):
             return
         quant_method = self.routed_experts.quant_method
         if quant_method.is_monolithic:
-            raise MoEAdapterError(monolithic_refusal(
-                self.layer_name, type(quant_method).__name__,
-                getattr(getattr(self.routed_experts, "moe_config", None), "moe_backend", None)))
+            raise MoEAdapterError(
+                monolithic_refusal(
+                    self.layer_name,
+                    type(quant_method).__name__,
+                    getattr(getattr(self.routed_experts, "moe_config", None), "moe_backend", None),
+                )
+            )
         from vllm.forward_context import get_forward_context, is_forward_context_available
 
         if not is_forward_context_available():
             return
         layers = get_forward_context().no_compile_layers or {}
-        missed = [f"{n} ({type(layer).__name__})" for n, layer in layers.items()
-                  if isinstance(layer, MoERunnerInterface)
-                  and not isinstance(getattr(layer, "router", None), GraftRouter)]
+        missed = [
+            f"{n} ({type(layer).__name__})"
+            for n, layer in layers.items()
+            if isinstance(layer, MoERunnerInterface) and not isinstance(getattr(layer, "router", None), GraftRouter)
+        ]
         if missed:
             raise MoEAdapterError(
                 f"MoE layers {', '.join(missed[:3])}{' ...' if len(missed) > 3 else ''} are not "
                 "vLLM's MoERunner, so the enabled MoE plugins would not run there; this model "
                 "implementation is not supported by vllm-graft's MoE adapter (remove the `moe:` "
-                "section)")
+                "section)"
+            )
 
 
 # ------------------------------------------------------------------------ routed experts
@@ -287,16 +299,21 @@ class GraftRoutedExperts(RoutedExperts):
         self.graft_skip_min = ADAPTER.state.skip_min  # run_kept takes at least 1
         self._graft_skip_checked = False
 
-    def forward_modular(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                        shared_experts: Any = None, shared_experts_input: torch.Tensor | None = None):
+    def forward_modular(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts: Any = None,
+        shared_experts_input: torch.Tensor | None = None,
+    ):
         if self.graft_skip and shared_experts is None:
             if not self._graft_skip_checked:
                 self._graft_skip_checked = True
                 why = self._graft_skip_unsupported()
                 if why is not None:
                     self.graft_skip = False
-                    log.info("vllm-graft: MoE layer %s computes pruned slots with weight 0 (%s)",
-                             self.layer_name, why)
+                    log.info("vllm-graft: MoE layer %s computes pruned slots with weight 0 (%s)", self.layer_name, why)
             if self.graft_skip:
                 done = run_kept(x, topk_weights, topk_ids, self._graft_rows, min_pruned=self.graft_skip_min)
                 if done is not None:
@@ -312,8 +329,10 @@ class GraftRoutedExperts(RoutedExperts):
         """vLLM's own expert path on a top-1 routing (one row per kept slot)."""
         out = super().forward_modular(x, weights, ids)
         if not isinstance(out, torch.Tensor):
-            raise MoEAdapterError(f"MoE layer {self.layer_name}: the expert kernel returned "
-                                  f"{type(out).__name__}, not a tensor; run with {SKIP_ENV}=0")
+            raise MoEAdapterError(
+                f"MoE layer {self.layer_name}: the expert kernel returned "
+                f"{type(out).__name__}, not a tensor; run with {SKIP_ENV}=0"
+            )
         return out
 
     def _graft_skip_unsupported(self) -> str | None:
@@ -347,8 +366,12 @@ def _moe_model(model: str, trust_remote_code: bool) -> MoEModel:
     hf_config = get_config(model, trust_remote_code=trust_remote_code)
     convertor = MODEL_ARCH_CONFIG_CONVERTORS.get(hf_config.model_type, ModelArchConfigConvertorBase)
     c = convertor(hf_config, get_hf_text_config(hf_config))
-    return MoEModel(num_layers=int(c.get_num_hidden_layers() or 0), num_experts=int(c.get_num_experts() or 0),
-                    top_k=int(c.get_num_experts_per_token() or 0), model=str(model))
+    return MoEModel(
+        num_layers=int(c.get_num_hidden_layers() or 0),
+        num_experts=int(c.get_num_experts() or 0),
+        top_k=int(c.get_num_experts_per_token() or 0),
+        model=str(model),
+    )
 
 
 def _has_engine_arg(name: str) -> bool:
@@ -386,9 +409,12 @@ class MoEAdapter(Adapter):
         out: dict[str, Any] = {"enforce_eager": True}
         backend = moe_backend_overrides(plan.platform, plan.deployment.engine, _has_engine_arg(MOE_BACKEND_ARG))
         if backend and backend != {MOE_BACKEND_ARG: plan.deployment.engine.get(MOE_BACKEND_ARG)}:
-            log.info("vllm-graft: MoE plugins on CUDA: %s=%r, a modular MoE kernel that takes the "
-                     "plugins' routing (with 'auto' vLLM may pick a kernel that routes inside itself)",
-                     MOE_BACKEND_ARG, backend[MOE_BACKEND_ARG])
+            log.info(
+                "vllm-graft: MoE plugins on CUDA: %s=%r, a modular MoE kernel that takes the "
+                "plugins' routing (with 'auto' vLLM may pick a kernel that routes inside itself)",
+                MOE_BACKEND_ARG,
+                backend[MOE_BACKEND_ARG],
+            )
         out.update(backend)
         return out
 
@@ -401,8 +427,10 @@ class MoEAdapter(Adapter):
         facts = require_moe_model(enabled, plan, _moe_model)
         if facts is not None:
             bind(enabled, facts, runtime)
-        chain = MoEChain([(e.name, runtime.instance(e)) for e in enabled],
-                         count=lambda name, event, n: runtime.count(Kind.MOE, name, event, n))
+        chain = MoEChain(
+            [(e.name, runtime.instance(e)) for e in enabled],
+            count=lambda name, event, n: runtime.count(Kind.MOE, name, event, n),
+        )
         self._undo_placement()
         self.state.placement = eplb.install([(e.name, runtime.instance(e).expert_placement()) for e in enabled])
         current = op_registry_oot.get(OOT_NAME)
@@ -410,7 +438,8 @@ class MoEAdapter(Adapter):
             raise MoEAdapterError(
                 f"vLLM's {OOT_NAME} is already replaced by {current.__module__}."
                 f"{current.__qualname__} (another plugin's register_oot); vllm-graft's MoE plugins "
-                "cannot be combined with it")
+                "cannot be combined with it"
+            )
         if current is None:
             MoERunner.register_oot(GraftMoERunner)
         self.state.chain = chain
@@ -425,14 +454,24 @@ class MoEAdapter(Adapter):
                 name = chain.router[0]
                 self.state.skip_count = lambda event, n: runtime.count(Kind.MOE, name, event, n)
             else:
-                log.warning("vllm-graft: vLLM's %s is already replaced by %s.%s; pruned MoE slots "
-                            "will be computed with weight 0", OOT_EXPERTS, experts.__module__,
-                            experts.__qualname__)
+                log.warning(
+                    "vllm-graft: vLLM's %s is already replaced by %s.%s; pruned MoE slots "
+                    "will be computed with weight 0",
+                    OOT_EXPERTS,
+                    experts.__module__,
+                    experts.__qualname__,
+                )
         if chain.overruled:
-            log.warning("vllm-graft: MoE plugins %s override route but %r routes (the last one in "
-                        "the `moe:` list does)", chain.overruled, chain.router[0] if chain.router else None)
-        log.info("vllm-graft: MoE layers will run %s (routing: %s)", chain.participants,
-                 chain.router[0] if chain.router else "the model's own top-k")
+            log.warning(
+                "vllm-graft: MoE plugins %s override route but %r routes (the last one in the `moe:` list does)",
+                chain.overruled,
+                chain.router[0] if chain.router else None,
+            )
+        log.info(
+            "vllm-graft: MoE layers will run %s (routing: %s)",
+            chain.participants,
+            chain.router[0] if chain.router else "the model's own top-k",
+        )
 
     def _undo_placement(self) -> None:
         if self.state.placement is not None:

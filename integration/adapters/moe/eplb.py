@@ -14,6 +14,7 @@ The seam: while a deployment whose MoE scheduler returns an :meth:`expert_placem
 with that placement (the load is ignored: the placement was chosen for cross-device traffic, not
 for balance). Everything else, the weight movement and the logical->physical maps, is vLLM's.
 """
+
 from __future__ import annotations
 
 import logging
@@ -39,19 +40,27 @@ def placement_policy(physical_to_logical: list[list[int]], owner: str) -> type:
 
     class GraftPlacementPolicy(AbstractEplbPolicy):
         @classmethod
-        def rebalance_experts(cls, weight: torch.Tensor, num_replicas: int, num_groups: int,
-                              num_nodes: int, num_ranks: int,
-                              old_global_expert_indices: torch.Tensor | None = None) -> torch.Tensor:
+        def rebalance_experts(
+            cls,
+            weight: torch.Tensor,
+            num_replicas: int,
+            num_groups: int,
+            num_nodes: int,
+            num_ranks: int,
+            old_global_expert_indices: torch.Tensor | None = None,
+        ) -> torch.Tensor:
             layers, experts = table.shape
             if tuple(weight.shape) != (layers, experts):
                 raise PlacementError(
                     f"{owner}: vLLM's load balancer has {weight.shape[0]} MoE layers x "
-                    f"{weight.shape[1]} experts; the placement is for {layers} x {experts}")
+                    f"{weight.shape[1]} experts; the placement is for {layers} x {experts}"
+                )
             if num_replicas != experts:
                 raise PlacementError(
                     f"{owner}: vLLM places {num_replicas} physical experts ({num_replicas - experts} "
                     "redundant); the placement holds one replica of each: set "
-                    "eplb_config.num_redundant_experts to 0")
+                    "eplb_config.num_redundant_experts to 0"
+                )
             if experts % num_ranks:
                 raise PlacementError(f"{owner}: {experts} experts do not split over {num_ranks} EP ranks")
             return table.clone()
@@ -81,10 +90,17 @@ def install(placements: list[tuple[str, list[list[int]] | None]]) -> Installed |
     if not given:
         return None
     if len(given) > 1:
-        raise PlacementError(f"MoE plugins {[n for n, _ in given]} each give an expert placement; "
-                             "enable placement (apply: true) on one of them")
+        raise PlacementError(
+            f"MoE plugins {[n for n, _ in given]} each give an expert placement; "
+            "enable placement (apply: true) on one of them"
+        )
     name, placement = given[0]
     done = Installed(placement_policy(placement, name))
-    log.info("vllm-graft: vLLM's expert-parallel load balancer will place experts as MoE plugin %r "
-             "says (%d layers x %d experts), at every rearrangement", name, len(placement), len(placement[0]))
+    log.info(
+        "vllm-graft: vLLM's expert-parallel load balancer will place experts as MoE plugin %r "
+        "says (%d layers x %d experts), at every rearrangement",
+        name,
+        len(placement),
+        len(placement[0]),
+    )
     return done

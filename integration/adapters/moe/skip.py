@@ -30,6 +30,7 @@ arithmetic:
 
 A token with no kept slot gets zeros (the kernel's ``0 * y``, up to the sign of zero).
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -54,8 +55,9 @@ def _blocks(n: int, width: int):
 Experts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def run_kept(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-             experts: Experts, min_pruned: int = 1) -> tuple[torch.Tensor, int] | None:
+def run_kept(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: Experts, min_pruned: int = 1
+) -> tuple[torch.Tensor, int] | None:
     """``(output [T, H] in the dtype of x, kept slots)`` for the routing ``weights``/``ids``
     ``[T, k]``, computed on the slots of nonzero weight only; None when fewer than
     ``min_pruned`` (at least 1) slots have weight 0 (the caller runs its full routing,
@@ -84,20 +86,23 @@ def run_kept(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     w_sorted = weights[order].float().gather(1, by_rank)
     ids_sorted = ids[order].gather(1, by_rank)
     ranks = [j for j in range(k) if counts[j] > 0]
-    tok = torch.cat([order[:counts[j]] for j in ranks])
-    w = torch.cat([w_sorted[:counts[j], j] for j in ranks])
+    tok = torch.cat([order[: counts[j]] for j in ranks])
+    w = torch.cat([w_sorted[: counts[j], j] for j in ranks])
     fp32 = x.dtype == torch.float32
     if fp32:  # the first rank weighted by the kernel, the others unweighted
-        w_rows = torch.cat([w_sorted[:counts[0], 0]] + [torch.ones(counts[j], device=w.device) for j in ranks[1:]])
+        w_rows = torch.cat([w_sorted[: counts[0], 0]] + [torch.ones(counts[j], device=w.device) for j in ranks[1:]])
     else:
         w_rows = w
-    rows = experts(x.index_select(0, tok), w_rows.unsqueeze(1).contiguous(),
-                   torch.cat([ids_sorted[:counts[j], j] for j in ranks]).to(torch.int32).unsqueeze(1).contiguous())
+    rows = experts(
+        x.index_select(0, tok),
+        w_rows.unsqueeze(1).contiguous(),
+        torch.cat([ids_sorted[: counts[j], j] for j in ranks]).to(torch.int32).unsqueeze(1).contiguous(),
+    )
     c0, H = counts[0], rows.shape[1]
     acc = rows[:c0] if fp32 else rows[:c0].float()
     a = c0
     for j in ranks[1:]:
-        r, wj = rows[a:a + counts[j]], w[a:a + counts[j]].unsqueeze(1)
+        r, wj = rows[a : a + counts[j]], w[a : a + counts[j]].unsqueeze(1)
         for b in _blocks(counts[j], H):
             if fp32:
                 acc[b].addcmul_(r[b], wj[b])

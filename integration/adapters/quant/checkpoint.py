@@ -10,6 +10,7 @@ plugin with the checkpoint's params when no deployment (or one without ``quant``
 ``stored_tensors(out, in)`` (checked by :func:`stored_specs`), named in the checkpoint as
 :func:`checkpoint_tensor_name` says. How they are loaded: :mod:`.linear`.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -37,12 +38,13 @@ def checkpoint_config(config: Any, quant_name: str) -> dict[str, Any]:
         raise ValueError(f"{where}: must be a mapping, got {type(config).__name__}")
     method = config.get("quant_method")
     if method != quant_name:
-        raise ValueError(f"{where}: quant_method is {method!r}; this checkpoint is not "
-                         f"{quant_name!r}'s")
+        raise ValueError(f"{where}: quant_method is {method!r}; this checkpoint is not {quant_name!r}'s")
     fmt = config.get("graft_format")
     if fmt != CHECKPOINT_FORMAT:
-        raise ValueError(f"{where}: graft_format is {fmt!r}, this vllm-graft reads format "
-                         f"{CHECKPOINT_FORMAT}; rewrite the checkpoint with `vllm-graft quantize`")
+        raise ValueError(
+            f"{where}: graft_format is {fmt!r}, this vllm-graft reads format "
+            f"{CHECKPOINT_FORMAT}; rewrite the checkpoint with `vllm-graft quantize`"
+        )
     params = config.get("params", {})
     if not isinstance(params, dict):
         raise ValueError(f"{where}: params must be a mapping, got {params!r}")
@@ -51,8 +53,9 @@ def checkpoint_config(config: Any, quant_name: str) -> dict[str, Any]:
         raise ValueError(f"{where}: embeddings must be true or false, got {embeddings!r}")
     unknown = sorted(set(config) - {"quant_method", "graft_format", "params", "embeddings"})
     if unknown:
-        raise ValueError(f"{where}: unknown field(s) {unknown}; the fields are quant_method, "
-                         "graft_format, params, embeddings")
+        raise ValueError(
+            f"{where}: unknown field(s) {unknown}; the fields are quant_method, graft_format, params, embeddings"
+        )
     return {"quant_method": method, "graft_format": fmt, "params": params, "embeddings": embeddings}
 
 
@@ -63,7 +66,8 @@ def check_checkpoint_params(plugin: QuantMethod, name: str, checkpoint: dict[str
         raise ValueError(
             f"the checkpoint was quantised by {name!r} with params {want}, but the deployment "
             f"enables it with {have}; drop quant.params from the deployment (they are read from "
-            "the checkpoint) or give the same values")
+            "the checkpoint) or give the same values"
+        )
 
 
 def stored_specs(plugin: QuantMethod, name: str, out_features: int, in_features: int) -> dict[str, Any]:
@@ -73,22 +77,28 @@ def stored_specs(plugin: QuantMethod, name: str, out_features: int, in_features:
 
     specs = plugin.stored_tensors(out_features, in_features)
     if specs is None:
-        raise ValueError(f"quant plugin {name!r} quantises online only (no stored_tensors): it "
-                         "cannot load a pre-quantised checkpoint; use the unquantised model")
+        raise ValueError(
+            f"quant plugin {name!r} quantises online only (no stored_tensors): it "
+            "cannot load a pre-quantised checkpoint; use the unquantised model"
+        )
     if not isinstance(specs, dict) or not specs:
         raise TypeError(f"quant plugin {name!r}: stored_tensors() must return a non-empty dict")
     for tname, spec in specs.items():
         if not (isinstance(tname, str) and tname.isidentifier()) or tname == "weight":
-            raise TypeError(f"quant plugin {name!r}: stored tensor name {tname!r} must be an "
-                            "identifier other than 'weight'")
+            raise TypeError(
+                f"quant plugin {name!r}: stored tensor name {tname!r} must be an identifier other than 'weight'"
+            )
         if not isinstance(spec, StoredTensor):
-            raise TypeError(f"quant plugin {name!r}: stored_tensors()[{tname!r}] must be a "
-                            f"StoredTensor, got {type(spec).__name__}")
+            raise TypeError(
+                f"quant plugin {name!r}: stored_tensors()[{tname!r}] must be a StoredTensor, got {type(spec).__name__}"
+            )
         if spec.ragged and tuple(spec.shape) != (-1,):
             raise TypeError(f"quant plugin {name!r}: ragged tensor {tname!r} must have shape (-1,)")
         if not spec.ragged and (not spec.shape or spec.shape[0] % out_features):
-            raise TypeError(f"quant plugin {name!r}: stored tensor {tname!r} {spec.shape}: dim 0 "
-                            f"must be a multiple of the {out_features} output rows")
+            raise TypeError(
+                f"quant plugin {name!r}: stored tensor {tname!r} {spec.shape}: dim 0 "
+                f"must be a multiple of the {out_features} output rows"
+            )
     return specs
 
 
@@ -131,9 +141,18 @@ def checkpoint_deployment(model: Any) -> dict[str, Any] | None:
     if q is None:
         return None
     params = q.get("params") if isinstance(q.get("params"), dict) else {}
-    return {"quant": {"plugin": str(q["quant_method"])[len(PREFIX):], "params": params}}
+    return {"quant": {"plugin": str(q["quant_method"])[len(PREFIX) :], "params": params}}
 
 
-__all__ = ["PREFIX", "CHECKPOINT_FORMAT", "FUSED_LAYERS", "quantization_name", "checkpoint_config",
-           "check_checkpoint_params", "stored_specs", "checkpoint_tensor_name",
-           "model_checkpoint_quant", "checkpoint_deployment"]
+__all__ = [
+    "PREFIX",
+    "CHECKPOINT_FORMAT",
+    "FUSED_LAYERS",
+    "quantization_name",
+    "checkpoint_config",
+    "check_checkpoint_params",
+    "stored_specs",
+    "checkpoint_tensor_name",
+    "model_checkpoint_quant",
+    "checkpoint_deployment",
+]

@@ -50,6 +50,7 @@ in the same process sees vLLM as it was. An engine built while the deployment wa
 keeps its linear methods, which hold their plugin instance directly. The custom op stays
 registered with torch (it cannot be removed; it is reachable only through those methods).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -61,6 +62,7 @@ from vllm_graft.hooks.deployment import Enabled
 from vllm_graft.integration import targets
 from vllm_graft.integration.runtime import Runtime
 from vllm_graft.integration.adapters import Adapter
+
 # The adapter's vLLM-free API, also reachable here (the unit tests use it through this module).
 from vllm_graft.integration.adapters.quant.checkpoint import (  # noqa: F401
     CHECKPOINT_FORMAT,
@@ -118,7 +120,19 @@ class QuantAdapter(Adapter):
 
 ADAPTER = QuantAdapter()
 
-__all__ = ["ADAPTER", "QuantAdapter", "OWNER", "quantization_name", "check_quantized",
-           "install_tensors", "layer_tensors", "keeps_storage", "checkpoint_config",
-           "checkpoint_deployment", "checkpoint_tensor_name", "stored_specs", "CHECKPOINT_FORMAT",
-           "quant_linear_op"]
+__all__ = [
+    "ADAPTER",
+    "QuantAdapter",
+    "OWNER",
+    "quantization_name",
+    "check_quantized",
+    "install_tensors",
+    "layer_tensors",
+    "keeps_storage",
+    "checkpoint_config",
+    "checkpoint_deployment",
+    "checkpoint_tensor_name",
+    "stored_specs",
+    "CHECKPOINT_FORMAT",
+    "quant_linear_op",
+]

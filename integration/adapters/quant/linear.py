@@ -38,6 +38,7 @@ handed to the host's dense GEMM), ``apply`` (linear calls through the plugin), `
 (embedding calls), ``captured`` (linear or embedding calls captured into a CUDA graph: their
 replays run no Python and are not counted; see :mod:`.tensors`).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -77,8 +78,7 @@ class PluginLinear:
     seen: dict[str, set[int | None]]  # pre-quantised: shards loaded per stored tensor
     parts: dict[str, Any]  # pre-quantised: ragged shards kept until all arrived
 
-    def __init__(self, plugin: QuantMethod, name: str, prefix: str = "",
-                 prequantized: bool = False) -> None:
+    def __init__(self, plugin: QuantMethod, name: str, prefix: str = "", prequantized: bool = False) -> None:
         self.plugin, self.name, self.prefix = plugin, name, prefix
         self.prequantized = prequantized
         self.out_features = 0
@@ -99,7 +99,8 @@ class PluginLinear:
         raise ValueError(
             f"{self.tensor_name('weight', idx)}: an unquantised weight in a "
             f"{self.plugin_label()} checkpoint, which stores {', '.join(self.specs)} for this "
-            "layer; the checkpoint is corrupt or mixed (rewrite it with `vllm-graft quantize`)")
+            "layer; the checkpoint is corrupt or mixed (rewrite it with `vllm-graft quantize`)"
+        )
 
     def _shard(self, tname: str, shard_id: Any) -> int | None:
         n = len(self.shard_rows)
@@ -117,11 +118,15 @@ class PluginLinear:
         spec = self.specs[tname]
         label = self.tensor_name(tname, idx)
         if str(loaded.dtype).removeprefix("torch.") != spec.dtype:
-            raise ValueError(f"{label}: stored as {loaded.dtype}, but {self.name!r} stores "
-                             f"{spec.dtype}; the checkpoint is corrupt or from another method")
+            raise ValueError(
+                f"{label}: stored as {loaded.dtype}, but {self.name!r} stores "
+                f"{spec.dtype}; the checkpoint is corrupt or from another method"
+            )
         if want_shape is not None and tuple(loaded.shape) != tuple(want_shape):
-            raise ValueError(f"{label}: shape {tuple(loaded.shape)}, expected {tuple(want_shape)} "
-                             f"for a [{self._rows(idx)}, {self.in_features}] weight")
+            raise ValueError(
+                f"{label}: shape {tuple(loaded.shape)}, expected {tuple(want_shape)} "
+                f"for a [{self._rows(idx)}, {self.in_features}] weight"
+            )
 
     def _rows(self, idx: int | None) -> int:
         return self.out_features if idx is None else self.shard_rows[idx]
@@ -141,8 +146,7 @@ class PluginLinear:
         idx = self._shard(tname, shard_id)
         self._check(tname, idx, loaded, None)
         if loaded.dim() != 1:
-            raise ValueError(f"{self.tensor_name(tname, idx)}: shape {tuple(loaded.shape)}, "
-                             "expected a 1-D tensor")
+            raise ValueError(f"{self.tensor_name(tname, idx)}: shape {tuple(loaded.shape)}, expected a 1-D tensor")
         self.parts[tname][idx] = loaded.detach().clone()
         self.seen[tname].add(idx)
 
@@ -150,8 +154,7 @@ class PluginLinear:
         """Where the layer's tensors belong: the device of its loaded parameters (for a
         pre-quantised checkpoint, its fixed-shape stored tensors; the ragged ones and the trap
         ``weight`` are placeholders), else the host."""
-        names = [t for t, spec in self.specs.items() if not spec.ragged] \
-            if self.prequantized else ["weight"]
+        names = [t for t, spec in self.specs.items() if not spec.ragged] if self.prequantized else ["weight"]
         for tname in names:
             t = getattr(layer, tname, None)
             if isinstance(t, torch.Tensor):
@@ -167,23 +170,27 @@ class PluginLinear:
             whole = None in seen
             missing = [] if whole else [i for i in range(n) if i not in seen]
             if missing or not seen:
-                names = ([self.tensor_name(tname, i) for i in missing] if missing
-                         else [self.tensor_name(tname, None)])
-                raise ValueError(f"{', '.join(names)}: missing from the checkpoint (a "
-                                 f"{self.plugin_label()} checkpoint stores "
-                                 f"{', '.join(self.specs)} for every quantised layer)")
+                names = [self.tensor_name(tname, i) for i in missing] if missing else [self.tensor_name(tname, None)]
+                raise ValueError(
+                    f"{', '.join(names)}: missing from the checkpoint (a "
+                    f"{self.plugin_label()} checkpoint stores "
+                    f"{', '.join(self.specs)} for every quantised layer)"
+                )
             if spec.ragged:  # read from the checkpoint on the host: to the layer's device
-                out[tname] = [p.to(device) for p in ([self.parts[tname][None]] if whole else
-                                                    [self.parts[tname][i] for i in range(n)])]
+                out[tname] = [
+                    p.to(device)
+                    for p in ([self.parts[tname][None]] if whole else [self.parts[tname][i] for i in range(n)])
+                ]
             else:
                 data = getattr(layer, tname).data
                 k = spec.shape[0] // self.out_features
-                out[tname] = [data] if whole else \
-                    list(torch.split(data, [r * k for r in self.shard_rows], 0))
+                out[tname] = [data] if whole else list(torch.split(data, [r * k for r in self.shard_rows], 0))
         counts = {len(v) for v in out.values()}
         if len(counts) != 1:  # some tensors stored fused, others per shard
-            raise ValueError(f"layer {self.prefix}: its stored tensors mix fused and per-shard "
-                             "checkpoint entries; rewrite the checkpoint with `vllm-graft quantize`")
+            raise ValueError(
+                f"layer {self.prefix}: its stored tensors mix fused and per-shard "
+                "checkpoint entries; rewrite the checkpoint with `vllm-graft quantize`"
+            )
         for i in range(counts.pop()):
             idx = None if len(out[next(iter(out))]) == 1 else i
             try:
@@ -211,13 +218,17 @@ class PluginLinear:
         if weight is None:
             return False
         want = (self.out_features, self.in_features)
-        if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != want \
-                or weight.dtype != self.params_dtype:
-            got = f"a {tuple(weight.shape)} {weight.dtype} tensor" if isinstance(weight, torch.Tensor) \
+        if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != want or weight.dtype != self.params_dtype:
+            got = (
+                f"a {tuple(weight.shape)} {weight.dtype} tensor"
+                if isinstance(weight, torch.Tensor)
                 else f"a {type(weight).__name__}"
-            raise ValueError(f"quant plugin {self.name!r}: dense_weight() returned {got}; "
-                             f"expected a tensor of shape {want} in {self.params_dtype} (or None "
-                             "to compute through apply())")
+            )
+            raise ValueError(
+                f"quant plugin {self.name!r}: dense_weight() returned {got}; "
+                f"expected a tensor of shape {want} in {self.params_dtype} (or None "
+                "to compute through apply())"
+            )
         self.dense = self._host_gemm(layer, weight)
         if self.dense is None:
             return False
@@ -275,8 +286,9 @@ class PluginLinear:
             raise raised("quant", self.name, "embed()", e) from e
         want = (*ids.shape, self.in_features)
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
-            raise ValueError(f"quant plugin {self.name!r}: embed() returned "
-                             f"{getattr(out, 'shape', type(out))}; expected {want}")
+            raise ValueError(
+                f"quant plugin {self.name!r}: embed() returned {getattr(out, 'shape', type(out))}; expected {want}"
+            )
         return out
 
     def compute(self, x, tensors, bias):
@@ -291,8 +303,10 @@ class PluginLinear:
         want = (*x.shape[:-1], self.out_features)
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or out.dtype != x.dtype:
             got = (tuple(out.shape), out.dtype) if isinstance(out, torch.Tensor) else type(out)
-            raise ValueError(f"quant plugin {self.name!r}: apply() returned {got} for input "
-                             f"{tuple(x.shape)} {x.dtype}; expected shape {want} in {x.dtype}")
+            raise ValueError(
+                f"quant plugin {self.name!r}: apply() returned {got} for input "
+                f"{tuple(x.shape)} {x.dtype}; expected shape {want} in {x.dtype}"
+            )
         return out
 
 

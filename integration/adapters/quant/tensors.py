@@ -46,6 +46,7 @@ profiling, batches larger than the largest captured size), not every call. On th
 key in ``RUNTIME.linear_methods`` (the process's runtime: weak, and never emptied by deactivation,
 as the methods belong to a model); they stay registered with torch (they cannot be removed).
 """
+
 from __future__ import annotations
 
 import functools
@@ -63,15 +64,18 @@ def check_quantized(tensors: Any, plugin: str) -> dict[str, Any]:
     import torch
 
     if not isinstance(tensors, dict) or not tensors:
-        raise TypeError(f"quant plugin {plugin!r}: quantize() must return a non-empty dict of "
-                        f"tensors, got {type(tensors).__name__}")
+        raise TypeError(
+            f"quant plugin {plugin!r}: quantize() must return a non-empty dict of tensors, got {type(tensors).__name__}"
+        )
     for name, t in tensors.items():
         if not (isinstance(name, str) and name.isidentifier()):
-            raise TypeError(f"quant plugin {plugin!r}: quantize() returned the key {name!r}; "
-                            "keys must be Python identifiers")
+            raise TypeError(
+                f"quant plugin {plugin!r}: quantize() returned the key {name!r}; keys must be Python identifiers"
+            )
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"quant plugin {plugin!r}: quantize() returned {type(t).__name__} "
-                            f"for {name!r}; values must be tensors")
+            raise TypeError(
+                f"quant plugin {plugin!r}: quantize() returned {type(t).__name__} for {name!r}; values must be tensors"
+            )
     return tensors
 
 
@@ -132,8 +136,11 @@ def quant_linear_op() -> Any:
     Registered once per process."""
     import torch
 
-    @torch.library.custom_op("vllm_graft::quant_linear", mutates_args=(),
-                             schema="(Tensor x, Tensor[] tensors, Tensor? bias, int key) -> Tensor")
+    @torch.library.custom_op(
+        "vllm_graft::quant_linear",
+        mutates_args=(),
+        schema="(Tensor x, Tensor[] tensors, Tensor? bias, int key) -> Tensor",
+    )
     def quant_linear(x, tensors, bias, key):
         return RUNTIME.linear_methods[key].compute(x, tensors, bias)
 
@@ -150,8 +157,9 @@ def quant_embed_op() -> Any:
     table that the method with key ``key`` stores as ``tensors`` (opaque, like quant_linear)."""
     import torch
 
-    @torch.library.custom_op("vllm_graft::quant_embed", mutates_args=(),
-                             schema="(Tensor ids, Tensor[] tensors, int key) -> Tensor")
+    @torch.library.custom_op(
+        "vllm_graft::quant_embed", mutates_args=(), schema="(Tensor ids, Tensor[] tensors, int key) -> Tensor"
+    )
     def quant_embed(ids, tensors, key):
         return RUNTIME.linear_methods[key].compute_embedding(ids, tensors)
 
@@ -163,6 +171,15 @@ def quant_embed_op() -> Any:
     return quant_embed
 
 
-__all__ = ["BUFFER_PREFIX", "check_quantized", "keeps_storage", "follow_device", "install_tensors",
-           "layer_tensors", "capturing",
-           "register_linear", "quant_linear_op", "quant_embed_op"]
+__all__ = [
+    "BUFFER_PREFIX",
+    "check_quantized",
+    "keeps_storage",
+    "follow_device",
+    "install_tensors",
+    "layer_tensors",
+    "capturing",
+    "register_linear",
+    "quant_linear_op",
+    "quant_embed_op",
+]

@@ -18,6 +18,7 @@ The config classes are made at run time (one per plugin), so a config instance p
 name (``__reduce__``): vLLM sends its config, quant config included, to the engine process,
 where unpickling rebuilds and registers the class before the bridge activates there.
 """
+
 from __future__ import annotations
 
 import functools
@@ -49,12 +50,13 @@ def _plugin_for(quant_name: str, checkpoint: dict[str, Any] | None = None) -> tu
         if quantization_name(e.name) == quant_name:
             plugin = RUNTIME.instance(e)
             if checkpoint is not None:
-                check_checkpoint_params(plugin, e.name, checkpoint)  # type: ignore[arg-type]
-            return plugin, e.name  # type: ignore[return-value]
+                check_checkpoint_params(plugin, e.name, checkpoint)
+            return plugin, e.name
     raise RuntimeError(
         f"quantization {quant_name!r} is vllm-graft's and needs a deployment that enables the "
-        f"quant plugin {quant_name[len(PREFIX):]!r} (additional_config={{'graft': {{...}}}} or "
-        "VLLM_GRAFT_DEPLOYMENT); it cannot be used with --quantization alone")
+        f"quant plugin {quant_name[len(PREFIX) :]!r} (additional_config={{'graft': {{...}}}} or "
+        "VLLM_GRAFT_DEPLOYMENT); it cannot be used with --quantization alone"
+    )
 
 
 class GraftQuantConfig(QuantizationConfig):
@@ -108,8 +110,16 @@ class GraftLinearMethod(PluginLinear, LinearMethodBase):
     from its quantised tensors; vLLM's side is ``create_weights``, the rest is
     :class:`~.linear.PluginLinear`."""
 
-    def create_weights(self, layer, input_size_per_partition, output_partition_sizes,
-                       input_size, output_size, params_dtype, **extra_weight_attrs):
+    def create_weights(
+        self,
+        layer,
+        input_size_per_partition,
+        output_partition_sizes,
+        input_size,
+        output_size,
+        params_dtype,
+        **extra_weight_attrs,
+    ):
         weight_loader = extra_weight_attrs.pop("weight_loader")
         self.out_features = sum(output_partition_sizes)
         self.in_features = input_size_per_partition
@@ -118,11 +128,11 @@ class GraftLinearMethod(PluginLinear, LinearMethodBase):
         if self.prequantized:
             self._create_stored(layer, weight_loader, extra_weight_attrs)
             return
-        weight = Parameter(torch.empty(self.out_features, input_size_per_partition,
-                                       dtype=params_dtype), requires_grad=False)
+        weight = Parameter(
+            torch.empty(self.out_features, input_size_per_partition, dtype=params_dtype), requires_grad=False
+        )
         layer.register_parameter("weight", weight)
-        set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0,
-                                  "weight_loader": weight_loader})
+        set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0, "weight_loader": weight_loader})
         set_weight_attrs(weight, extra_weight_attrs)
 
     def _host_gemm(self, layer, weight):
@@ -170,9 +180,8 @@ def config_class(quant_name: str) -> type:
     (idempotent: registering again is a no-op)."""
     cls = _classes.get(quant_name)
     if cls is None:
-        ident = "".join(c if c.isalnum() else "_" for c in quant_name[len(PREFIX):])
-        cls = type(f"GraftQuantConfig_{ident}", (GraftQuantConfig,), {"quant_name": quant_name,
-                                                                      "__module__": __name__})
+        ident = "".join(c if c.isalnum() else "_" for c in quant_name[len(PREFIX) :])
+        cls = type(f"GraftQuantConfig_{ident}", (GraftQuantConfig,), {"quant_name": quant_name, "__module__": __name__})
         _classes[quant_name] = cls
     if vllm_quantization._CUSTOMIZED_METHOD_TO_QUANT_CONFIG.get(quant_name) is not cls:
         vllm_quantization.register_quantization_config(quant_name)(cls)

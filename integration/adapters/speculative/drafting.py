@@ -35,6 +35,7 @@ request (a request's drafts plus the bonus row, in ``input_batch`` order); the `
 that follows passes each request its rows with the tokens they follow (the token before the
 step, then the drafts the step verified) to ``Proposer.observe_topk``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,8 +54,16 @@ class Drafting:
     configured with; ``vocab_size`` bounds valid token ids.
     """
 
-    def __init__(self, plugin: Proposer, name: str, *, k: int, max_model_len: int,
-                 vocab_size: int, count: Callable[[str, int], None]) -> None:
+    def __init__(
+        self,
+        plugin: Proposer,
+        name: str,
+        *,
+        k: int,
+        max_model_len: int,
+        vocab_size: int,
+        count: Callable[[str, int], None],
+    ) -> None:
         self.plugin, self.name, self.k = plugin, name, k
         self.max_model_len, self.vocab_size, self.count = max_model_len, vocab_size, count
         self.verified: dict[str, int] = {}  # request id -> drafts the current step verifies
@@ -69,8 +78,9 @@ class Drafting:
         #: request id -> (tokens, parents) of the tree the current step verifies
         self.step_trees: dict[str, tuple[list[int], list[int]]] = {}
 
-    def step_started(self, finished_req_ids: Iterable[str],
-                     scheduled_spec_tokens: Mapping[str, Sequence[int]], num_tokens: int = 0) -> None:
+    def step_started(
+        self, finished_req_ids: Iterable[str], scheduled_spec_tokens: Mapping[str, Sequence[int]], num_tokens: int = 0
+    ) -> None:
         """A step begins: release ended requests, note the drafts it will verify and how many
         tokens it computes."""
         self.step_tokens = int(num_tokens or 0)
@@ -85,15 +95,16 @@ class Drafting:
         if unseen:
             self.count("verified_without_propose", unseen)
         # -1 marks a draft slot vLLM invalidated (structured output): not verified.
-        self.verified = {rid: sum(1 for t in toks if t >= 0)
-                         for rid, toks in scheduled_spec_tokens.items()}
+        self.verified = {rid: sum(1 for t in toks if t >= 0) for rid, toks in scheduled_spec_tokens.items()}
         if self.topk:
             self.drafts = {rid: list(toks) for rid, toks in scheduled_spec_tokens.items()}
         self.pending_topk = None
         if self.trees_on:  # vLLM may trim drafts (length limit): a tree's first nodes stay a tree
-            self.step_trees = {rid: ([int(t) for t in toks], self.tree_drafts[rid][:len(toks)])
-                               for rid, toks in scheduled_spec_tokens.items()
-                               if len(toks) and rid in self.tree_drafts}
+            self.step_trees = {
+                rid: ([int(t) for t in toks], self.tree_drafts[rid][: len(toks)])
+                for rid, toks in scheduled_spec_tokens.items()
+                if len(toks) and rid in self.tree_drafts
+            }
             self.tree_drafts = {}
 
     def logits_topk(self, topk_ids: Any, rows_per_request: Sequence[int]) -> None:
@@ -102,8 +113,13 @@ class Drafting:
         rows = [int(r) for r in rows_per_request]
         self.pending_topk = (topk_ids, rows) if sum(rows) == len(topk_ids) else None
 
-    def _observe_topk(self, req_ids: Sequence[str | None], sampled_token_ids: Sequence[Sequence[int]],
-                      num_tokens: Sequence[int], token_ids: Any) -> None:
+    def _observe_topk(
+        self,
+        req_ids: Sequence[str | None],
+        sampled_token_ids: Sequence[Sequence[int]],
+        num_tokens: Sequence[int],
+        token_ids: Any,
+    ) -> None:
         ids, rows = self.pending_topk  # type: ignore[misc]
         self.pending_topk = None
         start = 0
@@ -122,11 +138,17 @@ class Drafting:
                     break  # invalidated slot: no position after it
                 context.append(int(t))
             m = min(len(context), n_rows)
-            self.plugin.observe_topk(request_id, context[:m], ids[first:first + m])
+            self.plugin.observe_topk(request_id, context[:m], ids[first : first + m])
 
-    def propose(self, req_ids: Sequence[str | None], sampled_token_ids: Sequence[Sequence[int]],
-                num_tokens: Sequence[int], token_ids: Any,
-                seeded: Collection[str] = (), chain_only: Collection[str] = ()) -> list[list[int]]:
+    def propose(
+        self,
+        req_ids: Sequence[str | None],
+        sampled_token_ids: Sequence[Sequence[int]],
+        num_tokens: Sequence[int],
+        token_ids: Any,
+        seeded: Collection[str] = (),
+        chain_only: Collection[str] = (),
+    ) -> list[list[int]]:
         """Drafts per batch row. ``token_ids[i, :num_tokens[i]]`` is row i's sequence so far
         (a 2-D numpy array in vLLM); a row whose ``sampled_token_ids`` is empty (mid-prefill)
         gets no drafts and no plugin call. ``seeded``: the requests sampled with their own
@@ -134,8 +156,10 @@ class Drafting:
         verifier does not handle (:func:`.tree.tree_verifiable`): a tree plugin's draft is
         cut to its first root-to-leaf path for them, and vLLM verifies that chain."""
         if len(req_ids) < len(sampled_token_ids):
-            raise RuntimeError(f"vllm-graft speculative adapter: {len(sampled_token_ids)} batch "
-                               f"rows but only {len(req_ids)} request ids")
+            raise RuntimeError(
+                f"vllm-graft speculative adapter: {len(sampled_token_ids)} batch "
+                f"rows but only {len(req_ids)} request ids"
+            )
         if self.pending_topk is not None:
             self._observe_topk(req_ids, sampled_token_ids, num_tokens, token_ids)
         self.plugin.begin_step(sum(1 for s in sampled_token_ids if len(s)), self.step_tokens)
@@ -161,7 +185,8 @@ class Drafting:
                 continue
             if self.trees_on:
                 tokens, parents = self._checked_tree(
-                    self._call("propose_tree", request_id, token_ids[i, :n].tolist(), budget), request_id)
+                    self._call("propose_tree", request_id, token_ids[i, :n].tolist(), budget), request_id
+                )
                 tokens, parents = tokens[:budget], parents[:budget]
                 if request_id in chain_only and not is_chain(parents):
                     tokens, parents = first_path(tokens, parents)
@@ -171,8 +196,7 @@ class Drafting:
                     self.tree_drafts[request_id] = parents
                     n_trees += 1
             else:
-                drafts = self._checked(self._call("propose", request_id, token_ids[i, :n].tolist(), budget),
-                                       request_id)
+                drafts = self._checked(self._call("propose", request_id, token_ids[i, :n].tolist(), budget), request_id)
                 if len(drafts) > budget:
                     self._too_many(len(drafts), budget)
                     drafts = drafts[:budget]
@@ -182,10 +206,15 @@ class Drafting:
                 drafts = []
             n_drafted += len(drafts)
             out.append(drafts)
-        for event, n in (("propose", n_calls), ("drafted", n_drafted),
-                         ("verified", n_verified), ("accepted", n_accepted),
-                         ("seeded_undrafted", n_seeded), ("trees", n_trees),
-                         ("tree_cut_to_chain", n_cut)):
+        for event, n in (
+            ("propose", n_calls),
+            ("drafted", n_drafted),
+            ("verified", n_verified),
+            ("accepted", n_accepted),
+            ("seeded_undrafted", n_seeded),
+            ("trees", n_trees),
+            ("tree_cut_to_chain", n_cut),
+        ):
             if n:
                 self.count(event, n)
         return out
@@ -201,9 +230,14 @@ class Drafting:
         """More drafts than asked: the contract drops the extra ones; said once per plugin."""
         if not getattr(self, "_warned_extra", False):
             self._warned_extra = True
-            log.warning("vllm-graft: speculative plugin %r proposed %d drafts where %d were asked "
-                        "(max_tokens); the extra ones are dropped (Proposer.propose), this time and "
-                        "every later time (said once)", self.name, got, budget)
+            log.warning(
+                "vllm-graft: speculative plugin %r proposed %d drafts where %d were asked "
+                "(max_tokens); the extra ones are dropped (Proposer.propose), this time and "
+                "every later time (said once)",
+                self.name,
+                got,
+                budget,
+            )
 
     def _checked(self, drafts: Any, request_id: str) -> list[int]:
         try:
@@ -216,7 +250,8 @@ class Drafting:
         if not ok:
             raise ValueError(
                 f"speculative plugin {self.name!r} proposed {drafts!r} for request {request_id!r}; "
-                f"propose() must return a list of token ids in [0, {self.vocab_size})")
+                f"propose() must return a list of token ids in [0, {self.vocab_size})"
+            )
         return tokens
 
     def _checked_tree(self, tree: Any, request_id: str) -> tuple[list[int], list[int]]:
@@ -231,7 +266,8 @@ class Drafting:
             raise ValueError(
                 f"speculative plugin {self.name!r} proposed the tree {tree!r} for request "
                 f"{request_id!r}; propose_tree() must return (tokens, parents) of equal length "
-                "with -1 <= parents[i] < i (-1: the node follows the request's last token)")
+                "with -1 <= parents[i] < i (-1: the node follows the request's last token)"
+            )
         return tokens, parents
 
 

@@ -81,6 +81,7 @@ The package: the per-step logic (request ids, budget, acceptance, top-k rows, fi
 (:class:`GraftProposer`, which must stay here: its dotted path is :data:`PROPOSER_PATH`),
 the two patches and the adapter, and imports vLLM only in :func:`install_patch`.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -120,8 +121,7 @@ def num_speculative_tokens(params: BaseModel) -> int:
 
 def speculative_config(params: BaseModel) -> dict[str, Any]:
     """vLLM's ``speculative_config`` for a proposer plugin with these parameters."""
-    return {"method": "custom_class", "model": PROPOSER_PATH,
-            "num_speculative_tokens": num_speculative_tokens(params)}
+    return {"method": "custom_class", "model": PROPOSER_PATH, "num_speculative_tokens": num_speculative_tokens(params)}
 
 
 # --------------------------------------------------------------- what vLLM builds and calls
@@ -134,7 +134,8 @@ class GraftProposer:
             raise RuntimeError(
                 f"{PROPOSER_PATH} is vllm-graft's proposer and needs a deployment with a "
                 "`speculative` plugin (additional_config={'graft': {...}} or "
-                "VLLM_GRAFT_DEPLOYMENT); do not set it in speculative_config by hand")
+                "VLLM_GRAFT_DEPLOYMENT); do not set it in speculative_config by hand"
+            )
         (e,) = enabled
         spec = vllm_config.speculative_config
         model = vllm_config.model_config
@@ -143,8 +144,13 @@ class GraftProposer:
             RUNTIME.count(Kind.SPECULATIVE, _name, event, n)
 
         self.drafting = Drafting(
-            RUNTIME.instance(e), e.name, k=spec.num_speculative_tokens,
-            max_model_len=model.max_model_len, vocab_size=model.get_vocab_size(), count=count)
+            RUNTIME.instance(e),
+            e.name,
+            k=spec.num_speculative_tokens,
+            max_model_len=model.max_model_len,
+            vocab_size=model.get_vocab_size(),
+            count=count,
+        )
         RUNTIME.track_state(f"speculative/{e.name}/adapter", self.drafting)  # read by `soak`
         self._runner: weakref.ReferenceType | None = None
         self.vllm_config = vllm_config  # for load_model
@@ -165,9 +171,11 @@ class GraftProposer:
         """From the patched ``_update_states``, before vLLM updates the batch."""
         if self._runner is None or self._runner() is not runner:
             self._runner = weakref.ref(runner)
-        self.drafting.step_started(scheduler_output.finished_req_ids,
-                                   scheduler_output.scheduled_spec_decode_tokens,
-                                   getattr(scheduler_output, "total_num_scheduled_tokens", 0))
+        self.drafting.step_started(
+            scheduler_output.finished_req_ids,
+            scheduler_output.scheduled_spec_decode_tokens,
+            getattr(scheduler_output, "total_num_scheduled_tokens", 0),
+        )
 
     def logits_computed(self, logits: Any, spec_decode_metadata: Any) -> None:
         """From the patched ``_sample``, before vLLM samples: keep the top-k the plugin wants."""
@@ -184,21 +192,36 @@ class GraftProposer:
             rows = [d + 1 for d in spec_decode_metadata.num_draft_tokens]
         self.drafting.logits_topk(ids, rows)
 
-    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: Any,
-                token_ids_cpu: Any, slot_mappings: Any = None, **_: Any) -> list[list[int]]:
+    def propose(
+        self,
+        sampled_token_ids: list[list[int]],
+        num_tokens_no_spec: Any,
+        token_ids_cpu: Any,
+        slot_mappings: Any = None,
+        **_: Any,
+    ) -> list[list[int]]:
         runner = self._runner() if self._runner is not None else None
         if runner is None:
             raise RuntimeError(
                 "vllm-graft: GraftProposer.propose was called before the runner's "
-                "_update_states; is the speculative adapter's patch applied (vllm_graft.integration.patches.PATCHES)?")
+                "_update_states; is the speculative adapter's patch applied (vllm_graft.integration.patches.PATCHES)?"
+            )
         batch = runner.input_batch
         # rows sampled with a request seed: vLLM gives exactly those a torch.Generator
         seeded = [batch.req_ids[i] for i in getattr(batch, "generators", {}) if i < len(batch.req_ids)]
-        chain_only = () if self.tree is None else [
-            rid for rid in batch.req_ids
-            if rid is not None and not tree.tree_verifiable(getattr(runner.requests.get(rid), "sampling_params", None))]
-        return self.drafting.propose(batch.req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
-                                     seeded=seeded, chain_only=chain_only)
+        chain_only = (
+            ()
+            if self.tree is None
+            else [
+                rid
+                for rid in batch.req_ids
+                if rid is not None
+                and not tree.tree_verifiable(getattr(runner.requests.get(rid), "sampling_params", None))
+            ]
+        )
+        return self.drafting.propose(
+            batch.req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, seeded=seeded, chain_only=chain_only
+        )
 
 
 def _update_states_wrapper(original: Callable) -> Callable:
@@ -247,9 +270,11 @@ def plain_step(runner: Any, scheduler_output: Any) -> bool:
     sampler, no rejection sampler or speculative metadata): no request has draft tokens
     scheduled, the scheduling is synchronous (asynchronous scheduling schedules placeholder
     drafts and is left alone) and the model is attention only."""
-    return (not scheduler_output.scheduled_spec_decode_tokens
-            and not getattr(runner, "use_async_scheduling", False)
-            and _attention_only(runner))
+    return (
+        not scheduler_output.scheduled_spec_decode_tokens
+        and not getattr(runner, "use_async_scheduling", False)
+        and _attention_only(runner)
+    )
 
 
 def _prepare_inputs_wrapper(original: Callable) -> Callable:

@@ -23,6 +23,7 @@ start rather than draft wrongly): an architecture other than ``LlamaForCausalLM`
 one tensor-parallel or pipeline rank, quantized linear layers, biases, non-NeoX rotary
 embeddings, sliding-window layers.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -43,9 +44,10 @@ def _refuse(what: str, fix: str) -> TargetUnsupported:
 def _linear(layer: Any, name: str) -> Any:
     method = type(getattr(layer, "quant_method", None)).__name__
     if method != "UnquantizedLinearMethod":
-        raise _refuse(f"{name} is quantized ({method})",
-                      "serve the unquantized model, or choose a proposer that does not draft "
-                      "with the target's weights")
+        raise _refuse(
+            f"{name} is quantized ({method})",
+            "serve the unquantized model, or choose a proposer that does not draft with the target's weights",
+        )
     if getattr(layer, "bias", None) is not None:
         raise _refuse(f"{name} has a bias", "choose another proposer for this model")
 
@@ -67,13 +69,17 @@ def target_weights(model: Any, vllm_config: Any) -> TargetWeights:
     """Describe vLLM's loaded ``model`` (see the module docstring)."""
     name = type(model).__name__
     if name not in SUPPORTED:
-        raise _refuse(f"the target is {name}, but only {', '.join(SUPPORTED)} can be described",
-                      "choose another speculative plugin for this model")
+        raise _refuse(
+            f"the target is {name}, but only {', '.join(SUPPORTED)} can be described",
+            "choose another speculative plugin for this model",
+        )
     par = vllm_config.parallel_config
     if par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1:
-        raise _refuse(f"tensor_parallel_size={par.tensor_parallel_size}, pipeline_parallel_size="
-                      f"{par.pipeline_parallel_size}: each rank holds part of the model",
-                      "run on one rank (data parallelism is fine)")
+        raise _refuse(
+            f"tensor_parallel_size={par.tensor_parallel_size}, pipeline_parallel_size="
+            f"{par.pipeline_parallel_size}: each rank holds part of the model",
+            "run on one rank (data parallelism is fine)",
+        )
     cfg = vllm_config.model_config.hf_config
     inner = model.model
     layers = []
@@ -85,23 +91,37 @@ def target_weights(model: Any, vllm_config: Any) -> TargetWeights:
             raise _refuse("the attention heads are sharded", "run on one rank")
         r = attn.rotary_emb
         if not getattr(r, "is_neox_style", True) or not hasattr(r, "cos_sin_cache"):
-            raise _refuse(f"layer {i}'s rotary embedding ({type(r).__name__}) is not NeoX-style "
-                          "with a cos/sin table", "choose another proposer")
+            raise _refuse(
+                f"layer {i}'s rotary embedding ({type(r).__name__}) is not NeoX-style with a cos/sin table",
+                "choose another proposer",
+            )
         p = f"model.layers.{i}."
-        layers.append(TargetLayer(
-            qkv=_linear(attn.qkv_proj, p + "self_attn.qkv_proj"),
-            o=_linear(attn.o_proj, p + "self_attn.o_proj"),
-            gate_up=_linear(mlp.gate_up_proj, p + "mlp.gate_up_proj"),
-            down=_linear(mlp.down_proj, p + "mlp.down_proj"),
-            input_norm=_norm(layer.input_layernorm), post_attention_norm=_norm(layer.post_attention_layernorm)))
+        layers.append(
+            TargetLayer(
+                qkv=_linear(attn.qkv_proj, p + "self_attn.qkv_proj"),
+                o=_linear(attn.o_proj, p + "self_attn.o_proj"),
+                gate_up=_linear(mlp.gate_up_proj, p + "mlp.gate_up_proj"),
+                down=_linear(mlp.down_proj, p + "mlp.down_proj"),
+                input_norm=_norm(layer.input_layernorm),
+                post_attention_norm=_norm(layer.post_attention_layernorm),
+            )
+        )
     if not layers:
         raise _refuse("the model has no decoder layers on this rank", "run on one rank")
     first = inner.layers[0].self_attn
     rope = first.rotary_emb
     return TargetWeights(
-        embed=model.embed_input_ids, layers=layers, final_norm=_norm(inner.norm),
-        lm_head=model.compute_logits, num_heads=first.num_heads, num_kv_heads=first.num_kv_heads,
-        head_dim=first.head_dim, rms_norm_eps=float(cfg.rms_norm_eps),
-        vocab_size=int(cfg.vocab_size), rope_cos_sin=rope.cos_sin_cache,
-        rotary_dim=int(getattr(rope, "rotary_dim", first.head_dim)), rope=rope,
-        source=f"vLLM {name} ({vllm_config.model_config.model})")
+        embed=model.embed_input_ids,
+        layers=layers,
+        final_norm=_norm(inner.norm),
+        lm_head=model.compute_logits,
+        num_heads=first.num_heads,
+        num_kv_heads=first.num_kv_heads,
+        head_dim=first.head_dim,
+        rms_norm_eps=float(cfg.rms_norm_eps),
+        vocab_size=int(cfg.vocab_size),
+        rope_cos_sin=rope.cos_sin_cache,
+        rotary_dim=int(getattr(rope, "rotary_dim", first.head_dim)),
+        rope=rope,
+        source=f"vLLM {name} ({vllm_config.model_config.model})",
+    )

@@ -49,6 +49,7 @@ backend's full CUDA graphs are off while the method is set. On CPU the attention
 PyTorch reference, slower than vLLM's C++ kernel, so a tree's extra accepted tokens must pay
 for that (see BENCHMARKS.md).
 """
+
 from __future__ import annotations
 
 import functools
@@ -66,10 +67,19 @@ log = logging.getLogger("vllm_graft")
 
 #: Sampling parameters a tree request may not use (value, the neutral one): the verifier
 #: reproduces temperature sampling only.
-_NEUTRAL = {"top_k": (0, -1, None), "top_p": (1.0, None), "min_p": (0.0, None),
-            "presence_penalty": (0.0, None), "frequency_penalty": (0.0, None),
-            "repetition_penalty": (1.0, None), "logit_bias": (None,), "bad_words": (None,),
-            "allowed_token_ids": (None,), "logprobs": (None,), "structured_outputs": (None,)}
+_NEUTRAL = {
+    "top_k": (0, -1, None),
+    "top_p": (1.0, None),
+    "min_p": (0.0, None),
+    "presence_penalty": (0.0, None),
+    "frequency_penalty": (0.0, None),
+    "repetition_penalty": (1.0, None),
+    "logit_bias": (None,),
+    "bad_words": (None,),
+    "allowed_token_ids": (None,),
+    "logprobs": (None,),
+    "structured_outputs": (None,),
+}
 _GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: below it a temperature means greedy
 
 
@@ -113,8 +123,9 @@ class TreeVerifier:
         self.last_plan: TreePlan | None = None
 
     # ---- 2. positions -------------------------------------------------------------------
-    def prepare(self, runner: Any, step_trees: dict[str, tuple[list[int], list[int]]],
-                num_scheduled: np.ndarray) -> None:
+    def prepare(
+        self, runner: Any, step_trees: dict[str, tuple[list[int], list[int]]], num_scheduled: np.ndarray
+    ) -> None:
         """After vLLM's ``_prepare_inputs``: note this step's trees (request id -> ``(tokens,
         parents)``, :attr:`.drafting.Drafting.step_trees`), rewrite node positions (one copy to
         the device per step). A tree left out here is verified by vLLM as the chain of its
@@ -126,8 +137,7 @@ class TreeVerifier:
         batch = runner.input_batch
         tables = batch.block_table
         if len(getattr(tables, "block_tables", [tables])) != 1:
-            raise NotImplementedError("vllm-graft tree verification supports one KV-cache group "
-                                      "(plain decoder models)")
+            raise NotImplementedError("vllm-graft tree verification supports one KV-cache group (plain decoder models)")
         table = tables[0]
         blocks = table.get_numpy_array()
         size = int(table.block_size)
@@ -178,8 +188,10 @@ class TreeVerifier:
         for row, t in self.step.items():
             n = len(t.tree)
             if row >= len(drafts) or drafts[row] != n:
-                raise RuntimeError(f"vllm-graft tree verification: batch row {row} has {drafts[row] if row < len(drafts) else None} "
-                                   f"draft rows, its tree {n} nodes")
+                raise RuntimeError(
+                    f"vllm-graft tree verification: batch row {row} has {drafts[row] if row < len(drafts) else None} "
+                    f"draft rows, its tree {n} nodes"
+                )
             temperature = float(runner.requests[batch.req_ids[row]].sampling_params.temperature)
             if temperature < _GREEDY_EPS:
                 greedy.append((row, t))
@@ -195,11 +207,12 @@ class TreeVerifier:
             top = logit_rows(greedy).argmax(dim=-1).cpu()  # one read-back for every greedy tree
             at = 0
             for row, t in greedy:
-                verdicts[row] = tree_mod.verify_greedy(t.tree, top[at:at + len(t.tree) + 1])
+                verdicts[row] = tree_mod.verify_greedy(t.tree, top[at : at + len(t.tree) + 1])
                 at += len(t.tree) + 1
         if sampling:
-            temps = torch.tensor([temp for _, t, temp in sampling for _ in range(len(t.tree) + 1)],
-                                 dtype=torch.float32).to(logits.device)
+            temps = torch.tensor(
+                [temp for _, t, temp in sampling for _ in range(len(t.tree) + 1)], dtype=torch.float32
+            ).to(logits.device)
             probs = torch.softmax(logit_rows(sampling).float() / temps[:, None], dim=-1).cpu()  # one read-back
             at = 0
             for row, t, _ in sampling:
@@ -207,7 +220,7 @@ class TreeVerifier:
                 one_hot = torch.zeros(n, probs.shape[-1], dtype=torch.float64)
                 one_hot[torch.arange(n), t.tree.tokens] = 1.0
                 generator = getattr(batch, "generators", {}).get(row)
-                verdicts[row] = tree_mod.verify_sampling(t.tree, probs[at:at + n + 1], one_hot, generator)
+                verdicts[row] = tree_mod.verify_sampling(t.tree, probs[at : at + n + 1], one_hot, generator)
                 at += n + 1
         sampled = output.sampled_token_ids
         rows = sorted(verdicts)
@@ -218,7 +231,7 @@ class TreeVerifier:
         for i, row in enumerate(rows):
             t, verdict = self.step[row], verdicts[row]
             emitted = verdict.tokens(t.tree)
-            block[i, :len(emitted)] = torch.tensor(emitted, dtype=sampled.dtype)
+            block[i, : len(emitted)] = torch.tensor(emitted, dtype=sampled.dtype)
             for k, node in enumerate(verdict.accepted):
                 if node != k:  # slot of node k-th on the path vs where the sequence needs it
                     moves_src.append(int(t.slots[1 + node]))
@@ -228,9 +241,11 @@ class TreeVerifier:
         if moves_src:
             layout = self.last_plan.layout if self.last_plan is not None else None
             if layout is None:
-                raise RuntimeError("vllm-graft tree verification: accepted nodes' KV must move but no "
-                                   "attention layer ran the step's tree plan, so the cache layout is "
-                                   "unknown (is the graft attention backend installed?)")
+                raise RuntimeError(
+                    "vllm-graft tree verification: accepted nodes' KV must move but no "
+                    "attention layer ran the step's tree plan, so the cache layout is "
+                    "unknown (is the graft attention backend installed?)"
+                )
             move_kv(runner.kv_caches, moves_src, moves_dst, layout)
         self.count("tree_verify", len(self.step))
         if n_accepted:
@@ -239,8 +254,7 @@ class TreeVerifier:
         self.last_plan = None
 
 
-def move_kv(kv_caches: list[torch.Tensor], src: list[int], dst: list[int],
-            layout: KVCacheLayout = BLOCKED) -> None:
+def move_kv(kv_caches: list[torch.Tensor], src: list[int], dst: list[int], layout: KVCacheLayout = BLOCKED) -> None:
     """Copy the keys/values at KV slots ``src`` to slots ``dst`` in every layer's cache
     ``[num_blocks, H_kv, block_size, 2*D]`` in ``layout`` (the one the layers ran with).
     Sources are read before any destination is written. The slot indices go to the caches'
@@ -314,11 +328,11 @@ class TreePlan:
         bits_dev = torch.cat(bits).to(device) if kernel is not None else None
         b = m = 0
         for p in trees:
-            p.mask = masks_dev[m:m + p.size * p.size].view(p.size, p.size)
+            p.mask = masks_dev[m : m + p.size * p.size].view(p.size, p.size)
             m += p.size * p.size
             if bits_dev is not None:
                 words = -(-p.size // 32)
-                p.bits = bits_dev[b:b + p.size * words].view(p.size, words)
+                p.bits = bits_dev[b : b + p.size * words].view(p.size, words)
                 b += p.size * words
         return cls(trees, others, torch.cat(pos).to(device), torch.cat(brow).to(device), kernel)
 
@@ -338,8 +352,11 @@ def _triton_kernel():
     try:
         from vllm_graft.plugins.speculative._tree import kernel
     except ImportError as e:
-        log.warning("vllm-graft tree verification: Triton cannot be imported (%s); the tree rows "
-                    "run the PyTorch reference on the device (slow)", e)
+        log.warning(
+            "vllm-graft tree verification: Triton cannot be imported (%s); the tree rows "
+            "run the PyTorch reference on the device (slow)",
+            e,
+        )
         return None
     return kernel
 
@@ -377,9 +394,15 @@ class TreeAttention(AttentionMethod):
             _log_path("the PyTorch reference (_tree.verify_pass_attention)", query.device)
             verify_pass_attention = _tree_parts().verify_pass_attention
             for p in plan.trees:
-                out[p.start:p.start + p.size] = verify_pass_attention(
-                    query[p.start:p.start + p.size], k_cache, v_cache, batch.block_table[p.row],
-                    p.context + p.size, p.mask, layer.scale)
+                out[p.start : p.start + p.size] = verify_pass_attention(
+                    query[p.start : p.start + p.size],
+                    k_cache,
+                    v_cache,
+                    batch.block_table[p.row],
+                    p.context + p.size,
+                    p.mask,
+                    layer.scale,
+                )
             return out
         _log_path("the Triton kernel (_tree.kernel)", query.device)
         blk, off = plan.pass_slots(batch.block_table, kv_cache.shape[2])
@@ -387,9 +410,18 @@ class TreeAttention(AttentionMethod):
         kc, vc = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # the kernel's [N, B, H_kv, D]
         for p in plan.trees:
             rows = slice(p.at, p.at + p.size)
-            out[p.start:p.start + p.size] = plan.kernel.tree_attention_triton(
-                query[p.start:p.start + p.size], kc, vc, batch.block_table[p.row], p.context,
-                k_pass[rows], v_pass[rows], p.parents, layer.scale, ancestor_bits=p.bits)
+            out[p.start : p.start + p.size] = plan.kernel.tree_attention_triton(
+                query[p.start : p.start + p.size],
+                kc,
+                vc,
+                batch.block_table[p.row],
+                p.context,
+                k_pass[rows],
+                v_pass[rows],
+                p.parents,
+                layer.scale,
+                ancestor_bits=p.bits,
+            )
         return out
 
 
@@ -409,18 +441,24 @@ def drafts_trees(enabled: Any, plan: Any) -> bool:
     where = f"speculative plugin {enabled.name!r} drafts trees"
     others = [e.name for e in plan.enabled if str(e.kind) in ("attention", "kvcompress")]
     if others:
-        raise ValueError(f"{where}, whose verification computes attention itself; it cannot be "
-                         f"combined with {', '.join(repr(o) for o in others)} yet: leave those "
-                         "out of the deployment, or turn the tree off (tree: false)")
+        raise ValueError(
+            f"{where}, whose verification computes attention itself; it cannot be "
+            f"combined with {', '.join(repr(o) for o in others)} yet: leave those "
+            "out of the deployment, or turn the tree off (tree: false)"
+        )
     engine = getattr(plan.deployment, "engine", None) or {}
     if int(engine.get("tensor_parallel_size", 1) or 1) > 1 or int(engine.get("pipeline_parallel_size", 1) or 1) > 1:
-        raise ValueError(f"{where}: tree verification runs on one rank so far (each rank would "
-                         "verify and move KV on its own); set tensor_parallel_size and "
-                         "pipeline_parallel_size to 1, or tree: false")
+        raise ValueError(
+            f"{where}: tree verification runs on one rank so far (each rank would "
+            "verify and move KV on its own); set tensor_parallel_size and "
+            "pipeline_parallel_size to 1, or tree: false"
+        )
     if plan.platform not in (None, "cpu", "cuda"):
-        raise ValueError(f"{where}: tree verification runs on vLLM's CPU engine and on CUDA (the "
-                         f"Triton tree kernel, Model Runner V1) only; platform {plan.platform!r} has "
-                         "neither path. Set tree: false to verify chains")
+        raise ValueError(
+            f"{where}: tree verification runs on vLLM's CPU engine and on CUDA (the "
+            f"Triton tree kernel, Model Runner V1) only; platform {plan.platform!r} has "
+            "neither path. Set tree: false to verify chains"
+        )
     # CUDA: the patches below (GPUModelRunner._prepare_inputs, _sample) are V1-only targets, so
     # integration/model_runner.py selects Model Runner V1 or refuses VLLM_USE_V2_MODEL_RUNNER=1; vLLM
     # itself also picks V1 for a custom_class proposer (config/vllm.py:3066-3068 in 0.33).
@@ -437,8 +475,10 @@ def install_attention(owner: str) -> None:
     from vllm_graft.integration.adapters import backend
 
     if backend.SEAMS.method is not None and backend.SEAMS.method is not _ATTENTION:
-        raise ValueError(f"tree verification needs the graft attention backend's method, and "
-                         f"attention plugin {backend.SEAMS.method_name!r} holds it")
+        raise ValueError(
+            f"tree verification needs the graft attention backend's method, and "
+            f"attention plugin {backend.SEAMS.method_name!r} holds it"
+        )
     backend.require_layout("tree-verification", TreeAttention.kv_layouts, what="attention method")
     backend.install(owner)
     backend.SEAMS.method, backend.SEAMS.method_name = _ATTENTION, "tree-verification"
@@ -454,5 +494,13 @@ def uninstall_attention(owner: str) -> None:
         backend.uninstall(owner)
 
 
-__all__ = ["TreeAttention", "TreeVerifier", "activate_verifier", "drafts_trees",
-           "install_attention", "move_kv", "tree_verifiable", "uninstall_attention"]
+__all__ = [
+    "TreeAttention",
+    "TreeVerifier",
+    "activate_verifier",
+    "drafts_trees",
+    "install_attention",
+    "move_kv",
+    "tree_verifiable",
+    "uninstall_attention",
+]

@@ -5,6 +5,7 @@ its kind's contract. The ``contract`` check runs it with rules, ``parity`` compa
 results of the reference and Triton paths. One module per kind; :data:`EXERCISES` has one
 entry per kind of :data:`vllm_graft.hooks.KINDS`.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable

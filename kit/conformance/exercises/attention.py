@@ -12,6 +12,7 @@ tokens written into each by ``KVCacheLayout.write``; the oracle reads through th
 A plugin that claims ``packed`` but reads the blocked memory order gets wrong numbers (or an
 error) there and fails.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -46,8 +47,10 @@ def claimed_caches(t: Target, impl: Any) -> list[str]:
     """The caches to exercise ``impl`` in: those of each layout its ``kv_layouts`` names."""
     names = getattr(impl, "kv_layouts", ("blocked",))
     if isinstance(names, str) or not names or any(n not in KV_LAYOUTS for n in names):
-        raise t.fail(f"kv_layouts = {names!r}; it must be a non-empty tuple of layout names from "
-                     f"{sorted(KV_LAYOUTS)} (the layouts its reads of the cache handle)")
+        raise t.fail(
+            f"kv_layouts = {names!r}; it must be a non-empty tuple of layout names from "
+            f"{sorted(KV_LAYOUTS)} (the layouts its reads of the cache handle)"
+        )
     return [c for n in names for c in LAYOUT_CACHES[n]]
 
 
@@ -84,21 +87,23 @@ def attention_case(shape: tuple[int, int, int, int], dtype: str, seed: int, cach
     table = torch.zeros(len(ATTENTION_SEQS), width, dtype=torch.int32)
     at = 0
     for i, k in enumerate(needed):
-        table[i, :k] = torch.tensor(perm[at:at + k], dtype=torch.int32)
+        table[i, :k] = torch.tensor(perm[at : at + k], dtype=torch.int32)
         # the unused tail points at real (other sequences') blocks: a method that reads
         # past seq_len gets wrong numbers, not zeros
-        table[i, k:] = torch.tensor(perm[:width - k], dtype=torch.int32)
+        table[i, k:] = torch.tensor(perm[: width - k], dtype=torch.int32)
         at += k
     qsl = [0]
     for _, q in ATTENTION_SEQS:
         qsl.append(qsl[-1] + q)
-    batch = PagedBatch(query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-                       seq_lens=torch.tensor([n for n, _ in ATTENTION_SEQS], dtype=torch.int32),
-                       block_table=table)
+    batch = PagedBatch(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor([n for n, _ in ATTENTION_SEQS], dtype=torch.int32),
+        block_table=table,
+    )
     dt = torch_dtype(dtype)
     kv = torch.randn(num_blocks, hkv, bs, 2 * d, generator=g).to(dt)
     q = torch.randn(qsl[-1], h, d, generator=g).to(dt)
-    layer = AttentionLayer(num_heads=h, num_kv_heads=hkv, head_size=d, scale=d ** -0.5, block_size=bs)
+    layer = AttentionLayer(num_heads=h, num_kv_heads=hkv, head_size=d, scale=d**-0.5, block_size=bs)
     if cache != "blocked":
         layout, kv = relaid_cache(kv, cache)
         layer = dataclasses.replace(layer, kv_layout=layout)
@@ -111,8 +116,7 @@ def exact_attention(q, kv, batch: PagedBatch, layer: AttentionLayer):
     return exact_attention_with_mass(q, kv, batch, layer)[0]
 
 
-def exact_attention_with_mass(q, kv, batch: PagedBatch, layer: AttentionLayer, observe=None,
-                              head_mask=None):
+def exact_attention_with_mass(q, kv, batch: PagedBatch, layer: AttentionLayer, observe=None, head_mask=None):
     """:func:`exact_attention` and the attention mass ``KVCompressor.attend`` reports, in float64:
     ``(out [T, H, D], mass)``. ``mass[i, j]`` is the softmax probability the queries of sequence
     ``i`` with ``observe[t]`` True put on the keys of block-table column ``j``, summed over heads
@@ -132,8 +136,9 @@ def exact_attention_with_mass(q, kv, batch: PagedBatch, layer: AttentionLayer, o
     out = torch.zeros(q.shape, dtype=torch.float64)
     mass = None
     if observe is not None:
-        mass = torch.zeros((num_seqs, layer.num_kv_heads, width) if head_mask is not None
-                           else (num_seqs, width), dtype=torch.float64)
+        mass = torch.zeros(
+            (num_seqs, layer.num_kv_heads, width) if head_mask is not None else (num_seqs, width), dtype=torch.float64
+        )
     for i in range(num_seqs):
         n = int(batch.seq_lens[i])
         q0, q1 = int(batch.query_start_loc[i]), int(batch.query_start_loc[i + 1])
@@ -161,8 +166,7 @@ def exact_attention_with_mass(q, kv, batch: PagedBatch, layer: AttentionLayer, o
     return out, mass
 
 
-def _check_first_token(t: Target, out, q, kv, batch: PagedBatch, layer: AttentionLayer, dtype: str,
-                       label: str) -> None:
+def _check_first_token(t: Target, out, q, kv, batch: PagedBatch, layer: AttentionLayer, dtype: str, label: str) -> None:
     """What any causal attention gives, lossy or not: a query at position 0 sees one key, its
     own, so its output is that token's value (softmax over one key is 1)."""
     exact = None
@@ -175,9 +179,11 @@ def _check_first_token(t: Target, out, q, kv, batch: PagedBatch, layer: Attentio
             exact = exact_attention(q, kv, batch, layer)
         err = max_err(out[q0], exact[q0])
         if not err <= tolerance(dtype) * 10:
-            raise t.fail(f"forward() gave the query at position 0 of sequence {i} an output {err:.3g} off "
-                         f"its own value ({label}); that query sees one key, its own, so any causal "
-                         "attention (lossy or not) returns that token's value there")
+            raise t.fail(
+                f"forward() gave the query at position 0 of sequence {i} an output {err:.3g} off "
+                f"its own value ({label}); that query sees one key, its own, so any causal "
+                "attention (lossy or not) returns that token's value there"
+            )
 
 
 def exercise_attention(t: Target, impl: Any, dtype: str, rules: bool) -> list[tuple[str, Any]]:
@@ -204,13 +210,16 @@ def call_in_cache(t: Target, cache: str, label: str, method: str, fn, *args, **k
     try:
         return fn(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - reported with the layout it claims
-        raise t.fail(f"{method} raised {type(e).__name__}: {e} ({label}); kv_layouts claims "
-                     f"{cache.split('-')[0]!r}, so it must read the cache through "
-                     "layer.kv_layout.split(kv_cache), whatever the view's strides") from None
+        raise t.fail(
+            f"{method} raised {type(e).__name__}: {e} ({label}); kv_layouts claims "
+            f"{cache.split('-')[0]!r}, so it must read the cache through "
+            "layer.kv_layout.split(kv_cache), whatever the view's strides"
+        ) from None
 
 
-def _attention_once(t: Target, impl: Any, shape, j: int, cache: str, dtype: str, rules: bool,
-                    lossless: bool, host: bool) -> tuple[str, Any]:
+def _attention_once(
+    t: Target, impl: Any, shape, j: int, cache: str, dtype: str, rules: bool, lossless: bool, host: bool
+) -> tuple[str, Any]:
     torch = torch_module()
     q, kv, batch, layer = attention_case(shape, dtype, seed=100 + j, cache=cache)
     kv_before, q_before = kv.clone(), q.clone()
@@ -221,9 +230,11 @@ def _attention_once(t: Target, impl: Any, shape, j: int, cache: str, dtype: str,
     out = call_in_cache(t, cache, label, "forward()", impl.forward, q, kv, batch, layer, plan)
     if rules:
         if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype:
-            raise t.fail(f"forward returned {getattr(out, 'shape', out)} "
-                         f"{getattr(out, 'dtype', '')} for query {tuple(q.shape)} {q.dtype} "
-                         f"({label}); it must return [T, H, D] in the query's dtype")
+            raise t.fail(
+                f"forward returned {getattr(out, 'shape', out)} "
+                f"{getattr(out, 'dtype', '')} for query {tuple(q.shape)} {q.dtype} "
+                f"({label}); it must return [T, H, D] in the query's dtype"
+            )
         if not torch.isfinite(out).all():
             raise t.fail(f"forward returned non-finite values ({label})")
         if not (torch.equal(kv, kv_before) and torch.equal(q, q_before)):
@@ -231,10 +242,12 @@ def _attention_once(t: Target, impl: Any, shape, j: int, cache: str, dtype: str,
         if lossless or host:
             err = max_err(out, exact_attention(q, kv, batch, layer))
             if err > tolerance(dtype) * 10:
-                why = "declared lossless" if lossless else \
-                    "uses_host_kernel() is True (the host's kernel then replaces forward())"
-                raise t.fail(f"{why}, but forward() differs from exact causal "
-                             f"attention by {err:.3g} ({label})")
+                why = (
+                    "declared lossless"
+                    if lossless
+                    else "uses_host_kernel() is True (the host's kernel then replaces forward())"
+                )
+                raise t.fail(f"{why}, but forward() differs from exact causal attention by {err:.3g} ({label})")
             label += f" max|err| vs exact {err:.2e}"
         _check_first_token(t, out, q, kv, batch, layer, dtype, label)
     return label, out

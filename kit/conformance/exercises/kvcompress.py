@@ -5,6 +5,7 @@ over growing views of simulated requests; a scored compressor's ``score_position
 :class:`KVCacheFormat`) written and read back as vLLM does, its attention and mass against the
 same oracle. :func:`exercise_kvcompress` dispatches formats to :func:`exercise_kv_format`.
 """
+
 from __future__ import annotations
 
 import random
@@ -51,8 +52,15 @@ def _kv_views(needs_scores: bool):
                 while len(scores_acc) < nb:
                     scores_acc.append(rnd.random())
                 scores = tuple(scores_acc[:nb]) if needs_scores else None
-                seq.append(BlockView(num_tokens=n, block_size=bs, num_prompt_tokens=prompt, scores=scores,
-                                     request_id=f"kit-{bs}-{prompt}"))
+                seq.append(
+                    BlockView(
+                        num_tokens=n,
+                        block_size=bs,
+                        num_prompt_tokens=prompt,
+                        scores=scores,
+                        request_id=f"kit-{bs}-{prompt}",
+                    )
+                )
             yield f"block={bs} prompt={prompt}", seq
 
 
@@ -63,6 +71,7 @@ def exercise_kvcompress(t: Target, impl: Any, dtype: str, rules: bool) -> list[t
     lossless = t.entry.registration.capabilities.lossless
     deterministic = not getattr(impl, "needs_scores", False)
     name = t.entry.name
+
     def ask(view: BlockView) -> list[int]:
         try:
             return check_keep(view, impl.keep(view), name)
@@ -77,21 +86,23 @@ def exercise_kvcompress(t: Target, impl: Any, dtype: str, rules: bool) -> list[t
             if rules:
                 back = sorted(dropped & set(kept))
                 if back:
-                    raise t.fail(f"keep() keeps block(s) {back} it dropped earlier ({label}, "
-                                 f"{view.num_tokens} tokens): dropped KV is gone")
+                    raise t.fail(
+                        f"keep() keeps block(s) {back} it dropped earlier ({label}, "
+                        f"{view.num_tokens} tokens): dropped KV is gone"
+                    )
                 if deterministic and ask(view) != kept:
                     raise t.fail(f"keep() answered differently for the same view ({label})")
                 if deterministic and view.num_blocks > 1:
                     pinned = frozenset({0})
-                    pv = BlockView(view.num_tokens, view.block_size, view.num_prompt_tokens,
-                                   view.scores, pinned)
+                    pv = BlockView(view.num_tokens, view.block_size, view.num_prompt_tokens, view.scores, pinned)
                     got = ask(pv)
                     if got != sorted(set(kept) | pinned):
-                        raise t.fail(f"with block 0 pinned keep() gave {got}, not its unpinned "
-                                     f"answer plus the pinned block ({sorted(set(kept) | pinned)})")
+                        raise t.fail(
+                            f"with block 0 pinned keep() gave {got}, not its unpinned "
+                            f"answer plus the pinned block ({sorted(set(kept) | pinned)})"
+                        )
                 if lossless and len(kept) != view.num_blocks:
-                    raise t.fail(f"declared lossless but dropped blocks "
-                                 f"{dropped_blocks(view, kept)} ({label})")
+                    raise t.fail(f"declared lossless but dropped blocks {dropped_blocks(view, kept)} ({label})")
             dropped |= set(dropped_blocks(view, kept))
             answers.append(kept)
         results.append((label, answers))
@@ -116,12 +127,16 @@ def check_score_positions(t: Target, impl: Any) -> None:
         except (TypeError, ValueError):
             ok = False
         if not ok:
-            raise t.fail(f"score_positions({prompt}) returned {got!r}; it must return (start, end), two "
-                         "ints with 0 <= start <= end (token positions whose queries' attention is scored)")
+            raise t.fail(
+                f"score_positions({prompt}) returned {got!r}; it must return (start, end), two "
+                "ints with 0 <= start <= end (token positions whose queries' attention is scored)"
+            )
         ranges.append((start, end))
     if all(a == b for a, b in ranges):
-        raise t.fail(f"score_positions() is empty for every prompt length tried ({ranges}): no query's "
-                     "attention would ever count, so every score stays 0")
+        raise t.fail(
+            f"score_positions() is empty for every prompt length tried ({ranges}): no query's "
+            "attention would ever count, so every score stays 0"
+        )
 
 
 def _observed(num_rows: int):
@@ -165,8 +180,9 @@ def exercise_attend(t: Target, impl: Any, dtype: str, rules: bool) -> list[tuple
     return results
 
 
-def _attend_once(t: Target, impl: Any, shape, j: int, cache: str, dtype: str, rules: bool,
-                 per_head: bool) -> tuple[str, Any]:
+def _attend_once(
+    t: Target, impl: Any, shape, j: int, cache: str, dtype: str, rules: bool, per_head: bool
+) -> tuple[str, Any]:
     torch = torch_module()
     h, hkv, d, bs = shape
     q, kv, batch, layer = attention_case(shape, dtype, seed=200 + j, cache=cache)
@@ -177,27 +193,39 @@ def _attend_once(t: Target, impl: Any, shape, j: int, cache: str, dtype: str, ru
         label += f" {cache}"
     before = [x.clone() for x in (q, kv, observe)]
     if head_mask is not None:  # per_head
-        got = call_in_cache(t, cache, label, "attend()", impl.attend, q, kv, batch, layer, observe,
-                            head_mask=head_mask.clone())
+        got = call_in_cache(
+            t, cache, label, "attend()", impl.attend, q, kv, batch, layer, observe, head_mask=head_mask.clone()
+        )
     else:
         got = call_in_cache(t, cache, label, "attend()", impl.attend, q, kv, batch, layer, observe)
     try:
         out, mass = got
     except (TypeError, ValueError):
-        raise t.fail(f"attend() returned {type(got).__name__}; it must return (out [T, H, D], mass) "
-                     f"({label})") from None
+        raise t.fail(
+            f"attend() returned {type(got).__name__}; it must return (out [T, H, D], mass) ({label})"
+        ) from None
     if rules:
-        want_mass = (batch.block_table.shape[0], hkv, batch.block_table.shape[1]) if per_head \
+        want_mass = (
+            (batch.block_table.shape[0], hkv, batch.block_table.shape[1])
+            if per_head
             else tuple(batch.block_table.shape)
+        )
         if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype:
-            raise t.fail(f"attend() returned out {getattr(out, 'shape', out)} {getattr(out, 'dtype', '')} "
-                         f"for query {tuple(q.shape)} {q.dtype} ({label}); it must be [T, H, D] in "
-                         "the query's dtype")
+            raise t.fail(
+                f"attend() returned out {getattr(out, 'shape', out)} {getattr(out, 'dtype', '')} "
+                f"for query {tuple(q.shape)} {q.dtype} ({label}); it must be [T, H, D] in "
+                "the query's dtype"
+            )
         if not isinstance(mass, torch.Tensor) or tuple(mass.shape) != want_mass or not mass.is_floating_point():
-            raise t.fail(f"attend() returned mass {getattr(mass, 'shape', mass)} "
-                         f"{getattr(mass, 'dtype', '')} ({label}); it must be a floating tensor "
-                         + (f"[num_seqs, H_kv, max_blocks] = {list(want_mass)} (per KV head, with head_mask)"
-                            if per_head else f"[num_seqs, max_blocks] = {list(want_mass)}"))
+            raise t.fail(
+                f"attend() returned mass {getattr(mass, 'shape', mass)} "
+                f"{getattr(mass, 'dtype', '')} ({label}); it must be a floating tensor "
+                + (
+                    f"[num_seqs, H_kv, max_blocks] = {list(want_mass)} (per KV head, with head_mask)"
+                    if per_head
+                    else f"[num_seqs, max_blocks] = {list(want_mass)}"
+                )
+            )
         if not (torch.isfinite(out).all() and torch.isfinite(mass.float()).all()):
             raise t.fail(f"attend() returned non-finite values ({label})")
         if not all(torch.equal(a, b) for a, b in zip((q, kv, observe), before)):
@@ -205,10 +233,12 @@ def _attend_once(t: Target, impl: Any, shape, j: int, cache: str, dtype: str, ru
         exact, exact_mass = exact_attention_with_mass(q, kv, batch, layer, observe, head_mask)
         err = max_err(out, exact)
         if not err <= tolerance(dtype) * 10:
-            raise t.fail(f"attend() output differs from exact causal attention over the paged batch "
-                         f"{'(each KV head masked to its head_mask blocks) ' if per_head else ''}by "
-                         f"{err:.3g} ({label}); it must compute the layer's attention as "
-                         "AttentionMethod.forward does")
+            raise t.fail(
+                f"attend() output differs from exact causal attention over the paged batch "
+                f"{'(each KV head masked to its head_mask blocks) ' if per_head else ''}by "
+                f"{err:.3g} ({label}); it must compute the layer's attention as "
+                "AttentionMethod.forward does"
+            )
         merr = max_err(mass, exact_mass)
         if not merr <= tolerance(dtype) * 10:
             diff = (mass.double() - exact_mass).abs()
@@ -217,10 +247,12 @@ def _attend_once(t: Target, impl: Any, shape, j: int, cache: str, dtype: str, ru
                 f"attend() mass differs from the kit's exact computation by {merr:.3g} at mass{list(at)}: "
                 f"got {mass[at].item():.4g}, expected {exact_mass[at].item():.4g} ({label}); mass must be "
                 "the softmax probability the observed queries (observe[t] True) put on the keys of each "
-                "block-table column, summed over " + ("the query heads of each KV head" if per_head else
-                                                     "heads") + " and those queries (got per sequence "
+                "block-table column, summed over "
+                + ("the query heads of each KV head" if per_head else "heads")
+                + " and those queries (got per sequence "
                 f"{[round(x, 3) for x in mass.double().flatten(1).sum(1).tolist()]}, expected "
-                f"{[round(x, 3) for x in exact_mass.flatten(1).sum(1).tolist()]})")
+                f"{[round(x, 3) for x in exact_mass.flatten(1).sum(1).tolist()]})"
+            )
         label += f" max|err| out {err:.2e} mass {merr:.2e}"
     return label, (out, mass)
 
@@ -240,10 +272,16 @@ def exercise_keep_heads(t: Target, impl: Any, rules: bool) -> list[tuple[str, An
             for h in range(2):
                 while len(acc[h]) < view.num_blocks:
                     acc[h].append(rnd.random() ** (1 + 3 * h))
-            heads = tuple(tuple(float("-inf") if i in dropped[h] else acc[h][i] for i in range(view.num_blocks))
-                          for h in range(2))
-            hv = BlockView(view.num_tokens, view.block_size, view.num_prompt_tokens,
-                           tuple(map(sum, zip(*heads))), head_scores=heads)
+            heads = tuple(
+                tuple(float("-inf") if i in dropped[h] else acc[h][i] for i in range(view.num_blocks)) for h in range(2)
+            )
+            hv = BlockView(
+                view.num_tokens,
+                view.block_size,
+                view.num_prompt_tokens,
+                tuple(map(sum, zip(*heads))),
+                head_scores=heads,
+            )
             try:
                 kept = check_keep_heads(hv, impl.keep_heads(hv), name)
             except KeepError as e:
@@ -252,12 +290,16 @@ def exercise_keep_heads(t: Target, impl: Any, rules: bool) -> list[tuple[str, An
                 for h in range(2):
                     back = sorted(dropped[h] & set(kept[h]))
                     if back:
-                        raise t.fail(f"keep_heads() keeps block(s) {back} for KV head {h}, which that head "
-                                     f"dropped earlier ({label}, {view.num_tokens} tokens)")
+                        raise t.fail(
+                            f"keep_heads() keeps block(s) {back} for KV head {h}, which that head "
+                            f"dropped earlier ({label}, {view.num_tokens} tokens)"
+                        )
                 union = check_keep(hv, impl.keep(hv), name)
                 if union != union_of_heads(kept):
-                    raise t.fail(f"keep() gave {union}, not the union of keep_heads() ({union_of_heads(kept)}) "
-                                 f"({label}): a block is freed only when no head keeps it")
+                    raise t.fail(
+                        f"keep() gave {union}, not the union of keep_heads() ({union_of_heads(kept)}) "
+                        f"({label}): a block is freed only when no head keeps it"
+                    )
             for h in range(2):
                 dropped[h] |= set(dropped_blocks(hv, kept[h]))
             answers.append(kept)
@@ -301,45 +343,64 @@ def exercise_kv_format(t: Target, impl: Any, dtype: str, rules: bool) -> list[tu
             v_dense[slots // bs, :, slots % bs] = v
             kv.append((k, v, slots))
         # step 0: every sequence's cached tokens, with padding slots between them
-        parts = [(k[:n - qn], v[:n - qn], s[:n - qn]) for (k, v, s), (n, qn) in zip(kv, ATTENTION_SEQS)]
-        pad = (torch.zeros(2, hkv, d, dtype=torch_dtype(dtype)), torch.zeros(2, hkv, d, dtype=torch_dtype(dtype)),
-               torch.full((2,), -1, dtype=torch.long))
+        parts = [(k[: n - qn], v[: n - qn], s[: n - qn]) for (k, v, s), (n, qn) in zip(kv, ATTENTION_SEQS)]
+        pad = (
+            torch.zeros(2, hkv, d, dtype=torch_dtype(dtype)),
+            torch.zeros(2, hkv, d, dtype=torch_dtype(dtype)),
+            torch.full((2,), -1, dtype=torch.long),
+        )
         parts = [x for p in parts for x in (p, pad)]
-        impl.write(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), cache,
-                   torch.cat([p[2] for p in parts]))
+        impl.write(
+            torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), cache, torch.cat([p[2] for p in parts])
+        )
         for step in range(max(qn for _, qn in ATTENTION_SEQS)):  # then one new token per step
-            rows = [(k[n - qn + step:n - qn + step + 1], v[n - qn + step:n - qn + step + 1],
-                     s[n - qn + step:n - qn + step + 1])
-                    for (k, v, s), (n, qn) in zip(kv, ATTENTION_SEQS) if step < qn]
-            impl.write(torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows]), cache,
-                       torch.cat([r[2] for r in rows]))
+            rows = [
+                (
+                    k[n - qn + step : n - qn + step + 1],
+                    v[n - qn + step : n - qn + step + 1],
+                    s[n - qn + step : n - qn + step + 1],
+                )
+                for (k, v, s), (n, qn) in zip(kv, ATTENTION_SEQS)
+                if step < qn
+            ]
+            impl.write(
+                torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows]), cache, torch.cat([r[2] for r in rows])
+            )
         out, mass = impl.forward(q, cache, batch, layer, None)
         if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype:
             raise t.fail(f"forward returned {tuple(out.shape)} {out.dtype}, expected {tuple(q.shape)} {q.dtype}")
         exact = exact_attention(q, dense, batch, layer).float()
         rel = ((out.float() - exact).norm() / exact.norm()).item()
         if rules and not rel <= FORMAT_REL_TOL:
-            raise t.fail(f"its attention over what write() stored is {rel:.3f} off exact attention over "
-                         f"the K/V it was given (relative error; at most {FORMAT_REL_TOL}) ({label}): "
-                         "write() loses or misplaces tokens, or forward() misreads the page")
+            raise t.fail(
+                f"its attention over what write() stored is {rel:.3f} off exact attention over "
+                f"the K/V it was given (relative error; at most {FORMAT_REL_TOL}) ({label}): "
+                "write() loses or misplaces tokens, or forward() misreads the page"
+            )
         if rules:
             observe = _observed(q.shape[0])
             _, mass = impl.forward(q, cache, batch, layer, observe)
             if mass is None or tuple(mass.shape) != tuple(batch.block_table.shape):
-                raise t.fail(f"forward(observe=...) returned mass {getattr(mass, 'shape', mass)}, expected "
-                             f"{tuple(batch.block_table.shape)} (an eviction compressor that needs scores reads it)")
+                raise t.fail(
+                    f"forward(observe=...) returned mass {getattr(mass, 'shape', mass)}, expected "
+                    f"{tuple(batch.block_table.shape)} (an eviction compressor that needs scores reads it)"
+                )
             _, exact_mass = exact_attention_with_mass(q, dense, batch, layer, observe)
             mrel = ((mass.double() - exact_mass).norm() / exact_mass.norm()).item()
             if not mrel <= FORMAT_REL_TOL:
-                raise t.fail(f"forward(observe=...) returned attention mass {mrel:.3f} off the kit's exact mass "
-                             f"over the K/V it was given (relative error; at most {FORMAT_REL_TOL}) ({label}): "
-                             f"per sequence {[round(x, 3) for x in mass.double().sum(1).tolist()]}, expected "
-                             f"{[round(x, 3) for x in exact_mass.sum(1).tolist()]}; mass[i, j] is the softmax "
-                             "probability the observed queries put on block-table column j, summed over heads")
+                raise t.fail(
+                    f"forward(observe=...) returned attention mass {mrel:.3f} off the kit's exact mass "
+                    f"over the K/V it was given (relative error; at most {FORMAT_REL_TOL}) ({label}): "
+                    f"per sequence {[round(x, 3) for x in mass.double().sum(1).tolist()]}, expected "
+                    f"{[round(x, 3) for x in exact_mass.sum(1).tolist()]}; mass[i, j] is the softmax "
+                    "probability the observed queries put on block-table column j, summed over heads"
+                )
         results.append((label, out))
-        print(f"{t.spec} {label}: {width} bytes/token/head (dense fp16 {4 * d}), "
-              f"attention {rel:.3f} off exact (relative)")
+        print(
+            f"{t.spec} {label}: {width} bytes/token/head (dense fp16 {4 * d}), attention {rel:.3f} off exact (relative)"
+        )
     if not results:
-        raise Skipped(f"supports none of the kit's (head size, block size) shapes "
-                      f"{[(s[2], s[3]) for s in ATTENTION_SHAPES]}")
+        raise Skipped(
+            f"supports none of the kit's (head size, block size) shapes {[(s[2], s[3]) for s in ATTENTION_SHAPES]}"
+        )
     return results

@@ -4,6 +4,7 @@ logits; a router's weights checked against the softmax the kit computes itself f
 it chose (:func:`reference_weights`), a lossless one against plain top-k routing
 (:func:`model_topk`).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -29,12 +30,13 @@ def exercise_moe(t: Target, impl: Any, dtype: str, rules: bool) -> list[tuple[st
     cls = type(impl)
     lossless = t.entry.registration.capabilities.lossless
     try:  # as the MoE adapter does at activation
-        impl.bind(MoEModel(num_layers=MOE_LAYERS, num_experts=MOE_EXPERTS, top_k=MOE_TOPK,
-                           model="graft-conformance"))
+        impl.bind(MoEModel(num_layers=MOE_LAYERS, num_experts=MOE_EXPERTS, top_k=MOE_TOPK, model="graft-conformance"))
     except ValueError as e:
-        raise t.fail(f"bind() refused the kit's model ({MOE_LAYERS} layers, {MOE_EXPERTS} experts, "
-                     f"top-{MOE_TOPK}) with the example parameters: {e}; give example parameters "
-                     "that fit it (marker params=)") from None
+        raise t.fail(
+            f"bind() refused the kit's model ({MOE_LAYERS} layers, {MOE_EXPERTS} experts, "
+            f"top-{MOE_TOPK}) with the example parameters: {e}; give example parameters "
+            "that fit it (marker params=)"
+        ) from None
     _check_placement(t, impl)
     results = []
     for layer in range(MOE_LAYERS):
@@ -46,8 +48,10 @@ def exercise_moe(t: Target, impl: Any, dtype: str, rules: bool) -> list[tuple[st
             out: dict[str, Any] = {}
             adjusted = impl.adjust_logits(layer, logits) if cls.implements("adjust_logits") else logits
             if rules and (adjusted.shape != logits.shape or adjusted.dtype != logits.dtype):
-                raise t.fail(f"adjust_logits returned {tuple(adjusted.shape)} {adjusted.dtype} for "
-                             f"{tuple(logits.shape)} {logits.dtype} ({label})")
+                raise t.fail(
+                    f"adjust_logits returned {tuple(adjusted.shape)} {adjusted.dtype} for "
+                    f"{tuple(logits.shape)} {logits.dtype} ({label})"
+                )
             if rules and not torch.equal(logits, before):
                 raise t.fail(f"adjust_logits modified the router logits in place ({label})")
             if rules and lossless and not torch.equal(adjusted, logits):
@@ -57,8 +61,10 @@ def exercise_moe(t: Target, impl: Any, dtype: str, rules: bool) -> list[tuple[st
                 w, ids = impl.route(layer, adjusted, MOE_TOPK, renorm)
                 if rules:
                     if tuple(w.shape) != (MOE_TOKENS, MOE_TOPK) or tuple(ids.shape) != (MOE_TOKENS, MOE_TOPK):
-                        raise t.fail(f"route returned weights {tuple(w.shape)} and ids {tuple(ids.shape)}; "
-                                     f"both must be [T, top_k] = [{MOE_TOKENS}, {MOE_TOPK}] ({label})")
+                        raise t.fail(
+                            f"route returned weights {tuple(w.shape)} and ids {tuple(ids.shape)}; "
+                            f"both must be [T, top_k] = [{MOE_TOKENS}, {MOE_TOPK}] ({label})"
+                        )
                     if ids.is_floating_point() or ids.min() < 0 or ids.max() >= MOE_EXPERTS:
                         raise t.fail(f"route returned expert ids outside [0, {MOE_EXPERTS}) ({label})")
                     wf = w.float()
@@ -71,10 +77,11 @@ def exercise_moe(t: Target, impl: Any, dtype: str, rules: bool) -> list[tuple[st
                     _check_route_weights(t, adjusted, w, ids, renorm, label)
                     if lossless:
                         rw, rids = model_topk(logits, MOE_TOPK, renorm)
-                        if not (torch.equal(ids.long().sort(-1).values, rids.sort(-1).values)
-                                and torch.allclose(wf.sort(-1).values, rw.sort(-1).values, atol=1e-3)):
-                            raise t.fail(f"declared lossless but routes differently from the "
-                                         f"model's top-k ({label})")
+                        if not (
+                            torch.equal(ids.long().sort(-1).values, rids.sort(-1).values)
+                            and torch.allclose(wf.sort(-1).values, rw.sort(-1).values, atol=1e-3)
+                        ):
+                            raise t.fail(f"declared lossless but routes differently from the model's top-k ({label})")
                 out["route"] = (w, ids)
             else:
                 w, ids = model_topk(adjusted, MOE_TOPK, renorm)
@@ -106,18 +113,25 @@ def _check_route_weights(t: Target, logits, w, ids, renorm: bool, label: str) ->
     for tok in range(ids.shape[0]):
         chosen = ids[tok][used[tok]].tolist()
         if len(set(chosen)) != len(chosen):
-            raise t.fail(f"route() sent token {tok} to expert(s) {sorted(x for x in set(chosen) if chosen.count(x) > 1)} "
-                         f"in more than one weighted slot (ids {ids[tok].tolist()}, weights "
-                         f"{[round(x, 4) for x in w[tok].float().tolist()]}) ({label}); a pruned slot carries weight 0")
+            raise t.fail(
+                f"route() sent token {tok} to expert(s) {sorted(x for x in set(chosen) if chosen.count(x) > 1)} "
+                f"in more than one weighted slot (ids {ids[tok].tolist()}, weights "
+                f"{[round(x, 4) for x in w[tok].float().tolist()]}) ({label}); a pruned slot carries weight 0"
+            )
     ref = reference_weights(logits, ids, w, renorm)
     err = (w.double() - ref).abs()
     if err.max() > 2e-3:
         tok = int(err.max(-1).values.argmax())
-        how = ("a softmax over the logits of the experts it chose (renormalize=True)" if renorm
-               else "each chosen expert's softmax probability over all experts (renormalize=False)")
-        raise t.fail(f"route() gave token {tok} weights {[round(x, 4) for x in w[tok].float().tolist()]} for "
-                     f"experts {ids[tok].tolist()}, where the MoE contract gives "
-                     f"{[round(x, 4) for x in ref[tok].tolist()]}: {how}, 0 for a pruned slot ({label})")
+        how = (
+            "a softmax over the logits of the experts it chose (renormalize=True)"
+            if renorm
+            else "each chosen expert's softmax probability over all experts (renormalize=False)"
+        )
+        raise t.fail(
+            f"route() gave token {tok} weights {[round(x, 4) for x in w[tok].float().tolist()]} for "
+            f"experts {ids[tok].tolist()}, where the MoE contract gives "
+            f"{[round(x, 4) for x in ref[tok].tolist()]}: {how}, 0 for a pruned slot ({label})"
+        )
 
 
 def _check_placement(t: Target, impl: Any) -> None:
@@ -130,12 +144,17 @@ def _check_placement(t: Target, impl: Any) -> None:
     try:
         rows = [[int(x) for x in row] for row in got]
     except (TypeError, ValueError):
-        raise t.fail(f"expert_placement() returned {got!r:.200}; it must be None or one list of expert "
-                     "ids per MoE layer") from None
+        raise t.fail(
+            f"expert_placement() returned {got!r:.200}; it must be None or one list of expert ids per MoE layer"
+        ) from None
     if len(rows) != layers:
-        raise t.fail(f"expert_placement() returned {len(rows)} row(s) for the kit's model with {layers} MoE "
-                     "layers; one row per MoE layer (MoEModel.moe_layers order)")
+        raise t.fail(
+            f"expert_placement() returned {len(rows)} row(s) for the kit's model with {layers} MoE "
+            "layers; one row per MoE layer (MoEModel.moe_layers order)"
+        )
     for i, row in enumerate(rows):
         if sorted(row) != list(range(MOE_EXPERTS)):
-            raise t.fail(f"expert_placement() row {i} is {row}: each row lists the {MOE_EXPERTS} logical "
-                         f"experts by physical slot, each exactly once (a permutation of range({MOE_EXPERTS}))")
+            raise t.fail(
+                f"expert_placement() row {i} is {row}: each row lists the {MOE_EXPERTS} logical "
+                f"experts by physical slot, each exactly once (a permutation of range({MOE_EXPERTS}))"
+            )

@@ -9,6 +9,7 @@ acceptance is the longest correct prefix of the drafts, or path of the tree). A 
 the request's vocabulary: every token the kit shows a proposer (the requests, the target's
 top-k, the random target of a self-speculative proposer) is below :data:`SPEC_VOCAB`.
 """
+
 from __future__ import annotations
 
 import random
@@ -29,8 +30,7 @@ def _truth(r: int, length: int) -> list[int]:
     """Request r's 'target model' continuation: a repetitive sequence (drafts can hit)."""
     rnd = random.Random(r)
     motif = [rnd.randrange(SPEC_VOCAB) for _ in range(3 + r % 4)]
-    return [motif[i % len(motif)] if rnd.random() > 0.15 else rnd.randrange(SPEC_VOCAB)
-            for i in range(length)]
+    return [motif[i % len(motif)] if rnd.random() > 0.15 else rnd.randrange(SPEC_VOCAB) for i in range(length)]
 
 
 def request_id(r: int) -> str:
@@ -56,13 +56,29 @@ def random_target(vocab: int = SPEC_VOCAB, dtype: str = "float32", seed: int = 0
     def norm() -> Any:
         return (1 + torch.randn(hidden, generator=g) * 0.1).to(dt)
 
-    layers = [TargetLayer(qkv=r((heads + 2 * kv_heads) * head_dim, hidden), o=r(hidden, heads * head_dim),
-                          gate_up=r(2 * inter, hidden), down=r(hidden, inter),
-                          input_norm=norm(), post_attention_norm=norm()) for _ in range(4)]
-    return TargetWeights(embed=r(vocab, hidden, scale=1.0), layers=layers, final_norm=norm(),
-                         lm_head=r(vocab, hidden, scale=1.0), num_heads=heads, num_kv_heads=kv_heads,
-                         head_dim=head_dim, rms_norm_eps=1e-5, vocab_size=vocab,
-                         source="graft-conformance random target")
+    layers = [
+        TargetLayer(
+            qkv=r((heads + 2 * kv_heads) * head_dim, hidden),
+            o=r(hidden, heads * head_dim),
+            gate_up=r(2 * inter, hidden),
+            down=r(hidden, inter),
+            input_norm=norm(),
+            post_attention_norm=norm(),
+        )
+        for _ in range(4)
+    ]
+    return TargetWeights(
+        embed=r(vocab, hidden, scale=1.0),
+        layers=layers,
+        final_norm=norm(),
+        lm_head=r(vocab, hidden, scale=1.0),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=1e-5,
+        vocab_size=vocab,
+        source="graft-conformance random target",
+    )
 
 
 def exercise_speculative(t: Target, impl: Any, dtype: str, rules: bool) -> list[tuple[str, Any]]:
@@ -92,23 +108,31 @@ def exercise_speculative(t: Target, impl: Any, dtype: str, rules: bool) -> list[
             except (TypeError, ValueError):
                 raise t.fail(f"propose() returned {drafts!r}; it must return a list of token ids") from None
             if rules and (len(drafts) > max_tokens or any(x < 0 for x in drafts)):
-                raise t.fail(f"propose() returned {drafts} for max_tokens={max_tokens} ({rid}, "
-                             f"{len(tokens)} tokens): at most max_tokens non-negative token ids")
+                raise t.fail(
+                    f"propose() returned {drafts} for max_tokens={max_tokens} ({rid}, "
+                    f"{len(tokens)} tokens): at most max_tokens non-negative token ids"
+                )
             if rules and any(x >= SPEC_VOCAB for x in drafts):
-                raise t.fail(f"propose() returned {drafts} ({rid}, {len(tokens)} tokens): token id(s) "
-                             f"{sorted({x for x in drafts if x >= SPEC_VOCAB})} are outside the vocabulary "
-                             f"[0, {SPEC_VOCAB}) (every token the kit showed it is below {SPEC_VOCAB}); "
-                             "draft tokens the target could produce")
+                raise t.fail(
+                    f"propose() returned {drafts} ({rid}, {len(tokens)} tokens): token id(s) "
+                    f"{sorted({x for x in drafts if x >= SPEC_VOCAB})} are outside the vocabulary "
+                    f"[0, {SPEC_VOCAB}) (every token the kit showed it is below {SPEC_VOCAB}); "
+                    "draft tokens the target could produce"
+                )
             drafts = drafts[:max_tokens]
-            nxt = truth[len(tokens):len(tokens) + len(drafts) + 1]
+            nxt = truth[len(tokens) : len(tokens) + len(drafts) + 1]
             acc = 0
             while acc < len(drafts) and drafts[acc] == nxt[acc]:
                 acc += 1
             if topk > 0:  # what the target predicted at each computed position (row 0: the true next)
                 positions = [tokens[-1], *drafts]
-                rows = [[truth[len(tokens) + j] if len(tokens) + j < len(truth) else 0,
-                         *(rnd.randrange(SPEC_VOCAB) for _ in range(topk - 1))]
-                        for j in range(len(positions))]
+                rows = [
+                    [
+                        truth[len(tokens) + j] if len(tokens) + j < len(truth) else 0,
+                        *(rnd.randrange(SPEC_VOCAB) for _ in range(topk - 1)),
+                    ]
+                    for j in range(len(positions))
+                ]
                 impl.observe_topk(rid, positions, np.array(rows, dtype=np.int64))
             if drafts:
                 impl.accepted(rid, acc, len(drafts))
@@ -123,8 +147,17 @@ def exercise_speculative(t: Target, impl: Any, dtype: str, rules: bool) -> list[
 TREE_NODES = 12
 
 
-def _tree_step(t: Target, impl: Any, rid: str, tokens: list[int], truth: list[int], topk: int,
-               rnd: random.Random, rules: bool, max_nodes: int = TREE_NODES) -> list[int]:
+def _tree_step(
+    t: Target,
+    impl: Any,
+    rid: str,
+    tokens: list[int],
+    truth: list[int],
+    topk: int,
+    rnd: random.Random,
+    rules: bool,
+    max_nodes: int = TREE_NODES,
+) -> list[int]:
     """One step of a proposer that drafts trees (``Proposer.drafts_trees``): its tree checked
     against the contract, verified greedily against the truth as the vLLM adapter's verifier
     would (the longest path of correct nodes), then top-k rows and acceptance reported."""
@@ -134,17 +167,26 @@ def _tree_step(t: Target, impl: Any, rid: str, tokens: list[int], truth: list[in
     try:
         nodes, parents = ([int(x) for x in part] for part in answer)
     except (TypeError, ValueError):
-        raise t.fail(f"propose_tree() returned {answer!r}; it must return (tokens, parents), "
-                     "two lists of ints") from None
-    if rules and (len(nodes) != len(parents) or len(nodes) > max_nodes or any(x < 0 for x in nodes)
-                  or any(not -1 <= p < i for i, p in enumerate(parents))):
-        raise t.fail(f"propose_tree() returned tokens {nodes} and parents {parents} for max_nodes="
-                     f"{max_nodes}: equal lengths, at most max_nodes non-negative tokens, "
-                     "-1 <= parents[i] < i")
+        raise t.fail(
+            f"propose_tree() returned {answer!r}; it must return (tokens, parents), two lists of ints"
+        ) from None
+    if rules and (
+        len(nodes) != len(parents)
+        or len(nodes) > max_nodes
+        or any(x < 0 for x in nodes)
+        or any(not -1 <= p < i for i, p in enumerate(parents))
+    ):
+        raise t.fail(
+            f"propose_tree() returned tokens {nodes} and parents {parents} for max_nodes="
+            f"{max_nodes}: equal lengths, at most max_nodes non-negative tokens, "
+            "-1 <= parents[i] < i"
+        )
     if rules and any(x >= SPEC_VOCAB for x in nodes):
-        raise t.fail(f"propose_tree() returned tokens {nodes} ({rid}): token id(s) "
-                     f"{sorted({x for x in nodes if x >= SPEC_VOCAB})} are outside the vocabulary "
-                     f"[0, {SPEC_VOCAB}) (every token the kit showed it is below {SPEC_VOCAB})")
+        raise t.fail(
+            f"propose_tree() returned tokens {nodes} ({rid}): token id(s) "
+            f"{sorted({x for x in nodes if x >= SPEC_VOCAB})} are outside the vocabulary "
+            f"[0, {SPEC_VOCAB}) (every token the kit showed it is below {SPEC_VOCAB})"
+        )
     nodes, parents = nodes[:max_nodes], parents[:max_nodes]
     path: list[int] = []
     while len(tokens) + len(path) < len(truth):
@@ -158,13 +200,16 @@ def _tree_step(t: Target, impl: Any, rid: str, tokens: list[int], truth: list[in
         rows = [[truth[len(tokens)], *(rnd.randrange(SPEC_VOCAB) for _ in range(topk - 1))]]
         for i in range(len(nodes)):
             d = depth_of.get(i)
-            first = truth[len(tokens) + d + 1] if d is not None and len(tokens) + d + 1 < len(truth) \
+            first = (
+                truth[len(tokens) + d + 1]
+                if d is not None and len(tokens) + d + 1 < len(truth)
                 else rnd.randrange(SPEC_VOCAB)
+            )
             rows.append([first, *(rnd.randrange(SPEC_VOCAB) for _ in range(topk - 1))])
         impl.observe_topk(rid, [tokens[-1], *nodes], np.array(rows, dtype=np.int64))
     if nodes:
         impl.accepted(rid, len(path), len(nodes))
-    tokens += truth[len(tokens):len(tokens) + len(path) + 1]
+    tokens += truth[len(tokens) : len(tokens) + len(path) + 1]
     return nodes
 
 
@@ -196,6 +241,7 @@ def check_state(t: Target) -> str:
     exercise_speculative(t, impl, "float32", rules=False)  # ends with finish() for every request
     held = _holders(impl, {request_id(r) for r in range(SPEC_REQUESTS)}, "self", 0, set())
     if held:
-        raise t.fail(f"after finish() it still holds finished requests in {held[:5]}; "
-                     "release per-request state in finish()")
+        raise t.fail(
+            f"after finish() it still holds finished requests in {held[:5]}; release per-request state in finish()"
+        )
     return f"{SPEC_REQUESTS} requests x {SPEC_STEPS} steps, nothing held after finish()"

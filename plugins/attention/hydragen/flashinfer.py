@@ -14,6 +14,7 @@ The Triton launcher (``kernel.py``) computes, per new token and head, the suffix
 
 So the path runs for fp16/bf16 queries only; fp32 keeps the Triton merge (logged once).
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,8 +33,9 @@ def use_flashinfer_merge(query: torch.Tensor) -> bool:
         reason = _flashinfer.unavailable(query)
         if reason is None and query.dtype not in (torch.float16, torch.bfloat16):
             reason = f"merge_state takes fp16/bf16 outputs (data/csrc/cascade.cu:47), the query is {query.dtype}"
-        got = _decided[key] = _flashinfer.choose("hydragen merge", reason, "cascade.merge_state",
-                                                 "the Triton merge kernel")
+        got = _decided[key] = _flashinfer.choose(
+            "hydragen merge", reason, "cascade.merge_state", "the Triton merge kernel"
+        )
     return got
 
 
@@ -53,8 +55,16 @@ def _levels(ix: dict, plan: StepPlan, block_size: int, pad: int, device: torch.d
     return got
 
 
-def merge_partials(o_s: torch.Tensor, lse_s: torch.Tensor, o_p: torch.Tensor, lse_p: torch.Tensor,
-                   ix: dict, plan: StepPlan, block_size: int, out: torch.Tensor) -> torch.Tensor:
+def merge_partials(
+    o_s: torch.Tensor,
+    lse_s: torch.Tensor,
+    o_p: torch.Tensor,
+    lse_p: torch.Tensor,
+    ix: dict,
+    plan: StepPlan,
+    block_size: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
     """``out`` = the suffix partial merged with each token's prefix partials (natural-log lse in,
     ``out.dtype`` out), by ``flashinfer.cascade.merge_state``."""
     from flashinfer.cascade import merge_state

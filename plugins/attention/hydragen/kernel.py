@@ -15,6 +15,7 @@
 Caches are read through ``layer.kv_layout.split`` with the K and V views' own strides (block,
 head, token; unit stride along D), so any layout and physical order works.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,10 +31,35 @@ from .policy import StepPlan, group_rows
 
 
 @triton.jit
-def _prefix_kernel(Q, K, V, O, LSE, grp_row_start, rows, grp_blk_start, blks,
-                   sq_t, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t, so_r, so_h, slse_r, scale,
-                   G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, PREC: tl.constexpr):
+def _prefix_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    grp_row_start,
+    rows,
+    grp_blk_start,
+    blks,
+    sq_t,
+    sq_h,
+    sk_n,
+    sk_h,
+    sk_t,
+    sv_n,
+    sv_h,
+    sv_t,
+    so_r,
+    so_h,
+    slse_r,
+    scale,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    PREC: tl.constexpr,
+):
     grp = tl.program_id(0)
     kvh = tl.program_id(1)
     tile = tl.program_id(2)
@@ -49,8 +75,9 @@ def _prefix_kernel(Q, K, V, O, LSE, grp_row_start, rows, grp_blk_start, blks,
     tok = tl.load(rows + row, mask=m_ok, other=0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    q = tl.load(Q + tok[:, None] * sq_t + head[:, None] * sq_h + d[None, :],
-                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        Q + tok[:, None] * sq_t + head[:, None] * sq_h + d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0
+    )
     t = tl.arange(0, BS)
     b0 = tl.load(grp_blk_start + grp)
     b1 = tl.load(grp_blk_start + grp + 1)
@@ -69,16 +96,41 @@ def _prefix_kernel(Q, K, V, O, LSE, grp_row_start, rows, grp_blk_start, blks,
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     o = acc / l_i[:, None]
-    tl.store(O + row[:, None] * so_r + head[:, None] * so_h + d[None, :], o,
-             mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(O + row[:, None] * so_r + head[:, None] * so_h + d[None, :], o, mask=m_ok[:, None] & d_ok[None, :])
     tl.store(LSE + row * slse_r + head, m_i + tl.log(l_i), mask=m_ok)
 
 
 @triton.jit
-def _suffix_kernel(Q, K, V, O, LSE, tok_seq, tok_pos, seq_start_blk, BT, sbt,
-                   sq_t, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t, so_t, so_h, slse_t, scale,
-                   G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
-                   BLOCK_G: tl.constexpr, PREC: tl.constexpr):
+def _suffix_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    tok_seq,
+    tok_pos,
+    seq_start_blk,
+    BT,
+    sbt,
+    sq_t,
+    sq_h,
+    sk_n,
+    sk_h,
+    sk_t,
+    sv_n,
+    sv_h,
+    sv_t,
+    so_t,
+    so_h,
+    slse_t,
+    scale,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    PREC: tl.constexpr,
+):
     tk = tl.program_id(0)
     kvh = tl.program_id(1)
     seq = tl.load(tok_seq + tk).to(tl.int64)
@@ -89,8 +141,7 @@ def _suffix_kernel(Q, K, V, O, LSE, tok_seq, tok_pos, seq_start_blk, BT, sbt,
     head = kvh * G + g
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    q = tl.load(Q + tk * sq_t + head[:, None] * sq_h + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(Q + tk * sq_t + head[:, None] * sq_h + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     t = tl.arange(0, BS)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -113,9 +164,25 @@ def _suffix_kernel(Q, K, V, O, LSE, tok_seq, tok_pos, seq_start_blk, BT, sbt,
 
 
 @triton.jit
-def _merge_kernel(OS, LSES, OP, LSEP, part_start, part_rows, OUT,
-                  so_t, so_h, slse_t, sp_r, sp_h, slp_r, sout_t, sout_h,
-                  D: tl.constexpr, BLOCK_D: tl.constexpr):
+def _merge_kernel(
+    OS,
+    LSES,
+    OP,
+    LSEP,
+    part_start,
+    part_rows,
+    OUT,
+    so_t,
+    so_h,
+    slse_t,
+    sp_r,
+    sp_h,
+    slp_r,
+    sout_t,
+    sout_h,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     tk = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -175,16 +242,27 @@ def _indices(plan: StepPlan, block_size: int, device: torch.device) -> dict[str,
     def t(x):
         return torch.tensor(x if x else [0], dtype=torch.int32, device=device)
 
-    got = {"tok_seq": t(tok_seq), "tok_pos": t(tok_pos), "start_blk": t(list(tree.suffix_start)),
-           "grp_row_start": t(grp_row_start), "rows": t(rows), "grp_blk_start": t(grp_blk_start),
-           "blks": t(blks), "part_start": t(part_start), "part_rows": t(part_rows),
-           "num_groups": len(tree.groups), "num_rows": len(rows), "max_rows": max_rows}
+    got = {
+        "tok_seq": t(tok_seq),
+        "tok_pos": t(tok_pos),
+        "start_blk": t(list(tree.suffix_start)),
+        "grp_row_start": t(grp_row_start),
+        "rows": t(rows),
+        "grp_blk_start": t(grp_blk_start),
+        "blks": t(blks),
+        "part_start": t(part_start),
+        "part_rows": t(part_rows),
+        "num_groups": len(tree.groups),
+        "num_rows": len(rows),
+        "max_rows": max_rows,
+    }
     plan.cache[key] = got
     return got
 
 
-def hydragen_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
-                              layer: AttentionLayer, plan: StepPlan) -> torch.Tensor:
+def hydragen_attention_triton(
+    query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, layer: AttentionLayer, plan: StepPlan
+) -> torch.Tensor:
     num_tokens, num_heads, d = query.shape
     out = torch.empty_like(query)
     if num_tokens == 0:
@@ -204,24 +282,78 @@ def hydragen_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, batch
     lse_s = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=dev)
     table = batch.block_table
     _suffix_kernel[(num_tokens, hkv)](
-        query, k_cache, v_cache, o_s, lse_s, ix["tok_seq"], ix["tok_pos"], ix["start_blk"],
-        table, table.stride(0), query.stride(0), query.stride(1), *strides,
-        o_s.stride(0), o_s.stride(1), lse_s.stride(0), layer.scale,
-        G=g, D=d, BLOCK_D=block_d, BS=bs, BLOCK_G=max(16, triton.next_power_of_2(g)), PREC=prec)
+        query,
+        k_cache,
+        v_cache,
+        o_s,
+        lse_s,
+        ix["tok_seq"],
+        ix["tok_pos"],
+        ix["start_blk"],
+        table,
+        table.stride(0),
+        query.stride(0),
+        query.stride(1),
+        *strides,
+        o_s.stride(0),
+        o_s.stride(1),
+        lse_s.stride(0),
+        layer.scale,
+        G=g,
+        D=d,
+        BLOCK_D=block_d,
+        BS=bs,
+        BLOCK_G=max(16, triton.next_power_of_2(g)),
+        PREC=prec,
+    )
     nr = max(ix["num_rows"], 1)
     o_p = torch.empty((nr, num_heads, d), dtype=torch.float32, device=dev)
     lse_p = torch.empty((nr, num_heads), dtype=torch.float32, device=dev)
     if ix["num_groups"]:
         grid = (ix["num_groups"], hkv, triton.cdiv(ix["max_rows"] * g, BLOCK_M))
         _prefix_kernel[grid](
-            query, k_cache, v_cache, o_p, lse_p, ix["grp_row_start"], ix["rows"],
-            ix["grp_blk_start"], ix["blks"], query.stride(0), query.stride(1), *strides,
-            o_p.stride(0), o_p.stride(1), lse_p.stride(0), layer.scale,
-            G=g, D=d, BLOCK_D=block_d, BS=bs, BLOCK_M=BLOCK_M, PREC=prec)
+            query,
+            k_cache,
+            v_cache,
+            o_p,
+            lse_p,
+            ix["grp_row_start"],
+            ix["rows"],
+            ix["grp_blk_start"],
+            ix["blks"],
+            query.stride(0),
+            query.stride(1),
+            *strides,
+            o_p.stride(0),
+            o_p.stride(1),
+            lse_p.stride(0),
+            layer.scale,
+            G=g,
+            D=d,
+            BLOCK_D=block_d,
+            BS=bs,
+            BLOCK_M=BLOCK_M,
+            PREC=prec,
+        )
     if use_flashinfer_merge(query):  # FlashInfer's cascade merge_state where it may run
         return merge_partials(o_s, lse_s, o_p, lse_p, ix, plan, bs, out)
     _merge_kernel[(num_tokens, num_heads)](
-        o_s, lse_s, o_p, lse_p, ix["part_start"], ix["part_rows"], out,
-        o_s.stride(0), o_s.stride(1), lse_s.stride(0), o_p.stride(0), o_p.stride(1),
-        lse_p.stride(0), out.stride(0), out.stride(1), D=d, BLOCK_D=block_d)
+        o_s,
+        lse_s,
+        o_p,
+        lse_p,
+        ix["part_start"],
+        ix["part_rows"],
+        out,
+        o_s.stride(0),
+        o_s.stride(1),
+        lse_s.stride(0),
+        o_p.stride(0),
+        o_p.stride(1),
+        lse_p.stride(0),
+        out.stride(0),
+        out.stride(1),
+        D=d,
+        BLOCK_D=block_d,
+    )
     return out

@@ -23,6 +23,7 @@ lists (read from its tensors once) and the tree, built on first use for a block 
 reference and the Triton launcher both read it (:func:`group_rows`), and the launcher keeps its
 per-step index tensors in ``StepPlan.cache``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -57,8 +58,15 @@ def eligible_blocks(seq_len: int, q_len: int, block_size: int) -> int:
     return max(0, seq_len - q_len) // block_size
 
 
-def plan_prefixes(rows: Sequence[Sequence[int]], seq_lens: Sequence[int], q_lens: Sequence[int],
-                  block_size: int, *, min_group: int = 2, min_blocks: int = 1) -> PrefixPlan:
+def plan_prefixes(
+    rows: Sequence[Sequence[int]],
+    seq_lens: Sequence[int],
+    q_lens: Sequence[int],
+    block_size: int,
+    *,
+    min_group: int = 2,
+    min_blocks: int = 1,
+) -> PrefixPlan:
     """The shared-prefix tree of one step's batch.
 
     ``rows[i]`` is sequence i's block-table row (any length, only the eligible leading blocks
@@ -73,8 +81,7 @@ def plan_prefixes(rows: Sequence[Sequence[int]], seq_lens: Sequence[int], q_lens
     n = len(seq_lens)
     if len(rows) != n or len(q_lens) != n:
         raise ValueError(f"{len(rows)} rows, {n} seq_lens and {len(q_lens)} q_lens: one each per sequence")
-    own = [list(rows[i][:eligible_blocks(int(seq_lens[i]), int(q_lens[i]), block_size)])
-           for i in range(n)]
+    own = [list(rows[i][: eligible_blocks(int(seq_lens[i]), int(q_lens[i]), block_size)]) for i in range(n)]
     suffix = [0] * n
     groups: list[PrefixGroup] = []
     # (members sharing own[m][:depth], depth, level); sequences without new tokens take no part
@@ -106,15 +113,14 @@ def plan_prefixes(rows: Sequence[Sequence[int]], seq_lens: Sequence[int], q_lens
     return PrefixPlan(tuple(groups), tuple(suffix), block_size)
 
 
-def check_plan(plan: PrefixPlan, rows: Sequence[Sequence[int]], seq_lens: Sequence[int],
-               q_lens: Sequence[int]) -> None:
+def check_plan(plan: PrefixPlan, rows: Sequence[Sequence[int]], seq_lens: Sequence[int], q_lens: Sequence[int]) -> None:
     """Raise AssertionError unless ``plan`` keeps the invariant of the module docstring."""
     bs = plan.block_size
     covered: dict[int, list[PrefixGroup]] = {}
     for g in plan.groups:
         assert len(g.seqs) >= 2 and len(set(g.seqs)) == len(g.seqs), g
         for s in g.seqs:
-            assert list(rows[s][g.start_block:g.start_block + len(g.blocks)]) == list(g.blocks), (s, g)
+            assert list(rows[s][g.start_block : g.start_block + len(g.blocks)]) == list(g.blocks), (s, g)
             covered.setdefault(s, []).append(g)
     for s in range(len(seq_lens)):
         mine = sorted(covered.get(s, []), key=lambda g: g.start_block)
@@ -164,8 +170,14 @@ class StepPlan:
             if self._rows is None:
                 width = max((-(-n // block_size) for n in self.seq_lens), default=0)
                 self._rows = self._table[:, :width].tolist()
-            plan = plan_prefixes(self._rows, self.seq_lens, self.q_lens, block_size,
-                                 min_group=self._min_group, min_blocks=self._min_blocks)
+            plan = plan_prefixes(
+                self._rows,
+                self.seq_lens,
+                self.q_lens,
+                block_size,
+                min_group=self._min_group,
+                min_blocks=self._min_blocks,
+            )
             self._plans[block_size] = plan
         return plan
 

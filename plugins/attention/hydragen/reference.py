@@ -9,6 +9,7 @@ Each part returns its un-normalised-free partial output ``o`` (softmax-weighted 
 the part's keys) and the log-sum-exp ``lse`` of its scores; two parts over disjoint key sets
 merge exactly: ``lse = logaddexp(lse_a, lse_b)``, ``o = o_a e^(lse_a-lse) + o_b e^(lse_b-lse)``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,8 +30,7 @@ def merge(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torc
     return o_a * wa + o_b * wb, lse
 
 
-def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-             mask: torch.Tensor | None = None):
+def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None):
     """``q`` [Hkv, M, D], ``k``/``v`` [Hkv, L, D] (float32); ``mask`` [M, L] True = hidden.
     Returns ``o`` [Hkv, M, D] and ``lse`` [Hkv, M]."""
     s = torch.einsum("hmd,hld->hml", q, k) * scale
@@ -47,8 +47,9 @@ def _blocks_kv(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return x.permute(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[3]).float()
 
 
-def prefix_attention(query: torch.Tensor, kv_cache: torch.Tensor, rows: torch.Tensor,
-                     blocks: torch.Tensor, layer: AttentionLayer):
+def prefix_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, rows: torch.Tensor, blocks: torch.Tensor, layer: AttentionLayer
+):
     """One group: the queries at token ``rows`` (all its sequences' new tokens) stacked
     against the group's blocks, read once. Returns ``o`` [R, H, D], ``lse`` [R, H] (float32)."""
     k_cache, v_cache = layer.kv_layout.split(kv_cache)
@@ -60,15 +61,21 @@ def prefix_attention(query: torch.Tensor, kv_cache: torch.Tensor, rows: torch.Te
     return o, lse.view(hkv, r, g).permute(1, 0, 2).reshape(r, hkv * g)
 
 
-def suffix_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_row: torch.Tensor,
-                     start_block: int, seq_len: int, layer: AttentionLayer):
+def suffix_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_row: torch.Tensor,
+    start_block: int,
+    seq_len: int,
+    layer: AttentionLayer,
+):
     """One sequence: its new tokens ``query`` [q, H, D] against its own blocks from
     ``start_block`` to the end of its ``seq_len`` tokens, causally."""
     k_cache, v_cache = layer.kv_layout.split(kv_cache)
     bs = kv_cache.shape[2]
     hkv, g = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads
     nq = query.shape[0]
-    blocks = block_row[start_block:-(-seq_len // bs)]
+    blocks = block_row[start_block : -(-seq_len // bs)]
     first = start_block * bs
     n = seq_len - first
     k = _blocks_kv(k_cache, blocks)[:, :n]
@@ -76,14 +83,15 @@ def suffix_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_row: tor
     q = query.float().view(nq, hkv, g, -1).permute(1, 0, 2, 3).reshape(hkv, nq * g, -1)
     dev = query.device
     q_pos = torch.arange(seq_len - nq, seq_len, device=dev).repeat_interleave(g)  # [nq * g]
-    mask = (torch.arange(first, seq_len, device=dev).unsqueeze(0) > q_pos.unsqueeze(1))
+    mask = torch.arange(first, seq_len, device=dev).unsqueeze(0) > q_pos.unsqueeze(1)
     o, lse = _partial(q, k, v, layer.scale, mask)
     o = o.view(hkv, nq, g, -1).permute(1, 0, 2, 3).reshape(nq, hkv * g, -1)
     return o, lse.view(hkv, nq, g).permute(1, 0, 2).reshape(nq, hkv * g)
 
 
-def hydragen_attention(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
-                       layer: AttentionLayer, plan: StepPlan) -> torch.Tensor:
+def hydragen_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, layer: AttentionLayer, plan: StepPlan
+) -> torch.Tensor:
     bs = kv_cache.shape[2]
     tree = plan.prefixes(bs)
     out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
@@ -92,8 +100,9 @@ def hydragen_attention(query: torch.Tensor, kv_cache: torch.Tensor, batch: Paged
         q0, q1 = plan.query_start[i], plan.query_start[i + 1]
         if q1 == q0:
             continue
-        out[q0:q1], lse[q0:q1] = suffix_attention(query[q0:q1], kv_cache, batch.block_table[i],
-                                                  tree.suffix_start[i], n, layer)
+        out[q0:q1], lse[q0:q1] = suffix_attention(
+            query[q0:q1], kv_cache, batch.block_table[i], tree.suffix_start[i], n, layer
+        )
     for grp in tree.groups:
         rows = torch.tensor(group_rows(plan, grp.seqs), dtype=torch.long, device=query.device)
         blocks = torch.tensor(grp.blocks, device=query.device)
@@ -112,13 +121,18 @@ SHORT_QUERIES = 16
 SUFFIX_MASK_MAX = 1 << 24
 
 
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-           mask: torch.Tensor | None = None, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _flash(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention with its log-sum-exp (PyTorch's CPU flash attention): ``q`` [S, h, M, D],
     ``k``/``v`` [S, h, L, D] float32, ``mask`` additive [S, 1, M, L] or None, ``causal`` (top-left
     aligned, for M == L). Returns ``o`` [S, h, M, D] and ``lse`` [S, h, M] (natural log)."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
 
 
 def _gather(kv_cache: torch.Tensor, layer: AttentionLayer, blocks: torch.Tensor, rows: torch.Tensor):
@@ -132,8 +146,9 @@ class _SuffixCall:
     """One padded suffix call's indices (the same for every layer of a step): sequences
     ``seqs``, their query rows padded to ``m`` and their suffix blocks padded to ``nb``."""
 
-    def __init__(self, plan: StepPlan, tree, table: torch.Tensor, seqs: list[int], hkv: int, g: int,
-                 device: torch.device) -> None:
+    def __init__(
+        self, plan: StepPlan, tree, table: torch.Tensor, seqs: list[int], hkv: int, g: int, device: torch.device
+    ) -> None:
         bs = tree.block_size
         self.S, self.g = len(seqs), g
         starts = [tree.suffix_start[i] for i in seqs]
@@ -143,8 +158,9 @@ class _SuffixCall:
         cols = torch.tensor(starts, device=device)[:, None] + torch.arange(self.nb, device=device)
         ok_cols = cols < torch.tensor(ends, device=device)[:, None]
         seq_t = torch.tensor(seqs, device=device)
-        self.blocks = torch.where(ok_cols, table[seq_t[:, None], cols.clamp_max(table.shape[1] - 1)],
-                                  torch.zeros_like(cols)).long()  # [S, nb]; padding reads block 0
+        self.blocks = torch.where(
+            ok_cols, table[seq_t[:, None], cols.clamp_max(table.shape[1] - 1)], torch.zeros_like(cols)
+        ).long()  # [S, nb]; padding reads block 0
         j = torch.arange(self.m, device=device)
         qlen = torch.tensor([plan.q_lens[i] for i in seqs], device=device)
         self.q_ok = j[None, :] < qlen[:, None]  # [S, m]
@@ -211,8 +227,9 @@ class _StepIndex:
         tree = plan.prefixes(bs)
         active = [i for i, q in enumerate(plan.q_lens) if q > 0]
         short = [i for i in active if plan.q_lens[i] <= SHORT_QUERIES]
-        self.calls: list = [_LongCall(plan, tree, table, i, hkv, device)
-                            for i in active if plan.q_lens[i] > SHORT_QUERIES]
+        self.calls: list = [
+            _LongCall(plan, tree, table, i, hkv, device) for i in active if plan.q_lens[i] > SHORT_QUERIES
+        ]
         if short:
             width = max(-(-plan.seq_lens[i] // bs) - tree.suffix_start[i] for i in short) * bs
             m = max(plan.q_lens[i] for i in short)
@@ -222,12 +239,18 @@ class _StepIndex:
         self.groups = []
         for grp in tree.groups:
             blocks = torch.tensor([grp.blocks], dtype=torch.long, device=device)
-            self.groups.append((torch.tensor(group_rows(plan, grp.seqs), dtype=torch.long, device=device),
-                                blocks, _cache_rows(blocks, hkv)))
+            self.groups.append(
+                (
+                    torch.tensor(group_rows(plan, grp.seqs), dtype=torch.long, device=device),
+                    blocks,
+                    _cache_rows(blocks, hkv),
+                )
+            )
 
 
-def hydragen_attention_batched(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
-                               layer: AttentionLayer, plan: StepPlan) -> torch.Tensor:
+def hydragen_attention_batched(
+    query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, layer: AttentionLayer, plan: StepPlan
+) -> torch.Tensor:
     """:func:`hydragen_attention` without a Python loop over sequences, on the CPU: every short
     sequence's suffix in one padded fused attention, each prefix group in one fused attention
     (PyTorch's CPU flash attention, which returns the log-sum-exp), merged as there."""
@@ -293,6 +316,10 @@ class Hydragen(AttentionMethod):
         return hydragen_attention(query, kv_cache, batch, layer, plan)
 
     def describe(self):
-        return {"steps": self.steps, "max_tree_depth": self.max_depth,
-                "kv_tokens_read": self.kv_read, "kv_tokens_plain": self.kv_plain,
-                "kv_read_ratio": round(self.kv_plain / self.kv_read, 3) if self.kv_read else None}
+        return {
+            "steps": self.steps,
+            "max_tree_depth": self.max_depth,
+            "kv_tokens_read": self.kv_read,
+            "kv_tokens_plain": self.kv_plain,
+            "kv_read_ratio": round(self.kv_plain / self.kv_read, 3) if self.kv_read else None,
+        }

@@ -1,6 +1,7 @@
 """Plain causal attention over a paged KV cache, in PyTorch (slow, exact): the attention kind's
 shared exact attention (``attention/_shared.py``), unchanged; by default the host's own kernel
 computes it instead (``uses_host_kernel``)."""
+
 from __future__ import annotations
 
 from .._shared import PagedAttention

@@ -13,6 +13,7 @@ path), which imports this module when ``kernel: triton`` is chosen; this module 
 of the reference. The cache is read through ``layer.kv_layout.split``, each of K and V with its
 own strides (block, head, token; unit stride along D), so any layout and physical order works.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,9 +24,30 @@ from .._shared import cache_strides
 
 
 @triton.jit
-def _chunk_score_kernel(Q, K, S, row_tok, row_seq, row_len, BT, sbt, sq_t, sq_h, sk_n, sk_h, sk_t,
-                        ss_r, ss_h, scale, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                        BS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_G: tl.constexpr):
+def _chunk_score_kernel(
+    Q,
+    K,
+    S,
+    row_tok,
+    row_seq,
+    row_len,
+    BT,
+    sbt,
+    sq_t,
+    sq_h,
+    sk_n,
+    sk_h,
+    sk_t,
+    ss_r,
+    ss_h,
+    scale,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     tok = tl.load(row_tok + r).to(tl.int64)
@@ -35,15 +57,19 @@ def _chunk_score_kernel(Q, K, S, row_tok, row_seq, row_len, BT, sbt, sq_t, sq_h,
     g_ok = g < G
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    q = tl.load(Q + tok * sq_t + (kvh * G + g)[:, None] * sq_h + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    q = tl.load(
+        Q + tok * sq_t + (kvh * G + g)[:, None] * sq_h + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0
+    ).to(tl.float32)
     j = tl.arange(0, CHUNK)
     for c in range(0, tl.cdiv(n, CHUNK)):
         first = c * CHUNK
         blk = tl.load(BT + seq * sbt + first // BS).to(tl.int64)
         t_ok = first + j < n
-        k = tl.load(K + blk * sk_n + kvh * sk_h + ((first % BS) + j)[:, None] * sk_t + d[None, :],
-                    mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        k = tl.load(
+            K + blk * sk_n + kvh * sk_h + ((first % BS) + j)[:, None] * sk_t + d[None, :],
+            mask=t_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
         cnt = tl.minimum(n - first, CHUNK).to(tl.float32)
         cent = tl.sum(k, 0) / cnt  # [BLOCK_D]
         s = tl.sum(q * cent[None, :], 1) * scale  # [BLOCK_G]
@@ -52,12 +78,41 @@ def _chunk_score_kernel(Q, K, S, row_tok, row_seq, row_len, BT, sbt, sq_t, sq_h,
 
 
 @triton.jit
-def _sparse_decode_kernel(Q, K, V, O, row_tok, row_seq, row_len, SEL, NSEL, BT, sbt,
-                          sq_t, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t, so_t, so_h, ssel_r, ssel_h, sn_r,
-                          scale,
-                          G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
-                          CHUNK: tl.constexpr, TILE: tl.constexpr, BLOCK_G: tl.constexpr,
-                          PREC: tl.constexpr):
+def _sparse_decode_kernel(
+    Q,
+    K,
+    V,
+    O,
+    row_tok,
+    row_seq,
+    row_len,
+    SEL,
+    NSEL,
+    BT,
+    sbt,
+    sq_t,
+    sq_h,
+    sk_n,
+    sk_h,
+    sk_t,
+    sv_n,
+    sv_h,
+    sv_t,
+    so_t,
+    so_h,
+    ssel_r,
+    ssel_h,
+    sn_r,
+    scale,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    TILE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    PREC: tl.constexpr,
+):
     # TILE = max(CHUNK, 16) rows per chunk load (tl.dot needs at least 16; rows past CHUNK masked)
     r = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -69,8 +124,7 @@ def _sparse_decode_kernel(Q, K, V, O, row_tok, row_seq, row_len, SEL, NSEL, BT, 
     head = kvh * G + g
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    q = tl.load(Q + tok * sq_t + head[:, None] * sq_h + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(Q + tok * sq_t + head[:, None] * sq_h + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     j = tl.arange(0, TILE)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -82,21 +136,24 @@ def _sparse_decode_kernel(Q, K, V, O, row_tok, row_seq, row_len, SEL, NSEL, BT, 
         blk = tl.load(BT + seq * sbt + first // BS).to(tl.int64)
         t_ok = (j < CHUNK) & (first + j < n)
         slot = ((first % BS) + j)[:, None]
-        k = tl.load(K + blk * sk_n + kvh * sk_h + slot * sk_t + d[None, :], mask=t_ok[:, None] & d_ok[None, :],
-                    other=0.0)
+        k = tl.load(
+            K + blk * sk_n + kvh * sk_h + slot * sk_t + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0
+        )
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
         s = tl.where(t_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + blk * sv_n + kvh * sv_h + slot * sv_t + d[None, :], mask=t_ok[:, None] & d_ok[None, :],
-                    other=0.0)
+        v = tl.load(
+            V + blk * sv_n + kvh * sv_h + slot * sv_t + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0
+        )
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     o = acc / l_i[:, None]
-    tl.store(O + tok * so_t + head[:, None] * so_h + d[None, :], o.to(O.dtype.element_ty),
-             mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(
+        O + tok * so_t + head[:, None] * so_h + d[None, :], o.to(O.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :]
+    )
 
 
 def chunk_scores_triton(query, kv_cache, batch, layer, chunk, rows, seqs, lens) -> torch.Tensor:
@@ -112,11 +169,27 @@ def chunk_scores_triton(query, kv_cache, batch, layer, chunk, rows, seqs, lens) 
     t = lambda x: torch.tensor(x, dtype=torch.int32, device=dev)  # noqa: E731
     table = batch.block_table
     _chunk_score_kernel[(len(rows), hkv)](
-        query, k_cache, scores, t(rows), t(seqs), t(lens), table, table.stride(0),
-        query.stride(0), query.stride(1), *sk,
-        scores.stride(0), scores.stride(1), layer.scale, G=g, D=d,
-        BLOCK_D=triton.next_power_of_2(d), BS=kv_cache.shape[2], CHUNK=chunk,
-        BLOCK_G=max(16, triton.next_power_of_2(g)))
+        query,
+        k_cache,
+        scores,
+        t(rows),
+        t(seqs),
+        t(lens),
+        table,
+        table.stride(0),
+        query.stride(0),
+        query.stride(1),
+        *sk,
+        scores.stride(0),
+        scores.stride(1),
+        layer.scale,
+        G=g,
+        D=d,
+        BLOCK_D=triton.next_power_of_2(d),
+        BS=kv_cache.shape[2],
+        CHUNK=chunk,
+        BLOCK_G=max(16, triton.next_power_of_2(g)),
+    )
     return scores
 
 
@@ -131,14 +204,38 @@ def sparse_decode_triton(query, kv_cache, batch, layer, chunk, rows, seqs, lens,
     sel = torch.zeros((len(rows), hkv, width), dtype=torch.int32, device=dev)
     for r, mk in enumerate(sel_masks):
         order = torch.argsort((~mk).to(torch.int8), dim=1, stable=True)[:, :width]  # chosen first
-        sel[r, :, :order.shape[1]] = order.to(torch.int32)
+        sel[r, :, : order.shape[1]] = order.to(torch.int32)
     k_cache, v_cache = layer.kv_layout.split(kv_cache)
     strides = cache_strides(k_cache, v_cache, "squeezed triton kernel")
     t = lambda x: torch.tensor(x, dtype=torch.int32, device=dev)  # noqa: E731
     table = batch.block_table
     _sparse_decode_kernel[(len(rows), hkv)](
-        query, k_cache, v_cache, out, t(rows), t(seqs), t(lens), sel, counts.to(dev), table,
-        table.stride(0), query.stride(0), query.stride(1), *strides, out.stride(0), out.stride(1),
-        sel.stride(0), sel.stride(1), counts.stride(0), layer.scale, G=g, D=d, BLOCK_D=triton.next_power_of_2(d),
-        BS=kv_cache.shape[2], CHUNK=chunk, TILE=max(16, chunk), BLOCK_G=max(16, triton.next_power_of_2(g)),
-        PREC="ieee" if query.dtype == torch.float32 else None)
+        query,
+        k_cache,
+        v_cache,
+        out,
+        t(rows),
+        t(seqs),
+        t(lens),
+        sel,
+        counts.to(dev),
+        table,
+        table.stride(0),
+        query.stride(0),
+        query.stride(1),
+        *strides,
+        out.stride(0),
+        out.stride(1),
+        sel.stride(0),
+        sel.stride(1),
+        counts.stride(0),
+        layer.scale,
+        G=g,
+        D=d,
+        BLOCK_D=triton.next_power_of_2(d),
+        BS=kv_cache.shape[2],
+        CHUNK=chunk,
+        TILE=max(16, chunk),
+        BLOCK_G=max(16, triton.next_power_of_2(g)),
+        PREC="ieee" if query.dtype == torch.float32 else None,
+    )

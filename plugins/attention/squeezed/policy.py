@@ -9,6 +9,7 @@ grows to fill the budget.
 The head map (written by ``vllm-graft calibrate razor``) marks each (layer, KV head) as a
 retrieval head (full attention) or a streaming head (sinks + recent window only).
 """
+
 from __future__ import annotations
 
 import json
@@ -58,16 +59,20 @@ def load_head_map(path: str | Path) -> list[list[bool]]:
     try:
         data: Any = json.loads(p.read_text())
     except OSError as e:
-        raise ValueError(f"head map {str(p)!r} cannot be read ({e.strerror}); write one with "
-                         "`vllm-graft calibrate razor --out FILE`") from None
+        raise ValueError(
+            f"head map {str(p)!r} cannot be read ({e.strerror}); write one with `vllm-graft calibrate razor --out FILE`"
+        ) from None
     except json.JSONDecodeError as e:
         raise ValueError(f"head map {str(p)!r} is not JSON: {e}") from None
     if not isinstance(data, dict) or data.get("format") != HEAD_MAP_FORMAT:
-        raise ValueError(f"head map {str(p)!r}: not a {HEAD_MAP_FORMAT} file (written by "
-                         "`vllm-graft calibrate razor`)")
+        raise ValueError(f"head map {str(p)!r}: not a {HEAD_MAP_FORMAT} file (written by `vllm-graft calibrate razor`)")
     heads = data.get("retrieval")
-    if not (isinstance(heads, list) and heads and all(
-            isinstance(r, list) and r and all(isinstance(x, bool) for x in r) for r in heads)):
-        raise ValueError(f"head map {str(p)!r}: 'retrieval' must be a list (per layer) of lists "
-                         "(per KV head) of booleans")
+    if not (
+        isinstance(heads, list)
+        and heads
+        and all(isinstance(r, list) and r and all(isinstance(x, bool) for x in r) for r in heads)
+    ):
+        raise ValueError(
+            f"head map {str(p)!r}: 'retrieval' must be a list (per layer) of lists (per KV head) of booleans"
+        )
     return heads

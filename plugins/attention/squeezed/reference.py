@@ -12,6 +12,7 @@ shared exact attention). With ``kernel: triton``, :func:`squeezed_attention_trit
 decode rows' chunk scoring and sparse attention in the kernels of :mod:`.kernel` (imported
 there, when chosen) and everything else here.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -47,8 +48,9 @@ def chunk_mass(q: torch.Tensor, k: torch.Tensor, chunk: int, scale: float) -> to
     return F.pad(prob, (0, c * chunk - n)).view(hkv, c, chunk).sum(-1)
 
 
-def chosen_chunks(scores: torch.Tensor | None, b: Budget, mode: str, hkv: int,
-                  retrieval: list[bool] | None = None) -> torch.Tensor:
+def chosen_chunks(
+    scores: torch.Tensor | None, b: Budget, mode: str, hkv: int, retrieval: list[bool] | None = None
+) -> torch.Tensor:
     """Bool [Hkv, C]: the chunks each KV head attends to."""
     dev = scores.device if scores is not None else None
     sel = torch.zeros(hkv, b.num_chunks, dtype=torch.bool, device=dev)
@@ -100,8 +102,9 @@ def scoring_heads(hkv: int, retrieval: list[bool] | None) -> int:
     return hkv if retrieval is None else sum(retrieval)
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_mask: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """One decode token: ``q`` [H, D], ``k``/``v`` [n, Hkv, D], ``token_mask`` [Hkv, n] (True =
     attended) -> [H, D] float32."""
     hkv, d = k.shape[1], k.shape[2]
@@ -111,8 +114,9 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_ma
     return torch.einsum("hgn,nhd->hgd", s.softmax(-1), v.float()).reshape(-1, d)
 
 
-def sparse_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: "Squeezed",
-                scale: float, retrieval: list[bool] | None) -> torch.Tensor:
+def sparse_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: "Squeezed", scale: float, retrieval: list[bool] | None
+) -> torch.Tensor:
     """Every row of ``q`` [nq, H, D] (the last ``nq`` positions of a context ``k``/``v`` [n, Hkv,
     D]) attends as a decode token at its position would: what teacher-forced decoding computes,
     in one pass (``prefill: sparse``, for quality evaluation). Returns [nq, H, D] float32."""
@@ -178,8 +182,12 @@ def sparse_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: "Squeezed"
     centroid = p.mode == "centroid"
     n_scoring = scoring_heads(hkv, retrieval)
     for t, b in enumerate(budgets):
-        m.stats.add(n - nq + t + 1, hkv, int(tokens[t].sum()),
-                    b.num_chunks * n_scoring if centroid and not b.full and bool(scored[t]) else 0)
+        m.stats.add(
+            n - nq + t + 1,
+            hkv,
+            int(tokens[t].sum()),
+            b.num_chunks * n_scoring if centroid and not b.full and bool(scored[t]) else 0,
+        )
     return out
 
 
@@ -187,8 +195,9 @@ def refresh_key(layer: AttentionLayer, block_row: torch.Tensor, r: int, bs: int)
     return (layer.index, int(block_row[r // bs]), r)
 
 
-def reuse_selection(m: "Squeezed", layer: AttentionLayer, block_row: torch.Tensor, key_at,
-                    n: int, b: Budget, bs: int) -> torch.Tensor | None:
+def reuse_selection(
+    m: "Squeezed", layer: AttentionLayer, block_row: torch.Tensor, key_at, n: int, b: Budget, bs: int
+) -> torch.Tensor | None:
     """Between refreshes (``refresh`` > 1): the chunks chosen at the last refresh position, plus
     the chunks forced now (the window has moved on); None at a refresh position or when the
     selection is not known (then the caller chooses afresh)."""
@@ -201,7 +210,7 @@ def reuse_selection(m: "Squeezed", layer: AttentionLayer, block_row: torch.Tenso
         return None
     m.reused += 1
     sel = torch.zeros(stored.shape[0], b.num_chunks, dtype=torch.bool, device=stored.device)
-    sel[:, :stored.shape[1]] = stored
+    sel[:, : stored.shape[1]] = stored
     sel[:, list(b.sink) + list(b.recent)] = True
     return window_heads(sel, b, m.retrieval(layer))  # window heads follow the moving window
 
@@ -259,7 +268,8 @@ class Squeezed(AttentionMethod):
             raise ValueError(
                 f"squeezed: head map {self.params.head_map!r} has {len(self.head_map)} layers of "
                 f"{len(self.head_map[0])} KV heads; this model's layer {idx} has "
-                f"{layer.num_kv_heads} KV heads. Calibrate it for this model (vllm-graft calibrate razor)")
+                f"{layer.num_kv_heads} KV heads. Calibrate it for this model (vllm-graft calibrate razor)"
+            )
         return self.head_map[idx]
 
     def budget(self, n: int) -> Budget:
@@ -269,12 +279,19 @@ class Squeezed(AttentionMethod):
     def forward(self, query, kv_cache, batch, layer, plan=None):
         p = self.params
         if kv_cache.shape[2] % p.chunk:
-            raise ValueError(f"squeezed: chunk {p.chunk} must divide the KV block size "
-                             f"{kv_cache.shape[2]}; set params.chunk to a divisor of it")
+            raise ValueError(
+                f"squeezed: chunk {p.chunk} must divide the KV block size "
+                f"{kv_cache.shape[2]}; set params.chunk to a divisor of it"
+            )
         if p.kernel == "triton":
             return squeezed_attention_triton(self, query, kv_cache, batch, layer)
-        if p.cpu_path == "batched" and p.mode == "centroid" and self.head_map is None \
-                and p.refresh == 1 and p.prefill == "full":
+        if (
+            p.cpu_path == "batched"
+            and p.mode == "centroid"
+            and self.head_map is None
+            and p.refresh == 1
+            and p.prefill == "full"
+        ):
             return squeezed_attention_batched(self, query, kv_cache, batch, layer)
         return squeezed_attention(self, query, kv_cache, batch, layer)
 
@@ -283,19 +300,23 @@ class Squeezed(AttentionMethod):
         cache = self._centroids.get(layer.index)
         N, hkv, B, D2 = kv_cache.shape
         if cache is None or cache.shape != (N, hkv, B // self.params.chunk, D2 // 2):
-            cache = self._centroids[layer.index] = CentroidCache(N, hkv, B, D2 // 2, self.params.chunk,
-                                                                  kv_cache.device)
+            cache = self._centroids[layer.index] = CentroidCache(N, hkv, B, D2 // 2, self.params.chunk, kv_cache.device)
         return cache
 
     def describe(self) -> dict[str, Any]:
         s = self.stats
-        return {"decode_token_layers": s.decode_tokens, "selections_reused": self.reused, "kv_token_heads_plain": s.plain,
-                "kv_token_heads_read": round(s.read, 1),
-                "kv_read_fraction": round(s.read / s.plain, 4) if s.plain else None}
+        return {
+            "decode_token_layers": s.decode_tokens,
+            "selections_reused": self.reused,
+            "kv_token_heads_plain": s.plain,
+            "kv_token_heads_read": round(s.read, 1),
+            "kv_read_fraction": round(s.read / s.plain, 4) if s.plain else None,
+        }
 
 
-def choose(m: Squeezed, q: torch.Tensor, k: torch.Tensor, b: Budget, layer: AttentionLayer,
-           retrieval: list[bool] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def choose(
+    m: Squeezed, q: torch.Tensor, k: torch.Tensor, b: Budget, layer: AttentionLayer, retrieval: list[bool] | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A decode token's chunk choice [Hkv, C] made afresh, and the scores it was made from
     (None when no scoring was needed): key centroids, or mode recycled's full-step mass."""
     p = m.params
@@ -307,8 +328,9 @@ def choose(m: Squeezed, q: torch.Tensor, k: torch.Tensor, b: Budget, layer: Atte
     return chosen_chunks(scores, b, p.mode, layer.num_kv_heads, retrieval), scores
 
 
-def attended(mode: str, sel: torch.Tensor, scores: torch.Tensor | None, n: int, chunk: int,
-             retrieval: list[bool] | None = None) -> torch.Tensor:
+def attended(
+    mode: str, sel: torch.Tensor, scores: torch.Tensor | None, n: int, chunk: int, retrieval: list[bool] | None = None
+) -> torch.Tensor:
     """Token mask [Hkv, n] a decode token attends to: its chunks, or everything when mode
     recycled ran its full step for this token (the step that chose afresh; with a head map,
     only for the retrieval heads)."""
@@ -317,8 +339,9 @@ def attended(mode: str, sel: torch.Tensor, scores: torch.Tensor | None, n: int, 
     return sel.repeat_interleave(chunk, dim=1)[:, :n]
 
 
-def squeezed_attention(m: Squeezed, query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
-                       layer: AttentionLayer) -> torch.Tensor:
+def squeezed_attention(
+    m: Squeezed, query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, layer: AttentionLayer
+) -> torch.Tensor:
     p = m.params
     out = torch.empty_like(query)
     bs = kv_cache.shape[2]
@@ -346,13 +369,18 @@ def squeezed_attention(m: Squeezed, query: torch.Tensor, kv_cache: torch.Tensor,
                 m.remember(refresh_key(layer, batch.block_table[i], n - 1, bs), key_at(n - 1).clone(), sel)
         mask = attended(p.mode, sel, scores, n, p.chunk, retrieval)
         out[q0] = masked_attention(query[q0], k, v, mask, layer.scale).to(query.dtype)
-        m.stats.add(n, hkv, int(mask.sum()), b.num_chunks * scoring_heads(hkv, retrieval)
-                    if scores is not None and p.mode == "centroid" else 0)
+        m.stats.add(
+            n,
+            hkv,
+            int(mask.sum()),
+            b.num_chunks * scoring_heads(hkv, retrieval) if scores is not None and p.mode == "centroid" else 0,
+        )
     return out
 
 
-def squeezed_attention_triton(m: Squeezed, query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
-                              layer: AttentionLayer) -> torch.Tensor:
+def squeezed_attention_triton(
+    m: Squeezed, query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, layer: AttentionLayer
+) -> torch.Tensor:
     """``kernel: triton``: the decode rows' chunk scores and sparse attention run in the Triton
     kernels (:mod:`.kernel`); the choice of chunks between the two, and the prefill rows, run
     in PyTorch, the same code as :func:`squeezed_attention`."""
@@ -383,8 +411,7 @@ def squeezed_attention_triton(m: Squeezed, query: torch.Tensor, kv_cache: torch.
         return out
     budgets = [m.budget(n) for n in lens]
     need_scores = p.mode == "centroid" and any(not b.full for b in budgets)
-    scores = chunk_scores_triton(query, kv_cache, batch, layer, p.chunk, rows, seqs, lens) \
-        if need_scores else None
+    scores = chunk_scores_triton(query, kv_cache, batch, layer, p.chunk, rows, seqs, lens) if need_scores else None
     masks = []
     k_cache, _ = layer.kv_layout.split(kv_cache)
     for r, (b, n) in enumerate(zip(budgets, lens)):
@@ -397,15 +424,19 @@ def squeezed_attention_triton(m: Squeezed, query: torch.Tensor, kv_cache: torch.
                 k, _ = gather_kv(kv_cache, row[: -(-n // bs)], n, layer.head_size, layer.kv_layout)
                 mk, s = choose(m, query[rows[r]], k, b, layer, retrieval)
             else:
-                s = scores[r, :, :b.num_chunks] if scores is not None and not b.full else None
+                s = scores[r, :, : b.num_chunks] if scores is not None and not b.full else None
                 mk = chosen_chunks(s, b, p.mode, hkv, retrieval)
             if m.refreshing() and (n - 1) % p.refresh == 0:
                 m.remember(refresh_key(layer, row, n - 1, bs), key_at(n - 1).clone(), mk)
         if p.mode == "recycled" and s is not None:  # the full step itself attends to everything
             mk = full_step(mk, retrieval)
         masks.append(mk)
-        m.stats.add(n, hkv, int(mk.repeat_interleave(p.chunk, dim=1)[:, :n].sum()),
-                    b.num_chunks * scoring_heads(hkv, retrieval) if s is not None and p.mode == "centroid" else 0)
+        m.stats.add(
+            n,
+            hkv,
+            int(mk.repeat_interleave(p.chunk, dim=1)[:, :n].sum()),
+            b.num_chunks * scoring_heads(hkv, retrieval) if s is not None and p.mode == "centroid" else 0,
+        )
     sparse_decode_triton(query, kv_cache, batch, layer, p.chunk, rows, seqs, lens, masks, out)
     return out
 
@@ -428,8 +459,14 @@ class CentroidCache:
     def shape(self) -> tuple[int, ...]:
         return tuple(self.cent.shape)
 
-    def lookup(self, kv_cache: torch.Tensor, blocks: torch.Tensor, subs: torch.Tensor,
-               complete: torch.Tensor, layout: KVCacheLayout = BLOCKED) -> torch.Tensor:
+    def lookup(
+        self,
+        kv_cache: torch.Tensor,
+        blocks: torch.Tensor,
+        subs: torch.Tensor,
+        complete: torch.Tensor,
+        layout: KVCacheLayout = BLOCKED,
+    ) -> torch.Tensor:
         """Centroids ``[..., H_kv, D]`` of the chunks ``(blocks, subs)`` (any shape); those marked
         ``complete`` are brought up to date first (the others are returned as they are: the
         caller does not score them). The keys are read in ``layout``."""
@@ -449,8 +486,9 @@ class CentroidCache:
         return self.cent[blocks, :, subs]
 
 
-def squeezed_attention_batched(m: Squeezed, query: torch.Tensor, kv_cache: torch.Tensor,
-                               batch: PagedBatch, layer: AttentionLayer) -> torch.Tensor:
+def squeezed_attention_batched(
+    m: Squeezed, query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, layer: AttentionLayer
+) -> torch.Tensor:
     """Mode centroid, no head map, refresh 1 (``cpu_path: batched``): prefill rows by fused
     causal attention per sequence; every decode row of the step at once: chunk scores from the
     kept centroids (:class:`CentroidCache`), the forced chunks plus the best ``extra`` ones
@@ -494,8 +532,7 @@ def squeezed_attention_batched(m: Squeezed, query: torch.Tensor, kv_cache: torch
     sel = forced | (full & eligible)
     if bool(((extra > 0) & ~full).any()):
         complete = eligible & ((ci + 1) * c <= n[:, None]) & ~forced  # the chunks that get scores
-        cent = m.centroids(layer, kv_cache).lookup(kv_cache, blocks, subs, complete,
-                                                                 layer.kv_layout)  # [S, C, Hkv, D]
+        cent = m.centroids(layer, kv_cache).lookup(kv_cache, blocks, subs, complete, layer.kv_layout)  # [S, C, Hkv, D]
         sc = (torch.einsum("shgd,schd->shgc", q, cent) * layer.scale).amax(2)  # [S, Hkv, C]
         sc = sc.masked_fill(~complete[:, None, :], float("-inf"))
         order = torch.argsort(sc, dim=2, descending=True, stable=True)
@@ -515,13 +552,16 @@ def squeezed_attention_batched(m: Squeezed, query: torch.Tensor, kv_cache: torch
         k = picked[:, :, :, 0].reshape(S, hkv, K * c, D).float()
         v = picked[:, :, :, 1].reshape(S, hkv, K * c, D).float()
     else:  # one gather per split view
-        k, v = (part.unflatten(2, (B // c, c))[at[0], at[1], chosen % (B // c)].reshape(S, hkv, K * c, D).float()
-                for part in layer.kv_layout.split(kv_cache))
+        k, v = (
+            part.unflatten(2, (B // c, c))[at[0], at[1], chosen % (B // c)].reshape(S, hkv, K * c, D).float()
+            for part in layer.kv_layout.split(kv_cache)
+        )
     pos = (chosen[..., None] * c + torch.arange(c, device=dev)).reshape(S, hkv, K * c)
     allowed = (valid_chunk[..., None].expand(S, hkv, K, c).reshape(S, hkv, K * c)) & (pos < n[:, None, None])
     mask = allowed.repeat_interleave(H // hkv, dim=1)[:, :, None, :]  # [S, H, 1, K*c]
     o = torch.nn.functional.scaled_dot_product_attention(
-        q.reshape(S, H, 1, D), k, v, attn_mask=mask, scale=layer.scale, enable_gqa=hkv != H)
+        q.reshape(S, H, 1, D), k, v, attn_mask=mask, scale=layer.scale, enable_gqa=hkv != H
+    )
     out[rows] = o.reshape(S, H, D).to(query.dtype)
     attended = allowed.sum((1, 2)).tolist()
     scored = ~full[:, 0]  # counted as the per-sequence path counts them (it scores every such row)

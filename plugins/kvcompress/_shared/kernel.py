@@ -29,6 +29,7 @@ strides, so any layout and physical order works; unit stride along D); block tab
 ``[S, H, max_blocks]`` (summed over heads, or over each KV head's group, by the launcher).
 ``B`` and ``D`` must be powers of two (vLLM CPU: B a multiple of 32).
 """
+
 from __future__ import annotations
 
 import functools
@@ -45,11 +46,43 @@ _FLOOR = tl.constexpr(-1e30)  # a finite max for a page or step with no valid ke
 
 @triton.jit
 def _mass_split_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, qrow_ptr, bm_ptr, bl_ptr, hm_ptr, pm_ptr, pl_ptr, pacc_ptr,
-    s_qt, s_qh, s_kn, s_kh, s_kb, s_vn, s_vh, s_vb, s_tt, s_ms, s_mh, s_hs, s_hh, s_ps, s_ph, s_pp,
-    scale, pages_per_split,
-    GROUP: tl.constexpr, GP: tl.constexpr, B: tl.constexpr, D: tl.constexpr, PAGES: tl.constexpr,
-    HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    lens_ptr,
+    qrow_ptr,
+    bm_ptr,
+    bl_ptr,
+    hm_ptr,
+    pm_ptr,
+    pl_ptr,
+    pacc_ptr,
+    s_qt,
+    s_qh,
+    s_kn,
+    s_kh,
+    s_kb,
+    s_vn,
+    s_vh,
+    s_vb,
+    s_tt,
+    s_ms,
+    s_mh,
+    s_hs,
+    s_hh,
+    s_ps,
+    s_ph,
+    s_pp,
+    scale,
+    pages_per_split,
+    GROUP: tl.constexpr,
+    GP: tl.constexpr,
+    B: tl.constexpr,
+    D: tl.constexpr,
+    PAGES: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -77,8 +110,11 @@ def _mass_split_kernel(
         if HAS_MASK:  # the pages this KV head does not read: no key is valid
             reads = tl.load(hm_ptr + seq * s_hs + kvh * s_hh + page, mask=page < last, other=0)
             valid = valid & (reads != 0)
-        k = tl.load(k_ptr + bid[:, None] * s_kn + kvh * s_kh + (tok % B)[:, None] * s_kb + d[None, :],
-                    mask=valid[:, None], other=0.0)
+        k = tl.load(
+            k_ptr + bid[:, None] * s_kn + kvh * s_kh + (tok % B)[:, None] * s_kb + d[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -94,8 +130,11 @@ def _mass_split_kernel(
         m_new = tl.maximum(m, tl.max(m_b, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
-        v = tl.load(v_ptr + bid[:, None] * s_vn + kvh * s_vh + (tok % B)[:, None] * s_vb + d[None, :],
-                    mask=valid[:, None], other=0.0)
+        v = tl.load(
+            v_ptr + bid[:, None] * s_vn + kvh * s_vh + (tok % B)[:, None] * s_vb + d[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
         if IEEE:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
@@ -111,9 +150,27 @@ def _mass_split_kernel(
 
 @triton.jit
 def _mass_reduce_kernel(
-    lens_ptr, qrow_ptr, out_ptr, mass_ptr, bm_ptr, bl_ptr, pm_ptr, pl_ptr, pacc_ptr,
-    s_ot, s_oh, s_ms, s_mh, s_ps, s_ph, s_pp, n_split,
-    B: tl.constexpr, D: tl.constexpr, SP: tl.constexpr, CHUNK: tl.constexpr,
+    lens_ptr,
+    qrow_ptr,
+    out_ptr,
+    mass_ptr,
+    bm_ptr,
+    bl_ptr,
+    pm_ptr,
+    pl_ptr,
+    pacc_ptr,
+    s_ot,
+    s_oh,
+    s_ms,
+    s_mh,
+    s_ps,
+    s_ph,
+    s_pp,
+    n_split,
+    B: tl.constexpr,
+    D: tl.constexpr,
+    SP: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -162,22 +219,29 @@ def _split_count(device: torch.device, programs: int, width: int, pages: int) ->
     return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, max(programs, 1)), triton.cdiv(width, pages)))
 
 
-def decode_attention_with_mass(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_table: torch.Tensor, seq_lens: torch.Tensor, query_rows: torch.Tensor,
-                               scale: float, head_mask: torch.Tensor | None = None, splits: int | None = None,
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_attention_with_mass(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_rows: torch.Tensor,
+    scale: float,
+    head_mask: torch.Tensor | None = None,
+    splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention for the sequences whose single query is row ``query_rows[s]`` of
     ``query``: ``(out [len(query_rows), H, D], mass [S, H, max_blocks])`` (fp32 mass). With
     ``head_mask [S, H_kv, max_blocks]`` (bool), KV head h of sequence s reads only the columns
     where it is True (the sequence's last block must be one of them). ``splits`` fixes the
     number of context splits (tests; default: from the SM count)."""
-    out, mass = _decode_all_rows(query, k_cache, v_cache, block_table, seq_lens, query_rows, scale,
-                                 head_mask, splits)
+    out, mass = _decode_all_rows(query, k_cache, v_cache, block_table, seq_lens, query_rows, scale, head_mask, splits)
     return out[query_rows.long()], mass
 
 
-def _decode_all_rows(query, k_cache, v_cache, block_table, seq_lens, query_rows, scale, head_mask=None,
-                     splits=None) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_all_rows(
+    query, k_cache, v_cache, block_table, seq_lens, query_rows, scale, head_mask=None, splits=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`decode_attention_with_mass` with the output as ``[T, H, D]`` in ``query``'s rows:
     sequence s writes row ``query_rows[s]``, a sequence of length 0 writes nothing (rows no
     sequence writes are 0) and has no mass."""
@@ -211,17 +275,62 @@ def _decode_all_rows(query, k_cache, v_cache, block_table, seq_lens, query_rows,
     hm = lens if head_mask is None else head_mask.to(torch.int8).contiguous()  # lens: an unread placeholder
     s_hs, s_hh = (0, 0) if head_mask is None else (hm.stride(0), hm.stride(1))
     _mass_split_kernel[(S, Hkv, n_split)](
-        query, k_cache, v_cache, table, lens, rows, bm, bl, hm, pm, pl, pacc,
-        query.stride(0), query.stride(1), *strides, table.stride(0), mass.stride(0), mass.stride(1),
-        s_hs, s_hh, pm.stride(0), pm.stride(1), pm.stride(2),
-        float(scale), per_split,
-        GROUP=group, GP=max(16, triton.next_power_of_2(group)), B=B, D=D, PAGES=pages,
-        HAS_MASK=head_mask is not None, IEEE=query.dtype == torch.float32, num_warps=NUM_WARPS,
+        query,
+        k_cache,
+        v_cache,
+        table,
+        lens,
+        rows,
+        bm,
+        bl,
+        hm,
+        pm,
+        pl,
+        pacc,
+        query.stride(0),
+        query.stride(1),
+        *strides,
+        table.stride(0),
+        mass.stride(0),
+        mass.stride(1),
+        s_hs,
+        s_hh,
+        pm.stride(0),
+        pm.stride(1),
+        pm.stride(2),
+        float(scale),
+        per_split,
+        GROUP=group,
+        GP=max(16, triton.next_power_of_2(group)),
+        B=B,
+        D=D,
+        PAGES=pages,
+        HAS_MASK=head_mask is not None,
+        IEEE=query.dtype == torch.float32,
+        num_warps=NUM_WARPS,
     )
     _mass_reduce_kernel[(S, H)](
-        lens, rows, out, mass, bm, bl, pm, pl, pacc,
-        out.stride(0), out.stride(1), mass.stride(0), mass.stride(1), pm.stride(0), pm.stride(1), pm.stride(2),
-        n_split, B=B, D=D, SP=max(2, triton.next_power_of_2(n_split)), CHUNK=128,
+        lens,
+        rows,
+        out,
+        mass,
+        bm,
+        bl,
+        pm,
+        pl,
+        pacc,
+        out.stride(0),
+        out.stride(1),
+        mass.stride(0),
+        mass.stride(1),
+        pm.stride(0),
+        pm.stride(1),
+        pm.stride(2),
+        n_split,
+        B=B,
+        D=D,
+        SP=max(2, triton.next_power_of_2(n_split)),
+        CHUNK=128,
     )
     return out, mass
 
@@ -235,9 +344,14 @@ def _fold_heads(mass: torch.Tensor, weight: torch.Tensor, hkv: int, per_head: bo
     return mass.sum(1) * weight[:, None]
 
 
-def attention_with_mass(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
-                        layer: AttentionLayer, observe: torch.Tensor, head_mask: torch.Tensor | None = None,
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_with_mass(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: PagedBatch,
+    layer: AttentionLayer,
+    observe: torch.Tensor,
+    head_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``KVCompressor.attend`` with the Triton kernel for decode rows (one query) and the
     reference for the others; with ``head_mask`` (a per-head compressor's), per KV head."""
     qsl = batch.query_start_loc
@@ -246,8 +360,9 @@ def attention_with_mass(query: torch.Tensor, kv_cache: torch.Tensor, batch: Page
     if batch.max_query_len == 1:  # decodes only (the route says so on the host): no host sync
         k_cache, v_cache = layer.kv_layout.split(kv_cache)
         lens = torch.where(qlen == 1, batch.seq_lens, torch.zeros_like(batch.seq_lens))
-        out, d_mass = _decode_all_rows(query, k_cache, v_cache, batch.block_table, lens, qsl[:-1],
-                                       layer.scale, head_mask)
+        out, d_mass = _decode_all_rows(
+            query, k_cache, v_cache, batch.block_table, lens, qsl[:-1], layer.scale, head_mask
+        )
         w = observe[qsl[:-1].long().clamp(max=max(query.shape[0] - 1, 0))].to(torch.float32) * (lens > 0)
         return out, _fold_heads(d_mass, w, hkv, per_head=head_mask is not None)
     decode = (qlen == 1) & (batch.seq_lens > 0)
@@ -261,9 +376,16 @@ def attention_with_mass(query: torch.Tensor, kv_cache: torch.Tensor, batch: Page
         seqs = decode.nonzero().flatten()
         rows = qsl[:-1][seqs].long()
         k_cache, v_cache = layer.kv_layout.split(kv_cache)
-        d_out, d_mass = decode_attention_with_mass(query, k_cache, v_cache, batch.block_table[seqs],
-                                                   batch.seq_lens[seqs], rows, layer.scale,
-                                                   None if head_mask is None else head_mask[seqs])
+        d_out, d_mass = decode_attention_with_mass(
+            query,
+            k_cache,
+            v_cache,
+            batch.block_table[seqs],
+            batch.seq_lens[seqs],
+            rows,
+            layer.scale,
+            None if head_mask is None else head_mask[seqs],
+        )
         out[rows] = d_out
         mass[seqs] = _fold_heads(d_mass, observe[rows].to(torch.float32), hkv, per_head=head_mask is not None)
     return out, mass

@@ -1,4 +1,5 @@
 """Pure-Python block planners shared by the eviction compressors (streaming, h2o, snapkv; no tensors)."""
+
 from __future__ import annotations
 
 from typing import Iterable, Sequence
@@ -22,8 +23,13 @@ def top_blocks(scores: Sequence[float], candidates: Iterable[int], k: int) -> se
     return set(ranked[:k])
 
 
-def adaptive_head_budget(head_scores: Sequence[Sequence[float]], candidates: Iterable[int], slots: int,
-                         floor: int = 0, cap: int | None = None) -> list[set[int]]:
+def adaptive_head_budget(
+    head_scores: Sequence[Sequence[float]],
+    candidates: Iterable[int],
+    slots: int,
+    floor: int = 0,
+    cap: int | None = None,
+) -> list[set[int]]:
     """AdaKV's budget allocation over KV heads: ``slots`` (head, block) pairs in all, taken by
     score over every head together (a head whose attention is concentrated on few blocks gets
     few, a diffuse head many), after each head's own ``floor`` best blocks (the paper's
@@ -37,13 +43,14 @@ def adaptive_head_budget(head_scores: Sequence[Sequence[float]], candidates: Ite
     cands = list(candidates)
 
     def ranked_blocks(h: int) -> list[int]:
-        return sorted((i for i in cands if head_scores[h][i] != float("-inf")),
-                      key=lambda i: (-float(head_scores[h][i]), i))
+        return sorted(
+            (i for i in cands if head_scores[h][i] != float("-inf")), key=lambda i: (-float(head_scores[h][i]), i)
+        )
 
     ranked = [ranked_blocks(h) for h in range(heads)]
     key = lambda hi: (-float(head_scores[hi[0]][hi[1]]), hi[0], hi[1])  # noqa: E731
-    first = sorted(((h, i) for h in range(heads) for i in ranked[h][:max(0, floor)]), key=key)
-    rest = sorted(((h, i) for h in range(heads) for i in ranked[h][max(0, floor):]), key=key)
+    first = sorted(((h, i) for h in range(heads) for i in ranked[h][: max(0, floor)]), key=key)
+    rest = sorted(((h, i) for h in range(heads) for i in ranked[h][max(0, floor) :]), key=key)
     chosen: list[set[int]] = [set() for _ in range(heads)]
     held: set[int] = set()
     taken = 0

@@ -7,6 +7,7 @@ and the CPU path); ``kernel: triton`` the decode kernel of :mod:`.kernel` (impor
 when chosen, so Triton is imported after ``TRITON_INTERPRET`` is set), which sends the rows with
 several queries to the same reference.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,9 +16,15 @@ from vllm_graft.hooks import AttentionLayer, PagedBatch
 from vllm_graft.plugins.attention._shared import paged_attention_with_mass
 
 
-def attend(kernel: str, query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
-           layer: AttentionLayer, observe: torch.Tensor, head_mask: torch.Tensor | None = None,
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def attend(
+    kernel: str,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: PagedBatch,
+    layer: AttentionLayer,
+    observe: torch.Tensor,
+    head_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, H, D], mass [num_seqs, max_blocks])`` by the path ``kernel`` names; with
     ``head_mask [num_seqs, H_kv, max_blocks]`` (per-head compressors) each KV head reads only
     its blocks and the mass is ``[num_seqs, H_kv, max_blocks]``."""

@@ -21,6 +21,7 @@ once the cap is reached. With ``held_blocks`` = ``budget_blocks`` every slot fit
 the heads share the union (AdaKV's choice of blocks, no masking); below, the heads read
 ``budget_blocks`` of the ``held_blocks`` on average. Mid-prefill nothing is dropped.
 """
+
 from pydantic import Field, model_validator
 
 from vllm_graft.hooks import Capabilities, Registration, hookimpl
@@ -28,37 +29,55 @@ from vllm_graft.plugins.kvcompress.snapkv import SnapKVParams
 
 
 class AdaKVParams(SnapKVParams):
-    budget_blocks: int = Field(16, ge=2, description="prompt KV blocks each KV head keeps after prefill, on average "
-                               "(the heads' budget, H_kv x budget_blocks (head, block) slots, is allocated by score)")
-    floor_fraction: float = Field(0.2, ge=0.0, le=1.0, description="share of its even budget each head gets "
-                                  "before the rest is allocated by score over all heads (AdaKV's safeguard)")
-    held_blocks: int | None = Field(None, ge=2, description="at most this many prompt blocks held per request "
-                                    "(the union over heads: vLLM frees a block only when no head keeps it); "
-                                    "None: the union as chosen, up to H_kv x budget_blocks")
+    budget_blocks: int = Field(
+        16,
+        ge=2,
+        description="prompt KV blocks each KV head keeps after prefill, on average "
+        "(the heads' budget, H_kv x budget_blocks (head, block) slots, is allocated by score)",
+    )
+    floor_fraction: float = Field(
+        0.2,
+        ge=0.0,
+        le=1.0,
+        description="share of its even budget each head gets "
+        "before the rest is allocated by score over all heads (AdaKV's safeguard)",
+    )
+    held_blocks: int | None = Field(
+        None,
+        ge=2,
+        description="at most this many prompt blocks held per request "
+        "(the union over heads: vLLM frees a block only when no head keeps it); "
+        "None: the union as chosen, up to H_kv x budget_blocks",
+    )
 
     @model_validator(mode="after")
     def _cap_fits_budget(self):
         if self.held_blocks is not None and self.held_blocks < self.budget_blocks:
-            raise ValueError(f"held_blocks ({self.held_blocks}) must be at least budget_blocks ({self.budget_blocks}): "
-                             "a head keeps budget_blocks prompt blocks on average, all of them held; raise "
-                             "held_blocks or lower budget_blocks")
+            raise ValueError(
+                f"held_blocks ({self.held_blocks}) must be at least budget_blocks ({self.budget_blocks}): "
+                "a head keeps budget_blocks prompt blocks on average, all of them held; raise "
+                "held_blocks or lower budget_blocks"
+            )
         return self
 
 
 @hookimpl
 def graft_register_kv_compressors(register):
-    register(Registration(
-        name="adakv",
-        summary="Ada-KV: SnapKV scores per KV head, one prompt budget allocated across heads by score; "
-                "blocks freed where no head keeps them, per-head masking inside",
-        paper="Feng et al. 2024, Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for "
-              "Efficient LLM Inference (arXiv:2407.11550)",
-        params=AdaKVParams,
-        impl="vllm_graft.plugins.kvcompress.adakv.reference:AdaKV",
-        # its own attention (per-head masked, per-head mass); the mass is per KV head, which
-        # tensor-parallel ranks split (not summed across ranks yet): one rank. kv4's attention
-        # masks whole blocks, not blocks per KV head (the adapter refuses any per_head compressor
-        # with a storage format when the engine starts; named here so validation says so first)
-        capabilities=Capabilities(lossless=False, incompatible_with=("attention:*", "kvcompress:kv4"),
-                                  parallelism=("dp",)),
-    ))
+    register(
+        Registration(
+            name="adakv",
+            summary="Ada-KV: SnapKV scores per KV head, one prompt budget allocated across heads by score; "
+            "blocks freed where no head keeps them, per-head masking inside",
+            paper="Feng et al. 2024, Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for "
+            "Efficient LLM Inference (arXiv:2407.11550)",
+            params=AdaKVParams,
+            impl="vllm_graft.plugins.kvcompress.adakv.reference:AdaKV",
+            # its own attention (per-head masked, per-head mass); the mass is per KV head, which
+            # tensor-parallel ranks split (not summed across ranks yet): one rank. kv4's attention
+            # masks whole blocks, not blocks per KV head (the adapter refuses any per_head compressor
+            # with a storage format when the engine starts; named here so validation says so first)
+            capabilities=Capabilities(
+                lossless=False, incompatible_with=("attention:*", "kvcompress:kv4"), parallelism=("dp",)
+            ),
+        )
+    )

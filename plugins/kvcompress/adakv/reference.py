@@ -1,6 +1,7 @@
 """Ada-KV at block granularity, per KV head (see ``__init__``): the blocks each head keeps
 (:meth:`AdaKV.keep_heads`), their union (:meth:`AdaKV.keep`), and the per-head masked attention
 with per-head mass (the scored compressors' shared ``attend``, ``kvcompress/_shared``)."""
+
 from __future__ import annotations
 
 from vllm_graft.hooks import BlockView, KVCompressor
@@ -37,8 +38,7 @@ class AdaKV(KVCompressor):
         room = max(0, p.budget_blocks - len(prompt_fixed))  # per head, on average
         cap = None if p.held_blocks is None else max(0, p.held_blocks - len(prompt_fixed))
         candidates = [i for i in range(min(window_start, n)) if i not in fixed]
-        chosen = adaptive_head_budget(heads, candidates, len(heads) * room,
-                                      floor=int(p.floor_fraction * room), cap=cap)
+        chosen = adaptive_head_budget(heads, candidates, len(heads) * room, floor=int(p.floor_fraction * room), cap=cap)
         return [with_pinned(fixed | mine, view.pinned) for mine in chosen]
 
     def keep(self, view: BlockView) -> list[int]:

@@ -11,6 +11,7 @@ The attention mass comes from the layer's attention itself, which the worker run
 (``kernel: reference``) or the Triton decode kernel that also emits per-block mass
 (``kernel: triton``; prefill rows use the reference).
 """
+
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -23,27 +24,32 @@ class H2OParams(KernelParams):
     sink_blocks: int = Field(1, ge=0, description="leading blocks always kept")
     recent_blocks: int = Field(1, ge=1, description="most recent blocks always kept (the one being written included)")
     score: Literal["sum", "mean"] = Field(
-        "sum", description="'sum': a block's attention accumulated over every query since it was "
+        "sum",
+        description="'sum': a block's attention accumulated over every query since it was "
         "written (H2O); 'mean': that sum divided by the number of those queries, so old blocks "
-        "are not favoured for having been attended longer")
+        "are not favoured for having been attended longer",
+    )
 
     @model_validator(mode="after")
     def _room_for_heavy_hitters(self):
         if self.sink_blocks + self.recent_blocks > self.budget_blocks:
             raise ValueError(
                 f"sink_blocks + recent_blocks ({self.sink_blocks} + {self.recent_blocks}) must not "
-                f"exceed budget_blocks ({self.budget_blocks}); the rest of the budget holds the heavy hitters")
+                f"exceed budget_blocks ({self.budget_blocks}); the rest of the budget holds the heavy hitters"
+            )
         return self
 
 
 @hookimpl
 def graft_register_kv_compressors(register):
-    register(Registration(
-        name="h2o",
-        summary="H2O: keeps sink + recent blocks and the blocks with the most accumulated attention",
-        paper="Zhang et al. 2023, H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs (arXiv:2306.14048)",
-        params=H2OParams,
-        impl="vllm_graft.plugins.kvcompress.h2o.reference:H2O",
-        # it scores blocks in its own attention, which an attention plugin would replace
-        capabilities=Capabilities(lossless=False, incompatible_with=("attention:*",), parallelism=("tp", "dp")),
-    ))
+    register(
+        Registration(
+            name="h2o",
+            summary="H2O: keeps sink + recent blocks and the blocks with the most accumulated attention",
+            paper="Zhang et al. 2023, H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs (arXiv:2306.14048)",
+            params=H2OParams,
+            impl="vllm_graft.plugins.kvcompress.h2o.reference:H2O",
+            # it scores blocks in its own attention, which an attention plugin would replace
+            capabilities=Capabilities(lossless=False, incompatible_with=("attention:*",), parallelism=("tp", "dp")),
+        )
+    )

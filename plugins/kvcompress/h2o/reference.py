@@ -6,6 +6,7 @@ The accumulated attention comes from :meth:`H2O.attend`, the scored compressors'
 attention with per-block mass (``kvcompress/_shared``: the exact reference, or the Triton
 decode kernel with ``kernel: triton``).
 """
+
 from __future__ import annotations
 
 from vllm_graft.hooks import BlockView, KVCompressor
@@ -27,8 +28,9 @@ class H2O(KVCompressor):
         scores = view.scores
         if p.score == "mean":  # per query that could attend to the block (from its first token on)
             scores = [s / max(1, view.num_tokens - i * view.block_size) for i, s in enumerate(scores)]
-        heavy = top_blocks(scores, [i for i in range(n) if i not in fixed and scores[i] != float("-inf")],
-                           p.budget_blocks - len(fixed))
+        heavy = top_blocks(
+            scores, [i for i in range(n) if i not in fixed and scores[i] != float("-inf")], p.budget_blocks - len(fixed)
+        )
         return with_pinned(fixed | heavy, view.pinned)
 
     def attend(self, query, kv_cache, batch, layer, observe):

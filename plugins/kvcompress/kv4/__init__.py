@@ -9,6 +9,7 @@ It evicts nothing and composes with one eviction compressor (``kvcompress: [{plu
 streaming, ...}, {plugin: kv4}]``); with a compressor that needs attention scores (``h2o``,
 ``snapkv``) the scores come from kv4's reference attention (its Triton kernel emits none).
 """
+
 from typing import Literal
 
 from pydantic import Field
@@ -18,8 +19,10 @@ from vllm_graft.hooks import Capabilities, KernelParams, Registration, hookimpl
 
 class KV4Params(KernelParams):
     value_group_size: Literal[16, 32, 64, 128] = Field(
-        32, description="channels per value group (one float16 scale and minimum per token and group); "
-                        "must divide the head size")
+        32,
+        description="channels per value group (one float16 scale and minimum per token and group); "
+        "must divide the head size",
+    )
 
     def check_deployment(self, ctx) -> list[str]:
         """At deployment validation (``DeploymentContext``): the page layout against the model's
@@ -34,18 +37,30 @@ class KV4Params(KernelParams):
 
 @hookimpl
 def graft_register_kv_compressors(register):
-    register(Registration(
-        name="kv4",
-        summary="4-bit KV cache: keys per channel per block, values per token group; ~3.2x more blocks than fp16",
-        paper="Liu et al. 2024, KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache (arXiv:2402.02750); "
-              "Lin et al. 2024, QServe (arXiv:2405.04532)",
-        params=KV4Params,
-        impl="vllm_graft.plugins.kvcompress.kv4.reference:KV4",
-        capabilities=Capabilities(parallelism=("tp", "dp"), lossless=False, role="storage",
-                                  # an attention plugin reads the dense cache layout
-                                  incompatible_with=("attention:*",),
-                                  dtypes=("float32", "float16", "bfloat16"),
-                                  head_sizes=(32, 64, 96, 128, 256),
-                                  unsupported_features=("sliding_window", "mla", "encoder_attention",
-                                                        "alibi", "soft_cap", "attention_sinks")),
-    ))
+    register(
+        Registration(
+            name="kv4",
+            summary="4-bit KV cache: keys per channel per block, values per token group; ~3.2x more blocks than fp16",
+            paper="Liu et al. 2024, KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache (arXiv:2402.02750); "
+            "Lin et al. 2024, QServe (arXiv:2405.04532)",
+            params=KV4Params,
+            impl="vllm_graft.plugins.kvcompress.kv4.reference:KV4",
+            capabilities=Capabilities(
+                parallelism=("tp", "dp"),
+                lossless=False,
+                role="storage",
+                # an attention plugin reads the dense cache layout
+                incompatible_with=("attention:*",),
+                dtypes=("float32", "float16", "bfloat16"),
+                head_sizes=(32, 64, 96, 128, 256),
+                unsupported_features=(
+                    "sliding_window",
+                    "mla",
+                    "encoder_attention",
+                    "alibi",
+                    "soft_cap",
+                    "attention_sinks",
+                ),
+            ),
+        )
+    )

@@ -15,6 +15,7 @@ from :mod:`.layout`). The page ``[N, H_kv, B, C]`` is read through the view's bl
 token strides (a unit stride along ``C`` is required), so any physical order of the first three
 dims works (vLLM's CUDA backends allocate NHD, ``[N, B, H_kv, C]``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,11 +37,29 @@ def _f16_at(ptr):
 
 @triton.jit
 def _kv4_attention_kernel(
-    q_ptr, cache_ptr, table_ptr, seq_ptr, pos_ptr, out_ptr,
-    s_qt, s_qh, s_cn, s_ch, s_cb, s_tt, s_ot, s_oh,
+    q_ptr,
+    cache_ptr,
+    table_ptr,
+    seq_ptr,
+    pos_ptr,
+    out_ptr,
+    s_qt,
+    s_qh,
+    s_cn,
+    s_ch,
+    s_cb,
+    s_tt,
+    s_ot,
+    s_oh,
     scale,
-    GROUP: tl.constexpr, B: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-    G: tl.constexpr, NG: tl.constexpr, KP: tl.constexpr, KS: tl.constexpr,
+    GROUP: tl.constexpr,
+    B: tl.constexpr,
+    D: tl.constexpr,
+    HALF: tl.constexpr,
+    G: tl.constexpr,
+    NG: tl.constexpr,
+    KP: tl.constexpr,
+    KS: tl.constexpr,
 ):
     tok = tl.program_id(0)
     head = tl.program_id(1)
@@ -103,14 +122,17 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def paged_attention_kv4_triton(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
-                               layer: AttentionLayer, value_group: int) -> torch.Tensor:
+def paged_attention_kv4_triton(
+    query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, layer: AttentionLayer, value_group: int
+) -> torch.Tensor:
     """``out [T, H, D]``: what :func:`.reference.paged_attention_kv4` computes (no mass)."""
     T, H, D = query.shape
     N, Hkv, B, C = kv_cache.shape
     if not (_pow2(B) and _pow2(D // 2)):
-        raise ValueError(f"kv4 triton kernel: block size {B} and head size / 2 ({D // 2}) must be powers "
-                         "of two; use kernel: reference")
+        raise ValueError(
+            f"kv4 triton kernel: block size {B} and head size / 2 ({D // 2}) must be powers "
+            "of two; use kernel: reference"
+        )
     _, _, kp, ks = offsets(D, B, value_group)
     out = torch.zeros_like(query)
     qsl = batch.query_start_loc.long()
@@ -124,15 +146,35 @@ def paged_attention_kv4_triton(query: torch.Tensor, kv_cache: torch.Tensor, batc
     rows = int(seq_of.numel())
     table = batch.block_table.contiguous()
     if kv_cache.stride(3) != 1:
-        raise ValueError(f"kv4 triton kernel: the cache needs a unit stride along its byte dim, got strides "
-                         f"{tuple(kv_cache.stride())}; pass the layer's [N, H_kv, B, C] view of a cache whose "
-                         "last dim is contiguous")
+        raise ValueError(
+            f"kv4 triton kernel: the cache needs a unit stride along its byte dim, got strides "
+            f"{tuple(kv_cache.stride())}; pass the layer's [N, H_kv, B, C] view of a cache whose "
+            "last dim is contiguous"
+        )
     cache = kv_cache
     _kv4_attention_kernel[(rows, H)](
-        query, cache, table, seq_of.to(torch.int32).contiguous(), pos.to(torch.int32).contiguous(), out,
-        query.stride(0), query.stride(1), cache.stride(0), cache.stride(1), cache.stride(2),
-        table.stride(0), out.stride(0), out.stride(1),
+        query,
+        cache,
+        table,
+        seq_of.to(torch.int32).contiguous(),
+        pos.to(torch.int32).contiguous(),
+        out,
+        query.stride(0),
+        query.stride(1),
+        cache.stride(0),
+        cache.stride(1),
+        cache.stride(2),
+        table.stride(0),
+        out.stride(0),
+        out.stride(1),
         layer.scale,
-        GROUP=H // Hkv, B=B, D=D, HALF=D // 2, G=value_group, NG=D // value_group, KP=kp, KS=ks,
+        GROUP=H // Hkv,
+        B=B,
+        D=D,
+        HALF=D // 2,
+        G=value_group,
+        NG=D // value_group,
+        KP=kp,
+        KS=ks,
     )
     return out

@@ -2,6 +2,7 @@
 of one KV head takes, where each part of a token row starts, and the shapes the layout cannot
 hold (the layout is described in :mod:`.reference`; the reference and the Triton kernel both
 read it from here)."""
+
 from __future__ import annotations
 
 
@@ -17,12 +18,16 @@ def unsupported(head_size: int, block_size: int, value_group: int) -> str | None
     if D % 2:
         return f"head size {D} is odd; kv4 packs two 4-bit channels per byte (use an even head size)"
     if D % G:
-        return (f"value_group_size {G} does not divide head size {D}; choose a divisor of {D} "
-                f"(e.g. {32 if D % 32 == 0 else D})")
+        return (
+            f"value_group_size {G} does not divide head size {D}; choose a divisor of {D} "
+            f"(e.g. {32 if D % 32 == 0 else D})"
+        )
     if (2 * D) % B:
-        return (f"block size {B} does not divide 2 x head size ({2 * D}): the block's per-channel key "
-                f"scales ({4 * D} bytes) must split evenly over its {B} token rows; use a block size "
-                f"that divides {2 * D} (e.g. 16 or 32)")
+        return (
+            f"block size {B} does not divide 2 x head size ({2 * D}): the block's per-channel key "
+            f"scales ({4 * D} bytes) must split evenly over its {B} token rows; use a block size "
+            f"that divides {2 * D} (e.g. 16 or 32)"
+        )
     return None
 
 

@@ -37,6 +37,7 @@ pool); that memory would not show in vLLM's block accounting, so it is not done 
 Requirements: ``D`` even and ``G`` dividing ``D``; ``B`` dividing ``2 * D`` (so the block's
 ``4*D`` key-parameter bytes split evenly, in whole float16 values, over its ``B`` rows).
 """
+
 from __future__ import annotations
 
 import torch
@@ -100,7 +101,7 @@ def dequantize_values(packed: torch.Tensor, params: torch.Tensor, G: int) -> tor
 
 def key_params(rows: torch.Tensor, kp: int, KS: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-channel (scale, min) float16 ``[..., D]`` of blocks ``rows [..., B, C]``."""
-    raw = rows[..., kp:kp + KS].contiguous()
+    raw = rows[..., kp : kp + KS].contiguous()
     p = raw.reshape(*raw.shape[:-2], -1).view(torch.float16)
     D = p.shape[-1] // 2
     return p[..., :D], p[..., D:]
@@ -122,8 +123,9 @@ def dequantize_block_rows(rows: torch.Tensor, D: int, B: int, G: int) -> tuple[t
     return k, v
 
 
-def write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-          value_group: int) -> None:
+def write(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, value_group: int
+) -> None:
     """Quantise and store ``key``/``value`` ``[T, H_kv, D]`` at ``slot_mapping`` (negative =
     padding) in the uint8 cache ``[N, H_kv, B, C]`` (see the module doc). Within a block,
     tokens arrive in order (a block's earlier rows are its earlier tokens)."""
@@ -132,8 +134,10 @@ def write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_m
     G = value_group
     vo, vp, kp, KS = offsets(D, B, G)
     if C != bytes_per_token(D, B, G):
-        raise ValueError(f"kv4: cache rows of {C} bytes, expected {bytes_per_token(D, B, G)} "
-                         f"for head size {D}, block size {B}, value group {G}")
+        raise ValueError(
+            f"kv4: cache rows of {C} bytes, expected {bytes_per_token(D, B, G)} "
+            f"for head size {D}, block size {B}, value group {G}"
+        )
     n = slot_mapping.shape[0]
     slots = slot_mapping[:n].long()
     key, value = key[:n], value[:n]
@@ -150,8 +154,7 @@ def write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_m
     # keys: per channel over each touched block, re-encoding the block's earlier keys
     touched, inv = torch.unique(blocks, return_inverse=True)
     U = touched.numel()
-    first = torch.full((U,), B, dtype=torch.long, device=slots.device).scatter_reduce(
-        0, inv, offs, reduce="amin")
+    first = torch.full((U,), B, dtype=torch.long, device=slots.device).scatter_reduce(0, inv, offs, reduce="amin")
     rows = kv_cache[touched]  # [U, H, B, C] (a copy)
     old = dequantize_keys(rows, D, B, G)  # [U, H, B, D]
     ar = torch.arange(B, device=slots.device)
@@ -168,14 +171,19 @@ def write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_m
     codes = torch.where(m, codes, torch.zeros((), dtype=codes.dtype))
     rows[..., : D // 2] = pack4(codes)
     pbytes = _f16_bytes(torch.cat([scale, mnh], dim=-1))  # [U, H, 4D]
-    rows[..., kp:kp + KS] = pbytes.view(U, H, B, KS)
+    rows[..., kp : kp + KS] = pbytes.view(U, H, B, KS)
     kv_cache[touched] = rows
 
 
 # -------------------------------------------------------------------------- attention
-def paged_attention_kv4(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
-                        layer: AttentionLayer, value_group: int,
-                        observe: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def paged_attention_kv4(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: PagedBatch,
+    layer: AttentionLayer,
+    value_group: int,
+    observe: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal attention of ``query [T, H, D]`` over the kv4 cache: ``(out, mass)``.
 
     Sequence i's queries are rows ``query_start_loc[i]:query_start_loc[i+1]``, the last
@@ -207,8 +215,10 @@ def paged_attention_kv4(query: torch.Tensor, kv_cache: torch.Tensor, batch: Page
         rows = torch.tensor([qsl[i] for i in decode], device=query.device)
         q = query[rows].float().view(S, Hkv, group, D)
         s = torch.matmul(q, k.transpose(-1, -2)) * layer.scale  # [S, Hkv, group, nb*B]
-        past = torch.arange(nb * B, device=query.device)[None, :] >= \
-            torch.tensor([lens[i] for i in decode], device=query.device)[:, None]
+        past = (
+            torch.arange(nb * B, device=query.device)[None, :]
+            >= torch.tensor([lens[i] for i in decode], device=query.device)[:, None]
+        )
         s = s.masked_fill(past[:, None, None, :], float("-inf"))
         o = torch.matmul(torch.softmax(s, dim=-1), v)  # [S, Hkv, group, D]
         out[rows] = o.reshape(S, H, D).to(out.dtype)
@@ -219,21 +229,32 @@ def paged_attention_kv4(query: torch.Tensor, kv_cache: torch.Tensor, batch: Page
             continue
         nbi = -(-L // B)
         k, v = dequantize_block_rows(kv_cache[batch.block_table[i, :nbi].long()], D, B, value_group)
-        out[q0:q1] = fused_causal_attention(query[q0:q1], flat_blocks(k, L), flat_blocks(v, L),
-                                            layer.scale).to(out.dtype)
+        out[q0:q1] = fused_causal_attention(query[q0:q1], flat_blocks(k, L), flat_blocks(v, L), layer.scale).to(
+            out.dtype
+        )
     return out, None
 
 
-def _attention_with_mass(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
-                         layer: AttentionLayer, value_group: int,
-                         observe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_with_mass(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: PagedBatch,
+    layer: AttentionLayer,
+    value_group: int,
+    observe: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`paged_attention_kv4` with the attention mass: the shared exact attention with
     mass (the scored compressors' reference), reading the blocks through this format's
     dequantisation."""
     D, B = query.shape[2], kv_cache.shape[2]
     return paged_attention_with_mass(
-        query, kv_cache, batch, layer, observe,
-        gather=lambda ids: dequantize_block_rows(kv_cache[ids], D, B, value_group))
+        query,
+        kv_cache,
+        batch,
+        layer,
+        observe,
+        gather=lambda ids: dequantize_block_rows(kv_cache[ids], D, B, value_group),
+    )
 
 
 # ----------------------------------------------------------------------------- plugin

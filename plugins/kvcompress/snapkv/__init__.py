@@ -12,6 +12,7 @@ attention mass the window's queries put on it, summed over heads and layers. (Th
 per-head selection and 1-D pooling of scores are left out: the block already pools 16-128
 adjacent tokens.) Mid-prefill (chunked prefill) nothing is dropped.
 """
+
 from pydantic import Field, model_validator
 
 from vllm_graft.hooks import Capabilities, KernelParams, Registration, hookimpl
@@ -19,19 +20,29 @@ from vllm_graft.hooks import Capabilities, KernelParams, Registration, hookimpl
 
 class SnapKVParams(KernelParams):
     budget_blocks: int = Field(16, ge=2, description="prompt KV blocks a request keeps after prefill")
-    window_tokens: int = Field(32, ge=1, description="observation window: the last prompt tokens whose attention scores the prompt")
+    window_tokens: int = Field(
+        32, ge=1, description="observation window: the last prompt tokens whose attention scores the prompt"
+    )
     sink_blocks: int = Field(1, ge=0, description="leading blocks always kept")
-    recent_blocks: int = Field(0, ge=0, description="last prompt blocks always kept, besides those of the "
-                               "observation window (0: only the window's, as in the paper)")
+    recent_blocks: int = Field(
+        0,
+        ge=0,
+        description="last prompt blocks always kept, besides those of the "
+        "observation window (0: only the window's, as in the paper)",
+    )
 
     @model_validator(mode="after")
     def _room(self):
         if self.sink_blocks >= self.budget_blocks:
-            raise ValueError(f"sink_blocks ({self.sink_blocks}) must be smaller than budget_blocks "
-                             f"({self.budget_blocks}): the observation window needs a block")
+            raise ValueError(
+                f"sink_blocks ({self.sink_blocks}) must be smaller than budget_blocks "
+                f"({self.budget_blocks}): the observation window needs a block"
+            )
         if self.sink_blocks + self.recent_blocks > self.budget_blocks:
-            raise ValueError(f"sink_blocks + recent_blocks ({self.sink_blocks} + {self.recent_blocks}) must not "
-                             f"exceed budget_blocks ({self.budget_blocks})")
+            raise ValueError(
+                f"sink_blocks + recent_blocks ({self.sink_blocks} + {self.recent_blocks}) must not "
+                f"exceed budget_blocks ({self.budget_blocks})"
+            )
         return self
 
     def check_deployment(self, ctx) -> list[str]:
@@ -46,20 +57,24 @@ class SnapKVParams(KernelParams):
             return []
         # a window that fits: k whole blocks span at most k + 1; with no block to spare, 1 token
         most = max(1, (self.budget_blocks - self.sink_blocks - 1) * ctx.block_size)
-        return [f"window_tokens {self.window_tokens} spans up to {spans} KV blocks of {ctx.block_size} tokens "
-                f"(engine.block_size, else vLLM's default on {ctx.platform}), which SnapKV always keeps: with "
-                f"sink_blocks {self.sink_blocks} that exceeds budget_blocks {self.budget_blocks}; set "
-                f"window_tokens to at most {most} or budget_blocks to at least {self.sink_blocks + spans}"]
+        return [
+            f"window_tokens {self.window_tokens} spans up to {spans} KV blocks of {ctx.block_size} tokens "
+            f"(engine.block_size, else vLLM's default on {ctx.platform}), which SnapKV always keeps: with "
+            f"sink_blocks {self.sink_blocks} that exceeds budget_blocks {self.budget_blocks}; set "
+            f"window_tokens to at most {most} or budget_blocks to at least {self.sink_blocks + spans}"
+        ]
 
 
 @hookimpl
 def graft_register_kv_compressors(register):
-    register(Registration(
-        name="snapkv",
-        summary="SnapKV: after prefill, keeps the prompt blocks the observation window attends to most",
-        paper="Li et al. 2024, SnapKV: LLM Knows What You are Looking for Before Generation (arXiv:2404.14469)",
-        params=SnapKVParams,
-        impl="vllm_graft.plugins.kvcompress.snapkv.reference:SnapKV",
-        # it scores blocks in its own attention, which an attention plugin would replace
-        capabilities=Capabilities(lossless=False, incompatible_with=("attention:*",), parallelism=("tp", "dp")),
-    ))
+    register(
+        Registration(
+            name="snapkv",
+            summary="SnapKV: after prefill, keeps the prompt blocks the observation window attends to most",
+            paper="Li et al. 2024, SnapKV: LLM Knows What You are Looking for Before Generation (arXiv:2404.14469)",
+            params=SnapKVParams,
+            impl="vllm_graft.plugins.kvcompress.snapkv.reference:SnapKV",
+            # it scores blocks in its own attention, which an attention plugin would replace
+            capabilities=Capabilities(lossless=False, incompatible_with=("attention:*",), parallelism=("tp", "dp")),
+        )
+    )

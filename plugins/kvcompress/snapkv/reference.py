@@ -1,5 +1,6 @@
 """SnapKV at block granularity (see ``__init__``); attention and mass as H2O's (the scored
 compressors' shared ``attend``, ``kvcompress/_shared``)."""
+
 from __future__ import annotations
 
 from vllm_graft.hooks import BlockView, KVCompressor
@@ -29,8 +30,7 @@ class SnapKV(KVCompressor):
         if last <= p.budget_blocks:
             return list(range(n))
         room = max(0, p.budget_blocks - len(prompt_fixed))
-        candidates = [i for i in range(min(window_start, n)) if i not in fixed
-                      and view.scores[i] != float("-inf")]
+        candidates = [i for i in range(min(window_start, n)) if i not in fixed and view.scores[i] != float("-inf")]
         return with_pinned(fixed | top_blocks(view.scores, candidates, room), view.pinned)
 
     def attend(self, query, kv_cache, batch, layer, observe):

@@ -8,6 +8,7 @@ being written (partly filled), so a request holds ``budget_blocks`` blocks after
 eviction (plus the block a new token may open, and any prefix-cache blocks shared with other
 requests, which are never freed from under them).
 """
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vllm_graft.hooks import Capabilities, Registration, hookimpl
@@ -25,17 +26,20 @@ class StreamingParams(BaseModel):
             raise ValueError(
                 f"sink_blocks ({self.sink_blocks}) must be smaller than budget_blocks "
                 f"({self.budget_blocks}): the recent window (which holds the block being "
-                "written) needs at least one block")
+                "written) needs at least one block"
+            )
         return self
 
 
 @hookimpl
 def graft_register_kv_compressors(register):
-    register(Registration(
-        name="streaming",
-        summary="StreamingLLM: keeps sink blocks + a recent window of blocks, frees the rest",
-        paper="Xiao et al. 2023, Efficient Streaming Language Models with Attention Sinks (arXiv:2309.17453)",
-        params=StreamingParams,
-        impl="vllm_graft.plugins.kvcompress.streaming.reference:Streaming",
-        capabilities=Capabilities(lossless=False, parallelism=("tp", "pp", "dp")),
-    ))
+    register(
+        Registration(
+            name="streaming",
+            summary="StreamingLLM: keeps sink blocks + a recent window of blocks, frees the rest",
+            paper="Xiao et al. 2023, Efficient Streaming Language Models with Attention Sinks (arXiv:2309.17453)",
+            params=StreamingParams,
+            impl="vllm_graft.plugins.kvcompress.streaming.reference:Streaming",
+            capabilities=Capabilities(lossless=False, parallelism=("tp", "pp", "dp")),
+        )
+    )

@@ -1,4 +1,5 @@
 """StreamingLLM at block granularity: sinks + recent window (see ``__init__``)."""
+
 from vllm_graft.hooks import BlockView, KVCompressor
 
 from .._shared.policy import sink_window, with_pinned

@@ -23,6 +23,7 @@ layer's devices, then pairwise-swap local search. A lower bound is always comput
 can share its device with at most ``E/N`` experts of the next layer, so per boundary at most
 ``sum_i (its E/N largest affinities)`` (and the same by columns) can stay on-device.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -83,9 +84,16 @@ class Placement:
                     maps[r][l][e] = local
                 row += experts
             p2l.append(row)
-        return {"format": FORMAT, "version": 1, "num_devices": self.num_devices, "num_experts": E,
-                "moe_layers": list(layers), "name": self.name,
-                "physical_to_logical_map": p2l, "expert_map": maps}
+        return {
+            "format": FORMAT,
+            "version": 1,
+            "num_devices": self.num_devices,
+            "num_experts": E,
+            "moe_layers": list(layers),
+            "name": self.name,
+            "physical_to_logical_map": p2l,
+            "expert_map": maps,
+        }
 
     @classmethod
     def from_vllm(cls, data: dict[str, Any]) -> "Placement":

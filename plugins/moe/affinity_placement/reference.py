@@ -1,4 +1,5 @@
 """The affinity-placement scheduler: live inter-layer affinity and transfer counts."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -28,9 +29,11 @@ class AffinityPlacement(MoEScheduler):
         if self.placement is not None:
             p = self.placement
             if p.devices.shape != (L, E) or p.num_devices != N:
-                raise ValueError(f"the placement file is for {p.devices.shape[0]} layers x {p.devices.shape[1]} "
-                                 f"experts on {p.num_devices} devices; this model has {L} MoE layers x {E} "
-                                 f"experts and devices is {N}")
+                raise ValueError(
+                    f"the placement file is for {p.devices.shape[0]} layers x {p.devices.shape[1]} "
+                    f"experts on {p.num_devices} devices; this model has {L} MoE layers x {E} "
+                    f"experts and devices is {N}"
+                )
         self.model = model
         self.assembler = StepAssembler(model.moe_layers)
         self.A = np.zeros((max(L - 1, 0), E, E))
@@ -63,9 +66,12 @@ class AffinityPlacement(MoEScheduler):
         if self.A is None or not self.tokens:
             return {"tokens": self.tokens}
         L, E, N = self.A.shape[0] + 1, self.A.shape[1], self.params.devices
-        out: dict[str, Any] = {"tokens": self.tokens, "devices": N,
-                               "transfers_round_robin": volume(self.A, round_robin(L, E, N)),
-                               "transfers_linear": volume(self.A, linear(L, E, N))}
+        out: dict[str, Any] = {
+            "tokens": self.tokens,
+            "devices": N,
+            "transfers_round_robin": volume(self.A, round_robin(L, E, N)),
+            "transfers_linear": volume(self.A, linear(L, E, N)),
+        }
         if self.placement is not None:
             out["transfers_placement"] = volume(self.A, self.placement)
         s = solve(self.A, N)

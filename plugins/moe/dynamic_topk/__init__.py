@@ -12,6 +12,7 @@ share saved (``saved_share``); the adapter counts ``slots_skipped``. Where the a
 ``VLLM_GRAFT_MOE_SKIP=0``, pruned slots are computed with weight 0 and the saving is logical
 only. What it saves in time: ``benchmarks/moe_skip.py`` (BENCHMARKS.md, "dynamic-topk").
 """
+
 from __future__ import annotations
 
 from typing import Literal
@@ -26,19 +27,25 @@ class Params(KernelParams):
     an exactness check, slow)."""
 
     criterion: Literal["mass", "entropy"] = Field(
-        "mass", description="mass: keep the fewest top experts holding `threshold` of the top-k weight; "
-                            "entropy: keep min_k experts when the router's normalised entropy < threshold")
+        "mass",
+        description="mass: keep the fewest top experts holding `threshold` of the top-k weight; "
+        "entropy: keep min_k experts when the router's normalised entropy < threshold",
+    )
     threshold: float = Field(0.8, gt=0.0, le=1.0, description="the confidence threshold (see criterion)")
     min_k: int = Field(1, ge=1, description="fewest experts a token keeps")
 
 
 @hookimpl
 def graft_register_moe_schedulers(register):
-    register(Registration(
-        name="dynamic-topk",
-        summary="Confident tokens (top-expert share or low router entropy) activate fewer experts",
-        paper="MC-MoE: mixture compressor for MoE LLMs (online dynamic pruning of activated experts)",
-        params=Params,
-        impl="vllm_graft.plugins.moe.dynamic_topk.reference:DynamicTopK",
-        capabilities=Capabilities(parallelism=("tp", "dp"), lossless=False, dtypes=("float32", "float16", "bfloat16")),
-    ))
+    register(
+        Registration(
+            name="dynamic-topk",
+            summary="Confident tokens (top-expert share or low router entropy) activate fewer experts",
+            paper="MC-MoE: mixture compressor for MoE LLMs (online dynamic pruning of activated experts)",
+            params=Params,
+            impl="vllm_graft.plugins.moe.dynamic_topk.reference:DynamicTopK",
+            capabilities=Capabilities(
+                parallelism=("tp", "dp"), lossless=False, dtypes=("float32", "float16", "bfloat16")
+            ),
+        )
+    )

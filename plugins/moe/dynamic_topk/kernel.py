@@ -10,6 +10,7 @@ k rounds of (max, first index of the max, knock it out), so ties go to the lower
 On a machine without a GPU this runs only under ``TRITON_INTERPRET=1`` (slow: an exactness
 check, not a fast path); the plugin uses the reference unless ``kernel: triton`` is set.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,19 +22,28 @@ import triton.language as tl
 
 @triton.jit
 def _dynamic_topk_kernel(
-    logits_ptr, weights_ptr, ids_ptr, kept_ptr,
-    T, E, stride_t,
-    threshold, inv_log_e,
-    K: tl.constexpr, MIN_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-    ENTROPY: tl.constexpr, RENORMALIZE: tl.constexpr,
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    kept_ptr,
+    T,
+    E,
+    stride_t,
+    threshold,
+    inv_log_e,
+    K: tl.constexpr,
+    MIN_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    ENTROPY: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_ok = rows < T
     mask = row_ok[:, None] & (cols[None, :] < E)
-    x = tl.load(logits_ptr + rows[:, None] * stride_t + cols[None, :], mask=mask,
-                other=float("-inf")).to(tl.float32)
+    x = tl.load(logits_ptr + rows[:, None] * stride_t + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
 
     # softmax statistics over all E experts
     m = tl.max(x, axis=1)
@@ -104,15 +114,25 @@ def _dynamic_topk_kernel(
     tl.store(kept_ptr + rows, kept, mask=row_ok)
 
 
-def dynamic_topk_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool, *, threshold: float,
-                        criterion: str = "mass", min_k: int = 1, block_t: int | None = None):
+def dynamic_topk_triton(
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    *,
+    threshold: float,
+    criterion: str = "mass",
+    min_k: int = 1,
+    block_t: int | None = None,
+):
     """Launcher: same arguments and results as ``reference.dynamic_topk`` (ids and kept as
     int32 here)."""
     if criterion not in ("mass", "entropy"):
         raise ValueError(f"unknown criterion {criterion!r}; accepted: mass, entropy")
     if router_logits.dtype not in (torch.float32, torch.float16):
-        raise TypeError(f"dynamic_topk_triton takes fp32/fp16 logits, got {router_logits.dtype} "
-                        "(bf16 is not reliable under TRITON_INTERPRET)")
+        raise TypeError(
+            f"dynamic_topk_triton takes fp32/fp16 logits, got {router_logits.dtype} "
+            "(bf16 is not reliable under TRITON_INTERPRET)"
+        )
     x = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
     T, E = x.shape
     if not 1 <= top_k <= E:
@@ -127,7 +147,20 @@ def dynamic_topk_triton(router_logits: torch.Tensor, top_k: int, renormalize: bo
     bt = block_t or max(1, min(triton.next_power_of_2(T), 4096 // block_e))
     grid = (triton.cdiv(T, bt),)
     _dynamic_topk_kernel[grid](
-        x, weights, ids, kept, T, E, x.stride(0), float(threshold), 1.0 / math.log(E) if E > 1 else 0.0,
-        K=top_k, MIN_K=max(1, min(min_k, top_k)), BLOCK_T=bt, BLOCK_E=block_e,
-        ENTROPY=criterion == "entropy", RENORMALIZE=bool(renormalize))
+        x,
+        weights,
+        ids,
+        kept,
+        T,
+        E,
+        x.stride(0),
+        float(threshold),
+        1.0 / math.log(E) if E > 1 else 0.0,
+        K=top_k,
+        MIN_K=max(1, min(min_k, top_k)),
+        BLOCK_T=bt,
+        BLOCK_E=block_e,
+        ENTROPY=criterion == "entropy",
+        RENORMALIZE=bool(renormalize),
+    )
     return weights, ids, kept

@@ -19,6 +19,7 @@ valid id). With ``renormalize`` the kept weights are renormalised to sum to 1 (t
 output is then a convex mix of the experts it kept, as with a smaller top-k); without it they
 keep their softmax probabilities.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,8 +35,15 @@ from vllm_graft.hooks import MoEModel, MoEScheduler
 CRITERIA = ("mass", "entropy")
 
 
-def dynamic_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, *, threshold: float,
-                 criterion: str = "mass", min_k: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dynamic_topk(
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    *,
+    threshold: float,
+    criterion: str = "mass",
+    min_k: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(weights [T, k] float32, ids [T, k] int64, kept [T] int64)``; experts in descending
     logit order; slots ``j >= kept[t]`` are pruned (weight 0, id = ``ids[t, 0]``)."""
     if criterion not in CRITERIA:
@@ -101,11 +109,17 @@ class Savings:
         return 1 - self.evaluations / self.full if self.full else 0.0
 
     def describe(self) -> dict:
-        return {"routings": self.tokens, "expert_evaluations": self.evaluations,
-                "evaluations_topk": self.full, "saved_share": round(self.saved_share, 4),
-                "kept_histogram": {str(k): v for k, v in sorted(self.histogram.items())},
-                "saved_share_per_layer": {str(l): round(1 - ev / (n * self.top_k), 4) if n else 0.0
-                                          for l, (n, ev) in sorted(self.per_layer.items())}}
+        return {
+            "routings": self.tokens,
+            "expert_evaluations": self.evaluations,
+            "evaluations_topk": self.full,
+            "saved_share": round(self.saved_share, 4),
+            "kept_histogram": {str(k): v for k, v in sorted(self.histogram.items())},
+            "saved_share_per_layer": {
+                str(l): round(1 - ev / (n * self.top_k), 4) if n else 0.0
+                for l, (n, ev) in sorted(self.per_layer.items())
+            },
+        }
 
 
 class DynamicTopK(MoEScheduler):
@@ -117,8 +131,10 @@ class DynamicTopK(MoEScheduler):
         if params.kernel == "triton":
             if os.environ.get("TRITON_INTERPRET") != "1":
                 if not torch.cuda.is_available():
-                    raise ValueError("dynamic-topk: kernel 'triton' needs a GPU, or TRITON_INTERPRET=1 set "
-                                     "before the engine starts (CPU emulation, slow)")
+                    raise ValueError(
+                        "dynamic-topk: kernel 'triton' needs a GPU, or TRITON_INTERPRET=1 set "
+                        "before the engine starts (CPU emulation, slow)"
+                    )
             from .kernel import dynamic_topk_triton
 
             self._kernel = dynamic_topk_triton
@@ -133,11 +149,13 @@ class DynamicTopK(MoEScheduler):
         p = self.params
         if self._kernel is not None:
             x = router_logits if router_logits.dtype in (torch.float32, torch.float16) else router_logits.float()
-            weights, ids, kept = self._kernel(x, top_k, renormalize, threshold=p.threshold,
-                                              criterion=p.criterion, min_k=p.min_k)
+            weights, ids, kept = self._kernel(
+                x, top_k, renormalize, threshold=p.threshold, criterion=p.criterion, min_k=p.min_k
+            )
         else:
-            weights, ids, kept = dynamic_topk(router_logits, top_k, renormalize, threshold=p.threshold,
-                                              criterion=p.criterion, min_k=p.min_k)
+            weights, ids, kept = dynamic_topk(
+                router_logits, top_k, renormalize, threshold=p.threshold, criterion=p.criterion, min_k=p.min_k
+            )
         self.kernel_calls += self._kernel is not None
         counts = kept.bincount(minlength=top_k + 1).tolist()
         self.savings.add(layer_idx, top_k, {k: c for k, c in enumerate(counts) if c})
@@ -147,7 +165,10 @@ class DynamicTopK(MoEScheduler):
         self.savings = Savings()
 
     def describe(self) -> dict[str, Any]:
-        return {"criterion": self.params.criterion, "threshold": self.params.threshold,
-                "path": "triton kernel" if self._kernel is not None else "reference",
-                "kernel_calls": self.kernel_calls,
-                **self.savings.describe()}
+        return {
+            "criterion": self.params.criterion,
+            "threshold": self.params.threshold,
+            "path": "triton kernel" if self._kernel is not None else "reference",
+            "kernel_calls": self.kernel_calls,
+            **self.savings.describe(),
+        }

@@ -19,6 +19,7 @@ the policy:
 A cache never holds more than ``C`` experts; ``C`` must be at least the model's top-k (a
 token's experts must fit together).
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -90,11 +91,17 @@ class CacheStats:
         return self.loads * expert_bytes / self.tokens if self.tokens else 0.0
 
     def describe(self, expert_bytes: int | None = None) -> dict:
-        out = {"tokens": self.tokens, "accesses": self.accesses, "hit_rate": round(self.hit_rate, 4),
-               "demand_loads": self.demand_loads, "prefetch_loads": self.prefetch_loads,
-               "prefetch_used": self.prefetch_used,
-               "hit_rate_per_layer": {str(l): round(h / a, 4) if a else 0.0
-                                      for l, (a, h) in sorted(self.per_layer.items())}}
+        out = {
+            "tokens": self.tokens,
+            "accesses": self.accesses,
+            "hit_rate": round(self.hit_rate, 4),
+            "demand_loads": self.demand_loads,
+            "prefetch_loads": self.prefetch_loads,
+            "prefetch_used": self.prefetch_used,
+            "hit_rate_per_layer": {
+                str(l): round(h / a, 4) if a else 0.0 for l, (a, h) in sorted(self.per_layer.items())
+            },
+        }
         if expert_bytes:
             out["bytes_per_token"] = round(self.bytes_per_token(expert_bytes), 1)
         return out
@@ -104,8 +111,15 @@ class ExpertCache:
     """Residency of every MoE layer's experts under one policy; feed it tokens in order with
     :meth:`token` (``sets[l]``: the experts the token uses in MoE layer ``l``)."""
 
-    def __init__(self, num_layers: int, num_experts: int, capacity: int, policy: str = "lru",
-                 prefetch: int = 0, future: "Sequence[Sequence[Sequence[int]]] | None" = None) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_experts: int,
+        capacity: int,
+        policy: str = "lru",
+        prefetch: int = 0,
+        future: "Sequence[Sequence[Sequence[int]]] | None" = None,
+    ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown cache policy {policy!r}; accepted: {', '.join(POLICIES)}")
         if not 1 <= capacity <= num_experts:
@@ -212,12 +226,12 @@ class ExpertCache:
         return list(self.caches[layer].resident)
 
 
-def simulate(token_sets: Sequence[Sequence[Sequence[int]]], num_experts: int, capacity: int, policy: str,
-             prefetch: int = 0) -> CacheStats:
+def simulate(
+    token_sets: Sequence[Sequence[Sequence[int]]], num_experts: int, capacity: int, policy: str, prefetch: int = 0
+) -> CacheStats:
     """Run a whole sequence of tokens (``token_sets[t][l]``: experts of token ``t`` in layer ``l``)."""
     L = len(token_sets[0]) if len(token_sets) else 0
-    cache = ExpertCache(L, num_experts, capacity, policy, prefetch,
-                        future=token_sets if policy == "belady" else None)
+    cache = ExpertCache(L, num_experts, capacity, policy, prefetch, future=token_sets if policy == "belady" else None)
     for sets in token_sets:
         cache.token(sets)
     return cache.stats

@@ -1,4 +1,5 @@
 """The expert-cache scheduler: the residency policy of ``policy.py`` on live routing."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -25,8 +26,9 @@ class ExpertCacheScheduler(MoEScheduler):
             raise ValueError(f"capacity {C} is below the model's top-{model.top_k}: a token's experts must fit")
         self.model = model
         self.capacity = C
-        self.cache = ExpertCache(len(model.moe_layers), model.num_experts, C, p.policy,
-                                 p.prefetch if p.policy == "affinity" else 0)
+        self.cache = ExpertCache(
+            len(model.moe_layers), model.num_experts, C, p.policy, p.prefetch if p.policy == "affinity" else 0
+        )
         self.assembler = StepAssembler(model.moe_layers)
 
     def observe(self, layer_idx, topk_ids, topk_weights):
@@ -45,5 +47,8 @@ class ExpertCacheScheduler(MoEScheduler):
     def describe(self) -> dict[str, Any]:
         if self.cache is None:
             return {}
-        return {"policy": self.params.policy, "capacity": self.capacity,
-                **self.cache.stats.describe(self.params.expert_bytes)}
+        return {
+            "policy": self.params.policy,
+            "capacity": self.capacity,
+            **self.cache.stats.describe(self.params.expert_bytes),
+        }

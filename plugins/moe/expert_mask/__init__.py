@@ -7,6 +7,7 @@ given: their union. The mask's form is checked when the deployment is validated;
 layer and expert indices fit the model (and leave at least top-k experts per layer, at most
 top-k forced on) is checked at activation, when the model's layers, ``E`` and top-k are known.
 """
+
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -21,14 +22,19 @@ class Params(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     mask_file: str | None = Field(
-        None, description="JSON mask file (format vllm-graft/expert-mask); a relative path is "
-                          "resolved from the current folder, else from the deployment file's folder")
-    off: dict[int | str, list[int]] = Field(default_factory=dict,
-                                      description="layer ('*' = every layer) -> experts switched off")
-    on: dict[int | str, list[int]] = Field(default_factory=dict,
-                                     description="layer ('*' = every layer) -> experts forced into the top-k")
-    margin: float = Field(0.0, ge=0.0, description="how far above the best other expert a forced "
-                                                   "expert's logit is put (0: just above)")
+        None,
+        description="JSON mask file (format vllm-graft/expert-mask); a relative path is "
+        "resolved from the current folder, else from the deployment file's folder",
+    )
+    off: dict[int | str, list[int]] = Field(
+        default_factory=dict, description="layer ('*' = every layer) -> experts switched off"
+    )
+    on: dict[int | str, list[int]] = Field(
+        default_factory=dict, description="layer ('*' = every layer) -> experts forced into the top-k"
+    )
+    margin: float = Field(
+        0.0, ge=0.0, description="how far above the best other expert a forced expert's logit is put (0: just above)"
+    )
 
     @field_validator("mask_file")
     @classmethod
@@ -56,14 +62,16 @@ class Params(BaseModel):
 
 @hookimpl
 def graft_register_moe_schedulers(register):
-    register(Registration(
-        name="expert-mask",
-        summary="Switches experts off / forces them on per layer by masking router logits before top-k",
-        paper="MoTE (tunable experts): detect behaviour-distinctive experts, mask them in the router",
-        params=Params,
-        impl="vllm_graft.plugins.moe.expert_mask.reference:ExpertMaskScheduler",
-        capabilities=Capabilities(parallelism=("tp", "dp"), lossless=False),
-    ))
+    register(
+        Registration(
+            name="expert-mask",
+            summary="Switches experts off / forces them on per layer by masking router logits before top-k",
+            paper="MoTE (tunable experts): detect behaviour-distinctive experts, mask them in the router",
+            params=Params,
+            impl="vllm_graft.plugins.moe.expert_mask.reference:ExpertMaskScheduler",
+            capabilities=Capabilities(parallelism=("tp", "dp"), lossless=False),
+        )
+    )
 
 
 __all__ = ["Params", "ExpertMask", "MaskError"]

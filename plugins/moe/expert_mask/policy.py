@@ -13,6 +13,7 @@ File format (JSON, written by ``vllm-graft calibrate expert-mask``)::
 
 A layer key ``"*"`` means every MoE layer.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,9 @@ def _parse_layers(raw: Mapping[Any, Any] | None, what: str) -> dict[int | str, f
                 if isinstance(key, bool) or str(layer) != str(key).strip() or layer < 0:
                     raise ValueError
             except (TypeError, ValueError):
-                raise MaskError(f"{what}: layer key {key!r} is not a layer index (an int >= 0) "
-                                f"or {ALL!r} (every layer)") from None
+                raise MaskError(
+                    f"{what}: layer key {key!r} is not a layer index (an int >= 0) or {ALL!r} (every layer)"
+                ) from None
         if isinstance(experts, (str, bytes)) or not isinstance(experts, Sequence | set | frozenset):
             raise MaskError(f"{what}[{key!r}]: expected a list of expert indices, got {experts!r}")
         ids = []
@@ -73,17 +75,23 @@ class ExpertMask:
             raise MaskError(f"{source}: format {fmt!r} is not {FORMAT!r}")
         if data.get("version", VERSION) != VERSION:
             raise MaskError(f"{source}: version {data.get('version')!r} not supported (only {VERSION})")
-        unknown = sorted(set(data) - {"format", "version", "num_layers", "num_experts", "off", "on",
-                                       "calibration"})
+        unknown = sorted(set(data) - {"format", "version", "num_layers", "num_experts", "off", "on", "calibration"})
         if unknown:
-            raise MaskError(f"{source}: unknown field(s) {unknown}; accepted: format, version, "
-                            "num_layers, num_experts, off, on, calibration")
+            raise MaskError(
+                f"{source}: unknown field(s) {unknown}; accepted: format, version, "
+                "num_layers, num_experts, off, on, calibration"
+            )
         for k in ("num_layers", "num_experts"):
             v = data.get(k)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise MaskError(f"{source}: {k} must be a positive int, got {v!r}")
-        return cls(_parse_layers(data.get("off"), f"{source}: off"), _parse_layers(data.get("on"), f"{source}: on"),
-                   data.get("num_layers"), data.get("num_experts"), dict(data.get("calibration") or {}))
+        return cls(
+            _parse_layers(data.get("off"), f"{source}: off"),
+            _parse_layers(data.get("on"), f"{source}: on"),
+            data.get("num_layers"),
+            data.get("num_experts"),
+            dict(data.get("calibration") or {}),
+        )
 
     @classmethod
     def load(cls, path: str | Path) -> "ExpertMask":
@@ -118,12 +126,17 @@ class ExpertMask:
 
     def merged(self, other: "ExpertMask") -> "ExpertMask":
         """Both masks at once (union of switched-off and of forced-on experts)."""
+
         def union(a, b):
             return {k: a.get(k, frozenset()) | b.get(k, frozenset()) for k in set(a) | set(b)}
 
-        return ExpertMask(union(self.off, other.off), union(self.on, other.on),
-                          self.num_layers or other.num_layers, self.num_experts or other.num_experts,
-                          {**other.calibration, **self.calibration})
+        return ExpertMask(
+            union(self.off, other.off),
+            union(self.on, other.on),
+            self.num_layers or other.num_layers,
+            self.num_experts or other.num_experts,
+            {**other.calibration, **self.calibration},
+        )
 
     # ----------------------------------------------------------------------- queries
     def off_in(self, layer: int) -> frozenset[int]:
@@ -139,8 +152,9 @@ class ExpertMask:
     def layers_named(self) -> set[int]:
         return {k for k in (*self.off, *self.on) if isinstance(k, int)}
 
-    def problems(self, num_layers: int, num_experts: int, top_k: int,
-                 moe_layers: Sequence[int] | None = None) -> list[str]:
+    def problems(
+        self, num_layers: int, num_experts: int, top_k: int, moe_layers: Sequence[int] | None = None
+    ) -> list[str]:
         """What does not fit a model with these facts (empty: the mask fits)."""
         out = []
         layers = list(moe_layers) if moe_layers is not None else list(range(num_layers))
@@ -150,8 +164,10 @@ class ExpertMask:
             out.append(f"the mask was made for a model with {self.num_layers} layers, this one has {num_layers}")
         bad_layers = sorted(k for k in self.layers_named() if k not in layers)
         if bad_layers:
-            out.append(f"layer(s) {bad_layers} do not exist or have no MoE block; MoE layers: "
-                       f"{_ranges(layers)} (or {ALL!r} for all)")
+            out.append(
+                f"layer(s) {bad_layers} do not exist or have no MoE block; MoE layers: "
+                f"{_ranges(layers)} (or {ALL!r} for all)"
+            )
         for side, m in (("off", self.off), ("on", self.on)):
             for k, experts in sorted(m.items(), key=lambda kv: str(kv[0])):
                 bad = sorted(e for e in experts if e >= num_experts)
@@ -163,16 +179,18 @@ class ExpertMask:
             if both:
                 out.append(f"layer {layer}: expert(s) {both} are both switched off and forced on")
             if len(on) > top_k:
-                out.append(f"layer {layer}: {len(on)} experts forced on ({sorted(on)}) but a token "
-                           f"takes only top-{top_k}")
+                out.append(
+                    f"layer {layer}: {len(on)} experts forced on ({sorted(on)}) but a token takes only top-{top_k}"
+                )
             left = num_experts - len({e for e in off if e < num_experts})
             if left < top_k:
-                out.append(f"layer {layer}: {num_experts - left} of {num_experts} experts switched off "
-                           f"leaves {left}, fewer than the top-{top_k} each token needs")
+                out.append(
+                    f"layer {layer}: {num_experts - left} of {num_experts} experts switched off "
+                    f"leaves {left}, fewer than the top-{top_k} each token needs"
+                )
         return out
 
-    def check(self, num_layers: int, num_experts: int, top_k: int,
-              moe_layers: Sequence[int] | None = None) -> None:
+    def check(self, num_layers: int, num_experts: int, top_k: int, moe_layers: Sequence[int] | None = None) -> None:
         found = self.problems(num_layers, num_experts, top_k, moe_layers)
         if found:
             raise MaskError("; ".join(found))
@@ -202,8 +220,9 @@ def activation_frequency(counts: Sequence[Sequence[int]], num_tokens: int) -> li
     return [[c / num_tokens for c in row] for row in counts]
 
 
-def contrast(freq_a: Sequence[Sequence[float]], freq_b: Sequence[Sequence[float]], *,
-             method: str = "diff", eps: float = 1e-3) -> list[list[float]]:
+def contrast(
+    freq_a: Sequence[Sequence[float]], freq_b: Sequence[Sequence[float]], *, method: str = "diff", eps: float = 1e-3
+) -> list[list[float]]:
     """Per layer and expert, how much more behaviour A uses it than B.
 
     ``diff``: ``f_A - f_B`` (MoTE's activation-frequency contrast); ``log-ratio``:
@@ -218,17 +237,29 @@ def contrast(freq_a: Sequence[Sequence[float]], freq_b: Sequence[Sequence[float]
     raise ValueError(f"unknown contrast {method!r}; accepted: diff, log-ratio")
 
 
-def most_distinctive(freq_a: Sequence[Sequence[float]], freq_b: Sequence[Sequence[float]], *,
-                     top: int, per_layer: bool = False, method: str = "diff", min_score: float = 0.0,
-                     layers: Sequence[int] | None = None, max_per_layer: int | None = None) -> list[Distinctive]:
+def most_distinctive(
+    freq_a: Sequence[Sequence[float]],
+    freq_b: Sequence[Sequence[float]],
+    *,
+    top: int,
+    per_layer: bool = False,
+    method: str = "diff",
+    min_score: float = 0.0,
+    layers: Sequence[int] | None = None,
+    max_per_layer: int | None = None,
+) -> list[Distinctive]:
     """The ``top`` (layer, expert) pairs with the largest contrast above ``min_score``, best
     first (``per_layer``: ``top`` in every layer). ``max_per_layer`` caps how many one layer
     may give (so a mask built from them leaves enough experts). ``layers[i]`` is the decoder
     layer of row i (default: i)."""
     scores = contrast(freq_a, freq_b, method=method)
     layer_ids = list(layers) if layers is not None else list(range(len(scores)))
-    cands = [Distinctive(layer_ids[i], e, freq_a[i][e], freq_b[i][e], s)
-             for i, row in enumerate(scores) for e, s in enumerate(row) if s > min_score]
+    cands = [
+        Distinctive(layer_ids[i], e, freq_a[i][e], freq_b[i][e], s)
+        for i, row in enumerate(scores)
+        for e, s in enumerate(row)
+        if s > min_score
+    ]
     cands.sort(key=lambda d: (-d.score, d.layer, d.expert))
     taken: dict[int, int] = {}
     out: list[Distinctive] = []
@@ -245,8 +276,13 @@ def most_distinctive(freq_a: Sequence[Sequence[float]], freq_b: Sequence[Sequenc
     return out
 
 
-def mask_from(chosen: Sequence[Distinctive], action: str, num_layers: int, num_experts: int,
-              calibration: Mapping[str, Any] | None = None) -> ExpertMask:
+def mask_from(
+    chosen: Sequence[Distinctive],
+    action: str,
+    num_layers: int,
+    num_experts: int,
+    calibration: Mapping[str, Any] | None = None,
+) -> ExpertMask:
     """A mask switching the chosen experts off (``action='off'``) or forcing them on."""
     if action not in ("off", "on"):
         raise ValueError(f"unknown action {action!r}; accepted: off, on")

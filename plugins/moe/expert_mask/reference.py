@@ -13,6 +13,7 @@ mask of :mod:`.policy` per layer.
 A layer with nothing to mask gets its logits back unchanged (the same tensor): an empty mask
 is exactly the model's routing.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -23,8 +24,9 @@ import torch
 from vllm_graft.hooks import MoEModel, MoEScheduler
 
 
-def mask_logits(router_logits: torch.Tensor, off: torch.Tensor | None, on: torch.Tensor | None,
-                margin: float = 0.0) -> torch.Tensor:
+def mask_logits(
+    router_logits: torch.Tensor, off: torch.Tensor | None, on: torch.Tensor | None, margin: float = 0.0
+) -> torch.Tensor:
     """``router_logits [T, E]`` with the experts of ``off`` (int64 ids) at ``-inf`` and those
     of ``on`` raised above every other expert. ``None`` or empty: nothing to do."""
     has_off = off is not None and off.numel() > 0
@@ -95,6 +97,9 @@ class ExpertMaskScheduler(MoEScheduler):
 
     def describe(self) -> dict[str, Any]:
         m = self.mask
-        return {"off": {str(k): sorted(v) for k, v in m.off.items() if v},
-                "on": {str(k): sorted(v) for k, v in m.on.items() if v},
-                "masked_layer_calls": sum(self.calls.values()), "masked_tokens": self.tokens}
+        return {
+            "off": {str(k): sorted(v) for k, v in m.off.items() if v},
+            "on": {str(k): sorted(v) for k, v in m.on.items() if v},
+            "masked_layer_calls": sum(self.calls.values()),
+            "masked_tokens": self.tokens,
+        }

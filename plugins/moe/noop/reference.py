@@ -13,6 +13,7 @@ _softmax_topk``) returns, so the noop plugin gives plain vLLM's greedy tokens. F
 bfloat16 logits vLLM's CPU router computes the softmax in that dtype; this computes it in
 float32 (as vLLM's GPU ``fused_topk`` does), so there the weights may differ in the last bits.
 """
+
 import torch
 
 from vllm_graft.hooks import MoEScheduler

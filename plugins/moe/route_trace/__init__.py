@@ -6,6 +6,7 @@ plugin. ``path``: where the trace is written when the process exits (and by ``sa
 without it the trace stays in memory, for in-process tools (``vllm-graft moe-trace``,
 ``calibrate``) that read it from the plugin instance.
 """
+
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -30,11 +31,13 @@ class Params(BaseModel):
 
 @hookimpl
 def graft_register_moe_schedulers(register):
-    register(Registration(
-        name="route-trace",
-        summary="Records every MoE layer's top-k expert ids and weights to a compact .npz trace",
-        paper="- (the routing traces ExFlow / ExpertFlow-style simulations run on)",
-        params=Params,
-        impl="vllm_graft.plugins.moe.route_trace.reference:RouteTrace",
-        capabilities=Capabilities(parallelism=("tp", "dp"), lossless=True),
-    ))
+    register(
+        Registration(
+            name="route-trace",
+            summary="Records every MoE layer's top-k expert ids and weights to a compact .npz trace",
+            paper="- (the routing traces ExFlow / ExpertFlow-style simulations run on)",
+            params=Params,
+            impl="vllm_graft.plugins.moe.route_trace.reference:RouteTrace",
+            capabilities=Capabilities(parallelism=("tp", "dp"), lossless=True),
+        )
+    )

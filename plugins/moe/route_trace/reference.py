@@ -14,6 +14,7 @@ step's tokens packed, steps in order) and the model's MoE layers:
 
 Saved as a compressed ``.npz`` (4 layers x 100K tokens x top-2 is ~1 MB). Pure NumPy (no torch).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -98,11 +99,18 @@ class Trace:
             lo, hi = max(a, start), min(b, end)
             if hi > lo:
                 steps.append(hi - lo)
-        segs = [(n, max(a, start) - start, min(b, end) - start) for n, a, b in self.segments
-                if min(b, end) > max(a, start)]
-        return Trace(self.ids[:, start:end], list(self.layers), self.num_experts,
-                     np.asarray(steps, dtype=np.int64), None if self.weights is None else self.weights[:, start:end],
-                     segs, dict(self.meta))
+        segs = [
+            (n, max(a, start) - start, min(b, end) - start) for n, a, b in self.segments if min(b, end) > max(a, start)
+        ]
+        return Trace(
+            self.ids[:, start:end],
+            list(self.layers),
+            self.num_experts,
+            np.asarray(steps, dtype=np.int64),
+            None if self.weights is None else self.weights[:, start:end],
+            segs,
+            dict(self.meta),
+        )
 
     def segment(self, name: str) -> "Trace":
         for n, a, b in self.segments:
@@ -130,12 +138,20 @@ class Trace:
 
     # ------------------------------------------------------------------- files
     def save(self, path: str | Path) -> None:
-        arrays = {"ids": self.ids.astype(np.int16), "steps": self.steps.astype(np.int64),
-                  "layers": np.asarray(self.layers, dtype=np.int64)}
+        arrays = {
+            "ids": self.ids.astype(np.int16),
+            "steps": self.steps.astype(np.int64),
+            "layers": np.asarray(self.layers, dtype=np.int64),
+        }
         if self.weights is not None:
             arrays["weights"] = self.weights.astype(np.float16)
-        header = {"format": FORMAT, "version": VERSION, "num_experts": self.num_experts,
-                  "segments": [list(s) for s in self.segments], "meta": self.meta}
+        header = {
+            "format": FORMAT,
+            "version": VERSION,
+            "num_experts": self.num_experts,
+            "segments": [list(s) for s in self.segments],
+            "meta": self.meta,
+        }
         arrays["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
         with open(path, "wb") as f:
             np.savez_compressed(f, **arrays)
@@ -147,10 +163,15 @@ class Trace:
                 header = json.loads(bytes(z["header"]).decode())
                 if header.get("format") != FORMAT:
                     raise TraceError(f"{path} is not a routing trace ({header.get('format')!r})")
-                return cls(z["ids"].astype(np.int16), [int(x) for x in z["layers"]], int(header["num_experts"]),
-                           z["steps"].astype(np.int64), z["weights"] if "weights" in z else None,
-                           [(str(n), int(a), int(b)) for n, a, b in header.get("segments", [])],
-                           header.get("meta", {}))
+                return cls(
+                    z["ids"].astype(np.int16),
+                    [int(x) for x in z["layers"]],
+                    int(header["num_experts"]),
+                    z["steps"].astype(np.int64),
+                    z["weights"] if "weights" in z else None,
+                    [(str(n), int(a), int(b)) for n, a, b in header.get("segments", [])],
+                    header.get("meta", {}),
+                )
         except (OSError, KeyError, ValueError) as e:
             if isinstance(e, TraceError):
                 raise
@@ -173,8 +194,15 @@ def concat(traces: Sequence[Trace]) -> Trace:
     weights = None
     if all(t.weights is not None for t in traces):
         weights = np.concatenate([t.weights for t in traces], axis=1)
-    return Trace(np.concatenate([t.ids for t in traces], axis=1), list(first.layers), first.num_experts,
-                 np.concatenate([t.steps for t in traces]), weights, segs, dict(first.meta))
+    return Trace(
+        np.concatenate([t.ids for t in traces], axis=1),
+        list(first.layers),
+        first.num_experts,
+        np.concatenate([t.steps for t in traces]),
+        weights,
+        segs,
+        dict(first.meta),
+    )
 
 
 class Recorder:
@@ -241,8 +269,9 @@ class Recorder:
         if self.keep_weights and set(self._w) == set(layers):
             w = np.stack([np.concatenate(self._w[l]) for l in layers])
         E = num_experts or self.num_experts or int(max(p.max() for p in per)) + 1
-        return Trace(np.stack(per), layers, E, np.asarray(self._steps, dtype=np.int64), w,
-                     list(self._segments), dict(meta or {}))
+        return Trace(
+            np.stack(per), layers, E, np.asarray(self._steps, dtype=np.int64), w, list(self._segments), dict(meta or {})
+        )
 
 
 class RouteTrace(MoEScheduler):
@@ -258,8 +287,7 @@ class RouteTrace(MoEScheduler):
 
     def observe(self, layer_idx, topk_ids, topk_weights):
         E = self.model.num_experts if self.model is not None else None
-        self.recorder.add(layer_idx, topk_ids.detach().cpu().numpy(),
-                          topk_weights.detach().float().cpu().numpy(), E)
+        self.recorder.add(layer_idx, topk_ids.detach().cpu().numpy(), topk_weights.detach().float().cpu().numpy(), E)
 
     # ------------------------------------------------------------ for the tools
     def reset(self) -> None:

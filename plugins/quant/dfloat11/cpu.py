@@ -14,6 +14,7 @@ vLLM's CPU engine itself does for torch.compile) into torch's extension cache, s
 the reason, where it cannot be built: the plugin then says so in the log and uses the torch
 decoder.
 """
+
 from __future__ import annotations
 
 import torch
@@ -136,6 +137,7 @@ torch::Tensor dfloat11_decode_bf16(torch::Tensor stream, torch::Tensor pos, torc
 }
 """
 
+
 def decoder():
     """``(function, None)`` once the C++ decoder is built, else ``(None, reason)``."""
     module, reason = cpu_extension("vllm_graft_dfloat11_cpu", _SOURCE, ["dfloat11_decode_bf16"])
@@ -167,8 +169,9 @@ def tables(sym_table: torch.Tensor, len_table: torch.Tensor, max_len: int) -> tu
     return multi.to(torch.int32).reshape(-1), single.reshape(-1)
 
 
-def lanes_out(counts: list[int], chunk: int,
-              device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def lanes_out(
+    counts: list[int], chunk: int, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Where each lane's symbols go in the flat weight, and how many it has: shards (each
     ``counts[i]`` weights, its own chunks) are laid one after another (on ``device``)."""
     starts, sizes = [], []
@@ -191,7 +194,16 @@ def decode_bf16(tensors: dict[str, torch.Tensor], chunk: int, max_len: int, out:
     sm = tensors["sign_mantissa"]
     if out is None:
         out = torch.empty(sm.shape, dtype=torch.bfloat16, device=sm.device)
-    fn(tensors["stream"], tensors["chunk_pos"], tensors["table_base"], tensors["multi_table"],
-       tensors["single_table"], tensors["lane_start"], tensors["lane_count"], sm.reshape(-1), max_len,
-       out.view(-1))
+    fn(
+        tensors["stream"],
+        tensors["chunk_pos"],
+        tensors["table_base"],
+        tensors["multi_table"],
+        tensors["single_table"],
+        tensors["lane_start"],
+        tensors["lane_count"],
+        sm.reshape(-1),
+        max_len,
+        out.view(-1),
+    )
     return out, None

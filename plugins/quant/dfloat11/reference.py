@@ -15,6 +15,7 @@ Decoding runs every chunk in parallel (one lane each) for ``chunk`` steps: read 
 ``max_code_len``-bit window at the lane's bit position, look up (symbol, length) in a
 table of ``2**max_code_len`` entries, advance.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -129,15 +130,28 @@ def encode(weight: torch.Tensor, chunk: int = 128, max_code_len: int = 12) -> di
     stream = np.concatenate([np.packbits(bits), np.zeros(3, dtype=np.uint8)])
     offsets = starts[:-1][::chunk].astype(np.int32) if n else np.zeros(0, np.int32)
     header = np.array([n, total, crc_bf16(weight), chunk], dtype=np.int64)
-    return {k: torch.from_numpy(v).to(weight.device) for k, v in (
-        ("sign_mantissa", sign_mantissa.copy()), ("exponents", stream), ("code_lengths", lengths),
-        ("chunk_offsets", offsets), ("header", header))}
+    return {
+        k: torch.from_numpy(v).to(weight.device)
+        for k, v in (
+            ("sign_mantissa", sign_mantissa.copy()),
+            ("exponents", stream),
+            ("code_lengths", lengths),
+            ("chunk_offsets", offsets),
+            ("header", header),
+        )
+    }
 
 
 # ----------------------------------------------------------------------------- decoder
-def decode_exponents(stream: torch.Tensor, chunk_pos: torch.Tensor, table_base: torch.Tensor,
-                     sym_table: torch.Tensor, len_table: torch.Tensor, chunk: int,
-                     max_len: int) -> torch.Tensor:
+def decode_exponents(
+    stream: torch.Tensor,
+    chunk_pos: torch.Tensor,
+    table_base: torch.Tensor,
+    sym_table: torch.Tensor,
+    len_table: torch.Tensor,
+    chunk: int,
+    max_len: int,
+) -> torch.Tensor:
     """Decode ``chunk`` symbols from every chunk start in parallel.
 
     ``stream`` uint8, ``chunk_pos`` int64 ``[C]`` bit positions, ``table_base`` int64 ``[C]``
@@ -170,8 +184,9 @@ def decode(tensors: dict[str, torch.Tensor], max_code_len: int = 12) -> torch.Te
     n, _, _, chunk = (int(v) for v in tensors["header"])
     sym, ln = decode_table(tensors["code_lengths"], max_code_len)
     pos = tensors["chunk_offsets"].to(torch.int64)
-    exps = decode_exponents(tensors["exponents"], pos, torch.zeros_like(pos), sym, ln, chunk,
-                            max_code_len).reshape(-1)[:n]
+    exps = decode_exponents(tensors["exponents"], pos, torch.zeros_like(pos), sym, ln, chunk, max_code_len).reshape(-1)[
+        :n
+    ]
     sm = tensors["sign_mantissa"]
     return join_bf16(exps.reshape(sm.shape), sm)
 
@@ -190,9 +205,15 @@ class DFloat11(QuantMethod):
         return encode(weight, p.chunk, p.max_code_len)
 
     def stored_tensors(self, out_features, in_features):
-        ragged = {k: StoredTensor((-1,), dt, ragged=True) for k, dt in
-                  (("exponents", "uint8"), ("code_lengths", "uint8"), ("chunk_offsets", "int32"),
-                   ("header", "int64"))}
+        ragged = {
+            k: StoredTensor((-1,), dt, ragged=True)
+            for k, dt in (
+                ("exponents", "uint8"),
+                ("code_lengths", "uint8"),
+                ("chunk_offsets", "int32"),
+                ("header", "int64"),
+            )
+        }
         return {"sign_mantissa": StoredTensor((out_features, in_features), "uint8"), **ragged}
 
     def verify(self, shard):
@@ -203,23 +224,28 @@ class DFloat11(QuantMethod):
         n, nbits, crc, chunk = (int(v) for v in h)
         sm = shard["sign_mantissa"]
         if n != sm.numel() or chunk != self.params.chunk:
-            raise ValueError(f"header: {n} weights in chunks of {chunk}, but sign_mantissa has "
-                             f"{sm.numel()} and the checkpoint's chunk is {self.params.chunk}")
+            raise ValueError(
+                f"header: {n} weights in chunks of {chunk}, but sign_mantissa has "
+                f"{sm.numel()} and the checkpoint's chunk is {self.params.chunk}"
+            )
         if shard["code_lengths"].numel() != 256:
             raise ValueError(f"code_lengths: {shard['code_lengths'].numel()} entries, expected 256")
         if shard["chunk_offsets"].numel() != -(-n // chunk):
-            raise ValueError(f"chunk_offsets: {shard['chunk_offsets'].numel()} entries, expected "
-                             f"{-(-n // chunk)}")
+            raise ValueError(f"chunk_offsets: {shard['chunk_offsets'].numel()} entries, expected {-(-n // chunk)}")
         if shard["exponents"].numel() != -(-nbits // 8) + 3:
-            raise ValueError(f"exponents: {shard['exponents'].numel()} bytes, the header says "
-                             f"{nbits} bits ({-(-nbits // 8) + 3} bytes with padding)")
+            raise ValueError(
+                f"exponents: {shard['exponents'].numel()} bytes, the header says "
+                f"{nbits} bits ({-(-nbits // 8) + 3} bytes with padding)"
+            )
         try:
             w = decode(shard, self.params.max_code_len)
         except ValueError as e:
             raise ValueError(str(e)) from None
         if crc_bf16(w) != crc:
-            raise ValueError("exponents/code_lengths/chunk_offsets/sign_mantissa: the decoded "
-                             "weight's CRC-32 does not match the header's (corrupt checkpoint)")
+            raise ValueError(
+                "exponents/code_lengths/chunk_offsets/sign_mantissa: the decoded "
+                "weight's CRC-32 does not match the header's (corrupt checkpoint)"
+            )
 
     def load(self, stored, shard_rows):
         """Join the shards into one stream, one list of chunk positions and one lookup table
@@ -232,8 +258,9 @@ class DFloat11(QuantMethod):
             sym, ln = decode_table(t["code_lengths"], L)
             streams.append(t["exponents"])
             positions.append(t["chunk_offsets"].to(torch.int64) + bit_base)
-            bases.append(torch.full((t["chunk_offsets"].numel(),), i << L, dtype=torch.int64,
-                                    device=t["chunk_offsets"].device))
+            bases.append(
+                torch.full((t["chunk_offsets"].numel(),), i << L, dtype=torch.int64, device=t["chunk_offsets"].device)
+            )
             syms.append(sym)
             lens.append(ln)
             counts.append(int(t["header"][0]))
@@ -262,20 +289,34 @@ class DFloat11(QuantMethod):
         with ``reuse``, the C++ decoder writes it into a buffer that the next decode of a
         weight of this shape overwrites (for a weight used at once, as ``apply`` does)."""
         chunk = self.params.chunk
-        if (self.params.kernel == "reference" and self.params.cpu_decoder == "cpp"
-                and tensors["stream"].device.type == "cpu" and "lane_start" in tensors):
+        if (
+            self.params.kernel == "reference"
+            and self.params.cpu_decoder == "cpp"
+            and tensors["stream"].device.type == "cpu"
+            and "lane_start" in tensors
+        ):
             sm = tensors["sign_mantissa"]
-            w, reason = decode_bf16(tensors, chunk, self.params.max_code_len,
-                                    scratch(sm.shape, torch.bfloat16, sm.device) if reuse else None)
+            w, reason = decode_bf16(
+                tensors,
+                chunk,
+                self.params.max_code_len,
+                scratch(sm.shape, torch.bfloat16, sm.device) if reuse else None,
+            )
             if w is not None:
                 return w
             fallback_once("dfloat11", "decoder", reason, "cpu_decoder")
         decoder = decode_exponents
         if self.params.kernel == "triton":
             from .kernel import decode_exponents as decoder
-        exps = decoder(tensors["stream"], tensors["chunk_pos"], tensors["table_base"],
-                                tensors["sym_table"], tensors["len_table"].to(torch.int64), chunk,
-                                self.params.max_code_len)
+        exps = decoder(
+            tensors["stream"],
+            tensors["chunk_pos"],
+            tensors["table_base"],
+            tensors["sym_table"],
+            tensors["len_table"].to(torch.int64),
+            chunk,
+            self.params.max_code_len,
+        )
         sm = tensors["sign_mantissa"]
         n = sm.numel()
         # Drop the symbols past each shard's end without reading a count on the host (no sync:

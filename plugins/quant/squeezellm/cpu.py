@@ -14,6 +14,7 @@ fused path sums in its own order and agrees to fp32 rounding
 ``quant._shared.cpu_extension``); :func:`dequantize_rows` returns ``None`` with the reason
 where it cannot be.
 """
+
 from __future__ import annotations
 
 import torch
@@ -160,8 +161,9 @@ FUSED_MAX_ROWS = 8
 
 
 def _module():
-    return cpu_extension("vllm_graft_squeezellm_cpu", _SOURCE,
-                         ["squeezellm_dequantize", "squeezellm_linear", "squeezellm_fused_ok"])
+    return cpu_extension(
+        "vllm_graft_squeezellm_cpu", _SOURCE, ["squeezellm_dequantize", "squeezellm_linear", "squeezellm_fused_ok"]
+    )
 
 
 def dequantizer():
@@ -177,14 +179,14 @@ def fused_linear(x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Ten
     as CSR ``sparse_rowptr``/``sparse_cols``/``sparse_vals``). Sums in another order than the
     matmul: equal to it to fp32 rounding, not bit for bit."""
     indices, lut = tensors["indices"], tensors["lut"]
-    if x.dim() != 2 or not 1 <= x.shape[0] <= FUSED_MAX_ROWS or x.device.type != "cpu" \
-            or lut.dtype != torch.float16:
+    if x.dim() != 2 or not 1 <= x.shape[0] <= FUSED_MAX_ROWS or x.device.type != "cpu" or lut.dtype != torch.float16:
         return None
     module, _ = _module()
     if module is None or not module.squeezellm_fused_ok():
         return None
-    return module.squeezellm_linear(x.float().contiguous(), indices, lut, tensors["sparse_rowptr"],
-                                    tensors["sparse_cols"], tensors["sparse_vals"])
+    return module.squeezellm_linear(
+        x.float().contiguous(), indices, lut, tensors["sparse_rowptr"], tensors["sparse_cols"], tensors["sparse_vals"]
+    )
 
 
 def dequantize_rows(indices: torch.Tensor, lut: torch.Tensor, out: torch.Tensor | None = None):

@@ -7,6 +7,7 @@ indices and gathers the row's LUT entries, then multiplies:
 
 The sparse part is added by the caller (``reference.add_sparse``). Accumulation is fp32.
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,8 +32,22 @@ def _unpack_tile(codes_ptr, lut_ptr, rn, rk, N, K, stride_cn, BITS: tl.constexpr
 
 
 @triton.jit
-def _lut_gemm(x_ptr, codes_ptr, lut_ptr, y_ptr, M, N, K, stride_xm, stride_cn, stride_ym,
-              BITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _lut_gemm(
+    x_ptr,
+    codes_ptr,
+    lut_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_cn,
+    stride_ym,
+    BITS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -40,17 +55,33 @@ def _lut_gemm(x_ptr, codes_ptr, lut_ptr, y_ptr, M, N, K, stride_xm, stride_cn, s
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
-                    mask=(rm < M)[:, None] & (rk < K)[None, :], other=0.0).to(tl.float32)
+        x = tl.load(
+            x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm < M)[:, None] & (rk < K)[None, :], other=0.0
+        ).to(tl.float32)
         w = _unpack_tile(codes_ptr, lut_ptr, rn, rk, N, K, stride_cn, BITS)
         acc += tl.dot(x, tl.trans(w))
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rm < M)[:, None] & (rn < N)[None, :])
+    tl.store(
+        y_ptr + rm[:, None] * stride_ym + rn[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=(rm < M)[:, None] & (rn < N)[None, :],
+    )
 
 
 @triton.jit
-def _lut_gemv(x_ptr, codes_ptr, lut_ptr, y_ptr, N, K, stride_xm, stride_cn, stride_ym,
-              BITS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _lut_gemv(
+    x_ptr,
+    codes_ptr,
+    lut_ptr,
+    y_ptr,
+    N,
+    K,
+    stride_xm,
+    stride_cn,
+    stride_ym,
+    BITS: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
     m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -63,8 +94,16 @@ def _lut_gemv(x_ptr, codes_ptr, lut_ptr, y_ptr, N, K, stride_xm, stride_cn, stri
     tl.store(y_ptr + m * stride_ym + rn, acc.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
-def lut_matmul(x: torch.Tensor, codes: torch.Tensor, lut: torch.Tensor, bits: int, *,
-               block_n: int = 32, block_k: int = 32, block_m: int = 16) -> torch.Tensor:
+def lut_matmul(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    lut: torch.Tensor,
+    bits: int,
+    *,
+    block_n: int = 32,
+    block_k: int = 32,
+    block_m: int = 16,
+) -> torch.Tensor:
     """``x @ LUT[codes].T`` (``x`` ``[..., K]``; ``codes`` uint8 ``[N, bits*K/8]``; ``lut``
     ``[N, 2**bits]``) in ``x``'s dtype: GEMV for up to ``GEMV_MAX_ROWS`` rows, else GEMM."""
     K = x.shape[-1]
@@ -76,10 +115,25 @@ def lut_matmul(x: torch.Tensor, codes: torch.Tensor, lut: torch.Tensor, bits: in
     M = x2.shape[0]
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M <= GEMV_MAX_ROWS:
-        _lut_gemv[(M, triton.cdiv(N, block_n))](x2, codes, lut, y, N, K, x2.stride(0), codes.stride(0),
-                                                y.stride(0), BITS=bits, BN=block_n, BK=block_k)
+        _lut_gemv[(M, triton.cdiv(N, block_n))](
+            x2, codes, lut, y, N, K, x2.stride(0), codes.stride(0), y.stride(0), BITS=bits, BN=block_n, BK=block_k
+        )
     else:
         grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-        _lut_gemm[grid](x2, codes, lut, y, M, N, K, x2.stride(0), codes.stride(0), y.stride(0),
-                        BITS=bits, BM=block_m, BN=block_n, BK=block_k)
+        _lut_gemm[grid](
+            x2,
+            codes,
+            lut,
+            y,
+            M,
+            N,
+            K,
+            x2.stride(0),
+            codes.stride(0),
+            y.stride(0),
+            BITS=bits,
+            BM=block_m,
+            BN=block_n,
+            BK=block_k,
+        )
     return y.reshape(*x.shape[:-1], N)

@@ -12,6 +12,7 @@ Stored per ``[out, in]`` weight (``bits`` = 3 or 4; ``in`` a multiple of 8):
   ``sparse_cols`` int32 ``[nnz]``, ``sparse_vals`` float16 ``[nnz]`` = the exact weight minus
   its dense (LUT) value, so dense + sparse gives those weights back in fp16.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,7 +31,7 @@ def pack_bitplanes(idx: torch.Tensor, bits: int) -> torch.Tensor:
     if n % 8:
         raise ValueError(f"squeezellm packs 8 columns per byte: in_features {n} is not a multiple of 8")
     idx = idx.to(torch.int32)
-    weights = (1 << torch.arange(8, dtype=torch.int32, device=idx.device))
+    weights = 1 << torch.arange(8, dtype=torch.int32, device=idx.device)
     planes = [(((idx >> b) & 1).view(out, n // 8, 8) * weights).sum(-1) for b in range(bits)]
     return torch.cat(planes, 1).to(torch.uint8)
 
@@ -78,8 +79,9 @@ def sparse_mask(w: torch.Tensor, sens: torch.Tensor, outliers: float, sensitive:
     return mask
 
 
-def quantize(w: torch.Tensor, sens: torch.Tensor | None, bits: int, outliers: float, sensitive: float,
-             iters: int) -> dict[str, torch.Tensor]:
+def quantize(
+    w: torch.Tensor, sens: torch.Tensor | None, bits: int, outliers: float, sensitive: float, iters: int
+) -> dict[str, torch.Tensor]:
     out, n = w.shape
     if sens is None:
         sens = torch.ones_like(w, dtype=torch.float32)
@@ -94,8 +96,13 @@ def quantize(w: torch.Tensor, sens: torch.Tensor | None, bits: int, outliers: fl
     vals = (w.float()[rows, cols] - dense.float()[rows, cols]).to(torch.float16)
     rowptr = torch.zeros(out + 1, dtype=torch.int32, device=w.device)
     rowptr[1:] = torch.bincount(rows, minlength=out).cumsum(0).to(torch.int32)
-    return {"codes": pack_bitplanes(a, bits), "lut": lut, "sparse_rowptr": rowptr,
-            "sparse_cols": cols.to(torch.int32), "sparse_vals": vals}
+    return {
+        "codes": pack_bitplanes(a, bits),
+        "lut": lut,
+        "sparse_rowptr": rowptr,
+        "sparse_cols": cols.to(torch.int32),
+        "sparse_vals": vals,
+    }
 
 
 # ---------------------------------------------------------------------------- compute
@@ -104,8 +111,9 @@ def dequantize(codes: torch.Tensor, lut: torch.Tensor, bits: int) -> torch.Tenso
     return lut.gather(1, unpack_bitplanes(codes, bits))
 
 
-def add_sparse(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
-               vals: torch.Tensor) -> torch.Tensor:
+def add_sparse(
+    y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, vals: torch.Tensor
+) -> torch.Tensor:
     """``y + x @ S.T`` for the sparse ``S`` given as COO (``rows``, ``cols``, ``vals``)."""
     if rows.numel() == 0:
         return y
@@ -154,17 +162,21 @@ class SqueezeLLM(QuantMethod):
         base = 0
         for ptr, c, v in zip(stored["sparse_rowptr"], stored["sparse_cols"], stored["sparse_vals"]):
             n = ptr.numel() - 1
-            rows.append(torch.repeat_interleave(torch.arange(n, device=ptr.device) + base,
-                                                (ptr[1:] - ptr[:-1]).long()))
+            rows.append(torch.repeat_interleave(torch.arange(n, device=ptr.device) + base, (ptr[1:] - ptr[:-1]).long()))
             cols.append(c.long())
             vals.append(v)
             base += n
+
         def cat(t):
             return t[0] if len(t) == 1 else torch.cat(t, 0)
 
-        out = {"codes": cat(stored["codes"]), "lut": cat(stored["lut"]),
-               "sparse_rows": torch.cat(rows), "sparse_cols": torch.cat(cols),
-               "sparse_vals": torch.cat(vals)}
+        out = {
+            "codes": cat(stored["codes"]),
+            "lut": cat(stored["lut"]),
+            "sparse_rows": torch.cat(rows),
+            "sparse_cols": torch.cat(cols),
+            "sparse_vals": torch.cat(vals),
+        }
         if self.params.kernel == "reference" and self.params.cpu_weights == "indices":
             out["indices"] = unpack_bitplanes(out["codes"], self.params.bits).to(torch.uint8)
             # the sparse part as CSR over the joined rows too (the fused CPU path's)
@@ -178,8 +190,9 @@ class SqueezeLLM(QuantMethod):
         either way (the LUT's, widened exactly)."""
         if self.params.cpu_dequant == "cpp":
             idx = tensors["indices"]
-            w, reason = dequantize_rows(idx, tensors["lut"],
-                                        scratch(idx.shape, torch.float32, idx.device) if reuse else None)
+            w, reason = dequantize_rows(
+                idx, tensors["lut"], scratch(idx.shape, torch.float32, idx.device) if reuse else None
+            )
             if w is not None:
                 return w
             fallback_once("squeezellm", "dequantisation", reason, "cpu_dequant")

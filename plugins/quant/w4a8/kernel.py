@@ -2,6 +2,7 @@
 tile of 4-bit codes, dequantises them to int8 with the group's zero point and integer
 multiplier (``(q4 - zero) * mult``, integer only), and accumulates ``int8 x int8`` products
 in int32 with ``tl.dot``; the epilogue scales by token step x channel step."""
+
 from __future__ import annotations
 
 import torch
@@ -12,9 +13,27 @@ from .._shared import quantize_activations
 
 
 @triton.jit
-def _w4a8_gemm(x_ptr, sx_ptr, qw_ptr, zero_ptr, mult_ptr, step_ptr, y_ptr, M, N, K, G,
-               stride_xm, stride_qn, stride_gn, stride_ym,
-               GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _w4a8_gemm(
+    x_ptr,
+    sx_ptr,
+    qw_ptr,
+    zero_ptr,
+    mult_ptr,
+    step_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    G,
+    stride_xm,
+    stride_qn,
+    stride_gn,
+    stride_ym,
+    GS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -38,8 +57,15 @@ def _w4a8_gemm(x_ptr, sx_ptr, qw_ptr, zero_ptr, mult_ptr, step_ptr, y_ptr, M, N,
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
-def w4a8_matmul(x: torch.Tensor, t: dict[str, torch.Tensor], group_size: int, *,
-                block_m: int = 16, block_n: int = 32, block_k: int = 32) -> torch.Tensor:
+def w4a8_matmul(
+    x: torch.Tensor,
+    t: dict[str, torch.Tensor],
+    group_size: int,
+    *,
+    block_m: int = 16,
+    block_n: int = 32,
+    block_k: int = 32,
+) -> torch.Tensor:
     """fp32 ``[..., N]``: ``x`` quantised to int8 per token, times the W4A8 weight ``t``."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
@@ -50,6 +76,25 @@ def w4a8_matmul(x: torch.Tensor, t: dict[str, torch.Tensor], group_size: int, *,
     M, N, G = x2.shape[0], qw.shape[0], zero.shape[1]
     y = torch.empty((M, N), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    _w4a8_gemm[grid](xq, sx, qw, zero, mult, step, y, M, N, K, G, xq.stride(0), qw.stride(0),
-                     zero.stride(0), y.stride(0), GS=group_size, BM=block_m, BN=block_n, BK=block_k)
+    _w4a8_gemm[grid](
+        xq,
+        sx,
+        qw,
+        zero,
+        mult,
+        step,
+        y,
+        M,
+        N,
+        K,
+        G,
+        xq.stride(0),
+        qw.stride(0),
+        zero.stride(0),
+        y.stride(0),
+        GS=group_size,
+        BM=block_m,
+        BN=block_n,
+        BK=block_k,
+    )
     return y.reshape(*x.shape[:-1], N)

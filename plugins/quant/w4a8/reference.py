@@ -11,6 +11,7 @@ Stored per ``[out, in]`` weight, ``G = ceil(in / group_size)`` groups per row:
 (No tensor name contains "scale": vLLM's Llama loader renames checkpoint names ending in
 ``scale`` as KV-cache scales.)
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,8 +43,12 @@ def quantize(w: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
     q4 = torch.clamp(torch.round(q8g / mult[..., None]) + zero[..., None], 0, 15)
     q4 = q4.view(out, -1)[:, :n].to(torch.uint8)
     packed = q4[:, 0::2] | (q4[:, 1::2] << 4)
-    return {"qweight": packed.contiguous(), "group_zero": zero.to(torch.uint8),
-            "group_mult": mult.to(torch.int8), "channel_step": step.to(torch.float16)}
+    return {
+        "qweight": packed.contiguous(),
+        "group_zero": zero.to(torch.uint8),
+        "group_mult": mult.to(torch.int8),
+        "channel_step": step.to(torch.float16),
+    }
 
 
 def int8_weight(t: dict[str, torch.Tensor], group_size: int) -> torch.Tensor:
@@ -92,10 +97,12 @@ class W4A8(QuantMethod):
 
     def stored_tensors(self, out_features, in_features):
         G = -(-in_features // self.params.group_size)
-        return {"qweight": StoredTensor((out_features, in_features // 2), "uint8"),
-                "group_zero": StoredTensor((out_features, G), "uint8"),
-                "group_mult": StoredTensor((out_features, G), "int8"),
-                "channel_step": StoredTensor((out_features, 1), "float16")}
+        return {
+            "qweight": StoredTensor((out_features, in_features // 2), "uint8"),
+            "group_zero": StoredTensor((out_features, G), "uint8"),
+            "group_mult": StoredTensor((out_features, G), "int8"),
+            "channel_step": StoredTensor((out_features, 1), "float16"),
+        }
 
     def verify(self, shard):
         if bool((shard["group_zero"] > 15).any()):

@@ -14,9 +14,17 @@ nothing here imports vLLM):
 * :mod:`.verify`: accepting a path of the tree, greedily (:func:`verify_greedy`) or losslessly
   under sampling by recursive rejection sampling (:func:`verify_sampling`).
 """
+
 from .reference import tree_attention, verify_pass_attention
 from .tree import DraftTree, ancestor_mask
 from .verify import Verdict, verify_greedy, verify_sampling
 
-__all__ = ["DraftTree", "Verdict", "ancestor_mask", "tree_attention", "verify_greedy", "verify_pass_attention",
-           "verify_sampling"]
+__all__ = [
+    "DraftTree",
+    "Verdict",
+    "ancestor_mask",
+    "tree_attention",
+    "verify_greedy",
+    "verify_pass_attention",
+    "verify_sampling",
+]

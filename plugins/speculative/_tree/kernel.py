@@ -23,6 +23,7 @@ which for trees of tens of nodes is less than one context block.
 Block size and head size need not be powers of two (tiles are padded and masked). The key and
 value caches may have any strides except a unit stride along ``D``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -49,13 +50,39 @@ def _softmax_step(m, l, acc, s, v):
 
 @triton.jit
 def _tree_attention_kernel(
-    q_ptr, kc_ptr, vc_ptr, table_ptr, kt_ptr, vt_ptr, bits_ptr, out_ptr,
-    context_len, n_nodes, n_words,
-    s_qn, s_qh, s_kcn, s_kcb, s_kch, s_vcn, s_vcb, s_vch,
-    s_ktn, s_kth, s_vtn, s_vth, s_on, s_oh,
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    table_ptr,
+    kt_ptr,
+    vt_ptr,
+    bits_ptr,
+    out_ptr,
+    context_len,
+    n_nodes,
+    n_words,
+    s_qn,
+    s_qh,
+    s_kcn,
+    s_kcb,
+    s_kch,
+    s_vcn,
+    s_vcb,
+    s_vch,
+    s_ktn,
+    s_kth,
+    s_vtn,
+    s_vth,
+    s_on,
+    s_oh,
     scale,
-    GROUP: tl.constexpr, GP: tl.constexpr, B: tl.constexpr, BP: tl.constexpr,
-    D: tl.constexpr, DP: tl.constexpr, W: tl.constexpr,
+    GROUP: tl.constexpr,
+    GP: tl.constexpr,
+    B: tl.constexpr,
+    BP: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    W: tl.constexpr,
 ):
     node = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -64,8 +91,12 @@ def _tree_attention_kernel(
     hm = g < GROUP
     dm = d < D
     heads = kvh * GROUP + g
-    q = tl.load(q_ptr + node * s_qn + heads[:, None] * s_qh + d[None, :],
-                mask=hm[:, None] & dm[None, :], other=0.0).to(tl.float32) * scale  # [GP, DP]
+    q = (
+        tl.load(q_ptr + node * s_qn + heads[:, None] * s_qh + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0).to(
+            tl.float32
+        )
+        * scale
+    )  # [GP, DP]
     m = tl.full([GP], -float("inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DP], tl.float32)
@@ -76,10 +107,12 @@ def _tree_attention_kernel(
         blk = tl.load(table_ptr + b).to(tl.int64)
         valid = (t < B) & (b * B + t < context_len)
         kv_mask = valid[:, None] & dm[None, :]
-        k = tl.load(kc_ptr + blk * s_kcn + t[:, None] * s_kcb + kvh * s_kch + d[None, :],
-                    mask=kv_mask, other=0.0).to(tl.float32)  # [BP, DP]
-        v = tl.load(vc_ptr + blk * s_vcn + t[:, None] * s_vcb + kvh * s_vch + d[None, :],
-                    mask=kv_mask, other=0.0).to(tl.float32)
+        k = tl.load(kc_ptr + blk * s_kcn + t[:, None] * s_kcb + kvh * s_kch + d[None, :], mask=kv_mask, other=0.0).to(
+            tl.float32
+        )  # [BP, DP]
+        v = tl.load(vc_ptr + blk * s_vcn + t[:, None] * s_vcb + kvh * s_vch + d[None, :], mask=kv_mask, other=0.0).to(
+            tl.float32
+        )
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GP, BP]
         s = tl.where(valid[None, :], s, -float("inf"))
         m, l, acc = _softmax_step(m, l, acc, s, v)
@@ -91,17 +124,20 @@ def _tree_attention_kernel(
         idx = w * W + j
         anc = (((word >> j) & 1) != 0) & (idx < n_nodes)
         kv_mask = anc[:, None] & dm[None, :]
-        k = tl.load(kt_ptr + idx[:, None] * s_ktn + kvh * s_kth + d[None, :],
-                    mask=kv_mask, other=0.0).to(tl.float32)  # [W, DP]
-        v = tl.load(vt_ptr + idx[:, None] * s_vtn + kvh * s_vth + d[None, :],
-                    mask=kv_mask, other=0.0).to(tl.float32)
+        k = tl.load(kt_ptr + idx[:, None] * s_ktn + kvh * s_kth + d[None, :], mask=kv_mask, other=0.0).to(
+            tl.float32
+        )  # [W, DP]
+        v = tl.load(vt_ptr + idx[:, None] * s_vtn + kvh * s_vth + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GP, W]
         s = tl.where(anc[None, :], s, -float("inf"))
         m, l, acc = _softmax_step(m, l, acc, s, v)
 
     out = acc / l[:, None]  # l > 0: every node sees itself
-    tl.store(out_ptr + node * s_on + heads[:, None] * s_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=hm[:, None] & dm[None, :])
+    tl.store(
+        out_ptr + node * s_on + heads[:, None] * s_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=hm[:, None] & dm[None, :],
+    )
 
 
 def pack_ancestor_bits(mask: torch.Tensor) -> torch.Tensor:
@@ -113,20 +149,27 @@ def pack_ancestor_bits(mask: torch.Tensor) -> torch.Tensor:
     padded[:, :n] = mask.to(torch.int64)
     shifts = torch.arange(WORD, dtype=torch.int64, device=mask.device)
     packed = (padded.view(n, words, WORD) << shifts).sum(-1)  # in [0, 2**32)
-    packed = torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed)  # two's complement
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed)  # two's complement
     return packed.to(torch.int32)
 
 
-def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          block_table: torch.Tensor, context_len: int, k_tree: torch.Tensor,
-                          v_tree: torch.Tensor, parents: torch.Tensor, scale: float,
-                          ancestor_bits: torch.Tensor | None = None) -> torch.Tensor:
+def tree_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: int,
+    k_tree: torch.Tensor,
+    v_tree: torch.Tensor,
+    parents: torch.Tensor,
+    scale: float,
+    ancestor_bits: torch.Tensor | None = None,
+) -> torch.Tensor:
     """:func:`.reference.tree_attention` by the Triton kernel. ``ancestor_bits`` (from
     :func:`pack_ancestor_bits`) may be passed to reuse one step's bitmask across layers;
     without it the bitmask is built from ``parents``."""
     context_len = int(context_len)
-    n, hq, hkv, d, bs = check_shapes(q, k_cache, v_cache, block_table, context_len, k_tree,
-                                     v_tree, parents)
+    n, hq, hkv, d, bs = check_shapes(q, k_cache, v_cache, block_table, context_len, k_tree, v_tree, parents)
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("k_cache and v_cache need a unit stride along the head dimension")
     out = torch.empty_like(q)
@@ -136,8 +179,10 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         ancestor_bits = pack_ancestor_bits(ancestor_mask(parents))
     words = -(-n // WORD)
     if tuple(ancestor_bits.shape) != (n, words) or ancestor_bits.dtype != torch.int32:
-        raise ValueError(f"ancestor_bits must be int32 [N, ceil(N / 32)] = {(n, words)}, got "
-                         f"{ancestor_bits.dtype} {tuple(ancestor_bits.shape)}")
+        raise ValueError(
+            f"ancestor_bits must be int32 [N, ceil(N / 32)] = {(n, words)}, got "
+            f"{ancestor_bits.dtype} {tuple(ancestor_bits.shape)}"
+        )
     dev = q.device
     q = q.contiguous()
     k_tree, v_tree = k_tree.contiguous(), v_tree.contiguous()
@@ -145,14 +190,38 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     bits = ancestor_bits.to(dev).contiguous()
     group = hq // hkv
     _tree_attention_kernel[(n, hkv)](
-        q, k_cache, v_cache, table, k_tree, v_tree, bits, out,
-        context_len, n, words,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        k_tree.stride(0), k_tree.stride(1), v_tree.stride(0), v_tree.stride(1),
-        out.stride(0), out.stride(1),
+        q,
+        k_cache,
+        v_cache,
+        table,
+        k_tree,
+        v_tree,
+        bits,
+        out,
+        context_len,
+        n,
+        words,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        k_tree.stride(0),
+        k_tree.stride(1),
+        v_tree.stride(0),
+        v_tree.stride(1),
+        out.stride(0),
+        out.stride(1),
         float(scale),
-        GROUP=group, GP=triton.next_power_of_2(group), B=bs, BP=triton.next_power_of_2(bs),
-        D=d, DP=triton.next_power_of_2(d), W=WORD,
+        GROUP=group,
+        GP=triton.next_power_of_2(group),
+        B=bs,
+        BP=triton.next_power_of_2(bs),
+        D=d,
+        DP=triton.next_power_of_2(d),
+        W=WORD,
     )
     return out

@@ -18,6 +18,7 @@ context_len / block_size)]`` (int); ``k_tree``/``v_tree [N, Hkv, D]``; ``parents
 ``out [N, Hq, D]`` in ``q``'s dtype. Grouped-query attention: query head ``h`` reads kv head
 ``h // (Hq // Hkv)``. Scores and softmax in float32.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,17 +26,26 @@ import torch
 from .tree import ancestor_mask
 
 
-def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_table: torch.Tensor, context_len: int, k_tree: torch.Tensor,
-                 v_tree: torch.Tensor, parents: torch.Tensor) -> tuple[int, int, int, int, int]:
+def check_shapes(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: int,
+    k_tree: torch.Tensor,
+    v_tree: torch.Tensor,
+    parents: torch.Tensor,
+) -> tuple[int, int, int, int, int]:
     """``(N, Hq, Hkv, D, block_size)`` after checking the arguments agree; ``ValueError`` naming
     the argument otherwise."""
     if q.ndim != 3:
         raise ValueError(f"q must be [N, Hq, D], got shape {tuple(q.shape)}")
     n, hq, d = q.shape
     if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, Hkv, D], got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"k_cache and v_cache must both be [num_blocks, block_size, Hkv, D], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
     _, bs, hkv, dk = k_cache.shape
     if dk != d:
         raise ValueError(f"head size differs: q has {d}, the cache {dk}")
@@ -50,19 +60,28 @@ def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"context_len must be >= 0, got {context_len}")
     need = -(-context_len // bs)
     if block_table.ndim != 1 or block_table.numel() < need:
-        raise ValueError(f"block_table must be 1-D with at least {need} entries for {context_len} "
-                         f"context tokens in blocks of {bs}, got shape {tuple(block_table.shape)}")
+        raise ValueError(
+            f"block_table must be 1-D with at least {need} entries for {context_len} "
+            f"context tokens in blocks of {bs}, got shape {tuple(block_table.shape)}"
+        )
     return n, hq, hkv, d, bs
 
 
-def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   block_table: torch.Tensor, context_len: int, k_tree: torch.Tensor,
-                   v_tree: torch.Tensor, parents: torch.Tensor, scale: float) -> torch.Tensor:
+def tree_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: int,
+    k_tree: torch.Tensor,
+    v_tree: torch.Tensor,
+    parents: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """``out [N, Hq, D]``: softmax attention of each node over the context and its
     ancestors-or-self (see the module docstring)."""
     context_len = int(context_len)
-    n, hq, hkv, d, bs = check_shapes(q, k_cache, v_cache, block_table, context_len, k_tree,
-                                     v_tree, parents)
+    n, hq, hkv, d, bs = check_shapes(q, k_cache, v_cache, block_table, context_len, k_tree, v_tree, parents)
     nb = -(-context_len // bs)
     ids = block_table[:nb].long().to(k_cache.device)
     # the context's keys/values in token order: [context_len, Hkv, D]
@@ -73,17 +92,24 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     group = hq // hkv
     keys = keys.repeat_interleave(group, dim=1)  # [L + N, Hq, D]
     values = values.repeat_interleave(group, dim=1)
-    allowed = torch.cat([torch.ones(n, context_len, dtype=torch.bool),
-                         ancestor_mask(parents)], dim=1).to(q.device)  # [N, L + N]
+    allowed = torch.cat([torch.ones(n, context_len, dtype=torch.bool), ancestor_mask(parents)], dim=1).to(
+        q.device
+    )  # [N, L + N]
     scores = torch.einsum("nhd,thd->hnt", q.float(), keys) * scale
     scores = scores.masked_fill(~allowed, float("-inf"))  # every row keeps at least itself
     out = torch.einsum("hnt,thd->nhd", torch.softmax(scores, dim=-1), values)
     return out.to(q.dtype)
 
 
-def verify_pass_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          block_table: torch.Tensor, seq_len: int, pass_mask: torch.Tensor,
-                          scale: float) -> torch.Tensor:
+def verify_pass_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    pass_mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """The CPU path of one sequence's verify pass in an engine that has already written the
     pass's keys/values into the paged cache (vLLM does, before attention): ``out [R, Hq, D]``.
 
@@ -107,7 +133,7 @@ def verify_pass_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     qg = q.float().view(r, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, g, R, D]
     scores = torch.matmul(qg, keys.unsqueeze(1).transpose(-1, -2)) * scale  # [Hkv, g, R, S]
     allowed = torch.ones(r, seq_len, dtype=torch.bool, device=q.device)
-    allowed[:, seq_len - r:] = pass_mask.to(q.device)
+    allowed[:, seq_len - r :] = pass_mask.to(q.device)
     scores = scores.masked_fill(~allowed, float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1), values.unsqueeze(1))  # [Hkv, g, R, D]
     return out.permute(2, 0, 1, 3).reshape(r, hq, d).to(q.dtype)

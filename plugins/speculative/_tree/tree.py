@@ -20,6 +20,7 @@ context (the root included) and to its ancestors-or-self: :func:`ancestor_mask`,
 
 The structure lives on the host (it is small: tens of nodes); its tensors are int64 CPU tensors.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -48,13 +49,15 @@ def check_parents(parents: "torch.Tensor | Sequence[int]") -> torch.Tensor:
     bad = (p < ROOT) | (p >= n)
     if bool(bad.any()):
         i = int(bad.nonzero()[0])
-        raise ValueError(f"parents[{i}] = {int(p[i])} is out of range: a parent is -1 (the root) "
-                         f"or a node index in [0, {n})")
+        raise ValueError(
+            f"parents[{i}] = {int(p[i])} is out of range: a parent is -1 (the root) or a node index in [0, {n})"
+        )
     bad = p >= idx
     if bool(bad.any()):
         i = int(bad.nonzero()[0])
-        raise ValueError(f"parents[{i}] = {int(p[i])} is not before node {i}: nodes must be in "
-                         f"topological order (parents[i] < i)")
+        raise ValueError(
+            f"parents[{i}] = {int(p[i])} is not before node {i}: nodes must be in topological order (parents[i] < i)"
+        )
     return p
 
 
@@ -153,5 +156,6 @@ class DraftTree:
     def from_nodes(cls, nodes: Sequence[tuple[int, int]]) -> "DraftTree":
         """From ``[(token, parent)]`` pairs, the form Token Recycling's ``RecyclingMatrix.tree``
         returns (node ``i`` is pair ``i``; parent ``-1`` is the root)."""
-        return cls(torch.tensor([t for t, _ in nodes], dtype=torch.long),
-                   torch.tensor([p for _, p in nodes], dtype=torch.long))
+        return cls(
+            torch.tensor([t for t, _ in nodes], dtype=torch.long), torch.tensor([p for _, p in nodes], dtype=torch.long)
+        )

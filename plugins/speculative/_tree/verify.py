@@ -27,6 +27,7 @@ step always emits ``len(accepted) + 1`` tokens.
   tokens removed); deterministic drafts (top-k, a static tree) pass a one-hot ``q``, which
   makes the rule "accept ``x`` with probability ``p(x)``, else zero ``p(x)`` and renormalise".
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Sequence
@@ -83,8 +84,9 @@ def verify_greedy(tree: DraftTree, target_tokens: "torch.Tensor | Sequence[int]"
     return Verdict(accepted, int(target[node + 1]))
 
 
-def verify_sampling(tree: DraftTree, target_probs: torch.Tensor, draft_probs: torch.Tensor,
-                    generator: torch.Generator | None = None) -> Verdict:
+def verify_sampling(
+    tree: DraftTree, target_probs: torch.Tensor, draft_probs: torch.Tensor, generator: torch.Generator | None = None
+) -> Verdict:
     """Lossless verification under sampling (recursive rejection sampling; see the module
     docstring). ``target_probs [N + 1, V]``: the target's distribution at the root (row 0) and
     after each node (row ``i + 1``); ``draft_probs [N, V]``: the distribution node ``i``'s token
@@ -95,8 +97,7 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor, draft_probs: to
     """
     n = len(tree)
     if target_probs.ndim != 2 or target_probs.shape[0] != n + 1:
-        raise ValueError(f"target_probs must be [N + 1, V] with N + 1 = {n + 1}, got "
-                         f"{tuple(target_probs.shape)}")
+        raise ValueError(f"target_probs must be [N + 1, V] with N + 1 = {n + 1}, got {tuple(target_probs.shape)}")
     vocab = target_probs.shape[1]
     if tuple(draft_probs.shape) != (n, vocab):
         raise ValueError(f"draft_probs must be [N, V] = {(n, vocab)}, got {tuple(draft_probs.shape)}")

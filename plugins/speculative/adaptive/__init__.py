@@ -1,5 +1,6 @@
 """`adaptive` proposer (after SmartSpec): wraps another proposer and picks each request's
 draft length per step (0 = off) from its acceptance and the batch size."""
+
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -14,16 +15,23 @@ class AdaptiveParams(BaseModel):
     params: dict[str, Any] = Field(default_factory=dict, description="the wrapped plugin's parameters")
     num_speculative_tokens: int = Field(4, ge=1, le=32, description="longest draft per step")
     fixed_cost_tokens: float = Field(
-        8.0, ge=0.0, description="cost model prior: the part of a step that does not grow "
-        "with its tokens, in token-equivalents (larger: speculate more)")
-    prior_acceptance: float = Field(0.5, ge=0.0, lt=1.0, description="acceptance rate assumed "
-                                    "before any draft was verified")
+        8.0,
+        ge=0.0,
+        description="cost model prior: the part of a step that does not grow "
+        "with its tokens, in token-equivalents (larger: speculate more)",
+    )
+    prior_acceptance: float = Field(
+        0.5, ge=0.0, lt=1.0, description="acceptance rate assumed before any draft was verified"
+    )
     decay: float = Field(0.9, gt=0.0, le=1.0, description="weight kept by older observations per step")
     probe_every: int = Field(16, ge=1, description="steps at 0 (low acceptance) between probes")
-    measure_goodput: bool = Field(True, description="let measured goodput (speculation on vs "
-                                  "off, per batch-size bucket) override the cost model")
-    learn_cost: bool = Field(True, description="learn the step cost model from measured step "
-                             "times (fixed_cost_tokens is then only the prior)")
+    measure_goodput: bool = Field(
+        True, description="let measured goodput (speculation on vs off, per batch-size bucket) override the cost model"
+    )
+    learn_cost: bool = Field(
+        True,
+        description="learn the step cost model from measured step times (fixed_cost_tokens is then only the prior)",
+    )
 
     @model_validator(mode="after")
     def _wrapped(self):
@@ -35,13 +43,14 @@ class AdaptiveParams(BaseModel):
         if self.proposer == "adaptive":
             raise ValueError("adaptive cannot wrap itself; name another proposer: " + ", ".join(names))
         if (Kind.SPECULATIVE, self.proposer) not in registry:
-            raise ValueError(f"unknown wrapped proposer {self.proposer!r}; installed speculative "
-                             f"plugins: {', '.join(names) or 'none'}")
+            raise ValueError(
+                f"unknown wrapped proposer {self.proposer!r}; installed speculative "
+                f"plugins: {', '.join(names) or 'none'}"
+            )
         try:
             self.inner_params()
         except ValidationError as e:
-            problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or '(params)'}: {err['msg']}"
-                                 for err in e.errors())
+            problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or '(params)'}: {err['msg']}" for err in e.errors())
             raise ValueError(f"params of wrapped proposer {self.proposer!r}: {problems}") from None
         return self
 
@@ -60,13 +69,15 @@ class AdaptiveParams(BaseModel):
 
 @hookimpl
 def graft_register_spec_proposers(register):
-    register(Registration(
-        name="adaptive",
-        summary="Wraps a proposer; per-request draft length each step (0 = off) from "
-                "acceptance and batch size, maximising goodput (SmartSpec)",
-        paper="Liu et al., Optimizing Speculative Decoding for Serving LLMs Using Goodput "
-              "(SmartSpec, arXiv:2406.14066)",
-        params=AdaptiveParams,
-        impl="vllm_graft.plugins.speculative.adaptive.reference:Adaptive",
-        capabilities=Capabilities(parallelism=("tp", "dp"), lossless=True),
-    ))
+    register(
+        Registration(
+            name="adaptive",
+            summary="Wraps a proposer; per-request draft length each step (0 = off) from "
+            "acceptance and batch size, maximising goodput (SmartSpec)",
+            paper="Liu et al., Optimizing Speculative Decoding for Serving LLMs Using Goodput "
+            "(SmartSpec, arXiv:2406.14066)",
+            params=AdaptiveParams,
+            impl="vllm_graft.plugins.speculative.adaptive.reference:Adaptive",
+            capabilities=Capabilities(parallelism=("tp", "dp"), lossless=True),
+        )
+    )

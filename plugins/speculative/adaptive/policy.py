@@ -20,14 +20,25 @@ fit has enough spread in ``tokens`` and a positive slope, ``c = a / b`` replaces
 ``fixed_cost_tokens`` (the prior). Steps longer than ``max_step_s`` (idle time between
 requests) are left out.
 """
+
 from __future__ import annotations
 
 
 class GoodputPolicy:
-    def __init__(self, max_k: int, *, fixed_cost_tokens: float, prior_acceptance: float,
-                 prior_weight: float = 2.0, decay: float = 0.9, probe_every: int = 16,
-                 learn_cost: bool = True, cost_decay: float = 0.99, max_step_s: float = 1.0,
-                 min_cost_samples: int = 16) -> None:
+    def __init__(
+        self,
+        max_k: int,
+        *,
+        fixed_cost_tokens: float,
+        prior_acceptance: float,
+        prior_weight: float = 2.0,
+        decay: float = 0.9,
+        probe_every: int = 16,
+        learn_cost: bool = True,
+        cost_decay: float = 0.99,
+        max_step_s: float = 1.0,
+        min_cost_samples: int = 16,
+    ) -> None:
         if max_k <= 0:
             raise ValueError(f"max_k must be positive, got {max_k}")
         if fixed_cost_tokens < 0:
@@ -100,7 +111,7 @@ class GoodputPolicy:
 
     @staticmethod
     def expected_tokens(a: float, k: int) -> float:
-        return float(sum(a ** i for i in range(k + 1)))
+        return float(sum(a**i for i in range(k + 1)))
 
     def goodput(self, a: float, k: int, batch_size: int) -> float:
         b = batch_size
@@ -139,8 +150,9 @@ class ModeBandit:
     slower mode; one that changes it brings the wait back to ``explore_every``.
     """
 
-    def __init__(self, *, decay: float = 0.8, min_samples: int = 3, explore_every: int = 32,
-                 max_explore_every: int = 1024) -> None:
+    def __init__(
+        self, *, decay: float = 0.8, min_samples: int = 3, explore_every: int = 32, max_explore_every: int = 1024
+    ) -> None:
         self.decay, self.min_samples, self.explore_every = decay, min_samples, explore_every
         self.max_explore_every = max(explore_every, max_explore_every)
         # bucket -> {mode: [weighted sum, weight, samples]}, and steps since last exploration
@@ -180,8 +192,9 @@ class ModeBandit:
             return not best
         if b in self.best_before:  # a re-trial just ended: wait longer if it changed nothing
             same = self.best_before.pop(b) == best
-            self.wait[b] = min(2 * self.wait.get(b, self.explore_every), self.max_explore_every) \
-                if same else self.explore_every
+            self.wait[b] = (
+                min(2 * self.wait.get(b, self.explore_every), self.max_explore_every) if same else self.explore_every
+            )
         self.since[b] = self.since.get(b, 0) + 1
         if self.since[b] >= self.wait.get(b, self.explore_every):
             self.since[b] = 0

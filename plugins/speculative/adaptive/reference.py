@@ -1,5 +1,6 @@
 """Adaptive proposer: wraps another registered proposer, sets its draft length per request
 and step (see ``policy``)."""
+
 from __future__ import annotations
 
 import time
@@ -40,9 +41,14 @@ class Adaptive(Proposer):
 
     def _new_policy(self) -> GoodputPolicy:
         p = self.params
-        return GoodputPolicy(p.num_speculative_tokens, fixed_cost_tokens=p.fixed_cost_tokens,
-                             prior_acceptance=p.prior_acceptance, decay=p.decay,
-                             probe_every=p.probe_every, learn_cost=p.learn_cost)
+        return GoodputPolicy(
+            p.num_speculative_tokens,
+            fixed_cost_tokens=p.fixed_cost_tokens,
+            prior_acceptance=p.prior_acceptance,
+            decay=p.decay,
+            probe_every=p.probe_every,
+            learn_cost=p.learn_cost,
+        )
 
     def fresh_drafting_state(self) -> None:
         """The wrapped proposer's drafting state and the acceptance statistics are renewed;
@@ -68,9 +74,13 @@ class Adaptive(Proposer):
             # Goodput of the step that ended at the previous begin_step: tokens it produced
             # (requests + accepted drafts, reported during that step's drafting) over its time,
             # in the mode chosen before it; steps with prompt chunks are left out.
-            if (self.bandit is not None and self._prev is not None and self._prev_tokens
-                    and self._prev_tokens <= self._requests + self._verified
-                    and seconds <= self.policy.max_step_s):
+            if (
+                self.bandit is not None
+                and self._prev is not None
+                and self._prev_tokens
+                and self._prev_tokens <= self._requests + self._verified
+                and seconds <= self.policy.max_step_s
+            ):
                 self.bandit.record(self._prev[0], self._prev[1], self._produced, self._prev_seconds)
             self._prev_seconds = seconds
         else:
@@ -92,8 +102,10 @@ class Adaptive(Proposer):
     def attach_target(self, weights: Any) -> None:
         """The target model, for a wrapped self-speculative proposer (``swift``)."""
         if not isinstance(self.inner, SelfSpeculativeProposer):
-            raise TypeError(f"adaptive: the wrapped proposer {type(self.inner).__name__} drafts without "
-                            "the target's weights (needs_target_weights is False)")
+            raise TypeError(
+                f"adaptive: the wrapped proposer {type(self.inner).__name__} drafts without "
+                "the target's weights (needs_target_weights is False)"
+            )
         self.inner.attach_target(weights)
 
     def accepted(self, request_id: str, num_accepted: int, num_verified: int) -> None:
@@ -115,9 +127,17 @@ class Adaptive(Proposer):
         self.inner.finish(request_id)
 
     def describe(self) -> dict[str, Any]:
-        return {"wraps": self.params.proposer, "chosen_lengths": dict(sorted(self.policy.chosen.items())),
-                "cost_c_tokens": round(self.policy.c, 2), "cost_samples": self.policy.cost_samples,
-                "goodput_tok_s": {f"B<{2 ** b}|{'on' if m else 'off'}": round(v[0] / v[1])
-                                  for b, st in sorted((self.bandit.stats if self.bandit else {}).items())
-                                  for m, v in st.items() if v[1]},
-                "live_requests": len(self.policy.stats), "inner": self.inner.describe()}
+        return {
+            "wraps": self.params.proposer,
+            "chosen_lengths": dict(sorted(self.policy.chosen.items())),
+            "cost_c_tokens": round(self.policy.c, 2),
+            "cost_samples": self.policy.cost_samples,
+            "goodput_tok_s": {
+                f"B<{2**b}|{'on' if m else 'off'}": round(v[0] / v[1])
+                for b, st in sorted((self.bandit.stats if self.bandit else {}).items())
+                for m, v in st.items()
+                if v[1]
+            },
+            "live_requests": len(self.policy.stats),
+            "inner": self.inner.describe(),
+        }

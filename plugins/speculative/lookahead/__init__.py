@@ -1,5 +1,6 @@
 """`lookahead` proposer: a trie of token windows from prompts and outputs, shared across
 requests, capped in memory with frequency pruning."""
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vllm_graft.hooks import Capabilities, Registration, hookimpl
@@ -8,17 +9,27 @@ from vllm_graft.hooks import Capabilities, Registration, hookimpl
 class LookaheadParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    num_speculative_tokens: int = Field(4, ge=1, le=128, description="most draft tokens per step "
-                                        "(with tree: true, the most tree nodes)")
-    depth: int = Field(8, ge=2, le=64, description="tokens per inserted window (matched "
-                       "suffix + drafts <= depth; suffixes of up to depth - drafts tokens are matched)")
+    num_speculative_tokens: int = Field(
+        4, ge=1, le=128, description="most draft tokens per step (with tree: true, the most tree nodes)"
+    )
+    depth: int = Field(
+        8,
+        ge=2,
+        le=64,
+        description="tokens per inserted window (matched "
+        "suffix + drafts <= depth; suffixes of up to depth - drafts tokens are matched)",
+    )
     min_match: int = Field(1, ge=1, description="shortest suffix that may be matched")
     max_nodes: int = Field(200_000, ge=2, description="memory cap: most trie nodes kept")
-    prune_to: float = Field(0.75, gt=0.0, lt=1.0,
-                            description="after pruning the trie holds at most this share of max_nodes")
-    tree: bool = Field(False, description="draft a tree of up to tree_branches continuations "
-                       "(sharing their prefixes) instead of one, verified in one forward with a tree "
-                       "attention mask; num_speculative_tokens is then the most tree nodes per step")
+    prune_to: float = Field(
+        0.75, gt=0.0, lt=1.0, description="after pruning the trie holds at most this share of max_nodes"
+    )
+    tree: bool = Field(
+        False,
+        description="draft a tree of up to tree_branches continuations "
+        "(sharing their prefixes) instead of one, verified in one forward with a tree "
+        "attention mask; num_speculative_tokens is then the most tree nodes per step",
+    )
     tree_branches: int = Field(4, ge=1, le=64, description="tree mode: continuations merged into the tree")
     tree_depth: int = Field(4, ge=1, le=32, description="tree mode: most tokens per continuation")
 
@@ -33,13 +44,15 @@ class LookaheadParams(BaseModel):
 
 @hookimpl
 def graft_register_spec_proposers(register):
-    register(Registration(
-        name="lookahead",
-        summary="Trie of token windows from prompts and outputs, shared across requests; "
-                "drafts the most frequent continuation of the longest matching suffix",
-        paper="Zhao et al., Lookahead: An Inference Acceleration Framework for LLM with Lossless "
-              "Generation Accuracy (KDD 2024); Fu et al., Lookahead Decoding (ICML 2024)",
-        params=LookaheadParams,
-        impl="vllm_graft.plugins.speculative.lookahead.reference:TrieLookahead",
-        capabilities=Capabilities(lossless=True, parallelism=("tp", "dp")),
-    ))
+    register(
+        Registration(
+            name="lookahead",
+            summary="Trie of token windows from prompts and outputs, shared across requests; "
+            "drafts the most frequent continuation of the longest matching suffix",
+            paper="Zhao et al., Lookahead: An Inference Acceleration Framework for LLM with Lossless "
+            "Generation Accuracy (KDD 2024); Fu et al., Lookahead Decoding (ICML 2024)",
+            params=LookaheadParams,
+            impl="vllm_graft.plugins.speculative.lookahead.reference:TrieLookahead",
+            capabilities=Capabilities(lossless=True, parallelism=("tp", "dp")),
+        )
+    )

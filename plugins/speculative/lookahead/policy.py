@@ -15,6 +15,7 @@ count is halved (integer division) and nodes whose count reaches 0 are dropped w
 subtrees, repeatedly, until the trie is at most ``prune_to`` of the cap: frequent paths
 survive, rare ones go (frequency pruning with ageing).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -46,7 +47,7 @@ class TokenTrie:
     def insert(self, window: Sequence[int]) -> None:
         """Count the path ``window`` (at most ``depth`` tokens) from the root."""
         node = self.root
-        for t in window[:self.depth]:
+        for t in window[: self.depth]:
             child = node.children.get(t)
             if child is None:
                 child = node.children[t] = _Node()
@@ -59,7 +60,7 @@ class TokenTrie:
     def insert_range(self, tokens: Sequence[int], start: int, stop: int) -> None:
         """Insert the windows of ``tokens`` beginning at ``start, ..., stop - 1``."""
         for p in range(start, stop):
-            self.insert(tokens[p:p + self.depth])
+            self.insert(tokens[p : p + self.depth])
 
     def prune(self) -> None:
         """Halve every count and drop nodes at 0 until within ``prune_to * max_nodes``."""
@@ -99,7 +100,7 @@ class TokenTrie:
         :meth:`continuation`), or None."""
         longest = min(len(tokens), self.depth - 1, max(min_match, self.depth - max_tokens))
         for s in range(longest, max(min_match, 1) - 1, -1):
-            node = self._find(tokens[len(tokens) - s:])
+            node = self._find(tokens[len(tokens) - s :])
             if node is not None and node.children:
                 return node
         return None
@@ -121,8 +122,9 @@ class TokenTrie:
         node = self._match(tokens, max_tokens, min_match)
         return [] if node is None or max_tokens <= 0 else self._follow(node, [], max_tokens)
 
-    def branches(self, tokens: Sequence[int], max_tokens: int, max_branches: int,
-                 min_match: int = 1) -> list[list[int]]:
+    def branches(
+        self, tokens: Sequence[int], max_tokens: int, max_branches: int, min_match: int = 1
+    ) -> list[list[int]]:
         """Up to ``max_branches`` continuations (at most ``max_tokens`` each) of the suffix
         :meth:`continuation` matches, as chains for a draft tree (merge them with
         ``DraftTree.from_chains``; they share their common prefixes). The first is
@@ -150,7 +152,7 @@ class TokenTrie:
                         at_path[path] = child
                         heapq.heappush(heap, (-child.count, j, t, path))
                 cur = cur.children[chain[j]]
-            taken.update(tuple(chain[:j + 1]) for j in range(len(chain)))
+            taken.update(tuple(chain[: j + 1]) for j in range(len(chain)))
             while heap and heap[0][3] in taken:
                 heapq.heappop(heap)
             if not heap:

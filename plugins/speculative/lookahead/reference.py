@@ -1,4 +1,5 @@
 """Lookahead (trie) proposer: the CPU path (drafting is pure Python; no kernel)."""
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -30,8 +31,7 @@ class TrieLookahead(Proposer):
         self.drafted += len(drafts)
         return drafts
 
-    def propose_tree(self, request_id: str, token_ids: Sequence[int],
-                     max_nodes: int) -> tuple[list[int], list[int]]:
+    def propose_tree(self, request_id: str, token_ids: Sequence[int], max_nodes: int) -> tuple[list[int], list[int]]:
         from .._tree import DraftTree
 
         self._insert(request_id, token_ids)
@@ -46,6 +46,11 @@ class TrieLookahead(Proposer):
         self.progress.release(request_id)
 
     def describe(self) -> dict[str, Any]:
-        return {"trie_nodes": self.trie.num_nodes, "max_nodes": self.trie.max_nodes,
-                "prunes": self.trie.prunes, "live_requests": len(self.progress),
-                "proposals": self.proposed, "drafted": self.drafted}
+        return {
+            "trie_nodes": self.trie.num_nodes,
+            "max_nodes": self.trie.max_nodes,
+            "prunes": self.trie.prunes,
+            "live_requests": len(self.progress),
+            "proposals": self.proposed,
+            "drafted": self.drafted,
+        }

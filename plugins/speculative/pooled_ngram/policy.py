@@ -13,6 +13,7 @@ Memory: at most ``max_pools`` pools (least recently used dropped), each at most
 ``max_contexts`` contexts; over that, all counts in the pool are halved and contexts whose
 successors all reach 0 are dropped until it holds ``prune_to`` of the cap.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -29,7 +30,7 @@ class NgramPool:
         """Count ``tokens[pos]`` after each of its contexts of 1..max_order tokens."""
         nxt = tokens[pos]
         for n in range(1, min(self.max_order, pos) + 1):
-            succ = self.table.setdefault(tuple(tokens[pos - n:pos]), {})
+            succ = self.table.setdefault(tuple(tokens[pos - n : pos]), {})
             succ[nxt] = succ.get(nxt, 0) + 1
         if len(self.table) > self.max_contexts:
             self.prune()
@@ -50,12 +51,12 @@ class NgramPool:
                 del self.table[ctx]
 
     def draft(self, tokens: Sequence[int], max_tokens: int, min_order: int = 1) -> list[int]:
-        seq = list(tokens[-self.max_order:])
+        seq = list(tokens[-self.max_order :])
         out: list[int] = []
         while len(out) < max_tokens:
             nxt = None
             for n in range(min(self.max_order, len(seq)), min_order - 1, -1):
-                succ = self.table.get(tuple(seq[len(seq) - n:]))
+                succ = self.table.get(tuple(seq[len(seq) - n :]))
                 if succ:
                     nxt = max(succ.items(), key=lambda kv: (kv[1], -kv[0]))[0]
                     break
@@ -69,8 +70,16 @@ class NgramPool:
 class PoolStore:
     """Pools keyed by prompt prefix (LRU, at most ``max_pools``) and per-request progress."""
 
-    def __init__(self, *, prefix_tokens: int, max_order: int, max_contexts: int,
-                 max_pools: int, include_prompt: bool, prune_to: float = 0.75) -> None:
+    def __init__(
+        self,
+        *,
+        prefix_tokens: int,
+        max_order: int,
+        max_contexts: int,
+        max_pools: int,
+        include_prompt: bool,
+        prune_to: float = 0.75,
+    ) -> None:
         if min(prefix_tokens, max_order, max_contexts, max_pools) <= 0:
             raise ValueError("prefix_tokens, max_order, max_contexts and max_pools must be positive")
         self.prefix_tokens, self.max_order = prefix_tokens, max_order
@@ -96,7 +105,7 @@ class PoolStore:
         state = self.requests.get(request_id)
         if state is None:
             prompt_len = max(1, len(tokens) - 1)
-            key = hash(tuple(tokens[:min(prompt_len, self.prefix_tokens)]))
+            key = hash(tuple(tokens[: min(prompt_len, self.prefix_tokens)]))
             start = 1 if self.include_prompt else prompt_len
             state = self.requests[request_id] = [key, start]
         pool = self.pool(state[0])

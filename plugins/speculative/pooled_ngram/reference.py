@@ -1,4 +1,5 @@
 """Pooled n-gram proposer (CPU path; drafting is pure Python)."""
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -11,9 +12,13 @@ from .policy import PoolStore
 class PooledNgram(Proposer):
     def __init__(self, params: Any) -> None:
         super().__init__(params)
-        self.store = PoolStore(prefix_tokens=params.prefix_tokens, max_order=params.max_order,
-                               max_contexts=params.max_contexts, max_pools=params.max_pools,
-                               include_prompt=params.include_prompt)
+        self.store = PoolStore(
+            prefix_tokens=params.prefix_tokens,
+            max_order=params.max_order,
+            max_contexts=params.max_contexts,
+            max_pools=params.max_pools,
+            include_prompt=params.include_prompt,
+        )
         self.proposed = self.drafted = 0
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
@@ -28,6 +33,10 @@ class PooledNgram(Proposer):
         self.store.release(request_id)
 
     def describe(self) -> dict[str, Any]:
-        return {"pools": len(self.store.pools), "contexts": self.store.num_contexts,
-                "live_requests": len(self.store.requests),
-                "proposals": self.proposed, "drafted": self.drafted}
+        return {
+            "pools": len(self.store.pools),
+            "contexts": self.store.num_contexts,
+            "live_requests": len(self.store.requests),
+            "proposals": self.proposed,
+            "drafted": self.drafted,
+        }

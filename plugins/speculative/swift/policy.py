@@ -15,6 +15,7 @@ matches the full model's on the context, :func:`.reference.match_scorer`) and sp
 Deterministic for a given ``seed``; no set is scored twice. The random phase keeps the first
 of equal scores; the local phase moves to an equal-scoring neighbour (crossing plateaus).
 """
+
 from __future__ import annotations
 
 import random
@@ -41,8 +42,7 @@ class LayerSkipSearch:
 
     def __init__(self, candidates: Sequence[int], n_skip: int, *, budget: int, seed: int = 0) -> None:
         if not 0 < n_skip <= len(candidates):
-            raise ValueError(f"n_skip must be in 1..{len(candidates)} (the skippable sub-layers), "
-                             f"got {n_skip}")
+            raise ValueError(f"n_skip must be in 1..{len(candidates)} (the skippable sub-layers), got {n_skip}")
         if budget < 1:
             raise ValueError(f"budget must be at least 1, got {budget}")
         self.candidates = list(candidates)

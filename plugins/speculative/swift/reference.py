@@ -21,6 +21,7 @@ over a short dense cache; nothing here is a kernel-shaped hot loop of its own.
 Paper: Xia et al., SWIFT: On-the-Fly Self-Speculative Decoding for LLM Inference
 Acceleration (ICLR 2025); Zhang et al., Draft & Verify (ACL 2024).
 """
+
 from __future__ import annotations
 
 import time
@@ -100,8 +101,7 @@ class SkipDecoder:
 
     def __init__(self, w: TargetWeights) -> None:
         if w.num_heads % w.num_kv_heads:
-            raise ValueError(f"num_heads ({w.num_heads}) must be a multiple of num_kv_heads "
-                             f"({w.num_kv_heads})")
+            raise ValueError(f"num_heads ({w.num_heads}) must be a multiple of num_kv_heads ({w.num_kv_heads})")
         if not w.layers:
             raise ValueError("the target has no decoder layers")
         self.w = w
@@ -110,7 +110,7 @@ class SkipDecoder:
         self.rotary_dim = w.rotary_dim or w.head_dim
         self.q_size = w.num_heads * w.head_dim
         self.kv_size = w.num_kv_heads * w.head_dim
-        self.scale = w.head_dim ** -0.5
+        self.scale = w.head_dim**-0.5
         self._cos_sin: torch.Tensor | None = w.rope_cos_sin
 
     # ---- pieces
@@ -126,21 +126,22 @@ class SkipDecoder:
                 return weight.device
         return torch.device("cpu")
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
-                need: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype, need: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``need``: one past the largest position (given, it saves a host sync)."""
         need = int(positions.max()) + 1 if need is None else need
         table = self._cos_sin
         if table is None or (self.w.rope_cos_sin is None and table.shape[0] < need):
             n = max(need, 2 * (table.shape[0] if table is not None else 256))
-            inv = 1.0 / (self.w.rope_theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float64)
-                                               / self.rotary_dim))
+            inv = 1.0 / (
+                self.w.rope_theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float64) / self.rotary_dim)
+            )
             freqs = torch.outer(torch.arange(n, dtype=torch.float64), inv)
             table = torch.cat([freqs.cos(), freqs.sin()], dim=-1).float().to(positions.device)
             self._cos_sin = table
         elif table.shape[0] < need:
-            raise ValueError(f"position {need - 1} is past the target's RoPE table "
-                             f"({table.shape[0]} positions)")
+            raise ValueError(f"position {need - 1} is past the target's RoPE table ({table.shape[0]} positions)")
         cs = table[positions].to(dtype)
         half = self.rotary_dim // 2
         return cs[:, :half], cs[:, half:]
@@ -154,9 +155,17 @@ class SkipDecoder:
         out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
         return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
 
-    def attention(self, i: int, x: torch.Tensor, positions: torch.Tensor, cos: Any,
-                  sin: Any, cache: DraftCache | None, start: int,
-                  hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def attention(
+        self,
+        i: int,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cos: Any,
+        sin: Any,
+        cache: DraftCache | None,
+        start: int,
+        hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``hidden [n, start + n]``: the causal mask (True: key not seen), for ``n > 1``."""
         w, layer = self.w, self.w.layers[i]
         n = x.shape[0]
@@ -177,8 +186,7 @@ class SkipDecoder:
         # group * n, head_dim] against keys [kv_heads, total, head_dim]
         total, group = k.shape[1], w.num_heads // w.num_kv_heads
         qg = q.reshape(n, w.num_kv_heads, group, w.head_dim).permute(1, 2, 0, 3)
-        scores = torch.matmul(qg.reshape(w.num_kv_heads, group * n, w.head_dim),
-                              k.transpose(1, 2)).float() * self.scale
+        scores = torch.matmul(qg.reshape(w.num_kv_heads, group * n, w.head_dim), k.transpose(1, 2)).float() * self.scale
         if hidden is not None:
             scores = scores.view(w.num_kv_heads, group, n, total).masked_fill(hidden, float("-inf"))
             scores = scores.view(w.num_kv_heads, group * n, total)
@@ -193,8 +201,9 @@ class SkipDecoder:
 
     # ---- the forward
     @torch.inference_mode()
-    def forward(self, tokens: Sequence[int], skip: frozenset[int] = frozenset(),
-                cache: DraftCache | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: Sequence[int], skip: frozenset[int] = frozenset(), cache: DraftCache | None = None
+    ) -> torch.Tensor:
         """Logits ``[len(tokens), vocab]`` (float32) after each of ``tokens``, which follow the
         cache's tokens (positions from ``len(cache)``; no cache: positions from 0). The
         cache, if given, must have been filled with the same ``skip``; it gains ``tokens``."""
@@ -210,19 +219,19 @@ class SkipDecoder:
         if w.rope is None:
             cos, sin = self.cos_sin(positions, h.dtype, need=start + len(ids))
         # query j (position start + j) sees keys 0 .. start + j: one mask for every layer
-        hidden = (torch.arange(start + len(ids), device=dev)[None, :] > positions[:, None]
-                  if len(ids) > 1 else None)
+        hidden = torch.arange(start + len(ids), device=dev)[None, :] > positions[:, None] if len(ids) > 1 else None
         for i in range(self.num_layers):
             layer = w.layers[i]
             if 2 * i not in skip:
-                h = h + self.attention(i, rms_norm(h, layer.input_norm, w.rms_norm_eps),
-                                       positions, cos, sin, cache, start, hidden)
+                h = h + self.attention(
+                    i, rms_norm(h, layer.input_norm, w.rms_norm_eps), positions, cos, sin, cache, start, hidden
+                )
             if 2 * i + 1 not in skip:
                 h = h + self.mlp(i, rms_norm(h, layer.post_attention_norm, w.rms_norm_eps))
         logits = _apply(w.lm_head, rms_norm(h, w.final_norm, w.rms_norm_eps))
         if cache is not None:
             cache.tokens.extend(int(t) for t in tokens)
-        return logits[:, :w.vocab_size].float()
+        return logits[:, : w.vocab_size].float()
 
 
 # ---------------------------------------------------------------------- the proposer
@@ -262,9 +271,19 @@ class Swift(SelfSpeculativeProposer):
         self.skip: frozenset[int] | None = None
         self.caches: dict[str, DraftCache] = {}
         self.search_info: dict[str, Any] = {}
-        self.stats = dict.fromkeys(("proposals", "drafted", "draft_forwards", "fed_tokens",
-                                    "stopped_low_confidence", "verified", "accepted",
-                                    "no_target"), 0)
+        self.stats = dict.fromkeys(
+            (
+                "proposals",
+                "drafted",
+                "draft_forwards",
+                "fed_tokens",
+                "stopped_low_confidence",
+                "verified",
+                "accepted",
+                "no_target",
+            ),
+            0,
+        )
         self.draft_seconds = 0.0
 
     # ---- the target
@@ -277,7 +296,8 @@ class Swift(SelfSpeculativeProposer):
                 raise ValueError(
                     f"swift: skip_layers {bad} are not sub-layers of the target, which has "
                     f"{decoder.num_layers} layers: sub-layers 0..{decoder.num_sublayers - 1} "
-                    "(2*i: attention of layer i, 2*i+1: its MLP)")
+                    "(2*i: attention of layer i, 2*i+1: its MLP)"
+                )
             self.skip = frozenset(p.skip_layers)
         else:
             candidates = skippable_sublayers(decoder.num_layers, p.keep_ends)
@@ -288,7 +308,8 @@ class Swift(SelfSpeculativeProposer):
                     f"{decoder.num_sublayers} sub-layers, but only {len(candidates)} may be skipped"
                     + (" (keep_ends keeps the first and last layer)" if p.keep_ends else "")
                     + f"; lower skip_ratio to at most {len(candidates) / decoder.num_sublayers:.2f}"
-                    + (" or set keep_ends: false" if p.keep_ends else ""))
+                    + (" or set keep_ends: false" if p.keep_ends else "")
+                )
         self.decoder = decoder
         self.caches.clear()
 
@@ -300,15 +321,23 @@ class Swift(SelfSpeculativeProposer):
         assert self.decoder is not None
         p, d = self.params, self.decoder
         t0 = time.perf_counter()
-        score, n = match_scorer(d, list(token_ids[:p.search_tokens]))
-        search = LayerSkipSearch(skippable_sublayers(d.num_layers, p.keep_ends),
-                                 self.num_skipped(d.num_sublayers), budget=p.search_budget, seed=p.seed)
+        score, n = match_scorer(d, list(token_ids[: p.search_tokens]))
+        search = LayerSkipSearch(
+            skippable_sublayers(d.num_layers, p.keep_ends),
+            self.num_skipped(d.num_sublayers),
+            budget=p.search_budget,
+            seed=p.seed,
+        )
         best, best_score = search.run(score)
         self.skip = best
         self.caches.clear()
-        self.search_info = {"skipped": sorted(best), "match": round(best_score, 4),
-                            "tokens_scored": n, "candidates": search.evaluated,
-                            "seconds": round(time.perf_counter() - t0, 3)}
+        self.search_info = {
+            "skipped": sorted(best),
+            "match": round(best_score, 4),
+            "tokens_scored": n,
+            "candidates": search.evaluated,
+            "seconds": round(time.perf_counter() - t0, 3),
+        }
 
     # ---- the Proposer contract
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
@@ -361,12 +390,14 @@ class Swift(SelfSpeculativeProposer):
 
     def describe(self) -> dict[str, Any]:
         d = self.decoder
-        out: dict[str, Any] = {**self.stats, "draft_seconds": round(self.draft_seconds, 3),
-                               "live_requests": len(self.caches),
-                               "cache_bytes": sum(c.nbytes for c in self.caches.values())}
+        out: dict[str, Any] = {
+            **self.stats,
+            "draft_seconds": round(self.draft_seconds, 3),
+            "live_requests": len(self.caches),
+            "cache_bytes": sum(c.nbytes for c in self.caches.values()),
+        }
         if d is not None:
-            out["target"] = {"source": d.w.source, "layers": d.num_layers,
-                             "sublayers": d.num_sublayers}
+            out["target"] = {"source": d.w.source, "layers": d.num_layers, "sublayers": d.num_sublayers}
         if self.skip is not None:
             out["skipped_sublayers"] = sorted(self.skip)
         if self.search_info:

@@ -7,6 +7,7 @@ top-k comes from ``flashinfer.top_k`` (flashinfer/topk.py:876-883) when
 :func:`vllm_graft.plugins._flashinfer.unavailable` allows; otherwise the Triton kernel runs, and
 the reason is logged once.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,8 +25,7 @@ def recycle_update(logits: torch.Tensor, tokens: torch.Tensor, matrix: torch.Ten
 
         return triton_update(logits, tokens, matrix)
     if logits.ndim != 2 or tokens.ndim != 1 or logits.shape[0] != tokens.shape[0]:
-        raise ValueError(f"logits [R, V] and tokens [R] expected, got {tuple(logits.shape)} "
-                         f"and {tuple(tokens.shape)}")
+        raise ValueError(f"logits [R, V] and tokens [R] expected, got {tuple(logits.shape)} and {tuple(tokens.shape)}")
     k = matrix.shape[1]
     if k > logits.shape[1]:
         raise ValueError(f"k={k} exceeds the vocabulary {logits.shape[1]}")

@@ -13,6 +13,7 @@ On the vLLM CPU engine the adapter hands the plugin top-k ids already (``torch.t
 this kernel is the device-side path (:meth:`..reference.TokenRecycling.update_from_logits`
 with CUDA tensors) and is tested against the reference under ``TRITON_INTERPRET=1``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _recycle_update_kernel(logits_ptr, tokens_ptr, write_ptr, matrix_ptr, V, stride_l, stride_m,
-                           K: tl.constexpr, BLOCK_V: tl.constexpr):
+def _recycle_update_kernel(
+    logits_ptr, tokens_ptr, write_ptr, matrix_ptr, V, stride_l, stride_m, K: tl.constexpr, BLOCK_V: tl.constexpr
+):
     r = tl.program_id(0)
     if tl.load(write_ptr + r) != 0:
         tok = tl.load(tokens_ptr + r).to(tl.int64)
@@ -59,12 +61,12 @@ def last_occurrence(tokens: torch.Tensor) -> torch.Tensor:
     return (last[tokens.long()] == pos).to(torch.int8)
 
 
-def recycle_update(logits: torch.Tensor, tokens: torch.Tensor, matrix: torch.Tensor,
-                   block_v: int = 1024) -> torch.Tensor:
+def recycle_update(
+    logits: torch.Tensor, tokens: torch.Tensor, matrix: torch.Tensor, block_v: int = 1024
+) -> torch.Tensor:
     """``matrix[tokens[r]] = topk(logits[r])`` for each row (see module docstring); in place."""
     if logits.ndim != 2 or tokens.ndim != 1 or logits.shape[0] != tokens.shape[0]:
-        raise ValueError(f"logits [R, V] and tokens [R] expected, got {tuple(logits.shape)} "
-                         f"and {tuple(tokens.shape)}")
+        raise ValueError(f"logits [R, V] and tokens [R] expected, got {tuple(logits.shape)} and {tuple(tokens.shape)}")
     if matrix.dtype != torch.int64 or matrix.ndim != 2 or matrix.stride(1) != 1:
         raise ValueError("matrix must be a row-major int64 [rows, k] tensor")
     k, v = matrix.shape[1], logits.shape[1]
@@ -78,5 +80,6 @@ def recycle_update(logits: torch.Tensor, tokens: torch.Tensor, matrix: torch.Ten
     write = last_occurrence(tokens)
     block = min(triton.next_power_of_2(v), block_v)
     _recycle_update_kernel[(logits.shape[0],)](
-        logits, tokens, write, matrix, v, logits.stride(0), matrix.stride(0), K=k, BLOCK_V=block)
+        logits, tokens, write, matrix, v, logits.stride(0), matrix.stride(0), K=k, BLOCK_V=block
+    )
     return matrix

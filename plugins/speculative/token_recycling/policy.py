@@ -13,6 +13,7 @@ rejection sampler verifies chains only, so :meth:`RecyclingMatrix.chain` drafts 
 probable path (column 0 at each depth). :meth:`RecyclingMatrix.tree` builds the paper's
 tree for a future tree verifier (not used by vLLM today).
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -49,7 +50,7 @@ class RecyclingMatrix:
         if self.vocab_size is not None:
             rows = min(rows, self.vocab_size)
         grown: np.ndarray = np.full((rows, self.k), EMPTY, dtype=np.int64)
-        grown[:len(self.m)] = self.m
+        grown[: len(self.m)] = self.m
         self.m = grown
 
     def update(self, tokens: Sequence[int], topk_ids: np.ndarray) -> None:

@@ -1,4 +1,5 @@
 """Token Recycling proposer (CPU path) and the oracle of the matrix-update kernel."""
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -73,14 +74,18 @@ class TokenRecycling(Proposer):
         self.drafted += len(drafts)
         return drafts
 
-    def propose_tree(self, request_id: str, token_ids: Sequence[int],
-                     max_nodes: int) -> tuple[list[int], list[int]]:
+    def propose_tree(self, request_id: str, token_ids: Sequence[int], max_nodes: int) -> tuple[list[int], list[int]]:
         nodes = self.matrix.tree(token_ids[-1], self.params.tree_breadth)[:max_nodes] if token_ids else []
         self.proposed += 1
         self.drafted += len(nodes)
         return [t for t, _ in nodes], [p for _, p in nodes]
 
     def describe(self) -> dict[str, Any]:
-        return {"matrix_rows": len(self.matrix.m), "k": self.matrix.k,
-                "matrix_bytes": self.matrix.nbytes, "rows_observed": self.observed_rows,
-                "proposals": self.proposed, "drafted": self.drafted}
+        return {
+            "matrix_rows": len(self.matrix.m),
+            "k": self.matrix.k,
+            "matrix_bytes": self.matrix.nbytes,
+            "rows_observed": self.observed_rows,
+            "proposals": self.proposed,
+            "drafted": self.drafted,
+        }
