@@ -156,8 +156,7 @@ class Run:
         return [0] + sorted({n for n, _ in self.held[row]})
 
 
-def plan_for(kvcompress=None, engine=None):
-
+def deployment_plan(kvcompress=None, engine=None):
     data = {"model": str(LLAMA), "engine": {**ENGINE, **(engine or {})}}
     if kvcompress:
         data["kvcompress"] = kvcompress
@@ -171,7 +170,7 @@ def run(prompt_ids, kvcompress=None, new_tokens=NEW_TOKENS, engine=None) -> Run:
     from vllm_graft.cli import launch
     from vllm_graft.integration.runtime import RUNTIME
 
-    llm = LLM(**launch.llm_kwargs(plan_for(kvcompress, engine), graft=bool(kvcompress)), seed=0)
+    llm = LLM(**launch.llm_kwargs(deployment_plan(kvcompress, engine), graft=bool(kvcompress)), seed=0)
     try:
         RUNTIME.events.clear()
         SinkWindow.views.clear()
