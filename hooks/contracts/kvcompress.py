@@ -93,10 +93,13 @@ class KVCompressor(PluginImpl[P]):
     blocks to its answer (``sorted(set(mine) | view.pinned)``). A pinned block the worker
     drops stays held until no other request shares it, then it is freed.
 
-    Scores. A compressor that needs scores (H2O, SnapKV: attention mass per block) sets
-    :attr:`needs_scores` and implements :meth:`attend`: the worker then runs the layer's
-    attention through it and adds the mass it reports to each block's score (summed over
-    heads, layers and the queries :meth:`score_positions` selects). ``keep`` is asked in the
+    Scores. A compressor that needs scores (H2O, SnapKV, TOVA: attention mass per block) sets
+    :attr:`needs_scores`: the worker then runs the layer's attention with per-block mass and adds
+    the mass to each block's score. By default that is the shared attention with mass (exact
+    PyTorch, or its Triton decode kernel where the plugin's parameters say ``kernel: triton``),
+    so a scorer is its policy alone; one with its own attention (a storage format, its own
+    kernel) implements :meth:`attend` instead. The mass is summed over heads, layers and the
+    queries :meth:`score_positions` selects. ``keep`` is asked in the
     **worker only**, once per step after the forward pass, with ``num_tokens`` = all tokens
     computed so far, ``scores`` set and ``pinned`` empty; the blocks it drops leave
     attention from the next step on and travel to the scheduler, which frees them (blocks
@@ -121,13 +124,14 @@ class KVCompressor(PluginImpl[P]):
 
     kind = Kind.KVCOMPRESS
 
-    #: True if :meth:`keep` needs ``view.scores``; the compressor then implements :meth:`attend`.
+    #: True if :meth:`keep` needs ``view.scores`` (the worker's shared attention with mass, or
+    #: the compressor's own :meth:`attend`, computes them).
     needs_scores: bool = False
     #: True (with ``needs_scores``) if the compressor chooses blocks per KV head
     #: (:meth:`keep_heads`); its :meth:`attend` then takes ``head_mask`` and reports mass per KV head.
     per_head: bool = False
-    #: the ``KVCacheLayout`` names :meth:`attend` reads the cache in (``needs_scores`` only;
-    #: see ``hooks.contracts.attention.KVCacheLayout``)
+    #: the ``KVCacheLayout`` names the compressor's own :meth:`attend` reads the cache in (see
+    #: ``hooks.contracts.attention.KVCacheLayout``); the shared attention reads both
     kv_layouts: tuple[str, ...] = ("blocked",)
 
     @abstractmethod
@@ -153,7 +157,8 @@ class KVCompressor(PluginImpl[P]):
         observe: "torch.Tensor",
         head_mask: "torch.Tensor | None" = None,
     ) -> tuple["torch.Tensor", "torch.Tensor"]:
-        """Causal attention over the paged batch (``needs_scores`` only), as
+        """Optional (``needs_scores`` only; default: the worker's shared attention with mass).
+        Causal attention over the paged batch, as
         :meth:`AttentionMethod.forward` (the cache in ``layer.kv_layout``: read it with
         ``layer.kv_layout.split(kv_cache)``; list the layouts you read in ``kv_layouts``),
         plus the attention mass per block: ``(out [T, H, D], mass [num_seqs, max_blocks])``,
@@ -166,7 +171,9 @@ class KVCompressor(PluginImpl[P]):
         ``q // (H / H_kv)``), and ``mass`` is ``[num_seqs, H_kv, max_blocks]``: summed over the
         query heads of each KV head's group (not over all heads). Other compressors are called
         without ``head_mask``."""
-        raise NotImplementedError(f"{type(self).__name__} sets needs_scores but implements no attend()")
+        raise NotImplementedError(
+            f"{type(self).__name__} implements no attend(): the worker runs the shared attention with mass"
+        )
 
 
 # ------------------------------------------------------------------ the rules of keep()

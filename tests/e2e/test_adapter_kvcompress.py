@@ -90,10 +90,16 @@ class DropsLast(KVCompressor):
         return list(range(view.num_blocks - 1)) if view.num_blocks >= 2 else list(range(view.num_blocks))
 
 
+SCORED_VIEWS: list[BlockView] = []
+
+
 class WantsScores(KVCompressor):
+    """Needs scores and implements no attend(): the worker's shared attention with mass serves it."""
+
     needs_scores = True
 
     def keep(self, view):
+        SCORED_VIEWS.append(view)
         return list(range(view.num_blocks))
 
 
@@ -396,9 +402,12 @@ def test_a_rule_breaking_compressor_is_stopped_with_its_name(prompt_ids):
     assert "'test-drops-last'" in str(keep_errors[0]) and "must be kept" in str(keep_errors[0])
 
 
-def test_a_compressor_needing_scores_is_refused_at_start(prompt_ids):
-    with pytest.raises(NotImplementedError, match="test-scores.*implements no attend"):
-        run(prompt_ids[:1], {"plugin": "test-scores"}, new_tokens=2)
+def test_a_compressor_needing_scores_without_attend_gets_the_shared_attention(prompt_ids, plain):
+    SCORED_VIEWS.clear()
+    got = run(prompt_ids[:1], {"plugin": "test-scores"}, new_tokens=2)
+    assert got.tokens == [t[:2] for t in plain.tokens[:1]]  # keeps every block: plain's greedy tokens
+    assert SCORED_VIEWS and all(v.scores is not None and v.step_scores is not None for v in SCORED_VIEWS)
+    assert any(s > 0 for v in SCORED_VIEWS for s in v.scores)  # the mass of real attention
 
 
 def test_a_plain_engine_afterwards_is_unchanged(prompt_ids, plain, window):

@@ -2,7 +2,8 @@
 it is handed (``layer.kv_layout``): its reference path gives the same output (and mass) for the
 same tokens in a blocked cache, a packed NHD-ordered view and a packed HND cache
 (kit/conformance/exercises/attention.py's cases), lossy plugins included, in every CPU path and
-mode that reads the cache; and each claims both layouts in ``kv_layouts``. The Triton kernels'
+mode that reads the cache; and each claims both layouts in ``kv_layouts`` (a compressor that
+leaves its attention to the worker's shared one, its layouts). The Triton kernels'
 layout tests are in tests/kernels/test_layouts.py."""
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import dataclasses
 
 from vllm_graft.hooks import AttentionLayer, AttentionMethod, Kind, KVCacheFormat, PagedBatch, get_registry
+from vllm_graft.integration.adapters.kvcompress.shared_attention import attend_with_mass, layouts_read
 from vllm_graft.kit.conformance.exercises.attention import relaid_cache
 from vllm_graft.kit.conformance.exercises.kvcompress import _head_mask, _observed
 
@@ -83,8 +85,8 @@ def _run(impl, shape, cache, seed):
     if getattr(impl, "per_head", False):
         mask = _head_mask(batch, layer.num_kv_heads, layer.block_size, seed + 1)
         mask[:, :, 0] = True  # every query sees a key
-        return list(impl.attend(q, kv, batch, layer, observe, head_mask=mask))
-    return list(impl.attend(q, kv, batch, layer, observe))
+        return list(attend_with_mass(impl, q, kv, batch, layer, observe, head_mask=mask))
+    return list(attend_with_mass(impl, q, kv, batch, layer, observe))  # what the worker runs
 
 
 def test_every_shipped_reader_is_found():
@@ -95,7 +97,9 @@ def test_every_shipped_reader_is_found():
 
 @pytest.mark.parametrize("entry, params", readers())
 def test_same_output_in_every_layout(entry, params):
-    assert set(_build(entry, params).kv_layouts) == {"blocked", "packed"}, \
+    impl = _build(entry, params)
+    claimed = layouts_read(impl) if not isinstance(impl, AttentionMethod) else impl.kv_layouts
+    assert set(claimed) == {"blocked", "packed"}, \
         f"{entry.name} should claim both layouts (its reads go through layer.kv_layout.split)"
     for j, shape in enumerate(SHAPES):
         want = None

@@ -258,17 +258,45 @@ class _Plugin:
                               capabilities=Capabilities(lossless=False)))
 
 
-def test_a_compressor_that_needs_scores_without_attend_is_refused_at_activation():
+def test_a_compressor_that_needs_scores_without_attend_gets_the_shared_attention():
+    """A scorer is its policy alone: the worker runs the shared attention with mass for it
+    (reading both cache layouts), where a plugin with its own attend keeps it."""
+    import torch
+
     from vllm_graft.hooks import make_plugin_manager, validate
     from vllm_graft.integration.adapters.kvcompress.engine import ADAPTER
+    from vllm_graft.integration.adapters.kvcompress.shared_attention import (
+        attend_with_mass,
+        layouts_read,
+        uses_shared_attention,
+    )
     from vllm_graft.integration.runtime import Runtime
+    from vllm_graft.kit.conformance.exercises.attention import attention_case
+    from vllm_graft.kit.conformance.exercises.kvcompress import _observed
 
     pm = make_plugin_manager(entry_points=False, trace=False)
     pm.register(_Plugin(), name="scored-test")
     plan = validate({"kvcompress": {"plugin": "scored"}}, pm.build_registry())
-    with pytest.raises(NotImplementedError, match="'scored' needs attention scores.*implements no attend"):
-        ADAPTER.activate(plan.by_kind("kvcompress"), plan, Runtime())
-    ADAPTER.deactivate()
+    runtime = Runtime()
+    try:
+        ADAPTER.activate(plan.by_kind("kvcompress"), plan, runtime)  # no longer refused
+        impl = runtime.instance(plan.by_kind("kvcompress")[0])
+    finally:
+        ADAPTER.deactivate()
+    assert uses_shared_attention(impl) and layouts_read(impl) == ("blocked", "packed")
+    q, kv, batch, layer = attention_case((4, 2, 64, 16), "float32", seed=3, cache="blocked")
+    out, mass = attend_with_mass(impl, q, kv, batch, layer, _observed(q.shape[0]))
+    assert out.shape == q.shape and torch.isfinite(mass).all() and mass.sum() > 0
+
+    class OwnAttend(NeedsScores):
+        kv_layouts = ("blocked",)
+
+        def attend(self, query, kv_cache, batch, layer, observe, head_mask=None):
+            return "own", None
+
+    own = OwnAttend(NoParams())
+    assert not uses_shared_attention(own) and layouts_read(own) == ("blocked",)
+    assert attend_with_mass(own, q, kv, batch, layer, None) == ("own", None)
 
 
 def test_the_adapter_module_and_its_pure_logic_load_no_vllm():

@@ -26,6 +26,7 @@ from vllm_graft.integration.adapters.kvcompress.plan import KVCompressError, Row
 from vllm_graft.integration.adapters.kvcompress.rows import build_attention_metadata_wrapper, host_seq_lens, step_rows
 from vllm_graft.integration.adapters.kvcompress.salt import composition_salt, request_init_wrapper
 from vllm_graft.integration.adapters.kvcompress.scores import _Scores, _ScoringAttention
+from vllm_graft.integration.adapters.kvcompress.shared_attention import layouts_read
 from vllm_graft.integration.adapters.kvcompress.state import OWNER, Active
 from vllm_graft.integration import targets
 from vllm_graft.integration.patches import PATCHES
@@ -249,18 +250,11 @@ class KVCompressAdapter(Adapter):
         # a format alone keeps every block
         e, compressor = evictors[0] if evictors else (fmt_e, KeepAll())
         scored = bool(getattr(compressor, "needs_scores", False))
-        if scored and type(compressor).attend is KVCompressor.attend:
-            raise NotImplementedError(
-                f"kvcompress plugin {e.name!r} needs attention scores (needs_scores = True) but "
-                "implements no attend(): the worker gets the scores from the compressor's own "
-                "attention. Implement KVCompressor.attend (see vllm_graft.plugins.kvcompress.h2o), "
-                "or set needs_scores = False."
-            )
         if getattr(compressor, "per_head", False):
             if not scored:
                 raise NotImplementedError(
                     f"kvcompress plugin {e.name!r} sets per_head but not needs_scores: per-head "
-                    "decisions come from per-head attention mass; set needs_scores = True and implement attend()"
+                    "decisions come from per-head attention mass; set needs_scores = True"
                 )
             if type(compressor).keep_heads is KVCompressor.keep_heads:
                 raise NotImplementedError(
@@ -275,7 +269,7 @@ class KVCompressAdapter(Adapter):
         from vllm_graft.integration.adapters import backend  # imports vLLM
 
         if scored:  # its attend() reads the cache: in the layout of the route's backend
-            backend.require_layout(e.name, getattr(compressor, "kv_layouts", ("blocked",)), plan, "kvcompress plugin")
+            backend.require_layout(e.name, layouts_read(compressor), plan, "kvcompress plugin")
         if scored and backend.SEAMS.method is not None and not isinstance(backend.SEAMS.method, _ScoringAttention):
             raise NotImplementedError(
                 f"kvcompress plugin {e.name!r} needs attention scores, which it computes in its own "

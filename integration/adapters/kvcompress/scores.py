@@ -20,6 +20,7 @@ from vllm_graft.integration.adapters.kvcompress.keep import (
     union_of_heads,
 )
 from vllm_graft.integration.adapters.kvcompress.rows import step_rows
+from vllm_graft.integration.adapters.kvcompress.shared_attention import attend_with_mass
 
 if TYPE_CHECKING:
     import torch
@@ -291,7 +292,7 @@ class _ScoringAttention:
                 if plan is not None
                 else torch.ones(S, hkv, width, dtype=torch.bool, device=query.device)
             )
-            out, mass = compressor.attend(query, kv_cache, batch, layer, observe, head_mask=mask)
+            out, mass = attend_with_mass(compressor, query, kv_cache, batch, layer, observe, head_mask=mask)
             if plan is not None:
                 if plan.mass is None:  # made at the first layer, where the mass is
                     plan.mass = torch.zeros(len(plan.rows), hkv, width, dtype=torch.float32, device=mass.device)
@@ -302,7 +303,7 @@ class _ScoringAttention:
             # the cache is in the storage format: its attention reads it (and scores it)
             out, mass = state.kv_format.forward(query, kv_cache, batch, layer, observe)
         else:
-            out, mass = compressor.attend(query, kv_cache, batch, layer, observe)
+            out, mass = attend_with_mass(compressor, query, kv_cache, batch, layer, observe)
         if plan is not None:
             rows, width = plan.mass.shape
             plan.mass += mass[:rows, :width].to(plan.mass.dtype)

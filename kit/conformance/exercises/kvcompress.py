@@ -8,7 +8,9 @@ same oracle. :func:`exercise_kvcompress` dispatches formats to :func:`exercise_k
 
 from __future__ import annotations
 
+import functools
 import random
+from types import SimpleNamespace
 from typing import Any
 
 from vllm_graft.hooks import (
@@ -167,21 +169,25 @@ def exercise_attend(t: Target, impl: Any, dtype: str, rules: bool) -> list[tuple
     for a ``per_head`` compressor. Output and mass are compared with the kit's float64
     computation (:func:`~.attention.exact_attention_with_mass`), in every cache its
     ``kv_layouts`` claims (:func:`~.attention.claimed_caches`)."""
+    from vllm_graft.integration.adapters.kvcompress.shared_attention import attend_with_mass, layouts_read
+
     per_head = bool(getattr(impl, "per_head", False))
     sizes = t.entry.registration.capabilities.head_sizes
     results = []
-    caches = claimed_caches(t, impl)
+    # what the worker runs: the plugin's own attend, or the shared attention with mass
+    caches = claimed_caches(t, SimpleNamespace(kv_layouts=layouts_read(impl)))
+    attend = functools.partial(attend_with_mass, impl)
     for j, shape in enumerate(ATTENTION_SHAPES):
         h, hkv, d, bs = shape
         if sizes is not None and d not in sizes:
             continue
         for cache in caches:
-            results.append(_attend_once(t, impl, shape, j, cache, dtype, rules, per_head))
+            results.append(_attend_once(t, attend, shape, j, cache, dtype, rules, per_head))
     return results
 
 
 def _attend_once(
-    t: Target, impl: Any, shape, j: int, cache: str, dtype: str, rules: bool, per_head: bool
+    t: Target, attend: Any, shape, j: int, cache: str, dtype: str, rules: bool, per_head: bool
 ) -> tuple[str, Any]:
     torch = torch_module()
     h, hkv, d, bs = shape
@@ -194,10 +200,10 @@ def _attend_once(
     before = [x.clone() for x in (q, kv, observe)]
     if head_mask is not None:  # per_head
         got = call_in_cache(
-            t, cache, label, "attend()", impl.attend, q, kv, batch, layer, observe, head_mask=head_mask.clone()
+            t, cache, label, "attend()", attend, q, kv, batch, layer, observe, head_mask=head_mask.clone()
         )
     else:
-        got = call_in_cache(t, cache, label, "attend()", impl.attend, q, kv, batch, layer, observe)
+        got = call_in_cache(t, cache, label, "attend()", attend, q, kv, batch, layer, observe)
     try:
         out, mass = got
     except (TypeError, ValueError):

@@ -1,17 +1,15 @@
 """Ada-KV at block granularity, per KV head (see ``__init__``): the blocks each head keeps
-(:meth:`AdaKV.keep_heads`), their union (:meth:`AdaKV.keep`), and the per-head masked attention
-with per-head mass (the scored compressors' shared ``attend``, ``kvcompress/_shared``)."""
+(:meth:`AdaKV.keep_heads`) and their union (:meth:`AdaKV.keep`); the per-head masked attention
+with per-head mass is the worker's shared one (``kvcompress/_shared``)."""
 
 from __future__ import annotations
 
 from vllm_graft.hooks import BlockView, KVCompressor
 
-from .._shared import reference as scored
 from .._shared.policy import adaptive_head_budget, with_pinned
 
 
 class AdaKV(KVCompressor):
-    kv_layouts = ("blocked", "packed")  # attend reads through layer.kv_layout.split (reference and kernel)
     needs_scores = True
     per_head = True
 
@@ -44,9 +42,6 @@ class AdaKV(KVCompressor):
     def keep(self, view: BlockView) -> list[int]:
         """The blocks some head keeps (the others are freed)."""
         return sorted(set().union(*map(set, self.keep_heads(view))))
-
-    def attend(self, query, kv_cache, batch, layer, observe, head_mask=None):
-        return scored.attend(self.params.kernel, query, kv_cache, batch, layer, observe, head_mask=head_mask)
 
     def describe(self):
         return self.params.model_dump()

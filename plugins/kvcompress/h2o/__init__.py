@@ -6,10 +6,10 @@ heads and all layers: vLLM frees KV per block and per KV-cache group, not per la
 ``score: mean`` ranks blocks by that sum per query that could attend to them instead, removing
 the sum's preference for old blocks.
 
-The attention mass comes from the layer's attention itself, which the worker runs through
-``H2O.attend``, shared with ``snapkv`` (``kvcompress/_shared``): the exact attention with mass
-(``kernel: reference``) or the Triton decode kernel that also emits per-block mass
-(``kernel: triton``; prefill rows use the reference).
+The attention mass comes from the layer's attention itself, which the worker runs through the
+scored compressors' shared attention with mass (``kvcompress/_shared``; H2O implements no
+``attend``): the exact attention with mass (``kernel: reference``) or the Triton decode kernel
+that also emits per-block mass (``kernel: triton``; prefill rows use the reference).
 """
 
 from typing import Literal

@@ -2,21 +2,19 @@
 recent window and the "heavy hitter" blocks with the most accumulated attention, at most
 ``budget_blocks`` in all.
 
-The accumulated attention comes from :meth:`H2O.attend`, the scored compressors' shared
-attention with per-block mass (``kvcompress/_shared``: the exact reference, or the Triton
-decode kernel with ``kernel: triton``).
+The accumulated attention comes from the worker: a scored compressor that implements no
+``attend`` gets the shared attention with per-block mass (``kvcompress/_shared``: the exact
+reference, or the Triton decode kernel with ``kernel: triton``). H2O is its policy alone.
 """
 
 from __future__ import annotations
 
 from vllm_graft.hooks import BlockView, KVCompressor
 
-from .._shared import reference as scored
 from .._shared.policy import sink_window, top_blocks, with_pinned
 
 
 class H2O(KVCompressor):
-    kv_layouts = ("blocked", "packed")  # attend reads through layer.kv_layout.split (reference and kernel)
     needs_scores = True
 
     def keep(self, view: BlockView) -> list[int]:
@@ -32,9 +30,6 @@ class H2O(KVCompressor):
             scores, [i for i in range(n) if i not in fixed and scores[i] != float("-inf")], p.budget_blocks - len(fixed)
         )
         return with_pinned(fixed | heavy, view.pinned)
-
-    def attend(self, query, kv_cache, batch, layer, observe):
-        return scored.attend(self.params.kernel, query, kv_cache, batch, layer, observe)
 
     def describe(self):
         return self.params.model_dump()

@@ -1,16 +1,14 @@
-"""SnapKV at block granularity (see ``__init__``); attention and mass as H2O's (the scored
-compressors' shared ``attend``, ``kvcompress/_shared``)."""
+"""SnapKV at block granularity (see ``__init__``); attention and mass from the worker's shared
+attention with per-block mass (``kvcompress/_shared``), as H2O's."""
 
 from __future__ import annotations
 
 from vllm_graft.hooks import BlockView, KVCompressor
 
-from .._shared import reference as scored
 from .._shared.policy import top_blocks, with_pinned
 
 
 class SnapKV(KVCompressor):
-    kv_layouts = ("blocked", "packed")  # attend reads through layer.kv_layout.split (reference and kernel)
     needs_scores = True
 
     def score_positions(self, num_prompt_tokens: int) -> tuple[int, int]:
@@ -32,9 +30,6 @@ class SnapKV(KVCompressor):
         room = max(0, p.budget_blocks - len(prompt_fixed))
         candidates = [i for i in range(min(window_start, n)) if i not in fixed and view.scores[i] != float("-inf")]
         return with_pinned(fixed | top_blocks(view.scores, candidates, room), view.pinned)
-
-    def attend(self, query, kv_cache, batch, layer, observe):
-        return scored.attend(self.params.kernel, query, kv_cache, batch, layer, observe)
 
     def describe(self):
         return self.params.model_dump()

@@ -1,0 +1,46 @@
+"""The attention a scored compressor's mass comes from, when it leaves that to the worker.
+
+A compressor with ``needs_scores`` may implement :meth:`~vllm_graft.hooks.KVCompressor.attend`
+itself (its own attention and mass: ``kv4``'s format, a third-party kernel). One that does not
+(``h2o``, ``snapkv``, ``adakv``, ``tova``: a scorer and a policy, nothing else) gets the shared
+attention with per-block mass of ``plugins/kvcompress/_shared``: the exact PyTorch reference,
+or with ``kernel: triton`` in its parameters the Triton decode kernel. It reads the cache in
+both layouts (:data:`SHARED_LAYOUTS`). The worker (:mod:`.scores`) and the conformance kit call
+:func:`attend_with_mass`, so a compressor is run and checked the same way. vLLM-free.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_graft.hooks import KVCompressor
+
+#: the cache layouts the shared attention reads (through ``layer.kv_layout.split``)
+SHARED_LAYOUTS = ("blocked", "packed")
+
+
+def uses_shared_attention(compressor: Any) -> bool:
+    """A scored compressor that implements no ``attend`` of its own."""
+    return bool(getattr(compressor, "needs_scores", False)) and type(compressor).attend is KVCompressor.attend
+
+
+def layouts_read(compressor: Any) -> tuple[str, ...]:
+    """The cache layouts the compressor's attention reads: the shared attention's, or its own
+    ``kv_layouts`` claim."""
+    if uses_shared_attention(compressor):
+        return SHARED_LAYOUTS
+    return tuple(getattr(compressor, "kv_layouts", ("blocked",)))
+
+
+def attend_with_mass(compressor: Any, query, kv_cache, batch, layer, observe, head_mask=None):
+    """``(out, mass)`` of the step's attention for ``compressor`` (see ``KVCompressor.attend``):
+    its own ``attend``, or the shared one with its ``kernel`` parameter (default reference).
+    ``head_mask`` is passed only to a per-head compressor (it is None for the others)."""
+    if not uses_shared_attention(compressor):
+        if head_mask is None:
+            return compressor.attend(query, kv_cache, batch, layer, observe)
+        return compressor.attend(query, kv_cache, batch, layer, observe, head_mask=head_mask)
+    from vllm_graft.plugins.kvcompress._shared import reference as shared
+
+    kernel = getattr(getattr(compressor, "params", None), "kernel", "reference")
+    return shared.attend(kernel, query, kv_cache, batch, layer, observe, head_mask=head_mask)
