@@ -148,6 +148,19 @@ class KVCompressor(PluginImpl[P]):
         scores (``needs_scores`` only). Default: every query."""
         return (0, 1 << 62)
 
+    def block_scores(self, kv_cache: "torch.Tensor", batch: PagedBatch, layer: AttentionLayer) -> "torch.Tensor | None":
+        """Optional (``needs_scores`` only): this layer's score of each block read from the cache
+        itself, **in place of** the attention mass, for scorers of what the keys say (K-norm: key
+        norms; KeyDiff: how far a block's keys are from the sequence's mean key). A float tensor
+        ``[num_seqs, max_blocks]``: entry ``[i, j]`` scores block-table column ``j`` of sequence
+        ``i`` (columns past ``ceil(seq_lens[i] / block_size)`` are ignored). The worker sums it
+        over layers into the step's scores exactly as it sums the mass (``view.step_scores``:
+        this step's; ``view.scores``: over the steps). Read the cache through
+        ``layer.kv_layout.split`` (list the layouts in ``kv_layouts``); no host sync; leave the
+        inputs unmodified. Default None: the scores are the attention mass. Not with
+        :attr:`per_head`."""
+        return None
+
     def attend(
         self,
         query: "torch.Tensor",

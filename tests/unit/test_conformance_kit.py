@@ -385,3 +385,41 @@ def test_kvcompress_storage_format_contract():
                           (NoMass, "returned mass None")):
         with pytest.raises(c.ConformanceError, match=match):
             c.check_contract(target(Kind.KVCOMPRESS, broken, params=KV4Params, lossless=False, role="storage"))
+
+
+# ------------------------------------------------------------- kvcompress: block_scores
+class KeyScored(KVCompressor):
+    """Scores blocks from the cache (block_scores), as knorm and keydiff do."""
+
+    needs_scores = True
+    kv_layouts = ("blocked", "packed")
+
+    def keep(self, view):
+        return list(range(view.num_blocks))
+
+    def block_scores(self, kv_cache, batch, layer):
+        keys, _ = layer.kv_layout.split(kv_cache)
+        table = batch.block_table.long().clamp(min=0)
+        return keys[table].float().abs().mean(dim=(2, 3, 4))  # [S, W]
+
+
+class KeyScoredWrongShape(KeyScored):
+    def block_scores(self, kv_cache, batch, layer):
+        return super().block_scores(kv_cache, batch, layer)[:, :1]
+
+
+class KeyScoredBlockedOnly(KeyScored):
+    """Claims packed but reads the cache as if blocked."""
+
+    def block_scores(self, kv_cache, batch, layer):
+        n, h, b, c = kv_cache.shape
+        keys = kv_cache.reshape(n, h, 2, b, c // 2)[:, :, 0]
+        return keys[batch.block_table.long().clamp(min=0)].float().abs().mean(dim=(2, 3, 4))
+
+
+def test_block_scores_are_checked_for_shape_and_every_claimed_layout():
+    assert "keep the kvcompress contract" in c.check_contract(target(Kind.KVCOMPRESS, KeyScored, lossless=False))
+    with pytest.raises(c.ConformanceError, match=r"block_scores\(\) returned .*\[num_seqs, max_blocks\]"):
+        c.check_contract(target(Kind.KVCOMPRESS, KeyScoredWrongShape, lossless=False))
+    with pytest.raises(c.ConformanceError, match=r"block_scores\(\) differs .* from the blocked cache's"):
+        c.check_contract(target(Kind.KVCOMPRESS, KeyScoredBlockedOnly, lossless=False))

@@ -20,7 +20,7 @@ from vllm_graft.integration.adapters.kvcompress.keep import (
     union_of_heads,
 )
 from vllm_graft.integration.adapters.kvcompress.rows import step_rows
-from vllm_graft.integration.adapters.kvcompress.shared_attention import attend_with_mass
+from vllm_graft.integration.adapters.kvcompress.shared_attention import attend_with_mass, scores_the_cache
 
 if TYPE_CHECKING:
     import torch
@@ -93,6 +93,8 @@ class _Scores:
         #: (tensor parallelism: each rank holds some KV heads, so its mass is partial; summed,
         #: every rank decides on all heads' mass, the same blocks as one rank would). None: as is.
         self.reduce = reduce
+        #: the compressor scores blocks from the cache (``block_scores``) in place of the mass
+        self.from_cache = scores_the_cache(compressor)
 
     def forget(self, req_ids: Any) -> None:
         for r in req_ids or ():
@@ -304,6 +306,8 @@ class _ScoringAttention:
             out, mass = state.kv_format.forward(query, kv_cache, batch, layer, observe)
         else:
             out, mass = attend_with_mass(compressor, query, kv_cache, batch, layer, observe)
+            if self.scores.from_cache:  # the compressor scores blocks from the keys, not the mass
+                mass = compressor.block_scores(kv_cache, batch, layer)
         if plan is not None:
             rows, width = plan.mass.shape
             plan.mass += mass[:rows, :width].to(plan.mass.dtype)

@@ -24,12 +24,20 @@ def uses_shared_attention(compressor: Any) -> bool:
     return bool(getattr(compressor, "needs_scores", False)) and type(compressor).attend is KVCompressor.attend
 
 
+def scores_the_cache(compressor: Any) -> bool:
+    """A scored compressor that scores blocks from the cache (``block_scores``), not by the mass."""
+    return bool(getattr(compressor, "needs_scores", False)) and (
+        type(compressor).block_scores is not KVCompressor.block_scores
+    )
+
+
 def layouts_read(compressor: Any) -> tuple[str, ...]:
     """The cache layouts the compressor's attention reads: the shared attention's, or its own
     ``kv_layouts`` claim."""
-    if uses_shared_attention(compressor):
-        return SHARED_LAYOUTS
-    return tuple(getattr(compressor, "kv_layouts", ("blocked",)))
+    own = tuple(getattr(compressor, "kv_layouts", ("blocked",)))
+    if uses_shared_attention(compressor):  # and its block_scores, where it has them, read its own claim
+        return tuple(n for n in SHARED_LAYOUTS if n in own) if scores_the_cache(compressor) else SHARED_LAYOUTS
+    return own
 
 
 def attend_with_mass(compressor: Any, query, kv_cache, batch, layer, observe, head_mask=None):

@@ -114,6 +114,54 @@ def exercise_kvcompress(t: Target, impl: Any, dtype: str, rules: bool) -> list[t
         if rules:
             check_score_positions(t, impl)
         results += exercise_attend(t, impl, dtype, rules)
+        results += exercise_block_scores(t, impl, dtype)
+    return results
+
+
+def exercise_block_scores(t: Target, impl: Any, dtype: str) -> list[tuple[str, Any]]:
+    """A compressor scoring blocks from the cache (``block_scores``) on the attention
+    exercise's paged batches: a floating ``[num_seqs, max_blocks]`` tensor, finite on every
+    sequence's blocks, its inputs left as they were, and the same scores for the same tokens in
+    every cache layout it claims (the first, blocked, is the reference)."""
+    from vllm_graft.integration.adapters.kvcompress.shared_attention import layouts_read, scores_the_cache
+
+    if not scores_the_cache(impl):
+        return []
+    torch = torch_module()
+    sizes = t.entry.registration.capabilities.head_sizes
+    caches = claimed_caches(t, SimpleNamespace(kv_layouts=layouts_read(impl)))
+    results = []
+    for j, shape in enumerate(ATTENTION_SHAPES):
+        if sizes is not None and shape[2] not in sizes:
+            continue
+        want = None
+        for cache in caches:
+            q, kv, batch, layer = attention_case(shape, dtype, seed=400 + j, cache=cache)
+            label = f"block_scores H={shape[0]} Hkv={shape[1]} D={shape[2]} block={shape[3]} {dtype} {cache}"
+            before = kv.clone()
+            got = call_in_cache(t, cache, label, "block_scores()", impl.block_scores, kv, batch, layer)
+            S, W = batch.block_table.shape
+            if not isinstance(got, torch.Tensor) or tuple(got.shape) != (S, W) or not got.is_floating_point():
+                raise t.fail(
+                    f"block_scores() returned {getattr(got, 'shape', got)} {getattr(got, 'dtype', '')} "
+                    f"({label}); it must be a floating tensor [num_seqs, max_blocks] = {[S, W]}"
+                )
+            lens = batch.seq_lens.cpu().long()  # checked on the host
+            used = torch.arange(W, device=lens.device)[None, :] * shape[3] < lens[:, None]
+            host = got.float().cpu()
+            if not torch.isfinite(host[used]).all():
+                raise t.fail(f"block_scores() returned non-finite scores for a sequence's blocks ({label})")
+            if not torch.equal(kv, before):
+                raise t.fail(f"block_scores() modified the KV cache in place ({label})")
+            got = torch.where(used, host, torch.zeros((), device=lens.device))
+            if want is None:
+                want = got
+            elif not max_err(got, want) <= tolerance(dtype):
+                raise t.fail(
+                    f"block_scores() differs by {max_err(got, want):.3g} from the blocked cache's for the "
+                    f"same tokens ({label}); read the cache through layer.kv_layout.split"
+                )
+            results.append((label, got))
     return results
 
 

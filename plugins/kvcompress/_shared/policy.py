@@ -23,6 +23,20 @@ def top_blocks(scores: Sequence[float], candidates: Iterable[int], k: int) -> se
     return set(ranked[:k])
 
 
+def keep_top(view, scores: Sequence[float] | None, budget: int, sink: int) -> list[int]:
+    """Over ``budget`` blocks, the ``budget`` ones with the highest ``scores`` (the first
+    ``sink`` and the block being written always among them, blocks dropped earlier, ``-inf``,
+    never), plus the pinned ones; within budget, without scores or mid-prefill, every block.
+    The policy of the compressors that rank by one score per block each step (tova, knorm,
+    keydiff); ``view`` is the step's ``BlockView``."""
+    n = view.num_blocks
+    if n <= budget or scores is None or view.num_tokens < view.num_prompt_tokens:
+        return list(range(n))
+    fixed = set(range(min(sink, n))) | {n - 1}
+    live = [i for i in range(n) if i not in fixed and scores[i] != float("-inf")]
+    return with_pinned(fixed | top_blocks(scores, live, budget - len(fixed)), view.pinned)
+
+
 def adaptive_head_budget(
     head_scores: Sequence[Sequence[float]],
     candidates: Iterable[int],

@@ -1,0 +1,46 @@
+"""`keydiff` KV compressor (Park et al. 2025, "KeyDiff: Key Similarity-Based KV Cache Eviction
+for Long-Context LLM Inference in Resource-Constrained Environments", arXiv:2504.15364) at block
+granularity: over ``budget_blocks``, keep the blocks whose keys differ most from the rest.
+KeyDiff scores each key by its cosine similarity to an anchor (the mean key) and evicts the most
+similar: distinct keys carry information the others do not, and no attention is needed. Here a
+block scores minus its keys' mean cosine similarity to the sequence's anchor key (per KV head,
+averaged over heads; summed over layers), read from the cache each step
+(``KVCompressor.block_scores``); the policy keeps the top blocks as ``tova`` does.
+
+The layer's attention itself is the worker's shared attention (``kernel: reference`` or
+``triton``); the scores replace its mass.
+"""
+
+from pydantic import Field, model_validator
+
+from vllm_graft.hooks import Capabilities, KernelParams, Registration, hookimpl
+
+
+class KeyDiffParams(KernelParams):
+    budget_blocks: int = Field(16, ge=2, description="KV blocks a request keeps in all")
+    sink_blocks: int = Field(0, ge=0, description="leading blocks always kept (the paper keeps none)")
+
+    @model_validator(mode="after")
+    def _room(self):
+        if self.sink_blocks >= self.budget_blocks:
+            raise ValueError(
+                f"sink_blocks ({self.sink_blocks}) must be smaller than budget_blocks ({self.budget_blocks}): "
+                "the block being written is always kept"
+            )
+        return self
+
+
+@hookimpl
+def graft_register_kv_compressors(register):
+    register(
+        Registration(
+            name="keydiff",
+            summary="KeyDiff: keeps the blocks whose keys differ most from the sequence's mean key",
+            paper="Park et al. 2025, KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM "
+            "Inference in Resource-Constrained Environments (arXiv:2504.15364)",
+            params=KeyDiffParams,
+            impl="vllm_graft.plugins.kvcompress.keydiff.reference:KeyDiff",
+            # the worker computes the layer's attention for it, which an attention plugin would replace
+            capabilities=Capabilities(lossless=False, incompatible_with=("attention:*",), parallelism=("tp", "dp")),
+        )
+    )
