@@ -11,23 +11,9 @@ The layer's attention itself is the worker's shared attention (``kernel: referen
 ``triton``); the scores replace its mass.
 """
 
-from pydantic import Field, model_validator
+from vllm_graft.hooks import Capabilities, Registration, hookimpl
 
-from vllm_graft.hooks import Capabilities, KernelParams, Registration, hookimpl
-
-
-class KeyDiffParams(KernelParams):
-    budget_blocks: int = Field(16, ge=2, description="KV blocks a request keeps in all")
-    sink_blocks: int = Field(0, ge=0, description="leading blocks always kept (the paper keeps none)")
-
-    @model_validator(mode="after")
-    def _room(self):
-        if self.sink_blocks >= self.budget_blocks:
-            raise ValueError(
-                f"sink_blocks ({self.sink_blocks}) must be smaller than budget_blocks ({self.budget_blocks}): "
-                "the block being written is always kept"
-            )
-        return self
+from .._shared.params import TopBlocksParams
 
 
 @hookimpl
@@ -38,7 +24,7 @@ def graft_register_kv_compressors(register):
             summary="KeyDiff: keeps the blocks whose keys differ most from the sequence's mean key",
             paper="Park et al. 2025, KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM "
             "Inference in Resource-Constrained Environments (arXiv:2504.15364)",
-            params=KeyDiffParams,
+            params=TopBlocksParams,
             impl="vllm_graft.plugins.kvcompress.keydiff.reference:KeyDiff",
             # the worker computes the layer's attention for it, which an attention plugin would replace
             capabilities=Capabilities(lossless=False, incompatible_with=("attention:*",), parallelism=("tp", "dp")),

@@ -11,23 +11,9 @@ The layer's attention itself is the worker's shared attention (``kernel: referen
 ``triton``); the scores replace its mass.
 """
 
-from pydantic import Field, model_validator
+from vllm_graft.hooks import Capabilities, Registration, hookimpl
 
-from vllm_graft.hooks import Capabilities, KernelParams, Registration, hookimpl
-
-
-class KNormParams(KernelParams):
-    budget_blocks: int = Field(16, ge=2, description="KV blocks a request keeps in all")
-    sink_blocks: int = Field(0, ge=0, description="leading blocks always kept (the paper keeps none)")
-
-    @model_validator(mode="after")
-    def _room(self):
-        if self.sink_blocks >= self.budget_blocks:
-            raise ValueError(
-                f"sink_blocks ({self.sink_blocks}) must be smaller than budget_blocks ({self.budget_blocks}): "
-                "the block being written is always kept"
-            )
-        return self
+from .._shared.params import TopBlocksParams
 
 
 @hookimpl
@@ -37,7 +23,7 @@ def graft_register_kv_compressors(register):
             name="knorm",
             summary="K-norm: keeps the blocks whose keys have the lowest L2 norm",
             paper="Devoto et al. 2024, A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression (arXiv:2406.11430)",
-            params=KNormParams,
+            params=TopBlocksParams,
             impl="vllm_graft.plugins.kvcompress.knorm.reference:KNorm",
             # the worker computes the layer's attention for it, which an attention plugin would replace
             capabilities=Capabilities(lossless=False, incompatible_with=("attention:*",), parallelism=("tp", "dp")),

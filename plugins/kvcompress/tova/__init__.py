@@ -15,23 +15,9 @@ implements no ``attend``): the exact reference, or the Triton decode kernel with
 ``kernel: triton``. The plugin is its policy alone: ``reference.py`` is 30 lines.
 """
 
-from pydantic import Field, model_validator
+from vllm_graft.hooks import Capabilities, Registration, hookimpl
 
-from vllm_graft.hooks import Capabilities, KernelParams, Registration, hookimpl
-
-
-class TOVAParams(KernelParams):
-    budget_blocks: int = Field(16, ge=2, description="KV blocks a request keeps in all")
-    sink_blocks: int = Field(0, ge=0, description="leading blocks always kept (TOVA itself keeps none)")
-
-    @model_validator(mode="after")
-    def _room_for_the_query(self):
-        if self.sink_blocks >= self.budget_blocks:
-            raise ValueError(
-                f"sink_blocks ({self.sink_blocks}) must be smaller than budget_blocks ({self.budget_blocks}): "
-                "the block being written is always kept"
-            )
-        return self
+from .._shared.params import TopBlocksParams
 
 
 @hookimpl
@@ -41,7 +27,7 @@ def graft_register_kv_compressors(register):
             name="tova",
             summary="TOVA: keeps the blocks the current query attends to most",
             paper="Oren et al. 2024, Transformers are Multi-State RNNs (arXiv:2401.06104)",
-            params=TOVAParams,
+            params=TopBlocksParams,
             impl="vllm_graft.plugins.kvcompress.tova.reference:TOVA",
             # it scores blocks in its own attention, which an attention plugin would replace
             capabilities=Capabilities(lossless=False, incompatible_with=("attention:*",), parallelism=("tp", "dp")),

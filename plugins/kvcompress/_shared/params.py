@@ -1,0 +1,20 @@
+"""Parameters of the compressors that keep the top blocks by one score per block (``tova``,
+``knorm``, ``keydiff``; their policy is :func:`.policy.keep_top`)."""
+
+from pydantic import Field, model_validator
+
+from vllm_graft.hooks import KernelParams
+
+
+class TopBlocksParams(KernelParams):
+    budget_blocks: int = Field(16, ge=2, description="KV blocks a request keeps in all")
+    sink_blocks: int = Field(0, ge=0, description="leading blocks always kept (the papers keep none)")
+
+    @model_validator(mode="after")
+    def _room(self):
+        if self.sink_blocks >= self.budget_blocks:
+            raise ValueError(
+                f"sink_blocks ({self.sink_blocks}) must be smaller than budget_blocks ({self.budget_blocks}): "
+                "the block being written is always kept"
+            )
+        return self
