@@ -1,5 +1,6 @@
 """`vllm-graft kvbench`'s arms (no engine): budgets per fraction, h2o's recent share, the
 h2o-mean label, kv4 compositions, and a clear refusal of an unknown compressor."""
+
 import pytest
 
 from vllm_graft.tools.kvcompress.kvbench import _arms
@@ -10,8 +11,10 @@ def test_arms_budgets_and_h2o_variants():
     assert arms["plain"] is None
     assert arms["streaming 1/2"] == {"plugin": "streaming", "params": {"budget_blocks": 32, "sink_blocks": 1}}
     assert arms["h2o 1/2"]["params"] == {"budget_blocks": 32, "sink_blocks": 1, "recent_blocks": 24}
-    assert arms["h2o-mean 1/8"] == {"plugin": "h2o", "params": {"budget_blocks": 8, "sink_blocks": 1,
-                                                              "recent_blocks": 6, "score": "mean"}}
+    assert arms["h2o-mean 1/8"] == {
+        "plugin": "h2o",
+        "params": {"budget_blocks": 8, "sink_blocks": 1, "recent_blocks": 6, "score": "mean"},
+    }
     default = dict(_arms(2048, 32, ["h2o"], (4,)))
     assert default["h2o 1/4"]["params"]["recent_blocks"] == 8  # half, as in the H2O paper
 
@@ -27,11 +30,15 @@ def test_kv4_compositions_and_unknown_names():
 
 def test_snapkv_variants():
     arms = dict(_arms(2048, 32, ["snapkv", "snapkv-recent", "snapkv-wide"], (2, 8)))
-    assert arms["snapkv 1/8"] == {"plugin": "snapkv", "params": {"budget_blocks": 8, "sink_blocks": 1,
-                                                                "window_tokens": 32}}
+    assert arms["snapkv 1/8"] == {
+        "plugin": "snapkv",
+        "params": {"budget_blocks": 8, "sink_blocks": 1, "window_tokens": 32},
+    }
     assert arms["snapkv-recent 1/2"]["params"]["recent_blocks"] == 16
-    assert arms["snapkv-wide 1/2"] == {"plugin": "snapkv", "params": {"budget_blocks": 32, "sink_blocks": 1,
-                                                                     "window_tokens": 512}}
+    assert arms["snapkv-wide 1/2"] == {
+        "plugin": "snapkv",
+        "params": {"budget_blocks": 32, "sink_blocks": 1, "window_tokens": 512},
+    }
     assert arms["snapkv-wide 1/8"]["params"]["window_tokens"] == 128
 
 
@@ -69,15 +76,18 @@ def test_any_registered_compressor_by_name_with_params():
         arms = dict(_arms(2048, 32, ["strided", "kv4+strided"], (2,)))
         assert arms["strided 1/2"] == {"plugin": "strided", "params": {"budget_blocks": 32, "sink_blocks": 1}}
         assert arms["kv4+strided 1/2"][0]["plugin"] == "strided"
-        with pytest.raises(SystemExit, match="unknown compressor 'tova'.*strided"):
-            _arms(2048, 32, ["tova"])
+        with pytest.raises(SystemExit, match="unknown compressor 'no-such'.*strided"):
+            _arms(2048, 32, ["no-such"])
 
 
 def test_comma_lists_keep_json_whole():
     from vllm_graft.tools.plugin_args import PluginArgError, parse_spec, split_list
 
-    assert split_list('streaming,h2o:{"a": 1, "b": [1, 2]},snapkv') == ["streaming", 'h2o:{"a": 1, "b": [1, 2]}',
-                                                                        "snapkv"]
+    assert split_list('streaming,h2o:{"a": 1, "b": [1, 2]},snapkv') == [
+        "streaming",
+        'h2o:{"a": 1, "b": [1, 2]}',
+        "snapkv",
+    ]
     assert parse_spec('h2o:{"score": "mean"}') == ("h2o", {"score": "mean"})
     with pytest.raises(PluginArgError, match="not JSON"):
         parse_spec("h2o:{score}")

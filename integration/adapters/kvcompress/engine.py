@@ -256,7 +256,7 @@ class KVCompressAdapter(Adapter):
                     f"kvcompress plugin {e.name!r} sets per_head but not needs_scores: per-head "
                     "decisions come from per-head attention mass; set needs_scores = True"
                 )
-            if type(compressor).block_scores is not KVCompressor.block_scores:
+            if getattr(type(compressor), "block_scores", KVCompressor.block_scores) is not KVCompressor.block_scores:
                 raise NotImplementedError(
                     f"kvcompress plugin {e.name!r} sets per_head and scores blocks from the cache "
                     "(block_scores), which gives one score per block, not per KV head; drop one of them"

@@ -21,14 +21,14 @@ SHARED_LAYOUTS = ("blocked", "packed")
 
 def uses_shared_attention(compressor: Any) -> bool:
     """A scored compressor that implements no ``attend`` of its own."""
-    return bool(getattr(compressor, "needs_scores", False)) and type(compressor).attend is KVCompressor.attend
+    own = getattr(type(compressor), "attend", None)  # a duck-typed compressor may lack it
+    return bool(getattr(compressor, "needs_scores", False)) and (own is None or own is KVCompressor.attend)
 
 
 def scores_the_cache(compressor: Any) -> bool:
     """A scored compressor that scores blocks from the cache (``block_scores``), not by the mass."""
-    return bool(getattr(compressor, "needs_scores", False)) and (
-        type(compressor).block_scores is not KVCompressor.block_scores
-    )
+    own = getattr(type(compressor), "block_scores", None)  # a duck-typed compressor may lack it
+    return bool(getattr(compressor, "needs_scores", False)) and own is not None and own is not KVCompressor.block_scores
 
 
 def layouts_read(compressor: Any) -> tuple[str, ...]:
