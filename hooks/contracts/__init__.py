@@ -39,6 +39,16 @@ from .kvcompress import (
     dropped_blocks,
     union_of_heads,
 )
+from .kvpolicy import (
+    AccumulatedMass,
+    CacheScores,
+    CurrentMass,
+    KeepPolicy,
+    PolicyCompressor,
+    PolicyParams,
+    Recency,
+    WindowMass,
+)
 from .moe import MOE_STEPS, MoEModel, MoEScheduler
 from .quant import QuantMethod, StoredTensor
 from .speculative import Proposer
@@ -57,6 +67,14 @@ def contract_for(kind: Kind | str, role: str | None = None) -> type[PluginImpl]:
 
 __all__ = [
     "CONTRACTS",
+    "AccumulatedMass",
+    "CacheScores",
+    "CurrentMass",
+    "KeepPolicy",
+    "PolicyCompressor",
+    "PolicyParams",
+    "Recency",
+    "WindowMass",
     "MOE_STEPS",
     "AttentionLayer",
     "AttentionMethod",

@@ -1,13 +1,13 @@
 """Parameters of the compressors that keep the top blocks by one score per block (``tova``,
-``knorm``, ``keydiff``; their policy is :func:`.policy.keep_top`)."""
+``knorm``, ``keydiff``): the keep policy's (``hooks.contracts.kvpolicy.PolicyParams``) with
+``sink_blocks``."""
 
 from pydantic import Field, model_validator
 
-from vllm_graft.hooks import KernelParams
+from vllm_graft.hooks import PolicyParams
 
 
-class TopBlocksParams(KernelParams):
-    budget_blocks: int = Field(16, ge=2, description="KV blocks a request keeps in all")
+class TopBlocksParams(PolicyParams):
     sink_blocks: int = Field(0, ge=0, description="leading blocks always kept (the papers keep none)")
 
     @model_validator(mode="after")

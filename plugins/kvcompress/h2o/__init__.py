@@ -16,10 +16,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from vllm_graft.hooks import Capabilities, KernelParams, Registration, hookimpl
+from vllm_graft.hooks import Capabilities, PolicyParams, Registration, hookimpl
 
 
-class H2OParams(KernelParams):
+class H2OParams(PolicyParams):
     budget_blocks: int = Field(16, ge=2, description="KV blocks a request keeps in all")
     sink_blocks: int = Field(1, ge=0, description="leading blocks always kept")
     recent_blocks: int = Field(1, ge=1, description="most recent blocks always kept (the one being written included)")

@@ -15,10 +15,10 @@ adjacent tokens.) Mid-prefill (chunked prefill) nothing is dropped.
 
 from pydantic import Field, model_validator
 
-from vllm_graft.hooks import Capabilities, KernelParams, Registration, hookimpl
+from vllm_graft.hooks import Capabilities, PolicyParams, Registration, hookimpl
 
 
-class SnapKVParams(KernelParams):
+class SnapKVParams(PolicyParams):
     budget_blocks: int = Field(16, ge=2, description="prompt KV blocks a request keeps after prefill")
     window_tokens: int = Field(
         32, ge=1, description="observation window: the last prompt tokens whose attention scores the prompt"

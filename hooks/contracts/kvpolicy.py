@@ -1,0 +1,358 @@
+"""Scorer x policy: an eviction compressor as a block **scorer** and a **keep policy**, as
+kvpress separates them (pure Python, no tensors, no vLLM).
+
+A compressor built on :class:`PolicyCompressor` says only how much each block is worth
+(:meth:`PolicyCompressor.score`, and for a scorer that reads the cache
+:meth:`~.kvcompress.KVCompressor.block_scores`); :class:`KeepPolicy` says which blocks stay:
+
+* **budget**: ``budget_blocks``, or ``keep_ratio`` of the prompt's blocks (kvpress's
+  compression ratio is the fraction *removed*: ratio 0.75 there is ``keep_ratio: 0.25`` here);
+* **what is fixed**: ``sink_blocks`` leading blocks, the ``recent_blocks`` last blocks of the
+  scope (the block being written always), and what the scorer protects (SnapKV's observation
+  window: :meth:`PolicyCompressor.protected_start`);
+* **scope**: ``all`` blocks compete, or only the ``prompt``'s (the generated ones are all kept,
+  as SnapKV and Ada-KV do); the budget then counts prompt blocks;
+* **when**: at every step, prefill chunks included (``chunk``), or only once the prompt is in
+  (``prefill``); ``slack_blocks`` lets a request hold up to ``budget + slack`` blocks before it
+  is cut back to ``budget`` (decode-time compression with a buffer, as R-KV compresses
+  reasoning traces: one eviction per ``slack`` blocks instead of one per block);
+* **allocation**: one budget for the request (``uniform``), or spread over the KV heads by
+  score (``heads``: Ada-KV's adaptive allocation, ``floor_fraction`` and ``held_blocks``).
+
+Per layer (PyramidKV's allocation) is not a policy here: vLLM frees a block for every layer at
+once (one KV-cache group), so a smaller budget in some layers could only stop those layers
+*reading* blocks the larger layers keep; it would free nothing.
+
+Scorers (mixins, combine one with :class:`PolicyCompressor`):
+
+* :class:`Recency`: newer is better, no attention needed (StreamingLLM);
+* :class:`AccumulatedMass`: the attention mass a block received from every query since it was
+  written (H2O);
+* :class:`WindowMass`: the mass from the prompt's last ``window_tokens`` queries, the window
+  itself protected (SnapKV; per KV head with ``allocation: heads``, Ada-KV);
+* :class:`CurrentMass`: the mass from the current query alone (TOVA);
+* :class:`CacheScores`: this step's :meth:`~.kvcompress.KVCompressor.block_scores` (what the
+  keys say: K-norm, KeyDiff).
+
+A new scorer is a :class:`PolicyCompressor` subclass with a ``score`` (and where it needs one a
+``score_positions`` or ``block_scores``) and a parameter model with the policy's fields
+(:class:`PolicyParams`); every policy field then works for it. ``docs/tutorial.md`` shows one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Iterable, Literal, Sequence
+
+from pydantic import Field, model_validator
+
+from ..registry import KernelParams
+from .kvcompress import BlockView, KVCompressor, union_of_heads
+
+NEG_INF = float("-inf")
+_LIVE: Any = object()  # KeepPolicy._frame: keep the blocks not dropped yet
+
+Scope = Literal["all", "prompt"]
+When = Literal["chunk", "prefill"]
+Allocation = Literal["uniform", "heads"]
+
+
+# ------------------------------------------------------------------ block planners
+def sink_window(num_blocks: int, sink: int, window: int) -> set[int]:
+    """The first ``sink`` and the last ``window`` of ``num_blocks`` blocks."""
+    return set(range(min(sink, num_blocks))) | set(range(max(0, num_blocks - window), num_blocks))
+
+
+def with_pinned(mine: Iterable[int], pinned: Iterable[int]) -> list[int]:
+    return sorted(set(mine) | set(pinned))
+
+
+def top_blocks(scores: Sequence[float], candidates: Iterable[int], k: int) -> set[int]:
+    """The ``k`` candidates with the highest score (ties: the older block first, so the
+    answer is a deterministic function of the scores)."""
+    if k <= 0:
+        return set()
+    ranked = sorted(candidates, key=lambda i: (-float(scores[i]), i))
+    return set(ranked[:k])
+
+
+def adaptive_head_budget(
+    head_scores: Sequence[Sequence[float]],
+    candidates: Iterable[int],
+    slots: int,
+    floor: int = 0,
+    cap: int | None = None,
+) -> list[set[int]]:
+    """AdaKV's budget allocation over KV heads: ``slots`` (head, block) pairs in all, taken by
+    score over every head together (a head whose attention is concentrated on few blocks gets
+    few, a diffuse head many), after each head's own ``floor`` best blocks (the paper's
+    safeguard, so no head is left with nothing). ``head_scores[h][i]``: block i's score for
+    head h (``-inf``: the head dropped it; never chosen). ``cap``: at most this many distinct
+    blocks over all heads (vLLM frees a block only when no head keeps it, so the distinct blocks
+    are the memory held): a pair whose block no head holds yet is skipped once ``cap`` blocks
+    are held, a pair of a held block always fits. Ties: the higher score, then the lower head,
+    then the older block, so the answer is a function of the scores. Returns each head's blocks."""
+    heads = len(head_scores)
+    cands = list(candidates)
+
+    def ranked_blocks(h: int) -> list[int]:
+        return sorted((i for i in cands if head_scores[h][i] != NEG_INF), key=lambda i: (-float(head_scores[h][i]), i))
+
+    ranked = [ranked_blocks(h) for h in range(heads)]
+    key = lambda hi: (-float(head_scores[hi[0]][hi[1]]), hi[0], hi[1])  # noqa: E731
+    first = sorted(((h, i) for h in range(heads) for i in ranked[h][: max(0, floor)]), key=key)
+    rest = sorted(((h, i) for h in range(heads) for i in ranked[h][max(0, floor) :]), key=key)
+    chosen: list[set[int]] = [set() for _ in range(heads)]
+    held: set[int] = set()
+    taken = 0
+    for h, i in first + rest:
+        if taken >= slots:
+            break
+        if i not in held and cap is not None and len(held) >= cap:
+            continue
+        chosen[h].add(i)
+        held.add(i)
+        taken += 1
+    return chosen
+
+
+# ------------------------------------------------------------------ the keep policy
+@dataclass(frozen=True)
+class KeepPolicy:
+    """Which blocks stay, given one score per block (see the module docstring)."""
+
+    budget_blocks: int = 16
+    keep_ratio: float | None = None
+    sink_blocks: int = 0
+    recent_blocks: int = 1
+    scope: Scope = "all"
+    when: When = "chunk"
+    slack_blocks: int = 0
+    allocation: Allocation = "uniform"
+    floor_fraction: float = 0.0
+    held_blocks: int | None = None
+
+    @classmethod
+    def from_params(cls, params: Any, **fixed: Any) -> "KeepPolicy":
+        """The policy a plugin's parameters set (its fields named as this class's), over the
+        ``fixed`` choices of the compressor itself (``scope``, ``when``, ``allocation``)."""
+        values = {
+            f.name: getattr(params, f.name) for f in fields(cls) if f.name not in fixed and hasattr(params, f.name)
+        }
+        return cls(**values, **fixed)
+
+    def budget(self, view: BlockView) -> int:
+        """Blocks kept of the scope: ``budget_blocks``, or ``keep_ratio`` of the prompt's blocks
+        (rounded up; never fewer than the fixed blocks, nor 2)."""
+        if self.keep_ratio is None:
+            return self.budget_blocks
+        prompt_blocks = -(-view.num_prompt_tokens // view.block_size)
+        return max(2, self.sink_blocks + self.recent_blocks, math.ceil(round(self.keep_ratio * prompt_blocks, 6)))
+
+    def _frame(self, view: BlockView, scores: Sequence[float], protected_start: int | None):
+        """``(fixed, candidates, budget, fixed_in_scope)``: the blocks always kept, the scope's
+        others, the budget and how much of it the fixed blocks take; None when every block
+        stays (mid-prefill with ``when: prefill``, or within the budget: nothing was dropped
+        yet), ``_LIVE`` when the blocks not dropped yet stay (within the slack)."""
+        n = view.num_blocks
+        if self.when == "prefill" and view.num_tokens < view.num_prompt_tokens:
+            return None  # mid-prefill: the prompt's queries have not all been seen
+        end = n if self.scope == "all" else min(n, -(-view.num_prompt_tokens // view.block_size))
+        budget = self.budget(view)
+        if end <= budget:
+            return None
+        start = max(0, end - self.recent_blocks)
+        if protected_start is not None:
+            start = min(start, max(0, protected_start))
+        fixed = set(range(min(self.sink_blocks, n))) | set(range(start, n)) | {n - 1}
+        if self.slack_blocks and sum(1 for i in range(end) if scores[i] != NEG_INF) <= budget + self.slack_blocks:
+            return _LIVE  # within the buffer: cut back to the budget only once it is full
+        candidates = [i for i in range(end) if i not in fixed]
+        return fixed, candidates, budget, sum(1 for i in fixed if i < end)
+
+    def keep(self, view: BlockView, scores: Sequence[float] | None, protected_start: int | None = None) -> list[int]:
+        """The blocks kept (:meth:`KVCompressor.keep`'s answer) given one score per block
+        (``-inf``: dropped earlier; ``None``: asked without scores, so every block stays)."""
+        n = view.num_blocks
+        if scores is None:
+            return list(range(n))
+        frame = self._frame(view, scores, protected_start)
+        if frame is None:
+            return list(range(n))
+        if frame is _LIVE:
+            return with_pinned((i for i in range(n) if scores[i] != NEG_INF or i == n - 1), view.pinned)
+        fixed, candidates, budget, taken = frame
+        live = [i for i in candidates if scores[i] != NEG_INF]
+        return with_pinned(fixed | top_blocks(scores, live, budget - taken), view.pinned)
+
+    def keep_heads(
+        self, view: BlockView, head_scores: Sequence[Sequence[float]] | None, protected_start: int | None = None
+    ) -> list[list[int]]:
+        """Per KV head, the blocks it keeps (``allocation: heads``): the fixed blocks, and the
+        scope's other blocks shared out over the heads by :func:`adaptive_head_budget`
+        (the budget is a head's average, ``floor_fraction`` of it each head's own, ``held_blocks``
+        the cap on their union)."""
+        n = view.num_blocks
+        if head_scores is None:
+            return [with_pinned(range(n), view.pinned)]
+        # a block every head dropped is -inf for the request (what the slack counts)
+        summed = [NEG_INF if all(h[i] == NEG_INF for h in head_scores) else 0.0 for i in range(n)]
+        frame = self._frame(view, summed, protected_start)
+        if frame is None:
+            return [with_pinned(range(n), view.pinned) for _ in head_scores]
+        if frame is _LIVE:
+            return [
+                with_pinned((i for i in range(n) if h[i] != NEG_INF or i == n - 1), view.pinned) for h in head_scores
+            ]
+        fixed, candidates, budget, taken = frame
+        room = max(0, budget - taken)  # per head, on average
+        cap = None if self.held_blocks is None else max(0, self.held_blocks - taken)
+        slots = len(head_scores) * room
+        chosen = adaptive_head_budget(head_scores, candidates, slots, floor=int(self.floor_fraction * room), cap=cap)
+        return [with_pinned(fixed | mine, view.pinned) for mine in chosen]
+
+
+class PolicyParams(KernelParams):
+    """The policy's parameters a scored compressor exposes (add them to its parameter model):
+    ``keep_ratio`` (instead of ``budget_blocks``) and ``slack_blocks``."""
+
+    budget_blocks: int = Field(16, ge=2, description="KV blocks a request keeps in all")
+    keep_ratio: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        description="keep this fraction of the prompt's blocks instead of budget_blocks (kvpress's "
+        "compression_ratio is the fraction removed: 0.75 there is keep_ratio 0.25 here)",
+    )
+    slack_blocks: int = Field(
+        0,
+        ge=0,
+        description="let a request hold budget + slack_blocks blocks before cutting it back to the "
+        "budget (decode-time compression with a buffer, as R-KV: one eviction per slack blocks); 0: every step",
+    )
+
+    @model_validator(mode="after")
+    def _one_budget(self):
+        if self.keep_ratio is not None and "budget_blocks" in self.model_fields_set:
+            raise ValueError(
+                f"set budget_blocks ({self.budget_blocks}) or keep_ratio ({self.keep_ratio}), not both: "
+                "keep_ratio sets the budget from the prompt's length"
+            )
+        return self
+
+
+# ------------------------------------------------------------------ the compressor
+class PolicyCompressor(KVCompressor):
+    """An eviction compressor as a scorer (:meth:`score`) and a :class:`KeepPolicy` (from its
+    parameters, :meth:`policy`). Combine it with one of the scorer mixins below, or implement
+    :meth:`score` (and ``needs_scores``, ``score_positions``, ``block_scores`` as it needs)."""
+
+    #: the policy choices the compressor fixes (its parameters set the numbers)
+    scope: Scope = "all"
+    when: When = "chunk"
+    allocation: Allocation = "uniform"
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params)
+        self.policy = KeepPolicy.from_params(params, scope=self.scope, when=self.when, allocation=self.allocation)
+        if self.policy.slack_blocks and not self.needs_scores:
+            raise ValueError(
+                f"{type(self).__name__}: slack_blocks needs a scored compressor (the scheduler and the worker "
+                "decide an unscored one's blocks each on their own, from the block count alone); set slack_blocks: 0"
+            )
+        if (self.allocation == "heads") != bool(self.per_head):
+            raise TypeError(
+                f"{type(self).__name__}: allocation 'heads' and per_head = True go together "
+                f"(allocation {self.allocation!r}, per_head {self.per_head})"
+            )
+
+    def score(self, view: BlockView) -> Sequence[float] | None:
+        """One score per block of ``view`` (higher: kept first; ``-inf``: dropped earlier), or
+        None when there is nothing to score by (then every block stays)."""
+        raise NotImplementedError(f"{type(self).__name__} implements no score()")
+
+    def head_score(self, view: BlockView) -> Sequence[Sequence[float]] | None:
+        """Per KV head, one score per block (``allocation: heads``). Default: ``view.head_scores``
+        (or the summed scores as one head when asked per block only)."""
+        if view.head_scores is not None:
+            return view.head_scores
+        scores = self.score(view)
+        return None if scores is None else [scores]
+
+    def protected_start(self, view: BlockView) -> int | None:
+        """The first block of what the scorer itself needs kept (e.g. the observation window's),
+        kept with the recent blocks; None: nothing."""
+        return None
+
+    def keep(self, view: BlockView) -> list[int]:
+        if self.allocation == "heads":
+            return union_of_heads(self.keep_heads(view))
+        return self.policy.keep(view, self.score(view), self.protected_start(view))
+
+    def keep_heads(self, view: BlockView) -> list[list[int]]:
+        return self.policy.keep_heads(view, self.head_score(view), self.protected_start(view))
+
+    def describe(self) -> dict[str, Any]:
+        return self.params.model_dump() if hasattr(self.params, "model_dump") else {}
+
+
+# ------------------------------------------------------------------ scorers
+class Recency(PolicyCompressor):
+    """Newer blocks first (StreamingLLM's window); needs no attention."""
+
+    def score(self, view: BlockView) -> Sequence[float]:
+        return [float(i) for i in range(view.num_blocks)]
+
+
+class AccumulatedMass(PolicyCompressor):
+    """The attention mass each block received from every query since it was written (H2O)."""
+
+    needs_scores = True
+
+    def score(self, view: BlockView) -> Sequence[float] | None:
+        return view.scores
+
+
+class CurrentMass(PolicyCompressor):
+    """The mass from the current query alone: the prompt's last token at prefill, then each
+    generated one (TOVA). Mid-prefill no query is the current one: use ``when = "prefill"``."""
+
+    needs_scores = True
+    when: When = "prefill"
+
+    def score_positions(self, num_prompt_tokens: int) -> tuple[int, int]:
+        return (max(0, num_prompt_tokens - 1), 1 << 62)
+
+    def score(self, view: BlockView) -> Sequence[float] | None:
+        return view.step_scores
+
+
+class WindowMass(PolicyCompressor):
+    """The mass the prompt's last ``params.window_tokens`` queries put on each block, the
+    window's own blocks protected; once the prompt is in, over the prompt's blocks (SnapKV)."""
+
+    needs_scores = True
+    scope: Scope = "prompt"
+    when: When = "prefill"
+
+    def score_positions(self, num_prompt_tokens: int) -> tuple[int, int]:
+        return (max(0, num_prompt_tokens - self.params.window_tokens), num_prompt_tokens)
+
+    def score(self, view: BlockView) -> Sequence[float] | None:
+        return view.scores
+
+    def protected_start(self, view: BlockView) -> int:
+        return max(0, view.num_prompt_tokens - self.params.window_tokens) // view.block_size
+
+
+class CacheScores(PolicyCompressor):
+    """This step's :meth:`block_scores` (implement it): what the keys in the cache say now,
+    summed over layers (K-norm, KeyDiff); only once the prompt is in."""
+
+    needs_scores = True
+    when: When = "prefill"
+    kv_layouts = ("blocked", "packed")  # block_scores reads through layer.kv_layout.split
+
+    def score(self, view: BlockView) -> Sequence[float] | None:
+        return view.step_scores
