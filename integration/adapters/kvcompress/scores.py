@@ -20,7 +20,7 @@ from vllm_graft.integration.adapters.kvcompress.keep import (
     union_of_heads,
 )
 from vllm_graft.integration.adapters.kvcompress.rows import step_rows
-from vllm_graft.integration.adapters.kvcompress.shared_attention import attend_with_mass, scores_the_cache
+from vllm_graft.integration.adapters.kvcompress.shared_attention import attend_with_mass, block_scores, scores_the_cache
 
 if TYPE_CHECKING:
     import torch
@@ -307,7 +307,7 @@ class _ScoringAttention:
         else:
             out, mass = attend_with_mass(compressor, query, kv_cache, batch, layer, observe)
             if self.scores.from_cache:  # the compressor scores blocks from the keys, not the mass
-                mass = compressor.block_scores(kv_cache, batch, layer)
+                mass = block_scores(compressor, kv_cache, batch, layer, query, observe)
         if plan is not None:
             rows, width = plan.mass.shape
             plan.mass += mass[:rows, :width].to(plan.mass.dtype)

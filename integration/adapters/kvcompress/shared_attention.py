@@ -11,6 +11,8 @@ both layouts (:data:`SHARED_LAYOUTS`). The worker (:mod:`.scores`) and the confo
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 from vllm_graft.hooks import KVCompressor
@@ -52,3 +54,18 @@ def attend_with_mass(compressor: Any, query, kv_cache, batch, layer, observe, he
 
     kernel = getattr(getattr(compressor, "params", None), "kernel", "reference")
     return shared.attend(kernel, query, kv_cache, batch, layer, observe, head_mask=head_mask)
+
+
+def block_scores(compressor: Any, kv_cache, batch, layer, query=None, observe=None):
+    """``compressor.block_scores`` with the step's ``query`` and ``observe`` where its signature
+    takes them (a scorer written before they were part of the contract takes the cache alone)."""
+    fn = compressor.block_scores
+    if _takes_queries(getattr(type(compressor), "block_scores")):
+        return fn(kv_cache, batch, layer, query=query, observe=observe)
+    return fn(kv_cache, batch, layer)
+
+
+@functools.cache  # per method: asked at every layer of every step
+def _takes_queries(method: Any) -> bool:
+    params = inspect.signature(method).parameters
+    return "query" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())

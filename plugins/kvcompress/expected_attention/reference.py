@@ -1,0 +1,73 @@
+"""Expected Attention at block granularity (see ``__init__``): the window scorer of
+``hooks.contracts.kvpolicy`` with its scores read from the cache and the window's queries
+(:meth:`ExpectedAttention.block_scores`), not from the attention mass."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_graft.hooks import AttentionLayer, PagedBatch, WindowMass
+
+from .._shared.keys import _batch_keys
+
+
+class ExpectedAttention(WindowMass):
+    kv_layouts = ("blocked", "packed")  # block_scores reads through layer.kv_layout.split
+
+    def block_scores(self, kv_cache, batch, layer, query=None, observe=None):
+        return expected_attention_scores(kv_cache, batch, layer, query, observe, self.params.use_vnorm)
+
+
+def query_statistics(query: torch.Tensor, observe: torch.Tensor, batch: PagedBatch, num_seqs: int):
+    """``(mean [S, H, D], variance [S, H, D], count [S])`` of each sequence's observed queries
+    (float32; zero where a sequence observed none). Rows are matched to sequences on the
+    device (``query_start_loc``), with no host read."""
+    T = query.shape[0]
+    q = query.float()
+    starts = batch.query_start_loc.to(query.device).long()
+    seq = torch.bucketize(torch.arange(T, device=query.device), starts[1 : num_seqs + 1], right=True)
+    seq = seq.clamp(max=num_seqs - 1)
+    w = observe[:T].to(q.dtype)
+    w = torch.where(torch.arange(T, device=query.device) < starts[num_seqs], w, torch.zeros_like(w))
+    count = torch.zeros(num_seqs, device=query.device).index_add_(0, seq, w)
+    total = torch.zeros(num_seqs, *q.shape[1:], device=query.device).index_add_(0, seq, q * w[:, None, None])
+    square = torch.zeros_like(total).index_add_(0, seq, q * q * w[:, None, None])
+    n = count.clamp(min=1)[:, None, None]
+    mean = total / n
+    var = (square / n - mean * mean).clamp(min=0)
+    return mean, var, count
+
+
+def expected_attention_scores(
+    kv_cache: torch.Tensor,
+    batch: PagedBatch,
+    layer: AttentionLayer,
+    query: torch.Tensor | None,
+    observe: torch.Tensor | None,
+    use_vnorm: bool = True,
+) -> torch.Tensor:
+    """``[S, W]``: each block's expected attention from queries drawn from the Gaussian of
+    the sequence's observed queries (per query head: mean, diagonal variance), summed over the
+    block's tokens and the query heads, each key's weighted by its value's norm
+    (``use_vnorm``); zero for a sequence that observed no query this step (or without queries)."""
+    keys, valid = _batch_keys(kv_cache, batch, layer)  # [S, W, Hkv, B, D], [S, W, B]
+    S, W, hkv, B, D = keys.shape
+    if query is None or observe is None:
+        return torch.zeros(S, W, device=keys.device)
+    mean, var, count = query_statistics(query, observe, batch, S)
+    G = mean.shape[1] // hkv
+    mean, var = mean.view(S, hkv, G, D), var.view(S, hkv, G, D)
+    scale = float(layer.scale)
+    # E[exp(s q.k)] = exp(s mu.k + s^2 k' diag(var) k / 2): the expected logit, per query head
+    logit = scale * torch.einsum("swhbd,shgd->shgwb", keys, mean)
+    logit = logit + 0.5 * scale * scale * torch.einsum("swhbd,shgd->shgwb", keys * keys, var)
+    logit = logit.masked_fill(~valid[:, None, None, :, :], float("-inf"))
+    prob = torch.softmax(logit.reshape(S, hkv, G, W * B), dim=-1).view(S, hkv, G, W, B)
+    prob = torch.nan_to_num(prob)  # a sequence with no valid key
+    expected = prob.sum(dim=2)  # [S, Hkv, W, B]
+    if use_vnorm:
+        _, value_cache = layer.kv_layout.split(kv_cache)
+        values = value_cache[batch.block_table.long().clamp(min=0)].float()  # [S, W, Hkv, B, D]
+        expected = expected * values.norm(dim=-1).permute(0, 2, 1, 3)
+    scores = expected.sum(dim=(1, 3))  # [S, W]
+    return torch.where(count[:, None] > 0, scores, torch.zeros((), device=scores.device))
