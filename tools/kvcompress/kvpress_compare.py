@@ -1,0 +1,722 @@
+"""NVIDIA kvpress's presses on the prompts of ``vllm-graft kvbench``, and the table of the two side by side.
+
+kvpress (``pip install kvpress``, github.com/NVIDIA/kvpress) implements KV-cache compression
+as "presses" in Hugging Face transformers. Several of them are the methods vllm-graft's
+kvcompress plugins implement as block eviction inside vLLM (:data:`PAIRS`). This module runs
+kvpress itself on kvbench's model and prompts, and prints both projects' figures side by side::
+
+    make kvpress   # .venv-kvpress: kvpress and the transformers it accepts, beside .venv
+    .venv-kvpress/bin/python -m vllm_graft.tools.kvcompress.kvpress_compare \\
+        --model models/graft-tiny-llama-recall --decode-tokens 32 --texts 16 --json kvpress.json
+    vllm-graft kvbench --model models/graft-tiny-llama-recall --compressors streaming,h2o,... \\
+        --decode-tokens 32 --texts 16 --json ours.json
+    python -m vllm_graft.tools.kvcompress.kvpress_compare --table ours.json kvpress.json
+
+What is the same as kvbench: the model (float32), the needle prompts
+(:func:`~vllm_graft.tools.workloads.needle_haystack` with kvbench's seed and context:
+``--context`` - ``--decode-tokens`` - 1 tokens), the perplexity texts
+(:func:`~vllm_graft.tools.workloads.stdlib_texts`, their last ``--gen-tokens`` teacher-forced
+after the rest: "gen ppl"), greedy decoding of as many tokens as kvbench generates
+(``max(longest answer + 2, --decode-tokens)``), and exact match scored as kvbench scores it
+(the output's first tokens are the answer's token ids). The budgets: kvbench's 1/2, 1/4 and
+1/8 of the context become kvpress's ``compression_ratio`` (the fraction *removed*) 0.5, 0.75
+and 0.875 of each prompt (``--budget prompt``, the default) or, with ``--budget context``,
+the tokens kvbench's budget holds (``context // block // fraction * block``) kept of each
+prompt.
+
+How kvpress compresses, and the two modes run here: a press compresses the KV cache once,
+at the end of the prefill, per layer and per KV head, token by token (each layer and head
+keeps its own tokens); the prefill itself attends to the whole prompt, so the first output
+token always sees everything, and nothing is evicted while decoding. kvpress's pipeline
+separates a context (compressed) from a question (prefilled after compression, not
+compressed). kvbench's prompts end with their question (``SECRET_<TAG> = "``), and vllm-graft
+compresses the whole prompt, so mode ``prompt`` (the default) compresses the whole prompt;
+mode ``context`` (the pipeline's) compresses the prompt before the question (the tail after
+its last blank line) and prefills the question afterwards. vllm-graft instead evicts whole
+blocks shared by every layer and head (vLLM frees a block for all of them), during the chunked
+prefill for ``streaming`` and ``h2o`` and while decoding too.
+
+Runs inside the kvpress environment (``make kvpress``); its pure parts (the pairs, the ratio
+mapping, the table) import neither kvpress nor vLLM, so the ``--table`` command runs anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+
+class KvpressMissing(RuntimeError):
+    """kvpress is not importable in this Python."""
+
+
+@dataclass(frozen=True)
+class PressPair:
+    """One vllm-graft plugin and the kvpress press that implements the same method."""
+
+    ours: str  # the vllm-graft kvcompress plugin (kvbench's arm name)
+    press: str  # the kvpress class
+    inner: str | None  # the scorer press a wrapper press takes (AdaKVPress(SnapKVPress))
+    attn: str  # the attn_implementation the press needs: "eager" where it reads the attention weights
+    match: str  # how close the two are
+
+
+#: The methods both projects have. kvpress's defaults are kept for every press (``n_sink=4``,
+#: SnapKV's ``window_size=64``, ``kernel_size=5``, AdaKV's ``alpha_safeguard=0.2``, ...).
+PAIRS: tuple[PressPair, ...] = (
+    PressPair(
+        "streaming",
+        "StreamingLLMPress",
+        None,
+        "sdpa",
+        "same policy (sinks + the most recent tokens); kvpress keeps 4 sink tokens, vllm-graft one sink block",
+    ),
+    PressPair(
+        "h2o",
+        "ObservedAttentionPress",
+        None,
+        "eager",
+        "approximate: kvpress ranks tokens by the mean attention the whole prefill gave them, with no "
+        "recent window; vllm-graft's h2o sums the attention mass per block through prefill and decode and "
+        "keeps half its budget recent",
+    ),
+    PressPair(
+        "snapkv",
+        "SnapKVPress",
+        None,
+        "sdpa",
+        "same scorer (the last prompt tokens' attention, pooled); window 64 tokens in kvpress, 32 (one block) in kvbench",
+    ),
+    PressPair(
+        "tova",
+        "TOVAPress",
+        None,
+        "sdpa",
+        "same scorer (the last query's attention, averaged over heads); vllm-graft re-ranks at every step",
+    ),
+    PressPair(
+        "knorm", "KnormPress", None, "sdpa", "same score (lowest key L2 norm); vllm-graft re-ranks at every step"
+    ),
+    PressPair(
+        "keydiff",
+        "KeyDiffPress",
+        None,
+        "sdpa",
+        "same score (keys least like the mean key); vllm-graft re-ranks at every step",
+    ),
+    PressPair(
+        "adakv",
+        "AdaKVPress",
+        "SnapKVPress",
+        "sdpa",
+        "same method (SnapKV scores, budget shared across heads, 20% floor per head); kvpress masks per head "
+        "inside the full cache, vllm-graft frees blocks no head keeps",
+    ),
+    PressPair(
+        "expected-attention",
+        "ExpectedAttentionPress",
+        None,
+        "sdpa",
+        "kvpress's own method; vllm-graft's is being added",
+    ),
+    PressPair(
+        "pyramidkv",
+        "PyramidKVPress",
+        None,
+        "sdpa",
+        "same method (SnapKV scores, budgets decreasing with depth); vllm-graft's is being added",
+    ),
+)
+PAIRS_BY_NAME = {p.ours: p for p in PAIRS}
+#: kvbench's budgets: 1/2, 1/4 and 1/8 of the context
+FRACTIONS = (2, 4, 8)
+MODES = ("prompt", "context")
+MAKE_HINT = (
+    "kvpress is not installed in this Python ({exe}): run `make kvpress` (it makes .venv-kvpress beside "
+    ".venv), then `.venv-kvpress/bin/python -m vllm_graft.tools.kvcompress.kvpress_compare ...`"
+)
+
+
+# ----------------------------------------------------------------------- the mapping
+def compression_ratio(fraction: int) -> float:
+    """kvpress's ``compression_ratio`` (the fraction *removed*) for kvbench's budget 1/``fraction``."""
+    if fraction < 1:
+        raise ValueError(f"a budget is 1/N of the context with N >= 1, not 1/{fraction}")
+    return 1.0 - 1.0 / fraction
+
+
+def ratio_keeping(n_tokens: int, kept: int) -> float:
+    """The ``compression_ratio`` that makes kvpress keep ``kept`` of ``n_tokens`` tokens
+    (it keeps ``int(n_tokens * (1 - ratio))``; half a token of margin against rounding)."""
+    if not 0 < kept <= n_tokens:
+        return 0.0
+    return max(0.0, 1.0 - (kept + 0.5) / n_tokens)
+
+
+def context_budget_tokens(context: int, block: int, fraction: int) -> int:
+    """The tokens kvbench's budget 1/``fraction`` holds: whole blocks, as kvbench counts them."""
+    return context // block // fraction * block
+
+
+def arm_label(ours: str, fraction: int) -> str:
+    """kvbench's label of a budget arm (``"snapkv 1/4"``)."""
+    return f"{ours} 1/{fraction}"
+
+
+def parse_label(label: str) -> tuple[str, int | None]:
+    """``"snapkv 1/4"`` -> ``("snapkv", 4)``; ``"plain"`` -> ``("plain", None)``."""
+    name, _, frac = label.partition(" 1/")
+    return name, int(frac) if frac.isdigit() else None
+
+
+def select_pairs(names: Sequence[str]) -> list[PressPair]:
+    unknown = [n for n in names if n not in PAIRS_BY_NAME]
+    if unknown:
+        raise SystemExit(
+            f"kvpress_compare: no kvpress press paired with {', '.join(unknown)}: the pairs are "
+            f"{', '.join(f'{p.ours} ({p.press})' for p in PAIRS)}"
+        )
+    return [PAIRS_BY_NAME[n] for n in names]
+
+
+def question_start(decode: Callable[[Sequence[int]], str], ids: Sequence[int]) -> int | None:
+    """Where the question begins in ``ids``: the first token of the shortest tail whose text holds
+    everything after the prompt's last blank line (so the newline before the question, and a
+    token that merges it with the blank line, belong to the question). ``None`` when the prompt
+    has no blank line (no question to hold out)."""
+    text = decode(ids)
+    cut = text.rfind("\n\n")
+    if cut < 0:
+        return None
+    question = text[cut + 1 :]
+    for k in range(1, len(ids)):
+        if question in decode(ids[-k:]):
+            return len(ids) - k
+    return None
+
+
+# ------------------------------------------------------------------------- the table
+def _em_rows(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {r["arm"]: r for r in rows}
+
+
+def _hits(row: dict[str, Any] | None) -> str:
+    if row is None or "needle_hits" not in row:
+        return "-"
+    hits = row["needle_hits"]
+    return f"{row['needle_em']:.2f} ({sum(hits)}/{len(hits)})"
+
+
+def _gen(row: dict[str, Any] | None, base: dict[str, Any] | None) -> str:
+    if row is None or base is None or not row.get("gen_ppl") or not base.get("gen_ppl"):
+        return "-"
+    if any(math.isnan(float(x)) for x in (row["gen_ppl"], base["gen_ppl"])):
+        return "-"
+    return f"{100 * (row['gen_ppl'] / base['gen_ppl'] - 1):+.1f}%"
+
+
+def build_table(ours: Sequence[dict[str, Any]], theirs: dict[str, Any]) -> list[dict[str, Any]]:
+    """The side-by-side rows from kvbench's ``--json`` rows (``ours``) and this module's JSON
+    (``theirs``: ``{"meta": ..., "rows": [...]}``): plain first, then each budget arm both
+    have, in kvpress's order. The difference is vllm-graft's needle EM minus kvpress's
+    (whole-prompt mode); negative where vllm-graft's block version loses, with the needles it
+    loses. Arms only one side has are left out."""
+    mine = _em_rows(ours)
+    rows_theirs = theirs["rows"]
+    by_mode: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in rows_theirs:
+        by_mode.setdefault(r.get("mode", "prompt"), {})[r["arm"]] = r
+    prompt = by_mode.get("prompt", {})
+    context = by_mode.get("context", {})
+    out: list[dict[str, Any]] = []
+    base_ours, base_theirs = mine.get("plain"), prompt.get("plain")
+    order = ["plain"] + [r["arm"] for r in rows_theirs if r.get("mode", "prompt") == "prompt" and r["arm"] != "plain"]
+    for arm in dict.fromkeys(order):
+        a, b = mine.get(arm), prompt.get(arm)
+        if a is None or b is None:
+            continue
+        name, frac = parse_label(arm)
+        pair = PAIRS_BY_NAME.get(name)
+        row: dict[str, Any] = {
+            "arm": arm,
+            "ours": name,
+            "press": "none" if name == "plain" else (b.get("press_name") or (pair.press if pair else "?")),
+            "kept": "all" if frac is None else f"1/{frac}",
+            "kvpress_ratio": b.get("compression_ratio", 0.0),
+            "ours_em": a.get("needle_em"),
+            "theirs_em": b.get("needle_em"),
+            "ours_cell": _hits(a),
+            "theirs_cell": _hits(b),
+            "context_cell": _hits(context.get(arm)),
+            "ours_gen": _gen(a, base_ours),
+            "theirs_gen": _gen(b, base_theirs),
+        }
+        diff_cell = "-"
+        if a.get("needle_hits") is not None and b.get("needle_hits") is not None:
+            ha, hb = a["needle_hits"], b["needle_hits"]
+            d = a["needle_em"] - b["needle_em"]
+            row["difference"] = d
+            if len(ha) == len(hb):
+                n = sum(hb) - sum(ha)
+                diff_cell = f"{d:+.2f}" + (f" (loses {n} of {len(ha)})" if n > 0 else "")
+                row["agree"] = sum(x == y for x, y in zip(ha, hb))
+            else:
+                diff_cell = f"{d:+.2f}"
+        row["difference_cell"] = diff_cell
+        out.append(row)
+    return out
+
+
+def format_table(rows: Sequence[dict[str, Any]], *, context_column: bool | None = None) -> str:
+    """The rows of :func:`build_table` as a markdown table. The context-only column shows when
+    any row has it (or as ``context_column`` says)."""
+    if context_column is None:
+        context_column = any(r["context_cell"] != "-" for r in rows)
+    head = [
+        "vllm-graft",
+        "kvpress",
+        "kept",
+        "vllm-graft needle EM",
+        "kvpress needle EM",
+        "difference",
+        *(["kvpress EM, context only"] if context_column else []),
+        "vllm-graft gen ppl",
+        "kvpress gen ppl",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
+    for r in rows:
+        cells = [
+            r["ours"],
+            r["press"],
+            r["kept"],
+            r["ours_cell"],
+            r["theirs_cell"],
+            r["difference_cell"],
+            *([r["context_cell"]] if context_column else []),
+            r["ours_gen"],
+            r["theirs_gen"],
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def ruler_max_tokens(cases: Sequence[Any]) -> int:
+    """Tokens generated per RULER case: kvbench's own rule where it has one (room for every
+    answer of the longest case), so both sides decode as many."""
+    from vllm_graft.tools.kvcompress import kvbench  # vLLM only inside its functions
+
+    theirs = getattr(kvbench, "ruler_max_tokens", None)
+    if theirs is not None:
+        return int(theirs(cases))
+    return max(sum(len(a) + 4 for a in c.answers) for c in cases) + 4
+
+
+def _ruler_means(row: dict[str, Any]) -> dict[str, float]:
+    sums: dict[str, list[float]] = {}
+    for task, score in zip(row.get("ruler_tasks", []), row.get("ruler_scores", [])):
+        sums.setdefault(task, []).append(float(score))
+    return {t: sum(v) / len(v) for t, v in sums.items()}
+
+
+def format_ruler_table(ours: Sequence[dict[str, Any]], theirs: dict[str, Any]) -> str:
+    """Each RULER task's mean score, vllm-graft / kvpress, for the arms both ran it on (whole prompt
+    compressed); empty when none did."""
+    mine = _em_rows(ours)
+    pairs = [
+        (r["arm"], mine[r["arm"]], r)
+        for r in theirs["rows"]
+        if r.get("mode", "prompt") == "prompt" and r.get("ruler_scores") and mine.get(r["arm"], {}).get("ruler_scores")
+    ]
+    if not pairs:
+        return ""
+    tasks = list(dict.fromkeys(t for _, a, b in pairs for t in [*a["ruler_tasks"], *b["ruler_tasks"]]))
+    head = ["arm", *tasks]
+    lines = ["| " + " | ".join(head) + " (vllm-graft / kvpress) |", "|---|" + "---:|" * len(tasks)]
+    for arm, a, b in pairs:
+        ma, mb = _ruler_means(a), _ruler_means(b)
+        cells = [f"{ma[t]:.2f} / {mb[t]:.2f}" if t in ma and t in mb else "-" for t in tasks]
+        lines.append("| " + " | ".join([arm, *cells]) + " |")
+    return "\n".join(lines)
+
+
+def table_main(ours_path: str, theirs_path: str) -> int:
+    with open(ours_path) as f:
+        ours = json.load(f)
+    with open(theirs_path) as f:
+        theirs = json.load(f)
+    if isinstance(ours, dict):  # kvbench writes a list of rows
+        ours = ours.get("rows", [])
+    rows = build_table(ours, theirs)
+    if not rows:
+        raise SystemExit(f"kvpress_compare: {ours_path} and {theirs_path} have no arm in common")
+    print(format_table(rows))
+    ruler = format_ruler_table(ours, theirs)
+    if ruler:
+        print("\nRULER-style suite, mean score per task:\n")
+        print(ruler)
+    plain = next((r for r in rows if r["ours"] == "plain"), None)
+    if plain is not None and "agree" in plain:
+        print(f"\nplain: transformers and vLLM agree on {plain['agree']} of the needles")
+    return 0
+
+
+# ------------------------------------------------------------------------ the runner
+def require_kvpress() -> Any:
+    """The kvpress module, or :class:`KvpressMissing` naming ``make kvpress``."""
+    try:
+        import kvpress
+    except ImportError as e:
+        raise KvpressMissing(MAKE_HINT.format(exe=sys.executable)) from e
+    return kvpress
+
+
+def make_press(kvpress: Any, pair: PressPair, ratio: float) -> Any:
+    cls = getattr(kvpress, pair.press)
+    if pair.inner is not None:
+        return cls(getattr(kvpress, pair.inner)(compression_ratio=ratio))
+    return cls(compression_ratio=ratio)
+
+
+class Runner:
+    """One model per attention implementation; the needles and texts through one press."""
+
+    def __init__(self, model: str, threads: int | None = None) -> None:
+        import torch
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.path = model
+        self._models: dict[str, Any] = {}
+
+    def model(self, attn: str) -> Any:
+        if attn not in self._models:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            m = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32, attn_implementation=attn)
+            self._models[attn] = m.eval()
+        return self._models[attn]
+
+    def _prefill(self, model: Any, press: Any, ids: Sequence[int], cache: Any, start: int = 0) -> Any:
+        """``ids[start:]`` through the model after ``ids[:start]`` is in the cache; the press (if
+        any) compresses what this forward leaves in the cache. Positions continue from the
+        uncompressed length, as kvpress's pipeline does. The last position's logits."""
+        import contextlib
+
+        import torch
+
+        t = torch.tensor([list(ids[start:])])
+        pos = torch.arange(start, len(ids)).unsqueeze(0)
+        with press(model) if press is not None else contextlib.nullcontext():
+            out = model(input_ids=t, past_key_values=cache, position_ids=pos, logits_to_keep=1)
+        return out.logits[0, -1]
+
+    def generate(
+        self, attn: str, press: Any, ids: Sequence[int], max_tokens: int, split: int | None
+    ) -> tuple[list[int], int]:
+        """Greedy output of ``max_tokens`` tokens after ``ids`` (the press compressing all of ``ids``,
+        or with ``split`` only ``ids[:split]``, the rest prefilled after it), and the tokens the
+        first layer's cache held after the prompt."""
+        import torch
+        from transformers import DynamicCache
+
+        model = self.model(attn)
+        cache = DynamicCache()
+        with torch.no_grad():
+            if split is None:
+                logits = self._prefill(model, press, ids, cache)
+            else:
+                self._prefill(model, press, ids[:split], cache)
+                logits = self._prefill(model, None, ids, cache, start=split)
+            held = cache.get_seq_length(0)
+            out = [int(logits.argmax())]
+            for i in range(max_tokens - 1):
+                step = model(
+                    input_ids=torch.tensor([[out[-1]]]),
+                    past_key_values=cache,
+                    position_ids=torch.tensor([[len(ids) + i]]),
+                )
+                out.append(int(step.logits[0, -1].argmax()))
+        return out, held
+
+    def forced_nll(self, attn: str, press: Any, prompt: Sequence[int], rest: Sequence[int]) -> float:
+        """The negative log-likelihood of ``rest`` teacher-forced after ``prompt`` (compressed by the
+        press): kvbench's gen ppl numerator for one text."""
+        import torch
+        from transformers import DynamicCache
+
+        model = self.model(attn)
+        cache = DynamicCache()
+        with torch.no_grad():
+            first = self._prefill(model, press, prompt, cache)
+            logps = [torch.log_softmax(first.float(), -1)[rest[0]]]
+            if len(rest) > 1:
+                out = model(
+                    input_ids=torch.tensor([list(rest[:-1])]),
+                    past_key_values=cache,
+                    position_ids=torch.arange(len(prompt), len(prompt) + len(rest) - 1).unsqueeze(0),
+                )
+                lp = torch.log_softmax(out.logits[0].float(), -1)
+                logps += [lp[i, t] for i, t in enumerate(rest[1:])]
+        return -float(sum(logps))
+
+
+def _digest(seqs: Sequence[Sequence[int]]) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for s in seqs:
+        h.update(json.dumps(list(s)).encode())
+    return h.hexdigest()[:16]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    kvpress = require_kvpress()
+    from importlib.metadata import version
+
+    import torch
+    import transformers
+
+    from vllm_graft.tools.workloads import Tokenizer, needle_haystack, stdlib_texts
+
+    pairs = select_pairs([s for s in args.presses.split(",") if s])
+    fractions = [int(f) for f in args.fractions.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    if bad := [m for m in modes if m not in MODES]:
+        raise SystemExit(f"kvpress_compare: unknown mode(s) {', '.join(bad)}: the modes are {', '.join(MODES)}")
+    tok = Tokenizer.from_model(args.model)
+    room = args.decode_tokens + 1  # kvbench's: the output tokens
+    needles = needle_haystack(tok, num_prompts=args.needles, context_tokens=args.context - room, seed=args.seed)
+    texts = stdlib_texts(tok, num=args.texts, tokens=args.context - 1, seed=args.seed) if args.texts else []
+    decode = max(max(len(n.answer_ids) for n in needles) + 2, args.decode_tokens)
+    splits = [question_start(tok.decode, n.token_ids) for n in needles]
+    runner = Runner(args.model, args.threads)
+
+    def needles_row(attn: str, press_for: Callable[[int], Any], mode: str) -> dict[str, Any]:
+        hits, held = [], []
+        for n, split in zip(needles, splits):
+            if mode == "context" and split is None:
+                raise SystemExit("kvpress_compare: a needle prompt has no blank line before its question")
+            out, kept = runner.generate(
+                attn,
+                press_for(len(n.token_ids) if mode == "prompt" else split or 0),
+                n.token_ids,
+                decode,
+                split if mode == "context" else None,
+            )
+            hits.append(out[: len(n.answer_ids)] == list(n.answer_ids))
+            held.append(kept)
+        return {
+            "needle_em": sum(hits) / len(hits),
+            "needle_hits": hits,
+            "kept_tokens_median": sorted(held)[len(held) // 2],
+        }
+
+    def texts_row(attn: str, press_for: Callable[[int], Any]) -> dict[str, Any]:
+        if not texts or not args.gen_tokens:
+            return {}
+        nll, n = 0.0, 0
+        for ids, _ in texts:
+            prompt, rest = ids[: len(ids) - args.gen_tokens], ids[len(ids) - args.gen_tokens :]
+            nll += runner.forced_nll(attn, press_for(len(prompt)), prompt, rest)
+            n += len(rest)
+        return {"gen_ppl": math.exp(nll / n), "gen_tokens": n}
+
+    cases: list[Any] = []
+    if args.ruler:
+        from vllm_graft.tools.workloads.ruler import RULER_TASKS, ruler_suite, score_case
+
+        tasks = list(RULER_TASKS) if args.ruler == "all" else [t for t in args.ruler.split(",") if t]
+        ruler_context = args.ruler_context or args.context - room
+        cases = ruler_suite(
+            tok, tasks=tasks, num_per_task=args.ruler_per_task, context_tokens=ruler_context, seed=args.seed
+        )
+        ruler_decode = ruler_max_tokens(cases)
+
+    def ruler_row(attn: str, press_for: Callable[[int], Any]) -> dict[str, Any]:
+        """kvbench's RULER fields: every case's score, whole prompt compressed."""
+        if not cases:
+            return {}
+        outs = [runner.generate(attn, press_for(len(c.token_ids)), c.token_ids, ruler_decode, None)[0] for c in cases]
+        return {"ruler_scores": [score_case(c, o) for c, o in zip(cases, outs)], "ruler_tasks": [c.task for c in cases]}
+
+    rows: list[dict[str, Any]] = []
+
+    def emit(row: dict[str, Any]) -> None:
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "needle_hits"}), flush=True)
+
+    for attn in dict.fromkeys(["sdpa", *(p.attn for p in pairs)]):
+        row: dict[str, Any] = {"arm": "plain" if attn == "sdpa" else f"plain ({attn})", "press_name": None}
+        row.update(attn=attn, mode="prompt", compression_ratio=0.0, **needles_row(attn, lambda n: None, "prompt"))
+        row.update(texts_row(attn, lambda n: None))
+        row.update(ruler_row(attn, lambda n: None))
+        emit(row)
+    for frac in fractions:
+        for pair in pairs:
+            for mode in modes:
+                budget = context_budget_tokens(args.context, args.block, frac) if args.budget == "context" else None
+                ratio = None if budget is not None else compression_ratio(frac)
+
+                def press_for(
+                    n: int, pair: PressPair = pair, ratio: float | None = ratio, budget: int | None = budget
+                ) -> Any:
+                    return make_press(kvpress, pair, ratio if ratio is not None else ratio_keeping(n, budget or 0))
+
+                row = {
+                    "arm": arm_label(pair.ours, frac),
+                    "ours": pair.ours,
+                    "fraction": frac,
+                    "press_name": pair.press + (f"({pair.inner})" if pair.inner else ""),
+                    "press": repr(press_for(len(needles[0].token_ids))),
+                    "attn": pair.attn,
+                    "mode": mode,
+                    "compression_ratio": ratio,
+                }
+                row.update(needles_row(pair.attn, press_for, mode))
+                if mode == "prompt":  # a text has no question: one gen ppl per press and budget
+                    row.update(texts_row(pair.attn, press_for))
+                    row.update(ruler_row(pair.attn, press_for))
+                emit(row)
+    meta = {
+        "command": " ".join(["python -m vllm_graft.tools.kvcompress.kvpress_compare", *sys.argv[1:]]),
+        "versions": {
+            "kvpress": version("kvpress"),
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "python": sys.version.split()[0],
+        },
+        "model": args.model,
+        "context": args.context,
+        "block": args.block,
+        "budget": args.budget,
+        "needles": args.needles,
+        "needle_prompt_tokens": [len(n.token_ids) for n in needles],
+        "needle_digest": _digest([n.token_ids for n in needles]),
+        "texts": args.texts,
+        "text_digest": _digest([ids for ids, _ in texts]),
+        "ruler_cases": len(cases),
+        "ruler_digest": _digest([c.token_ids for c in cases]),
+        "ruler_context": cases and (args.ruler_context or args.context - room),
+        "gen_tokens": args.gen_tokens,
+        "decode_tokens": decode,
+        "seed": args.seed,
+        "pairs": {p.ours: {"press": p.press, "inner": p.inner, "attn": p.attn, "match": p.match} for p in pairs},
+    }
+    return {"meta": meta, "rows": rows}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """kvpress's figures alone (the side-by-side table is ``--table``)."""
+    rows = result["rows"]
+    modes = list(dict.fromkeys(r["mode"] for r in rows if r.get("ours")))
+    ruler = any(r.get("ruler_scores") for r in rows)
+    head = ["press", "kept", *(f"needle EM ({m})" for m in modes), "gen ppl", "kept tokens (median)"]
+    head += ["RULER mean per task"] if ruler else []
+    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    for r in rows:
+        if not r.get("ours"):
+            gen = f"{r['gen_ppl']:.3f}" if "gen_ppl" in r else "-"
+            cells = [r["arm"], "all", *([_hits(r)] * len(modes)), gen, str(r["kept_tokens_median"])]
+            cells += [_ruler_cell(r)] if ruler else []
+            lines.append("| " + " | ".join(cells) + " |")
+            continue
+        if r["mode"] != modes[0]:
+            continue
+        same = {x["mode"]: x for x in rows if x["arm"] == r["arm"]}
+        cells = [
+            f"{r['press_name']} ({r['ours']})",
+            f"1/{r['fraction']}",
+            *(_hits(same.get(m)) for m in modes),
+            f"{r['gen_ppl']:.3f}" if "gen_ppl" in r else "-",
+            str(r["kept_tokens_median"]),
+            *([_ruler_cell(r)] if ruler else []),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _ruler_cell(row: dict[str, Any]) -> str:
+    means = _ruler_means(row)
+    return ", ".join(f"{t} {m:.2f}" for t, m in means.items()) if means else "-"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m vllm_graft.tools.kvcompress.kvpress_compare",
+        description="NVIDIA kvpress's presses on kvbench's model and prompts (in .venv-kvpress: make kvpress), "
+        "or --table OURS THEIRS: kvbench's --json beside this command's --json.",
+    )
+    p.add_argument("--table", nargs=2, metavar=("KVBENCH_JSON", "KVPRESS_JSON"), help="print the side-by-side table")
+    p.add_argument("--model", default="models/graft-tiny-llama-recall", help="model folder (HF format)")
+    p.add_argument(
+        "--presses",
+        default=",".join(p.ours for p in PAIRS),
+        help=f"vllm-graft names whose kvpress press to run (default all: {', '.join(p.ours for p in PAIRS)})",
+    )
+    p.add_argument("--fractions", default="2,4,8", help="budgets as fractions of the context (default 2,4,8)")
+    p.add_argument(
+        "--modes",
+        default="prompt,context",
+        help="prompt: the whole prompt compressed (as vllm-graft); context: the prompt before its question "
+        "compressed, the question prefilled after (kvpress's pipeline) (default both)",
+    )
+    p.add_argument(
+        "--budget",
+        choices=("prompt", "context"),
+        default="prompt",
+        help="prompt: compression_ratio 1 - 1/N of each prompt (default); context: keep kvbench's budget "
+        "in tokens (context // block // N * block) of each prompt",
+    )
+    p.add_argument("--context", type=int, default=2048, help="kvbench's --context (default 2048)")
+    p.add_argument("--block", type=int, default=32, help="kvbench's --block, for --budget context (default 32)")
+    p.add_argument("--needles", type=int, default=16, help="kvbench's --needles (default 16)")
+    p.add_argument("--decode-tokens", type=int, default=384, help="kvbench's --decode-tokens (default 384)")
+    p.add_argument("--texts", type=int, default=4, help="kvbench's --texts (default 4; 0: no gen ppl)")
+    p.add_argument("--gen-tokens", type=int, default=128, help="kvbench's --gen-tokens (default 128)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--ruler",
+        metavar="TASKS",
+        help="also the RULER-style suite (tools/workloads/ruler.py): 'all' or a comma list of its tasks, "
+        "whole prompt compressed",
+    )
+    p.add_argument("--ruler-per-task", type=int, default=8, help="RULER cases per task (default 8)")
+    p.add_argument(
+        "--ruler-context",
+        type=int,
+        help="RULER prompt tokens (default: as the needles', --context - --decode-tokens - 1)",
+    )
+    p.add_argument("--threads", type=int, help="torch threads (default torch's)")
+    p.add_argument("--json", help="write the result to this file")
+    p.add_argument("--markdown", help="write kvpress's table to this file")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.table:
+        return table_main(*args.table)
+    try:
+        result = run(args)
+    except KvpressMissing as e:
+        print(f"kvpress_compare: {e}", file=sys.stderr)
+        return 2
+    table = markdown(result)
+    print()
+    print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
