@@ -155,14 +155,19 @@ class KVCompressor(PluginImpl[P]):
         layer: AttentionLayer,
         query: "torch.Tensor | None" = None,
         observe: "torch.Tensor | None" = None,
+        mass: "torch.Tensor | None" = None,
     ) -> "torch.Tensor | None":
         """Optional (``needs_scores`` only): this layer's score of each block read from the cache
         itself, **in place of** the attention mass, for scorers of what the keys say (K-norm: key
         norms; KeyDiff: how far a block's keys are from the sequence's mean key) or of what the
         keys say to the queries' statistics (Expected Attention). ``query`` ``[T, H, D]`` is the
         step's (positions applied) and ``observe`` ``[T]`` bool marks the queries
-        :meth:`score_positions` selects, as :meth:`attend` gets them (``None`` where a caller has
-        none: score from the cache alone, or score nothing with zeros). A float tensor
+        :meth:`score_positions` selects, as :meth:`attend` gets them; ``mass`` ``[S, max_blocks]``
+        is this layer's attention mass of those queries (what the scores would have been), for a
+        scorer that combines it with what the keys say (R-KV: importance minus redundancy).
+        ``None`` where a caller has none: score from the cache alone, or score nothing with
+        zeros. Take only the arguments you use: the worker passes those the signature names. A
+        float tensor
         ``[num_seqs, max_blocks]``: entry ``[i, j]`` scores block-table column ``j`` of sequence
         ``i`` (columns past ``ceil(seq_lens[i] / block_size)`` are ignored). The worker sums it
         over layers into the step's scores exactly as it sums the mass (``view.step_scores``:

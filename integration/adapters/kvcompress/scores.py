@@ -307,7 +307,7 @@ class _ScoringAttention:
         else:
             out, mass = attend_with_mass(compressor, query, kv_cache, batch, layer, observe)
             if self.scores.from_cache:  # the compressor scores blocks from the keys, not the mass
-                mass = block_scores(compressor, kv_cache, batch, layer, query, observe)
+                mass = block_scores(compressor, kv_cache, batch, layer, query, observe, mass)
         if plan is not None:
             rows, width = plan.mass.shape
             plan.mass += mass[:rows, :width].to(plan.mass.dtype)

@@ -56,16 +56,19 @@ def attend_with_mass(compressor: Any, query, kv_cache, batch, layer, observe, he
     return shared.attend(kernel, query, kv_cache, batch, layer, observe, head_mask=head_mask)
 
 
-def block_scores(compressor: Any, kv_cache, batch, layer, query=None, observe=None):
-    """``compressor.block_scores`` with the step's ``query`` and ``observe`` where its signature
-    takes them (a scorer written before they were part of the contract takes the cache alone)."""
+def block_scores(compressor: Any, kv_cache, batch, layer, query=None, observe=None, mass=None):
+    """``compressor.block_scores`` with the step's ``query``, ``observe`` and ``mass`` where its
+    signature takes them (a scorer written before they were part of the contract takes the
+    cache alone)."""
     fn = compressor.block_scores
-    if _takes_queries(getattr(type(compressor), "block_scores")):
-        return fn(kv_cache, batch, layer, query=query, observe=observe)
-    return fn(kv_cache, batch, layer)
+    takes = _takes(getattr(type(compressor), "block_scores"))
+    extra = {k: v for k, v in (("query", query), ("observe", observe), ("mass", mass)) if k in takes}
+    return fn(kv_cache, batch, layer, **extra)
 
 
 @functools.cache  # per method: asked at every layer of every step
-def _takes_queries(method: Any) -> bool:
+def _takes(method: Any) -> frozenset[str]:
     params = inspect.signature(method).parameters
-    return "query" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return frozenset({"query", "observe", "mass"})
+    return frozenset(params)

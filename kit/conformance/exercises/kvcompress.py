@@ -123,7 +123,12 @@ def exercise_block_scores(t: Target, impl: Any, dtype: str) -> list[tuple[str, A
     exercise's paged batches: a floating ``[num_seqs, max_blocks]`` tensor, finite on every
     sequence's blocks, its inputs left as they were, and the same scores for the same tokens in
     every cache layout it claims (the first, blocked, is the reference)."""
-    from vllm_graft.integration.adapters.kvcompress.shared_attention import block_scores, layouts_read, scores_the_cache
+    from vllm_graft.integration.adapters.kvcompress.shared_attention import (
+        attend_with_mass,
+        block_scores,
+        layouts_read,
+        scores_the_cache,
+    )
 
     if not scores_the_cache(impl):
         return []
@@ -140,7 +145,10 @@ def exercise_block_scores(t: Target, impl: Any, dtype: str) -> list[tuple[str, A
             label = f"block_scores H={shape[0]} Hkv={shape[1]} D={shape[2]} block={shape[3]} {dtype} {cache}"
             before = kv.clone()
             observe = torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
-            got = call_in_cache(t, cache, label, "block_scores()", block_scores, impl, kv, batch, layer, q, observe)
+            _, mass = attend_with_mass(impl, q, kv, batch, layer, observe)  # as the worker hands it over
+            got = call_in_cache(
+                t, cache, label, "block_scores()", block_scores, impl, kv, batch, layer, q, observe, mass
+            )
             S, W = batch.block_table.shape
             if not isinstance(got, torch.Tensor) or tuple(got.shape) != (S, W) or not got.is_floating_point():
                 raise t.fail(

@@ -49,3 +49,16 @@ def key_diff_scores(kv_cache: torch.Tensor, batch: PagedBatch, layer: AttentionL
     anchor = torch.nn.functional.normalize((unit * m).sum(dim=(1, 3)), dim=-1)  # [S, H, D]
     cos = (unit * anchor[:, None, :, None, :]).sum(-1)  # [S, W, H, B]
     return _per_block(-cos.mean(dim=2), valid)
+
+
+def observed_rows(observe: torch.Tensor, batch: PagedBatch, num_seqs: int, num_rows: int):
+    """``(sequence [T], weight [T] float32, count [S] float32)``: each query row's sequence (from
+    ``query_start_loc``, on the device: no host read), 1.0 where the row is observed (rows past
+    the batch's last sequence, padding, weigh 0) and the observed rows per sequence."""
+    dev = observe.device
+    starts = batch.query_start_loc.to(dev).long()
+    rows = torch.arange(num_rows, device=dev)
+    seq = torch.bucketize(rows, starts[1 : num_seqs + 1], right=True).clamp(max=num_seqs - 1)
+    w = torch.where(rows < starts[num_seqs], observe[:num_rows].float(), torch.zeros((), device=dev))
+    count = torch.zeros(num_seqs, device=dev).index_add_(0, seq, w)
+    return seq, w, count

@@ -8,7 +8,7 @@ import torch
 
 from vllm_graft.hooks import AttentionLayer, PagedBatch, WindowMass
 
-from .._shared.keys import _batch_keys
+from .._shared.keys import _batch_keys, observed_rows
 
 
 class ExpectedAttention(WindowMass):
@@ -20,22 +20,14 @@ class ExpectedAttention(WindowMass):
 
 def query_statistics(query: torch.Tensor, observe: torch.Tensor, batch: PagedBatch, num_seqs: int):
     """``(mean [S, H, D], variance [S, H, D], count [S])`` of each sequence's observed queries
-    (float32; zero where a sequence observed none). Rows are matched to sequences on the
-    device (``query_start_loc``), with no host read."""
-    T = query.shape[0]
+    (float32; zero where a sequence observed none), with no host read."""
     q = query.float()
-    starts = batch.query_start_loc.to(query.device).long()
-    seq = torch.bucketize(torch.arange(T, device=query.device), starts[1 : num_seqs + 1], right=True)
-    seq = seq.clamp(max=num_seqs - 1)
-    w = observe[:T].to(q.dtype)
-    w = torch.where(torch.arange(T, device=query.device) < starts[num_seqs], w, torch.zeros_like(w))
-    count = torch.zeros(num_seqs, device=query.device).index_add_(0, seq, w)
-    total = torch.zeros(num_seqs, *q.shape[1:], device=query.device).index_add_(0, seq, q * w[:, None, None])
+    seq, w, count = observed_rows(observe, batch, num_seqs, q.shape[0])
+    total = torch.zeros(num_seqs, *q.shape[1:], device=q.device).index_add_(0, seq, q * w[:, None, None])
     square = torch.zeros_like(total).index_add_(0, seq, q * q * w[:, None, None])
     n = count.clamp(min=1)[:, None, None]
     mean = total / n
-    var = (square / n - mean * mean).clamp(min=0)
-    return mean, var, count
+    return mean, (square / n - mean * mean).clamp(min=0), count
 
 
 def expected_attention_scores(

@@ -11,5 +11,5 @@ from .._shared.keys import key_diff_scores
 
 
 class KeyDiff(CacheScores):
-    def block_scores(self, kv_cache, batch, layer, query=None, observe=None):
+    def block_scores(self, kv_cache, batch, layer):
         return key_diff_scores(kv_cache, batch, layer)

@@ -10,5 +10,5 @@ from .._shared.keys import key_norm_scores
 
 
 class KNorm(CacheScores):
-    def block_scores(self, kv_cache, batch, layer, query=None, observe=None):
+    def block_scores(self, kv_cache, batch, layer):
         return key_norm_scores(kv_cache, batch, layer)
