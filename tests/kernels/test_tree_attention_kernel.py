@@ -101,3 +101,103 @@ def test_launcher_reuses_given_bits_and_refuses_bad_ones():
         tree_attention_triton(args[0][:, :3], *args[1:])
     with pytest.raises(ValueError, match="unit stride along the head dimension"):
         tree_attention_triton(args[0], args[1].transpose(2, 3).contiguous().transpose(2, 3), *args[2:])
+
+
+# ---- the flash-decoding kernel: splits of the context, row tiles, the tree as its own split
+def chain_tree(n: int) -> DraftTree:
+    return DraftTree(list(range(n)), [-1] + list(range(n - 1)))
+
+
+@pytest.fixture
+def fine(monkeypatch):
+    """Knobs that make the tiny test shapes take every path: one block per step, one block per
+    split (several splits merged), 16 query rows per program (several row tiles)."""
+    from vllm_graft.plugins.speculative._tree import kernel
+
+    monkeypatch.setattr(kernel, "KEYS_PER_STEP", 16)
+    monkeypatch.setattr(kernel, "MIN_KEYS_PER_SPLIT", 1)
+    monkeypatch.setattr(kernel, "PROGRAMS_PER_SM", 64)
+    monkeypatch.setattr(kernel, "MAX_ROWS", 16)
+    return kernel
+
+
+SHAPES = [  # tree, hq, hkv, d, bs, context_len
+    (DraftTree([7], [-1]), 4, 2, 16, 8, 1),  # N = 1, one token of context
+    (chain_tree(28), 8, 1, 16, 16, 23),  # N = 28 (not a multiple of 16), group of 8
+    (big_tree(40, seed=4), 2, 2, 16, 8, 13),  # group of 1, two bitmask words
+    (big_tree(33, seed=3), 1, 1, 16, 16, 18),  # N = 33: one node in the second word
+]
+
+
+@pytest.mark.parametrize("tree, hq, hkv, d, bs, context_len", SHAPES)
+def test_more_shapes_match_the_reference(tree, hq, hkv, d, bs, context_len):
+    args = case(tree, hq, hkv, d, bs, context_len, seed=5)
+    assert (tree_attention_triton(*args) - tree_attention(*args)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("tree, hq, hkv, d, bs, context_len, head_major", [
+    (big_tree(40), 4, 2, 16, 16, 37, False),  # 3 context splits, 10 row tiles
+    (TREE, 6, 2, 24, 12, 30, True),  # splits of a non-power-of-two block, head-major view
+    (TREE, 4, 1, 16, 16, 0, False),  # no context: the tree's split alone
+])
+def test_splits_and_row_tiles_merge_exactly(fine, tree, hq, hkv, d, bs, context_len, head_major):
+    args = case(tree, hq, hkv, d, bs, context_len, seed=6, head_major=head_major)
+    blocks = -(-context_len // bs)
+    assert fine.split_plan(torch.device(DEVICE), 2, blocks, bs, 1)[0] == blocks  # one block per split
+    assert (tree_attention_triton(*args) - tree_attention(*args)).abs().max().item() < 1e-5
+
+
+def test_fp16_and_bf16_through_splits(fine):
+    for dtype, tol in ((torch.float16, 2e-3), (torch.bfloat16, 2e-2)):
+        args = case(TREE, 4, 2, 32, 16, 45, dtype=dtype, seed=7)
+        out = tree_attention_triton(*args)
+        assert out.dtype == dtype
+        assert (out.float() - tree_attention(*args).float()).abs().max().item() < tol, dtype
+
+
+def test_a_device_context_length_is_never_read_on_the_host(monkeypatch):
+    args = list(case(TREE, 4, 2, 16, 16, 37))
+    want = tree_attention(*args)
+    bits = pack_ancestor_bits(TREE.ancestor_mask()).to(DEVICE)
+    length = torch.tensor([37], device=DEVICE)
+
+    def guard(name):
+        real = getattr(torch.Tensor, name)
+
+        def read(self, *a, **k):
+            if self is length:
+                raise AssertionError(f"context_len was read on the host ({name})")
+            return real(self, *a, **k)
+
+        return read
+
+    for name in ("item", "tolist", "__int__", "__index__", "__bool__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, guard(name))
+    args[4] = length
+    out = tree_attention_triton(*args, ancestor_bits=bits)
+    monkeypatch.undo()
+    assert (out - want).abs().max().item() < 1e-5
+    # a length past the table is clamped to its width, not read out of bounds
+    args[3] = args[3][:2]  # two blocks of 16: the first 32 tokens
+    args[4] = torch.tensor(37, device=DEVICE)
+    clamped = tree_attention(*args[:4], 32, *args[5:])
+    assert (tree_attention_triton(*args, ancestor_bits=bits) - clamped).abs().max().item() < 1e-5
+    with pytest.raises(ValueError, match="one-element integer tensor"):
+        tree_attention_triton(*args[:4], torch.tensor([1.0]), *args[5:])
+
+
+def test_split_plan_covers_the_context_within_its_limits(monkeypatch):
+    from vllm_graft.plugins.speculative._tree import kernel
+
+    cpu = torch.device("cpu")
+    assert kernel.split_plan(cpu, 8, 0, 16, 4) == (0, 0)  # no context: the tree's split only
+    monkeypatch.setattr(kernel, "HOST_SMS", 132)
+    for programs, blocks, bs, pages in ((8, 256, 16, 4), (8, 1024, 16, 4), (16, 7, 16, 4), (1, 5000, 16, 4),
+                                        (2, 33, 12, 5), (264, 256, 16, 4)):
+        n, per = kernel.split_plan(cpu, programs, blocks, bs, pages)
+        assert per % pages == 0 and (n - 1) * per < blocks <= n * per  # every block, no empty split
+        assert 1 <= n <= kernel.MAX_SPLITS
+        assert n == 1 or per * bs >= kernel.MIN_KEYS_PER_SPLIT  # a split reads enough keys
+        assert n <= max(1, -(-kernel.PROGRAMS_PER_SM * 132 // programs))  # about PROGRAMS_PER_SM per SM
+    assert kernel.split_plan(cpu, 8, 256, 16, 2) == (15, 18)  # ctx 4096, H_kv 8 on an H100: 15 splits of 288 keys
+    assert kernel.split_plan(cpu, 8, 1 << 14, 16, 4)[0] == kernel.MAX_SPLITS
