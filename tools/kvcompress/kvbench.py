@@ -31,6 +31,15 @@ holds: its arms get the same KV *memory* as the ``--pool-blocks`` dense blocks
 (``kv_cache_memory_bytes``) and vLLM sizes the pool from the format's pages (column "pool":
 the blocks vLLM allocated; "page B": one block's bytes over all layers).
 
+``--suite ruler`` measures instead the RULER-style suite (:mod:`~.workloads.ruler`): for plain
+vLLM and every arm, ``--ruler-cases`` prompts of each task (``single``, ``multikey``,
+``multivalue``; ``vartrack`` when named in ``--ruler-tasks``) of about ``--context`` - 64 tokens
+of stdlib code with random values to retrieve, all submitted at once in the fixed pool, scored
+by exact match of the greedy output; printed as the RULER average per compressor (rows) and
+budget as a fraction of the context's blocks (columns: ratio kept 1/2, 1/4, 1/8), then per task;
+``--ruler-out FILE.json`` writes the summary and ``FILE.svg``, the score-vs-ratio plot
+(:mod:`.ruler_report`). Perplexity and needles are not measured in this mode.
+
 SnapKV compresses after the prompt is prefilled, so its perplexity over prompt tokens is
 plain vLLM's by construction (its ppl differs from plain's only through the decoded
 tokens), its prefill holds the whole prompt, and it keeps every generated block beyond its
@@ -43,7 +52,7 @@ import json
 import math
 import os
 import time
-from typing import Any
+from typing import Any, Sequence
 
 DEFAULT_MODEL = "graft-tiny-llama"
 
@@ -194,7 +203,11 @@ def run_arm(
     max_seqs: int,
     decode: int = 384,
     gen: int = 128,
+    ruler: Sequence[Any] = (),
 ) -> dict[str, Any]:
+    """One arm: ``texts`` for perplexity and ``needles`` for needle EM (either may be empty:
+    skipped), and the RULER-style ``ruler`` cases (:mod:`~.workloads.ruler`, all submitted at
+    once in the fixed pool, greedy), scored per case into ``ruler_scores``."""
     from vllm import LLM, SamplingParams
 
     from vllm_graft.cli import launch
@@ -260,6 +273,11 @@ def run_arm(
             decode_held.sort()
             return outs, peak, decode_held[len(decode_held) // 2] if decode_held else 0, running
 
+        if ruler:
+            res.update(_run_ruler(drive, ruler))
+        if not texts and not needles:
+            res["seconds"] = round(time.time() - t0, 1)
+            return res
         # perplexity: one text at a time; its prompt's log-probs, then its last `gen` tokens
         # decoded after it, forced
         nll, n_tok, peak_ppl, gen_nll, gen_held = 0.0, 0, 0, 0.0, []
@@ -309,6 +327,32 @@ def run_arm(
     return res
 
 
+def ruler_max_tokens(cases: Sequence[Any]) -> int:
+    """Tokens each RULER request generates: room for every answer of the longest case, with
+    a few tokens around each (multivalue's values are found anywhere in the output)."""
+    return max(sum(len(a) + 4 for a in c.answers) for c in cases) + 4
+
+
+def _run_ruler(drive, cases: Sequence[Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    from vllm_graft.tools.workloads.ruler import score_case
+
+    reqs = [(f"r{i}", c.token_ids) for i, c in enumerate(cases)]
+    outs, peak, median_decode, running = drive(
+        reqs, SamplingParams(max_tokens=ruler_max_tokens(cases), temperature=0.0, ignore_eos=True)
+    )
+    outputs = [list(outs[f"r{i}"].outputs[0].token_ids) for i in range(len(cases))]
+    return {
+        "ruler_scores": [score_case(c, o) for c, o in zip(cases, outputs)],
+        "ruler_tasks": [c.task for c in cases],
+        "ruler_outputs": outputs,
+        "ruler_peak_blocks": peak,
+        "ruler_median_blocks_decode": median_decode,
+        "ruler_max_concurrent": running,
+    }
+
+
 def _dense_page_bytes(model: str, block: int) -> int:
     """Bytes of one dense float32 block over all layers (K and V), from the model's config."""
     cfg = json.loads((__import__("pathlib").Path(model) / "config.json").read_text())
@@ -322,6 +366,7 @@ def main(args) -> int:
     from vllm_graft.tools.plugin_args import PluginArgError, parse_json_params, split_list
     from vllm_graft.tools.workloads import Tokenizer, needle_haystack, stdlib_texts
 
+    check_suite_args(args)
     launch.apply_env_defaults(in_process=True)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
@@ -341,6 +386,8 @@ def main(args) -> int:
     arms = _arms(
         args.context, args.block, split_list(args.compressors), fractions, args.h2o_recent, args.h2o_heavy, params
     )
+    if args.suite == "ruler":
+        return _main_ruler(args, model, tok, arms)
     texts = stdlib_texts(tok, num=args.texts, tokens=args.context - 1, seed=args.seed)
     needles = needle_haystack(tok, num_prompts=args.needles, context_tokens=args.context - room, seed=args.seed)
     rows = []
@@ -391,7 +438,92 @@ def main(args) -> int:
     return 0
 
 
+#: Tokens of the context left for a RULER case's output (:func:`ruler_max_tokens`).
+RULER_ROOM = 64
+
+
+def _main_ruler(args, model: str, tok, arms: list[tuple[str, Any]]) -> int:
+    """``--suite ruler``: the RULER-style cases through every arm, then the score-vs-ratio
+    tables (and ``--ruler-out`` / ``--ruler-svg``)."""
+    from vllm_graft.tools.kvcompress import ruler_report
+    from vllm_graft.tools.workloads.ruler import ruler_suite
+
+    tasks = parse_ruler_tasks(args.ruler_tasks)
+    cases = ruler_suite(
+        tok, tasks=tasks, num_per_task=args.ruler_cases, context_tokens=args.context - RULER_ROOM, seed=args.seed
+    )
+    longest = max(len(c.token_ids) for c in cases) + ruler_max_tokens(cases)
+    if longest > args.context:  # cannot happen with RULER_ROOM over the answers' length; checked
+        raise SystemExit(f"kvbench: a RULER case needs {longest} tokens, more than --context {args.context}")
+    rows = []
+    for label, kv in arms:
+        r = run_arm(
+            model,
+            kv,
+            [],
+            [],
+            block=args.block,
+            chunk=args.chunk,
+            pool=args.pool_blocks,
+            context=args.context,
+            max_seqs=args.needles,
+            ruler=cases,
+        )
+        r["arm"], r["kvcompress"] = label, kv
+        rows.append(r)
+        print(json.dumps({k: v for k, v in r.items() if k not in ("ruler_outputs", "ruler_tasks")}), flush=True)
+    summary = ruler_report.summarize(rows, tasks, cases_per_task=args.ruler_cases, context=args.context)
+    print()
+    print(
+        f"RULER-style suite: {', '.join(tasks)}; {args.ruler_cases} cases each, prompts of "
+        f"{min(len(c.token_ids) for c in cases)}-{max(len(c.token_ids) for c in cases)} tokens "
+        f"(context {args.context}, block {args.block}, chunk {args.chunk}, pool {args.pool_blocks} blocks); "
+        "exact match of the greedy output (multivalue: the fraction of values found)"
+    )
+    print(ruler_report.tables(summary))
+    if args.ruler_out:
+        with open(args.ruler_out, "w") as f:
+            json.dump({**summary, "rows": rows}, f, indent=1)
+    svg_path = args.ruler_svg or (os.path.splitext(args.ruler_out)[0] + ".svg" if args.ruler_out else None)
+    if svg_path:
+        with open(svg_path, "w") as f:
+            f.write(ruler_report.svg(summary))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+def check_suite_args(args) -> None:
+    """Refuse the ``--ruler-*`` options without ``--suite ruler`` and bad values, before any
+    text is read or engine started."""
+    if args.suite != "ruler":
+        given = [f for f in ("ruler_out", "ruler_svg") if getattr(args, f)]
+        if given:
+            raise SystemExit(f"kvbench: --{given[0].replace('_', '-')} needs --suite ruler")
+        return
+    parse_ruler_tasks(args.ruler_tasks)
+    if args.ruler_cases < 1:
+        raise SystemExit("kvbench: --ruler-cases must be at least 1")
+
+
+def parse_ruler_tasks(value: str) -> list[str]:
+    """``--ruler-tasks``: a comma list of :data:`~.workloads.ruler.RULER_TASKS`, or ``all``."""
+    from vllm_graft.tools.workloads.ruler import RULER_TASKS
+
+    names = list(RULER_TASKS) if value.strip() == "all" else [t.strip() for t in value.split(",") if t.strip()]
+    unknown = [t for t in names if t not in RULER_TASKS]
+    if unknown or not names:
+        raise SystemExit(
+            f"kvbench: unknown RULER task(s) {', '.join(unknown) or '(none given)'}: "
+            f"the tasks are {', '.join(RULER_TASKS)} (or all)"
+        )
+    return names
+
+
 def add_command(sub: Any) -> None:
+    from vllm_graft.tools.workloads.ruler import DEFAULT_TASKS as DEFAULT_RULER_TASKS
+
     p = sub.add_parser(
         "kvbench",
         help="KV-compression figures: blocks held, concurrency, perplexity, needle retrieval",
@@ -444,6 +576,36 @@ def add_command(sub: Any) -> None:
         "so the pool, not the prefill schedule, bounds concurrency)",
     )
     p.add_argument("--json", help="write the rows to this file")
+    p.add_argument(
+        "--suite",
+        choices=["ruler"],
+        help="ruler: instead of perplexity and needles, the RULER-style suite (tools/workloads/ruler.py: "
+        "single, multikey, multivalue and vartrack retrieval on stdlib code, exact match of the greedy "
+        "output) for every arm, printed as a score-vs-ratio table (rows: compressor; columns: the "
+        "budget as a fraction of the context's blocks) and a per-task table",
+    )
+    p.add_argument(
+        "--ruler-tasks",
+        default=",".join(DEFAULT_RULER_TASKS),
+        metavar="LIST",
+        help=f"--suite ruler: the tasks, a comma list or all (default {','.join(DEFAULT_RULER_TASKS)}: "
+        "vartrack scores 0 on the bundled recall model even uncompressed)",
+    )
+    p.add_argument(
+        "--ruler-cases", type=int, default=16, metavar="N", help="--suite ruler: cases per task (default 16)"
+    )
+    p.add_argument(
+        "--ruler-out",
+        metavar="FILE.json",
+        help="--suite ruler: write the summary (scores per arm and task) and the rows to this file, "
+        "and the plot beside it (FILE.svg) unless --ruler-svg names another",
+    )
+    p.add_argument(
+        "--ruler-svg",
+        metavar="FILE.svg",
+        help="--suite ruler: write the score-vs-ratio plot (SVG, one line per compressor, plain "
+        "vLLM as the dashed reference) to this file",
+    )
     p.set_defaults(func=lambda args, console=None: main(args))
 
 

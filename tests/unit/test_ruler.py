@@ -1,0 +1,220 @@
+"""The RULER-style suite (tools/workloads/ruler.py) without an engine: each task's prompts are
+seeded, fit the context, hold their answer where the question points (the key asked for, all
+the values, a variable chain that resolves to the value), end exactly where the answer starts;
+score_case; the report (tables and SVG plot) of a hand-made result; kvbench's --suite flags."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from vllm_graft.tools import workloads as W
+from vllm_graft.tools.kvcompress import kvbench, ruler_report
+from vllm_graft.tools.workloads import ruler as R
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ROOT / "models" / "graft-tiny-llama-recall"
+CONTEXT = 1024
+N = 4
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return W.Tokenizer.from_model(MODEL)
+
+
+@pytest.fixture(scope="module")
+def suite(tok):
+    return R.ruler_suite(tok, tasks=R.RULER_TASKS, num_per_task=N, context_tokens=CONTEXT)
+
+
+def by_task(cases, task):
+    return [c for c in cases if c.task == task]
+
+
+SECRET = re.compile(r'^SECRET_([A-Z]{4}) = "([a-z]{8})"$', re.M)
+
+
+def test_deterministic_and_seeded(tok, suite):
+    again = R.ruler_suite(tok, tasks=R.RULER_TASKS, num_per_task=N, context_tokens=CONTEXT)
+    other = R.ruler_suite(tok, tasks=R.RULER_TASKS, num_per_task=N, context_tokens=CONTEXT, seed=1)
+    assert again == suite
+    assert [c.task for c in suite] == [t for t in R.RULER_TASKS for _ in range(N)]
+    for task in R.RULER_TASKS:
+        a, b = by_task(suite, task), by_task(other, task)
+        assert all(x.token_ids != y.token_ids for x, y in zip(a, b)), task
+        assert all(x.answers != y.answers for x, y in zip(a, b)), task
+
+
+def test_lengths_within_the_context(suite):
+    for c in suite:
+        assert CONTEXT - 200 <= len(c.token_ids) <= CONTEXT, (c.task, len(c.token_ids))
+        assert 0.0 <= c.depth <= 1.0 and "@" in c.source
+
+
+@pytest.mark.parametrize("task", ["single", "multikey", "vartrack"])
+def test_the_prompt_ends_where_the_answer_starts(tok, suite, task):
+    for c in by_task(suite, task):
+        (answer,) = c.answers
+        assert tok.decode(answer).endswith('"') and len(answer) >= 2
+        # the answer continues the prompt token for token: greedy output can match it exactly
+        assert tok.encode(tok.decode(c.token_ids) + tok.decode(answer)) == list(c.token_ids) + list(answer)
+
+
+def test_single_and_multikey_hold_the_key_asked_for(tok, suite):
+    for c in by_task(suite, "single") + by_task(suite, "multikey"):
+        text = tok.decode(c.token_ids)
+        tag = re.search(r'SECRET_([A-Z]{4}) = "$', text)[1]
+        value = tok.decode(c.answers[0])[:-1]
+        needles = dict(SECRET.findall(text))
+        assert needles[tag] == value  # the key asked for binds the answer
+        assert len(needles) == (1 if c.task == "single" else R.MULTIKEY_KEYS)
+        assert len(set(needles.values())) == len(needles)  # distractors differ in key and value
+        # the needle sits where its depth says
+        at = text.index(f'SECRET_{tag} = "{value}"') / len(text)
+        assert abs(at - c.depth) < 0.1, (at, c.depth)
+
+
+def test_multikey_asks_for_every_position(tok, suite):
+    cases = R.ruler_suite(tok, tasks=["multikey"], num_per_task=R.MULTIKEY_KEYS, context_tokens=CONTEXT)
+    asked = []
+    for c in cases:
+        text = tok.decode(c.token_ids)
+        tag = re.search(r'SECRET_([A-Z]{4}) = "$', text)[1]
+        asked.append([t for t, _ in SECRET.findall(text)].index(tag))
+    assert sorted(asked) == list(range(R.MULTIKEY_KEYS))
+
+
+def test_multivalue_holds_every_value_under_one_key(tok, suite):
+    for c in by_task(suite, "multivalue"):
+        text = tok.decode(c.token_ids)
+        tag = re.search(r'SECRET_([A-Z]{4}) = "$', text)[1]
+        found = SECRET.findall(text)
+        assert [t for t, _ in found] == [tag] * R.MULTIVALUE_VALUES
+        assert [v for _, v in found] == [tok.decode(a) for a in c.answers]
+        assert len(set(c.answers)) == R.MULTIVALUE_VALUES
+
+
+def test_vartrack_chain_resolves_to_the_value(tok, suite):
+    for c in by_task(suite, "vartrack"):
+        text = tok.decode(c.token_ids)
+        last = re.search(r'assert ([A-Z]{5}) == "$', text)[1]
+        values = dict(re.findall(r'^([A-Z]{5}) = "([a-z]{8})"$', text, re.M))
+        refs = re.findall(r"^([A-Z]{5}) = ([A-Z]{5})$", text, re.M)
+        assert len(values) == 1 and len(refs) == R.VARTRACK_HOPS - 1
+        # executed in order, the chain gives the last variable the value
+        env = dict(values)
+        order = sorted(refs, key=lambda r: text.index(f"\n{r[0]} = {r[1]}\n"))
+        for name, src in order:
+            env[name] = env[src]
+        assert env[last] == tok.decode(c.answers[0])[:-1]
+        assert last not in values  # it takes at least one hop
+        (root,) = values
+        assert text.index(f'{root} = "') < min(text.index(f"\n{n} = {s}\n") for n, s in refs)
+
+
+def test_unknown_task_refused(tok):
+    with pytest.raises(W.WorkloadError, match="unknown RULER task.*vartrack"):
+        R.ruler_suite(tok, tasks=["single", "niah"], num_per_task=1, context_tokens=CONTEXT)
+
+
+# ------------------------------------------------------------------------------ scoring
+def test_score_case():
+    one = R.RulerCase("single", (1, 2), ((5, 6, 7),), 0.5, "x@0")
+    assert R.score_case(one, [5, 6, 7, 9]) == 1.0
+    assert R.score_case(one, [5, 6]) == 0.0  # cut short
+    assert R.score_case(one, [9, 5, 6, 7]) == 0.0  # must start with it
+    many = R.RulerCase("multivalue", (1,), ((5, 6), (7, 8), (9,)), 0.1, "x@0")
+    assert R.score_case(many, [0, 7, 8, 3]) == pytest.approx(1 / 3)
+    assert R.score_case(many, [9, 5, 6, 1, 7, 8]) == 1.0
+    assert R.score_case(many, [5, 7, 6, 8]) == 0.0  # tokens interleaved: not contiguous
+
+
+# ------------------------------------------------------------------------------ the report
+def rows():
+    """Hand-made kvbench rows: 2 tasks, 2 cases each."""
+
+    def row(arm, single, multikey):
+        return {"arm": arm, "ruler_tasks": ["single"] * 2 + ["multikey"] * 2, "ruler_scores": single + multikey}
+
+    return [
+        row("plain", [1.0, 0.0], [1.0, 1.0]),  # 0.5, 1.0 -> 0.75
+        row("streaming 1/2", [1.0, 0.0], [1.0, 0.0]),  # 0.5
+        row("snapkv 1/2", [1.0, 1.0], [1.0, 0.0]),  # 0.75
+        row("streaming 1/4", [0.0, 0.0], [1.0, 0.0]),  # 0.25
+        row("snapkv 1/4", [1.0, 0.0], [1.0, 0.0]),  # 0.5
+    ]
+
+
+def test_summary_and_tables():
+    s = ruler_report.summarize(rows(), ["single", "multikey"], cases_per_task=2, context=2048)
+    arms = {a["arm"]: a for a in s["arms"]}
+    assert arms["plain"]["average"] == 0.75 and arms["plain"]["ratio"] is None
+    assert arms["snapkv 1/4"] == {
+        "arm": "snapkv 1/4",
+        "compressor": "snapkv",
+        "ratio": "1/4",
+        "kept": 0.25,
+        "scores": {"single": 0.5, "multikey": 0.5},
+        "average": 0.5,
+    }
+    text = ruler_report.tables(s)
+    assert "| compressor | kept 1 | kept 1/2 | kept 1/4 |" in text
+    assert "| plain | 0.750 |  |  |" in text
+    assert "| streaming |  | 0.500 | 0.250 |" in text
+    assert "| snapkv |  | 0.750 | 0.500 |" in text
+    assert "| streaming 1/4 | 0.000 | 0.500 | **0.250** |" in text
+    with pytest.raises(ValueError, match="no score for multivalue"):
+        ruler_report.summarize(rows(), ["single", "multivalue"], cases_per_task=2, context=2048)
+
+
+def test_split_label():
+    assert ruler_report.split_label("kv4+h2o 1/8") == ("kv4+h2o", "1/8", 0.125)
+    assert ruler_report.split_label("plain") == ("plain", None, 1.0)
+
+
+def test_svg_plot():
+    s = ruler_report.summarize(rows(), ["single", "multikey"], cases_per_task=2, context=2048)
+    root = ET.fromstring(ruler_report.svg(s, width=640, height=400))
+    ns = {"s": "http://www.w3.org/2000/svg"}
+    lines = {p.get("data-compressor"): p.get("points") for p in root.iterfind("s:polyline", ns)}
+    assert set(lines) == {"streaming", "snapkv"}  # one line per compressor, plain is the reference
+    # plot area: x from 60 to 490 (1/4, 1/2, 1 evenly), y from 40 (score 1) to 350 (score 0)
+    assert lines["streaming"] == "60.0,272.5 275.0,195.0"  # 0.25 at 1/4, 0.5 at 1/2
+    assert lines["snapkv"] == "60.0,195.0 275.0,117.5"
+    (plain,) = [e for e in root.iterfind("s:line", ns) if e.get("class") == "plain"]
+    assert plain.get("y1") == plain.get("y2") == "117.5"  # 0.75
+    labels = [t.text for t in root.iterfind("s:text", ns)]
+    assert {"1/4", "1/2", "1", "plain 0.750", "streaming", "snapkv"} <= set(labels)
+
+
+# ------------------------------------------------------------------------------ the CLI
+def parse(*argv):
+    from vllm_graft.cli.main import build_parser
+
+    return build_parser().parse_args(["kvbench", *argv])
+
+
+def test_suite_flags_parse():
+    args = parse()
+    assert args.suite is None and args.ruler_out is None
+    assert args.ruler_tasks == ",".join(R.DEFAULT_TASKS) and args.ruler_cases == 16
+    kvbench.check_suite_args(args)  # the default run: nothing to refuse
+    args = parse("--suite", "ruler", "--ruler-tasks", "all", "--ruler-cases", "3", "--ruler-out", "r.json")
+    assert (args.suite, args.ruler_cases, args.ruler_out) == ("ruler", 3, "r.json")
+    kvbench.check_suite_args(args)
+    assert kvbench.parse_ruler_tasks(args.ruler_tasks) == list(R.RULER_TASKS)
+    assert kvbench.parse_ruler_tasks("multikey, single") == ["multikey", "single"]
+    with pytest.raises(SystemExit):
+        parse("--suite", "rulers")
+    with pytest.raises(SystemExit, match="unknown RULER task.*niah"):
+        kvbench.check_suite_args(parse("--suite", "ruler", "--ruler-tasks", "single,niah"))
+    with pytest.raises(SystemExit, match="--ruler-out needs --suite ruler"):
+        kvbench.check_suite_args(parse("--ruler-out", "r.json"))
+    with pytest.raises(SystemExit, match="--ruler-cases"):
+        kvbench.check_suite_args(parse("--suite", "ruler", "--ruler-cases", "0"))
+    assert isinstance(args, argparse.Namespace)

@@ -1,0 +1,184 @@
+"""The RULER-style suite's report for ``vllm-graft kvbench --suite ruler``: the score-vs-ratio
+summary of kvbench's rows, its two tables (the average per compressor and ratio kept; the
+per-task detail) and an SVG plot written as plain text (no plotting library).
+
+The summary is a plain dict (what ``--ruler-out`` writes)::
+
+    {"tasks": ["single", ...], "cases_per_task": 16, "context": 2048,
+     "arms": [{"arm": "streaming 1/4", "compressor": "streaming", "ratio": "1/4",
+               "kept": 0.25, "scores": {"single": 0.5, ...}, "average": 0.41}, ...]}
+
+``ratio`` is the budget as a fraction of the context's KV blocks ("1/2", "1/4", ...), ``None``
+for an arm without a budget (plain vLLM, kv4 alone, a plugin without ``budget_blocks``): those
+keep every block (``kept`` 1.0). Never imports vLLM.
+"""
+
+from __future__ import annotations
+
+import re
+from html import escape
+from typing import Any, Sequence
+
+_RATIO = re.compile(r"^(?P<name>.+) 1/(?P<den>\d+)$")
+#: Line colours of the plot, one per compressor in order (plain is black, dashed).
+COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
+
+
+def split_label(label: str) -> tuple[str, str | None, float]:
+    """An arm's label as ``(compressor, ratio, kept)``: ``"h2o 1/4"`` -> ``("h2o", "1/4", 0.25)``;
+    a label without a budget -> ``(label, None, 1.0)``."""
+    m = _RATIO.match(label)
+    if not m:
+        return label, None, 1.0
+    den = int(m["den"])
+    return m["name"], f"1/{den}", 1.0 / den
+
+
+def summarize(
+    rows: Sequence[dict[str, Any]], tasks: Sequence[str], *, cases_per_task: int, context: int
+) -> dict[str, Any]:
+    """The summary of kvbench's rows (each with ``arm``, ``ruler_tasks`` and ``ruler_scores``,
+    one score per case): per arm the mean score per task and their average (every task
+    weighs the same)."""
+    arms = []
+    for r in rows:
+        per: dict[str, list[float]] = {t: [] for t in tasks}
+        for task, score in zip(r["ruler_tasks"], r["ruler_scores"]):
+            if task in per:  # a task not asked for is left out of the summary
+                per[task].append(score)
+        scores = {t: sum(v) / len(v) for t, v in per.items() if v}
+        missing = [t for t in tasks if t not in scores]
+        if missing:
+            raise ValueError(f"arm {r['arm']!r} has no score for {', '.join(missing)}")
+        name, ratio, kept = split_label(r["arm"])
+        arms.append(
+            {
+                "arm": r["arm"],
+                "compressor": name,
+                "ratio": ratio,
+                "kept": kept,
+                "scores": scores,
+                "average": sum(scores.values()) / len(scores),
+            }
+        )
+    return {"tasks": list(tasks), "cases_per_task": cases_per_task, "context": context, "arms": arms}
+
+
+def _ratios(summary: dict[str, Any]) -> list[str]:
+    """The ratios of the summary's arms, largest kept first."""
+    seen = {a["ratio"]: a["kept"] for a in summary["arms"] if a["ratio"] is not None}
+    return sorted(seen, key=lambda r: -seen[r])
+
+
+def _compressors(summary: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    for a in summary["arms"]:
+        if a["compressor"] not in out:
+            out.append(a["compressor"])
+    return out
+
+
+def tables(summary: dict[str, Any]) -> str:
+    """The two tables, as markdown: the RULER average per compressor (rows) and ratio kept
+    (columns; "1" is every block: plain vLLM and arms without a budget), then the per-task
+    detail per arm."""
+    ratios = _ratios(summary)
+    by = {(a["compressor"], a["ratio"]): a for a in summary["arms"]}
+    cols = ["1", *ratios]
+    lines = [
+        "| compressor | " + " | ".join(f"kept {c}" for c in cols) + " |",
+        "|---|" + "---:|" * len(cols),
+    ]
+    for name in _compressors(summary):
+        cells = []
+        for ratio in [None, *ratios]:
+            a = by.get((name, ratio))
+            cells.append(f"{a['average']:.3f}" if a else "")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    tasks = summary["tasks"]
+    lines += ["", "| arm | " + " | ".join(tasks) + " | average |", "|---|" + "---:|" * (len(tasks) + 1)]
+    for a in summary["arms"]:
+        cells = [f"{a['scores'][t]:.3f}" for t in tasks] + [f"**{a['average']:.3f}**"]
+        lines.append(f"| {a['arm']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def svg(summary: dict[str, Any], *, width: int = 640, height: int = 400) -> str:
+    """Score (RULER average, 0..1) against ratio kept (log scale, 1 at the right): one line
+    per compressor with a budget, plain vLLM as a dashed horizontal reference; an arm
+    without a budget other than plain is a point at ratio 1."""
+    left, right, top, bottom = 60, 150, 40, 50
+    pw, ph = width - left - right, height - top - bottom
+    ratios = _ratios(summary)
+    xs = ["1", *ratios][::-1]  # smallest kept on the left
+    step = pw / max(1, len(xs) - 1)
+    xpos = {r: left + i * step for i, r in enumerate(xs)}
+
+    def y(v: float) -> float:
+        return top + ph * (1.0 - v)
+
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">',
+        f'<rect x="0" y="0" width="{width}" height="{height}" fill="white"/>',
+        f'<text x="{left + pw / 2:.1f}" y="20" text-anchor="middle" font-size="14">RULER-style suite '
+        f"({escape(', '.join(summary['tasks']))}; {summary['cases_per_task']} cases each, "
+        f"context {summary['context']})</text>",
+    ]
+    for i in range(6):  # grid and y ticks
+        v = i / 5
+        out.append(
+            f'<line x1="{left}" y1="{y(v):.1f}" x2="{left + pw}" y2="{y(v):.1f}" stroke="#ddd"/>'
+            f'<text x="{left - 8}" y="{y(v) + 4:.1f}" text-anchor="end">{v:.1f}</text>'
+        )
+    for r, x in xpos.items():
+        out.append(
+            f'<line x1="{x:.1f}" y1="{top + ph}" x2="{x:.1f}" y2="{top + ph + 5}" stroke="black"/>'
+            f'<text x="{x:.1f}" y="{top + ph + 20}" text-anchor="middle">{r}</text>'
+        )
+    out.append(
+        f'<line x1="{left}" y1="{top + ph}" x2="{left + pw}" y2="{top + ph}" stroke="black"/>'
+        f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + ph}" stroke="black"/>'
+        f'<text x="{left + pw / 2:.1f}" y="{height - 10}" text-anchor="middle">'
+        "ratio kept (budget / context blocks)</text>"
+        f'<text x="16" y="{top + ph / 2:.1f}" text-anchor="middle" '
+        f'transform="rotate(-90 16 {top + ph / 2:.1f})">score (exact match, average)</text>'
+    )
+    legend_y = top + 10
+    plain = next((a for a in summary["arms"] if a["arm"] == "plain"), None)
+    if plain is not None:
+        py = y(plain["average"])
+        out.append(
+            f'<line class="plain" x1="{left}" y1="{py:.1f}" x2="{left + pw}" y2="{py:.1f}" '
+            'stroke="black" stroke-dasharray="6 4"/>'
+            f'<line x1="{left + pw + 10}" y1="{legend_y}" x2="{left + pw + 30}" y2="{legend_y}" '
+            'stroke="black" stroke-dasharray="6 4"/>'
+            f'<text x="{left + pw + 35}" y="{legend_y + 4}">plain {plain["average"]:.3f}</text>'
+        )
+        legend_y += 18
+    names = [n for n in _compressors(summary) if n != "plain"]
+    for i, name in enumerate(names):
+        colour = COLOURS[i % len(COLOURS)]
+        pts = sorted(
+            (
+                (xpos["1" if a["ratio"] is None else a["ratio"]], y(a["average"]))
+                for a in summary["arms"]
+                if a["compressor"] == name
+            ),
+        )
+        if len(pts) > 1:
+            coords = " ".join(f"{x:.1f},{yy:.1f}" for x, yy in pts)
+            out.append(
+                f'<polyline data-compressor="{escape(name)}" points="{coords}" fill="none" '
+                f'stroke="{colour}" stroke-width="2"/>'
+            )
+        for x, yy in pts:
+            out.append(f'<circle data-compressor="{escape(name)}" cx="{x:.1f}" cy="{yy:.1f}" r="3.5" fill="{colour}"/>')
+        out.append(
+            f'<line x1="{left + pw + 10}" y1="{legend_y}" x2="{left + pw + 30}" y2="{legend_y}" '
+            f'stroke="{colour}" stroke-width="2"/>'
+            f'<text x="{left + pw + 35}" y="{legend_y + 4}">{escape(name)}</text>'
+        )
+        legend_y += 18
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
