@@ -245,12 +245,25 @@ def cases(smoke: bool, device: str) -> list[Case]:
                     lambda: recycle_update(lg, toks, m0.clone()),
                     lg.numel() * 4 + R * kk * 8, 0.0))
 
-    from vllm_graft.plugins.speculative._tree import DraftTree, tree_attention
-    from vllm_graft.plugins.speculative._tree.kernel import tree_attention_triton
+    # one verify step of a 28-node draft tree (breadth 4,2,1,1) over one sequence's paged context,
+    # and a larger one: 64 nodes (breadth 16,1,1,1: two row tiles of the kernel) over 16K tokens
+    out.append(_tree_case(80 if smoke else 4096, (4, 2, 1, 1), H, Hkv, D, bs, dt, device))
+    out.append(_tree_case(96 if smoke else 16384, (16, 1, 1, 1), H, Hkv, D, bs, dt, device))
+    return out
 
-    # one verify step of a 28-node draft tree (breadth 4,2,1,1) over one sequence's paged context
-    tctx = 80 if smoke else 4096
-    chains = [[a, 10 + b, 20 + c, 30 + d] for a in range(4) for b in range(2) for c in range(1) for d in range(1)]
+
+def _tree_case(tctx: int, breadth: tuple[int, ...], H, Hkv, D, bs, dt, device) -> Case:
+    """Tree verification attention for one sequence: a draft tree of the given breadth per level
+    over ``tctx`` tokens of paged context; plain is a causal chain of as many tokens."""
+    import itertools
+
+    import torch
+
+    from vllm_graft.plugins.speculative._tree import DraftTree, tree_attention
+    from vllm_graft.plugins.speculative._tree.kernel import pack_ancestor_bits, tree_attention_triton
+
+    elt = torch.tensor([], dtype=dt).element_size()
+    chains = [[10 * level + c for level, c in enumerate(path)] for path in itertools.product(*map(range, breadth))]
     tree = DraftTree.from_chains(chains)
     N = len(tree.tokens)
     g = torch.Generator().manual_seed(3)
@@ -262,18 +275,19 @@ def cases(smoke: bool, device: str) -> list[Case]:
     tk = torch.randn(N, Hkv, D, generator=g).to(dt).to(device)
     tv = torch.randn(N, Hkv, D, generator=g).to(dt).to(device)
     par = tree.parents.to(device)
+    # the bitmask as the adapter passes it: built once per verify step, shared by every layer
+    bits = pack_ancestor_bits(tree.ancestor_mask()).to(device)
     # plain: a chain of the same N tokens verified with a causal mask over the same context
     ck = torch.cat([kc[bt.long()].reshape(-1, Hkv, D)[:tctx], tk]).transpose(0, 1)[None].contiguous()
     cv = torch.cat([vc[bt.long()].reshape(-1, Hkv, D)[:tctx], tv]).transpose(0, 1)[None].contiguous()
     causal = torch.ones(N, tctx + N, dtype=torch.bool, device=device).tril(tctx)
     tq4 = tq.transpose(0, 1)[None]
-    out.append(Case("tree verification attention (paged context + ancestor mask)",
-                    f"ctx{tctx} nodes{N} H{H}/{Hkv} D{D}", "fp16",
-                    lambda: tree_attention(tq, kc, vc, bt, tctx, tk, tv, par, D ** -0.5),
-                    lambda: tree_attention_triton(tq, kc, vc, bt, tctx, tk, tv, par, D ** -0.5),
-                    2 * tctx * Hkv * D * elt + 2 * N * (H + 2 * Hkv) * D * elt, 2e-3,
-                    plain=lambda: _sdpa(tq4, ck, cv, D ** -0.5, causal)))
-    return out
+    return Case("tree verification attention (paged context + ancestor mask)",
+                f"ctx{tctx} nodes{N} H{H}/{Hkv} D{D}", "fp16",
+                lambda: tree_attention(tq, kc, vc, bt, tctx, tk, tv, par, D ** -0.5),
+                lambda: tree_attention_triton(tq, kc, vc, bt, tctx, tk, tv, par, D ** -0.5, ancestor_bits=bits),
+                2 * tctx * Hkv * D * elt + 2 * N * (H + 2 * Hkv) * D * elt, 2e-3,
+                plain=lambda: _sdpa(tq4, ck, cv, D ** -0.5, causal))
 
 
 # ------------------------------------------------------------------------------ running
@@ -396,7 +410,7 @@ def run(smoke: bool, peak: float | None) -> tuple[str, list[dict]]:
     note = ("\"plain attention\": what plain vLLM runs instead, approximated by torch's "
             "scaled_dot_product_attention over the same keys and values gathered contiguous before "
             "timing (vLLM is not on this machine; a lower bound of its paged FlashAttention); the tree "
-            "row's plain is a causal chain of as many tokens. \"Triton vs plain\" above 1x is faster "
+            "rows' plain is a causal chain of as many tokens. \"Triton vs plain\" above 1x is faster "
             "than plain.")
     return f"{head} {peak_note}\n\n" + "\n".join(table) + "\n\n" + note + "\n", rows
 

@@ -30,7 +30,7 @@ def test_smoke_mode_checks_every_plugin_kernel(tmp_path):
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert len(rows) == 10 and all("| yes (" in r for r in rows), rows
+    assert len(rows) == 11 and all("| yes (" in r for r in rows), rows
     assert "not timed" in out.read_text()
     # every plugin that has a Triton kernel has a row
     # (a shared package of a kind, e.g. speculative/_tree, by its name; kvcompress/_shared is h2o/snapkv's)

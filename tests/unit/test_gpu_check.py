@@ -48,7 +48,7 @@ def test_smoke_writes_a_passing_row_per_stage(tmp_path):
         "Triton merge matches the reference; FlashInfer: skipped: the tensors are on cpu; FlashInfer runs on CUDA only. "
         "Device: host (Triton interpreted)."), text
     assert " 0 failed, 0 errors" in rows["tests"][2] and "tests/kernels/test_h2o_kernel.py" in rows["tests"][2]
-    assert rows["kernel benchmark"][2].startswith("10 kernels, 10 match their reference")
+    assert rows["kernel benchmark"][2].startswith("11 kernels, 11 match their reference")
     assert "## Kernel timings (benchmarks/gpu/run.py)" in text and "CPU rehearsal" in text
 
 
