@@ -182,3 +182,18 @@ def test_ruler_table_per_task_means_for_arms_both_ran():
     assert text[0] == "| arm | single | multivalue (vllm-graft / kvpress) |"
     assert text[2:] == ["| plain | 0.50 / 1.00 | 0.83 / 1.00 |", "| snapkv 1/4 | 0.00 / 0.50 | 0.17 / 0.00 |"]
     assert kc.format_ruler_table(ours[2:], theirs) == ""
+
+
+def test_table_from_kvbench_printed_rows_without_hits(tmp_path, capsys):
+    log = tmp_path / "kvbench.log"
+    printed = [{k: v for k, v in r.items() if k != "needle_hits"} for r in _ours()]  # as kvbench prints
+    log.write_text("INFO engine started\n" + "\n".join(json.dumps(r) for r in printed) + "\n\ncontext 2048 ...\n")
+    assert [r["arm"] for r in kc.read_kvbench(str(log))] == [r["arm"] for r in _ours()]
+    rows = kc.build_table(kc.read_kvbench(str(log)), _theirs())
+    snap = rows[1]
+    assert snap["ours_cell"] == "0.25" and snap["difference_cell"] == "-0.50 (loses 2 of 4)"
+    assert "agree" not in rows[0]  # no per-needle hits: no agreement count
+    theirs = tmp_path / "theirs.json"
+    theirs.write_text(json.dumps(_theirs()))
+    assert kc.main(["--table", str(log), str(theirs)]) == 0
+    assert "agree on" not in capsys.readouterr().out

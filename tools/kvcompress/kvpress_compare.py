@@ -205,10 +205,10 @@ def _em_rows(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def _hits(row: dict[str, Any] | None) -> str:
-    if row is None or "needle_hits" not in row:
+    if row is None or row.get("needle_em") is None:
         return "-"
-    hits = row["needle_hits"]
-    return f"{row['needle_em']:.2f} ({sum(hits)}/{len(hits)})"
+    hits = row.get("needle_hits")
+    return f"{row['needle_em']:.2f}" + (f" ({sum(hits)}/{len(hits)})" if hits is not None else "")
 
 
 def _gen(row: dict[str, Any] | None, base: dict[str, Any] | None) -> str:
@@ -256,16 +256,16 @@ def build_table(ours: Sequence[dict[str, Any]], theirs: dict[str, Any]) -> list[
             "theirs_gen": _gen(b, base_theirs),
         }
         diff_cell = "-"
-        if a.get("needle_hits") is not None and b.get("needle_hits") is not None:
-            ha, hb = a["needle_hits"], b["needle_hits"]
+        if a.get("needle_em") is not None and b.get("needle_em") is not None:
             d = a["needle_em"] - b["needle_em"]
             row["difference"] = d
-            if len(ha) == len(hb):
-                n = sum(hb) - sum(ha)
-                diff_cell = f"{d:+.2f}" + (f" (loses {n} of {len(ha)})" if n > 0 else "")
+            diff_cell = f"{d:+.2f}"
+            total = len(b.get("needle_hits") or a.get("needle_hits") or [])
+            if total and d < 0:  # the needles vllm-graft loses (kvbench's printed rows carry the EM only)
+                diff_cell += f" (loses {round(-d * total)} of {total})"
+            ha, hb = a.get("needle_hits"), b.get("needle_hits")
+            if ha is not None and hb is not None and len(ha) == len(hb):
                 row["agree"] = sum(x == y for x, y in zip(ha, hb))
-            else:
-                diff_cell = f"{d:+.2f}"
         row["difference_cell"] = diff_cell
         out.append(row)
     return out
@@ -343,13 +343,22 @@ def format_ruler_table(ours: Sequence[dict[str, Any]], theirs: dict[str, Any]) -
     return "\n".join(lines)
 
 
+def read_kvbench(path: str) -> list[dict[str, Any]]:
+    """kvbench's rows: its ``--json`` file (a list), or its printed output (one JSON object per
+    arm on its own line, without the per-needle hits: what a run stopped early leaves)."""
+    with open(path) as f:
+        text = f.read()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return [json.loads(line) for line in text.splitlines() if line.startswith("{") and '"arm"' in line]
+    return data.get("rows", []) if isinstance(data, dict) else data
+
+
 def table_main(ours_path: str, theirs_path: str) -> int:
-    with open(ours_path) as f:
-        ours = json.load(f)
+    ours = read_kvbench(ours_path)
     with open(theirs_path) as f:
         theirs = json.load(f)
-    if isinstance(ours, dict):  # kvbench writes a list of rows
-        ours = ours.get("rows", [])
     rows = build_table(ours, theirs)
     if not rows:
         raise SystemExit(f"kvpress_compare: {ours_path} and {theirs_path} have no arm in common")
