@@ -15,8 +15,8 @@ The package: :mod:`.base` (tokenizer, prompts, prompt sets, the build context),
 :mod:`.sources` (the stdlib sources: files, function heads, token windows),
 :mod:`.prompts` (the short and code workloads: chat, shared-prefix, long-context,
 code-completion, extractive), :mod:`.long_context` (needle-in-a-haystack texts and the
-long-recall workload) and :mod:`.registry` (the registry of workloads, ``parse_names``,
-``build``).
+long-recall workload), :mod:`.ruler` (the RULER-style tasks of ``kvbench --suite ruler``) and
+:mod:`.registry` (the registry of workloads, ``parse_names``, ``build``).
 """
 
 from __future__ import annotations
