@@ -197,3 +197,22 @@ def test_table_from_kvbench_printed_rows_without_hits(tmp_path, capsys):
     theirs.write_text(json.dumps(_theirs()))
     assert kc.main(["--table", str(log), str(theirs)]) == 0
     assert "agree on" not in capsys.readouterr().out
+
+
+def test_table_merges_kvpress_files_later_arm_wins(tmp_path, capsys):
+    ours = tmp_path / "ours.json"
+    ours.write_text(json.dumps(_ours()))
+    first, second = tmp_path / "half.log", tmp_path / "rest.json"
+    half = _theirs()["rows"]
+    first.write_text("\n".join(json.dumps(r) for r in half) + "\nTraceback (most recent call last):\n")
+    second.write_text(
+        json.dumps({"meta": {}, "rows": [{**half[3], "needle_hits": [True] * 4, "needle_em": 1.0}]})  # streaming
+    )
+    merged = kc.read_kvpress([str(first), str(second)])
+    rows = kc.build_table(_ours(), merged)
+    assert [r["arm"] for r in rows] == ["plain", "snapkv 1/2", "streaming 1/2"]
+    assert rows[2]["theirs_cell"] == "1.00 (4/4)" and rows[2]["difference_cell"] == "-0.25 (loses 1 of 4)"
+    assert kc.main(["--table", str(ours), str(first), str(second)]) == 0
+    assert "| streaming | StreamingLLMPress | 1/2 | 0.75 (3/4) | 1.00 (4/4) |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="at least one kvpress result"):
+        kc.main(["--table", str(ours)])

@@ -355,13 +355,32 @@ def read_kvbench(path: str) -> list[dict[str, Any]]:
     return data.get("rows", []) if isinstance(data, dict) else data
 
 
-def table_main(ours_path: str, theirs_path: str) -> int:
+def read_kvpress(paths: Sequence[str]) -> dict[str, Any]:
+    """This module's results: ``--json`` files, or printed output (the rows a run stopped early
+    printed), concatenated in order (a later file's arm wins)."""
+    rows: list[dict[str, Any]] = []
+    meta: list[Any] = []
+    for path in paths:
+        with open(path) as f:
+            text = f.read()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            rows += [json.loads(line) for line in text.splitlines() if line.startswith("{") and '"arm"' in line]
+            continue
+        rows += data["rows"]
+        meta.append(data.get("meta"))
+    return {"meta": meta, "rows": rows}
+
+
+def table_main(ours_path: str, *theirs_paths: str) -> int:
+    if not theirs_paths:
+        raise SystemExit("kvpress_compare: --table needs kvbench's rows and at least one kvpress result")
     ours = read_kvbench(ours_path)
-    with open(theirs_path) as f:
-        theirs = json.load(f)
+    theirs = read_kvpress(theirs_paths)
     rows = build_table(ours, theirs)
     if not rows:
-        raise SystemExit(f"kvpress_compare: {ours_path} and {theirs_path} have no arm in common")
+        raise SystemExit(f"kvpress_compare: {ours_path} and {', '.join(theirs_paths)} have no arm in common")
     print(format_table(rows))
     ruler = format_ruler_table(ours, theirs)
     if ruler:
@@ -418,11 +437,33 @@ class Runner:
 
         import torch
 
+        if press is None and start:
+            return self._after(model, cache, ids[start:], start)[-1]
         t = torch.tensor([list(ids[start:])])
         pos = torch.arange(start, len(ids)).unsqueeze(0)
         with press(model) if press is not None else contextlib.nullcontext():
             out = model(input_ids=t, past_key_values=cache, position_ids=pos, logits_to_keep=1)
         return out.logits[0, -1]
+
+    @staticmethod
+    def _after(model: Any, cache: Any, tokens: Sequence[int], start: int) -> Any:
+        """The logits of ``tokens`` at positions ``start``... after the (compressed) cache: one
+        forward, or one token at a time where the press left the layers different lengths
+        (PyramidKV: transformers builds one mask from the first layer's length)."""
+        import torch
+
+        lengths = {cache.get_seq_length(i) for i in range(len(cache))}
+        if len(lengths) == 1:
+            pos = torch.arange(start, start + len(tokens)).unsqueeze(0)
+            return model(input_ids=torch.tensor([list(tokens)]), past_key_values=cache, position_ids=pos).logits[0]
+        return torch.cat(
+            [
+                model(
+                    input_ids=torch.tensor([[t]]), past_key_values=cache, position_ids=torch.tensor([[start + i]])
+                ).logits[0]
+                for i, t in enumerate(tokens)
+            ]
+        )
 
     def generate(
         self, attn: str, press: Any, ids: Sequence[int], max_tokens: int, split: int | None
@@ -464,12 +505,7 @@ class Runner:
             first = self._prefill(model, press, prompt, cache)
             logps = [torch.log_softmax(first.float(), -1)[rest[0]]]
             if len(rest) > 1:
-                out = model(
-                    input_ids=torch.tensor([list(rest[:-1])]),
-                    past_key_values=cache,
-                    position_ids=torch.arange(len(prompt), len(prompt) + len(rest) - 1).unsqueeze(0),
-                )
-                lp = torch.log_softmax(out.logits[0].float(), -1)
+                lp = torch.log_softmax(self._after(model, cache, rest[:-1], len(prompt)).float(), -1)
                 logps += [lp[i, t] for i, t in enumerate(rest[1:])]
         return -float(sum(logps))
 
@@ -660,7 +696,13 @@ def parser() -> argparse.ArgumentParser:
         description="NVIDIA kvpress's presses on kvbench's model and prompts (in .venv-kvpress: make kvpress), "
         "or --table OURS THEIRS: kvbench's --json beside this command's --json.",
     )
-    p.add_argument("--table", nargs=2, metavar=("KVBENCH_JSON", "KVPRESS_JSON"), help="print the side-by-side table")
+    p.add_argument(
+        "--table",
+        nargs="+",
+        metavar="FILE",
+        help="print the side-by-side table: kvbench's --json (or printed rows), then one or more of this "
+        "command's --json (or printed rows; a later file's arm wins)",
+    )
     p.add_argument("--model", default="models/graft-tiny-llama-recall", help="model folder (HF format)")
     p.add_argument(
         "--presses",
