@@ -36,6 +36,7 @@ from .kvcompress import (
     KVCompressor,
     check_keep,
     check_keep_heads,
+    check_keep_layers,
     dropped_blocks,
     union_of_heads,
 )
@@ -84,6 +85,7 @@ __all__ = [
     "KeepError",
     "check_keep",
     "check_keep_heads",
+    "check_keep_layers",
     "dropped_blocks",
     "union_of_heads",
     "MoEModel",

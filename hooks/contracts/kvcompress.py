@@ -30,6 +30,10 @@ class BlockView:
     ``-inf`` where head h dropped the block earlier. ``scores`` is then their sum over heads
     (``-inf`` where every head dropped the block).
 
+    ``layer_scores[l][i]`` (a :attr:`KVCompressor.per_layer` compressor only, else ``None``): block
+    i's score from decoder layer l alone (``-inf`` where layer l dropped the block earlier);
+    ``scores`` is their sum over layers.
+
     ``step_scores[i]`` (``needs_scores`` only, where the worker asks; else ``None``): block i's
     mass from **this step's** queries alone (those :meth:`KVCompressor.score_positions` selects,
     summed over heads and layers), the part this step added to ``scores``; ``0.0`` for a block
@@ -55,6 +59,7 @@ class BlockView:
     head_scores: Sequence[Sequence[float]] | None = None
     step_scores: Sequence[float] | None = None
     request_id: str | None = None
+    layer_scores: Sequence[Sequence[float]] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -115,6 +120,12 @@ class KVCompressor(PluginImpl[P]):
     the blocks it kept: :meth:`attend` gets ``head_mask`` and reports mass per KV head.
     :meth:`keep` must still answer (e.g. the union), for the callers that ask per block.
 
+    Per layer (:attr:`per_layer`, with ``needs_scores``; e.g. PyramidKV). The same, with decoder
+    layers in place of KV heads: :meth:`keep_layers` answers per layer (``view.layer_scores``
+    set), the block-level answer is the union over layers, and each layer attends only to the
+    blocks it kept. A layer's smaller budget frees nothing another layer keeps: vLLM frees a
+    block for every layer at once. Not with :attr:`per_head`, nor with :meth:`block_scores`.
+
     Testing a compressor. :func:`check_keep` (and :func:`check_keep_heads`,
     :func:`dropped_blocks`, :func:`union_of_heads`; all exported by ``vllm_graft.hooks``) are
     the checks the adapter and the conformance kit run on every answer: call them in your own
@@ -130,6 +141,9 @@ class KVCompressor(PluginImpl[P]):
     #: True (with ``needs_scores``) if the compressor chooses blocks per KV head
     #: (:meth:`keep_heads`); its :meth:`attend` then takes ``head_mask`` and reports mass per KV head.
     per_head: bool = False
+    #: True (with ``needs_scores``) if the compressor chooses blocks per decoder layer
+    #: (:meth:`keep_layers`); each layer then attends only to the blocks it kept.
+    per_layer: bool = False
     #: the ``KVCacheLayout`` names the compressor's own :meth:`attend` reads the cache in (see
     #: ``hooks.contracts.attention.KVCacheLayout``); the shared attention reads both
     kv_layouts: tuple[str, ...] = ("blocked",)
@@ -142,6 +156,11 @@ class KVCompressor(PluginImpl[P]):
         """Per KV head (``len(view.head_scores)`` of them), the sorted logical blocks that head
         keeps (:attr:`per_head` compressors only; see "Per KV head" in the class docstring)."""
         raise NotImplementedError(f"{type(self).__name__} sets per_head but implements no keep_heads()")
+
+    def keep_layers(self, view: BlockView) -> list[list[int]]:
+        """Per decoder layer (``len(view.layer_scores)`` of them), the sorted logical blocks that
+        layer keeps (:attr:`per_layer` compressors only; see "Per layer" in the class docstring)."""
+        raise NotImplementedError(f"{type(self).__name__} sets per_layer but implements no keep_layers()")
 
     def score_positions(self, num_prompt_tokens: int) -> tuple[int, int]:
         """Token positions ``[start, end)`` whose queries' attention counts towards the
@@ -266,19 +285,29 @@ def check_keep_heads(view: BlockView, kept: Any, plugin: str = "?") -> list[list
     """``kept`` (what ``keep_heads(view)`` returned, a per-head compressor's answer) as one
     list of ints per KV head, each following the rules of :func:`check_keep`; else
     :class:`KeepError`. The block-level answer is their union (:func:`union_of_heads`)."""
-    heads = len(view.head_scores or ())
-    if not isinstance(kept, (list, tuple)) or len(kept) != heads:
+    return _check_per_unit(view, kept, plugin, len(view.head_scores or ()), "keep_heads", "KV head", "head_scores")
+
+
+def check_keep_layers(view: BlockView, kept: Any, plugin: str = "?") -> list[list[int]]:
+    """``kept`` (what ``keep_layers(view)`` returned, a per-layer compressor's answer) as one
+    list of ints per decoder layer, each following the rules of :func:`check_keep`; else
+    :class:`KeepError`. The block-level answer is their union (:func:`union_of_heads`)."""
+    return _check_per_unit(view, kept, plugin, len(view.layer_scores or ()), "keep_layers", "layer", "layer_scores")
+
+
+def _check_per_unit(view: BlockView, kept: Any, plugin: str, units: int, method: str, unit: str, field: str):
+    if not isinstance(kept, (list, tuple)) or len(kept) != units:
         raise KeepError(
-            f"kvcompress plugin {plugin!r}: keep_heads() returned {kept!r:.200} for {view.num_tokens} tokens "
-            f"in {view.num_blocks} blocks; it must be a list of {heads} block lists, one per KV head "
-            "(len(view.head_scores))"
+            f"kvcompress plugin {plugin!r}: {method}() returned {kept!r:.200} for {view.num_tokens} tokens "
+            f"in {view.num_blocks} blocks; it must be a list of {units} block lists, one per {unit} "
+            f"(len(view.{field}))"
         )
     out = []
     for h, blocks in enumerate(kept):
         try:
             out.append(check_keep(view, blocks, plugin))
         except KeepError as e:
-            raise KeepError(f"{e} (the list of KV head {h} in keep_heads())") from None
+            raise KeepError(f"{e} (the list of {unit} {h} in {method}())") from None
     return out
 
 

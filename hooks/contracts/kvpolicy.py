@@ -16,12 +16,13 @@ A compressor built on :class:`PolicyCompressor` says only how much each block is
   (``prefill``); ``slack_blocks`` lets a request hold up to ``budget + slack`` blocks before it
   is cut back to ``budget`` (decode-time compression with a buffer, as R-KV compresses
   reasoning traces: one eviction per ``slack`` blocks instead of one per block);
-* **allocation**: one budget for the request (``uniform``), or spread over the KV heads by
-  score (``heads``: Ada-KV's adaptive allocation, ``floor_fraction`` and ``held_blocks``).
-
-Per layer (PyramidKV's allocation) is not a policy here: vLLM frees a block for every layer at
-once (one KV-cache group), so a smaller budget in some layers could only stop those layers
-*reading* blocks the larger layers keep; it would free nothing.
+* **allocation**: one budget for the request (``uniform``), spread over the KV heads by score
+  (``heads``: Ada-KV's adaptive allocation, ``floor_fraction`` and ``held_blocks``), or over the
+  decoder layers (``layers``: PyramidKV's budgets, falling from the first layer to the last by
+  ``min_fraction``). Per head and per layer only *mask*: vLLM frees a block for every layer and
+  head at once (one KV-cache group), so a block is freed only when no head (layer) keeps it; a
+  smaller budget in some heads or layers stops them reading blocks, it frees nothing others
+  keep. ``held_blocks`` caps the union, the memory a request holds.
 
 Scorers (mixins, combine one with :class:`PolicyCompressor`):
 
@@ -55,7 +56,7 @@ _LIVE: Any = object()  # KeepPolicy._frame: keep the blocks not dropped yet
 
 Scope = Literal["all", "prompt"]
 When = Literal["chunk", "prefill"]
-Allocation = Literal["uniform", "heads"]
+Allocation = Literal["uniform", "heads", "layers"]
 
 
 # ------------------------------------------------------------------ block planners
@@ -132,6 +133,7 @@ class KeepPolicy:
     allocation: Allocation = "uniform"
     floor_fraction: float = 0.0
     held_blocks: int | None = None
+    min_fraction: float = 0.5
 
     @classmethod
     def from_params(cls, params: Any, **fixed: Any) -> "KeepPolicy":
@@ -212,6 +214,51 @@ class KeepPolicy:
         chosen = adaptive_head_budget(head_scores, candidates, slots, floor=int(self.floor_fraction * room), cap=cap)
         return [with_pinned(fixed | mine, view.pinned) for mine in chosen]
 
+    def layer_budgets(self, view: BlockView, layers: int) -> list[int]:
+        """``allocation: layers`` (PyramidKV): each decoder layer's budget, falling linearly from
+        the first layer to the last, ``min_fraction`` of the average at the top and as much more
+        at the bottom, so that they average to the budget."""
+        avg = self.budget(view)
+        if layers <= 1:
+            return [avg] * layers
+        top = self.min_fraction * avg
+        bottom = 2 * avg - top
+        return [max(1, round(bottom + (top - bottom) * layer / (layers - 1))) for layer in range(layers)]
+
+    def keep_layers(
+        self, view: BlockView, layer_scores: Sequence[Sequence[float]] | None, protected_start: int | None = None
+    ) -> list[list[int]]:
+        """Per decoder layer, the blocks it keeps (``allocation: layers``): the fixed blocks and
+        its own best ones by its own scores, up to its :meth:`layer_budgets`; ``held_blocks``
+        caps their union (the memory held: vLLM frees a block only when no layer keeps it): the
+        chosen blocks with the best scores (a block's best over the layers that chose it) are
+        held, and each layer then takes its own best among them."""
+        n = view.num_blocks
+        if layer_scores is None:
+            return [with_pinned(range(n), view.pinned)]
+        summed = [NEG_INF if all(s[i] == NEG_INF for s in layer_scores) else 0.0 for i in range(n)]
+        frame = self._frame(view, summed, protected_start)
+        if frame is None:
+            return [with_pinned(range(n), view.pinned) for _ in layer_scores]
+        if frame is _LIVE:
+            return [
+                with_pinned((i for i in range(n) if s[i] != NEG_INF or i == n - 1), view.pinned) for s in layer_scores
+            ]
+        fixed, candidates, _, taken = frame
+        budgets = self.layer_budgets(view, len(layer_scores))
+        chosen = [
+            top_blocks(s, [i for i in candidates if s[i] != NEG_INF], b - taken) for s, b in zip(layer_scores, budgets)
+        ]
+        union = set().union(*chosen)
+        if self.held_blocks is not None and len(union) > max(0, self.held_blocks - taken):
+            best = {i: max(float(s[i]) for s, c in zip(layer_scores, chosen) if i in c) for i in union}
+            held = sorted(union, key=lambda i: (-best[i], i))[: max(0, self.held_blocks - taken)]
+            # the memory is held anyway: each layer reads its own best among the held blocks
+            chosen = [
+                top_blocks(s, [i for i in held if s[i] != NEG_INF], b - taken) for s, b in zip(layer_scores, budgets)
+            ]
+        return [with_pinned(fixed | c, view.pinned) for c in chosen]
+
 
 class PolicyParams(KernelParams):
     """The policy's parameters a scored compressor exposes (add them to its parameter model):
@@ -261,11 +308,12 @@ class PolicyCompressor(KVCompressor):
                 f"{type(self).__name__}: slack_blocks needs a scored compressor (the scheduler and the worker "
                 "decide an unscored one's blocks each on their own, from the block count alone); set slack_blocks: 0"
             )
-        if (self.allocation == "heads") != bool(self.per_head):
-            raise TypeError(
-                f"{type(self).__name__}: allocation 'heads' and per_head = True go together "
-                f"(allocation {self.allocation!r}, per_head {self.per_head})"
-            )
+        for unit, flag in (("heads", "per_head"), ("layers", "per_layer")):
+            if (self.allocation == unit) != bool(getattr(self, flag)):
+                raise TypeError(
+                    f"{type(self).__name__}: allocation {unit!r} and {flag} = True go together "
+                    f"(allocation {self.allocation!r}, {flag} {getattr(self, flag)})"
+                )
 
     def score(self, view: BlockView) -> Sequence[float] | None:
         """One score per block of ``view`` (higher: kept first; ``-inf``: dropped earlier), or
@@ -285,13 +333,26 @@ class PolicyCompressor(KVCompressor):
         kept with the recent blocks; None: nothing."""
         return None
 
+    def layer_score(self, view: BlockView) -> Sequence[Sequence[float]] | None:
+        """Per decoder layer, one score per block (``allocation: layers``). Default:
+        ``view.layer_scores`` (or the summed scores as one layer when asked per block only)."""
+        if view.layer_scores is not None:
+            return view.layer_scores
+        scores = self.score(view)
+        return None if scores is None else [scores]
+
     def keep(self, view: BlockView) -> list[int]:
         if self.allocation == "heads":
             return union_of_heads(self.keep_heads(view))
+        if self.allocation == "layers":
+            return union_of_heads(self.keep_layers(view))
         return self.policy.keep(view, self.score(view), self.protected_start(view))
 
     def keep_heads(self, view: BlockView) -> list[list[int]]:
         return self.policy.keep_heads(view, self.head_score(view), self.protected_start(view))
+
+    def keep_layers(self, view: BlockView) -> list[list[int]]:
+        return self.policy.keep_layers(view, self.layer_score(view), self.protected_start(view))
 
     def describe(self) -> dict[str, Any]:
         return self.params.model_dump() if hasattr(self.params, "model_dump") else {}

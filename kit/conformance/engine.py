@@ -49,7 +49,7 @@ LONG_ENGINE = {"max_model_len": 1024, "block_size": LONG_BLOCK, "enforce_eager":
 #: Per kind: the events (``RUNTIME.count``) of which at least one proves the plugin changed what
 #: vLLM computed; required of a lossy plugin. A storage format (role ``storage``): ``write``.
 EFFECTS: dict[Kind, tuple[str, ...]] = {
-    Kind.KVCOMPRESS: ("blocks_freed", "blocks_skipped", "head_blocks_dropped"),
+    Kind.KVCOMPRESS: ("blocks_freed", "blocks_skipped", "head_blocks_dropped", "layer_blocks_dropped"),
     Kind.MOE: ("slots_skipped", "route", "adjust_logits"),
     Kind.QUANT: ("apply", "captured", "embed", "dense"),
     Kind.ATTENTION: ("forward",),

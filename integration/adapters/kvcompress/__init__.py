@@ -128,6 +128,15 @@ pairs). The mass per KV head is not summed over tensor-parallel ranks (each rank
 heads), so such compressors declare no ``tp``; nor do they combine with a storage format
 (refused at activation).
 
+Per layer (``per_layer`` compressors: ``pyramidkv``)
+-------------------------------------------------
+The same with decoder layers in place of KV heads: each layer's attention gets the mask of the
+blocks that layer dropped (``_StepPlan.layer_mask``, by ``AttentionLayer.index``, the same for all
+its KV heads), its mass is summed over its KV heads and kept per layer, ``keep_layers`` is asked
+with ``layer_scores`` and checked per layer, the union is freed, and each layer's other dropped
+blocks are masked (event ``layer_blocks_dropped``: (layer, block) pairs). The per-unit state is
+the per-head one's (``head_scores``, ``head_dropped``: per layer here; a compressor is never both).
+
 Storage formats (``KVCacheFormat``, e.g. ``kv4``) and composition
 -----------------------------------------------------------------
 A deployment's ``kvcompress:`` may list one plugin per role (``KindSpec.roles`` in ``hooks.kinds``):

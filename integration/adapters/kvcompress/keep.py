@@ -15,13 +15,23 @@ from vllm_graft.hooks import (
     NoParams,
     check_keep,
     check_keep_heads,
+    check_keep_layers,
     dropped_blocks,
     union_of_heads,
 )
 
 from vllm_graft.integration.adapters.plugin_calls import raised
 
-__all__ = ["KeepAll", "KeepError", "ask", "check_keep", "check_keep_heads", "dropped_blocks", "union_of_heads"]
+__all__ = [
+    "KeepAll",
+    "KeepError",
+    "ask",
+    "check_keep",
+    "check_keep_heads",
+    "check_keep_layers",
+    "dropped_blocks",
+    "union_of_heads",
+]
 
 
 def ask(compressor: KVCompressor, view: BlockView, plugin: str, method: str = "keep"):

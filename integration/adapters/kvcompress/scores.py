@@ -16,6 +16,7 @@ from vllm_graft.integration.adapters.kvcompress.keep import (
     ask,
     check_keep,
     check_keep_heads,
+    check_keep_layers,
     dropped_blocks,
     union_of_heads,
 )
@@ -32,8 +33,10 @@ NEG_INF = float("-inf")
 class _ReqScores:
     scores: list[float]
     dropped: set[int]  # blocks left out of attention (and freed): every head dropped them
-    head_scores: list[list[float]] = field(default_factory=list)  # per_head: [H_kv][block]
-    head_dropped: list[set[int]] = field(default_factory=list)  # per_head: the blocks each KV head no longer reads
+    #: per_head: [H_kv][block]; per_layer: [layer][block] (the two never go together)
+    head_scores: list[list[float]] = field(default_factory=list)
+    #: per_head: the blocks each KV head no longer reads; per_layer: each layer's
+    head_dropped: list[set[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -45,8 +48,14 @@ class _StepPlan:
     observe: "torch.Tensor"  # [T] bool: queries whose attention counts towards the scores
     mass: "torch.Tensor | None"  # [rows, width] (per_head: [rows, H_kv, width], made at the first layer) float32, summed over layers
     block_size: int
-    head_dropped: list[list[set[int]] | None] | None = None  # per_head: per row, each KV head's dropped blocks
+    head_dropped: list[list[set[int]] | None] | None = (
+        None  # per_head (per_layer): per row, each KV head's (layer's) dropped blocks
+    )
     _head_mask: Any = None
+    #: per_layer: the unit is the decoder layer; each layer's mass ``[rows, width]`` by its index
+    per_layer: bool = False
+    layer_mass: dict[int, Any] = field(default_factory=dict)
+    _layer_masks: dict[int, Any] = field(default_factory=dict)
     #: some query of the step counts towards the scores (known on the host when planning)
     observed: bool = True
 
@@ -68,6 +77,26 @@ class _StepPlan:
                     if logical in d:
                         m[i, h, j] = False
         self._head_mask = m = m.to(device)
+        return m
+
+    def layer_mask(self, layer: int, num_seqs: int, hkv: int, width: int, device: Any = "cpu") -> "torch.Tensor":
+        """per_layer: ``[num_seqs, H_kv, width]`` bool on ``device`` for decoder layer ``layer``,
+        False where a row's layer dropped the block of that column (every KV head alike; built
+        once per layer and step)."""
+        import torch
+
+        m = self._layer_masks.get(layer)
+        if m is not None and tuple(m.shape) == (num_seqs, hkv, width) and m.device == torch.device(device):
+            return m
+        m = torch.ones(num_seqs, width, dtype=torch.bool)
+        for i, dropped in enumerate((self.head_dropped or [])[:num_seqs]):
+            if not dropped or layer >= len(dropped) or not dropped[layer]:
+                continue
+            for j, logical in enumerate(self.cols[i][:width]):
+                if logical in dropped[layer]:
+                    m[i, j] = False
+        m = m[:, None, :].expand(num_seqs, hkv, width).to(device)
+        self._layer_masks[layer] = m
         return m
 
 
@@ -130,6 +159,7 @@ class _Scores:
             if a < b:
                 observe[qsl[i] + a - computed : qsl[i] + b - computed] = True
         per_head = bool(getattr(self.compressor, "per_head", False))
+        per_layer = bool(getattr(self.compressor, "per_layer", False))
         # on the attention's device (vLLM's batch tensors are there): built on the host from
         # the rows, moved once per step; the mass is summed there over the layers and read
         # back once, in finalize
@@ -138,11 +168,11 @@ class _Scores:
         observe = observe.to(device, non_blocking=True)
         mass = (
             None
-            if per_head
+            if per_head or per_layer
             else torch.zeros(len(step.rows), batch.block_table.shape[1], dtype=torch.float32, device=device)
         )
-        plan = _StepPlan(step.rows, cols, observe, mass, B, observed=observed)
-        if per_head:
+        plan = _StepPlan(step.rows, cols, observe, mass, B, observed=observed, per_layer=per_layer)
+        if per_head or per_layer:
             plan.head_dropped = [getattr(self.reqs.get(r[0]), "head_dropped", None) for r in step.rows]
         self.pending = plan
         return plan
@@ -151,6 +181,10 @@ class _Scores:
         """After the step's forward: add its attention mass to the scores, ask ``keep`` and
         return the blocks newly dropped, per request."""
         plan, self.pending = self.pending, None
+        if plan is not None and plan.per_layer and plan.layer_mass:
+            import torch
+
+            plan.mass = torch.stack([plan.layer_mass[k] for k in sorted(plan.layer_mass)], dim=1)  # [rows, L, width]
         if plan is None or plan.mass is None:
             return {}
         B = plan.block_size
@@ -165,7 +199,7 @@ class _Scores:
             total = computed + q
             nb = -(-total // B)
             if per_head:
-                view, kept_heads = self._ask_heads(st, mass[i], plan.cols[i], total, B, prompt, req_id)
+                view, kept_heads = self._ask_heads(st, mass[i], plan.cols[i], total, B, prompt, req_id, plan.per_layer)
                 kept = union_of_heads(kept_heads)
                 for h, blocks in enumerate(kept_heads):
                     new_h = set(dropped_blocks(view, blocks)) - st.head_dropped[h]
@@ -203,7 +237,7 @@ class _Scores:
                 trace("worker_dropped", len(new), req=req_id, blocks=new)
         self.count("worker_steps", sum(1 for r in plan.rows if r[2] > 0))
         if head_drops:
-            self.count("head_blocks_dropped", head_drops)
+            self.count("layer_blocks_dropped" if plan.per_layer else "head_blocks_dropped", head_drops)
         return drops
 
     def _ask_heads(
@@ -215,10 +249,11 @@ class _Scores:
         B: int,
         prompt: int,
         req_id: str | None = None,
+        per_layer: bool = False,
     ) -> tuple[BlockView, list[list[int]]]:
         """per_head: add a row's mass ``[H_kv][column]`` to its per-head scores, ask
         ``keep_heads`` and check the answer (each head's rules, and a block a head dropped
-        stays dropped for it)."""
+        stays dropped for it). per_layer: the same with ``[layer][column]`` and ``keep_layers``."""
         hkv, nb = len(mass), -(-total // B)
         if not st.head_scores:  # the row's first step
             st.head_scores = [[] for _ in range(hkv)]
@@ -241,18 +276,22 @@ class _Scores:
             block_size=B,
             num_prompt_tokens=prompt,
             scores=scores,
-            head_scores=head_view,
+            head_scores=None if per_layer else head_view,
+            layer_scores=head_view if per_layer else None,
             step_scores=step_scores,
             request_id=req_id,
         )
-        kept_heads = check_keep_heads(view, ask(self.compressor, view, self.name, "keep_heads"), self.name)
+        method, unit, check = (
+            ("keep_layers", "layer", check_keep_layers) if per_layer else ("keep_heads", "KV head", check_keep_heads)
+        )
+        kept_heads = check(view, ask(self.compressor, view, self.name, method), self.name)
         for h, blocks in enumerate(kept_heads):
             back = sorted(st.head_dropped[h] & set(blocks))
             if back:
                 raise KeepError(
-                    f"kvcompress plugin {self.name!r}: keep_heads() kept block(s) {back} for KV head {h} "
-                    f"({total} tokens), which that head dropped at an earlier step; a block a head dropped "
-                    "stays dropped for it (its head_scores are -inf)"
+                    f"kvcompress plugin {self.name!r}: {method}() kept block(s) {back} for {unit} {h} "
+                    f"({total} tokens), which that {unit} dropped at an earlier step; a block a {unit} dropped "
+                    f"stays dropped for it (its {'layer' if per_layer else 'head'}_scores are -inf)"
                 )
         return view, kept_heads
 
@@ -273,7 +312,7 @@ class _ScoringAttention:
         output vLLM's. A backend with a kernel of its own (vLLM's CUDA backends) then runs
         its kernel instead of :meth:`forward` (e.g. SnapKV's decode steps, which score
         nothing); :meth:`_Scores.finalize` still runs on the zero mass."""
-        if getattr(self.scores.compressor, "per_head", False):
+        if getattr(self.scores.compressor, "per_head", False) or getattr(self.scores.compressor, "per_layer", False):
             return False
         return plan is None or not plan.observed
 
@@ -286,6 +325,26 @@ class _ScoringAttention:
             observe = torch.cat([observe, observe.new_zeros(n - observe.shape[0])])
         state = _state.get_active()
         compressor = self.scores.compressor
+        if getattr(compressor, "per_layer", False):
+            # each decoder layer reads the blocks it kept; its mass is summed over its KV heads
+            S, width, hkv = batch.block_table.shape[0], batch.block_table.shape[1], layer.num_kv_heads
+            index = int(layer.index)
+            if index < 0:
+                raise NotImplementedError(
+                    f"kvcompress plugin {self.scores.name!r} chooses blocks per layer, but the attention "
+                    "route gave no decoder layer index (AttentionLayer.index); use a route that sets it"
+                )
+            mask = (
+                plan.layer_mask(index, S, hkv, width, query.device)
+                if plan is not None
+                else torch.ones(S, hkv, width, dtype=torch.bool, device=query.device)
+            )
+            out, mass = attend_with_mass(compressor, query, kv_cache, batch, layer, observe, head_mask=mask)
+            if plan is not None:
+                rows = len(plan.rows)
+                got = mass[:rows, :, :width].to(torch.float32).sum(1)
+                plan.layer_mass[index] = got if index not in plan.layer_mass else plan.layer_mass[index] + got
+            return out
         if getattr(compressor, "per_head", False):
             # each KV head reads the blocks it kept; the mass comes back per KV head
             S, width, hkv = batch.block_table.shape[0], batch.block_table.shape[1], layer.num_kv_heads

@@ -19,6 +19,7 @@ from vllm_graft.hooks import (
     KVCacheFormat,
     check_keep,
     check_keep_heads,
+    check_keep_layers,
     dropped_blocks,
     union_of_heads,
 )
@@ -110,6 +111,8 @@ def exercise_kvcompress(t: Target, impl: Any, dtype: str, rules: bool) -> list[t
         results.append((label, answers))
     if getattr(impl, "per_head", False):
         results += exercise_keep_heads(t, impl, rules)
+    if getattr(impl, "per_layer", False):
+        results += exercise_keep_layers(t, impl, rules)
     if getattr(impl, "needs_scores", False):
         if rules:
             check_score_positions(t, impl)
@@ -324,49 +327,66 @@ def exercise_keep_heads(t: Target, impl: Any, rules: bool) -> list[tuple[str, An
     """A per-KV-head compressor (``per_head``): ``keep_heads()`` over growing views with
     ``head_scores`` for 2 KV heads (a block a head dropped shown ``-inf`` to it): one rule-abiding
     list per head, ``keep()`` their union, and a block a head dropped never comes back for it."""
+    return _exercise_per_unit(t, impl, rules, "head")
+
+
+def exercise_keep_layers(t: Target, impl: Any, rules: bool) -> list[tuple[str, Any]]:
+    """A per-layer compressor (``per_layer``): as :func:`exercise_keep_heads`, with ``keep_layers()``
+    and ``layer_scores`` for 3 decoder layers."""
+    return _exercise_per_unit(t, impl, rules, "layer")
+
+
+def _exercise_per_unit(t: Target, impl: Any, rules: bool, unit: str) -> list[tuple[str, Any]]:
     rnd = random.Random(8)
     results = []
     name = t.entry.name
+    units, method, check, what = (
+        (2, "keep_heads", check_keep_heads, "KV head")
+        if unit == "head"
+        else (3, "keep_layers", check_keep_layers, "layer")
+    )
     for label, views in _kv_views(True):
-        dropped: list[set[int]] = [set(), set()]
-        acc: list[list[float]] = [[], []]
+        dropped: list[set[int]] = [set() for _ in range(units)]
+        acc: list[list[float]] = [[] for _ in range(units)]
         answers = []
         for view in views:
-            for h in range(2):
+            for h in range(units):
                 while len(acc[h]) < view.num_blocks:
                     acc[h].append(rnd.random() ** (1 + 3 * h))
-            heads = tuple(
-                tuple(float("-inf") if i in dropped[h] else acc[h][i] for i in range(view.num_blocks)) for h in range(2)
+            per_unit = tuple(
+                tuple(float("-inf") if i in dropped[h] else acc[h][i] for i in range(view.num_blocks))
+                for h in range(units)
             )
             hv = BlockView(
                 view.num_tokens,
                 view.block_size,
                 view.num_prompt_tokens,
-                tuple(map(sum, zip(*heads))),
-                head_scores=heads,
+                tuple(map(sum, zip(*per_unit))),
+                head_scores=per_unit if unit == "head" else None,
+                layer_scores=per_unit if unit == "layer" else None,
             )
             try:
-                kept = check_keep_heads(hv, impl.keep_heads(hv), name)
+                kept = check(hv, getattr(impl, method)(hv), name)
             except KeepError as e:
                 raise t.fail(str(e)) from None
             if rules:
-                for h in range(2):
+                for h in range(units):
                     back = sorted(dropped[h] & set(kept[h]))
                     if back:
                         raise t.fail(
-                            f"keep_heads() keeps block(s) {back} for KV head {h}, which that head "
+                            f"{method}() keeps block(s) {back} for {what} {h}, which that {unit} "
                             f"dropped earlier ({label}, {view.num_tokens} tokens)"
                         )
                 union = check_keep(hv, impl.keep(hv), name)
                 if union != union_of_heads(kept):
                     raise t.fail(
-                        f"keep() gave {union}, not the union of keep_heads() ({union_of_heads(kept)}) "
-                        f"({label}): a block is freed only when no head keeps it"
+                        f"keep() gave {union}, not the union of {method}() ({union_of_heads(kept)}) "
+                        f"({label}): a block is freed only when no {unit} keeps it"
                     )
-            for h in range(2):
+            for h in range(units):
                 dropped[h] |= set(dropped_blocks(hv, kept[h]))
             answers.append(kept)
-        results.append((f"per head {label}", answers))
+        results.append((f"per {unit} {label}", answers))
     return results
 
 
