@@ -188,6 +188,23 @@ class KeepPolicy:
         live = [i for i in candidates if scores[i] != NEG_INF]
         return with_pinned(fixed | top_blocks(scores, live, budget - taken), view.pinned)
 
+    def _per_unit(self, view: BlockView, units: Sequence[Sequence[float]] | None, protected_start: int | None):
+        """For :meth:`keep_heads` / :meth:`keep_layers`: ``(answer, None)`` when every unit's
+        answer is already known (no scores, nothing due, within the slack), else
+        ``(None, frame)``. A block every unit dropped is ``-inf`` for the request."""
+        n = view.num_blocks
+        if units is None:
+            return [with_pinned(range(n), view.pinned)], None
+        summed = [NEG_INF if all(u[i] == NEG_INF for u in units) else 0.0 for i in range(n)]
+        frame = self._frame(view, summed, protected_start)
+        if frame is None:
+            return [with_pinned(range(n), view.pinned) for _ in units], None
+        if frame is _LIVE:
+            return [
+                with_pinned((i for i in range(n) if u[i] != NEG_INF or i == n - 1), view.pinned) for u in units
+            ], None
+        return None, frame
+
     def keep_heads(
         self, view: BlockView, head_scores: Sequence[Sequence[float]] | None, protected_start: int | None = None
     ) -> list[list[int]]:
@@ -195,18 +212,10 @@ class KeepPolicy:
         scope's other blocks shared out over the heads by :func:`adaptive_head_budget`
         (the budget is a head's average, ``floor_fraction`` of it each head's own, ``held_blocks``
         the cap on their union)."""
-        n = view.num_blocks
-        if head_scores is None:
-            return [with_pinned(range(n), view.pinned)]
-        # a block every head dropped is -inf for the request (what the slack counts)
-        summed = [NEG_INF if all(h[i] == NEG_INF for h in head_scores) else 0.0 for i in range(n)]
-        frame = self._frame(view, summed, protected_start)
-        if frame is None:
-            return [with_pinned(range(n), view.pinned) for _ in head_scores]
-        if frame is _LIVE:
-            return [
-                with_pinned((i for i in range(n) if h[i] != NEG_INF or i == n - 1), view.pinned) for h in head_scores
-            ]
+        known, frame = self._per_unit(view, head_scores, protected_start)
+        if known is not None:
+            return known
+        assert head_scores is not None
         fixed, candidates, budget, taken = frame
         room = max(0, budget - taken)  # per head, on average
         cap = None if self.held_blocks is None else max(0, self.held_blocks - taken)
@@ -233,17 +242,10 @@ class KeepPolicy:
         caps their union (the memory held: vLLM frees a block only when no layer keeps it): the
         chosen blocks with the best scores (a block's best over the layers that chose it) are
         held, and each layer then takes its own best among them."""
-        n = view.num_blocks
-        if layer_scores is None:
-            return [with_pinned(range(n), view.pinned)]
-        summed = [NEG_INF if all(s[i] == NEG_INF for s in layer_scores) else 0.0 for i in range(n)]
-        frame = self._frame(view, summed, protected_start)
-        if frame is None:
-            return [with_pinned(range(n), view.pinned) for _ in layer_scores]
-        if frame is _LIVE:
-            return [
-                with_pinned((i for i in range(n) if s[i] != NEG_INF or i == n - 1), view.pinned) for s in layer_scores
-            ]
+        known, frame = self._per_unit(view, layer_scores, protected_start)
+        if known is not None:
+            return known
+        assert layer_scores is not None
         fixed, candidates, _, taken = frame
         budgets = self.layer_budgets(view, len(layer_scores))
         chosen = [

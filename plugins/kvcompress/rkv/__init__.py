@@ -22,12 +22,14 @@ The mass comes from the worker's shared attention with mass, which hands it with
 ``block_scores``.
 """
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from vllm_graft.hooks import Capabilities, PolicyParams, Registration, hookimpl
+from vllm_graft.hooks import Capabilities, Registration, hookimpl
+
+from .._shared.params import TopBlocksParams
 
 
-class RKVParams(PolicyParams):
+class RKVParams(TopBlocksParams):
     slack_blocks: int = Field(
         4,
         ge=1,
@@ -41,15 +43,6 @@ class RKVParams(PolicyParams):
         description="weight of importance (current query's attention) against redundancy (similarity "
         "to the mean key): score = w x importance - (1 - w) x redundancy",
     )
-
-    @model_validator(mode="after")
-    def _room(self):
-        if self.sink_blocks >= self.budget_blocks:
-            raise ValueError(
-                f"sink_blocks ({self.sink_blocks}) must be smaller than budget_blocks ({self.budget_blocks}): "
-                "the block being written is always kept"
-            )
-        return self
 
 
 @hookimpl
