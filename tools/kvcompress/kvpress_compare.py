@@ -121,14 +121,16 @@ PAIRS: tuple[PressPair, ...] = (
         "ExpectedAttentionPress",
         None,
         "sdpa",
-        "kvpress's own method; vllm-graft's is being added",
+        "same idea (a key's expected attention under a Gaussian fitted to queries, times its value norm); kvpress "
+        "fits all prompt queries with full covariance and averages RoPE over 512 future positions, vllm-graft "
+        "the window's queries with a diagonal variance, summed per block",
     ),
     PressPair(
         "pyramidkv",
         "PyramidKVPress",
         None,
         "sdpa",
-        "same method (SnapKV scores, budgets decreasing with depth); vllm-graft's is being added",
+        "same method (SnapKV scores, budgets falling with depth); vLLM frees only what no layer keeps",
     ),
 )
 PAIRS_BY_NAME = {p.ours: p for p in PAIRS}
