@@ -181,3 +181,12 @@ def test_pinned_blocks_are_kept_by_every_policy():
     view = _view(16 * 12, 16 * 12, scores, pinned=frozenset({2, 3}))
     kept = check_keep(view, H2O(params(budget_blocks=4)).keep(view), "h2o")
     assert {2, 3} <= set(kept)
+
+
+def test_snapkv_checks_its_window_against_budget_blocks_not_against_a_ratio():
+    from vllm_graft.hooks import DeploymentContext
+
+    params, _ = _impl("snapkv")
+    ctx = DeploymentContext(platform="cpu", dtype=None, model=None, block_size=16)
+    assert params(budget_blocks=2, window_tokens=64).check_deployment(ctx)  # the window spans 5 blocks
+    assert params(keep_ratio=0.1, window_tokens=64).check_deployment(ctx) == []

@@ -49,8 +49,8 @@ class SnapKVParams(PolicyParams):
         """At deployment validation (``DeploymentContext``): the observation window's blocks are
         always kept, so with the sink they must fit in the budget (else a request would hold
         more than ``budget_blocks`` prompt blocks)."""
-        if ctx.block_size is None:
-            return []
+        if ctx.block_size is None or self.keep_ratio is not None:
+            return []  # with keep_ratio the budget comes from each prompt's length
         # W consecutive tokens lie in at most ceil((W - 1) / B) + 1 blocks (one more when not aligned)
         spans = -(-(self.window_tokens - 1) // ctx.block_size) + 1
         if self.sink_blocks + spans <= self.budget_blocks:
