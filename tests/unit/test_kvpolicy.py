@@ -189,4 +189,5 @@ def test_snapkv_checks_its_window_against_budget_blocks_not_against_a_ratio():
     params, _ = _impl("snapkv")
     ctx = DeploymentContext(platform="cpu", dtype=None, model=None, block_size=16)
     assert params(budget_blocks=2, window_tokens=64).check_deployment(ctx)  # the window spans 5 blocks
-    assert params(keep_ratio=0.1, window_tokens=64).check_deployment(ctx) == []
+    # the default budget_blocks (16) would not hold a 512-token window; keep_ratio sets the budget instead
+    assert params(keep_ratio=0.5, window_tokens=512).check_deployment(ctx) == []
