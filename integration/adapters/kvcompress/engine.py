@@ -251,19 +251,24 @@ class KVCompressAdapter(Adapter):
         e, compressor = evictors[0] if evictors else (fmt_e, KeepAll())
         scored = bool(getattr(compressor, "needs_scores", False))
         if getattr(compressor, "per_layer", False):
-            why = (
-                "per_head is set too (choose per KV head or per layer)"
-                if getattr(compressor, "per_head", False)
-                else "it does not set needs_scores (per-layer decisions come from per-layer mass)"
-                if not scored
-                else "it scores blocks from the cache (block_scores: one score per block, not per layer)"
-                if getattr(type(compressor), "block_scores", KVCompressor.block_scores) is not KVCompressor.block_scores
-                else "it implements no keep_layers() (see vllm_graft.plugins.kvcompress.pyramidkv)"
-                if type(compressor).keep_layers is KVCompressor.keep_layers
-                else f"the storage format {fmt_e.name!r}'s attention masks no blocks per layer"
-                if fmt is not None
-                else None
-            )
+            own_scores = getattr(type(compressor), "block_scores", KVCompressor.block_scores)
+            refusals = [
+                (getattr(compressor, "per_head", False), "per_head is set too (choose per KV head or per layer)"),
+                (not scored, "it does not set needs_scores (per-layer decisions come from per-layer mass)"),
+                (
+                    own_scores is not KVCompressor.block_scores,
+                    "it scores blocks from the cache (block_scores: one score per block, not per layer)",
+                ),
+                (
+                    type(compressor).keep_layers is KVCompressor.keep_layers,
+                    "it implements no keep_layers() (see vllm_graft.plugins.kvcompress.pyramidkv)",
+                ),
+                (
+                    fmt is not None,
+                    f"the storage format {getattr(fmt_e, 'name', None)!r}'s attention masks no blocks per layer",
+                ),
+            ]
+            why = next((msg for bad, msg in refusals if bad), None)
             if why:
                 raise NotImplementedError(
                     f"kvcompress plugin {e.name!r} chooses blocks per layer (per_layer), but {why}"

@@ -55,9 +55,25 @@ class _StepPlan:
     #: per_layer: the unit is the decoder layer; each layer's mass ``[rows, width]`` by its index
     per_layer: bool = False
     layer_mass: dict[int, Any] = field(default_factory=dict)
-    _layer_masks: dict[int, Any] = field(default_factory=dict)
+    _layer_masks: Any = None  # per_layer: [num_seqs, layers + 1, width], built at the first layer
     #: some query of the step counts towards the scores (known on the host when planning)
     observed: bool = True
+
+    def _dropped_mask(self, num_seqs: int, units: int, width: int, device: Any) -> "torch.Tensor":
+        """``[num_seqs, units, width]`` bool on ``device``: False where a row's unit (KV head, or
+        layer) dropped the block of that column; rows past the plan's read everything. Built on
+        the host, where the rows' dropped sets are (Python sets: no device read), and moved once."""
+        import torch
+
+        m = torch.ones(num_seqs, units, width, dtype=torch.bool)
+        for i, dropped in enumerate((self.head_dropped or [])[:num_seqs]):
+            if not dropped:
+                continue
+            for j, logical in enumerate(self.cols[i][:width]):
+                for u, d in enumerate(dropped[:units]):
+                    if logical in d:
+                        m[i, u, j] = False
+        return m.to(device)
 
     def head_mask(self, num_seqs: int, hkv: int, width: int, device: Any = "cpu") -> "torch.Tensor":
         """per_head: ``[num_seqs, H_kv, width]`` bool on ``device``, False where a row's KV head
@@ -66,38 +82,23 @@ class _StepPlan:
         import torch
 
         m = self._head_mask
-        if m is not None and tuple(m.shape) == (num_seqs, hkv, width) and m.device == torch.device(device):
-            return m
-        m = torch.ones(num_seqs, hkv, width, dtype=torch.bool)
-        for i, dropped in enumerate((self.head_dropped or [])[:num_seqs]):
-            if not dropped:
-                continue
-            for j, logical in enumerate(self.cols[i][:width]):
-                for h, d in enumerate(dropped[:hkv]):
-                    if logical in d:
-                        m[i, h, j] = False
-        self._head_mask = m = m.to(device)
+        if m is None or tuple(m.shape) != (num_seqs, hkv, width) or m.device != torch.device(device):
+            self._head_mask = m = self._dropped_mask(num_seqs, hkv, width, device)
         return m
 
     def layer_mask(self, layer: int, num_seqs: int, hkv: int, width: int, device: Any = "cpu") -> "torch.Tensor":
         """per_layer: ``[num_seqs, H_kv, width]`` bool on ``device`` for decoder layer ``layer``,
-        False where a row's layer dropped the block of that column (every KV head alike; built
-        once per layer and step)."""
+        False where a row's layer dropped the block of that column (every KV head alike). Every
+        layer's mask is built and moved once per step; each layer gets a view of its own."""
         import torch
 
-        m = self._layer_masks.get(layer)
-        if m is not None and tuple(m.shape) == (num_seqs, hkv, width) and m.device == torch.device(device):
-            return m
-        m = torch.ones(num_seqs, width, dtype=torch.bool)
-        for i, dropped in enumerate((self.head_dropped or [])[:num_seqs]):
-            if not dropped or layer >= len(dropped) or not dropped[layer]:
-                continue
-            for j, logical in enumerate(self.cols[i][:width]):
-                if logical in dropped[layer]:
-                    m[i, j] = False
-        m = m[:, None, :].expand(num_seqs, hkv, width).to(device)
-        self._layer_masks[layer] = m
-        return m
+        m = self._layer_masks
+        if m is None or (m.shape[0], m.shape[2]) != (num_seqs, width) or m.device != torch.device(device):
+            units = max((len(d) for d in (self.head_dropped or []) if d), default=0)
+            # one all-True unit past the layers decided so far, for the layers no row has decided yet
+            self._layer_masks = m = self._dropped_mask(num_seqs, units + 1, width, device)
+        unit = min(layer, m.shape[1] - 1)
+        return m[:, unit : unit + 1, :].expand(num_seqs, hkv, width)
 
 
 class _Scores:
