@@ -49,6 +49,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from vllm_graft.tools.kvcompress.ruler_report import split_label, task_means
+
 
 class KvpressMissing(RuntimeError):
     """kvpress is not importable in this Python."""
@@ -170,9 +172,10 @@ def arm_label(ours: str, fraction: int) -> str:
 
 
 def parse_label(label: str) -> tuple[str, int | None]:
-    """``"snapkv 1/4"`` -> ``("snapkv", 4)``; ``"plain"`` -> ``("plain", None)``."""
-    name, _, frac = label.partition(" 1/")
-    return name, int(frac) if frac.isdigit() else None
+    """``"snapkv 1/4"`` -> ``("snapkv", 4)``; ``"plain"`` -> ``("plain", None)`` (kvbench's labels,
+    read as :func:`.ruler_report.split_label` reads them)."""
+    name, ratio, _ = split_label(label)
+    return name, None if ratio is None else int(ratio.partition("/")[2])
 
 
 def select_pairs(names: Sequence[str]) -> list[PressPair]:
@@ -307,21 +310,10 @@ def format_table(rows: Sequence[dict[str, Any]], *, context_column: bool | None 
 
 
 def ruler_max_tokens(cases: Sequence[Any]) -> int:
-    """Tokens generated per RULER case: kvbench's own rule where it has one (room for every
-    answer of the longest case), so both sides decode as many."""
+    """Tokens generated per RULER case: kvbench's own rule, so both sides decode as many."""
     from vllm_graft.tools.kvcompress import kvbench  # vLLM only inside its functions
 
-    theirs = getattr(kvbench, "ruler_max_tokens", None)
-    if theirs is not None:
-        return int(theirs(cases))
-    return max(sum(len(a) + 4 for a in c.answers) for c in cases) + 4
-
-
-def _ruler_means(row: dict[str, Any]) -> dict[str, float]:
-    sums: dict[str, list[float]] = {}
-    for task, score in zip(row.get("ruler_tasks", []), row.get("ruler_scores", [])):
-        sums.setdefault(task, []).append(float(score))
-    return {t: sum(v) / len(v) for t, v in sums.items()}
+    return kvbench.ruler_max_tokens(cases)
 
 
 def format_ruler_table(ours: Sequence[dict[str, Any]], theirs: dict[str, Any]) -> str:
@@ -339,7 +331,7 @@ def format_ruler_table(ours: Sequence[dict[str, Any]], theirs: dict[str, Any]) -
     head = ["arm", *tasks]
     lines = ["| " + " | ".join(head) + " (vllm-graft / kvpress) |", "|---|" + "---:|" * len(tasks)]
     for arm, a, b in pairs:
-        ma, mb = _ruler_means(a), _ruler_means(b)
+        ma, mb = task_means(a), task_means(b)
         cells = [f"{ma[t]:.2f} / {mb[t]:.2f}" if t in ma and t in mb else "-" for t in tasks]
         lines.append("| " + " | ".join([arm, *cells]) + " |")
     return "\n".join(lines)
@@ -688,7 +680,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def _ruler_cell(row: dict[str, Any]) -> str:
-    means = _ruler_means(row)
+    means = task_means(row)
     return ", ".join(f"{t} {m:.2f}" for t, m in means.items()) if means else "-"
 
 

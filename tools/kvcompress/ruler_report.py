@@ -34,6 +34,15 @@ def split_label(label: str) -> tuple[str, str | None, float]:
     return m["name"], f"1/{den}", 1.0 / den
 
 
+def task_means(row: dict[str, Any]) -> dict[str, float]:
+    """A kvbench row's mean score per RULER task (``ruler_tasks`` and ``ruler_scores``, one per
+    case), in the order the tasks first appear."""
+    per: dict[str, list[float]] = {}
+    for task, score in zip(row.get("ruler_tasks", []), row.get("ruler_scores", [])):
+        per.setdefault(task, []).append(float(score))
+    return {t: sum(v) / len(v) for t, v in per.items()}
+
+
 def summarize(
     rows: Sequence[dict[str, Any]], tasks: Sequence[str], *, cases_per_task: int, context: int
 ) -> dict[str, Any]:
@@ -42,11 +51,8 @@ def summarize(
     weighs the same)."""
     arms = []
     for r in rows:
-        per: dict[str, list[float]] = {t: [] for t in tasks}
-        for task, score in zip(r["ruler_tasks"], r["ruler_scores"]):
-            if task in per:  # a task not asked for is left out of the summary
-                per[task].append(score)
-        scores = {t: sum(v) / len(v) for t, v in per.items() if v}
+        means = task_means(r)
+        scores = {t: means[t] for t in tasks if t in means}  # a task not asked for is left out
         missing = [t for t in tasks if t not in scores]
         if missing:
             raise ValueError(f"arm {r['arm']!r} has no score for {', '.join(missing)}")
