@@ -144,6 +144,9 @@ class KVCompressor(PluginImpl[P]):
     #: True (with ``needs_scores``) if the compressor chooses blocks per decoder layer
     #: (:meth:`keep_layers`); each layer then attends only to the blocks it kept.
     per_layer: bool = False
+    #: True (with ``needs_scores``) if the KV of the blocks :meth:`keep` drops is folded into the
+    #: kept blocks' KV instead of being lost (merge-on-evict, e.g. D2O): see :meth:`merge`.
+    merges: bool = False
     #: the ``KVCacheLayout`` names the compressor's own :meth:`attend` reads the cache in (see
     #: ``hooks.contracts.attention.KVCacheLayout``); the shared attention reads both
     kv_layouts: tuple[str, ...] = ("blocked",)
@@ -195,6 +198,30 @@ class KVCompressor(PluginImpl[P]):
         inputs unmodified. Default None: the scores are the attention mass. Not with
         :attr:`per_head`."""
         return None
+
+    def merge(
+        self,
+        dropped_k: "torch.Tensor",
+        dropped_v: "torch.Tensor",
+        kept_k: "torch.Tensor",
+        kept_v: "torch.Tensor",
+        state: "torch.Tensor | None" = None,
+    ) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor | None"]:
+        """:attr:`merges` compressors only: fold the KV of the tokens this step's :meth:`keep`
+        dropped into the kept tokens' KV, for one request and one layer. The worker calls it once
+        per (request, layer) at a step that drops blocks, after the forward pass and before the
+        blocks are freed, and writes the answer back into the kept blocks in place.
+
+        ``dropped_k``/``dropped_v`` ``[H_kv, E, D]``: the dropped blocks' keys (positions applied)
+        and values, in logical order (``E`` = dropped blocks x block_size: dropped blocks are
+        full); ``kept_k``/``kept_v`` ``[H_kv, M, D]``: every kept token's, in logical order (the
+        last block's unwritten slots left out). ``state``: what this method returned as its third
+        value at the request's previous merge in this layer (None at the first), e.g. a running
+        threshold. Returns ``(kept_k, kept_v, state)``, the first two of the inputs' shape and
+        dtype. On the inputs' device, no host sync; the inputs may be modified. A request whose
+        blocks are merged into shares no prefix-cache blocks with another (its blocks' content no
+        longer matches their token hash): the adapter salts each such request on its own."""
+        raise NotImplementedError(f"{type(self).__name__} sets merges but implements no merge()")
 
     def attend(
         self,

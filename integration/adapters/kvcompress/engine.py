@@ -22,6 +22,7 @@ from vllm_graft.integration.adapters.kvcompress.channel import (
     update_from_output_wrapper,
 )
 from vllm_graft.integration.adapters.kvcompress.keep import KeepAll
+from vllm_graft.integration.adapters.kvcompress.merge import MergingAttention, MergingScores
 from vllm_graft.integration.adapters.kvcompress.plan import KVCompressError, RowBuffers, compaction_index
 from vllm_graft.integration.adapters.kvcompress.rows import build_attention_metadata_wrapper, host_seq_lens, step_rows
 from vllm_graft.integration.adapters.kvcompress.salt import composition_salt, request_init_wrapper
@@ -294,6 +295,27 @@ class KVCompressAdapter(Adapter):
                     f"kvcompress plugin {e.name!r} masks blocks per KV head, which the storage format "
                     f"{fmt_e.name!r}'s attention does not do; leave one of them out of the deployment"
                 )
+        merges = bool(getattr(compressor, "merges", False))
+        if merges:
+            refusals = [
+                (not scored, "it does not set needs_scores (the worker merges what it decides to drop)"),
+                (
+                    getattr(compressor, "per_head", False) or getattr(compressor, "per_layer", False),
+                    "it chooses blocks per KV head or per layer (a masked block is not dropped, so nothing to merge)",
+                ),
+                (
+                    type(compressor).merge is KVCompressor.merge,
+                    "it implements no merge() (see vllm_graft.plugins.kvcompress.d2o)",
+                ),
+                (
+                    fmt is not None,
+                    f"the storage format {getattr(fmt_e, 'name', None)!r} keeps KV in a packed page, which "
+                    "merging cannot average",
+                ),
+            ]
+            why = next((msg for bad, msg in refusals if bad), None)
+            if why:
+                raise NotImplementedError(f"kvcompress plugin {e.name!r} merges evicted KV (merges), but {why}")
         from vllm_graft.integration.adapters import backend  # imports vLLM
 
         if scored:  # its attend() reads the cache: in the layout of the route's backend
@@ -327,8 +349,14 @@ class KVCompressAdapter(Adapter):
             salt = composition_salt(
                 [(x.name, x.params, x.entry.registration.capabilities.lossless) for x, _ in instances]
             )
-            install_patch(salt=salt is not None)
-            active = Active(compressor, e.name, count, salt=salt, needs_scores=scored)
+            install_patch(salt=salt is not None or merges)
+            active = Active(compressor, e.name, count, salt=salt, needs_scores=scored, salt_per_request=merges)
+            if merges:
+                log.info(
+                    "vllm-graft kvcompress %r merges evicted KV into kept blocks: its requests share no "
+                    "prefix-cache blocks (each is salted on its own)",
+                    e.name,
+                )
             _state.set_active(active)
             runtime.track_state(f"kvcompress/{e.name}/adapter", active)  # read by `soak`
             if fmt is not None:
@@ -338,8 +366,11 @@ class KVCompressAdapter(Adapter):
                 install_frees_channel()
             if scored:
                 install_scores_channel()
-                active.scored = _Scores(compressor, e.name, count, reduce=_tensor_parallel_sum)
-                backend.SEAMS.method = _ScoringAttention(active.scored)
+                scores_cls, attention_cls = (
+                    (MergingScores, MergingAttention) if merges else (_Scores, _ScoringAttention)
+                )
+                active.scored = scores_cls(compressor, e.name, count, reduce=_tensor_parallel_sum)
+                backend.SEAMS.method = attention_cls(active.scored)
                 backend.SEAMS.method_name = e.name
                 backend.SEAMS.count = count
             backend.SEAMS.customize_spec = vllm_spec.customize_spec

@@ -36,6 +36,12 @@ def salted(user_salt: str | None, salt: str | None) -> str | None:
     return salt if not user_salt else f"{salt}|{user_salt}"
 
 
+def request_salt(salt: str, request_id: Any) -> str:
+    """The salt of one request of a merging compressor: its blocks are shared with no other
+    request (a merged block's KV no longer matches its tokens' hash)."""
+    return f"{salt}/request={request_id}"
+
+
 def request_init_wrapper(original: Callable) -> Callable:
     """The patch of ``Request.__init__``: the active lossy deployment's salt goes in front of
     the request's ``cache_salt`` (:func:`salted`)."""
@@ -50,9 +56,12 @@ def request_init_wrapper(original: Callable) -> Callable:
 
     def __init__(self, *args, **kwargs):
         state = _state.get_active()
-        if state is not None and state.salt is not None:
+        if state is not None and (state.salt is not None or state.salt_per_request):
             bound = signature.bind(self, *args, **kwargs)
-            bound.arguments["cache_salt"] = salted(bound.arguments.get("cache_salt"), state.salt)
+            salt = state.salt
+            if state.salt_per_request:  # merged blocks match no token hash: share none of them
+                salt = request_salt(salt or cache_salt(state.name, None), bound.arguments.get("request_id"))
+            bound.arguments["cache_salt"] = salted(bound.arguments.get("cache_salt"), salt)
             return original(*bound.args, **bound.kwargs)
         return original(self, *args, **kwargs)
 

@@ -27,6 +27,8 @@ class Active:
     name: str
     count: Callable[[str, int], None]
     salt: str | None = None  # prefix-cache salt of this compressor and budget (None: lossless)
+    #: each request gets a salt of its own (a ``merges`` compressor: merged blocks match no hash)
+    salt_per_request: bool = False
     scored: Any = None  # worker-side state of a needs_scores compressor (a scores._Scores)
     needs_scores: bool = False
     to_free: dict = field(default_factory=dict)  # scheduler side: request id -> logical blocks the worker dropped

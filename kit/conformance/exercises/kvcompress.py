@@ -118,6 +118,51 @@ def exercise_kvcompress(t: Target, impl: Any, dtype: str, rules: bool) -> list[t
             check_score_positions(t, impl)
         results += exercise_attend(t, impl, dtype, rules)
         results += exercise_block_scores(t, impl, dtype)
+    if getattr(impl, "merges", False):
+        results += exercise_merge(t, impl, dtype)
+    return results
+
+
+def exercise_merge(t: Target, impl: Any, dtype: str) -> list[tuple[str, Any]]:
+    """A merge-on-evict compressor (``merges``): ``merge()`` on dropped and kept K/V (some dropped
+    keys near kept ones) answers kept K/V of the inputs' shape and dtype, finite, the same for the
+    same inputs, and takes back the state it returned (a second eviction of the same request)."""
+    torch = torch_module()
+    dt = torch_dtype(dtype)
+    results = []
+    for H, E, M, D in ((2, 16, 48, 64), (1, 32, 17, 128)):
+        g = torch.Generator().manual_seed(H * 1000 + M)
+        kept_k, kept_v = torch.randn(H, M, D, generator=g), torch.randn(H, M, D, generator=g)
+        near = kept_k[:, torch.randint(0, M, (E,), generator=g)]
+        dropped_k = (near + 0.3 * torch.randn(H, E, D, generator=g)).to(dt)
+        dropped_v = torch.randn(H, E, D, generator=g).to(dt)
+        kept_k, kept_v = kept_k.to(dt), kept_v.to(dt)
+        label = f"merge H={H} E={E} M={M} D={D} {dtype}"
+        answers = []
+        state = None
+        for step in range(2):
+            args = [x.clone() for x in (dropped_k, dropped_v, kept_k, kept_v)]
+            try:
+                out = impl.merge(*args, state)
+            except Exception as e:  # noqa: BLE001 - reported with the plugin's name
+                raise t.fail(f"merge() raised {type(e).__name__}: {e} ({label})") from None
+            if not (isinstance(out, tuple) and len(out) == 3):
+                raise t.fail(f"merge() must return (kept_k, kept_v, state), got {type(out).__name__} ({label})")
+            for name, got, like in (("kept_k", out[0], kept_k), ("kept_v", out[1], kept_v)):
+                if not isinstance(got, torch.Tensor) or got.shape != like.shape or got.dtype != like.dtype:
+                    raise t.fail(
+                        f"merge() returned {name} {getattr(got, 'shape', got)} {getattr(got, 'dtype', '')}; "
+                        f"expected {tuple(like.shape)} {like.dtype} ({label})"
+                    )
+                if not torch.isfinite(got.float()).all():
+                    raise t.fail(f"merge() returned non-finite {name} ({label})")
+            again = impl.merge(*[x.clone() for x in (dropped_k, dropped_v, kept_k, kept_v)], state)
+            if not (torch.equal(again[0], out[0]) and torch.equal(again[1], out[1])):
+                raise t.fail(f"merge() answered differently for the same inputs and state ({label})")
+            answers += [out[0].float(), out[1].float()]
+            state = out[2]
+            kept_k, kept_v = out[0], out[1]
+        results.append((label, answers))
     return results
 
 

@@ -1,0 +1,81 @@
+"""`d2o` KV compressor (D2O, Wan et al. 2024, "D2O: Dynamic Discriminative Operations for
+Efficient Long-Context Inference of Large Language Models", arXiv:2406.13035) at block
+granularity: merge-on-evict.
+
+Eviction alone loses what the evicted tokens held. D2O evicts by accumulated attention (as H2O)
+and then looks at each evicted token again: if its key is close enough to a kept token's key
+(cosine similarity at least a threshold that follows the similarities seen so far, an
+exponential moving average), its key and value are **merged** into that kept token's instead of
+dropped, with weights that grow with the similarity.
+
+Here: the blocks to evict are H2O's (sink + recent blocks, the rest of ``budget_blocks`` by
+accumulated mass: the keep policy's ``AccumulatedMass`` scorer, ``hooks.contracts.kvpolicy``),
+so vLLM frees exactly as many blocks as with ``h2o``. Before they are freed, the worker hands
+each layer's evicted and kept K/V to :meth:`~.reference.D2O.merge` (the contract's
+``KVCompressor.merge``): every evicted token, per KV head, finds its most similar kept token;
+if the similarity is at least the threshold, the kept token's key and value become the
+weighted mean of itself (weight ``e``, its similarity to itself being 1) and the tokens merged
+into it (weight ``exp(similarity)``). The threshold is per request, layer and KV head: the
+first eviction's mean best similarity, then ``ema`` x the previous threshold + (1 - ema) x this
+eviction's mean best similarity. ``threshold`` fixes it instead.
+
+Where it departs from the paper: blocks are evicted whole (vLLM frees KV per block), the
+eviction budget is the same for every layer (D2O's per-layer budgets only mask on vLLM, as
+``pyramidkv`` shows), and keys are merged as cached, with their positions applied (the
+paper's cache holds the same).
+
+On vLLM a merged block's content no longer matches its tokens' hash, so a ``d2o`` request
+never shares prefix-cache blocks, with plain vLLM or with another ``d2o`` request (each request
+is salted on its own).
+"""
+
+from pydantic import Field, model_validator
+
+from vllm_graft.hooks import Capabilities, PolicyParams, Registration, hookimpl
+
+
+class D2OParams(PolicyParams):
+    budget_blocks: int = Field(16, ge=2, description="KV blocks a request keeps in all")
+    sink_blocks: int = Field(1, ge=0, description="leading blocks always kept")
+    recent_blocks: int = Field(1, ge=1, description="most recent blocks always kept (the one being written included)")
+    threshold: float | None = Field(
+        None,
+        ge=-1.0,
+        le=1.0,
+        description="merge an evicted token when its key's cosine similarity to the nearest kept key is at "
+        "least this; None: D2O's running threshold (see ema)",
+    )
+    ema: float = Field(
+        0.5,
+        ge=0.0,
+        lt=1.0,
+        description="running threshold = ema x previous + (1 - ema) x this eviction's mean best similarity",
+    )
+
+    @model_validator(mode="after")
+    def _room_for_heavy_hitters(self):
+        if self.sink_blocks + self.recent_blocks > self.budget_blocks:
+            raise ValueError(
+                f"sink_blocks + recent_blocks ({self.sink_blocks} + {self.recent_blocks}) must not "
+                f"exceed budget_blocks ({self.budget_blocks}); the rest of the budget holds the heavy hitters"
+            )
+        return self
+
+
+@hookimpl
+def graft_register_kv_compressors(register):
+    register(
+        Registration(
+            name="d2o",
+            summary="D2O: evicts as H2O, then merges each evicted token into its most similar kept token",
+            paper="Wan et al. 2024, D2O: Dynamic Discriminative Operations for Efficient Long-Context "
+            "Inference of Large Language Models (arXiv:2406.13035)",
+            params=D2OParams,
+            impl="vllm_graft.plugins.kvcompress.d2o.reference:D2O",
+            # "tp" once tests/e2e/test_tensor_parallel.py runs it at two ranks (not yet: refused there)
+            # kv4's packed page cannot be averaged in place
+            capabilities=Capabilities(
+                lossless=False, incompatible_with=("attention:*", "kvcompress:kv4"), parallelism=("dp",)
+            ),
+        )
+    )
