@@ -38,7 +38,11 @@ of stdlib code with random values to retrieve, all submitted at once in the fixe
 by exact match of the greedy output; printed as the RULER average per compressor (rows) and
 budget as a fraction of the context's blocks (columns: ratio kept 1/2, 1/4, 1/8), then per task;
 ``--ruler-out FILE.json`` writes the summary and ``FILE.svg``, the score-vs-ratio plot
-(:mod:`.ruler_report`). Perplexity and needles are not measured in this mode.
+(:mod:`.ruler_report`). Perplexity and needles are not measured in this mode. ``--kvpress
+FILE.json`` (kvpress_compare's ``--ruler`` results on the same prompts, checked by a digest of
+their token ids) prints NVIDIA kvpress's RULER average beside ours per press and ratio kept, with
+the difference and the tasks where ours loses; ``--ruler-from FILE.json`` reads the arms from
+earlier ``--ruler-out`` files instead of running them.
 
 SnapKV compresses after the prompt is prefilled, so its perplexity over prompt tokens is
 plain vLLM's by construction (its ppl differs from plain's only through the decoded
@@ -53,6 +57,8 @@ import math
 import os
 import time
 from typing import Any, Sequence
+
+from vllm_graft.tools.kvcompress.ruler_report import RULER_ROOM, ruler_max_tokens
 
 DEFAULT_MODEL = "graft-tiny-llama"
 
@@ -327,12 +333,6 @@ def run_arm(
     return res
 
 
-def ruler_max_tokens(cases: Sequence[Any]) -> int:
-    """Tokens each RULER request generates: room for every answer of the longest case, with
-    a few tokens around each (multivalue's values are found anywhere in the output)."""
-    return max(sum(len(a) + 4 for a in c.answers) for c in cases) + 4
-
-
 def _run_ruler(drive, cases: Sequence[Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
@@ -438,14 +438,10 @@ def main(args) -> int:
     return 0
 
 
-#: Tokens of the context left for a RULER case's output (:func:`ruler_max_tokens`).
-RULER_ROOM = 64
-
-
 def _main_ruler(args, model: str, tok, arms: list[tuple[str, Any]]) -> int:
     """``--suite ruler``: the RULER-style cases through every arm, then the score-vs-ratio
     tables (and ``--ruler-out`` / ``--ruler-svg``)."""
-    from vllm_graft.tools.kvcompress import ruler_report
+    from vllm_graft.tools.kvcompress import kvpress_compare, ruler_report
     from vllm_graft.tools.workloads.ruler import ruler_suite
 
     tasks = parse_ruler_tasks(args.ruler_tasks)
@@ -455,8 +451,19 @@ def _main_ruler(args, model: str, tok, arms: list[tuple[str, Any]]) -> int:
     longest = max(len(c.token_ids) for c in cases) + ruler_max_tokens(cases)
     if longest > args.context:  # cannot happen with RULER_ROOM over the answers' length; checked
         raise SystemExit(f"kvbench: a RULER case needs {longest} tokens, more than --context {args.context}")
-    rows = []
-    for label, kv in arms:
+    case_digest = kvpress_compare.digest([c.token_ids for c in cases])
+    rows = load_ruler_results(args.ruler_from, cases, case_digest, context=args.context) if args.ruler_from else []
+    theirs = None
+    if args.kvpress:  # checked before any engine starts
+        theirs = read_kvpress_results(args.kvpress)
+        labels = [r["arm"] for r in rows] if args.ruler_from else [label for label, _ in arms]
+        try:
+            kvpress_compare.check_ruler_results(
+                theirs, digest=case_digest, labels=labels, tasks=tasks, case_tasks=[c.task for c in cases]
+            )
+        except kvpress_compare.RulerMismatch as e:
+            raise SystemExit(f"kvbench: --kvpress: {e}") from None
+    for label, kv in [] if args.ruler_from else arms:
         r = run_arm(
             model,
             kv,
@@ -473,6 +480,7 @@ def _main_ruler(args, model: str, tok, arms: list[tuple[str, Any]]) -> int:
         rows.append(r)
         print(json.dumps({k: v for k, v in r.items() if k not in ("ruler_outputs", "ruler_tasks")}), flush=True)
     summary = ruler_report.summarize(rows, tasks, cases_per_task=args.ruler_cases, context=args.context)
+    summary.update(seed=args.seed, ruler_context=args.context - RULER_ROOM, ruler_digest=case_digest)
     print()
     print(
         f"RULER-style suite: {', '.join(tasks)}; {args.ruler_cases} cases each, prompts of "
@@ -481,6 +489,10 @@ def _main_ruler(args, model: str, tok, arms: list[tuple[str, Any]]) -> int:
         "exact match of the greedy output (multivalue: the fraction of values found)"
     )
     print(ruler_report.tables(summary))
+    if theirs is not None:
+        beside = kvpress_compare.ruler_beside(rows, theirs, tasks=tasks, digest=case_digest)
+        print(kvpress_beside_title(beside, args.context, args.block))
+        print(kvpress_compare.format_ruler_beside(beside))
     if args.ruler_out:
         with open(args.ruler_out, "w") as f:
             json.dump({**summary, "rows": rows}, f, indent=1)
@@ -494,11 +506,92 @@ def _main_ruler(args, model: str, tok, arms: list[tuple[str, Any]]) -> int:
     return 0
 
 
+def load_ruler_results(
+    paths: Sequence[str], cases: Sequence[Any], digest: str, *, context: int
+) -> list[dict[str, Any]]:
+    """``--ruler-from``: kvbench's RULER rows from earlier runs (``--ruler-out`` files, or ``--json``
+    lists; a later file's arm replaces an earlier one's, in its place), instead of running the arms.
+    A file must be of these ``cases`` (the prompts this command builds): its digest of their token
+    ids, where it has one (``--ruler-out`` writes it), must be ``digest``; every row must score
+    the same cases (their tasks, in order), and where a row keeps its outputs they must score as
+    it recorded on these cases (a file from before the digest has no other proof). Refused with
+    a message naming the file otherwise."""
+    from vllm_graft.tools.workloads.ruler import score_case
+
+    case_tasks = [c.task for c in cases]
+    rows: dict[str, dict[str, Any]] = {}
+    for path in paths:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"kvbench: --ruler-from {path}: {e}") from None
+        got = data.get("rows") if isinstance(data, dict) else data
+        if not isinstance(got, list) or not got:
+            raise SystemExit(f"kvbench: --ruler-from {path}: no rows (a --ruler-out or --json file of --suite ruler)")
+        meta = data if isinstance(data, dict) else {}
+        if meta.get("context", context) != context:
+            raise SystemExit(f"kvbench: --ruler-from {path}: measured at --context {meta['context']}, not {context}")
+        if meta.get("ruler_digest") not in (None, digest):
+            raise SystemExit(
+                f"kvbench: --ruler-from {path}: measured on other RULER prompts (digest {meta['ruler_digest']}, "
+                f"these: {digest}): give the --ruler-tasks, --ruler-cases, --context and --seed it was run with"
+            )
+        for r in got:
+            if list(r.get("ruler_tasks", [])) != case_tasks:
+                raise SystemExit(
+                    f"kvbench: --ruler-from {path}: {r.get('arm')!r} scored other cases than "
+                    f"--ruler-tasks {','.join(dict.fromkeys(case_tasks))} --ruler-cases "
+                    f"{len(case_tasks) // max(1, len(set(case_tasks)))}"
+                )
+            outputs = r.get("ruler_outputs")
+            if outputs is not None:
+                again = [score_case(c, o) for c, o in zip(cases, outputs)]
+                if len(outputs) != len(cases) or again != [float(x) for x in r["ruler_scores"]]:
+                    raise SystemExit(
+                        f"kvbench: --ruler-from {path}: {r['arm']!r}'s outputs do not score as recorded on these "
+                        "prompts: it was measured on others (--seed, --context?)"
+                    )
+            elif "ruler_digest" not in meta:
+                raise SystemExit(
+                    f"kvbench: --ruler-from {path}: neither a digest of its prompts nor {r['arm']!r}'s outputs: "
+                    "nothing shows it ran these prompts"
+                )
+            rows[r["arm"]] = r
+    return list(rows.values())
+
+
+def read_kvpress_results(paths: Sequence[str]) -> dict[str, Any]:
+    """``--kvpress``: kvpress_compare's ``--json`` files (merged, a later arm wins)."""
+    from vllm_graft.tools.kvcompress.kvpress_compare import read_kvpress
+
+    try:
+        return read_kvpress(paths)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"kvbench: --kvpress {' '.join(paths)}: not kvpress_compare's --json ({e!r})") from None
+
+
+def kvpress_beside_title(beside: dict[str, Any], context: int, block: int) -> str:
+    """The line above the side-by-side table: what kvpress ran and how its budget was set."""
+    v = beside.get("versions") or {}
+    budget = (
+        f"kvpress keeps as many tokens of each prompt as kvbench's budget holds (1/2 of {context}: "
+        f"{context // block // 2 * block})"
+        if beside.get("budget") == "context"
+        else "kvpress removes the fraction 1 - 1/N of each prompt's tokens (its compression_ratio)"
+    )
+    return (
+        f"\nBeside kvpress {v.get('kvpress', '?')} (transformers {v.get('transformers', '?')}), the same "
+        f"{beside['cases']} prompts (digest {beside['digest']}); RULER average, vllm-graft minus kvpress; "
+        f"{budget}; kvpress compresses per layer and head, token by token, once after the prefill:\n"
+    )
+
+
 def check_suite_args(args) -> None:
     """Refuse the ``--ruler-*`` options without ``--suite ruler`` and bad values, before any
     text is read or engine started."""
     if args.suite != "ruler":
-        given = [f for f in ("ruler_out", "ruler_svg") if getattr(args, f)]
+        given = [f for f in ("ruler_out", "ruler_svg", "ruler_from", "kvpress") if getattr(args, f, None)]
         if given:
             raise SystemExit(f"kvbench: --{given[0].replace('_', '-')} needs --suite ruler")
         return
@@ -605,6 +698,23 @@ def add_command(sub: Any) -> None:
         metavar="FILE.svg",
         help="--suite ruler: write the score-vs-ratio plot (SVG, one line per compressor, plain "
         "vLLM as the dashed reference) to this file",
+    )
+    p.add_argument(
+        "--ruler-from",
+        action="append",
+        metavar="FILE.json",
+        help="--suite ruler: instead of running the arms, read their rows from earlier runs' --ruler-out "
+        "(or --json) files, checked to be of the prompts this command builds (repeat to merge; a later "
+        "file's arm wins); --compressors is not run",
+    )
+    p.add_argument(
+        "--kvpress",
+        action="append",
+        metavar="FILE.json",
+        help="--suite ruler: kvpress's results on the same prompts (kvpress_compare --ruler ... --json, "
+        "repeat to merge): prints kvpress's RULER average beside vllm-graft's per press and ratio kept, "
+        "with the difference; refused before any engine starts if they are of other prompts (digest) "
+        "or lack an arm of a press both projects have",
     )
     p.set_defaults(func=lambda args, console=None: main(args))
 

@@ -12,6 +12,13 @@ kvpress itself on kvbench's model and prompts, and prints both projects' figures
         --decode-tokens 32 --texts 16 --json ours.json
     python -m vllm_graft.tools.kvcompress.kvpress_compare --table ours.json kvpress.json
 
+and the RULER-style suite (kvbench's prompts, checked by a digest of their token ids)::
+
+    .venv-kvpress/bin/python -m vllm_graft.tools.kvcompress.kvpress_compare --ruler single,multikey,multivalue \
+        --ruler-per-task 16 --budget context --modes prompt --needles 1 --texts 0 --json kvpress-ruler.json
+    vllm-graft kvbench --suite ruler --model models/graft-tiny-llama-recall --compressors snapkv,tova,... \
+        --ruler-out ours-ruler.json --kvpress kvpress-ruler.json   # or --ruler-from ours-ruler.json
+
 What is the same as kvbench: the model (float32), the needle prompts
 (:func:`~vllm_graft.tools.workloads.needle_haystack` with kvbench's seed and context:
 ``--context`` - ``--decode-tokens`` - 1 tokens), the perplexity texts
@@ -49,7 +56,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from vllm_graft.tools.kvcompress.ruler_report import split_label, task_means
+from vllm_graft.tools.kvcompress.ruler_report import RULER_ROOM, ruler_max_tokens, split_label, task_means
 
 
 class KvpressMissing(RuntimeError):
@@ -309,11 +316,10 @@ def format_table(rows: Sequence[dict[str, Any]], *, context_column: bool | None 
     return "\n".join(lines)
 
 
-def ruler_max_tokens(cases: Sequence[Any]) -> int:
-    """Tokens generated per RULER case: kvbench's own rule, so both sides decode as many."""
-    from vllm_graft.tools.kvcompress import kvbench  # vLLM only inside its functions
-
-    return kvbench.ruler_max_tokens(cases)
+def ruler_prompt_tokens(context: int, given: int | None = None) -> int:
+    """The RULER prompts' length: ``given`` (``--ruler-context``), else kvbench's (``--context`` less
+    its room for the output), so both build the same prompts."""
+    return given or context - RULER_ROOM
 
 
 def format_ruler_table(ours: Sequence[dict[str, Any]], theirs: dict[str, Any]) -> str:
@@ -334,6 +340,173 @@ def format_ruler_table(ours: Sequence[dict[str, Any]], theirs: dict[str, Any]) -
         ma, mb = task_means(a), task_means(b)
         cells = [f"{ma[t]:.2f} / {mb[t]:.2f}" if t in ma and t in mb else "-" for t in tasks]
         lines.append("| " + " | ".join([arm, *cells]) + " |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------- the RULER suite beside kvbench's
+class RulerMismatch(ValueError):
+    """kvpress's RULER results cannot stand beside kvbench's: other prompts, or arms missing."""
+
+
+def _ruler_meta(theirs: dict[str, Any]) -> list[dict[str, Any]]:
+    metas = theirs.get("meta")
+    metas = metas if isinstance(metas, list) else [metas]
+    return [m for m in metas if isinstance(m, dict) and m.get("ruler_cases")]
+
+
+def _ruler_rows(theirs: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """kvpress's rows with RULER scores, whole prompt compressed, by kvbench's label (a later one wins)."""
+    return {r["arm"]: r for r in theirs["rows"] if r.get("mode", "prompt") == "prompt" and r.get("ruler_scores")}
+
+
+def check_ruler_results(
+    theirs: dict[str, Any], *, digest: str, labels: Sequence[str], tasks: Sequence[str], case_tasks: Sequence[str]
+) -> list[str]:
+    """Refuse (:class:`RulerMismatch`, saying what to run) kvpress results that cannot stand beside
+    kvbench's RULER arms ``labels``: results without a RULER digest (printed rows, or a run
+    without ``--ruler``), built on other prompts than kvbench's (``digest``, of the cases' token
+    ids), without plain transformers, or without an arm of a press both projects have (every
+    ``labels`` arm whose compressor is in :data:`PAIRS`). ``case_tasks`` is the task of each case,
+    in order (kvpress's rows must score the same cases). The arms of ``labels`` that kvpress has
+    no press for are returned (they stand alone)."""
+    metas = _ruler_meta(theirs)
+    if not metas:
+        raise RulerMismatch(
+            "the kvpress results have no RULER digest (printed rows, or a run without --ruler): pass "
+            "kvpress_compare's --json from a run with --ruler"
+        )
+    want = (
+        f"--ruler {','.join(tasks)} --ruler-per-task {len(case_tasks) // max(1, len(tasks))} "
+        "(and kvbench's --context and --seed)"
+    )
+    for m in metas:
+        if m.get("ruler_digest") != digest:
+            raise RulerMismatch(
+                f"kvpress ran other RULER prompts (digest {m.get('ruler_digest')}: tasks "
+                f"{','.join(m.get('ruler_tasks') or []) or '?'}, {m.get('ruler_per_task', '?')} per task, "
+                f"{m.get('ruler_context', '?')} tokens, seed {m.get('seed', '?')}) than kvbench's "
+                f"(digest {digest}): rerun kvpress_compare with {want}"
+            )
+    rows = _ruler_rows(theirs)
+    if "plain" not in rows:
+        raise RulerMismatch("the kvpress results have no plain RULER row (plain transformers)")
+    for arm, r in rows.items():
+        if list(r.get("ruler_tasks", [])) != list(case_tasks):
+            raise RulerMismatch(f"kvpress's {arm!r} scored other cases than kvbench's ({want})")
+    missing: dict[str, list[int]] = {}
+    alone: list[str] = []
+    for label in labels:
+        name, frac = parse_label(label)
+        if name == "plain":
+            continue
+        if name not in PAIRS_BY_NAME or frac is None:
+            alone.append(label)
+        elif label not in rows:
+            missing.setdefault(name, []).append(frac)
+    if missing:
+        fracs = sorted({f for v in missing.values() for f in v})
+        raise RulerMismatch(
+            f"the kvpress results lack {', '.join(arm_label(n, f) for n, v in missing.items() for f in v)} "
+            f"(a press both projects have): run .venv-kvpress/bin/python -m vllm_graft.tools.kvcompress."
+            f"kvpress_compare --presses {','.join(missing)} --fractions {','.join(map(str, fracs))} {want} "
+            "--modes prompt --json FILE and pass that file too"
+        )
+    return alone
+
+
+def _avg(means: dict[str, float], tasks: Sequence[str]) -> float:
+    return sum(means[t] for t in tasks) / len(tasks)
+
+
+def ruler_beside(
+    ours: Sequence[dict[str, Any]],
+    theirs: dict[str, Any],
+    *,
+    tasks: Sequence[str],
+    digest: str,
+) -> dict[str, Any]:
+    """kvbench's RULER rows (``ours``: each with ``arm``, ``ruler_tasks``, ``ruler_scores``) beside
+    kvpress's (this module's ``--json``), after :func:`check_ruler_results`: per arm both have,
+    in kvbench's order, the RULER average of each side (every task weighs the same, as
+    :func:`.ruler_report.summarize`), vllm-graft's minus kvpress's, each task's means and the tasks
+    where vllm-graft is behind; the plain row says on how many cases the two agree. ``alone``: the
+    arms kvpress has no press for; ``kvpress_only``: kvpress arms kvbench did not run."""
+    case_tasks = list(ours[0].get("ruler_tasks", [])) if ours else []
+    labels = [r["arm"] for r in ours]
+    alone = check_ruler_results(theirs, digest=digest, labels=labels, tasks=tasks, case_tasks=case_tasks)
+    rows_theirs = _ruler_rows(theirs)
+    metas = _ruler_meta(theirs)
+    out: list[dict[str, Any]] = []
+    for a in ours:
+        if a["arm"] in alone or a["arm"] not in rows_theirs:
+            continue
+        b = rows_theirs[a["arm"]]
+        if list(a.get("ruler_tasks", [])) != case_tasks:
+            raise RulerMismatch(f"kvbench's {a['arm']!r} scored other cases than its plain row")
+        name, frac = parse_label(a["arm"])
+        ma, mb = task_means(a), task_means(b)
+        row: dict[str, Any] = {
+            "arm": a["arm"],
+            "compressor": name,
+            "press": "none" if name == "plain" else b.get("press_name") or PAIRS_BY_NAME[name].press,
+            "kept": "all" if frac is None else f"1/{frac}",
+            "ours": _avg(ma, tasks),
+            "theirs": _avg(mb, tasks),
+            "tasks": {t: (ma[t], mb[t]) for t in tasks},
+            "kvpress_kept_tokens": b.get("ruler_kept_tokens_median"),
+        }
+        d = row["ours"] - row["theirs"]
+        row["difference"] = 0.0 if abs(d) < 1e-9 else d  # equal averages summed in another order
+        row["behind"] = {t: ma[t] - mb[t] for t in tasks if ma[t] < mb[t]}
+        row["same_cases"] = sum(float(x) == float(y) for x, y in zip(a["ruler_scores"], b["ruler_scores"]))
+        out.append(row)
+    return {
+        "tasks": list(tasks),
+        "cases": len(case_tasks),
+        "digest": digest,
+        "budget": metas[0].get("budget"),
+        "versions": metas[0].get("versions"),
+        "rows": out,
+        "alone": alone,
+        "kvpress_only": [arm for arm in rows_theirs if arm not in labels],
+    }
+
+
+def format_ruler_beside(result: dict[str, Any]) -> str:
+    """:func:`ruler_beside` as a markdown table: per (press, ratio kept) vllm-graft's RULER average,
+    kvpress's, the difference (vllm-graft minus kvpress; where vllm-graft loses, by how much on
+    which task), then each task's means (vllm-graft / kvpress); then the lines on the arms left out."""
+    tasks = result["tasks"]
+    head = ["vllm-graft", "kvpress", "kept", "vllm-graft", "kvpress", "difference", *tasks]
+    lines = [
+        "| " + " | ".join(head) + " |",
+        "|---|---|" + "---:|" * (len(head) - 2),
+    ]
+    for r in result["rows"]:
+        diff = f"{r['difference']:+.3f}"
+        if r["difference"] < 0:
+            diff += " (loses: " + ", ".join(f"{t} {d:+.2f}" for t, d in r["behind"].items()) + ")"
+        elif r["behind"]:
+            diff += " (behind on " + ", ".join(f"{t} {d:+.2f}" for t, d in r["behind"].items()) + ")"
+        cells = [
+            r["compressor"],
+            r["press"],
+            r["kept"],
+            f"{r['ours']:.3f}",
+            f"{r['theirs']:.3f}",
+            diff,
+            *(f"{r['tasks'][t][0]:.2f} / {r['tasks'][t][1]:.2f}" for t in tasks),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    plain = next((r for r in result["rows"] if r["compressor"] == "plain"), None)
+    if plain is not None:
+        lines.append(
+            f"\nplain: vLLM and transformers give the same score on {plain['same_cases']} of {result['cases']} cases"
+        )
+    if result["alone"]:
+        lines.append(f"no kvpress press for: {', '.join(result['alone'])}")
+    if result["kvpress_only"]:
+        lines.append(f"kvpress only (kvbench did not run them): {', '.join(result['kvpress_only'])}")
     return "\n".join(lines)
 
 
@@ -504,7 +677,9 @@ class Runner:
         return -float(sum(logps))
 
 
-def _digest(seqs: Sequence[Sequence[int]]) -> str:
+def digest(seqs: Sequence[Sequence[int]]) -> str:
+    """A short digest of token id sequences (the prompts' ids, in order): both tools write it, and the
+    side-by-side tables refuse results built on other prompts."""
     import hashlib
 
     h = hashlib.sha256()
@@ -566,11 +741,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return {"gen_ppl": math.exp(nll / n), "gen_tokens": n}
 
     cases: list[Any] = []
+    tasks: list[str] = []
+    ruler_context = 0
     if args.ruler:
         from vllm_graft.tools.workloads.ruler import RULER_TASKS, ruler_suite, score_case
 
         tasks = list(RULER_TASKS) if args.ruler == "all" else [t for t in args.ruler.split(",") if t]
-        ruler_context = args.ruler_context or args.context - room
+        ruler_context = ruler_prompt_tokens(args.context, args.ruler_context)
         cases = ruler_suite(
             tok, tasks=tasks, num_per_task=args.ruler_per_task, context_tokens=ruler_context, seed=args.seed
         )
@@ -580,8 +757,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         """kvbench's RULER fields: every case's score, whole prompt compressed."""
         if not cases:
             return {}
-        outs = [runner.generate(attn, press_for(len(c.token_ids)), c.token_ids, ruler_decode, None)[0] for c in cases]
-        return {"ruler_scores": [score_case(c, o) for c, o in zip(cases, outs)], "ruler_tasks": [c.task for c in cases]}
+        done = [runner.generate(attn, press_for(len(c.token_ids)), c.token_ids, ruler_decode, None) for c in cases]
+        held = sorted(kept for _, kept in done)
+        return {
+            "ruler_scores": [score_case(c, out) for c, (out, _) in zip(cases, done)],
+            "ruler_tasks": [c.task for c in cases],
+            "ruler_kept_tokens_median": held[len(held) // 2],
+        }
 
     rows: list[dict[str, Any]] = []
 
@@ -635,12 +817,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "budget": args.budget,
         "needles": args.needles,
         "needle_prompt_tokens": [len(n.token_ids) for n in needles],
-        "needle_digest": _digest([n.token_ids for n in needles]),
+        "needle_digest": digest([n.token_ids for n in needles]),
         "texts": args.texts,
-        "text_digest": _digest([ids for ids, _ in texts]),
+        "text_digest": digest([ids for ids, _ in texts]),
         "ruler_cases": len(cases),
-        "ruler_digest": _digest([c.token_ids for c in cases]),
-        "ruler_context": cases and (args.ruler_context or args.context - room),
+        "ruler_digest": digest([c.token_ids for c in cases]),
+        "ruler_context": ruler_context if cases else 0,
+        "ruler_tasks": tasks if cases else [],
+        "ruler_per_task": args.ruler_per_task if cases else 0,
         "gen_tokens": args.gen_tokens,
         "decode_tokens": decode,
         "seed": args.seed,
@@ -730,11 +914,13 @@ def parser() -> argparse.ArgumentParser:
         help="also the RULER-style suite (tools/workloads/ruler.py): 'all' or a comma list of its tasks, "
         "whole prompt compressed",
     )
-    p.add_argument("--ruler-per-task", type=int, default=8, help="RULER cases per task (default 8)")
+    p.add_argument(
+        "--ruler-per-task", type=int, default=16, help="RULER cases per task (default 16, kvbench's --ruler-cases)"
+    )
     p.add_argument(
         "--ruler-context",
         type=int,
-        help="RULER prompt tokens (default: as the needles', --context - --decode-tokens - 1)",
+        help="RULER prompt tokens (default kvbench's: --context - 64)",
     )
     p.add_argument("--threads", type=int, help="torch threads (default torch's)")
     p.add_argument("--json", help="write the result to this file")

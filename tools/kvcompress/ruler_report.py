@@ -20,8 +20,18 @@ from html import escape
 from typing import Any, Sequence
 
 _RATIO = re.compile(r"^(?P<name>.+) 1/(?P<den>\d+)$")
+#: Tokens of the context kvbench leaves for a RULER case's output (:func:`ruler_max_tokens`):
+#: the prompts are ``--context`` - this long (kvpress_compare builds the same).
+RULER_ROOM = 64
 #: Line colours of the plot, one per compressor in order (plain is black, dashed).
 COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
+
+
+def ruler_max_tokens(cases: Sequence[Any]) -> int:
+    """Tokens each RULER request generates (kvbench and kvpress_compare alike): room for every
+    answer of the longest case, with a few tokens around each (multivalue's values are found
+    anywhere in the output)."""
+    return max(sum(len(a) + 4 for a in c.answers) for c in cases) + 4
 
 
 def split_label(label: str) -> tuple[str, str | None, float]:
