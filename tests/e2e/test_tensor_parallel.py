@@ -49,6 +49,8 @@ REPO = Path(__file__).resolve().parents[2]
 LLAMA = str(REPO / "models" / "graft-tiny-llama")
 MIXTRAL = str(REPO / "models" / "graft-tiny-mixtral")
 FULL = os.environ.get("GRAFT_TP_MATRIX") == "all"
+#: ``GRAFT_TP_MATRIX=kvcompress``: the CI cases and every scored compressor's rank case
+FULL_KV = FULL or os.environ.get("GRAFT_TP_MATRIX") == "kvcompress"
 
 SQUEEZED = {"attention": {"plugin": "squeezed", "params": {"mode": "centroid", "budget": 0.25, "chunk": 16,
                                                           "sink_tokens": 16, "recent_tokens": 32}}}
@@ -90,6 +92,20 @@ RANK_CASES = {
     "snapkv": {"kvcompress": {"plugin": "snapkv", "params": {"budget_blocks": 5, "window_tokens": 32}}},
     "streaming-lookahead": {"kvcompress": STREAMING, "speculative": {"plugin": "lookahead"}},
 }
+#: The newer scored compressors, rank-consistent the same way (the mass, or the scores read from
+#: each rank's KV heads, summed over the ranks; d2o merges each rank's own heads): in the full
+#: matrix only (``make test-tp``; these alone with ``GRAFT_TP_MATRIX=kvcompress``), to keep CI's time.
+FULL_RANK_CASES = {
+    "tova": {"kvcompress": {"plugin": "tova", "params": {"budget_blocks": 5}}},
+    "knorm": {"kvcompress": {"plugin": "knorm", "params": {"budget_blocks": 5}}},
+    "keydiff": {"kvcompress": {"plugin": "keydiff", "params": {"budget_blocks": 5}}},
+    "expected-attention": {"kvcompress": {"plugin": "expected-attention", "params": {"budget_blocks": 5}}},
+    "rkv": {"kvcompress": {"plugin": "rkv", "params": {"budget_blocks": 4, "slack_blocks": 1}}},
+    "pyramidkv": {"kvcompress": {"plugin": "pyramidkv", "params": {"budget_blocks": 5, "window_tokens": 32}}},
+    "d2o": {"kvcompress": {"plugin": "d2o", "params": {"budget_blocks": 5}}},
+}
+if FULL_KV:
+    RANK_CASES.update(FULL_RANK_CASES)
 
 
 def _source_ids() -> list[int]:
@@ -155,7 +171,8 @@ def _by_prompt(per_request: dict) -> list:
     return sorted(map(tuple, per_request.values()))
 
 
-@pytest.mark.parametrize("name", ["h2o", "snapkv"])
+@pytest.mark.parametrize("name", ["h2o", "snapkv"] + [pytest.param(n, marks=pytest.mark.skipif(
+    not FULL_KV, reason="in the full TP matrix only: make test-tp")) for n in FULL_RANK_CASES])
 def test_scored_compressor_ranks_drop_the_same_blocks_as_one_rank(results, name):
     one, two = _get(results, f"{name}-tp1"), _get(results, f"{name}-tp2")
     assert len(one["drops"]) == 1 and len(two["drops"]) == 2, (one["drops"], two["drops"])

@@ -29,15 +29,16 @@ never shares prefix-cache blocks, with plain vLLM or with another ``d2o`` reques
 is salted on its own).
 """
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from vllm_graft.hooks import Capabilities, PolicyParams, Registration, hookimpl
+from vllm_graft.hooks import Capabilities, Registration, hookimpl
+
+from ..h2o import H2OParams
 
 
-class D2OParams(PolicyParams):
-    budget_blocks: int = Field(16, ge=2, description="KV blocks a request keeps in all")
-    sink_blocks: int = Field(1, ge=0, description="leading blocks always kept")
-    recent_blocks: int = Field(1, ge=1, description="most recent blocks always kept (the one being written included)")
+class D2OParams(H2OParams):
+    """H2O's parameters (the same blocks are dropped) and the merge's threshold."""
+
     threshold: float | None = Field(
         None,
         ge=-1.0,
@@ -51,15 +52,6 @@ class D2OParams(PolicyParams):
         lt=1.0,
         description="running threshold = ema x previous + (1 - ema) x this eviction's mean best similarity",
     )
-
-    @model_validator(mode="after")
-    def _room_for_heavy_hitters(self):
-        if self.sink_blocks + self.recent_blocks > self.budget_blocks:
-            raise ValueError(
-                f"sink_blocks + recent_blocks ({self.sink_blocks} + {self.recent_blocks}) must not "
-                f"exceed budget_blocks ({self.budget_blocks}); the rest of the budget holds the heavy hitters"
-            )
-        return self
 
 
 @hookimpl

@@ -1,4 +1,4 @@
-"""D2O at block granularity: H2O's eviction (accumulated mass under the keep policy) and a
+"""D2O at block granularity: H2O's eviction (its scorer and parameters, ``score: mean`` too) and a
 merge of the evicted tokens into their most similar kept tokens (see the package doc)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from vllm_graft.hooks import AccumulatedMass
+from ..h2o.reference import H2O
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +41,7 @@ def merge_nearest(
     return new_k, new_v, best
 
 
-class D2O(AccumulatedMass):
+class D2O(H2O):
     merges = True
 
     def merge(self, dropped_k, dropped_v, kept_k, kept_v, state=None):
