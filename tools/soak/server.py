@@ -67,9 +67,19 @@ class Server:
     """One server process; ``with Server(...) as s:`` starts it and always stops it."""
 
     def __init__(
-        self, engine_kwargs: dict[str, Any], folder: Path, name: str, *, report: bool = True, start_timeout: float = 600
+        self,
+        engine_kwargs: dict[str, Any],
+        folder: Path,
+        name: str,
+        *,
+        report: bool = True,
+        start_timeout: float = 600,
+        env: dict[str, str] | None = None,
     ) -> None:
+        """``env``: variables set in the server's environment on top of :func:`server_env`'s
+        (none for the soak; `vllm-graft servebench` gives the bench's ``VLLM_CPU_KVCACHE_SPACE``)."""
         self.kwargs, self.folder, self.name = engine_kwargs, folder, name
+        self.extra_env = dict(env or {})
         self.report_dir = str(folder / f"{name}-reports") if report else None
         self.log_path = folder / f"{name}-server.log"
         self.port = free_port()
@@ -109,7 +119,7 @@ class Server:
             log.flush()
             self.proc = subprocess.Popen(
                 self.argv(),
-                env=server_env(self.report_dir),
+                env={**server_env(self.report_dir), **self.extra_env},
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=self.folder,
