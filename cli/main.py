@@ -249,6 +249,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "vllm_graft.cli.doctor",  # doctor, patches
     "vllm_graft.tools.bench",  # bench
     "vllm_graft.tools.soak",  # soak
+    "vllm_graft.tools.serve",  # servebench
     "vllm_graft.kit.scaffold",  # new-plugin
     "vllm_graft.tools.calibrate",  # calibrate METHOD (expert-mask, razor)
     "vllm_graft.tools.moe.moe_tools",  # moe-trace, moe-sim
