@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.graft-installed
 
-.PHONY: install wheel wheels demo lint test test-unit test-tp test-faults soak docs train-models eval-models clean-venv \
+.PHONY: install wheel wheels demo lint test test-unit test-tp test-faults soak servebench docs train-models eval-models clean-venv \
 	gpu-check gpu-wheels suffix kvpress
 
 $(STAMP): pyproject.toml setup.py
@@ -87,6 +87,18 @@ SOAK_DEPLOYMENTS ?= deployments/plain.yaml deployments/noop.yaml deployments/spe
 	deployments/demo.yaml
 soak: install
 	$(VENV)/bin/vllm-graft soak $(SOAK_DEPLOYMENTS) --minutes $(SOAK_MINUTES)
+
+# The serving sweep (issues 34 and 37; not in CI, whose short form is tests/e2e/test_servebench.py):
+# plain vLLM, then each deployment, behind vLLM's OpenAI server, one server at a time, under
+# seeded Poisson arrivals at each rate, the KV pool capped as `bench --suite` caps it (the kvcap
+# shapes' 40 blocks). Throughput, latency, TTFT, TPOT and goodput, each against plain; about 10
+# minutes on 2 quiet cores. For speculation: SERVEBENCH_DEPLOYMENTS=deployments/spec-lookahead.yaml
+# SERVEBENCH_ARGS="--workload code-completion --concurrency 16,64 --num-requests 64 --max-tokens 64".
+SERVEBENCH_DEPLOYMENTS ?= deployments/shapes/streaming-kvcap.yaml
+SERVEBENCH_ARGS ?= --workload long-context --rates 0.25,0.5,1 --num-requests 16 --max-tokens 128
+SERVEBENCH_OUT ?= servebench.json
+servebench: install
+	$(VENV)/bin/vllm-graft servebench $(SERVEBENCH_DEPLOYMENTS) $(SERVEBENCH_ARGS) --out $(SERVEBENCH_OUT)
 
 # vLLM's `suffix` speculative method (the peer in benchmarks/suite.yaml's vllm-suffix cases)
 # needs arctic-inference, which has no wheel for this platform: built from source (~1 min).
