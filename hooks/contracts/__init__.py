@@ -20,6 +20,7 @@ from __future__ import annotations
 from ..kinds import KINDS, Kind
 from .attention import (
     BLOCKED,
+    CPU_VEC,
     KV_LAYOUTS,
     PACKED,
     AttentionLayer,
@@ -100,5 +101,6 @@ __all__ = [
     "KVCacheLayout",
     "BLOCKED",
     "PACKED",
+    "CPU_VEC",
     "KV_LAYOUTS",
 ]

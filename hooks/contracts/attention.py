@@ -21,7 +21,7 @@ class KVCacheLayout:
     :attr:`AttentionLayer.kv_layout`; a plugin reads the cache only through :meth:`split`
     (and, where it writes, :meth:`write`), and says which layouts it reads in
     ``kv_layouts`` (a class attribute of :class:`AttentionMethod` and of
-    ``KVCompressor``; default ``("blocked",)``). Two layouts exist:
+    ``KVCompressor``; default ``("blocked",)``). Three layouts exist:
 
     * ``blocked`` (:data:`BLOCKED`): for each block and KV head the memory holds the block's
       keys ``[block_size, D]`` followed by its values, so ``C = 2*D`` but the last two dims
@@ -33,9 +33,18 @@ class KVCacheLayout:
       physical order of the other dims, which the 4-D view's strides carry (vLLM's CUDA
       backends FLASH_ATTN, TRITON_ATTN and FLASHINFER: physically ``[N, B, H, C]`` (NHD)
       by default, ``[N, H, B, C]`` (HND) where the backend asks for it).
+    * ``cpu_vec`` (:data:`CPU_VEC`): the cache as vLLM's CPU kernels write it for their ``vec``
+      and ``vec16`` ISAs (``ops.cpu_attn_reshape_and_cache``, csrc/cpu/cpu_attn_vec.hpp): per
+      block and KV head the block's keys *transposed*, ``[D, block_size]`` row-major, followed by
+      its values ``[block_size, D]``. The key view's stride along ``D`` is ``block_size``, not 1:
+      only a reader that takes every stride from the view (PyTorch indexing does) may claim it.
+      The CPU route hands it to a method that claims it when the layer's ISA is one whose layout
+      the worker has checked (written with vLLM's op and read back exactly), so that vLLM's own
+      cache write and C++ kernel can run beside the method; otherwise it hands ``blocked``.
 
-    Either way :meth:`split` returns two ``[num_blocks, H_kv, block_size, D]`` views with a
-    unit stride along ``D``; kernels take their strides, never assume them.
+    :meth:`split` returns two ``[num_blocks, H_kv, block_size, D]`` views, with a unit stride
+    along ``D`` in ``blocked`` and ``packed`` (not for the keys of ``cpu_vec``); kernels take
+    their strides, never assume them.
     """
 
     name: str
@@ -49,7 +58,10 @@ class KVCacheLayout:
             return kv[:, :, 0], kv[:, :, 1]
         if self.name == "packed":
             return kv_cache[..., :d], kv_cache[..., d:]
-        raise ValueError(f"unknown KV-cache layout {self.name!r}; expected 'blocked' or 'packed'")
+        if self.name == "cpu_vec":  # keys [D, B] per (block, head), then values [B, D]
+            keys = kv_cache.view(n, h, 2, d, b)[:, :, 0].transpose(-1, -2)
+            return keys, kv_cache.view(n, h, 2, b, d)[:, :, 1]
+        raise ValueError(f"unknown KV-cache layout {self.name!r}; expected one of {sorted(KV_LAYOUTS)}")
 
     def write(
         self, key: "torch.Tensor", value: "torch.Tensor", kv_cache: "torch.Tensor", slot_mapping: "torch.Tensor"
@@ -76,7 +88,10 @@ class KVCacheLayout:
 BLOCKED = KVCacheLayout("blocked")
 #: vLLM's CUDA backends: K and V side by side per token (see :class:`KVCacheLayout`).
 PACKED = KVCacheLayout("packed")
-KV_LAYOUTS = {BLOCKED.name: BLOCKED, PACKED.name: PACKED}
+#: vLLM's CPU kernels' own cache for the ``vec``/``vec16`` ISAs: keys transposed per block
+#: (see :class:`KVCacheLayout`).
+CPU_VEC = KVCacheLayout("cpu_vec")
+KV_LAYOUTS = {BLOCKED.name: BLOCKED, PACKED.name: PACKED, CPU_VEC.name: CPU_VEC}
 
 
 @dataclass(frozen=True)

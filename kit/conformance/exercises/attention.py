@@ -19,7 +19,7 @@ from typing import Any
 
 import dataclasses
 
-from vllm_graft.hooks import BLOCKED, KV_LAYOUTS, PACKED, AttentionLayer, KVCacheLayout, PagedBatch
+from vllm_graft.hooks import BLOCKED, CPU_VEC, KV_LAYOUTS, PACKED, AttentionLayer, KVCacheLayout, PagedBatch
 from vllm_graft.kit.conformance.base import (
     Skipped,
     Target,
@@ -40,7 +40,7 @@ ATTENTION_SEQS = [(7, 7), (40, 1), (19, 3), (33, 1)]
 
 
 #: The caches a claimed layout is exercised in (a layout name -> the physical orders tried).
-LAYOUT_CACHES = {"blocked": ("blocked",), "packed": ("packed-NHD", "packed-HND")}
+LAYOUT_CACHES = {"blocked": ("blocked",), "packed": ("packed-NHD", "packed-HND"), "cpu_vec": ("cpu_vec",)}
 
 
 def claimed_caches(t: Target, impl: Any) -> list[str]:
@@ -66,12 +66,15 @@ def relaid_cache(kv, cache: str) -> tuple[KVCacheLayout, Any]:
         out = torch.full((n, bs, hkv, c), float("nan"), dtype=kv.dtype).permute(0, 2, 1, 3)
     elif cache == "packed-HND":
         out = torch.full((n, hkv, bs, c), float("nan"), dtype=kv.dtype)
+    elif cache == "cpu_vec":  # vLLM's CPU vec/vec16 cache: keys transposed per block and head
+        out = torch.full((n, hkv, bs, c), float("nan"), dtype=kv.dtype)
     else:
         raise ValueError(f"unknown cache {cache!r}; expected one of {[x for v in LAYOUT_CACHES.values() for x in v]}")
     k, v = BLOCKED.split(kv)
     tokens = lambda x: x.permute(0, 2, 1, 3).reshape(n * bs, hkv, c // 2)  # noqa: E731  (slot order)
-    PACKED.write(tokens(k), tokens(v), out, torch.arange(n * bs))
-    return PACKED, out
+    layout = CPU_VEC if cache == "cpu_vec" else PACKED
+    layout.write(tokens(k), tokens(v), out, torch.arange(n * bs))
+    return layout, out
 
 
 def attention_case(shape: tuple[int, int, int, int], dtype: str, seed: int, cache: str = "blocked"):
