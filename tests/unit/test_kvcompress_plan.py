@@ -283,7 +283,7 @@ def test_a_compressor_that_needs_scores_without_attend_gets_the_shared_attention
         impl = runtime.instance(plan.by_kind("kvcompress")[0])
     finally:
         ADAPTER.deactivate()
-    assert uses_shared_attention(impl) and layouts_read(impl) == ("blocked", "packed")
+    assert uses_shared_attention(impl) and layouts_read(impl) == ("blocked", "packed", "cpu_vec")
     q, kv, batch, layer = attention_case((4, 2, 64, 16), "float32", seed=3, cache="blocked")
     out, mass = attend_with_mass(impl, q, kv, batch, layer, _observed(q.shape[0]))
     assert out.shape == q.shape and torch.isfinite(mass).all() and mass.sum() > 0

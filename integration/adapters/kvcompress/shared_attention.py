@@ -4,8 +4,9 @@ A compressor with ``needs_scores`` may implement :meth:`~vllm_graft.hooks.KVComp
 itself (its own attention and mass: ``kv4``'s format, a third-party kernel). One that does not
 (``h2o``, ``snapkv``, ``adakv``, ``tova``: a scorer and a policy, nothing else) gets the shared
 attention with per-block mass of ``plugins/kvcompress/_shared``: the exact PyTorch reference,
-or with ``kernel: triton`` in its parameters the Triton decode kernel. It reads the cache in
-both layouts (:data:`SHARED_LAYOUTS`). The worker (:mod:`.scores`) and the conformance kit call
+or with ``kernel: triton`` in its parameters the Triton decode kernel. Both read the cache in
+every layout (:data:`SHARED_LAYOUTS`), taking each view's strides (``cpu_vec``'s keys have no unit
+stride along the head dim). The worker (:mod:`.scores`) and the conformance kit call
 :func:`attend_with_mass`, so a compressor is run and checked the same way. vLLM-free.
 """
 
@@ -18,7 +19,7 @@ from typing import Any
 from vllm_graft.hooks import KVCompressor
 
 #: the cache layouts the shared attention reads (through ``layer.kv_layout.split``)
-SHARED_LAYOUTS = ("blocked", "packed")
+SHARED_LAYOUTS = ("blocked", "packed", "cpu_vec")
 
 
 def uses_shared_attention(compressor: Any) -> bool:

@@ -24,7 +24,8 @@ query heads instead of over all heads.
 
 Shapes and strides: query ``[T, H, D]``; key/value caches ``[num_blocks, H_kv, B, D]``
 (``layer.kv_layout.split`` of the layer's ``[num_blocks, H_kv, B, 2*D]``: each read with its own
-strides, so any layout and physical order works; unit stride along D); block table
+strides, so any layout and physical order works, including ``cpu_vec``'s keys, whose stride along
+D is the block size; Triton specialises a unit stride, so the other layouts load as before); block table
 ``[S, max_blocks]``; head mask ``[S, H_kv, max_blocks]`` (int8); out ``[T, H, D]``; mass
 ``[S, H, max_blocks]`` (summed over heads, or over each KV head's group, by the launcher).
 ``B`` and ``D`` must be powers of two (vLLM CPU: B a multiple of 32).
@@ -39,7 +40,7 @@ import triton
 import triton.language as tl
 
 from vllm_graft.hooks import AttentionLayer, PagedBatch
-from vllm_graft.plugins.attention._shared import cache_strides, paged_attention_with_mass
+from vllm_graft.plugins.attention._shared import paged_attention_with_mass
 
 _FLOOR = tl.constexpr(-1e30)  # a finite max for a page or step with no valid key, so exp(-inf - floor) = 0
 
@@ -63,9 +64,11 @@ def _mass_split_kernel(
     s_kn,
     s_kh,
     s_kb,
+    s_kd,
     s_vn,
     s_vh,
     s_vb,
+    s_vd,
     s_tt,
     s_ms,
     s_mh,
@@ -111,7 +114,7 @@ def _mass_split_kernel(
             reads = tl.load(hm_ptr + seq * s_hs + kvh * s_hh + page, mask=page < last, other=0)
             valid = valid & (reads != 0)
         k = tl.load(
-            k_ptr + bid[:, None] * s_kn + kvh * s_kh + (tok % B)[:, None] * s_kb + d[None, :],
+            k_ptr + bid[:, None] * s_kn + kvh * s_kh + (tok % B)[:, None] * s_kb + d[None, :] * s_kd,
             mask=valid[:, None],
             other=0.0,
         )
@@ -131,7 +134,7 @@ def _mass_split_kernel(
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         v = tl.load(
-            v_ptr + bid[:, None] * s_vn + kvh * s_vh + (tok % B)[:, None] * s_vb + d[None, :],
+            v_ptr + bid[:, None] * s_vn + kvh * s_vh + (tok % B)[:, None] * s_vb + d[None, :] * s_vd,
             mask=valid[:, None],
             other=0.0,
         )
@@ -250,7 +253,7 @@ def _decode_all_rows(
     Hkv, B = k_cache.shape[1], k_cache.shape[2]
     if (B & (B - 1)) or (D & (D - 1)):
         raise ValueError(f"block size {B} and head size {D} must be powers of two for the Triton kernel")
-    strides = cache_strides(k_cache, v_cache, "attention-with-mass triton kernel")
+    strides = (*k_cache.stride(), *v_cache.stride())  # any stride along D too (cpu_vec's keys)
     if query.dtype != k_cache.dtype:
         raise ValueError(f"attention-with-mass triton kernel: query {query.dtype} and cache {k_cache.dtype} differ")
     if query.stride(2) != 1:
