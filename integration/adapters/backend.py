@@ -16,6 +16,18 @@ need the backend, so it is shared and installed while either is active:
   ``do_kv_cache_update`` and ``forward`` call the format's ``write`` and attention on
   layers whose cache is in that page (``uint8``): vLLM's kernel cannot read it.
 
+While an attention method runs (a plugin's, or a scored compressor's attention with mass), the
+cache is in one of two layouts. vLLM's CPU kernels keep it in an ISA-specific layout; for the
+``vec`` and ``vec16`` ISAs that is :data:`~vllm_graft.hooks.CPU_VEC` (keys transposed per block),
+checked once per process and configuration by writing a small cache with vLLM's own op and
+reading it back (:func:`stock_layout_checked`). Where the method reads ``cpu_vec`` (its
+``kv_layouts``) and the layer's ISA is checked, vLLM writes the cache as it always does and the
+method is handed ``cpu_vec``; a method that says a step is ``plain`` (a scored compressor's step
+that scores nothing, e.g. SnapKV's decodes) then gets vLLM's C++ kernel for that step, over the
+kept blocks (the rewriter has compacted the block table). Otherwise (another ISA, e.g. ``amx``,
+said once in the log; a method that reads only ``blocked``) the backend writes the cache in the
+``blocked`` layout and the method computes every step.
+
 With neither hook set the backend behaves exactly as ``CPUAttentionBackend``.
 
 On CUDA the same seams ride vLLM's own backends: :mod:`.cuda_backends` subclasses
@@ -29,6 +41,7 @@ seams. ``VLLM_GRAFT_ATTENTION_BACKEND=generic`` puts the generic backend in plac
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -40,7 +53,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-from vllm_graft.hooks import BLOCKED, PACKED, AttentionLayer, KVCacheLayout, PagedBatch
+from vllm_graft.hooks import BLOCKED, CPU_VEC, PACKED, AttentionLayer, KVCacheLayout, PagedBatch
 from vllm_graft.integration.adapters.plugin_calls import raised
 from vllm_graft.integration.runtime import RUNTIME
 
@@ -164,7 +177,9 @@ def host_kernel_available(plan: Any = None) -> bool:
 def kv_layout(plan: Any = None) -> KVCacheLayout:
     """The layout of the cache a plugin is handed on this process's route: ``packed`` on
     CUDA (vLLM's backends), ``blocked`` on CPU and in the generic backend (which ``plan``'s
-    engine section selects by naming a backend the bridge does not know, or CUSTOM)."""
+    engine section selects by naming a backend the bridge does not know, or CUSTOM). On CPU a
+    plugin that also reads ``cpu_vec`` may be handed that instead, layer by layer, where the
+    layer's ISA is checked (see the module doc): ``blocked`` is what every plugin must read."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cuda() and not generic_requested(plan):
@@ -194,6 +209,63 @@ def require_layout(plugin: str, kv_layouts: Any, plan: Any = None, what: str = "
             f"add {layout.name!r} to the plugin's kv_layouts once it reads the cache through "
             "layer.kv_layout.split, or leave it out of the deployment on this platform"
         )
+
+
+#: vLLM's CPU attention ISAs whose cache :data:`~vllm_graft.hooks.CPU_VEC` describes (vLLM 0.32's
+#: csrc/cpu/cpu_attn_vec.hpp ``reshape_and_cache``: keys ``[D, block_size]``, values
+#: ``[block_size, D]`` per block and KV head; ``vec16`` inherits it). Each is still checked
+#: by :func:`stock_layout_checked` before it is used. ``amx`` (and ``neon``...) keep another layout.
+CPU_VEC_ISAS = ("vec", "vec16")
+
+
+@functools.cache
+def stock_layout_checked(isa: str, dtype: torch.dtype, head_size: int, block_size: int) -> bool:
+    """vLLM's CPU cache write for ``isa`` (``ops.cpu_attn_reshape_and_cache``) reads back exactly
+    through :data:`CPU_VEC`'s ``split``: checked on a two-block, two-head cache of ``dtype`` once
+    per process and configuration. False (said once in the log) for an ISA outside
+    :data:`CPU_VEC_ISAS` or one whose write does not read back: the backend then writes the
+    ``blocked`` layout and the method computes every step, as before."""
+    ok, why = False, f"its layout is not the one vllm-graft reads ({', '.join(CPU_VEC_ISAS)} are)"
+    if isa in CPU_VEC_ISAS:
+        try:
+            from vllm import _custom_ops as ops
+
+            g = torch.Generator().manual_seed(0)
+            n, h, tokens = 2, 2, 2 * block_size
+            kv = torch.zeros(n, h, block_size, 2 * head_size, dtype=dtype)
+            key_cache, value_cache = kv.view(n, h, 2 * block_size, head_size).chunk(2, dim=2)
+            slots = torch.randperm(tokens, generator=g)
+            key = torch.randn(tokens, h, head_size, generator=g).to(dtype)
+            value = torch.randn(tokens, h, head_size, generator=g).to(dtype)
+            ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+            k, v = CPU_VEC.split(kv)
+            blocks, offsets = slots // block_size, slots % block_size
+            ok = torch.equal(k[blocks, :, offsets], key) and torch.equal(v[blocks, :, offsets], value)
+            why = "" if ok else "vLLM's write did not read back through hooks.CPU_VEC.split"
+        except Exception as e:  # an op that refuses the configuration: the blocked path works
+            why = f"checking it failed: {type(e).__name__}: {e}"
+    if ok:
+        log.info(
+            "vllm-graft: vLLM's CPU attention ISA %r (%s, head size %d, block size %d) keeps the KV cache "
+            "in the cpu_vec layout (checked): an attention method that reads it shares vLLM's cache, and "
+            "steps it calls plain run vLLM's C++ kernel",
+            isa,
+            dtype,
+            head_size,
+            block_size,
+        )
+    else:
+        log.warning(
+            "vllm-graft: vLLM's CPU attention ISA %r (%s, head size %d, block size %d): %s; the attention "
+            "method writes the KV cache in the blocked layout and computes every step itself (no step "
+            "runs vLLM's C++ kernel, which is slower)",
+            isa,
+            dtype,
+            head_size,
+            block_size,
+            why,
+        )
+    return ok
 
 
 def customize_spec(spec):
@@ -250,14 +322,34 @@ class GraftCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
 
 
 class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
+    def graft_layout(self, layer, kv_cache) -> KVCacheLayout:
+        """The layout of this layer's cache while an attention method runs: :data:`CPU_VEC`
+        (vLLM's own write, which its kernel reads) where the method reads it and the layer's ISA
+        is checked (:func:`stock_layout_checked`), else :data:`BLOCKED` (this backend's write).
+        The cache write and the forward of a step ask it alike, so they always agree."""
+        method = SEAMS.method
+        if (
+            method is None
+            or CPU_VEC.name not in getattr(method, "kv_layouts", ())
+            or self.is_fp8_kv_cache
+            or kv_cache.dtype == torch.uint8
+        ):
+            return BLOCKED
+        isa = getattr(layer, "isa", None)  # set on the layer by vLLM's CPU metadata builder
+        if isa is None or not stock_layout_checked(isa, kv_cache.dtype, self.head_size, kv_cache.shape[2]):
+            return BLOCKED
+        return CPU_VEC
+
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         if SEAMS.kv_format is not None and kv_cache.dtype == torch.uint8 and self.attn_type == "decoder":
             return SEAMS.kv_format.write(key, value, kv_cache, slot_mapping)  # the format's page
-        # vLLM's CPU kernels keep the cache in an ISA-specific layout (e.g. keys transposed
-        # per block for "vec"). An attention plugin reads the cache itself, so while one is
-        # active this backend writes it in the documented layout of
-        # ``hooks.contracts.split_kv_cache`` instead (the stock kernel then never reads it).
+        # vLLM's CPU kernels keep the cache in an ISA-specific layout (keys transposed per block
+        # for "vec"/"vec16": hooks.CPU_VEC). An attention method reads the cache itself: one that
+        # reads that layout gets vLLM's write (and its kernel on plain steps); for any other this
+        # backend writes the documented blocked layout instead (the stock kernel then never reads it).
         if SEAMS.method is None or SEAMS.host_kernel or self.attn_type != "decoder":
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        if self.graft_layout(layer, kv_cache) is CPU_VEC:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         write_kv(key, value, kv_cache, slot_mapping)
 
@@ -301,6 +393,15 @@ class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
                 f"vllm-graft attention plugin {SEAMS.method_name!r}: layers with sliding window, "
                 "ALiBi, attention sinks, soft-capping or an fp8 KV cache are not supported"
             )
+        layout = self.graft_layout(layer, kv_cache)
+        plan = getattr(attn_metadata, "graft_plan", None)
+        plain = getattr(method, "plain", None)  # a scored compressor's step that scores nothing
+        if layout is CPU_VEC and plain is not None and plain(plan):  # vLLM's cache: its kernel reads it
+            if SEAMS.count:
+                SEAMS.count("stock_layers", 1)
+            return super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+            )
         n = attn_metadata.num_actual_tokens
         spec = AttentionLayer(
             num_heads=self.num_heads,
@@ -309,9 +410,10 @@ class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
             scale=self.scale,
             block_size=kv_cache.shape[2],
             index=_layer_index(layer),
+            kv_layout=layout,
         )
         try:
-            out = method.forward(query[:n], kv_cache, batch, spec, getattr(attn_metadata, "graft_plan", None))
+            out = method.forward(query[:n], kv_cache, batch, spec, plan)
         except Exception as e:
             raise raised("attention", SEAMS.method_name, "forward()", e) from e
         check_output(SEAMS.method_name, out, (n, self.num_heads, self.head_size))
@@ -400,5 +502,7 @@ __all__ = [
     "host_kernel_available",
     "generic_requested",
     "write_kv",
+    "stock_layout_checked",
+    "CPU_VEC_ISAS",
     "GraftCPUAttentionBackend",
 ]

@@ -21,7 +21,12 @@ from vllm_graft.integration.adapters.kvcompress.keep import (
     union_of_heads,
 )
 from vllm_graft.integration.adapters.kvcompress.rows import step_rows
-from vllm_graft.integration.adapters.kvcompress.shared_attention import attend_with_mass, block_scores, scores_the_cache
+from vllm_graft.integration.adapters.kvcompress.shared_attention import (
+    attend_with_mass,
+    block_scores,
+    layouts_read,
+    scores_the_cache,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -299,10 +304,15 @@ class _Scores:
 
 class _ScoringAttention:
     """What the backend's attention seam runs while a ``needs_scores`` compressor is active:
-    the compressor's :meth:`~vllm_graft.hooks.KVCompressor.attend`, its mass added to the step."""
+    the compressor's :meth:`~vllm_graft.hooks.KVCompressor.attend`, its mass added to the step.
+
+    ``kv_layouts``: the cache layouts that attention reads (:func:`.shared_attention.layouts_read`);
+    where it includes ``cpu_vec`` and the layer's ISA is checked, vLLM's CPU backend keeps its own
+    cache write and runs its C++ kernel on the steps that are :meth:`plain`."""
 
     def __init__(self, scores: _Scores) -> None:
         self.scores = scores
+        self.kv_layouts = layouts_read(scores.compressor)
 
     def plan(self, batch: Any) -> Any:
         return self.scores.plan(batch)
@@ -310,9 +320,11 @@ class _ScoringAttention:
     def plain(self, plan: Any) -> bool:
         """This step is plain attention over the kept blocks: no query counts towards the
         scores and the compressor masks nothing per head, so the mass would be zero and the
-        output vLLM's. A backend with a kernel of its own (vLLM's CUDA backends) then runs
-        its kernel instead of :meth:`forward` (e.g. SnapKV's decode steps, which score
-        nothing); :meth:`_Scores.finalize` still runs on the zero mass."""
+        output vLLM's. A backend with a kernel of its own then runs its kernel instead of
+        :meth:`forward` (e.g. SnapKV's decode steps, which score nothing): vLLM's CUDA backends
+        always, vLLM's CPU backend where the cache is in vLLM's own layout (``cpu_vec`` in
+        :attr:`kv_layouts`, the layer's ISA checked); :meth:`_Scores.finalize` still runs on the
+        zero mass."""
         if getattr(self.scores.compressor, "per_head", False) or getattr(self.scores.compressor, "per_layer", False):
             return False
         return plan is None or not plan.observed
