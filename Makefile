@@ -93,7 +93,8 @@ soak: install
 # seeded Poisson arrivals at each rate, the KV pool capped as `bench --suite` caps it (the kvcap
 # shapes' 40 blocks). Throughput, latency, TTFT, TPOT and goodput, each against plain; about 10
 # minutes on 2 quiet cores. For speculation: SERVEBENCH_DEPLOYMENTS=deployments/spec-lookahead.yaml
-# SERVEBENCH_ARGS="--workload code-completion --concurrency 16,64 --num-requests 64 --max-tokens 64".
+# SERVEBENCH_ARGS="--workload code-completion --concurrency 16,64 --num-requests 64 --max-tokens 64"
+# (trained weights: outputs end where the model ends them, as in the suite's speculative cases).
 SERVEBENCH_DEPLOYMENTS ?= deployments/shapes/streaming-kvcap.yaml
 SERVEBENCH_ARGS ?= --workload long-context --rates 0.25,0.5,1 --num-requests 16 --max-tokens 128
 SERVEBENCH_OUT ?= servebench.json

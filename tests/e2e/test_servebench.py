@@ -33,7 +33,7 @@ def test_short_sweep_plain_vs_a_lossless_deployment(tmp_path):
     out_json = tmp_path / "sweep.json"
     out = subprocess.run([sys.executable, "-m", "vllm_graft.cli.main", "servebench",
                           str(REPO / "deployments" / "spec-lookahead.yaml"), "--workload", "code-completion",
-                          "--rates", "4,16", "--num-requests", "3", "--max-tokens", "8", "--timeout", "240",
+                          "--rates", "4,16", "--num-requests", "3", "--max-tokens", "8", "--ignore-eos", "--timeout", "240",
                           "--dir", str(tmp_path), "--out", str(out_json)],
                          capture_output=True, text=True, env=env, timeout=900)
     assert out_json.exists(), f"no result (exit {out.returncode}):\n{out.stderr[-4000:]}"

@@ -14,7 +14,15 @@ httpx = pytest.importorskip("httpx")
 from vllm_graft.cli.main import build_parser  # noqa: E402
 from vllm_graft.tools.serve import options  # noqa: E402
 from vllm_graft.tools.serve.client import closed_loop, open_loop  # noqa: E402
-from vllm_graft.tools.serve.load import Phase, ServeRequest, parse_list, phases, poisson_arrivals  # noqa: E402
+from vllm_graft.tools.serve.load import (  # noqa: E402
+    Phase,
+    ServeRequest,
+    deal,
+    parse_list,
+    phases,
+    poisson_arrivals,
+    prompts_needed,
+)
 from vllm_graft.tools.serve.run import Options, arms_for, cap_env, finish, kv_blocks_of  # noqa: E402
 from vllm_graft.tools.serve.stats import (  # noqa: E402
     SLO,
@@ -65,6 +73,23 @@ def test_rates_and_levels_parse_and_refuse():
     assert len(set(salts)) == 3 and salts == [p.cache_salt(0) for p in phases([0.5, 1], [16])]
     # vLLM refuses a salt over 128 characters or with '@', '/', '\\'
     assert all(len(s) <= 128 and not set(s) & set("@/\\") for s in salts)
+
+
+def test_prompts_are_dealt_out_once_each():
+    ph = phases([0.5, 1], [4])
+    need = prompts_needed(3, len(ph), warm_up=2, calibration=1)
+    assert need == 12
+    reqs = [ServeRequest(i, (100 + i,), 10 + i) for i in range(need)]
+    d = deal(reqs, ph, 3, warm_up=2, calibration=1, warm_up_tokens=4)
+    assert [r.prompt for r in d.warm_up] == [(100,), (101,)] and [r.max_tokens for r in d.warm_up] == [4, 4]
+    assert [(r.index, r.prompt, r.max_tokens) for r in d.calibration] == [(0, (102,), 12)]
+    assert [[r.prompt[0] for r in d.phases[p.key]] for p in ph] == [[103, 104, 105], [106, 107, 108],
+                                                                    [109, 110, 111]]
+    assert all([r.index for r in d.phases[p.key]] == [0, 1, 2] for p in ph)
+    # the same seed's prompts deal the same way: every arm gets the same requests
+    assert deal(reqs, ph, 3, warm_up=2, calibration=1, warm_up_tokens=4) == d
+    with pytest.raises(ValueError):
+        deal(reqs[:-1], ph, 3, warm_up=2, calibration=1, warm_up_tokens=4)
 
 
 def test_request_body_is_a_streamed_greedy_completion_with_usage():
@@ -246,7 +271,7 @@ def test_command_line():
     parse = build_parser().parse_args
     o = options(parse(["servebench", "d.yaml"]), Path("."))
     assert [p.key for p in o.phases] == ["rate=0.25", "rate=0.5", "rate=1"] and o.slo is None
-    assert o.ignore_eos and o.workload == "long-context"
+    assert o.ignore_eos is None and o.workload == "long-context"  # None: decided by the weights (sweep)
     o = options(parse(["servebench", "d.yaml", "--concurrency", "16,64", "--slo-latency", "9"]), Path("."))
     assert [p.key for p in o.phases] == ["concurrency=16", "concurrency=64"] and o.slo == SLO(latency=9.0,
                                                                                                source=o.slo.source)

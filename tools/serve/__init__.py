@@ -3,8 +3,8 @@ server, one at a time, under the same load at each of a list of request rates (o
 Poisson arrivals) and/or concurrency levels (closed loop): throughput, latency, TTFT, TPOT and
 goodput at a latency limit, each against plain vLLM at the same load (issues 34 and 37).
 
-Every arm gets the same requests (``--workload``'s prompts, streamed greedy completions) at the
-same seeded arrival times, and the same KV pool as `vllm-graft bench --suite` gives it (so a
+Every arm gets the same requests (``--workload``'s prompts, streamed greedy completions, no
+prompt sent twice to a server) at the same seeded arrival times, and the same KV pool as `vllm-graft bench --suite` gives it (so a
 kvcap shape's rows compare with the suite's); lossless arms' greedy texts are compared with
 plain's, request by request. The SLO (``--slo-ttft``, ``--slo-tpot``, ``--slo-latency``, in
 seconds) defaults to ``--slo-factor`` (5) x plain vLLM's own median TTFT and TPOT of requests
@@ -77,8 +77,9 @@ def add_command(sub: Any) -> None:
     p.add_argument(
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="generate max-tokens tokens even past <|endoftext|> (default: yes, as the bench suite)",
+        default=None,
+        help="generate max-tokens tokens even past <|endoftext|> (default: yes for deployments with "
+        "random weights (load_format: dummy, the shapes), no for trained models, as the bench suite runs them)",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take (default 600)")
     p.add_argument("--dir", default=None, help="folder for the server logs (default: a new temporary one)")
@@ -140,8 +141,8 @@ def render(result: dict[str, Any], console: Any, *, as_markdown: bool = False) -
         print(title + "\n\n" + markdown(table_rows))
     else:
         table = Table(title=escape(title), box=None, padding=(0, 1), title_justify="left")
-        for col in COLUMNS:
-            table.add_column(col, overflow="fold")
+        for i, col in enumerate(COLUMNS):
+            table.add_column(col, overflow="fold", no_wrap=i < 2)  # arm and load whole
         for r in table_rows:
             table.add_row(*map(escape, cells(r)))
         console.print(table)

@@ -1,12 +1,14 @@
 """The load of a serving sweep: the phases (open-loop request rates, closed-loop concurrency
 levels), the seeded Poisson arrival times and the requests. Pure: no vLLM, no network.
 
-Every arm gets the same requests at the same times: request ``i`` of every phase is prompt
-``i`` of the workload (built once, from the seed), and the arrival times of a rate are a
-function of the seed and the rate alone (:func:`poisson_arrivals`). Each phase sends its
-requests with a prefix-cache salt of its own (:meth:`Phase.cache_salt`), so a phase never
-reads the KV a previous phase of the same server computed for the same prompts (the bench
-resets the prefix cache before each run for the same reason).
+Every arm gets the same requests at the same times: the workload's prompts are built once
+from the seed and dealt out (:func:`deal`): the first to the warm-up, the next to the
+calibration, then ``n`` to each phase in turn, so no prompt is sent twice to a server (a
+proposer that drafts from earlier outputs, such as lookahead's n-gram pool, would otherwise
+draft a repeat from its first answer), and the arrival times of a rate are a function of the
+seed and the rate alone (:func:`poisson_arrivals`). Each phase also sends its requests with a
+prefix-cache salt of its own (:meth:`Phase.cache_salt`), so no phase reads KV that an
+earlier one computed (the bench resets the prefix cache before each run for the same reason).
 """
 
 from __future__ import annotations
@@ -116,3 +118,43 @@ def requests_from_prompts(prompts: Sequence[Any]) -> list[ServeRequest]:
     """The requests of every phase from a workload's prompts (:class:`~vllm_graft.tools.workloads.Prompt`:
     ``token_ids`` and ``max_tokens``, which the workload already fitted to ``max_model_len``)."""
     return [ServeRequest(i, tuple(p.token_ids), int(p.max_tokens)) for i, p in enumerate(prompts)]
+
+
+@dataclass(frozen=True)
+class Dealt:
+    """The workload's requests dealt out: the warm-up's, the calibration's, each phase's (by
+    :attr:`Phase.key`, indexed from 0 within the phase)."""
+
+    warm_up: list[ServeRequest]
+    calibration: list[ServeRequest]
+    phases: dict[str, list[ServeRequest]]
+
+
+def prompts_needed(n: int, num_phases: int, warm_up: int, calibration: int) -> int:
+    return warm_up + calibration + n * num_phases
+
+
+def deal(
+    requests: Sequence[ServeRequest],
+    phases: Sequence[Phase],
+    n: int,
+    *,
+    warm_up: int,
+    calibration: int,
+    warm_up_tokens: int,
+) -> Dealt:
+    """Deal ``requests`` (:func:`prompts_needed` of them, in the workload's order) out: the
+    first ``warm_up`` (their output cut to ``warm_up_tokens``), the next ``calibration``, then
+    ``n`` per phase in the order of ``phases``. No request goes to two places."""
+    need = prompts_needed(n, len(phases), warm_up, calibration)
+    if len(requests) < need:
+        raise ValueError(f"{len(requests)} prompts for {need} requests")
+    warm = [ServeRequest(i, r.prompt, min(r.max_tokens, warm_up_tokens)) for i, r in enumerate(requests[:warm_up])]
+    calib = [ServeRequest(i, r.prompt, r.max_tokens) for i, r in enumerate(requests[warm_up : warm_up + calibration])]
+    out: dict[str, list[ServeRequest]] = {}
+    start = warm_up + calibration
+    for ph in phases:
+        chunk = requests[start : start + n]
+        out[ph.key] = [ServeRequest(i, r.prompt, r.max_tokens) for i, r in enumerate(chunk)]
+        start += n
+    return Dealt(warm, calib, out)

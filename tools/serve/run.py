@@ -2,10 +2,10 @@
 every phase of the load; then the figures.
 
 Per arm: start the server (:class:`~vllm_graft.tools.soak.server.Server`, loopback) with the
-KV pool capped as `vllm-graft bench --suite` caps it (below), warm it up (the first few prompts
-at once, 4 tokens each), send the calibration requests one at a time (TTFT and TPOT alone), then
-each phase in turn with its own prefix-cache salt, reading vLLM's preemption counter
-before and after each; stop the server. The default SLO is derived from plain's calibration
+KV pool capped as `vllm-graft bench --suite` caps it (below), warm it up (4 prompts at once, 4
+tokens each), send the calibration requests one at a time (TTFT and TPOT alone), then each
+phase in turn, with prompts of its own (:func:`~.load.deal`) and its own prefix-cache salt,
+reading vLLM's preemption counter before and after each; stop the server. The default SLO is derived from plain's calibration
 (:func:`~.stats.derived_slo`), so it is fixed before any arm is classified, and every arm is
 held to the same one.
 
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .client import closed_loop, one_at_a_time, open_loop
-from .load import Phase, ServeRequest, poisson_arrivals, requests_from_prompts
+from .load import Dealt, Phase, deal, poisson_arrivals, prompts_needed, requests_from_prompts
 from .stats import MEASUREMENT, SLO, Record, compare_greedy, derived_slo, summarize, vs_plain
 
 SCHEMA = "vllm-graft-servebench/1"
@@ -48,7 +48,7 @@ class Options:
     slo: SLO | None = None  # None: derived from plain's calibration, slo_factor x
     slo_factor: float = 5.0
     kv_blocks: int | None = None
-    ignore_eos: bool = True
+    ignore_eos: bool | None = None  # None: on iff the deployments load dummy weights (see sweep)
     timeout: float = 600.0
     folder: Path = field(default_factory=lambda: Path("."))
 
@@ -106,18 +106,27 @@ def arms_for(paths: Sequence[str], kv_blocks: int | None = None) -> list[Arm]:
     return [Arm("plain", None, plain, [], None), *arms]
 
 
-def build_requests(model: str, max_model_len: int, opts: Options) -> tuple[list[ServeRequest], dict[str, Any]]:
+def build_requests(model: str, max_model_len: int, opts: Options) -> tuple[Dealt, dict[str, Any]]:
+    """The workload's prompts for the warm-up, the calibration and every phase, dealt out."""
     from vllm_graft.tools.workloads import Tokenizer, build
 
     (ps,) = build(
         [opts.workload],
         Tokenizer.from_model(model),
-        num_prompts=opts.num_requests,
+        num_prompts=prompts_needed(opts.num_requests, len(opts.phases), WARMUP_REQUESTS, CALIBRATION_REQUESTS),
         max_tokens=opts.max_tokens,
         max_model_len=max_model_len,
         seed=opts.seed,
     )
-    return requests_from_prompts(ps.prompts), ps.to_json()
+    dealt = deal(
+        requests_from_prompts(ps.prompts),
+        opts.phases,
+        opts.num_requests,
+        warm_up=WARMUP_REQUESTS,
+        calibration=CALIBRATION_REQUESTS,
+        warm_up_tokens=WARMUP_TOKENS,
+    )
+    return dealt, ps.to_json()
 
 
 def _max_model_len(kwargs: dict[str, Any]) -> int:
@@ -143,8 +152,14 @@ def sweep(paths: Sequence[str], opts: Options, say: Callable[[str], None] = prin
     arms = arms_for(paths, opts.kv_blocks)
     plain = arms[0]
     model = str(plain.kwargs["model"])
+    if opts.ignore_eos is None:
+        # as the bench suite runs them: random weights end at random points (the kvcap shapes
+        # run with ignore_eos), a trained model where it ends (the speculative cases do not)
+        opts.ignore_eos = any(a.kwargs.get("load_format") == "dummy" for a in arms)
     requests, workload = build_requests(model, _max_model_len(plain.kwargs), opts)
-    arrivals = {ph.key: poisson_arrivals(ph.value, len(requests), opts.seed) for ph in opts.phases if ph.mode == "rate"}
+    arrivals = {
+        ph.key: poisson_arrivals(ph.value, opts.num_requests, opts.seed) for ph in opts.phases if ph.mode == "rate"
+    }
     result: dict[str, Any] = {
         "schema": SCHEMA,
         "measurement": MEASUREMENT,
@@ -152,7 +167,7 @@ def sweep(paths: Sequence[str], opts: Options, say: Callable[[str], None] = prin
             "deployments": [str(p) for p in paths],
             "phases": [ph.to_json() for ph in opts.phases],
             "workload": opts.workload,
-            "num_requests": len(requests),
+            "num_requests": opts.num_requests,
             "max_tokens": opts.max_tokens,
             "ignore_eos": opts.ignore_eos,
             "seed": opts.seed,
@@ -208,7 +223,7 @@ def finish(result: dict[str, Any], raw: dict[str, dict[str, list[Record]]], opts
 
 def run_arm(
     arm: Arm,
-    requests: Sequence[ServeRequest],
+    requests: Dealt,
     arrivals: dict[str, list[float]],
     opts: Options,
     say: Callable[[str], None],
@@ -235,7 +250,7 @@ def run_arm(
 
             out["kv_blocks"] = kv_blocks_of(httpx.get(server.base + "/metrics", timeout=10).text)
             kw: dict[str, Any] = {"ignore_eos": opts.ignore_eos, "timeout": opts.timeout}
-            warm = [ServeRequest(r.index, r.prompt, WARMUP_TOKENS) for r in requests[:WARMUP_REQUESTS]]
+            warm = requests.warm_up
             got, _ = asyncio.run(
                 closed_loop(server.base, SERVED_NAME, warm, len(warm), cache_salt="vllm-graft.servebench.warm-up", **kw)
             )
@@ -248,23 +263,24 @@ def run_arm(
                 one_at_a_time(
                     server.base,
                     SERVED_NAME,
-                    requests[:CALIBRATION_REQUESTS],
+                    requests.calibration,
                     cache_salt=f"vllm-graft.servebench.{opts.seed}.alone",
                     **kw,
                 )
             )
             out["calibration"] = [r.to_json(text=False) for r in calib]
             for ph in opts.phases:
-                say(f"  {arm.name}: {ph.label}, {len(requests)} requests")
+                batch = requests.phases[ph.key]
+                say(f"  {arm.name}: {ph.label}, {len(batch)} requests")
                 before = server.metrics().get(PREEMPTIONS, 0.0)
                 salt = ph.cache_salt(opts.seed)
                 if ph.mode == "rate":
                     recs, duration = asyncio.run(
-                        open_loop(server.base, SERVED_NAME, requests, arrivals[ph.key], cache_salt=salt, **kw)
+                        open_loop(server.base, SERVED_NAME, batch, arrivals[ph.key], cache_salt=salt, **kw)
                     )
                 else:
                     recs, duration = asyncio.run(
-                        closed_loop(server.base, SERVED_NAME, requests, int(ph.value), cache_salt=salt, **kw)
+                        closed_loop(server.base, SERVED_NAME, batch, int(ph.value), cache_salt=salt, **kw)
                     )
                 if not server.alive():
                     raise RuntimeError(
