@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from vllm_graft.hooks import BLOCKED, PACKED, BlockView, KVCompressor, get_registry
+from vllm_graft.hooks import BLOCKED, CPU_VEC, PACKED, BlockView, KVCompressor, get_registry
 from vllm_graft.plugins.kvcompress.d2o.reference import merge_nearest
 
 from .test_kvcompress_policies import build as _build
@@ -93,12 +93,12 @@ def test_drops_the_same_blocks_as_h2o():
 
 def _cache(layout, N, H, B, D, seed):
     g = torch.Generator().manual_seed(seed)
-    if layout is BLOCKED:
+    if layout is not PACKED:  # blocked, cpu_vec: [N, H, B, 2D] contiguous, read through split
         return torch.randn(N, H, 2 * B, D, generator=g).view(N, H, B, 2 * D)
     return torch.randn(N, B, H, 2 * D, generator=g).permute(0, 2, 1, 3)  # NHD, as FLASH_ATTN's
 
 
-@pytest.mark.parametrize("layout", [BLOCKED, PACKED], ids=lambda x: x.name)
+@pytest.mark.parametrize("layout", [BLOCKED, PACKED, CPU_VEC], ids=lambda x: x.name)
 def test_worker_merges_into_the_kept_slots_before_the_drops_go_out(layout):
     from vllm_graft.integration.adapters.kvcompress.merge import MergingScores
     from vllm_graft.integration.adapters.kvcompress.scores import _StepPlan
