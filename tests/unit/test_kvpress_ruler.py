@@ -31,6 +31,7 @@ def ours_rows():
         row("plain", [1.0, 0.0, 1 / 3, 1 / 3]),
         row("snapkv 1/4", [1.0, 0.0, 1 / 3, 0.0]),
         row("streaming 1/4", [0.0, 0.0, 1 / 3, 0.0]),
+        row("snapkv 1/2", [1.0, 0.0, 1 / 3, 0.0]),  # listed after 1/4: shown before it
         row("rkv 1/4", [1.0, 1.0, 0.0, 0.0]),  # no kvpress press: stands alone
     ]
 
@@ -53,6 +54,7 @@ def theirs(digest=DIGEST, rows=None):
         rows = [
             row("plain", [1.0, 0.0, 1 / 3, 0.0]),
             row("snapkv 1/4", [0.0, 0.0, 0.0, 0.0], press_name="SnapKVPress", ruler_kept_tokens_median=512),
+            row("snapkv 1/2", [1.0, 0.0, 0.0, 0.0], press_name="SnapKVPress"),
             row("streaming 1/4", [1.0, 0.0, 1 / 3, 0.0], press_name="StreamingLLMPress"),
             row("streaming 1/4", [1.0, 0.0, 0.0, 0.0], mode="context"),  # another mode: not this table's
             row("tova 1/8", [0.0, 0.0, 0.0, 0.0], press_name="TOVAPress"),  # kvbench did not run it
@@ -62,8 +64,8 @@ def theirs(digest=DIGEST, rows=None):
 
 def test_beside_pairs_arms_averages_and_differences():
     res = kc.ruler_beside(ours_rows(), theirs(), tasks=TASKS, digest=DIGEST)
-    assert [r["arm"] for r in res["rows"]] == ["plain", "snapkv 1/4", "streaming 1/4"]
-    plain, snap, stream = res["rows"]
+    assert [r["arm"] for r in res["rows"]] == ["plain", "snapkv 1/2", "snapkv 1/4", "streaming 1/4"]
+    plain, _, snap, stream = res["rows"]
     # every task weighs the same: (mean single + mean multivalue) / 2
     assert plain["ours"] == pytest.approx((0.5 + 1 / 3) / 2) and plain["theirs"] == pytest.approx((0.5 + 1 / 6) / 2)
     assert plain["same_cases"] == 3 and plain["press"] == "none" and plain["kept"] == "all"
@@ -82,8 +84,9 @@ def test_beside_table_says_where_vllm_graft_loses():
     assert lines[0] == "| vllm-graft | kvpress | kept | vllm-graft | kvpress | difference | single | multivalue |"
     assert lines[1].count("|") == lines[0].count("|")
     assert lines[2] == "| plain | none | all | 0.417 | 0.333 | +0.083 | 0.50 / 0.50 | 0.33 / 0.17 |"
-    assert lines[3] == "| snapkv | SnapKVPress | 1/4 | 0.333 | 0.000 | +0.333 | 0.50 / 0.00 | 0.17 / 0.00 |"
-    assert lines[4] == (
+    assert lines[3] == "| snapkv | SnapKVPress | 1/2 | 0.333 | 0.250 | +0.083 | 0.50 / 0.50 | 0.17 / 0.00 |"
+    assert lines[4] == "| snapkv | SnapKVPress | 1/4 | 0.333 | 0.000 | +0.333 | 0.50 / 0.00 | 0.17 / 0.00 |"
+    assert lines[5] == (
         "| streaming | StreamingLLMPress | 1/4 | 0.083 | 0.333 | -0.250 (loses: single -0.50) | 0.00 / 0.50 | 0.17 / 0.17 |"
     )
     assert "same score on 3 of 4 cases" in text
@@ -92,11 +95,11 @@ def test_beside_table_says_where_vllm_graft_loses():
 
 def test_equal_average_is_no_loss_but_the_task_behind_is_named():
     ours = ours_rows()[:1] + [{**ours_rows()[2], "ruler_scores": [1.0, 0.0, 0.0, 0.0]}]  # single up, multivalue down
-    rows = theirs()["rows"][:1] + [{**theirs()["rows"][2], "ruler_scores": [0.0, 0.0, 1.0, 0.0]}]
+    rows = theirs()["rows"][:1] + [{**theirs()["rows"][3], "ruler_scores": [0.0, 0.0, 1.0, 0.0]}]
     res = kc.ruler_beside(ours, theirs(rows=rows), tasks=TASKS, digest=DIGEST)
     stream = res["rows"][1]
     assert stream["difference"] == 0.0
-    line = kc.format_ruler_beside(res).splitlines()[3]
+    line = kc.format_ruler_beside(res).splitlines()[3]  # plain, then streaming 1/4
     assert "| +0.000 (behind on multivalue -0.50) |" in line and "loses" not in line
 
 
@@ -122,8 +125,8 @@ def test_missing_press_refused_with_the_command_to_run():
     with pytest.raises(kc.RulerMismatch, match="no plain RULER row"):
         kc.ruler_beside(ours_rows(), no_plain, tasks=TASKS, digest=DIGEST)
     # a context-mode row does not stand in for the whole-prompt one
-    ctx_only = theirs(rows=[theirs()["rows"][0], theirs()["rows"][3]])
-    with pytest.raises(kc.RulerMismatch, match="lack snapkv 1/4, streaming 1/4"):
+    ctx_only = theirs(rows=[theirs()["rows"][0], theirs()["rows"][4]])
+    with pytest.raises(kc.RulerMismatch, match="lack snapkv 1/4, snapkv 1/2, streaming 1/4"):
         kc.ruler_beside(ours_rows(), ctx_only, tasks=TASKS, digest=DIGEST)
 
 

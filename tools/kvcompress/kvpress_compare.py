@@ -426,8 +426,8 @@ def ruler_beside(
     digest: str,
 ) -> dict[str, Any]:
     """kvbench's RULER rows (``ours``: each with ``arm``, ``ruler_tasks``, ``ruler_scores``) beside
-    kvpress's (this module's ``--json``), after :func:`check_ruler_results`: per arm both have,
-    in kvbench's order, the RULER average of each side (every task weighs the same, as
+    kvpress's (this module's ``--json``), after :func:`check_ruler_results`: per arm both have
+    (plain, then each compressor in kvbench's order at its ratios, most kept first), the RULER average of each side (every task weighs the same, as
     :func:`.ruler_report.summarize`), vllm-graft's minus kvpress's, each task's means and the tasks
     where vllm-graft is behind; the plain row says on how many cases the two agree. ``alone``: the
     arms kvpress has no press for; ``kvpress_only``: kvpress arms kvbench did not run."""
@@ -460,6 +460,8 @@ def ruler_beside(
         row["behind"] = {t: ma[t] - mb[t] for t in tasks if ma[t] < mb[t]}
         row["same_cases"] = sum(float(x) == float(y) for x, y in zip(a["ruler_scores"], b["ruler_scores"]))
         out.append(row)
+    names = list(dict.fromkeys(r["compressor"] for r in out))  # each press's ratios together, most kept first
+    out.sort(key=lambda r: (names.index(r["compressor"]), parse_label(r["arm"])[1] or 1))
     return {
         "tasks": list(tasks),
         "cases": len(case_tasks),
