@@ -17,6 +17,12 @@ def test_arms_budgets_and_h2o_variants():
     }
     default = dict(_arms(2048, 32, ["h2o"], (4,)))
     assert default["h2o 1/4"]["params"]["recent_blocks"] == 8  # half, as in the H2O paper
+    # d2o drops what h2o drops: the same recent share, its own parameters on top
+    d2o = dict(_arms(2048, 32, ['d2o:{"threshold": 0.9}'], (4,)))
+    assert d2o["d2o 1/4"] == {
+        "plugin": "d2o",
+        "params": {"budget_blocks": 16, "sink_blocks": 1, "recent_blocks": 8, "threshold": 0.9},
+    }
 
 
 def test_kv4_compositions_and_unknown_names():

@@ -134,7 +134,7 @@ def _arms(
                 fmt, name = {"plugin": "kv4"}, name[len("kv4+") :]
             if name == "streaming":
                 arm_params = {"budget_blocks": budget, "sink_blocks": 1}
-            elif name in ("h2o", "h2o-mean"):
+            elif name in ("h2o", "h2o-mean", "d2o"):  # d2o drops what h2o drops (then merges)
                 recent = min(budget - 1, max(1, round(budget * h2o_recent)))
                 if h2o_heavy is not None:  # a fixed number of heavy blocks, the rest recent
                     recent = max(1, budget - 1 - h2o_heavy)
