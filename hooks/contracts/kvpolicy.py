@@ -415,7 +415,7 @@ class CacheScores(PolicyCompressor):
 
     needs_scores = True
     when: When = "prefill"
-    kv_layouts = ("blocked", "packed")  # block_scores reads through layer.kv_layout.split
+    kv_layouts = ("blocked", "packed", "cpu_vec")  # block_scores reads through layer.kv_layout.split
 
     def score(self, view: BlockView) -> Sequence[float] | None:
         return view.step_scores

@@ -412,6 +412,17 @@ class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
             index=_layer_index(layer),
             kv_layout=layout,
         )
+        mass_only = getattr(method, "mass_only", None)
+        if layout is CPU_VEC and mass_only is not None and mass_only(plan):
+            # vLLM's kernel computes the step; the method only the observed queries' mass
+            super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
+            try:
+                method.add_mass(query[:n], kv_cache, batch, spec, plan)
+            except Exception as e:
+                raise raised("attention", SEAMS.method_name, "add_mass()", e) from e
+            if SEAMS.count:
+                SEAMS.count("stock_layers_with_mass", 1)
+            return output
         try:
             out = method.forward(query[:n], kv_cache, batch, spec, plan)
         except Exception as e:

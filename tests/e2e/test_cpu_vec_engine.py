@@ -1,6 +1,6 @@
 """SnapKV in vLLM's CPU engine with the cache in vLLM's own layout (``cpu_vec``): the steps that
-observe nothing (its decodes) run vLLM's C++ kernel, the ones that observe the compressor's
-attention; against the same scenario with the layout check made to fail (the blocked cache, the
+observe nothing (its decodes) run vLLM's C++ kernel, those whose observed window is a small part of
+the step vLLM's kernel plus the window's mass alone, the others the compressor's attention; against the same scenario with the layout check made to fail (the blocked cache, the
 compressor's attention on every step, as before the seam): the same greedy tokens, log-probs to
 float rounding, the same blocks dropped and freed, the same blocks held."""
 
@@ -53,7 +53,11 @@ def test_snapkv_plain_steps_run_vllms_kernel_with_the_same_tokens_and_frees(monk
     # the seam ran: most layer calls went to vLLM's kernel, the observing ones to the compressor
     assert ev_new.get("stock_layers", 0) > 0 and ev_new.get("forward", 0) > 0
     assert ev_new["stock_layers"] > ev_new["forward"]
-    assert "stock_layers" not in ev_old and ev_old["forward"] == ev_new["forward"] + ev_new["stock_layers"]
+    # ... and the observing steps whose window is a small part of the step: vLLM's kernel for the
+    # output, the compressor's attention for the window's mass alone (mass_only)
+    assert ev_new.get("stock_layers_with_mass", 0) > 0
+    assert "stock_layers" not in ev_old and "stock_layers_with_mass" not in ev_old
+    assert ev_old["forward"] == ev_new["forward"] + ev_new["stock_layers"] + ev_new["stock_layers_with_mass"]
     # the same decisions and the same frees
     for k in ("blocks_freed", "blocks_skipped", "steps", "worker_steps", "plan"):
         assert ev_new.get(k) == ev_old.get(k), k

@@ -143,6 +143,10 @@ def test_worker_merges_into_the_kept_slots_before_the_drops_go_out(layout):
         torch.testing.assert_close(tok(v, [7, 11, 9])[:, :10].double(), ref_v, atol=1e-5, rtol=1e-5)
         assert torch.equal(k[9][:, 2:], k0[9][:, 2:]) and torch.equal(v[9][:, 2:], v0[9][:, 2:])
     assert set(sc.merge_state["a"]) == {c.data_ptr() for c in caches}
+    # every step runs the merging attention (none goes to vLLM's kernel un-noted)
+    from vllm_graft.integration.adapters.kvcompress.merge import MergingAttention
+
+    assert MergingAttention(sc).plain(None) is False
     sc.forget(["a"])
     assert "a" not in sc.merge_state
 

@@ -67,7 +67,7 @@ def test_the_worker_scores_them_from_the_cache_not_the_mass():
 
     for name in ("knorm", "keydiff"):
         c = build(name)
-        assert scores_the_cache(c) and layouts_read(c) == ("blocked", "packed")
+        assert scores_the_cache(c) and layouts_read(c) == ("blocked", "packed", "cpu_vec")
     assert not scores_the_cache(build("tova")) and not scores_the_cache(build("h2o"))
 
 

@@ -101,7 +101,15 @@ class MergingScores(_Scores):
 
 
 class MergingAttention(_ScoringAttention):
-    """The scoring attention, noting each layer's cache for the step's merge."""
+    """The scoring attention, noting each layer's cache for the step's merge. No step is handed
+    to vLLM's own kernel (``plain``): the merge needs every layer's cache noted, and a step that
+    drops blocks may be one that observes nothing (a compressor with a scoring window)."""
+
+    def plain(self, plan: Any) -> bool:
+        return False
+
+    def mass_only(self, plan: Any) -> bool:
+        return False
 
     def forward(self, query, kv_cache, batch, layer, plan=None):
         if plan is not None and isinstance(self.scores, MergingScores):

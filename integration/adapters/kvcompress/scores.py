@@ -25,6 +25,7 @@ from vllm_graft.integration.adapters.kvcompress.shared_attention import (
     attend_with_mass,
     block_scores,
     layouts_read,
+    uses_shared_attention,
     scores_the_cache,
 )
 
@@ -63,6 +64,12 @@ class _StepPlan:
     _layer_masks: Any = None  # per_layer: [num_seqs, layers + 1, width], built at the first layer
     #: some query of the step counts towards the scores (known on the host when planning)
     observed: bool = True
+    #: the observed queries alone as a batch of their own, for a route that computes the step's
+    #: output with its own kernel and only the mass here (:meth:`_ScoringAttention.mass_only`):
+    #: ``(query rows [n] long, query_start_loc [S + 1], seq_lens [S], longest query)``; None:
+    #: the scoring attention computes the whole step
+    observed_batch: Any = None
+    _observed_paged: Any = None  # that batch as a PagedBatch, made at the first layer
 
     def _dropped_mask(self, num_seqs: int, units: int, width: int, device: Any) -> "torch.Tensor":
         """``[num_seqs, units, width]`` bool on ``device``: False where a row's unit (KV head, or
@@ -130,6 +137,14 @@ class _Scores:
         self.reduce = reduce
         #: the compressor scores blocks from the cache (``block_scores``) in place of the mass
         self.from_cache = scores_the_cache(compressor)
+        #: the mass alone may be computed apart from the step's output (the shared attention, one
+        #: score per block, from the mass): see :meth:`_ScoringAttention.mass_only`
+        self.mass_alone = (
+            uses_shared_attention(compressor)
+            and not self.from_cache
+            and not getattr(compressor, "per_head", False)
+            and not getattr(compressor, "per_layer", False)
+        )
 
     def forget(self, req_ids: Any) -> None:
         for r in req_ids or ():
@@ -156,6 +171,10 @@ class _Scores:
         observe = torch.zeros(max(T, qsl[-1]), dtype=torch.bool)
         cols = []
         B = step.block_size
+        # the observed queries as a batch of their own: sequence i's are positions [a, b), so it
+        # ends at b (its compacted length: every dropped block lies before this step's tokens)
+        rows_obs: list[int] = []
+        sub_qsl, sub_lens = [0], []
         for i, (req_id, computed, q, prompt, skip) in enumerate(step.rows):
             total = computed + q
             dropped = set(skip)
@@ -164,6 +183,9 @@ class _Scores:
             a, b = max(lo, computed), min(hi, total)
             if a < b:
                 observe[qsl[i] + a - computed : qsl[i] + b - computed] = True
+                rows_obs.extend(range(qsl[i] + a - computed, qsl[i] + b - computed))
+            sub_qsl.append(len(rows_obs))
+            sub_lens.append(b - B * len(dropped) if a < b else 0)
         per_head = bool(getattr(self.compressor, "per_head", False))
         per_layer = bool(getattr(self.compressor, "per_layer", False))
         # on the attention's device (vLLM's batch tensors are there): built on the host from
@@ -178,6 +200,19 @@ class _Scores:
             else torch.zeros(len(step.rows), batch.block_table.shape[1], dtype=torch.float32, device=device)
         )
         plan = _StepPlan(step.rows, cols, observe, mass, B, observed=observed, per_layer=per_layer)
+        # worth it where the observed queries are a small part of the step (SnapKV's window in a
+        # step of prefill chunks): the kernel's pass plus theirs costs less than one PyTorch pass
+        if observed and self.mass_alone and 2 * len(rows_obs) <= qsl[-1]:
+            S = batch.block_table.shape[0]  # rows past the plan's observe nothing
+            sub_qsl += [sub_qsl[-1]] * (S - len(step.rows))
+            sub_lens += [0] * (S - len(step.rows))
+            longest = max(n - m for m, n in zip(sub_qsl, sub_qsl[1:]))
+            plan.observed_batch = (
+                torch.tensor(rows_obs, dtype=torch.long).to(device, non_blocking=True),
+                torch.tensor(sub_qsl, dtype=batch.query_start_loc.dtype).to(device, non_blocking=True),
+                torch.tensor(sub_lens, dtype=batch.seq_lens.dtype).to(device, non_blocking=True),
+                longest,
+            )
         if per_head or per_layer:
             plan.head_dropped = [getattr(self.reqs.get(r[0]), "head_dropped", None) for r in step.rows]
         self.pending = plan
@@ -328,6 +363,35 @@ class _ScoringAttention:
         if getattr(self.scores.compressor, "per_head", False) or getattr(self.scores.compressor, "per_layer", False):
             return False
         return plan is None or not plan.observed
+
+    def mass_only(self, plan: Any) -> bool:
+        """This step's output may come from the route's own kernel, with only the mass computed
+        here (:meth:`add_mass`, the observed queries alone: e.g. SnapKV's window at the end of a
+        prompt, where the step's other rows are prefill chunks and decodes). A backend with a
+        kernel that reads the cache calls both instead of :meth:`forward`."""
+        if plan is None or plan.observed_batch is None:
+            return False
+        state = _state.get_active()
+        return state is None or state.kv_format is None
+
+    def add_mass(self, query, kv_cache, batch, layer, plan) -> None:
+        """Add the observed queries' block mass (of ``query [T, H, D]``, the step's) to the step's
+        scores: the shared attention with mass over those queries alone, each sequence cut at its
+        last observed position (causality unchanged); its output is discarded."""
+        import torch
+
+        from vllm_graft.hooks import PagedBatch
+
+        rows, qsl, lens, longest = plan.observed_batch
+        made = plan._observed_paged  # one batch object per step: the attention's step index is cached by it
+        if made is None or made.block_table is not batch.block_table:
+            made = PagedBatch(query_start_loc=qsl, seq_lens=lens, block_table=batch.block_table, max_query_len=longest)
+            plan._observed_paged = made
+        q = query.index_select(0, rows)
+        observe = torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
+        _, mass = attend_with_mass(self.scores.compressor, q, kv_cache, made, layer, observe)
+        r, width = plan.mass.shape
+        plan.mass += mass[:r, :width].to(plan.mass.dtype)
 
     def forward(self, query, kv_cache, batch, layer, plan=None):
         import torch

@@ -12,7 +12,7 @@ from .._shared.keys import _batch_keys, observed_rows
 
 
 class ExpectedAttention(WindowMass):
-    kv_layouts = ("blocked", "packed")  # block_scores reads through layer.kv_layout.split
+    kv_layouts = ("blocked", "packed", "cpu_vec")  # block_scores reads through layer.kv_layout.split
 
     def block_scores(self, kv_cache, batch, layer, query=None, observe=None):
         return expected_attention_scores(kv_cache, batch, layer, query, observe, self.params.use_vnorm)

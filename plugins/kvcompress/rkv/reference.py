@@ -12,7 +12,7 @@ from .._shared.keys import key_diff_scores, observed_rows
 
 
 class RKV(CurrentMass):
-    kv_layouts = ("blocked", "packed")  # block_scores reads through layer.kv_layout.split
+    kv_layouts = ("blocked", "packed", "cpu_vec")  # block_scores reads through layer.kv_layout.split
 
     def block_scores(self, kv_cache, batch, layer, observe=None, mass=None):
         return rkv_scores(kv_cache, batch, layer, observe, mass, self.params.importance_weight)
