@@ -10,7 +10,7 @@ import json
 import time
 from typing import Any, Sequence
 
-from vllm_graft.tools.soak.driver import loopback_only
+from vllm_graft.tools.soak.driver import DONE, loopback_only, sse_events
 
 from .load import ServeRequest
 from .stats import Record
@@ -59,16 +59,12 @@ async def _stream(
             return
         parts: list[str] = []
         done = False
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[6:].strip()
-            if data == "[DONE]":
+        async for event in sse_events(r):
+            if event is DONE:
                 done = True
                 break
-            event = json.loads(data)
             if "error" in event:
-                rec.error = f"error event in the stream: {data[:200]}"
+                rec.error = f"error event in the stream: {json.dumps(event)[:200]}"
                 return
             for choice in event.get("choices") or ():
                 if rec.ttft is None:

@@ -35,6 +35,23 @@ class Outcome:
     seconds: float = 0.0
 
 
+#: what :func:`sse_events` yields at the stream's ``[DONE]`` (a stream cut short never yields it)
+DONE: dict[str, Any] = {}
+
+
+async def sse_events(response: Any) -> Any:
+    """The JSON events of an OpenAI-style server-sent stream (``data: {...}`` lines), then
+    :data:`DONE` at its ``[DONE]`` line."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        data = line[6:].strip()
+        if data == "[DONE]":
+            yield DONE
+            return
+        yield json.loads(data)
+
+
 def loopback_only(base: str) -> None:
     """Refuse any server address but loopback: the soak is a load generator."""
     host = urlsplit(base).hostname or ""
@@ -69,16 +86,12 @@ async def _send(client: Any, base: str, spec: RequestSpec, model: str) -> Outcom
         texts: dict[int, list[str]] = {}
         finished: dict[int, str] = {}
         chunks, done = 0, False
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[6:].strip()
-            if data == "[DONE]":
+        async for event in sse_events(r):
+            if event is DONE:
                 done = True
                 break
-            event = json.loads(data)
             if "error" in event:
-                return Outcome(spec.index, "error", reason=f"error event in the stream: {data[:200]}")
+                return Outcome(spec.index, "error", reason=f"error event in the stream: {json.dumps(event)[:200]}")
             for choice in event.get("choices", ()):
                 texts.setdefault(choice["index"], []).append(choice.get("text") or "")
                 if choice.get("finish_reason"):
