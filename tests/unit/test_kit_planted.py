@@ -88,7 +88,7 @@ def test_layouts_are_exercised_as_claimed():
     fails(planted(Kind.ATTENTION, pp.ClaimsPackedViewsBlocked, lossless=True), "forward() raised RuntimeError",
           "packed-NHD", "layer.kv_layout.split")
     fails(planted(Kind.ATTENTION, pp.UnknownLayout, lossless=True), "kv_layouts = ('paged-nhd',)",
-          "'blocked', 'packed'")
+          "'blocked', 'cpu_vec', 'packed'")
     fails(planted(Kind.KVCOMPRESS, pp.ScoredClaimsPackedReadsBlocked), "attend() output differs", "packed-NHD")
 
 
