@@ -232,7 +232,7 @@ def stock_layout_checked(isa: str, dtype: torch.dtype, head_size: int, block_siz
 
             g = torch.Generator().manual_seed(0)
             n, h, tokens = 2, 2, 2 * block_size
-            kv = torch.zeros(n, h, block_size, 2 * head_size, dtype=dtype)
+            kv = torch.zeros(n, h, block_size, 2 * head_size, dtype=dtype)  # host: a CPU op's probe
             key_cache, value_cache = kv.view(n, h, 2 * block_size, head_size).chunk(2, dim=2)
             slots = torch.randperm(tokens, generator=g)
             key = torch.randn(tokens, h, head_size, generator=g).to(dtype)

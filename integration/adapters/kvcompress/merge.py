@@ -75,6 +75,7 @@ class MergingScores(_Scores):
             return
         # the last kept block is the one being written: its slots past the last token are empty
         valid = (len(kept) - 1) * B + (total - kept[-1] * B)
+        # built on the host from the plan's Python lists, moved once (as the plan's own indices)
         cols = torch.tensor([column[b] for b in sorted(new)] + [column[b] for b in kept], dtype=torch.long)
         row = self.block_table[i]
         phys = row.index_select(0, cols.to(row.device, non_blocking=True)).long()

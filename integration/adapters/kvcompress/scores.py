@@ -5,6 +5,7 @@ See "The scores channel" in the package doc."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -171,10 +172,9 @@ class _Scores:
         observe = torch.zeros(max(T, qsl[-1]), dtype=torch.bool)
         cols = []
         B = step.block_size
-        # the observed queries as a batch of their own: sequence i's are positions [a, b), so it
-        # ends at b (its compacted length: every dropped block lies before this step's tokens)
-        rows_obs: list[int] = []
-        sub_qsl, sub_lens = [0], []
+        # per row: its observed query rows [first, end) and its length cut at the last observed
+        # position b (the compacted length: every dropped block lies before this step's tokens)
+        spans: list[tuple[int, int, int]] = []
         for i, (req_id, computed, q, prompt, skip) in enumerate(step.rows):
             total = computed + q
             dropped = set(skip)
@@ -182,10 +182,11 @@ class _Scores:
             lo, hi = self.compressor.score_positions(prompt)
             a, b = max(lo, computed), min(hi, total)
             if a < b:
-                observe[qsl[i] + a - computed : qsl[i] + b - computed] = True
-                rows_obs.extend(range(qsl[i] + a - computed, qsl[i] + b - computed))
-            sub_qsl.append(len(rows_obs))
-            sub_lens.append(b - B * len(dropped) if a < b else 0)
+                first, end = qsl[i] + a - computed, qsl[i] + b - computed
+                observe[first:end] = True
+                spans.append((first, end, b - B * len(dropped)))
+            else:
+                spans.append((0, 0, 0))
         per_head = bool(getattr(self.compressor, "per_head", False))
         per_layer = bool(getattr(self.compressor, "per_layer", False))
         # on the attention's device (vLLM's batch tensors are there): built on the host from
@@ -202,11 +203,14 @@ class _Scores:
         plan = _StepPlan(step.rows, cols, observe, mass, B, observed=observed, per_layer=per_layer)
         # worth it where the observed queries are a small part of the step (SnapKV's window in a
         # step of prefill chunks): the kernel's pass plus theirs costs less than one PyTorch pass
-        if observed and self.mass_alone and 2 * len(rows_obs) <= qsl[-1]:
-            S = batch.block_table.shape[0]  # rows past the plan's observe nothing
-            sub_qsl += [sub_qsl[-1]] * (S - len(step.rows))
-            sub_lens += [0] * (S - len(step.rows))
-            longest = max(n - m for m, n in zip(sub_qsl, sub_qsl[1:]))
+        counts = [end - first for first, end, _ in spans]
+        if observed and self.mass_alone and 2 * sum(counts) <= qsl[-1]:
+            # the observed queries as a batch of their own (rows past the plan's observe nothing)
+            pad = [0] * (batch.block_table.shape[0] - len(step.rows))
+            rows_obs = [t for first, end, _ in spans for t in range(first, end)]
+            sub_qsl = [0, *itertools.accumulate(counts + pad)]
+            sub_lens = [cut for *_, cut in spans] + pad
+            longest = max(counts)
             plan.observed_batch = (
                 torch.tensor(rows_obs, dtype=torch.long).to(device, non_blocking=True),
                 torch.tensor(sub_qsl, dtype=batch.query_start_loc.dtype).to(device, non_blocking=True),
