@@ -17,12 +17,13 @@ def merge_nearest(
     dropped_v: "torch.Tensor",
     kept_k: "torch.Tensor",
     kept_v: "torch.Tensor",
-    threshold: "torch.Tensor",
+    threshold: "torch.Tensor | None",
 ) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]:
     """Merge each dropped token (per KV head) into its most similar kept token where the cosine
     similarity of their keys is at least ``threshold[h]``: the kept token's K and V become the
     mean of itself (weight ``e``) and the tokens merged into it (weight ``exp(similarity)``).
-    ``dropped_*`` ``[H, E, D]``, ``kept_*`` ``[H, M, D]``, ``threshold`` ``[H]``. Returns the new
+    ``dropped_*`` ``[H, E, D]``, ``kept_*`` ``[H, M, D]``, ``threshold`` ``[H]`` (None: this
+    eviction's own mean best similarity per head). Returns the new
     kept K and V (the inputs' dtype) and each dropped token's best similarity ``[H, E]``."""
     import torch
 
@@ -30,6 +31,8 @@ def merge_nearest(
     kk, kv = kept_k.float(), kept_v.float()
     sim = torch.nn.functional.normalize(dk, dim=-1) @ torch.nn.functional.normalize(kk, dim=-1).transpose(1, 2)
     best, nearest = sim.max(dim=-1)  # [H, E]
+    if threshold is None:
+        threshold = best.mean(dim=-1)
     weight = torch.where(best >= threshold[:, None].to(best.dtype), best.exp(), torch.zeros_like(best))
     denom = torch.full(kk.shape[:2], math.e, dtype=kk.dtype, device=kk.device).scatter_add_(1, nearest, weight)
     at = nearest[..., None].expand_as(dk)
@@ -52,15 +55,8 @@ class D2O(H2O):
             return kept_k, kept_v, state
         if self.params.threshold is not None:
             threshold = torch.full((H,), self.params.threshold, dtype=torch.float32, device=kept_k.device)
-        elif state is None:  # the first eviction: its own mean best similarity (no history yet)
-            threshold = None
-        else:
+        else:  # the running threshold; None at the first eviction: its own mean best similarity
             threshold = state
-        if threshold is None:
-            sim = torch.nn.functional.normalize(dropped_k.float(), dim=-1) @ torch.nn.functional.normalize(
-                kept_k.float(), dim=-1
-            ).transpose(1, 2)
-            threshold = sim.max(dim=-1).values.mean(dim=-1)
         new_k, new_v, best = merge_nearest(dropped_k, dropped_v, kept_k, kept_v, threshold)
         mean_best = best.mean(dim=-1)
         ema = self.params.ema
