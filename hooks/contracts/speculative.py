@@ -111,8 +111,15 @@ class Proposer(PluginImpl[P]):
         ``adaptive``'s measured step costs) may keep that part."""
         type(self).__init__(self, self.params)
 
-    def begin_step(self, num_requests: int, num_tokens: int = 0) -> None:
+    def begin_step(self, num_requests: int, num_tokens: int = 0) -> bool | None:
         """A step's drafting begins; ``num_requests`` requests will be asked to
         :meth:`propose` (the batch size, for adaptive draft lengths). ``num_tokens`` is how
         many tokens the target computed in the step just run (prompt chunks, one per
-        decoding request, the drafts it verified; 0 when unknown). Default: nothing."""
+        decoding request, the drafts it verified; 0 when unknown).
+
+        Return ``False`` when the proposer drafts nothing for any request this step (e.g.
+        ``adaptive`` with speculation off): the adapter then skips this step's
+        :meth:`propose` calls (and their copy of each request's tokens), while
+        :meth:`accepted` reports still arrive. ``None`` (the default) or ``True``:
+        :meth:`propose` is asked per request as usual."""
+        return None

@@ -168,6 +168,31 @@ def test_bad_drafts_are_refused_with_the_plugin_name():
         d.propose(["a"], [[7]], n, ids)
 
 
+def test_a_step_the_plugin_says_it_drafts_nothing_asks_no_propose_but_reports_acceptance():
+    """Proposer.begin_step returning False (adaptive with speculation off): no propose call
+    (nor the copy of each row's tokens), every row gets no drafts, and what the previous step
+    verified is still reported; None or True: propose as usual."""
+
+    class Pausing(Echo):
+        def __init__(self):
+            super().__init__()
+            self.drafting = False
+
+        def begin_step(self, num_requests, num_tokens=0):
+            return self.drafting
+
+    p = Pausing()
+    d, counts = make(p)
+    d.step_started([], {"a": [9, 9, 9], "b": []})
+    ids, n = batch([[1, 2, 3, 4], [5, 6]])
+    assert d.propose(["a", "b"], [[2, 3, 4], [6]], n, ids) == [[], []]
+    assert p.calls == [] and p.verdicts == [("a", 2, 3)]
+    assert counts["undrafted_steps"] == 1 and "propose" not in counts
+    p.drafting = True
+    assert d.propose(["a", "b"], [[4], [6]], n, ids) == [[4, 4, 4], [6, 6, 6]]
+    assert [c[0] for c in p.calls] == ["a", "b"] and counts["undrafted_steps"] == 1
+
+
 def test_acceptance_is_reported_for_the_drafts_the_step_verified():
     p = Echo()
     d, counts = make(p)

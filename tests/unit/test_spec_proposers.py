@@ -342,7 +342,7 @@ def test_mode_bandit_waits_longer_between_re_trials_that_change_nothing():
     slow_on = True
     trials = []
     for step in range(400):
-        on = b.choose(8, model_says_on=False)
+        on = b.choose(8, preferred=False)
         if on:
             trials.append(step)
         b.record(8, on, tokens=8, seconds=(0.004 if on else 0.001) if slow_on else (0.001 if on else 0.004))
@@ -354,7 +354,7 @@ def test_mode_bandit_waits_longer_between_re_trials_that_change_nothing():
     # the other mode becomes the faster: a re-trial finds it, and the wait starts over
     slow_on = False
     for step in range(200):
-        on = b.choose(8, model_says_on=False)
+        on = b.choose(8, preferred=False)
         b.record(8, on, tokens=8, seconds=0.001 if on else 0.004)
     assert b._best(b.bucket(8)) is True
 
@@ -365,7 +365,7 @@ def test_mode_bandit_tries_both_then_keeps_the_faster_and_re_explores():
     b = ModeBandit(min_samples=2, explore_every=10)
     modes = []
     for _ in range(40):
-        on = b.choose(32, model_says_on=True)
+        on = b.choose(32, preferred=True)
         modes.append(on)
         b.record(32, on, tokens=32 if not on else 40, seconds=0.004 if not on else 0.008)
     assert modes[:4] == [True, True, False, False]  # the model's choice first, then the other
@@ -374,6 +374,80 @@ def test_mode_bandit_tries_both_then_keeps_the_faster_and_re_explores():
     assert rest.count(True) >= 2  # but on is re-tried now and then
     assert b.goodput(32, False) == pytest.approx(8000) and b.goodput(40, True) == pytest.approx(5000)
     assert b.goodput(1, True) is None  # another bucket knows nothing yet
+
+
+def test_mode_bandit_over_three_modes_keeps_the_fastest_and_re_tries_the_others_in_turn():
+    from vllm_graft.plugins.speculative.adaptive.policy import ModeBandit
+
+    with pytest.raises(ValueError, match="two or more distinct modes"):
+        ModeBandit(("chain", "chain"))
+    b = ModeBandit(("tree", "chain", "off"), min_samples=2, explore_every=6, max_explore_every=6)
+    speed = {"tree": 4000.0, "chain": 9000.0, "off": 6000.0}  # tokens/s per mode at batch 4
+    modes = []
+    for _ in range(80):
+        m = b.choose(4, preferred="off")
+        modes.append(m)
+        b.record(4, m, tokens=4, seconds=4 / speed[m])
+    assert modes[:6] == ["off", "off", "tree", "tree", "chain", "chain"]  # preferred first, then in order
+    rest = modes[6:]
+    assert rest.count("chain") > 0.6 * len(rest)
+    assert rest.count("tree") >= 2 and rest.count("off") >= 2  # both re-tried, in turn
+    assert b._best(b.bucket(4)) == "chain" and b.goodput(4, "tree") == pytest.approx(4000)
+    b.record(4, "fast", tokens=4, seconds=1e-6)  # a mode it does not know is left out
+    assert "fast" not in b.stats[b.bucket(4)]
+
+
+def test_adaptive_says_when_a_step_drafts_nothing():
+    """begin_step returns whether the step drafts (Proposer.begin_step: False spares the
+    adapter the step's propose calls)."""
+    a = build("adaptive", proposer="lookahead", params={"depth": 4})
+    assert a.modes == ("chain", "off") and not a.drafts_trees
+    a._mode = "off"
+    a.bandit = None  # keep the mode as set
+    assert a.begin_step(8, 8) is False and a.propose("r", [1, 2, 3, 1, 2], 3) == []
+    a._mode = "chain"
+    assert a.begin_step(8, 8) is True
+
+
+def test_adaptive_over_a_tree_proposer_drafts_a_tree_a_chain_or_nothing_by_mode():
+    """With a tree proposer (lookahead tree: true) the tree is one of the controller's modes:
+    tree mode gives the wrapped tree, chain mode the wrapped chain as a one-path tree (at most
+    tree_depth long: num_speculative_tokens counts nodes), off nothing."""
+    a = build(
+        "adaptive",
+        proposer="lookahead",
+        num_speculative_tokens=16,
+        params={"tree": True, "tree_branches": 4, "tree_depth": 3, "depth": 6},
+    )
+    assert a.params.tree is True and a.drafts_trees and a.modes == ("tree", "chain", "off")
+    assert a.chain_max == 3 and a.policy.max_k == 3
+    a.bandit = None
+    history = [5, 6, 7, 8, 5, 6, 9, 8, 5, 6, 7, 8, 5, 6, 9, 8, 5, 6]
+    a.inner.propose("warm", history, 3)  # the wrapped trie learns the history
+    a._mode = "tree"
+    a.begin_step(1, 1)
+    tokens, parents = a.propose_tree("r", history, 16)
+    assert (tokens, parents) == tuple(list(x) for x in a.inner.propose_tree("r", history, 16))
+    assert len(tokens) > 3 and parents != list(range(-1, len(tokens) - 1))  # branches: a real tree
+    a._mode = "chain"
+    tokens, parents = a.propose_tree("r", history, 16)
+    assert 0 < len(tokens) <= 3 and parents == list(range(-1, len(tokens) - 1))
+    assert tokens == list(a.inner.propose("r", history, len(tokens)))
+    a._mode = "off"
+    assert a.propose_tree("r", history, 16) == ([], [])
+    b = build("adaptive", proposer="lookahead", num_speculative_tokens=16, chain_tokens=2,
+              params={"tree": True, "tree_depth": 4})
+    assert b.chain_max == 2
+
+
+def test_adaptive_over_a_tree_proposer_meets_the_tree_refusals_in_validation():
+    doc = {
+        "model": "m",
+        "speculative": {"plugin": "adaptive", "params": {"proposer": "lookahead", "params": {"tree": True}}},
+        "kvcompress": {"plugin": "streaming"},
+    }
+    with pytest.raises(DeploymentError, match="drafts trees"):
+        validate(doc, get_registry())
 
 
 def test_adaptive_turns_speculation_off_where_it_measures_slower(monkeypatch):

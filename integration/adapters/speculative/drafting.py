@@ -162,7 +162,11 @@ class Drafting:
             )
         if self.pending_topk is not None:
             self._observe_topk(req_ids, sampled_token_ids, num_tokens, token_ids)
-        self.plugin.begin_step(sum(1 for s in sampled_token_ids if len(s)), self.step_tokens)
+        # False: the plugin drafts nothing this step (Proposer.begin_step), so no row's tokens are
+        # copied out for a propose call; accepted() reports still go out below
+        drafting = self.plugin.begin_step(sum(1 for s in sampled_token_ids if len(s)), self.step_tokens) is not False
+        if not drafting:
+            self.count("undrafted_steps", 1)
         out: list[list[int]] = []
         n_calls = n_drafted = n_verified = n_accepted = n_seeded = n_trees = n_cut = 0
         discard = set() if getattr(self.plugin, "per_request_drafts", False) else set(seeded)
@@ -178,6 +182,9 @@ class Drafting:
                 self.plugin.accepted(request_id, accepted, verified)
                 n_verified += verified
                 n_accepted += accepted
+            if not drafting:
+                out.append([])
+                continue
             n = int(num_tokens[i])
             budget = min(self.k, self.max_model_len - n)
             if budget <= 0:

@@ -1,7 +1,7 @@
 """`adaptive` proposer (after SmartSpec): wraps another proposer and picks each request's
 draft length per step (0 = off) from its acceptance and the batch size."""
 
-from typing import Any
+from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -26,7 +26,16 @@ class AdaptiveParams(BaseModel):
     decay: float = Field(0.9, gt=0.0, le=1.0, description="weight kept by older observations per step")
     probe_every: int = Field(16, ge=1, description="steps at 0 (low acceptance) between probes")
     measure_goodput: bool = Field(
-        True, description="let measured goodput (speculation on vs off, per batch-size bucket) override the cost model"
+        True,
+        description="let measured goodput (per batch-size bucket: no drafts, a chain, and a tree "
+        "where the wrapped proposer drafts trees) override the cost model",
+    )
+    chain_tokens: Optional[int] = Field(
+        None,
+        ge=1,
+        le=32,
+        description="longest chain when the wrapped proposer drafts trees (its num_speculative_tokens "
+        "then counts tree nodes); default: its tree_depth",
     )
     learn_cost: bool = Field(
         True,
@@ -54,6 +63,15 @@ class AdaptiveParams(BaseModel):
             raise ValueError(f"params of wrapped proposer {self.proposer!r}: {problems}") from None
         return self
 
+    @property
+    def tree(self) -> bool:
+        """Whether the wrapped proposer drafts trees (its ``tree`` parameter): deployment
+        validation reads this (``hooks.contracts.speculative.TREE_FIELD``) to refuse what tree
+        verification cannot run with, as for the proposer itself."""
+        from vllm_graft.hooks.contracts.speculative import TREE_FIELD
+
+        return getattr(self.inner_params(), TREE_FIELD, None) is True
+
     def inner_params(self) -> BaseModel:
         """The wrapped plugin's validated parameters (its ``num_speculative_tokens``, when it
         has one and it is not given, is this plugin's)."""
@@ -73,7 +91,8 @@ def graft_register_spec_proposers(register):
         Registration(
             name="adaptive",
             summary="Wraps a proposer; per-request draft length each step (0 = off) from "
-            "acceptance and batch size, maximising goodput (SmartSpec)",
+            "acceptance and batch size, and each step's shape (none, chain, tree) by measured "
+            "goodput (SmartSpec)",
             paper="Liu et al., Optimizing Speculative Decoding for Serving LLMs Using Goodput "
             "(SmartSpec, arXiv:2406.14066)",
             params=AdaptiveParams,

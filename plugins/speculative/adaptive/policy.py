@@ -23,6 +23,8 @@ requests) are left out.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class GoodputPolicy:
     def __init__(
@@ -138,58 +140,71 @@ class GoodputPolicy:
 
 
 class ModeBandit:
-    """Measured goodput, speculation on vs off, per batch-size bucket (``B.bit_length()``).
+    """Measured goodput per mode (``modes``: e.g. speculation on and off, or no drafts, a chain
+    and a tree), per batch-size bucket (``B.bit_length()``).
 
-    The cost model above can be wrong (on a CPU, verify tokens cost more than the fit says),
-    so the final say is measured: each finished decode-only step gives a sample
-    ``tokens produced / step time`` for the mode it ran in; per bucket, an exponentially
-    weighted mean per mode. A bucket tries both modes first (``min_samples`` steps each),
-    then runs the better one, re-trying the other for ``min_samples`` steps after
-    ``explore_every`` steps. Each re-trial that leaves the better mode as it was doubles the
-    wait before the next one (up to ``max_explore_every``), since every re-trial runs the
-    slower mode; one that changes it brings the wait back to ``explore_every``.
+    The cost model above can be wrong (on a CPU, verify tokens cost more than the fit says;
+    a tree of N nodes costs what this engine makes it cost), so the final say is measured:
+    each finished decode-only step gives a sample ``tokens produced / step time`` for the
+    mode it ran in; per bucket, an exponentially weighted mean per mode. A bucket tries every
+    mode first (``min_samples`` steps each, the preferred one first), then runs the best one,
+    re-trying another (in turn) for ``min_samples`` steps after ``explore_every`` steps. Each
+    re-trial that leaves the best mode as it was doubles the wait before the next one (up to
+    ``max_explore_every``), since every re-trial runs a slower mode; one that changes it
+    brings the wait back to ``explore_every``. Ties go to the mode listed first.
     """
 
     def __init__(
-        self, *, decay: float = 0.8, min_samples: int = 3, explore_every: int = 32, max_explore_every: int = 1024
+        self,
+        modes: tuple = (True, False),
+        *,
+        decay: float = 0.8,
+        min_samples: int = 3,
+        explore_every: int = 32,
+        max_explore_every: int = 1024,
     ) -> None:
+        if len(modes) < 2 or len(set(modes)) != len(modes):
+            raise ValueError(f"ModeBandit needs two or more distinct modes, got {modes!r}")
+        self.modes = tuple(modes)
         self.decay, self.min_samples, self.explore_every = decay, min_samples, explore_every
         self.max_explore_every = max(explore_every, max_explore_every)
         # bucket -> {mode: [weighted sum, weight, samples]}, and steps since last exploration
-        self.stats: dict[int, dict[bool, list[float]]] = {}
+        self.stats: dict[int, dict[Any, list[float]]] = {}
         self.since: dict[int, int] = {}
-        self.exploring: dict[int, int] = {}
+        self.exploring: dict[int, tuple[Any, int]] = {}  # bucket -> (mode re-tried, steps left)
+        self.turn: dict[int, int] = {}  # bucket -> re-trials begun (which other mode is next)
         self.wait: dict[int, int] = {}  # bucket -> steps between re-trials
-        self.best_before: dict[int, bool] = {}  # bucket -> the better mode when its re-trial began
+        self.best_before: dict[int, Any] = {}  # bucket -> the best mode when its re-trial began
 
     @staticmethod
     def bucket(batch_size: int) -> int:
         return max(1, int(batch_size)).bit_length()
 
-    def record(self, batch_size: int, on: bool, tokens: int, seconds: float) -> None:
-        if tokens <= 0 or seconds <= 0:
+    def record(self, batch_size: int, mode: Any, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0 or mode not in self.modes:
             return
-        st = self.stats.setdefault(self.bucket(batch_size), {True: [0.0, 0.0, 0], False: [0.0, 0.0, 0]})[on]
+        per_mode = self.stats.setdefault(self.bucket(batch_size), {m: [0.0, 0.0, 0] for m in self.modes})
+        st = per_mode[mode]
         st[0] = st[0] * self.decay + tokens / seconds
         st[1] = st[1] * self.decay + 1.0
         st[2] += 1
 
-    def goodput(self, batch_size: int, on: bool) -> float | None:
-        st = self.stats.get(self.bucket(batch_size), {}).get(on)
+    def goodput(self, batch_size: int, mode: Any) -> float | None:
+        st = self.stats.get(self.bucket(batch_size), {}).get(mode)
         return st[0] / st[1] if st and st[1] else None
 
-    def choose(self, batch_size: int, model_says_on: bool) -> bool:
-        """Whether the coming step speculates (``model_says_on``: the cost model's view)."""
+    def choose(self, batch_size: int, preferred: Any) -> Any:
+        """The coming step's mode (``preferred``: the cost model's view, tried first)."""
         b = self.bucket(batch_size)
         st = self.stats.get(b)
-        counts = {m: (st[m][2] if st else 0) for m in (True, False)}
-        for m in (model_says_on, not model_says_on):  # try both, the model's choice first
-            if counts[m] < self.min_samples:
+        for m in (preferred, *(m for m in self.modes if m != preferred)):  # try each mode first
+            if (st[m][2] if st else 0) < self.min_samples:
                 return m
         best = self._best(b)
-        if self.exploring.get(b, 0) > 0:
-            self.exploring[b] -= 1
-            return not best
+        mode, left = self.exploring.get(b, (best, 0))
+        if left > 0:
+            self.exploring[b] = (mode, left - 1)
+            return mode
         if b in self.best_before:  # a re-trial just ended: wait longer if it changed nothing
             same = self.best_before.pop(b) == best
             self.wait[b] = (
@@ -197,12 +212,15 @@ class ModeBandit:
             )
         self.since[b] = self.since.get(b, 0) + 1
         if self.since[b] >= self.wait.get(b, self.explore_every):
+            others = [m for m in self.modes if m != best]
+            mode = others[self.turn.get(b, 0) % len(others)]
+            self.turn[b] = self.turn.get(b, 0) + 1
             self.since[b] = 0
-            self.exploring[b] = self.min_samples - 1
+            self.exploring[b] = (mode, self.min_samples - 1)
             self.best_before[b] = best
-            return not best
+            return mode
         return best
 
-    def _best(self, b: int) -> bool:
+    def _best(self, b: int) -> Any:
         st = self.stats[b]
-        return st[True][0] / st[True][1] >= st[False][0] / st[False][1]
+        return max(self.modes, key=lambda m: (st[m][0] / st[m][1], -self.modes.index(m)))

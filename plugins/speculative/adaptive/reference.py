@@ -1,5 +1,6 @@
 """Adaptive proposer: wraps another registered proposer, sets its draft length per request
-and step (see ``policy``)."""
+and step (see ``policy``), and picks each step's shape by measured goodput: no drafts, a chain,
+or (when the wrapped proposer drafts trees) a tree."""
 
 from __future__ import annotations
 
@@ -29,12 +30,22 @@ class Adaptive(Proposer):
         self.topk = int(getattr(self.inner, "topk", 0) or 0)  # forwarded
         self.per_request_drafts = bool(getattr(self.inner, "per_request_drafts", False))  # forwarded
         self.needs_target_weights = bool(getattr(self.inner, "needs_target_weights", False))  # forwarded
+        self.drafts_trees = bool(getattr(self.inner, "drafts_trees", False))  # forwarded: trees are a mode
+        #: the longest chain (the policy's longest draft): with a tree proposer, whose
+        #: num_speculative_tokens counts tree nodes, ``chain_tokens`` or its ``tree_depth``
+        self.chain_max = int(params.num_speculative_tokens)
+        if self.drafts_trees:
+            self.chain_max = int(
+                params.chain_tokens or getattr(self.inner.params, "tree_depth", 0) or params.num_speculative_tokens
+            )
+        #: the shapes a step may take, the most drafting first (ties in measured goodput go to it)
+        self.modes: tuple[str, ...] = ("tree", "chain", "off") if self.drafts_trees else ("chain", "off")
         self.policy = self._new_policy()
         self._last_step: float | None = None  # when the previous step's drafting began
         self._step_tokens = 0  # estimate of the tokens the next step computes (no num_tokens)
-        self.bandit = ModeBandit() if params.measure_goodput else None
-        self._on = True  # this step's mode (the bandit's choice)
-        self._prev: tuple[int, bool] | None = None  # (batch size, mode) of the previous step
+        self.bandit = ModeBandit(self.modes) if params.measure_goodput else None
+        self._mode = self.modes[0]  # this step's mode (the bandit's choice)
+        self._prev: tuple[int, str] | None = None  # (batch size, mode) of the previous step
         self._produced = self._verified = self._requests = 0  # of the step just run
         self._prev_tokens = 0  # num_tokens given to the previous begin_step
         self._prev_seconds = 0.0  # the time of the step before the previous begin_step
@@ -42,7 +53,7 @@ class Adaptive(Proposer):
     def _new_policy(self) -> GoodputPolicy:
         p = self.params
         return GoodputPolicy(
-            p.num_speculative_tokens,
+            self.chain_max,
             fixed_cost_tokens=p.fixed_cost_tokens,
             prior_acceptance=p.prior_acceptance,
             decay=p.decay,
@@ -63,7 +74,12 @@ class Adaptive(Proposer):
         self._last_step, self._prev, self._step_tokens = None, None, 0
         self._produced = self._verified = self._requests = 0
 
-    def begin_step(self, num_requests: int, num_tokens: int = 0) -> None:
+    @property
+    def _on(self) -> bool:
+        """This step drafts (a chain or a tree)."""
+        return self._mode != "off"
+
+    def begin_step(self, num_requests: int, num_tokens: int = 0) -> bool:
         # The time since the previous step's drafting is one engine step: the forward pass
         # of the step just run (``num_tokens``: prompt chunks, decodes, verified drafts), plus
         # scheduling, sampling and drafting.
@@ -86,15 +102,17 @@ class Adaptive(Proposer):
         else:
             self._prev_seconds = 0.0
         self._prev_tokens = num_tokens
-        self._prev = (self.policy.batch_size, self._on)
+        self._prev = (self.policy.batch_size, self._mode)
         self._produced = self._requests = num_requests
         self._verified = 0
         self._last_step, self._step_tokens = now, num_requests
         self.policy.begin_step(num_requests)
         if self.bandit is not None:
             any_on = self.policy.best_length(self.policy.acceptance_overall(), num_requests) > 0
-            self._on = self.bandit.choose(num_requests, any_on)
+            self._mode = self.bandit.choose(num_requests, self.modes[0] if any_on else "off")
         self.inner.begin_step(num_requests, num_tokens)
+        # off: no request drafts this step, so the adapter asks no propose (Proposer.begin_step)
+        return self._on
 
     def observe_topk(self, request_id: str, tokens: Sequence[int], topk_ids: Any) -> None:
         self.inner.observe_topk(request_id, tokens, topk_ids)
@@ -122,6 +140,22 @@ class Adaptive(Proposer):
         self._step_tokens += len(drafts)
         return drafts
 
+    def propose_tree(self, request_id: str, token_ids: Sequence[int], max_nodes: int) -> tuple[list[int], list[int]]:
+        """With a tree proposer (``drafts_trees``): the wrapped proposer's tree in tree mode,
+        its chain (as a one-path tree) in chain mode, nothing when off or when this request's
+        acceptance says no drafts."""
+        k = min(max_nodes, self.policy.choose(request_id)) if self._on else 0
+        if k <= 0:
+            return [], []
+        if self._mode == "tree":
+            tokens, parents = self.inner.propose_tree(request_id, token_ids, max_nodes)
+            tokens, parents = list(tokens)[:max_nodes], list(parents)[:max_nodes]
+        else:
+            tokens = list(self.inner.propose(request_id, token_ids, k))[:k]
+            parents = list(range(-1, len(tokens) - 1))
+        self._step_tokens += len(tokens)
+        return tokens, parents
+
     def finish(self, request_id: str) -> None:
         self.policy.release(request_id)
         self.inner.finish(request_id)
@@ -129,11 +163,12 @@ class Adaptive(Proposer):
     def describe(self) -> dict[str, Any]:
         return {
             "wraps": self.params.proposer,
+            "modes": list(self.modes),
             "chosen_lengths": dict(sorted(self.policy.chosen.items())),
             "cost_c_tokens": round(self.policy.c, 2),
             "cost_samples": self.policy.cost_samples,
             "goodput_tok_s": {
-                f"B<{2**b}|{'on' if m else 'off'}": round(v[0] / v[1])
+                f"B<{2**b}|{m}": round(v[0] / v[1])
                 for b, st in sorted((self.bandit.stats if self.bandit else {}).items())
                 for m, v in st.items()
                 if v[1]
