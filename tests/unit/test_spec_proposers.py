@@ -397,6 +397,22 @@ def test_mode_bandit_over_three_modes_keeps_the_fastest_and_re_tries_the_others_
     assert "fast" not in b.stats[b.bucket(4)]
 
 
+def test_mode_bandit_is_not_misled_by_one_slow_first_step():
+    """A mode's first step can be slow once (a shape the engine meets first): a median of the
+    recent samples keeps it from deciding the mode for long; a mean would."""
+    from vllm_graft.plugins.speculative.adaptive.policy import ModeBandit
+
+    b = ModeBandit(("tree", "off"), min_samples=3, window=8)
+    first = True
+    for _ in range(6):
+        m = b.choose(1, preferred="tree")
+        seconds = (1.0 if first else 0.001) if m == "tree" else 0.002
+        first = first and m != "tree"
+        b.record(1, m, tokens=2 if m == "tree" else 1, seconds=seconds)
+    assert b.goodput(1, "tree") == pytest.approx(2000) and b.goodput(1, "off") == pytest.approx(500)
+    assert b.choose(1, preferred="off") == "tree"
+
+
 def test_adaptive_says_when_a_step_drafts_nothing():
     """begin_step returns whether the step drafts (Proposer.begin_step: False spares the
     adapter the step's propose calls)."""

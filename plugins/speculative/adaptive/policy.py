@@ -23,6 +23,8 @@ requests) are left out.
 
 from __future__ import annotations
 
+from collections import deque
+from statistics import median
 from typing import Any
 
 
@@ -146,7 +148,8 @@ class ModeBandit:
     The cost model above can be wrong (on a CPU, verify tokens cost more than the fit says;
     a tree of N nodes costs what this engine makes it cost), so the final say is measured:
     each finished decode-only step gives a sample ``tokens produced / step time`` for the
-    mode it ran in; per bucket, an exponentially weighted mean per mode. A bucket tries every
+    mode it ran in; per bucket and mode, the median of the last ``window`` samples (robust to
+    a one-off slow step, such as a mode's first, which a mean would carry for long). A bucket tries every
     mode first (``min_samples`` steps each, the preferred one first), then runs the best one,
     re-trying another (in turn) for ``min_samples`` steps after ``explore_every`` steps. Each
     re-trial that leaves the best mode as it was doubles the wait before the next one (up to
@@ -158,7 +161,7 @@ class ModeBandit:
         self,
         modes: tuple = (True, False),
         *,
-        decay: float = 0.8,
+        window: int = 8,
         min_samples: int = 3,
         explore_every: int = 32,
         max_explore_every: int = 1024,
@@ -166,10 +169,13 @@ class ModeBandit:
         if len(modes) < 2 or len(set(modes)) != len(modes):
             raise ValueError(f"ModeBandit needs two or more distinct modes, got {modes!r}")
         self.modes = tuple(modes)
-        self.decay, self.min_samples, self.explore_every = decay, min_samples, explore_every
+        if window < 1:
+            raise ValueError(f"window must be positive, got {window}")
+        self.window, self.min_samples, self.explore_every = window, min_samples, explore_every
         self.max_explore_every = max(explore_every, max_explore_every)
-        # bucket -> {mode: [weighted sum, weight, samples]}, and steps since last exploration
-        self.stats: dict[int, dict[Any, list[float]]] = {}
+        # bucket -> {mode: the last `window` samples (tokens/s)}; steps seen per bucket and mode
+        self.stats: dict[int, dict[Any, deque[float]]] = {}
+        self.samples: dict[int, dict[Any, int]] = {}
         self.since: dict[int, int] = {}
         self.exploring: dict[int, tuple[Any, int]] = {}  # bucket -> (mode re-tried, steps left)
         self.turn: dict[int, int] = {}  # bucket -> re-trials begun (which other mode is next)
@@ -183,22 +189,23 @@ class ModeBandit:
     def record(self, batch_size: int, mode: Any, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0 or mode not in self.modes:
             return
-        per_mode = self.stats.setdefault(self.bucket(batch_size), {m: [0.0, 0.0, 0] for m in self.modes})
-        st = per_mode[mode]
-        st[0] = st[0] * self.decay + tokens / seconds
-        st[1] = st[1] * self.decay + 1.0
-        st[2] += 1
+        b = self.bucket(batch_size)
+        if b not in self.stats:
+            self.stats[b] = {m: deque(maxlen=self.window) for m in self.modes}
+            self.samples[b] = {m: 0 for m in self.modes}
+        self.stats[b][mode].append(tokens / seconds)
+        self.samples[b][mode] += 1
 
     def goodput(self, batch_size: int, mode: Any) -> float | None:
         st = self.stats.get(self.bucket(batch_size), {}).get(mode)
-        return st[0] / st[1] if st and st[1] else None
+        return median(st) if st else None
 
     def choose(self, batch_size: int, preferred: Any) -> Any:
         """The coming step's mode (``preferred``: the cost model's view, tried first)."""
         b = self.bucket(batch_size)
-        st = self.stats.get(b)
+        seen = self.samples.get(b)
         for m in (preferred, *(m for m in self.modes if m != preferred)):  # try each mode first
-            if (st[m][2] if st else 0) < self.min_samples:
+            if (seen[m] if seen else 0) < self.min_samples:
                 return m
         best = self._best(b)
         mode, left = self.exploring.get(b, (best, 0))
@@ -223,4 +230,4 @@ class ModeBandit:
 
     def _best(self, b: int) -> Any:
         st = self.stats[b]
-        return max(self.modes, key=lambda m: (st[m][0] / st[m][1], -self.modes.index(m)))
+        return max(self.modes, key=lambda m: (median(st[m]), -self.modes.index(m)))

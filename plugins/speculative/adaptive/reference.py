@@ -5,6 +5,7 @@ or (when the wrapped proposer drafts trees) a tree."""
 from __future__ import annotations
 
 import time
+from statistics import median
 from typing import Any, Sequence
 
 from vllm_graft.hooks import Kind, Proposer, SelfSpeculativeProposer
@@ -168,10 +169,10 @@ class Adaptive(Proposer):
             "cost_c_tokens": round(self.policy.c, 2),
             "cost_samples": self.policy.cost_samples,
             "goodput_tok_s": {
-                f"B<{2**b}|{m}": round(v[0] / v[1])
+                f"B<{2**b}|{m}": round(median(v))
                 for b, st in sorted((self.bandit.stats if self.bandit else {}).items())
                 for m, v in st.items()
-                if v[1]
+                if v
             },
             "live_requests": len(self.policy.stats),
             "inner": self.inner.describe(),
