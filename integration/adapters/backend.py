@@ -22,11 +22,22 @@ cache is in one of two layouts. vLLM's CPU kernels keep it in an ISA-specific la
 checked once per process and configuration by writing a small cache with vLLM's own op and
 reading it back (:func:`stock_layout_checked`). Where the method reads ``cpu_vec`` (its
 ``kv_layouts``) and the layer's ISA is checked, vLLM writes the cache as it always does and the
-method is handed ``cpu_vec``; a method that says a step is ``plain`` (a scored compressor's step
-that scores nothing, e.g. SnapKV's decodes) then gets vLLM's C++ kernel for that step, over the
-kept blocks (the rewriter has compacted the block table). Otherwise (another ISA, e.g. ``amx``,
-said once in the log; a method that reads only ``blocked``) the backend writes the cache in the
-``blocked`` layout and the method computes every step.
+method is handed ``cpu_vec``. Two optional seams of the method then hand work back to vLLM's C++
+kernel, step by step (``plan`` is the step's, from the method's ``plan``):
+
+* ``plain(plan) -> bool``: the whole step is vLLM's (counted ``stock_layers``): a scored
+  compressor's step that scores nothing (e.g. SnapKV's decodes), over the kept blocks (the
+  rewriter has compacted the block table); tree verification's steps without a tree.
+* ``amends(plan) -> bool`` with ``amend(query, kv_cache, batch, layer, plan, output)``: vLLM's
+  kernel computes the whole step's output, then the method amends it in place (``output``
+  ``[T, H, D]``, the step's; counted under the method's ``amend_event``): a scored compressor
+  adds the observed queries' mass and leaves the output alone (``stock_layers_with_mass``); tree
+  verification overwrites the tree rows, which vLLM attended causally, with their masked pass
+  (``stock_layers_with_tree``).
+
+Otherwise (another ISA, e.g. ``amx``, said once in the log; a method that reads only
+``blocked``) the backend writes the cache in the ``blocked`` layout and the method computes every
+step (``forward``). On CUDA (:mod:`.cuda_backends`) only ``plain`` is asked.
 
 With neither hook set the backend behaves exactly as ``CPUAttentionBackend``.
 
@@ -412,16 +423,18 @@ class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
             index=_layer_index(layer),
             kv_layout=layout,
         )
-        mass_only = getattr(method, "mass_only", None)
-        if layout is CPU_VEC and mass_only is not None and mass_only(plan):
-            # vLLM's kernel computes the step; the method only the observed queries' mass
+        amends = getattr(method, "amends", None)
+        if layout is CPU_VEC and amends is not None and amends(plan):
+            # vLLM's kernel computes the whole step's output first; the method then amends it (a
+            # scored compressor adds the observed queries' mass; the tree attention overwrites the
+            # tree rows with their masked pass)
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
             try:
-                method.add_mass(query[:n], kv_cache, batch, spec, plan)
+                method.amend(query[:n], kv_cache, batch, spec, plan, output[:n].view(n, self.num_heads, self.head_size))
             except Exception as e:
-                raise raised("attention", SEAMS.method_name, "add_mass()", e) from e
+                raise raised("attention", SEAMS.method_name, "amend()", e) from e
             if SEAMS.count:
-                SEAMS.count("stock_layers_with_mass", 1)
+                SEAMS.count(getattr(method, "amend_event", "stock_layers_amended"), 1)
             return output
         try:
             out = method.forward(query[:n], kv_cache, batch, spec, plan)

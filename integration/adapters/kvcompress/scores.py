@@ -372,11 +372,24 @@ class _ScoringAttention:
         """This step's output may come from the route's own kernel, with only the mass computed
         here (:meth:`add_mass`, the observed queries alone: e.g. SnapKV's window at the end of a
         prompt, where the step's other rows are prefill chunks and decodes). A backend with a
-        kernel that reads the cache calls both instead of :meth:`forward`."""
+        kernel that reads the cache then runs it and :meth:`amend` instead of :meth:`forward`."""
         if plan is None or plan.observed_batch is None:
             return False
         state = _state.get_active()
         return state is None or state.kv_format is None
+
+    #: the backend's count for a step amended here (see :meth:`amend`)
+    amend_event = "stock_layers_with_mass"
+
+    def amends(self, plan: Any) -> bool:
+        """The backend's "vLLM's kernel first, then the method amends" seam (:mod:`..backend`):
+        taken on the steps that are :meth:`mass_only`."""
+        return self.mass_only(plan)
+
+    def amend(self, query, kv_cache, batch, layer, plan, output) -> None:
+        """After vLLM's kernel wrote the step's ``output``: :meth:`add_mass` (the output is
+        vLLM's, left as it is)."""
+        self.add_mass(query, kv_cache, batch, layer, plan)
 
     def add_mass(self, query, kv_cache, batch, layer, plan) -> None:
         """Add the observed queries' block mass (of ``query [T, H, D]``, the step's) to the step's
