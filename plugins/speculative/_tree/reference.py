@@ -120,20 +120,26 @@ def verify_pass_attention(
     where ``pass_mask[r, j]`` (``[R, R]`` bool: the root's ancestor mask of the tree with the root
     as node 0, :meth:`.tree.DraftTree.with_root`). Same result as :func:`tree_attention` (its
     oracle; tests/unit/test_spec_tree_engine.py), computed without repeating kv heads per
-    query head, in float32.
+    query head, in float32, as two batched matmuls over the kv heads with the keys gathered
+    transposed (``[Hkv, D, S]``) and the scores scaled and masked in place: at the tiny Llama's
+    shapes (float32) this took 0.67-0.82x the time of matmul/softmax/matmul with keys ``[Hkv, S, D]``, and
+    ``scaled_dot_product_attention`` (boolean mask, ``enable_gqa``) was no faster than that
+    (benchmarks/tree_pass.py).
     """
     r, hq, d = q.shape
     _, hkv, bs, _ = k_cache.shape
     seq_len = int(seq_len)
     nb = -(-seq_len // bs)
     ids = block_table[:nb].long().to(k_cache.device)
-    keys = k_cache[ids].transpose(0, 1).reshape(hkv, nb * bs, d)[:, :seq_len].float()  # [Hkv, S, D]
-    values = v_cache[ids].transpose(0, 1).reshape(hkv, nb * bs, d)[:, :seq_len].float()
     group = hq // hkv
-    qg = q.float().view(r, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, g, R, D]
-    scores = torch.matmul(qg, keys.unsqueeze(1).transpose(-1, -2)) * scale  # [Hkv, g, R, S]
+    # keys as [Hkv, D, S] (a cpu_vec cache holds them so per block: the copy is a plain gather),
+    # values as [Hkv, S, D]; float32 (no copy where the cache is float32 already)
+    keys_t = k_cache.index_select(0, ids).permute(1, 3, 0, 2).reshape(hkv, d, nb * bs)[:, :, :seq_len].float()
+    values = v_cache.index_select(0, ids).transpose(0, 1).reshape(hkv, nb * bs, d)[:, :seq_len].float()
+    qg = q.float().view(r, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * r, d)  # [Hkv, g*R, D]
+    scores = torch.bmm(qg, keys_t).mul_(scale).view(hkv, group, r, seq_len)  # [Hkv, g, R, S]
     allowed = torch.ones(r, seq_len, dtype=torch.bool, device=q.device)
     allowed[:, seq_len - r :] = pass_mask.to(q.device)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), values.unsqueeze(1))  # [Hkv, g, R, D]
-    return out.permute(2, 0, 1, 3).reshape(r, hq, d).to(q.dtype)
+    scores.masked_fill_(~allowed, float("-inf"))  # every row keeps the context and itself
+    out = torch.bmm(torch.softmax(scores, dim=-1).view(hkv, group * r, seq_len), values)  # [Hkv, g*R, D]
+    return out.view(hkv, group, r, d).permute(2, 0, 1, 3).reshape(r, hq, d).to(q.dtype)
