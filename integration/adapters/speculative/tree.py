@@ -15,14 +15,22 @@ runner (``GPUModelRunner``, which the CPU runner inherits):
    stay vLLM's (computed from the original positions before the rewrite), so every node has
    its own slot.
 3. **Attention** (the graft attention backend, :mod:`..backend`, with :class:`TreeAttention` as
-   its method): rows without a tree get exact causal paged attention
-   (``plugins/attention/_shared``), and the rows of a tree request (root and nodes) attention
-   under its pass mask: node ``i`` sees the context (the root included) and its own
-   ancestors-or-self only. On CUDA the Triton kernel ``_tree.kernel`` computes them (the
-   context read from the paged cache, the pass's own keys/values gathered from their slots);
-   on CPU ``_tree.verify_pass_attention``. The cache is read through ``layer.kv_layout``
-   (blocked on CPU, packed on CUDA). The step's indices (:class:`TreePlan`) are built once on
-   the host and moved once; the layers read them without a host sync.
+   its method): rows without a tree get exact causal paged attention, and the rows of a tree
+   request (root and nodes) attention under its pass mask: node ``i`` sees the context (the root
+   included) and its own ancestors-or-self only. On vLLM's CPU engine, where the layer's ISA
+   keeps vLLM's own cache layout (``cpu_vec``: ``vec``/``vec16``, checked once per process), vLLM
+   writes the cache and its C++ kernel computes the causal rows: a step without trees entirely
+   (the backend's ``plain`` seam), a step with trees and other rows for all its rows, after
+   which only the tree rows are overwritten by their masked pass, ``_tree.verify_pass_attention``
+   over the same cache (the backend's ``amends``/``amend`` seam); a step of trees alone runs
+   only the passes. Elsewhere on CPU (another ISA, e.g.
+   ``amx``, said once in the log) the backend writes the ``blocked`` layout and every row runs
+   in PyTorch (``plugins/attention/_shared`` for the causal rows, then the masked pass). On
+   CUDA (``packed``) the Triton kernel ``_tree.kernel`` computes the tree rows (the context read
+   from the paged cache, the pass's own keys/values gathered from their slots) and the shared
+   PyTorch attention the others. The cache is read through ``layer.kv_layout``. The step's
+   indices (:class:`TreePlan`) are built once on the host and moved once; the layers read them
+   without a host sync.
 4. **Verification** (patched ``_sample``, after vLLM's rejection sampler): for each tree
    request the logits rows (root, then node ``i`` at row ``i + 1``) go to
    ``_tree.verify_greedy`` (argmax; temperature 0) or ``_tree.verify_sampling`` (temperature
@@ -45,9 +53,11 @@ decoder models); no attention plugin or KV compressor in the same deployment (th
 the backend's attention seam for itself); one rank (TP = PP = 1); vLLM's CPU engine or CUDA
 (other platforms have no path). On CUDA the patched methods are Model Runner V1's, which
 ``integration/model_runner.py`` selects (vLLM also picks V1 for a ``custom_class`` proposer); the
-backend's full CUDA graphs are off while the method is set. On CPU the attention is the
-PyTorch reference, slower than vLLM's C++ kernel, so a tree's extra accepted tokens must pay
-for that (see BENCHMARKS.md).
+backend's full CUDA graphs are off while the method is set. On CPU with a ``cpu_vec`` ISA a
+tree step costs vLLM's kernel over the other rows plus the masked pass over each tree's rows
+(its whole sequence read once per layer, in PyTorch); with another ISA every layer of every step runs in
+PyTorch, slower than vLLM's C++ kernel, so a tree's extra accepted tokens must pay for that
+(see docs/benchmarks/speculative.md).
 """
 
 from __future__ import annotations
@@ -367,19 +377,54 @@ def _log_path(path: str, device: torch.device) -> None:
 
 
 class TreeAttention(AttentionMethod):
-    """The graft backend's attention while trees are verified (module docstring, seam 3): every
-    row by exact causal paged attention (``plugins/attention/_shared``, skipped when every row
-    is a tree's), then each tree request's rows (its root and nodes) under its pass mask: on
-    CUDA by the Triton kernel ``_tree.kernel`` (the context from the paged cache, the pass's
-    own keys/values gathered from their slots), elsewhere by ``_tree.verify_pass_attention``.
-    Reads the cache through ``layer.kv_layout`` (both layouts). ``plan`` is the step's
-    :class:`TreePlan` (None without trees)."""
+    """The graft backend's attention while trees are verified (module docstring, seam 3).
+    ``plan`` is the step's :class:`TreePlan` (None without trees). Three ways, by route:
 
-    kv_layouts = ("blocked", "packed")
+    * vLLM's CPU engine with the cache in vLLM's own layout (``cpu_vec``, the layer's ISA
+      checked, :func:`..backend.stock_layout_checked`): a step without trees is :meth:`plain`
+      (vLLM's C++ kernel computes it); on a step with trees and other rows vLLM's kernel
+      computes every row (exact for the requests without a tree; causal, so wrong, for a
+      tree's rows), then :meth:`amend` overwrites each tree's rows with its masked pass
+      (``_tree.verify_pass_attention``, which reads the views' strides); a step of trees alone
+      (batch 1) is only the passes (:meth:`forward`), over vLLM's cache.
+    * vLLM's CPU engine otherwise (an ISA whose layout is not checked, e.g. ``amx``: the
+      ``blocked`` layout, said once in the log) and the generic backend: :meth:`forward`, every
+      row by exact causal paged attention (``plugins/attention/_shared``, skipped when every row
+      is a tree's), then the tree rows under their pass masks by ``verify_pass_attention``.
+    * CUDA (``packed``): :meth:`forward`, the tree rows by the Triton kernel ``_tree.kernel``
+      (the context from the paged cache, the pass's own keys/values gathered from their slots);
+      no step is handed to vLLM's kernel there (:meth:`plain` is False off the CPU engine).
+    """
+
+    kv_layouts = ("blocked", "packed", "cpu_vec")
+    #: the backend's count for a layer whose tree rows :meth:`amend` overwrote
+    amend_event = "stock_layers_with_tree"
 
     def plan(self, batch):
         verifier = RUNTIME.tree_verifier
         return verifier.plan(batch) if verifier is not None else None
+
+    def plain(self, plan) -> bool:
+        """A step without trees is plain causal attention: on vLLM's CPU engine (where the backend
+        asks only with the cache in ``cpu_vec``) vLLM's kernel computes it. Never on CUDA, whose
+        backends ask unconditionally: the same would hold there (vLLM's kernels read their own
+        packed cache), but that path is not checked on a GPU yet, so it stays :meth:`forward`."""
+        return not plan and _cpu_engine()
+
+    def amends(self, plan) -> bool:
+        """A step with trees and rows without one: vLLM's kernel first, then :meth:`amend` (the CPU
+        backend asks only with the cache in ``cpu_vec``). A step whose rows are all trees' would
+        have every row of vLLM's output overwritten: :meth:`forward` computes just the passes."""
+        return bool(plan) and plan.others
+
+    def amend(self, query, kv_cache, batch, layer, plan, output) -> None:
+        """Overwrite each tree's rows of ``output [T, H, D]`` (vLLM's kernel's, causal) with its
+        masked pass; the other rows are vLLM's, exact."""
+        plan.layout = layer.kv_layout
+        _log_path(
+            f"vLLM's kernel, then _tree.verify_pass_attention over the {layer.kv_layout.name} cache", query.device
+        )
+        self._pass_rows(query, kv_cache, batch, layer, plan, output)
 
     def forward(self, query, kv_cache, batch, layer, plan=None):
         from vllm_graft.plugins.attention._shared import paged_attention
@@ -389,22 +434,12 @@ class TreeAttention(AttentionMethod):
         layout = layer.kv_layout
         plan.layout = layout
         out = paged_attention(query, kv_cache, batch, layer) if plan.others else torch.zeros_like(query)
-        k_cache, v_cache = layout.split(kv_cache)  # [num_blocks, H_kv, B, D] each
         if plan.kernel is None:
             _log_path("the PyTorch reference (_tree.verify_pass_attention)", query.device)
-            verify_pass_attention = _tree_parts().verify_pass_attention
-            for p in plan.trees:
-                out[p.start : p.start + p.size] = verify_pass_attention(
-                    query[p.start : p.start + p.size],
-                    k_cache,
-                    v_cache,
-                    batch.block_table[p.row],
-                    p.context + p.size,
-                    p.mask,
-                    layer.scale,
-                )
+            self._pass_rows(query, kv_cache, batch, layer, plan, out)
             return out
         _log_path("the Triton kernel (_tree.kernel)", query.device)
+        k_cache, v_cache = layout.split(kv_cache)  # [num_blocks, H_kv, B, D] each
         blk, off = plan.pass_slots(batch.block_table, kv_cache.shape[2])
         k_pass, v_pass = k_cache[blk, :, off], v_cache[blk, :, off]  # [sum R, H_kv, D]
         kc, vc = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # the kernel's [N, B, H_kv, D]
@@ -423,6 +458,30 @@ class TreeAttention(AttentionMethod):
                 ancestor_bits=p.bits,
             )
         return out
+
+    @staticmethod
+    def _pass_rows(query, kv_cache, batch, layer, plan, out) -> None:
+        """Each tree's rows of ``out`` by its masked pass over the cache (in ``layer.kv_layout``)."""
+        k_cache, v_cache = layer.kv_layout.split(kv_cache)  # [num_blocks, H_kv, B, D] each
+        verify_pass_attention = _tree_parts().verify_pass_attention
+        for p in plan.trees:
+            out[p.start : p.start + p.size] = verify_pass_attention(
+                query[p.start : p.start + p.size],
+                k_cache,
+                v_cache,
+                batch.block_table[p.row],
+                p.context + p.size,
+                p.mask,
+                layer.scale,
+            )
+
+
+@functools.cache  # the platform does not change in a process
+def _cpu_engine() -> bool:
+    """This process runs vLLM's CPU platform."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 # ---------------------------------------------------------------- activation (the adapter)
@@ -466,8 +525,14 @@ def drafts_trees(enabled: Any, plan: Any) -> bool:
 
 
 def activate_verifier(count) -> TreeVerifier:
-    """The proposer's verifier, which the attention method reads its plan from."""
+    """The proposer's verifier, which the attention method reads its plan from. ``count`` (the
+    proposer's events) also counts the backend's layers while the tree attention holds its
+    method (``plan``, ``forward``, ``stock_layers``, ``stock_layers_with_tree``)."""
+    from vllm_graft.integration.adapters import backend
+
     verifier = RUNTIME.tree_verifier = TreeVerifier(count)
+    if backend.SEAMS.method is _ATTENTION:
+        backend.SEAMS.count = count
     return verifier
 
 
@@ -490,7 +555,7 @@ def uninstall_attention(owner: str) -> None:
 
     RUNTIME.tree_verifier = None
     if backend.SEAMS.method is _ATTENTION:
-        backend.SEAMS.method, backend.SEAMS.method_name = None, ""
+        backend.SEAMS.method, backend.SEAMS.method_name, backend.SEAMS.count = None, "", None
         backend.uninstall(owner)
 
 
