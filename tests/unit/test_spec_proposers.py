@@ -218,7 +218,7 @@ def test_adaptive_turns_off_under_load_probes_when_off_by_acceptance_and_release
 
     entry = get_registry().get(Kind.SPECULATIVE, "adaptive")
     params = entry.registration.params.model_validate(
-        {"proposer": "lookahead", "probe_every": 4, "fixed_cost_tokens": 8})
+        {"proposer": "lookahead", "probe_every": 4, "fixed_cost_tokens": 8, "measure_goodput": False})
     inner = Always()
     a = entry.registration.load()(params, inner=inner)
     a.begin_step(32)
@@ -333,84 +333,85 @@ def test_cost_model_is_learnt_from_step_times():
     assert flat.c == 8
 
 
-def test_mode_bandit_waits_longer_between_re_trials_that_change_nothing():
-    """Each re-trial runs the slower mode; while they confirm the better one, the wait
-    doubles (32, 64, 128, ...); a re-trial that flips it brings the wait back."""
-    from vllm_graft.plugins.speculative.adaptive.policy import ModeBandit
-
-    b = ModeBandit(min_samples=2, explore_every=8, max_explore_every=64)
-    slow_on = True
-    trials = []
-    for step in range(400):
-        on = b.choose(8, preferred=False)
-        if on:
-            trials.append(step)
-        b.record(8, on, tokens=8, seconds=(0.004 if on else 0.001) if slow_on else (0.001 if on else 0.004))
-    retrial_starts = [t for i, t in enumerate(trials) if i == 0 or t != trials[i - 1] + 1][1:]
-    gaps = [b2 - a2 for a2, b2 in zip(retrial_starts, retrial_starts[1:])]
-    assert gaps[:3] == sorted(gaps[:3]) and gaps[2] > 2 * gaps[0]  # backing off
-    assert max(gaps) <= 64 + 2 and len(trials) < 40  # capped; few slow steps in 400
-    assert b.wait[b.bucket(8)] == 64
-    # the other mode becomes the faster: a re-trial finds it, and the wait starts over
-    slow_on = False
-    for step in range(200):
-        on = b.choose(8, preferred=False)
-        b.record(8, on, tokens=8, seconds=0.001 if on else 0.004)
-    assert b._best(b.bucket(8)) is True
-
-
-def test_mode_bandit_tries_both_then_keeps_the_faster_and_re_explores():
-    from vllm_graft.plugins.speculative.adaptive.policy import ModeBandit
-
-    b = ModeBandit(min_samples=2, explore_every=10)
+def _run_chooser(c, steps, batch, seconds, expected, tokens=None):
+    """Drive a ModeChooser: each step's mode, recorded with its time (``seconds[mode]``)."""
     modes = []
-    for _ in range(40):
-        on = b.choose(32, preferred=True)
-        modes.append(on)
-        b.record(32, on, tokens=32 if not on else 40, seconds=0.004 if not on else 0.008)
-    assert modes[:4] == [True, True, False, False]  # the model's choice first, then the other
-    rest = modes[4:]
-    assert rest.count(False) > 0.8 * len(rest)  # off is faster (8000 vs 5000 tok/s)
-    assert rest.count(True) >= 2  # but on is re-tried now and then
-    assert b.goodput(32, False) == pytest.approx(8000) and b.goodput(40, True) == pytest.approx(5000)
-    assert b.goodput(1, True) is None  # another bucket knows nothing yet
-
-
-def test_mode_bandit_over_three_modes_keeps_the_fastest_and_re_tries_the_others_in_turn():
-    from vllm_graft.plugins.speculative.adaptive.policy import ModeBandit
-
-    with pytest.raises(ValueError, match="two or more distinct modes"):
-        ModeBandit(("chain", "chain"))
-    b = ModeBandit(("tree", "chain", "off"), min_samples=2, explore_every=6, max_explore_every=6)
-    speed = {"tree": 4000.0, "chain": 9000.0, "off": 6000.0}  # tokens/s per mode at batch 4
-    modes = []
-    for _ in range(80):
-        m = b.choose(4, preferred="off")
+    for _ in range(steps):
+        m = c.choose(batch, expected() if callable(expected) else expected)
         modes.append(m)
-        b.record(4, m, tokens=4, seconds=4 / speed[m])
-    assert modes[:6] == ["off", "off", "tree", "tree", "chain", "chain"]  # preferred first, then in order
-    rest = modes[6:]
-    assert rest.count("chain") > 0.6 * len(rest)
-    assert rest.count("tree") >= 2 and rest.count("off") >= 2  # both re-tried, in turn
-    assert b._best(b.bucket(4)) == "chain" and b.goodput(4, "tree") == pytest.approx(4000)
-    b.record(4, "fast", tokens=4, seconds=1e-6)  # a mode it does not know is left out
-    assert "fast" not in b.stats[b.bucket(4)]
+        c.record(batch, m, seconds[m], (tokens or {}).get(m, 0))
+    return modes
 
 
-def test_mode_bandit_is_not_misled_by_one_slow_first_step():
-    """A mode's first step can be slow once (a shape the engine meets first): a median of the
-    recent samples keeps it from deciding the mode for long; a mean would."""
-    from vllm_graft.plugins.speculative.adaptive.policy import ModeBandit
+def test_mode_chooser_measures_each_shape_then_runs_the_best_by_cost_and_expected_tokens():
+    from vllm_graft.plugins.speculative.adaptive.policy import ModeChooser
 
-    b = ModeBandit(("tree", "off"), min_samples=3, window=8)
-    first = True
+    for bad in (("chain", "chain"), ("chain", "tree"), ("chain", "off", "wide")):
+        with pytest.raises(ValueError):
+            ModeChooser(bad)
+    c = ModeChooser(("chain", "off"), min_samples=2, retry_every=8, max_retry_every=8)
+    # a chain step costs 1.5x an undrafted one: it pays when it yields more than 1.5 tokens
+    modes = _run_chooser(c, 40, 8, {"chain": 0.0015, "off": 0.001}, expected=2.5)
+    assert modes[:4] == ["chain", "chain", "off", "off"]  # each measured, the most drafting first
+    assert modes[4:].count("chain") > 0.8 * len(modes[4:]) and "off" in modes[4:]  # off re-tried
+    assert c.step_seconds(8, "chain") == pytest.approx(0.0015) and c.step_seconds(1, "off") is None
+    assert c.predicted(8, 2.5) == {"chain": pytest.approx(8 * 2.5 / 0.0015), "off": pytest.approx(8 / 0.001)}
+    # the acceptance falls: the same measured costs now say off, at once (no re-trial needed)
+    assert _run_chooser(c, 3, 8, {"chain": 0.0015, "off": 0.001}, expected=1.2) == ["off"] * 3
+
+
+def test_mode_chooser_waits_longer_between_re_trials_that_change_nothing():
+    """Each re-trial runs a shape predicted slower; while they confirm the choice the wait
+    doubles (up to the cap); one that flips it brings the wait back."""
+    from vllm_graft.plugins.speculative.adaptive.policy import ModeChooser
+
+    c = ModeChooser(("chain", "off"), min_samples=2, retry_every=8, max_retry_every=64)
+    modes = _run_chooser(c, 400, 8, {"chain": 0.004, "off": 0.001}, expected=2.0)
+    trials = [i for i, m in enumerate(modes) if m == "chain"][2:]  # after the first measurements
+    gaps = [b2 - a2 for a2, b2 in zip(trials, trials[1:])]
+    assert gaps[:3] == sorted(gaps[:3]) and gaps[2] > 2 * gaps[0]  # backing off
+    assert max(gaps) <= 64 + 1 and len(trials) < 20  # capped; few slow steps in 400
+    assert c.wait[c.bucket(8)] == 64
+    # chain becomes the cheaper (e.g. a smaller model behind it): the next re-trial finds it
+    # (its median needs a majority of new samples: several re-trials), then it keeps chain
+    modes = _run_chooser(c, 800, 8, {"chain": 0.0005, "off": 0.001}, expected=2.0)
+    assert modes[-50:].count("chain") > 45 and c.wait[c.bucket(8)] <= 64
+
+
+def test_mode_chooser_over_three_shapes_uses_the_measured_tree_gain():
+    from vllm_graft.plugins.speculative.adaptive.policy import ModeChooser
+
+    c = ModeChooser(("tree", "chain", "off"), min_samples=2, retry_every=6, max_retry_every=6)
+    assert c.tree_gain() == 1.0  # nothing measured yet
+    seconds = {"tree": 0.003, "chain": 0.002, "off": 0.001}
+    # per request: a tree step yields 4 tokens, a chain step 2.5, an undrafted one 1
+    modes = _run_chooser(c, 60, 4, seconds, expected=2.5, tokens={"tree": 16, "chain": 10, "off": 4})
+    assert modes[:6] == ["tree", "tree", "chain", "chain", "off", "off"]
+    assert c.tree_gain() == pytest.approx(4 / 2.5)
+    rest = modes[6:]  # goodput per request: tree 4/3ms > chain 2.5/2ms > off 1/1ms
+    assert rest.count("tree") > 0.6 * len(rest) and rest.count("chain") >= 2 and rest.count("off") >= 2
+    assert sum(c.chosen.values()) == 60
+
+
+def test_mode_chooser_is_not_misled_by_one_slow_first_step():
+    """A shape's first step can be slow once (a shape the engine meets first, a proposer
+    catching up on a prompt): the median of the recent step times keeps it from deciding."""
+    from vllm_graft.plugins.speculative.adaptive.policy import ModeChooser
+
+    c = ModeChooser(("chain", "off"), min_samples=3, window=8)
+    first = [True]
+
+    def seconds_of(m):
+        if m == "chain" and first[0]:
+            first[0] = False
+            return 0.05
+        return 0.0013 if m == "chain" else 0.001
+
     for _ in range(6):
-        m = b.choose(1, preferred="tree")
-        seconds = (1.0 if first else 0.001) if m == "tree" else 0.002
-        first = first and m != "tree"
-        b.record(1, m, tokens=2 if m == "tree" else 1, seconds=seconds)
-    assert b.goodput(1, "tree") == pytest.approx(2000) and b.goodput(1, "off") == pytest.approx(500)
-    assert b.choose(1, preferred="off") == "tree"
+        m = c.choose(1, 2.0)
+        c.record(1, m, seconds_of(m))
+    assert c.step_seconds(1, "chain") == pytest.approx(0.0013)
+    assert c.choose(1, 2.0) == "chain"
 
 
 def test_adaptive_says_when_a_step_drafts_nothing():
@@ -467,24 +468,31 @@ def test_adaptive_over_a_tree_proposer_meets_the_tree_refusals_in_validation():
 
 
 def test_adaptive_turns_speculation_off_where_it_measures_slower(monkeypatch):
+    """A step with drafts takes 2x the time of one without (measured); while no draft is kept
+    that loses and adaptive runs without drafts; once every draft is kept (4 tokens per
+    request) a re-trial refreshes the acceptance and the same measured costs say chain."""
     from vllm_graft.plugins.speculative.adaptive import reference
 
     clock = [0.0]
     monkeypatch.setattr(reference.time, "perf_counter", lambda: clock[0])
     a = build("adaptive", proposer="lookahead", params={"depth": 4})
     history = [1, 2, 3, 1, 2, 3, 1, 2, 3]
-    ons = []
-    for step in range(60):
-        a.begin_step(8, 8 + 8 * a._on * 3)  # decode-only steps: requests + verified drafts
-        ons.append(a._on)
-        for r in range(8):
-            if a._on:
-                a.accepted(f"r{r}", 1, 3)  # 1 of 3 accepted: 2 tokens per request
-            a.propose(f"r{r}", history, 3)
-        # a step with drafts takes 3x as long: 16 tokens / 3 ms vs 8 tokens / 1 ms
-        clock[0] += 0.003 if a._on else 0.001
-    assert ons[-20:].count(False) >= 15
-    assert a.describe()["goodput_tok_s"]
+
+    def run(steps, kept):
+        ons = []
+        for step in range(steps):
+            a.begin_step(8, 8 + 8 * a._on * 3)  # decode-only steps: requests + verified drafts
+            ons.append(a._on)
+            for r in range(8):
+                if a._on:
+                    a.accepted(f"r{r}", kept, 3)
+                a.propose(f"r{r}", history, 3)
+            clock[0] += 0.002 if a._on else 0.001
+        return ons
+
+    assert run(60, kept=0)[-20:].count(False) >= 18
+    assert set(a.describe()["step_ms"]) == {"B<16|chain", "B<16|off"}
+    assert run(300, kept=3)[-50:].count(True) >= 45
 
 
 def test_adaptive_fresh_drafting_state_keeps_what_it_measured_of_the_engine(monkeypatch):

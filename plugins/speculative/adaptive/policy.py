@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections import deque
 from statistics import median
-from typing import Any
 
 
 class GoodputPolicy:
@@ -141,93 +140,127 @@ class GoodputPolicy:
         self.stats.pop(request_id, None)
 
 
-class ModeBandit:
-    """Measured goodput per mode (``modes``: e.g. speculation on and off, or no drafts, a chain
-    and a tree), per batch-size bucket (``B.bit_length()``).
+class ModeChooser:
+    """Each step's shape (``modes``, the most drafting first: e.g. ``("tree", "chain", "off")``)
+    from the measured cost of a step of each shape and the expected tokens it yields.
 
-    The cost model above can be wrong (on a CPU, verify tokens cost more than the fit says;
-    a tree of N nodes costs what this engine makes it cost), so the final say is measured:
-    each finished decode-only step gives a sample ``tokens produced / step time`` for the
-    mode it ran in; per bucket and mode, the median of the last ``window`` samples (robust to
-    a one-off slow step, such as a mode's first, which a mean would carry for long). A bucket tries every
-    mode first (``min_samples`` steps each, the preferred one first), then runs the best one,
-    re-trying another (in turn) for ``min_samples`` steps after ``explore_every`` steps. Each
-    re-trial that leaves the best mode as it was doubles the wait before the next one (up to
-    ``max_explore_every``), since every re-trial runs a slower mode; one that changes it
-    brings the wait back to ``explore_every``. Ties go to the mode listed first.
+    Goodput = tokens a step yields / its time. The two parts change at different rates and
+    are learnt apart: what a step of each shape *costs* on this engine is a property of the
+    engine and the batch, measured per batch-size bucket (``B.bit_length()``) as the median
+    of the last ``window`` decode-only step times of that shape (robust to a one-off slow
+    step, such as a shape's first); what a step *yields* is the text's: one token per request
+    without drafts, ``expected`` per request with a chain (the acceptance estimate now, from
+    :class:`GoodputPolicy`), and ``expected`` times the measured tree/chain yield ratio with a
+    tree. So a change in acceptance (a request starts copying its prompt) changes the choice
+    at once, without waiting for a re-trial of the shape; a measured tokens-per-second would
+    mix the two and keep each shape's value from the text it last ran on.
+
+    A bucket measures every shape first (``min_samples`` steps each, the most drafting first),
+    then runs the best. A shape not chosen is re-tried for one step after ``retry_every``
+    steps (in turn): for drafting shapes this also refreshes the acceptance estimate, which
+    does not move while nothing drafts. Ties go to the less drafting shape (no propose calls
+    to make). Each re-trial that leaves the choice as it was doubles
+    the wait (up to ``max_retry_every``); one that changes it brings the wait back.
     """
 
     def __init__(
         self,
-        modes: tuple = (True, False),
+        modes: tuple = ("chain", "off"),
         *,
         window: int = 8,
         min_samples: int = 3,
-        explore_every: int = 32,
-        max_explore_every: int = 1024,
+        retry_every: int = 16,
+        max_retry_every: int = 256,
+        yield_decay: float = 0.8,
     ) -> None:
-        if len(modes) < 2 or len(set(modes)) != len(modes):
-            raise ValueError(f"ModeBandit needs two or more distinct modes, got {modes!r}")
-        self.modes = tuple(modes)
+        if len(modes) < 2 or len(set(modes)) != len(modes) or "off" not in modes:
+            raise ValueError(f"ModeChooser needs two or more distinct modes, 'off' among them; got {modes!r}")
+        unknown = set(modes) - {"tree", "chain", "off"}
+        if unknown:
+            raise ValueError(f"ModeChooser knows the modes tree, chain and off; got {sorted(unknown)}")
         if window < 1:
             raise ValueError(f"window must be positive, got {window}")
-        self.window, self.min_samples, self.explore_every = window, min_samples, explore_every
-        self.max_explore_every = max(explore_every, max_explore_every)
-        # bucket -> {mode: the last `window` samples (tokens/s)}; steps seen per bucket and mode
-        self.stats: dict[int, dict[Any, deque[float]]] = {}
-        self.samples: dict[int, dict[Any, int]] = {}
-        self.since: dict[int, int] = {}
-        self.exploring: dict[int, tuple[Any, int]] = {}  # bucket -> (mode re-tried, steps left)
-        self.turn: dict[int, int] = {}  # bucket -> re-trials begun (which other mode is next)
+        self.modes = tuple(modes)
+        self.window, self.min_samples = window, min_samples
+        self.retry_every = retry_every
+        self.max_retry_every = max(retry_every, max_retry_every)
+        self.yield_decay = yield_decay
+        #: bucket -> {mode: the last `window` step times (s)}; steps seen per bucket and mode
+        self.times: dict[int, dict[str, deque[float]]] = {}
+        self.samples: dict[int, dict[str, int]] = {}
+        #: tokens per request and step, exponentially weighted, of the chain and tree shapes
+        self.yields: dict[str, list[float]] = {m: [0.0, 0.0] for m in ("chain", "tree")}
+        self.since: dict[int, int] = {}  # bucket -> steps since the last re-trial
+        self.turn: dict[int, int] = {}  # bucket -> re-trials begun (which other shape is next)
         self.wait: dict[int, int] = {}  # bucket -> steps between re-trials
-        self.best_before: dict[int, Any] = {}  # bucket -> the best mode when its re-trial began
+        self.best_before: dict[int, str] = {}  # bucket -> the choice when its re-trial began
+        self.chosen: dict[str, int] = {m: 0 for m in self.modes}
+        #: the mode just chosen is a re-trial or a first measurement, not the predicted best (a
+        #: drafting re-trial should draft even where the cost model says 0, to refresh acceptance)
+        self.trying = False
 
     @staticmethod
     def bucket(batch_size: int) -> int:
         return max(1, int(batch_size)).bit_length()
 
-    def record(self, batch_size: int, mode: Any, tokens: int, seconds: float) -> None:
-        if tokens <= 0 or seconds <= 0 or mode not in self.modes:
+    def record(self, batch_size: int, mode: str, seconds: float, tokens: int = 0) -> None:
+        """A decode-only step of ``batch_size`` requests ran in ``mode`` for ``seconds`` and
+        produced ``tokens`` (requests + accepted drafts; 0: unknown, the yield is not updated)."""
+        if seconds <= 0 or mode not in self.modes:
             return
         b = self.bucket(batch_size)
-        if b not in self.stats:
-            self.stats[b] = {m: deque(maxlen=self.window) for m in self.modes}
+        if b not in self.times:
+            self.times[b] = {m: deque(maxlen=self.window) for m in self.modes}
             self.samples[b] = {m: 0 for m in self.modes}
-        self.stats[b][mode].append(tokens / seconds)
+        self.times[b][mode].append(seconds)
         self.samples[b][mode] += 1
+        if mode in self.yields and tokens > 0:
+            y = self.yields[mode]
+            y[0] = y[0] * self.yield_decay + tokens / max(1, int(batch_size))
+            y[1] = y[1] * self.yield_decay + 1.0
 
-    def goodput(self, batch_size: int, mode: Any) -> float | None:
-        st = self.stats.get(self.bucket(batch_size), {}).get(mode)
+    def step_seconds(self, batch_size: int, mode: str) -> float | None:
+        st = self.times.get(self.bucket(batch_size), {}).get(mode)
         return median(st) if st else None
 
-    def choose(self, batch_size: int, preferred: Any) -> Any:
-        """The coming step's mode (``preferred``: the cost model's view, tried first)."""
+    def tree_gain(self) -> float:
+        """Measured tokens per request of a tree step over a chain step's (1.0 until both ran)."""
+        (tc, wc), (tt, wt) = self.yields["chain"], self.yields["tree"]
+        return (tt / wt) / (tc / wc) if wc and wt and tc else 1.0
+
+    def predicted(self, batch_size: int, expected: float) -> dict[str, float]:
+        """Tokens per second per mode at this batch size (every mode measured in its bucket):
+        ``expected`` is a chain step's tokens per request at the current acceptance."""
+        per_request = {"off": 1.0, "chain": expected, "tree": expected * self.tree_gain()}
+        return {m: per_request[m] * batch_size / self.step_seconds(batch_size, m) for m in self.modes}  # type: ignore[operator]
+
+    def choose(self, batch_size: int, expected: float) -> str:
+        """The coming step's mode. ``expected``: tokens per request a chain step would yield at
+        the current acceptance estimate (1 + a + ... + a^k)."""
         b = self.bucket(batch_size)
         seen = self.samples.get(b)
-        for m in (preferred, *(m for m in self.modes if m != preferred)):  # try each mode first
+        self.trying = True
+        for m in self.modes:  # measure each shape first, the most drafting first
             if (seen[m] if seen else 0) < self.min_samples:
-                return m
-        best = self._best(b)
-        mode, left = self.exploring.get(b, (best, 0))
-        if left > 0:
-            self.exploring[b] = (mode, left - 1)
-            return mode
-        if b in self.best_before:  # a re-trial just ended: wait longer if it changed nothing
+                return self._chose(m)
+        goodput = self.predicted(batch_size, expected)
+        best = max(self.modes, key=lambda m: (goodput[m], self.modes.index(m)))  # ties: the less drafting
+        if b in self.best_before:  # a re-trial just ran: wait longer if it changed nothing
             same = self.best_before.pop(b) == best
             self.wait[b] = (
-                min(2 * self.wait.get(b, self.explore_every), self.max_explore_every) if same else self.explore_every
+                min(2 * self.wait.get(b, self.retry_every), self.max_retry_every) if same else self.retry_every
             )
         self.since[b] = self.since.get(b, 0) + 1
-        if self.since[b] >= self.wait.get(b, self.explore_every):
+        if self.since[b] >= self.wait.get(b, self.retry_every):
             others = [m for m in self.modes if m != best]
             mode = others[self.turn.get(b, 0) % len(others)]
             self.turn[b] = self.turn.get(b, 0) + 1
             self.since[b] = 0
-            self.exploring[b] = (mode, self.min_samples - 1)
             self.best_before[b] = best
-            return mode
-        return best
+            return self._chose(mode)
+        self.trying = False
+        return self._chose(best)
 
-    def _best(self, b: int) -> Any:
-        st = self.stats[b]
-        return max(self.modes, key=lambda m: (median(st[m]), -self.modes.index(m)))
+    def _chose(self, mode: str) -> str:
+        self.chosen[mode] += 1
+        return mode

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 from vllm_graft.hooks import Kind, Proposer, SelfSpeculativeProposer
 
-from .policy import GoodputPolicy, ModeBandit
+from .policy import GoodputPolicy, ModeChooser
 
 
 def build_inner(params: Any) -> Proposer:
@@ -44,7 +44,7 @@ class Adaptive(Proposer):
         self.policy = self._new_policy()
         self._last_step: float | None = None  # when the previous step's drafting began
         self._step_tokens = 0  # estimate of the tokens the next step computes (no num_tokens)
-        self.bandit = ModeBandit(self.modes) if params.measure_goodput else None
+        self.bandit = ModeChooser(self.modes) if params.measure_goodput else None
         self._mode = self.modes[0]  # this step's mode (the bandit's choice)
         self._prev: tuple[int, str] | None = None  # (batch size, mode) of the previous step
         self._produced = self._verified = self._requests = 0  # of the step just run
@@ -88,9 +88,9 @@ class Adaptive(Proposer):
         if self._last_step is not None:
             seconds = now - self._last_step
             self.policy.observe_step(num_tokens or self._step_tokens, seconds)
-            # Goodput of the step that ended at the previous begin_step: tokens it produced
-            # (requests + accepted drafts, reported during that step's drafting) over its time,
-            # in the mode chosen before it; steps with prompt chunks are left out.
+            # The step that ended at the previous begin_step: its time and the tokens it produced
+            # (requests + accepted drafts, reported during that step's drafting), in the mode
+            # chosen before it; steps with prompt chunks are left out.
             if (
                 self.bandit is not None
                 and self._prev is not None
@@ -98,7 +98,7 @@ class Adaptive(Proposer):
                 and self._prev_tokens <= self._requests + self._verified
                 and seconds <= self.policy.max_step_s
             ):
-                self.bandit.record(self._prev[0], self._prev[1], self._produced, self._prev_seconds)
+                self.bandit.record(self._prev[0], self._prev[1], self._prev_seconds, self._produced)
             self._prev_seconds = seconds
         else:
             self._prev_seconds = 0.0
@@ -109,8 +109,11 @@ class Adaptive(Proposer):
         self._last_step, self._step_tokens = now, num_requests
         self.policy.begin_step(num_requests)
         if self.bandit is not None:
-            any_on = self.policy.best_length(self.policy.acceptance_overall(), num_requests) > 0
-            self._mode = self.bandit.choose(num_requests, self.modes[0] if any_on else "off")
+            # a chain step's tokens per request at the current acceptance, with the length the
+            # cost model gives it (1: no drafts pay)
+            a = self.policy.acceptance_overall()
+            expected = self.policy.expected_tokens(a, self.policy.best_length(a, num_requests))
+            self._mode = self.bandit.choose(num_requests, expected)
         self.inner.begin_step(num_requests, num_tokens)
         # off: no request drafts this step, so the adapter asks no propose (Proposer.begin_step)
         return self._on
@@ -133,8 +136,18 @@ class Adaptive(Proposer):
         self.policy.observe(request_id, num_accepted, num_verified)
         self.inner.accepted(request_id, num_accepted, num_verified)
 
+    def _length(self, request_id: str, most: int) -> int:
+        """This request's draft length this step (0: none): the cost model's, at least 1 on a
+        step that re-tries or first measures a drafting shape (so acceptance is refreshed)."""
+        if not self._on:
+            return 0
+        k = self.policy.choose(request_id)
+        if k == 0 and self.bandit is not None and self.bandit.trying:
+            k = 1
+        return min(most, k)
+
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
-        k = min(max_tokens, self.policy.choose(request_id)) if self._on else 0
+        k = self._length(request_id, max_tokens)
         if k <= 0:
             return []
         drafts = list(self.inner.propose(request_id, token_ids, k))[:k]
@@ -145,7 +158,7 @@ class Adaptive(Proposer):
         """With a tree proposer (``drafts_trees``): the wrapped proposer's tree in tree mode,
         its chain (as a one-path tree) in chain mode, nothing when off or when this request's
         acceptance says no drafts."""
-        k = min(max_nodes, self.policy.choose(request_id)) if self._on else 0
+        k = self._length(request_id, max_nodes)
         if k <= 0:
             return [], []
         if self._mode == "tree":
@@ -168,12 +181,14 @@ class Adaptive(Proposer):
             "chosen_lengths": dict(sorted(self.policy.chosen.items())),
             "cost_c_tokens": round(self.policy.c, 2),
             "cost_samples": self.policy.cost_samples,
-            "goodput_tok_s": {
-                f"B<{2**b}|{m}": round(median(v))
-                for b, st in sorted((self.bandit.stats if self.bandit else {}).items())
+            "step_ms": {
+                f"B<{2**b}|{m}": round(median(v) * 1e3, 3)
+                for b, st in sorted((self.bandit.times if self.bandit else {}).items())
                 for m, v in st.items()
                 if v
             },
+            "steps_by_mode": dict(self.bandit.chosen) if self.bandit else {},
+            "tree_gain": round(self.bandit.tree_gain(), 3) if self.bandit and self.drafts_trees else None,
             "live_requests": len(self.policy.stats),
             "inner": self.inner.describe(),
         }
