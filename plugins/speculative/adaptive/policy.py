@@ -140,6 +140,11 @@ class GoodputPolicy:
         self.stats.pop(request_id, None)
 
 
+#: the mode of a step that drafts for a few requests only, to refresh the acceptance estimate
+#: while the best shape is no drafts (see :class:`ModeChooser`)
+PROBE = "probe"
+
+
 class ModeChooser:
     """Each step's shape (``modes``, the most drafting first: e.g. ``("tree", "chain", "off")``)
     from the measured cost of a step of each shape and the expected tokens it yields.
@@ -155,12 +160,19 @@ class ModeChooser:
     at once, without waiting for a re-trial of the shape; a measured tokens-per-second would
     mix the two and keep each shape's value from the text it last ran on.
 
-    A bucket measures every shape first (``min_samples`` steps each, the most drafting first),
-    then runs the best. A shape not chosen is re-tried for one step after ``retry_every``
-    steps (in turn): for drafting shapes this also refreshes the acceptance estimate, which
-    does not move while nothing drafts. Ties go to the less drafting shape (no propose calls
-    to make). Each re-trial that leaves the choice as it was doubles
-    the wait (up to ``max_retry_every``); one that changes it brings the wait back.
+    A step's time is recorded only when the step before it ran the same shape: the first step
+    after a switch carries the switch's one-off costs (a proposer that sat idle catching up
+    on the tokens it did not see), which a shape run steadily does not pay. A bucket measures
+    every shape first (``min_samples`` recorded steps each, the most drafting first), then runs
+    the best. A shape not chosen is re-tried after ``retry_every`` steps (in turn), by measuring
+    it anew (its old step times dropped, ``min_samples`` + 1 steps); except where the best is no
+    drafts: there, of every ``probes_per_measure`` re-trials all but one are one-step
+    ``"probe"`` steps (:data:`PROBE`): only a few requests draft (the proposer's choice), which
+    refreshes the acceptance estimate (it does not move while nothing drafts) at a fraction
+    of a full step's cost, and is
+    recorded for no shape. Ties go to the less drafting shape (no propose calls to make).
+    Each re-trial that leaves the choice as it was doubles the wait (up to
+    ``max_retry_every``); one that changes it brings the wait back.
     """
 
     def __init__(
@@ -172,6 +184,7 @@ class ModeChooser:
         retry_every: int = 16,
         max_retry_every: int = 256,
         yield_decay: float = 0.8,
+        probes_per_measure: int = 4,
     ) -> None:
         if len(modes) < 2 or len(set(modes)) != len(modes) or "off" not in modes:
             raise ValueError(f"ModeChooser needs two or more distinct modes, 'off' among them; got {modes!r}")
@@ -185,6 +198,7 @@ class ModeChooser:
         self.retry_every = retry_every
         self.max_retry_every = max(retry_every, max_retry_every)
         self.yield_decay = yield_decay
+        self.probes_per_measure = max(1, probes_per_measure)
         #: bucket -> {mode: the last `window` step times (s)}; steps seen per bucket and mode
         self.times: dict[int, dict[str, deque[float]]] = {}
         self.samples: dict[int, dict[str, int]] = {}
@@ -194,7 +208,8 @@ class ModeChooser:
         self.turn: dict[int, int] = {}  # bucket -> re-trials begun (which other shape is next)
         self.wait: dict[int, int] = {}  # bucket -> steps between re-trials
         self.best_before: dict[int, str] = {}  # bucket -> the choice when its re-trial began
-        self.chosen: dict[str, int] = {m: 0 for m in self.modes}
+        self.chosen: dict[str, int] = {m: 0 for m in (*self.modes, PROBE)}
+        self.last: str | None = None  # the mode of the step recorded last
         #: the mode just chosen is a re-trial or a first measurement, not the predicted best (a
         #: drafting re-trial should draft even where the cost model says 0, to refresh acceptance)
         self.trying = False
@@ -206,14 +221,16 @@ class ModeChooser:
     def record(self, batch_size: int, mode: str, seconds: float, tokens: int = 0) -> None:
         """A decode-only step of ``batch_size`` requests ran in ``mode`` for ``seconds`` and
         produced ``tokens`` (requests + accepted drafts; 0: unknown, the yield is not updated)."""
+        steady, self.last = mode == self.last, mode
         if seconds <= 0 or mode not in self.modes:
             return
         b = self.bucket(batch_size)
         if b not in self.times:
             self.times[b] = {m: deque(maxlen=self.window) for m in self.modes}
             self.samples[b] = {m: 0 for m in self.modes}
-        self.times[b][mode].append(seconds)
-        self.samples[b][mode] += 1
+        if steady:
+            self.times[b][mode].append(seconds)
+            self.samples[b][mode] += 1
         if mode in self.yields and tokens > 0:
             y = self.yields[mode]
             y[0] = y[0] * self.yield_decay + tokens / max(1, int(batch_size))
@@ -252,11 +269,16 @@ class ModeChooser:
             )
         self.since[b] = self.since.get(b, 0) + 1
         if self.since[b] >= self.wait.get(b, self.retry_every):
-            others = [m for m in self.modes if m != best]
-            mode = others[self.turn.get(b, 0) % len(others)]
-            self.turn[b] = self.turn.get(b, 0) + 1
             self.since[b] = 0
+            self.turn[b] = turn = self.turn.get(b, 0) + 1
             self.best_before[b] = best
+            others = [m for m in self.modes if m != best]
+            mode = others[turn % len(others)]
+            if best == "off" and turn % self.probes_per_measure:
+                return self._chose(PROBE)  # a few requests draft, for their acceptance
+            # measured anew: its old step times go, and the loop above runs it min_samples + 1 steps
+            self.times[b][mode].clear()
+            self.samples[b][mode] = 0
             return self._chose(mode)
         self.trying = False
         return self._chose(best)

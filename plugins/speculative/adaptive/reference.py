@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 from vllm_graft.hooks import Kind, Proposer, SelfSpeculativeProposer
 
-from .policy import GoodputPolicy, ModeChooser
+from .policy import PROBE, GoodputPolicy, ModeChooser
 
 
 def build_inner(params: Any) -> Proposer:
@@ -50,6 +50,10 @@ class Adaptive(Proposer):
         self._produced = self._verified = self._requests = 0  # of the step just run
         self._prev_tokens = 0  # num_tokens given to the previous begin_step
         self._prev_seconds = 0.0  # the time of the step before the previous begin_step
+        #: a probe step (:data:`.policy.PROBE`) drafts for this many requests, in turn
+        self.probe_requests = 2
+        self._asked = 0  # propose calls this step
+        self._probe_shift = 0  # where this probe's requests start, in the step's order
 
     def _new_policy(self) -> GoodputPolicy:
         p = self.params
@@ -114,6 +118,9 @@ class Adaptive(Proposer):
             a = self.policy.acceptance_overall()
             expected = self.policy.expected_tokens(a, self.policy.best_length(a, num_requests))
             self._mode = self.bandit.choose(num_requests, expected)
+            if self._mode == PROBE:
+                self._probe_shift += self.probe_requests
+        self._asked = 0
         self.inner.begin_step(num_requests, num_tokens)
         # off: no request drafts this step, so the adapter asks no propose (Proposer.begin_step)
         return self._on
@@ -141,6 +148,10 @@ class Adaptive(Proposer):
         step that re-tries or first measures a drafting shape (so acceptance is refreshed)."""
         if not self._on:
             return 0
+        if self._mode == PROBE:  # only a few requests, in turn, draft on a probe step
+            i, self._asked = self._asked, self._asked + 1
+            if (i - self._probe_shift) % max(1, self.policy.batch_size) >= self.probe_requests:
+                return 0
         k = self.policy.choose(request_id)
         if k == 0 and self.bandit is not None and self.bandit.trying:
             k = 1
