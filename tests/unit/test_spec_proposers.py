@@ -433,6 +433,8 @@ def test_adaptive_probe_steps_draft_for_two_requests_in_turn():
     a = build("adaptive", proposer="lookahead", params={"depth": 4})
     history = [1, 2, 3, 1, 2, 3, 1, 2, 3]
     a.inner.propose("warm", history, 3)
+    assert a.probe_requests == 1
+    a.probe_requests = 2
     drafted = []
     for shift in (0, 2):
         a.bandit.trying, a._mode, a._asked, a._probe_shift = True, PROBE, 0, shift

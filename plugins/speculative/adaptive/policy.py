@@ -181,7 +181,7 @@ class ModeChooser:
         *,
         window: int = 8,
         min_samples: int = 3,
-        retry_every: int = 16,
+        retry_every: int = 32,
         max_retry_every: int = 256,
         yield_decay: float = 0.8,
         probes_per_measure: int = 4,

@@ -50,8 +50,9 @@ class Adaptive(Proposer):
         self._produced = self._verified = self._requests = 0  # of the step just run
         self._prev_tokens = 0  # num_tokens given to the previous begin_step
         self._prev_seconds = 0.0  # the time of the step before the previous begin_step
-        #: a probe step (:data:`.policy.PROBE`) drafts for this many requests, in turn
-        self.probe_requests = 2
+        #: a probe step (:data:`.policy.PROBE`) drafts for this many requests, in turn (each costs the
+        #: wrapped proposer's catch-up on the tokens it did not see)
+        self.probe_requests = 1
         self._asked = 0  # propose calls this step
         self._probe_shift = 0  # where this probe's requests start, in the step's order
 
