@@ -281,3 +281,18 @@ def test_command_line():
                 ["--slo-factor", "0"], ["--kv-blocks", "0"]):
         with pytest.raises(ValueError):
             options(parse(["servebench", "d.yaml", *bad]), Path("."))
+
+
+def test_the_warm_up_runs_a_batch_as_large_as_the_highest_concurrency():
+    from types import SimpleNamespace
+
+    from vllm_graft.tools.serve.load import phases
+    from vllm_graft.tools.serve.run import WARMUP_REQUESTS, warm_up_requests
+
+    def opts(rates=(), concurrency=(), n=64):
+        return SimpleNamespace(phases=phases(rates, concurrency), num_requests=n)
+
+    assert warm_up_requests(opts(rates=(0.5, 1))) == WARMUP_REQUESTS
+    assert warm_up_requests(opts(concurrency=(16, 64))) == 64
+    assert warm_up_requests(opts(concurrency=(16, 64), n=32)) == 32  # no more than a phase sends
+    assert warm_up_requests(opts(concurrency=(2,))) == WARMUP_REQUESTS
