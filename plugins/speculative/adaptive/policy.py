@@ -164,7 +164,9 @@ class ModeChooser:
     after a switch carries the switch's one-off costs (a proposer that sat idle catching up
     on the tokens it did not see), which a shape run steadily does not pay. A bucket measures
     every shape first (``min_samples`` recorded steps each, the most drafting first), then runs
-    the best. A shape not chosen is re-tried after ``retry_every`` steps (in turn), by measuring
+    the best; where ``expected`` is 1 (the cost model gives no draft a length at this batch
+    size and acceptance) no drafting shape can win, so none is measured and the step runs
+    without drafts. A shape not chosen is re-tried after ``retry_every`` steps (in turn), by measuring
     it anew (its old step times dropped, ``min_samples`` + 1 steps); except where the best is no
     drafts: there, of every ``probes_per_measure`` re-trials all but one are one-step
     ``"probe"`` steps (:data:`PROBE`): only a few requests draft (the proposer's choice), which
@@ -257,11 +259,15 @@ class ModeChooser:
         b = self.bucket(batch_size)
         seen = self.samples.get(b)
         self.trying = True
-        for m in self.modes:  # measure each shape first, the most drafting first
+        # where the acceptance says no draft pays at this batch size (the cost model's k = 0), no
+        # drafting shape can win whatever it costs: it is not measured (probes still refresh the
+        # acceptance)
+        candidates = self.modes if expected > 1.0 else ("off",)
+        for m in candidates:  # measure each shape first, the most drafting first
             if (seen[m] if seen else 0) < self.min_samples:
                 return self._chose(m)
-        goodput = self.predicted(batch_size, expected)
-        best = max(self.modes, key=lambda m: (goodput[m], self.modes.index(m)))  # ties: the less drafting
+        goodput = self.predicted(batch_size, expected) if len(candidates) > 1 else {"off": 1.0}
+        best = max(candidates, key=lambda m: (goodput[m], self.modes.index(m)))  # ties: the less drafting
         if b in self.best_before:  # a re-trial just ran: wait longer if it changed nothing
             same = self.best_before.pop(b) == best
             self.wait[b] = (
@@ -274,7 +280,7 @@ class ModeChooser:
             self.best_before[b] = best
             others = [m for m in self.modes if m != best]
             mode = others[turn % len(others)]
-            if best == "off" and turn % self.probes_per_measure:
+            if best == "off" and (turn % self.probes_per_measure or len(candidates) == 1):
                 return self._chose(PROBE)  # a few requests draft, for their acceptance
             # measured anew: its old step times go, and the loop above runs it min_samples + 1 steps
             self.times[b][mode].clear()
