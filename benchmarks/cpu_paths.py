@@ -24,14 +24,18 @@ instead (an fp32 matmul for the quant rows, vLLM's C++ attention for hydragen):
   C++ paged attention on the same step (the plain arm's kernel; the cache written in its
   layout by its own op), the column "host kernel ms".
 """
+
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 from typing import Callable
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder, also when loaded by a test
+from _timing import median_ms  # noqa: E402
 
 from vllm_graft.hooks import AttentionLayer, PagedBatch
 from vllm_graft.plugins.attention import _shared as shared
@@ -47,13 +51,7 @@ from vllm_graft.plugins.quant.w4a8 import reference as w4
 
 
 def _ms(fn: Callable[[], object], repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+    return median_ms(fn, repeat, warmup=1)
 
 
 def quant_rows(repeat: int, out: int = 1536, inp: int = 576, tokens: int = 8) -> list[tuple]:
@@ -64,32 +62,61 @@ def quant_rows(repeat: int, out: int = 1536, inp: int = 576, tokens: int = 8) ->
     t = w4.quantize(w, 128)
     t["weight_int8"] = w4.int8_weight(t, 128).to(torch.int8)
     old, new = (lambda: w4.emulate(x, t, 128)), (lambda: w4.int8_matmul(x, t))
-    rows.append((f"w4a8 {out}x{inp}, {tokens} tokens", _ms(old, repeat), _ms(new, repeat),
-                 torch.equal(old(), new()), _ms(lambda: x @ w.T, repeat)))
+    rows.append(
+        (
+            f"w4a8 {out}x{inp}, {tokens} tokens",
+            _ms(old, repeat),
+            _ms(new, repeat),
+            torch.equal(old(), new()),
+            _ms(lambda: x @ w.T, repeat),
+        )
+    )
     s = sq.quantize(w, None, 4, 0.0, 0.0, 4)
     codes, lut = s["codes"], s["lut"]
     idx = sq.unpack_bitplanes(codes, 4).to(torch.uint8)
     old = lambda: torch.nn.functional.linear(x, sq.dequantize(codes, lut, 4).float())  # noqa: E731
     new = lambda: torch.nn.functional.linear(x, lut.gather(1, idx.long()).float())  # noqa: E731
-    rows.append((f"squeezellm 4-bit {out}x{inp}, {tokens} tokens", _ms(old, repeat), _ms(new, repeat),
-                 torch.equal(old(), new()), _ms(lambda: x @ w.T, repeat)))
+    rows.append(
+        (
+            f"squeezellm 4-bit {out}x{inp}, {tokens} tokens",
+            _ms(old, repeat),
+            _ms(new, repeat),
+            torch.equal(old(), new()),
+            _ms(lambda: x @ w.T, repeat),
+        )
+    )
     # the whole layer call (sparse part included): the torch gather against the C++ path
     params = {"bits": 4, "kmeans_iters": 4}
-    fast, slow = sq.SqueezeLLM(SqueezeLLMParams(**params)), sq.SqueezeLLM(SqueezeLLMParams(**params, cpu_dequant="torch"))
+    fast, slow = (
+        sq.SqueezeLLM(SqueezeLLMParams(**params)),
+        sq.SqueezeLLM(SqueezeLLMParams(**params, cpu_dequant="torch")),
+    )
     t = fast.load({k: [v] for k, v in fast.quantize(w).items()}, [out])
     old, new = (lambda: slow.apply(t, x, None)), (lambda: fast.apply(t, x, None))
-    rows.append((f"squeezellm 4-bit layer call {out}x{inp}, {tokens} tokens: torch gather vs C++ "
-                 "(cpu_dequant)", _ms(old, repeat), _ms(new, repeat),
-                 torch.allclose(old(), new(), rtol=1e-5, atol=1e-6), _ms(lambda: x @ w.T, repeat)))
+    rows.append(
+        (
+            f"squeezellm 4-bit layer call {out}x{inp}, {tokens} tokens: torch gather vs C++ (cpu_dequant)",
+            _ms(old, repeat),
+            _ms(new, repeat),
+            torch.allclose(old(), new(), rtol=1e-5, atol=1e-6),
+            _ms(lambda: x @ w.T, repeat),
+        )
+    )
     # dfloat11: the torch decoder against the C++ one, each decoding then multiplying in bf16
     wb = w.to(torch.bfloat16)
     fast, slow = df11.DFloat11(DFloat11Params()), df11.DFloat11(DFloat11Params(cpu_decoder="torch"))
     t = fast.load({k: [v] for k, v in fast.quantize(wb).items()}, [out])
     xb = x.to(torch.bfloat16)
     old, new = (lambda: slow.apply(t, xb, None)), (lambda: fast.apply(t, xb, None))
-    rows.append((f"dfloat11 layer call {out}x{inp}, {tokens} tokens: torch decoder vs C++ (cpu_decoder); "
-                 "host: bf16 matmul", _ms(old, max(3, repeat // 10)), _ms(new, repeat), torch.equal(old(), new()),
-                 _ms(lambda: xb @ wb.T, repeat)))
+    rows.append(
+        (
+            f"dfloat11 layer call {out}x{inp}, {tokens} tokens: torch decoder vs C++ (cpu_decoder); host: bf16 matmul",
+            _ms(old, max(3, repeat // 10)),
+            _ms(new, repeat),
+            torch.equal(old(), new()),
+            _ms(lambda: xb @ wb.T, repeat),
+        )
+    )
     return rows
 
 
@@ -102,7 +129,7 @@ def _step(S: int, ctx: int, q_len: int, H: int = 9, Hkv: int = 3, D: int = 64, B
     batch = PagedBatch(qsl, torch.full((S,), ctx, dtype=torch.int32), table)
     kv = torch.randn(N, Hkv, B, 2 * D, generator=g)
     q = torch.randn(S * q_len, H, D, generator=g)
-    return q, kv, batch, AttentionLayer(H, Hkv, D, D ** -0.5, B)
+    return q, kv, batch, AttentionLayer(H, Hkv, D, D**-0.5, B)
 
 
 def attention_rows(repeat: int) -> list[tuple]:
@@ -118,13 +145,21 @@ def attention_rows(repeat: int) -> list[tuple]:
             shared.BATCHED_SCORES_MAX = keep
         new_out = shared.paged_attention(q, kv, batch, layer)
         new = _ms(lambda: shared.paged_attention(q, kv, batch, layer), repeat)
-        rows.append((f"paged attention, {what}: {S} seqs x {ctx} ctx, GQA 9/3 x 64", old, new,
-                     torch.allclose(old_out, new_out, atol=1e-5, rtol=1e-5), float("nan")))
+        rows.append(
+            (
+                f"paged attention, {what}: {S} seqs x {ctx} ctx, GQA 9/3 x 64",
+                old,
+                new,
+                torch.allclose(old_out, new_out, atol=1e-5, rtol=1e-5),
+                float("nan"),
+            )
+        )
     return rows
 
 
-def _shared_prefix_step(S: int, groups: int, prefix_blocks: int, own: int, H: int = 9, Hkv: int = 3,
-                       D: int = 64, B: int = 128):
+def _shared_prefix_step(
+    S: int, groups: int, prefix_blocks: int, own: int, H: int = 9, Hkv: int = 3, D: int = 64, B: int = 128
+):
     """A decode step of ``S`` sequences in ``groups`` equal groups, each group sharing
     ``prefix_blocks`` blocks (prefix caching's same block ids), each sequence ``own`` more tokens."""
     g = torch.Generator().manual_seed(2)
@@ -139,7 +174,7 @@ def _shared_prefix_step(S: int, groups: int, prefix_blocks: int, own: int, H: in
     lens = torch.full((S,), prefix_blocks * B + own, dtype=torch.int32)
     batch = PagedBatch(torch.arange(S + 1, dtype=torch.int32), lens, table)
     kv = torch.randn(nid + 1, Hkv, B, 2 * D, generator=g)
-    return torch.randn(S, H, D, generator=g), kv, batch, AttentionLayer(H, Hkv, D, D ** -0.5, B)
+    return torch.randn(S, H, D, generator=g), kv, batch, AttentionLayer(H, Hkv, D, D**-0.5, B)
 
 
 def _vllm_attention(q: torch.Tensor, kv: torch.Tensor, batch: PagedBatch, layer: AttentionLayer):
@@ -157,21 +192,41 @@ def _vllm_attention(q: torch.Tensor, kv: torch.Tensor, batch: PagedBatch, layer:
     host = torch.zeros_like(kv).view(N, hkv, 2 * B, d2 // 2)
     k_cache, v_cache = host.chunk(2, dim=2)
     flat = lambda t: t.permute(0, 2, 1, 3).reshape(N * B, hkv, -1).contiguous()  # noqa: E731
-    ops.cpu_attn_reshape_and_cache(flat(k), flat(v), k_cache, v_cache, torch.arange(N * B), isa,
-                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    ops.cpu_attn_reshape_and_cache(
+        flat(k), flat(v), k_cache, v_cache, torch.arange(N * B), isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"
+    )
     meta = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=batch.seq_lens.numel(), num_heads=layer.num_heads, num_kv_heads=hkv,
-        head_dim=layer.head_size, seq_lens=batch.seq_lens, dtype=q.dtype,
-        query_start_loc=batch.query_start_loc, causal=True, sliding_window_size=-1, isa=isa,
-        enable_kv_split=False)
+        num_reqs=batch.seq_lens.numel(),
+        num_heads=layer.num_heads,
+        num_kv_heads=hkv,
+        head_dim=layer.head_size,
+        seq_lens=batch.seq_lens,
+        dtype=q.dtype,
+        query_start_loc=batch.query_start_loc,
+        causal=True,
+        sliding_window_size=-1,
+        isa=isa,
+        enable_kv_split=False,
+    )
     out = torch.empty_like(q)
 
     def run() -> torch.Tensor:
         ops.cpu_attention_with_kv_cache(
-            query=q, key_cache=k_cache, value_cache=v_cache, output=out,
-            query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, scale=layer.scale,
-            causal=True, alibi_slopes=None, sliding_window=-1, block_table=batch.block_table,
-            softcap=0.0, scheduler_metadata=meta, s_aux=None)
+            query=q,
+            key_cache=k_cache,
+            value_cache=v_cache,
+            output=out,
+            query_start_loc=batch.query_start_loc,
+            seq_lens=batch.seq_lens,
+            scale=layer.scale,
+            causal=True,
+            alibi_slopes=None,
+            sliding_window=-1,
+            block_table=batch.block_table,
+            softcap=0.0,
+            scheduler_metadata=meta,
+            s_aux=None,
+        )
         return out
 
     return run
@@ -189,9 +244,16 @@ def hydragen_rows(repeat: int, cases=((32, 1, 8, 40), (32, 4, 8, 40), (8, 1, 8, 
         agree = torch.allclose(old(), new(), atol=1e-5, rtol=1e-5)
         if host is not None:
             agree = agree and torch.allclose(host(), new(), atol=1e-5, rtol=1e-5)
-        rows.append((f"hydragen, decode: {S} seqs in {groups} group(s) sharing {prefix_blocks * 128} "
-                     f"tokens + {own} own, GQA 9/3 x 64", _ms(old, repeat), _ms(new, repeat), agree,
-                     float("nan") if host is None else _ms(host, repeat)))
+        rows.append(
+            (
+                f"hydragen, decode: {S} seqs in {groups} group(s) sharing {prefix_blocks * 128} "
+                f"tokens + {own} own, GQA 9/3 x 64",
+                _ms(old, repeat),
+                _ms(new, repeat),
+                agree,
+                float("nan") if host is None else _ms(host, repeat),
+            )
+        )
     return rows
 
 
@@ -208,10 +270,15 @@ def squeezed_rows(repeat: int, cases=((4, 4096),), B: int = 128) -> list[tuple]:
         old = lambda: slow.forward(q, kv, batch, layer)  # noqa: E731
         new = lambda: fast.forward(q, kv, batch, layer)  # noqa: E731
         host = _vllm_attention(q, kv, batch, layer)
-        rows.append((f"squeezed K=1/8, decode: {S} seqs x {ctx} ctx, GQA 9/3 x 64 (host: full attention)",
-                     _ms(old, max(3, repeat // 5)), _ms(new, repeat),
-                     torch.allclose(old(), new(), atol=1e-5, rtol=1e-5),
-                     float("nan") if host is None else _ms(host, repeat)))
+        rows.append(
+            (
+                f"squeezed K=1/8, decode: {S} seqs x {ctx} ctx, GQA 9/3 x 64 (host: full attention)",
+                _ms(old, max(3, repeat // 5)),
+                _ms(new, repeat),
+                torch.allclose(old(), new(), atol=1e-5, rtol=1e-5),
+                float("nan") if host is None else _ms(host, repeat),
+            )
+        )
     return rows
 
 
@@ -222,8 +289,9 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {args.repeat} calls\n")
     print("| path | old ms | new ms | speed-up | agree | host kernel ms |")
     print("|---|---:|---:|---:|---|---:|")
-    for name, old, new, agree, dense in (quant_rows(args.repeat) + attention_rows(args.repeat)
-                                         + hydragen_rows(args.repeat) + squeezed_rows(args.repeat)):
+    for name, old, new, agree, dense in (
+        quant_rows(args.repeat) + attention_rows(args.repeat) + hydragen_rows(args.repeat) + squeezed_rows(args.repeat)
+    ):
         dense_s = "-" if dense != dense else f"{dense:.3f}"
         print(f"| {name} | {old:.3f} | {new:.3f} | {old / new:.1f}x | {'yes' if agree else 'NO'} | {dense_s} |")
 

@@ -27,11 +27,14 @@ in milliseconds; ``max|d|`` is the largest difference of ``sdpa`` and of ``bmm``
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 from typing import Callable
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder, also when loaded by a test
+from _timing import median_ms  # noqa: E402
 
 from vllm_graft.hooks import BLOCKED, CPU_VEC, AttentionLayer, PagedBatch
 from vllm_graft.plugins.attention import _shared as shared
@@ -42,24 +45,24 @@ HEADS, KV_HEADS, DIM = 4, 2, 64  # models/graft-tiny-llama/config.json
 
 
 def _ms(fn: Callable[[], object], repeat: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+    return median_ms(fn, repeat, warmup=3)
+
+
+def _gathered(k_cache, v_cache, block_table, seq_len):
+    """The sequence's keys and values ``[Hkv, seq_len, D]`` (float32) gathered from the paged cache."""
+    hkv, bs, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    nb = -(-seq_len // bs)
+    ids = block_table[:nb].long()
+    keys = k_cache[ids].transpose(0, 1).reshape(hkv, nb * bs, d)[:, :seq_len].float()
+    values = v_cache[ids].transpose(0, 1).reshape(hkv, nb * bs, d)[:, :seq_len].float()
+    return keys, values
 
 
 def matmul_pass(q, k_cache, v_cache, block_table, seq_len, pass_mask, scale):
     """The masked pass as ``verify_pass_attention`` computed it before: float32 matmul/softmax/matmul."""
     r, hq, d = q.shape
-    _, hkv, bs, _ = k_cache.shape
-    nb = -(-seq_len // bs)
-    ids = block_table[:nb].long()
-    keys = k_cache[ids].transpose(0, 1).reshape(hkv, nb * bs, d)[:, :seq_len].float()
-    values = v_cache[ids].transpose(0, 1).reshape(hkv, nb * bs, d)[:, :seq_len].float()
+    hkv = k_cache.shape[1]
+    keys, values = _gathered(k_cache, v_cache, block_table, seq_len)
     group = hq // hkv
     qg = q.float().view(r, hkv, group, d).permute(1, 2, 0, 3)
     scores = torch.matmul(qg, keys.unsqueeze(1).transpose(-1, -2)) * scale
@@ -73,11 +76,7 @@ def matmul_pass(q, k_cache, v_cache, block_table, seq_len, pass_mask, scale):
 def sdpa_pass(q, k_cache, v_cache, block_table, seq_len, pass_mask, scale):
     """The masked pass by ``scaled_dot_product_attention`` (boolean mask, ``enable_gqa``), float32."""
     r, hq, d = q.shape
-    _, hkv, bs, _ = k_cache.shape
-    nb = -(-seq_len // bs)
-    ids = block_table[:nb].long()
-    keys = k_cache[ids].transpose(0, 1).reshape(hkv, nb * bs, d)[:, :seq_len].float()
-    values = v_cache[ids].transpose(0, 1).reshape(hkv, nb * bs, d)[:, :seq_len].float()
+    keys, values = _gathered(k_cache, v_cache, block_table, seq_len)
     allowed = torch.ones(r, seq_len, dtype=torch.bool)
     allowed[:, seq_len - r :] = pass_mask
     out = torch.nn.functional.scaled_dot_product_attention(
