@@ -90,6 +90,12 @@ def test_prompts_are_dealt_out_once_each():
     assert deal(reqs, ph, 3, warm_up=2, calibration=1, warm_up_tokens=4) == d
     with pytest.raises(ValueError):
         deal(reqs[:-1], ph, 3, warm_up=2, calibration=1, warm_up_tokens=4)
+    # a larger warm-up takes its extra requests after the phases': the others stay as they were
+    more = [ServeRequest(i, (100 + i,), 10 + i) for i in range(need + 3)]
+    d3 = deal(more, ph, 3, warm_up=2, calibration=1, warm_up_tokens=4, warm_up_extra=3)
+    assert d3.calibration == d.calibration and d3.phases == d.phases
+    assert [r.prompt[0] for r in d3.warm_up] == [100, 101, 112, 113, 114] and [r.index for r in d3.warm_up] == [
+        0, 1, 2, 3, 4]
 
 
 def test_request_body_is_a_streamed_greedy_completion_with_usage():

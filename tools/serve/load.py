@@ -130,8 +130,8 @@ class Dealt:
     phases: dict[str, list[ServeRequest]]
 
 
-def prompts_needed(n: int, num_phases: int, warm_up: int, calibration: int) -> int:
-    return warm_up + calibration + n * num_phases
+def prompts_needed(n: int, num_phases: int, warm_up: int, calibration: int, warm_up_extra: int = 0) -> int:
+    return warm_up + calibration + n * num_phases + warm_up_extra
 
 
 def deal(
@@ -142,14 +142,21 @@ def deal(
     warm_up: int,
     calibration: int,
     warm_up_tokens: int,
+    warm_up_extra: int = 0,
 ) -> Dealt:
     """Deal ``requests`` (:func:`prompts_needed` of them, in the workload's order) out: the
     first ``warm_up`` (their output cut to ``warm_up_tokens``), the next ``calibration``, then
-    ``n`` per phase in the order of ``phases``. No request goes to two places."""
-    need = prompts_needed(n, len(phases), warm_up, calibration)
+    ``n`` per phase in the order of ``phases``, then ``warm_up_extra`` more for the warm-up (so
+    that a larger warm-up leaves the calibration's and the phases' requests as they were). No
+    request goes to two places."""
+    need = prompts_needed(n, len(phases), warm_up, calibration, warm_up_extra)
     if len(requests) < need:
         raise ValueError(f"{len(requests)} prompts for {need} requests")
-    warm = [ServeRequest(i, r.prompt, min(r.max_tokens, warm_up_tokens)) for i, r in enumerate(requests[:warm_up])]
+    extra = list(requests[need - warm_up_extra : need])
+    warm = [
+        ServeRequest(i, r.prompt, min(r.max_tokens, warm_up_tokens))
+        for i, r in enumerate(list(requests[:warm_up]) + extra)
+    ]
     calib = [ServeRequest(i, r.prompt, r.max_tokens) for i, r in enumerate(requests[warm_up : warm_up + calibration])]
     out: dict[str, list[ServeRequest]] = {}
     start = warm_up + calibration

@@ -113,7 +113,13 @@ def build_requests(model: str, max_model_len: int, opts: Options) -> tuple[Dealt
     (ps,) = build(
         [opts.workload],
         Tokenizer.from_model(model),
-        num_prompts=prompts_needed(opts.num_requests, len(opts.phases), warm_up_requests(opts), CALIBRATION_REQUESTS),
+        num_prompts=prompts_needed(
+            opts.num_requests,
+            len(opts.phases),
+            WARMUP_REQUESTS,
+            CALIBRATION_REQUESTS,
+            warm_up_requests(opts) - WARMUP_REQUESTS,
+        ),
         max_tokens=opts.max_tokens,
         max_model_len=max_model_len,
         seed=opts.seed,
@@ -122,9 +128,10 @@ def build_requests(model: str, max_model_len: int, opts: Options) -> tuple[Dealt
         requests_from_prompts(ps.prompts),
         opts.phases,
         opts.num_requests,
-        warm_up=warm_up_requests(opts),
+        warm_up=WARMUP_REQUESTS,
         calibration=CALIBRATION_REQUESTS,
         warm_up_tokens=WARMUP_TOKENS,
+        warm_up_extra=warm_up_requests(opts) - WARMUP_REQUESTS,
     )
     return dealt, ps.to_json()
 
@@ -133,7 +140,9 @@ def warm_up_requests(opts: Any) -> int:
     """Requests of the warm-up, sent at once: at least :data:`WARMUP_REQUESTS`, and as many as
     the highest concurrency level (up to ``num_requests``), so that no timed phase is the first
     to run a batch of its size (on vLLM's CPU engine a batch size met first cost one arm ~1 s
-    of TTFT at concurrency 16)."""
+    of TTFT at concurrency 16). The ones beyond :data:`WARMUP_REQUESTS` are dealt after the
+    phases' (:func:`.load.deal`), so the calibration and the phases get the same requests as
+    with a small warm-up."""
     levels = [int(ph.value) for ph in opts.phases if ph.mode == "concurrency"]
     return max([WARMUP_REQUESTS] + [min(level, opts.num_requests) for level in levels])
 
