@@ -97,7 +97,10 @@ def test_proposer_is_lossless_and_its_drafts_are_accepted(name, plain_tokens):
         assert after["live_requests"] <= 1
     if audit is not None:
         assert topk_target.describe()["rows_observed"] > 0
-        assert audit.checked > sum(len(t) for t in got) // 2
+        # adaptive asks no propose on the steps it runs without drafts (Proposer.begin_step
+        # False), so its audit sees only the steps that drafted
+        asked = events["propose"] if name == "adaptive" else sum(len(t) for t in got)
+        assert audit.checked > asked // 2
         assert not audit.mismatches, audit.mismatches[:3]
 
 
