@@ -349,6 +349,8 @@ def test_mode_chooser_measures_each_shape_then_runs_the_best_by_cost_and_expecte
     for bad in (("chain", "chain"), ("chain", "tree"), ("chain", "off", "wide")):
         with pytest.raises(ValueError):
             ModeChooser(bad)
+    with pytest.raises(ValueError, match="min_samples <= window"):
+        ModeChooser(("chain", "off"), min_samples=9, window=8)  # a shape could never be measured
     c = ModeChooser(("chain", "off"), min_samples=2, retry_every=8, max_retry_every=64)
     # a chain step costs 1.5x an undrafted one: it pays when it yields more than 1.5 tokens
     modes = _run_chooser(c, 60, 8, {"chain": 0.0015, "off": 0.001}, expected=2.5)

@@ -110,6 +110,7 @@ def build_requests(model: str, max_model_len: int, opts: Options) -> tuple[Dealt
     """The workload's prompts for the warm-up, the calibration and every phase, dealt out."""
     from vllm_graft.tools.workloads import Tokenizer, build
 
+    extra = warm_up_requests(opts) - WARMUP_REQUESTS
     (ps,) = build(
         [opts.workload],
         Tokenizer.from_model(model),
@@ -118,7 +119,7 @@ def build_requests(model: str, max_model_len: int, opts: Options) -> tuple[Dealt
             len(opts.phases),
             WARMUP_REQUESTS,
             CALIBRATION_REQUESTS,
-            warm_up_requests(opts) - WARMUP_REQUESTS,
+            extra,
         ),
         max_tokens=opts.max_tokens,
         max_model_len=max_model_len,
@@ -131,7 +132,7 @@ def build_requests(model: str, max_model_len: int, opts: Options) -> tuple[Dealt
         warm_up=WARMUP_REQUESTS,
         calibration=CALIBRATION_REQUESTS,
         warm_up_tokens=WARMUP_TOKENS,
-        warm_up_extra=warm_up_requests(opts) - WARMUP_REQUESTS,
+        warm_up_extra=extra,
     )
     return dealt, ps.to_json()
 

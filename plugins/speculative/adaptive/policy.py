@@ -193,17 +193,18 @@ class ModeChooser:
         unknown = set(modes) - {"tree", "chain", "off"}
         if unknown:
             raise ValueError(f"ModeChooser knows the modes tree, chain and off; got {sorted(unknown)}")
-        if window < 1:
-            raise ValueError(f"window must be positive, got {window}")
+        if not 1 <= min_samples <= window:
+            raise ValueError(f"need 1 <= min_samples <= window, got min_samples={min_samples}, window={window}")
         self.modes = tuple(modes)
         self.window, self.min_samples = window, min_samples
         self.retry_every = retry_every
         self.max_retry_every = max(retry_every, max_retry_every)
         self.yield_decay = yield_decay
         self.probes_per_measure = max(1, probes_per_measure)
-        #: bucket -> {mode: the last `window` step times (s)}; steps seen per bucket and mode
+        #: bucket -> {mode: the last `window` step times (s)}, and their median (kept as they
+        #: change, so choosing a step's mode sorts nothing)
         self.times: dict[int, dict[str, deque[float]]] = {}
-        self.samples: dict[int, dict[str, int]] = {}
+        self.medians: dict[int, dict[str, float]] = {}
         #: tokens per request and step, exponentially weighted, of the chain and tree shapes
         self.yields: dict[str, list[float]] = {m: [0.0, 0.0] for m in ("chain", "tree")}
         self.since: dict[int, int] = {}  # bucket -> steps since the last re-trial
@@ -229,18 +230,17 @@ class ModeChooser:
         b = self.bucket(batch_size)
         if b not in self.times:
             self.times[b] = {m: deque(maxlen=self.window) for m in self.modes}
-            self.samples[b] = {m: 0 for m in self.modes}
+            self.medians[b] = {}
         if steady:
             self.times[b][mode].append(seconds)
-            self.samples[b][mode] += 1
+            self.medians[b][mode] = median(self.times[b][mode])
         if mode in self.yields and tokens > 0:
             y = self.yields[mode]
             y[0] = y[0] * self.yield_decay + tokens / max(1, int(batch_size))
             y[1] = y[1] * self.yield_decay + 1.0
 
     def step_seconds(self, batch_size: int, mode: str) -> float | None:
-        st = self.times.get(self.bucket(batch_size), {}).get(mode)
-        return median(st) if st else None
+        return self.medians.get(self.bucket(batch_size), {}).get(mode)
 
     def tree_gain(self) -> float:
         """Measured tokens per request of a tree step over a chain step's (1.0 until both ran)."""
@@ -257,14 +257,14 @@ class ModeChooser:
         """The coming step's mode. ``expected``: tokens per request a chain step would yield at
         the current acceptance estimate (1 + a + ... + a^k)."""
         b = self.bucket(batch_size)
-        seen = self.samples.get(b)
+        seen = self.times.get(b)
         self.trying = True
         # where the acceptance says no draft pays at this batch size (the cost model's k = 0), no
         # drafting shape can win whatever it costs: it is not measured (probes still refresh the
         # acceptance)
         candidates = self.modes if expected > 1.0 else ("off",)
         for m in candidates:  # measure each shape first, the most drafting first
-            if (seen[m] if seen else 0) < self.min_samples:
+            if (len(seen[m]) if seen else 0) < self.min_samples:
                 return self._chose(m)
         goodput = self.predicted(batch_size, expected) if len(candidates) > 1 else {"off": 1.0}
         best = max(candidates, key=lambda m: (goodput[m], self.modes.index(m)))  # ties: the less drafting
@@ -284,7 +284,7 @@ class ModeChooser:
                 return self._chose(PROBE)  # a few requests draft, for their acceptance
             # measured anew: its old step times go, and the loop above runs it min_samples + 1 steps
             self.times[b][mode].clear()
-            self.samples[b][mode] = 0
+            self.medians[b].pop(mode, None)
             return self._chose(mode)
         self.trying = False
         return self._chose(best)

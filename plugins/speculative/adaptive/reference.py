@@ -5,7 +5,6 @@ or (when the wrapped proposer drafts trees) a tree."""
 from __future__ import annotations
 
 import time
-from statistics import median
 from typing import Any, Sequence
 
 from vllm_graft.hooks import Kind, Proposer, SelfSpeculativeProposer
@@ -194,10 +193,9 @@ class Adaptive(Proposer):
             "cost_c_tokens": round(self.policy.c, 2),
             "cost_samples": self.policy.cost_samples,
             "step_ms": {
-                f"B<{2**b}|{m}": round(median(v) * 1e3, 3)
-                for b, st in sorted((self.bandit.times if self.bandit else {}).items())
+                f"B<{2**b}|{m}": round(v * 1e3, 3)
+                for b, st in sorted((self.bandit.medians if self.bandit else {}).items())
                 for m, v in st.items()
-                if v
             },
             "steps_by_mode": dict(self.bandit.chosen) if self.bandit else {},
             "tree_gain": round(self.bandit.tree_gain(), 3) if self.bandit and self.drafts_trees else None,
