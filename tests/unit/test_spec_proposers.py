@@ -1,6 +1,7 @@
 """The speculative proposer plugins (token-recycling, lookahead, pooled-ngram, adaptive): their
 policies, bounded state, release on finish, and parameter validation. No vLLM, no tensors
 beyond NumPy (property-style tests use seeded random streams)."""
+
 from __future__ import annotations
 
 import random
@@ -11,7 +12,7 @@ import pytest
 from vllm_graft.hooks import Kind, Proposer, get_registry, validate
 from vllm_graft.hooks.deployment import DeploymentError
 from vllm_graft.plugins.speculative.adaptive.policy import GoodputPolicy
-from vllm_graft.plugins.speculative.lookahead.policy import TokenTrie, _size
+from vllm_graft.plugins.speculative.lookahead.policy import OwnContext, TokenTrie, _size
 from vllm_graft.plugins.speculative.pooled_ngram.policy import NgramPool, PoolStore
 from vllm_graft.plugins.speculative.token_recycling.policy import EMPTY, RecyclingMatrix, tree_paths
 
@@ -139,13 +140,65 @@ def test_lookahead_learns_from_other_requests_and_from_its_own_output():
     assert len(p.progress) == 0
 
 
+def test_own_context_matches_the_longest_most_recent_suffix_and_indexes_once():
+    own = OwnContext()
+    seq = [1, 2, 3, 4, 9, 2, 3, 5, 7, 1, 2, 3]
+    own.update(seq)
+    assert own.indexed == len(seq) - 1  # the last position has no next token yet
+    # suffix [1, 2, 3] occurred ending at position 2 (then 4); [2, 3] also at 6 (then 5)
+    at, length = own.match(seq, longest=7)
+    assert (at, length) == (2, 3) and seq[at + 1] == 4
+    assert own.match(seq, longest=2) == (6, 2)  # capped at 2: the most recent [2, 3]
+    assert own.match([*seq[:-1], 8], longest=7) == (-1, 0)  # 8 never seen before
+    assert own.match([5, 6, 7, 0, 7], longest=7, min_match=2) == (-1, 0)  # not indexed: no pair
+    grown = [*seq, 4, 9]
+    own.update(grown)  # only the new positions
+    assert own.indexed == len(grown) - 1 and own.pairs[(3, 4)] == [3, 12]
+    assert own.match(grown, longest=7) == (4, 5)  # [1 2 3 4 9] again, at 0..4
+
+
+def test_lookahead_drafts_its_own_prompt_without_inserting_it_into_the_trie():
+    p = build("lookahead", depth=6, num_speculative_tokens=3)
+    assert p.params.shared_prompts is False
+    prompt = list(range(100, 140)) + [7, 8, 9, 10, 11, 12] + list(range(200, 240)) + [7, 8]
+    assert p.propose("a", prompt, 3) == [9, 10, 11]  # from its own prompt
+    assert p.trie.num_nodes <= 6  # only the window reaching the last token went in
+    shared = build("lookahead", depth=6, num_speculative_tokens=3, shared_prompts=True)
+    assert shared.propose("a", prompt, 3) == [9, 10, 11]
+    assert shared.trie.num_nodes > 400  # every window of the prompt
+    # outputs from the first draft on are shared with other requests either way
+    for n in range(1, 11):
+        p.propose("a", prompt + list(range(50, 60))[:n], 3)
+    assert p.propose("b", [1, 50, 51], 3) == [52, 53, 54]
+    p.finish("a")
+    assert "a" not in p.own and len(p.progress) == 1
+
+
+def test_lookahead_min_prob_stops_drafts_where_the_trie_is_unsure():
+    t = TokenTrie(depth=5, max_nodes=1000)
+    for seq in ([1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 3, 7, 7]):
+        t.insert(seq)
+    # after [1 2]: 3 (4/4), then 4 (3/4), then 5 (2/3): path probabilities 1, 0.75, 0.5
+    assert t.continuation([1, 2], 3) == [3, 4, 5]
+    assert t.continuation([1, 2], 3, min_prob=0.6) == [3, 4]
+    assert t.continuation([1, 2], 3, min_prob=0.8) == [3]
+    # the likeliest nodes first: 3 (1), 4 (0.75), 5 (0.5), then at 0.25 the shallower 7 (after 3),
+    # then 6 (after 3 4) and 7 (after 3 7), the lower token id first
+    assert t.likely_tree([1, 2], 8, 3, 0.3) == ([3, 4, 5], [-1, 0, 1])  # a chain where one path dominates
+    tokens, parents = t.likely_tree([1, 2], 8, 3, 0.2)
+    assert tokens == [3, 4, 5, 7, 6, 7] and parents == [-1, 0, 1, 0, 1, 3]
+    assert t.likely_tree([1, 2], 2, 3, 0.0) == ([3, 4], [-1, 0])  # the node budget
+    assert t.likely_tree([1, 2], 8, 1, 0.0) == ([3], [-1])  # the depth limit
+    assert t.likely_tree([42], 8, 3, 0.0) == ([], [])
+
+
 # --------------------------------------------------------------------------- pooled n-gram
 def test_pool_is_shared_by_requests_with_the_same_prompt_prefix():
     p = build("pooled-ngram", prefix_tokens=4, include_prompt=False, num_speculative_tokens=3)
     prompt = [1, 2, 3, 4, 5]
     p.propose("s0", prompt + [50], 3)  # first call: prompt = tokens[:-1]
     for n in range(7, 12):
-        p.propose("s0", prompt + [50, 60, 70, 80, 90, 100][:n - 5], 3)
+        p.propose("s0", prompt + [50, 60, 70, 80, 90, 100][: n - 5], 3)
     # a sibling sample of the same prompt drafts the first sample's continuation
     assert p.propose("s1", prompt + [50], 3) == [60, 70, 80]
     # another prompt has its own pool: nothing to draft
@@ -164,8 +217,7 @@ def test_pool_prefers_the_longest_context_and_the_most_frequent_successor():
 
 def test_pools_stay_bounded_over_10000_requests_and_finish_releases_requests():
     rng = random.Random(1)
-    store = PoolStore(prefix_tokens=8, max_order=3, max_contexts=400, max_pools=16,
-                      include_prompt=True)
+    store = PoolStore(prefix_tokens=8, max_order=3, max_contexts=400, max_pools=16, include_prompt=True)
     peak = 0
     for r in range(10_000):
         prompt = [rng.randrange(20)] + [rng.randrange(1000) for _ in range(10)]
@@ -218,7 +270,8 @@ def test_adaptive_turns_off_under_load_probes_when_off_by_acceptance_and_release
 
     entry = get_registry().get(Kind.SPECULATIVE, "adaptive")
     params = entry.registration.params.model_validate(
-        {"proposer": "lookahead", "probe_every": 4, "fixed_cost_tokens": 8, "measure_goodput": False})
+        {"proposer": "lookahead", "probe_every": 4, "fixed_cost_tokens": 8, "measure_goodput": False}
+    )
     inner = Always()
     a = entry.registration.load()(params, inner=inner)
     a.begin_step(32)
@@ -249,27 +302,35 @@ def test_adaptive_state_is_bounded_over_10000_requests():
 
 
 # ------------------------------------------------------------------------------ validation
-@pytest.mark.parametrize("section, fragment", [
-    ({"plugin": "token-recycling", "params": {"k": 0}}, "params.k"),
-    ({"plugin": "token-recycling", "params": {"num_speculative_tokens": 0}}, "num_speculative_tokens"),
-    ({"plugin": "lookahead", "params": {"depth": -3}}, "params.depth"),
-    ({"plugin": "lookahead", "params": {"max_nodes": -1}}, "params.max_nodes"),
-    ({"plugin": "lookahead", "params": {"depth": 4, "min_match": 4}}, "min_match"),
-    ({"plugin": "pooled-ngram", "params": {"max_order": 0}}, "params.max_order"),
-    ({"plugin": "pooled-ngram", "params": {"prefix_tokens": -5}}, "params.prefix_tokens"),
-    ({"plugin": "pooled-ngram", "params": {"min_order": 3, "max_order": 2}}, "min_order"),
-    ({"plugin": "adaptive", "params": {"proposer": "lookahed"}}, "unknown wrapped proposer 'lookahed'"),
-    ({"plugin": "adaptive", "params": {"proposer": "adaptive"}}, "cannot wrap itself"),
-    ({"plugin": "adaptive", "params": {"proposer": "lookahead", "params": {"depth": -1}}},
-     "params of wrapped proposer 'lookahead': depth"),
-    ({"plugin": "adaptive", "params": {"proposer": "token-recycling", "params": {"k": 0}}},
-     "wrapped proposer 'token-recycling': k"),
-    ({"plugin": "adaptive", "params": {"proposer": "lookahead", "num_speculative_tokens": 0}},
-     "num_speculative_tokens"),
-    ({"plugin": "adaptive", "params": {"proposer": "lookahead", "fixed_cost_tokens": -1}},
-     "fixed_cost_tokens"),
-    ({"plugin": "adaptive", "params": {"proposer": ""}}, "unknown wrapped proposer ''"),
-])
+@pytest.mark.parametrize(
+    "section, fragment",
+    [
+        ({"plugin": "token-recycling", "params": {"k": 0}}, "params.k"),
+        ({"plugin": "token-recycling", "params": {"num_speculative_tokens": 0}}, "num_speculative_tokens"),
+        ({"plugin": "lookahead", "params": {"depth": -3}}, "params.depth"),
+        ({"plugin": "lookahead", "params": {"max_nodes": -1}}, "params.max_nodes"),
+        ({"plugin": "lookahead", "params": {"depth": 4, "min_match": 4}}, "min_match"),
+        ({"plugin": "pooled-ngram", "params": {"max_order": 0}}, "params.max_order"),
+        ({"plugin": "pooled-ngram", "params": {"prefix_tokens": -5}}, "params.prefix_tokens"),
+        ({"plugin": "pooled-ngram", "params": {"min_order": 3, "max_order": 2}}, "min_order"),
+        ({"plugin": "adaptive", "params": {"proposer": "lookahed"}}, "unknown wrapped proposer 'lookahed'"),
+        ({"plugin": "adaptive", "params": {"proposer": "adaptive"}}, "cannot wrap itself"),
+        (
+            {"plugin": "adaptive", "params": {"proposer": "lookahead", "params": {"depth": -1}}},
+            "params of wrapped proposer 'lookahead': depth",
+        ),
+        (
+            {"plugin": "adaptive", "params": {"proposer": "token-recycling", "params": {"k": 0}}},
+            "wrapped proposer 'token-recycling': k",
+        ),
+        (
+            {"plugin": "adaptive", "params": {"proposer": "lookahead", "num_speculative_tokens": 0}},
+            "num_speculative_tokens",
+        ),
+        ({"plugin": "adaptive", "params": {"proposer": "lookahead", "fixed_cost_tokens": -1}}, "fixed_cost_tokens"),
+        ({"plugin": "adaptive", "params": {"proposer": ""}}, "unknown wrapped proposer ''"),
+    ],
+)
 def test_bad_parameters_are_refused_at_deployment_validation(section, fragment):
     with pytest.raises(DeploymentError) as info:
         validate({"speculative": section}, get_registry())
@@ -499,8 +560,13 @@ def test_adaptive_over_a_tree_proposer_drafts_a_tree_a_chain_or_nothing_by_mode(
     assert tokens == list(a.inner.propose("r", history, len(tokens)))
     a._mode = "off"
     assert a.propose_tree("r", history, 16) == ([], [])
-    b = build("adaptive", proposer="lookahead", num_speculative_tokens=16, chain_tokens=2,
-              params={"tree": True, "tree_depth": 4})
+    b = build(
+        "adaptive",
+        proposer="lookahead",
+        num_speculative_tokens=16,
+        chain_tokens=2,
+        params={"tree": True, "tree_depth": 4},
+    )
     assert b.chain_max == 2
 
 
@@ -596,7 +662,10 @@ def test_token_recycling_tree_mode_drafts_the_static_tree_within_the_node_budget
 
 
 def test_lookahead_tree_mode_merges_continuations_sharing_a_prefix():
-    p = _proposer("lookahead", tree=True, tree_branches=3, tree_depth=3, depth=4, num_speculative_tokens=16)
+    # shared_prompts: the prompt's windows are in the trie, so its branches come from the prompt
+    p = _proposer(
+        "lookahead", tree=True, tree_branches=3, tree_depth=3, depth=4, num_speculative_tokens=16, shared_prompts=True
+    )
     seq = [1, 2, 3, 4, 9, 1, 2, 3, 5, 9, 1, 2, 6, 7, 9, 1, 2]
     tokens, parents = p.propose_tree("r", seq, 16)
     chains = [[tokens[i] for i in _path(parents, leaf)] for leaf in range(len(parents)) if leaf not in parents]

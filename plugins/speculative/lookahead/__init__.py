@@ -24,6 +24,21 @@ class LookaheadParams(BaseModel):
     prune_to: float = Field(
         0.75, gt=0.0, lt=1.0, description="after pruning the trie holds at most this share of max_nodes"
     )
+    shared_prompts: bool = Field(
+        False,
+        description="insert every window of every prompt into the shared trie (matches into other "
+        "requests' prompts; ~6 us of Python per prompt token at depth 8). false: each request's "
+        "prompt is matched in an index of its own (~0.3 us a token) and the trie holds the "
+        "windows from each request's first draft on",
+    )
+    min_prob: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="draft only while the continuation's estimated probability (from the trie's "
+        "counts) is at least this; with tree: true, the tree takes the likeliest nodes above it "
+        "(SuffixDecoding's greedy tree) instead of tree_branches chains. 0: every matched token",
+    )
     tree: bool = Field(
         False,
         description="draft a tree of up to tree_branches continuations "

@@ -6,27 +6,55 @@ from typing import Any, Sequence
 
 from vllm_graft.hooks import Proposer
 
-from .policy import Progress, TokenTrie
+from .policy import OwnContext, Progress, TokenTrie
 
 
 class TrieLookahead(Proposer):
-    """One trie of token windows from every request's prompt and output (see ``policy``)."""
+    """One trie of token windows shared by every request (see ``policy``). With
+    ``shared_prompts: false`` (the default) a request's prompt is matched in an index of its own
+    (:class:`~.policy.OwnContext`, with its output) and only the windows from its first draft
+    on go into the trie; with ``true`` every window of every prompt is inserted too."""
 
     def __init__(self, params: Any) -> None:
         super().__init__(params)
         self.trie = TokenTrie(params.depth, params.max_nodes, params.prune_to)
         self.progress = Progress()
-        self.proposed = self.drafted = 0
+        self.own: dict[str, OwnContext] = {}
+        self.shared_prompts = bool(getattr(params, "shared_prompts", True))
+        self.proposed = self.drafted = self.own_drafts = 0
         self.drafts_trees = bool(getattr(params, "tree", False))  # tree mode (propose_tree)
 
-    def _insert(self, request_id: str, token_ids: Sequence[int]) -> None:
+    def _insert(self, request_id: str, token_ids: Sequence[int]) -> OwnContext | None:
+        """Bring the trie (and the request's own index) up to ``token_ids``."""
+        own = None
+        if not self.shared_prompts:
+            own = self.own.get(request_id)
+            if own is None:
+                own = self.own[request_id] = OwnContext()
+                # the trie starts at the first window that reaches the last token seen now
+                self.progress.advance(request_id, max(0, len(token_ids) - self.trie.depth))
+            own.update(token_ids)
         start, stop = self.progress.advance(request_id, len(token_ids) - self.trie.depth + 1)
         self.trie.insert_range(token_ids, start, stop)
+        return own
+
+    def _chain(self, request_id: str, token_ids: Sequence[int], n: int) -> list[int]:
+        """The draft chain: the request's own text's continuation where its suffix matches
+        there at least as long as in the trie, else the trie's."""
+        p = self.params
+        own = self._insert(request_id, token_ids)
+        if n <= 0:
+            return []
+        node, length = self.trie.match(token_ids, n, p.min_match)
+        if own is not None:
+            at, own_length = own.match(token_ids, self.trie.depth - 1, p.min_match)
+            if own_length and own_length >= length:
+                self.own_drafts += 1
+                return list(token_ids[at + 1 : at + 1 + n])
+        return [] if node is None else self.trie._follow(node, [], n, p.min_prob)
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
-        self._insert(request_id, token_ids)
-        n = min(max_tokens, self.params.num_speculative_tokens)
-        drafts = self.trie.continuation(token_ids, n, self.params.min_match)
+        drafts = self._chain(request_id, token_ids, min(max_tokens, self.params.num_speculative_tokens))
         self.proposed += 1
         self.drafted += len(drafts)
         return drafts
@@ -34,16 +62,24 @@ class TrieLookahead(Proposer):
     def propose_tree(self, request_id: str, token_ids: Sequence[int], max_nodes: int) -> tuple[list[int], list[int]]:
         from .._tree import DraftTree
 
-        self._insert(request_id, token_ids)
         p = self.params
-        tree = DraftTree.from_chains(self.trie.branches(token_ids, p.tree_depth, p.tree_branches, p.min_match))
         self.proposed += 1
-        n = min(len(tree), max_nodes)
+        limit = min(max_nodes, p.num_speculative_tokens)
+        first = self._chain(request_id, token_ids, p.tree_depth)  # the chain, as the first branch
+        if p.min_prob > 0.0:
+            tokens, parents = self.trie.likely_tree(token_ids, limit, p.tree_depth, p.min_prob, p.min_match)
+            trie_tree = DraftTree(tokens, parents) if tokens else None
+            others = [[tokens[i] for i in path] for path in trie_tree.paths()] if trie_tree is not None else []
+        else:
+            others = self.trie.branches(token_ids, p.tree_depth, p.tree_branches, p.min_match)
+        tree = DraftTree.from_chains([first, *others])
+        n = min(len(tree), limit)
         self.drafted += n
         return tree.tokens[:n].tolist(), tree.parents[:n].tolist()
 
     def finish(self, request_id: str) -> None:
         self.progress.release(request_id)
+        self.own.pop(request_id, None)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -53,4 +89,5 @@ class TrieLookahead(Proposer):
             "live_requests": len(self.progress),
             "proposals": self.proposed,
             "drafted": self.drafted,
+            "own_context_drafts": self.own_drafts,
         }
