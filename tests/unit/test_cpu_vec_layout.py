@@ -105,7 +105,12 @@ def test_an_unverified_isa_is_refused_in_the_log(caplog):
     kv = torch.full((2, 2, 32, 128), float("nan"), dtype=torch.bfloat16)
     slots, key, value = _tokens(2, 2, 32, 64, torch.bfloat16)
     slots = slots.abs()
-    _vllm_write(kv, key, value, slots, "amx")
+    try:
+        _vllm_write(kv, key, value, slots, "amx")
+    except RuntimeError as e:  # vLLM's amx write refuses to run on a CPU without AMX (e.g. AMD EPYC)
+        if "Unsupported CPU attention configuration" not in str(e):
+            raise
+        pytest.skip(f"vLLM's amx cache write does not run on this CPU ({e}); the refusal above was checked")
     k, _ = CPU_VEC.split(kv)
     assert not torch.equal(k[slots // 32, :, slots % 32], key)
 
