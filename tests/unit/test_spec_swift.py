@@ -333,6 +333,14 @@ class FakeLinear(torch.nn.Module):
         return x @ self.w.T, None
 
 
+class _Apply:
+    def apply(self, layer, x, bias=None):  # vLLM's LinearMethodBase.apply(layer, x, bias)
+        return x @ layer.w.T
+
+
+UnquantizedLinearMethod.apply = _Apply.apply
+
+
 class FakeNorm:
     """Stands in for vLLM's RMSNorm layer: called with ``x``."""
 
@@ -400,7 +408,10 @@ def test_adapter_describes_a_vllm_llama_and_shares_its_tensors():
     model = fake_vllm_llama(w)
     got = target_weights(model, vllm_config())
     layer = model.model.layers[2]
-    assert got.layers[2].input_norm is layer.input_layernorm  # the target's own layers, called
+    # the norms' own weights, shared (one F.rms_norm op each), the linear layers called
+    for norm, theirs in ((got.layers[2].input_norm, layer.input_layernorm), (got.final_norm, model.model.norm)):
+        ours = getattr(norm, "weight", norm)  # the weight, or vLLM's C++ kernel over it where vLLM is loaded
+        assert ours.data_ptr() == theirs.weight.data_ptr()
     assert got.layers[2].qkv.__defaults__[0] is layer.self_attn.qkv_proj
     assert got.rope is layer.self_attn.rotary_emb
     assert got.rope_cos_sin is layer.self_attn.rotary_emb.cos_sin_cache
@@ -408,6 +419,38 @@ def test_adapter_describes_a_vllm_llama_and_shares_its_tensors():
     for skip in (frozenset(), frozenset({3, 4})):
         torch.testing.assert_close(SkipDecoder(got).forward(toks, skip), SkipDecoder(w).forward(toks, skip),
                                    atol=1e-5, rtol=1e-5)
+
+
+def test_adapter_calls_a_norm_it_cannot_apply_as_a_weight():
+    """A norm with another epsilon than the model's stays the target's callable layer."""
+    from vllm_graft.integration.adapters.speculative.target import target_weights
+
+    w = random_weights()
+    model = fake_vllm_llama(w)
+    odd = model.model.layers[1].input_layernorm
+    odd.variance_epsilon = 1e-3
+    got = target_weights(model, vllm_config())
+    assert got.layers[1].input_norm is odd
+    assert got.layers[0].input_norm is not model.model.layers[0].input_layernorm
+    toks = list(range(20))
+    torch.testing.assert_close(SkipDecoder(got).forward(toks), SkipDecoder(w).forward(toks), atol=1e-5, rtol=1e-5)
+
+
+def test_adapter_norm_through_vllms_kernel_is_the_norm():
+    """Where vLLM's C++ kernels are loaded, a norm is applied by its ``rms_norm`` op: the same
+    values as the plain RMSNorm (fp32 and bf16)."""
+    pytest.importorskip("vllm._custom_ops")
+    from vllm_graft.integration.adapters.speculative.target import _FusedRMSNorm
+    from vllm_graft.plugins.speculative.swift.reference import rms_norm
+
+    op = getattr(torch.ops._C, "rms_norm", None)
+    if op is None:
+        pytest.skip("vLLM's rms_norm kernel is not loaded")
+    g = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        x = torch.randn(3, 256, generator=g).to(dtype)
+        w = (1 + 0.1 * torch.randn(256, generator=g)).to(dtype)
+        torch.testing.assert_close(_FusedRMSNorm(w, 1e-5, op)(x), rms_norm(x, w, 1e-5), atol=tol, rtol=tol)
 
 
 def test_adapter_refuses_what_it_cannot_describe():

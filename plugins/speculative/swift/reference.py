@@ -15,8 +15,14 @@ step's bonus token (drafts it proposed and the target accepted are already in it
 are rolled back: the cache is cut to the longest prefix it shares with the request's tokens).
 
 No Triton kernel: the draft forward is a few dense matmuls per token (the projections are
-the target's own linear layers inside vLLM), RMSNorm, RoPE and two matmuls of attention
-over a short dense cache; nothing here is a kernel-shaped hot loop of its own.
+the target's own linear layers inside vLLM), RMSNorm, RoPE and one fused
+``scaled_dot_product_attention`` over a short dense cache; nothing here is a kernel-shaped hot
+loop of its own. At batch 1 on the CPU a draft forward of a small model costs its op count
+(microseconds per op) more than its arithmetic, so each step is kept to few ops: the rotation's
+``cos``/``sin`` rows are looked up once per forward for every layer, q and k are rotated together
+in one ``addcmul``, attention is one op, the LM head runs on the last position only, and without
+a confidence threshold the draft token is an ``argmax`` (no softmax over the vocabulary).
+``benchmarks/swift_draft.py`` times a draft forward's pieces against a plain vLLM step.
 
 Paper: Xia et al., SWIFT: On-the-Fly Self-Speculative Decoding for LLM Inference
 Acceleration (ICLR 2025); Zhang et al., Draft & Verify (ACL 2024).
@@ -44,13 +50,11 @@ def _apply(proj: Any, x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: Any, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm, computed in float32 and cast back, as vLLM and transformers do
-    (``weight`` a tensor; a callable is the target's own norm, applied as is)."""
+    """Llama's RMSNorm (``weight`` a tensor: one ``F.rms_norm`` op, which reduces in float32 for
+    half-precision inputs; a callable is the target's own norm, applied as is)."""
     if not isinstance(weight, torch.Tensor):
         return weight(x)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return xf.to(x.dtype) * weight
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 class DraftCache:
@@ -112,6 +116,7 @@ class SkipDecoder:
         self.kv_size = w.num_kv_heads * w.head_dim
         self.scale = w.head_dim**-0.5
         self._cos_sin: torch.Tensor | None = w.rope_cos_sin
+        self._rot: torch.Tensor | None = None  # see rotation()
 
     # ---- pieces
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -146,53 +151,76 @@ class SkipDecoder:
         half = self.rotary_dim // 2
         return cs[:, :half], cs[:, half:]
 
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """NeoX rotation of ``x [T, heads, head_dim]``'s first ``rotary_dim`` dimensions."""
+    def rotation(
+        self, positions: torch.Tensor, dtype: torch.dtype, need: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos2, sin2)``, each ``[T, 1, rotary_dim]``: ``[cos, cos]`` and ``[-sin, sin]`` at
+        ``positions``, so that NeoX's rotation is ``x * cos2 + roll(x, rotary_dim / 2) * sin2``
+        (computed once per forward, shared by every layer)."""
+        need = int(positions.max()) + 1 if need is None else need
+        rot = self._rot
+        if rot is None or rot.shape[0] < need or rot.dtype != dtype or rot.device != positions.device:
+            # [positions, 2, rotary_dim] for the positions seen so far (doubling, at most the
+            # target's table): one index per forward after that
+            cap = max(need, 256, 2 * rot.shape[0] if rot is not None else 0)
+            limit = self.w.rope_cos_sin.shape[0] if self.w.rope_cos_sin is not None else None
+            if limit is not None and need > limit:
+                raise ValueError(f"position {need - 1} is past the target's RoPE table ({limit} positions)")
+            cap = cap if limit is None else min(cap, limit)
+            cos, sin = self.cos_sin(torch.arange(cap, device=positions.device), dtype, need=cap)
+            rot = self._rot = torch.stack([torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)], dim=1)
+        r = rot[positions]
+        return r[:, 0:1], r[:, 1:2]
+
+    def rope(self, x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+        """NeoX rotation of ``x [T, heads, head_dim]``'s first ``rotary_dim`` dimensions
+        (``cos2, sin2`` from :meth:`rotation`): ``[x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]``."""
         r = self.rotary_dim
-        half = r // 2
-        x1, x2, rest = x[..., :half], x[..., half:r], x[..., r:]
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+        if r == x.shape[-1]:
+            return torch.addcmul(x * cos2, x.roll(r // 2, dims=-1), sin2)
+        xr = x[..., :r]
+        return torch.cat([torch.addcmul(xr * cos2, xr.roll(r // 2, dims=-1), sin2), x[..., r:]], dim=-1)
 
     def attention(
         self,
         i: int,
         x: torch.Tensor,
         positions: torch.Tensor,
-        cos: Any,
-        sin: Any,
+        cos2: Any,
+        sin2: Any,
         cache: DraftCache | None,
         start: int,
-        hidden: torch.Tensor | None = None,
+        seen: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``hidden [n, start + n]``: the causal mask (True: key not seen), for ``n > 1``."""
+        """Attention sub-layer ``i`` of ``x [n, hidden]`` (normed) at positions ``start ..``.
+        ``cos2, sin2``: :meth:`rotation` (``None``: the target's own rotary op ``w.rope``).
+        ``seen [n, start + n]`` (True: the query sees the key) for ``n > 1`` after a cache
+        (``start > 0``); ``n > 1`` from position 0 is plainly causal."""
         w, layer = self.w, self.w.layers[i]
-        n = x.shape[0]
+        n, heads, kv_heads, dim = x.shape[0], w.num_heads, w.num_kv_heads, w.head_dim
         qkv = _apply(layer.qkv, x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if w.rope is not None:  # the target's own rotary op
+        if cos2 is not None:  # q and k rotated together: one rotation per layer
+            qk = self.rope(qkv[:, : self.q_size + self.kv_size].view(n, heads + kv_heads, dim), cos2, sin2)
+            q, k = qk[:, :heads], qk[:, heads:]
+        else:  # the target's own rotary op
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q, k = w.rope(positions, q.contiguous(), k.contiguous())
-            q = q.reshape(n, w.num_heads, w.head_dim)
-            k = k.reshape(n, w.num_kv_heads, w.head_dim)
-        else:
-            q = self.rope(q.reshape(n, w.num_heads, w.head_dim), cos, sin)
-            k = self.rope(k.reshape(n, w.num_kv_heads, w.head_dim), cos, sin)
-        v = v.reshape(n, w.num_kv_heads, w.head_dim)
+            q, k = q.reshape(n, heads, dim), k.reshape(n, kv_heads, dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(n, kv_heads, dim)
         k, v = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, n, head_dim]
         if cache is not None:
             k, v = cache.write(i, k, v, start)
-        # grouped-query attention as two batched matmuls per KV head: queries [kv_heads,
-        # group * n, head_dim] against keys [kv_heads, total, head_dim]
-        total, group = k.shape[1], w.num_heads // w.num_kv_heads
-        qg = q.reshape(n, w.num_kv_heads, group, w.head_dim).permute(1, 2, 0, 3)
-        scores = torch.matmul(qg.reshape(w.num_kv_heads, group * n, w.head_dim), k.transpose(1, 2)).float() * self.scale
-        if hidden is not None:
-            scores = scores.view(w.num_kv_heads, group, n, total).masked_fill(hidden, float("-inf"))
-            scores = scores.view(w.num_kv_heads, group * n, total)
-        out = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)  # [kv_heads, group*n, D]
-        out = out.view(w.num_kv_heads, group, n, w.head_dim).permute(2, 0, 1, 3)
-        return _apply(layer.o, out.reshape(n, self.q_size))
+        # one fused op: queries [1, heads, n, D] against keys/values [1, kv_heads, total, D]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k[None],
+            v[None],
+            attn_mask=seen,
+            is_causal=n > 1 and seen is None,
+            scale=self.scale,
+            enable_gqa=heads != kv_heads,
+        )
+        return _apply(layer.o, out[0].transpose(0, 1).reshape(n, self.q_size))
 
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         layer = self.w.layers[i]
@@ -202,33 +230,39 @@ class SkipDecoder:
     # ---- the forward
     @torch.inference_mode()
     def forward(
-        self, tokens: Sequence[int], skip: frozenset[int] = frozenset(), cache: DraftCache | None = None
+        self,
+        tokens: Sequence[int],
+        skip: frozenset[int] = frozenset(),
+        cache: DraftCache | None = None,
+        last_only: bool = False,
     ) -> torch.Tensor:
         """Logits ``[len(tokens), vocab]`` (float32) after each of ``tokens``, which follow the
-        cache's tokens (positions from ``len(cache)``; no cache: positions from 0). The
+        cache's tokens (positions from ``len(cache)``; no cache: positions from 0); with
+        ``last_only``, ``[1, vocab]`` after the last one (the LM head runs on it alone). The
         cache, if given, must have been filled with the same ``skip``; it gains ``tokens``."""
         if cache is not None and cache.skip != skip:
             raise ValueError(f"the cache was filled skipping {sorted(cache.skip)}, not {sorted(skip)}")
         w = self.w
         start = len(cache) if cache is not None else 0
+        n = len(tokens)
         dev = self.device()
-        ids = torch.as_tensor(list(tokens), dtype=torch.long, device=dev)
-        positions = torch.arange(start, start + len(ids), device=dev)
+        ids = torch.as_tensor(tokens if isinstance(tokens, list) else list(tokens), dtype=torch.long, device=dev)
+        positions = torch.arange(start, start + n, device=dev)
         h = self.embed(ids)
-        cos = sin = None
-        if w.rope is None:
-            cos, sin = self.cos_sin(positions, h.dtype, need=start + len(ids))
+        cos2 = sin2 = None
+        if w.rope_cos_sin is not None or w.rope is None:  # the table: one rotation for every layer
+            cos2, sin2 = self.rotation(positions, h.dtype, need=start + n)
         # query j (position start + j) sees keys 0 .. start + j: one mask for every layer
-        hidden = torch.arange(start + len(ids), device=dev)[None, :] > positions[:, None] if len(ids) > 1 else None
-        for i in range(self.num_layers):
-            layer = w.layers[i]
+        seen = torch.arange(start + n, device=dev)[None, :] <= positions[:, None] if n > 1 and start else None
+        eps = w.rms_norm_eps
+        for i, layer in enumerate(w.layers):
             if 2 * i not in skip:
-                h = h + self.attention(
-                    i, rms_norm(h, layer.input_norm, w.rms_norm_eps), positions, cos, sin, cache, start, hidden
-                )
+                h = h + self.attention(i, rms_norm(h, layer.input_norm, eps), positions, cos2, sin2, cache, start, seen)
             if 2 * i + 1 not in skip:
-                h = h + self.mlp(i, rms_norm(h, layer.post_attention_norm, w.rms_norm_eps))
-        logits = _apply(w.lm_head, rms_norm(h, w.final_norm, w.rms_norm_eps))
+                h = h + self.mlp(i, rms_norm(h, layer.post_attention_norm, eps))
+        if last_only:
+            h = h[-1:]
+        logits = _apply(w.lm_head, rms_norm(h, w.final_norm, eps))
         if cache is not None:
             cache.tokens.extend(int(t) for t in tokens)
         return logits[:, : w.vocab_size].float()
@@ -359,21 +393,24 @@ class Swift(SelfSpeculativeProposer):
         keep = min(keep, len(token_ids) - 1)  # the last token is fed for its logits
         cache.truncate(keep)
         tail = token_ids[keep:]
-        logits = d.forward(tail, skip, cache)[-1]
+        logits = d.forward(tail, skip, cache, last_only=True)[0]
         cache.verified = len(token_ids)
         self.stats["fed_tokens"] += len(tail)
         forwards = 1
         drafts: list[int] = []
         n = min(max_tokens, p.num_speculative_tokens)
         while len(drafts) < n:
-            probs = torch.softmax(logits, dim=-1)
-            top_p, top = probs.max(dim=-1)
-            if float(top_p) < p.confidence:
-                self.stats["stopped_low_confidence"] += 1
-                break
-            drafts.append(int(top))
+            if p.confidence > 0:
+                top_p, top_t = torch.softmax(logits, dim=-1).max(dim=-1)
+                if float(top_p) < p.confidence:
+                    self.stats["stopped_low_confidence"] += 1
+                    break
+                top = int(top_t)
+            else:  # no early stop: the greedy token alone (no softmax over the vocabulary)
+                top = int(logits.argmax())
+            drafts.append(top)
             if len(drafts) < n:
-                logits = d.forward([int(top)], skip, cache)[-1]
+                logits = d.forward([top], skip, cache)[0]
                 forwards += 1
         self.stats["proposals"] += 1
         self.stats["drafted"] += len(drafts)
