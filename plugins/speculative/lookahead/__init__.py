@@ -31,6 +31,13 @@ class LookaheadParams(BaseModel):
         "prompt is matched in an index of its own (~0.3 us a token) and the trie holds the "
         "windows from each request's first draft on",
     )
+    spec_factor: float = Field(
+        0.0,
+        ge=0.0,
+        description="with > 0, a draft is at most ceil(spec_factor x the matched suffix's length) "
+        "tokens (SuffixDecoding's max_spec_factor): a long match (copying) drafts long, a one-token "
+        "match little. 0: num_speculative_tokens whatever the match",
+    )
     min_prob: float = Field(
         0.0,
         ge=0.0,

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 from vllm_graft.hooks import Proposer
 
 from .policy import OwnContext, Progress, TokenTrie
+
+
+#: the longest suffix matched in a request's own text (longer matches, e.g. copying, draft longer
+#: with ``spec_factor``)
+OWN_LONGEST = 32
 
 
 class TrieLookahead(Proposer):
@@ -47,11 +53,16 @@ class TrieLookahead(Proposer):
             return []
         node, length = self.trie.match(token_ids, n, p.min_match)
         if own is not None:
-            at, own_length = own.match(token_ids, self.trie.depth - 1, p.min_match)
+            at, own_length = own.match(token_ids, max(self.trie.depth - 1, OWN_LONGEST), p.min_match)
             if own_length and own_length >= length:
                 self.own_drafts += 1
-                return list(token_ids[at + 1 : at + 1 + n])
-        return [] if node is None else self.trie._follow(node, [], n, p.min_prob)
+                return list(token_ids[at + 1 : at + 1 + self._cap(n, own_length)])
+        return [] if node is None else self.trie._follow(node, [], self._cap(n, length), p.min_prob)
+
+    def _cap(self, n: int, matched: int) -> int:
+        """The draft length after a match of ``matched`` tokens (``spec_factor``)."""
+        f = self.params.spec_factor
+        return n if f <= 0.0 else min(n, math.ceil(f * matched))
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         drafts = self._chain(request_id, token_ids, min(max_tokens, self.params.num_speculative_tokens))
