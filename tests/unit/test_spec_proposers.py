@@ -174,6 +174,18 @@ def test_lookahead_drafts_its_own_prompt_without_inserting_it_into_the_trie():
     assert "a" not in p.own and len(p.progress) == 1
 
 
+def test_lookahead_spec_factor_drafts_long_only_after_long_matches():
+    p = build("lookahead", depth=6, num_speculative_tokens=12, spec_factor=1.0)
+    body = list(range(300, 320))
+    # copying: the last 10 tokens occurred before, so 10 tokens may be drafted (of 12)
+    seq = [1, 2, *body, 5, 6, *body[:10]]
+    assert p.propose("a", seq, 12) == body[10:20]
+    # one token matched (7 seen once before): one token drafted
+    assert p.propose("b", [7, 8, 9, 9, 9, 400, 7], 12) == [8]
+    unlimited = build("lookahead", depth=6, num_speculative_tokens=12)
+    assert unlimited.propose("b", [7, 8, 9, 9, 9, 400, 7], 12) == [8, 9, 9, 9, 400, 7]
+
+
 def test_lookahead_min_prob_stops_drafts_where_the_trie_is_unsure():
     t = TokenTrie(depth=5, max_nodes=1000)
     for seq in ([1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 3, 7, 7]):
