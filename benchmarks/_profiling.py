@@ -49,3 +49,21 @@ def run_in_child(target: Callable[..., None], *args: Any, what: str) -> Any:
         sys.exit(f"{what} failed (exit code {proc.exitcode})")
     proc.join()
     return row
+
+
+def child_engine_setup(path: str, workload: str, num_prompts: int, max_tokens: int) -> tuple[Any, Any, Any]:
+    """In a child process about to run one in-process engine (the model in this process, for
+    the profiler): ``(launch, plan, prompts)``: the launcher module (its ``in_process_engine``),
+    the deployment's plan, and the workload's prompt set (``.prompts``, each with ``token_ids``)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm_graft.cli import launch
+    from vllm_graft.integration.plan import plan_for
+    from vllm_graft.tools import workloads as W
+
+    launch.apply_env_defaults(in_process=True)
+    plan = plan_for(path)
+    model = plan.model.path if plan.model is not None else plan.deployment.model
+    max_len = int(plan.deployment.engine.get("max_model_len") or 2048)
+    (ps,) = W.build([workload], W.Tokenizer.from_model(model), num_prompts=num_prompts, max_tokens=max_tokens,
+                    max_model_len=max_len)
+    return launch, plan, ps

@@ -17,32 +17,21 @@ calls. Perplexity and output equality are the bench's business, not this script'
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _profiling import label, outermost_ours, run_in_child  # noqa: E402
+from _profiling import child_engine_setup, label, outermost_ours, run_in_child  # noqa: E402
 
 
 def _child(path: str, graft: bool, settings: dict, out) -> None:
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import cProfile
     import pstats
     import time
 
-    from vllm_graft.cli import launch
-    from vllm_graft.integration.plan import plan_for
-    from vllm_graft.tools import workloads as W
-
-    launch.apply_env_defaults(in_process=True)
+    launch, plan, ps = child_engine_setup(path, settings["workload"], settings["num_prompts"], settings["max_tokens"])
     from vllm import SamplingParams
 
-    plan = plan_for(path)
-    model = plan.model.path if plan.model is not None else plan.deployment.model
-    max_len = int(plan.deployment.engine.get("max_model_len") or 2048)
-    (ps,) = W.build([settings["workload"]], W.Tokenizer.from_model(model), num_prompts=settings["num_prompts"],
-                    max_tokens=settings["max_tokens"], max_model_len=max_len)
     prompts = [{"prompt_token_ids": list(p.token_ids)} for p in ps.prompts]
     params = SamplingParams(temperature=0.0, max_tokens=settings["max_tokens"], ignore_eos=True)
     with launch.in_process_engine(plan, graft=graft) as llm:

@@ -26,36 +26,20 @@ The figures are per-process medians on this machine's torch threads: run it unde
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _profiling import ROOT, run_in_child  # noqa: E402
+from _profiling import ROOT, child_engine_setup, run_in_child  # noqa: E402
 from _timing import median_ms  # noqa: E402
 
 
 def _child(path: str, graft: bool, settings: dict, out) -> None:
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm_graft.cli import launch
-    from vllm_graft.integration.plan import plan_for
-    from vllm_graft.tools import workloads as W
-
-    launch.apply_env_defaults(in_process=True)
+    launch, plan, ps = child_engine_setup(path, settings["workload"], 1, settings["max_tokens"])
     from vllm import SamplingParams
 
-    plan = plan_for(path)
-    model = plan.model.path if plan.model is not None else plan.deployment.model
-    max_len = int(plan.deployment.engine.get("max_model_len") or 2048)
-    (ps,) = W.build(
-        [settings["workload"]],
-        W.Tokenizer.from_model(model),
-        num_prompts=1,
-        max_tokens=settings["max_tokens"],
-        max_model_len=max_len,
-    )
     prompt_ids = list(ps.prompts[0].token_ids)
     params = SamplingParams(temperature=0.0, max_tokens=settings["max_tokens"], ignore_eos=True)
     row: dict = {"prompt_tokens": len(prompt_ids)}
