@@ -5,7 +5,8 @@ then runs vLLM's expert path on the kept (token, expert) pairs only
 (``integration/adapters/moe/skip.py``). Checked here on vLLM's real layers and kernel:
 
 * the layer output with the skip equals the weight-0 route (the same layer, the same routing,
-  pruned slots computed with weight 0) bit for bit in float32, through the whole MoE layer with
+  pruned slots computed with weight 0) bit for bit in float32 (to float32 rounding on CPUs
+  without AVX-512: ``BIT_EXACT``), through the whole MoE layer with
   dynamic-topk's routing and through the experts with hand-made routings (a pruned first slot,
   a token with no kept slot);
 * in half precision (vLLM's ``cpu_fused_moe`` directly): tokens with one kept slot bit for bit,
@@ -38,6 +39,18 @@ PROMPTS = [
     "def read_config(path):\n    \"\"\"Return the parsed contents of the file at *path*.\"\"\"\n    with open(path",
 ]
 NEW_TOKENS = 24
+#: vLLM's float32 CPU MoE kernel gave a token's row bit for bit whatever other rows a call held on
+#: the AVX-512 machines these tests were written on; on an AVX2 CPU (AMD EPYC) its sums differ in
+#: the last bits (up to ~5e-7 of values ~1) with the rows a call holds, so there the skip is
+#: checked to float32 rounding instead of bit for bit.
+BIT_EXACT = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit where the kernel is (AVX-512), else within float32 rounding of the values."""
+    if BIT_EXACT:
+        return torch.equal(a, b)
+    return bool(((a - b).abs() <= 8 * torch.finfo(torch.float32).eps * b.abs().amax().clamp(min=1.0)).all())
 
 
 def _layers(llm, cls):
@@ -105,7 +118,10 @@ def test_greedy_tokens_identical_with_and_without_the_skip_and_skips_counted(eng
     assert all(len(t) == NEW_TOKENS for t in tokens)
     for name in ("default", "off"):
         assert runs[name][0] == tokens
-        assert runs[name][1] == logprobs  # bit for bit
+        if BIT_EXACT:
+            assert runs[name][1] == logprobs  # bit for bit
+        else:  # the sums' last bits (see BIT_EXACT), over 24 tokens' log-probabilities
+            assert runs[name][1] == pytest.approx(logprobs, rel=1e-6, abs=1e-5)
         assert runs[name][3]["expert_evaluations"] == described["expert_evaluations"]
     saved = described["evaluations_topk"] - described["expert_evaluations"]
     assert saved > 0.2 * described["evaluations_topk"]
@@ -142,7 +158,7 @@ def test_moe_layer_output_with_the_skip_is_the_weight0_route_bit_for_bit(engine)
             full = runner._forward_impl(x, logits, None)
             exp.graft_skip = True
         assert skipped.dtype == full.dtype == torch.float32
-        assert torch.equal(skipped, full), (skipped - full).abs().max()
+        assert _same(skipped, full), (skipped - full).abs().max()
 
 
 def test_experts_skip_any_weight0_slot_exactly(engine):
@@ -174,7 +190,7 @@ def test_experts_skip_any_weight0_slot_exactly(engine):
             out, kept = run_kept(x, w.contiguous(), ids, rows)
             full = RoutedExperts.forward_modular(exp, x, w.contiguous(), ids)
         assert calls == [kept] and kept == int((w != 0).sum()) < T * k  # one kernel call, kept rows only
-        assert torch.equal(out, full), (out - full).abs().max()
+        assert _same(out, full), (out - full).abs().max()
         assert torch.equal(out[2], torch.zeros_like(out[2]))
 
 
