@@ -225,9 +225,13 @@ class Runtime:
                 "state_sizes": state_sizes,
             }
             self._last_sizes = state_sizes
-            with open(path + ".tmp", "w") as f:
+            # a temporary file per writing thread: the reporter thread and a final or requested
+            # report may write at once, and two writers of one temporary file interleave (a
+            # report with a shorter one's text over its start: "Extra data" to a JSON reader)
+            tmp = f"{path}.{threading.get_ident()}.tmp"
+            with open(tmp, "w") as f:
                 json.dump(data, f, default=str)
-            os.replace(path + ".tmp", path)
+            os.replace(tmp, path)
         except OSError as e:
             log.warning(
                 "vllm-graft: cannot write the plugin report to %s (%s); %s is ignored from now on",
