@@ -95,11 +95,6 @@ class TokenTrie:
                 return None
         return node
 
-    def _match(self, tokens: Sequence[int], max_tokens: int, min_match: int) -> _Node | None:
-        """The node of the longest suffix of ``tokens`` that the trie holds with a child (see
-        :meth:`continuation`), or None."""
-        return self.match(tokens, max_tokens, min_match)[0]
-
     def match(self, tokens: Sequence[int], max_tokens: int, min_match: int = 1) -> tuple[_Node | None, int]:
         """``(node, length)``: the node of the longest suffix of ``tokens`` that the trie holds
         with a child and that suffix's length, or ``(None, 0)``."""
@@ -135,7 +130,7 @@ class TokenTrie:
         match leaves room for ``max_tokens`` drafts in a window), but at least
         ``min_match``, down to ``min_match``. With ``min_prob`` the continuation stops before
         the first token at which its estimated probability falls below it (see :meth:`_follow`)."""
-        node = self._match(tokens, max_tokens, min_match)
+        node, _ = self.match(tokens, max_tokens, min_match)
         return [] if node is None or max_tokens <= 0 else self._follow(node, [], max_tokens, min_prob)
 
     def likely_tree(
@@ -148,7 +143,7 @@ class TokenTrie:
         ``min_prob``, up to ``max_nodes`` nodes and ``max_depth`` levels. Where one
         continuation dominates the tree is a chain; it branches only where the trie is unsure
         (the greedy tree of SuffixDecoding, Oliaro et al., arXiv:2411.04975)."""
-        node = self._match(tokens, max_depth, min_match)
+        node, _ = self.match(tokens, max_depth, min_match)
         out_tokens: list[int] = []
         parents: list[int] = []
         if node is None or max_nodes <= 0 or max_depth <= 0:
@@ -180,7 +175,7 @@ class TokenTrie:
         :meth:`continuation`'s; each next one leaves an earlier chain at the most frequent
         child not yet in a chain (highest count; ties: the shallower, then the lower token id)
         and follows the most frequent children from there. ``[]`` when nothing matches."""
-        node = self._match(tokens, max_tokens, min_match)
+        node, _ = self.match(tokens, max_tokens, min_match)
         if node is None or max_tokens <= 0 or max_branches <= 0:
             return []
         chains: list[list[int]] = []

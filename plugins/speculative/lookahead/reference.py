@@ -26,7 +26,7 @@ class TrieLookahead(Proposer):
         self.trie = TokenTrie(params.depth, params.max_nodes, params.prune_to)
         self.progress = Progress()
         self.own: dict[str, OwnContext] = {}
-        self.shared_prompts = bool(getattr(params, "shared_prompts", True))
+        self.shared_prompts = bool(params.shared_prompts)
         self.proposed = self.drafted = self.own_drafts = 0
         self.drafts_trees = bool(getattr(params, "tree", False))  # tree mode (propose_tree)
 
