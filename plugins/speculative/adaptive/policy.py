@@ -18,22 +18,7 @@ takes each step's wall time and its number of target tokens (requests + drafts v
 and keeps an exponentially weighted least-squares fit ``time = a + b * tokens``; once the
 fit has enough spread in ``tokens`` and a positive slope, ``c = a / b`` replaces
 ``fixed_cost_tokens`` (the prior). Steps longer than ``max_step_s`` (idle time between
-requests) are left out. The caller gives it the steps that verified drafts only: ``k``
-trades one drafting step for a longer one, and a step without drafts runs another path
-(vLLM's plain sampler, no drafting), whose lower cost would tilt the line (on the CPU engine
-at batch 32: 8 ms for 32 tokens without drafts, 17 ms for 80 and 20 ms for 138 with them, so
-a line through all three puts ``c`` near 14 tokens, where the drafting steps alone put it
-near 250: the fit there gave 256-280). Whether a step drafts at all is :class:`ModeChooser`'s choice, from measured
-step times.
-
-The acceptance over all requests (the estimate a new request starts from, and the one that
-decides whether a step drafts at all) decays once per step, not per observation: a step of
-32 requests is 32 observations, and a per-observation decay of 0.9 would remember a third of
-one step (the requests last in the batch's order).
-
-The wrapped proposer does not always have a draft (lookahead with nothing matching gives
-none): the share of the draft tokens asked that it gave (:meth:`GoodputPolicy.supply_rate`)
-scales the expected yield of a drafting step, whose acceptance counts only drafts given.
+requests) are left out.
 """
 
 from __future__ import annotations
@@ -67,8 +52,7 @@ class GoodputPolicy:
         self.prior, self.prior_weight, self.decay = prior_acceptance, prior_weight, decay
         self.probe_every = probe_every
         self.stats: dict[str, list[float]] = {}  # request id -> [successes, failures, steps at 0]
-        self.total = [0.0, 0.0]  # over all requests, decayed once per step
-        self.supply = [0.0, 0.0]  # draft tokens the wrapped proposer gave, and those asked of it
+        self.total = [0.0, 0.0]  # decayed over all requests
         self.batch_size = 1
         self.chosen: dict[int, int] = {}  # histogram of chosen lengths
         self.prior_c = fixed_cost_tokens
@@ -107,32 +91,9 @@ class GoodputPolicy:
 
     def begin_step(self, batch_size: int) -> None:
         self.batch_size = max(1, int(batch_size))
-        for acc in (self.total, self.supply):
-            acc[0] *= self.decay
-            acc[1] *= self.decay
 
     def _estimate(self, s: float, f: float, prior: float) -> float:
         return (s + prior * self.prior_weight) / (s + f + self.prior_weight)
-
-    def supplied(self, asked: int, given: int) -> None:
-        """The wrapped proposer was asked for ``asked`` draft tokens and gave ``given`` (a
-        proposer with nothing to match gives none: the acceptance above counts drafts given)."""
-        self.supply[0] += given
-        self.supply[1] += asked
-
-    def supply_rate(self) -> float:
-        """The share of the draft tokens asked that the wrapped proposer gave (1 before any ask)."""
-        given, asked = self.supply
-        return given / asked if asked > 0 else 1.0
-
-    def expected_step_tokens(self, batch_size: int) -> float:
-        """Tokens per request a drafting step is expected to yield at the current acceptance, with
-        the length the cost model gives (``1 + a + ... + a^k``), its drafts scaled by the share
-        the wrapped proposer supplies (on code completion at batch 32 lookahead gave 35% of the
-        draft tokens asked early in the requests and 90% later; ``1 + a + ... + a^4`` alone would
-        credit drafts it never makes)."""
-        a = self.acceptance_overall()
-        return 1.0 + self.supply_rate() * (self.expected_tokens(a, self.best_length(a, batch_size)) - 1.0)
 
     def acceptance_overall(self) -> float:
         return self._estimate(self.total[0], self.total[1], self.prior)
@@ -147,10 +108,9 @@ class GoodputPolicy:
             return
         st = self.stats.setdefault(request_id, [0.0, 0.0, 0])
         fail = 1.0 if num_accepted < num_verified else 0.0
-        st[0] = st[0] * self.decay + num_accepted  # a request's: one observation per step
-        st[1] = st[1] * self.decay + fail
-        self.total[0] += num_accepted  # decayed in begin_step
-        self.total[1] += fail
+        for acc in (st, self.total):
+            acc[0] = acc[0] * self.decay + num_accepted
+            acc[1] = acc[1] * self.decay + fail
 
     @staticmethod
     def expected_tokens(a: float, k: int) -> float:
@@ -227,7 +187,6 @@ class ModeChooser:
         max_retry_every: int = 256,
         yield_decay: float = 0.8,
         probes_per_measure: int = 4,
-        margin: float = 0.05,
     ) -> None:
         if len(modes) < 2 or len(set(modes)) != len(modes) or "off" not in modes:
             raise ValueError(f"ModeChooser needs two or more distinct modes, 'off' among them; got {modes!r}")
@@ -248,13 +207,6 @@ class ModeChooser:
         self.medians: dict[int, dict[str, float]] = {}
         #: tokens per request and step, exponentially weighted, of the chain and tree shapes
         self.yields: dict[str, list[float]] = {m: [0.0, 0.0] for m in ("chain", "tree")}
-        #: bucket -> {drafting mode: the last `window` recorded steps' (tokens per request per
-        #: second, the ``expected`` the step was chosen with)}: what a drafting step yielded, paired
-        #: with what it cost (:meth:`predicted`)
-        self.rates: dict[int, dict[str, deque[tuple[float, float]]]] = {}
-        #: a drafting shape must beat no drafts by this share to be chosen over it (a switch has
-        #: one-off costs, and step times and acceptance are estimates)
-        self.margin = margin
         self.since: dict[int, int] = {}  # bucket -> steps since the last re-trial
         self.turn: dict[int, int] = {}  # bucket -> re-trials begun (which other shape is next)
         self.wait: dict[int, int] = {}  # bucket -> steps between re-trials
@@ -269,10 +221,9 @@ class ModeChooser:
     def bucket(batch_size: int) -> int:
         return max(1, int(batch_size)).bit_length()
 
-    def record(self, batch_size: int, mode: str, seconds: float, tokens: int = 0, expected: float = 0.0) -> None:
+    def record(self, batch_size: int, mode: str, seconds: float, tokens: int = 0) -> None:
         """A decode-only step of ``batch_size`` requests ran in ``mode`` for ``seconds`` and
-        produced ``tokens`` (requests + accepted drafts; 0: unknown, the yield is not updated);
-        ``expected``: the tokens per request :meth:`choose` was given for it (0: unknown)."""
+        produced ``tokens`` (requests + accepted drafts; 0: unknown, the yield is not updated)."""
         steady, self.last = mode == self.last, mode
         if seconds <= 0 or mode not in self.modes:
             return
@@ -287,9 +238,6 @@ class ModeChooser:
             y = self.yields[mode]
             y[0] = y[0] * self.yield_decay + tokens / max(1, int(batch_size))
             y[1] = y[1] * self.yield_decay + 1.0
-            if steady and expected > 0:
-                rates = self.rates.setdefault(b, {}).setdefault(mode, deque(maxlen=self.window))
-                rates.append((tokens / max(1, int(batch_size)) / seconds, expected))
 
     def step_seconds(self, batch_size: int, mode: str) -> float | None:
         return self.medians.get(self.bucket(batch_size), {}).get(mode)
@@ -301,22 +249,9 @@ class ModeChooser:
 
     def predicted(self, batch_size: int, expected: float) -> dict[str, float]:
         """Tokens per second per mode at this batch size (every mode measured in its bucket):
-        ``expected`` is a chain step's tokens per request at the current acceptance. A drafting
-        shape with ``min_samples`` recorded steps in the bucket is predicted from them: the
-        median of each step's tokens per request over its own time, scaled by ``expected`` over
-        the mean ``expected`` those steps were chosen with (a step with more drafts costs more
-        and yields more: a median time and a separately averaged yield would not pair them);
-        otherwise from ``expected`` and the median step time. No drafts is credited
-        ``1 + margin`` tokens per request: a drafting shape must beat it by that share."""
-        per_request = {"off": 1.0 + self.margin, "chain": expected, "tree": expected * self.tree_gain()}
-        out = {m: per_request[m] * batch_size / self.step_seconds(batch_size, m) for m in self.modes}  # type: ignore[operator]
-        for m, rates in self.rates.get(self.bucket(batch_size), {}).items():
-            if len(rates) >= self.min_samples:
-                # measured: each step's yield over its own time (a step with more drafts costs
-                # more and yields more), scaled by the acceptance now over the acceptance then
-                then = sum(e for _, e in rates) / len(rates)
-                out[m] = median(r for r, _ in rates) * expected / then * batch_size
-        return out
+        ``expected`` is a chain step's tokens per request at the current acceptance."""
+        per_request = {"off": 1.0, "chain": expected, "tree": expected * self.tree_gain()}
+        return {m: per_request[m] * batch_size / self.step_seconds(batch_size, m) for m in self.modes}  # type: ignore[operator]
 
     def choose(self, batch_size: int, expected: float) -> str:
         """The coming step's mode. ``expected``: tokens per request a chain step would yield at
@@ -350,7 +285,6 @@ class ModeChooser:
             # measured anew: its old step times go, and the loop above runs it min_samples + 1 steps
             self.times[b][mode].clear()
             self.medians[b].pop(mode, None)
-            self.rates.get(b, {}).pop(mode, None)
             return self._chose(mode)
         self.trying = False
         return self._chose(best)

@@ -45,9 +45,7 @@ class Adaptive(Proposer):
         self._step_tokens = 0  # estimate of the tokens the next step computes (no num_tokens)
         self.bandit = ModeChooser(self.modes) if params.measure_goodput else None
         self._mode = self.modes[0]  # this step's mode (the bandit's choice)
-        #: (batch size, mode, the expected tokens per request it was chosen with) of the previous step
-        self._prev: tuple[int, str, float] | None = None
-        self._expected = 0.0  # the expected tokens per request this step's mode was chosen with
+        self._prev: tuple[int, str] | None = None  # (batch size, mode) of the previous step
         self._produced = self._verified = self._requests = 0  # of the step just run
         self._prev_tokens = 0  # num_tokens given to the previous begin_step
         self._prev_seconds = 0.0  # the time of the step before the previous begin_step
@@ -93,10 +91,7 @@ class Adaptive(Proposer):
         now = time.perf_counter()
         if self._last_step is not None:
             seconds = now - self._last_step
-            if self._step_tokens > self.policy.batch_size:
-                # the step just run verified the drafts proposed at the previous begin_step: the
-                # cost model is fitted on drafting steps only (policy module docstring)
-                self.policy.observe_step(num_tokens or self._step_tokens, seconds)
+            self.policy.observe_step(num_tokens or self._step_tokens, seconds)
             # The step that ended at the previous begin_step: its time and the tokens it produced
             # (requests + accepted drafts, reported during that step's drafting), in the mode
             # chosen before it; steps with prompt chunks are left out.
@@ -107,12 +102,12 @@ class Adaptive(Proposer):
                 and self._prev_tokens <= self._requests + self._verified
                 and seconds <= self.policy.max_step_s
             ):
-                self.bandit.record(self._prev[0], self._prev[1], self._prev_seconds, self._produced, self._prev[2])
+                self.bandit.record(self._prev[0], self._prev[1], self._prev_seconds, self._produced)
             self._prev_seconds = seconds
         else:
             self._prev_seconds = 0.0
         self._prev_tokens = num_tokens
-        self._prev = (self.policy.batch_size, self._mode, self._expected)
+        self._prev = (self.policy.batch_size, self._mode)
         self._produced = self._requests = num_requests
         self._verified = 0
         self._last_step, self._step_tokens = now, num_requests
@@ -120,7 +115,8 @@ class Adaptive(Proposer):
         if self.bandit is not None:
             # a chain step's tokens per request at the current acceptance, with the length the
             # cost model gives it (1: no drafts pay)
-            expected = self._expected = self.policy.expected_step_tokens(num_requests)
+            a = self.policy.acceptance_overall()
+            expected = self.policy.expected_tokens(a, self.policy.best_length(a, num_requests))
             self._mode = self.bandit.choose(num_requests, expected)
             if self._mode == PROBE:
                 self._probe_shift += self.probe_requests
@@ -166,7 +162,6 @@ class Adaptive(Proposer):
         if k <= 0:
             return []
         drafts = list(self.inner.propose(request_id, token_ids, k))[:k]
-        self.policy.supplied(k, len(drafts))
         self._step_tokens += len(drafts)
         return drafts
 
@@ -183,7 +178,6 @@ class Adaptive(Proposer):
         else:
             tokens = list(self.inner.propose(request_id, token_ids, k))[:k]
             parents = list(range(-1, len(tokens) - 1))
-            self.policy.supplied(k, len(tokens))
         self._step_tokens += len(tokens)
         return tokens, parents
 
