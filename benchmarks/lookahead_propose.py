@@ -30,13 +30,13 @@ def main() -> None:
     from vllm_graft.hooks.manager import get_registry
 
     entry = get_registry().get("speculative", "lookahead")
+    cls = entry.registration.load()
     rng = random.Random(0)
     prompt = [rng.randrange(args.vocab) for _ in range(args.prompt_tokens)]
     print("| mode | first propose ms | per-step propose us |")
     print("|---|---:|---:|")
     for shared in (False, True):
         params = entry.registration.params(shared_prompts=shared)
-        cls = entry.registration.load()
         first = median_ms(lambda: cls(params).propose("r", prompt, 4), repeat=9)
         p = cls(params)
         seq = list(prompt)
