@@ -67,3 +67,15 @@ def child_engine_setup(path: str, workload: str, num_prompts: int, max_tokens: i
     (ps,) = W.build([workload], W.Tokenizer.from_model(model), num_prompts=num_prompts, max_tokens=max_tokens,
                     max_model_len=max_len)
     return launch, plan, ps
+
+
+def fresh_run(llm: Any) -> None:
+    """Before a timed run that repeats the warm-up's prompts, as the bench does: a cold prefix
+    cache, and no proposer drafting from the earlier runs' outputs (the graft plugins' shared
+    state renewed, vLLM's ``suffix`` tree emptied)."""
+    from vllm_graft.integration.runtime import RUNTIME
+    from vllm_graft.tools.bench.arm import fresh_vllm_suffix_tree
+
+    llm.reset_prefix_cache()
+    RUNTIME.fresh_cross_request_state()
+    fresh_vllm_suffix_tree(llm)

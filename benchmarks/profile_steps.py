@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _profiling import child_engine_setup, label, outermost_ours, run_in_child  # noqa: E402
+from _profiling import child_engine_setup, fresh_run, label, outermost_ours, run_in_child  # noqa: E402
 
 
 def _child(path: str, graft: bool, settings: dict, out) -> None:
@@ -36,7 +36,7 @@ def _child(path: str, graft: bool, settings: dict, out) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=settings["max_tokens"], ignore_eos=True)
     with launch.in_process_engine(plan, graft=graft) as llm:
         llm.generate(prompts, params, use_tqdm=False)  # warm-up: every shape seen once
-        llm.reset_prefix_cache()
+        fresh_run(llm)  # no drafts from the earlier runs' outputs
         profile = cProfile.Profile()
         t = time.perf_counter()
         profile.enable()

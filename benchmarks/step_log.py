@@ -4,7 +4,7 @@ bucket over the decode-only steps. The measurement behind a speculative row that
 does not explain (is a drafting step paying for its extra tokens at this batch size?).
 
     .venv/bin/python benchmarks/step_log.py DEPLOYMENT [--workload extractive] [--num-prompts 64]
-        [--max-tokens 64] [--batch 32] [--repeat 3]
+        [--max-tokens 64] [--batch 32] [--repeat 3] [--every-step]
 
 For each arm (the deployment, then its plain twin) a fresh child process starts the engine
 in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with ``max_num_seqs = --batch``, generates the
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _profiling import child_engine_setup, run_in_child  # noqa: E402
+from _profiling import child_engine_setup, fresh_run, run_in_child  # noqa: E402
 
 
 def _child(path: str, graft: bool, settings: dict, out) -> None:
@@ -59,7 +59,7 @@ def _child(path: str, graft: bool, settings: dict, out) -> None:
     with launch.in_process_engine(plan, graft=graft, max_num_seqs=settings["batch"]) as llm:
         llm.generate(prompts, params, use_tqdm=False)  # warm-up
         for _ in range(settings["repeat"]):
-            llm.reset_prefix_cache()
+            fresh_run(llm)  # no drafts from the earlier runs' outputs
             log.clear()
             t = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
@@ -68,7 +68,7 @@ def _child(path: str, graft: bool, settings: dict, out) -> None:
     out.send(runs)
 
 
-def summarize(runs: list[dict]) -> list[str]:
+def summarize(runs: list[dict], every_step: bool = False) -> list[str]:
     last = runs[-1]
     steps = [(cur[0] - prev[0], *cur[1:]) for prev, cur in zip(last["log"], last["log"][1:])]
     decode = [s for s in steps if s[4]]
@@ -88,6 +88,9 @@ def summarize(runs: list[dict]) -> list[str]:
             f"tokens computed {statistics.mean(s[2] for s in ss):.1f}, produced {produced:.1f} "
             f"({produced / (secs * 1e3):.2f} per ms at the median)"
         )
+    if every_step:  # the last run's steps in order: ms, requests, tokens computed, produced, decode-only
+        lines += [f"    {s[0] * 1e3:7.2f} ms {s[1]:3d} requests {s[2]:5d} computed {s[3]:4d} produced"
+                  f"{'' if s[4] else '  (prompt chunks)'}" for s in steps]
     return lines
 
 
@@ -99,13 +102,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--every-step", action="store_true", help="also list the last run's steps in order")
     a = ap.parse_args()
     settings = {"workload": a.workload, "num_prompts": a.num_prompts, "max_tokens": a.max_tokens,
                 "batch": a.batch, "repeat": a.repeat}
     for graft in (True, False):
         arm = "plugin" if graft else "plain"
         runs = run_in_child(_child, a.deployment, graft, settings, what=f"{a.deployment}: the {arm} engine")
-        print(f"{arm}: " + "\n".join(summarize(runs)), flush=True)
+        print(f"{arm}: " + "\n".join(summarize(runs, a.every_step)), flush=True)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,12 @@ import random
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from vllm_graft.hooks import Kind, Proposer, get_registry, validate
 from vllm_graft.hooks.deployment import DeploymentError
 from vllm_graft.plugins.speculative.adaptive.policy import GoodputPolicy
-from vllm_graft.plugins.speculative.lookahead.policy import OwnContext, TokenTrie, _size
+from vllm_graft.plugins.speculative.lookahead.policy import Calibration, OwnContext, SharedOutputs, TokenTrie, _size
 from vllm_graft.plugins.speculative.pooled_ngram.policy import NgramPool, PoolStore
 from vllm_graft.plugins.speculative.token_recycling.policy import EMPTY, RecyclingMatrix, tree_paths
 
@@ -174,6 +175,103 @@ def test_lookahead_drafts_its_own_prompt_without_inserting_it_into_the_trie():
     assert "a" not in p.own and len(p.progress) == 1
 
 
+def test_lookahead_drafts_a_repeating_tail_as_repeating_on():
+    # the latest earlier occurrence of [1 2 1 2] ends two tokens back: its continuation runs into
+    # the drafts themselves (an overlapping copy), not cut after the period's two tokens
+    p = build("lookahead", num_speculative_tokens=6)
+    assert p.propose("a", [9, 8, 1, 2, 1, 2, 1, 2], 6) == [1, 2, 1, 2, 1, 2]
+    assert p.propose("b", [9, 7, 7, 7], 5) == [7, 7, 7, 7, 7]
+    # an occurrence far enough back is copied as it is
+    assert p.propose("c", [4, 5, 6, 7, 8, 4, 5], 3) == [6, 7, 8]
+
+
+def test_calibration_drafts_while_the_whole_draft_pays_at_this_batch_size():
+    cal = Calibration(fixed_cost_tokens=64.0)  # floor B / (64 + B): 1/65 at batch 1, 1/3 at 32
+    copying, guess = Calibration.kind("own", 20), Calibration.kind("trie", 1)
+    assert copying == ("own", 16) and guess == ("trie", 1) and Calibration.kind("own", 9) == ("own", 8)
+    for _ in range(40):  # copying: every draft accepted whole; a guess: its first token rejected
+        cal.length("a", copying, 8)
+        cal.observe("a", 8, 8)
+        cal.length("b", guess, 8)
+        cal.observe("b", 0, 4)
+    assert cal.rate(copying) > 0.99 and cal.rate(guess) < 0.1
+    for batch in (1, 32):
+        cal.batch = batch
+        assert cal.length("a", copying, 16) == 16
+    cal.batch = 1
+    assert cal.length("b", guess, 8) >= 1  # 0.05^1 >= 1/65
+    cal.observe("b", 0, 1)
+    cal.batch = 32
+    assert [cal.length("b", guess, 8) for _ in range(15)] == [0] * 15
+    assert cal.length("b", guess, 8) == 1  # the 16th proposal held at 0 probes one token
+    cal.observe("b", 1, 1)
+    # at rate q a draft of j tokens is accepted whole with chance q^j: 0.8^4 >= 1/3 > 0.8^5
+    mid = Calibration.kind("trie", 4)
+    cal.stats[mid] = [8.0, 2.0]  # 8 accepted, 2 rejections, and the prior's 2 at 0.5: q = 9 / 12
+    q = cal.rate(mid)
+    assert abs(q - 0.75) < 1e-9
+    expected = max(j for j in range(9) if q**j >= 32 / 96)
+    assert cal.length("c", mid, 8) == expected == 3
+    cal.observe("nobody", 1, 1)  # a request with no draft on record changes nothing
+    assert set(cal.stats) == {copying, guess, mid}
+
+
+def test_calibrate_lookahead_stops_guessing_at_a_large_batch_and_keeps_copying():
+    p = build("lookahead", num_speculative_tokens=16, calibrate=True, fixed_cost_tokens=64.0)
+    body = list(range(300, 340))
+    prompt = [1, 2, *body, 5, 6]
+    p.begin_step(32)
+    seq = [*prompt, *body[:20]]  # copying its prompt: a 20-token match
+    assert p.propose("a", seq, 16) == [body[20]]  # at the prior (0.5), one token pays at batch 32
+    lengths = []
+    for _ in range(8):  # every draft accepted whole: the copying kind's rate climbs, drafts grow
+        drafts = p.propose("a", seq, 16)
+        assert drafts == body[20 : 20 + len(drafts)]
+        lengths.append(len(drafts))
+        p.accepted("a", len(drafts), len(drafts))
+    assert lengths == sorted(lengths) and lengths[-1] == 16
+    # a one-token guess (9 seen once, followed by 10) rejected every time: none at batch 32
+    for i in range(12):
+        d = p.propose(f"g{i}", [9, 10, 11, 12, 9], 16)
+        if d:
+            p.accepted(f"g{i}", 0, len(d))
+    assert p.propose("h", [9, 10, 11, 12, 9], 16) == []
+    q = p.calibration.rate(("own", 1))
+    assert q < 1 / 3  # below batch 32's floor, 32 / (64 + 32)
+    p.begin_step(1)  # at batch 1 (floor 1/65) the same guess is worth a few tokens
+    expected = max(j for j in range(17) if q**j >= 1 / 65)
+    assert expected >= 1 and p.propose("h", [9, 10, 11, 12, 9], 16) == [10, 11, 12, 9][:expected]
+    assert "acceptance_by_match" in p.describe()
+    p.finish("a")
+    assert "a" not in p.calibration.pending
+
+
+def test_calibrate_is_refused_with_trees():
+    with pytest.raises(ValidationError, match="calibrate sets chain lengths"):
+        get_registry().get(Kind.SPECULATIVE, "lookahead").registration.params.model_validate(
+            {"calibrate": True, "tree": True}
+        )
+
+
+def test_shared_outputs_match_other_requests_outputs_at_any_length_and_evict_the_finished():
+    shared = SharedOutputs(max_tokens=30)
+    shared.update("a", [7, 7, 7, 1])  # the first call: the output starts at its last token
+    shared.update("a", [7, 7, 7, 1, 2, 3, 4, 5, 6, 7, 8])
+    assert shared.texts[0] == [1, 2, 3, 4, 5, 6, 7, 8]
+    text, pos, length = shared.match("b", [40, 41, 2, 3, 4], longest=32)
+    assert (length, text[pos + 1 : pos + 4]) == (3, [5, 6, 7])
+    assert shared.match("a", [2, 3, 4], longest=32)[2] == 0  # its own output: not matched here
+    assert shared.match("b", [9, 9], longest=32)[2] == 0
+    shared.update("b", [50, 2, 3])
+    shared.finish("a")
+    assert 0 in shared.texts  # 10 tokens held, within 30
+    shared.update("c", [60, 100])
+    shared.update("c", [60, *range(100, 140)])  # 40 output tokens
+    shared.finish("c")  # over 30 tokens: the oldest finished output goes first
+    assert 0 not in shared.texts and shared.size == sum(len(t) for t in shared.texts.values())
+    assert shared.match("b", [2, 3, 4], longest=32)[2] == 0  # its entries are skipped
+
+
 def test_lookahead_spec_factor_drafts_long_only_after_long_matches():
     p = build("lookahead", depth=6, num_speculative_tokens=12, spec_factor=1.0)
     body = list(range(300, 320))
@@ -183,7 +281,8 @@ def test_lookahead_spec_factor_drafts_long_only_after_long_matches():
     # one token matched (7 seen once before): one token drafted
     assert p.propose("b", [7, 8, 9, 9, 9, 400, 7], 12) == [8]
     unlimited = build("lookahead", depth=6, num_speculative_tokens=12)
-    assert unlimited.propose("b", [7, 8, 9, 9, 9, 400, 7], 12) == [8, 9, 9, 9, 400, 7]
+    # the occurrence's continuation runs to the end of the sequence: drafted as repeating on
+    assert unlimited.propose("b", [7, 8, 9, 9, 9, 400, 7], 12) == [8, 9, 9, 9, 400, 7] * 2
 
 
 def test_lookahead_min_prob_stops_drafts_where_the_trie_is_unsure():

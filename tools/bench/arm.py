@@ -292,7 +292,7 @@ def _empty_suffix_tree(worker: Any) -> int:
     return len(cached)
 
 
-def _fresh_vllm_suffix_tree(llm: Any) -> None:
+def fresh_vllm_suffix_tree(llm: Any) -> None:
     """vLLM's ``suffix`` method drafts from a global tree of earlier responses: a timed run
     repeating the warm-up's and the previous run's prompts would draft their outputs back. Emptied
     before each run, as :meth:`Runtime.fresh_cross_request_state` renews the plugins' state."""
@@ -383,7 +383,7 @@ def _arm_run(
                 patched = True
             r = int(payload)
             RUNTIME.fresh_cross_request_state()  # no run drafts from the previous run's outputs
-            _fresh_vllm_suffix_tree(llm)  # nor vLLM's own suffix method
+            fresh_vllm_suffix_tree(llm)  # nor vLLM's own suffix method
             for w in workloads:
                 send("phase", f"generating {w['name']} (run {r + 1})")
                 llm.reset_prefix_cache()  # every run starts with a cold prefix cache

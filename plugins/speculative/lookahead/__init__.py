@@ -46,6 +46,20 @@ class LookaheadParams(BaseModel):
         "counts) is at least this; with tree: true, the tree takes the likeliest nodes above it "
         "(SuffixDecoding's greedy tree) instead of tree_branches chains. 0: every matched token",
     )
+    calibrate: bool = Field(
+        False,
+        description="draft length from measured acceptance: each kind of match (the request's own "
+        "text or the trie, by matched length) keeps the rate at which its drafts were accepted, and "
+        "a draft runs while the chance that all its tokens are accepted is at least "
+        "B / (fixed_cost_tokens + B) at batch size B (long for copying, none for a guess at a large "
+        "batch); trie drafts are then at most depth / 2 tokens. Chains only (not with tree: true)",
+    )
+    fixed_cost_tokens: float = Field(
+        64.0,
+        gt=0.0,
+        description="calibrate: the tokens a drafting step can verify for the cost of one more "
+        "step's fixed part (larger: draft more at large batches)",
+    )
     tree: bool = Field(
         False,
         description="draft a tree of up to tree_branches continuations "
@@ -59,6 +73,8 @@ class LookaheadParams(BaseModel):
     def _consistent(self):
         if self.min_match >= self.depth:
             raise ValueError(f"min_match ({self.min_match}) must be below depth ({self.depth})")
+        if self.calibrate and self.tree:
+            raise ValueError("calibrate sets chain lengths; it does not apply with tree: true (set one of them)")
         if self.max_nodes < self.depth:
             raise ValueError(f"max_nodes ({self.max_nodes}) must be at least depth ({self.depth})")
         return self

@@ -19,6 +19,7 @@ survive, rare ones go (frequency pruning with ageing).
 from __future__ import annotations
 
 import heapq
+import math
 from typing import Sequence
 
 
@@ -299,3 +300,178 @@ class Progress:
 
     def __len__(self) -> int:
         return len(self.inserted)
+
+
+class Calibration:
+    """Draft lengths from measured acceptance (``calibrate: true``). Each *kind* of match, the
+    request's own text or the trie by the matched length (1, 2, ..., 7, 8-15, 16 and more),
+    keeps the rate at which the drafts it made were accepted, token by token: ``q = accepted /
+    (accepted + rejections)`` (a draft's tokens are accepted up to the first rejection, so under
+    a geometric model a draft of ``j`` tokens is accepted whole with chance ``q^j``), decayed by
+    ``decay`` per observation, from ``prior`` with the weight of ``prior_weight`` observations.
+
+    A draft runs while ``q^j >= B / (fixed_cost_tokens + B)`` at batch size ``B`` (the cost
+    model of SmartSpec, Liu et al., arXiv:2406.14066, per token: a step costs its fixed part,
+    ``fixed_cost_tokens`` token-equivalents, plus one per token it computes, so a draft token is
+    worth its cost when it is accepted at least that often). Copying, accepted near always,
+    drafts long at any batch size; a one-token guess drafts at batch 1 and not at batch 32. A
+    kind whose rate keeps it at 0 drafts one token every ``probe_every`` proposals, so its rate
+    can recover when the text changes."""
+
+    __slots__ = ("cost", "prior", "prior_weight", "decay", "probe_every", "batch", "stats", "pending", "idle")
+
+    def __init__(
+        self,
+        fixed_cost_tokens: float,
+        *,
+        prior: float = 0.5,
+        prior_weight: float = 2.0,
+        decay: float = 0.995,
+        probe_every: int = 16,
+    ) -> None:
+        if fixed_cost_tokens <= 0:
+            raise ValueError(f"fixed_cost_tokens must be positive, got {fixed_cost_tokens}")
+        self.cost, self.prior, self.prior_weight = fixed_cost_tokens, prior, prior_weight
+        self.decay, self.probe_every = decay, probe_every
+        self.batch = 1
+        self.stats: dict[tuple[str, int], list[float]] = {}  # kind -> [accepted, rejections]
+        self.pending: dict[str, tuple[str, int]] = {}  # request -> the kind of its last draft
+        self.idle: dict[tuple[str, int], int] = {}  # kind -> proposals held at 0 since its last draft
+
+    @staticmethod
+    def kind(source: str, matched: int) -> tuple[str, int]:
+        return source, (matched if matched < 8 else 8 if matched < 16 else 16)
+
+    def rate(self, kind: tuple[str, int]) -> float:
+        s, f = self.stats.get(kind, (0.0, 0.0))
+        return (s + self.prior * self.prior_weight) / (s + f + self.prior_weight)
+
+    def length(self, request_id: str, kind: tuple[str, int], most: int) -> int:
+        """How many of up to ``most`` tokens a draft of this kind runs to now (0: none); the
+        request's next :meth:`observe` is credited to ``kind``."""
+        q, floor = self.rate(kind), self.batch / (self.cost + self.batch)
+        n = 0
+        if q >= floor:
+            n = most if q >= 1.0 else min(most, int(math.log(floor) / math.log(q) + 1e-9))
+        if n == 0 and most > 0:
+            self.idle[kind] = self.idle.get(kind, 0) + 1
+            if self.idle[kind] >= self.probe_every:
+                n = 1
+        if n > 0:
+            self.idle[kind] = 0
+            self.pending[request_id] = kind
+        else:
+            self.pending.pop(request_id, None)
+        return n
+
+    def observe(self, request_id: str, num_accepted: int, num_verified: int) -> None:
+        kind = self.pending.pop(request_id, None)
+        if kind is None or num_verified <= 0:
+            return
+        st = self.stats.setdefault(kind, [0.0, 0.0])
+        st[0] = st[0] * self.decay + num_accepted
+        st[1] = st[1] * self.decay + (1.0 if num_accepted < num_verified else 0.0)
+
+    def release(self, request_id: str) -> None:
+        self.pending.pop(request_id, None)
+
+
+class SharedOutputs:
+    """Every request's output tokens, indexed as :class:`OwnContext` indexes one request's text
+    (each position by the two tokens ending there), so that a request matches what other requests
+    generated: at once (the trie takes a window only once ``depth`` tokens of it exist) and with a
+    continuation as long as the other output goes on (a trie's is at most its depth), as
+    SuffixDecoding's global tree holds earlier responses (Oliaro et al., arXiv:2411.04975).
+
+    Holds at most ``max_tokens`` tokens: past that, the outputs of finished requests go, the
+    oldest first (their index entries are dropped as matches come across them)."""
+
+    __slots__ = ("texts", "starts", "pairs", "done", "size", "entries", "max_tokens", "_next")
+
+    #: the most recent occurrences of the last two tokens compared per match
+    CANDIDATES = 8
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.texts: dict[int, list[int]] = {}  # output id -> its tokens so far
+        self.starts: dict[str, tuple[int, int]] = {}  # live request -> (output id, where its output starts)
+        self.pairs: dict[tuple[int, int], list[tuple[int, int]]] = {}  # -> (output id, position), oldest first
+        self.done: list[int] = []  # output ids of finished requests, oldest first
+        self.size = 0
+        self.entries = 0  # index entries, those of outputs that went included
+        self._next = 0
+
+    def update(self, request_id: str, tokens: Sequence[int]) -> None:
+        """Index the request's output tokens not indexed yet (its output starts where its first
+        call found it: every token after the first call's next-to-last)."""
+        entry = self.starts.get(request_id)
+        if entry is None:
+            entry = self.starts[request_id] = (self._next, max(0, len(tokens) - 1))
+            self.texts[self._next] = []
+            self._next += 1
+        oid, start = entry
+        text = self.texts[oid]
+        new = tokens[start + len(text) :]
+        if not new:
+            return
+        pairs = self.pairs
+        for t in new:
+            if text:
+                key = (text[-1], t)
+                at = pairs.get(key)
+                if at is None:
+                    pairs[key] = [(oid, len(text))]
+                else:
+                    at.append((oid, len(text)))
+                self.entries += 1
+            text.append(t)
+        self.size += len(new)
+
+    def finish(self, request_id: str) -> None:
+        entry = self.starts.pop(request_id, None)
+        if entry is None:
+            return
+        self.done.append(entry[0])
+        while self.size > self.max_tokens and self.done:
+            self.size -= len(self.texts.pop(self.done.pop(0)))
+        if self.entries > 2 * self.size + 1024:  # entries of outputs that went: drop them
+            texts = self.texts
+            self.pairs = {k: kept for k, v in self.pairs.items() if (kept := [e for e in v if e[0] in texts])}
+            self.entries = sum(len(v) for v in self.pairs.values())
+
+    def match(
+        self, request_id: str, tokens: Sequence[int], longest: int, min_match: int = 2
+    ) -> tuple[list[int], int, int]:
+        """``(text, position, length)``: another request's output in which the longest suffix
+        of ``tokens`` (2 to ``longest`` tokens, at least ``min_match``) ends at ``position``, the
+        most recent on ties; ``([], -1, 0)`` when none."""
+        n = len(tokens)
+        if n < 2 or longest < 2:
+            return [], -1, 0
+        key = (tokens[n - 2], tokens[n - 1])
+        at = self.pairs.get(key)
+        if not at:
+            return [], -1, 0
+        own = self.starts.get(request_id, (-1, 0))[0]
+        texts = self.texts
+        best, best_pos, best_len = [], -1, 0
+        seen = 0
+        for oid, c in reversed(at):
+            text = texts.get(oid)
+            if oid == own or text is None:
+                continue
+            seen += 1
+            if seen > self.CANDIDATES:
+                break
+            if c + 1 >= len(text):
+                continue  # nothing follows it yet
+            length = 2
+            while length < longest and c - length >= 0 and text[c - length] == tokens[n - 1 - length]:
+                length += 1
+            if length > best_len:
+                best, best_pos, best_len = text, c, length
+                if length >= longest:
+                    break
+        if best_len < max(2, min_match):
+            return [], -1, 0
+        return best, best_pos, best_len

@@ -7,12 +7,24 @@ from typing import Any, Sequence
 
 from vllm_graft.hooks import Proposer
 
-from .policy import OwnContext, Progress, TokenTrie
+from .policy import Calibration, OwnContext, Progress, SharedOutputs, TokenTrie
 
 
 #: the longest suffix matched in a request's own text (longer matches, e.g. copying, draft longer
 #: with ``spec_factor``)
 OWN_LONGEST = 32
+
+
+def _copy(token_ids: Sequence[int], at: int, n: int) -> list[int]:
+    """``n`` tokens continuing the earlier occurrence that ends at ``at``: the tokens after it, and
+    where they reach the end of the sequence, the drafts themselves (an overlapping copy, as LZ77
+    copies: a sequence repeating with period ``len(token_ids) - 1 - at`` is drafted as repeating
+    on, not cut at the period)."""
+    out = list(token_ids[at + 1 : at + 1 + n])
+    period = len(token_ids) - 1 - at
+    while 0 < period and len(out) < n:
+        out.append(out[len(out) - period])
+    return out
 
 
 class TrieLookahead(Proposer):
@@ -29,6 +41,10 @@ class TrieLookahead(Proposer):
         self.shared_prompts = bool(params.shared_prompts)
         self.proposed = self.drafted = self.own_drafts = 0
         self.drafts_trees = bool(getattr(params, "tree", False))  # tree mode (propose_tree)
+        #: draft lengths from measured acceptance per kind of match (``calibrate: true``)
+        self.calibration = Calibration(params.fixed_cost_tokens) if params.calibrate else None
+        #: other requests' outputs, matched at once and copied at any length (``calibrate: true``)
+        self.shared = SharedOutputs(params.max_nodes) if params.calibrate else None
 
     def _insert(self, request_id: str, token_ids: Sequence[int]) -> OwnContext | None:
         """Bring the trie (and the request's own index) up to ``token_ids``."""
@@ -47,17 +63,39 @@ class TrieLookahead(Proposer):
     def _chain(self, request_id: str, token_ids: Sequence[int], n: int) -> list[int]:
         """The draft chain: the request's own text's continuation where its suffix matches
         there at least as long as in the trie, else the trie's."""
-        p = self.params
+        p, cal = self.params, self.calibration
         own = self._insert(request_id, token_ids)
         if n <= 0:
             return []
-        node, length = self.trie.match(token_ids, n, p.min_match)
+        # calibrated, a trie draft is at most depth / 2 tokens, so that its match keeps depth / 2
+        trie_n = min(n, max(1, self.trie.depth // 2)) if cal is not None else n
+        node, length = self.trie.match(token_ids, trie_n, p.min_match)
+        if self.shared is not None:
+            self.shared.update(request_id, token_ids)
+            text, pos, shared_length = self.shared.match(request_id, token_ids, OWN_LONGEST, p.min_match)
+        else:
+            shared_length = 0
         if own is not None:
             at, own_length = own.match(token_ids, max(self.trie.depth - 1, OWN_LONGEST), p.min_match)
-            if own_length and own_length >= length:
+            if own_length and own_length >= max(length, shared_length):
                 self.own_drafts += 1
-                return list(token_ids[at + 1 : at + 1 + self._cap(n, own_length)])
-        return [] if node is None else self.trie._follow(node, [], self._cap(n, length), p.min_prob)
+                m = self._cap(n, own_length)
+                if cal is not None:
+                    m = cal.length(request_id, Calibration.kind("own", own_length), m)
+                return _copy(token_ids, at, m)
+        if shared_length and shared_length >= length:
+            m = self._cap(n, shared_length)
+            if cal is not None:
+                m = cal.length(request_id, Calibration.kind("shared", shared_length), m)
+            return text[pos + 1 : pos + 1 + m]
+        if node is None:
+            if cal is not None:
+                cal.release(request_id)
+            return []
+        m = self._cap(trie_n, length)
+        if cal is not None:
+            m = cal.length(request_id, Calibration.kind("trie", length), m)
+        return self.trie._follow(node, [], m, p.min_prob) if m > 0 else []
 
     def _cap(self, n: int, matched: int) -> int:
         """The draft length after a match of ``matched`` tokens (``spec_factor``)."""
@@ -88,7 +126,20 @@ class TrieLookahead(Proposer):
         self.drafted += n
         return tree.tokens[:n].tolist(), tree.parents[:n].tolist()
 
+    def begin_step(self, num_requests: int, num_tokens: int = 0) -> None:
+        if self.calibration is not None:
+            self.calibration.batch = max(1, int(num_requests))
+        return None
+
+    def accepted(self, request_id: str, num_accepted: int, num_verified: int) -> None:
+        if self.calibration is not None:
+            self.calibration.observe(request_id, num_accepted, num_verified)
+
     def finish(self, request_id: str) -> None:
+        if self.calibration is not None:
+            self.calibration.release(request_id)
+        if self.shared is not None:
+            self.shared.finish(request_id)
         self.progress.release(request_id)
         self.own.pop(request_id, None)
 
@@ -101,4 +152,14 @@ class TrieLookahead(Proposer):
             "proposals": self.proposed,
             "drafted": self.drafted,
             "own_context_drafts": self.own_drafts,
+            **(
+                {
+                    "acceptance_by_match": {
+                        f"{src}:{m}": round(self.calibration.rate((src, m)), 3)
+                        for src, m in sorted(self.calibration.stats)
+                    }
+                }
+                if self.calibration is not None
+                else {}
+            ),
         }

@@ -1,0 +1,83 @@
+"""benchmarks/draft_replay.py: the replay of greedy outputs through a proposer counts what the
+engine would compute and produce per decode step, and drives a graft proposer as the adapter
+does (no engine: the texts are given)."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "draft_replay.py"
+
+
+@pytest.fixture(scope="module")
+def replay_mod():
+    sys.path.insert(0, str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("draft_replay", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class Oracle:
+    """Drafts the true next tokens, the first ``wrong_at`` of each draft replaced by a wrong one."""
+
+    def __init__(self, texts, k, wrong_at=None):
+        self.texts, self.k, self.wrong_at = texts, k, wrong_at
+        self.calls = []
+
+    def begin_step(self, num_requests, num_tokens=0):
+        self.calls.append(("begin", num_requests))
+
+    def accepted(self, rid, a, v):
+        self.calls.append(("accepted", rid, a, v))
+
+    def propose(self, rid, ctx, max_tokens, prompt_len):
+        out = self.texts[int(rid)]["output"]
+        pos = len(ctx) - prompt_len
+        d = out[pos : pos + min(self.k, max_tokens)]
+        if self.wrong_at is not None and len(d) > self.wrong_at:
+            d = [*d[: self.wrong_at], -1, *d[self.wrong_at + 1 :]]
+        return d
+
+    def finish(self, rid):
+        self.calls.append(("finish", rid))
+
+
+def test_replay_counts_steps_tokens_and_acceptance(replay_mod):
+    texts = [{"prompt": [1, 2, 3], "output": list(range(10, 20))}, {"prompt": [4], "output": list(range(30, 35))}]
+    plain = replay_mod.replay(replay_mod.PlainArm(), texts, 2, (1.0, 0.0))
+    # the prefill makes each first token; then one token per request and step: 9 and 4 steps
+    assert plain["steps"] == 9 and plain["produced"] == 13 == plain["computed"] and plain["drafted"] == 0
+    perfect = Oracle(texts, k=4)
+    r = replay_mod.replay(perfect, texts, 2, (1.0, 0.0))
+    assert r["accepted"] == r["drafted"]  # every draft right
+    assert r["produced"] == 13 and r["steps"] == 2  # 9 tokens in steps of 5 (4 drafts + 1); 4 in one
+    assert ("finish", "1") in perfect.calls and ("finish", "0") in perfect.calls
+    assert perfect.calls[0] == ("begin", 2)
+    # a draft wrong at its second token: 1 accepted, 2 tokens a step. The first request: drafts of
+    # 4, 4, 4, 3 then 1 (its last token, right); the second: 4 then 2
+    half = replay_mod.replay(Oracle(texts, k=4, wrong_at=1), texts, 1, (1.0, 0.0))
+    assert (half["steps"], half["drafted"], half["accepted"], half["produced"]) == (7, 22, 7, 13)
+    # batch 1: requests one after another, so as many steps as both need alone
+    one = replay_mod.replay(replay_mod.PlainArm(), texts, 1, (1.0, 0.0))
+    assert one["steps"] == 9 + 4
+    # the modelled time: A + B x tokens computed, per step
+    assert replay_mod.replay(replay_mod.PlainArm(), texts, 2, (2.0, 0.5))["model_s"] == pytest.approx(
+        (9 * 2.0 + 13 * 0.5) / 1e3
+    )
+
+
+def test_replay_drives_a_graft_proposer_as_the_adapter_does(replay_mod, tmp_path):
+    dep = tmp_path / "d.yaml"
+    models = Path(__file__).resolve().parents[2] / "models" / "graft-tiny-llama"
+    dep.write_text(f"model: {models}\nengine: {{dtype: float32}}\n"
+                   "speculative: {plugin: lookahead, params: {num_speculative_tokens: 4}}\n")
+    arm = replay_mod.GraftArm(str(dep))
+    body = list(range(300, 330))
+    texts = [{"prompt": [1, *body, 2], "output": body[:20]}]  # the output copies the prompt
+    r = replay_mod.replay(arm, texts, 1, (1.0, 0.0))
+    assert r["produced"] == 19 and r["accepted"] > 10 and r["steps"] < 19
+    assert arm.impl.describe()["live_requests"] == 0  # finish reached the plugin
