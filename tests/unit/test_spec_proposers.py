@@ -258,10 +258,10 @@ def test_shared_outputs_match_other_requests_outputs_at_any_length_and_evict_the
     shared.update("a", [7, 7, 7, 1])  # the first call: the output starts at its last token
     shared.update("a", [7, 7, 7, 1, 2, 3, 4, 5, 6, 7, 8])
     assert shared.texts[0] == [1, 2, 3, 4, 5, 6, 7, 8]
-    text, pos, length = shared.match("b", [40, 41, 2, 3, 4], longest=32)
-    assert (length, text[pos + 1 : pos + 4]) == (3, [5, 6, 7])
-    assert shared.match("a", [2, 3, 4], longest=32)[2] == 0  # its own output: not matched here
-    assert shared.match("b", [9, 9], longest=32)[2] == 0
+    candidates, length = shared.match("b", [40, 41, 2, 3, 4], longest=32)
+    assert length == 3 and SharedOutputs.continuation(candidates, 3, 0.5) == [5, 6, 7]
+    assert shared.match("a", [2, 3, 4], longest=32) == ([], 0)  # its own output: not matched here
+    assert shared.match("b", [9, 9], longest=32) == ([], 0)
     shared.update("b", [50, 2, 3])
     shared.finish("a")
     assert 0 in shared.texts  # 10 tokens held, within 30
@@ -269,7 +269,23 @@ def test_shared_outputs_match_other_requests_outputs_at_any_length_and_evict_the
     shared.update("c", [60, *range(100, 140)])  # 40 output tokens
     shared.finish("c")  # over 30 tokens: the oldest finished output goes first
     assert 0 not in shared.texts and shared.size == sum(len(t) for t in shared.texts.values())
-    assert shared.match("b", [2, 3, 4], longest=32)[2] == 0  # its entries are skipped
+    assert shared.match("b", [2, 3, 4], longest=32) == ([], 0)  # its entries are skipped
+
+
+def test_shared_outputs_draft_the_continuation_most_occurrences_agree_on():
+    shared = SharedOutputs(max_tokens=1000)
+    for rid, tail in (("a", [5, 6, 7]), ("b", [5, 6, 8]), ("c", [5, 9, 9]), ("d", [5, 6, 8])):
+        shared.update(rid, [0, 1])
+        shared.update(rid, [0, 1, 2, 3, *tail])
+    candidates, length = shared.match("e", [7, 1, 2, 3], longest=32)
+    assert length == 3 and len(candidates) == 4
+    assert candidates[0][0] == [1, 2, 3, 5, 6, 8]  # the most recent first
+    # 5: 4 of 4; 6: 3 of 4 (0.75); then 8 for two of the three left: 0.75 x 2/3 = 0.5
+    assert SharedOutputs.continuation(candidates, 5, 0.5) == [5, 6, 8]
+    assert SharedOutputs.continuation(candidates, 5, 0.6) == [5, 6]
+    assert SharedOutputs.continuation(candidates, 1, 0.5) == [5]
+    # an occurrence with nothing after it yet does not vote
+    assert SharedOutputs.continuation([([1, 2], 1), ([1, 2, 4], 1)], 3, 0.9) == [4]
 
 
 def test_lookahead_spec_factor_drafts_long_only_after_long_matches():

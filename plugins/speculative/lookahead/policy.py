@@ -227,7 +227,7 @@ class OwnContext:
     __slots__ = ("pairs", "last", "indexed")
 
     #: the most recent occurrences of the last two tokens compared per match
-    CANDIDATES = 8
+    CANDIDATES = 16
 
     def __init__(self) -> None:
         self.pairs: dict[tuple[int, int], list[int]] = {}  # (t[i-1], t[i]) -> positions i, oldest first
@@ -389,7 +389,10 @@ class SharedOutputs:
     __slots__ = ("texts", "starts", "pairs", "done", "size", "entries", "max_tokens", "_next")
 
     #: the most recent occurrences of the last two tokens compared per match
-    CANDIDATES = 8
+    CANDIDATES = 16
+    #: a draft from several occurrences follows their vote while its estimated probability is at
+    #: least this (:meth:`continuation`): 0.5 keeps a majority path
+    MIN_PROB = 0.5
 
     def __init__(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens
@@ -441,37 +444,61 @@ class SharedOutputs:
 
     def match(
         self, request_id: str, tokens: Sequence[int], longest: int, min_match: int = 2
-    ) -> tuple[list[int], int, int]:
-        """``(text, position, length)``: another request's output in which the longest suffix
-        of ``tokens`` (2 to ``longest`` tokens, at least ``min_match``) ends at ``position``, the
-        most recent on ties; ``([], -1, 0)`` when none."""
+    ) -> tuple[list[tuple[list[int], int]], int]:
+        """``(candidates, length)``: the longest suffix of ``tokens`` (2 to ``longest`` tokens, at
+        least ``min_match``) found in other requests' outputs, and each occurrence of it among
+        the ``CANDIDATES`` most recent ones of its last two tokens, as ``(text, position)`` (the
+        suffix ends at ``text[position]``), the most recent first; ``([], 0)`` when none."""
         n = len(tokens)
         if n < 2 or longest < 2:
-            return [], -1, 0
-        key = (tokens[n - 2], tokens[n - 1])
-        at = self.pairs.get(key)
+            return [], 0
+        at = self.pairs.get((tokens[n - 2], tokens[n - 1]))
         if not at:
-            return [], -1, 0
+            return [], 0
         own = self.starts.get(request_id, (-1, 0))[0]
         texts = self.texts
-        best, best_pos, best_len = [], -1, 0
-        seen = 0
+        found: list[tuple[int, list[int], int]] = []
         for oid, c in reversed(at):
             text = texts.get(oid)
             if oid == own or text is None:
                 continue
-            seen += 1
-            if seen > self.CANDIDATES:
+            if len(found) >= self.CANDIDATES:
                 break
             if c + 1 >= len(text):
                 continue  # nothing follows it yet
             length = 2
             while length < longest and c - length >= 0 and text[c - length] == tokens[n - 1 - length]:
                 length += 1
-            if length > best_len:
-                best, best_pos, best_len = text, c, length
-                if length >= longest:
-                    break
-        if best_len < max(2, min_match):
-            return [], -1, 0
-        return best, best_pos, best_len
+            found.append((length, text, c))
+        best = max((f[0] for f in found), default=0)
+        if best < max(2, min_match):
+            return [], 0
+        return [(text, c) for length, text, c in found if length == best], best
+
+    @staticmethod
+    def continuation(candidates: Sequence[tuple[list[int], int]], n: int, min_prob: float) -> list[int]:
+        """Up to ``n`` tokens continuing ``candidates`` (from :meth:`match`) by vote, as a suffix
+        tree follows its most frequent child: at each position the token most of the candidates
+        still in agreement continue with (ties: the most recent), the others dropped, while the
+        path's estimated probability (the product of each position's share among the candidates
+        that have a next token) stays at least ``min_prob``."""
+        if len(candidates) == 1:
+            text, c = candidates[0]
+            return text[c + 1 : c + 1 + n]
+        alive = [(text, c + 1) for text, c in candidates]
+        out: list[int] = []
+        prob = 1.0
+        while alive and len(out) < n:
+            counts: dict[int, int] = {}
+            for text, p in alive:
+                if p < len(text):
+                    counts[text[p]] = counts.get(text[p], 0) + 1
+            if not counts:
+                break
+            token = max(counts, key=counts.__getitem__)  # first seen on ties: the most recent
+            prob *= counts[token] / sum(counts.values())
+            if prob < min_prob:
+                break
+            out.append(token)
+            alive = [(text, p + 1) for text, p in alive if p < len(text) and text[p] == token]
+        return out

@@ -72,7 +72,7 @@ class TrieLookahead(Proposer):
         node, length = self.trie.match(token_ids, trie_n, p.min_match)
         if self.shared is not None:
             self.shared.update(request_id, token_ids)
-            text, pos, shared_length = self.shared.match(request_id, token_ids, OWN_LONGEST, p.min_match)
+            candidates, shared_length = self.shared.match(request_id, token_ids, OWN_LONGEST, p.min_match)
         else:
             shared_length = 0
         if own is not None:
@@ -87,7 +87,7 @@ class TrieLookahead(Proposer):
             m = self._cap(n, shared_length)
             if cal is not None:
                 m = cal.length(request_id, Calibration.kind("shared", shared_length), m)
-            return text[pos + 1 : pos + 1 + m]
+            return self.shared.continuation(candidates, m, SharedOutputs.MIN_PROB)
         if node is None:
             if cal is not None:
                 cal.release(request_id)
