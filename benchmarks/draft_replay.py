@@ -25,6 +25,7 @@ request-step, the drafts' acceptance, the proposer's own time, and a *modelled* 
 138-token drafting step 20 ms), as a ratio to plain. The model is a guide for choosing what to run
 in the engine, not a figure: the bench's wall-clock ratio decides.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -82,12 +83,17 @@ class SuffixArm:
         if request_id not in self.cache.active_requests:
             self.cache.start_request(request_id, np.asarray(token_ids[:prompt_len], dtype=np.int32))
             self.seen[request_id] = prompt_len
-        new = token_ids[self.seen[request_id]:]
+        new = token_ids[self.seen[request_id] :]
         self.seen[request_id] = len(token_ids)
         self.cache.add_active_response(request_id, list(new))
-        pattern = np.asarray(token_ids[-self.depth:], dtype=np.int32)
-        draft = self.cache.speculate(request_id, pattern, max_spec_tokens=min(self.k, max_tokens),
-                                     max_spec_factor=self.factor, min_token_prob=self.min_prob)
+        pattern = np.asarray(token_ids[-self.depth :], dtype=np.int32)
+        draft = self.cache.speculate(
+            request_id,
+            pattern,
+            max_spec_tokens=min(self.k, max_tokens),
+            max_spec_factor=self.factor,
+            min_token_prob=self.min_prob,
+        )
         return list(draft.token_ids)
 
     def finish(self, request_id: str) -> None:
@@ -178,8 +184,15 @@ def replay(arm: Any, texts: list[dict], batch: int, step_ms: tuple[float, float]
             live.pop(i)
             last.pop(i, None)
             arm.finish(str(i))
-    return {"steps": steps, "computed": computed, "produced": produced, "drafted": drafted,
-            "accepted": accepted_total, "model_s": model_s, "propose_s": propose_s}
+    return {
+        "steps": steps,
+        "computed": computed,
+        "produced": produced,
+        "drafted": drafted,
+        "accepted": accepted_total,
+        "model_s": model_s,
+        "propose_s": propose_s,
+    }
 
 
 class PlainArm:
@@ -204,13 +217,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cache", default=None, help="greedy outputs file (default under /tmp)")
     args = ap.parse_args(argv)
     a, b = (float(x) for x in args.step_ms.split(","))
-    settings = {"workload": args.workload, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
-                "batch": max(args.batch, 8)}
+    settings = {
+        "workload": args.workload,
+        "num_prompts": args.num_prompts,
+        "max_tokens": args.max_tokens,
+        "batch": max(args.batch, 8),
+    }
     cache = Path(args.cache or f"/tmp/graft-replay-{args.workload}-{args.num_prompts}x{args.max_tokens}.json")
     texts = greedy_texts(settings, cache)
     base = replay(PlainArm(), texts, args.batch, (a, b))
-    print(f"{args.workload}, {len(texts)} prompts, batch {args.batch}, modelled step {a} + {b} x tokens ms; "
-          f"plain: {base['steps']} steps, {base['produced']} tokens, {base['model_s'] * 1e3:.0f} ms modelled")
+    print(
+        f"{args.workload}, {len(texts)} prompts, batch {args.batch}, modelled step {a} + {b} x tokens ms; "
+        f"plain: {base['steps']} steps, {base['produced']} tokens, {base['model_s'] * 1e3:.0f} ms modelled"
+    )
     print(f"{'arm':40} {'steps':>6} {'comp/rs':>8} {'prod/rs':>8} {'accept':>7} {'propose ms':>10} {'x plain':>8}")
     for name in args.arms:
         if name.startswith("vllm-suffix"):
@@ -221,8 +240,10 @@ def main(argv: list[str] | None = None) -> None:
         r = replay(arm, texts, args.batch, (a, b))
         rs = r["computed"] - r["drafted"]  # request-steps
         ratio = base["model_s"] / (r["model_s"] + r["propose_s"])
-        print(f"{Path(name).stem[:40]:40} {r['steps']:>6} {r['computed'] / rs:>8.2f} {r['produced'] / rs:>8.2f} "
-              f"{r['accepted'] / max(1, r['drafted']):>7.3f} {r['propose_s'] * 1e3:>10.1f} {ratio:>8.3f}")
+        print(
+            f"{Path(name).stem[:40]:40} {r['steps']:>6} {r['computed'] / rs:>8.2f} {r['produced'] / rs:>8.2f} "
+            f"{r['accepted'] / max(1, r['drafted']):>7.3f} {r['propose_s'] * 1e3:>10.1f} {ratio:>8.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -246,11 +246,26 @@ def test_calibrate_lookahead_stops_guessing_at_a_large_batch_and_keeps_copying()
     assert "a" not in p.calibration.pending
 
 
-def test_calibrate_is_refused_with_trees():
+def test_calibrate_is_refused_with_trees_and_shared_prompts():
+    params = get_registry().get(Kind.SPECULATIVE, "lookahead").registration.params
     with pytest.raises(ValidationError, match="calibrate sets chain lengths"):
-        get_registry().get(Kind.SPECULATIVE, "lookahead").registration.params.model_validate(
-            {"calibrate": True, "tree": True}
-        )
+        params.model_validate({"calibrate": True, "tree": True})
+    with pytest.raises(ValidationError, match="shared_prompts: true .* does not apply"):
+        params.model_validate({"calibrate": True, "shared_prompts": True})
+
+
+def test_calibrate_lookahead_drafts_other_requests_outputs_without_the_trie():
+    p = build("lookahead", num_speculative_tokens=8, calibrate=True)
+    p.begin_step(1)
+    out = list(range(500, 530))
+    seq = [1, 2, 3]
+    for t in out:  # request a generates 500..529 (its prompt: 1 2 3)
+        seq.append(t)
+        p.propose("a", seq, 8)
+    assert p.trie.num_nodes == 0  # calibrated: nothing goes into the trie
+    drafts = p.propose("b", [9, 9, 500, 501, 502], 8)  # b's text matches a's output
+    assert drafts and drafts == out[3 : 3 + len(drafts)]
+    assert p.calibration.pending["b"][0] == "shared"
 
 
 def test_shared_outputs_match_other_requests_outputs_at_any_length_and_evict_the_finished():
@@ -260,8 +275,11 @@ def test_shared_outputs_match_other_requests_outputs_at_any_length_and_evict_the
     assert shared.texts[0] == [1, 2, 3, 4, 5, 6, 7, 8]
     candidates, length = shared.match("b", [40, 41, 2, 3, 4], longest=32)
     assert length == 3 and SharedOutputs.continuation(candidates, 3, 0.5) == [5, 6, 7]
+    candidates, length = shared.match("b", [40, 1, 2, 3, 4], longest=32)  # matched in full
+    assert length == 4 and candidates == [(shared.texts[0], 3)]
     assert shared.match("a", [2, 3, 4], longest=32) == ([], 0)  # its own output: not matched here
-    assert shared.match("b", [9, 9], longest=32) == ([], 0)
+    assert shared.match("b", [3, 4], longest=32) == ([], 0)  # three tokens at least
+    assert shared.match("b", [9, 9, 9], longest=32) == ([], 0)
     shared.update("b", [50, 2, 3])
     shared.finish("a")
     assert 0 in shared.texts  # 10 tokens held, within 30

@@ -49,10 +49,12 @@ class LookaheadParams(BaseModel):
     calibrate: bool = Field(
         False,
         description="draft length from measured acceptance: each kind of match (the request's own "
-        "text or the trie, by matched length) keeps the rate at which its drafts were accepted, and "
-        "a draft runs while the chance that all its tokens are accepted is at least "
+        "text or other requests' outputs, by matched length) keeps the rate at which its drafts were "
+        "accepted, and a draft runs while the chance that all its tokens are accepted is at least "
         "B / (fixed_cost_tokens + B) at batch size B (long for copying, none for a guess at a large "
-        "batch); trie drafts are then at most depth / 2 tokens. Chains only (not with tree: true)",
+        "batch). Other requests' outputs are then matched in an index of token triples and "
+        "continued by the vote of their occurrences, not through the trie. Chains only (not with "
+        "tree: true or shared_prompts: true)",
     )
     fixed_cost_tokens: float = Field(
         64.0,
@@ -75,6 +77,11 @@ class LookaheadParams(BaseModel):
             raise ValueError(f"min_match ({self.min_match}) must be below depth ({self.depth})")
         if self.calibrate and self.tree:
             raise ValueError("calibrate sets chain lengths; it does not apply with tree: true (set one of them)")
+        if self.calibrate and self.shared_prompts:
+            raise ValueError(
+                "calibrate matches each prompt in its own index and drafts without the trie; "
+                "shared_prompts: true (prompts in the trie) does not apply with it (set one of them)"
+            )
         if self.max_nodes < self.depth:
             raise ValueError(f"max_nodes ({self.max_nodes}) must be at least depth ({self.depth})")
         return self

@@ -227,7 +227,7 @@ class OwnContext:
     __slots__ = ("pairs", "last", "indexed")
 
     #: the most recent occurrences of the last two tokens compared per match
-    CANDIDATES = 16
+    CANDIDATES = 8
 
     def __init__(self) -> None:
         self.pairs: dict[tuple[int, int], list[int]] = {}  # (t[i-1], t[i]) -> positions i, oldest first
@@ -377,8 +377,8 @@ class Calibration:
 
 
 class SharedOutputs:
-    """Every request's output tokens, indexed as :class:`OwnContext` indexes one request's text
-    (each position by the two tokens ending there), so that a request matches what other requests
+    """Every request's output tokens, indexed by the three tokens ending at each position (as
+    :class:`OwnContext` indexes one request's text by two), so that a request matches what other requests
     generated: at once (the trie takes a window only once ``depth`` tokens of it exist) and with a
     continuation as long as the other output goes on (a trie's is at most its depth), as
     SuffixDecoding's global tree holds earlier responses (Oliaro et al., arXiv:2411.04975).
@@ -388,8 +388,8 @@ class SharedOutputs:
 
     __slots__ = ("texts", "starts", "pairs", "done", "size", "entries", "max_tokens", "_next")
 
-    #: the most recent occurrences of the last two tokens compared per match
-    CANDIDATES = 16
+    #: the most recent occurrences of the last three tokens compared per match
+    CANDIDATES = 8
     #: a draft from several occurrences follows their vote while its estimated probability is at
     #: least this (:meth:`continuation`): 0.5 keeps a majority path
     MIN_PROB = 0.5
@@ -398,7 +398,7 @@ class SharedOutputs:
         self.max_tokens = max_tokens
         self.texts: dict[int, list[int]] = {}  # output id -> its tokens so far
         self.starts: dict[str, tuple[int, int]] = {}  # live request -> (output id, where its output starts)
-        self.pairs: dict[tuple[int, int], list[tuple[int, int]]] = {}  # -> (output id, position), oldest first
+        self.pairs: dict[tuple[int, int, int], list[tuple[int, int]]] = {}  # -> (output id, position), oldest first
         self.done: list[int] = []  # output ids of finished requests, oldest first
         self.size = 0
         self.entries = 0  # index entries, those of outputs that went included
@@ -419,8 +419,8 @@ class SharedOutputs:
             return
         pairs = self.pairs
         for t in new:
-            if text:
-                key = (text[-1], t)
+            if len(text) >= 2:
+                key = (text[-2], text[-1], t)
                 at = pairs.get(key)
                 if at is None:
                     pairs[key] = [(oid, len(text))]
@@ -445,33 +445,37 @@ class SharedOutputs:
     def match(
         self, request_id: str, tokens: Sequence[int], longest: int, min_match: int = 2
     ) -> tuple[list[tuple[list[int], int]], int]:
-        """``(candidates, length)``: the longest suffix of ``tokens`` (2 to ``longest`` tokens, at
+        """``(candidates, length)``: the longest suffix of ``tokens`` (3 to ``longest`` tokens, at
         least ``min_match``) found in other requests' outputs, and each occurrence of it among
-        the ``CANDIDATES`` most recent ones of its last two tokens, as ``(text, position)`` (the
-        suffix ends at ``text[position]``), the most recent first; ``([], 0)`` when none."""
+        the ``CANDIDATES`` most recent ones of its last three tokens (of at most twice as many
+        looked at), as ``(text, position)`` (the suffix ends at ``text[position]``), the most
+        recent first; ``([], 0)`` when none."""
         n = len(tokens)
-        if n < 2 or longest < 2:
+        if n < 3 or longest < 3:
             return [], 0
-        at = self.pairs.get((tokens[n - 2], tokens[n - 1]))
+        at = self.pairs.get((tokens[n - 3], tokens[n - 2], tokens[n - 1]))
         if not at:
             return [], 0
         own = self.starts.get(request_id, (-1, 0))[0]
         texts = self.texts
+        longest = min(longest, n)
+        tail = list(tokens[n - longest :])  # compared whole first (in C): copying matches in full
         found: list[tuple[int, list[int], int]] = []
-        for oid, c in reversed(at):
-            text = texts.get(oid)
-            if oid == own or text is None:
-                continue
-            if len(found) >= self.CANDIDATES:
+        for examined, (oid, c) in enumerate(reversed(at)):
+            if len(found) >= self.CANDIDATES or examined >= 2 * self.CANDIDATES:
                 break
-            if c + 1 >= len(text):
-                continue  # nothing follows it yet
-            length = 2
-            while length < longest and c - length >= 0 and text[c - length] == tokens[n - 1 - length]:
-                length += 1
+            text = texts.get(oid)
+            if oid == own or text is None or c + 1 >= len(text):
+                continue  # its own output, one that went, or nothing follows it yet
+            if c + 1 >= longest and text[c + 1 - longest : c + 1] == tail:
+                length = longest
+            else:
+                length = 3
+                while length < longest and c - length >= 0 and text[c - length] == tokens[n - 1 - length]:
+                    length += 1
             found.append((length, text, c))
         best = max((f[0] for f in found), default=0)
-        if best < max(2, min_match):
+        if best < max(3, min_match):
             return [], 0
         return [(text, c) for length, text, c in found if length == best], best
 

@@ -13,6 +13,9 @@ from .policy import Calibration, OwnContext, Progress, SharedOutputs, TokenTrie
 #: the longest suffix matched in a request's own text (longer matches, e.g. copying, draft longer
 #: with ``spec_factor``)
 OWN_LONGEST = 32
+#: the longest suffix matched in other requests' outputs (``calibrate``; the calibration's longest
+#: kind is 16 tokens and more)
+SHARED_LONGEST = 16
 
 
 def _copy(token_ids: Sequence[int], at: int, n: int) -> list[int]:
@@ -56,25 +59,29 @@ class TrieLookahead(Proposer):
                 # the trie starts at the first window that reaches the last token seen now
                 self.progress.advance(request_id, max(0, len(token_ids) - self.trie.depth))
             own.update(token_ids)
+        if self.calibration is not None:
+            return own  # calibrated: other requests' outputs come from SharedOutputs, not the trie
         start, stop = self.progress.advance(request_id, len(token_ids) - self.trie.depth + 1)
         self.trie.insert_range(token_ids, start, stop)
         return own
 
     def _chain(self, request_id: str, token_ids: Sequence[int], n: int) -> list[int]:
         """The draft chain: the request's own text's continuation where its suffix matches
-        there at least as long as in the trie, else the trie's."""
+        there at least as long as in the trie, else the trie's. Calibrated: the own text's or,
+        where other requests' outputs match longer, their voted continuation (no trie), at the
+        length the calibration gives the kind of match."""
         p, cal = self.params, self.calibration
         own = self._insert(request_id, token_ids)
         if n <= 0:
             return []
-        # calibrated, a trie draft is at most depth / 2 tokens, so that its match keeps depth / 2
-        trie_n = min(n, max(1, self.trie.depth // 2)) if cal is not None else n
-        node, length = self.trie.match(token_ids, trie_n, p.min_match)
-        if self.shared is not None:
-            self.shared.update(request_id, token_ids)
-            candidates, shared_length = self.shared.match(request_id, token_ids, OWN_LONGEST, p.min_match)
-        else:
+        if cal is None:
+            node, length = self.trie.match(token_ids, n, p.min_match)
             shared_length = 0
+        else:  # calibrated: other requests' outputs from SharedOutputs (its index, no trie)
+            node, length = None, 0
+            assert self.shared is not None
+            self.shared.update(request_id, token_ids)
+            candidates, shared_length = self.shared.match(request_id, token_ids, SHARED_LONGEST, p.min_match)
         if own is not None:
             at, own_length = own.match(token_ids, max(self.trie.depth - 1, OWN_LONGEST), p.min_match)
             if own_length and own_length >= max(length, shared_length):
@@ -87,15 +94,12 @@ class TrieLookahead(Proposer):
             m = self._cap(n, shared_length)
             if cal is not None:
                 m = cal.length(request_id, Calibration.kind("shared", shared_length), m)
-            return self.shared.continuation(candidates, m, SharedOutputs.MIN_PROB)
+            return SharedOutputs.continuation(candidates, m, SharedOutputs.MIN_PROB)
         if node is None:
             if cal is not None:
                 cal.release(request_id)
             return []
-        m = self._cap(trie_n, length)
-        if cal is not None:
-            m = cal.length(request_id, Calibration.kind("trie", length), m)
-        return self.trie._follow(node, [], m, p.min_prob) if m > 0 else []
+        return self.trie._follow(node, [], self._cap(n, length), p.min_prob)
 
     def _cap(self, n: int, matched: int) -> int:
         """The draft length after a match of ``matched`` tokens (``spec_factor``)."""

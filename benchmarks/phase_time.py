@@ -1,0 +1,137 @@
+"""Where a step's time goes, per engine phase, plugin arm against plain vLLM: the wall time of
+vLLM's scheduler, model runner and output processor methods per engine step, so that what a
+deployment adds to a step is located (e.g. an idle speculative proposer: does the extra time sit
+in the forward pass, the sampler or the drafter call?).
+
+    .venv/bin/python benchmarks/phase_time.py DEPLOYMENT [--workload code-completion]
+        [--num-prompts 64] [--max-tokens 64] [--batch 32] [--repeat 3] [--rounds 2]
+
+Each round starts a fresh child process per arm (the deployment, then its plain twin), each an
+in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with ``max_num_seqs = --batch``, which
+generates the workload once to warm up and then ``--repeat`` timed times (greedy, ``ignore_eos``:
+every arm runs the same steps when nothing drafts), the proposers' state renewed before each as
+the bench does. The methods below are wrapped with a ``perf_counter`` pair; nested ones are
+counted inside their callers too (``_model_forward`` inside ``execute_model``). Printed per arm:
+the median wall time of a run and, per method, the median over runs of its milliseconds per
+engine step. The wrapping itself costs about a microsecond per call, alike in both arms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _profiling import child_engine_setup, fresh_run, run_in_child  # noqa: E402
+
+#: (module, class, methods) timed per step
+TARGETS = (
+    ("vllm.v1.core.sched.scheduler", "Scheduler", ("schedule", "update_from_output", "update_draft_token_ids")),
+    (
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner",
+        (
+            "execute_model",
+            "_model_forward",
+            "_prepare_inputs",
+            "_build_attention_metadata",
+            "_update_states",
+            "sample_tokens",
+            "_sample",
+            "_bookkeeping_sync",
+            "propose_draft_token_ids",
+            "take_draft_token_ids",
+        ),
+    ),
+    ("vllm.v1.engine.output_processor", "OutputProcessor", ("process_outputs",)),
+)
+
+
+def _child(path: str, graft: bool, settings: dict, out) -> None:
+    launch, plan, ps = child_engine_setup(path, settings["workload"], settings["num_prompts"], settings["max_tokens"])
+    from vllm import SamplingParams
+
+    spent: dict[str, float] = collections.defaultdict(float)
+    calls: collections.Counter = collections.Counter()
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - t
+                calls[name] += 1
+
+        return wrapper
+
+    for module, cls_name, methods in TARGETS:
+        cls = getattr(importlib.import_module(module), cls_name)
+        for name in methods:
+            if getattr(cls, name, None) is not None:
+                setattr(cls, name, timed(name, getattr(cls, name)))
+    prompts = [{"prompt_token_ids": list(p.token_ids)} for p in ps.prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=settings["max_tokens"], ignore_eos=True)
+    runs = []
+    with launch.in_process_engine(plan, graft=graft, max_num_seqs=settings["batch"]) as llm:
+        llm.generate(prompts, params, use_tqdm=False)  # warm-up
+        for _ in range(settings["repeat"]):
+            fresh_run(llm)
+            spent.clear()
+            calls.clear()
+            t = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            runs.append({"wall_s": time.perf_counter() - t, "spent": dict(spent), "calls": dict(calls)})
+    out.send(runs)
+
+
+def report(arms: dict[str, list[dict]]) -> list[str]:
+    lines = []
+    for arm, runs in arms.items():
+        steps = max(1, runs[0]["calls"].get("execute_model", 1))
+        lines.append(
+            f"{arm}: run wall median {statistics.median(r['wall_s'] for r in runs):.3f} s "
+            f"({len(runs)} runs), {steps} engine steps per run"
+        )
+        names = sorted(runs[0]["spent"], key=lambda k: -runs[0]["spent"][k])
+        for name in names:
+            per_step = statistics.median(
+                r["spent"].get(name, 0.0) / max(1, r["calls"].get("execute_model", 1)) for r in runs
+            )
+            lines.append(
+                f"  {name:32s} {per_step * 1e3:7.3f} ms/step ({runs[0]['calls'].get(name, 0) / steps:.2f} calls/step)"
+            )
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("deployment")
+    ap.add_argument("--workload", default="code-completion")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2, help="fresh processes per arm, alternating (default 2)")
+    a = ap.parse_args()
+    settings = {
+        "workload": a.workload,
+        "num_prompts": a.num_prompts,
+        "max_tokens": a.max_tokens,
+        "batch": a.batch,
+        "repeat": a.repeat,
+    }
+    arms: dict[str, list[dict]] = {"plugin": [], "plain": []}
+    for _ in range(a.rounds):
+        for arm, graft in (("plugin", True), ("plain", False)):
+            arms[arm] += run_in_child(_child, a.deployment, graft, settings, what=f"{a.deployment}: the {arm} engine")
+    print("\n".join(report(arms)))
+
+
+if __name__ == "__main__":
+    main()
