@@ -4,7 +4,9 @@ tokens each decode step would produce and compute, per arm, on exactly the same 
     .venv/bin/python benchmarks/draft_replay.py ARM [ARM ...] [--workload extractive]
         [--num-prompts 64] [--max-tokens 64] [--batch 32] [--step-ms A,B]
 
-An ARM is a deployment YAML with a graft ``speculative:`` plugin, or ``vllm-suffix`` (vLLM's
+An ARM is a deployment YAML with a graft ``speculative:`` plugin that drafts chains from the text
+alone (not ``adaptive``, whose choices follow measured step times the replay does not have:
+replay the proposer it wraps), or ``vllm-suffix`` (vLLM's
 ``suffix`` method driven as ``v1/spec_decode/suffix_decoding.py`` drives Arctic Inference's
 ``SuffixDecodingCache``, with vLLM's defaults: tree depth 24, up to 24 drafts, spec factor 1.0,
 min token probability 0.1), or ``vllm-suffix:K`` (at most K drafts).
@@ -111,6 +113,11 @@ class GraftArm:
         choice = plan_for(path).deployment.speculative
         if choice is None:
             raise SystemExit(f"{path}: no speculative: section (a graft proposer) to replay")
+        if choice.plugin == "adaptive":
+            raise SystemExit(
+                f"{path}: adaptive chooses by measured step times, which a replay does not "
+                "have; replay the proposer it wraps (its params.proposer) instead"
+            )
         reg = get_registry().get(Kind.SPECULATIVE, choice.plugin).registration
         params = reg.params.model_validate(dict(choice.params))
         self.impl = reg.load()(params)

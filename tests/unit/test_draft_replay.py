@@ -81,3 +81,12 @@ def test_replay_drives_a_graft_proposer_as_the_adapter_does(replay_mod, tmp_path
     r = replay_mod.replay(arm, texts, 1, (1.0, 0.0))
     assert r["produced"] == 19 and r["accepted"] > 10 and r["steps"] < 19
     assert arm.impl.describe()["live_requests"] == 0  # finish reached the plugin
+
+
+def test_replay_refuses_adaptive_whose_choices_follow_measured_step_times(replay_mod, tmp_path):
+    dep = tmp_path / "a.yaml"
+    models = Path(__file__).resolve().parents[2] / "models" / "graft-tiny-llama"
+    dep.write_text(f"model: {models}\nengine: {{dtype: float32}}\n"
+                   "speculative: {plugin: adaptive, params: {proposer: lookahead}}\n")
+    with pytest.raises(SystemExit, match="adaptive chooses by measured step times"):
+        replay_mod.GraftArm(str(dep))
