@@ -304,7 +304,8 @@ class Progress:
 
 class Calibration:
     """Draft lengths from measured acceptance (``calibrate: true``). Each *kind* of match, the
-    request's own text or the trie by the matched length (1, 2, ..., 7, 8-15, 16 and more),
+    request's own text or other requests' outputs (:class:`SharedOutputs`) by the matched length
+    (1, 2, ..., 7, 8-15, 16 and more),
     keeps the rate at which the drafts it made were accepted, token by token: ``q = accepted /
     (accepted + rejections)`` (a draft's tokens are accepted up to the first rejection, so under
     a geometric model a draft of ``j`` tokens is accepted whole with chance ``q^j``), decayed by
@@ -384,7 +385,8 @@ class SharedOutputs:
     SuffixDecoding's global tree holds earlier responses (Oliaro et al., arXiv:2411.04975).
 
     Holds at most ``max_tokens`` tokens: past that, the outputs of finished requests go, the
-    oldest first (their index entries are dropped as matches come across them)."""
+    oldest first. Their index entries are skipped by :meth:`match` and dropped all at once when
+    they outnumber the live ones."""
 
     __slots__ = ("texts", "starts", "pairs", "done", "size", "entries", "max_tokens", "_next")
 
