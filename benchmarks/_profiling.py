@@ -73,9 +73,7 @@ def fresh_run(llm: Any) -> None:
     """Before a timed run that repeats the warm-up's prompts, as the bench does: a cold prefix
     cache, and no proposer drafting from the earlier runs' outputs (the graft plugins' shared
     state renewed, vLLM's ``suffix`` tree emptied)."""
-    from vllm_graft.integration.runtime import RUNTIME
-    from vllm_graft.tools.bench.arm import fresh_vllm_suffix_tree
+    from vllm_graft.tools.bench.arm import fresh_drafting_state
 
     llm.reset_prefix_cache()
-    RUNTIME.fresh_cross_request_state()
-    fresh_vllm_suffix_tree(llm)
+    fresh_drafting_state(llm)

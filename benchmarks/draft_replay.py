@@ -16,7 +16,8 @@ sequence honoured, as the bench runs) and are kept in ``--cache`` (default under
 call. Then each arm replays them as the engine would run them at ``--batch`` requests in flight (the
 next request starts when one ends): each decode step, every live request proposes from its prompt
 and the output so far, the drafts' longest prefix equal to the true output is accepted, plus the
-one token the target adds. The proposer sees the calls the adapter makes (``begin_step``,
+one token the target adds. A draft is at most the output tokens left (the engine would verify a
+longer one and drop the rest). The proposer sees the calls the adapter makes (``begin_step``,
 ``accepted`` then ``propose`` per request, ``finish``). The prompts' prefill steps (one token each)
 are left out: they are the same for every arm.
 
@@ -53,6 +54,11 @@ def _greedy_child(path: str, graft: bool, settings: dict, out) -> None:
     with launch.in_process_engine(plan, graft=False, max_num_seqs=settings["batch"]) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     out.send([{"prompt": p, "output": list(o.outputs[0].token_ids)} for p, o in zip(prompts, outs)])
+
+
+def cache_path(workload: str, num_prompts: int, max_tokens: int) -> Path:
+    """Where the greedy outputs of a workload are kept between calls (``--cache``'s default)."""
+    return Path(f"/tmp/graft-replay-{workload}-{num_prompts}x{max_tokens}.json")
 
 
 def greedy_texts(settings: dict, cache: Path) -> list[dict]:
@@ -107,20 +113,19 @@ class GraftArm:
 
     def __init__(self, path: str) -> None:
         from vllm_graft.hooks import Kind
-        from vllm_graft.hooks.manager import get_registry
         from vllm_graft.integration.plan import plan_for
 
-        choice = plan_for(path).deployment.speculative
-        if choice is None:
+        enabled = plan_for(path).by_kind(Kind.SPECULATIVE)  # validated, as the runtime gets it
+        if not enabled:
             raise SystemExit(f"{path}: no speculative: section (a graft proposer) to replay")
-        if choice.plugin == "adaptive":
+        (e,) = enabled
+        if e.name == "adaptive":
             raise SystemExit(
                 f"{path}: adaptive chooses by measured step times, which a replay does not "
                 "have; replay the proposer it wraps (its params.proposer) instead"
             )
-        reg = get_registry().get(Kind.SPECULATIVE, choice.plugin).registration
-        params = reg.params.model_validate(dict(choice.params))
-        self.impl = reg.load()(params)
+        params = e.params
+        self.impl = e.entry.registration.load()(params)
         if getattr(self.impl, "drafts_trees", False) or getattr(self.impl, "topk", 0):
             raise SystemExit(f"{path}: replay drafts chains from text alone (no trees, no target top-k)")
         self.k = int(getattr(params, "num_speculative_tokens", 4))
@@ -230,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
         "max_tokens": args.max_tokens,
         "batch": max(args.batch, 8),
     }
-    cache = Path(args.cache or f"/tmp/graft-replay-{args.workload}-{args.num_prompts}x{args.max_tokens}.json")
+    cache = Path(args.cache) if args.cache else cache_path(args.workload, args.num_prompts, args.max_tokens)
     texts = greedy_texts(settings, cache)
     base = replay(PlainArm(), texts, args.batch, (a, b))
     print(

@@ -90,3 +90,19 @@ def test_replay_refuses_adaptive_whose_choices_follow_measured_step_times(replay
                    "speculative: {plugin: adaptive, params: {proposer: lookahead}}\n")
     with pytest.raises(SystemExit, match="adaptive chooses by measured step times"):
         replay_mod.GraftArm(str(dep))
+
+
+def test_drafting_cost_drives_a_proposer_through_the_adapter_in_lock_step(replay_mod):
+    spec = importlib.util.spec_from_file_location("drafting_cost", SCRIPT.parent / "drafting_cost.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from vllm_graft.hooks import Kind, get_registry
+
+    reg = get_registry().get(Kind.SPECULATIVE, "lookahead").registration
+    impl = reg.load()(reg.params.model_validate({"num_speculative_tokens": 4}))
+    body = list(range(300, 340))
+    texts = [{"prompt": [1, *body, 2], "output": body[:30]}, {"prompt": [5, 6], "output": list(range(700, 730))}]
+    steps, per_step, counts = mod.drafting_cost(impl, texts, 4)
+    # the copying row accepts its drafts: fewer steps than tokens; the adapter saw every row each step
+    assert 0 < steps < 29 and per_step > 0
+    assert counts["propose"] == 2 * steps and counts["accepted"] > 10

@@ -292,10 +292,14 @@ def _empty_suffix_tree(worker: Any) -> int:
     return len(cached)
 
 
-def fresh_vllm_suffix_tree(llm: Any) -> None:
-    """vLLM's ``suffix`` method drafts from a global tree of earlier responses: a timed run
-    repeating the warm-up's and the previous run's prompts would draft their outputs back. Emptied
-    before each run, as :meth:`Runtime.fresh_cross_request_state` renews the plugins' state."""
+def fresh_drafting_state(llm: Any) -> None:
+    """Before a timed run that repeats the warm-up's and the previous run's prompts: no proposer
+    drafts their outputs back. The graft plugins' shared state is renewed
+    (:meth:`Runtime.fresh_cross_request_state`), and vLLM's ``suffix`` method, which drafts from
+    a global tree of earlier responses, has that tree emptied."""
+    from vllm_graft.integration.runtime import RUNTIME
+
+    RUNTIME.fresh_cross_request_state()
     spec = getattr(llm.llm_engine.vllm_config, "speculative_config", None)
     if getattr(spec, "method", None) == "suffix":
         llm.collective_rpc(_empty_suffix_tree)
@@ -382,8 +386,7 @@ def _arm_run(
                 PATCHES.apply(BENCH_SCHEDULE, sampler.wrap, on=scheduler)
                 patched = True
             r = int(payload)
-            RUNTIME.fresh_cross_request_state()  # no run drafts from the previous run's outputs
-            fresh_vllm_suffix_tree(llm)  # nor vLLM's own suffix method
+            fresh_drafting_state(llm)  # no run drafts from the previous run's outputs
             for w in workloads:
                 send("phase", f"generating {w['name']} (run {r + 1})")
                 llm.reset_prefix_cache()  # every run starts with a cold prefix cache
