@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import importlib
 import statistics
 import sys
@@ -49,6 +50,9 @@ TARGETS = (
         ),
     ),
     ("vllm.v1.engine.output_processor", "OutputProcessor", ("process_outputs",)),
+    # the speculative adapter's share of ``propose_draft_token_ids`` (absent from a plain arm)
+    ("vllm_graft.integration.adapters.speculative.engine", "GraftProposer", ("propose",)),
+    ("vllm_graft.integration.adapters.speculative.drafting", "Drafting", ("propose",)),
 )
 
 
@@ -70,11 +74,25 @@ def _child(path: str, graft: bool, settings: dict, out) -> None:
 
         return wrapper
 
+    gc_started = [0.0]
+
+    def gc_timer(phase, info):  # the collector's own time, wherever it falls (inside the methods too)
+        if phase == "start":
+            gc_started[0] = time.perf_counter()
+        else:
+            spent["gc (any generation)"] += time.perf_counter() - gc_started[0]
+            calls["gc (any generation)"] += 1
+            if info.get("generation") == 2:
+                calls["gc generation 2"] += 1
+                spent["gc generation 2"] += time.perf_counter() - gc_started[0]
+
+    gc.callbacks.append(gc_timer)
     for module, cls_name, methods in TARGETS:
         cls = getattr(importlib.import_module(module), cls_name)
         for name in methods:
             if getattr(cls, name, None) is not None:
-                setattr(cls, name, timed(name, getattr(cls, name)))
+                label = name if module.startswith("vllm.") else f"{cls_name}.{name}"
+                setattr(cls, name, timed(label, getattr(cls, name)))
     prompts = [{"prompt_token_ids": list(p.token_ids)} for p in ps.prompts]
     params = SamplingParams(temperature=0.0, max_tokens=settings["max_tokens"], ignore_eos=True)
     runs = []

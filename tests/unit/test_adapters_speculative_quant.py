@@ -217,6 +217,49 @@ def test_finished_requests_are_released_when_the_step_starts():
     assert p.finished == ["x", "y"] and counts["finish"] == 2
 
 
+class Mutating(Echo):
+    """Keeps the list it is given and changes it, as a careless plugin might."""
+
+    def propose(self, request_id, token_ids, max_tokens):
+        drafts = super().propose(request_id, token_ids, max_tokens)
+        token_ids.append(49)
+        token_ids[0] = 48
+        self.kept = token_ids
+        return drafts
+
+
+def test_each_call_gets_the_rows_tokens_read_incrementally_as_a_list_of_its_own():
+    p = Mutating()
+    d, _ = make(p)
+    ids, n = batch([[1, 2, 3], [4, 5]])
+    d.propose(["a", "b"], [[3], [5]], n, ids)
+    # the step accepted tokens: vLLM appends them after the row's earlier tokens
+    ids[0, 3:5] = [6, 7]
+    n[0] = 5
+    d.propose(["a", "b"], [[6, 7], [5]], n, ids)
+    assert [c[1] for c in p.calls] == [[1, 2, 3], [4, 5], [1, 2, 3, 6, 7], [4, 5]]
+    assert all(type(t) is int for _, seq, _ in p.calls for t in seq)
+    # only the new tokens were read: what was kept is the row's prefix, not the plugin's edit
+    assert d.rows["a"] == [1, 2, 3, 6, 7] and p.kept is not d.rows["b"]
+    # the rows moved in the batch (b first now): each request id keeps its own tokens
+    ids2, n2 = batch([[4, 5, 8], [1, 2, 3, 6, 7, 9]])
+    d.propose(["b", "a"], [[8], [9]], n2, ids2)
+    assert [c[1] for c in p.calls[-2:]] == [[4, 5, 8], [1, 2, 3, 6, 7, 9]]
+
+
+def test_a_row_that_does_not_continue_what_was_kept_is_read_anew_and_an_ended_request_forgets_it():
+    p = Echo()
+    d, _ = make(p)
+    ids, n = batch([[1, 2, 3, 4]])
+    d.propose(["a"], [[4]], n, ids)
+    for row in ([1, 2, 3, 8, 5], [7, 2, 3, 8, 5], [1, 2]):  # last kept token differs; first; shorter
+        ids, n = batch([row])
+        d.propose(["a"], [[row[-1]]], n, ids)
+        assert p.calls[-1][1] == row and d.rows["a"] == row
+    d.step_started(["a"], {})
+    assert "a" not in d.rows
+
+
 def test_more_rows_than_request_ids_is_an_error():
     d, _ = make(Echo())
     ids, n = batch([[1], [2]])
