@@ -9,7 +9,9 @@ The texts are ``draft_replay.py``'s greedy outputs (the first ``--batch`` of its
 made on first use by plain vLLM). All ``--batch`` requests run in lock step, as a batch of that
 size does, each row advancing by what the target would accept of its drafts, until every row has
 59 output tokens. Printed: the steps and the mean milliseconds per step of
-``Drafting.propose`` (a ``noop`` deployment gives the adapter's own share).
+``Drafting.propose`` (a ``noop`` deployment gives the adapter's own share). ``--idle``: the
+deployment's proposer replaced by one that drafts nothing and says so in ``begin_step`` (as
+``adaptive`` does on a step it runs without drafts): what the adapter costs on such a step.
 """
 from __future__ import annotations
 
@@ -64,17 +66,31 @@ def drafting_cost(impl, texts: list[dict], k: int) -> tuple[int, float, dict]:
     return steps, spent / max(1, steps), counts
 
 
+class Idle:
+    """A proposer that drafts nothing and says so before the step (``begin_step`` False)."""
+
+    def begin_step(self, num_requests: int, num_tokens: int = 0) -> bool:
+        return False
+
+    def accepted(self, request_id: str, num_accepted: int, num_verified: int) -> None:
+        pass
+
+    def finish(self, request_id: str) -> None:
+        pass
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("deployment")
     ap.add_argument("--workload", default="code-completion")
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--idle", action="store_true", help="a proposer that drafts nothing, said in begin_step")
     a = ap.parse_args()
     settings = {"workload": a.workload, "num_prompts": 64, "max_tokens": 64, "batch": 32}
     texts = greedy_texts(settings, cache_path(a.workload, 64, 64))[: a.batch]
     arm = GraftArm(a.deployment)
-    steps, per_step, counts = drafting_cost(arm.impl, texts, arm.k)
-    print(f"{a.deployment} {a.workload}: {steps} steps at batch {len(texts)}, Drafting.propose "
+    steps, per_step, counts = drafting_cost(Idle() if a.idle else arm.impl, texts, arm.k)
+    print(f"{a.deployment}{' (--idle)' if a.idle else ''} {a.workload}: {steps} steps at batch {len(texts)}, Drafting.propose "
           f"{per_step * 1e3:.3f} ms per step; {counts}")
 
 

@@ -96,7 +96,8 @@ def _child(path: str, graft: bool, settings: dict, out) -> None:
     prompts = [{"prompt_token_ids": list(p.token_ids)} for p in ps.prompts]
     params = SamplingParams(temperature=0.0, max_tokens=settings["max_tokens"], ignore_eos=True)
     runs = []
-    with launch.in_process_engine(plan, graft=graft, max_num_seqs=settings["batch"]) as llm:
+    stats = {"disable_log_stats": False} if settings.get("log_stats") else {}
+    with launch.in_process_engine(plan, graft=graft, max_num_seqs=settings["batch"], **stats) as llm:
         llm.generate(prompts, params, use_tqdm=False)  # warm-up
         for _ in range(settings["repeat"]):
             fresh_run(llm)
@@ -136,8 +137,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2, help="fresh processes per arm, alternating (default 2)")
+    ap.add_argument(
+        "--log-stats", action="store_true", help="vLLM's stats on (disable_log_stats=False), as `vllm-graft bench` runs"
+    )
     a = ap.parse_args()
     settings = {
+        "log_stats": a.log_stats,
         "workload": a.workload,
         "num_prompts": a.num_prompts,
         "max_tokens": a.max_tokens,

@@ -106,3 +106,7 @@ def test_drafting_cost_drives_a_proposer_through_the_adapter_in_lock_step(replay
     # the copying row accepts its drafts: fewer steps than tokens; the adapter saw every row each step
     assert 0 < steps < 29 and per_step > 0
     assert counts["propose"] == 2 * steps and counts["accepted"] > 10
+    # a proposer that says it drafts nothing: one token a step (from the first output token to the
+    # 29th of the shorter text, 28 steps), no propose call, the steps counted
+    idle_steps, _, idle_counts = mod.drafting_cost(mod.Idle(), texts, 4)
+    assert idle_steps == 28 and idle_counts == {"undrafted_steps": 28}

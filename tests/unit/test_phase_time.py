@@ -21,4 +21,4 @@ def test_report_gives_each_methods_median_milliseconds_per_step():
     assert lines[0].startswith("plugin: run wall median 2.000 s (3 runs), 10 engine steps per run")
     assert "execute_model" in lines[1] and "6.000 ms/step" in lines[1]  # median of 5, 7, 6 ms a step
     assert "_sample" in lines[2] and "0.400 ms/step" in lines[2] and "(1.00 calls/step)" in lines[2]
-    assert {t[1] for t in mod.TARGETS} == {"Scheduler", "GPUModelRunner", "OutputProcessor"}
+    assert {t[1] for t in mod.TARGETS} == {"Scheduler", "GPUModelRunner", "OutputProcessor", "GraftProposer", "Drafting"}

@@ -196,7 +196,8 @@ class Drafting:
                 continue
             if self.trees_on:
                 tokens, parents = self._checked_tree(
-                    self._call("propose_tree", request_id, self._tokens(request_id, token_ids, i, n), budget), request_id
+                    self._call("propose_tree", request_id, self._tokens(request_id, token_ids, i, n), budget),
+                    request_id,
                 )
                 tokens, parents = tokens[:budget], parents[:budget]
                 if request_id in chain_only and not is_chain(parents):
