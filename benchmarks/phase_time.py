@@ -12,8 +12,10 @@ generates the workload once to warm up and then ``--repeat`` timed times (greedy
 every arm runs the same steps when nothing drafts), the proposers' state renewed before each as
 the bench does. The methods below are wrapped with a ``perf_counter`` pair; nested ones are
 counted inside their callers too (``_model_forward`` inside ``execute_model``). Printed per arm:
-the median wall time of a run and, per method, the median over runs of its milliseconds per
-engine step. The wrapping itself costs about a microsecond per call, alike in both arms.
+the median wall time of a run, the forward pass's median time at the commonest number of tokens
+a step computed (steps of one shape compare across arms that ran different steps) and, per
+method, the median over runs of its milliseconds per engine step; the garbage collector's time
+(``gc``) wherever it fell. The wrapping itself costs about a microsecond per call, alike in both arms.
 """
 
 from __future__ import annotations
@@ -93,6 +95,21 @@ def _child(path: str, graft: bool, settings: dict, out) -> None:
             if getattr(cls, name, None) is not None:
                 label = name if module.startswith("vllm.") else f"{cls_name}.{name}"
                 setattr(cls, name, timed(label, getattr(cls, name)))
+    # the forward pass per number of tokens computed: steps of one shape compare across arms even
+    # where the arms ran different steps (a drafting step, a prompt split over more steps)
+    by_tokens: dict[int, list[float]] = collections.defaultdict(list)
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    forward = GPUModelRunner._model_forward
+
+    def _model_forward(self, input_ids=None, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return forward(self, input_ids, *args, **kwargs)
+        finally:
+            by_tokens[int(input_ids.shape[0]) if input_ids is not None else -1].append(time.perf_counter() - t)
+
+    GPUModelRunner._model_forward = _model_forward
     prompts = [{"prompt_token_ids": list(p.token_ids)} for p in ps.prompts]
     params = SamplingParams(temperature=0.0, max_tokens=settings["max_tokens"], ignore_eos=True)
     runs = []
@@ -103,9 +120,18 @@ def _child(path: str, graft: bool, settings: dict, out) -> None:
             fresh_run(llm)
             spent.clear()
             calls.clear()
+            by_tokens.clear()
             t = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
-            runs.append({"wall_s": time.perf_counter() - t, "spent": dict(spent), "calls": dict(calls)})
+            shape = max(by_tokens, key=lambda n: len(by_tokens[n]))  # the most common step shape
+            runs.append(
+                {
+                    "wall_s": time.perf_counter() - t,
+                    "spent": dict(spent),
+                    "calls": dict(calls),
+                    "forward_at": (shape, len(by_tokens[shape]), statistics.median(by_tokens[shape])),
+                }
+            )
     out.send(runs)
 
 
@@ -117,6 +143,12 @@ def report(arms: dict[str, list[dict]]) -> list[str]:
             f"{arm}: run wall median {statistics.median(r['wall_s'] for r in runs):.3f} s "
             f"({len(runs)} runs), {steps} engine steps per run"
         )
+        if all("forward_at" in r for r in runs):
+            shape, count, _ = runs[0]["forward_at"]
+            lines.append(
+                f"  forward at {shape} tokens (the commonest step, {count} in run 1): median over runs "
+                f"{statistics.median(r['forward_at'][2] for r in runs) * 1e3:.3f} ms"
+            )
         names = sorted(runs[0]["spent"], key=lambda k: -runs[0]["spent"][k])
         for name in names:
             per_step = statistics.median(

@@ -22,3 +22,16 @@ def test_report_gives_each_methods_median_milliseconds_per_step():
     assert "execute_model" in lines[1] and "6.000 ms/step" in lines[1]  # median of 5, 7, 6 ms a step
     assert "_sample" in lines[2] and "0.400 ms/step" in lines[2] and "(1.00 calls/step)" in lines[2]
     assert {t[1] for t in mod.TARGETS} == {"Scheduler", "GPUModelRunner", "OutputProcessor", "GraftProposer", "Drafting"}
+
+
+def test_report_gives_the_forward_at_the_commonest_step_shape_when_timed():
+    sys.path.insert(0, str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("phase_time", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    runs = [
+        {"wall_s": 1.0, "spent": {}, "calls": {"execute_model": 10}, "forward_at": (32, 9, f)}
+        for f in (0.004, 0.006, 0.005)
+    ]
+    lines = mod.report({"plain": runs})
+    assert lines[1] == "  forward at 32 tokens (the commonest step, 9 in run 1): median over runs 5.000 ms"
