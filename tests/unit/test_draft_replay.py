@@ -110,3 +110,18 @@ def test_drafting_cost_drives_a_proposer_through_the_adapter_in_lock_step(replay
     # 29th of the shorter text, 28 steps), no propose call, the steps counted
     idle_steps, _, idle_counts = mod.drafting_cost(mod.Idle(), texts, 4)
     assert idle_steps == 28 and idle_counts == {"undrafted_steps": 28}
+
+
+def test_drafting_cost_times_a_deployments_begin_step_adaptive_included(tmp_path):
+    spec = importlib.util.spec_from_file_location("drafting_cost", SCRIPT.parent / "drafting_cost.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    dep = tmp_path / "a.yaml"
+    dep.write_text("model: m\nspeculative: {plugin: adaptive, params: {proposer: lookahead}}\n")
+    seconds, impl = mod.begin_step_cost(str(dep), 32, calls=40)
+    # the controller ran 40 steps at batch 32 (its first steps measure the chain shape)
+    assert 0 < seconds < 0.1 and sum(impl.describe()["steps_by_mode"].values()) == 40
+    empty = tmp_path / "b.yaml"
+    empty.write_text("model: m\n")
+    with pytest.raises(SystemExit, match="no speculative"):
+        mod.begin_step_cost(str(empty), 32, calls=1)

@@ -24,6 +24,10 @@ drafter (``GPUModelRunner._input_fits_in_drafter``) and schedules ``k`` placehol
 id 0) per request instead; the next step counts those as ``verified_without_propose``, and vLLM's
 accepted count includes whichever of them the target happened to sample.
 
+Token ids: each call gets a new list of the row's ``token_ids[i, :num_tokens[i]]``, built from a
+list the adapter keeps per live request and extends by the tokens each step added
+(:meth:`Drafting._tokens`), not from the whole row each step.
+
 Seeded sampling: vLLM's rejection sampler draws a seeded request's random numbers per draft
 it verifies, so which tokens the request gets depends on its drafts. Unless the plugin says
 its drafts depend only on the request's own tokens (``Proposer.per_request_drafts``), the
