@@ -388,6 +388,20 @@ def test_goodput_speculates_at_batch_1_and_not_at_batch_32_with_middling_accepta
     assert pol.goodput(0.5, 2, 1) == pytest.approx(1 * 1.75 / (8 + 3))
 
 
+def test_best_length_is_the_argmax_of_goodput_over_every_length_ties_to_the_shorter():
+    # best_length sums the expected tokens once over k; it must pick what goodput() ranks first
+    pol = GoodputPolicy(16, fixed_cost_tokens=64, prior_acceptance=0.5)
+    rng = random.Random(0)
+    for _ in range(3000):
+        a = rng.choice([0.0, 1.0, 0.5, rng.random()])
+        b = rng.randint(1, 300)
+        pol.c = rng.choice([0.0, 64.0, rng.random() * 500])
+        ranked = max(range(pol.max_k + 1), key=lambda k: (pol.goodput(a, k, b), -k))
+        assert pol.best_length(a, b) == ranked
+    pol.c = 0.0  # no fixed cost: every length gives the same goodput at acceptance 1 -> the shortest
+    assert pol.best_length(1.0, 4) == 0
+
+
 def test_acceptance_estimate_follows_observations():
     pol = GoodputPolicy(4, fixed_cost_tokens=4, prior_acceptance=0.5)
     for _ in range(30):

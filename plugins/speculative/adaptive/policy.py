@@ -121,7 +121,17 @@ class GoodputPolicy:
         return b * self.expected_tokens(a, k) / (self.c + b * (1 + k))
 
     def best_length(self, a: float, batch_size: int) -> int:
-        return max(range(self.max_k + 1), key=lambda k: (self.goodput(a, k, batch_size), -k))
+        """The draft length of the highest goodput (ties: the shorter). The expected tokens
+        ``1 + a + ... + a^k`` are summed once for every ``k``, in the order and with the terms
+        :meth:`expected_tokens` uses, so each goodput is :meth:`goodput`'s to the bit."""
+        b, c = batch_size, self.c
+        best, best_g, expected = 0, None, 0.0
+        for k in range(self.max_k + 1):
+            expected += a**k
+            g = b * expected / (c + b * (1 + k))
+            if best_g is None or g > best_g:
+                best, best_g = k, g
+        return best
 
     def choose(self, request_id: str) -> int:
         k = self.best_length(self.acceptance(request_id), self.batch_size)
