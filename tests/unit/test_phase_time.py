@@ -1,4 +1,5 @@
 """benchmarks/phase_time.py's report: per method, the median over runs of its time per engine step."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -8,11 +9,16 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "phase_time.py"
 
 
-def test_report_gives_each_methods_median_milliseconds_per_step():
+def _phase_time():
     sys.path.insert(0, str(SCRIPT.parent))
     spec = importlib.util.spec_from_file_location("phase_time", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_report_gives_each_methods_median_milliseconds_per_step():
+    mod = _phase_time()
     runs = [
         {"wall_s": w, "spent": {"execute_model": e, "_sample": s}, "calls": {"execute_model": 10, "_sample": 10}}
         for w, e, s in ((1.0, 0.05, 0.002), (3.0, 0.07, 0.004), (2.0, 0.06, 0.030))
@@ -21,14 +27,17 @@ def test_report_gives_each_methods_median_milliseconds_per_step():
     assert lines[0].startswith("plugin: run wall median 2.000 s (3 runs), 10 engine steps per run")
     assert "execute_model" in lines[1] and "6.000 ms/step" in lines[1]  # median of 5, 7, 6 ms a step
     assert "_sample" in lines[2] and "0.400 ms/step" in lines[2] and "(1.00 calls/step)" in lines[2]
-    assert {t[1] for t in mod.TARGETS} == {"Scheduler", "GPUModelRunner", "OutputProcessor", "GraftProposer", "Drafting"}
+    assert {t[1] for t in mod.TARGETS} == {
+        "Scheduler",
+        "GPUModelRunner",
+        "OutputProcessor",
+        "GraftProposer",
+        "Drafting",
+    }
 
 
 def test_report_gives_the_forward_at_the_commonest_step_shape_when_timed():
-    sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("phase_time", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _phase_time()
     runs = [
         {"wall_s": 1.0, "spent": {}, "calls": {"execute_model": 10}, "forward_at": (32, 9, f)}
         for f in (0.004, 0.006, 0.005)
