@@ -108,24 +108,30 @@ class SuffixArm:
         self.cache.stop_request(request_id)
 
 
+def speculative_plugin(path: str, what: str = "replay") -> tuple[Any, Any]:
+    """The deployment's enabled speculative plugin (validated, as the runtime gets it) and an
+    instance of it, built from the registry as the runtime builds it."""
+    from vllm_graft.hooks import Kind
+    from vllm_graft.integration.plan import plan_for
+
+    enabled = plan_for(path).by_kind(Kind.SPECULATIVE)
+    if not enabled:
+        raise SystemExit(f"{path}: no speculative: section (a graft proposer) to {what}")
+    (e,) = enabled
+    return e, e.entry.registration.load()(e.params)
+
+
 class GraftArm:
     """A deployment's speculative plugin, built from the registry as the runtime builds it."""
 
     def __init__(self, path: str) -> None:
-        from vllm_graft.hooks import Kind
-        from vllm_graft.integration.plan import plan_for
-
-        enabled = plan_for(path).by_kind(Kind.SPECULATIVE)  # validated, as the runtime gets it
-        if not enabled:
-            raise SystemExit(f"{path}: no speculative: section (a graft proposer) to replay")
-        (e,) = enabled
+        e, self.impl = speculative_plugin(path)
         if e.name == "adaptive":
             raise SystemExit(
                 f"{path}: adaptive chooses by measured step times, which a replay does not "
                 "have; replay the proposer it wraps (its params.proposer) instead"
             )
         params = e.params
-        self.impl = e.entry.registration.load()(params)
         if getattr(self.impl, "drafts_trees", False) or getattr(self.impl, "topk", 0):
             raise SystemExit(f"{path}: replay drafts chains from text alone (no trees, no target top-k)")
         self.k = int(getattr(params, "num_speculative_tokens", 4))

@@ -19,15 +19,16 @@ included: what its controller costs on a step it then runs without drafts).
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from draft_replay import GraftArm, cache_path, greedy_texts  # noqa: E402
+from draft_replay import GraftArm, cache_path, greedy_texts, speculative_plugin  # noqa: E402
 
 
 def drafting_cost(impl, texts: list[dict], k: int) -> tuple[int, float, dict]:
@@ -86,16 +87,7 @@ class Idle:
 def begin_step_cost(path: str, batch: int, calls: int = 3000) -> tuple[float, Any]:
     """Median seconds of the deployment's proposer's ``begin_step(batch, batch)``, called
     ``calls`` times 0.5 ms apart, and the proposer (for its ``describe()``)."""
-    import statistics
-
-    from vllm_graft.hooks import Kind
-    from vllm_graft.integration.plan import plan_for
-
-    enabled = plan_for(path).by_kind(Kind.SPECULATIVE)
-    if not enabled:
-        raise SystemExit(f"{path}: no speculative: section (a graft proposer) to time")
-    (e,) = enabled
-    impl = e.entry.registration.load()(e.params)
+    _, impl = speculative_plugin(path, "time")
     spent = []
     for _ in range(calls):
         t = time.perf_counter()

@@ -15,7 +15,8 @@ counted inside their callers too (``_model_forward`` inside ``execute_model``). 
 the median wall time of a run, the forward pass's median time at the commonest number of tokens
 a step computed (steps of one shape compare across arms that ran different steps) and, per
 method, the median over runs of its milliseconds per engine step; the garbage collector's time
-(``gc``) wherever it fell. The wrapping itself costs about a microsecond per call, alike in both arms.
+(``gc``) wherever it fell; with two or more ``--rounds``, each process's own medians (one engine
+process differs from the next by a few percent). The wrapping itself costs about a microsecond per call, alike in both arms.
 """
 
 from __future__ import annotations
@@ -39,8 +40,7 @@ TARGETS = (
         "vllm.v1.worker.gpu_model_runner",
         "GPUModelRunner",
         (
-            "execute_model",
-            "_model_forward",
+            "execute_model",  # and _model_forward, timed per step shape in _child
             "_prepare_inputs",
             "_build_attention_metadata",
             "_update_states",
@@ -81,12 +81,13 @@ def _child(path: str, graft: bool, settings: dict, out) -> None:
     def gc_timer(phase, info):  # the collector's own time, wherever it falls (inside the methods too)
         if phase == "start":
             gc_started[0] = time.perf_counter()
-        else:
-            spent["gc (any generation)"] += time.perf_counter() - gc_started[0]
-            calls["gc (any generation)"] += 1
-            if info.get("generation") == 2:
-                calls["gc generation 2"] += 1
-                spent["gc generation 2"] += time.perf_counter() - gc_started[0]
+            return
+        took = time.perf_counter() - gc_started[0]
+        for name in (
+            ("gc (any generation)", "gc generation 2") if info.get("generation") == 2 else ("gc (any generation)",)
+        ):
+            spent[name] += took
+            calls[name] += 1
 
     gc.callbacks.append(gc_timer)
     for module, cls_name, methods in TARGETS:
@@ -95,8 +96,8 @@ def _child(path: str, graft: bool, settings: dict, out) -> None:
             if getattr(cls, name, None) is not None:
                 label = name if module.startswith("vllm.") else f"{cls_name}.{name}"
                 setattr(cls, name, timed(label, getattr(cls, name)))
-    # the forward pass per number of tokens computed: steps of one shape compare across arms even
-    # where the arms ran different steps (a drafting step, a prompt split over more steps)
+    # the forward pass, also per number of tokens computed: steps of one shape compare across arms
+    # even where the arms ran different steps (a drafting step, a prompt split over more steps)
     by_tokens: dict[int, list[float]] = collections.defaultdict(list)
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -107,7 +108,10 @@ def _child(path: str, graft: bool, settings: dict, out) -> None:
         try:
             return forward(self, input_ids, *args, **kwargs)
         finally:
-            by_tokens[int(input_ids.shape[0]) if input_ids is not None else -1].append(time.perf_counter() - t)
+            took = time.perf_counter() - t
+            spent["_model_forward"] += took
+            calls["_model_forward"] += 1
+            by_tokens[int(input_ids.shape[0]) if input_ids is not None else -1].append(took)
 
     GPUModelRunner._model_forward = _model_forward
     prompts = [{"prompt_token_ids": list(p.token_ids)} for p in ps.prompts]
@@ -149,6 +153,17 @@ def report(arms: dict[str, list[dict]]) -> list[str]:
                 f"  forward at {shape} tokens (the commonest step, {count} in run 1): median over runs "
                 f"{statistics.median(r['forward_at'][2] for r in runs) * 1e3:.3f} ms"
             )
+        processes = sorted({r["process"] for r in runs if "process" in r})
+        if len(processes) > 1:  # each process's own medians: how far one engine differs from the next
+            per = []
+            for p in processes:
+                mine = [r for r in runs if r.get("process") == p]
+                forward = [r["forward_at"][2] for r in mine if "forward_at" in r]
+                per.append(
+                    f"{statistics.median(r['wall_s'] for r in mine):.3f} s"
+                    + (f" / {statistics.median(forward) * 1e3:.3f} ms" if forward else "")
+                )
+            lines.append(f"  per process (run wall / forward at the commonest step): {', '.join(per)}")
         names = sorted(runs[0]["spent"], key=lambda k: -runs[0]["spent"][k])
         for name in names:
             per_step = statistics.median(
@@ -182,9 +197,10 @@ def main() -> None:
         "repeat": a.repeat,
     }
     arms: dict[str, list[dict]] = {"plugin": [], "plain": []}
-    for _ in range(a.rounds):
+    for process in range(a.rounds):
         for arm, graft in (("plugin", True), ("plain", False)):
-            arms[arm] += run_in_child(_child, a.deployment, graft, settings, what=f"{a.deployment}: the {arm} engine")
+            runs = run_in_child(_child, a.deployment, graft, settings, what=f"{a.deployment}: the {arm} engine")
+            arms[arm] += [{**r, "process": process} for r in runs]
     print("\n".join(report(arms)))
 
 

@@ -44,3 +44,16 @@ def test_report_gives_the_forward_at_the_commonest_step_shape_when_timed():
     ]
     lines = mod.report({"plain": runs})
     assert lines[1] == "  forward at 32 tokens (the commonest step, 9 in run 1): median over runs 5.000 ms"
+
+
+def test_report_gives_each_processs_medians_when_there_are_several():
+    mod = _phase_time()
+    runs = [
+        {"wall_s": w, "spent": {}, "calls": {"execute_model": 10}, "forward_at": (32, 9, f), "process": p}
+        for w, f, p in ((1.0, 0.004, 0), (1.2, 0.006, 0), (2.0, 0.005, 1))
+    ]
+    lines = mod.report({"plain": runs})
+    assert (
+        lines[2] == "  per process (run wall / forward at the commonest step): 1.100 s / 5.000 ms, 2.000 s / 5.000 ms"
+    )
+    assert all("per process" not in line for line in mod.report({"plain": runs[:2]}))

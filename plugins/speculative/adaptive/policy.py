@@ -117,18 +117,21 @@ class GoodputPolicy:
         return float(sum(a**i for i in range(k + 1)))
 
     def goodput(self, a: float, k: int, batch_size: int) -> float:
+        return self._goodput(self.expected_tokens(a, k), k, batch_size)
+
+    def _goodput(self, expected: float, k: int, batch_size: int) -> float:
+        """Tokens per unit of step cost with ``k`` drafts that yield ``expected`` tokens a request."""
         b = batch_size
-        return b * self.expected_tokens(a, k) / (self.c + b * (1 + k))
+        return b * expected / (self.c + b * (1 + k))
 
     def best_length(self, a: float, batch_size: int) -> int:
         """The draft length of the highest goodput (ties: the shorter). The expected tokens
         ``1 + a + ... + a^k`` are summed once for every ``k``, in the order and with the terms
         :meth:`expected_tokens` uses, so each goodput is :meth:`goodput`'s to the bit."""
-        b, c = batch_size, self.c
         best, best_g, expected = 0, None, 0.0
         for k in range(self.max_k + 1):
             expected += a**k
-            g = b * expected / (c + b * (1 + k))
+            g = self._goodput(expected, k, batch_size)
             if best_g is None or g > best_g:
                 best, best_g = k, g
         return best
