@@ -140,10 +140,15 @@ class Runtime:
 
     def instance(self, enabled: Enabled) -> Any:
         """The process's one instance of an enabled plugin, built on first use: an instance of
-        its kind's contract (checked when built; typed Any, as the contract depends on the kind)."""
+        its kind's contract (checked when built; typed Any, as the contract depends on the kind).
+        An instance built from other parameters (one a check made outside any deployment, e.g.
+        :func:`.adapters.speculative.tree.drafts_trees` on another plan, left behind) is built
+        anew: a deployment never runs a plugin configured for another one."""
         key = (enabled.kind, enabled.name)
         with self._lock:
             impl = self.instances.get(key)
+            if impl is not None and getattr(impl, "params", enabled.params) != enabled.params:
+                impl = None
             if impl is None:
                 cls = enabled.entry.registration.load()
                 contract = contract_for(enabled.kind, enabled.entry.registration.capabilities.role)

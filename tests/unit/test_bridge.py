@@ -378,3 +378,26 @@ def test_ranks_beyond_the_numa_nodes_get_a_share_of_the_cpus_each(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
     launch.apply_env_defaults(engine={"dtype": "float32"})  # one rank: vLLM's own binding
     assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+
+
+def test_an_instance_built_from_other_parameters_is_built_anew():
+    """RUNTIME.instance caches one instance per plugin; one a check left behind for another plan
+    (tree.drafts_trees builds the proposer to ask whether it drafts trees) must not run the next
+    deployment: token-recycling with tree: true, then without, is a chain proposer again.
+    (Before, tests/e2e/test_spec_proposers.py's token-recycling case, run after
+    tests/unit/test_spec_tree_engine.py, got the stale tree proposer.)"""
+    from vllm_graft.hooks import Kind
+    from vllm_graft.integration import runtime
+
+    def enabled(params):
+        plan = plan_for({"model": "models/graft-tiny-llama",
+                         "speculative": {"plugin": "token-recycling", "params": params}}, source="test")
+        (e,) = plan.by_kind(Kind.SPECULATIVE)
+        return e
+
+    rt = runtime.Runtime()
+    tree = rt.instance(enabled({"tree": True, "k": 8}))
+    assert tree.drafts_trees and rt.instance(enabled({"tree": True, "k": 8})) is tree  # same params: kept
+    chain = rt.instance(enabled({"k": 4}))
+    assert chain is not tree and not chain.drafts_trees and chain.topk == 4
+    assert rt.instances[(Kind.SPECULATIVE, "token-recycling")] is chain
