@@ -17,6 +17,7 @@ from vllm_graft.plugins.speculative._tree import (
     DraftTree,
     Verdict,
     ancestor_mask,
+    merge_chains,
     tree_attention,
     verify_greedy,
     verify_sampling,
@@ -63,6 +64,20 @@ def test_from_chains_round_trips_random_chains():
         for i in range(len(tree)):  # siblings carry distinct tokens
             kids = [int(tree.tokens[c]) for c in tree.children(i - 1)]
             assert len(kids) == len(set(kids))
+
+
+def test_merge_chains_cut_is_the_merged_trees_first_nodes():
+    """merge_chains(chains, n) (lookahead's propose_tree) is the first n nodes of from_chains'
+    tree, every cut a tree (each parent before its child)."""
+    rng = random.Random(1)
+    for _ in range(200):
+        chains = [[rng.randrange(4) for _ in range(rng.randrange(0, 6))] for _ in range(rng.randrange(0, 6))]
+        tree = DraftTree.from_chains(chains)
+        assert merge_chains(chains) == (tree.tokens.tolist(), tree.parents.tolist())
+        n = rng.randrange(0, len(tree) + 2)
+        tokens, parents = merge_chains(chains, n)
+        assert (tokens, parents) == (tree.tokens[:n].tolist(), tree.parents[:n].tolist())
+        assert all(-1 <= p < i for i, p in enumerate(parents))
 
 
 @pytest.mark.parametrize("tokens, parents, match", [

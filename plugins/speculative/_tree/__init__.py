@@ -16,13 +16,14 @@ nothing here imports vLLM):
 """
 
 from .reference import tree_attention, verify_pass_attention
-from .tree import DraftTree, ancestor_mask
+from .tree import DraftTree, ancestor_mask, merge_chains
 from .verify import Verdict, verify_greedy, verify_sampling
 
 __all__ = [
     "DraftTree",
     "Verdict",
     "ancestor_mask",
+    "merge_chains",
     "tree_attention",
     "verify_greedy",
     "verify_pass_attention",

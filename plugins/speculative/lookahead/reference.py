@@ -113,7 +113,7 @@ class TrieLookahead(Proposer):
         return drafts
 
     def propose_tree(self, request_id: str, token_ids: Sequence[int], max_nodes: int) -> tuple[list[int], list[int]]:
-        from .._tree import DraftTree
+        from .._tree import DraftTree, merge_chains
 
         p = self.params
         self.proposed += 1
@@ -125,10 +125,9 @@ class TrieLookahead(Proposer):
             others = [[tokens[i] for i in path] for path in trie_tree.paths()] if trie_tree is not None else []
         else:
             others = self.trie.branches(token_ids, p.tree_depth, p.tree_branches, p.min_match)
-        tree = DraftTree.from_chains([first, *others])
-        n = min(len(tree), limit)
-        self.drafted += n
-        return tree.tokens[:n].tolist(), tree.parents[:n].tolist()
+        tokens, parents = merge_chains([first, *others], limit)
+        self.drafted += len(tokens)
+        return tokens, parents
 
     def begin_step(self, num_requests: int, num_tokens: int = 0) -> None:
         if self.calibration is not None:
