@@ -4,7 +4,7 @@ deployment adds to a step is located (e.g. an idle speculative proposer: does th
 in the forward pass, the sampler or the drafter call?).
 
     .venv/bin/python benchmarks/phase_time.py DEPLOYMENT [--workload code-completion]
-        [--num-prompts 64] [--max-tokens 64] [--batch 32] [--repeat 3] [--rounds 2]
+        [--num-prompts 64] [--max-tokens 64] [--batch 32] [--repeat 3] [--rounds 2] [--by-shape]
 
 Each round starts a fresh child process per arm (the deployment, then its plain twin), each an
 in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with ``max_num_seqs = --batch``, which
@@ -17,6 +17,10 @@ a step computed (steps of one shape compare across arms that ran different steps
 method, the median over runs of its milliseconds per engine step; the garbage collector's time
 (``gc``) wherever it fell; with two or more ``--rounds``, each process's own medians (one engine
 process differs from the next by a few percent). The wrapping itself costs about a microsecond per call, alike in both arms.
+``--by-shape``: also, per arm, each of its commonest step shapes (the tokens the forward
+computed: e.g. a chain step against a tree step of the same deployment, in one process) with the
+median of each method's time in such a step and of the whole step, from one ``execute_model``
+call to the next.
 """
 
 from __future__ import annotations
@@ -64,15 +68,22 @@ def _child(path: str, graft: bool, settings: dict, out) -> None:
 
     spent: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
+    # --by-shape: each engine step's methods, from one execute_model call to the next
+    steps = StepRecords() if settings.get("by_shape") else None
 
     def timed(name, fn):
         def wrapper(*args, **kwargs):
             t = time.perf_counter()
+            if steps is not None and name == "execute_model":
+                steps.next_step(t)
             try:
                 return fn(*args, **kwargs)
             finally:
-                spent[name] += time.perf_counter() - t
+                took = time.perf_counter() - t
+                spent[name] += took
                 calls[name] += 1
+                if steps is not None:
+                    steps.add(name, took)
 
         return wrapper
 
@@ -111,7 +122,11 @@ def _child(path: str, graft: bool, settings: dict, out) -> None:
             took = time.perf_counter() - t
             spent["_model_forward"] += took
             calls["_model_forward"] += 1
-            by_tokens[int(input_ids.shape[0]) if input_ids is not None else -1].append(took)
+            tokens = int(input_ids.shape[0]) if input_ids is not None else -1
+            by_tokens[tokens].append(took)
+            if steps is not None:
+                steps.add("_model_forward", took)
+                steps.tokens = tokens
 
     GPUModelRunner._model_forward = _model_forward
     prompts = [{"prompt_token_ids": list(p.token_ids)} for p in ps.prompts]
@@ -125,6 +140,8 @@ def _child(path: str, graft: bool, settings: dict, out) -> None:
             spent.clear()
             calls.clear()
             by_tokens.clear()
+            if steps is not None:
+                steps.clear()
             t = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             shape = max(by_tokens, key=lambda n: len(by_tokens[n]))  # the most common step shape
@@ -136,7 +153,58 @@ def _child(path: str, graft: bool, settings: dict, out) -> None:
                     "forward_at": (shape, len(by_tokens[shape]), statistics.median(by_tokens[shape])),
                 }
             )
+            if steps is not None:
+                steps.next_step(time.perf_counter())  # closes the run's last step
+                runs[-1]["steps"] = list(steps.done)
     out.send(runs)
+
+
+class StepRecords:
+    """``--by-shape``: each engine step as ``(tokens the forward computed, {method: seconds,
+    "step": seconds})``, a step running from one ``execute_model`` call to the next, so that it
+    holds that step's runner methods, its output processing and the next step's scheduling."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.done: list[tuple[int, dict[str, float]]] = []
+        self.open: dict[str, float] | None = None
+        self.started = 0.0
+        self.tokens = -1
+
+    def next_step(self, now: float) -> None:
+        if self.open is not None:
+            self.open["step"] = now - self.started
+            self.done.append((self.tokens, self.open))
+        self.open, self.started, self.tokens = {}, now, -1
+
+    def add(self, name: str, took: float) -> None:
+        if self.open is not None:
+            self.open[name] = self.open.get(name, 0.0) + took
+
+
+def by_shape(arms: dict[str, list[dict]], shapes: int = 4) -> list[str]:
+    """Per arm, its commonest step shapes (tokens the forward computed, over all its runs): the
+    steps of that shape, then the median of each method's milliseconds in such a step
+    (``step``: the whole interval; the slowest first)."""
+    lines = []
+    for arm, runs in arms.items():
+        grouped: dict[int, list[dict[str, float]]] = collections.defaultdict(list)
+        for r in runs:
+            for tokens, rec in r.get("steps", ()):
+                grouped[tokens].append(rec)
+        if not grouped:
+            continue
+        lines.append(f"{arm}: steps by the tokens their forward computed (medians over {len(runs)} runs' steps, ms)")
+        for tokens in sorted(grouped, key=lambda n: -len(grouped[n]))[:shapes]:
+            recs = grouped[tokens]
+            names = sorted(
+                {k for rec in recs for k in rec}, key=lambda k: -statistics.median(x.get(k, 0.0) for x in recs)
+            )
+            parts = ", ".join(f"{k} {statistics.median(x.get(k, 0.0) for x in recs) * 1e3:.3f}" for k in names)
+            lines.append(f"  {tokens} tokens: {len(recs)} steps; {parts}")
+    return lines
 
 
 def report(arms: dict[str, list[dict]]) -> list[str]:
@@ -187,8 +255,14 @@ def main() -> None:
     ap.add_argument(
         "--log-stats", action="store_true", help="vLLM's stats on (disable_log_stats=False), as `vllm-graft bench` runs"
     )
+    ap.add_argument(
+        "--by-shape",
+        action="store_true",
+        help="also each method's median time in a step of each of the commonest step shapes (tokens computed)",
+    )
     a = ap.parse_args()
     settings = {
+        "by_shape": a.by_shape,
         "log_stats": a.log_stats,
         "workload": a.workload,
         "num_prompts": a.num_prompts,
@@ -201,7 +275,7 @@ def main() -> None:
         for arm, graft in (("plugin", True), ("plain", False)):
             runs = run_in_child(_child, a.deployment, graft, settings, what=f"{a.deployment}: the {arm} engine")
             arms[arm] += [{**r, "process": process} for r in runs]
-    print("\n".join(report(arms)))
+    print("\n".join(report(arms) + (by_shape(arms) if a.by_shape else [])))
 
 
 if __name__ == "__main__":

@@ -57,3 +57,21 @@ def test_report_gives_each_processs_medians_when_there_are_several():
         lines[2] == "  per process (run wall / forward at the commonest step): 1.100 s / 5.000 ms, 2.000 s / 5.000 ms"
     )
     assert all("per process" not in line for line in mod.report({"plain": runs[:2]}))
+
+
+def test_by_shape_groups_each_step_by_the_tokens_its_forward_computed():
+    mod = _phase_time()
+    steps = mod.StepRecords()
+    steps.add("_sample", 9.0)  # before any step: not recorded
+    for t0, tokens, sample in ((0.0, 5, 0.001), (0.010, 17, 0.003), (0.030, 5, 0.002)):
+        steps.next_step(t0)
+        steps.add("_sample", sample)
+        steps.add("_sample", sample)  # a method called twice in a step is summed
+        steps.tokens = tokens
+    steps.next_step(0.034)
+    assert [(n, round(r["step"], 6)) for n, r in steps.done] == [(5, 0.01), (17, 0.02), (5, 0.004)]
+    lines = mod.by_shape({"plugin": [{"steps": steps.done}]})
+    assert lines[0].startswith("plugin: steps by the tokens their forward computed")
+    assert lines[1] == "  5 tokens: 2 steps; step 7.000, _sample 3.000"  # medians of (10, 4) and (2, 4) ms
+    assert lines[2] == "  17 tokens: 1 steps; step 20.000, _sample 6.000"
+    assert mod.by_shape({"plain": [{"wall_s": 1.0}]}) == []
