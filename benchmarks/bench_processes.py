@@ -10,9 +10,9 @@ deployments/spec-lookahead.yaml --baseline-as-is --workload code-completion --ba
 Each invocation of the bench starts one process per arm and runs every repeat of that arm in it,
 so its runs share that process's state (where its memory landed, which kernels its libraries
 chose). On this 2-core machine one engine process differs from the next by more than the 3% a
-target such as "never below 0.97x plain" needs: the same tree-against-chain comparison read
-from 0.72 to 1.01 in five invocations with the same drafts (docs/benchmarks/speculative.md). So a claim
-of that size needs several invocations: this runs them one after another (nothing else should
+target such as "never below 0.97x plain" needs: the same tree-against-chain comparison, with the
+same drafts every time, read from 0.63 to 1.28 in five invocations of this script
+(docs/benchmarks/speculative.md). So a claim of that size needs several invocations: this runs them one after another (nothing else should
 run beside it) and prints each invocation's ratio, its paired range and whether the greedy
 outputs were identical, then the median of the invocations' ratios with their min-max, and the
 median of all their paired per-run ratios.

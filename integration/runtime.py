@@ -72,6 +72,8 @@ class Runtime:
     source: str | None = None  # where the deployment came from (for messages)
     config_json: str | None = None  # the resolved deployment, as passed to child processes
     instances: dict[tuple[Kind, str], Any] = field(default_factory=dict)  # contract instances (see instance)
+    #: the parameters each of :attr:`instances` was built from (an instance placed by hand has none)
+    instance_params: dict[tuple[Kind, str], Any] = field(default_factory=dict, repr=False)
     events: Counter = field(default_factory=Counter)  # (kind, name, event) -> count
     adapters: list[Any] = field(default_factory=list)  # activated, in order
     report_dir: str | None = None  # VLLM_GRAFT_REPORT_DIR at activation
@@ -147,7 +149,8 @@ class Runtime:
         key = (enabled.kind, enabled.name)
         with self._lock:
             impl = self.instances.get(key)
-            if impl is not None and getattr(impl, "params", enabled.params) != enabled.params:
+            built_from = self.instance_params.get(key, enabled.params)
+            if impl is not None and built_from is not enabled.params and built_from != enabled.params:
                 impl = None
             if impl is None:
                 cls = enabled.entry.registration.load()
@@ -160,6 +163,7 @@ class Runtime:
                     )
                 impl = cls(enabled.params)
                 self.instances[key] = impl
+                self.instance_params[key] = enabled.params
             return impl
 
     def count(self, kind: Kind, name: str, event: str, n: int = 1) -> None:
@@ -345,6 +349,7 @@ class Runtime:
         self.plan = self.source = self.config_json = self.report_dir = self._tp_rank = None  # ends the reporter
         self._dirty = False
         self.instances.clear()
+        self.instance_params.clear()
         self.events.clear()
         self.adapters.clear()
         self.state_holders.clear()

@@ -401,3 +401,12 @@ def test_an_instance_built_from_other_parameters_is_built_anew():
     chain = rt.instance(enabled({"k": 4}))
     assert chain is not tree and not chain.drafts_trees and chain.topk == 4
     assert rt.instances[(Kind.SPECULATIVE, "token-recycling")] is chain
+    e = enabled({"k": 4})
+    rt2 = runtime.Runtime()
+    mine = rt2.instance(e)
+    mine.params.num_speculative_tokens += 1  # a plugin that changes its parameters in place
+    assert rt2.instance(e) is mine  # is still the instance of its own deployment
+    placed = object()  # an instance placed by hand (as tests do) is used as is
+    rt.instances[(Kind.SPECULATIVE, "pooled-ngram")] = placed
+    plan = plan_for({"model": "models/graft-tiny-llama", "speculative": {"plugin": "pooled-ngram"}}, source="test")
+    assert rt.instance(plan.by_kind(Kind.SPECULATIVE)[0]) is placed

@@ -139,8 +139,8 @@ def verify_pass_attention(
     values = v_cache.index_select(0, ids).transpose(0, 1).reshape(hkv, nb * bs, d)[:, :seq_len].float()
     qg = q.float().view(r, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * r, d)  # [Hkv, g*R, D]
     scores = torch.bmm(qg, keys_t).mul_(scale).view(hkv, group, r, seq_len)  # [Hkv, g, R, S]
-    # every row keeps the context, so only the pass's own columns are masked (a third of the
-    # time of a mask over every column; benchmarks/tree_pass.py)
+    # every row keeps the context, so only the pass's own columns are masked (7-10% of a pass
+    # against masking every column, same output: docs/benchmarks/speculative.md, 2026-11-28)
     scores[..., seq_len - r :].masked_fill_(~pass_mask.to(q.device), float("-inf"))
     out = torch.bmm(torch.softmax(scores, dim=-1).view(hkv, group * r, seq_len), values)  # [Hkv, g*R, D]
     return out.view(hkv, group, r, d).permute(2, 0, 1, 3).reshape(r, hq, d).to(q.dtype)
