@@ -199,10 +199,8 @@ def by_shape(arms: dict[str, list[dict]], shapes: int = 4) -> list[str]:
         lines.append(f"{arm}: steps by the tokens their forward computed (medians over {len(runs)} runs' steps, ms)")
         for tokens in sorted(grouped, key=lambda n: -len(grouped[n]))[:shapes]:
             recs = grouped[tokens]
-            names = sorted(
-                {k for rec in recs for k in rec}, key=lambda k: -statistics.median(x.get(k, 0.0) for x in recs)
-            )
-            parts = ", ".join(f"{k} {statistics.median(x.get(k, 0.0) for x in recs) * 1e3:.3f}" for k in names)
+            medians = {k: statistics.median(x.get(k, 0.0) for x in recs) for k in {k for rec in recs for k in rec}}
+            parts = ", ".join(f"{k} {ms * 1e3:.3f}" for k, ms in sorted(medians.items(), key=lambda kv: -kv[1]))
             lines.append(f"  {tokens} tokens: {len(recs)} steps; {parts}")
     return lines
 
