@@ -180,14 +180,27 @@ class ModeChooser:
     the best; where ``expected`` is 1 (the cost model gives no draft a length at this batch
     size and acceptance) no drafting shape can win, so none is measured and the step runs
     without drafts. A shape not chosen is re-tried after ``retry_every`` steps (in turn), by measuring
-    it anew (its old step times dropped, ``min_samples`` + 1 steps); except where the best is no
-    drafts: there, of every ``probes_per_measure`` re-trials all but one are one-step
-    ``"probe"`` steps (:data:`PROBE`): only a few requests draft (the proposer's choice), which
-    refreshes the acceptance estimate (it does not move while nothing drafts) at a fraction
-    of a full step's cost, and is
-    recorded for no shape. Ties go to the less drafting shape (no propose calls to make).
-    Each re-trial that leaves the choice as it was doubles the wait (up to
-    ``max_retry_every``); one that changes it brings the wait back.
+    it anew (its old step times dropped, ``min_samples`` + 1 steps; a measurement that records
+    nothing in ``2 * window`` steps, e.g. a tree shape whose proposer drafted no tree, ends
+    there). Each re-trial that leaves the choice as it was doubles the wait (up to
+    ``max_retry_every``); one that changes it brings the wait back. Ties go to the less
+    drafting shape (no propose calls to make).
+
+    Where the best is no drafts, every ``probe_every`` steps is also a one-step ``"probe"``
+    (:data:`PROBE`): only a few requests draft (the proposer's choice), which refreshes the
+    acceptance estimate (it does not move while nothing drafts) at a fraction of a full step's
+    cost; it is recorded for no shape and does not back off (before 2026-11-28 probes took
+    three of every four re-trials and backed off with them: an estimate left low by a cold
+    request then kept speculation off for 50-250 steps at batch 1 on code completion, where
+    chain steps yielded 2.5 tokens: /tmp-free account in docs/benchmarks/speculative.md).
+
+    The tree shape: a step is recorded as ``"tree"`` only when it verified a tree with
+    branches (the caller says so); a tree-mode step whose proposer drafted only chains is a
+    chain step and recorded as one. The first step of a shape after a switch is not timed,
+    except between the chain and the tree, which run the same proposer (no catch-up). What a
+    tree yields over its chain is measured on the same steps (:meth:`observe_tree`: the tree's
+    tokens against those its first path, the chain, would have given), not from tree steps
+    against chain steps run on other text.
     """
 
     def __init__(
@@ -199,7 +212,7 @@ class ModeChooser:
         retry_every: int = 32,
         max_retry_every: int = 256,
         yield_decay: float = 0.8,
-        probes_per_measure: int = 4,
+        probe_every: int = 8,
     ) -> None:
         if len(modes) < 2 or len(set(modes)) != len(modes) or "off" not in modes:
             raise ValueError(f"ModeChooser needs two or more distinct modes, 'off' among them; got {modes!r}")
@@ -213,13 +226,18 @@ class ModeChooser:
         self.retry_every = retry_every
         self.max_retry_every = max(retry_every, max_retry_every)
         self.yield_decay = yield_decay
-        self.probes_per_measure = max(1, probes_per_measure)
+        self.probe_every = max(1, probe_every)
         #: bucket -> {mode: the last `window` step times (s)}, and their median (kept as they
         #: change, so choosing a step's mode sorts nothing)
         self.times: dict[int, dict[str, deque[float]]] = {}
         self.medians: dict[int, dict[str, float]] = {}
         #: tokens per request and step, exponentially weighted, of the chain and tree shapes
         self.yields: dict[str, list[float]] = {m: [0.0, 0.0] for m in ("chain", "tree")}
+        #: tokens a tree step gave and tokens its first path (the chain) would have, decayed sums
+        #: over the trees verified (:meth:`observe_tree`)
+        self.paired = [0.0, 0.0]
+        self.tries: dict[int, dict[str, int]] = {}  # bucket -> steps chosen to measure a shape
+        self.off_since: dict[int, int] = {}  # bucket -> steps since the last probe while off
         self.since: dict[int, int] = {}  # bucket -> steps since the last re-trial
         self.turn: dict[int, int] = {}  # bucket -> re-trials begun (which other shape is next)
         self.wait: dict[int, int] = {}  # bucket -> steps between re-trials
@@ -237,7 +255,9 @@ class ModeChooser:
     def record(self, batch_size: int, mode: str, seconds: float, tokens: int = 0) -> None:
         """A decode-only step of ``batch_size`` requests ran in ``mode`` for ``seconds`` and
         produced ``tokens`` (requests + accepted drafts; 0: unknown, the yield is not updated)."""
-        steady, self.last = mode == self.last, mode
+        drafting = ("chain", "tree")
+        steady = mode == self.last or (mode in drafting and self.last in drafting)
+        self.last = mode
         if seconds <= 0 or mode not in self.modes:
             return
         b = self.bucket(batch_size)
@@ -255,16 +275,32 @@ class ModeChooser:
     def step_seconds(self, batch_size: int, mode: str) -> float | None:
         return self.medians.get(self.bucket(batch_size), {}).get(mode)
 
+    def observe_tree(self, tree_tokens: int, chain_tokens: int) -> None:
+        """One verified tree: the tokens it gave (accepted + 1) and the tokens its first path,
+        the chain the same proposer drafts, would have given on the same step."""
+        if chain_tokens > 0:
+            p = self.paired
+            p[0] = p[0] * self.yield_decay**0.25 + tree_tokens
+            p[1] = p[1] * self.yield_decay**0.25 + chain_tokens
+
     def tree_gain(self) -> float:
-        """Measured tokens per request of a tree step over a chain step's (1.0 until both ran)."""
+        """Tokens of a tree step over its chain's: from trees paired with their chains
+        (:meth:`observe_tree`) once any was; else tree steps' tokens per request over chain
+        steps' (on other text); 1.0 until measured."""
+        if self.paired[1]:
+            return self.paired[0] / self.paired[1]
         (tc, wc), (tt, wt) = self.yields["chain"], self.yields["tree"]
         return (tt / wt) / (tc / wc) if wc and wt and tc else 1.0
 
-    def predicted(self, batch_size: int, expected: float) -> dict[str, float]:
-        """Tokens per second per mode at this batch size (every mode measured in its bucket):
-        ``expected`` is a chain step's tokens per request at the current acceptance."""
+    def predicted(self, batch_size: int, expected: float, modes: tuple | None = None) -> dict[str, float]:
+        """Tokens per second of each of ``modes`` (default: all; each measured in this batch
+        size's bucket): ``expected`` is a chain step's tokens per request at the current
+        acceptance."""
         per_request = {"off": 1.0, "chain": expected, "tree": expected * self.tree_gain()}
-        return {m: per_request[m] * batch_size / self.step_seconds(batch_size, m) for m in self.modes}  # type: ignore[operator]
+        return {
+            m: per_request[m] * batch_size / self.step_seconds(batch_size, m)  # type: ignore[operator]
+            for m in (modes or self.modes)
+        }
 
     def choose(self, batch_size: int, expected: float) -> str:
         """The coming step's mode. ``expected``: tokens per request a chain step would yield at
@@ -275,11 +311,16 @@ class ModeChooser:
         # where the acceptance says no draft pays at this batch size (the cost model's k = 0), no
         # drafting shape can win whatever it costs: it is not measured (probes still refresh the
         # acceptance)
-        candidates = self.modes if expected > 1.0 else ("off",)
+        pays = expected > 1.0
+        candidates = self.modes if pays else ("off",)
+        tries = self.tries.setdefault(b, {})
         for m in candidates:  # measure each shape first, the most drafting first
-            if (len(seen[m]) if seen else 0) < self.min_samples:
+            if (len(seen[m]) if seen else 0) < self.min_samples and tries.get(m, 0) < 2 * self.window:
+                tries[m] = tries.get(m, 0) + 1
                 return self._chose(m)
-        goodput = self.predicted(batch_size, expected) if len(candidates) > 1 else {"off": 1.0}
+        # a shape whose measurement recorded nothing (see above) waits for its next re-trial
+        candidates = tuple(m for m in candidates if seen and seen[m]) or ("off",)
+        goodput = self.predicted(batch_size, expected, candidates) if len(candidates) > 1 else {"off": 1.0}
         best = max(candidates, key=lambda m: (goodput[m], self.modes.index(m)))  # ties: the less drafting
         if b in self.best_before:  # a re-trial just ran: wait longer if it changed nothing
             same = self.best_before.pop(b) == best
@@ -287,18 +328,23 @@ class ModeChooser:
                 min(2 * self.wait.get(b, self.retry_every), self.max_retry_every) if same else self.retry_every
             )
         self.since[b] = self.since.get(b, 0) + 1
-        if self.since[b] >= self.wait.get(b, self.retry_every):
+        if self.since[b] >= self.wait.get(b, self.retry_every) and pays:
             self.since[b] = 0
             self.turn[b] = turn = self.turn.get(b, 0) + 1
             self.best_before[b] = best
             others = [m for m in self.modes if m != best]
             mode = others[turn % len(others)]
-            if best == "off" and (turn % self.probes_per_measure or len(candidates) == 1):
-                return self._chose(PROBE)  # a few requests draft, for their acceptance
             # measured anew: its old step times go, and the loop above runs it min_samples + 1 steps
-            self.times[b][mode].clear()
-            self.medians[b].pop(mode, None)
+            if b in self.times:
+                self.times[b][mode].clear()
+                self.medians[b].pop(mode, None)
+            tries[mode] = 0
             return self._chose(mode)
+        if best == "off":
+            self.off_since[b] = self.off_since.get(b, 0) + 1
+            if self.off_since[b] >= self.probe_every:
+                self.off_since[b] = 0
+                return self._chose(PROBE)  # a few requests draft, for their acceptance
         self.trying = False
         return self._chose(best)
 

@@ -54,6 +54,10 @@ class Adaptive(Proposer):
         self.probe_requests = 1
         self._asked = 0  # propose calls this step
         self._probe_shift = 0  # where this probe's requests start, in the step's order
+        self._real_tree = False  # this step's drafting gave some request a tree with branches
+        #: request id -> [its token count when drafted, its tree's first path (the chain), tokens
+        #: accepted (None until verified)]: the tree paired with its chain (:meth:`_pair`)
+        self._trees: dict[str, list] = {}
 
     def _new_policy(self) -> GoodputPolicy:
         p = self.params
@@ -77,6 +81,7 @@ class Adaptive(Proposer):
         fresh.c, fresh._fit, fresh.cost_samples = policy.c, policy._fit, policy.cost_samples
         self.policy = fresh
         self._last_step, self._prev, self._step_tokens = None, None, 0
+        self._trees.clear()
         self._produced = self._verified = self._requests = 0
 
     @property
@@ -107,7 +112,9 @@ class Adaptive(Proposer):
         else:
             self._prev_seconds = 0.0
         self._prev_tokens = num_tokens
-        self._prev = (self.policy.batch_size, self._mode)
+        # a tree-mode step that verified no tree with branches ran chains: it is a chain step
+        mode = "chain" if self._mode == "tree" and not self._real_tree else self._mode
+        self._prev, self._real_tree = (self.policy.batch_size, mode), False
         self._produced = self._requests = num_requests
         self._verified = 0
         self._last_step, self._step_tokens = now, num_requests
@@ -138,6 +145,9 @@ class Adaptive(Proposer):
         self.inner.attach_target(weights)
 
     def accepted(self, request_id: str, num_accepted: int, num_verified: int) -> None:
+        tree = self._trees.get(request_id)
+        if tree is not None and tree[2] is None:
+            tree[2] = num_accepted
         self._produced += num_accepted
         self._verified += num_verified
         self.policy.observe(request_id, num_accepted, num_verified)
@@ -157,7 +167,33 @@ class Adaptive(Proposer):
             k = 1
         return min(most, k)
 
+    def _pair(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """The request's last tree, verified since: what it gave against what its first path
+        (the chain the wrapped proposer drafts: lookahead and token-recycling put it first)
+        would have given, read from the tokens the step appended (accepted + 1: greedy, the
+        target's own tokens, which the chain would have been checked against)."""
+        tree = self._trees.pop(request_id, None)
+        if tree is None or tree[2] is None or self.bandit is None:
+            return
+        start, chain, accepted = tree
+        new = token_ids[start : start + accepted + 1]
+        kept = 0
+        while kept < min(len(chain), len(new), accepted) and chain[kept] == new[kept]:
+            kept += 1
+        self.bandit.observe_tree(accepted + 1, kept + 1)
+
+    @staticmethod
+    def _first_path(tokens: Sequence[int], parents: Sequence[int]) -> list[int]:
+        path, at = [], -1
+        for i, p in enumerate(parents):  # children come after their parent
+            if p == at:
+                path.append(tokens[i])
+                at = i
+        return path
+
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        if self._trees:
+            self._pair(request_id, token_ids)
         k = self._length(request_id, max_tokens)
         if k <= 0:
             return []
@@ -169,12 +205,17 @@ class Adaptive(Proposer):
         """With a tree proposer (``drafts_trees``): the wrapped proposer's tree in tree mode,
         its chain (as a one-path tree) in chain mode, nothing when off or when this request's
         acceptance says no drafts."""
+        if self._trees:
+            self._pair(request_id, token_ids)
         k = self._length(request_id, max_nodes)
         if k <= 0:
             return [], []
         if self._mode == "tree":
             tokens, parents = self.inner.propose_tree(request_id, token_ids, max_nodes)
             tokens, parents = list(tokens)[:max_nodes], list(parents)[:max_nodes]
+            if parents != list(range(-1, len(parents) - 1)):  # branches: a tree step
+                self._real_tree = True
+                self._trees[request_id] = [len(token_ids), self._first_path(tokens, parents), None]
         else:
             tokens = list(self.inner.propose(request_id, token_ids, k))[:k]
             parents = list(range(-1, len(tokens) - 1))
@@ -182,6 +223,7 @@ class Adaptive(Proposer):
         return tokens, parents
 
     def finish(self, request_id: str) -> None:
+        self._trees.pop(request_id, None)
         self.policy.release(request_id)
         self.inner.finish(request_id)
 
