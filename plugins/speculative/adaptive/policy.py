@@ -192,7 +192,7 @@ class ModeChooser:
     cost; it is recorded for no shape and does not back off (before 2026-11-28 probes took
     three of every four re-trials and backed off with them: an estimate left low by a cold
     request then kept speculation off for 50-250 steps at batch 1 on code completion, where
-    chain steps yielded 2.5 tokens: /tmp-free account in docs/benchmarks/speculative.md).
+    chain steps yielded 2.5 tokens: docs/benchmarks/speculative.md, "fourth session").
 
     The tree shape: a step is recorded as ``"tree"`` only when it verified a tree with
     branches (the caller says so); a tree-mode step whose proposer drafted only chains is a

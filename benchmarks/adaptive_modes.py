@@ -1,0 +1,109 @@
+"""What `adaptive` chose, step by step: the shape of each step (tree, chain, off, probe) over the
+bench's timed runs, and the steps it timed for each shape.
+
+    .venv/bin/python benchmarks/adaptive_modes.py DEPLOYMENT [--workload code-completion]
+        [--num-prompts 8] [--max-tokens 64] [--batch 1] [--repeat 3]
+
+One in-process engine in a fresh child process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with
+``max_num_seqs = --batch``; a short warm-up, then ``--repeat`` runs of the workload (greedy, not
+``ignore_eos``), the drafting state renewed before each as the bench does. The deployment's
+speculative plugin must be ``adaptive`` with ``measure_goodput`` on. Printed:
+
+* one character per step's choice (``T`` tree, ``.`` chain, ``o`` off, ``p`` probe; ``|`` starts
+  a run), and how many steps chose each;
+* per shape, the steps recorded for it (decode-only, :meth:`ModeChooser.record`): how many, their
+  median time, the tokens per request they yielded, and how many were timed (``steady``);
+* the plugin's own report (its events: ``trees`` is how many trees with branches were verified).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _profiling import child_engine_setup, fresh_run, run_in_child  # noqa: E402
+
+CODES = {"tree": "T", "chain": ".", "off": "o", "probe": "p", "run": "|"}
+
+
+def summarize(choices: list[str], records: list[tuple[str, int, float, int, bool]]) -> list[str]:
+    """``choices``: each step's chosen mode (``"run"`` marks a run's start); ``records``: each
+    recorded step as ``(mode, batch size, seconds, tokens, timed)``."""
+    counts = collections.Counter(c for c in choices if c != "run")
+    lines = [
+        "chosen: " + ", ".join(f"{m} {counts[m]}" for m in ("tree", "chain", "off", "probe") if counts[m]),
+        "".join(CODES.get(c, "?") for c in choices),
+    ]
+    for mode in ("tree", "chain", "off"):
+        rs = [r for r in records if r[0] == mode]
+        if rs:
+            lines.append(
+                f"recorded {mode}: {len(rs)} steps, median {1e3 * statistics.median(r[2] for r in rs):.3f} ms, "
+                f"{statistics.mean(r[3] / max(1, r[1]) for r in rs):.2f} tokens per request, "
+                f"{sum(r[4] for r in rs)} timed"
+            )
+    return lines
+
+
+def _child(path: str, settings: dict, out) -> None:
+    launch, plan, ps = child_engine_setup(path, settings["workload"], settings["num_prompts"], settings["max_tokens"])
+    from vllm import SamplingParams
+
+    from vllm_graft.integration.runtime import RUNTIME
+    from vllm_graft.plugins.speculative.adaptive import policy
+
+    choices: list[str] = []
+    records: list[tuple] = []
+    choose, record = policy.ModeChooser.choose, policy.ModeChooser.record
+
+    def choose_logged(self, batch_size, expected):
+        mode = choose(self, batch_size, expected)
+        choices.append(mode)
+        return mode
+
+    def record_logged(self, batch_size, mode, seconds, tokens=0):
+        records.append((mode, int(batch_size), float(seconds), int(tokens), mode == self.last or (
+            mode in ("chain", "tree") and self.last in ("chain", "tree"))))
+        return record(self, batch_size, mode, seconds, tokens)
+
+    policy.ModeChooser.choose, policy.ModeChooser.record = choose_logged, record_logged
+    prompts = [{"prompt_token_ids": list(p.token_ids)} for p in ps.prompts]
+    with launch.in_process_engine(plan, graft=True, max_num_seqs=settings["batch"]) as llm:
+        llm.generate(prompts[: settings["batch"]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+        choices.clear()
+        records.clear()
+        for _ in range(settings["repeat"]):
+            fresh_run(llm)
+            choices.append("run")
+            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=settings["max_tokens"]), use_tqdm=False)
+        report = [r for r in RUNTIME.report() if r.get("name") == "adaptive"]
+    out.send({"choices": choices, "records": records, "report": report})
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("deployment")
+    ap.add_argument("--workload", default="code-completion")
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args(argv)
+    settings = {k: getattr(args, k) for k in ("workload", "num_prompts", "max_tokens", "batch", "repeat")}
+    got = run_in_child(_child, args.deployment, settings, what="the adaptive engine")
+    if not got["report"]:
+        sys.exit(f"{args.deployment}: no `adaptive` speculative plugin ran (its report is empty)")
+    for line in summarize(got["choices"], got["records"]):
+        print(line)
+    r = got["report"][0]
+    print("events:", r.get("events"))
+    described = r.get("described") or {}
+    print("described:", {k: described.get(k) for k in ("step_ms", "steps_by_mode", "tree_gain", "chosen_lengths")})
+
+
+if __name__ == "__main__":
+    main()
