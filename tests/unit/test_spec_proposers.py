@@ -596,24 +596,22 @@ def test_mode_chooser_records_no_step_time_after_a_switch():
     assert c.step_seconds(4, "chain") == pytest.approx(0.0015)
 
 
-def test_mode_chooser_probes_a_few_requests_while_off_at_a_steady_pace():
-    """Where no drafts is best, every ``probe_every`` steps is a one-step probe (a few requests
-    draft, to refresh the acceptance; recorded for no shape), at a steady pace: an estimate
-    left low by a cold request must not keep speculation off for hundreds of steps. The full
-    re-measurements of the other shape back off while they change nothing; a cheaper chain is
-    found by one and kept."""
+def test_mode_chooser_probes_a_few_requests_while_off_and_backs_off():
+    """Where no drafts is best, re-trials are mostly one-step probes (a few requests draft, to
+    refresh the acceptance; recorded for no shape), every fourth a full measurement anew; while
+    they change nothing the wait doubles (up to the cap); a cheaper chain is found by a
+    measurement and kept."""
     from vllm_graft.plugins.speculative.adaptive.policy import PROBE, ModeChooser
 
-    c = ModeChooser(("chain", "off"), min_samples=2, retry_every=8, max_retry_every=64, probe_every=8)
+    c = ModeChooser(("chain", "off"), min_samples=2, retry_every=8, max_retry_every=64)
     seconds = {"chain": 0.004, "off": 0.001, PROBE: 0.0012}
     modes = _run_chooser(c, 600, 8, seconds, expected=2.0)
-    probes = [i for i, m in enumerate(modes) if m == PROBE]
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert len(probes) > 50 and max(gaps) <= 8 + 4  # steady; a re-measurement may fall between
-    measures = [i for i in range(7, len(modes)) if modes[i] == "chain" and modes[i - 1] != "chain"]
-    mgaps = [b - a for a, b in zip(measures, measures[1:])]
-    assert mgaps[:3] == sorted(mgaps[:3]) and mgaps[2] > 2 * mgaps[0]  # backing off
-    assert max(mgaps) <= 64 + 8 and c.wait[c.bucket(8)] == 64
+    starts = [i for i in range(7, len(modes)) if modes[i] != "off" and modes[i - 1] == "off"]
+    kinds = [modes[i] for i in starts]
+    assert kinds[:4] == [PROBE, PROBE, PROBE, "chain"] and kinds.count("chain") < kinds.count(PROBE)
+    gaps = [b2 - a2 for a2, b2 in zip(starts, starts[1:])]
+    assert gaps[:3] == sorted(gaps[:3]) and gaps[2] > 2 * gaps[0]  # backing off
+    assert max(gaps) <= 64 + 4 and c.wait[c.bucket(8)] == 64
     assert c.step_seconds(8, "chain") == pytest.approx(0.004)  # probes recorded for no shape
     # chain becomes the cheaper: the next full measurement finds it, and it is kept
     seconds["chain"] = 0.0005
@@ -633,7 +631,7 @@ def test_mode_chooser_measures_no_drafting_shape_where_no_draft_pays():
     assert set(modes) == {"off", PROBE} and modes[:3] == ["off"] * 3
     assert c.step_seconds(32, "chain") is None and c.step_seconds(32, "tree") is None
     modes = _run_chooser(c, 10, 32, seconds, expected=3.0)
-    assert modes[:6] == ["tree"] * 3 + ["chain"] * 3  # now measured
+    assert modes[:5] == ["tree"] * 3 + ["chain"] * 2  # now measured (a chain step after a tree step is timed)
 
 
 def test_mode_chooser_over_three_shapes_uses_the_measured_tree_gain():
@@ -832,12 +830,12 @@ def test_adaptive_fresh_drafting_state_keeps_what_it_measured_of_the_engine(monk
     assert a.inner is inner and inner.trie.num_nodes == 0  # the wrapped trie renewed in place
     assert not a.policy.stats and a.policy.total == [0.0, 0.0]
     assert a.bandit is bandit and a.policy._fit == fit and a.policy.c == cost
-    modes = []
+    ons = []
     for step in range(5):
         clock[0] += 5.0 if step == 0 else 0.001  # the pause between runs is no step
         a.begin_step(8, 8)
-        modes.append(a._mode)
-    assert "chain" not in modes and modes.count("off") >= 4  # no re-trial of both: off, as measured (a probe may fall)
+        ons.append(a._on)
+    assert ons == [False] * 5  # no re-trial of both modes: off, as measured
 
 
 # ------------------------------------------------------------------------------ tree mode

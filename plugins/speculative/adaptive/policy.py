@@ -186,13 +186,13 @@ class ModeChooser:
     ``max_retry_every``); one that changes it brings the wait back. Ties go to the less
     drafting shape (no propose calls to make).
 
-    Where the best is no drafts, every ``probe_every`` steps is also a one-step ``"probe"``
-    (:data:`PROBE`): only a few requests draft (the proposer's choice), which refreshes the
-    acceptance estimate (it does not move while nothing drafts) at a fraction of a full step's
-    cost; it is recorded for no shape and does not back off (before 2026-11-28 probes took
-    three of every four re-trials and backed off with them: an estimate left low by a cold
-    request then kept speculation off for 50-250 steps at batch 1 on code completion, where
-    chain steps yielded 2.5 tokens: docs/benchmarks/speculative.md, "fourth session").
+    Where the best is no drafts, of every ``probes_per_measure`` re-trials all but one are
+    one-step ``"probe"`` steps (:data:`PROBE`): only a few requests draft (the proposer's
+    choice), which refreshes the acceptance estimate (it does not move while nothing drafts) at
+    a fraction of a full step's cost; a probe is recorded for no shape. (Probes every 8 steps
+    without back-off, tried on 2026-11-28, ended a cold start's long run without drafts at
+    batch 1, but read 0.825-0.869x plain at batch 32 on code completion against 0.856-0.926x with
+    these: docs/benchmarks/speculative.md, "fourth session".)
 
     The tree shape: a step is recorded as ``"tree"`` only when it verified a tree with
     branches (the caller says so); a tree-mode step whose proposer drafted only chains is a
@@ -212,7 +212,7 @@ class ModeChooser:
         retry_every: int = 32,
         max_retry_every: int = 256,
         yield_decay: float = 0.8,
-        probe_every: int = 8,
+        probes_per_measure: int = 4,
     ) -> None:
         if len(modes) < 2 or len(set(modes)) != len(modes) or "off" not in modes:
             raise ValueError(f"ModeChooser needs two or more distinct modes, 'off' among them; got {modes!r}")
@@ -226,7 +226,7 @@ class ModeChooser:
         self.retry_every = retry_every
         self.max_retry_every = max(retry_every, max_retry_every)
         self.yield_decay = yield_decay
-        self.probe_every = max(1, probe_every)
+        self.probes_per_measure = max(1, probes_per_measure)
         #: bucket -> {mode: the last `window` step times (s)}, and their median (kept as they
         #: change, so choosing a step's mode sorts nothing)
         self.times: dict[int, dict[str, deque[float]]] = {}
@@ -237,7 +237,6 @@ class ModeChooser:
         #: over the trees verified (:meth:`observe_tree`)
         self.paired = [0.0, 0.0]
         self.tries: dict[int, dict[str, int]] = {}  # bucket -> steps chosen to measure a shape
-        self.off_since: dict[int, int] = {}  # bucket -> steps since the last probe while off
         self.since: dict[int, int] = {}  # bucket -> steps since the last re-trial
         self.turn: dict[int, int] = {}  # bucket -> re-trials begun (which other shape is next)
         self.wait: dict[int, int] = {}  # bucket -> steps between re-trials
@@ -328,23 +327,20 @@ class ModeChooser:
                 min(2 * self.wait.get(b, self.retry_every), self.max_retry_every) if same else self.retry_every
             )
         self.since[b] = self.since.get(b, 0) + 1
-        if self.since[b] >= self.wait.get(b, self.retry_every) and pays:
+        if self.since[b] >= self.wait.get(b, self.retry_every):
             self.since[b] = 0
             self.turn[b] = turn = self.turn.get(b, 0) + 1
             self.best_before[b] = best
             others = [m for m in self.modes if m != best]
             mode = others[turn % len(others)]
+            if best == "off" and (turn % self.probes_per_measure or not pays):
+                return self._chose(PROBE)  # a few requests draft, for their acceptance
             # measured anew: its old step times go, and the loop above runs it min_samples + 1 steps
             if b in self.times:
                 self.times[b][mode].clear()
                 self.medians[b].pop(mode, None)
             tries[mode] = 0
             return self._chose(mode)
-        if best == "off":
-            self.off_since[b] = self.off_since.get(b, 0) + 1
-            if self.off_since[b] >= self.probe_every:
-                self.off_since[b] = 0
-                return self._chose(PROBE)  # a few requests draft, for their acceptance
         self.trying = False
         return self._chose(best)
 
