@@ -600,23 +600,40 @@ def test_mode_chooser_probes_a_few_requests_while_off_and_backs_off():
     """Where no drafts is best, re-trials are mostly one-step probes (a few requests draft, to
     refresh the acceptance; recorded for no shape), every fourth a full measurement anew; while
     they change nothing the wait doubles (up to the cap); a cheaper chain is found by a
-    measurement and kept."""
+    measurement and kept. (At 32 requests: below ``steady_probes_below`` there are steady
+    probes as well, next test.)"""
     from vllm_graft.plugins.speculative.adaptive.policy import PROBE, ModeChooser
 
     c = ModeChooser(("chain", "off"), min_samples=2, retry_every=8, max_retry_every=64)
     seconds = {"chain": 0.004, "off": 0.001, PROBE: 0.0012}
-    modes = _run_chooser(c, 600, 8, seconds, expected=2.0)
+    modes = _run_chooser(c, 600, 32, seconds, expected=2.0)
     starts = [i for i in range(7, len(modes)) if modes[i] != "off" and modes[i - 1] == "off"]
     kinds = [modes[i] for i in starts]
     assert kinds[:4] == [PROBE, PROBE, PROBE, "chain"] and kinds.count("chain") < kinds.count(PROBE)
     gaps = [b2 - a2 for a2, b2 in zip(starts, starts[1:])]
     assert gaps[:3] == sorted(gaps[:3]) and gaps[2] > 2 * gaps[0]  # backing off
-    assert max(gaps) <= 64 + 4 and c.wait[c.bucket(8)] == 64
-    assert c.step_seconds(8, "chain") == pytest.approx(0.004)  # probes recorded for no shape
+    assert max(gaps) <= 64 + 4 and c.wait[c.bucket(32)] == 64
+    assert c.step_seconds(32, "chain") == pytest.approx(0.004)  # probes recorded for no shape
     # chain becomes the cheaper: the next full measurement finds it, and it is kept
     seconds["chain"] = 0.0005
-    modes = _run_chooser(c, 400, 8, seconds, expected=2.0)
+    modes = _run_chooser(c, 400, 32, seconds, expected=2.0)
     assert modes[-50:].count("chain") > 45
+
+
+def test_mode_chooser_probes_at_a_steady_pace_while_off_at_a_small_batch():
+    """Below ``steady_probes_below`` requests, a probe every ``probe_every`` steps off as well,
+    without back-off: an acceptance estimate left low by a cold request must not keep
+    speculation off for hundreds of steps at batch 1."""
+    from vllm_graft.plugins.speculative.adaptive.policy import PROBE, ModeChooser
+
+    c = ModeChooser(("chain", "off"), min_samples=2, retry_every=8, max_retry_every=64, probe_every=8)
+    seconds = {"chain": 0.004, "off": 0.001, PROBE: 0.0012}
+    modes = _run_chooser(c, 600, 1, seconds, expected=1.0)  # no draft pays: off, probes only
+    probes = [i for i, m in enumerate(modes) if m == PROBE]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert set(modes) == {"off", PROBE} and len(probes) > 60 and max(gaps) <= 8
+    big = ModeChooser(("chain", "off"), min_samples=2, retry_every=8, max_retry_every=64, probe_every=8)
+    assert _run_chooser(big, 600, 16, seconds, expected=1.0).count(PROBE) < 20  # backed off
 
 
 def test_mode_chooser_measures_no_drafting_shape_where_no_draft_pays():
@@ -815,9 +832,9 @@ def test_adaptive_fresh_drafting_state_keeps_what_it_measured_of_the_engine(monk
     monkeypatch.setattr(reference.time, "perf_counter", lambda: clock[0])
     a = build("adaptive", proposer="lookahead", params={"depth": 4})
     history = [1, 2, 3, 1, 2, 3, 1, 2, 3]
-    for step in range(60):  # as above: drafting measures slower at batch 8
-        a.begin_step(8, 8 + 8 * a._on * 3)
-        for r in range(8):
+    for step in range(60):  # as above: drafting measures slower at batch 16
+        a.begin_step(16, 16 + 16 * a._on * 3)
+        for r in range(16):
             if a._on:
                 a.accepted(f"r{r}", 1, 3)
             a.propose(f"r{r}", history, 3)
@@ -833,7 +850,7 @@ def test_adaptive_fresh_drafting_state_keeps_what_it_measured_of_the_engine(monk
     ons = []
     for step in range(5):
         clock[0] += 5.0 if step == 0 else 0.001  # the pause between runs is no step
-        a.begin_step(8, 8)
+        a.begin_step(16, 16)
         ons.append(a._on)
     assert ons == [False] * 5  # no re-trial of both modes: off, as measured
 

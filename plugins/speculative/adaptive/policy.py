@@ -189,10 +189,13 @@ class ModeChooser:
     Where the best is no drafts, of every ``probes_per_measure`` re-trials all but one are
     one-step ``"probe"`` steps (:data:`PROBE`): only a few requests draft (the proposer's
     choice), which refreshes the acceptance estimate (it does not move while nothing drafts) at
-    a fraction of a full step's cost; a probe is recorded for no shape. (Probes every 8 steps
-    without back-off, tried on 2026-11-28, ended a cold start's long run without drafts at
-    batch 1, but read 0.825-0.869x plain at batch 32 on code completion against 0.856-0.926x with
-    these: docs/benchmarks/speculative.md, "fourth session".)
+    a fraction of a full step's cost; a probe is recorded for no shape. Below
+    ``steady_probes_below`` requests there is also a probe every ``probe_every`` steps off,
+    which does not back off: at batch 1 an estimate left low by a cold first request kept
+    speculation off for 50-250 steps where chains gave 2.5 tokens a step. Measured on code
+    completion (docs/benchmarks/speculative.md, "fourth session"): steady probes at every batch
+    size read 1.03x plain at batch 8 (0.93x with backed-off probes only) but 0.86x at batch 32
+    (0.93x), hence the bound.
 
     The tree shape: a step is recorded as ``"tree"`` only when it verified a tree with
     branches (the caller says so); a tree-mode step whose proposer drafted only chains is a
@@ -213,6 +216,8 @@ class ModeChooser:
         max_retry_every: int = 256,
         yield_decay: float = 0.8,
         probes_per_measure: int = 4,
+        probe_every: int = 8,
+        steady_probes_below: int = 16,
     ) -> None:
         if len(modes) < 2 or len(set(modes)) != len(modes) or "off" not in modes:
             raise ValueError(f"ModeChooser needs two or more distinct modes, 'off' among them; got {modes!r}")
@@ -227,6 +232,8 @@ class ModeChooser:
         self.max_retry_every = max(retry_every, max_retry_every)
         self.yield_decay = yield_decay
         self.probes_per_measure = max(1, probes_per_measure)
+        self.probe_every, self.steady_probes_below = max(1, probe_every), steady_probes_below
+        self.off_since: dict[int, int] = {}  # bucket -> steps off since the last steady probe
         #: bucket -> {mode: the last `window` step times (s)}, and their median (kept as they
         #: change, so choosing a step's mode sorts nothing)
         self.times: dict[int, dict[str, deque[float]]] = {}
@@ -341,6 +348,11 @@ class ModeChooser:
                 self.medians[b].pop(mode, None)
             tries[mode] = 0
             return self._chose(mode)
+        if best == "off" and batch_size < self.steady_probes_below:
+            self.off_since[b] = self.off_since.get(b, 0) + 1
+            if self.off_since[b] >= self.probe_every:  # small batch: a probe every probe_every steps
+                self.off_since[b] = 0
+                return self._chose(PROBE)
         self.trying = False
         return self._chose(best)
 
