@@ -284,7 +284,7 @@ class ModeChooser:
     def observe_tree(self, tree_tokens: int, chain_tokens: int) -> None:
         """One verified tree: the tokens it gave (accepted + 1) and the tokens its first path,
         the chain the same proposer drafts, would have given on the same step."""
-        if chain_tokens > 0:
+        if chain_tokens > 0:  # decayed more slowly than the yields (about 18 trees' memory): trees are few
             p = self.paired
             p[0] = p[0] * self.yield_decay**0.25 + tree_tokens
             p[1] = p[1] * self.yield_decay**0.25 + chain_tokens
