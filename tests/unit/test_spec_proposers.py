@@ -762,7 +762,9 @@ def test_adaptive_pairs_each_tree_with_its_chain_and_times_chain_only_steps_as_c
     a._mode = "tree"
     tokens, parents = a.propose_tree("r", history, 16)
     assert parents != list(range(-1, len(parents) - 1)) and a._real_tree
-    chain = a._first_path(tokens, parents)
+    from vllm_graft.plugins.speculative._tree import first_path
+
+    chain = first_path(tokens, parents)[0]
     assert chain == tokens[: len(chain)] and len(chain) >= 2  # lookahead's chain is its first path
     other = next(t for t in range(100) if t != chain[1])
     a.accepted("r", 2, len(tokens))  # the tree kept 2 nodes; its chain, only the first

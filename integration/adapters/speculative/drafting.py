@@ -47,6 +47,7 @@ from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 from vllm_graft.hooks import Proposer
 from vllm_graft.integration.adapters.plugin_calls import raised
+from vllm_graft.plugins.speculative._tree.tree import first_path, is_chain
 
 log = logging.getLogger("vllm_graft")
 
@@ -304,23 +305,6 @@ class Drafting:
                 "with -1 <= parents[i] < i (-1: the node follows the request's last token)"
             )
         return tokens, parents
-
-
-def is_chain(parents: Sequence[int]) -> bool:
-    """Whether a tree's ``parents`` make a single chain (node i follows node i - 1): vLLM's own
-    chain verification then applies unchanged."""
-    return all(p == i - 1 for i, p in enumerate(parents))
-
-
-def first_path(tokens: Sequence[int], parents: Sequence[int]) -> tuple[list[int], list[int]]:
-    """The tree's first root-to-leaf path (each node's first child in index order), as a chain."""
-    path: list[int] = []
-    node = -1
-    for i, p in enumerate(parents):
-        if p == node:
-            path.append(tokens[i])
-            node = i
-    return path, list(range(-1, len(path) - 1))
 
 
 __all__ = ["Drafting", "first_path", "is_chain"]

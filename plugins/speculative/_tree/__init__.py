@@ -16,13 +16,15 @@ nothing here imports vLLM):
 """
 
 from .reference import tree_attention, verify_pass_attention
-from .tree import DraftTree, ancestor_mask, merge_chains
+from .tree import DraftTree, ancestor_mask, first_path, is_chain, merge_chains
 from .verify import Verdict, verify_greedy, verify_sampling
 
 __all__ = [
     "DraftTree",
     "Verdict",
     "ancestor_mask",
+    "first_path",
+    "is_chain",
     "merge_chains",
     "tree_attention",
     "verify_greedy",

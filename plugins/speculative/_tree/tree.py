@@ -74,6 +74,23 @@ def ancestor_mask(parents: "torch.Tensor | Sequence[int]") -> torch.Tensor:
     return mask
 
 
+def is_chain(parents: Sequence[int]) -> bool:
+    """Whether a tree's ``parents`` make a single chain (node i follows node i - 1): vLLM's own
+    chain verification then applies unchanged."""
+    return all(p == i - 1 for i, p in enumerate(parents))
+
+
+def first_path(tokens: Sequence[int], parents: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The tree's first root-to-leaf path (each node's first child in index order), as a chain."""
+    path: list[int] = []
+    node = -1
+    for i, p in enumerate(parents):
+        if p == node:
+            path.append(tokens[i])
+            node = i
+    return path, list(range(-1, len(path) - 1))
+
+
 def merge_chains(chains: Iterable[Sequence[int]], max_nodes: int | None = None) -> tuple[list[int], list[int]]:
     """``(tokens, parents)`` of the tree that merges ``chains`` (:meth:`DraftTree.from_chains`'s
     numbering), as plain lists, cut to the first ``max_nodes`` nodes (a prefix of a topological

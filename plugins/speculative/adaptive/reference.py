@@ -9,6 +9,7 @@ from typing import Any, Sequence
 
 from vllm_graft.hooks import Kind, Proposer, SelfSpeculativeProposer
 
+from .._tree.tree import first_path, is_chain
 from .policy import PROBE, GoodputPolicy, ModeChooser
 
 
@@ -182,15 +183,6 @@ class Adaptive(Proposer):
             kept += 1
         self.bandit.observe_tree(accepted + 1, kept + 1)
 
-    @staticmethod
-    def _first_path(tokens: Sequence[int], parents: Sequence[int]) -> list[int]:
-        path, at = [], -1
-        for i, p in enumerate(parents):  # children come after their parent
-            if p == at:
-                path.append(tokens[i])
-                at = i
-        return path
-
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         if self._trees:
             self._pair(request_id, token_ids)
@@ -213,9 +205,9 @@ class Adaptive(Proposer):
         if self._mode == "tree":
             tokens, parents = self.inner.propose_tree(request_id, token_ids, max_nodes)
             tokens, parents = list(tokens)[:max_nodes], list(parents)[:max_nodes]
-            if parents != list(range(-1, len(parents) - 1)):  # branches: a tree step
+            if not is_chain(parents):  # branches: a tree step
                 self._real_tree = True
-                self._trees[request_id] = [len(token_ids), self._first_path(tokens, parents), None]
+                self._trees[request_id] = [len(token_ids), first_path(tokens, parents)[0], None]
         else:
             tokens = list(self.inner.propose(request_id, token_ids, k))[:k]
             parents = list(range(-1, len(tokens) - 1))
