@@ -66,8 +66,7 @@ def _child(path: str, settings: dict, out) -> None:
         return mode
 
     def record_logged(self, batch_size, mode, seconds, tokens=0):
-        records.append((mode, int(batch_size), float(seconds), int(tokens), mode == self.last or (
-            mode in ("chain", "tree") and self.last in ("chain", "tree"))))
+        records.append((mode, int(batch_size), float(seconds), int(tokens), self.timed(mode)))
         return record(self, batch_size, mode, seconds, tokens)
 
     policy.ModeChooser.choose, policy.ModeChooser.record = choose_logged, record_logged

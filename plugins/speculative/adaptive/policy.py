@@ -153,6 +153,9 @@ class GoodputPolicy:
         self.stats.pop(request_id, None)
 
 
+#: the shapes that run the wrapped proposer (a switch between them needs no catch-up)
+_DRAFTING = ("chain", "tree")
+
 #: the mode of a step that drafts for a few requests only, to refresh the acceptance estimate
 #: while the best shape is no drafts (see :class:`ModeChooser`)
 PROBE = "probe"
@@ -243,6 +246,7 @@ class ModeChooser:
         #: tokens a tree step gave and tokens its first path (the chain) would have, decayed sums
         #: over the trees verified (:meth:`observe_tree`)
         self.paired = [0.0, 0.0]
+        self.paired_decay = yield_decay**0.25  # more slowly than the yields (about 18 trees' memory): trees are few
         self.tries: dict[int, dict[str, int]] = {}  # bucket -> steps chosen to measure a shape
         self.since: dict[int, int] = {}  # bucket -> steps since the last re-trial
         self.turn: dict[int, int] = {}  # bucket -> re-trials begun (which other shape is next)
@@ -258,12 +262,15 @@ class ModeChooser:
     def bucket(batch_size: int) -> int:
         return max(1, int(batch_size)).bit_length()
 
+    def timed(self, mode: str) -> bool:
+        """Whether a step in ``mode`` recorded now has its time kept: the step recorded before it
+        ran the same shape, or both ran the wrapped proposer (chain and tree: no catch-up)."""
+        return mode == self.last or (mode in _DRAFTING and self.last in _DRAFTING)
+
     def record(self, batch_size: int, mode: str, seconds: float, tokens: int = 0) -> None:
         """A decode-only step of ``batch_size`` requests ran in ``mode`` for ``seconds`` and
         produced ``tokens`` (requests + accepted drafts; 0: unknown, the yield is not updated)."""
-        drafting = ("chain", "tree")
-        steady = mode == self.last or (mode in drafting and self.last in drafting)
-        self.last = mode
+        steady, self.last = self.timed(mode), mode
         if seconds <= 0 or mode not in self.modes:
             return
         b = self.bucket(batch_size)
@@ -284,10 +291,10 @@ class ModeChooser:
     def observe_tree(self, tree_tokens: int, chain_tokens: int) -> None:
         """One verified tree: the tokens it gave (accepted + 1) and the tokens its first path,
         the chain the same proposer drafts, would have given on the same step."""
-        if chain_tokens > 0:  # decayed more slowly than the yields (about 18 trees' memory): trees are few
-            p = self.paired
-            p[0] = p[0] * self.yield_decay**0.25 + tree_tokens
-            p[1] = p[1] * self.yield_decay**0.25 + chain_tokens
+        if chain_tokens > 0:
+            p, d = self.paired, self.paired_decay
+            p[0] = p[0] * d + tree_tokens
+            p[1] = p[1] * d + chain_tokens
 
     def tree_gain(self) -> float:
         """Tokens of a tree step over its chain's: from trees paired with their chains
