@@ -780,6 +780,11 @@ def test_adaptive_pairs_each_tree_with_its_chain_and_times_chain_only_steps_as_c
     assert p2 == list(range(-1, len(p2) - 1)) and not a._real_tree
     a.begin_step(1, 1 + len(t2))
     assert a._prev == (1, "chain")
+    # a request that ends with its tree unverified leaves nothing behind
+    a.inner.propose("warm", history, 3)
+    a._mode = "tree"
+    a.propose_tree("r", history, 16)
+    assert set(a._trees) == {"r"}
     a.finish("r")
     assert not a._trees
 
