@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_processes.py"
+from tests.scripts import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_processes", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_processes", mod)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_processes.py")
 
 
 def _result(ratio, runs, identical=8):

@@ -2,16 +2,11 @@
 agrees with the fast path that replaced it on the benchmark's own inputs."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cpu_paths.py"
+from tests.scripts import load_script
 
 
 def test_every_timed_pair_agrees():
-    spec = importlib.util.spec_from_file_location("cpu_paths", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("cpu_paths.py")
     rows = (mod.quant_rows(1, out=64, inp=256, tokens=3) + mod.attention_rows(1)
             + mod.hydragen_rows(1, cases=((4, 1, 2, 40), (4, 2, 2, 130))) + mod.squeezed_rows(1, cases=((3, 700),)))
     assert len(rows) == 10

@@ -3,22 +3,16 @@ engine would compute and produce per decode step, and drives a graft proposer as
 does (no engine: the texts are given)."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "draft_replay.py"
+from tests.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def replay_mod():
-    sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("draft_replay", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("draft_replay.py")
 
 
 class Oracle:
@@ -93,9 +87,7 @@ def test_replay_refuses_adaptive_whose_choices_follow_measured_step_times(replay
 
 
 def test_drafting_cost_drives_a_proposer_through_the_adapter_in_lock_step(replay_mod):
-    spec = importlib.util.spec_from_file_location("drafting_cost", SCRIPT.parent / "drafting_cost.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("drafting_cost.py")
     from vllm_graft.hooks import Kind, get_registry
 
     reg = get_registry().get(Kind.SPECULATIVE, "lookahead").registration
@@ -113,9 +105,7 @@ def test_drafting_cost_drives_a_proposer_through_the_adapter_in_lock_step(replay
 
 
 def test_drafting_cost_times_a_deployments_begin_step_adaptive_included(tmp_path):
-    spec = importlib.util.spec_from_file_location("drafting_cost", SCRIPT.parent / "drafting_cost.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("drafting_cost.py")
     dep = tmp_path / "a.yaml"
     dep.write_text("model: m\nspeculative: {plugin: adaptive, params: {proposer: lookahead}}\n")
     seconds, impl = mod.begin_step_cost(str(dep), 32, calls=40)
