@@ -9,7 +9,6 @@ from typing import Any, Sequence
 
 from vllm_graft.hooks import Kind, Proposer, SelfSpeculativeProposer
 
-from .._tree.tree import first_path, is_chain
 from .policy import PROBE, GoodputPolicy, ModeChooser
 
 
@@ -203,6 +202,8 @@ class Adaptive(Proposer):
         if k <= 0:
             return [], []
         if self._mode == "tree":
+            from .._tree.tree import first_path, is_chain  # torch: only where trees are drafted
+
             tokens, parents = self.inner.propose_tree(request_id, token_ids, max_nodes)
             tokens, parents = list(tokens)[:max_nodes], list(parents)[:max_nodes]
             if not is_chain(parents):  # branches: a tree step
