@@ -337,19 +337,50 @@ class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
         """The layout of this layer's cache while an attention method runs: :data:`CPU_VEC`
         (vLLM's own write, which its kernel reads) where the method reads it and the layer's ISA
         is checked (:func:`stock_layout_checked`), else :data:`BLOCKED` (this backend's write).
-        The cache write and the forward of a step ask it alike, so they always agree."""
+        The cache write and the forward of a step ask it alike, so they always agree.
+
+        Asked twice per layer and step, so it is kept on the impl (one per layer, its cache's
+        block size fixed) for the method and the cache's dtype; a layer whose ISA vLLM's builder
+        has not set yet is asked again."""
         method = SEAMS.method
+        known = self.__dict__.get("_graft_layout")
+        if known is not None and known[0] is method and known[1] is kv_cache.dtype:
+            return known[2]
         if (
             method is None
             or CPU_VEC.name not in getattr(method, "kv_layouts", ())
             or self.is_fp8_kv_cache
             or kv_cache.dtype == torch.uint8
         ):
-            return BLOCKED
-        isa = getattr(layer, "isa", None)  # set on the layer by vLLM's CPU metadata builder
-        if isa is None or not stock_layout_checked(isa, kv_cache.dtype, self.head_size, kv_cache.shape[2]):
-            return BLOCKED
-        return CPU_VEC
+            layout = BLOCKED
+        else:
+            isa = getattr(layer, "isa", None)  # set on the layer by vLLM's CPU metadata builder
+            if isa is None:
+                return BLOCKED
+            checked = stock_layout_checked(isa, kv_cache.dtype, self.head_size, kv_cache.shape[2])
+            layout = CPU_VEC if checked else BLOCKED
+        self.__dict__["_graft_layout"] = (method, kv_cache.dtype, layout)
+        return layout
+
+    def graft_refuse_unsupported(self) -> None:
+        """A layer the attention method cannot compute (NotImplementedError naming what), checked
+        on its first forward with the method and kept: before any step is handed to vLLM's kernel,
+        so that such a model fails on its first step, not on its first step the method computes."""
+        method = SEAMS.method
+        if self.__dict__.get("_graft_supported") is method:
+            return
+        if (
+            self.sliding_window != -1
+            or self.alibi_slopes is not None
+            or self.sinks is not None
+            or self.logits_soft_cap
+            or self.is_fp8_kv_cache
+        ):
+            raise NotImplementedError(
+                f"vllm-graft attention plugin {SEAMS.method_name!r}: layers with sliding window, "
+                "ALiBi, attention sinks, soft-capping or an fp8 KV cache are not supported"
+            )
+        self.__dict__["_graft_supported"] = method
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         if SEAMS.kv_format is not None and kv_cache.dtype == torch.uint8 and self.attn_type == "decoder":
@@ -393,17 +424,7 @@ class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
             return super().forward(
                 layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
             )
-        if (
-            self.sliding_window != -1
-            or self.alibi_slopes is not None
-            or self.sinks is not None
-            or self.logits_soft_cap
-            or self.is_fp8_kv_cache
-        ):
-            raise NotImplementedError(
-                f"vllm-graft attention plugin {SEAMS.method_name!r}: layers with sliding window, "
-                "ALiBi, attention sinks, soft-capping or an fp8 KV cache are not supported"
-            )
+        self.graft_refuse_unsupported()
         layout = self.graft_layout(layer, kv_cache)
         plan = getattr(attn_metadata, "graft_plan", None)
         plain = getattr(method, "plain", None)  # a scored compressor's step that scores nothing

@@ -308,3 +308,47 @@ def test_a_scored_step_that_scores_nothing_runs_vllms_cpu_kernel(cpu_impl, monke
         assert calls == [("attend", layout), ("attend", layout)] and "stock_layers" not in counted
     else:
         assert calls == ["stock", ("attend", "cpu_vec")] and counted.count("stock_layers") == 1
+
+
+def test_a_layer_the_method_cannot_compute_is_refused_on_its_first_step_even_a_plain_one(cpu_impl):
+    """The refusal (sliding window here) comes before a step is handed to vLLM's kernel: a model
+    the method cannot serve fails on its first step, not on the first step the method computes."""
+    impl, calls, backend = cpu_impl
+
+    class Method:
+        kv_layouts = ("blocked", "cpu_vec")
+
+        def plain(self, plan):
+            return True
+
+    backend.SEAMS.method, backend.SEAMS.method_name, backend.SEAMS.host_kernel = Method(), "m", False
+    backend.SEAMS.count = None
+    kv = torch.zeros(2, 2, 32, 128)
+    md = SimpleNamespace(graft_batch=SimpleNamespace(), graft_plan=None, num_actual_tokens=2)
+    impl.sliding_window = 128
+    with pytest.raises(NotImplementedError, match="'m': layers with sliding window"):
+        impl.forward(_layer("vec"), torch.randn(2, 4, 64), None, None, kv, md, torch.zeros(2, 4, 64))
+    assert calls == []
+    impl.sliding_window = -1  # a supported layer: the plain step is vLLM's kernel's
+    impl.forward(_layer("vec"), torch.randn(2, 4, 64), None, None, kv, md, torch.zeros(2, 4, 64))
+    assert calls == ["stock"]
+
+
+def test_the_layout_is_kept_per_method_and_cache_dtype(cpu_impl):
+    """graft_layout is asked twice per layer and step; it is kept, and asked anew for another
+    method, another cache dtype, or while the layer has no ISA yet."""
+    impl, _, backend = cpu_impl
+
+    class Reads:
+        kv_layouts = ("blocked", "cpu_vec")
+
+    class Blocked:
+        kv_layouts = ("blocked",)
+
+    kv = torch.zeros(2, 2, 32, 128)
+    backend.SEAMS.method = Reads()
+    assert impl.graft_layout(_layer(None), kv) is BLOCKED  # no ISA yet: not kept
+    assert impl.graft_layout(_layer("vec"), kv).name == "cpu_vec"
+    assert impl.graft_layout(_layer("vec"), kv.to(torch.uint8)) is BLOCKED
+    backend.SEAMS.method = Blocked()
+    assert impl.graft_layout(_layer("vec"), kv) is BLOCKED
