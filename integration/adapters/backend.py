@@ -362,26 +362,6 @@ class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
         self.__dict__["_graft_layout"] = (method, kv_cache.dtype, layout)
         return layout
 
-    def graft_refuse_unsupported(self) -> None:
-        """A layer the attention method cannot compute (NotImplementedError naming what), checked
-        on its first forward with the method and kept: before any step is handed to vLLM's kernel,
-        so that such a model fails on its first step, not on its first step the method computes."""
-        method = SEAMS.method
-        if self.__dict__.get("_graft_supported") is method:
-            return
-        if (
-            self.sliding_window != -1
-            or self.alibi_slopes is not None
-            or self.sinks is not None
-            or self.logits_soft_cap
-            or self.is_fp8_kv_cache
-        ):
-            raise NotImplementedError(
-                f"vllm-graft attention plugin {SEAMS.method_name!r}: layers with sliding window, "
-                "ALiBi, attention sinks, soft-capping or an fp8 KV cache are not supported"
-            )
-        self.__dict__["_graft_supported"] = method
-
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         if SEAMS.kv_format is not None and kv_cache.dtype == torch.uint8 and self.attn_type == "decoder":
             return SEAMS.kv_format.write(key, value, kv_cache, slot_mapping)  # the format's page
@@ -424,7 +404,17 @@ class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
             return super().forward(
                 layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
             )
-        self.graft_refuse_unsupported()
+        if (
+            self.sliding_window != -1
+            or self.alibi_slopes is not None
+            or self.sinks is not None
+            or self.logits_soft_cap
+            or self.is_fp8_kv_cache
+        ):
+            raise NotImplementedError(
+                f"vllm-graft attention plugin {SEAMS.method_name!r}: layers with sliding window, "
+                "ALiBi, attention sinks, soft-capping or an fp8 KV cache are not supported"
+            )
         layout = self.graft_layout(layer, kv_cache)
         plan = getattr(attn_metadata, "graft_plan", None)
         plain = getattr(method, "plain", None)  # a scored compressor's step that scores nothing
