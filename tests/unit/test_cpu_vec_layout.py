@@ -334,7 +334,7 @@ def test_a_layer_the_method_cannot_compute_is_refused_on_its_first_step_even_a_p
     assert calls == ["stock"]
 
 
-def test_the_layout_is_kept_per_method_and_cache_dtype(cpu_impl):
+def test_the_layout_is_kept_per_method_and_cache_dtype(cpu_impl, monkeypatch):
     """graft_layout is asked twice per layer and step; it is kept, and asked anew for another
     method, another cache dtype, or while the layer has no ISA yet."""
     impl, _, backend = cpu_impl
@@ -349,6 +349,9 @@ def test_the_layout_is_kept_per_method_and_cache_dtype(cpu_impl):
     backend.SEAMS.method = Reads()
     assert impl.graft_layout(_layer(None), kv) is BLOCKED  # no ISA yet: not kept
     assert impl.graft_layout(_layer("vec"), kv).name == "cpu_vec"
+    checks = []  # kept: asked again with the same method and dtype, the ISA is not checked again
+    monkeypatch.setattr(backend, "stock_layout_checked", lambda *a: checks.append(a) or False)
+    assert impl.graft_layout(_layer("vec"), kv).name == "cpu_vec" and checks == []
     assert impl.graft_layout(_layer("vec"), kv.to(torch.uint8)) is BLOCKED
     backend.SEAMS.method = Blocked()
     assert impl.graft_layout(_layer("vec"), kv) is BLOCKED
