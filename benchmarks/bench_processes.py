@@ -1,7 +1,7 @@
 """One ``vllm-graft bench`` comparison run ``N`` times, each time in fresh engine processes: the
 spread between invocations, which one invocation's paired range does not show.
 
-    .venv/bin/python benchmarks/bench_processes.py N BENCH-ARGUMENTS...
+    .venv/bin/python benchmarks/bench_processes.py N [--apart] BENCH-ARGUMENTS...
 
 e.g. ``benchmarks/bench_processes.py 5 deployments/spec-tree-lookahead.yaml --baseline
 deployments/spec-lookahead.yaml --baseline-as-is --workload code-completion --batch 1
@@ -16,6 +16,13 @@ same drafts every time, read from 0.63 to 1.28 in five invocations of this scrip
 run beside it) and prints each invocation's ratio, its paired range and whether the greedy
 outputs were identical, then the median of the invocations' ratios with their min-max, and the
 median of all their paired per-run ratios.
+
+With ``--apart`` (given before the bench's arguments) no process holds both engines: each
+invocation runs the bench twice, ``--arms graft`` and then ``--arms plain`` (the order swapped
+every other invocation), so one engine is loaded at a time; the ratio is the graft arm's tokens/s
+over the plain arm's, the paired runs are run r against run r, and the greedy outputs are compared
+request by request across the two documents. This tells whether a difference comes from the
+deployment or from two engines resident side by side.
 """
 
 from __future__ import annotations
@@ -65,6 +72,39 @@ def summarise(results: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _requests(doc: dict[str, Any], arm: str) -> dict[tuple[str, int], list[int]]:
+    arm_doc = (doc.get("arms") or {}).get(arm) or {}
+    return {
+        (name, r["index"]): r.get("output_token_ids")
+        for name, w in (arm_doc.get("workloads") or {}).items()
+        for r in w.get("requests") or []
+    }
+
+
+def apart(graft_doc: dict[str, Any], plain_doc: dict[str, Any]) -> dict[str, Any]:
+    """A bench result's ``comparison`` (the shape ``invocation`` reads) from two single-arm
+    documents: the graft arm's tokens/s over the plain arm's, run r against run r, and how many
+    requests gave the same greedy tokens in both."""
+    overall = [((d.get("arms") or {}).get(a) or {}).get("overall") or {} for d, a in ((graft_doc, "graft"), (plain_doc, "plain"))]
+    g, p = (o.get("output_tok_s") for o in overall)
+    if not g or not p:
+        return {"comparison": None}
+    runs = [gr / pr for gr, pr in zip(overall[0].get("output_tok_s_runs") or [], overall[1].get("output_tok_s_runs") or []) if pr]
+    graft_out, plain_out = _requests(graft_doc, "graft"), _requests(plain_doc, "plain")
+    same = sum(1 for key, ids in graft_out.items() if key in plain_out and plain_out[key] == ids)
+    return {"comparison": {
+        "ratio": {"ratio": g / p, "min": min(runs, default=None), "max": max(runs, default=None), "runs": runs},
+        "n_identical": same, "n": len(graft_out),
+    }}
+
+
+def _bench(bench: list[str], path: Path) -> dict[str, Any] | int:
+    done = subprocess.run([str(VLLM_GRAFT), "bench", *bench, "--json", str(path)], stdout=subprocess.DEVNULL)
+    if done.returncode != 0 or not path.exists():
+        return done.returncode or 1
+    return json.loads(path.read_text())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) < 2 or not args[0].isdigit() or int(args[0]) < 1:
@@ -75,15 +115,33 @@ def main(argv: list[str] | None = None) -> int:
         print("error: this script writes --json itself, and runs one comparison (not --suite)", file=sys.stderr)
         return 2
     n, bench = int(args[0]), args[1:]
+    separate = bench[0] == "--apart"
+    if separate:
+        bench = bench[1:]
+        if any(a == "--arms" or a.startswith("--arms=") for a in bench):
+            print("error: --apart runs each arm alone itself; leave out --arms", file=sys.stderr)
+            return 2
+        if not bench:
+            print("error: give the bench's arguments after --apart", file=sys.stderr)
+            return 2
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(n):
-            path = Path(tmp) / f"{i}.json"
-            done = subprocess.run([str(VLLM_GRAFT), "bench", *bench, "--json", str(path)], stdout=subprocess.DEVNULL)
-            if done.returncode != 0 or not path.exists():
-                print(f"invocation {i + 1}: the bench exited {done.returncode}; stopping", file=sys.stderr)
-                return done.returncode or 1
-            results.append(json.loads(path.read_text()))
+            if separate:
+                docs = {}
+                for arm in ("graft", "plain") if i % 2 == 0 else ("plain", "graft"):
+                    doc = _bench([*bench, "--arms", arm], Path(tmp) / f"{i}-{arm}.json")
+                    if isinstance(doc, int):
+                        print(f"invocation {i + 1}: the bench's {arm} arm exited {doc}; stopping", file=sys.stderr)
+                        return doc
+                    docs[arm] = doc
+                results.append(apart(docs["graft"], docs["plain"]))
+            else:
+                doc = _bench(bench, Path(tmp) / f"{i}.json")
+                if isinstance(doc, int):
+                    print(f"invocation {i + 1}: the bench exited {doc}; stopping", file=sys.stderr)
+                    return doc
+                results.append(doc)
             print(invocation(i + 1, results[-1])[0], flush=True)
     print(summarise(results)[-1])
     return 0

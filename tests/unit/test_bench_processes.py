@@ -31,3 +31,31 @@ def test_refuses_what_it_cannot_run(capsys):
     assert mod.main(["3"]) == 2
     assert mod.main(["3", "d.yaml", "--json", "x.json"]) == 2
     assert "writes --json itself" in capsys.readouterr().err
+
+
+def _arm_doc(arm, rates, outputs):
+    return {"arms": {arm: {
+        "overall": {"output_tok_s": sorted(rates)[len(rates) // 2], "output_tok_s_runs": rates},
+        "workloads": {"code": {"requests": [{"index": i, "output_token_ids": ids} for i, ids in enumerate(outputs)]}},
+    }}}
+
+
+def test_apart_compares_two_single_arm_documents_run_by_run():
+    mod = _script()
+    graft = _arm_doc("graft", [90.0, 100.0, 80.0], [[1, 2], [3, 4], [5]])
+    plain = _arm_doc("plain", [100.0, 100.0, 100.0], [[1, 2], [3, 9], [5]])
+    comparison = mod.apart(graft, plain)["comparison"]
+    assert comparison["ratio"]["ratio"] == 0.9  # median 90 over median 100
+    assert comparison["ratio"]["runs"] == [0.9, 1.0, 0.8]
+    assert (comparison["ratio"]["min"], comparison["ratio"]["max"]) == (0.8, 1.0)
+    assert (comparison["n_identical"], comparison["n"]) == (2, 3)  # request 1 differs
+    line = mod.invocation(1, mod.apart(graft, plain))[0]
+    assert line == "invocation 1: 0.900 (paired 0.800-1.000); greedy outputs identical: 2/3"
+    # an arm without a figure: no ratio, as for a failed arm in one bench
+    assert mod.apart(graft, {"arms": {}}) == {"comparison": None}
+
+
+def test_apart_refuses_an_arms_choice_and_a_missing_bench():
+    mod = _script()
+    assert mod.main(["2", "--apart", "d.yaml", "--arms", "graft"]) == 2
+    assert mod.main(["2", "--apart"]) == 2
