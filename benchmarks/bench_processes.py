@@ -50,6 +50,8 @@ def invocation(i: int, result: dict[str, Any]) -> tuple[str, float | None, list[
         f"invocation {i}: {speed['ratio']:.3f} (paired {paired}); greedy outputs identical: "
         f"{comparison.get('n_identical', '?')}/{comparison.get('n', '?')}"
     )
+    if comparison.get("tok_s"):
+        line += "; graft {:.0f}, plain {:.0f} tok/s".format(*comparison["tok_s"])
     return line, speed["ratio"], [r for r in speed.get("runs") or [] if r is not None]
 
 
@@ -94,7 +96,7 @@ def apart(graft_doc: dict[str, Any], plain_doc: dict[str, Any]) -> dict[str, Any
     same = sum(1 for key, ids in graft_out.items() if key in plain_out and plain_out[key] == ids)
     return {"comparison": {
         "ratio": {"ratio": g / p, "min": min(runs, default=None), "max": max(runs, default=None), "runs": runs},
-        "n_identical": same, "n": len(graft_out),
+        "n_identical": same, "n": len(graft_out), "tok_s": (g, p),
     }}
 
 

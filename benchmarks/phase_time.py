@@ -59,6 +59,8 @@ TARGETS = (
     # the speculative adapter's share of ``propose_draft_token_ids`` (absent from a plain arm)
     ("vllm_graft.integration.adapters.speculative.engine", "GraftProposer", ("propose",)),
     ("vllm_graft.integration.adapters.speculative.drafting", "Drafting", ("propose",)),
+    # `adaptive`'s own per-step decision (its share of ``Drafting.propose``)
+    ("vllm_graft.plugins.speculative.adaptive.reference", "Adaptive", ("begin_step", "accepted")),
 )
 
 

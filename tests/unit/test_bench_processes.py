@@ -50,7 +50,7 @@ def test_apart_compares_two_single_arm_documents_run_by_run():
     assert (comparison["ratio"]["min"], comparison["ratio"]["max"]) == (0.8, 1.0)
     assert (comparison["n_identical"], comparison["n"]) == (2, 3)  # request 1 differs
     line = mod.invocation(1, mod.apart(graft, plain))[0]
-    assert line == "invocation 1: 0.900 (paired 0.800-1.000); greedy outputs identical: 2/3"
+    assert line == "invocation 1: 0.900 (paired 0.800-1.000); greedy outputs identical: 2/3; graft 90, plain 100 tok/s"
     # an arm without a figure: no ratio, as for a failed arm in one bench
     assert mod.apart(graft, {"arms": {}}) == {"comparison": None}
 

@@ -25,6 +25,7 @@ def test_report_gives_each_methods_median_milliseconds_per_step():
         "OutputProcessor",
         "GraftProposer",
         "Drafting",
+        "Adaptive",
     }
 
 
