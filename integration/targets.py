@@ -218,6 +218,44 @@ SPEC_PREPARE_INPUTS = Target(
     "samples a step with no drafts without its rejection sampler",
     wrapper="integration.adapters.speculative.engine:_prepare_inputs_wrapper",
 )
+_DRAFTS_RIDE = (
+    "with synchronous scheduling vLLM's engine core asks the worker for each step's drafts in a "
+    "call of its own (EngineCore.post_step -> Executor.take_draft_token_ids): with the "
+    "multiprocess executor one more round trip per step, drafts or none; a custom_class "
+    "proposer's drafts are ready when sample_tokens returns, so they ride on its output"
+)
+SPEC_WORKER_SAMPLE_TOKENS = Target(
+    SPECULATIVE,
+    "vllm.v1.worker.gpu_worker",
+    "Worker",
+    "sample_tokens",
+    _DRAFTS_RIDE + " (worker: attach them)",
+    params=("grammar_output",),
+    upstream="none found: with asynchronous scheduling (vLLM's CUDA default) the worker keeps the drafts itself",
+    remove_when="ModelRunnerOutput carries the step's drafts under synchronous scheduling",
+    wrapper="integration.adapters.speculative.engine:_worker_sample_tokens_wrapper",
+)
+SPEC_EXECUTOR_SAMPLE_TOKENS = Target(
+    SPECULATIVE,
+    "vllm.v1.executor.multiproc_executor",
+    "MultiprocExecutor",
+    "sample_tokens",
+    _DRAFTS_RIDE + " (engine core: keep them)",
+    params=("grammar_output", "non_block"),
+    upstream="none found (as SPEC_WORKER_SAMPLE_TOKENS)",
+    remove_when="ModelRunnerOutput carries the step's drafts under synchronous scheduling",
+    wrapper="integration.adapters.speculative.engine:_executor_sample_tokens_wrapper",
+)
+SPEC_EXECUTOR_TAKE_DRAFTS = Target(
+    SPECULATIVE,
+    "vllm.v1.executor.multiproc_executor",
+    "MultiprocExecutor",
+    "take_draft_token_ids",
+    _DRAFTS_RIDE + " (engine core: answer from them, no round trip)",
+    upstream="none found (as SPEC_WORKER_SAMPLE_TOKENS)",
+    remove_when="ModelRunnerOutput carries the step's drafts under synchronous scheduling",
+    wrapper="integration.adapters.speculative.engine:_executor_take_drafts_wrapper",
+)
 
 BENCH_SCHEDULE = Target(
     BENCH,
@@ -332,6 +370,9 @@ PATCH_TARGETS: tuple[Target, ...] = (
     SPEC_SAMPLE,
     SPEC_UPDATE_STATES,
     SPEC_PREPARE_INPUTS,
+    SPEC_WORKER_SAMPLE_TOKENS,
+    SPEC_EXECUTOR_SAMPLE_TOKENS,
+    SPEC_EXECUTOR_TAKE_DRAFTS,
     BENCH_SCHEDULE,
 )
 

@@ -121,6 +121,22 @@ def test_env_file_route_in_process(tmp_path, monkeypatch, plain_tokens):
         gc.collect()
 
 
+def test_drafts_ride_with_the_output_in_a_multiprocess_engine(tmp_path, plain_tokens):
+    """The engine core reads each step's drafts from the worker's sample_tokens output, not in a
+    round trip of its own (adapters/speculative/engine.py): same greedy tokens as plain vLLM,
+    drafts verified, and the engine-core process counts the steps whose drafts rode."""
+    reports = tmp_path / "reports"
+    plan = plan_for({"model": LLAMA, "engine": ENGINE, "speculative": {"plugin": "lookahead"}})
+    tokens = run_script(launch.llm_kwargs(plan), {"VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+                                                  "VLLM_GRAFT_REPORT_DIR": str(reports)})
+    assert tokens == plain_tokens
+    events = [e for f in reports.glob("*.json") for r in json.loads(f.read_text()).get("plugins", [])
+              if r.get("name") == "lookahead" for e in [r.get("events", {})]]
+    rode = sum(e.get("drafts_with_output", 0) for e in events)
+    verified = sum(e.get("verified", 0) for e in events)
+    assert rode > 0 and verified > 0, events
+
+
 def test_loads_in_every_process_of_a_multiprocess_engine(tmp_path, plain_tokens):
     log = tmp_path / "activations.jsonl"
     plan = plan_for({"model": LLAMA, "engine": ENGINE, "attention": {"plugin": "noop"}})

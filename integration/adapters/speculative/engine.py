@@ -76,10 +76,28 @@ passes each request its rows with the tokens they follow (the token before the s
 the drafts the step verified). Every other runner and proposer pays one ``isinstance`` and
 one attribute read per step. It can go when vLLM hands custom proposers the logits.
 
+The drafts ride with the step's output (three more patches)
+----------------------------------------------------------
+With speculative decoding configured and synchronous scheduling (the CPU engine always: its
+platform turns asynchronous scheduling off), vLLM's engine core asks the worker for the step's
+drafts in a call of its own after every step (``EngineCore.post_step`` ->
+``Executor.take_draft_token_ids``): with the multiprocess executor (the CPU engine's, and any
+engine with more than one worker) that is one more round trip through the shared-memory queue
+per step, beside ``execute_model`` and ``sample_tokens``, drafts or none. The drafts are known
+when ``sample_tokens`` returns (a ``custom_class`` proposer drafts inside it, before the output
+is built), so the worker's ``Worker.sample_tokens`` is wrapped to attach them to the
+``ModelRunnerOutput`` it returns (attribute ``graft_draft_token_ids``, a ``DraftTokenIds``
+or None, exactly what the worker's ``take_draft_token_ids`` would answer) for a runner whose
+drafter is a :class:`GraftProposer`, and the engine core's
+``MultiprocExecutor.sample_tokens`` keeps what came back, which its
+``MultiprocExecutor.take_draft_token_ids`` then returns in place of the round trip. Whatever
+did not come that way (an asynchronous scheduler's output, a ``non_block`` call, an output
+rebuilt by a KV connector's aggregator, another proposer's) takes vLLM's call as before.
+
 The package: the per-step logic (request ids, budget, acceptance, top-k rows, finish) is
 :class:`~.drafting.Drafting`, free of vLLM; this module holds what vLLM builds and calls
 (:class:`GraftProposer`, which must stay here: its dotted path is :data:`PROPOSER_PATH`),
-the two patches and the adapter, and imports vLLM only in :func:`install_patch`.
+the patches and the adapter, and imports vLLM only in :func:`install_patch` and the wrappers.
 """
 
 from __future__ import annotations
@@ -305,12 +323,71 @@ def _prepare_inputs_wrapper(original: Callable) -> Callable:
     return _prepare_inputs
 
 
+DRAFTS_ATTRIBUTE = "graft_draft_token_ids"  # on a ModelRunnerOutput: the step's drafts
+_NOT_SENT = object()
+
+
+def _worker_sample_tokens_wrapper(original: Callable) -> Callable:
+    def sample_tokens(self, grammar_output, *args, **kwargs):
+        output = original(self, grammar_output, *args, **kwargs)
+        runner = getattr(self, "model_runner", None)
+        if isinstance(getattr(runner, "drafter", None), GraftProposer) and drafts_ride(output):
+            drafts = runner.take_draft_token_ids()
+            if drafts is not None:  # a copy of the ids: the runner's list changes next step
+                drafts = type(drafts)(list(drafts.req_ids), drafts.draft_token_ids)
+            setattr(output, DRAFTS_ATTRIBUTE, drafts)
+        return output
+
+    sample_tokens.__wrapped__ = original  # type: ignore[attr-defined]
+    return sample_tokens
+
+
+def drafts_ride(output: Any) -> bool:
+    """``output`` is a step's own ``ModelRunnerOutput`` (not an asynchronous one, not vLLM's
+    shared empty output), the kind the engine core reads synchronously."""
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+    return type(output) is ModelRunnerOutput and output is not EMPTY_MODEL_RUNNER_OUTPUT
+
+
+def _executor_sample_tokens_wrapper(original: Callable) -> Callable:
+    def sample_tokens(self, grammar_output, non_block=False):
+        output = original(self, grammar_output, non_block=non_block)
+        # a Future (non_block) or an output without drafts: the next take asks the worker
+        self.__dict__["_graft_drafts"] = getattr(output, DRAFTS_ATTRIBUTE, _NOT_SENT) if not non_block else _NOT_SENT
+        return output
+
+    sample_tokens.__wrapped__ = original  # type: ignore[attr-defined]
+    return sample_tokens
+
+
+def _executor_take_drafts_wrapper(original: Callable) -> Callable:
+    def take_draft_token_ids(self):
+        drafts = self.__dict__.pop("_graft_drafts", _NOT_SENT)
+        if drafts is _NOT_SENT:
+            return original(self)
+        name = self.__dict__.get("_graft_proposer")
+        if name is None:
+            enabled = RUNTIME.enabled(Kind.SPECULATIVE)
+            name = self.__dict__["_graft_proposer"] = enabled[0].name if enabled else "?"
+        RUNTIME.count(Kind.SPECULATIVE, name, "drafts_with_output")
+        return drafts
+
+    take_draft_token_ids.__wrapped__ = original  # type: ignore[attr-defined]
+    return take_draft_token_ids
+
+
 def install_patch() -> None:
     """Wrap ``GPUModelRunner._update_states``, ``GPUModelRunner._sample`` and
-    ``GPUModelRunner._prepare_inputs`` (idempotent; why: :mod:`...targets`)."""
+    ``GPUModelRunner._prepare_inputs``, and send the drafts with the step's output
+    (``Worker.sample_tokens``, ``MultiprocExecutor.sample_tokens`` and
+    ``.take_draft_token_ids``) (idempotent; why: :mod:`...targets`)."""
     PATCHES.apply(targets.SPEC_SAMPLE, _sample_wrapper)
     PATCHES.apply(targets.SPEC_UPDATE_STATES, _update_states_wrapper)
     PATCHES.apply(targets.SPEC_PREPARE_INPUTS, _prepare_inputs_wrapper)
+    PATCHES.apply(targets.SPEC_WORKER_SAMPLE_TOKENS, _worker_sample_tokens_wrapper)
+    PATCHES.apply(targets.SPEC_EXECUTOR_SAMPLE_TOKENS, _executor_sample_tokens_wrapper)
+    PATCHES.apply(targets.SPEC_EXECUTOR_TAKE_DRAFTS, _executor_take_drafts_wrapper)
 
 
 # ------------------------------------------------------------------------------ adapter
