@@ -22,9 +22,10 @@ class Runner:
         return None if self.drafts is None else DraftTokenIds(self.req_ids, self.drafts)
 
 
-def _worker(drafter, output, req_ids=("a", "b"), drafts=([1, 2], [])):
+def _worker(drafter, output, req_ids=("a", "b"), drafts=([1, 2], []), backend="mp"):
     runner = Runner(drafter, list(req_ids), None if drafts is None else [list(d) for d in drafts])
-    worker = SimpleNamespace(model_runner=runner)
+    config = SimpleNamespace(parallel_config=SimpleNamespace(distributed_executor_backend=backend))
+    worker = SimpleNamespace(model_runner=runner, vllm_config=config)
     wrapped = engine._worker_sample_tokens_wrapper(lambda self, grammar: output)
     return wrapped(worker, None), runner
 
@@ -52,6 +53,11 @@ def test_the_worker_leaves_other_drafters_and_outputs_alone():
     assert not hasattr(out, engine.DRAFTS_ATTRIBUTE) and runner.takes == 0
     out, runner = _worker(GraftProposer.__new__(GraftProposer), EMPTY_MODEL_RUNNER_OUTPUT)
     assert out is EMPTY_MODEL_RUNNER_OUTPUT and not hasattr(out, engine.DRAFTS_ATTRIBUTE)  # vLLM's shared one
+    # an in-process engine (UniProcExecutor, "uni") or Ray: their take_draft_token_ids is not
+    # patched, so nothing is attached (and the runner is not asked twice)
+    for backend in ("uni", "ray"):
+        out, runner = _worker(GraftProposer.__new__(GraftProposer), _output(), backend=backend)
+        assert not hasattr(out, engine.DRAFTS_ATTRIBUTE) and runner.takes == 0
     async_output = SimpleNamespace(get_output=lambda: None)  # an asynchronous scheduler's output
     out, runner = _worker(GraftProposer.__new__(GraftProposer), async_output)
     assert not hasattr(out, engine.DRAFTS_ATTRIBUTE) and runner.takes == 0

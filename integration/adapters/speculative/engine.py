@@ -81,14 +81,15 @@ The drafts ride with the step's output (three more patches)
 With speculative decoding configured and synchronous scheduling (the CPU engine always: its
 platform turns asynchronous scheduling off), vLLM's engine core asks the worker for the step's
 drafts in a call of its own after every step (``EngineCore.post_step`` ->
-``Executor.take_draft_token_ids``): with the multiprocess executor (the CPU engine's, and any
-engine with more than one worker) that is one more round trip through the shared-memory queue
+``Executor.take_draft_token_ids``): with the multiprocess executor (the CPU engine's unless
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``, and any engine with more than one worker) that is one more round trip through the shared-memory queue
 per step, beside ``execute_model`` and ``sample_tokens``, drafts or none. The drafts are known
 when ``sample_tokens`` returns (a ``custom_class`` proposer drafts inside it, before the output
 is built), so the worker's ``Worker.sample_tokens`` is wrapped to attach them to the
 ``ModelRunnerOutput`` it returns (attribute ``graft_draft_token_ids``, a ``DraftTokenIds``
 or None, exactly what the worker's ``take_draft_token_ids`` would answer) for a runner whose
-drafter is a :class:`GraftProposer`, and the engine core's
+drafter is a :class:`GraftProposer`, in a worker of the multiprocess executor (an in-process
+engine's call costs nothing to skip), and the engine core's
 ``MultiprocExecutor.sample_tokens`` keeps what came back, which its
 ``MultiprocExecutor.take_draft_token_ids`` then returns in place of the round trip. Whatever
 did not come that way (an asynchronous scheduler's output, a ``non_block`` call, an output
@@ -330,9 +331,11 @@ _NOT_SENT = object()
 def _worker_sample_tokens_wrapper(original: Callable) -> Callable:
     def sample_tokens(self, grammar_output, *args, **kwargs):
         output = original(self, grammar_output, *args, **kwargs)
-        runner = getattr(self, "model_runner", None)
-        if isinstance(getattr(runner, "drafter", None), GraftProposer) and drafts_ride(output):
-            drafts = runner.take_draft_token_ids()
+        rides = self.__dict__.get("_graft_drafts_ride")
+        if rides is None:
+            rides = self.__dict__["_graft_drafts_ride"] = _rides_from(self)
+        if rides and drafts_ride(output):
+            drafts = self.model_runner.take_draft_token_ids()
             if drafts is not None:  # a copy of the ids: the runner's list changes next step
                 drafts = type(drafts)(list(drafts.req_ids), drafts.draft_token_ids)
             setattr(output, DRAFTS_ATTRIBUTE, drafts)
@@ -340,6 +343,16 @@ def _worker_sample_tokens_wrapper(original: Callable) -> Callable:
 
     sample_tokens.__wrapped__ = original  # type: ignore[attr-defined]
     return sample_tokens
+
+
+def _rides_from(worker: Any) -> bool:
+    """This worker's drafts ride on its output: its runner drafts with a :class:`GraftProposer`
+    and it serves vLLM's multiprocess executor (the one whose ``take_draft_token_ids`` is
+    patched to read them; in-process, that call is a method call, and the ride would only cost)."""
+    config = getattr(worker, "vllm_config", None)
+    backend = getattr(getattr(config, "parallel_config", None), "distributed_executor_backend", None)
+    drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
+    return backend == "mp" and isinstance(drafter, GraftProposer)
 
 
 def drafts_ride(output: Any) -> bool:
