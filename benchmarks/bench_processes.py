@@ -129,21 +129,18 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(n):
-            if separate:
-                docs = {}
-                for arm in ("graft", "plain") if i % 2 == 0 else ("plain", "graft"):
-                    doc = _bench([*bench, "--arms", arm], Path(tmp) / f"{i}-{arm}.json")
-                    if isinstance(doc, int):
-                        print(f"invocation {i + 1}: the bench's {arm} arm exited {doc}; stopping", file=sys.stderr)
-                        return doc
-                    docs[arm] = doc
-                results.append(apart(docs["graft"], docs["plain"]))
-            else:
-                doc = _bench(bench, Path(tmp) / f"{i}.json")
+            # (label, arguments) of each bench this invocation runs: one, or one per arm
+            arms = ("graft", "plain") if i % 2 == 0 else ("plain", "graft")
+            runs = [(arm, [*bench, "--arms", arm]) for arm in arms] if separate else [("", bench)]
+            docs = {}
+            for arm, arguments in runs:
+                doc = _bench(arguments, Path(tmp) / f"{i}-{arm or 'both'}.json")
                 if isinstance(doc, int):
-                    print(f"invocation {i + 1}: the bench exited {doc}; stopping", file=sys.stderr)
+                    who = f"the bench's {arm} arm" if arm else "the bench"
+                    print(f"invocation {i + 1}: {who} exited {doc}; stopping", file=sys.stderr)
                     return doc
-                results.append(doc)
+                docs[arm] = doc
+            results.append(apart(docs["graft"], docs["plain"]) if separate else docs[""])
             print(invocation(i + 1, results[-1])[0], flush=True)
     print(summarise(results)[-1])
     return 0

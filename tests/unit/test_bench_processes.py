@@ -59,3 +59,26 @@ def test_apart_refuses_an_arms_choice_and_a_missing_bench():
     mod = _script()
     assert mod.main(["2", "--apart", "d.yaml", "--arms", "graft"]) == 2
     assert mod.main(["2", "--apart"]) == 2
+
+
+def test_main_runs_each_arm_alone_swapping_the_order_and_stops_on_a_failed_bench(monkeypatch, capsys):
+    mod = _script()
+    calls = []
+
+    def fake_bench(arguments, path):
+        calls.append(arguments[-1] if "--arms" in arguments else "both")
+        arm = arguments[-1]
+        if arm in ("graft", "plain"):
+            return _arm_doc(arm, [100.0 if arm == "plain" else 90.0], [[1]])
+        return {"comparison": {"ratio": {"ratio": 1.0, "min": 1.0, "max": 1.0, "runs": [1.0]}, "n_identical": 1, "n": 1}}
+
+    monkeypatch.setattr(mod, "_bench", fake_bench)
+    assert mod.main(["2", "--apart", "d.yaml"]) == 0
+    assert calls == ["graft", "plain", "plain", "graft"]
+    out = capsys.readouterr().out
+    assert "invocation 2: 0.900" in out and "median ratio 0.900" in out
+    calls.clear()
+    assert mod.main(["2", "d.yaml"]) == 0 and calls == ["both", "both"]
+    monkeypatch.setattr(mod, "_bench", lambda arguments, path: 3)
+    assert mod.main(["2", "--apart", "d.yaml"]) == 3
+    assert "the bench's graft arm exited 3" in capsys.readouterr().err
