@@ -15,7 +15,14 @@ from vllm_graft.hooks import Kind  # noqa: E402
 from vllm_graft.integration.runtime import Runtime  # noqa: E402
 from vllm_graft.tools.soak.driver import drive, loopback_only  # noqa: E402
 from vllm_graft.tools.soak.run import checks, row  # noqa: E402
-from vllm_graft.tools.soak.workload import LEVELS, SHORT_LEVELS, Ramp, RequestMix, RequestSpec  # noqa: E402
+from vllm_graft.tools.soak.workload import (  # noqa: E402
+    LEVELS,
+    SHORT_LEVELS,
+    Ramp,
+    RequestMix,
+    RequestSpec,
+    iter_specs,
+)
 
 CORPUS = list(range(5000))
 
@@ -51,6 +58,28 @@ def test_request_mix_lengths_and_shares():
     assert share(lambda s: len(s.prompt) > 400 and not s.over_long) > 0.2
     with pytest.raises(ValueError, match="corpus"):
         RequestMix(CORPUS[:100], 512)
+
+
+def test_the_top_level_opens_with_requests_that_outgrow_the_pool():
+    """Preemption must not hang on how fast the server is: the top level's first `level`
+    requests are greedy ignore_eos ones of which a quarter running together fit their prompts
+    in the pool (in 16-token blocks) but not their last tokens."""
+    blocks = lambda tokens: -(-tokens // 16)  # noqa: E731
+    for level, kv_tokens in ((16, 2560), (64, 2560), (32, 2560), (16, 3000)):
+        s = RequestMix(CORPUS, 2048, seed=0).pressure(level, kv_tokens)
+        k = level // 4
+        assert s.greedy and s.ignore_eos and s.level == level and not s.over_long and s.cut_after is None
+        assert k * blocks(len(s.prompt)) <= blocks(kv_tokens) < k * blocks(len(s.prompt) + s.max_tokens)
+        assert len(s.prompt) + s.max_tokens <= 2048
+    ramp = Ramp(SHORT_LEVELS, requests_per_slot=3)
+    specs = list(iter_specs(RequestMix(CORPUS, 2048, seed=0), ramp, lambda: 0.0, kv_tokens=2560))
+    assert len(specs) == ramp.total() == 93 and [s.index for s in specs] == list(range(93))
+    top = [s for s in specs if s.level == 16]
+    pressure = [s for s in specs if s.ignore_eos and s.greedy and len(s.prompt) == 480 and s.max_tokens == 192]
+    assert pressure == top[:16] and len(top) == 48
+    # without a pool size, the mix alone (as before)
+    plain = list(iter_specs(RequestMix(CORPUS, 2048, seed=0), ramp, lambda: 0.0))
+    assert sum(len(s.prompt) == 480 and s.ignore_eos and s.max_tokens == 192 for s in plain) < 3
 
 
 def test_only_loopback():

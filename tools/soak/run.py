@@ -190,7 +190,7 @@ async def _graft_run(
     results = await drive(
         server.base,
         SERVED_NAME,
-        iter_specs(mix, ramp, lambda: time.monotonic() - t0),
+        iter_specs(mix, ramp, lambda: time.monotonic() - t0, result["kv_tokens"]),
         timeout=opts.timeout,
         on_done=progress,
         stop_if=dead,

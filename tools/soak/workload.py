@@ -11,6 +11,12 @@ token ids so that each prompt has an exact length. The mix, per request drawn wi
 * streamed (40%); ``cut_after`` (about 15% of all requests): the client closes the stream after
   that many chunks, so vLLM aborts the request mid-generation;
 * ``ignore_eos`` on half of them, so outputs run to ``max_tokens``.
+
+The top level of the ramp opens with ``level`` *pressure* requests (:meth:`RequestMix.pressure`):
+greedy, ``ignore_eos``, long, sized so that a quarter of them running at once outgrow the KV pool
+while their prompts still fit in it. vLLM then has to preempt however fast the server is (with
+random lengths alone, a faster server overlapped fewer long requests and sometimes never filled
+the pool), and the preempted requests' greedy outputs are compared with plain vLLM's.
 """
 
 from __future__ import annotations
@@ -162,6 +168,20 @@ class RequestMix:
         return spec
 
 
+    def pressure(self, level: int, kv_tokens: int) -> RequestSpec:
+        """A greedy ``ignore_eos`` request of four times ``max_output`` tokens (long-lived, so
+        that requests started one after another still overlap) whose prompt is sized so that
+        ``level / 4`` of them running together need more than ``kv_tokens`` of KV (by two
+        blocks) by their last token while their prompts alone take less (where ``max_model_len``
+        allows it)."""
+        index = self._next
+        self._next += 1
+        out = min(4 * self.max_output, self.max_model_len // 2)
+        together = max(1, level // 4)
+        length = max(1, min(-(-kv_tokens // together) + 32 - out, self.max_model_len - out))
+        return RequestSpec(index=index, prompt=self._window(length), max_tokens=out, level=level, ignore_eos=True)
+
+
 @dataclass
 class Ramp:
     """The concurrency schedule: ``levels`` in turn, each for ``seconds_per_level`` (a timed run)
@@ -195,12 +215,18 @@ class Ramp:
         return f"concurrency {ramp}, {self.requests_per_slot} x level requests each"
 
 
-def iter_specs(mix: RequestMix, ramp: Ramp, clock: Any) -> Iterator[RequestSpec]:
-    """Specs until the ramp ends (``clock()`` gives the seconds since the start)."""
-    started = 0
+def iter_specs(mix: RequestMix, ramp: Ramp, clock: Any, kv_tokens: int | None = None) -> Iterator[RequestSpec]:
+    """Specs until the ramp ends (``clock()`` gives the seconds since the start). With
+    ``kv_tokens``, the top level's first ``level`` specs are :meth:`RequestMix.pressure` ones."""
+    started = at_top = 0
+    top = ramp.levels[-1]
     while True:
         level = ramp.level(started, clock())
         if level is None:
             return
-        yield mix.draw(level)
+        if level == top and kv_tokens is not None and at_top < top:
+            at_top += 1
+            yield mix.pressure(level, kv_tokens)
+        else:
+            yield mix.draw(level)
         started += 1
