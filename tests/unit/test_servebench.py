@@ -33,6 +33,7 @@ from vllm_graft.tools.serve.stats import (  # noqa: E402
     markdown,
     rows,
     summarize,
+    summary_lines,
     vs_plain,
 )
 
@@ -73,6 +74,16 @@ def test_rates_and_levels_parse_and_refuse():
     assert len(set(salts)) == 3 and salts == [p.cache_salt(0) for p in phases([0.5, 1], [16])]
     # vLLM refuses a salt over 128 characters or with '@', '/', '\\'
     assert all(len(s) <= 128 and not set(s) & set("@/\\") for s in salts)
+    # rounds: every load again, after all of the round before, each with a salt and a key of its own
+    r = phases([0.5], [16], rounds=3)
+    assert [(p.load, p.round) for p in r] == [("0.5 req/s", 1), ("concurrency 16", 1), ("0.5 req/s", 2),
+                                             ("concurrency 16", 2), ("0.5 req/s", 3), ("concurrency 16", 3)]
+    assert r[:2] == phases([0.5], [16]) and r[3].label == "concurrency 16, round 2"
+    r_salts = [p.cache_salt(0) for p in r]
+    assert len(set(r_salts)) == len({p.key for p in r}) == 6
+    assert all(len(s) <= 128 and not set(s) & set("@/\\") for s in r_salts)
+    with pytest.raises(ValueError, match="--rounds"):
+        phases([0.5], rounds=0)
 
 
 def test_prompts_are_dealt_out_once_each():
@@ -195,6 +206,31 @@ def test_finish_and_table_rows():
     assert md[0].startswith("| arm | load |") and len(md) == 4 and md[3].count("|") == md[0].count("|")
     lossy = _result({"plain": plain, "snapkv": graft}, lossless=False)
     assert cells(rows(lossy)[1])[-1] == "1/2 (lossy)"
+    # one round: the summary quotes it, and prints nothing
+    assert [(s["arm"], s["load"], s["median"], s["quoted_from_round"]) for s in result["by_load"]] == [
+        ("streaming-kvcap", "0.5 req/s", pytest.approx(1.0), 1)]
+    result["settings"]["phases"] = [{"round": 1}]
+    assert summary_lines(result) == []
+
+
+def test_rounds_are_summarized_from_the_second():
+    """Each round's ratio to plain's same round; the median and range of rounds 2..R quoted."""
+    ph = phases([], [4], rounds=3)
+    tokens = {"plain": (4, 4, 4), "lookahead": (8, 4, 5)}  # output tokens per request, by round
+    arms, raw = [], {}
+    for name, per_round in tokens.items():
+        arms.append({"name": name, "lossless": None if name == "plain" else True, "calibration": [],
+                     "phases": [{"phase": {**p.to_json(), "key": p.key}, "duration_s": 2.0} for p in ph]})
+        raw[name] = {p.key: [rec(0, 0.1, 1.0, n, text="x")] for p, n in zip(ph, per_round)}
+    result = {"settings": {"phases": [p.to_json() for p in ph]}, "arms": arms}
+    finish(result, raw, Options(phases=ph, slo=SLO(ttft=1.0)))
+    (s,) = result["by_load"]
+    assert s["arm"] == "lookahead" and s["load"] == "concurrency 4" and s["quoted_from_round"] == 2
+    assert s["rounds"] == {"1": pytest.approx(2.0), "2": pytest.approx(1.0), "3": pytest.approx(1.25)}
+    assert (s["median"], s["min"], s["max"]) == (pytest.approx(1.125), pytest.approx(1.0), pytest.approx(1.25))
+    (line,) = summary_lines(result)
+    assert line == ("lookahead at concurrency 4: throughput x plain 1.12x (1.00-1.25) over rounds 2..3; "
+                    "by round 2.00, 1.00, 1.25")
 
 
 def test_finish_derives_the_slo_from_plains_calibration():
@@ -281,10 +317,12 @@ def test_command_line():
     o = options(parse(["servebench", "d.yaml", "--concurrency", "16,64", "--slo-latency", "9"]), Path("."))
     assert [p.key for p in o.phases] == ["concurrency=16", "concurrency=64"] and o.slo == SLO(latency=9.0,
                                                                                                source=o.slo.source)
+    o = options(parse(["servebench", "d.yaml", "--concurrency", "16", "--rounds", "2"]), Path("."))
+    assert [p.key for p in o.phases] == ["concurrency=16", "concurrency=16.round2"]
     o = options(parse(["servebench", "d.yaml", "--rates", "1", "--concurrency", "2", "--no-ignore-eos"]), Path("."))
     assert [p.key for p in o.phases] == ["rate=1", "concurrency=2"] and not o.ignore_eos
     for bad in (["--rates", "0"], ["--concurrency", "1.5"], ["--num-requests", "0"], ["--slo-ttft", "-1"],
-                ["--slo-factor", "0"], ["--kv-blocks", "0"]):
+                ["--slo-factor", "0"], ["--kv-blocks", "0"], ["--rounds", "0"]):
         with pytest.raises(ValueError):
             options(parse(["servebench", "d.yaml", *bad]), Path("."))
 

@@ -51,6 +51,15 @@ def add_command(sub: Any) -> None:
     )
     p.add_argument("--num-requests", type=int, default=16, metavar="N", help="requests per rate or level (default 16)")
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        metavar="R",
+        help="send every load R times over in each server, each time with prompts of its own (round 1's "
+        "loads, then round 2's, ...); the summary quotes the median x plain of rounds 2..R, round 1 "
+        "being a cold server's (default 1)",
+    )
+    p.add_argument(
         "--workload",
         default="long-context",
         help="prompts from this bench workload (default long-context; code-completion for speculation)",
@@ -109,7 +118,7 @@ def options(args: argparse.Namespace, folder: Path) -> Any:
     elif not args.slo_factor > 0:
         raise ValueError(f"--slo-factor {args.slo_factor}: must be positive")
     return Options(
-        phases=phases(rates, conc),
+        phases=phases(rates, conc, args.rounds),
         workload=args.workload,
         num_requests=args.num_requests,
         max_tokens=args.max_tokens,
@@ -127,7 +136,7 @@ def render(result: dict[str, Any], console: Any, *, as_markdown: bool = False) -
     from rich.markup import escape
     from rich.table import Table
 
-    from .stats import COLUMNS, cells, markdown, rows
+    from .stats import COLUMNS, cells, markdown, rows, summary_lines
 
     slo = result.get("slo") or {}
     head = f"SLO: {slo.get('text')} ({slo.get('source')})" if "text" in slo else f"SLO: none ({slo.get('error', '?')})"
@@ -146,6 +155,8 @@ def render(result: dict[str, Any], console: Any, *, as_markdown: bool = False) -
         for r in table_rows:
             table.add_row(*map(escape, cells(r)))
         console.print(table)
+    for line in summary_lines(result):
+        console.print(escape(line))
     for arm in result["arms"]:
         if "error" in arm:
             console.print(f"[bold red]✗ {escape(arm['name'])}: {escape(arm['error'][:1500])}[/]")

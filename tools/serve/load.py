@@ -26,23 +26,30 @@ class Phase:
 
     mode: Literal["rate", "concurrency"]
     value: float
+    round: int = 1  # the sweep's pass over its loads (``--rounds``): each with prompts of its own
 
     @property
-    def label(self) -> str:
+    def load(self) -> str:
+        """The load alone, the same in every round."""
         if self.mode == "rate":
             return f"{self.value:g} req/s"
         return f"concurrency {int(self.value)}"
 
     @property
+    def label(self) -> str:
+        return self.load + (f", round {self.round}" if self.round > 1 else "")
+
+    @property
     def key(self) -> str:
         """A short stable name (JSON keys, the prefix-cache salt)."""
-        return f"rate={self.value:g}" if self.mode == "rate" else f"concurrency={int(self.value)}"
+        base = f"rate={self.value:g}" if self.mode == "rate" else f"concurrency={int(self.value)}"
+        return base + (f".round{self.round}" if self.round > 1 else "")
 
     def cache_salt(self, seed: int) -> str:
         return f"vllm-graft.servebench.{seed}.{self.key}"
 
     def to_json(self) -> dict[str, Any]:
-        return {"mode": self.mode, "value": self.value, "label": self.label}
+        return {"mode": self.mode, "value": self.value, "label": self.label, "load": self.load, "round": self.round}
 
 
 def parse_list(text: str, *, integer: bool = False, what: str = "value") -> list[float]:
@@ -69,9 +76,18 @@ def parse_list(text: str, *, integer: bool = False, what: str = "value") -> list
     return out
 
 
-def phases(rates: Sequence[float] = (), concurrency: Sequence[float] = ()) -> list[Phase]:
-    """The sweep's phases: the rates in the order given, then the concurrency levels."""
-    return [Phase("rate", float(r)) for r in rates] + [Phase("concurrency", float(int(c))) for c in concurrency]
+def phases(rates: Sequence[float] = (), concurrency: Sequence[float] = (), rounds: int = 1) -> list[Phase]:
+    """The sweep's phases: the rates in the order given, then the concurrency levels; ``rounds``
+    times over (round 1's loads, then round 2's, ...), so that a slow drift of the machine
+    touches every load of an arm alike, and a load's later rounds run on a server that has
+    run it before."""
+    if rounds < 1:
+        raise ValueError(f"--rounds {rounds}: give at least 1")
+    return [
+        ph
+        for k in range(1, rounds + 1)
+        for ph in [Phase("rate", float(r), k) for r in rates] + [Phase("concurrency", float(int(c)), k) for c in concurrency]
+    ]
 
 
 def poisson_arrivals(rate: float, n: int, seed: int) -> list[float]:

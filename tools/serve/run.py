@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 from .client import closed_loop, one_at_a_time, open_loop
 from .load import Dealt, Phase, deal, poisson_arrivals, prompts_needed, requests_from_prompts
-from .stats import MEASUREMENT, SLO, Record, compare_greedy, derived_slo, summarize, vs_plain
+from .stats import MEASUREMENT, SLO, Record, by_load, compare_greedy, derived_slo, summarize, vs_plain
 
 SCHEMA = "vllm-graft-servebench/1"
 WARMUP_REQUESTS = 4
@@ -187,6 +187,7 @@ def sweep(paths: Sequence[str], opts: Options, say: Callable[[str], None] = prin
             "phases": [ph.to_json() for ph in opts.phases],
             "workload": opts.workload,
             "num_requests": opts.num_requests,
+            "rounds": max((ph.round for ph in opts.phases), default=1),
             "max_tokens": opts.max_tokens,
             "ignore_eos": opts.ignore_eos,
             "seed": opts.seed,
@@ -238,6 +239,7 @@ def finish(result: dict[str, Any], raw: dict[str, dict[str, list[Record]]], opts
                 ph["vs_plain"] = vs_plain(ph["figures"], base) if base else None
                 theirs = raw["plain"].get(ph["phase"]["key"])
                 ph["greedy"] = compare_greedy(recs, theirs) if theirs is not None else None
+    result["by_load"] = by_load(result)
 
 
 def run_arm(

@@ -284,3 +284,47 @@ def markdown(table_rows: Sequence[Row]) -> str:
     for r in table_rows:
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells(r)) + " |")
     return "\n".join(lines)
+
+
+def by_load(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each arm's throughput over plain vLLM's at each load, round by round (``--rounds``), with
+    the median and range of the rounds quoted: 2..R when there are several (round 1 runs on a
+    cold server), else the one round."""
+    out = []
+    for arm in result["arms"][1:]:
+        per_load: dict[str, dict[int, float | None]] = {}
+        for ph in arm.get("phases", []):
+            p = ph["phase"]
+            per_load.setdefault(p.get("load", p["label"]), {})[int(p.get("round", 1))] = (ph.get("vs_plain") or {}).get(
+                "throughput"
+            )
+        for load, rounds in per_load.items():
+            first = 2 if len(rounds) > 1 else 1
+            quoted = sorted(v for k, v in rounds.items() if k >= first and v is not None)
+            out.append(
+                {
+                    "arm": arm["name"],
+                    "load": load,
+                    "rounds": {str(k): v for k, v in sorted(rounds.items())},
+                    "quoted_from_round": first,
+                    "median": percentile(quoted, 50) if quoted else None,
+                    "min": quoted[0] if quoted else None,
+                    "max": quoted[-1] if quoted else None,
+                }
+            )
+    return out
+
+
+def summary_lines(result: dict[str, Any]) -> list[str]:
+    """One line per arm and load when the sweep ran more than one round."""
+    if not any(int(ph.get("round", 1)) > 1 for ph in result["settings"].get("phases", [])):
+        return []
+    lines = []
+    for s in by_load(result):
+        every = ", ".join(f"{v:.2f}" if v is not None else "-" for v in s["rounds"].values())
+        med = "-" if s["median"] is None else f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})"
+        lines.append(
+            f"{s['arm']} at {s['load']}: throughput x plain {med} over rounds {s['quoted_from_round']}.."
+            f"{len(s['rounds'])}; by round {every}"
+        )
+    return lines
