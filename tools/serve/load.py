@@ -86,7 +86,8 @@ def phases(rates: Sequence[float] = (), concurrency: Sequence[float] = (), round
     return [
         ph
         for k in range(1, rounds + 1)
-        for ph in [Phase("rate", float(r), k) for r in rates] + [Phase("concurrency", float(int(c)), k) for c in concurrency]
+        for ph in [Phase("rate", float(r), k) for r in rates]
+        + [Phase("concurrency", float(int(c)), k) for c in concurrency]
     ]
 
 

@@ -167,7 +167,6 @@ class RequestMix:
             spec.stream = True
         return spec
 
-
     def pressure(self, level: int, kv_tokens: int) -> RequestSpec:
         """A greedy ``ignore_eos`` request of four times ``max_output`` tokens (long-lived, so
         that requests started one after another still overlap) whose prompt is sized so that
