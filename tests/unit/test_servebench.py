@@ -340,3 +340,21 @@ def test_the_warm_up_runs_a_batch_as_large_as_the_highest_concurrency():
     assert warm_up_requests(opts(concurrency=(16, 64))) == 64
     assert warm_up_requests(opts(concurrency=(16, 64), n=32)) == 32  # no more than a phase sends
     assert warm_up_requests(opts(concurrency=(2,))) == WARMUP_REQUESTS
+
+
+def test_too_few_prompts_for_the_sweep_names_the_options(monkeypatch):
+    """A workload with fewer prompts than loads x rounds x --num-requests asks: the error says
+    how many the sweep sends and which options lower it."""
+    import vllm_graft.tools.workloads as workloads
+    from vllm_graft.tools.serve.run import build_requests
+    from vllm_graft.tools.workloads import WorkloadError
+
+    def build(names, tokenizer, *, num_prompts, **kw):
+        raise WorkloadError(f"code-completion: only 544 functions found (asked {num_prompts})")
+
+    monkeypatch.setattr(workloads, "build", build)
+    monkeypatch.setattr(workloads.Tokenizer, "from_model", staticmethod(lambda model: None))
+    opts = Options(phases=phases([], [16, 64], rounds=3), num_requests=100, workload="code-completion")
+    with pytest.raises(WorkloadError, match=r"only 544 .*sends 6\d\d distinct prompts \(6 phases .* "
+                                            r"--num-requests 100, .*lower --num-requests or --rounds"):
+        build_requests("m", 2048, opts)

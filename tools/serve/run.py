@@ -108,23 +108,25 @@ def arms_for(paths: Sequence[str], kv_blocks: int | None = None) -> list[Arm]:
 
 def build_requests(model: str, max_model_len: int, opts: Options) -> tuple[Dealt, dict[str, Any]]:
     """The workload's prompts for the warm-up, the calibration and every phase, dealt out."""
-    from vllm_graft.tools.workloads import Tokenizer, build
+    from vllm_graft.tools.workloads import Tokenizer, WorkloadError, build
 
     extra = warm_up_requests(opts) - WARMUP_REQUESTS
-    (ps,) = build(
-        [opts.workload],
-        Tokenizer.from_model(model),
-        num_prompts=prompts_needed(
-            opts.num_requests,
-            len(opts.phases),
-            WARMUP_REQUESTS,
-            CALIBRATION_REQUESTS,
-            extra,
-        ),
-        max_tokens=opts.max_tokens,
-        max_model_len=max_model_len,
-        seed=opts.seed,
-    )
+    need = prompts_needed(opts.num_requests, len(opts.phases), WARMUP_REQUESTS, CALIBRATION_REQUESTS, extra)
+    try:
+        (ps,) = build(
+            [opts.workload],
+            Tokenizer.from_model(model),
+            num_prompts=need,
+            max_tokens=opts.max_tokens,
+            max_model_len=max_model_len,
+            seed=opts.seed,
+        )
+    except WorkloadError as e:
+        raise WorkloadError(
+            f"{e}; this sweep sends {need} distinct prompts ({len(opts.phases)} phases (loads x --rounds) x "
+            f"--num-requests {opts.num_requests}, plus {need - len(opts.phases) * opts.num_requests} for the "
+            "warm-up and calibration): lower --num-requests or --rounds"
+        ) from e
     dealt = deal(
         requests_from_prompts(ps.prompts),
         opts.phases,
