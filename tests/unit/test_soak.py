@@ -63,14 +63,17 @@ def test_request_mix_lengths_and_shares():
 def test_the_top_level_opens_with_requests_that_outgrow_the_pool():
     """Preemption must not hang on how fast the server is: the top level's first `level`
     requests are greedy ignore_eos ones of which a quarter running together fit their prompts
-    in the pool (in 16-token blocks) but not their last tokens."""
-    blocks = lambda tokens: -(-tokens // 16)  # noqa: E731
-    for level, kv_tokens in ((16, 2560), (64, 2560), (32, 2560), (16, 3000)):
-        s = RequestMix(CORPUS, 2048, seed=0).pressure(level, kv_tokens)
-        k = level // 4
-        assert s.greedy and s.ignore_eos and s.level == level and not s.over_long and s.cut_after is None
-        assert k * blocks(len(s.prompt)) <= blocks(kv_tokens) < k * blocks(len(s.prompt) + s.max_tokens)
-        assert len(s.prompt) + s.max_tokens <= 2048
+    in the pool but not their last tokens, in blocks of 16 tokens and of 128 (vLLM's CPU
+    engine)."""
+    for block in (16, 128):
+        blocks = lambda tokens: -(-tokens // block)  # noqa: E731
+        for level, kv_tokens in ((16, 2560), (64, 2560), (32, 2560), (16, 3000)):
+            s = RequestMix(CORPUS, 2048, seed=0).pressure(level, kv_tokens)
+            k = level // 4
+            assert s.greedy and s.ignore_eos and s.level == level and not s.over_long and s.cut_after is None
+            pool = kv_tokens // block
+            assert k * blocks(len(s.prompt)) <= pool < k * blocks(len(s.prompt) + s.max_tokens), (block, level)
+            assert len(s.prompt) + s.max_tokens <= 2048
     ramp = Ramp(SHORT_LEVELS, requests_per_slot=3)
     specs = list(iter_specs(RequestMix(CORPUS, 2048, seed=0), ramp, lambda: 0.0, kv_tokens=2560))
     assert len(specs) == ramp.total() == 93 and [s.index for s in specs] == list(range(93))

@@ -170,8 +170,8 @@ class RequestMix:
     def pressure(self, level: int, kv_tokens: int) -> RequestSpec:
         """A greedy ``ignore_eos`` request of four times ``max_output`` tokens (long-lived, so
         that requests started one after another still overlap) whose prompt is sized so that
-        ``level / 4`` of them running together need more than ``kv_tokens`` of KV (by two
-        blocks) by their last token while their prompts alone take less (where ``max_model_len``
+        ``level / 4`` of them running together need more than ``kv_tokens`` of KV (by 32
+        tokens) by their last token while their prompts alone take less (where ``max_model_len``
         allows it)."""
         index = self._next
         self._next += 1
