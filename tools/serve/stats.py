@@ -295,9 +295,7 @@ def by_load(result: dict[str, Any]) -> list[dict[str, Any]]:
         per_load: dict[str, dict[int, float | None]] = {}
         for ph in arm.get("phases", []):
             p = ph["phase"]
-            per_load.setdefault(p.get("load", p["label"]), {})[int(p.get("round", 1))] = (ph.get("vs_plain") or {}).get(
-                "throughput"
-            )
+            per_load.setdefault(p["load"], {})[p["round"]] = (ph.get("vs_plain") or {}).get("throughput")
         for load, rounds in per_load.items():
             first = 2 if len(rounds) > 1 else 1
             quoted = sorted(v for k, v in rounds.items() if k >= first and v is not None)
@@ -316,11 +314,13 @@ def by_load(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def summary_lines(result: dict[str, Any]) -> list[str]:
-    """One line per arm and load when the sweep ran more than one round."""
-    if not any(int(ph.get("round", 1)) > 1 for ph in result["settings"].get("phases", [])):
+    """One line per arm and load of :func:`by_load` (kept in the result by ``finish``) when the
+    sweep ran more than one round."""
+    loads = result["by_load"]
+    if all(len(s["rounds"]) == 1 for s in loads):
         return []
     lines = []
-    for s in by_load(result):
+    for s in loads:
         every = ", ".join(f"{v:.2f}" if v is not None else "-" for v in s["rounds"].values())
         med = "-" if s["median"] is None else f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})"
         lines.append(
