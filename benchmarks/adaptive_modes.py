@@ -1,4 +1,4 @@
-"""What `adaptive` chose, step by step: the shape of each step (tree, chain, off, probe) over the
+"""What `adaptive` chose, step by step: the shape of each step (tree, chain, off, shadow) over the
 bench's timed runs, and the steps it timed for each shape.
 
     .venv/bin/python benchmarks/adaptive_modes.py DEPLOYMENT [--workload code-completion]
@@ -9,7 +9,7 @@ One in-process engine in a fresh child process (``VLLM_ENABLE_V1_MULTIPROCESSING
 ``ignore_eos``), the drafting state renewed before each as the bench does. The deployment's
 speculative plugin must be ``adaptive`` with ``measure_goodput`` on. Printed:
 
-* one character per step's choice (``T`` tree, ``.`` chain, ``o`` off, ``p`` probe; ``|`` starts
+* one character per step's choice (``T`` tree, ``.`` chain, ``o`` off, ``s`` shadow; ``|`` starts
   a run), and how many steps chose each;
 * per shape, the steps recorded for it (decode-only, :meth:`ModeChooser.record`): how many, their
   median time, the tokens per request they yielded, and how many were timed (``steady``);
@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _profiling import child_engine_setup, fresh_run, run_in_child  # noqa: E402
 
-CODES = {"tree": "T", "chain": ".", "off": "o", "probe": "p", "run": "|"}
+CODES = {"tree": "T", "chain": ".", "off": "o", "shadow": "s", "run": "|"}
 
 
 def summarize(choices: list[str], records: list[tuple[str, int, float, int, bool]]) -> list[str]:
@@ -35,7 +35,7 @@ def summarize(choices: list[str], records: list[tuple[str, int, float, int, bool
     recorded step as ``(mode, batch size, seconds, tokens, timed)``."""
     counts = collections.Counter(c for c in choices if c != "run")
     lines = [
-        "chosen: " + ", ".join(f"{m} {counts[m]}" for m in ("tree", "chain", "off", "probe") if counts[m]),
+        "chosen: " + ", ".join(f"{m} {counts[m]}" for m in ("tree", "chain", "off", "shadow") if counts[m]),
         "".join(CODES.get(c, "?") for c in choices),
     ]
     for mode in ("tree", "chain", "off"):
@@ -57,12 +57,14 @@ def _child(path: str, settings: dict, out) -> None:
     from vllm_graft.plugins.speculative.adaptive import policy
 
     choices: list[str] = []
+    steps: list[tuple] = []  # (mode, batch size, the expected chain yield it was given)
     records: list[tuple] = []
     choose, record = policy.ModeChooser.choose, policy.ModeChooser.record
 
-    def choose_logged(self, batch_size, expected):
-        mode = choose(self, batch_size, expected)
+    def choose_logged(self, batch_size, expected, *args, **kwargs):
+        mode = choose(self, batch_size, expected, *args, **kwargs)
         choices.append(mode)
+        steps.append((mode, int(batch_size), round(float(expected), 2)))
         return mode
 
     def record_logged(self, batch_size, mode, seconds, tokens=0):
@@ -74,13 +76,14 @@ def _child(path: str, settings: dict, out) -> None:
     with launch.in_process_engine(plan, graft=True, max_num_seqs=settings["batch"]) as llm:
         llm.generate(prompts[: settings["batch"]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
         choices.clear()
+        steps.clear()
         records.clear()
         for _ in range(settings["repeat"]):
             fresh_run(llm)
             choices.append("run")
             llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=settings["max_tokens"]), use_tqdm=False)
         report = [r for r in RUNTIME.report() if r.get("name") == "adaptive"]
-    out.send({"choices": choices, "records": records, "report": report})
+    out.send({"choices": choices, "steps": steps, "records": records, "report": report})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -91,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--trace", action="store_true", help="also print each step's mode, batch size and expected chain yield")
     args = ap.parse_args(argv)
     settings = {k: getattr(args, k) for k in ("workload", "num_prompts", "max_tokens", "batch", "repeat")}
     got = run_in_child(_child, args.deployment, settings, what="the adaptive engine")
@@ -98,6 +102,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"{args.deployment}: no `adaptive` speculative plugin ran (its report is empty)")
     for line in summarize(got["choices"], got["records"]):
         print(line)
+    if args.trace:
+        for mode, batch, expected in got["steps"]:
+            print(f"  {mode:6s} B={batch:3d} expected={expected}")
     r = got["report"][0]
     print("events:", r.get("events"))
     described = r.get("described") or {}

@@ -11,7 +11,7 @@ def _script():
 
 def test_summary_gives_the_choices_and_the_recorded_steps_per_shape():
     mod = _script()
-    choices = ["run", "tree", "tree", "chain", "off", "probe", "run", "chain"]
+    choices = ["run", "tree", "tree", "chain", "off", "shadow", "run", "chain"]
     records = [
         ("tree", 2, 0.006, 8, False),
         ("chain", 2, 0.003, 5, True),
@@ -19,8 +19,8 @@ def test_summary_gives_the_choices_and_the_recorded_steps_per_shape():
         ("off", 2, 0.002, 2, False),
     ]
     assert mod.summarize(choices, records) == [
-        "chosen: tree 2, chain 2, off 1, probe 1",
-        "|TT.op|.",
+        "chosen: tree 2, chain 2, off 1, shadow 1",
+        "|TT.os|.",
         "recorded tree: 1 steps, median 6.000 ms, 4.00 tokens per request, 0 timed",
         "recorded chain: 2 steps, median 4.000 ms, 2.00 tokens per request, 2 timed",
         "recorded off: 1 steps, median 2.000 ms, 1.00 tokens per request, 0 timed",

@@ -573,10 +573,12 @@ def test_mode_chooser_measures_each_shape_then_runs_the_best_by_cost_and_expecte
         ModeChooser(("chain", "off"), min_samples=9, window=8)  # a shape could never be measured
     c = ModeChooser(("chain", "off"), min_samples=2, retry_every=8, max_retry_every=64)
     # a chain step costs 1.5x an undrafted one: it pays when it yields more than 1.5 tokens
-    modes = _run_chooser(c, 60, 8, {"chain": 0.0015, "off": 0.001}, expected=2.5)
+    modes = _run_chooser(c, 60, 8, {"chain": 0.0015, "off": 0.001}, expected=1.8)
     # each measured (the first step after a switch is not recorded), the most drafting first
     assert modes[:6] == ["chain"] * 3 + ["off"] * 3
     assert modes[6:].count("chain") > 0.75 * len(modes[6:]) and "off" in modes[6:]  # off re-measured
+    # far ahead (off's goodput under retry_within of chain's): off is not re-tried
+    assert _run_chooser(c, 200, 8, {"chain": 0.0015, "off": 0.001}, expected=2.5) == ["chain"] * 200
     assert c.step_seconds(8, "chain") == pytest.approx(0.0015) and c.step_seconds(1, "off") is None
     assert c.predicted(8, 2.5) == {"chain": pytest.approx(8 * 2.5 / 0.0015), "off": pytest.approx(8 / 0.001)}
     # the acceptance falls: the same measured costs now say off, at once (no re-trial needed)
@@ -596,56 +598,75 @@ def test_mode_chooser_records_no_step_time_after_a_switch():
     assert c.step_seconds(4, "chain") == pytest.approx(0.0015)
 
 
-def test_mode_chooser_probes_a_few_requests_while_off_and_backs_off():
-    """Where no drafts is best, re-trials are mostly one-step probes (a few requests draft, to
-    refresh the acceptance; recorded for no shape), every fourth a full measurement anew; while
-    they change nothing the wait doubles (up to the cap); a cheaper chain is found by a
-    measurement and kept. (At 32 requests: below ``steady_probes_below`` there are steady
-    probes as well, next test.)"""
-    from vllm_graft.plugins.speculative.adaptive.policy import PROBE, ModeChooser
+def test_mode_chooser_shadows_while_off_and_backs_off_its_re_trials():
+    """Where no drafts is best, every ``shadow_every``-th step is a shadow step (every request
+    drafts, nothing is verified; recorded for no shape), at every batch size and without
+    back-off, less often where a shadow step's measured extra time would exceed
+    ``shadow_budget`` of the steps it watches. Re-trials only refresh a shape's cost: while they
+    change nothing the wait doubles (up to the cap); a cheaper chain is found by one and kept."""
+    from vllm_graft.plugins.speculative.adaptive.policy import SHADOW, ModeChooser
 
-    c = ModeChooser(("chain", "off"), min_samples=2, retry_every=8, max_retry_every=64)
-    seconds = {"chain": 0.004, "off": 0.001, PROBE: 0.0012}
-    modes = _run_chooser(c, 600, 32, seconds, expected=2.0)
-    starts = [i for i in range(7, len(modes)) if modes[i] != "off" and modes[i - 1] == "off"]
-    kinds = [modes[i] for i in starts]
-    assert kinds[:4] == [PROBE, PROBE, PROBE, "chain"] and kinds.count("chain") < kinds.count(PROBE)
-    gaps = [b2 - a2 for a2, b2 in zip(starts, starts[1:])]
-    assert gaps[:3] == sorted(gaps[:3]) and gaps[2] > 2 * gaps[0]  # backing off
-    assert max(gaps) <= 64 + 4 and c.wait[c.bucket(32)] == 64
-    assert c.step_seconds(32, "chain") == pytest.approx(0.004)  # probes recorded for no shape
-    # chain becomes the cheaper: the next full measurement finds it, and it is kept
+    for batch in (1, 32):
+        c = ModeChooser(("chain", "off"), min_samples=2, retry_every=8, max_retry_every=64, shadow_every=4)
+        seconds = {"chain": 0.004, "off": 0.001, SHADOW: 0.00102}  # a shadow step: 2% over an off step
+        # chain's predicted goodput 3.5 / 4 ms, within retry_within of off's 1 / 1 ms: re-tried
+        modes = _run_chooser(c, 600, batch, seconds, expected=3.5)
+        shadows = [i for i, m in enumerate(modes) if m == SHADOW]
+        assert len(shadows) > 100 and max(b - a for a, b in zip(shadows, shadows[1:])) <= 4 + 4
+        assert c.shadow_wait(batch) == 4
+        starts = [i for i in range(7, len(modes)) if modes[i] == "chain" and modes[i - 1] != "chain"]
+        gaps = [b - a for a, b in zip(starts, starts[1:])]
+        assert gaps[:3] == sorted(gaps[:3]) and gaps[2] > 2 * gaps[0]  # backing off
+        assert max(gaps) <= 64 + 8 and c.wait[c.bucket(batch)] == 64
+        assert c.step_seconds(batch, "chain") == pytest.approx(0.004)  # shadows recorded for no shape
+    seconds[SHADOW] = 0.0016  # 60% over an off step: at most 5% of the off steps' time goes to them
+    modes = _run_chooser(c, 200, 32, seconds, expected=3.5)
+    assert c.shadow_wait(32) == 12 and c.probe(32) == SHADOW
+    shadows = [i for i, m in enumerate(modes) if m == SHADOW]
+    assert min(b - a for a, b in zip(shadows[-5:], shadows[-4:])) >= 12
+    seconds[SHADOW] = 0.003  # dearer still: the wait stops at max_shadow_every
+    _run_chooser(c, 200, 32, seconds, expected=3.5)
+    assert c.shadow_wait(32) == 16
+    seconds[SHADOW] = 0.005  # dearer than a chain step: the yield is measured by a chain step
+    modes = _run_chooser(c, 200, 32, seconds, expected=3.5)
+    assert c.probe(32) == "chain" and c.shadow_wait(32) == 16 and SHADOW not in modes[-100:]
+    # chain becomes the cheaper: the next re-trial finds it, and it is kept
     seconds["chain"] = 0.0005
-    modes = _run_chooser(c, 400, 32, seconds, expected=2.0)
+    modes = _run_chooser(c, 400, 32, seconds, expected=3.5)
     assert modes[-50:].count("chain") > 45
 
 
-def test_mode_chooser_probes_at_a_steady_pace_while_off_at_a_small_batch():
-    """Below ``steady_probes_below`` requests, a probe every ``probe_every`` steps off as well,
-    without back-off: an acceptance estimate left low by a cold request must not keep
-    speculation off for hundreds of steps at batch 1."""
-    from vllm_graft.plugins.speculative.adaptive.policy import PROBE, ModeChooser
+def test_mode_chooser_yield_follows_the_shadow_steps_after_steps_off():
+    """The chain's yield is measured (chain steps, shadow steps), and what was observed before
+    decays per step since, whatever ran: a shadow after several steps without drafts outweighs
+    the chain steps before them, so a yield that rose while nothing drafted turns chains on at
+    once."""
+    from vllm_graft.plugins.speculative.adaptive.policy import SHADOW, ModeChooser
 
-    c = ModeChooser(("chain", "off"), min_samples=2, retry_every=8, max_retry_every=64, probe_every=8)
-    seconds = {"chain": 0.004, "off": 0.001, PROBE: 0.0012}
-    modes = _run_chooser(c, 600, 1, seconds, expected=1.0)  # no draft pays: off, probes only
-    probes = [i for i, m in enumerate(modes) if m == PROBE]
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert set(modes) == {"off", PROBE} and len(probes) > 60 and max(gaps) <= 8
-    big = ModeChooser(("chain", "off"), min_samples=2, retry_every=8, max_retry_every=64, probe_every=8)
-    assert _run_chooser(big, 600, 16, seconds, expected=1.0).count(PROBE) < 20  # backed off
+    c = ModeChooser(("chain", "off"), min_samples=2, retry_every=1000, shadow_every=4)
+    assert c.chain_yield() is None
+    seconds = {"chain": 0.002, "off": 0.001, SHADOW: 0.001}
+    modes = _run_chooser(c, 6, 8, seconds, expected=lambda: c.chain_yield() or 2.5, tokens={"chain": 12})
+    assert modes[:3] == ["chain"] * 3 and c.chain_yield() == pytest.approx(1.5)  # few drafts accepted
+    modes = _run_chooser(c, 12, 8, seconds, expected=lambda: c.chain_yield() or 2.5)
+    assert "chain" not in modes  # off (and shadows): 1 token per request at half the cost
+    c.observe_yield(3.5)  # a shadow step: drafts now match (3.5 tokens per request)
+    assert c.chain_yield() > 3.0  # the chain steps of 16 steps ago weigh 0.8^16 each
+    assert c.choose(8, c.chain_yield()) == "chain"  # 3.5 / 2 ms beats 1 / 1 ms
+    c.forget_text()
+    assert c.chain_yield() is None and c.step_seconds(8, "chain") == pytest.approx(0.002)
 
 
 def test_mode_chooser_measures_no_drafting_shape_where_no_draft_pays():
-    """expected = 1 (the cost model gives no draft a length at this batch size and acceptance):
-    no drafting shape can win, so none is measured (each measurement would cost several slow
-    steps); the re-trials are probes only, and a rise in acceptance brings the measurement."""
-    from vllm_graft.plugins.speculative.adaptive.policy import PROBE, ModeChooser
+    """expected = 1 (no draft is accepted): no drafting shape can win, so none is measured or
+    re-tried (each would cost several slow steps); shadow steps only, and a rise in the yield
+    brings the measurement."""
+    from vllm_graft.plugins.speculative.adaptive.policy import SHADOW, ModeChooser
 
     c = ModeChooser(("tree", "chain", "off"), min_samples=2, retry_every=8, max_retry_every=8)
-    seconds = {"tree": 0.006, "chain": 0.004, "off": 0.001, PROBE: 0.0012}
+    seconds = {"tree": 0.006, "chain": 0.004, "off": 0.001, SHADOW: 0.0012}
     modes = _run_chooser(c, 60, 32, seconds, expected=1.0)
-    assert set(modes) == {"off", PROBE} and modes[:3] == ["off"] * 3
+    assert set(modes) == {"off", SHADOW} and modes[:3] == ["off"] * 3
     assert c.step_seconds(32, "chain") is None and c.step_seconds(32, "tree") is None
     modes = _run_chooser(c, 10, 32, seconds, expected=3.0)
     assert modes[:5] == ["tree"] * 3 + ["chain"] * 2  # now measured (a chain step after a tree step is timed)
@@ -682,21 +703,50 @@ def test_mode_chooser_is_not_misled_by_one_slow_step():
     assert c.choose(1, 2.0) == "chain"
 
 
-def test_adaptive_probe_steps_draft_for_two_requests_in_turn():
-    from vllm_graft.plugins.speculative.adaptive.policy import PROBE
+def test_adaptive_shadow_steps_draft_for_every_request_and_measure_what_would_have_held():
+    """A shadow step asks the wrapped proposer for every request's drafts and returns none (no
+    verification); at the request's next propose its drafts are compared with the tokens that
+    followed: 1 + the drafts that matched is the tokens a chain would have yielded, and the
+    matches count as acceptance."""
+    from vllm_graft.plugins.speculative.adaptive.policy import SHADOW
 
     a = build("adaptive", proposer="lookahead", params={"depth": 4})
-    history = [1, 2, 3, 1, 2, 3, 1, 2, 3]
-    a.inner.propose("warm", history, 3)
-    assert a.probe_requests == 1
-    a.probe_requests = 2
-    drafted = []
-    for shift in (0, 2):
-        a.bandit.trying, a._mode, a._asked, a._probe_shift = True, PROBE, 0, shift
-        a.policy.begin_step(8)
-        drafted.append([bool(a.propose(f"r{r}", history, 3)) for r in range(8)])
-    assert drafted[0] == [True, True] + [False] * 6
-    assert drafted[1] == [False, False, True, True] + [False] * 4
+    a.bandit.choose = lambda batch, expected, min_yield=1.0: SHADOW  # every step a shadow step
+    history = [1, 2, 3, 1, 2, 3, 1, 2]
+    assert a.begin_step(2, 2) is True  # a shadow step needs the propose calls
+    assert a.propose("copy", history, 4) == [] and a.propose("other", [9, 8, 7, 6], 4) == []
+    assert a._shadows["copy"] == (8, [3, 1, 2, 3], 4) and a._shadows["other"][1] == []
+    a.begin_step(2, 2)
+    # "copy" went on copying (all 4 drafts held); "other" had no drafts: 1 token
+    a.propose("copy", history + [3, 1, 2, 3, 1], 4)
+    a.propose("other", [9, 8, 7, 6, 5], 4)
+    assert a.policy.stats["copy"][0] == 4 and "other" not in a.policy.stats
+    assert a._shadow_yield == [5 + 1, 2]
+    a.begin_step(2, 2)
+    assert a.bandit.chain_yield() == pytest.approx(3.0)
+    pending = a._shadows["copy"]
+    a.propose("copy", history + [3, 1, 2, 3, 1, 2, 3], 4)  # too few tokens yet for "copy"'s drafts...
+    assert a._shadows["copy"] == pending and a._shadow_yield == [0.0, 0]  # ...kept, not replaced
+    a.begin_step(2, 2)
+    a.propose("copy", history + [3, 1, 2, 3, 1, 2, 3, 9, 9], 4)  # ...now known: 2 of 4 held
+    assert a._shadow_yield == [3, 1] and a.policy.stats["copy"][1] == 1.0
+    a.finish("copy")
+    assert "copy" not in a._shadows
+
+
+def test_adaptive_drafts_what_the_proposer_drafts_unless_per_request_lengths_are_asked():
+    """With measured goodput a drafting step asks the wrapped proposer for the longest draft
+    (its own length choice stands); ``per_request_length: true`` cuts each request's draft to
+    the cost model's length, as ``measure_goodput: false`` does."""
+    history = [1, 2, 3, 1, 2, 3, 1, 2]
+    for per_request, want in ((False, 4), (True, 1)):
+        a = build("adaptive", proposer="lookahead", params={"depth": 4}, per_request_length=per_request)
+        a.bandit.choose = lambda batch, expected, min_yield=1.0: "chain"
+        a.begin_step(32, 32)
+        for _ in range(20):  # this request's drafts are mostly rejected
+            a.accepted("r", 0, 4)
+        a.bandit.trying = True  # a measuring step drafts at least one token
+        assert a.per_request is per_request and len(a.propose("r", history, 4)) == want
 
 
 def test_adaptive_says_when_a_step_drafts_nothing():
@@ -801,31 +851,38 @@ def test_adaptive_over_a_tree_proposer_meets_the_tree_refusals_in_validation():
 
 def test_adaptive_turns_speculation_off_where_it_measures_slower(monkeypatch):
     """A step with drafts takes 2x the time of one without (measured); while no draft is kept
-    that loses and adaptive runs without drafts; once every draft is kept (4 tokens per
-    request) a re-trial refreshes the acceptance and the same measured costs say chain."""
+    that loses and adaptive runs without drafts; once the text repeats, its shadow steps see
+    the drafts hold, and the same measured costs say chain (every draft kept: 4 tokens per
+    request)."""
     from vllm_graft.plugins.speculative.adaptive import reference
 
     clock = [0.0]
     monkeypatch.setattr(reference.time, "perf_counter", lambda: clock[0])
     a = build("adaptive", proposer="lookahead", params={"depth": 4})
-    history = [1, 2, 3, 1, 2, 3, 1, 2, 3]
+    rng = random.Random(0)
+    texts = {f"r{r}": [rng.randrange(1000) for _ in range(8)] for r in range(8)}
 
-    def run(steps, kept):
-        ons = []
+    def run(steps, kept, repeat):
+        chains = []
         for step in range(steps):
-            a.begin_step(8, 8 + 8 * a._on * 3)  # decode-only steps: requests + verified drafts
-            ons.append(a._on)
-            for r in range(8):
+            chain = chains[-1] if chains else False  # the step verifies the last step's drafts
+            a.begin_step(8, 8 + 8 * chain * 3)  # decode-only steps: requests + verified drafts
+            chains.append(a._mode == "chain")
+            for r, text in texts.items():
+                # the target's tokens: new ones (no draft holds), or the text's 3-token cycle
+                for _ in range(1 + (kept if chain else 0)):
+                    text.append(text[-3] if repeat else rng.randrange(1000))
+                if chain:
+                    a.accepted(r, kept, 3)
                 if a._on:
-                    a.accepted(f"r{r}", kept, 3)
-                a.propose(f"r{r}", history, 3)
-            clock[0] += 0.002 if a._on else 0.001
-        return ons
+                    a.propose(r, text, 3)
+            clock[0] += 0.002 if chain else 0.001
+        return chains
 
-    assert run(60, kept=0)[-20:].count(False) >= 18
+    assert run(60, kept=0, repeat=False)[-20:].count(False) == 20
     assert "B<16|off" in a.describe()["step_ms"]
-    assert run(300, kept=3)[-50:].count(True) >= 45
-    assert set(a.describe()["step_ms"]) == {"B<16|chain", "B<16|off"}
+    assert run(100, kept=3, repeat=True)[-50:].count(True) >= 45
+    assert {"B<16|chain", "B<16|off"} <= set(a.describe()["step_ms"])
 
 
 def test_adaptive_fresh_drafting_state_keeps_what_it_measured_of_the_engine(monkeypatch):
@@ -854,12 +911,13 @@ def test_adaptive_fresh_drafting_state_keeps_what_it_measured_of_the_engine(monk
     assert a.inner is inner and inner.trie.num_nodes == 0  # the wrapped trie renewed in place
     assert not a.policy.stats and a.policy.total == [0.0, 0.0]
     assert a.bandit is bandit and a.policy._fit == fit and a.policy.c == cost
-    ons = []
+    modes = []
     for step in range(5):
         clock[0] += 5.0 if step == 0 else 0.001  # the pause between runs is no step
         a.begin_step(16, 16)
-        ons.append(a._on)
-    assert ons == [False] * 5  # no re-trial of both modes: off, as measured
+        modes.append(a._mode)
+    assert "chain" not in modes and "off" in modes  # no re-trial of both modes: off (and shadows), as measured
+    assert a.bandit.chain_yield() is None  # the yield is the text's: renewed
 
 
 # ------------------------------------------------------------------------------ tree mode

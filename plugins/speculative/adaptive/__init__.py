@@ -24,11 +24,27 @@ class AdaptiveParams(BaseModel):
         0.5, ge=0.0, lt=1.0, description="acceptance rate assumed before any draft was verified"
     )
     decay: float = Field(0.9, gt=0.0, le=1.0, description="weight kept by older observations per step")
-    probe_every: int = Field(16, ge=1, description="steps at 0 (low acceptance) between probes")
+    probe_every: int = Field(
+        16, ge=1, description="with per-request lengths: steps a request sits at 0 (low acceptance) between probes"
+    )
     measure_goodput: bool = Field(
         True,
-        description="let measured goodput (per batch-size bucket: no drafts, a chain, and a tree "
-        "where the wrapped proposer drafts trees) override the cost model",
+        description="choose each step's shape (no drafts, a chain, and a tree where the wrapped "
+        "proposer drafts trees) by measured goodput per batch-size bucket; false: the cost model "
+        "alone sets each request's length",
+    )
+    per_request_length: bool = Field(
+        False,
+        description="with measured goodput: cut each request's draft to the cost model's length "
+        "(fixed_cost_tokens, prior_acceptance, learn_cost); false: a drafting step drafts as the "
+        "wrapped proposer does, up to num_speculative_tokens",
+    )
+    shadow_every: int = Field(
+        4,
+        ge=1,
+        description="while no drafts is best, the yield of a chain is measured at most every this "
+        "many steps (a shadow step: the wrapped proposer drafts for every request, nothing is "
+        "verified), less often where that costs over 5% of the undrafted steps' time",
     )
     chain_tokens: Optional[int] = Field(
         None,

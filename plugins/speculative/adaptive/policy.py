@@ -23,6 +23,7 @@ requests) are left out.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from statistics import median
 
@@ -156,9 +157,11 @@ class GoodputPolicy:
 #: the shapes that run the wrapped proposer (a switch between them needs no catch-up)
 _DRAFTING = ("chain", "tree")
 
-#: the mode of a step that drafts for a few requests only, to refresh the acceptance estimate
-#: while the best shape is no drafts (see :class:`ModeChooser`)
-PROBE = "probe"
+#: the mode of a step that drafts for every request without having anything verified (a
+#: *shadow* step): while the best shape is no drafts, the wrapped proposer sees the requests'
+#: text and its drafts are compared with what the target then produces, which keeps the
+#: yield a chain would give measured (see :class:`ModeChooser`)
+SHADOW = "shadow"
 
 
 class ModeChooser:
@@ -170,35 +173,45 @@ class ModeChooser:
     engine and the batch, measured per batch-size bucket (``B.bit_length()``) as the median
     of the last ``window`` decode-only step times of that shape (robust to a one-off slow
     step, such as a shape's first); what a step *yields* is the text's: one token per request
-    without drafts, ``expected`` per request with a chain (the acceptance estimate now, from
-    :class:`GoodputPolicy`), and ``expected`` times the measured tree/chain yield ratio with a
-    tree. So a change in acceptance (a request starts copying its prompt) changes the choice
-    at once, without waiting for a re-trial of the shape; a measured tokens-per-second would
-    mix the two and keep each shape's value from the text it last ran on.
+    without drafts, ``expected`` per request with a chain, and ``expected`` times the measured
+    tree/chain yield ratio with a tree. ``expected`` is measured too (:meth:`chain_yield`): the
+    tokens per request of the recent chain steps (:meth:`record`) and, while nothing drafts, of
+    shadow steps (:meth:`observe_yield`), so it follows the text while the costs stay put.
 
-    A step's time is recorded only when the step before it ran the same shape: the first step
-    after a switch carries the switch's one-off costs (a proposer that sat idle catching up
-    on the tokens it did not see), which a shape run steadily does not pay. A bucket measures
-    every shape first (``min_samples`` recorded steps each, the most drafting first), then runs
-    the best; where ``expected`` is 1 (the cost model gives no draft a length at this batch
-    size and acceptance) no drafting shape can win, so none is measured and the step runs
-    without drafts. A shape not chosen is re-tried after ``retry_every`` steps (in turn), by measuring
-    it anew (its old step times dropped, ``min_samples`` + 1 steps; a measurement that records
-    nothing in ``2 * window`` steps, e.g. a tree shape whose proposer drafted no tree, ends
-    there). Each re-trial that leaves the choice as it was doubles the wait (up to
-    ``max_retry_every``); one that changes it brings the wait back. Ties go to the less
-    drafting shape (no propose calls to make).
+    A step's time is recorded only when the step before it ran the same shape (or neither
+    drafted): the first step after a switch carries the switch's one-off costs (a proposer
+    that sat idle catching up on the tokens it did not see), which a shape run steadily does
+    not pay. A bucket measures every shape first (``min_samples`` recorded steps each, the most
+    drafting first), then runs the best. The caller's ``min_yield`` (its cost model's least
+    yield at which drafts pay at this batch size) gates that: below it no drafting shape is
+    measured, as each measurement costs several slow steps (at batch 32, 12 ms against 3.3 ms).
+    Among the measured shapes, no drafts must beat the best drafting shape by ``off_margin``: a
+    wrong step without drafts forgoes a yield of 3-4 tokens and is seen again only at the next
+    probe, while a wrong drafting step costs its drafts' time and is seen at once.
 
-    Where the best is no drafts, of every ``probes_per_measure`` re-trials all but one are
-    one-step ``"probe"`` steps (:data:`PROBE`): only a few requests draft (the proposer's
-    choice), which refreshes the acceptance estimate (it does not move while nothing drafts) at
-    a fraction of a full step's cost; a probe is recorded for no shape. Below
-    ``steady_probes_below`` requests there is also a probe every ``probe_every`` steps off,
-    which does not back off: at batch 1 an estimate left low by a cold first request kept
-    speculation off for 50-250 steps where chains gave 2.5 tokens a step. Measured on code
-    completion (docs/benchmarks/speculative.md, "fourth session"): steady probes at every batch
-    size read 1.03x plain at batch 8 (0.93x with backed-off probes only) but 0.86x at batch 32
-    (0.93x), hence the bound.
+    A shape not chosen is re-tried after ``retry_every`` steps (in turn), by measuring it anew
+    (its old step times dropped, ``min_samples`` + 1 steps; a measurement that records nothing
+    in ``2 * window`` steps, e.g. a tree shape whose proposer drafted no tree, ends there);
+    not where its predicted goodput is under ``retry_within`` of the best's (no drift of its
+    cost seen so far would change the choice: at batch 8 late in a wave chains yield 3-4
+    tokens for twice an undrafted step's time, and each re-trial of no drafts cost 5 slow
+    steps). Each re-trial that leaves the choice as it was doubles the wait (up to
+    ``max_retry_every``); one that changes it brings the wait back. Re-trials only refresh
+    what a shape costs; the yield is measured all along. Ties go to the less drafting shape
+    (no propose calls to make).
+
+    Where the best is no drafts, the yield is measured every ``shadow_every`` to
+    ``max_shadow_every`` steps (:meth:`shadow_wait`: as often as keeps its measured cost under
+    ``shadow_budget`` of the undrafted steps' time), by a shadow step (:data:`SHADOW`, recorded
+    for no shape) or, where it measured cheaper, a chain step (:meth:`probe`). In a shadow step
+    every request drafts, nothing is verified, and the caller compares the drafts with the
+    tokens the target then produced (:meth:`observe_yield`). It costs the propose calls of one
+    step (the adapter's per-request loop and the proposer's catch-up: 0.5 ms at batch 8, 2 ms at
+    batch 32 on code completion) and no verification, and it keeps both the yield and the
+    wrapped proposer's view of the text current. Before it (probes of one request, and no
+    proposer calls at all while off) a request's text went unseen while speculation was off,
+    and the yield estimate kept the early, low acceptance of a wave of requests for up to 256
+    steps (docs/benchmarks/speculative.md, "seventh session").
 
     The tree shape: a step is recorded as ``"tree"`` only when it verified a tree with
     branches (the caller says so); a tree-mode step whose proposer drafted only chains is a
@@ -215,12 +228,14 @@ class ModeChooser:
         *,
         window: int = 8,
         min_samples: int = 3,
-        retry_every: int = 32,
+        retry_every: int = 64,
         max_retry_every: int = 256,
         yield_decay: float = 0.8,
-        probes_per_measure: int = 4,
-        probe_every: int = 8,
-        steady_probes_below: int = 16,
+        shadow_every: int = 4,
+        shadow_budget: float = 0.05,
+        max_shadow_every: int = 16,
+        retry_within: float = 0.75,
+        off_margin: float = 0.1,
     ) -> None:
         if len(modes) < 2 or len(set(modes)) != len(modes) or "off" not in modes:
             raise ValueError(f"ModeChooser needs two or more distinct modes, 'off' among them; got {modes!r}")
@@ -234,15 +249,18 @@ class ModeChooser:
         self.retry_every = retry_every
         self.max_retry_every = max(retry_every, max_retry_every)
         self.yield_decay = yield_decay
-        self.probes_per_measure = max(1, probes_per_measure)
-        self.probe_every, self.steady_probes_below = max(1, probe_every), steady_probes_below
-        self.off_since: dict[int, int] = {}  # bucket -> steps off since the last steady probe
+        self.shadow_every, self.shadow_budget = max(1, shadow_every), shadow_budget
+        self.max_shadow_every = max(self.shadow_every, max_shadow_every)
+        self.retry_within, self.off_margin = retry_within, off_margin
+        self.off_since: dict[int, int] = {}  # bucket -> steps off since the last shadow step
         #: bucket -> {mode: the last `window` step times (s)}, and their median (kept as they
         #: change, so choosing a step's mode sorts nothing)
         self.times: dict[int, dict[str, deque[float]]] = {}
         self.medians: dict[int, dict[str, float]] = {}
         #: tokens per request and step, exponentially weighted, of the chain and tree shapes
         self.yields: dict[str, list[float]] = {m: [0.0, 0.0] for m in ("chain", "tree")}
+        self.steps = 0  # steps chosen (:meth:`choose`)
+        self.yield_step: dict[str, int] = {}  # mode -> the step its yield was last observed at
         #: tokens a tree step gave and tokens its first path (the chain) would have, decayed sums
         #: over the trees verified (:meth:`observe_tree`)
         self.paired = [0.0, 0.0]
@@ -252,7 +270,7 @@ class ModeChooser:
         self.turn: dict[int, int] = {}  # bucket -> re-trials begun (which other shape is next)
         self.wait: dict[int, int] = {}  # bucket -> steps between re-trials
         self.best_before: dict[int, str] = {}  # bucket -> the choice when its re-trial began
-        self.chosen: dict[str, int] = {m: 0 for m in (*self.modes, PROBE)}
+        self.chosen: dict[str, int] = {m: 0 for m in (*self.modes, SHADOW)}
         self.last: str | None = None  # the mode of the step recorded last
         #: the mode just chosen is a re-trial or a first measurement, not the predicted best (a
         #: drafting re-trial should draft even where the cost model says 0, to refresh acceptance)
@@ -265,25 +283,55 @@ class ModeChooser:
     def timed(self, mode: str) -> bool:
         """Whether a step in ``mode`` recorded now has its time kept: the step recorded before it
         ran the same shape, or both ran the wrapped proposer (chain and tree: no catch-up)."""
+        if mode in ("off", SHADOW):  # a shadow step runs no drafts either: no catch-up after it
+            return self.last in ("off", SHADOW)
         return mode == self.last or (mode in _DRAFTING and self.last in _DRAFTING)
 
     def record(self, batch_size: int, mode: str, seconds: float, tokens: int = 0) -> None:
         """A decode-only step of ``batch_size`` requests ran in ``mode`` for ``seconds`` and
-        produced ``tokens`` (requests + accepted drafts; 0: unknown, the yield is not updated)."""
+        produced ``tokens`` (requests + accepted drafts; 0: unknown, the yield is not updated).
+        A shadow step's time is kept too: what it costs over a step without drafts sets how
+        often they come (:meth:`choose`)."""
         steady, self.last = self.timed(mode), mode
-        if seconds <= 0 or mode not in self.modes:
+        if seconds <= 0 or (mode not in self.modes and mode != SHADOW):
             return
         b = self.bucket(batch_size)
         if b not in self.times:
-            self.times[b] = {m: deque(maxlen=self.window) for m in self.modes}
+            self.times[b] = {m: deque(maxlen=self.window) for m in (*self.modes, SHADOW)}
             self.medians[b] = {}
         if steady:
             self.times[b][mode].append(seconds)
             self.medians[b][mode] = median(self.times[b][mode])
         if mode in self.yields and tokens > 0:
-            y = self.yields[mode]
-            y[0] = y[0] * self.yield_decay + tokens / max(1, int(batch_size))
-            y[1] = y[1] * self.yield_decay + 1.0
+            self._add_yield(mode, tokens / max(1, int(batch_size)))
+
+    def _add_yield(self, mode: str, per_request: float) -> None:
+        """One step's tokens per request in ``mode``; what was observed before decays by
+        ``yield_decay`` per step since (chosen steps, whatever their mode), so a shadow step
+        after several steps without drafts outweighs the chain steps before them."""
+        y, age = self.yields[mode], max(1, self.steps - self.yield_step.get(mode, self.steps))
+        d = self.yield_decay**age
+        y[0] = y[0] * d + per_request
+        y[1] = y[1] * d + 1.0
+        self.yield_step[mode] = self.steps
+
+    def observe_yield(self, per_request: float) -> None:
+        """A shadow step's drafts, compared with what the target produced after them: the
+        tokens per request a chain step would have yielded (1 + the drafts that matched)."""
+        self._add_yield("chain", per_request)
+
+    def chain_yield(self) -> float | None:
+        """Tokens per request of a chain step, from the recent chain and shadow steps (None
+        before either)."""
+        total, weight = self.yields["chain"]
+        return total / weight if weight else None
+
+    def forget_text(self) -> None:
+        """Drop what was measured of the text (the yields, the tree/chain pairs), keeping what
+        was measured of the engine (the step times)."""
+        self.yields = {m: [0.0, 0.0] for m in ("chain", "tree")}
+        self.yield_step.clear()
+        self.paired = [0.0, 0.0]
 
     def step_seconds(self, batch_size: int, mode: str) -> float | None:
         return self.medians.get(self.bucket(batch_size), {}).get(mode)
@@ -315,26 +363,59 @@ class ModeChooser:
             for m in (modes or self.modes)
         }
 
-    def choose(self, batch_size: int, expected: float) -> str:
-        """The coming step's mode. ``expected``: tokens per request a chain step would yield at
-        the current acceptance estimate (1 + a + ... + a^k)."""
+    def probe(self, batch_size: int) -> str:
+        """The step that measures the yield while no drafts is best: a shadow step, or a chain
+        step where that measured cheaper (at batch 1 a shadow step's catch-up on the tokens its
+        proposer did not see costs more than a chain step's drafts: 1.79 against 1.44 ms, with
+        1.04 ms undrafted)."""
+        med = self.medians.get(self.bucket(batch_size), {})
+        chain, shadow = med.get("chain"), med.get(SHADOW)
+        return (
+            "chain" if "chain" in self.modes and chain is not None and shadow is not None and chain < shadow else SHADOW
+        )
+
+    def shadow_wait(self, batch_size: int) -> int:
+        """Steps without drafts between the steps that measure the yield (:meth:`probe`):
+        ``shadow_every``, or more (up to ``max_shadow_every``) where the probe's measured extra
+        time over a step without drafts would exceed ``shadow_budget`` of the steps it watches
+        over (a shadow step's propose calls grow with the batch: 2 ms at batch 32 against a
+        3.8 ms step)."""
+        med = self.medians.get(self.bucket(batch_size), {})
+        off, cost = med.get("off"), med.get(self.probe(batch_size))
+        if cost is None or not off or cost <= off:
+            return self.shadow_every
+        wait = math.ceil((cost - off) / (self.shadow_budget * off))
+        return min(max(self.shadow_every, wait), self.max_shadow_every)
+
+    def choose(self, batch_size: int, expected: float, min_yield: float = 1.0) -> str:
+        """The coming step's mode. ``expected``: tokens per request a chain step would yield
+        (:meth:`chain_yield`, or the caller's estimate before any was measured); ``min_yield``:
+        the least yield at which the caller's cost model lets a drafting shape pay at this
+        batch size (at least 1: no accepted draft never pays)."""
         b = self.bucket(batch_size)
         seen = self.times.get(b)
         self.trying = True
-        # where the acceptance says no draft pays at this batch size (the cost model's k = 0), no
-        # drafting shape can win whatever it costs: it is not measured (probes still refresh the
-        # acceptance)
-        pays = expected > 1.0
+        # below min_yield no drafting shape is measured or re-tried here, each measurement
+        # costing several slow steps (shadow steps still watch the yield); a shape measured
+        # before is compared by its measured cost
+        pays = expected > max(1.0, min_yield)
         candidates = self.modes if pays else ("off",)
         tries = self.tries.setdefault(b, {})
         for m in candidates:  # measure each shape first, the most drafting first
             if (len(seen[m]) if seen else 0) < self.min_samples and tries.get(m, 0) < 2 * self.window:
                 tries[m] = tries.get(m, 0) + 1
                 return self._chose(m)
-        # a shape whose measurement recorded nothing (see above) waits for its next re-trial
-        candidates = tuple(m for m in candidates if seen and seen[m]) or ("off",)
+        # the measured shapes compete (one whose measurement recorded nothing waits for its next
+        # re-trial); where no draft is accepted, none
+        candidates = tuple(m for m in (self.modes if expected > 1.0 else ("off",)) if seen and seen[m]) or ("off",)
         goodput = self.predicted(batch_size, expected, candidates) if len(candidates) > 1 else {"off": 1.0}
-        best = max(candidates, key=lambda m: (goodput[m], self.modes.index(m)))  # ties: the less drafting
+        # no drafts must beat the best drafting shape by off_margin: a wrong step without drafts
+        # loses more (a yield of 3-4 tokens forgone, and seen again only at the next probe) than
+        # a wrong drafting step (its extra drafts' time, seen at once)
+        best = max(
+            candidates,
+            key=lambda m: (goodput[m] * (1.0 + self.off_margin if m != "off" else 1.0), self.modes.index(m)),
+        )  # ties: the less drafting
         if b in self.best_before:  # a re-trial just ran: wait longer if it changed nothing
             same = self.best_before.pop(b) == best
             self.wait[b] = (
@@ -344,25 +425,28 @@ class ModeChooser:
         if self.since[b] >= self.wait.get(b, self.retry_every):
             self.since[b] = 0
             self.turn[b] = turn = self.turn.get(b, 0) + 1
-            self.best_before[b] = best
             others = [m for m in self.modes if m != best]
             mode = others[turn % len(others)]
-            if best == "off" and (turn % self.probes_per_measure or not pays):
-                return self._chose(PROBE)  # a few requests draft, for their acceptance
-            # measured anew: its old step times go, and the loop above runs it min_samples + 1 steps
-            if b in self.times:
-                self.times[b][mode].clear()
-                self.medians[b].pop(mode, None)
-            tries[mode] = 0
-            return self._chose(mode)
-        if best == "off" and batch_size < self.steady_probes_below:
+            # a shape predicted far behind the best (its goodput under retry_within of it) is not
+            # re-tried: no drift in its step time seen so far would change the choice
+            near = mode not in goodput or goodput[mode] >= self.retry_within * goodput[best]
+            if (pays or mode == "off") and near:
+                self.best_before[b] = best
+                # measured anew: its old step times go, and the loop above runs it min_samples + 1 steps
+                if b in self.times:
+                    self.times[b][mode].clear()
+                    self.medians[b].pop(mode, None)
+                tries[mode] = 0
+                return self._chose(mode)
+        if best == "off":
             self.off_since[b] = self.off_since.get(b, 0) + 1
-            if self.off_since[b] >= self.probe_every:  # small batch: a probe every probe_every steps
+            if self.off_since[b] >= self.shadow_wait(batch_size):
                 self.off_since[b] = 0
-                return self._chose(PROBE)
+                return self._chose(self.probe(batch_size))
         self.trying = False
         return self._chose(best)
 
     def _chose(self, mode: str) -> str:
+        self.steps += 1
         self.chosen[mode] += 1
         return mode

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 from vllm_graft.hooks import Kind, Proposer, SelfSpeculativeProposer
 
-from .policy import PROBE, GoodputPolicy, ModeChooser
+from .policy import SHADOW, GoodputPolicy, ModeChooser
 
 
 def build_inner(params: Any) -> Proposer:
@@ -43,17 +43,19 @@ class Adaptive(Proposer):
         self.policy = self._new_policy()
         self._last_step: float | None = None  # when the previous step's drafting began
         self._step_tokens = 0  # estimate of the tokens the next step computes (no num_tokens)
-        self.bandit = ModeChooser(self.modes) if params.measure_goodput else None
+        self.bandit = ModeChooser(self.modes, shadow_every=params.shadow_every) if params.measure_goodput else None
         self._mode = self.modes[0]  # this step's mode (the bandit's choice)
         self._prev: tuple[int, str] | None = None  # (batch size, mode) of the previous step
         self._produced = self._verified = self._requests = 0  # of the step just run
         self._prev_tokens = 0  # num_tokens given to the previous begin_step
         self._prev_seconds = 0.0  # the time of the step before the previous begin_step
-        #: a probe step (:data:`.policy.PROBE`) drafts for this many requests, in turn (each costs the
-        #: wrapped proposer's catch-up on the tokens it did not see)
-        self.probe_requests = 1
-        self._asked = 0  # propose calls this step
-        self._probe_shift = 0  # where this probe's requests start, in the step's order
+        #: each request's draft length from the SmartSpec cost model (``per_request_length``, or
+        #: without measured goodput); else the longest, as the wrapped proposer drafts on its own
+        self.per_request = bool(params.per_request_length) or not params.measure_goodput
+        #: request id -> (its token count, the drafts, the length a chain step would have given it)
+        #: of its last shadow step (:data:`.policy.SHADOW`), until compared with what followed
+        self._shadows: dict[str, tuple[int, list[int], int]] = {}
+        self._shadow_yield = [0.0, 0]  # the current step's compared shadows: tokens, requests
         self._real_tree = False  # this step's drafting gave some request a tree with branches
         #: request id -> [its token count when drafted, its tree's first path (the chain), tokens
         #: accepted (None until verified)]: the tree paired with its chain (:meth:`_pair`)
@@ -82,6 +84,10 @@ class Adaptive(Proposer):
         self.policy = fresh
         self._last_step, self._prev, self._step_tokens = None, None, 0
         self._trees.clear()
+        self._shadows.clear()
+        self._shadow_yield = [0.0, 0]
+        if self.bandit is not None:
+            self.bandit.forget_text()
         self._produced = self._verified = self._requests = 0
 
     @property
@@ -120,14 +126,10 @@ class Adaptive(Proposer):
         self._last_step, self._step_tokens = now, num_requests
         self.policy.begin_step(num_requests)
         if self.bandit is not None:
-            # a chain step's tokens per request at the current acceptance, with the length the
-            # cost model gives it (1: no drafts pay)
-            a = self.policy.acceptance_overall()
-            expected = self.policy.expected_tokens(a, self.policy.best_length(a, num_requests))
-            self._mode = self.bandit.choose(num_requests, expected)
-            if self._mode == PROBE:
-                self._probe_shift += self.probe_requests
-        self._asked = 0
+            if self._shadow_yield[1]:
+                self.bandit.observe_yield(self._shadow_yield[0] / self._shadow_yield[1])
+                self._shadow_yield = [0.0, 0]
+            self._mode = self.bandit.choose(num_requests, self._expected(num_requests), self._min_yield(num_requests))
         self.inner.begin_step(num_requests, num_tokens)
         # off: no request drafts this step, so the adapter asks no propose (Proposer.begin_step)
         return self._on
@@ -153,19 +155,67 @@ class Adaptive(Proposer):
         self.policy.observe(request_id, num_accepted, num_verified)
         self.inner.accepted(request_id, num_accepted, num_verified)
 
+    def _expected(self, num_requests: int) -> float:
+        """Tokens per request a chain step would yield: measured (chain and shadow steps), else
+        the cost model's estimate at the acceptance so far."""
+        measured = self.bandit.chain_yield() if self.bandit is not None else None
+        if measured is not None:
+            return measured
+        a = self.policy.acceptance_overall()
+        return self.policy.expected_tokens(a, self.policy.best_length(a, num_requests))
+
+    def _min_yield(self, num_requests: int) -> float:
+        """The least chain yield (tokens per request) at which the step cost model
+        (``c + tokens``, ``c`` fitted from step times) lets full chains pay at this batch size:
+        a drafting shape not measured here is not tried below it. 1 while the fit is not
+        trusted: a prior ``c`` far below the engine's would otherwise keep chains from ever
+        being measured, and so the fit from ever getting the spread in tokens it needs."""
+        c, b = self.policy.fitted_cost(), max(1, num_requests)
+        if c is None:
+            return 1.0
+        return (c + b * (1 + self.chain_max)) / (c + b)
+
     def _length(self, request_id: str, most: int) -> int:
-        """This request's draft length this step (0: none): the cost model's, at least 1 on a
-        step that re-tries or first measures a drafting shape (so acceptance is refreshed)."""
+        """This request's draft length this step (0: none): the longest, or with per-request
+        lengths the cost model's, at least 1 on a step that re-tries or first measures a
+        drafting shape (so acceptance is refreshed)."""
         if not self._on:
             return 0
-        if self._mode == PROBE:  # only a few requests, in turn, draft on a probe step
-            i, self._asked = self._asked, self._asked + 1
-            if (i - self._probe_shift) % max(1, self.policy.batch_size) >= self.probe_requests:
-                return 0
+        if not self.per_request:
+            return min(most, self.chain_max)
         k = self.policy.choose(request_id)
         if k == 0 and self.bandit is not None and self.bandit.trying:
             k = 1
         return min(most, k)
+
+    def _shadow(self, request_id: str, token_ids: Sequence[int], most: int) -> None:
+        """A shadow step's drafts for the request, kept to compare with what follows (an earlier
+        shadow still waiting for its tokens is kept instead); the wrapped proposer sees the text
+        as on any drafting step."""
+        k = min(most, self.chain_max)
+        drafts = list(self.inner.propose(request_id, token_ids, k))[:k]
+        if request_id in self._shadows:
+            return
+        if self.per_request:
+            k = min(k, self.policy.best_length(self.policy.acceptance(request_id), self.policy.batch_size))
+        self._shadows[request_id] = (len(token_ids), drafts, k)
+
+    def _compare(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """The request's last shadow drafts against the tokens the target produced after them:
+        the tokens a chain would have yielded (1 + the drafts that matched, up to its length).
+        Kept while too few tokens have followed to tell."""
+        start, drafts, k = self._shadows[request_id]
+        new = token_ids[start : start + len(drafts)]
+        matched = 0
+        while matched < len(new) and new[matched] == drafts[matched]:
+            matched += 1
+        if matched == len(new) < len(drafts):
+            return  # not yet known how far the drafts would have held
+        del self._shadows[request_id]
+        if drafts:
+            self.policy.observe(request_id, matched, len(drafts))
+        self._shadow_yield[0] += 1 + min(matched, k)
+        self._shadow_yield[1] += 1
 
     def _pair(self, request_id: str, token_ids: Sequence[int]) -> None:
         """The request's last tree, verified since: what it gave against what its first path
@@ -185,6 +235,11 @@ class Adaptive(Proposer):
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         if self._trees:
             self._pair(request_id, token_ids)
+        if self._shadows and request_id in self._shadows:
+            self._compare(request_id, token_ids)
+        if self._mode == SHADOW:
+            self._shadow(request_id, token_ids, max_tokens)
+            return []
         k = self._length(request_id, max_tokens)
         if k <= 0:
             return []
@@ -198,6 +253,11 @@ class Adaptive(Proposer):
         acceptance says no drafts."""
         if self._trees:
             self._pair(request_id, token_ids)
+        if self._shadows and request_id in self._shadows:
+            self._compare(request_id, token_ids)
+        if self._mode == SHADOW:
+            self._shadow(request_id, token_ids, max_nodes)
+            return [], []
         k = self._length(request_id, max_nodes)
         if k <= 0:
             return [], []
@@ -217,6 +277,7 @@ class Adaptive(Proposer):
 
     def finish(self, request_id: str) -> None:
         self._trees.pop(request_id, None)
+        self._shadows.pop(request_id, None)
         self.policy.release(request_id)
         self.inner.finish(request_id)
 
