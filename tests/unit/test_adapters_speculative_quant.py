@@ -131,7 +131,8 @@ def test_adaptive_forwards_per_request_drafts_of_its_inner_proposer():
 
     inner = Echo()
     params = type("P", (), dict(num_speculative_tokens=4, fixed_cost_tokens=8.0, prior_acceptance=0.5,
-                                decay=0.9, probe_every=16, learn_cost=True, measure_goodput=False))()
+                                decay=0.9, probe_every=16, learn_cost=True, measure_goodput=False,
+                                per_request_length=False))()
     assert Adaptive(params, inner=inner).per_request_drafts is False
     inner.per_request_drafts = True
     assert Adaptive(params, inner=inner).per_request_drafts is True

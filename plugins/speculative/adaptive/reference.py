@@ -203,7 +203,9 @@ class Adaptive(Proposer):
     def _compare(self, request_id: str, token_ids: Sequence[int]) -> None:
         """The request's last shadow drafts against the tokens the target produced after them:
         the tokens a chain would have yielded (1 + the drafts that matched, up to its length).
-        Kept while too few tokens have followed to tell."""
+        Kept while too few tokens have followed to tell. Exact under greedy decoding; under
+        sampling a draft unlike the sampled token might still have passed rejection sampling,
+        so there it reads the yield low."""
         start, drafts, k = self._shadows[request_id]
         new = token_ids[start : start + len(drafts)]
         matched = 0
