@@ -61,6 +61,7 @@ class GoodputPolicy:
         self.min_cost_samples = min_cost_samples
         self._fit = [0.0] * 5  # decayed sums: w, x, y, xx, xy
         self.cost_samples = 0
+        self.fitted = False  # c is the fit's (else the prior): fitted_cost() was trusted at the last step
 
     # ------------------------------------------------------------------ cost model
     def observe_step(self, tokens: int, seconds: float) -> None:
@@ -73,7 +74,7 @@ class GoodputPolicy:
             f[i] = f[i] * d + v
         self.cost_samples += 1
         c = self.fitted_cost()
-        self.c = self.prior_c if c is None else c
+        self.c, self.fitted = (self.prior_c, False) if c is None else (c, True)
 
     def fitted_cost(self) -> float | None:
         """``a / b`` of the current fit, or None while it is not trustworthy (few samples,

@@ -80,7 +80,12 @@ class Adaptive(Proposer):
         would, not from the prior."""
         self.inner.fresh_drafting_state()
         policy, fresh = self.policy, self._new_policy()
-        fresh.c, fresh._fit, fresh.cost_samples = policy.c, policy._fit, policy.cost_samples
+        fresh.c, fresh._fit, fresh.cost_samples, fresh.fitted = (
+            policy.c,
+            policy._fit,
+            policy.cost_samples,
+            policy.fitted,
+        )
         self.policy = fresh
         self._last_step, self._prev, self._step_tokens = None, None, 0
         self._trees.clear()
@@ -170,9 +175,9 @@ class Adaptive(Proposer):
         a drafting shape not measured here is not tried below it. 1 while the fit is not
         trusted: a prior ``c`` far below the engine's would otherwise keep chains from ever
         being measured, and so the fit from ever getting the spread in tokens it needs."""
-        c, b = self.policy.fitted_cost(), max(1, num_requests)
-        if c is None:
+        if not self.policy.fitted:
             return 1.0
+        c, b = self.policy.c, max(1, num_requests)
         return (c + b * (1 + self.chain_max)) / (c + b)
 
     def _length(self, request_id: str, most: int) -> int:
@@ -234,13 +239,20 @@ class Adaptive(Proposer):
             kept += 1
         self.bandit.observe_tree(accepted + 1, kept + 1)
 
-    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+    def _settle(self, request_id: str, token_ids: Sequence[int], most: int) -> bool:
+        """Before a request drafts: score its last tree and its last shadow drafts against the
+        tokens that followed; on a shadow step draft its shadow. True: it drafts nothing now."""
         if self._trees:
             self._pair(request_id, token_ids)
         if self._shadows and request_id in self._shadows:
             self._compare(request_id, token_ids)
         if self._mode == SHADOW:
-            self._shadow(request_id, token_ids, max_tokens)
+            self._shadow(request_id, token_ids, most)
+            return True
+        return False
+
+    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        if self._settle(request_id, token_ids, max_tokens):
             return []
         k = self._length(request_id, max_tokens)
         if k <= 0:
@@ -253,12 +265,7 @@ class Adaptive(Proposer):
         """With a tree proposer (``drafts_trees``): the wrapped proposer's tree in tree mode,
         its chain (as a one-path tree) in chain mode, nothing when off or when this request's
         acceptance says no drafts."""
-        if self._trees:
-            self._pair(request_id, token_ids)
-        if self._shadows and request_id in self._shadows:
-            self._compare(request_id, token_ids)
-        if self._mode == SHADOW:
-            self._shadow(request_id, token_ids, max_nodes)
+        if self._settle(request_id, token_ids, max_nodes):
             return [], []
         k = self._length(request_id, max_nodes)
         if k <= 0:
