@@ -703,6 +703,25 @@ def test_mode_chooser_is_not_misled_by_one_slow_step():
     assert c.choose(1, 2.0) == "chain"
 
 
+def test_mode_chooser_with_only_the_chain_measured_keeps_drafting():
+    """A step without drafts that ran but recorded nothing (every one of them had a prompt chunk,
+    as under a steady flow of arrivals) leaves the chain the only measured shape once off's
+    tries are spent: the chain is chosen. It used to look up the chain's goodput in a table
+    holding only off's, and the engine's step failed with a KeyError."""
+    from vllm_graft.plugins.speculative.adaptive.policy import ModeChooser
+
+    c = ModeChooser(("chain", "off"), min_samples=2, window=4, retry_every=1000)
+    modes = []
+    for _ in range(16):
+        m = c.choose(8, 3.0)
+        modes.append(m)
+        if m == "chain":
+            c.record(8, m, 0.003, tokens=24)
+    assert modes[:2] == ["chain", "chain"] and modes.count("off") == 2 * c.window  # off was tried
+    assert c.step_seconds(8, "off") is None and modes[-1] == "chain"
+    assert c.choose(8, 3.0) == "chain"
+
+
 def test_adaptive_shadow_steps_draft_for_every_request_and_measure_what_would_have_held():
     """A shadow step asks the wrapped proposer for every request's drafts and returns none (no
     verification); at the request's next propose its drafts are compared with the tokens that

@@ -409,7 +409,9 @@ class ModeChooser:
         # the measured shapes compete (one whose measurement recorded nothing waits for its next
         # re-trial); where no draft is accepted, none
         candidates = tuple(m for m in (self.modes if expected > 1.0 else ("off",)) if seen and seen[m]) or ("off",)
-        goodput = self.predicted(batch_size, expected, candidates) if len(candidates) > 1 else {"off": 1.0}
+        # one measured shape (e.g. no step without drafts recorded yet: those that ran had prompt
+        # chunks) has nothing to compete with
+        goodput = self.predicted(batch_size, expected, candidates) if len(candidates) > 1 else {candidates[0]: 1.0}
         # no drafts must beat the best drafting shape by off_margin: a wrong step without drafts
         # loses more (a yield of 3-4 tokens forgone, and seen again only at the next probe) than
         # a wrong drafting step (its extra drafts' time, seen at once)
