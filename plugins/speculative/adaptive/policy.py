@@ -108,11 +108,15 @@ class GoodputPolicy:
     def observe(self, request_id: str, num_accepted: int, num_verified: int) -> None:
         if num_verified <= 0:
             return
-        st = self.stats.setdefault(request_id, [0.0, 0.0, 0])
+        st = self.stats.get(request_id)
+        if st is None:
+            st = self.stats[request_id] = [0.0, 0.0, 0]
         fail = 1.0 if num_accepted < num_verified else 0.0
-        for acc in (st, self.total):
-            acc[0] = acc[0] * self.decay + num_accepted
-            acc[1] = acc[1] * self.decay + fail
+        d, total = self.decay, self.total
+        st[0] = st[0] * d + num_accepted
+        st[1] = st[1] * d + fail
+        total[0] = total[0] * d + num_accepted
+        total[1] = total[1] * d + fail
 
     @staticmethod
     def expected_tokens(a: float, k: int) -> float:

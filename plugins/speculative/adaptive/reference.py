@@ -152,9 +152,10 @@ class Adaptive(Proposer):
         self.inner.attach_target(weights)
 
     def accepted(self, request_id: str, num_accepted: int, num_verified: int) -> None:
-        tree = self._trees.get(request_id)
-        if tree is not None and tree[2] is None:
-            tree[2] = num_accepted
+        if self._trees:
+            tree = self._trees.get(request_id)
+            if tree is not None and tree[2] is None:
+                tree[2] = num_accepted
         self._produced += num_accepted
         self._verified += num_verified
         self.policy.observe(request_id, num_accepted, num_verified)
@@ -252,12 +253,17 @@ class Adaptive(Proposer):
         return False
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
-        if self._settle(request_id, token_ids, max_tokens):
+        # the steady chain step (nothing to settle, full-length chains) makes no call but the
+        # wrapped proposer's: this runs for every request of every step, where each microsecond
+        # of Python costs several in the engine (docs/benchmarks/speculative.md, "ninth session")
+        if (self._trees or self._shadows or self._mode == SHADOW) and self._settle(request_id, token_ids, max_tokens):
             return []
-        k = self._length(request_id, max_tokens)
-        if k <= 0:
+        k = self._length(request_id, max_tokens) if self.per_request else min(max_tokens, self.chain_max)
+        if k <= 0 or self._mode == "off":
             return []
-        drafts = list(self.inner.propose(request_id, token_ids, k))[:k]
+        drafts = self.inner.propose(request_id, token_ids, k)
+        if len(drafts) > k or not isinstance(drafts, list):
+            drafts = list(drafts)[:k]
         self._step_tokens += len(drafts)
         return drafts
 
