@@ -190,9 +190,12 @@ class ModeChooser:
     drafting first), then runs the best. The caller's ``min_yield`` (its cost model's least
     yield at which drafts pay at this batch size) gates that: below it no drafting shape is
     measured, as each measurement costs several slow steps (at batch 32, 12 ms against 3.3 ms).
-    Among the measured shapes, no drafts must beat the best drafting shape by ``off_margin``: a
-    wrong step without drafts forgoes a yield of 3-4 tokens and is seen again only at the next
-    probe, while a wrong drafting step costs its drafts' time and is seen at once.
+    Among the measured shapes, no drafts must beat the best drafting shape by ``off_margin``
+    (default 0: the shapes compete as predicted). A margin of 0.1 for drafting changed nothing
+    at batch 8 and lost 7% at batch 32, where a chain step costs three undrafted ones and the
+    predicted gains of chains are thin: there chains also spread a wave's ends over more steps,
+    which the per-step prediction does not see (docs/benchmarks/speculative.md, "ninth
+    session").
 
     A shape not chosen is re-tried after ``retry_every`` steps (in turn), by measuring it anew
     (its old step times dropped, ``min_samples`` + 1 steps; a measurement that records nothing
@@ -240,7 +243,7 @@ class ModeChooser:
         shadow_budget: float = 0.05,
         max_shadow_every: int = 16,
         retry_within: float = 0.75,
-        off_margin: float = 0.1,
+        off_margin: float = 0.0,
     ) -> None:
         if len(modes) < 2 or len(set(modes)) != len(modes) or "off" not in modes:
             raise ValueError(f"ModeChooser needs two or more distinct modes, 'off' among them; got {modes!r}")
@@ -416,9 +419,7 @@ class ModeChooser:
         # one measured shape (e.g. no step without drafts recorded yet: those that ran had prompt
         # chunks) has nothing to compete with
         goodput = self.predicted(batch_size, expected, candidates) if len(candidates) > 1 else {candidates[0]: 1.0}
-        # no drafts must beat the best drafting shape by off_margin: a wrong step without drafts
-        # loses more (a yield of 3-4 tokens forgone, and seen again only at the next probe) than
-        # a wrong drafting step (its extra drafts' time, seen at once)
+        # no drafts must beat the best drafting shape by off_margin (default 0)
         best = max(
             candidates,
             key=lambda m: (goodput[m] * (1.0 + self.off_margin if m != "off" else 1.0), self.modes.index(m)),
