@@ -703,6 +703,27 @@ def test_mode_chooser_is_not_misled_by_one_slow_step():
     assert c.choose(1, 2.0) == "chain"
 
 
+def test_adaptive_takes_any_iterable_of_drafts_from_the_wrapped_proposer_and_cuts_it():
+    """The steady chain step hands the wrapped proposer's list on as it is; a tuple or a
+    generator (the adapter accepts any iterable) becomes a list, and drafts beyond the length
+    asked are cut."""
+    from vllm_graft.hooks import Proposer
+    from vllm_graft.plugins.speculative.adaptive import AdaptiveParams
+    from vllm_graft.plugins.speculative.adaptive.reference import Adaptive
+
+    class Inner(Proposer):
+        def __init__(self, shape):
+            self.shape = shape
+
+        def propose(self, request_id, token_ids, max_tokens):
+            return self.shape(range(10, 10 + max_tokens + 2))  # two more than asked
+
+    for shape in (list, tuple, iter):
+        a = Adaptive(AdaptiveParams(proposer="lookahead", num_speculative_tokens=4), inner=Inner(shape))
+        a._mode = "chain"
+        assert a.propose("r", [1, 2, 3], 3) == [10, 11, 12]
+
+
 def test_mode_chooser_with_only_the_chain_measured_keeps_drafting():
     """A step without drafts that ran but recorded nothing (every one of them had a prompt chunk,
     as under a steady flow of arrivals) leaves the chain the only measured shape once off's

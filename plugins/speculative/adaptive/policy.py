@@ -192,7 +192,8 @@ class ModeChooser:
     measured, as each measurement costs several slow steps (at batch 32, 12 ms against 3.3 ms).
     Among the measured shapes, no drafts must beat the best drafting shape by ``off_margin``
     (default 0: the shapes compete as predicted). A margin of 0.1 for drafting changed nothing
-    at batch 8 and lost 7% at batch 32, where a chain step costs three undrafted ones and the
+    at batch 8 and read 0.772x plain at batch 32 against 0.825x without it (fresh-process
+    invocations), where a chain step costs three undrafted ones and the
     predicted gains of chains are thin: there chains also spread a wave's ends over more steps,
     which the per-step prediction does not see (docs/benchmarks/speculative.md, "ninth
     session").

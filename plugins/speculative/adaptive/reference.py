@@ -262,7 +262,7 @@ class Adaptive(Proposer):
         if k <= 0 or self._mode == "off":
             return []
         drafts = self.inner.propose(request_id, token_ids, k)
-        if len(drafts) > k or not isinstance(drafts, list):
+        if not isinstance(drafts, list) or len(drafts) > k:  # any iterable a proposer returns
             drafts = list(drafts)[:k]
         self._step_tokens += len(drafts)
         return drafts
