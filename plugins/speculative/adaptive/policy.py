@@ -193,10 +193,9 @@ class ModeChooser:
     Among the measured shapes, no drafts must beat the best drafting shape by ``off_margin``
     (default 0: the shapes compete as predicted). A margin of 0.1 for drafting changed nothing
     at batch 8 and read 0.772x plain at batch 32 against 0.825x without it (fresh-process
-    invocations), where a chain step costs three undrafted ones and the
-    predicted gains of chains are thin: there chains also spread a wave's ends over more steps,
-    which the per-step prediction does not see (docs/benchmarks/speculative.md, "ninth
-    session").
+    invocations). There a chain step costs three undrafted ones, the predicted gains of chains
+    are thin, and chains spread a wave's ends over more steps, which the per-step prediction
+    does not see (docs/benchmarks/speculative.md, "ninth session").
 
     A shape not chosen is re-tried after ``retry_every`` steps (in turn), by measuring it anew
     (its old step times dropped, ``min_samples`` + 1 steps; a measurement that records nothing

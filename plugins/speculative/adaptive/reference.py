@@ -243,6 +243,8 @@ class Adaptive(Proposer):
     def _settle(self, request_id: str, token_ids: Sequence[int], most: int) -> bool:
         """Before a request drafts: score its last tree and its last shadow drafts against the
         tokens that followed; on a shadow step draft its shadow. True: it drafts nothing now."""
+        if not (self._trees or self._shadows) and self._mode != SHADOW:
+            return False  # the steady step: nothing to settle
         if self._trees:
             self._pair(request_id, token_ids)
         if self._shadows and request_id in self._shadows:
@@ -253,11 +255,10 @@ class Adaptive(Proposer):
         return False
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
-        # the steady chain step (nothing to settle, full-length chains) makes no call but the
-        # wrapped proposer's: this runs for every request of every step, where each microsecond
-        # of Python costs several in the engine (docs/benchmarks/speculative.md, "ninth session")
-        if (self._trees or self._shadows or self._mode == SHADOW) and self._settle(request_id, token_ids, max_tokens):
+        if self._settle(request_id, token_ids, max_tokens):
             return []
+        # _length's full-length branch inline: this runs for every request of every step, where
+        # each microsecond of Python costs several in the engine (benchmarks/adaptive_overhead.py)
         k = self._length(request_id, max_tokens) if self.per_request else min(max_tokens, self.chain_max)
         if k <= 0 or self._mode == "off":
             return []
