@@ -72,8 +72,12 @@ def child_engine_setup(path: str, workload: str, num_prompts: int, max_tokens: i
 def fresh_run(llm: Any) -> None:
     """Before a timed run that repeats the warm-up's prompts, as the bench does: a cold prefix
     cache, and no proposer drafting from the earlier runs' outputs (the graft plugins' shared
-    state renewed, vLLM's ``suffix`` tree emptied)."""
-    from vllm_graft.tools.bench.arm import fresh_drafting_state
+    state renewed, vLLM's ``suffix`` tree emptied); before the first, every decode step's token
+    count warmed on the CPU engine's linear layers, as the bench does (``warm_step_shapes``)."""
+    from vllm_graft.tools.bench.arm import fresh_drafting_state, warm_step_shapes
 
+    if not getattr(llm, "_graft_shapes_warmed", False):
+        llm._graft_shapes_warmed = True
+        warm_step_shapes(llm)
     llm.reset_prefix_cache()
     fresh_drafting_state(llm)

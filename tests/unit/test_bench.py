@@ -705,3 +705,48 @@ def test_kv_sampler_flags_decode_steps():
     for _ in range(3):
         schedule()
     assert sampler.steps == [4, 4, 4] and sampler.decode == [False, True, False]
+
+
+def test_gemm_rows_to_warm_cover_a_decode_step_within_the_primitive_cache():
+    from vllm_graft.tools.bench.arm import gemm_rows_to_warm
+
+    # batch 32 with 4 drafts a request: up to 160 tokens a step, 5 shapes fit 163 row counts
+    assert gemm_rows_to_warm(32, 4, shapes=5, capacity=1024) == 160
+    assert gemm_rows_to_warm(8, 0, shapes=5, capacity=1024) == 8  # plain: one token a request
+    assert gemm_rows_to_warm(256, 4, shapes=5, capacity=1024) == 163  # capped by the cache
+    assert gemm_rows_to_warm(256, 4, shapes=5, capacity=4096) == 655
+    assert gemm_rows_to_warm(32, 4, shapes=0, capacity=1024) == 0  # nothing dispatched to oneDNN
+
+
+def test_warm_gemm_shapes_runs_each_distinct_linear_shape_at_every_row_count(monkeypatch):
+    import torch
+
+    from vllm_graft.tools.bench.arm import _warm_gemm_shapes
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+
+    class Linear(torch.nn.Module):
+        def __init__(self, k, n, calls):
+            super().__init__()
+            self.input_size_per_partition, self.output_size_per_partition = k, n
+            self.params_dtype, self.bias, self.weight = torch.float32, None, torch.nn.Parameter(torch.empty(0))
+            self.cpu_linear = lambda x, weight, bias: calls.append((k, n, x.shape[0])) or x.new_zeros(x.shape[0], n)
+
+    class Head(torch.nn.Module):  # vLLM's ParallelLMHead names its sizes so
+        def __init__(self, calls):
+            super().__init__()
+            self.embedding_dim, self.num_embeddings_per_partition, self.bias = 16, 64, None
+            self.cpu_linear = lambda x, weight, bias: calls.append((16, 64, x.shape[0])) or x.new_zeros(x.shape[0], 64)
+
+    calls: list = []
+    model = torch.nn.Sequential(
+        Linear(16, 48, calls), Linear(16, 16, calls), Linear(16, 48, calls), torch.nn.ReLU(), Head(calls)
+    )
+    worker = type("W", (), {"model_runner": type("R", (), {"model": model})()})()
+    done = _warm_gemm_shapes(worker, 4, 2)  # 4 requests x (1 + 2 drafts) = 12 tokens at most
+    assert (done["shapes"], done["rows"]) == (3, 12)  # the second 16x48 layer shares the first's shape
+    assert sorted(calls) == sorted((k, n, r) for k, n in ((16, 48), (16, 16), (16, 64)) for r in range(1, 13))
+    # off the CPU engine no layer has cpu_linear: nothing is run
+    calls.clear()
+    bare = type("W", (), {"model_runner": type("R", (), {"model": torch.nn.Linear(4, 4)})()})()
+    assert _warm_gemm_shapes(bare, 32, 4)["shapes"] == 0 and not calls

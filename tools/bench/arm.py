@@ -292,6 +292,78 @@ def _empty_suffix_tree(worker: Any) -> int:
     return len(cached)
 
 
+#: oneDNN's primitive cache holds this many primitives unless ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``
+#: says otherwise (oneDNN's documented default)
+ONEDNN_CACHE_DEFAULT = 1024
+
+
+def gemm_rows_to_warm(max_num_seqs: int, spec_tokens: int, shapes: int, capacity: int) -> int:
+    """The row counts ``1..N`` to warm each linear shape at: every token count a decode step
+    can compute (``max_num_seqs`` requests of ``1 + spec_tokens`` tokens each), as far as
+    ``shapes`` primitives per row count fit in four fifths of oneDNN's primitive cache
+    (``capacity``; the rest is left to the prompt steps' row counts)."""
+    if shapes <= 0:
+        return 0
+    decode = max(1, int(max_num_seqs)) * (1 + max(0, int(spec_tokens)))
+    return max(0, min(decode, int(0.8 * int(capacity)) // shapes))
+
+
+def _warm_gemm_shapes(worker: Any, max_num_seqs: int, spec_tokens: int) -> dict[str, Any]:
+    """In a worker: run each distinct shape of the model's linear layers that vLLM's CPU engine
+    dispatched to oneDNN (``layer.cpu_linear``, ``dispatch_cpu_unquantized_gemm`` in
+    ``model_executor/layers/utils.py``) once at every row count of :func:`gemm_rows_to_warm`.
+    oneDNN builds a matmul primitive the first time it meets a row count (0.14-0.2 ms each on
+    the tiny llama's five shapes), and a speculative step's row count (its requests plus their
+    drafts) changes from step to step. No module has ``cpu_linear`` off the CPU engine: nothing
+    runs there."""
+    import torch
+
+    model = getattr(getattr(worker, "model_runner", None), "model", None)
+    layers: dict[tuple[int, int], Any] = {}
+    for m in model.modules() if model is not None else ():
+        if getattr(m, "cpu_linear", None) is None:
+            continue
+        k = getattr(m, "input_size_per_partition", None) or getattr(m, "embedding_dim", None)
+        n = getattr(m, "output_size_per_partition", None) or getattr(m, "num_embeddings_per_partition", None)
+        if k is not None:
+            layers.setdefault((int(k), int(n or 0)), m)
+    capacity = int(os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY") or ONEDNN_CACHE_DEFAULT)
+    rows = gemm_rows_to_warm(max_num_seqs, spec_tokens, len(layers), capacity)
+    t = time.perf_counter()
+    with torch.no_grad():
+        for (k, n), m in layers.items():
+            x = torch.zeros(rows, k, dtype=getattr(m, "params_dtype", None) or torch.get_default_dtype())
+            try:
+                for r in range(1, rows + 1):  # the layer's own call, as its quant method makes it
+                    m.cpu_linear(x[:r], getattr(m, "weight", None), getattr(m, "bias", None))
+            except Exception as e:  # a layout this warm-up does not know: the timed runs build it
+                print(f"vllm-graft bench: the {k}x{n} linear shape was not warmed ({e!r})", file=sys.stderr)
+    return {"shapes": len(layers), "rows": rows, "s": time.perf_counter() - t}
+
+
+def warm_step_shapes(llm: Any) -> dict[str, Any] | None:
+    """Before the timed runs, on vLLM's CPU engine: build the oneDNN primitives of every token
+    count a decode step of this engine can compute (:func:`_warm_gemm_shapes`), so that no timed
+    run builds one, as no step of a server that has run a while does. A plain engine's
+    decode steps compute one count per batch size, which its warm-up already met; a
+    speculative engine's vary with the drafts (with `adaptive`, from run to run). Returns the
+    first worker's ``{"shapes", "rows", "s"}`` (None where nothing was warmed)."""
+    config = llm.llm_engine.vllm_config
+    spec = getattr(config, "speculative_config", None)
+    k = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+    seqs = int(config.scheduler_config.max_num_seqs)
+    done = llm.collective_rpc(_warm_gemm_shapes, args=(seqs, k))
+    if done and done[0].get("shapes"):
+        return done[0]
+    if config.device_config.device.type == "cpu":  # e.g. every linear layer quantized
+        print(
+            "vllm-graft bench: no linear layer of this model runs vLLM's oneDNN GEMM (cpu_linear); "
+            "its step shapes were not warmed",
+            file=sys.stderr,
+        )
+    return None
+
+
 def fresh_drafting_state(llm: Any) -> None:
     """Before a timed run that repeats the warm-up's and the previous run's prompts: no proposer
     drafts their outputs back. The graft plugins' shared state is renewed
@@ -354,8 +426,9 @@ def _arm_run(
     if workloads:
         send("phase", "warming up")
         t = time.perf_counter()
-        # every workload's first prompts (as many as run at once), a few tokens each: the first
-        # timed run then meets no shape the engine has not seen at start-up
+        # every workload's first prompts (as many as run at once), a few tokens each, then every
+        # decode step's token count on the CPU engine's linear layers (warm_step_shapes): the
+        # first timed run then meets no shape the engine has not seen at start-up
         size = job["batch"] or max(len(w["prompts"]) for w in workloads)
         for w in workloads:
             llm.generate(
@@ -363,6 +436,7 @@ def _arm_run(
                 SamplingParams(temperature=0.0, max_tokens=4),
                 use_tqdm=False,
             )
+        engine["gemm_warm"] = warm_step_shapes(llm)
         engine["warmup_s"] = time.perf_counter() - t
         repeat = max(1, int(job.get("repeat", 1)))
         send("total", repeat * sum(p["max_tokens"] for w in workloads for p in w["prompts"]))
