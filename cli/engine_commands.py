@@ -23,6 +23,10 @@ from rich.table import Table
 from vllm_graft.hooks import DeploymentError, Plan
 
 DEMO_DEPLOYMENT = "demo.yaml"
+#: The demo on the real model (SmolLM2-135M-Instruct, `vllm-graft models fetch smollm2-135m`), its
+#: default once the model is fetched.
+REAL_DEMO_MODEL = "smollm2-135m"
+REAL_DEMO_DEPLOYMENT = "smollm2/demo.yaml"
 #: What the demo runs through both arms, one request at a time: code completion (what the
 #: speculative plugin speeds up, lossless) and ~1.8K-token code windows (where eviction holds fewer
 #: KV blocks per request).
@@ -56,7 +60,11 @@ def add_command(sub) -> None:
         "the demo says when other processes used the CPU meanwhile (the figure is then "
         "not the plugins'). vLLM's own log goes to a file (--log-dir keeps it).",
     )
-    d.add_argument("--deployment", help=f"deployment file (default: deployments/{DEMO_DEPLOYMENT})")
+    d.add_argument(
+        "--deployment",
+        help=f"deployment file (default: deployments/{REAL_DEMO_DEPLOYMENT} on the real model once "
+        f"`vllm-graft models fetch {REAL_DEMO_MODEL}` has run, else deployments/{DEMO_DEPLOYMENT})",
+    )
     d.add_argument("--quick", action="store_true", help="2 prompts x 48 tokens per workload (default 4 x 64)")
     d.add_argument("--num-prompts", type=int, metavar="N", help="prompts per workload")
     d.add_argument("--max-tokens", type=int, metavar="N", help="output tokens per request")
@@ -215,15 +223,32 @@ def print_report(console: Console) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------- commands
+def demo_deployment(console: Console) -> str:
+    """The demo's default deployment: :data:`REAL_DEMO_DEPLOYMENT` on the real model when it is
+    fetched, else :data:`DEMO_DEPLOYMENT` on the bundled tiny model, saying why."""
+    from vllm_graft.cli.launch import deployments_dir
+    from vllm_graft.cli.real_model import RealModelError, fetched_path
+
+    try:
+        fetched_path(REAL_DEMO_MODEL)
+        return str(deployments_dir() / REAL_DEMO_DEPLOYMENT)
+    except RealModelError as e:
+        console.print(
+            f"[yellow]note:[/] {escape(str(e))}. The demo runs on the bundled tiny model instead "
+            f"(deployments/{DEMO_DEPLOYMENT}: test material, its text is not meant to read well)"
+        )
+        return str(deployments_dir() / DEMO_DEPLOYMENT)
+
+
 def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     from vllm_graft.tools.bench.command import EXIT_OK as BENCH_OK, run_bench
 
     from vllm_graft.cli.main import EXIT_INVALID, package_version
     from vllm_graft.integration.env import installed_vllm
-    from vllm_graft.cli.launch import deployments_dir, models_dir
+    from vllm_graft.cli.launch import models_dir
 
     models_dir()  # a clear error if the bundled models are missing
-    path = args.deployment or str(deployments_dir() / DEMO_DEPLOYMENT)
+    path = args.deployment or demo_deployment(console)
     found = installed_vllm()
     console.rule(f"vllm-graft {package_version()} demo · {found[0]} {found[1]}" if found else "vllm-graft demo")
     plan = _load(path, console)

@@ -126,7 +126,12 @@ def cmd_list(args: argparse.Namespace, console: Any) -> int:
         rt.add_column(col, overflow="fold")
     for r in real:
         rt.add_row(
-            r["name"], r["architecture"], _millions(r["parameters"]), escape(r["state"]), escape(r["from"]), escape(r["licence"])
+            r["name"],
+            r["architecture"],
+            _millions(r["parameters"]),
+            escape(r["state"]),
+            escape(r["from"]),
+            escape(r["licence"]),
         )
     console.print(rt)
     console.print(f"example deployments: {escape(str(deployments_dir()))}")
@@ -190,7 +195,9 @@ def cmd_verify(args: argparse.Namespace, console: Any) -> int:
     ok, what = check_digest(args.name)
     console.print(f"{escape(str(folder))}: {escape(what)}")
     if not ok:
-        console.print(f"[bold red]error:[/] its files changed since it was verified: vllm-graft models fetch {args.name} --force")
+        console.print(
+            f"[bold red]error:[/] its files changed since it was verified: vllm-graft models fetch {args.name} --force"
+        )
         return EXIT_MISSING
     return EXIT_OK
 

@@ -254,7 +254,9 @@ def convert(gguf_model: Any, tokenizer: Any, out: Path) -> None:
     missing, unexpected = plain.load_state_dict(gguf_model.state_dict(), strict=False)
     missing = [k for k in missing if k != "lm_head.weight" or not config.tie_word_embeddings]
     if missing or unexpected:
-        raise RealModelError(f"the GGUF model's weights do not fit its own config: missing {missing}, unexpected {unexpected}")
+        raise RealModelError(
+            f"the GGUF model's weights do not fit its own config: missing {missing}, unexpected {unexpected}"
+        )
     plain.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
 
@@ -389,7 +391,11 @@ def fetch(name: str, *, force: bool = False, say: Callable[[str], None] = print)
         record = {
             "model": asdict(m),
             "gguf_sha256": file_sha256(gguf_path),
-            "converted": {"dtype": "float32", "with": _versions(), "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+            "converted": {
+                "dtype": "float32",
+                "with": _versions(),
+                "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            },
             "digest": digest,
             "verification": {"tokenizer": tok, "logprobs": lps},
             "seconds": round(time.monotonic() - started, 1),

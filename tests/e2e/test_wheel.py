@@ -141,9 +141,10 @@ def bare(wheel, tmp_path_factory) -> tuple[Path, Path]:
     return make_venv(root, wheel, entries), root
 
 
-def run_in(bin_dir: Path, cwd: Path, *args: str, check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_in(bin_dir: Path, cwd: Path, *args: str, check: bool = True, timeout: int = 600,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, cwd=cwd,
-                          env=clean_env(bin_dir), timeout=timeout)
+                          env={**clean_env(bin_dir), **(env or {})}, timeout=timeout)
     if check:
         assert proc.returncode == 0, f"{args}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
@@ -223,10 +224,13 @@ def test_packaged_deployments_resolve_their_files_from_their_own_folder(beside_v
 
 def test_demo_runs_from_outside_the_repo(beside_vllm):
     """`vllm-graft demo --quick` (both arms, generated text, the table) on the installed package's
-    deployments/demo.yaml and bundled model; nothing read from the checkout."""
+    deployments/demo.yaml and bundled model; nothing read from the checkout. The real model's
+    cache is pointed at an empty folder: the demo says it is not fetched and runs on the tiny
+    model (the real model's own end-to-end test is tests/e2e/test_real_model.py)."""
     bin_dir, cwd = beside_vllm
-    proc = run_in(bin_dir, cwd, "vllm-graft", "demo", "--quick")
+    proc = run_in(bin_dir, cwd, "vllm-graft", "demo", "--quick", env={"VLLM_GRAFT_CACHE": str(cwd / "empty-cache")})
     out = proc.stdout
+    assert "smollm2-135m is not fetched" in out and "bundled tiny model instead" in out, out[:3000]
     pkg = installed_package(bin_dir, cwd)
     assert str(pkg / "deployments" / "demo.yaml") in out and str(pkg / "models") in out, out[-3000:]
     assert "tok/s" in out and len(out.strip().splitlines()) > 20, out[-3000:]

@@ -78,6 +78,15 @@ def test_example_deployments_are_valid(registry, cpu_env):
     for f in files:  # the bundled models they name are committed under models/
         plan = validate_file(f, registry, cpu_env)
         assert plan.model is not None, f"{f} names a local model folder"
+    real = sorted((root / "smollm2").glob("*.yaml"))  # the real model: valid once fetched, else told to fetch it
+    assert len(real) >= 20
+    for f in real:
+        try:
+            plan = validate_file(f, registry, cpu_env)
+        except DeploymentError as e:
+            assert "vllm-graft models fetch smollm2-135m" in str(e), f"{f}: {e}"
+        else:
+            assert plan.model is not None and plan.model.path.endswith("vllm-graft/models/smollm2-135m")
     shapes = sorted((root / "shapes").glob("*.yaml"))
     assert {f.stem for f in shapes} >= {f"noop-{k}" for k in ("attention", "kvcompress", "speculative",
                                                                 "quant", "moe")}

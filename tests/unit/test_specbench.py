@@ -44,7 +44,24 @@ def test_summary_figures():
     plain = next(r for r in rows if r["arm"] == "plain")
     assert plain["fwd_per_token"] == 1.0 and plain["identical"] is True
     table = S.render(rows, [16])
-    assert "| chat | x | 1.33 | 0.733 | NO | 75 | 1.50 | 200 | 0.50 |" in table
+    assert "| chat | x | 1.33 | 0.733 | NO (1/2; first diff at 0.0) | 75 | 1.50 | 200 | 0.50 |" in table
+
+
+def test_greedy_agreement_counts_identical_requests_and_where_the_others_part():
+    plain = [run(1, 0, 0, 0, 1.0, [[1, 2, 3, 4], [5, 6, 7], [8, 9]])]
+    other = [run(1, 0, 0, 0, 1.0, [[1, 2, 3, 4], [5, 0, 7], [8, 9, 10]])]
+    got = S.greedy_agreement(other, plain)
+    # the second parts at token 1; the third is plain's plus one token: it parts where plain's ends
+    assert got == {"identical_share": pytest.approx(1 / 3), "first_diff_mean": 1.5, "requests": 3}
+    assert S.greedy_agreement(plain, plain)["first_diff_mean"] is None
+
+
+def test_arms_are_named_in_the_deployments_folder_given(monkeypatch):
+    monkeypatch.setenv(S.ARMS_DIR_ENV, str(ROOT / "deployments" / "smollm2"))
+    assert S.arm_file("plain") == ROOT / "deployments" / "smollm2" / "plain.yaml"
+    assert S.arm_file("lookahead") == ROOT / "deployments" / "smollm2" / "spec-lookahead.yaml"
+    for arm in S.DEFAULT_ARMS + ("swift", "vllm-suffix"):
+        assert S.arm_file(arm).is_file(), arm
 
 
 def test_extractive_prompts_end_with_the_signature_they_repeat():

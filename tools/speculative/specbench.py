@@ -54,14 +54,20 @@ COUNTERS = {
 }
 
 
+#: The folder arms are named in (``--deployments``; the environment carries it to the spawned
+#: engine processes): ``deployments/`` by default, ``deployments/smollm2`` for the real model.
+ARMS_DIR_ENV = "VLLM_GRAFT_SPECBENCH_DEPLOYMENTS"
+
+
 def arm_file(arm: str) -> Path:
-    """``deployments/spec-<arm>.yaml`` (``plain``: ``deployments/plain.yaml``), or ``arm``
-    itself when it names a ``.yaml`` file."""
+    """``DIR/spec-<arm>.yaml`` (``plain``: ``DIR/plain.yaml``; DIR: ``--deployments``, default
+    ``deployments/``), or ``arm`` itself when it names a ``.yaml`` file."""
     from vllm_graft.cli.launch import deployments_dir
 
     if arm.endswith((".yaml", ".yml")):
         return Path(arm)
-    return deployments_dir() / ("plain.yaml" if arm == "plain" else f"spec-{arm}.yaml")
+    folder = Path(os.environ.get(ARMS_DIR_ENV) or deployments_dir())
+    return folder / ("plain.yaml" if arm == "plain" else f"spec-{arm}.yaml")
 
 
 def arm_plan(arm: str, params: dict[str, Any] | None = None) -> Any:
@@ -242,6 +248,7 @@ def summarize(results: dict[str, dict[str, Any]], workloads: Sequence[str]) -> l
             identical = None
             if plain is not None and w != PARALLEL:
                 identical = all(a["greedy_tokens"] == b["greedy_tokens"] for a, b in zip(runs, plain["runs"]))
+                row.update(greedy_agreement(runs, plain["runs"]))
             row["identical"] = identical
             for x in runs:
                 b = x["batch"]
@@ -252,6 +259,34 @@ def summarize(results: dict[str, dict[str, Any]], workloads: Sequence[str]) -> l
                         row[f"speedup@{b}"] = x["tok_s"] / base["tok_s"]
             rows.append(row)
     return rows
+
+
+def greedy_agreement(runs: Sequence[dict[str, Any]], plain_runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per request against plain's: the share of requests with identical greedy tokens, and the
+    mean position of the first differing output token over those that differ (None if none do):
+    the lossless contract in a dtype where verifying k+1 tokens in one pass can round differently
+    from decoding them one at a time (bfloat16)."""
+    same, firsts = 0, []
+    pairs = [(a, b) for x, y in zip(runs, plain_runs) for a, b in zip(x["greedy_tokens"], y["greedy_tokens"])]
+    for a, b in pairs:
+        if a == b:
+            same += 1
+            continue
+        firsts.append(next((i for i, (u, v) in enumerate(zip(a, b)) if u != v), min(len(a), len(b))))
+    return {
+        "identical_share": same / len(pairs) if pairs else None,
+        "first_diff_mean": sum(firsts) / len(firsts) if firsts else None,
+        "requests": len(pairs),
+    }
+
+
+def _identical_cell(r: dict[str, Any]) -> str:
+    if r["identical"] is None:
+        return "-"
+    if r["identical"]:
+        return "yes"
+    same = round(r["identical_share"] * r["requests"])
+    return f"NO ({same}/{r['requests']}; first diff at {r['first_diff_mean']:.1f})"
 
 
 def render(rows: list[dict[str, Any]], batches: Sequence[int]) -> str:
@@ -265,7 +300,7 @@ def render(rows: list[dict[str, Any]], batches: Sequence[int]) -> str:
             r["arm"],
             f"{r['acc_per_verify']:.2f}",
             f"{r['fwd_per_token']:.3f}",
-            {True: "yes", False: "NO", None: "-"}[r["identical"]],
+            _identical_cell(r),
         ]
         for b in (1, *batches):
             cells.append(f"{r.get(f'tok_s@{b}', 0):.0f}")
@@ -284,6 +319,8 @@ def main(args: argparse.Namespace) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm_graft.tools.plugin_args import PluginArgError, parse_json_params, split_list
 
+    if getattr(args, "deployments", None):
+        os.environ[ARMS_DIR_ENV] = str(Path(args.deployments).resolve())
     arms = [a for part in args.arms for a in split_list(part)]
     try:
         params = parse_json_params(args.params)
@@ -376,6 +413,12 @@ def add_command(sub: Any) -> None:
     p.add_argument("--b1-prompts", type=int, default=4, help="requests run one by one at batch 1")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--deployments",
+        metavar="DIR",
+        help="the folder arms are named in (DIR/plain.yaml, DIR/spec-X.yaml; default deployments/): "
+        "deployments/smollm2 for the real model",
+    )
     p.add_argument("--json", help="write every figure (and the greedy tokens) to this file")
 
     def run(args: argparse.Namespace, console: Any = None) -> int:
