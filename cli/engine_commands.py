@@ -235,7 +235,8 @@ def demo_deployment(console: Console) -> str:
     except RealModelError as e:
         console.print(
             f"[yellow]note:[/] {escape(str(e))}. The demo runs on the bundled tiny model instead "
-            f"(deployments/{DEMO_DEPLOYMENT}: test material, its text is not meant to read well)"
+            f"(deployments/{DEMO_DEPLOYMENT}: test material, its text is not meant to read well)",
+            soft_wrap=True,
         )
         return str(deployments_dir() / DEMO_DEPLOYMENT)
 

@@ -77,3 +77,18 @@ def test_demo_defaults_and_quick(monkeypatch, tmp_path):
     assert seen["workload"] == ["code-completion,long-context"] and seen["batch"] == 1
     assert (seen["num_prompts"], seen["max_tokens"], seen["arms"]) == (2, 48, "plain,graft")
     assert seen["deployment"].endswith("demo.yaml") and "lookahead" in console.export_text()
+
+
+def test_demo_runs_on_the_real_model_once_fetched_and_says_so_when_not(monkeypatch, tmp_path):
+    from vllm_graft.cli import real_model as rm
+
+    monkeypatch.setenv(rm.CACHE_ENV, str(tmp_path / "cache"))
+    console = Console(record=True, width=80)
+    assert run.demo_deployment(console).endswith("deployments/demo.yaml")
+    text = console.export_text()
+    assert "smollm2-135m is not fetched" in text and "bundled tiny model instead" in text
+    folder = rm.model_dir("smollm2-135m")
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / rm.PROVENANCE).write_text("{}")
+    assert run.demo_deployment(Console(record=True)).endswith("deployments/smollm2/demo.yaml")
