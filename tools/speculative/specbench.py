@@ -372,6 +372,8 @@ def main(args: argparse.Namespace) -> int:
                     "workloads": workloads,
                     "batches": [1, *batches],
                     "max_tokens": args.max_tokens,
+                    "max_model_len": max_model_len,
+                    "seed": args.seed,
                     "b1_prompts": args.b1_prompts,
                     "rows": rows,
                     "results": results,
