@@ -60,7 +60,7 @@ def quant_rows(repeat: int, out: int = 1536, inp: int = 576, tokens: int = 8) ->
     x = torch.randn(tokens, inp, generator=g)
     rows = []
     t = w4.quantize(w, 128)
-    t["weight_int8"] = w4.int8_weight(t, 128).to(torch.int8)
+    t["weight_int8"] = w4.int8_weight_for_int_mm(t, 128)
     old, new = (lambda: w4.emulate(x, t, 128)), (lambda: w4.int8_matmul(x, t))
     rows.append(
         (

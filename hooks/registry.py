@@ -43,6 +43,11 @@ PARALLELISM = {
     "pp": "pipeline_parallel_size",
     "dp": "data_parallel_size",
     "ep": "enable_expert_parallel",
+    # dual-batch overlap (vLLM's --enable-dbo, CUDA): the runner splits a step's rows into two
+    # micro-batches and builds attention metadata per micro-batch; no plugin has run under it
+    # (kvcompress maps row i to input_batch.req_ids[i] and caches its skips per step, which a
+    # micro-batch's rows would not follow), so every plugin is refused there until one declares it
+    "dbo": "enable_dbo",
 }
 
 
@@ -119,8 +124,9 @@ class Capabilities(BaseModel):
     parallelism: tuple[str, ...] = Field(
         default=("dp",),
         description="vLLM parallelism it has been run under: 'tp' (tensor), 'pp' "
-        "(pipeline), 'dp' (data: independent replicas, so every plugin), 'ep' (expert). A plugin "
-        "that declares nothing is refused with tensor, pipeline or expert parallelism",
+        "(pipeline), 'dp' (data: independent replicas, so every plugin), 'ep' (expert), 'dbo' "
+        "(vLLM's dual-batch overlap, --enable-dbo). A plugin that declares nothing is refused "
+        "with tensor, pipeline or expert parallelism and with dual-batch overlap",
     )
     role: str | None = Field(
         default=None,

@@ -21,7 +21,10 @@ the CPU but *marks* the tensors that would be on the device:
 Then an op that mixes a marked tensor with an unmarked host tensor of one or more
 dimensions raises :class:`DeviceMixError` naming the op and where it was called, as CUDA
 would (a 0-dim host tensor is allowed, as on CUDA; ``copy_``/``to`` move data across, and a
-device tensor may be indexed by a host index, which CUDA copies over). Each host sync on a
+device tensor may be indexed by a host index, which CUDA copies over). An op whose CUDA
+kernel refuses inputs the CPU one takes (:data:`CUDA_LIMITS`: ``torch._int_mm`` below 17 rows
+or with columns not a multiple of 8) raises :class:`CudaLimitError` on device inputs, with
+CUDA's message. Each host sync on a
 marked tensor is recorded as a :class:`Sync` (what and where), attributed to the innermost
 :meth:`FakeDevice.region` (e.g. the plugin method being called), so a test can assert a
 hot path has none and a report can say how many a step or a layer costs.
@@ -95,6 +98,35 @@ _PROPS = {"device": lambda: FAKE, "is_cuda": lambda: True, "is_cpu": lambda: Fal
 
 class DeviceMixError(AssertionError):
     """An op mixed a (fake) device tensor with a host tensor: it would fail on CUDA."""
+
+
+class CudaLimitError(RuntimeError):
+    """An op was called on (fake) device tensors with inputs its CUDA kernel refuses (a shape,
+    dtype or layout the CPU kernel accepts): it would raise on CUDA, so it raises here."""
+
+
+def _int_mm_limits(args: tuple, kwargs: dict) -> str | None:
+    # PyTorch's CUDA torch._int_mm (aten/src/ATen/native/cuda/Blas.cpp, _int_mm_out_cuda): cuBLASLt
+    # int8 needs more than 16 rows and multiples of 8 in both inner and output columns
+    a, b = (list(args) + [kwargs.get("self"), kwargs.get("mat2")])[:2]
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return None
+    if a.dim() != 2 or b.dim() != 2:
+        return f"expected 2-D inputs, got {a.dim()}-D and {b.dim()}-D"
+    if a.dtype != torch.int8 or b.dtype != torch.int8:
+        return f"expected int8 inputs, got {a.dtype} and {b.dtype}"
+    if a.size(0) <= 16:
+        return f"self.size(0) needs to be greater than 16, but got {a.size(0)}"
+    if a.size(1) % 8:
+        return f"self.size(1) needs to be greater than 0 and a multiple of 8, but got {a.size(1)}"
+    if b.size(1) % 8:
+        return f"mat2.size(1) needs to be greater than 0 and a multiple of 8, but got {b.size(1)}"
+    return None
+
+
+#: Ops whose CUDA kernel refuses inputs the CPU kernel takes: name -> a check of (args, kwargs)
+#: returning what CUDA would say, or None. Applied when any input is on the (fake) device.
+CUDA_LIMITS: dict[str, Callable[[tuple, dict], str | None]] = {"_int_mm": _int_mm_limits}
 
 
 @dataclass(frozen=True)
@@ -287,6 +319,13 @@ class FakeDevice(TorchFunctionMode):
             ):
                 self._sync(name)  # tensor repeats: the output size is read on the host
             self._check_mix(name, args, kwargs)
+            limit = CUDA_LIMITS.get(name)
+            refused = limit(args, kwargs) if limit is not None else None
+            if refused:
+                raise CudaLimitError(
+                    f"torch.{name} on CUDA: {refused} (at {caller()}); the CPU kernel accepts this, "
+                    "CUDA's does not: pad the inputs or take another path on CUDA"
+                )
             out = func(*args, **kwargs)
             if to_host:  # the same object when the data is already here: a new, unmarked one
                 return out.view_as(out) if isinstance(out, torch.Tensor) and self.is_marked(out) else out
@@ -383,4 +422,14 @@ def device_under_test() -> torch.device | None:
     return torch.device(real) if real else None
 
 
-__all__ = ["FakeDevice", "DeviceMixError", "Sync", "FAKE", "ENV_REAL", "device_under_test", "caller"]
+__all__ = [
+    "FakeDevice",
+    "DeviceMixError",
+    "CudaLimitError",
+    "CUDA_LIMITS",
+    "Sync",
+    "FAKE",
+    "ENV_REAL",
+    "device_under_test",
+    "caller",
+]

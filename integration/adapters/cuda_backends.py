@@ -26,6 +26,7 @@ so vLLM never runs a deployment on a backend that would silently ignore it.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
@@ -112,11 +113,38 @@ class GraftBuilderMixin:
         return metadata
 
 
+def _attn_type_argument(init: Any, args: tuple, kwargs: dict) -> Any:
+    """The ``attn_type`` the stock impl's ``__init__`` was given (its own default if none):
+    vLLM's layer passes it positionally (0.33: layers/attention/attention.py:420-432)."""
+    try:
+        bound = inspect.signature(init).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return kwargs.get("attn_type", AttentionType.DECODER)
+    bound.apply_defaults()
+    return bound.arguments.get("attn_type", AttentionType.DECODER)
+
+
 class GraftImplMixin:
-    """Seams of the attention impl (put before the stock impl in the bases)."""
+    """Seams of the attention impl (put before the stock impl in the bases).
+
+    It reads from the stock impl only what every 0.33 impl it wraps sets in ``__init__``
+    (``num_heads``, ``num_kv_heads``, ``head_size``, ``scale``); the attention type is its own,
+    taken from the ``__init__`` arguments: 0.33's ``FlashInferImpl`` checks ``attn_type`` once and
+    never stores it (v1/attention/backends/flashinfer.py:2023-2058)."""
+
+    graft_attn_type: Any = AttentionType.DECODER
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        stock_init = super().__init__
+        super().__init__(*args, **kwargs)
+        self.graft_attn_type = _attn_type_argument(stock_init, args, kwargs)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
-        if SEAMS.kv_format is not None and kv_cache.dtype == torch.uint8 and self.attn_type == AttentionType.DECODER:
+        if (
+            SEAMS.kv_format is not None
+            and kv_cache.dtype == torch.uint8
+            and self.graft_attn_type == AttentionType.DECODER
+        ):
             return SEAMS.kv_format.write(key, value, kv_cache, slot_mapping)  # the format's page
         return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
@@ -130,7 +158,7 @@ class GraftImplMixin:
                 SEAMS.count("host", 1)
             return super().forward(*stock)
         batch = getattr(attn_metadata, "graft_batch", None)
-        if batch is None or self.attn_type != AttentionType.DECODER:
+        if batch is None or self.graft_attn_type != AttentionType.DECODER:
             return super().forward(*stock)  # profiling run, other layers, nothing to change
         fmt = SEAMS.kv_format is not None and kv_cache.dtype == torch.uint8
         if method is None and not fmt:

@@ -222,7 +222,7 @@ def _impl(cls, heads=4, kv_heads=2, d=8):
     impl = object.__new__(cls)
     impl.num_heads, impl.num_kv_heads, impl.head_size, impl.scale = heads, kv_heads, d, d ** -0.5
     impl.sliding_window, impl.alibi_slopes, impl.sinks = (-1, -1), None, None
-    impl.logits_soft_cap, impl.kv_cache_dtype, impl.attn_type = 0, "auto", "decoder"
+    impl.logits_soft_cap, impl.kv_cache_dtype = 0, "auto"  # no attn_type: 0.33's FlashInferImpl sets none
     return impl
 
 
@@ -285,12 +285,43 @@ def test_forward_dispatch(cuda, monkeypatch, which):
         att = (qq @ k.transpose(1, 2) * impl.scale).masked_fill(~mask, -math.inf).softmax(-1)
         torch.testing.assert_close(output[start:start + q], (att @ v).transpose(0, 1))
         start += q
-    impl.attn_type = "encoder_only"
+    impl.graft_attn_type = "encoder_only"
     impl.forward(*args)
     assert calls.count("forward") == 4
-    impl.attn_type, impl.sliding_window = "decoder", (127, 0)
+    impl.graft_attn_type, impl.sliding_window = "decoder", (127, 0)
     with pytest.raises(NotImplementedError, match="sliding window"):
         impl.forward(*args)
+
+
+def test_the_impl_mixin_reads_the_attention_type_from_its_own_init_arguments(cuda):
+    """vLLM 0.33's ``FlashInferImpl`` takes ``attn_type`` in ``__init__``, checks it and never stores
+    it (v1/attention/backends/flashinfer.py:2023-2058); the layer passes it positionally
+    (layers/attention/attention.py:420-432). The mixin keeps its own copy, so a stock impl that sets
+    no ``attn_type`` still routes (before the fix: AttributeError on every graft step)."""
+    cb = _mods()[3]
+
+    class StockLikeFlashInfer:  # the 0.33 signature; stores what FlashInferImpl stores
+        def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+                     kv_cache_dtype, logits_soft_cap=None, attn_type="decoder",
+                     kv_sharing_target_layer_name=None, sinks=None):
+            self.num_heads, self.head_size, self.scale, self.num_kv_heads = num_heads, head_size, scale, num_kv_heads
+            self.sliding_window, self.alibi_slopes, self.sinks = (-1, -1), None, None
+            self.kv_cache_dtype, self.logits_soft_cap = kv_cache_dtype, logits_soft_cap
+
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *rest):
+            return "stock"
+
+    class Graft(cb.GraftImplMixin, StockLikeFlashInfer):
+        pass
+
+    positional = Graft(4, 8, 0.35, 2, None, None, "auto", None, "decoder", None)
+    assert not hasattr(positional, "attn_type") and positional.graft_attn_type == "decoder"
+    assert Graft(4, 8, 0.35, 2, None, None, "auto").graft_attn_type == "decoder"  # its default
+    assert Graft(4, 8, 0.35, 2, None, None, "auto", attn_type="encoder_only").graft_attn_type == "encoder_only"
+    md = SimpleNamespace(graft_batch=object(), graft_num_tokens=1, graft_plan=None)
+    cuda.install("test")
+    # a graft batch with nothing that changes the math: the stock forward, no AttributeError
+    assert positional.forward(None, torch.zeros(1, 32), None, None, torch.zeros(1), md, None) == "stock"
 
 
 @pytest.mark.parametrize("per_head", [False, True])

@@ -347,6 +347,25 @@ def test_every_plugin_declaring_tensor_parallelism_has_a_two_rank_case():
     assert not missing, f"declare tp without a two-rank case: {missing}"
 
 
+def test_dual_batch_overlap_is_refused_by_plugin_name(registry, cpu_env):
+    """vLLM's --enable-dbo splits a step's rows into micro-batches; kvcompress maps row i to
+    input_batch.req_ids[i] and caches its skips per step, and no plugin has run under it: the
+    deployment is refused naming the plugin and the fix (the bridge passes --enable-dbo from vLLM's
+    command line into the same validation)."""
+    import dataclasses
+    from pathlib import Path
+
+    llama = str(Path(__file__).resolve().parents[2] / "models" / "graft-tiny-llama")
+    data = {"model": llama, "engine": {"dtype": "float32"}, "kvcompress": {"plugin": "snapkv"}}
+    cuda_env = dataclasses.replace(cpu_env, platform="cuda", engine_args=cpu_env.engine_args | {"enable_dbo"})
+    validate(data, registry, cuda_env)
+    with pytest.raises(DeploymentError) as info:
+        validate(dict(data, engine={**data["engine"], "enable_dbo": True}), registry, cuda_env)
+    (problem,) = info.value.problems
+    assert problem.path == "kvcompress.plugin" and "'snapkv' has not been run under enable_dbo=True" in str(problem)
+    assert "Run with enable_dbo: false" in str(problem)
+
+
 def test_pipeline_parallelism_in_eager_mode_on_the_cpu_engine_is_refused(registry, cpu_env):
     from pathlib import Path
 

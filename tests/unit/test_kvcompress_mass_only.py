@@ -45,7 +45,8 @@ def _plans(w, rows, batch):
 
     sc = _Scores(Window(w), "window", lambda *a: None)
     att = _ScoringAttention(sc)
-    step_rows.step = types.SimpleNamespace(rows=rows, block_size=4)
+    step_rows.step = types.SimpleNamespace(rows=rows, block_size=4,
+                                           query_start_loc=batch.query_start_loc.tolist())
     try:
         return att, att.plan(batch), att.plan(batch)
     finally:

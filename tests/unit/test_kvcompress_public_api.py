@@ -148,7 +148,8 @@ def _scored_step(sc, att, q, kv, batch, layer, rows, layers=2):
     the compressor, then ``finalize`` (which asks ``keep``)."""
     from vllm_graft.integration.adapters.kvcompress.rows import step_rows
 
-    step_rows.step = types.SimpleNamespace(rows=rows, block_size=layer.block_size)
+    step_rows.step = types.SimpleNamespace(rows=rows, block_size=layer.block_size,
+                                           query_start_loc=batch.query_start_loc.tolist())
     try:
         plan = att.plan(batch)
         for _ in range(layers):

@@ -295,3 +295,34 @@ def test_without_the_adapter_moving_them_host_built_buffers_fail_on_the_device(m
         with pytest.raises(PluginRaised) as caught:  # the adapter names the plugin, the cause is kept
             m.compute(on_device(torch.randn(2, IN)), [tensors[n] for n in m.names], None)
         assert isinstance(caught.value.__cause__, DeviceMixError)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
+@pytest.mark.parametrize("out_in", [(16, 32), (12, 20)])
+def test_w4a8_int_mm_path_takes_cuda_s_shapes(rows, out_in):
+    """CUDA's ``torch._int_mm`` refuses 16 rows or fewer and columns not a multiple of 8 (the fake
+    device raises as CUDA does, :data:`~vllm_graft.kit.fakedevice.CUDA_LIMITS`): w4a8's default
+    path (``cpu_weights: int8``) pads to its shapes on the device and gives the emulation's result
+    bit for bit, for decode batches and CUDA-graph capture sizes 1-16 too."""
+    from vllm_graft.plugins.quant.w4a8 import W4A8Params
+    from vllm_graft.plugins.quant.w4a8.reference import W4A8, emulate
+
+    out, n = out_in
+    plugin = W4A8(W4A8Params(group_size=8))
+    g = torch.Generator().manual_seed(rows)
+    stored = plugin.quantize(torch.randn(out, n, generator=g) * 0.05)
+    x = torch.randn(rows, n, generator=g)
+    want = emulate(x, stored, 8)
+    with FD:
+        tensors = plugin.load({k: [on_device(v)] for k, v in stored.items()}, [out])
+        assert "weight_int8" in tensors
+        y = plugin.apply(tensors, on_device(x), None)
+        assert is_on_device(y)
+    assert tuple(y.shape) == (rows, out)
+    assert torch.equal(y.detach().clone(), want)
+    # without the padding, CUDA's kernel refuses the call: the fake device says so
+    from vllm_graft.kit.fakedevice import CudaLimitError
+
+    if rows <= 16:
+        with FD, pytest.raises(CudaLimitError, match="greater than 16"):
+            torch._int_mm(on_device(torch.zeros(rows, 8, dtype=torch.int8)), on_device(torch.zeros(8, 8, dtype=torch.int8)))

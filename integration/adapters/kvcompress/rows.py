@@ -24,6 +24,9 @@ class _StepRows:
         # scored mode: per row (request id, computed before the step, query length, prompt
         # length, logical blocks left out)
         self.rows: list[tuple[str, int, int, int, list[int]]] = []
+        #: the batch's query_start_loc as host ints (vLLM's ``query_start_loc_cpu``, every row of
+        #: the metadata, padded ones too): the scored plan reads it instead of the device copy
+        self.query_start_loc: list[int] = []
 
     def skips(self, cm: Any, block_size: int, state: Active) -> list[list[int]]:
         if block_size not in self._skips:
@@ -34,7 +37,8 @@ class _StepRows:
         self.block_size = block_size
         batch = self.runner.input_batch
         n = min(int(cm.num_reqs), batch.num_reqs)
-        qsl = cm.query_start_loc_cpu[: n + 1].tolist()
+        self.query_start_loc = cm.query_start_loc_cpu[: int(cm.num_reqs) + 1].tolist()
+        qsl = self.query_start_loc[: n + 1]
         seq_lens = host_seq_lens(cm)[:n].tolist()
         prompt_lens = batch.num_prompt_tokens[:n].tolist()
         req_ids = batch.req_ids[:n]

@@ -167,7 +167,8 @@ class _Scores:
         if step is None or not step.rows:
             self.pending = None
             return None
-        qsl = batch.query_start_loc.tolist()
+        # vLLM's host copy (query_start_loc_cpu, noted by the rows' pass): no device read per step
+        qsl = step.query_start_loc
         T = qsl[len(step.rows)] if len(qsl) > len(step.rows) else qsl[-1]
         observe = torch.zeros(max(T, qsl[-1]), dtype=torch.bool)
         cols = []

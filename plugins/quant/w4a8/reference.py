@@ -62,14 +62,44 @@ def int8_weight(t: dict[str, torch.Tensor], group_size: int) -> torch.Tensor:
     return ((q4 - zero) * mult).clamp(-128, 127)
 
 
+#: CUDA's ``torch._int_mm`` (cuBLASLt int8) takes more than 16 rows, and inner and output
+#: columns in multiples of 8 (PyTorch's ``_int_mm_out_cuda``); the CPU kernel takes any shape.
+CUDA_MIN_ROWS = 17
+CUDA_COLUMN_MULTIPLE = 8
+
+
+def _ceil_to(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def int8_weight_for_int_mm(t: dict[str, torch.Tensor], group_size: int) -> torch.Tensor:
+    """The int8 weight ``[out, in]`` for :func:`int8_matmul`, zero-padded to ``[out8, in8]``
+    (multiples of 8, as CUDA's ``_int_mm`` needs; zero rows and columns add nothing to the
+    sums), made once at load."""
+    w = int8_weight(t, group_size).to(torch.int8)
+    out, n = w.shape
+    pad_out, pad_in = _ceil_to(out, CUDA_COLUMN_MULTIPLE) - out, _ceil_to(n, CUDA_COLUMN_MULTIPLE) - n
+    return torch.nn.functional.pad(w, (0, pad_in, 0, pad_out)) if pad_out or pad_in else w
+
+
 def int8_matmul(x: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
-    """What :func:`emulate` computes, from the int8 weight ``t["weight_int8"]`` unpacked once:
-    int8 x int8 into int32 (exact: ``|sum| <= 127 * 128 * in``, far below 2**31), then the same
-    scaling. Bit-identical to :func:`emulate` (an exact integer rounds to fp32 the same way
-    from int32 as from fp64)."""
+    """What :func:`emulate` computes, from the int8 weight ``t["weight_int8"]`` unpacked once
+    (:func:`int8_weight_for_int_mm`): int8 x int8 into int32 (exact: ``|sum| <= 127 * 128 * in``,
+    far below 2**31), then the same scaling. Bit-identical to :func:`emulate` (an exact integer
+    rounds to fp32 the same way from int32 as from fp64).
+
+    On CUDA the activations are zero-padded to at least 17 rows (decode steps and CUDA-graph
+    captures of 1-16 tokens) and to the weight's padded columns; the padding is sliced off. The
+    sizes are shapes, not values: no host sync, and a captured graph holds the same ops."""
     x2 = x.reshape(-1, x.shape[-1])
     xq, sx = quantize_activations(x2)
-    acc = torch._int_mm(xq, t["weight_int8"].T)
+    w = t["weight_int8"]
+    rows, n = xq.shape
+    out = t["channel_step"].shape[0]
+    pad_rows = max(0, CUDA_MIN_ROWS - rows) if xq.is_cuda else 0
+    if pad_rows or w.shape[1] != n:
+        xq = torch.nn.functional.pad(xq, (0, w.shape[1] - n, 0, pad_rows))
+    acc = torch._int_mm(xq, w.T)[:rows, :out]
     return (acc.float() * sx * t["channel_step"].float().T).reshape(*x.shape[:-1], -1)
 
 
@@ -92,7 +122,7 @@ class W4A8(QuantMethod):
     def load(self, stored, shard_rows):
         tensors = super().load(stored, shard_rows)
         if self.params.kernel == "reference" and self.params.cpu_weights == "int8":
-            tensors["weight_int8"] = int8_weight(tensors, self.params.group_size).to(torch.int8)
+            tensors["weight_int8"] = int8_weight_for_int_mm(tensors, self.params.group_size)
         return tensors
 
     def stored_tensors(self, out_features, in_features):
