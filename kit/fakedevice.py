@@ -283,6 +283,13 @@ class FakeDevice(TorchFunctionMode):
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None):
         kwargs = dict(kwargs or {})
         name = _name(func)
+        # pinned host memory needs a CUDA runtime: a pinned buffer is an ordinary host buffer here
+        # (its data and its copies behave the same), so the pinned branches of vLLM and of the
+        # adapters run on the fake device as they would on CUDA
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if name == "pin_memory":
+            return args[0]
         if name.startswith("get:"):
             prop = name[4:]
             if prop in _PROPS and args and self.is_marked(args[0]):

@@ -1,0 +1,293 @@
+"""vllm-graft's FLASH_ATTN, TRITON_ATTN and FLASHINFER subclasses inside vLLM 0.33's own classes
+(see conftest.py): built through 0.33's ``Attention`` layer and selector, their builders' real
+``__init__`` and ``build()``, and the mixin's ``forward`` and ``do_kv_cache_update`` on a decode
+batch, a batch of prefill chunks and a mixed one, with the routes each plugin kind takes there:
+nothing to change (vLLM's kernel), an attention method computing the layer, and the KV-compression
+rewriter ahead of the stock ``build()``."""
+from __future__ import annotations
+
+import math
+import os
+import types
+
+import pytest
+import torch
+
+from . import stubs
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PREFIX = "model.layers.0.self_attn.attn"
+H, HK, D, BS, NB = 4, 2, 64, 16, 24
+DTYPE = torch.float16
+BACKENDS = ["FLASH_ATTN", "TRITON_ATTN", "FLASHINFER"]
+BATCHES = {  # (tokens computed before the step, query tokens) per request
+    "decode": ([4, 17, 40], [1, 1, 1]),
+    "prefill": ([0, 16], [9, 13]),
+    "mixed": ([30, 0, 5], [1, 7, 1]),
+}
+
+
+def test_this_is_vllm_033_from_the_wheel():
+    import vllm
+    from vllm.platforms import current_platform
+
+    assert vllm.__version__ == "0.33.0"
+    assert vllm.__file__.startswith(os.environ["GRAFT_VLLM033_ROOT"])
+    assert current_platform.is_cuda() and current_platform.get_device_capability() == (9, 0)
+
+
+@pytest.fixture(scope="module")
+def vllm_config():
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+
+    model = os.path.join(HERE, "..", "..", "models", "graft-tiny-llama")
+    config = VllmConfig(model_config=ModelConfig(model=model, dtype="float16"), cache_config=CacheConfig(block_size=BS))
+    # what 0.33's engine core resolves (resolve_kv_cache_layout, utils.py:293-340) with no
+    # preference given: LBNHC (NHD) first (utils.py:229-236); the cache views below are NHD
+    config.cache_config.kv_cache_layout = "LBNHC"
+    return config
+
+
+@pytest.fixture
+def fd():
+    from vllm_graft.kit.fakedevice import FakeDevice
+
+    return FakeDevice(inputs_from=[HERE])
+
+
+@pytest.fixture
+def seams():
+    from vllm_graft.integration.adapters import backend
+
+    assert not backend.SEAMS.owners
+    yield backend
+    for owner in list(backend.SEAMS.owners):
+        backend.uninstall(owner)
+    backend.uninstall("test")
+
+
+def _graft_backend(name: str) -> type:
+    from vllm_graft.integration.adapters import cuda_backends
+
+    if name == "FLASHINFER":
+        from vllm_graft.integration.adapters import cuda_flashinfer
+
+        return cuda_flashinfer.GraftFlashInferBackend
+    return {"FLASH_ATTN": cuda_backends.GraftFlashAttentionBackend, "TRITON_ATTN": cuda_backends.GraftTritonAttentionBackend}[name]
+
+
+def _layer(vllm_config, backend: type | None = None):
+    """0.33's own ``Attention`` layer (it builds the impl through its real ``__init__``), made
+    under the model's default dtype as vLLM's model loader makes it."""
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    vllm_config.compilation_config.static_forward_context.clear()
+    with set_default_torch_dtype(DTYPE):
+        return Attention(H, D, D**-0.5, HK, cache_config=vllm_config.cache_config, prefix=PREFIX, attn_backend=backend)
+
+
+def _builder(vllm_config, backend: type, spec=None):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    spec = spec or FullAttentionSpec(block_size=BS, num_kv_heads=HK, head_size=D, dtype=DTYPE)
+    return backend.get_builder_cls()(spec, [PREFIX], vllm_config, torch.device("cuda", 0))
+
+
+class Step:
+    """One step's tensors as vLLM 0.33's V1 runner hands them to ``build()`` and to the layer:
+    the device ones marked on the fake device, the host copies (``*_cpu``) not."""
+
+    def __init__(self, computed: list[int], queries: list[int], seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.computed, self.queries = computed, queries
+        self.seq = [c + q for c, q in zip(computed, queries)]
+        qsl = [0]
+        for q in queries:
+            qsl.append(qsl[-1] + q)
+        self.qsl, self.n = qsl, qsl[-1]
+        width = -(-max(self.seq) // BS) + 1
+        ids = torch.randperm(NB - 1, generator=g)[: len(self.seq) * width] + 1  # block 0 is NULL
+        self.table = ids.view(len(self.seq), width).to(torch.int32)
+        # the cache: 0.33's per-layer view [blocks, KV heads, block, K|V] over NHD memory
+        self.cache = torch.zeros(NB, BS, HK, 2 * D, dtype=DTYPE).transpose(1, 2)
+        self.keys = [torch.randn(s, HK, D, generator=g).to(DTYPE) for s in self.seq]
+        self.values = [torch.randn(s, HK, D, generator=g).to(DTYPE) for s in self.seq]
+        for i, s in enumerate(self.seq):
+            for p in range(s):
+                blk, off = int(self.table[i, p // BS]), p % BS
+                self.cache[blk, :, off, :D] = self.keys[i][p]
+                self.cache[blk, :, off, D:] = self.values[i][p]
+        self.slots = torch.tensor(
+            [int(self.table[i, p // BS]) * BS + p % BS for i, (c, s) in enumerate(zip(computed, self.seq)) for p in range(c, s)],
+            dtype=torch.int64,
+        )
+        self.query = torch.randn(self.n, H * D, generator=g).to(DTYPE)
+
+    def metadata(self, fd):
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        qsl = torch.tensor(self.qsl, dtype=torch.int32)
+        seq = torch.tensor(self.seq, dtype=torch.int32)
+        dev = fd.put(qsl.clone(), seq.clone(), self.table.clone(), self.slots.clone())
+        return CommonAttentionMetadata(
+            query_start_loc=dev[0], query_start_loc_cpu=qsl, seq_lens=dev[1], seq_lens_cpu_upper_bound=seq,
+            num_reqs=len(self.seq), num_actual_tokens=self.n, max_query_len=max(self.queries),
+            max_seq_len=max(self.seq), block_table_tensor=dev[2], slot_mapping=dev[3],
+        )
+
+    def dense(self) -> torch.Tensor:
+        """Causal attention over every key, in float32: what the layer's output must be."""
+        outs = []
+        q = self.query.float().view(self.n, H, D)
+        for i, (s, qn) in enumerate(zip(self.seq, self.queries)):
+            k = self.keys[i].float().repeat_interleave(H // HK, 1).transpose(0, 1)
+            v = self.values[i].float().repeat_interleave(H // HK, 1).transpose(0, 1)
+            qq = q[self.qsl[i] : self.qsl[i + 1]].transpose(0, 1)
+            mask = torch.arange(s)[None, :] <= torch.arange(s - qn, s)[:, None]
+            att = (qq @ k.transpose(1, 2) * D**-0.5).masked_fill(~mask, -math.inf).softmax(-1)
+            outs.append((att @ v).transpose(0, 1))
+        return torch.cat(outs).reshape(self.n, H * D)
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """The backends' kernels as recorders bound against the real signatures; returns the calls."""
+    from vllm.v1.attention.backends import flash_attn, flashinfer, triton_attn
+
+    calls: list = []
+    stubs.stub(monkeypatch, flash_attn, "flash_attn_varlen_func", calls, stubs.fill_out)
+    stubs.stub(monkeypatch, flash_attn, "get_scheduler_metadata", calls,
+               lambda a: torch.zeros(a["batch_size"] + 1, dtype=torch.int32, device=a["cache_seqlens"].device))
+    stubs.stub(monkeypatch, flash_attn, "reshape_and_cache_flash", calls)
+    stubs.stub(monkeypatch, triton_attn, "unified_attention", calls, stubs.fill_out)
+    stubs.stub(monkeypatch, triton_attn, "triton_reshape_and_cache_flash", calls)
+    monkeypatch.setattr(flashinfer, "_copy_page_indices_kernel", stubs.CopyPageIndices(calls))
+    from vllm import _custom_ops
+
+    # FlashInfer's write calls the compiled op directly (flashinfer.py:2847): the same op and
+    # arguments as vLLM's Python wrapper of it (_custom_ops.reshape_and_cache_flash)
+    monkeypatch.setattr(torch.ops._C_cache_ops, "reshape_and_cache_flash",
+                        stubs.Recorder("_C_cache_ops.reshape_and_cache_flash", _custom_ops.reshape_and_cache_flash, calls),
+                        raising=False)
+    for name in ("BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper"):
+        monkeypatch.setattr(flashinfer, name, stubs.recorded_class(getattr(flashinfer, name), calls))
+    return calls
+
+
+# ------------------------------------------------------------------ construction and selection
+@pytest.mark.parametrize("name", BACKENDS)
+def test_impl_and_builder_run_vllm_033s_own_init(vllm_config, fd, name):
+    from vllm.config import set_current_vllm_config
+
+    from vllm_graft.integration.adapters.cuda_backends import GraftBuilderMixin, GraftImplMixin
+
+    backend = _graft_backend(name)
+    with set_current_vllm_config(vllm_config), fd:
+        layer = _layer(vllm_config, backend)
+        builder = _builder(vllm_config, backend)
+    assert isinstance(layer.impl, GraftImplMixin) and isinstance(builder, GraftBuilderMixin)
+    assert layer.impl.graft_attn_type == "decoder" and layer.attn_backend.get_name() == name
+    if name == "FLASHINFER":  # why the mixin keeps its own: 0.33's FlashInferImpl stores none
+        assert not hasattr(layer.impl, "attn_type")
+
+
+@pytest.mark.parametrize("asked", [None, *BACKENDS, "FLEX_ATTENTION"])
+def test_vllm_033s_selector_picks_the_graft_subclasses(vllm_config, fd, seams, asked, monkeypatch):
+    """With the seams needed (here a KV rewriter), 0.33's CUDA selector (platforms/cuda.py:420-518)
+    validates our overrides and picks them as it would the stock classes: FLASH_ATTN first on
+    Hopper when nothing is asked; a named member that carries no seams is refused with the fix."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vllm_graft.integration.adapters.cuda_backends import GraftImplMixin, guard_reason
+
+    seams.install("test")
+    seams.SEAMS.rewriters.append(lambda builder, cm: cm)
+    monkeypatch.setattr(vllm_config.attention_config, "backend", AttentionBackendEnum[asked] if asked else None)
+    with set_current_vllm_config(vllm_config), fd:
+        if asked == "FLEX_ATTENTION":
+            with pytest.raises(ValueError) as info:
+                _layer(vllm_config)
+            assert guard_reason("FLEX_ATTENTION") in str(info.value)
+            return
+        layer = _layer(vllm_config)
+    assert layer.attn_backend.get_name() == (asked or "FLASH_ATTN")
+    assert isinstance(layer.impl, GraftImplMixin)
+    assert issubclass(layer.attn_backend, _graft_backend(asked or "FLASH_ATTN"))
+
+
+# ------------------------------------------------------------------ build() and forward()
+def _attention_method(seams):
+    """An attention method that computes the layer itself (plain paged attention in PyTorch,
+    the reference every attention plugin is held to), routed as the attention adapter routes one."""
+    from vllm_graft.plugins.attention._shared import PagedAttention
+
+    seams.install("test")
+    seams.SEAMS.method, seams.SEAMS.method_name, seams.SEAMS.host_kernel = PagedAttention(None), "paged", False
+    return seams.SEAMS.method
+
+
+def _run(vllm_config, fd, name, step, forward=True):
+    """Build the step's metadata with the graft builder and run the layer's write and forward,
+    as 0.33's layer calls them (attention.py:545-575); returns (metadata, output or None)."""
+    from vllm.config import set_current_vllm_config
+
+    backend = _graft_backend(name)
+    with set_current_vllm_config(vllm_config), fd:
+        layer = _layer(vllm_config, backend)
+        builder = _builder(vllm_config, backend)
+        cm = step.metadata(fd)
+        md = builder.build(0, cm)
+        query, cache = fd.put(step.query.clone(), step.cache.clone())
+        key = fd.put(torch.randn(step.n, HK * D).to(DTYPE))
+        output = fd.put(torch.zeros(step.n, H * D, dtype=DTYPE))
+        with fd.region("layer"):
+            layer.impl.do_kv_cache_update(layer, key.view(-1, HK, D), key.view(-1, HK, D), cache, cm.slot_mapping)
+            if not forward:
+                return md, None
+            out = layer.impl.forward(layer, query.view(-1, H, D), key.view(-1, HK, D), key.view(-1, HK, D),
+                                     cache, md, output.view(-1, H, D))
+        assert fd.is_marked(out)
+    return md, out.detach().clone().view(step.n, H * D)
+
+
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+@pytest.mark.parametrize("name", BACKENDS)
+def test_stock_route_runs_vllm_033s_build_and_kernel(vllm_config, fd, kernels, seams, name, batch):
+    """No plugin changes the math: the graft builder's ``build()`` is the stock one (no graft
+    batch), the write and the forward reach 0.33's own kernel calls, with arguments their real
+    signatures accept."""
+    step = Step(*BATCHES[batch])
+    # FlashInfer's stock forward reads the state its wrappers' plan() keeps inside FlashInfer
+    # (and vLLM's own fast_plan_decode), which the recorders do not rebuild: it stops after the
+    # write; build() ran 0.33's planning, with the recorded wrapper calls
+    md, out = _run(vllm_config, fd, name, step, forward=name != "FLASHINFER")
+    assert getattr(md, "graft_batch", None) is None
+    called = {c[0] for c in kernels}
+    if name == "FLASH_ATTN":
+        assert {"reshape_and_cache_flash", "flash_attn_varlen_func"} <= called
+    elif name == "TRITON_ATTN":
+        assert {"triton_reshape_and_cache_flash", "unified_attention"} <= called
+    else:
+        assert "_C_cache_ops.reshape_and_cache_flash" in called and "_copy_page_indices_kernel" in called
+        if batch != "decode":
+            assert "BatchPrefillWithPagedKVCacheWrapper.plan" in called
+
+
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+@pytest.mark.parametrize("name", BACKENDS)
+def test_an_attention_method_computes_the_layer_inside_vllm_033s_backends(vllm_config, fd, kernels, seams, name, batch):
+    """An attention plugin that is not plain attention: ``build()`` (0.33's, then the graft batch
+    and the method's plan) and the mixin's ``forward`` give causal attention over the cache 0.33
+    lays out, without calling vLLM's attention kernel and without a host sync in the layer."""
+    method = _attention_method(seams)
+    # the method's own syncs (the PyTorch reference's) are its own: the layer's are the seam's
+    fd.wrap(method, ["forward", "plan"], prefix="method.")
+    step = Step(*BATCHES[batch], seed=3)
+    md, out = _run(vllm_config, fd, name, step, "method")
+    assert md.graft_batch is not None and md.graft_num_tokens == step.n
+    assert not {"flash_attn_varlen_func", "unified_attention"} & {c[0] for c in kernels}
+    assert not [c for c in kernels if c[0].endswith(".run")]
+    torch.testing.assert_close(out.float(), step.dense(), atol=2e-3, rtol=2e-3)
+    assert fd.sync_counts().get("layer", 0) == 0, fd.report()
