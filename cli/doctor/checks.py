@@ -15,6 +15,8 @@ source, so one table can show several), who needs it and a ``check(source) -> pr
 * ``behaviour``: what vLLM does that the adapters rest on (async scheduling's default and the
   output it wraps, splitting ops vs our custom ops, MoE kernel selection), read statically
   (:mod:`.behaviour`); a row may be ``n/a`` on a build without that behaviour;
+* ``attribute``: every attribute our subclasses of vLLM classes (and their mixins) read through
+  ``self`` from vLLM's object is set by that class (:mod:`.attributes`);
 * ``flashinfer``: the FlashInfer release the source pins equals ours, and every FlashInfer name
   and call of ours exists in it with a fitting signature (:mod:`.flashinfer`; ``n/a`` where the
   build pins none or the pinned wheel is not here, naming how to fetch it).
@@ -34,6 +36,7 @@ from packaging.version import InvalidVersion, Version
 from vllm_graft.hooks.versions import SUPPORTED_VLLM
 from vllm_graft.integration.targets import RUNNER_FACTS, TARGETS, Target
 
+from .attributes import attribute_rows
 from .behaviour import NotApplicable, facts as behaviour_facts, our_custom_ops
 from .flashinfer import flashinfer_needs
 from .source import Method, VLLMSource, _method
@@ -228,6 +231,8 @@ def needs(sources: Iterable[VLLMSource] = ()) -> list[Need]:
         out.append(Need("behaviour", b.claim, b.owner, b.runner, b.check, b.reads))
     for fi in flashinfer_needs(texts):
         out.append(Need("flashinfer", fi.key, fi.owner, "any", fi.check))
+    for key, owner, check in attribute_rows(texts):
+        out.append(Need("attribute", key, owner, "any", check))
     return out
 
 

