@@ -123,12 +123,14 @@ class Step:
             dtype=torch.int64,
         )
         self.query = torch.randn(self.n, H * D, generator=g).to(DTYPE)
+        # made here, outside the fake device (a factory call of the harness inside it is a device tensor)
+        self.qsl_cpu = torch.tensor(qsl, dtype=torch.int32)
+        self.seq_cpu = torch.tensor(self.seq, dtype=torch.int32)
 
     def metadata(self, fd):
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
-        qsl = torch.tensor(self.qsl, dtype=torch.int32)
-        seq = torch.tensor(self.seq, dtype=torch.int32)
+        qsl, seq = self.qsl_cpu.clone(), self.seq_cpu.clone()  # host copies stay host tensors
         dev = fd.put(qsl.clone(), seq.clone(), self.table.clone(), self.slots.clone())
         return CommonAttentionMetadata(
             query_start_loc=dev[0], query_start_loc_cpu=qsl, seq_lens=dev[1], seq_lens_cpu_upper_bound=seq,
@@ -291,3 +293,49 @@ def test_an_attention_method_computes_the_layer_inside_vllm_033s_backends(vllm_c
     assert not [c for c in kernels if c[0].endswith(".run")]
     torch.testing.assert_close(out.float(), step.dense(), atol=2e-3, rtol=2e-3)
     assert fd.sync_counts().get("layer", 0) == 0, fd.report()
+
+
+@pytest.mark.parametrize("name", ["FLASH_ATTN", "TRITON_ATTN"])
+def test_the_kv_rewriter_feeds_vllm_033s_build_and_kernel(vllm_config, fd, kernels, seams, name, monkeypatch):
+    """A KV compressor's rewriter ahead of 0.33's ``build()``: the rows' dropped blocks leave the
+    block table and the lengths, and 0.33's kernel call gets the compacted ones (the keep rule:
+    the first block and the last two)."""
+    from vllm.config import set_current_vllm_config
+
+    from vllm_graft.hooks import KVCompressor
+    from vllm_graft.integration.adapters.kvcompress import state as kvstate
+    from vllm_graft.integration.adapters.kvcompress.engine import rewrite
+    from vllm_graft.integration.adapters.kvcompress.rows import _StepRows, step_rows
+    from vllm_graft.integration.adapters.kvcompress.vllm_spec import GraftKVCompressSpec
+
+    class SinkWindow(KVCompressor):
+        def keep(self, view):
+            n = view.num_blocks
+            return sorted(set(range(min(1, n))) | set(range(max(0, n - 2), n)))
+
+    seams.install("test")
+    seams.SEAMS.rewriters.append(rewrite)
+    previous = kvstate.get_active()
+    kvstate.set_active(kvstate.Active(SinkWindow(None), "sw", lambda event, n=1: None))
+    step = Step([5 * BS + 3, 2 * BS, 0], [1, 1, 9], seed=4)
+    runner = types.SimpleNamespace(input_batch=types.SimpleNamespace(
+        num_reqs=3, req_ids=["r0", "r1", "r2"], num_prompt_tokens=torch.tensor(step.seq).numpy()))
+    spec = GraftKVCompressSpec(block_size=BS, num_kv_heads=HK, head_size=D, dtype=DTYPE, compressor="sw")
+    backend = _graft_backend(name)
+    step_rows.inside, step_rows.step = True, _StepRows(runner, {"r0": 1, "r1": 1, "r2": 9})
+    try:
+        with set_current_vllm_config(vllm_config), fd:
+            layer = _layer(vllm_config, backend)
+            builder = _builder(vllm_config, backend, spec)
+            md = builder.build(0, step.metadata(fd))
+            out = fd.put(torch.zeros(step.n, H, D, dtype=DTYPE))
+            q, cache = fd.put(step.query.clone().view(-1, H, D), step.cache.clone())
+            layer.impl.forward(layer, q, q[:, :HK], q[:, :HK], cache, md, out)
+    finally:
+        step_rows.inside, step_rows.step = False, None
+        kvstate.set_active(previous)
+    # row 0: 6 blocks of 83 tokens + 1, keeps blocks 0, 4, 5: 3 blocks dropped (48 tokens)
+    assert md.seq_lens.cpu().tolist()[:3] == [step.seq[0] - 3 * BS, step.seq[1], step.seq[2]]
+    assert md.block_table.cpu()[0, :3].tolist() == [int(step.table[0, j]) for j in (0, 4, 5)]
+    kernel = next(a for n, a in kernels if n in ("flash_attn_varlen_func", "unified_attention"))
+    assert kernel["seqused_k"] is md.seq_lens and kernel["block_table"] is md.block_table
