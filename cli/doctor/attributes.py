@@ -14,7 +14,7 @@ import ast
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from .source import VLLMSource
+from .source import VLLMSource, vllm_imported
 
 
 @dataclass(frozen=True)
@@ -66,12 +66,7 @@ def attribute_reads(files: Iterable[tuple[str, str]]) -> list[AttributeRead]:
     vllm_bases: list[tuple[str, ast.ClassDef, tuple[str, str], list[str]]] = []
     for rel, text in files:
         tree = ast.parse(text)
-        imported = {
-            (a.asname or a.name): (n.module, a.name)
-            for n in ast.walk(tree)
-            if isinstance(n, ast.ImportFrom) and not n.level and n.module and n.module.startswith("vllm.")
-            for a in n.names
-        }
+        imported = vllm_imported(tree)
         for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
             classes.setdefault(cls.name, (rel, cls))
             names = [b.id for b in cls.bases if isinstance(b, ast.Name)]

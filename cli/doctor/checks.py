@@ -39,7 +39,7 @@ from vllm_graft.integration.targets import RUNNER_FACTS, TARGETS, Target
 from .attributes import attribute_rows
 from .behaviour import NotApplicable, facts as behaviour_facts, our_custom_ops
 from .flashinfer import flashinfer_needs
-from .source import Method, VLLMSource, _method
+from .source import Method, VLLMSource, _method, vllm_imported
 
 PACKAGE = Path(__file__).resolve().parents[2]  # the folder holding hooks/, integration/, ...
 SCANNED = ("integration", "kit", "tools", "hooks", "plugins")
@@ -104,12 +104,7 @@ def vllm_subclasses(files: Iterable[Path] | None = None) -> list[Subclass]:
     out = []
     for f in files if files is not None else our_files():
         tree = ast.parse(f.read_text())
-        imported = {
-            (a.asname or a.name): (n.module, a.name)
-            for n in ast.walk(tree)
-            if isinstance(n, ast.ImportFrom) and not n.level and n.module and n.module.startswith("vllm.")
-            for a in n.names
-        }
+        imported = vllm_imported(tree)
         for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
             methods = {m.name: _method(m) for m in cls.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
             for b in cls.bases:

@@ -188,6 +188,16 @@ class VLLMSource(PackageSource):
         return None  # pkg.Name bases: none in vLLM's classes that vllm-graft extends
 
 
+def vllm_imported(tree: ast.Module) -> dict[str, tuple[str, str]]:
+    """Names a file of ours binds with ``from vllm.x import y [as z]``: local name -> (module, y)."""
+    return {
+        (a.asname or a.name): (n.module, a.name)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and not n.level and n.module and n.module.startswith("vllm.")
+        for a in n.names
+    }
+
+
 def _top_statements(body):
     for node in body:
         yield node
