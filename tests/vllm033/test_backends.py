@@ -295,11 +295,13 @@ def test_an_attention_method_computes_the_layer_inside_vllm_033s_backends(vllm_c
     assert fd.sync_counts().get("layer", 0) == 0, fd.report()
 
 
-@pytest.mark.parametrize("name", ["FLASH_ATTN", "TRITON_ATTN"])
+@pytest.mark.parametrize("name", BACKENDS)
 def test_the_kv_rewriter_feeds_vllm_033s_build_and_kernel(vllm_config, fd, kernels, seams, name, monkeypatch):
     """A KV compressor's rewriter ahead of 0.33's ``build()``: the rows' dropped blocks leave the
     block table and the lengths, and 0.33's kernel call gets the compacted ones (the keep rule:
-    the first block and the last two)."""
+    the first block and the last two). FlashInfer's native paths plan from the host upper bound
+    of the lengths (flashinfer.py:1669-1676), which the rewriter lowers too: its page list holds
+    the kept pages only."""
     from vllm.config import set_current_vllm_config
 
     from vllm_graft.hooks import KVCompressor
@@ -330,12 +332,180 @@ def test_the_kv_rewriter_feeds_vllm_033s_build_and_kernel(vllm_config, fd, kerne
             md = builder.build(0, step.metadata(fd))
             out = fd.put(torch.zeros(step.n, H, D, dtype=DTYPE))
             q, cache = fd.put(step.query.clone().view(-1, H, D), step.cache.clone())
-            layer.impl.forward(layer, q, q[:, :HK], q[:, :HK], cache, md, out)
+            if name != "FLASHINFER":  # its stock forward: see test_stock_route_runs_...
+                layer.impl.forward(layer, q, q[:, :HK], q[:, :HK], cache, md, out)
     finally:
         step_rows.inside, step_rows.step = False, None
         kvstate.set_active(previous)
-    # row 0: 6 blocks of 83 tokens + 1, keeps blocks 0, 4, 5: 3 blocks dropped (48 tokens)
-    assert md.seq_lens.cpu().tolist()[:3] == [step.seq[0] - 3 * BS, step.seq[1], step.seq[2]]
-    assert md.block_table.cpu()[0, :3].tolist() == [int(step.table[0, j]) for j in (0, 4, 5)]
+    # row 0: 6 blocks (83 tokens + 1), keeps blocks 0, 4, 5: 3 blocks (48 tokens) dropped
+    lens = [step.seq[0] - 3 * BS, step.seq[1], step.seq[2]]
+    kept0 = [int(step.table[0, j]) for j in (0, 4, 5)]
+    if name == "FLASHINFER":
+        pages = [-(-n // BS) for n in lens]
+        indptr = builder.paged_kv_indptr.cpu[:4].tolist()
+        assert indptr == [0, pages[0], pages[0] + pages[1], sum(pages)]
+        assert builder.paged_kv_indices[: pages[0]].cpu().tolist() == kept0
+        last = builder.paged_kv_last_page_len.cpu[:3].tolist()
+        assert last == [n % BS or BS for n in lens]
+        return
+    assert md.seq_lens.cpu().tolist()[:3] == lens
+    assert md.block_table.cpu()[0, :3].tolist() == kept0
     kernel = next(a for n, a in kernels if n in ("flash_attn_varlen_func", "unified_attention"))
     assert kernel["seqused_k"] is md.seq_lens and kernel["block_table"] is md.block_table
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_a_scored_compressor_scores_then_hands_steps_to_vllm_033s_kernel(vllm_config, fd, kernels, seams, name):
+    """SnapKV as its adapter wires it (a scoring attention method plus the rewriter): the prompt's
+    step computes attention with mass inside 0.33's backend (equal to dense causal attention) and
+    drops a block at its end; the next decode step, outside the observation window, leaves that
+    block out of the table and runs 0.33's own kernel over the rest."""
+    from vllm.config import set_current_vllm_config
+
+    from vllm_graft.hooks import get_registry
+    from vllm_graft.integration.adapters.kvcompress import state as kvstate
+    from vllm_graft.integration.adapters.kvcompress.engine import rewrite
+    from vllm_graft.integration.adapters.kvcompress.rows import _StepRows, step_rows
+    from vllm_graft.integration.adapters.kvcompress.scores import _Scores, _ScoringAttention
+    from vllm_graft.integration.adapters.kvcompress.vllm_spec import GraftKVCompressSpec
+
+    reg = get_registry().get("kvcompress", "snapkv").registration
+    compressor = reg.load()(reg.params(budget_blocks=2, sink_blocks=1, window_tokens=4))
+    events: list = []
+    count = lambda event, n=1: events.append((event, n))  # noqa: E731
+    active = kvstate.Active(compressor, "snapkv", count, needs_scores=True)
+    active.scored = _Scores(compressor, "snapkv", count)
+    seams.install("test")
+    seams.SEAMS.method, seams.SEAMS.method_name, seams.SEAMS.count = _ScoringAttention(active.scored), "snapkv", count
+    seams.SEAMS.rewriters.append(rewrite)
+    previous = kvstate.get_active()
+    kvstate.set_active(active)
+    spec = GraftKVCompressSpec(block_size=BS, num_kv_heads=HK, head_size=D, dtype=DTYPE, compressor="snapkv")
+    backend = _graft_backend(name)
+    prompt = 3 * BS + 8  # 4 blocks; the budget keeps 2
+    prefill, decode = Step([0], [prompt], seed=5), Step([prompt], [1], seed=5)
+    decode.table, decode.cache = prefill.table, prefill.cache  # the same request's blocks
+    runner = types.SimpleNamespace(input_batch=types.SimpleNamespace(
+        num_reqs=1, req_ids=["r0"], num_prompt_tokens=torch.tensor([prompt]).numpy()))
+    outs, mds = [], []
+    try:
+        with set_current_vllm_config(vllm_config), fd:
+            layer = _layer(vllm_config, backend)
+            builder = _builder(vllm_config, backend, spec)
+            for st in (prefill, decode):
+                kernels.clear()
+                step_rows.inside, step_rows.step = True, _StepRows(runner, {"r0": st.queries[0]})
+                md = builder.build(0, st.metadata(fd))
+                q, cache = fd.put(st.query.clone().view(-1, H, D), st.cache.clone())
+                out = fd.put(torch.zeros(st.n, H, D, dtype=DTYPE))
+                if st is prefill or name != "FLASHINFER":
+                    with fd.region("layer"):
+                        layer.impl.forward(layer, q, q[:, :HK], q[:, :HK], cache, md, out)
+                drops = active.scored.finalize()
+                outs.append((out.detach().clone().view(st.n, H * D), drops, [c[0] for c in kernels]))
+                mds.append(md)
+    finally:
+        step_rows.inside, step_rows.step = False, None
+        kvstate.set_active(previous)
+    (p_out, p_drops, p_kernels), (_, d_drops, d_kernels) = outs
+    torch.testing.assert_close(p_out.float(), prefill.dense(), atol=2e-3, rtol=2e-3)
+    # the sink block and the window's block stay: blocks 1 and 2 go (2 x 16 of 56 tokens)
+    assert p_drops == {"r0": [1, 2]}, p_drops
+    assert not {"flash_attn_varlen_func", "unified_attention"} & set(p_kernels)
+    assert not d_drops
+    kept = [0, 3]  # 57 tokens after the decode step, 25 of them kept: two pages
+    if name == "FLASHINFER":
+        pages = builder.paged_kv_indptr.cpu[1]
+        assert pages == len(kept)
+        assert builder.paged_kv_indices[:pages].cpu().tolist() == [int(prefill.table[0, j]) for j in kept]
+        return
+    assert {"flash_attn_varlen_func", "unified_attention"} & set(d_kernels), d_kernels
+    assert mds[1].seq_lens.cpu().tolist()[:1] == [prompt + 1 - 2 * BS]
+    assert mds[1].block_table.cpu()[0, : len(kept)].tolist() == [int(prefill.table[0, j]) for j in kept]
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_a_storage_format_writes_and_attends_in_its_own_page_inside_vllm_033s_backends(
+    vllm_config, fd, kernels, seams, name, monkeypatch
+):
+    """kv4 as its adapter wires it: the backend's ``customize_spec`` (0.33's, then ours) gives the
+    format's uint8 page, 0.33's builder takes that spec, the layer's write goes to the format and
+    its attention reads the page: the same output as kv4's own reference on the same page, and
+    neither of vLLM's write or attention kernels is called. FLASHINFER's builder asserts that the
+    spec's dtype is the model's (0.33 flashinfer.py:983): with a format it is invalid, so vLLM's
+    selector passes it over (on Blackwell, where it comes first) and refuses it by name, with why."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_graft.hooks import PACKED, AttentionLayer, PagedBatch, get_registry
+    from vllm_graft.integration.adapters.kvcompress import state as kvstate
+    from vllm_graft.integration.adapters.kvcompress.engine import _FormatSeam
+    from vllm_graft.integration.adapters.kvcompress.keep import KeepAll
+    from vllm_graft.integration.adapters.kvcompress.vllm_spec import GraftKVCompressSpec
+
+    reg = get_registry().get("kvcompress", "kv4").registration
+    fmt = reg.load()(reg.params())
+    runtime = types.SimpleNamespace(count=lambda *a: None)
+    active = kvstate.Active(KeepAll(), "kv4", lambda *a: None, kv_format=fmt, format_name="kv4")
+    previous = kvstate.get_active()
+    kvstate.set_active(active)
+    seams.install("test")
+    seams.SEAMS.kv_format = _FormatSeam(fmt, "kv4", runtime)
+    from vllm_graft.integration.adapters.kvcompress import vllm_spec
+
+    seams.SEAMS.customize_spec = vllm_spec.customize_spec
+    backend = _graft_backend(name)
+    step = Step([0, 0], [9, 20], seed=6)
+    if name == "FLASHINFER":
+        try:
+            _refused_on_flashinfer(vllm_config, fd, monkeypatch)
+        finally:
+            kvstate.set_active(previous)
+        return
+    try:
+        spec = backend.customize_spec(FullAttentionSpec(block_size=BS, num_kv_heads=HK, head_size=D, dtype=DTYPE))
+        assert isinstance(spec, GraftKVCompressSpec) and spec.dtype == torch.uint8
+        page = torch.zeros(NB, BS, HK, fmt.bytes_per_token(D, BS), dtype=torch.uint8).transpose(1, 2)
+        keys, values = torch.cat(step.keys), torch.cat(step.values)
+        with set_current_vllm_config(vllm_config), fd:
+            layer = _layer(vllm_config, backend)
+            builder = _builder(vllm_config, backend, spec)
+            cm = step.metadata(fd)
+            md = builder.build(0, cm)
+            dpage, q, k, v = fd.put(page.clone(), step.query.clone().view(-1, H, D), keys.clone(), values.clone())
+            out = fd.put(torch.zeros(step.n, H, D, dtype=DTYPE))
+            with fd.region("layer"):
+                layer.impl.do_kv_cache_update(layer, k, v, dpage, cm.slot_mapping)
+                layer.impl.forward(layer, q, k, v, dpage, md, out)
+    finally:
+        kvstate.set_active(previous)
+    assert not {c[0] for c in kernels} & {"reshape_and_cache_flash", "triton_reshape_and_cache_flash",
+                                          "_C_cache_ops.reshape_and_cache_flash", "flash_attn_varlen_func",
+                                          "unified_attention"}
+    # kv4's reference on the host, the same inputs: the page and the output
+    want_page = page.clone()
+    fmt.write(keys, values, want_page, step.slots)
+    assert torch.equal(dpage.detach().clone(), want_page)
+    batch = PagedBatch(query_start_loc=step.qsl_cpu, seq_lens=step.seq_cpu, block_table=step.table, max_query_len=20)
+    spec_layer = AttentionLayer(num_heads=H, num_kv_heads=HK, head_size=D, scale=D**-0.5, block_size=BS, index=0,
+                                kv_layout=PACKED)
+    want, _ = fmt.forward(step.query.view(-1, H, D), want_page, batch, spec_layer)
+    torch.testing.assert_close(out.detach().clone().float(), want.float(), atol=1e-3, rtol=1e-3)
+
+
+def _refused_on_flashinfer(vllm_config, fd, monkeypatch):
+    from vllm.config import set_current_vllm_config
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vllm_graft.integration.adapters.cuda_flashinfer import FORMAT_REASON
+
+    monkeypatch.setattr(type(current_platform), "get_device_capability", classmethod(lambda cls, device_id=0: DeviceCapability(10, 0)))
+    with set_current_vllm_config(vllm_config), fd:
+        layer = _layer(vllm_config)  # SM 10.0 puts FLASHINFER first (platforms/cuda.py:155-182)
+        assert layer.attn_backend.get_name() == "FLASH_ATTN"
+        monkeypatch.setattr(vllm_config.attention_config, "backend", AttentionBackendEnum.FLASHINFER)
+        with pytest.raises(ValueError) as info:
+            _layer(vllm_config)
+    assert FORMAT_REASON in str(info.value)
