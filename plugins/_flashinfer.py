@@ -2,7 +2,8 @@
 
 A plugin uses a FlashInfer kernel only where :func:`unavailable` returns None: ``flashinfer``
 is installed at the release vLLM's CUDA build pins (:data:`~vllm_graft.hooks.versions.FLASHINFER`,
-0.7.2.post1 for vLLM 0.33), its kernels are prebuilt or buildable, and the tensors are on a CUDA
+0.7.2.post1 for vLLM 0.33), its JIT modules are prebuilt (flashinfer-jit-cache) or buildable
+(nvcc and ninja), and the tensors are on a CUDA
 device of compute capability >= 8.0. Otherwise the plugin runs its Triton kernel (or PyTorch)
 and :func:`choose` logs once, per path and reason, which ran and why.
 
@@ -50,13 +51,16 @@ def package_status() -> str | None:
             f"{FLASHINFER.distribution} {version} is installed but vllm-graft calls FlashInfer "
             f"only at vLLM's pin {FLASHINFER.version}; {fix}"
         )
-    # FlashInfer compiles its modules on first use unless they come prebuilt; vLLM applies the
-    # same rule (vllm/utils/flashinfer.py:86-107).
-    prebuilt = any(importlib.util.find_spec(m) is not None for m in ("flashinfer_cubin", "flashinfer_jit_cache"))
-    if not prebuilt and (_nvcc() is None or shutil.which("ninja") is None):
+    # The modules vllm-graft calls (cascade.merge_state, top_k) are JIT-built on first use
+    # unless an AOT provider ships them: flashinfer-jit-cache (flashinfer/jit/env.py:190-215).
+    # flashinfer-cubin holds downloaded TRT-LLM cubins only (jit/env.py:93-131), none of these.
+    if importlib.util.find_spec("flashinfer_jit_cache") is None and (_nvcc() is None or shutil.which("ninja") is None):
+        cubin = importlib.util.find_spec("flashinfer_cubin") is not None
         return (
-            "FlashInfer's kernels are neither prebuilt (flashinfer-cubin, flashinfer-jit-cache) "
-            "nor buildable here (nvcc under CUDA_HOME or on PATH, and ninja on PATH)"
+            "FlashInfer's JIT-built modules (cascade.merge_state, top_k) are not prebuilt here "
+            "(flashinfer-jit-cache is not installed"
+            + ("; flashinfer-cubin holds TRT-LLM cubins only, not these modules" if cubin else "")
+            + ") and cannot be built (nvcc under CUDA_HOME or on PATH, and ninja on PATH)"
         )
     return None
 

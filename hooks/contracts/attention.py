@@ -168,3 +168,21 @@ class AttentionMethod(PluginImpl[P]):
         plan: Any = None,
     ) -> "torch.Tensor":
         """Return the attention output ``[T, H, D]`` for ``query`` ``[T, H, D]``."""
+
+
+# ---------------------------------------------------------------- the engine's own kernels
+#: Kernels of the serving engine that plugins may call where the route provides them (the
+#: integration fills this when an attention plugin activates on vLLM; empty elsewhere, e.g. in
+#: the kit and the kernel tests). Known names:
+#:
+#: * ``"merge_attn_states"``: vLLM's ``merge_attn_states(output, prefix_output, prefix_lse,
+#:   suffix_output, suffix_lse, output_lse=None)`` (v1/attention/ops/merge_attn_states.py): two
+#:   partial attentions ``[tokens, heads, D]`` merged by their natural-log log-sum-exp
+#:   ``[heads, tokens]`` into ``output`` (and ``output_lse``); on CUDA its CUDA kernel (fp32,
+#:   fp16, bf16; D a multiple of 4 or 8) else its Triton one, on the CPU engine PyTorch.
+HOST_KERNELS: dict[str, Any] = {}
+
+
+def host_kernel(name: str) -> Any:
+    """The engine's kernel ``name`` (see :data:`HOST_KERNELS`), or None where the route has none."""
+    return HOST_KERNELS.get(name)

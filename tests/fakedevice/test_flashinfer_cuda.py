@@ -65,3 +65,39 @@ def test_token_recycling_top_k_path_on_the_device(device, fake):
         got = got.cpu()
     assert not [s for s in device.syncs if s.region == "update"]
     assert torch.equal(got, want)
+
+
+def test_hydragen_engine_merge_path_on_the_device(device):
+    """The merge by vLLM's own ``merge_attn_states`` (engine_merge.py): every tensor on the inputs'
+    device, nothing read back to the host, the reference's result (natural-log lse)."""
+    pytest.importorskip("vllm")
+    from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
+
+    from vllm_graft.plugins.attention.hydragen.engine_merge import merge_partials_with
+
+    g = torch.Generator().manual_seed(2)
+    t, h, d = 6, 4, 16
+    parts = [list(range(sum(j % 3 for j in range(i)), sum(j % 3 for j in range(i + 1)))) for i in range(t)]
+    nr = sum(map(len, parts))
+    start = torch.tensor([0] + [sum(map(len, parts[:i + 1])) for i in range(t)], dtype=torch.int32)
+    rows = torch.tensor([r for p in parts for r in p], dtype=torch.int32)
+    o_s, o_p = torch.randn(t, h, d, generator=g), torch.randn(nr, h, d, generator=g)
+    lse_s, lse_p = torch.randn(t, h, generator=g), torch.randn(nr, h, generator=g)
+    want = []
+    for i in range(t):
+        o, lse = o_s[i], lse_s[i]
+        for r in parts[i]:
+            o, lse = merge(o, lse, o_p[r], lse_p[r])
+        want.append(o)
+    want = torch.stack(want)
+    with device:
+        ds, dls, dp, dlp, dstart, drows = device.put(o_s, lse_s, o_p, lse_p, start, rows)
+        ix = {"part_start": dstart, "part_rows": drows, "num_groups": 2}
+        plan = types.SimpleNamespace(cache={}, prefixes=lambda bs: types.SimpleNamespace(depth=2))
+        out = torch.empty(t, h, d, dtype=torch.float16, device=ds.device)
+        with device.region("merge"):
+            got = merge_partials_with(merge_attn_states, ds, dls, dp, dlp, ix, plan, 16, out)
+        assert got.device == ds.device
+        got = got.cpu()
+    assert not [s for s in device.syncs if s.region == "merge"]
+    torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=2e-3)

@@ -497,3 +497,28 @@ def test_plugins_left_on_their_reference_are_named_on_cuda(cuda, caplog, monkeyp
     platforms = importlib.import_module("vllm.platforms")
     monkeypatch.setattr(platforms, "current_platform", _platform("cpu"))
     assert activate("reference") == []  # the reference is the CPU path
+
+
+def test_the_attention_adapter_hands_plugins_vllms_merge_kernel(cuda):
+    """While an attention plugin is active, HOST_KERNELS holds vLLM's own merge_attn_states
+    (hydragen merges with it on CUDA); deactivation takes it back."""
+    from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
+
+    from vllm_graft.hooks.contracts.attention import HOST_KERNELS, host_kernel
+    from vllm_graft.integration.adapters.attention.engine import ADAPTER
+
+    class Packed:
+        kv_layouts = ("packed",)
+
+        def uses_host_kernel(self):
+            return False
+
+    plan = SimpleNamespace(deployment=SimpleNamespace(engine={}))
+    runtime = SimpleNamespace(instance=lambda _: Packed(), count=lambda *a: None)
+    assert host_kernel("merge_attn_states") is None
+    ADAPTER.activate([SimpleNamespace(name="packed")], plan, runtime)
+    try:
+        assert host_kernel("merge_attn_states") is merge_attn_states
+    finally:
+        ADAPTER.deactivate()
+    assert not HOST_KERNELS

@@ -90,11 +90,16 @@ def test_a_release_other_than_the_pin_is_refused(fresh, monkeypatch):
     _flashinfer.package_status.cache_clear()
     monkeypatch.setattr(importlib.metadata, "version", lambda d: PIN)
     monkeypatch.setattr(_flashinfer, "_nvcc", lambda: None)  # no toolkit, no prebuilt kernels
-    assert "neither prebuilt" in _flashinfer.package_status()
+    assert "not prebuilt here (flashinfer-jit-cache is not installed)" in _flashinfer.package_status()
     _flashinfer.package_status.cache_clear()
+    # flashinfer-cubin holds TRT-LLM cubins, not the JIT modules vllm-graft calls: still refused
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda m, *a: object() if m in ("flashinfer", "flashinfer_cubin") else real(m, *a))
-    assert _flashinfer.package_status() is None
+    assert "flashinfer-cubin holds TRT-LLM cubins only" in _flashinfer.package_status()
+    _flashinfer.package_status.cache_clear()
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda m, *a: object() if m in ("flashinfer", "flashinfer_jit_cache") else real(m, *a))
+    assert _flashinfer.package_status() is None  # the AOT provider ships them
 
 
 def test_compute_capability_is_checked(fresh, monkeypatch):
@@ -143,6 +148,50 @@ def test_hydragen_merge_by_flashinfer_equals_the_triton_merge(fresh, monkeypatch
         f"vllm-graft hydragen merge: FlashInfer cascade.merge_state (flashinfer-python=={PIN})"]
     err = (fi_out.float() - triton_out.float()).abs().max().item()
     assert fi_out.dtype == dtype and err <= (4e-3 if dtype == torch.float16 else 3e-2), err
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_hydragen_merges_with_vllms_merge_attn_states_first(fresh, monkeypatch, dtype, caplog):
+    """Where the route provides vLLM's ``merge_attn_states`` (the attention adapter puts it in
+    HOST_KERNELS on activation) hydragen folds its partials with it, before FlashInfer (installed
+    here, and not called) and before its own Triton merge: the same output as the Triton merge.
+    vLLM's function is the installed one (on the CPU engine its PyTorch path; on CUDA its CUDA
+    kernel), called with its own layout (natural-log lse [heads, tokens])."""
+    pytest.importorskip("vllm")
+    from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
+
+    from vllm_graft.hooks.contracts.attention import HOST_KERNELS
+    from vllm_graft.plugins.attention.hydragen import HydragenParams
+    from vllm_graft.plugins.attention.hydragen import engine_merge
+    from vllm_graft.plugins.attention.hydragen.reference import Hydragen
+
+    from .test_hydragen import paged_case
+
+    h, hkv, d, bs = 8, 2, 64, 32
+    q, kv, batch, layer = paged_case(8, dtype, h, hkv, d, bs)
+    m = Hydragen(HydragenParams(kernel="triton"))
+    plan = m.plan(batch)
+    triton_out = m.forward(q, kv, batch, layer, plan)  # nothing provided: the Triton merge
+    depth = plan.prefixes(bs).depth
+    assert depth >= 2
+    calls = []
+
+    def recorded(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse=None, **kw):
+        calls.append((tuple(prefix_output.shape), tuple(prefix_lse.shape), output_lse is not None))
+        return merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse, **kw)
+
+    fake = FakeFlashInfer().install(monkeypatch)
+    monkeypatch.setitem(HOST_KERNELS, "merge_attn_states", recorded)
+    monkeypatch.setattr(engine_merge, "_said", set())
+    with caplog.at_level(logging.INFO, logger="vllm_graft"):
+        out = m.forward(q, kv, batch, layer, m.plan(batch))
+    t = q.shape[0]
+    assert calls == [((t, h, d), (h, t), True)] * depth  # one call per tree level
+    assert not fake.calls
+    assert "vllm-graft hydragen merge: vLLM's merge_attn_states" in [r.getMessage() for r in caplog.records]
+    err = (out.float() - triton_out.float()).abs().max().item()
+    assert out.dtype == dtype and err <= (4e-3 if dtype == torch.float16 else 1e-4), err
 
 
 def test_hydragen_fp32_keeps_the_triton_merge_and_says_why(fresh, monkeypatch, caplog):

@@ -14,6 +14,9 @@ vLLM's own cache write and kernel compute every layer (and on CUDA keep their CU
 vllm-graft's generic backend (the CPU test switch; CUDA's CUSTOM fallback) has no host kernel
 to hand it to, and says so in the log.
 
+vLLM's own kernels a plugin may call are put in ``HOST_KERNELS`` while it is active
+(``merge_attn_states``, for hydragen's merge on CUDA).
+
 Events counted: ``plan`` (steps) and ``forward`` (layer calls), or ``host`` (layer calls
 computed by the host's kernel).
 """
@@ -23,12 +26,21 @@ from __future__ import annotations
 import logging
 
 from vllm_graft.hooks import Kind
+from vllm_graft.hooks.contracts.attention import HOST_KERNELS
 
 from vllm_graft.integration import targets
 from vllm_graft.integration.adapters import Adapter, attention_backend_overrides, backend
 
 OWNER = targets.ATTENTION
 log = logging.getLogger("vllm_graft")
+
+
+def provide_host_kernels() -> None:
+    """vLLM's kernels that plugins may call (:data:`~vllm_graft.hooks.contracts.attention.HOST_KERNELS`):
+    ``merge_attn_states`` (vLLM's CUDA or Triton merge on CUDA; hydragen merges its partials with it)."""
+    from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
+
+    HOST_KERNELS["merge_attn_states"] = merge_attn_states
 
 
 class AttentionAdapter(Adapter):
@@ -56,8 +68,10 @@ class AttentionAdapter(Adapter):
                 e.name,
             )
         backend.SEAMS.count = lambda event, n: runtime.count(Kind.ATTENTION, e.name, event, n)
+        provide_host_kernels()
 
     def deactivate(self):
+        HOST_KERNELS.clear()
         backend.SEAMS.method, backend.SEAMS.method_name, backend.SEAMS.count = None, "", None
         backend.SEAMS.host_kernel = False
         backend.uninstall(OWNER)

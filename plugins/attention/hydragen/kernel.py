@@ -8,9 +8,10 @@
 * :func:`_suffix_kernel`: decode attention of one token (all query heads of one KV head)
   over its sequence's own blocks from its suffix start, causally masked.
 * :func:`_merge_kernel`: per token and head, the suffix partial merged with the token's
-  prefix partials (one per tree level) by log-sum-exp, written in the output dtype; on CUDA
-  with FlashInfer usable, ``flashinfer.cascade.merge_state`` does the merge instead
-  (``flashinfer.py``, chosen once and logged).
+  prefix partials (one per tree level) by log-sum-exp, written in the output dtype. Where the
+  route provides vLLM's ``merge_attn_states`` (an attention plugin active on vLLM) it does the
+  merge instead (``engine_merge.py``); else, on CUDA with FlashInfer usable,
+  ``flashinfer.cascade.merge_state`` (``flashinfer.py``, chosen once and logged).
 
 Caches are read through ``layer.kv_layout.split`` with the K and V views' own strides (block,
 head, token; unit stride along D), so any layout and physical order works.
@@ -26,6 +27,7 @@ from vllm_graft.hooks import AttentionLayer, PagedBatch
 
 from .._shared import cache_strides
 
+from .engine_merge import engine_merge, merge_partials_with
 from .flashinfer import merge_partials, use_flashinfer_merge
 from .policy import StepPlan, group_rows
 
@@ -335,7 +337,10 @@ def hydragen_attention_triton(
             BLOCK_M=BLOCK_M,
             PREC=prec,
         )
-    if use_flashinfer_merge(query):  # FlashInfer's cascade merge_state where it may run
+    merge = engine_merge()
+    if merge is not None:  # vLLM's merge_attn_states where the route provides it (CUDA first)
+        return merge_partials_with(merge, o_s, lse_s, o_p, lse_p, ix, plan, bs, out)
+    if use_flashinfer_merge(query):  # else FlashInfer's cascade merge_state where it may run
         return merge_partials(o_s, lse_s, o_p, lse_p, ix, plan, bs, out)
     _merge_kernel[(num_tokens, num_heads)](
         o_s,
