@@ -226,7 +226,7 @@ def needs(sources: Iterable[VLLMSource] = ()) -> list[Need]:
         out.append(Need("behaviour", b.claim, b.owner, b.runner, b.check, b.reads))
     for fi in flashinfer_needs(texts):
         out.append(Need("flashinfer", fi.key, fi.owner, "any", fi.check))
-    for key, owner, check in attribute_rows(texts):
+    for key, owner, check in attribute_rows(texts, references):
         out.append(Need("attribute", key, owner, "any", check))
     return out
 

@@ -644,8 +644,25 @@ def test_attribute_rows_catch_an_attribute_vllm_033s_class_never_sets():
     assert rows["FlashInferImpl.num_heads <- Graft"] is None
     assert "never sets 'attn_type'" in rows["FlashInferImpl.attn_type <- Graft"]
     assert "old.py:4 (Mixin)" in rows["FlashInferImpl.attn_type <- Graft"]
+    # reads from what vLLM hands an overriding method, typed by vLLM's own annotation
+    # (FlashAttentionMetadataBuilder.build(..., common_attn_metadata: CommonAttentionMetadata, ...))
+    planted = (
+        "from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder\n"
+        "class B(FlashAttentionMetadataBuilder):\n"
+        "    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):\n"
+        "        cm = common_attn_metadata\n"
+        "        return cm.num_reqs, cm.seq_lens_cpu, cm.graft_mine\n"
+        "    def later(self, x):\n"
+        "        x.graft_mine = 1\n"
+    )
+    rows = {key: check(src) for key, _, check in attribute_rows([("p.py", planted)], [src])}
+    assert rows["CommonAttentionMetadata.num_reqs <- B.build(common_attn_metadata)"] is None
+    assert "never sets 'seq_lens_cpu'" in rows["CommonAttentionMetadata.seq_lens_cpu <- B.build(common_attn_metadata)"]
+    assert not any("graft_mine" in k for k in rows)  # set by our code on vLLM's object: ours
     texts = [(_rel(f), f.read_text()) for f in our_files()]
     reads = attribute_reads(texts)
     assert {("FlashInferImpl", "num_heads"), ("FlashAttentionImpl", "scale")} <= {(r.base[1], r.name) for r in reads}
-    problems = {key: r for key, _, check in attribute_rows(texts) if (r := check(src))}
+    rows = attribute_rows(texts, [src])
+    assert any(k.startswith("CommonAttentionMetadata.seq_lens <- GraftFlashInferMetadataBuilder.build") for k, _, _ in rows)
+    problems = {key: r for key, _, check in rows if (r := check(src))}
     assert not problems, problems
