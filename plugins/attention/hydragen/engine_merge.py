@@ -35,19 +35,10 @@ def engine_merge() -> Any:
     return merge
 
 
-def merge_partials_with(
-    merge: Any,
-    o_s: torch.Tensor,
-    lse_s: torch.Tensor,
-    o_p: torch.Tensor,
-    lse_p: torch.Tensor,
-    ix: dict,
-    plan: StepPlan,
-    block_size: int,
-    out: torch.Tensor,
-) -> torch.Tensor:
-    """``out`` = the suffix partial ``(o_s [T, H, D], lse_s [T, H])`` merged with each token's
-    prefix partials ``(o_p [R, H, D], lse_p [R, H])`` by ``merge`` (vLLM's signature)."""
+def merge_partials_with(merge: Any, partials: tuple, ix: dict, plan: StepPlan, block_size: int, out: torch.Tensor):
+    """``out`` = the suffix partial merged with each token's prefix partials by ``merge`` (vLLM's
+    signature); ``partials`` = ``(o_s [T, H, D], lse_s [T, H], o_p [R, H, D], lse_p [R, H])``."""
+    o_s, lse_s, o_p, lse_p = partials
     nr = o_p.shape[0]
     v = o_s.float().contiguous()
     s = lse_s.float().t().contiguous()  # [H, T]

@@ -339,7 +339,7 @@ def hydragen_attention_triton(
         )
     merge = engine_merge()
     if merge is not None:  # vLLM's merge_attn_states where the route provides it (CUDA first)
-        return merge_partials_with(merge, o_s, lse_s, o_p, lse_p, ix, plan, bs, out)
+        return merge_partials_with(merge, (o_s, lse_s, o_p, lse_p), ix, plan, bs, out)
     if use_flashinfer_merge(query):  # else FlashInfer's cascade merge_state where it may run
         return merge_partials(o_s, lse_s, o_p, lse_p, ix, plan, bs, out)
     _merge_kernel[(num_tokens, num_heads)](
