@@ -138,8 +138,9 @@ class Step:
             max_seq_len=max(self.seq), block_table_tensor=dev[2], slot_mapping=dev[3],
         )
 
-    def dense(self) -> torch.Tensor:
-        """Causal attention over every key, in float32: what the layer's output must be."""
+    def dense(self, masks: dict | None = None) -> torch.Tensor:
+        """Causal attention over every key, in float32 (a row given in ``masks`` attends under
+        that ``[queries, keys]`` mask instead): what the layer's output must be."""
         outs = []
         q = self.query.float().view(self.n, H, D)
         for i, (s, qn) in enumerate(zip(self.seq, self.queries)):
@@ -147,6 +148,7 @@ class Step:
             v = self.values[i].float().repeat_interleave(H // HK, 1).transpose(0, 1)
             qq = q[self.qsl[i] : self.qsl[i + 1]].transpose(0, 1)
             mask = torch.arange(s)[None, :] <= torch.arange(s - qn, s)[:, None]
+            mask = (masks or {}).get(i, mask)
             att = (qq @ k.transpose(1, 2) * D**-0.5).masked_fill(~mask, -math.inf).softmax(-1)
             outs.append((att @ v).transpose(0, 1))
         return torch.cat(outs).reshape(self.n, H * D)
@@ -509,3 +511,40 @@ def _refused_on_flashinfer(vllm_config, fd, monkeypatch):
         with pytest.raises(ValueError) as info:
             _layer(vllm_config)
     assert FORMAT_REASON in str(info.value)
+
+
+PARENTS = [-1, -1, 0, 1, 1, 3]  # a draft tree of six nodes after its root
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_tree_verification_computes_its_rows_inside_vllm_033s_backends(vllm_config, fd, kernels, seams, name, monkeypatch):
+    """Tree verification as the speculative adapter installs it (its attention method in the
+    seam): 0.33's ``build()``, the method's plan, and a step of a decode row and a tree row (its
+    root and six nodes, each seeing its context and its ancestors): dense attention under that
+    mask, vLLM's attention kernel not called."""
+    from vllm.config import set_current_vllm_config
+
+    from tests.unit.test_spec_tree_engine import step_tree, verifier_with
+    from vllm_graft.integration.adapters.speculative import tree as T
+
+    step = Step([20, 30], [1, 1 + len(PARENTS)], seed=7)
+    monkeypatch.setattr(T.RUNTIME, "tree_verifier", verifier_with({1: step_tree(PARENTS, start=1, context=30)}, others=True))
+    T.install_attention("test")
+    try:
+        md, out = _run(vllm_config, fd, name, step)
+    finally:
+        T.uninstall_attention("test")
+    assert md.graft_batch is not None and md.graft_plan is not None
+    assert not {"flash_attn_varlen_func", "unified_attention"} & {c[0] for c in kernels}
+    # row 1's pass: every row sees the 30 keys of its context, itself and its ancestors
+    mask = torch.zeros(7, 37, dtype=torch.bool)
+    mask[:, :30] = True
+    parents = [-1, *(q + 1 for q in PARENTS)]
+    for i in range(7):
+        j = i
+        while j >= 0:
+            mask[i, 30 + j] = True
+            j = parents[j]
+    assert md.graft_plan.kernel is not None  # device tensors: the Triton tree kernel (interpreted here)
+    assert (step.dense() - step.dense({1: mask})).abs().max() > 1e-2  # the tree mask is not causal
+    torch.testing.assert_close(out.float(), step.dense({1: mask}), atol=2e-3, rtol=2e-3)
