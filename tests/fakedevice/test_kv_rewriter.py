@@ -186,3 +186,28 @@ def test_reading_the_device_lengths_back_is_caught(active, monkeypatch):
         _put(device, cm)
         _build(_builder(), cm, computed, queries)
     assert [s.op for s in device.syncs] == ["tolist"]
+
+
+def test_the_pinned_copy_branch_of_the_fill_runs_on_the_fake_device(device, monkeypatch):
+    """``RowBuffers.fill`` stages its index in pinned host memory when CUDA is there (a branch no
+    CPU run took): on the fake device, with ``torch.cuda.is_available()`` answering as on a GPU
+    machine (pinned memory is plain host memory there), it fills the same rows as the host path,
+    reading nothing back."""
+    from vllm_graft.integration.adapters.kvcompress.plan import RowBuffers, compaction_index
+
+    if getattr(device, "real", False):
+        pytest.skip("on a real GPU the branch runs in every device test")
+    cm = _cm([5 * B + 3, 2 * B, 9 * B + 1], [1, 1, 1], 4)
+    skips = [[1, 2], [], [3], []]
+    index = compaction_index(skips, cm.seq_lens.tolist(), B, WIDTH)
+    want_table, want_lens = RowBuffers(MAX_ROWS, cm.block_table_tensor, cm.seq_lens).fill(
+        cm.block_table_tensor, cm.seq_lens, index)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with device:
+        table, lens = device.put(cm.block_table_tensor.clone(), cm.seq_lens.clone())
+        with device.region("fill"):
+            got_table, got_lens = RowBuffers(MAX_ROWS, table, lens).fill(table, lens, index)
+        assert device.is_marked(got_table) and device.is_marked(got_lens)
+    assert not device.sync_counts().get("fill"), device.report()
+    assert torch.equal(got_table.cpu(), want_table) and torch.equal(got_lens.cpu(), want_lens)
+    assert not torch.equal(want_lens, cm.seq_lens)  # rows were compacted
