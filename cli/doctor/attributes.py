@@ -8,8 +8,10 @@ bases included). Two kinds of read are collected:
   annotates that parameter with a vLLM class (``build(..., common_attn_metadata:
   CommonAttentionMetadata)``); the ``graft_*`` attributes our code sets on vLLM's objects are ours.
 
-Not collected: reads in our free functions (their parameters carry no vLLM type) and through
-``getattr``. vLLM 0.33's ``FlashInferImpl`` takes ``attn_type`` and never stores it: a mixin that
+* from a parameter of any function of ours that annotates it with a vLLM class (imported at run
+  time or under ``TYPE_CHECKING``, e.g. ``cm: "CommonAttentionMetadata"``).
+
+Not collected: reads from parameters typed ``Any`` or not at all, and through ``getattr``. vLLM 0.33's ``FlashInferImpl`` takes ``attn_type`` and never stores it: a mixin that
 read ``self.attn_type`` failed at the first graft step, and only this kind of row sees it without
 a GPU. Reads through ``getattr(self, name, default)`` tolerate a missing attribute and are not
 rows; attributes our classes set themselves are ours, not vLLM's.
@@ -139,37 +141,77 @@ def parameter_reads(files: Iterable[tuple[str, str]]) -> list[ParameterRead]:
                 if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name.startswith("__"):
                     continue
                 params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)][1:]
-                alias = {p: p for p in params}
-                for n in ast.walk(fn):
-                    if isinstance(n, ast.Assign) and isinstance(n.value, ast.Name) and n.value.id in alias:
-                        for t in n.targets:
-                            if isinstance(t, ast.Name):
-                                alias[t.id] = alias[n.value.id]
-                seen: set[tuple[str, str]] = set()
-                for n in ast.walk(fn):
-                    if (
-                        isinstance(n, ast.Attribute)
-                        and isinstance(n.ctx, ast.Load)
-                        and isinstance(n.value, ast.Name)
-                        and n.value.id in alias
-                        and n.attr not in ours
-                        and not n.attr.startswith("__")
-                    ):
-                        param = alias[n.value.id]
-                        if (param, n.attr) not in seen:
-                            seen.add((param, n.attr))
-                            out.append(
-                                ParameterRead(
-                                    cls.name,
-                                    base,
-                                    fn.name,
-                                    param,
-                                    params.index(param),
-                                    n.attr,
-                                    f"{where}:{n.lineno} ({c.name})",
-                                )
-                            )
+                for param, attr, line in _reads_of(fn, params, ours):
+                    out.append(
+                        ParameterRead(
+                            cls.name, base, fn.name, param, params.index(param), attr, f"{where}:{line} ({c.name})"
+                        )
+                    )
     return out
+
+
+@dataclass(frozen=True)
+class AnnotatedRead:
+    func: str  # our function (or method) whose parameter is annotated with a vLLM class
+    typed: tuple[str, str]  # (vLLM module, class) of the annotation
+    param: str
+    name: str
+    where: str
+
+
+def _annotation_name(ann: ast.expr | None) -> str | None:
+    if isinstance(ann, ast.Constant) and isinstance(ann.value, str):
+        try:
+            ann = ast.parse(ann.value, mode="eval").body
+        except SyntaxError:
+            return None
+    while isinstance(ann, ast.BinOp):  # X | None
+        ann = ann.left
+    return ann.id if isinstance(ann, ast.Name) else None
+
+
+def _reads_of(fn: ast.FunctionDef | ast.AsyncFunctionDef, params: list[str], ours: set[str]):
+    """``(param, attribute, line)`` per attribute read from ``params`` (or a plain alias) in ``fn``."""
+    alias = {p: p for p in params}
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Name) and n.value.id in alias:
+            for t in n.targets:
+                if isinstance(t, ast.Name):
+                    alias[t.id] = alias[n.value.id]
+    seen: set[tuple[str, str]] = set()
+    for n in ast.walk(fn):
+        if (
+            isinstance(n, ast.Attribute)
+            and isinstance(n.ctx, ast.Load)
+            and isinstance(n.value, ast.Name)
+            and n.value.id in alias
+            and n.attr not in ours
+            and not n.attr.startswith("__")
+            and (alias[n.value.id], n.attr) not in seen
+        ):
+            seen.add((alias[n.value.id], n.attr))
+            yield alias[n.value.id], n.attr, n.lineno
+
+
+def annotated_reads(files: Iterable[tuple[str, str]]) -> list[AnnotatedRead]:
+    """Attributes our own functions read from a parameter they annotate with a vLLM class
+    (imported from vllm, at run time or under ``TYPE_CHECKING``: ``cm: "CommonAttentionMetadata"``)."""
+    files = list(files)
+    ours = _stored_on_others(files)
+    out = []
+    for rel, text in files:
+        tree = ast.parse(text)
+        imported = vllm_imported(tree)
+        for fn in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            args = [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]
+            typed = {a.arg: imported[t] for a in args if (t := _annotation_name(a.annotation)) in imported}
+            for param, attr, line in _reads_of(fn, list(typed), ours):
+                out.append(AnnotatedRead(fn.name, typed[param], param, attr, f"{rel}:{line} ({fn.name})"))
+    return out
+
+
+def annotated_check(read: AnnotatedRead) -> Callable[[VLLMSource], str | None]:
+    return lambda src: _sets(src, read.typed, read.name, f"{read.func} reads from {read.param!r} at {read.where}")
 
 
 def _method_node(src: VLLMSource, module: str, name: str, method: str, _depth: int = 0):
@@ -215,13 +257,8 @@ def parameter_check(read: ParameterRead) -> Callable[[VLLMSource], str | None]:
         target = annotated_class(src, read)
         if target is None:
             return NotApplicable(f"{read.base[1]}.{read.method} does not annotate {read.param!r} with a vLLM class")
-        attrs = instance_attributes(src, *target) or set()
-        if read.name not in attrs:
-            return (
-                f"{target[1]} (what {read.base[1]}.{read.method} is handed as {read.param!r}) never sets "
-                f"{read.name!r}, which {read.cls} reads at {read.where}"
-            )
-        return None
+        reader = f"{read.cls} reads at {read.where} from what {read.base[1]}.{read.method} is handed as {read.param!r}"
+        return _sets(src, target, read.name, reader)
 
     return check
 
@@ -240,19 +277,18 @@ def instance_attributes(src: VLLMSource, module: str, name: str, _depth: int = 0
     return out
 
 
-def attribute_check(read: AttributeRead) -> Callable[[VLLMSource], str | None]:
-    def check(src: VLLMSource) -> str | None:
-        attrs = instance_attributes(src, *read.base)
-        if attrs is None:
-            return f"base class {read.base[0]}.{read.base[1]} not found"
-        if read.name not in attrs:
-            return (
-                f"{read.base[1]} (with its vLLM bases) never sets {read.name!r}, which "
-                f"{read.cls} reads at {read.where}: take it from what vLLM passes, or keep a copy"
-            )
-        return None
+def _sets(src: VLLMSource, cls: tuple[str, str], name: str, reader: str) -> str | None:
+    """None if vLLM's class ``cls`` (with its vLLM bases) sets ``name`` in ``src``, else the problem."""
+    attrs = instance_attributes(src, *cls)
+    if attrs is None:
+        return f"class {cls[0]}.{cls[1]} not found ({reader})"
+    if name not in attrs:
+        return f"{cls[1]} (with its vLLM bases) never sets {name!r}, which {reader}: take it from what vLLM passes, or keep a copy"
+    return None
 
-    return check
+
+def attribute_check(read: AttributeRead) -> Callable[[VLLMSource], str | None]:
+    return lambda src: _sets(src, read.base, read.name, f"{read.cls} reads at {read.where}")
 
 
 def attribute_rows(
@@ -270,12 +306,17 @@ def attribute_rows(
         if typed is not None:
             key = f"{typed[1]}.{p.name} <- {p.cls}.{p.method}({p.param})"
             rows.append((key, p.where.split(" ")[0], parameter_check(p)))
+    for a in annotated_reads(files):
+        rows.append((f"{a.typed[1]}.{a.name} <- {a.func}({a.param})", a.where.split(" ")[0], annotated_check(a)))
     return rows
 
 
 __all__ = [
+    "AnnotatedRead",
     "AttributeRead",
     "ParameterRead",
+    "annotated_reads",
+    "annotated_check",
     "attribute_reads",
     "parameter_reads",
     "attribute_rows",

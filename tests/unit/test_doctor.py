@@ -655,14 +655,28 @@ def test_attribute_rows_catch_an_attribute_vllm_033s_class_never_sets():
         "    def later(self, x):\n"
         "        x.graft_mine = 1\n"
     )
-    rows = {key: check(src) for key, _, check in attribute_rows([("p.py", planted)], [src])}
+    def planted_rows(text):
+        return {key: check(src) for key, _, check in attribute_rows([("p.py", text)], [src])}
+
+    rows = planted_rows(planted)
     assert rows["CommonAttentionMetadata.num_reqs <- B.build(common_attn_metadata)"] is None
     assert "never sets 'seq_lens_cpu'" in rows["CommonAttentionMetadata.seq_lens_cpu <- B.build(common_attn_metadata)"]
     assert not any("graft_mine" in k for k in rows)  # set by our code on vLLM's object: ours
+    # and from a parameter our own function annotates with a vLLM class (under TYPE_CHECKING too)
+    rows = planted_rows(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from vllm.v1.attention.backend import CommonAttentionMetadata\n"
+        "def rewrite(builder, cm: 'CommonAttentionMetadata | None'):\n"
+        "    return cm.query_start_loc_cpu, cm.num_computed_tokens_cpu\n"
+    )
+    assert rows["CommonAttentionMetadata.query_start_loc_cpu <- rewrite(cm)"] is None
+    assert "never sets 'num_computed_tokens_cpu'" in rows["CommonAttentionMetadata.num_computed_tokens_cpu <- rewrite(cm)"]
     texts = [(_rel(f), f.read_text()) for f in our_files()]
     reads = attribute_reads(texts)
     assert {("FlashInferImpl", "num_heads"), ("FlashAttentionImpl", "scale")} <= {(r.base[1], r.name) for r in reads}
     rows = attribute_rows(texts, [src])
     assert any(k.startswith("CommonAttentionMetadata.seq_lens <- GraftFlashInferMetadataBuilder.build") for k, _, _ in rows)
+    assert "CommonAttentionMetadata.query_start_loc_cpu <- _compute(cm)" in {k for k, _, _ in rows}  # rows.py
     problems = {key: r for key, _, check in rows if (r := check(src))}
     assert not problems, problems

@@ -10,7 +10,7 @@ load it in a process that never starts an engine (the bench's parent, for instan
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_graft.hooks import Kind, KVCacheFormat, KVCompressor
 from vllm_graft.integration.adapters import Adapter, attention_backend_overrides
@@ -31,6 +31,9 @@ from vllm_graft.integration.adapters.kvcompress.shared_attention import layouts_
 from vllm_graft.integration.adapters.kvcompress.state import OWNER, Active
 from vllm_graft.integration import targets
 from vllm_graft.integration.patches import PATCHES
+
+if TYPE_CHECKING:  # for the doctor's attribute rows: what the rewriter reads of vLLM's metadata
+    from vllm.v1.attention.backend import CommonAttentionMetadata
 
 log = logging.getLogger("vllm_graft")
 
@@ -78,7 +81,7 @@ _BUFFERS = "_graft_kv_rows"
 _BLOCK_SIZE = "_graft_kv_block_size"
 
 
-def _row_buffers(builder: Any, cm: Any) -> RowBuffers:
+def _row_buffers(builder: Any, cm: CommonAttentionMetadata) -> RowBuffers:
     """The builder's persistent block table and seq_lens, made at its first build with
     ``max_num_seqs`` rows and the width of the table vLLM hands it."""
     table = cm.block_table_tensor
@@ -137,7 +140,7 @@ def _manager_block_size(runner: Any, spec: Any) -> int:
     return sizes.pop() if sizes else spec.block_size
 
 
-def rewrite(builder: Any, cm: Any) -> Any:
+def rewrite(builder: Any, cm: CommonAttentionMetadata) -> Any:
     """The backend's metadata rewriter: drop skipped blocks from each row (see "Worker half"
     in the package doc). On a device it always returns the builder's persistent block table
     and seq_lens (dummy, profiling and CUDA-graph capture builds and steps that drop nothing

@@ -6,12 +6,15 @@ maps each row to its request and computes the blocks the row leaves out of atten
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from vllm_graft.integration.adapters.kvcompress.keep import KeepError
 from vllm_graft.integration.adapters.kvcompress.plan import KVCompressError, blocks_to_skip
 from vllm_graft.integration.adapters.kvcompress.state import VERSIONS, Active
 from vllm_graft.integration.targets import KV_BUILD_METADATA
+
+if TYPE_CHECKING:  # for the doctor's attribute rows (never imported at run time: this module is vLLM-free)
+    from vllm.v1.attention.backend import CommonAttentionMetadata
 
 
 class _StepRows:
@@ -28,12 +31,12 @@ class _StepRows:
         #: the metadata, padded ones too): the scored plan reads it instead of the device copy
         self.query_start_loc: list[int] = []
 
-    def skips(self, cm: Any, block_size: int, state: Active) -> list[list[int]]:
+    def skips(self, cm: CommonAttentionMetadata, block_size: int, state: Active) -> list[list[int]]:
         if block_size not in self._skips:
             self._skips[block_size] = self._compute(cm, block_size, state)
         return self._skips[block_size]
 
-    def _compute(self, cm: Any, block_size: int, state: Active) -> list[list[int]]:
+    def _compute(self, cm: CommonAttentionMetadata, block_size: int, state: Active) -> list[list[int]]:
         self.block_size = block_size
         batch = self.runner.input_batch
         n = min(int(cm.num_reqs), batch.num_reqs)
@@ -100,7 +103,7 @@ def check_freed_skipped(plugin: str, req_id: str, computed: int, freed: set[int]
         )
 
 
-def host_seq_lens(cm: Any) -> Any:
+def host_seq_lens(cm: CommonAttentionMetadata) -> Any:
     """The rows' lengths on the host, without reading the device: vLLM's
     ``seq_lens_cpu_upper_bound`` (num_computed + num_scheduled per row, exact unless async
     speculative decoding, which the adapter turns off with async scheduling), else ``seq_lens``
