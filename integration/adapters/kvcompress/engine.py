@@ -33,6 +33,7 @@ from vllm_graft.integration import targets
 from vllm_graft.integration.patches import PATCHES
 
 if TYPE_CHECKING:  # for the doctor's attribute rows: what the rewriter reads of vLLM's metadata
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # the CPU engine's runner subclasses it
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
 log = logging.getLogger("vllm_graft")
@@ -110,7 +111,7 @@ def _row_buffers(builder: Any, cm: CommonAttentionMetadata) -> RowBuffers:
     return buf
 
 
-def _manager_block_size(runner: Any, spec: Any) -> int:
+def _manager_block_size(runner: GPUModelRunner, spec: Any) -> int:
     """The KV-cache (manager) block size of the builder's layers. vLLM gives a builder the
     spec with the kernel block size when it splits each KV-cache block into kernel blocks
     (v1/worker/utils.py ``AttentionGroup.create_metadata_builders``); the compressor decides

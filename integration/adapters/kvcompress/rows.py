@@ -14,13 +14,14 @@ from vllm_graft.integration.adapters.kvcompress.state import VERSIONS, Active
 from vllm_graft.integration.targets import KV_BUILD_METADATA
 
 if TYPE_CHECKING:  # for the doctor's attribute rows (never imported at run time: this module is vLLM-free)
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # the CPU engine's runner subclasses it
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
 
 class _StepRows:
     """The rows of the batch whose attention metadata is being built (see the patch)."""
 
-    def __init__(self, runner: Any, num_scheduled_tokens: dict[str, int]) -> None:
+    def __init__(self, runner: GPUModelRunner, num_scheduled_tokens: dict[str, int]) -> None:
         self.runner = runner
         self.num_scheduled_tokens = num_scheduled_tokens
         self._skips: dict[int, list[list[int]]] = {}  # by block size

@@ -104,7 +104,7 @@ the patches and the adapter, and imports vLLM only in :func:`install_patch` and 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from pydantic import BaseModel
 
@@ -117,6 +117,9 @@ from vllm_graft.integration.runtime import RUNTIME, Runtime
 from vllm_graft.integration.adapters import Adapter
 from vllm_graft.integration.adapters.speculative import tree
 from vllm_graft.integration.adapters.speculative.drafting import Drafting
+
+if TYPE_CHECKING:  # for the doctor's attribute rows: what is read of vLLM's runner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # the CPU engine's runner subclasses it
 
 OWNER = targets.SPECULATIVE
 
@@ -186,7 +189,7 @@ class GraftProposer:
 
             plugin.attach_target(target_weights(target_model, self.vllm_config))  # type: ignore[attr-defined]  # needs_target_weights proposers have it
 
-    def step_started(self, runner: Any, scheduler_output: Any) -> None:
+    def step_started(self, runner: GPUModelRunner, scheduler_output: Any) -> None:
         """From the patched ``_update_states``, before vLLM updates the batch."""
         if self._runner is None or self._runner() is not runner:
             self._runner = weakref.ref(runner)
@@ -270,7 +273,7 @@ def _sample_wrapper(original: Callable) -> Callable:
     return _sample
 
 
-def _attention_only(runner: Any) -> bool:
+def _attention_only(runner: GPUModelRunner) -> bool:
     """Every KV cache group of the runner is attention (no recurrent state such as Mamba or
     GDN, whose backends read the previous step at an offset only the speculative path applies).
     Read once per runner."""
@@ -284,7 +287,7 @@ def _attention_only(runner: Any) -> bool:
     return known
 
 
-def plain_step(runner: Any, scheduler_output: Any) -> bool:
+def plain_step(runner: GPUModelRunner, scheduler_output: Any) -> bool:
     """This step verifies no drafts, so it may take vLLM's non-speculative path (the plain
     sampler, no rejection sampler or speculative metadata): no request has draft tokens
     scheduled, the scheduling is synchronous (asynchronous scheduling schedules placeholder

@@ -65,13 +65,16 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from vllm_graft.hooks import BLOCKED, PACKED, AttentionMethod, KVCacheLayout
 from vllm_graft.integration.runtime import RUNTIME
+
+if TYPE_CHECKING:  # for the doctor's attribute rows: what is read of vLLM's runner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # the CPU engine's runner subclasses it
 
 log = logging.getLogger("vllm_graft")
 
@@ -134,7 +137,7 @@ class TreeVerifier:
 
     # ---- 2. positions -------------------------------------------------------------------
     def prepare(
-        self, runner: Any, step_trees: dict[str, tuple[list[int], list[int]]], num_scheduled: np.ndarray
+        self, runner: GPUModelRunner, step_trees: dict[str, tuple[list[int], list[int]]], num_scheduled: np.ndarray
     ) -> None:
         """After vLLM's ``_prepare_inputs``: note this step's trees (request id -> ``(tokens,
         parents)``, :attr:`.drafting.Drafting.step_trees`), rewrite node positions (one copy to
@@ -183,7 +186,7 @@ class TreeVerifier:
         return self.last_plan
 
     # ---- 4. verification ----------------------------------------------------------------
-    def verify(self, runner: Any, logits: torch.Tensor, spec_decode_metadata: Any, output: Any) -> None:
+    def verify(self, runner: GPUModelRunner, logits: torch.Tensor, spec_decode_metadata: Any, output: Any) -> None:
         """After vLLM's rejection sampler: replace each tree request's sampled tokens with its
         tree's verdict and move the accepted nodes' KV (see the module docstring). Reads the
         logits back once for the greedy trees and once for the sampled ones."""
