@@ -6,10 +6,13 @@ the adapter's ``install_scores_channel``, and the per-process event trace."""
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from vllm_graft.integration.adapters.kvcompress import state as _state
 from vllm_graft.integration.runtime import RUNTIME
+
+if TYPE_CHECKING:  # for the doctor's attribute rows: what is read of vLLM's scheduler output
+    from vllm.v1.core.sched.output import SchedulerOutput
 
 
 #: Environment variable naming a file to which each process appends one JSON line per
@@ -64,7 +67,7 @@ def _attach_drops(out: Any) -> Any:
     return out
 
 
-def _gone(scheduler_output: Any) -> set[str]:
+def _gone(scheduler_output: SchedulerOutput) -> set[str]:
     """The requests whose blocks are all gone at this step: finished, preempted, resumed (a
     resumed request is computed again from its first block)."""
     out: set[str] = set()
@@ -102,7 +105,7 @@ def after_schedule_wrapper(original: Callable) -> Callable:
     return _update_after_schedule
 
 
-def note_freed(state: Any, scheduler_output: Any) -> None:
+def note_freed(state: Any, scheduler_output: SchedulerOutput) -> None:
     """Worker: forget the requests whose blocks are gone, then add the blocks the scheduler
     freed this step (:data:`FREED_ATTR`) to ``state.worker_freed``."""
     table = state.worker_freed

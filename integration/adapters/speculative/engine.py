@@ -119,6 +119,8 @@ from vllm_graft.integration.adapters.speculative import tree
 from vllm_graft.integration.adapters.speculative.drafting import Drafting
 
 if TYPE_CHECKING:  # for the doctor's attribute rows: what is read of vLLM's runner
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # the CPU engine's runner subclasses it
 
 OWNER = targets.SPECULATIVE
@@ -189,7 +191,7 @@ class GraftProposer:
 
             plugin.attach_target(target_weights(target_model, self.vllm_config))  # type: ignore[attr-defined]  # needs_target_weights proposers have it
 
-    def step_started(self, runner: GPUModelRunner, scheduler_output: Any) -> None:
+    def step_started(self, runner: GPUModelRunner, scheduler_output: SchedulerOutput) -> None:
         """From the patched ``_update_states``, before vLLM updates the batch."""
         if self._runner is None or self._runner() is not runner:
             self._runner = weakref.ref(runner)
@@ -199,7 +201,7 @@ class GraftProposer:
             getattr(scheduler_output, "total_num_scheduled_tokens", 0),
         )
 
-    def logits_computed(self, logits: Any, spec_decode_metadata: Any) -> None:
+    def logits_computed(self, logits: Any, spec_decode_metadata: SpecDecodeMetadata) -> None:
         """From the patched ``_sample``, before vLLM samples: keep the top-k the plugin wants."""
         import torch
 
@@ -287,7 +289,7 @@ def _attention_only(runner: GPUModelRunner) -> bool:
     return known
 
 
-def plain_step(runner: GPUModelRunner, scheduler_output: Any) -> bool:
+def plain_step(runner: GPUModelRunner, scheduler_output: SchedulerOutput) -> bool:
     """This step verifies no drafts, so it may take vLLM's non-speculative path (the plain
     sampler, no rejection sampler or speculative metadata): no request has draft tokens
     scheduled, the scheduling is synchronous (asynchronous scheduling schedules placeholder

@@ -74,6 +74,7 @@ from vllm_graft.hooks import BLOCKED, PACKED, AttentionMethod, KVCacheLayout
 from vllm_graft.integration.runtime import RUNTIME
 
 if TYPE_CHECKING:  # for the doctor's attribute rows: what is read of vLLM's runner
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # the CPU engine's runner subclasses it
 
 log = logging.getLogger("vllm_graft")
@@ -186,7 +187,9 @@ class TreeVerifier:
         return self.last_plan
 
     # ---- 4. verification ----------------------------------------------------------------
-    def verify(self, runner: GPUModelRunner, logits: torch.Tensor, spec_decode_metadata: Any, output: Any) -> None:
+    def verify(
+        self, runner: GPUModelRunner, logits: torch.Tensor, spec_decode_metadata: SpecDecodeMetadata, output: Any
+    ) -> None:
         """After vLLM's rejection sampler: replace each tree request's sampled tokens with its
         tree's verdict and move the accepted nodes' KV (see the module docstring). Reads the
         logits back once for the greedy trees and once for the sampled ones."""
