@@ -24,6 +24,7 @@ from rich.table import Table
 
 from vllm_graft.hooks import KINDS, DeploymentError, Kind, PluginLoadError, RegistryError, get_registry
 from vllm_graft.hooks.deployment import Plan
+from vllm_graft.hooks.registry import param_facts
 
 from vllm_graft.integration.env import installed_vllm, package_version
 from vllm_graft.integration.plan import plan_for
@@ -40,6 +41,8 @@ def route(kind: Kind, platform: str | None) -> str:
 def cmd_plugins(args: argparse.Namespace, console: Console) -> int:
     registry = get_registry()
     entries = registry.entries(args.kind)
+    if getattr(args, "name", None):
+        return _plugin_detail(args, console, entries)
     syncs = _host_syncs(entries) if getattr(args, "host_syncs", False) else None
     if args.json:
         rows = [_entry_json(e) for e in entries]
@@ -55,6 +58,7 @@ def cmd_plugins(args: argparse.Namespace, console: Console) -> int:
     if syncs is not None:
         table.add_column("host syncs per call", overflow="fold", ratio=2)
     table.add_column("summary", overflow="fold", ratio=3)
+    table.add_column("parameters", overflow="fold", ratio=2)
     table.add_column("paper", overflow="fold", ratio=2)
     for e in entries:
         caps = e.registration.capabilities
@@ -73,10 +77,60 @@ def cmd_plugins(args: argparse.Namespace, console: Console) -> int:
                 if "error" in got
                 else ", ".join(f"{m} {r['per_call']:g}/{r['per']}" for m, r in got.items()) or "-"
             )
-        table.add_row(*cells, e.registration.summary, e.registration.paper)
+        params = ", ".join(f.name for f in param_facts(e.registration.params)) or "-"
+        table.add_row(*cells, e.registration.summary, params, e.registration.paper)
     console.print(table)
     if not entries:
         console.print(f"no {args.kind + ' ' if args.kind else ''}plugins registered")
+    else:
+        console.print("vllm-graft plugins NAME: a plugin's parameters, with types, defaults, bounds and docs")
+    return EXIT_OK
+
+
+def _plugin_detail(args: argparse.Namespace, console: Console, entries) -> int:
+    """``vllm-graft plugins NAME``: each plugin of that name (of ``--kind`` if given), its facts and
+    its parameters (type, default, bounds, description); an unknown name exits 2 naming the close ones."""
+    from vllm_graft.hooks.deployment.problems import did_you_mean
+
+    found = [e for e in entries if e.name == args.name]
+    if not found:
+        hint = did_you_mean(args.name, sorted({e.name for e in entries}))
+        where = f" of kind {args.kind}" if args.kind else ""
+        console.print(
+            f"[bold red]vllm-graft plugins:[/] no plugin {_escape(args.name)!r}{where}. "
+            f"{hint + ' ' if hint else ''}`vllm-graft plugins` lists them"
+        )
+        return EXIT_USAGE
+    if args.json:
+        rows = [dict(_entry_json(e), params=[vars(f) for f in param_facts(e.registration.params)]) for e in found]
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    for e in found:
+        reg, caps = e.registration, e.registration.capabilities
+        console.print(
+            f"[bold]{e.kind} plugin {e.name!r}[/] ({e.source.package} {e.source.version}): {_escape(reg.summary)}"
+        )
+        console.print(f"  paper: {_escape(reg.paper)}")
+        console.print(
+            f"  lossless: {'yes' if caps.lossless else 'no'}; platforms: {', '.join(caps.platforms)}; "
+            f"dtypes: {', '.join(caps.dtypes)}; parallelism: {', '.join(caps.parallelism)}"
+        )
+        facts = param_facts(reg.params)
+        if not facts:
+            console.print("  parameters: none")
+            continue
+        table = Table(show_header=True, box=None, padding=(0, 1))
+        for col in ("parameter", "type", "default", "bounds", "description"):
+            table.add_column(col, overflow="fold")
+        for f in facts:
+            table.add_row(
+                f.name,
+                _escape(f.type),
+                _escape(f.default) if f.default is not None else "(required)",
+                f.bounds or "-",
+                _escape(f.description),
+            )
+        console.print(table)
     return EXIT_OK
 
 
@@ -273,7 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="store_true", help="print versions and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("plugins", help="list registered plugins")
+    p = sub.add_parser("plugins", help="list registered plugins, or one plugin's parameters")
+    p.add_argument("name", nargs="?", help="a plugin's name: its parameters (types, defaults, bounds, docs)")
     p.add_argument("--kind", choices=[k.value for k in Kind], help="only this kind")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument(

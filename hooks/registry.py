@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -96,6 +96,47 @@ class KernelParams(Params):
     kernel: Literal["reference", "triton"] = Field(
         "reference", description="'reference' (plain PyTorch) or 'triton' (the Triton kernels)"
     )
+
+
+@dataclass(frozen=True)
+class ParamFact:
+    """One parameter of a plugin's parameter model, as ``vllm-graft plugins NAME`` and
+    docs/plugins.md show it."""
+
+    name: str
+    type: str
+    default: str | None  # its repr; None: required
+    bounds: str  # e.g. ">= 1, <= 64" ("" when unbounded)
+    description: str
+
+    def line(self) -> str:
+        """``name``: type = default (bounds)"""
+        text = f"`{self.name}`: {self.type}"
+        if self.default is not None:
+            text += f" = {self.default}"
+        return text + (f" ({self.bounds})" if self.bounds else "")
+
+
+_BOUND_SIGNS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+
+
+def param_facts(model: type[BaseModel]) -> list[ParamFact]:
+    """The parameters of a plugin's parameter model: name, type, default, bounds, description."""
+    out = []
+    for name, field in model.model_fields.items():
+        if get_origin(field.annotation) is Literal:  # its values: what a deployment may write
+            ann = " | ".join(repr(a) for a in get_args(field.annotation))
+        else:
+            ann = getattr(field.annotation, "__name__", None) or str(field.annotation).replace("typing.", "")
+        bounds = [
+            f"{sign} {getattr(m, a)}"
+            for m in field.metadata
+            for a, sign in _BOUND_SIGNS.items()
+            if getattr(m, a, None) is not None
+        ]
+        default = None if field.is_required() else repr(field.default)
+        out.append(ParamFact(name, ann, default, ", ".join(bounds), field.description or ""))
+    return out
 
 
 class Capabilities(BaseModel):

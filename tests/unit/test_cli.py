@@ -62,6 +62,26 @@ def test_plugins_bad_kind_is_usage_error(capsys):
     assert info.value.code == 2
 
 
+def test_plugins_name_prints_its_parameters(capsys, monkeypatch):
+    """`vllm-graft plugins NAME` (it was "unrecognized arguments"): each parameter with its type,
+    default, bounds and description; a name in several kinds shows each; --json gives them too."""
+    monkeypatch.setenv("COLUMNS", "220")
+    code, out, _ = run(capsys, "plugins", "snapkv")
+    assert code == 0 and "kvcompress plugin 'snapkv'" in out and "Li et al. 2024" in out
+    for cell in ("budget_blocks", "int", "16", ">= 2", "prompt KV blocks a request keeps after prefill",
+                 "window_tokens", "'reference' | 'triton'", "> 0.0, <= 1.0"):
+        assert cell in out, cell
+    code, out, _ = run(capsys, "plugins", "noop")
+    assert code == 0 and all(f"{k} plugin 'noop'" in out for k in ("attention", "kvcompress", "quant", "moe"))
+    code, out, _ = run(capsys, "plugins", "noop", "--kind", "quant", "--json")
+    (row,) = json.loads(out)
+    assert row["kind"] == "quant" and row["params"][0]["name"] == "host_gemm" and row["params"][0]["default"] == "True"
+    code, out, _ = run(capsys, "plugins", "snapk")
+    assert code == 2 and "no plugin 'snapk'" in out and "Did you mean 'snapkv'?" in out
+    code, out, _ = run(capsys, "plugins", "--kind", "kvcompress")  # the table's parameter summary
+    assert code == 0 and "budget_blocks" in out and "vllm-graft plugins NAME" in out
+
+
 def test_check_valid_explains_plan(tmp_path, capsys):
     path = tmp_path / "d.yaml"
     path.write_text(REPO_DEPLOYMENT)
