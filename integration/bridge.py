@@ -261,8 +261,37 @@ def _install_config_hook() -> None:
         raise UnsupportedVLLMError(str(e)) from e
 
 
+def warn_kv_size_conflict(engine_args: Any) -> None:
+    """Say (once per value) when ``VLLM_CPU_KVCACHE_SPACE`` and ``kv_cache_memory_bytes`` are both
+    set on vLLM's CPU engine: its platform lets the variable win (vllm/platforms/cpu.py,
+    check_and_update_config: ``cache_config.kv_cache_memory_bytes = space * GiB``), silently."""
+    space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
+    given = getattr(engine_args, "kv_cache_memory_bytes", None)
+    if not space or given is None:
+        return
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    try:
+        wins = int(space) << 30
+    except ValueError:
+        return  # vLLM itself refuses a non-integer value
+    if wins != int(given) and RUNTIME.once(("kv size conflict", space, given)):
+        log.warning(
+            "vllm-graft: VLLM_CPU_KVCACHE_SPACE=%s overrides kv_cache_memory_bytes=%s on vLLM's CPU engine: "
+            "the KV cache gets %s GiB (%d bytes), not the bytes asked for; unset VLLM_CPU_KVCACHE_SPACE "
+            "to use kv_cache_memory_bytes, or drop kv_cache_memory_bytes",
+            space,
+            given,
+            space,
+            wins,
+        )
+
+
 def _create_engine_config(original):
     def create_engine_config(self, *args, **kwargs):
+        warn_kv_size_conflict(self)
         graft = graft_section(self.additional_config)
         if graft is not None:
             data, source = graft, "additional_config.graft"
@@ -307,6 +336,7 @@ def _create_engine_config(original):
         except BaseException:
             deactivate()
             raise
+        warn_kv_size_conflict(self)  # the deployment's engine section may have set the bytes
         text = deployment_json(plan)
         os.environ[ENV_CONFIG] = text
         if not isinstance(self.additional_config, dict):

@@ -1,6 +1,7 @@
 """The bridge's logic without starting an engine: deployment routes, engine overrides,
 version checks, the patch registry, and the `serve` command line."""
 import json
+import logging
 import os
 import time
 import types
@@ -410,3 +411,44 @@ def test_an_instance_built_from_other_parameters_is_built_anew():
     rt.instances[(Kind.SPECULATIVE, "pooled-ngram")] = placed
     plan = plan_for({"model": "models/graft-tiny-llama", "speculative": {"plugin": "pooled-ngram"}}, source="test")
     assert rt.instance(plan.by_kind(Kind.SPECULATIVE)[0]) is placed
+
+
+def test_conflicting_kv_sizes_are_said_when_vllms_engine_config_is_made(monkeypatch, caplog):
+    """vLLM's CPU platform lets VLLM_CPU_KVCACHE_SPACE override --kv-cache-memory-bytes, silently
+    (vllm/platforms/cpu.py); a graft engine says so once, naming both and the fix, and stays
+    quiet when only one is set or when they agree."""
+    pytest.importorskip("vllm")
+    from pathlib import Path
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_graft.integration import bridge
+
+    model = str(Path(__file__).resolve().parents[2] / "models" / "graft-tiny-llama")
+    monkeypatch.setattr(bridge.RUNTIME, "said", set())
+    for var in (bridge.ENV_FILE, bridge.ENV_CONFIG):
+        monkeypatch.delenv(var, raising=False)
+    bridge.register()
+    bridge._install_config_hook()
+    try:
+        def config(space, kv_bytes):
+            caplog.clear()
+            if space is None:
+                monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+            else:
+                monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", space)
+            args = EngineArgs(model=model, dtype="float32", max_model_len=256, enforce_eager=True,
+                              kv_cache_memory_bytes=kv_bytes)
+            cfg = args.create_engine_config()
+            return cfg.cache_config.kv_cache_memory_bytes, caplog.text
+
+        with caplog.at_level(logging.WARNING, logger="vllm_graft"):
+            got, said = config("1", 64 << 20)
+            assert got == 1 << 30  # vLLM's own rule: the variable wins
+            assert "VLLM_CPU_KVCACHE_SPACE=1 overrides kv_cache_memory_bytes=67108864" in said
+            assert "unset VLLM_CPU_KVCACHE_SPACE" in said
+            assert "overrides" not in config(None, 64 << 20)[1]
+            assert "overrides" not in config("1", None)[1]
+            assert "overrides" not in config("1", 1 << 30)[1]
+    finally:
+        bridge.deactivate()
