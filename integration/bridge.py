@@ -60,12 +60,52 @@ class UnsupportedVLLMError(RuntimeError):
 
 
 # ----------------------------------------------------------------------------- entry point
+#: Set (to anything) to see the Python traceback under a deployment error that ends the process.
+TRACEBACK_ENV = "VLLM_GRAFT_TRACEBACK"
+
+
+def brief_on_exit(err: BaseException) -> None:
+    """Should ``err`` (a deployment error about to leave vLLM's code) end the process uncaught,
+    as it does under ``vllm serve``, print what is wrong, where and the fix (one line per problem)
+    instead of Python's traceback; exit status 1 as before. Code that catches the error (an
+    ``LLM(...)`` caller) sees nothing change. ``VLLM_GRAFT_TRACEBACK=1`` keeps the traceback."""
+    if os.environ.get(TRACEBACK_ENV) or getattr(sys.excepthook, "graft_brief", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind: Any, value: Any, tb: Any) -> None:
+        seen: set[int] = set()
+        chain = value
+        while chain is not None and id(chain) not in seen:
+            if isinstance(chain, DeploymentError):
+                n = len(chain.problems)
+                lines = [f"vllm-graft: {chain.source}: {n} problem{'s' if n != 1 else ''}, so vLLM did not start:"]
+                lines += [f"  - {p}" for p in chain.problems]
+                lines.append(f"(set {TRACEBACK_ENV}=1 to see the Python traceback)")
+                print("\n".join(lines), file=sys.stderr)
+                return
+            seen.add(id(chain))
+            chain = chain.__cause__ or chain.__context__
+        previous(kind, value, tb)
+
+    hook.graft_brief = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
 def register() -> None:
     """``vllm.general_plugins`` entry point: called by vLLM once per process; idempotent
     (``RUNTIME.registered``, which deactivation keeps)."""
     if RUNTIME.registered:
         return
     RUNTIME.registered = True
+    try:
+        _register()
+    except DeploymentError as e:
+        brief_on_exit(e)
+        raise
+
+
+def _register() -> None:
     _check_additional_config_argv(sys.argv)
     found = installed_vllm()
     data, source = _deployment_from_env()
@@ -291,68 +331,77 @@ def warn_kv_size_conflict(engine_args: Any) -> None:
 
 def _create_engine_config(original):
     def create_engine_config(self, *args, **kwargs):
-        warn_kv_size_conflict(self)
-        graft = graft_section(self.additional_config)
-        if graft is not None:
-            data, source = graft, "additional_config.graft"
-            env_data, env_source = _deployment_from_env()
-            if env_data is not None and env_source.startswith(ENV_FILE):
-                raise DeploymentError(
-                    [
-                        Problem(
-                            "additional_config.graft",
-                            f"a deployment is also given by {env_source}",
-                            hint=f"give one deployment: unset {ENV_FILE} or drop additional_config.graft",
-                        )
-                    ],
-                    source,
-                )
-        else:
-            data, source = _deployment_from_env()
-            if source == ENV_CONFIG and RUNTIME.source != ENV_CONFIG:
-                data = None  # exported by us for an earlier engine in this process
-        if data is None and checkpoint_deployment(self.model) is not None:
-            # a checkpoint written by `vllm-graft quantize`: plan_for adds its quant plugin
-            data, source = {}, f"{self.model}/config.json quantization_config"
-        if data is None:
-            if RUNTIME.active:
-                deactivate()
-            os.environ.pop(ENV_CONFIG, None)
-            return original(self, *args, **kwargs)
-
-        from vllm_graft.hooks.deployment.validate import parallelism_in_use
-        from vllm_graft.hooks.registry import PARALLELISM
-
-        used = parallelism_in_use({arg: getattr(self, arg, None) for arg in PARALLELISM.values()})
-        flags = {PARALLELISM[mode]: value for mode, value in used.items()}
-        dtype = getattr(self, "dtype", None)  # vLLM's --dtype: what the plugins' dtype checks must see
-        if dtype is not None and str(dtype) != "auto":
-            flags["dtype"] = str(dtype).removeprefix("torch.")
-        # an in-process engine started from a plan gets that plan back, not validated again
-        plan = plan_for(data, source=source, engine_model=self.model, engine_args=flags)
-        activate(plan, source=source)
         try:
-            _apply_engine_overrides(self, plan)
-        except BaseException:
-            deactivate()
+            return _graft_engine_config(original, self, *args, **kwargs)
+        except DeploymentError as e:
+            brief_on_exit(e)
             raise
-        warn_kv_size_conflict(self)  # the deployment's engine section may have set the bytes
-        text = deployment_json(plan)
-        os.environ[ENV_CONFIG] = text
-        if not isinstance(self.additional_config, dict):
-            self.additional_config = {}
-        self.additional_config[ADDITIONAL_CONFIG_KEY] = json.loads(text)
-        try:  # Model Runner V1 where a patch needs it (see .runner)
-            decision = model_runner.before_config(PATCHES.applied(), model_runner.plugins_by_owner(plan.enabled))
-            config = original(self, *args, **kwargs)
-            model_runner.after_config(config, decision)
-        except BaseException:
-            deactivate()
-            raise
-        return config
 
     create_engine_config.__wrapped__ = original
     return create_engine_config
+
+
+def _graft_engine_config(original, self, *args, **kwargs):
+    """The bridge's part of vLLM's ``EngineArgs.create_engine_config``, then vLLM's own."""
+    warn_kv_size_conflict(self)
+    graft = graft_section(self.additional_config)
+    if graft is not None:
+        data, source = graft, "additional_config.graft"
+        env_data, env_source = _deployment_from_env()
+        if env_data is not None and env_source.startswith(ENV_FILE):
+            raise DeploymentError(
+                [
+                    Problem(
+                        "additional_config.graft",
+                        f"a deployment is also given by {env_source}",
+                        hint=f"give one deployment: unset {ENV_FILE} or drop additional_config.graft",
+                    )
+                ],
+                source,
+            )
+    else:
+        data, source = _deployment_from_env()
+        if source == ENV_CONFIG and RUNTIME.source != ENV_CONFIG:
+            data = None  # exported by us for an earlier engine in this process
+    if data is None and checkpoint_deployment(self.model) is not None:
+        # a checkpoint written by `vllm-graft quantize`: plan_for adds its quant plugin
+        data, source = {}, f"{self.model}/config.json quantization_config"
+    if data is None:
+        if RUNTIME.active:
+            deactivate()
+        os.environ.pop(ENV_CONFIG, None)
+        return original(self, *args, **kwargs)
+
+    from vllm_graft.hooks.deployment.validate import parallelism_in_use
+    from vllm_graft.hooks.registry import PARALLELISM
+
+    used = parallelism_in_use({arg: getattr(self, arg, None) for arg in PARALLELISM.values()})
+    flags = {PARALLELISM[mode]: value for mode, value in used.items()}
+    dtype = getattr(self, "dtype", None)  # vLLM's --dtype: what the plugins' dtype checks must see
+    if dtype is not None and str(dtype) != "auto":
+        flags["dtype"] = str(dtype).removeprefix("torch.")
+    # an in-process engine started from a plan gets that plan back, not validated again
+    plan = plan_for(data, source=source, engine_model=self.model, engine_args=flags)
+    activate(plan, source=source)
+    try:
+        _apply_engine_overrides(self, plan)
+    except BaseException:
+        deactivate()
+        raise
+    warn_kv_size_conflict(self)  # the deployment's engine section may have set the bytes
+    text = deployment_json(plan)
+    os.environ[ENV_CONFIG] = text
+    if not isinstance(self.additional_config, dict):
+        self.additional_config = {}
+    self.additional_config[ADDITIONAL_CONFIG_KEY] = json.loads(text)
+    try:  # Model Runner V1 where a patch needs it (see .runner)
+        decision = model_runner.before_config(PATCHES.applied(), model_runner.plugins_by_owner(plan.enabled))
+        config = original(self, *args, **kwargs)
+        model_runner.after_config(config, decision)
+    except BaseException:
+        deactivate()
+        raise
+    return config
 
 
 def _apply_engine_overrides(engine_args: Any, plan: Plan) -> None:

@@ -199,10 +199,17 @@ BAD = {
 }
 
 
-def _start_bad(model: str, config: str, folder: Path) -> subprocess.CompletedProcess:
+def _start_bad(model: str, config: str, folder: Path, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(SERVER + ["--model", model, "--dtype", "float32", "--port", str(free_port()),
                                     "--additional-config", config],
-                          env=server_env(), capture_output=True, text=True, timeout=240, cwd=folder)
+                          env=dict(server_env(), **env), capture_output=True, text=True, timeout=240, cwd=folder)
+
+
+def test_the_traceback_under_a_refusal_comes_on_request(tmp_path):
+    out = _start_bad(*BAD["misspelled plugin"][:2], tmp_path, VLLM_GRAFT_TRACEBACK="1")
+    assert out.returncode != 0
+    assert "Traceback (most recent call last)" in out.stderr and "DeploymentError" in out.stderr
+    assert "Did you mean 'lookahead'" in out.stderr
 
 
 def test_bad_input_is_refused_before_the_engine_starts(tmp_path):
@@ -212,9 +219,12 @@ def test_bad_input_is_refused_before_the_engine_starts(tmp_path):
         out = results[name]
         text = out.stdout + out.stderr
         assert out.returncode != 0, f"{name}: the server started"
-        last = text.strip().splitlines()[-4:]
+        last = out.stderr.strip().splitlines()[-6:]
         for needle in needles:
-            assert needle in text, f"{name}: {needle!r} not in the error:\n{text[-3000:]}"
-        assert any("DeploymentError" in line for line in last), f"{name}: not our refusal at the end:\n{last}"
+            assert needle in "\n".join(last), f"{name}: {needle!r} not in the error's last lines:\n{text[-3000:]}"
+        # what is wrong, where and the fix, without Python's traceback (issue 64)
+        assert any(line.startswith("vllm-graft: ") and "so vLLM did not start" in line for line in last), last
+        assert last[-1] == "(set VLLM_GRAFT_TRACEBACK=1 to see the Python traceback)", last
+        assert "Traceback (most recent call last)" not in text, f"{name}: a traceback:\n{text[-3000:]}"
         # refused before vLLM built an engine: no engine core was started
         assert "Initializing a V1 LLM engine" not in text and "EngineCore" not in text, name
