@@ -5,9 +5,8 @@
 
 vLLM merges two partials per call, with natural-log lse laid out ``[heads, tokens]``; a token's
 prefix partials (one per tree level, rows ``part_rows[part_start[t]:part_start[t + 1]]``) are
-folded in one call per level, as FlashInfer's path does, a token without a partial at a level
-taking a padding row of lse = -inf (weight 0). The running partial stays float32 and goes to
-``out.dtype`` once, at the end.
+folded in one call per level (``levels.py``, shared with FlashInfer's path). The running partial
+stays float32 and goes to ``out.dtype`` once, at the end.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import torch
 
 from vllm_graft.hooks.contracts.attention import host_kernel
 
-from .flashinfer import _levels
+from .levels import fold_levels
 from .policy import StepPlan
 
 log = logging.getLogger("vllm_graft")
@@ -38,21 +37,11 @@ def engine_merge() -> Any:
 def merge_partials_with(merge: Any, partials: tuple, ix: dict, plan: StepPlan, block_size: int, out: torch.Tensor):
     """``out`` = the suffix partial merged with each token's prefix partials by ``merge`` (vLLM's
     signature); ``partials`` = ``(o_s [T, H, D], lse_s [T, H], o_p [R, H, D], lse_p [R, H])``."""
-    o_s, lse_s, o_p, lse_p = partials
-    nr = o_p.shape[0]
-    v = o_s.float().contiguous()
-    s = lse_s.float().t().contiguous()  # [H, T]
-    levels = _levels(ix, plan, block_size, nr, o_s.device)
-    if levels:
-        vp = torch.zeros((nr + 1, *o_p.shape[1:]), dtype=torch.float32, device=o_p.device)
-        vp[:nr] = o_p
-        sp = torch.full((nr + 1, lse_p.shape[1]), float("-inf"), dtype=torch.float32, device=lse_p.device)
-        sp[:nr] = lse_p
-        for idx in levels:
-            merged, merged_lse = torch.empty_like(v), torch.empty_like(s)
-            merge(
-                merged, vp.index_select(0, idx), sp.index_select(0, idx).t().contiguous(), v, s, output_lse=merged_lse
-            )
-            v, s = merged, merged_lse
-    out.copy_(v)
+
+    def merge_two(v: torch.Tensor, s: torch.Tensor, v_level: torch.Tensor, s_level: torch.Tensor):
+        merged, merged_lse = torch.empty_like(v), torch.empty_like(s.t().contiguous())  # vLLM's lse: [H, T]
+        merge(merged, v_level, s_level.t().contiguous(), v, s.t().contiguous(), output_lse=merged_lse)
+        return merged, merged_lse.t()
+
+    out.copy_(fold_levels(partials, ix, plan, block_size, torch.float32, 1.0, merge_two))
     return out

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ... import _flashinfer
+from .levels import fold_levels
 from .policy import StepPlan
 
 _decided: dict[tuple[str, torch.dtype], bool] = {}
@@ -39,22 +40,6 @@ def use_flashinfer_merge(query: torch.Tensor) -> bool:
     return got
 
 
-def _levels(ix: dict, plan: StepPlan, block_size: int, pad: int, device: torch.device) -> list[torch.Tensor]:
-    """Per tree level, each token's prefix-partial row at that level (``pad`` where it has none);
-    built on the device from the launcher's part_start/part_rows, once per step."""
-    key = ("flashinfer-levels", block_size, str(device))
-    got = plan.cache.get(key)
-    if got is None:
-        depth = plan.prefixes(block_size).depth if ix["num_groups"] else 0
-        start = ix["part_start"][:-1].long()
-        count = ix["part_start"][1:].long() - start
-        rows = ix["part_rows"].long()
-        last = rows.numel() - 1
-        got = [torch.where(count > j, rows[(start + j).clamp(max=last)], pad) for j in range(depth)]
-        plan.cache[key] = got
-    return got
-
-
 def merge_partials(
     o_s: torch.Tensor,
     lse_s: torch.Tensor,
@@ -69,16 +54,8 @@ def merge_partials(
     ``out.dtype`` out), by ``flashinfer.cascade.merge_state``."""
     from flashinfer.cascade import merge_state
 
-    nr = o_p.shape[0]
-    v = o_s.to(out.dtype)
-    s = lse_s * _flashinfer.LOG2E
-    levels = _levels(ix, plan, block_size, nr, o_s.device)
-    if levels:
-        vp = torch.zeros((nr + 1, *o_p.shape[1:]), dtype=out.dtype, device=o_p.device)
-        vp[:nr] = o_p
-        sp = torch.full((nr + 1, lse_p.shape[1]), float("-inf"), dtype=torch.float32, device=lse_p.device)
-        torch.mul(lse_p, _flashinfer.LOG2E, out=sp[:nr])
-        for idx in levels:
-            v, s = merge_state(v, s, vp.index_select(0, idx), sp.index_select(0, idx))
-    out.copy_(v)
+    def merge_two(v, s, v_level, s_level):  # the call written out: the doctor checks it against the wheel
+        return merge_state(v, s, v_level, s_level)
+
+    out.copy_(fold_levels((o_s, lse_s, o_p, lse_p), ix, plan, block_size, out.dtype, _flashinfer.LOG2E, merge_two))
     return out
