@@ -108,7 +108,8 @@ class CudaLimitError(RuntimeError):
 def _int_mm_limits(args: tuple, kwargs: dict) -> str | None:
     # PyTorch's CUDA torch._int_mm (aten/src/ATen/native/cuda/Blas.cpp, _int_mm_out_cuda): cuBLASLt
     # int8 needs more than 16 rows and multiples of 8 in both inner and output columns
-    a, b = (list(args) + [kwargs.get("self"), kwargs.get("mat2")])[:2]
+    a = args[0] if args else kwargs.get("self")
+    b = args[1] if len(args) > 1 else kwargs.get("mat2")
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         return None
     if a.dim() != 2 or b.dim() != 2:

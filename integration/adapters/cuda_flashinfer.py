@@ -12,13 +12,13 @@ builder asserts that the KV spec's dtype is the model's, and a format's page is 
 
 from __future__ import annotations
 
+from typing import Any
+
 from vllm.v1.attention.backends.flashinfer import (
     FlashInferBackend,
     FlashInferImpl,
     FlashInferMetadataBuilder,
 )
-
-from typing import Any
 
 from .backend import SEAMS
 from .cuda_backends import GraftBackendMixin, GraftBuilderMixin, GraftImplMixin

@@ -13,9 +13,9 @@ import pytest
 
 from vllm_graft.hooks.versions import FLASHINFER, VLLM_BUILDS
 
+from tests.vllm033.unpack import unpack
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "vllm033"))
-from unpack import unpack  # noqa: E402
 
 
 def _wheels() -> list[Path]:
