@@ -88,16 +88,19 @@ def add_command(sub) -> None:
         help="what the plugins did in a running (or stopped) server: the per-process reports summed",
         description="Reads the reports that every vLLM process (front end, engine core, workers) "
         "writes while VLLM_GRAFT_REPORT_DIR=DIR is set (one JSON file per process, "
-        "rewritten at most once a second while plugins count events) and prints each "
-        "plugin's events summed over the processes.",
+        "rewritten at most once a second while plugins count events, and at each process's "
+        "exit) and prints each plugin's events summed over the processes.",
+        epilog=REPORT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     r.add_argument("dir", help="the folder VLLM_GRAFT_REPORT_DIR named")
     r.add_argument("--json", action="store_true", help="print the summed report as JSON")
     r.add_argument(
         "--metrics",
-        metavar="URL",
-        help="also read vLLM's /metrics at URL (e.g. http://127.0.0.1:8000/metrics) and "
-        "put its speculative-decoding counters beside the report's",
+        metavar="URL|FILE",
+        help="also read vLLM's /metrics at URL (e.g. http://127.0.0.1:8000/metrics), or a "
+        "copy saved before the server stopped (curl URL > FILE), and put its "
+        "speculative-decoding counters beside the report's",
     )
     r.add_argument(
         "--no-wait",
@@ -567,6 +570,31 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+REPORT_EPILOG = """\
+what the counters are (per plugin, summed over the processes):
+  every plugin   the events its code counts, by its own names (--json lists them)
+  speculative    propose    calls of the plugin's proposer (one per request and step)
+                 drafted    draft tokens proposed
+                 verified   drafts vLLM checked: vLLM's spec_decode_num_draft_tokens
+                 accepted   drafts vLLM kept: vLLM's spec_decode_num_accepted_tokens
+                 verified_without_propose
+                            placeholder drafts vLLM verified in steps it did not call the
+                            drafter (a request within k tokens of max_model_len)
+                 seeded_undrafted
+                            drafts discarded for seeded sampled requests (never sent)
+                 finish     requests that ended
+                 undrafted_steps / plain_steps
+                            steps the plugin chose not to draft for / steps with no
+                            drafts to verify, run on vLLM's plain path
+                 drafts_with_output
+                            steps whose drafts rode with the output (engine core)
+                 tree_verify / tree_accepted
+                            draft trees verified / tree nodes accepted
+  the report is complete once the server has stopped: each process writes its last
+  events at exit (vLLM's processes get up to 5 s to exit while VLLM_GRAFT_REPORT_DIR is set)
+"""
+
+
 #: vLLM's counters that a speculative plugin's report counts the same way (see
 #: :mod:`.adapters.speculative.drafting`): /metrics sample name -> the report's figure.
 SPEC_METRICS = {
@@ -617,10 +645,15 @@ def spec_counter_notes(events: dict[str, int], metrics: dict[str, float] | None 
     return lines
 
 
-def _fetch_metrics(url: str) -> dict[str, float]:
+def _fetch_metrics(where: str) -> dict[str, float]:
+    """/metrics from a server (a URL) or as saved (a file: /metrics is gone once the server
+    stops, and a stopped server's reports are complete, see ``Runtime._flush_at_exit``)."""
+    if os.path.isfile(where):
+        with open(where) as f:
+            return parse_metrics(f.read())
     import httpx
 
-    return parse_metrics(httpx.get(url, timeout=10).text)
+    return parse_metrics(httpx.get(where, timeout=10).text)
 
 
 def cmd_report(args: argparse.Namespace, console: Console) -> int:
@@ -640,7 +673,8 @@ def cmd_report(args: argparse.Namespace, console: Console) -> int:
         except Exception as e:  # noqa: BLE001 - any failure to reach the server is the user's to fix
             console.print(
                 f"[bold red]error:[/] cannot read vLLM's metrics at {escape(args.metrics)} ({e}): "
-                "pass the server's /metrics URL, e.g. http://127.0.0.1:8000/metrics"
+                "pass the server's /metrics URL, e.g. http://127.0.0.1:8000/metrics, or a "
+                "file holding a saved copy"
             )
             return EXIT_INVALID
     if args.no_wait:

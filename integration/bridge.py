@@ -23,11 +23,12 @@ which then only calls vLLM's own ``create_engine_config``.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from vllm_graft.hooks import DeploymentError, Plan, Problem
 from vllm_graft.hooks.deployment import parse_json
@@ -245,6 +246,46 @@ def activate(plan: Plan, *, source: str) -> None:
     _warn_reference_on_gpu(plan)
     _log_activation(source, plan)
     RUNTIME.start_reporting(os.environ.get(ENV_REPORT_DIR) or None)
+    if RUNTIME.report_dir is not None:
+        _install_report_shutdown_grace()
+
+
+#: Seconds the engine core and its workers get to exit (and so write their last report, see
+#: ``Runtime._flush_at_exit``) when a reporting front end stops them at vLLM's default
+#: ``shutdown_timeout=0``; vLLM's own best-effort window when it is given none.
+REPORT_SHUTDOWN_GRACE_S = 5.0
+
+
+def _install_report_shutdown_grace() -> None:
+    from .targets import REPORT_SHUTDOWN_GRACE
+
+    try:
+        PATCHES.apply(REPORT_SHUTDOWN_GRACE, _report_shutdown_grace)
+    except PatchError as e:  # vLLM moved it: the reports may miss the last second, serving is unaffected
+        if RUNTIME.once("report shutdown grace"):
+            log.warning(
+                "vllm-graft: %s; a stopped server's reports may miss its last second of events "
+                "(start vLLM with --shutdown-timeout 5 to keep them)",
+                e,
+            )
+
+
+def _report_shutdown_grace(original: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM's engine-process shutdown timeout, at least :data:`REPORT_SHUTDOWN_GRACE_S` while
+    this process reports (``VLLM_GRAFT_REPORT_DIR``). Only the processes' exit waits: vLLM's
+    ``shutdown_timeout`` still decides how long requests drain (0: aborted at once), and the
+    wait ends as soon as the processes are gone (tens of milliseconds on the CPU engine)."""
+
+    @functools.wraps(original)
+    def timeout(request_timeout: float | None, process_timeout: float | None) -> float | None:
+        got = original(request_timeout, process_timeout)
+        # only an immediate abort (both 0) gains the window, as vLLM's ROCm window does: a 0 left
+        # of a positive drain budget is vLLM's deadline, and None is already its own 5 s
+        if RUNTIME.report_dir is not None and request_timeout == 0 and got == 0:
+            return REPORT_SHUTDOWN_GRACE_S
+        return got
+
+    return timeout
 
 
 def _warn_reference_on_gpu(plan: Plan) -> None:

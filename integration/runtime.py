@@ -82,6 +82,7 @@ class Runtime:
     #: down at shutdown, before the last report is written at exit)
     _tp_rank: int | None = None
     _reporter: threading.Thread | None = field(default=None, repr=False)
+    _flush_registered: bool = field(default=False, repr=False)
     #: adapter-side objects holding per-request tables (:meth:`track_state`), by label
     state_holders: dict[str, Any] = field(default_factory=dict, repr=False)
     _last_sizes: dict[str, int] | None = field(default=None, repr=False)
@@ -199,12 +200,31 @@ class Runtime:
 
             self._reporter = threading.Thread(target=loop, name="vllm-graft-report", daemon=True)
             self._reporter.start()
-            import atexit
+            self._flush_at_exit()
 
-            atexit.register(self._final_report)
+    def _flush_at_exit(self) -> None:
+        """Write the last second's events when this process ends, however Python ends it:
+        ``atexit`` in a main process, and multiprocessing's own exit finalizers in the engine
+        core and the workers. vLLM starts those as ``multiprocessing`` processes; a forked one
+        leaves through ``os._exit``, which runs no ``atexit`` handler, only those finalizers
+        (``BaseProcess._bootstrap``). vLLM's SIGTERM handlers raise SystemExit, so a process that
+        is told to stop reaches them too. Before this, a server stopped within a report period of
+        its last request lost the worker's last events (issue 64: 1136 of /metrics' 1196
+        verified). Only SIGKILL escapes: vLLM sends it to a worker still alive 4 s after its
+        SIGTERM."""
+        if self._flush_registered:
+            return
+        self._flush_registered = True
+        import atexit
+        import multiprocessing.util
+
+        atexit.register(self._final_report)
+        # exitpriority: run by multiprocessing's _exit_function (a child's last step, and an
+        # atexit handler of the main process: _final_report writes once, the second finds it clean)
+        multiprocessing.util.Finalize(None, self._final_report, exitpriority=100)
 
     def _final_report(self) -> None:
-        """At interpreter exit: the events of the last second (a process shut down normally)."""
+        """At process exit: the events of the last second (see :meth:`_flush_at_exit`)."""
         if self._dirty:
             self._dirty = False
             self.write_report()

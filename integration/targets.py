@@ -95,6 +95,22 @@ CREATE_ENGINE_CONFIG = Target(
     wrapper="integration.bridge:_create_engine_config",
 )
 
+REPORT_SHUTDOWN_GRACE = Target(
+    BRIDGE,
+    "vllm.v1.engine.utils",
+    "",
+    "get_engine_process_shutdown_timeout",
+    "at vLLM's default shutdown_timeout=0 the front end SIGKILLs the engine core and its "
+    "workers right after their SIGTERM (v1/utils.py shutdown: no join time, then "
+    "kill_process_tree), so a worker's last plugin events never reach its report; while "
+    "VLLM_GRAFT_REPORT_DIR is set the processes get a grace window to exit (they are killed "
+    "only if still alive after it), as vLLM already gives ROCm",
+    params=("request_timeout", "process_timeout"),
+    upstream="none found: vLLM grants this window only for ROCm's device teardown",
+    remove_when="vLLM gives every platform a process grace window after an immediate abort",
+    wrapper="integration.bridge:_report_shutdown_grace",
+)
+
 KV_REQUEST_INIT = Target(
     KVCOMPRESS,
     "vllm.v1.request",
@@ -361,6 +377,7 @@ USES: tuple[Target, ...] = (
 #: Every patch, in the order of the owners above.
 PATCH_TARGETS: tuple[Target, ...] = (
     CREATE_ENGINE_CONFIG,
+    REPORT_SHUTDOWN_GRACE,
     KV_REQUEST_INIT,
     KV_BUILD_METADATA,
     KV_EXECUTE_MODEL,

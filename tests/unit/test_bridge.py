@@ -452,3 +452,37 @@ def test_conflicting_kv_sizes_are_said_when_vllms_engine_config_is_made(monkeypa
             assert "overrides" not in config("1", 1 << 30)[1]
     finally:
         bridge.deactivate()
+
+
+def test_a_reporting_front_end_gives_vllms_processes_time_to_write_their_last_events(monkeypatch):
+    # vLLM's shutdown_timeout=0 SIGKILLs the engine core and its workers right after their SIGTERM
+    # (issue 64: a stopped server's worker lost its last events); the wrapper widens only that
+    # immediate abort, and only while this process reports
+    from vllm_graft.integration import runtime
+
+    def vllms(request_timeout, process_timeout):  # as vLLM's, off ROCm
+        return process_timeout
+
+    widened = bridge._report_shutdown_grace(vllms)
+    monkeypatch.setattr(runtime.RUNTIME, "report_dir", None)
+    assert widened(0, 0) == 0  # not reporting: vLLM's behaviour
+    monkeypatch.setattr(runtime.RUNTIME, "report_dir", "/tmp/reports")
+    assert widened(0, 0) == bridge.REPORT_SHUTDOWN_GRACE_S
+    assert widened(30, 0) == 0  # a drain budget used up: vLLM's deadline stands
+    assert widened(30, 12.5) == 12.5 and widened(0, None) is None  # None: vLLM's own 5 s
+
+
+def test_the_shutdown_grace_is_patched_where_vllm_reads_it():
+    from vllm_graft.integration.targets import PATCH_TARGETS, REPORT_SHUTDOWN_GRACE
+
+    assert REPORT_SHUTDOWN_GRACE in PATCH_TARGETS
+    import vllm.v1.engine.utils as utils  # the function CoreEngineProcManager.shutdown calls by name
+
+    assert callable(getattr(utils, REPORT_SHUTDOWN_GRACE.attribute))
+    reg = PatchRegistry()
+    patch = reg.apply(REPORT_SHUTDOWN_GRACE, bridge._report_shutdown_grace)
+    try:
+        assert utils.get_engine_process_shutdown_timeout is not patch.original
+    finally:
+        reg.undo()
+    assert utils.get_engine_process_shutdown_timeout is patch.original

@@ -158,3 +158,39 @@ def test_reports_of_an_earlier_server_run_in_the_same_folder_are_flagged():
     procs = [{"process": "MainProcess"}, {"process": "EngineCore"}, {"process": "VllmWorker-0"}]
     assert run._earlier_runs(procs) == 0
     assert run._earlier_runs(procs + [{"process": "EngineCore"}, {"process": "VllmWorker-0"}]) == 2
+
+
+def test_report_reads_a_saved_copy_of_metrics(tmp_path):
+    # /metrics is gone once the server stops; a stopped server's reports are the complete ones
+    saved = tmp_path / "metrics.txt"
+    saved.write_text('# HELP x\nvllm:spec_decode_num_draft_tokens_total{engine="0"} 12.0\n'
+                     'vllm:spec_decode_num_accepted_tokens_total{engine="0"} 5.0\n')
+    got = run._fetch_metrics(str(saved))
+    assert got["vllm:spec_decode_num_draft_tokens_total"] == 12.0
+    assert got["vllm:spec_decode_num_accepted_tokens_total"] == 5.0
+
+
+def _count_and_exit(folder: str) -> None:
+    from vllm_graft.hooks import Kind, get_registry, validate
+    from vllm_graft.integration.runtime import Runtime
+
+    rt = Runtime(plan=validate({"speculative": {"plugin": "lookahead"}}, get_registry()))
+    rt.start_reporting(folder)  # written at once, with no events yet
+    rt.count(Kind.SPECULATIVE, "lookahead", "verified", 7)  # then it ends within a report period
+
+
+def test_a_forked_process_writes_its_last_events_as_it_exits(tmp_path):
+    # vLLM's engine core and workers are multiprocessing children: a forked one ends through
+    # os._exit, which runs no atexit handler (issue 64: a stopped server's worker lost its last
+    # second); multiprocessing's exit finalizers do run
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    p = ctx.Process(target=_count_and_exit, args=(str(tmp_path),), name="VllmWorker-0")
+    p.start()
+    p.join(30)
+    assert p.exitcode == 0
+    (report,) = tmp_path.glob("VllmWorker-0-*.json")
+    assert json.loads(report.read_text())["pid"] == p.pid
+    (plugin,) = run.read_reports(str(tmp_path))["plugins"]
+    assert plugin["events"] == {"verified": 7}
