@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from vllm_graft.hooks import Plan
+from vllm_graft.integration.lifetime import ENV_DIE_WITH_PARENT
 from vllm_graft.integration.plan import deployment_for_engine, plan_adapters
 
 log = logging.getLogger("vllm_graft")
@@ -63,7 +64,8 @@ def deployments_dir() -> Path:
 def apply_env_defaults(*, in_process: bool | None = None, engine: dict[str, Any] | None = None) -> None:
     """Set :data:`CPU_ENV_DEFAULTS` where the user has not. ``engine`` (the engine arguments
     about to be used): where it sets ``kv_cache_memory_bytes`` the KV-space default is left
-    unset, since vLLM's CPU platform lets ``VLLM_CPU_KVCACHE_SPACE`` override that argument."""
+    unset, since vLLM's CPU platform lets ``VLLM_CPU_KVCACHE_SPACE`` override that argument.
+    Sets ``VLLM_GRAFT_DIE_WITH_PARENT=1`` (:mod:`vllm_graft.integration.lifetime`) where unset."""
     _bind_threads_per_rank(engine or {})
     explicit_kv = (engine or {}).get("kv_cache_memory_bytes") is not None
     for key, value in CPU_ENV_DEFAULTS.items():
@@ -77,6 +79,8 @@ def apply_env_defaults(*, in_process: bool | None = None, engine: dict[str, Any]
                 )
             continue
         os.environ.setdefault(key, value)
+    # the engine core and workers the launcher starts end with it, however it ends (a user's 0 wins)
+    os.environ.setdefault(ENV_DIE_WITH_PARENT, "1")
     if in_process is not None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
 

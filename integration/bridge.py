@@ -35,6 +35,7 @@ from vllm_graft.hooks.deployment import parse_json
 from vllm_graft.hooks.versions import SUPPORTED_VLLM, VLLM_BUILDS  # the adapters were checked against these
 
 from .env import installed_vllm
+from .lifetime import die_with_parent
 from . import model_runner
 from .patches import PATCHES, PatchError
 from .plan import (
@@ -107,6 +108,7 @@ def register() -> None:
 
 
 def _register() -> None:
+    die_with_parent()  # first: whatever follows may fail, and a launcher's child must still go with it
     _check_additional_config_argv(sys.argv)
     found = installed_vllm()
     data, source = _deployment_from_env()

@@ -80,6 +80,7 @@ def test_the_top_level_opens_with_requests_that_outgrow_the_pool():
     top = [s for s in specs if s.level == 16]
     pressure = [s for s in specs if s.ignore_eos and s.greedy and len(s.prompt) == 480 and s.max_tokens == 192]
     assert pressure == top[:16] and len(top) == 48
+    assert [s for s in specs if s.pressure] == pressure  # marked, for a plain server's replay
     # without a pool size, the mix alone (as before)
     plain = list(iter_specs(RequestMix(CORPUS, 2048, seed=0), ramp, lambda: 0.0))
     assert sum(len(s.prompt) == 480 and s.ignore_eos and s.max_tokens == 192 for s in plain) < 3
@@ -185,7 +186,7 @@ GOOD = {
 FLAWS = {
     "every request answered": [("outcomes", {"ok": 6, "rejected": 1, "aborted": 2, "hung": 1, "error": 0})],
     "over-long prompts refused": [("over_long_sent", 2)],
-    "vLLM preempted": [("preemptions", 0.0)],
+    "KV pool tight enough to preempt": [("preemptions", 0.0)],
     "KV and queues back to 0": [("drained", {"kv_usage": 0.01, "running": 0.0, "waiting": 0.0,
                                              "seconds_to_settle": 30})],
     "still serving": [("last_request", {"kind": "error", "reason": "HTTP 500", "alive": True})],
@@ -221,6 +222,25 @@ def test_greedy_not_compared_for_lossy_or_plain():
     r = copy.deepcopy(GOOD)
     r["greedy"] = {"verdict": "n.a.", "why": "lossy plugins: w4a8"}
     assert "greedy identical to plain vLLM" not in [c.name for c in checks(r)]
+    # the table says why (issue 64: only the JSON did)
+    r["checks"], r["passed"] = [c.to_json() for c in checks(r)], True
+    assert row(r)["identical greedy"] == "n.a. (lossy plugins: w4a8)"
+
+
+def test_a_compressor_that_kept_the_pool_is_judged_by_plain_vllm_on_the_same_requests():
+    # issue 64: `soak deployments/demo.yaml --short` failed at its defaults, "0 preemptions":
+    # streaming holds each request to its budget, so the graft server need not run out of blocks
+    r = copy.deepcopy(GOOD)
+    r.update(preemptions=0.0, plugins=["kvcompress:streaming", "speculative:lookahead"],
+             plain_pressure={"requests": 16, "ok": 16, "preemptions": 7.0})
+    (pool,) = [c for c in checks(r) if c.name == "KV pool tight enough to preempt"]
+    assert pool.passed and "kvcompress:streaming kept every request" in pool.detail
+    assert "plain vLLM preempted 7 times on the same 16 pressure requests" in pool.detail
+    r["checks"], r["passed"] = [c.to_json() for c in checks(r)], True
+    assert row(r)["preemptions"] == "0 (plain 7)"
+    r["plain_pressure"]["preemptions"] = 0.0  # plain did not preempt either: the pool was loose
+    (pool,) = [c for c in checks(r) if c.name == "KV pool tight enough to preempt"]
+    assert not pool.passed and "lower --kv-tokens" in pool.detail
 
 
 # ------------------------------------------------------------------ per-request tables of a process

@@ -2,7 +2,8 @@
 mixed, loopback-only load with a KV pool too small for it, then checks after the drain.
 
 Per deployment (:mod:`.run`): every request ends in a response, a 400 for an over-long prompt,
-or a client abort (none lost, none hung past ``--timeout``); vLLM preempted; after the drain
+or a client abort (none lost, none hung past ``--timeout``); vLLM preempted (or, where a KV
+compressor kept every request within the pool, plain vLLM did on the same requests); after the drain
 vLLM's ``/metrics`` reads KV usage 0 and no request running or waiting; a last request is
 served; every plugin's per-request tables are back to their size at the start; RSS of the
 server and its engine core did not grow past a slack over the second half of the run; for a
@@ -108,6 +109,11 @@ def cmd_soak(args: argparse.Namespace, console: Any) -> int:
             for c in r["checks"]:
                 mark = "[green]✓[/]" if c["passed"] else "[bold red]✗[/]"
                 console.print(f"{mark} {escape(Path(path).name)}: {escape(c['name'])}: {escape(c['detail'])}")
+            if r["greedy"]["verdict"] == "n.a.":
+                console.print(
+                    f"- {escape(Path(path).name)}: greedy identical to plain vLLM: not compared "
+                    f"({escape(r['greedy']['why'])})"
+                )
     if args.json:
         print(json.dumps({"folder": str(folder), "runs": results}, indent=1, default=str))
     else:

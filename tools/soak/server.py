@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_graft.cli.engine_commands import SERVER_MODULE, engine_flags
+from vllm_graft.integration.lifetime import ENV_DIE_WITH_PARENT, set_parent_death_signal
 
 SERVED_NAME = "soak"
 #: vLLM's /metrics samples the soak reads (labels summed).
@@ -58,6 +59,7 @@ def kv_bytes_per_token(model: str, dtype: str | None) -> int:
 def server_env(report_dir: str | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_GRAFT_") and k != "VLLM_CPU_KVCACHE_SPACE"}
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    env[ENV_DIE_WITH_PARENT] = "1"  # the server's engine core ends with the server (integration/lifetime.py)
     if report_dir is not None:
         env["VLLM_GRAFT_REPORT_DIR"] = report_dir
     return env
@@ -124,6 +126,9 @@ class Server:
                 stderr=subprocess.STDOUT,
                 cwd=self.folder,
                 start_new_session=True,
+                # the server ends (SIGTERM: it stops its engine core) with this process, however
+                # this one ends; its own children do so by ENV_DIE_WITH_PARENT
+                preexec_fn=set_parent_death_signal,
             )
         deadline = time.monotonic() + self.start_timeout
         while True:

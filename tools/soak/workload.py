@@ -54,6 +54,7 @@ class RequestSpec:
     cut_after: int | None = None  # chunks received before the client closes the stream
     ignore_eos: bool = False
     over_long: bool = False  # longer than max_model_len: vLLM must answer 400
+    pressure: bool = False  # one of the top level's requests that outgrow the pool (RequestMix.pressure)
     level: int = 1  # the concurrency level it was sent at
 
     @property
@@ -178,7 +179,9 @@ class RequestMix:
         out = min(4 * self.max_output, self.max_model_len // 2)
         together = max(1, level // 4)
         length = max(1, min(-(-kv_tokens // together) + 32 - out, self.max_model_len - out))
-        return RequestSpec(index=index, prompt=self._window(length), max_tokens=out, level=level, ignore_eos=True)
+        return RequestSpec(
+            index=index, prompt=self._window(length), max_tokens=out, level=level, ignore_eos=True, pressure=True
+        )
 
 
 @dataclass
