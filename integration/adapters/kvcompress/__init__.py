@@ -53,8 +53,10 @@ _update_after_schedule`` (the end of ``schedule()``) puts the step's frees on th
 SchedulerOutput as ``graft_kv_freed`` ``{request id: {block size: [logical blocks]}}`` (none for
 a request preempted in that step); the worker's ``execute_model`` wrapper adds them to
 ``Active.worker_freed`` (forgetting finished, preempted and resumed requests), and the
-rewriter raises a :class:`~vllm_graft.hooks.KeepError` naming the plugin, the request and the
-blocks when its own answer would read one of them (``check_freed_skipped``).
+rewriter leaves out every block the scheduler freed, whatever the worker's own answer kept
+(``rows.follow_frees``): the scheduler's frees win, so no freed block is read. A disagreement
+is counted (``keep_disagreed``) and said once, naming the plugin, the request and the blocks.
+(Before issue 64 the rewriter raised a KeepError there, stopping the engine.)
 
 Prefix-cache salt
 -----------------

@@ -5,13 +5,16 @@ maps each row to its request and computes the blocks the row leaves out of atten
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
-from vllm_graft.integration.adapters.kvcompress.keep import KeepError
 from vllm_graft.integration.adapters.kvcompress.plan import KVCompressError, blocks_to_skip
 from vllm_graft.integration.adapters.kvcompress.state import VERSIONS, Active
+from vllm_graft.integration.runtime import RUNTIME
 from vllm_graft.integration.targets import KV_BUILD_METADATA
+
+log = logging.getLogger("vllm_graft")
 
 if TYPE_CHECKING:  # for the doctor's attribute rows (never imported at run time: this module is vLLM-free)
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # the CPU engine's runner subclasses it
@@ -77,7 +80,7 @@ class _StepRows:
                 )
                 freed = state.worker_freed.get(req_id)
                 if freed and freed.get(block_size):
-                    check_freed_skipped(state.name, req_id, computed, freed[block_size], skip)
+                    skip = follow_frees(state, req_id, computed, freed[block_size], skip)
             if computed > 0 and state.scored is None:
                 calls += 1
             skipped += len(skip)
@@ -89,19 +92,33 @@ class _StepRows:
         return out
 
 
-def check_freed_skipped(plugin: str, req_id: str, computed: int, freed: set[int], skip: list[int]) -> None:
-    """Raise :class:`~vllm_graft.hooks.KeepError` if the worker's answer would read a block the
-    scheduler freed: ``keep`` answered the two differently for the same view."""
+def follow_frees(state: Active, req_id: str, computed: int, freed: set[int], skip: list[int]) -> list[int]:
+    """The blocks the row leaves out: the worker's own answer (``skip``) and every block the
+    scheduler freed for the request (``freed``), so that attention never reads a block the pool
+    may have handed to another request, whatever ``keep`` answered the worker.
+
+    ``keep`` must be a function of its view (the contract); one that is not answered the two
+    calls differently, and the worker read freed blocks (issue 64; before that, the frees check
+    stopped the engine). The scheduler's frees win; the disagreement is counted
+    (``keep_disagreed``) and said once, naming the plugin, the request and the blocks."""
     read = freed.difference(skip)
-    if read:
-        raise KeepError(
-            f"kvcompress plugin {plugin!r}: keep() answered the scheduler and the worker differently "
-            f"for request {req_id!r} at {computed} computed tokens: the scheduler freed block(s) "
-            f"{sorted(read)}, which the worker's answer keeps, so attention would read KV blocks "
-            "that may already hold another request's. keep() must be a function of its view only "
-            "(num_tokens, block_size, num_prompt_tokens, request_id; pinned is the scheduler's), "
-            "and a dropped block must stay dropped"
+    if not read:
+        return skip
+    state.count("keep_disagreed", 1)
+    if RUNTIME.once(("keep disagreed", state.name)):
+        log.warning(
+            "vllm-graft: kvcompress plugin %r: keep() answered the scheduler and the worker differently for "
+            "request %r at %d computed tokens: the scheduler freed block(s) %s, which the worker's answer "
+            "keeps. The worker leaves them out (the scheduler's frees win), so no freed block is read; "
+            "but keep() must be a function of its view only (num_tokens, block_size, num_prompt_tokens, "
+            "request_id; pinned is the scheduler's) and a dropped block must stay dropped: fix the "
+            "plugin (counted as keep_disagreed; said once)",
+            state.name,
+            req_id,
+            computed,
+            sorted(read),
         )
+    return sorted(read.union(skip))
 
 
 def host_seq_lens(cm: CommonAttentionMetadata) -> Any:
