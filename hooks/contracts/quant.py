@@ -49,6 +49,25 @@ class QuantMethod(PluginImpl[P]):
     ``weight`` where stored tensors belong, a wrong shape or dtype, or a ``verify`` that
     raises, stops loading with an error naming the checkpoint tensor.
 
+    Shapes and names. ``weight`` is ``[out, in]`` in the model's dtype (q/k/v and gate/up
+    arrive fused along ``out``). ``apply``'s ``x`` is ``[..., in]`` in the same dtype; in vLLM's
+    engine ``[T, in]``, the step's tokens flattened (``T`` varies per step, 1 at a decode step
+    of one request); it returns ``[..., out]`` in ``x``'s dtype, ``bias`` (``[out]`` or None)
+    added. ``quantize`` may keep the full weight among its tensors (a method that computes
+    densely, or keeps a dense remainder): the layer then keeps its memory too. The tensor name
+    ``weight`` is reserved for a checkpoint's unquantised weight: :meth:`stored_tensors` may not
+    use it (a pre-quantised checkpoint must not hold ``P.weight``).
+
+    What the plugin did: the adapter counts ``apply`` and ``embed`` calls per process; a plugin
+    reports anything of its own through :meth:`~PluginImpl.describe` (a JSON-able dict, e.g.
+    ``{"layers": n, "outlier_channels": k}``), which ``vllm-graft report --json`` shows per
+    process as ``described``.
+
+    Error (a lossy method): :meth:`error_bound` states the largest relative error ``apply``
+    makes on one layer; the conformance kit fails the plugin beyond it, on random weights and
+    on a structured layer with a decaying spectrum and outlier channels (what low-rank and
+    outlier methods are for, and where a broken low-rank or outlier path shows).
+
     Devices and CUDA graphs (vLLM on a GPU). The weight ``quantize`` gets, and a checkpoint's
     stored tensors ``verify``/``load`` get, are on the accelerator (online, ``load`` gets what
     ``quantize`` returned, where it made it); the host moves whatever they return to the weight's device (so NumPy-built tables are fine there, and host syncs such as
@@ -73,6 +92,20 @@ class QuantMethod(PluginImpl[P]):
         self, tensors: dict[str, "torch.Tensor"], x: "torch.Tensor", bias: "torch.Tensor | None"
     ) -> "torch.Tensor":
         """``x @ W.T + bias`` computed from the quantised ``tensors``."""
+
+    def error_bound(self, layer: str) -> float | None:
+        """The largest relative error ``||apply(x) - (x @ W.T + b)|| / ||x @ W.T + b||`` this
+        method makes on one layer at these parameters, on the conformance kit's layers of kind
+        ``layer`` (``kit/conformance/exercises/quant.py``): ``"random"`` (``randn`` weights and
+        activations: a flat spectrum, no outliers) or ``"structured"`` (singular values falling
+        as ``1/(1+i)``, 1 input channel in 32 an outlier in weight and activations, as in a
+        trained model: where a low-rank or outlier path carries the result, so a broken one
+        shows). The kit fails a lossy plugin whose error exceeds the bound on any such layer;
+        measure yours there (``pytest --graft-conformance quant:NAME``: the contract check's
+        result gives each layer's error) and declare it with a margin. ``None`` (default): no bound; the kit then only asks for better than
+        returning zeros (1.0), and its result says the bound is missing. A lossless method
+        (``capabilities.lossless``) is held to the dtype's rounding instead."""
+        return None
 
     def stored_tensors(self, out_features: int, in_features: int) -> dict[str, StoredTensor] | None:
         """What ``quantize`` returns for an ``[out, in]`` weight (names, shapes, dtypes), so

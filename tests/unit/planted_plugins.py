@@ -281,6 +281,49 @@ class BadCheckpointParams(Int8):
         return {"graft_conformance_unknown_field": 1}
 
 
+class RSparse(QuantMethod):
+    """Correct, lossy: R-Sparse (issue 64's outside author), the input channels of largest |x|
+    per token computed exactly, the rest through a rank-16 SVD of the weight."""
+
+    rank, exact_share = 16, 8  # 1 input channel in 8 exact
+
+    def quantize(self, weight):
+        u, s, vh = torch.linalg.svd(weight.float(), full_matrices=False)
+        return {"dense": weight, "a": u[:, : self.rank] * s[: self.rank], "b": vh[: self.rank]}
+
+    def low_rank(self, tensors, rest):
+        return (rest @ tensors["b"].T) @ tensors["a"].T
+
+    def apply(self, tensors, x, bias):
+        xf = x.float()
+        top = xf.abs().topk(max(1, x.shape[-1] // self.exact_share), dim=-1).indices
+        exact = torch.zeros_like(xf).scatter(-1, top, xf.gather(-1, top))
+        out = exact @ tensors["dense"].float().T + self.low_rank(tensors, xf - exact)
+        return (out if bias is None else out + bias.float()).to(x.dtype)
+
+    def error_bound(self, layer):
+        # measured on the kit's layers: 0.55-0.58 on random ones (a flat spectrum: rank 16 holds
+        # little, so the bound there says little), 0.028 on the structured one
+        return 0.8 if layer == "random" else 0.06
+
+
+class RSparseLowRankZeros(RSparse):
+    """Its low-rank path returns zeros: 0.74 / 0.165 off, a +4.3% perplexity on a real model."""
+
+    def low_rank(self, tensors, rest):
+        return torch.zeros(*rest.shape[:-1], tensors["a"].shape[0], dtype=rest.dtype)
+
+
+class RSparseLowRankZerosNoBound(RSparseLowRankZeros):
+    def error_bound(self, layer):
+        return None
+
+
+class RSparseBoundNotRelative(RSparse):
+    def error_bound(self, layer):
+        return 1.5
+
+
 # ------------------------------------------------------------------------------------- moe
 class TopK(MoEScheduler):
     """Correct: the model's own top-k."""

@@ -39,6 +39,14 @@ class FlexQ(QuantMethod):
         qweight, scale = quantize_rows(weight, self.params.weight_bits)
         return {"qweight": qweight, "scale": scale}
 
+    def error_bound(self, layer: str) -> float:
+        """Symmetric rounding to b bits per row errs about 2**-b relative: measured on the kit's
+        layers at w8a8 0.010, w6a8 0.029 (the default), w4a8 0.124, w3a4 0.33 (every dtype, the
+        structured layer below the random ones), so 4 x 2**-weight_bits + 2 x 2**-act_bits bounds
+        each with a margin."""
+        p = self.params
+        return min(0.99, 4 * 2.0**-p.weight_bits + 2 * 2.0**-p.act_bits)
+
     def apply(self, tensors: dict[str, torch.Tensor], x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape

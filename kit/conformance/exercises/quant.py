@@ -11,7 +11,59 @@ from typing import Any
 
 from vllm_graft.kit.conformance.base import Target, tolerance, torch_dtype, torch_module
 
-QUANT_SHAPES = [(64, 128, 1), (96, 256, 5), (128, 128, 3)]  # (out, in, tokens)
+QUANT_SHAPES = [(64, 128, 1), (96, 256, 5), (128, 128, 3)]  # (out, in, tokens): random layers
+#: (out, in, tokens) of the structured layer (:func:`structured_layer`)
+STRUCTURED_SHAPE = (128, 256, 16)
+
+
+def structured_layer(n_out: int, n_in: int, n_tok: int, seed: int = 399) -> tuple[Any, Any]:
+    """A float32 weight ``[out, in]`` and activations ``[tokens, in]`` shaped as a trained
+    model's are, where random ones are not: the weight's singular values fall as ``1 / (1 + i)``
+    (a trained layer's spectrum decays; ``randn``'s is flat, so a low-rank part of it holds
+    little and a broken low-rank path errs no more than a correct one), and 1 input channel in
+    32 is an outlier: its weight column x3 and its activations x8 (LLM.int8()'s outlier
+    features), what outlier-aware methods keep exact. Scaled to the random layers' weight
+    scale (std 0.05)."""
+    torch = torch_module()
+    g = torch.Generator().manual_seed(seed)
+    k = min(n_out, n_in)
+    u, _ = torch.linalg.qr(torch.randn(n_out, k, generator=g))
+    v, _ = torch.linalg.qr(torch.randn(n_in, k, generator=g))
+    w = (u / (1.0 + torch.arange(k, dtype=torch.float32))) @ v.T
+    outliers = torch.randperm(n_in, generator=g)[: max(1, n_in // 32)]
+    w[:, outliers] *= 3.0
+    w = w * (0.05 / w.std())
+    x = torch.randn(n_tok, n_in, generator=g)
+    x[:, outliers] *= 8.0
+    return w, x
+
+
+#: the kinds of layer the exercise quantises, as :meth:`QuantMethod.error_bound` is asked them
+LAYER_KINDS = ("random", "structured")
+
+
+def _layers(dt: Any) -> list[tuple[str, str, Any, Any, Any]]:
+    """(kind, label, weight, x, bias) of every layer the exercise quantises."""
+    torch = torch_module()
+    out = []
+    for j, (n_out, n_in, n_tok) in enumerate(QUANT_SHAPES):
+        g = torch.Generator().manual_seed(300 + j)
+        w = (torch.randn(n_out, n_in, generator=g) * 0.05).to(dt)
+        x = torch.randn(n_tok, n_in, generator=g).to(dt)
+        bias = (torch.randn(n_out, generator=g) * 0.1).to(dt) if j % 2 == 0 else None
+        out.append(("random", f"[{n_out}, {n_in}] x {n_tok} tokens", w, x, bias))
+    w, x = structured_layer(*STRUCTURED_SHAPE)
+    n_out, n_in, n_tok = STRUCTURED_SHAPE
+    out.append(
+        (
+            "structured",
+            f"structured [{n_out}, {n_in}] x {n_tok} tokens (decaying spectrum, outlier channels)",
+            w.to(dt),
+            x.to(dt),
+            None,
+        )
+    )
+    return out
 
 
 def exercise_quant(t: Target, impl: Any, dtype: str, rules: bool) -> list[tuple[str, Any]]:
@@ -19,14 +71,13 @@ def exercise_quant(t: Target, impl: Any, dtype: str, rules: bool) -> list[tuple[
     dt = torch_dtype(dtype)
     lossless = t.entry.registration.capabilities.lossless
     results = []
-    for j, (n_out, n_in, n_tok) in enumerate(QUANT_SHAPES):
-        g = torch.Generator().manual_seed(300 + j)
-        w = (torch.randn(n_out, n_in, generator=g) * 0.05).to(dt)
-        x = torch.randn(n_tok, n_in, generator=g).to(dt)
-        bias = (torch.randn(n_out, generator=g) * 0.1).to(dt) if j % 2 == 0 else None
+    for kind, name, w, x, bias in _layers(dt):
+        bound = None if lossless else _declared_bound(t, impl, kind)
+        n_out, n_in = w.shape
+        n_tok = x.shape[0]
         w_before = w.clone()
         stored = impl.quantize(w)
-        label = f"[{n_out}, {n_in}] x {n_tok} tokens {dtype} bias={bias is not None}"
+        label = f"{name} {dtype} bias={bias is not None}"
         if rules:
             if not isinstance(stored, dict) or not all(isinstance(v, torch.Tensor) for v in stored.values()):
                 raise t.fail(f"quantize() must return a dict of tensors, got {type(stored).__name__}")
@@ -52,14 +103,32 @@ def exercise_quant(t: Target, impl: Any, dtype: str, rules: bool) -> list[tuple[
                 raise t.fail(f"declared lossless but apply() is off x @ W.T + b by {rel:.3g} (relative, {label})")
             if rel >= 1.0:
                 raise t.fail(f"apply() is off x @ W.T + b by {rel:.3g} (relative, {label}): worse than returning zeros")
+            if bound is not None and rel > bound:
+                raise t.fail(
+                    f"apply() is off x @ W.T + b by {rel:.3g} (relative, {label}), beyond the "
+                    f"{bound:.3g} its error_bound({kind!r}) declares: a path of the method is broken, or the "
+                    "bound is wrong for these parameters"
+                )
             _check_dense_weight(t, impl, tensors, w, x, bias, out, label)
             if declared is not None:
-                _check_checkpoint(t, impl, w, x, bias, dt, lossless, label)
-            label += f" rel.err {rel:.2e}"
+                _check_checkpoint(t, impl, w, x, bias, dt, lossless, label, bound)
+            label += f" rel.err {rel:.2e}" + (
+                "" if lossless else f" (bound {bound:.3g})" if bound else " (no error_bound)"
+            )
         results.append((label, out))
     if getattr(impl, "covers_embeddings", False):
         results += _exercise_embed(t, impl, dt, dtype, lossless, rules)
     return results
+
+
+def _declared_bound(t: Target, impl: Any, kind: str) -> float | None:
+    bound = impl.error_bound(kind) if hasattr(impl, "error_bound") else None
+    if bound is not None and not (isinstance(bound, (int, float)) and 0.0 < bound < 1.0):
+        raise t.fail(
+            f"error_bound({kind!r}) returned {bound!r}: it must be None or the largest relative error, a "
+            "number in (0, 1)"
+        )
+    return None if bound is None else float(bound)
 
 
 def _rel(out: Any, ref: Any) -> float:
@@ -89,7 +158,9 @@ def _check_dense_weight(t: Target, impl: Any, tensors: dict, w: Any, x: Any, bia
         )
 
 
-def _check_checkpoint(t: Target, impl: Any, w: Any, x: Any, bias: Any, dt: Any, lossless: bool, label: str) -> None:
+def _check_checkpoint(
+    t: Target, impl: Any, w: Any, x: Any, bias: Any, dt: Any, lossless: bool, label: str, bound: float | None = None
+) -> None:
     """The pre-quantised path: ``checkpoint_params()`` builds the plugin again; a layer fused from
     two shards quantised one by one (as ``vllm-graft quantize`` writes q/k/v) passes ``verify`` per
     shard, and ``load`` of the per-shard tensors computes ``x @ W.T + b`` through ``apply``."""
@@ -133,7 +204,7 @@ def _check_checkpoint(t: Target, impl: Any, w: Any, x: Any, bias: Any, dt: Any, 
         )
     ref = (x.double() @ w.double().T) + (bias.double() if bias is not None else 0)
     rel = _rel(out, ref)
-    limit = tolerance(str(dt).removeprefix("torch.")) if lossless else 1.0
+    limit = tolerance(str(dt).removeprefix("torch.")) if lossless else (bound or 1.0)
     if not rel < limit:
         raise t.fail(
             f"load() of a layer fused from {len(rows)} shards (rows {rows}, each quantised on its "
