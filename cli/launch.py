@@ -65,7 +65,7 @@ def apply_env_defaults(*, in_process: bool | None = None, engine: dict[str, Any]
     """Set :data:`CPU_ENV_DEFAULTS` where the user has not. ``engine`` (the engine arguments
     about to be used): where it sets ``kv_cache_memory_bytes`` the KV-space default is left
     unset, since vLLM's CPU platform lets ``VLLM_CPU_KVCACHE_SPACE`` override that argument.
-    Sets ``VLLM_GRAFT_DIE_WITH_PARENT=1`` (:mod:`vllm_graft.integration.lifetime`) where unset."""
+    Sets ``GRAFT_DIE_WITH_PARENT=1`` (:mod:`vllm_graft.integration.lifetime`) where unset."""
     _bind_threads_per_rank(engine or {})
     explicit_kv = (engine or {}).get("kv_cache_memory_bytes") is not None
     for key, value in CPU_ENV_DEFAULTS.items():

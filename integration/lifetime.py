@@ -21,8 +21,11 @@ import sys
 log = logging.getLogger("vllm_graft")
 
 #: Set to 1 (the launchers do; a user of plain vLLM may too) to have each vLLM child process get
-#: SIGTERM when its parent ends, however it ends.
-ENV_DIE_WITH_PARENT = "VLLM_GRAFT_DIE_WITH_PARENT"
+#: SIGTERM when its parent ends, however it ends. Not ``VLLM_GRAFT_...``: vLLM warns about every
+#: ``VLLM_*`` variable it does not know, and refuses to start with one under
+#: ``--fail-on-environ-validation`` (``Platform.validate_environ``); a default every launcher sets
+#: must not do either.
+ENV_DIE_WITH_PARENT = "GRAFT_DIE_WITH_PARENT"
 _PR_SET_PDEATHSIG = 1
 
 

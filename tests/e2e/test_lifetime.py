@@ -1,7 +1,7 @@
 """`vllm-graft serve` killed outright takes vLLM's engine core with it (issue 64: after `kill -9`
 of vLLM's API server mid-load its EngineCore child kept running until killed by hand).
 
-The launcher sets VLLM_GRAFT_DIE_WITH_PARENT=1, and the bridge, loaded by vLLM in each of its
+The launcher sets GRAFT_DIE_WITH_PARENT=1, and the bridge, loaded by vLLM in each of its
 processes, asks the kernel for a SIGTERM to each child process when its parent ends
 (integration/lifetime.py). Plain vLLM without the variable leaves the child running, as
 tests/unit/test_lifetime.py shows on a stand-in."""
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_serve_killed_outright_takes_its_engine_core_with_it(tmp_path):
     port = free_port()
-    env = {k: v for k, v in server_env().items() if k != "VLLM_GRAFT_DIE_WITH_PARENT"}  # the launcher's to set
+    env = {k: v for k, v in server_env().items() if k != "GRAFT_DIE_WITH_PARENT"}  # the launcher's to set
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "vllm_graft.cli.main", "serve",

@@ -66,13 +66,13 @@ def _orphan_after_kill9(how: str, env: dict[str, str]) -> bool:
 
 
 def test_a_vllm_child_process_ends_with_its_parent_when_the_launcher_asks():
-    env = {**os.environ, "VLLM_GRAFT_DIE_WITH_PARENT": "1"}
+    env = {**os.environ, "GRAFT_DIE_WITH_PARENT": "1"}
     assert not _orphan_after_kill9("multiprocessing", env)
 
 
 def test_without_the_variable_a_child_outlives_a_parent_killed_outright():
     # what vLLM does on its own (the failure the variable is for): the test can tell
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_GRAFT_DIE_WITH_PARENT"}
+    env = {k: v for k, v in os.environ.items() if k != "GRAFT_DIE_WITH_PARENT"}
     assert _orphan_after_kill9("multiprocessing", env)
 
 
@@ -84,12 +84,12 @@ def test_launchers_ask_for_it_unless_the_user_said_otherwise(monkeypatch):
     from vllm_graft.cli import launch
 
     monkeypatch.setattr(os, "environ", dict(os.environ))  # the other defaults it sets stay in this test
-    monkeypatch.delenv("VLLM_GRAFT_DIE_WITH_PARENT", raising=False)
+    monkeypatch.delenv("GRAFT_DIE_WITH_PARENT", raising=False)
     launch.apply_env_defaults()
-    assert os.environ["VLLM_GRAFT_DIE_WITH_PARENT"] == "1"
-    monkeypatch.setenv("VLLM_GRAFT_DIE_WITH_PARENT", "0")
+    assert os.environ["GRAFT_DIE_WITH_PARENT"] == "1"
+    monkeypatch.setenv("GRAFT_DIE_WITH_PARENT", "0")
     launch.apply_env_defaults()
-    assert os.environ["VLLM_GRAFT_DIE_WITH_PARENT"] == "0"
+    assert os.environ["GRAFT_DIE_WITH_PARENT"] == "0"
     from vllm_graft.tools.soak.server import server_env
 
-    assert server_env(None)["VLLM_GRAFT_DIE_WITH_PARENT"] == "1"
+    assert server_env(None)["GRAFT_DIE_WITH_PARENT"] == "1"
