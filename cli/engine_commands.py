@@ -586,6 +586,8 @@ what the counters are (per plugin, summed over the processes):
                  undrafted_steps / plain_steps
                             steps the plugin chose not to draft for / steps with no
                             drafts to verify, run on vLLM's plain path
+                 over_max_batch
+                            steps over the deployment's speculative.max_batch (no drafts)
                  drafts_with_output
                             steps whose drafts rode with the output (engine core)
                  tree_verify / tree_accepted

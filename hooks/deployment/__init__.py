@@ -14,6 +14,9 @@ A deployment file looks like::
     moe:                                # several plugins compose freely
       - plugin: expert-mask
         params: {mask_file: masks.json}
+    speculative:                        # one proposer; max_batch (optional): a load limit,
+      plugin: lookahead                 #   no drafts in steps of more decoding requests
+      max_batch: 8
 
 Validation happens before any engine starts and reports every problem at once; each
 problem names the field path, the value found, and what would be accepted.

@@ -15,7 +15,7 @@ from ..kinds import ENGINE_KEYS_OWNED, KINDS, Kind
 from ..registry import DTYPES, MODEL_FEATURES, PARALLELISM, Entry, Params, Registry
 from .load import ModelInfo, load_file
 from .problems import DeploymentError, Loc, Problem, _path, did_you_mean, pydantic_problems
-from .schema import DTYPE_ALIASES, Deployment, PluginChoice
+from .schema import DTYPE_ALIASES, Deployment, PluginChoice, choice_model
 
 
 # ---------------------------------------------------------------------------- resolution
@@ -177,6 +177,12 @@ def validate(
         _check_parallelism(entry, path, engine, problems)
         _check_params(entry, path, params, context, problems)
         enabled.append(Enabled(kind, entry, params, path))
+        max_batch = getattr(choice, "max_batch", None)
+        if max_batch is not None:
+            notes.append(
+                f"{path}: {choice.plugin} drafts only in steps of at most {max_batch} decoding "
+                "requests (max_batch); larger steps run as plain vLLM's"
+            )
 
     _check_multiples(enabled, problems)
     _check_roles(enabled, problems)
@@ -231,7 +237,7 @@ def _well_formed_choices(data: dict[str, Any]) -> list[tuple[Kind, Loc, PluginCh
         )
         for loc, item in items:
             try:
-                out.append((kind, loc, PluginChoice.model_validate(item)))
+                out.append((kind, loc, choice_model(kind).model_validate(item)))
             except ValidationError:
                 pass  # already reported by the schema pass
     return out

@@ -147,3 +147,17 @@ def test_tree_mode_is_lossless_and_accepts_paths_of_its_trees(name, plain_tokens
 def _accepted_counter(llm) -> float:
     return sum(float(m.value) for m in llm.get_metrics()
                if m.name == "vllm:spec_decode_num_accepted_tokens" and hasattr(m, "value"))
+
+
+def test_a_stated_load_limit_stops_drafting_in_larger_steps_and_stays_lossless(plain_tokens):
+    """`speculative.max_batch` (issue 64: lookahead lost to plain vLLM under load): a step of
+    more decoding requests than the limit runs as plain vLLM's; one request alone drafts."""
+    section = {"speculative": {**CASES["lookahead"], "max_batch": 2}}
+    with engine(section) as llm:
+        together = _tokens(llm.generate(PROMPTS, _greedy(NEW_TOKENS), use_tqdm=False))
+        ev = _events(Kind.SPECULATIVE, "lookahead")
+        alone = _tokens(llm.generate(PROMPTS[-1:], _greedy(NEW_TOKENS), use_tqdm=False))
+        after = _events(Kind.SPECULATIVE, "lookahead")
+    assert len(PROMPTS) > 2 and together == plain_tokens and alone == plain_tokens[-1:]
+    assert ev.get("over_max_batch", 0) > 0, ev
+    assert after.get("accepted", 0) > ev.get("accepted", 0), (ev, after)  # alone it drafts

@@ -194,3 +194,32 @@ def test_a_forked_process_writes_its_last_events_as_it_exits(tmp_path):
     assert json.loads(report.read_text())["pid"] == p.pid
     (plugin,) = run.read_reports(str(tmp_path))["plugins"]
     assert plugin["events"] == {"verified": 7}
+
+
+def test_no_drafts_in_a_step_over_the_deployments_load_limit():
+    # issue 64: lookahead lost to plain vLLM under load (47.8 s against 39.3 s at 48 concurrent
+    # requests); `speculative.max_batch` is a stated limit the adapter enforces
+    counts = Counter()
+    d = Drafting(Repeat(), "repeat", k=3, max_model_len=100, vocab_size=50,
+                 count=lambda ev, n: counts.update({ev: n}), max_batch=2)
+    d.step_started([], {})
+    ids, n = rows([1, 2], [3, 4], [5, 6])
+    assert d.propose(["a", "b", "c"], [[2], [4], [6]], n, ids) == [[], [], []]  # 3 decoding > 2
+    assert counts["over_max_batch"] == 1 and "propose" not in counts and "drafted" not in counts
+    d.step_started([], {})
+    ids, n = rows([1, 2, 2], [3, 4, 4])
+    assert d.propose(["a", "b"], [[2], [4]], n, ids) == [[2, 2, 2], [4, 4, 4]]  # 2: drafts again
+    assert counts["propose"] == 2 and counts["over_max_batch"] == 1
+
+
+def test_the_load_limit_is_validated_and_travels_with_the_deployment():
+    import pytest
+
+    from vllm_graft.hooks import DeploymentError, get_registry, validate
+
+    plan = validate({"speculative": {"plugin": "lookahead", "max_batch": 8}}, get_registry())
+    assert plan.deployment.speculative.max_batch == 8
+    assert '"max_batch":8' in plan.deployment.to_json()  # what every vLLM process receives
+    with pytest.raises(DeploymentError) as info:
+        validate({"speculative": {"plugin": "lookahead", "max_batch": 0}}, get_registry())
+    assert "max_batch" in str(info.value) and "greater than or equal to 1" in str(info.value)

@@ -12,7 +12,8 @@ request_id, num_accepted, num_verified)`` and counts it. Events (``count(event, 
 ``propose`` (plugin calls, one per request and step), ``drafted`` (tokens proposed),
 ``verified`` (drafts vLLM checked), ``accepted`` (drafts it kept), ``finish`` (requests
 ended), ``seeded_undrafted`` (drafts discarded for a seeded sampled request, below),
-``verified_without_propose`` (below).
+``verified_without_propose`` (below), ``over_max_batch`` (steps of more decoding requests than
+the deployment's ``speculative.max_batch``: no plugin call, no drafts).
 
 vLLM's counters: ``verified`` counts what vLLM's ``vllm:spec_decode_num_draft_tokens`` counts and
 ``accepted`` what ``vllm:spec_decode_num_accepted_tokens`` counts (``Scheduler.update_from_output``:
@@ -68,8 +69,11 @@ class Drafting:
         max_model_len: int,
         vocab_size: int,
         count: Callable[[str, int], None],
+        max_batch: int | None = None,
     ) -> None:
         self.plugin, self.name, self.k = plugin, name, k
+        #: the deployment's load limit (``speculative.max_batch``): no drafts in a larger step
+        self.max_batch = max_batch
         self.max_model_len, self.vocab_size, self.count = max_model_len, vocab_size, count
         self.verified: dict[str, int] = {}  # request id -> drafts the current step verifies
         self.drafts: dict[str, list[int]] = {}  # request id -> the drafts it verifies
@@ -173,9 +177,16 @@ class Drafting:
             self._observe_topk(req_ids, sampled_token_ids, num_tokens, token_ids)
         # False: the plugin drafts nothing this step (Proposer.begin_step), so no row's tokens are
         # copied out for a propose call; accepted() reports still go out below
-        drafting = self.plugin.begin_step(sum(1 for s in sampled_token_ids if len(s)), self.step_tokens) is not False
-        if not drafting:
-            self.count("undrafted_steps", 1)
+        decoding = sum(1 for s in sampled_token_ids if len(s))
+        if self.max_batch is not None and decoding > self.max_batch:
+            # over the deployment's load limit: the plugin is not asked (its begin_step is for a
+            # step it drafts in), and the next step runs as plain vLLM's (no drafts to verify)
+            drafting = False
+            self.count("over_max_batch", 1)
+        else:
+            drafting = self.plugin.begin_step(decoding, self.step_tokens) is not False
+            if not drafting:
+                self.count("undrafted_steps", 1)
         out: list[list[int]] = []
         n_calls = n_drafted = n_verified = n_accepted = n_seeded = n_trees = n_cut = 0
         discard = set() if getattr(self.plugin, "per_request_drafts", False) else set(seeded)

@@ -148,6 +148,13 @@ def speculative_config(params: BaseModel) -> dict[str, Any]:
     return {"method": "custom_class", "model": PROPOSER_PATH, "num_speculative_tokens": num_speculative_tokens(params)}
 
 
+def _max_batch() -> int | None:
+    """The deployment's ``speculative.max_batch`` (a stated load limit), if any."""
+    plan = RUNTIME.plan
+    choice = plan.deployment.speculative if plan is not None else None
+    return getattr(choice, "max_batch", None)
+
+
 # --------------------------------------------------------------- what vLLM builds and calls
 class GraftProposer:
     """vLLM's ``custom_class`` proposer: delegates to this process's enabled Proposer plugin."""
@@ -174,6 +181,7 @@ class GraftProposer:
             max_model_len=model.max_model_len,
             vocab_size=model.get_vocab_size(),
             count=count,
+            max_batch=_max_batch(),
         )
         RUNTIME.track_state(f"speculative/{e.name}/adapter", self.drafting)  # read by `soak`
         self._runner: weakref.ReferenceType | None = None
