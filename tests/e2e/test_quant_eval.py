@@ -6,6 +6,7 @@ computation)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -36,9 +37,11 @@ def _fp16_copy(dst: Path) -> Path:
 
 def test_quant_eval_labels_the_stored_dtype_gives_every_parameter_and_no_speed(tmp_path):
     model = _fp16_copy(tmp_path / "fp16")
+    # not the VLLM_GRAFT_* variables an earlier in-process engine of this pytest run exported
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_GRAFT_")}
     out = subprocess.run([sys.executable, "-m", "vllm_graft.cli.main", "quant-eval", str(model), "--dtype", "float32",
                           "--windows", "2", "--window-len", "128", "--method", "w4a8", "--json"],
-                         capture_output=True, text=True, timeout=900)
+                         capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     plain, w4a8 = json.loads(out.stdout)
     assert plain["checkpoint_dtype"] == "float16" and plain["dtype"] == "float32"
