@@ -102,8 +102,9 @@ class QuantMethod(PluginImpl[P]):
         trained model: where a low-rank or outlier path carries the result, so a broken one
         shows). The kit fails a lossy plugin whose error exceeds the bound on any such layer;
         measure yours there (``pytest --graft-conformance quant:NAME``: the contract check's
-        result gives each layer's error) and declare it with a margin. ``None`` (default): no bound; the kit then only asks for better than
-        returning zeros (1.0), and its result says the bound is missing. A lossless method
+        result gives each layer's error in the first dtype) and declare it with a margin.
+        ``None`` (default): no bound; the kit then only asks for better than returning zeros
+        (1.0), and its result says the bound is missing. A lossless method
         (``capabilities.lossless``) is held to the dtype's rounding instead."""
         return None
 

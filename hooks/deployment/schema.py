@@ -39,7 +39,7 @@ class SpeculativeChoice(PluginChoice):
         description="a stated load limit: draft only in steps of at most this many decoding "
         "requests; a larger step runs as plain vLLM's (no drafts, counted as over_max_batch). "
         "Speculation that is rarely accepted loses to plain vLLM once a step is compute-bound "
-        "(issue 64: 47.8 s against 39.3 s at 48 concurrent requests). None: no limit "
+        "(reported in issue 64, not re-measured here: 47.8 s against 39.3 s at 48 concurrent requests). None: no limit "
         "(`adaptive` instead measures goodput per batch size)",
     )
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+from pathlib import Path
 
 import pytest
 
@@ -289,3 +290,13 @@ def test_unseeded_mix_and_stop_if():
     got = asyncio.run(drive("http://127.0.0.1:1", "m", specs, timeout=5, transport=httpx.MockTransport(handler),
                             stop_if=lambda: "the server exited" if len(sent) >= 4 else None))
     assert len(got) == len(sent) == 4
+
+
+def test_a_server_named_by_a_deployment_path_keeps_its_files_in_its_folder(tmp_path):
+    # servebench names a second plain-named arm by its path ("deployments/plain.yaml"), which made
+    # the log path a missing subfolder (FileNotFoundError at the server's start)
+    from vllm_graft.tools.soak.server import Server
+
+    s = Server({"model": "m"}, tmp_path, "deployments/plain.yaml")
+    assert s.log_path.parent == tmp_path and Path(s.report_dir).parent == tmp_path
+    assert s.log_path.name == "deployments_plain.yaml-server.log"

@@ -83,7 +83,7 @@ def add_command(sub: Any) -> None:
         "parameter stored. The first model is the baseline for the relative change. Not the "
         "perplexity `vllm-graft bench` reports: that one scores each arm's generated outputs "
         "under the unmodified model, so it also moves with every token the quantised model "
-        "chose differently (a +0.16% held-out change read +7.9% there). No speed column: "
+        "chose differently (issue 64 saw +0.16% here and +7.9% there for one method). No speed column: "
         "one engine at a time cannot alternate arms; `vllm-graft bench DEPLOYMENT` does, with "
         "the spread of its paired runs.",
     )
@@ -215,9 +215,7 @@ def evaluate(
                 n = 1
                 for d in t.get_shape():
                     n *= d
-                size = n * {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "U8": 1, "I8": 1}.get(
-                    t.get_dtype(), 4
-                )
+                size = n * SAFETENSORS_BYTES.get(t.get_dtype(), 4)
                 tensor_bytes += size
                 if t.get_dtype() in SAFETENSORS_FLOATS:
                     name = SAFETENSORS_FLOATS[t.get_dtype()]
@@ -281,6 +279,8 @@ def evaluate(
     }
 
 
+#: bytes per element of safetensors' dtypes (others: counted as 4)
+SAFETENSORS_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "U8": 1, "I8": 1}
 #: safetensors' floating dtype names -> torch's
 SAFETENSORS_FLOATS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -82,8 +83,10 @@ class Server:
         (none for the soak; `vllm-graft servebench` gives the bench's ``VLLM_CPU_KVCACHE_SPACE``)."""
         self.kwargs, self.folder, self.name = engine_kwargs, folder, name
         self.extra_env = dict(env or {})
-        self.report_dir = str(folder / f"{name}-reports") if report else None
-        self.log_path = folder / f"{name}-server.log"
+        # a name may be a deployment's path (servebench's arm for a second `plain.yaml`): one file name
+        stem = re.sub(r"[^A-Za-z0-9._-]+", "_", name)
+        self.report_dir = str(folder / f"{stem}-reports") if report else None
+        self.log_path = folder / f"{stem}-server.log"
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.start_timeout = start_timeout

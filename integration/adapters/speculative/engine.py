@@ -150,9 +150,8 @@ def speculative_config(params: BaseModel) -> dict[str, Any]:
 
 def _max_batch() -> int | None:
     """The deployment's ``speculative.max_batch`` (a stated load limit), if any."""
-    plan = RUNTIME.plan
-    choice = plan.deployment.speculative if plan is not None else None
-    return getattr(choice, "max_batch", None)
+    choice = RUNTIME.plan.deployment.speculative if RUNTIME.plan is not None else None
+    return choice.max_batch if choice is not None else None
 
 
 # --------------------------------------------------------------- what vLLM builds and calls
