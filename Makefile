@@ -61,9 +61,9 @@ wheels:
 	    || $(PY) -m pip download -q --no-deps -d $(WHEELS) flashinfer-python==$(FLASHINFER_PIN) \
 	    || echo "could not fetch flashinfer-python==$(FLASHINFER_PIN): its doctor checks will skip"
 
-# ruff (lint, and the format check) and mypy over hooks/ plugins/ integration/ cli/ kit/ tools/
+# ruff (lint, and the format check) and mypy over hooks/ plugins/ integration/ launch/ cli/ kit/ tools/
 # (configured in pyproject.toml; mypy resolves vllm_graft.X through import-map/). Part of `make test`.
-LINT_PACKAGES := $(foreach f,hooks plugins integration cli kit tools,-p vllm_graft.$(f))
+LINT_PACKAGES := $(foreach f,hooks plugins integration launch cli kit tools,-p vllm_graft.$(f))
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

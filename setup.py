@@ -1,6 +1,6 @@
 """Package discovery for the folder-to-package mapping declared in pyproject.toml.
 
-Every sub-folder of hooks/, plugins/, integration/, cli/, kit/ and tools/ that has an ``__init__.py``
+Every sub-folder of hooks/, plugins/, integration/, launch/, cli/, kit/ and tools/ that has an ``__init__.py``
 becomes a sub-package of ``vllm_graft.<folder>``, so adding a plugin folder needs
 no edit of the packaging files.
 
@@ -23,7 +23,7 @@ from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).parent
-ROOTS = ("hooks", "plugins", "integration", "cli", "kit", "tools")
+ROOTS = ("hooks", "plugins", "integration", "launch", "cli", "kit", "tools")
 DATA_ROOTS = ("models", "deployments")  # data only: no __init__.py, nothing to import
 
 packages = []

@@ -56,7 +56,7 @@ def child_engine_setup(path: str, workload: str, num_prompts: int, max_tokens: i
     the profiler): ``(launch, plan, prompts)``: the launcher module (its ``in_process_engine``),
     the deployment's plan, and the workload's prompt set (``.prompts``, each with ``token_ids``)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
     from vllm_graft.integration.plan import plan_for
     from vllm_graft.tools import workloads as W
 

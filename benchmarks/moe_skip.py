@@ -187,7 +187,7 @@ def main() -> None:
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
     from vllm_graft.hooks import Kind
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
     from vllm_graft.integration.adapters.moe.engine import SKIP_MIN_DEFAULT, GraftRouter
     from vllm_graft.integration.plan import plan_for
     from vllm_graft.integration.runtime import RUNTIME

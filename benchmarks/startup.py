@@ -31,7 +31,7 @@ def _child(path: str, out) -> None:
     import pstats
     import time
 
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
     from vllm_graft.integration.plan import plan_for
 
     plan = plan_for(path)

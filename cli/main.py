@@ -1,13 +1,5 @@
-"""The `vllm-graft` command.
-
-Exit codes (stable, for scripts):
-  0  success (for `check`: the deployment is valid)
-  1  the deployment is invalid (every problem is printed)
-  2  bad command line (unknown command, missing argument)
-  3  a plugin failed to load (import error, invalid registration), or what the command needs is
-     missing: vLLM (or a supported version of it), torch, matplotlib; the message says what to install
-  4  `soak`: a check failed (the table and the lines above it say which)
-"""
+"""The `vllm-graft` command: ``plugins`` and ``check`` here, every other command from the modules
+of :data:`COMMAND_MODULES`. Exit statuses (stable, for scripts): :mod:`vllm_graft.launch.exits`."""
 
 from __future__ import annotations
 
@@ -29,7 +21,7 @@ from vllm_graft.hooks.registry import param_facts
 from vllm_graft.integration.env import installed_vllm, package_version
 from vllm_graft.integration.plan import plan_for
 
-EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_PLUGIN = 0, 1, 2, 3
+from vllm_graft.launch.exits import EXIT_INVALID, EXIT_OK, EXIT_PLUGIN, EXIT_USAGE
 
 
 def route(kind: Kind, platform: str | None) -> str:

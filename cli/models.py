@@ -102,7 +102,7 @@ def cmd_list(args: argparse.Namespace, console: Any) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    from vllm_graft.cli.launch import deployments_dir, models_dir
+    from vllm_graft.launch.engine import deployments_dir, models_dir
 
     try:
         root = models_dir()
@@ -205,7 +205,7 @@ def cmd_verify(args: argparse.Namespace, console: Any) -> int:
 def cmd_path(args: argparse.Namespace, console: Any) -> int:
     from rich.markup import escape
 
-    from vllm_graft.cli.launch import deployments_dir, models_dir
+    from vllm_graft.launch.engine import deployments_dir, models_dir
 
     if args.deployments:
         if args.name:

@@ -74,7 +74,7 @@ def _mask_args(p: argparse.ArgumentParser) -> None:
 def _deployment_data(path: str | None) -> tuple[dict[str, Any], Path]:
     from vllm_graft.hooks.deployment import load_file
 
-    from vllm_graft.cli.launch import models_dir
+    from vllm_graft.launch.engine import models_dir
 
     if path:
         return load_file(path), Path(path).resolve().parent
@@ -86,10 +86,10 @@ def _deployment_data(path: str | None) -> tuple[dict[str, Any], Path]:
 
 def _run_mask(args: argparse.Namespace, console: Console) -> int:
     from vllm_graft.hooks import get_registry
-    from vllm_graft.cli.main import EXIT_OK, EXIT_USAGE
-    from vllm_graft.cli.launch import apply_env_defaults
+    from vllm_graft.launch.exits import EXIT_OK, EXIT_USAGE
+    from vllm_graft.launch.engine import apply_env_defaults
     from vllm_graft.tools.moe.moe_record import read_prompt_file, record, text_sets, with_tracer
-    from vllm_graft.cli.engine_commands import _quiet_vllm
+    from vllm_graft.launch.engine import quiet_vllm
 
     policy = get_registry().get("moe", "expert-mask").registration.part("policy")
     activation_frequency, mask_from, most_distinctive = (
@@ -109,7 +109,7 @@ def _run_mask(args: argparse.Namespace, console: Console) -> int:
     if args.top < 1:
         console.print("[bold red]error:[/] --top must be at least 1")
         return EXIT_USAGE
-    _quiet_vllm()
+    quiet_vllm()
     apply_env_defaults(in_process=True)
     data, base = _deployment_data(args.deployment)
     model = data.get("model")

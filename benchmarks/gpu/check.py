@@ -55,7 +55,7 @@ NEEDS = {
 }
 #: Imported by the plugins but not carried as wheels (large, binary, in every torch image).
 EXPECTED = ("torch", "triton", "numpy")
-PACKAGE_FOLDERS = ("hooks", "plugins", "integration", "kit", "tools", "models", "deployments")
+PACKAGE_FOLDERS = ("hooks", "plugins", "integration", "launch", "kit", "tools", "models", "deployments")
 KERNEL_TESTS = ["tests/kernels", "--ignore=tests/kernels/test_triton_aot.py",
                 "--ignore=tests/kernels/test_gpu_bench_smoke.py"]  # both CPU-only checks
 #: --smoke's share: enough to show the stage works (make test runs them all on the host anyway).

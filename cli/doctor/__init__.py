@@ -240,6 +240,6 @@ def cmd_patches(args: argparse.Namespace, console: Any) -> int:
 
 
 def _bundled_model():
-    from vllm_graft.cli.launch import models_dir
+    from vllm_graft.launch.engine import models_dir
 
     return models_dir() / "graft-tiny-mixtral"

@@ -42,7 +42,7 @@ from .flashinfer import flashinfer_needs
 from .source import Method, VLLMSource, _method, vllm_imported
 
 PACKAGE = Path(__file__).resolve().parents[2]  # the folder holding hooks/, integration/, ...
-SCANNED = ("integration", "kit", "tools", "hooks", "plugins")
+SCANNED = ("integration", "launch", "kit", "tools", "hooks", "plugins")
 
 
 @dataclass(frozen=True)

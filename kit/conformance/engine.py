@@ -63,7 +63,7 @@ _plain_cache: dict[str, list[list[int]]] = {}
 def pick_model(t: Target) -> Path:
     """The bundled model the plugin applies to: one of its declared architectures, an MoE
     model for MoE schedulers, else the dense model."""
-    from vllm_graft.cli.launch import models_dir
+    from vllm_graft.launch.engine import models_dir
 
     try:
         root = models_dir()
@@ -143,7 +143,7 @@ def run_engine_check(t: Target) -> str:
         import vllm  # noqa: F401
     except ImportError:
         raise Skipped("vLLM is not installed (pip install 'vllm-graft[cpu]')") from None
-    from vllm_graft.cli.launch import in_process_engine
+    from vllm_graft.launch.engine import in_process_engine
     from vllm_graft.integration.plan import plan_for
     from vllm_graft.integration.runtime import RUNTIME
 

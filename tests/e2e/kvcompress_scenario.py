@@ -36,7 +36,7 @@ ABORT = ("r4", 14)
 def run(kvcompress: dict[str, Any] | None) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
 
     data = {"model": str(LLAMA), "engine": ENGINE}
     if kvcompress:

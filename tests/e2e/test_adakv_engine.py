@@ -85,7 +85,7 @@ def _vllm(ids: list[int], kvcompress: dict) -> tuple[list[float], dict]:
     plugin's events."""
     from vllm import LLM
 
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
     from vllm_graft.integration.forcing import ForceTokens, forced_logprobs, forced_params
     from vllm_graft.integration.runtime import RUNTIME
 

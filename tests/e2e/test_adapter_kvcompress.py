@@ -173,7 +173,7 @@ def run(prompt_ids, kvcompress=None, new_tokens=NEW_TOKENS, engine=None) -> Run:
     """Generate greedily for the prompts, stepping the engine to watch its block pool."""
     from vllm import LLM, SamplingParams
 
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
     from vllm_graft.integration.runtime import RUNTIME
 
     llm = LLM(**launch.llm_kwargs(deployment_plan(kvcompress, engine), graft=bool(kvcompress)), seed=0)

@@ -121,7 +121,7 @@ def run(moe=None) -> Run:
     from vllm import LLM, SamplingParams
     from vllm.model_executor.layers.fused_moe.runner.moe_runner_interface import MoERunnerInterface
 
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
     from vllm_graft.integration.runtime import RUNTIME
 
     plan = plan_for(moe)
@@ -216,7 +216,7 @@ def test_a_model_without_moe_layers_is_refused():
     from vllm import LLM
     from vllm.model_executor.custom_op import op_registry_oot
 
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
     from vllm_graft.integration.runtime import RUNTIME
 
     plan = plan_for([{"plugin": "test-trace"}], model=LLAMA)

@@ -110,7 +110,7 @@ def _tokens(outputs):
 @contextmanager
 def engine(graft: dict | None, engine_args: dict = ENGINE, **overrides):
     """An in-process vLLM engine with the deployment sections ``graft`` (None: plain vLLM)."""
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
 
     plan = plan_for({"model": str(MODEL), "engine": engine_args, **(graft or {})})
     assert ("additional_config" in launch.llm_kwargs(plan, graft=graft is not None)) == (graft is not None)

@@ -26,7 +26,7 @@ N = 4
 def _runs(graft: bool) -> dict:
     from vllm import LLM, SamplingParams
 
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
 
     from vllm_graft.tools import workloads
     from vllm_graft.integration.runtime import RUNTIME

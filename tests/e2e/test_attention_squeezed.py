@@ -25,7 +25,7 @@ NEW_TOKENS = 24
 def _run(params: dict | None) -> dict:
     from vllm import LLM, SamplingParams
 
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
 
     from vllm_graft.tools import workloads
     from vllm_graft.integration.runtime import RUNTIME

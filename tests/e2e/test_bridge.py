@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 
 from vllm_graft.hooks import DeploymentError  # noqa: E402
 from vllm_graft.integration import bridge  # noqa: E402
-from vllm_graft.cli import launch
+from vllm_graft.launch import engine as launch
 from vllm_graft.integration.patches import PATCHES  # noqa: E402
 from vllm_graft.integration.plan import plan_for  # noqa: E402
 from vllm_graft.integration.runtime import RUNTIME  # noqa: E402

@@ -42,7 +42,7 @@ def prompts():
 def _greedy(prompts, sections: dict | None, *, generic: bool) -> dict:
     from vllm import SamplingParams
 
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
     from vllm_graft.integration.runtime import RUNTIME
 
     env = os.environ

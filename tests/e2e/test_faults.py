@@ -82,7 +82,7 @@ def messages(err: BaseException | None) -> str:
 
 
 def start(kind: str, **params):
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
 
     model = MIXTRAL if kind == "moe" else LLAMA
     plan = plan_for({"model": str(model), "engine": ENGINE,
@@ -182,7 +182,7 @@ def test_slow_plugin_delays_but_finishes_with_the_same_tokens(kind, caplog):
 SCRIPT = textwrap.dedent("""
     import sys
     from vllm import SamplingParams
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
     from vllm_graft.integration.plan import plan_for
     plan = plan_for({"model": sys.argv[1], "engine": %r,
                      "kvcompress": {"plugin": "fault-kvcompress", "params": {"fault": "drop_last"}}})

@@ -46,7 +46,7 @@ def agreement(a, b):
 
 
 def test_kv4_pages_are_smaller_and_the_same_memory_holds_more_blocks():
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
 
     # the same KV memory for both: VLLM_CPU_KVCACHE_SPACE (1 GiB, the launch default)
     engine = {k: v for k, v in scenario.ENGINE.items() if k != "num_gpu_blocks_override"}

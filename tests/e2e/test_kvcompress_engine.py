@@ -181,7 +181,7 @@ def _short_run(kvcompress):
     first decode step), in-process (the interpreted kernel is slow: keep it short)."""
     from vllm import LLM, SamplingParams
 
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
 
     engine = {**scenario.ENGINE, "num_gpu_blocks_override": 64}
     plan = plan_for({"model": str(scenario.LLAMA), "engine": engine, "kvcompress": kvcompress})

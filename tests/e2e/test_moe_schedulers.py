@@ -52,7 +52,7 @@ def generate(moe=None):
     from vllm import LLM, SamplingParams
 
     from vllm_graft.hooks import Kind
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
     from vllm_graft.tools.moe.moe_record import with_tracer
     from vllm_graft.integration.runtime import RUNTIME
 
@@ -123,7 +123,7 @@ def test_masking_changes_the_recorded_routes_exactly_as_specified(plain, unmaske
 def test_a_mask_that_does_not_fit_the_model_is_refused_at_activation():
     from vllm import LLM
 
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
 
     plan = plan_for(data([{"plugin": "expert-mask", "params": {"off": {"7": [1], "0": [9]}}}]))
     with pytest.raises(DeploymentError) as e:

@@ -64,7 +64,7 @@ def engine():
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
     from vllm_graft.hooks import Kind
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
     from vllm_graft.integration.adapters.moe.engine import GraftMoERunner, GraftRoutedExperts
     from vllm_graft.integration.runtime import RUNTIME
 

@@ -53,7 +53,7 @@ def needle_prompt(tokenizer, filler_tokens: int = 1500) -> str:
 def run(deployment: dict | None, prompts: list[str]) -> tuple[list[list[int]], list[str], list[dict]]:
     from vllm import SamplingParams
 
-    from vllm_graft.cli.launch import in_process_engine
+    from vllm_graft.launch.engine import in_process_engine
     from vllm_graft.integration.plan import plan_for
     from vllm_graft.integration.runtime import RUNTIME
 

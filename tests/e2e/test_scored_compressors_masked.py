@@ -73,7 +73,7 @@ def _vllm(ids: list[int], kvcompress: dict | None) -> tuple[list[float], list[fl
     """(prompt log-probs of ids[1:P], forced log-probs of ids[P:]) in vLLM."""
     from vllm import LLM
 
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
     from vllm_graft.integration.forcing import ForceTokens, forced_logprobs, forced_params
 
     data = {"model": str(MODEL), "engine": {"dtype": "float32", "max_model_len": 1024, "block_size": B,

@@ -27,7 +27,7 @@ MAX_TOKENS = 24
 
 
 def _main(path: str) -> None:
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
     from vllm_graft.integration.runtime import write_report_now
 
     cases = json.loads(Path(path).read_text())
@@ -63,7 +63,7 @@ def _main(path: str) -> None:
 
 def run(cases: list[dict[str, Any]], folder: Path, timeout: int = 1800) -> dict[str, dict[str, Any]]:
     """Run ``cases`` (see the module docstring) in a fresh interpreter; results by case id."""
-    from vllm_graft.cli.engine_commands import read_reports
+    from vllm_graft.launch.reports import read_reports
 
     spec = folder / "cases.json"
     spec.write_text(json.dumps(cases))

@@ -11,7 +11,7 @@ import pytest
 
 from vllm_graft.hooks import DeploymentError
 from vllm_graft.integration import bridge
-from vllm_graft.cli import launch
+from vllm_graft.launch import engine as launch
 from vllm_graft.integration.plan import plan_for
 
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_graft.cli import launch
+from vllm_graft.launch import engine as launch
 from vllm_graft.integration.adapters import adapter_for
 from vllm_graft.integration.plan import plan_for
 

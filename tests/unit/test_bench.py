@@ -486,7 +486,7 @@ def test_arm_jobs_differ_only_in_the_deployment(tmp_path, fake_arms, capsys):
     assert graft["workloads"] == plain["workloads"]
     assert "graft" in graft["llm_kwargs"]["additional_config"]
     assert "additional_config" not in plain["llm_kwargs"]
-    from vllm_graft.cli.launch import SHARED_ENGINE_KEYS
+    from vllm_graft.launch.engine import SHARED_ENGINE_KEYS
 
     common = {k: v for k, v in graft["llm_kwargs"].items() if k != "additional_config"}
     assert {k: plain["llm_kwargs"].get(k) for k in common} == common

@@ -10,7 +10,7 @@ import pytest
 
 from vllm_graft.hooks import DeploymentError
 from vllm_graft.integration import bridge
-from vllm_graft.cli import launch
+from vllm_graft.launch import engine as launch
 from vllm_graft.integration.patches import PatchError, PatchRegistry
 from vllm_graft.integration.plan import plan_for
 
@@ -236,7 +236,7 @@ def test_entry_point_with_unsupported_vllm_and_no_deployment_changes_nothing(mon
 
 # ----------------------------------------------------------------------------- serve argv
 def test_serve_command_passes_engine_args_and_deployment():
-    from vllm_graft.cli.engine_commands import serve_command
+    from vllm_graft.launch.engine import serve_command
 
     plan = plan_for(REPO / "deployments" / "noop.yaml")
     argv = serve_command(plan, ["--", "--port", "8123"])

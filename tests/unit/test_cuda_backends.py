@@ -141,7 +141,7 @@ def test_a_guarded_backend_is_invalid_only_while_the_seams_are_needed(cuda):
 
 
 def test_engine_overrides_leave_vllm_to_choose_and_fall_back_to_custom(caplog):
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
     from vllm_graft.integration.adapters import adapter_for
 
     model = str(launch.models_dir() / "graft-tiny-llama")
@@ -459,7 +459,7 @@ def _resolved_mode(builders) -> str:
 ])
 def test_cuda_graph_mode_per_deployment(cuda, section, expected):
     from vllm_graft.integration import bridge
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
 
     _, fa, ta, cb, _ = _mods()
     plan = plan_for({"model": str(launch.models_dir() / "graft-tiny-llama"),
@@ -479,7 +479,7 @@ def test_cuda_graph_mode_per_deployment(cuda, section, expected):
 
 def test_plugins_left_on_their_reference_are_named_on_cuda(cuda, caplog, monkeypatch):
     from vllm_graft.integration import bridge
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
 
     def activate(kernel):
         caplog.clear()

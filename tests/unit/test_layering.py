@@ -3,10 +3,11 @@
 * hooks/ and plugins/ never import vLLM;
 * vLLM's internals (anything but its public ``LLM``/``SamplingParams`` API) are imported only in
   integration/, the bridge; tools/ and kit/ import even the public API only inside functions;
-* tools/ and kit/ reach plugins only through the registry (``Registration.load()`` /
+* launch/, tools/ and kit/ reach plugins only through the registry (``Registration.load()`` /
   ``Registration.part(module)``), never by importing ``vllm_graft.plugins``;
-* folders point one way: hooks <- plugins <- integration <- cli/tools/kit (:data:`RANK`), counting
-  module paths written in strings (entry points, ``import_module``, ``f"vllm_graft.x.{...}"``);
+* folders point one way: hooks <- plugins <- integration <- launch <- tools <- kit <- cli
+  (:data:`RANK`, one rank each: no two folders import each other), counting module paths written
+  in strings (entry points, ``import_module``, ``f"vllm_graft.x.{...}"``);
 * no module of the package imports another that imports it back (function-level imports
   count: a cycle is a cycle in the design even when deferred).
 """
@@ -18,13 +19,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {"hooks": "vllm_graft.hooks", "plugins": "vllm_graft.plugins",
-           "integration": "vllm_graft.integration", "cli": "vllm_graft.cli", "kit": "vllm_graft.kit",
-           "tools": "vllm_graft.tools"}
+           "integration": "vllm_graft.integration", "launch": "vllm_graft.launch", "cli": "vllm_graft.cli",
+           "kit": "vllm_graft.kit", "tools": "vllm_graft.tools"}
 #: The folders' direction: a module may import (or name in a string, as entry points and
-#: ``import_module`` do) only its own folder's rank or a lower one. hooks/ is the contract,
-#: plugins/ implement it, integration/ is what vLLM loads and patches; the user's side (the
-#: command line, the benchmark tools, the conformance kit) sits on top and nothing points back up.
-RANK = {"hooks": 0, "plugins": 1, "integration": 2, "cli": 3, "tools": 3, "kit": 3}
+#: ``import_module`` do) only its own folder or a lower one. hooks/ is the contract, plugins/
+#: implement it, integration/ is what vLLM loads and patches, launch/ starts vLLM with a plan and
+#: reads what it reports; the measurement tools stand on it, the conformance kit on the tools (their
+#: workloads), and the command line, which assembles every command, on top. Every folder has a rank
+#: of its own, so no two import each other (docs/architecture.md draws it).
+RANK = {"hooks": 0, "plugins": 1, "integration": 2, "launch": 3, "tools": 4, "kit": 5, "cli": 6}
 #: vLLM's public API that the tools may use to drive an engine
 VLLM_PUBLIC = {"vllm", "vllm.sampling_params", "vllm.inputs"}
 
@@ -137,7 +140,7 @@ def vllm_internals_only_in_integration(name, target, at_top):
 
 
 def plugins_only_through_the_registry(name, target, at_top):
-    return (_is(name, "vllm_graft.tools") or _is(name, "vllm_graft.kit")) and _is(target, "vllm_graft.plugins")
+    return any(_is(name, f"vllm_graft.{f}") for f in ("launch", "tools", "kit")) and _is(target, "vllm_graft.plugins")
 
 
 def cycles(modules=None):
@@ -204,12 +207,17 @@ def test_the_folder_direction_check_fails_on_a_planted_violation(tmp_path):
         "hooks/h.py": 'ADAPTER = "vllm_graft.integration.adapters.x"\n',  # a string import
         "plugins/p.py": "from vllm_graft.hooks import h\n",  # down: fine
         "integration/i.py": "def f():\n    from vllm_graft.cli import main\n",  # deferred, still up
-        "cli/c.py": '"""See vllm_graft.tools.bench."""\nfrom vllm_graft.tools import t\n',  # peers
+        "launch/l.py": "from vllm_graft.integration import i\nEXIT = 'vllm_graft.tools.t'\n",  # down, then up
+        "cli/c.py": '"""See vllm_graft.launch.x."""\nfrom vllm_graft.tools import t\n',  # down: fine
         "tools/t.py": "import importlib\nimportlib.import_module(f'vllm_graft.plugins.{x}')\n",
-        "kit/k.py": "from vllm_graft.cli import c\n",
+        "kit/k.py": "from vllm_graft.cli import c\nfrom vllm_graft.tools import t\n",  # up, then down
+        "tools/u.py": "def f():\n    from vllm_graft.kit import k\n",  # the kit sits above the tools
     })
     assert folder_direction(tmp_path) == ["hooks/h.py:1: hooks -> integration",
-                                          "integration/i.py:2: integration -> cli"]
+                                          "integration/i.py:2: integration -> cli",
+                                          "launch/l.py:2: launch -> tools",
+                                          "kit/k.py:1: kit -> cli",
+                                          "tools/u.py:2: tools -> kit"]
 
 
 # ------------------------------------------------------------------------- the real tree
@@ -227,6 +235,15 @@ def test_tools_and_kit_reach_plugins_only_through_the_registry():
 
 def test_folders_point_one_way():
     assert folder_direction() == []
+
+
+def test_the_architecture_page_draws_the_ranks_the_check_holds():
+    """docs/architecture.md's one-line order is RANK's, and its table has a row per folder."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    order = " <- ".join(sorted(RANK, key=RANK.get))
+    assert f"    {order}\n" in page, f"docs/architecture.md should draw the floors as {order!r}"
+    rows = re.findall(r"^\| `(\w+)/` \|", page, re.M)
+    assert rows == sorted(RANK, key=RANK.get), rows
 
 
 def test_no_import_cycles():

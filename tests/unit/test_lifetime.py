@@ -81,7 +81,7 @@ def test_a_launched_server_ends_with_its_launcher():
 
 
 def test_launchers_ask_for_it_unless_the_user_said_otherwise(monkeypatch):
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
 
     monkeypatch.setattr(os, "environ", dict(os.environ))  # the other defaults it sets stay in this test
     monkeypatch.delenv("GRAFT_DIE_WITH_PARENT", raising=False)

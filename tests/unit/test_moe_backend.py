@@ -53,7 +53,7 @@ def test_the_first_forward_refusal_names_the_fix():
 
 def _adapter_overrides(platform, engine=None):
     pytest.importorskip("vllm")
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
     from vllm_graft.integration.adapters import adapter_for
 
     plan = plan_for({"model": str(launch.models_dir() / "graft-tiny-mixtral"),

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from vllm_graft.cli import main as cli
-from vllm_graft.cli import launch
+from vllm_graft.launch import engine as launch
 from vllm_graft.cli import models as models_cmd
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ from vllm_graft.hooks import DeploymentError
 from vllm_graft.integration import plan as plans
 from vllm_graft.integration.plan import deployment_for_engine, plan_for
 
-from vllm_graft.cli import launch
+from vllm_graft.launch import engine as launch
 
 REPO = launch.repo_root()
 NOOP = REPO / "deployments" / "noop.yaml"

@@ -3,7 +3,7 @@ named and validated before any engine starts (the engine run itself: the quant e
 from __future__ import annotations
 
 from vllm_graft.cli.main import main
-from vllm_graft.cli.launch import models_dir
+from vllm_graft.launch.engine import models_dir
 
 
 def test_unknown_method_and_bad_params_are_refused_before_any_engine(capsys):

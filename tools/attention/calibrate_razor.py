@@ -106,7 +106,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from vllm_graft.hooks import get_registry
-    from vllm_graft.cli.launch import models_dir
+    from vllm_graft.launch.engine import models_dir
 
     HEAD_MAP_FORMAT = get_registry().get("attention", "squeezed").registration.part("policy").HEAD_MAP_FORMAT
 

@@ -172,7 +172,7 @@ def run_arm(
 ) -> dict[str, Any]:
     from vllm import SamplingParams
 
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
     from vllm_graft.integration.plan import plan_for
     from vllm_graft.tools.bench import nll_of
     from vllm_graft.integration.runtime import RUNTIME
@@ -205,7 +205,7 @@ def run_arm(
 
 
 def cmd_sparse_quality(args: argparse.Namespace, console: Console) -> int:
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
     from vllm_graft.tools import workloads
 
     launch.apply_env_defaults(in_process=True)

@@ -382,7 +382,7 @@ def _arm_run(
 ) -> dict[str, Any]:
     from vllm_graft.integration.bridge import ENV_CONFIG, ENV_FILE
     from vllm_graft.integration.env import installed_vllm
-    from vllm_graft.cli.launch import apply_env_defaults
+    from vllm_graft.launch.engine import apply_env_defaults
 
     # The deployment reaches the graft arm through additional_config only; a deployment in the
     # environment would leak into the plain arm (and conflict in the graft arm).

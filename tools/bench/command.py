@@ -22,7 +22,8 @@ from .arm import _arm_main
 from .report import PLOT_INSTALL, plot_available, render_report, write_plot
 from .stats import ARMS, NO_PACKAGE, arm_order, assemble
 
-EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_RUN_FAILED, EXIT_DIFFERENT = 0, 1, 2, 4, 5
+from vllm_graft.launch.exits import EXIT_DIFFERENT, EXIT_INVALID, EXIT_OK, EXIT_USAGE
+from vllm_graft.launch.exits import EXIT_FAILED as EXIT_RUN_FAILED
 
 
 # ===================================================================== the parent side
@@ -303,7 +304,7 @@ def run_bench(
     from vllm_graft.hooks import DeploymentError
 
     from vllm_graft.integration.bridge import check_vllm_version
-    from vllm_graft.cli.launch import llm_kwargs
+    from vllm_graft.launch.engine import llm_kwargs
     from vllm_graft.integration.plan import plan_for
 
     check_vllm_version()  # no vLLM (or an unsupported one): say so before reading any model

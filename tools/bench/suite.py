@@ -48,7 +48,7 @@ SUITE_SCHEMA = "vllm-graft-bench-suite/1"
 
 
 def default_suite_path() -> Path:
-    from vllm_graft.cli.launch import repo_root
+    from vllm_graft.launch.engine import repo_root
 
     return repo_root() / "benchmarks" / "suite.yaml"
 
@@ -551,7 +551,8 @@ def cmd_suite(args: argparse.Namespace, out: Any, err: Any, *, run_bench: Any, a
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    EXIT_OK, EXIT_USAGE, EXIT_RUN_FAILED = 0, 2, 4  # as `vllm-graft bench`
+    from vllm_graft.launch.exits import EXIT_FAILED as EXIT_RUN_FAILED
+    from vllm_graft.launch.exits import EXIT_OK, EXIT_USAGE
     from .stats import BUSY_OTHER_CPUS
 
     path = default_suite_path() if args.suite == "DEFAULT" else Path(args.suite)

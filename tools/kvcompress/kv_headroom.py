@@ -251,7 +251,7 @@ def main(args) -> int:
     from vllm_graft.tools.workloads import Tokenizer, stdlib_texts
 
     console = Console()
-    from vllm_graft.cli.launch import models_dir
+    from vllm_graft.launch.engine import models_dir
 
     model = args.model or str(models_dir() / DEFAULT_MODEL)
     if not 0 < args.gen_tokens < args.context // 2:

@@ -216,7 +216,7 @@ def run_arm(
     once in the fixed pool, greedy), scored per case into ``ruler_scores``."""
     from vllm import LLM, SamplingParams
 
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
     from vllm_graft.integration.plan import plan_for
     from vllm_graft.integration.forcing import ForceTokens, forced_logprobs, forced_params
 
@@ -362,7 +362,7 @@ def _dense_page_bytes(model: str, block: int) -> int:
 
 
 def main(args) -> int:
-    from vllm_graft.cli import launch
+    from vllm_graft.launch import engine as launch
     from vllm_graft.tools.plugin_args import PluginArgError, parse_json_params, split_list
     from vllm_graft.tools.workloads import Tokenizer, needle_haystack, stdlib_texts
 
@@ -370,7 +370,7 @@ def main(args) -> int:
     launch.apply_env_defaults(in_process=True)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-    from vllm_graft.cli.launch import models_dir
+    from vllm_graft.launch.engine import models_dir
 
     model = args.model or str(models_dir() / DEFAULT_MODEL)
     tok = Tokenizer.from_model(model)

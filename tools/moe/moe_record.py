@@ -72,7 +72,7 @@ def record(
 
     from vllm_graft.tools.bench import nll_of
     from vllm_graft.integration.plan import plan_for
-    from vllm_graft.cli.engine_commands import start_engine
+    from vllm_graft.launch.engine import start_engine
     from vllm_graft.integration.runtime import RUNTIME
 
     say = on_phase or (lambda s: None)

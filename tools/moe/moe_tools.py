@@ -54,11 +54,11 @@ def cmd_trace(args: argparse.Namespace, console: Console) -> int:
     from vllm_graft.hooks import DeploymentError
     from vllm_graft.hooks.deployment import load_file
 
-    from vllm_graft.cli.main import EXIT_INVALID, EXIT_OK, EXIT_USAGE
-    from vllm_graft.cli.launch import apply_env_defaults
+    from vllm_graft.launch.exits import EXIT_INVALID, EXIT_OK, EXIT_USAGE
+    from vllm_graft.launch.engine import apply_env_defaults
     from vllm_graft.integration.plan import plan_for
     from vllm_graft.tools.moe.moe_record import record, with_tracer, workload_sets
-    from vllm_graft.cli.engine_commands import _quiet_vllm
+    from vllm_graft.launch.engine import quiet_vllm
     from vllm_graft.tools.workloads import WorkloadError
 
     if not args.out.endswith(".npz"):
@@ -92,7 +92,7 @@ def cmd_trace(args: argparse.Namespace, console: Console) -> int:
     except WorkloadError as e:
         console.print(f"[bold red]error:[/] {escape(str(e))}")
         return EXIT_USAGE
-    _quiet_vllm()
+    quiet_vllm()
     apply_env_defaults(in_process=True)
     base = Path(args.deployment).resolve().parent
     arms = []
@@ -269,7 +269,7 @@ def expert_bytes_of(model: str | None) -> int | None:
 
 def cmd_sim(args: argparse.Namespace, console: Console) -> int:
     from vllm_graft.hooks import get_registry
-    from vllm_graft.cli.main import EXIT_OK, EXIT_USAGE
+    from vllm_graft.launch.exits import EXIT_OK, EXIT_USAGE
 
     from vllm_graft.tools.plugin_args import PluginArgError
 

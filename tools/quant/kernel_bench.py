@@ -117,7 +117,7 @@ def run(batches: list[int], shapes, device: str, iters: int, peak_gbs: float) ->
 def cmd_bench(args: argparse.Namespace, console: Any) -> int:
     import torch
 
-    from vllm_graft.cli.main import EXIT_INVALID, EXIT_OK
+    from vllm_graft.launch.exits import EXIT_INVALID, EXIT_OK
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         console.print(

@@ -111,7 +111,7 @@ def add_command(sub: Any) -> None:
 
 
 def cmd_quantize(args: argparse.Namespace, console: Any) -> int:
-    from vllm_graft.cli.main import EXIT_INVALID, EXIT_OK
+    from vllm_graft.launch.exits import EXIT_INVALID, EXIT_OK
 
     try:
         params = parse_params(args.param)
@@ -128,10 +128,10 @@ def cmd_quantize(args: argparse.Namespace, console: Any) -> int:
 
 
 def cmd_quant_eval(args: argparse.Namespace, console: Any) -> int:
-    from vllm_graft.cli.main import EXIT_OK
-    from vllm_graft.cli.launch import apply_env_defaults
+    from vllm_graft.launch.exits import EXIT_OK
+    from vllm_graft.launch.engine import apply_env_defaults
 
-    from vllm_graft.cli.main import EXIT_USAGE
+    from vllm_graft.launch.exits import EXIT_USAGE
     from vllm_graft.tools.plugin_args import PluginArgError, parse_json_params, parse_spec, split_list, validate
 
     try:  # every plugin and its parameters validated before any engine starts
@@ -224,7 +224,7 @@ def evaluate(
     if quant is None:
         llm = LLM(model=str(path), **engine, seed=0)
     else:
-        from vllm_graft.cli import launch
+        from vllm_graft.launch import engine as launch
         from vllm_graft.integration.plan import plan_for
 
         plan = plan_for(

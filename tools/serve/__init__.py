@@ -24,7 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-EXIT_FAILED = 4
+from vllm_graft.launch.exits import EXIT_FAILED
+
 DEFAULT_RATES = "0.25,0.5,1"
 
 

@@ -11,7 +11,7 @@ held to the same one.
 
 The KV pool: the bench runs each arm with the deployment's engine arguments (a kvcap shape's
 ``num_gpu_blocks_override``, in both arms) and, on the CPU engine, ``VLLM_CPU_KVCACHE_SPACE``
-as the user set it or 1 GiB (:data:`~vllm_graft.cli.launch.CPU_ENV_DEFAULTS`; left out where
+as the user set it or 1 GiB (:data:`~vllm_graft.launch.engine.CPU_ENV_DEFAULTS`; left out where
 the deployment gives ``kv_cache_memory_bytes``, which it would override). The servers here get
 exactly that, so a sweep's rows compare with the suite's. ``--kv-blocks N`` sets
 ``num_gpu_blocks_override`` in every arm instead. The number of blocks each server allocated is
@@ -64,7 +64,7 @@ class Arm:
 
 def cap_env(kwargs: dict[str, Any]) -> dict[str, str]:
     """The server environment that caps the KV pool as the bench does (see the module doc)."""
-    from vllm_graft.cli.launch import CPU_ENV_DEFAULTS
+    from vllm_graft.launch.engine import CPU_ENV_DEFAULTS
 
     if kwargs.get("kv_cache_memory_bytes") is not None:
         return {}
@@ -75,7 +75,7 @@ def cap_env(kwargs: dict[str, Any]) -> dict[str, str]:
 def arms_for(paths: Sequence[str], kv_blocks: int | None = None) -> list[Arm]:
     """Plain vLLM (the deployments' plain twin) and each deployment. Every deployment must
     have the same plain twin (model and engine arguments): one plain arm, one KV cap."""
-    from vllm_graft.cli.launch import llm_kwargs
+    from vllm_graft.launch.engine import llm_kwargs
     from vllm_graft.integration.plan import plan_for
 
     arms: list[Arm] = []

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-EXIT_FAILED = 4
+from vllm_graft.launch.exits import EXIT_FAILED
 
 
 def add_command(sub: Any) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from vllm_graft.cli.engine_commands import REPORT_QUIET_PERIODS
+from vllm_graft.launch.reports import REPORT_QUIET_PERIODS
 from vllm_graft.integration.runtime import REPORT_EVERY_S
 
 from .driver import EXPECTED, Outcome, drive, run_request
@@ -60,7 +60,7 @@ class Check:
 
 
 def soak(path: str, opts: Options, say: Callable[[str], None] = print) -> dict[str, Any]:
-    from vllm_graft.cli.launch import llm_kwargs
+    from vllm_graft.launch.engine import llm_kwargs
     from vllm_graft.integration.plan import plan_for
 
     plan = plan_for(path)

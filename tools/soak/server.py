@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_graft.cli.engine_commands import SERVER_MODULE, engine_flags
+from vllm_graft.launch.engine import SERVER_MODULE, engine_flags
 from vllm_graft.integration.lifetime import ENV_DIE_WITH_PARENT, set_parent_death_signal
 
 SERVED_NAME = "soak"
@@ -184,7 +184,7 @@ class Server:
     def metrics(self) -> dict[str, float]:
         import httpx
 
-        from vllm_graft.cli.engine_commands import parse_metrics
+        from vllm_graft.launch.reports import parse_metrics
 
         return parse_metrics(httpx.get(self.base + "/metrics", timeout=10).text)
 

@@ -62,7 +62,7 @@ ARMS_DIR_ENV = "VLLM_GRAFT_SPECBENCH_DEPLOYMENTS"
 def arm_file(arm: str) -> Path:
     """``DIR/spec-<arm>.yaml`` (``plain``: ``DIR/plain.yaml``; DIR: ``--deployments``, default
     ``deployments/``), or ``arm`` itself when it names a ``.yaml`` file."""
-    from vllm_graft.cli.launch import deployments_dir
+    from vllm_graft.launch.engine import deployments_dir
 
     if arm.endswith((".yaml", ".yml")):
         return Path(arm)
@@ -169,7 +169,7 @@ def run_arm(
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_graft.cli.launch import llm_kwargs
+    from vllm_graft.launch.engine import llm_kwargs
 
     plan = arm_plan(arm, params)
     kwargs = llm_kwargs(plan, graft=bool(plan.enabled), seed=seed, enforce_eager=True, disable_log_stats=False)
@@ -311,7 +311,7 @@ def render(rows: list[dict[str, Any]], batches: Sequence[int]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from vllm_graft.cli.launch import apply_env_defaults
+    from vllm_graft.launch.engine import apply_env_defaults
     from vllm_graft.integration.plan import plan_for
     from vllm_graft.tools.workloads import Tokenizer
 

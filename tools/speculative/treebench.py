@@ -446,7 +446,7 @@ def main(args: argparse.Namespace) -> int:
     from vllm_graft.tools import workloads as wl
 
     if args.model is None:
-        from vllm_graft.cli.launch import models_dir
+        from vllm_graft.launch.engine import models_dir
 
         args.model = str(models_dir() / "graft-tiny-llama")
     if args.threads:

