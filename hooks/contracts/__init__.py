@@ -42,14 +42,10 @@ from .kvcompress import (
     union_of_heads,
 )
 from .kvpolicy import (
-    AccumulatedMass,
     CacheScores,
-    CurrentMass,
     KeepPolicy,
     PolicyCompressor,
     PolicyParams,
-    Recency,
-    WindowMass,
 )
 from .moe import MOE_STEPS, MoEModel, MoEScheduler
 from .quant import QuantMethod, StoredTensor
@@ -69,14 +65,10 @@ def contract_for(kind: Kind | str, role: str | None = None) -> type[PluginImpl]:
 
 __all__ = [
     "CONTRACTS",
-    "AccumulatedMass",
     "CacheScores",
-    "CurrentMass",
     "KeepPolicy",
     "PolicyCompressor",
     "PolicyParams",
-    "Recency",
-    "WindowMass",
     "MOE_STEPS",
     "AttentionLayer",
     "AttentionMethod",

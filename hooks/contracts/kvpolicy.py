@@ -16,35 +16,29 @@ A compressor built on :class:`PolicyCompressor` says only how much each block is
   (``prefill``); ``slack_blocks`` lets a request hold up to ``budget + slack`` blocks before it
   is cut back to ``budget`` (decode-time compression with a buffer, as R-KV compresses
   reasoning traces: one eviction per ``slack`` blocks instead of one per block);
-* **allocation**: one budget for the request (``uniform``), spread over the KV heads by score
-  (``heads``: Ada-KV's adaptive allocation, ``floor_fraction`` and ``held_blocks``), or over the
-  decoder layers (``layers``: PyramidKV's budgets, falling from the first layer to the last by
-  ``min_fraction``). Per head and per layer only *mask*: vLLM frees a block for every layer and
-  head at once (one KV-cache group), so a block is freed only when no head (layer) keeps it; a
-  smaller budget in some heads or layers stops them reading blocks, it frees nothing others
-  keep. ``held_blocks`` caps the union, the memory a request holds.
+* **allocation**: one budget for the request (``uniform``), or one per KV head (``heads``) or
+  per decoder layer (``layers``), shared out by the compressor's
+  :meth:`PolicyCompressor.allocate` (each unit its own best by default). Per head and per layer
+  only *mask*: vLLM frees a block for every layer and head at once (one KV-cache group), so a
+  block is freed only when no head (layer) keeps it; a smaller budget in some heads or layers
+  stops them reading blocks, it frees nothing others keep.
 
-Scorers (mixins, combine one with :class:`PolicyCompressor`):
-
-* :class:`Recency`: newer is better, no attention needed (StreamingLLM);
-* :class:`AccumulatedMass`: the attention mass a block received from every query since it was
-  written (H2O);
-* :class:`WindowMass`: the mass from the prompt's last ``window_tokens`` queries, the window
-  itself protected (SnapKV; per KV head with ``allocation: heads``, Ada-KV);
-* :class:`CurrentMass`: the mass from the current query alone (TOVA);
-* :class:`CacheScores`: this step's :meth:`~.kvcompress.KVCompressor.block_scores` (what the
-  keys say: K-norm, KeyDiff).
-
-A new scorer is a :class:`PolicyCompressor` subclass with a ``score`` (and where it needs one a
-``score_positions`` or ``block_scores``) and a parameter model with the policy's fields
-(:class:`PolicyParams`); every policy field then works for it. ``docs/tutorial.md`` shows one.
+Nothing here is a paper's technique: each one lives in its plugin's folder
+(``plugins/kvcompress/<name>/reference.py``: StreamingLLM's recency, H2O's accumulated mass,
+SnapKV's observation window, TOVA's current query, Ada-KV's allocation over heads, PyramidKV's
+budgets over layers). A scorer is a :class:`PolicyCompressor`
+subclass with a ``score`` (and where it needs one a ``score_positions``, a ``protected_start`` or
+a ``block_scores``) and a parameter model with the policy's fields (:class:`PolicyParams`);
+every policy field then works for it. :class:`CacheScores` is the one shared base: its score is
+the step's :meth:`~.kvcompress.KVCompressor.block_scores`, for scorers that read the keys in the
+cache (K-norm, KeyDiff). ``docs/tutorial.md`` shows one.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Iterable, Literal, Sequence
+from typing import Any, Callable, Iterable, Literal, Sequence
 
 from pydantic import Field, model_validator
 
@@ -78,46 +72,6 @@ def top_blocks(scores: Sequence[float], candidates: Iterable[int], k: int) -> se
     return set(ranked[:k])
 
 
-def adaptive_head_budget(
-    head_scores: Sequence[Sequence[float]],
-    candidates: Iterable[int],
-    slots: int,
-    floor: int = 0,
-    cap: int | None = None,
-) -> list[set[int]]:
-    """AdaKV's budget allocation over KV heads: ``slots`` (head, block) pairs in all, taken by
-    score over every head together (a head whose attention is concentrated on few blocks gets
-    few, a diffuse head many), after each head's own ``floor`` best blocks (the paper's
-    safeguard, so no head is left with nothing). ``head_scores[h][i]``: block i's score for
-    head h (``-inf``: the head dropped it; never chosen). ``cap``: at most this many distinct
-    blocks over all heads (vLLM frees a block only when no head keeps it, so the distinct blocks
-    are the memory held): a pair whose block no head holds yet is skipped once ``cap`` blocks
-    are held, a pair of a held block always fits. Ties: the higher score, then the lower head,
-    then the older block, so the answer is a function of the scores. Returns each head's blocks."""
-    heads = len(head_scores)
-    cands = list(candidates)
-
-    def ranked_blocks(h: int) -> list[int]:
-        return sorted((i for i in cands if head_scores[h][i] != NEG_INF), key=lambda i: (-float(head_scores[h][i]), i))
-
-    ranked = [ranked_blocks(h) for h in range(heads)]
-    key = lambda hi: (-float(head_scores[hi[0]][hi[1]]), hi[0], hi[1])  # noqa: E731
-    first = sorted(((h, i) for h in range(heads) for i in ranked[h][: max(0, floor)]), key=key)
-    rest = sorted(((h, i) for h in range(heads) for i in ranked[h][max(0, floor) :]), key=key)
-    chosen: list[set[int]] = [set() for _ in range(heads)]
-    held: set[int] = set()
-    taken = 0
-    for h, i in first + rest:
-        if taken >= slots:
-            break
-        if i not in held and cap is not None and len(held) >= cap:
-            continue
-        chosen[h].add(i)
-        held.add(i)
-        taken += 1
-    return chosen
-
-
 # ------------------------------------------------------------------ the keep policy
 @dataclass(frozen=True)
 class KeepPolicy:
@@ -130,15 +84,11 @@ class KeepPolicy:
     scope: Scope = "all"
     when: When = "chunk"
     slack_blocks: int = 0
-    allocation: Allocation = "uniform"
-    floor_fraction: float = 0.0
-    held_blocks: int | None = None
-    min_fraction: float = 0.5
 
     @classmethod
     def from_params(cls, params: Any, **fixed: Any) -> "KeepPolicy":
         """The policy a plugin's parameters set (its fields named as this class's), over the
-        ``fixed`` choices of the compressor itself (``scope``, ``when``, ``allocation``)."""
+        ``fixed`` choices of the compressor itself (``scope``, ``when``)."""
         values = {
             f.name: getattr(params, f.name) for f in fields(cls) if f.name not in fixed and hasattr(params, f.name)
         }
@@ -205,61 +155,25 @@ class KeepPolicy:
             ], None
         return None, frame
 
-    def keep_heads(
-        self, view: BlockView, head_scores: Sequence[Sequence[float]] | None, protected_start: int | None = None
+    def keep_units(
+        self,
+        view: BlockView,
+        unit_scores: Sequence[Sequence[float]] | None,
+        protected_start: int | None,
+        allocate: Callable[[Sequence[Sequence[float]], list[int], int, int], list[set[int]]],
     ) -> list[list[int]]:
-        """Per KV head, the blocks it keeps (``allocation: heads``): the fixed blocks, and the
-        scope's other blocks shared out over the heads by :func:`adaptive_head_budget`
-        (the budget is a head's average, ``floor_fraction`` of it each head's own, ``held_blocks``
-        the cap on their union)."""
-        known, frame = self._per_unit(view, head_scores, protected_start)
+        """Per unit (KV head, decoder layer: ``allocation: heads`` / ``layers``), the blocks it
+        keeps: the fixed blocks, and what ``allocate(unit_scores, candidates, budget, taken)``
+        gives each unit of the scope's other blocks (``budget``: a unit's average, of which the
+        fixed blocks take ``taken``). How a budget is shared out over heads or layers is the
+        plugin's technique (Ada-KV, PyramidKV: :meth:`PolicyCompressor.allocate`)."""
+        known, frame = self._per_unit(view, unit_scores, protected_start)
         if known is not None:
             return known
-        assert head_scores is not None
+        assert unit_scores is not None
         fixed, candidates, budget, taken = frame
-        room = max(0, budget - taken)  # per head, on average
-        cap = None if self.held_blocks is None else max(0, self.held_blocks - taken)
-        slots = len(head_scores) * room
-        chosen = adaptive_head_budget(head_scores, candidates, slots, floor=int(self.floor_fraction * room), cap=cap)
+        chosen = allocate(unit_scores, candidates, budget, taken)
         return [with_pinned(fixed | mine, view.pinned) for mine in chosen]
-
-    def layer_budgets(self, view: BlockView, layers: int) -> list[int]:
-        """``allocation: layers`` (PyramidKV): each decoder layer's budget, falling linearly from
-        the first layer to the last, ``min_fraction`` of the average at the top and as much more
-        at the bottom, so that they average to the budget."""
-        avg = self.budget(view)
-        if layers <= 1:
-            return [avg] * layers
-        top = self.min_fraction * avg
-        bottom = 2 * avg - top
-        return [max(1, round(bottom + (top - bottom) * layer / (layers - 1))) for layer in range(layers)]
-
-    def keep_layers(
-        self, view: BlockView, layer_scores: Sequence[Sequence[float]] | None, protected_start: int | None = None
-    ) -> list[list[int]]:
-        """Per decoder layer, the blocks it keeps (``allocation: layers``): the fixed blocks and
-        its own best ones by its own scores, up to its :meth:`layer_budgets`; ``held_blocks``
-        caps their union (the memory held: vLLM frees a block only when no layer keeps it): the
-        chosen blocks with the best scores (a block's best over the layers that chose it) are
-        held, and each layer then takes its own best among them."""
-        known, frame = self._per_unit(view, layer_scores, protected_start)
-        if known is not None:
-            return known
-        assert layer_scores is not None
-        fixed, candidates, _, taken = frame
-        budgets = self.layer_budgets(view, len(layer_scores))
-        chosen = [
-            top_blocks(s, [i for i in candidates if s[i] != NEG_INF], b - taken) for s, b in zip(layer_scores, budgets)
-        ]
-        union = set().union(*chosen)
-        if self.held_blocks is not None and len(union) > max(0, self.held_blocks - taken):
-            best = {i: max(float(s[i]) for s, c in zip(layer_scores, chosen) if i in c) for i in union}
-            held = sorted(union, key=lambda i: (-best[i], i))[: max(0, self.held_blocks - taken)]
-            # the memory is held anyway: each layer reads its own best among the held blocks
-            chosen = [
-                top_blocks(s, [i for i in held if s[i] != NEG_INF], b - taken) for s, b in zip(layer_scores, budgets)
-            ]
-        return [with_pinned(fixed | c, view.pinned) for c in chosen]
 
 
 class PolicyParams(KernelParams):
@@ -304,7 +218,7 @@ class PolicyCompressor(KVCompressor):
 
     def __init__(self, params: Any) -> None:
         super().__init__(params)
-        self.policy = KeepPolicy.from_params(params, scope=self.scope, when=self.when, allocation=self.allocation)
+        self.policy = KeepPolicy.from_params(params, scope=self.scope, when=self.when)
         if self.policy.slack_blocks and not self.needs_scores:
             raise ValueError(
                 f"{type(self).__name__}: slack_blocks needs a scored compressor (the scheduler and the worker "
@@ -351,64 +265,25 @@ class PolicyCompressor(KVCompressor):
         return self.policy.keep(view, self.score(view), self.protected_start(view))
 
     def keep_heads(self, view: BlockView) -> list[list[int]]:
-        return self.policy.keep_heads(view, self.head_score(view), self.protected_start(view))
+        return self.policy.keep_units(view, self.head_score(view), self.protected_start(view), self.allocate)
 
     def keep_layers(self, view: BlockView) -> list[list[int]]:
-        return self.policy.keep_layers(view, self.layer_score(view), self.protected_start(view))
+        return self.policy.keep_units(view, self.layer_score(view), self.protected_start(view), self.allocate)
+
+    def allocate(
+        self, unit_scores: Sequence[Sequence[float]], candidates: list[int], budget: int, taken: int
+    ) -> list[set[int]]:
+        """``allocation: heads`` / ``layers``: each unit's blocks among ``candidates`` (the scope's
+        blocks besides the fixed ones, which take ``taken`` of the average ``budget``). Default:
+        each unit its own best ``budget - taken``; Ada-KV and PyramidKV share the budget out
+        unevenly (their plugins' ``allocate``)."""
+        return [top_blocks(s, [i for i in candidates if s[i] != NEG_INF], budget - taken) for s in unit_scores]
 
     def describe(self) -> dict[str, Any]:
         return self.params.model_dump() if hasattr(self.params, "model_dump") else {}
 
 
-# ------------------------------------------------------------------ scorers
-class Recency(PolicyCompressor):
-    """Newer blocks first (StreamingLLM's window); needs no attention."""
-
-    def score(self, view: BlockView) -> Sequence[float]:
-        return [float(i) for i in range(view.num_blocks)]
-
-
-class AccumulatedMass(PolicyCompressor):
-    """The attention mass each block received from every query since it was written (H2O)."""
-
-    needs_scores = True
-
-    def score(self, view: BlockView) -> Sequence[float] | None:
-        return view.scores
-
-
-class CurrentMass(PolicyCompressor):
-    """The mass from the current query alone: the prompt's last token at prefill, then each
-    generated one (TOVA). Mid-prefill no query is the current one: use ``when = "prefill"``."""
-
-    needs_scores = True
-    when: When = "prefill"
-
-    def score_positions(self, num_prompt_tokens: int) -> tuple[int, int]:
-        return (max(0, num_prompt_tokens - 1), 1 << 62)
-
-    def score(self, view: BlockView) -> Sequence[float] | None:
-        return view.step_scores
-
-
-class WindowMass(PolicyCompressor):
-    """The mass the prompt's last ``params.window_tokens`` queries put on each block, the
-    window's own blocks protected; once the prompt is in, over the prompt's blocks (SnapKV)."""
-
-    needs_scores = True
-    scope: Scope = "prompt"
-    when: When = "prefill"
-
-    def score_positions(self, num_prompt_tokens: int) -> tuple[int, int]:
-        return (max(0, num_prompt_tokens - self.params.window_tokens), num_prompt_tokens)
-
-    def score(self, view: BlockView) -> Sequence[float] | None:
-        return view.scores
-
-    def protected_start(self, view: BlockView) -> int:
-        return max(0, view.num_prompt_tokens - self.params.window_tokens) // view.block_size
-
-
+# ------------------------------------------------------------------ the one shared scorer base
 class CacheScores(PolicyCompressor):
     """This step's :meth:`block_scores` (implement it): what the keys in the cache say now,
     summed over layers (K-norm, KeyDiff); only once the prompt is in."""

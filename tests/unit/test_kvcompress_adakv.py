@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from vllm_graft.hooks import BlockView, get_registry
 from vllm_graft.integration.adapters.kvcompress.keep import KeepError, check_keep, check_keep_heads
-from vllm_graft.plugins.kvcompress._shared.policy import adaptive_head_budget
+from vllm_graft.plugins.kvcompress.adakv.reference import adaptive_head_budget
 
 NEG = float("-inf")
 

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from vllm_graft.hooks import BlockView, WindowMass, check_keep, get_registry
+from vllm_graft.hooks import BlockView, check_keep, get_registry
+from vllm_graft.plugins.kvcompress.snapkv.reference import SnapKV
 from vllm_graft.kit.conformance.exercises.attention import ATTENTION_SEQS, attention_case
 from vllm_graft.plugins.kvcompress.expected_attention.reference import expected_attention_scores
 
@@ -93,7 +94,7 @@ def test_no_observed_query_scores_nothing():
 
 def test_it_keeps_the_best_prompt_blocks_after_prefill_with_the_window():
     c = build("expected-attention", budget_blocks=4, window_tokens=16, sink_blocks=1)
-    assert isinstance(c, WindowMass) and c.kv_layouts == ("blocked", "packed", "cpu_vec")
+    assert isinstance(c, SnapKV) and c.kv_layouts == ("blocked", "packed", "cpu_vec")
     scores = (0.0, 5.0, 1.0, 9.0, 2.0, 0.5, 3.0, 0.0, 0.0)  # 8 prompt blocks of 16 + 1 generated
     view = BlockView(8 * 16 + 3, 16, 8 * 16, scores=scores, step_scores=scores)
     # the sink, the two best (3, 1), the window's block (7) and the generated one

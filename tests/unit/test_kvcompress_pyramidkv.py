@@ -6,7 +6,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from vllm_graft.hooks import BlockView, KeepError, WindowMass, check_keep_layers, get_registry, union_of_heads
+from vllm_graft.hooks import BlockView, KeepError, check_keep_layers, get_registry, union_of_heads
+from vllm_graft.plugins.kvcompress.snapkv.reference import SnapKV
 
 from .test_kvcompress_policies import build as _build
 
@@ -18,15 +19,15 @@ def build(**params):
 def test_layer_budgets_fall_linearly_and_average_to_the_budget():
     c = build(budget_blocks=8, min_fraction=0.5)
     view = BlockView(16 * 40, 16, 16 * 40)
-    budgets = c.policy.layer_budgets(view, 5)
+    budgets = c.layer_budgets(view, 5)
     assert budgets == [12, 10, 8, 6, 4] and sum(budgets) / 5 == 8
-    assert build(budget_blocks=8, min_fraction=1.0).policy.layer_budgets(view, 4) == [8, 8, 8, 8]
-    assert c.policy.layer_budgets(view, 1) == [8]
+    assert build(budget_blocks=8, min_fraction=1.0).layer_budgets(view, 4) == [8, 8, 8, 8]
+    assert c.layer_budgets(view, 1) == [8]
 
 
 def test_each_layer_keeps_its_own_best_blocks_and_keep_is_their_union():
     c = build(budget_blocks=3, window_tokens=16, sink_blocks=1, min_fraction=1 / 3)
-    assert isinstance(c, WindowMass) and c.per_layer and not c.per_head
+    assert isinstance(c, SnapKV) and c.per_layer and not c.per_head
     # 8 prompt blocks; budgets [5, 3, 1]: sink 0 and window 7 fixed in every layer
     layers = [
         [0.0, 9, 8, 1, 7, 2, 0, 0],

@@ -4,7 +4,8 @@ decode-time compression with a buffer, and its registration."""
 import pytest
 import torch
 
-from vllm_graft.hooks import BlockView, CurrentMass, check_keep, dropped_blocks, get_registry
+from vllm_graft.hooks import BlockView, check_keep, dropped_blocks, get_registry
+from vllm_graft.plugins.kvcompress.tova.reference import TOVA
 from vllm_graft.integration.adapters.kvcompress.shared_attention import attend_with_mass, block_scores
 from vllm_graft.kit.conformance.exercises.attention import attention_case
 from vllm_graft.plugins.kvcompress._shared.keys import key_diff_scores
@@ -53,7 +54,7 @@ def test_without_mass_or_observed_queries_only_redundancy_counts():
 
 def test_it_compresses_while_decoding_once_per_buffer():
     c = build("rkv", budget_blocks=6, slack_blocks=3, sink_blocks=1)
-    assert isinstance(c, CurrentMass) and c.score_positions(100) == (99, 1 << 62)
+    assert isinstance(c, TOVA) and c.score_positions(100) == (99, 1 << 62)
     B, prompt = 16, 16 * 5
     dropped: set[int] = set()
     held = []

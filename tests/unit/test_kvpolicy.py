@@ -12,16 +12,17 @@ from pydantic import Field, ValidationError
 
 from vllm_graft.hooks import (
     BlockView,
-    CurrentMass,
     KeepPolicy,
     PolicyCompressor,
     PolicyParams,
-    Recency,
     check_keep,
     check_keep_heads,
     dropped_blocks,
     get_registry,
 )
+
+from vllm_graft.plugins.kvcompress.streaming.reference import Streaming
+from vllm_graft.plugins.kvcompress.tova.reference import TOVA as CurrentMass  # the current-query scorer
 
 NEG = float("-inf")
 EVICTION = ("streaming", "h2o", "snapkv", "adakv", "tova", "knorm", "keydiff")
@@ -40,6 +41,21 @@ def test_every_built_in_eviction_compressor_is_a_scorer_under_the_keep_policy(na
     assert isinstance(c.policy, KeepPolicy)
     # what its parameters set is what its policy holds
     assert c.policy.budget_blocks == 7
+
+
+@pytest.mark.parametrize("name", EVICTION)
+def test_each_eviction_compressor_holds_its_technique_in_its_plugin_folder(name):
+    """Between the compressor and the policy only plugin classes (its own, or a plugin it builds
+    on: Ada-KV on SnapKV) and the one shared base :class:`CacheScores`: no paper's score in hooks/."""
+    from vllm_graft.hooks import CacheScores
+
+    _, cls = _impl(name)
+    between = cls.__mro__[: cls.__mro__.index(PolicyCompressor)]
+    outside = [k.__qualname__ for k in between if k is not CacheScores and not k.__module__.startswith("vllm_graft.plugins.")]
+    assert not outside, f"{name}'s scoring is in {outside}, not in a plugin folder"
+    own = [k for k in between if k.__module__.startswith(f"vllm_graft.plugins.kvcompress.{name.replace('-', '_')}.")]
+    assert own and any(m in vars(k) for k in between if k is not CacheScores
+                       for m in ("score", "block_scores", "score_positions")), f"{name} defines no score of its own"
 
 
 def _view(n_tokens, prompt, scores=None, step=None, heads=None, B=16, pinned=frozenset()):
@@ -115,7 +131,7 @@ def test_slack_is_refused_where_no_scores_tell_what_was_dropped():
     class RecencyParams(PolicyParams):
         sink_blocks: int = Field(1, ge=0)
 
-    class NewestFirst(Recency):
+    class NewestFirst(Streaming):
         pass
 
     with pytest.raises(ValueError, match="slack_blocks needs a scored compressor"):

@@ -9,7 +9,7 @@ exponential moving average), its key and value are **merged** into that kept tok
 dropped, with weights that grow with the similarity.
 
 Here: the blocks to evict are H2O's (sink + recent blocks, the rest of ``budget_blocks`` by
-accumulated mass: the keep policy's ``AccumulatedMass`` scorer, ``hooks.contracts.kvpolicy``),
+accumulated mass: H2O's scorer under the keep policy, ``hooks.contracts.kvpolicy``),
 so vLLM frees exactly as many blocks as with ``h2o``. Before they are freed, the worker hands
 each layer's evicted and kept K/V to :meth:`~.reference.D2O.merge` (the contract's
 ``KVCompressor.merge``): every evicted token, per KV head, finds its most similar kept token;

@@ -1,17 +1,18 @@
-"""Expected Attention at block granularity (see ``__init__``): the window scorer of
-``hooks.contracts.kvpolicy`` with its scores read from the cache and the window's queries
+"""Expected Attention at block granularity (see ``__init__``): SnapKV's window scorer
+(its observation window and policy) with its scores read from the cache and the window's queries
 (:meth:`ExpectedAttention.block_scores`), not from the attention mass."""
 
 from __future__ import annotations
 
 import torch
 
-from vllm_graft.hooks import AttentionLayer, PagedBatch, WindowMass
+from vllm_graft.hooks import AttentionLayer, PagedBatch
 
 from .._shared.keys import _batch_keys, observed_rows
+from ..snapkv.reference import SnapKV
 
 
-class ExpectedAttention(WindowMass):
+class ExpectedAttention(SnapKV):
     kv_layouts = ("blocked", "packed", "cpu_vec")  # block_scores reads through layer.kv_layout.split
 
     def block_scores(self, kv_cache, batch, layer, query=None, observe=None):

@@ -1,17 +1,18 @@
-"""R-KV at block granularity (see ``__init__``): the current-query scorer of
-``hooks.contracts.kvpolicy`` whose block scores combine the attention mass with the keys'
+"""R-KV at block granularity (see ``__init__``): TOVA's current-query scorer (its queries and
+policy) whose block scores combine the attention mass with the keys'
 redundancy (:meth:`RKV.block_scores`), cut back to the budget once per ``slack_blocks``."""
 
 from __future__ import annotations
 
 import torch
 
-from vllm_graft.hooks import AttentionLayer, CurrentMass, PagedBatch
+from vllm_graft.hooks import AttentionLayer, PagedBatch
 
 from .._shared.keys import key_diff_scores, observed_rows
+from ..tova.reference import TOVA
 
 
-class RKV(CurrentMass):
+class RKV(TOVA):
     kv_layouts = ("blocked", "packed", "cpu_vec")  # block_scores reads through layer.kv_layout.split
 
     def block_scores(self, kv_cache, batch, layer, observe=None, mass=None):

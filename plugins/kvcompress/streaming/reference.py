@@ -1,9 +1,16 @@
-"""StreamingLLM at block granularity: sinks + recent window (see ``__init__``), as a policy whose
-score is recency (``hooks.contracts.kvpolicy``): the sink blocks, the block being written and the
-newest others, ``budget_blocks`` in all."""
+"""StreamingLLM at block granularity (see ``__init__``): the attention sinks and the recent window.
+The technique is its score, recency; the keep policy (``hooks.contracts.kvpolicy``) keeps the
+sink blocks, the block being written and the newest others, ``budget_blocks`` in all."""
 
-from vllm_graft.hooks import Recency
+from __future__ import annotations
+
+from typing import Sequence
+
+from vllm_graft.hooks import BlockView, PolicyCompressor
 
 
-class Streaming(Recency):
-    pass
+class Streaming(PolicyCompressor):
+    """Newer blocks first; no attention needed, so the scheduler and the worker decide alike."""
+
+    def score(self, view: BlockView) -> Sequence[float]:
+        return [float(i) for i in range(view.num_blocks)]
