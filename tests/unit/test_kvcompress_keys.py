@@ -9,7 +9,8 @@ import torch
 
 from vllm_graft.hooks import BlockView, check_keep, get_registry
 from vllm_graft.kit.conformance.exercises.attention import attention_case
-from vllm_graft.plugins.kvcompress._shared.keys import key_diff_scores, key_norm_scores
+from vllm_graft.plugins.kvcompress.keydiff.reference import key_diff_scores
+from vllm_graft.plugins.kvcompress.knorm.reference import key_norm_scores
 
 from .test_kvcompress_policies import build
 

@@ -8,7 +8,7 @@ from vllm_graft.hooks import BlockView, check_keep, dropped_blocks, get_registry
 from vllm_graft.plugins.kvcompress.tova.reference import TOVA
 from vllm_graft.integration.adapters.kvcompress.shared_attention import attend_with_mass, block_scores
 from vllm_graft.kit.conformance.exercises.attention import attention_case
-from vllm_graft.plugins.kvcompress._shared.keys import key_diff_scores
+from vllm_graft.plugins.kvcompress.keydiff.reference import key_diff_scores
 from vllm_graft.plugins.kvcompress.rkv.reference import rkv_scores
 
 from .test_kvcompress_policies import build

@@ -1,8 +1,8 @@
-"""Block scores read from the keys in the cache (``KVCompressor.block_scores``), for the
-compressors that rank blocks by what their keys say instead of by attention mass (``knorm``,
-``keydiff``). Exact PyTorch over the batch's blocks: each layer gathers the keys of every
-block in the batch's block table (a copy the size of the batch's keys), on the cache's device,
-with no host sync."""
+"""What the compressors that read the cache (``KVCompressor.block_scores``: ``knorm``, ``keydiff``,
+``rkv``, ``expected-attention``) share, none of them a paper's score: the batch's keys gathered
+by block table, a per-token score's mean per block, and which query rows are observed. Exact
+PyTorch over the batch's blocks: each layer gathers the keys of every block in the batch's block
+table (a copy the size of the batch's keys), on the cache's device, with no host sync."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from vllm_graft.hooks import AttentionLayer, PagedBatch
 
 
-def _batch_keys(kv_cache: torch.Tensor, batch: PagedBatch, layer: AttentionLayer):
+def batch_keys(kv_cache: torch.Tensor, batch: PagedBatch, layer: AttentionLayer):
     """``(keys [S, W, H_kv, B, D] float32, valid [S, W, B] bool)``: each sequence's blocks'
     keys by block-table column, and which token slots hold one of its tokens."""
     key_cache, _ = layer.kv_layout.split(kv_cache)  # [N, H_kv, B, D]
@@ -24,31 +24,11 @@ def _batch_keys(kv_cache: torch.Tensor, batch: PagedBatch, layer: AttentionLayer
     return keys, valid
 
 
-def _per_block(token_scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def per_block(token_scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """The mean of ``token_scores [S, W, B]`` over each block's valid slots (0 where none)."""
     n = valid.sum(-1)
     total = torch.where(valid, token_scores, torch.zeros((), device=valid.device)).sum(-1)
     return torch.where(n > 0, total / n.clamp(min=1), torch.zeros((), device=valid.device))
-
-
-def key_norm_scores(kv_cache: torch.Tensor, batch: PagedBatch, layer: AttentionLayer) -> torch.Tensor:
-    """``[S, W]``: minus the mean L2 norm of each block's keys (over its tokens and KV heads):
-    the higher, the lower the keys' norm, which Devoto et al. 2024 find attention favours."""
-    keys, valid = _batch_keys(kv_cache, batch, layer)
-    return _per_block(-keys.norm(dim=-1).mean(dim=2), valid)
-
-
-def key_diff_scores(kv_cache: torch.Tensor, batch: PagedBatch, layer: AttentionLayer) -> torch.Tensor:
-    """``[S, W]``: minus the mean cosine similarity of each block's keys to the sequence's
-    anchor key (per KV head, the normalised mean of the sequence's normalised keys), averaged
-    over KV heads: the higher, the more the block's keys differ from the rest (KeyDiff, Park
-    et al. 2025)."""
-    keys, valid = _batch_keys(kv_cache, batch, layer)
-    unit = torch.nn.functional.normalize(keys, dim=-1)  # [S, W, H, B, D]
-    m = valid[:, :, None, :, None].to(unit.dtype)
-    anchor = torch.nn.functional.normalize((unit * m).sum(dim=(1, 3)), dim=-1)  # [S, H, D]
-    cos = (unit * anchor[:, None, :, None, :]).sum(-1)  # [S, W, H, B]
-    return _per_block(-cos.mean(dim=2), valid)
 
 
 def observed_rows(observe: torch.Tensor, batch: PagedBatch, num_seqs: int, num_rows: int):

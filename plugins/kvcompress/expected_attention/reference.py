@@ -8,7 +8,7 @@ import torch
 
 from vllm_graft.hooks import AttentionLayer, PagedBatch
 
-from .._shared.keys import _batch_keys, observed_rows
+from .._shared.keys import batch_keys, observed_rows
 from ..snapkv.reference import SnapKV
 
 
@@ -43,7 +43,7 @@ def expected_attention_scores(
     the sequence's observed queries (per query head: mean, diagonal variance), summed over the
     block's tokens and the query heads, each key's weighted by its value's norm
     (``use_vnorm``); zero for a sequence that observed no query this step (or without queries)."""
-    keys, valid = _batch_keys(kv_cache, batch, layer)  # [S, W, Hkv, B, D], [S, W, B]
+    keys, valid = batch_keys(kv_cache, batch, layer)  # [S, W, Hkv, B, D], [S, W, B]
     S, W, hkv, B, D = keys.shape
     if query is None or observe is None:
         return torch.zeros(S, W, device=keys.device)

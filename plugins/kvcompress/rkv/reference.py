@@ -8,7 +8,8 @@ import torch
 
 from vllm_graft.hooks import AttentionLayer, PagedBatch
 
-from .._shared.keys import key_diff_scores, observed_rows
+from .._shared.keys import observed_rows
+from ..keydiff.reference import key_diff_scores
 from ..tova.reference import TOVA
 
 
