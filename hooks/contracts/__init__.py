@@ -17,6 +17,8 @@ One module per kind; :data:`CONTRACTS` maps each kind to its contract class.
 
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 from ..kinds import KINDS, Kind
 from .attention import (
     BLOCKED,
@@ -29,7 +31,7 @@ from .attention import (
     PagedBatch,
     split_kv_cache,
 )
-from .base import PluginImpl
+from .base import PluginImpl, ShapeProblem
 from .kvcompress import (
     BlockView,
     KeepError,
@@ -41,6 +43,7 @@ from .kvcompress import (
     dropped_blocks,
     union_of_heads,
 )
+from .kvcompress import shape_problems as kvcompress_shape_problems
 from .kvpolicy import (
     CacheScores,
     KeepPolicy,
@@ -55,6 +58,22 @@ from .speculative import Proposer
 #: implementations. Where a kind's plugins fill roles, each role has its own: see
 #: :func:`contract_for`.
 CONTRACTS: dict[Kind, type[PluginImpl]] = {k: globals()[s.contract] for k, s in KINDS.items()}
+
+#: Per kind, the shape check of a plugin's class beside its contract (``impl`` class, the other
+#: plugins enabled as ``(kind, name, impl class or None)``) -> problems; a kind not here has no
+#: rules about its flags and methods beyond its contract's abstract methods.
+SHAPE_CHECKS: dict[Kind, Callable[[type, Sequence[tuple[str, str, "type | None"]]], list[ShapeProblem]]] = {
+    Kind.KVCOMPRESS: kvcompress_shape_problems,
+}
+
+
+def shape_problems(
+    kind: Kind | str, impl: type, others: Sequence[tuple[str, str, "type | None"]] = ()
+) -> list[ShapeProblem]:
+    """What a plugin's class of ``kind`` cannot be, alone or beside ``others`` (see
+    :data:`SHAPE_CHECKS`); ``[]`` for a kind without shape rules."""
+    check = SHAPE_CHECKS.get(Kind(kind))
+    return check(impl, others) if check is not None else []
 
 
 def contract_for(kind: Kind | str, role: str | None = None) -> type[PluginImpl]:
@@ -89,6 +108,9 @@ __all__ = [
     "QuantMethod",
     "StoredTensor",
     "contract_for",
+    "SHAPE_CHECKS",
+    "ShapeProblem",
+    "shape_problems",
     "split_kv_cache",
     "KVCacheLayout",
     "BLOCKED",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from pydantic import BaseModel
 
@@ -35,3 +35,12 @@ class PluginImpl(ABC, Generic[P]):
     def describe(self) -> dict[str, Any]:
         """What the plugin did so far, for `vllm-graft demo` and benchmark reports."""
         return {}
+
+
+class ShapeProblem(NamedTuple):
+    """What a kind's shape check (``hooks.contracts.SHAPE_CHECKS``) finds wrong with a plugin's
+    class: ``message`` (what, and the fix), and ``other``, the ``kind:name`` of the plugin it
+    cannot be combined with (None: the class alone is wrong)."""
+
+    message: str
+    other: str | None = None

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from ..kinds import Kind
 from .attention import AttentionLayer, PagedBatch
-from .base import P, PluginImpl
+from .base import P, PluginImpl, ShapeProblem
 
 if TYPE_CHECKING:  # torch is only needed by implementations
     import torch
@@ -398,3 +398,88 @@ class KVCacheFormat(PluginImpl[P]):
     ) -> tuple["torch.Tensor", "torch.Tensor | None"]:
         """``(out [T, H, D], mass [num_seqs, max_blocks] or None)``: causal attention of
         ``query`` over the paged batch stored in this format (see the class docstring)."""
+
+
+# ------------------------------------------------------------------ the shape check
+def shape_problems(impl: type, others: Sequence[tuple[str, str, type | None]] = ()) -> list[ShapeProblem]:
+    """What a KV-compression plugin's class cannot be, alone or beside the deployment's
+    ``others`` (``(kind, name, impl class or None)`` of every other plugin enabled): the legal
+    combinations of its flags (``needs_scores``, ``per_head``, ``per_layer``, ``merges``) and
+    methods, and what they may be combined with. Pure (no vLLM, no instance): deployment
+    validation, ``vllm-graft check`` and the kit run it; the adapter only wires what passed.
+
+    What it may be combined with follows from its shape, so no registration writes it by hand:
+    a compressor that needs scores computes them in the worker's own attention (no attention
+    plugin); one that masks per head or per layer, or merges, needs the dense cache (no storage
+    format); a storage format stores KV in its own layout, which an attention plugin cannot read.
+    """
+
+    def own(method: str) -> bool:
+        return getattr(impl, method, None) is not getattr(KVCompressor, method)
+
+    attention = [f"attention:{name}" for kind, name, _ in others if kind == "attention"]
+    formats = [
+        f"kvcompress:{name}"
+        for kind, name, cls in others
+        if kind == "kvcompress" and isinstance(cls, type) and issubclass(cls, KVCacheFormat)
+    ]
+    if issubclass(impl, KVCacheFormat):
+        return [
+            ShapeProblem("it stores KV in its own layout, which an attention plugin cannot read", a) for a in attention
+        ]
+    out: list[ShapeProblem] = []
+    scored = bool(getattr(impl, "needs_scores", False))
+    per_head, per_layer, merges = (bool(getattr(impl, f, False)) for f in ("per_head", "per_layer", "merges"))
+    refusals: list[tuple[bool, str, str]] = [
+        (per_layer and per_head, "per_layer", "per_head is set too (choose per KV head or per layer)"),
+        (
+            per_layer and not scored,
+            "per_layer",
+            "it does not set needs_scores (per-layer decisions come from per-layer mass)",
+        ),
+        (
+            per_layer and own("block_scores"),
+            "per_layer",
+            "it scores blocks from the cache (block_scores: one score per block, not per layer)",
+        ),
+        (
+            per_layer and not own("keep_layers"),
+            "per_layer",
+            "it implements no keep_layers() (see the built-in pyramidkv plugin)",
+        ),
+        (
+            per_head and not scored,
+            "per_head",
+            "it does not set needs_scores (per-head decisions come from per-head mass)",
+        ),
+        (
+            per_head and own("block_scores"),
+            "per_head",
+            "it scores blocks from the cache (block_scores: one score per block, not per KV head)",
+        ),
+        (
+            per_head and not own("keep_heads"),
+            "per_head",
+            "it implements no keep_heads() (see the built-in adakv plugin)",
+        ),
+        (merges and not scored, "merges", "it does not set needs_scores (the worker merges what it decides to drop)"),
+        (
+            merges and (per_head or per_layer),
+            "merges",
+            "it chooses blocks per KV head or per layer (a masked block is not dropped)",
+        ),
+        (merges and not own("merge"), "merges", "it implements no merge() (see the built-in d2o plugin)"),
+    ]
+    what = {
+        "per_layer": "chooses blocks per layer",
+        "per_head": "chooses blocks per KV head",
+        "merges": "merges evicted KV",
+    }
+    out += [ShapeProblem(f"{what[flag]} ({flag} = True), but {why}") for bad, flag, why in refusals if bad]
+    if scored:
+        why = "it needs attention scores, which it computes in the worker's own attention"
+        out += [ShapeProblem(why, a) for a in attention]
+    if per_head or per_layer or merges:
+        why = "it merges into the dense cache" if merges else "it masks blocks per KV head or per layer"
+        out += [ShapeProblem(f"{why}, which a storage format's attention does not do", f) for f in formats]
+    return out

@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from ..contracts import SHAPE_CHECKS, shape_problems
 from ..contracts.speculative import TREE_FIELD
 from ..kinds import ENGINE_KEYS_OWNED, KINDS, Kind
 from ..registry import DTYPES, MODEL_FEATURES, PARALLELISM, Entry, Params, Registry
@@ -187,6 +188,7 @@ def validate(
     _check_multiples(enabled, problems)
     _check_roles(enabled, problems)
     _check_combinations(enabled, problems)
+    _check_shapes(enabled, problems, notes)
     _check_tree_verification(enabled, engine, problems)
     _check_engine(engine, {kind for kind, _, _ in choices}, env.engine_args, problems, notes)
     _check_platform_parallelism(engine, platform, problems)
@@ -551,6 +553,46 @@ def _check_combinations(enabled: list[Enabled], problems: list[Problem]) -> None
                         hint="Enable only one of them",
                     )
                 )
+
+
+def _check_shapes(enabled: list[Enabled], problems: list[Problem], notes: list[str]) -> None:
+    """Each plugin's class against its kind's shape rules (``hooks.contracts.SHAPE_CHECKS``):
+    its flags and methods, and what they may be combined with. This imports the plugins' classes
+    (no vLLM); one that does not import is noted and left to fail where the engine loads it."""
+    if not any(e.kind in SHAPE_CHECKS for e in enabled):
+        return
+    impls: dict[int, type | None] = {}
+    for e in enabled:
+        try:
+            impls[id(e)] = e.entry.registration.load()
+        except Exception as err:  # noqa: BLE001 - reported, then the engine's load reports it again
+            impls[id(e)] = None
+            notes.append(
+                f"{e.path}: {e.name}'s class {e.entry.registration.impl} does not import "
+                f"({type(err).__name__}: {err}); its shape is not checked"
+            )
+    for e in enabled:
+        impl = impls[id(e)]
+        if e.kind not in SHAPE_CHECKS or not isinstance(impl, type):
+            continue
+        others = [(str(o.kind), o.name, impls[id(o)]) for o in enabled if o is not e]
+        for found in shape_problems(e.kind, impl, others):
+            if found.other is None:
+                problems.append(
+                    Problem(f"{e.path}.plugin", f"{e.kind} plugin {e.name!r} {found.message}", value=e.name)
+                )
+                continue
+            kind, _, name = found.other.partition(":")
+            at = next(o.path for o in enabled if str(o.kind) == kind and o.name == name)
+            problems.append(
+                Problem(
+                    f"{e.path}.plugin",
+                    f"{e.kind} plugin {e.name!r} cannot be combined with {kind} plugin {name!r} (at {at}): "
+                    f"{found.message}",
+                    value=e.name,
+                    hint="Enable only one of them",
+                )
+            )
 
 
 def _check_tree_verification(enabled: list[Enabled], engine: dict[str, Any], problems: list[Problem]) -> None:

@@ -16,6 +16,9 @@ Shipped inside vllm-graft as a pytest plugin (the ``pytest11`` entry point
 * ``registration``: the registration's fields (summary, paper, capabilities) and that
   ``impl`` imports, subclasses the kind's contract, builds from the example parameters,
   and ``describe()`` returns JSON-serialisable data;
+* ``shape`` (the kinds with shape rules, ``hooks.contracts.SHAPE_CHECKS``: kvcompress): the
+  class's flags and methods go together (``per_head`` with ``needs_scores`` and ``keep_heads``,
+  ``merges`` with ``merge``...), the same check deployment validation runs;
 * ``params-roundtrip`` / ``params-reject``: the parameter model round-trips through JSON,
   and refuses an unknown field, a value of the wrong type for every field, and every
   numeric bound it declares (one step past ``ge``/``gt``/``le``/``lt``);

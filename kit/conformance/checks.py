@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 from pydantic import BaseModel, ValidationError
 
 from vllm_graft.hooks import KERNEL_FIELD, Kind, Registry, get_registry
+from vllm_graft.hooks.contracts import SHAPE_CHECKS, shape_problems
 from vllm_graft.hooks.registry import Entry
 from vllm_graft.kit.conformance.base import (
     ConformanceError,
@@ -137,6 +138,17 @@ def check_registration(t: Target) -> str:
         f"impl {reg.impl} builds; lossless={caps.lossless}, platforms={list(caps.platforms)}, "
         f"dtypes={list(caps.dtypes)}"
     )
+
+
+def check_shape(t: Target) -> str:
+    """The class against its kind's shape rules (``hooks.contracts.SHAPE_CHECKS``), alone: the
+    same check deployment validation runs, which also holds what it may be combined with."""
+    cls = type(build(t))
+    found = shape_problems(t.kind, cls)
+    if found:
+        raise t.fail("; ".join(p.message for p in found))
+    flags = [f for f in ("needs_scores", "per_head", "per_layer", "merges") if getattr(cls, f, False)]
+    return f"{cls.__name__}'s flags ({', '.join(flags) or 'none'}) and methods go together"
 
 
 def check_params_roundtrip(t: Target) -> str:
@@ -308,6 +320,12 @@ def check_engine(t: Target) -> str:
 
 CHECKS: list[Check] = [
     Check("registration", "registration fields; impl imports, builds and describes itself", check_registration),
+    Check(
+        "shape",
+        "the class's flags and methods go together (its kind's shape rules)",
+        check_shape,
+        kinds=tuple(SHAPE_CHECKS),
+    ),
     Check("params-roundtrip", "the parameter model survives JSON", check_params_roundtrip),
     Check("params-reject", "unknown fields, wrong types and out-of-bound values are refused", check_params_reject),
     Check("contract", "the reference path keeps the kind's rules on generated inputs", check_contract),
@@ -346,6 +364,7 @@ __all__ = [
     "check_params_roundtrip",
     "check_parity",
     "check_registration",
+    "check_shape",
     "check_state",
     "compare",
     "example_params",

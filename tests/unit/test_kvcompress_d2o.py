@@ -151,9 +151,9 @@ def test_worker_merges_into_the_kept_slots_before_the_drops_go_out(layout):
     assert "a" not in sc.merge_state
 
 
-def test_adapter_refuses_a_merging_compressor_it_cannot_serve():
-    pytest.importorskip("vllm")
-    from vllm_graft.integration.adapters.kvcompress.engine import ADAPTER
+def test_the_shape_check_refuses_a_merging_compressor_it_cannot_serve():
+    """hooks.contracts.kvcompress.shape_problems, which validation and the kit run (not activate)."""
+    from vllm_graft.hooks.contracts import shape_problems
 
     class NoMerge(KVCompressor):
         needs_scores = merges = True
@@ -167,11 +167,9 @@ def test_adapter_refuses_a_merging_compressor_it_cannot_serve():
         def merge(self, *a):
             return a[2], a[3], None
 
-    for impl, why in ((NoMerge(None), "implements no merge"), (Unscored(None), "does not set needs_scores")):
-        entry = type("E", (), {"name": "m"})()
-        runtime = type("R", (), {"instance": lambda self, e: impl})()
-        with pytest.raises(NotImplementedError, match=why):
-            ADAPTER.activate([entry], None, runtime)
+    for impl, why in ((NoMerge, "implements no merge"), (Unscored, "does not set needs_scores")):
+        (found,) = shape_problems("kvcompress", impl)
+        assert why in found.message and found.other is None
 
 
 def test_each_request_of_a_merging_compressor_is_salted_on_its_own():
@@ -197,5 +195,10 @@ def test_each_request_of_a_merging_compressor_is_salted_on_its_own():
 
 
 def test_registered_with_its_paper_and_refused_with_kv4():
+    from vllm_graft.hooks.contracts import shape_problems
+
     reg = get_registry().get("kvcompress", "d2o").registration
-    assert "2406.13035" in reg.paper and "kvcompress:kv4" in reg.capabilities.incompatible_with
+    kv4 = get_registry().get("kvcompress", "kv4").registration.load()
+    assert "2406.13035" in reg.paper
+    # refused with kv4 by its shape (validation runs it; tests/unit/test_kvcompress_shape.py)
+    assert [p.other for p in shape_problems("kvcompress", reg.load(), [("kvcompress", "kv4", kv4)])] == ["kvcompress:kv4"]

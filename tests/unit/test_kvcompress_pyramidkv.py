@@ -110,5 +110,10 @@ def test_worker_refuses_a_layer_taking_back_a_block():
 
 
 def test_registered_with_its_paper_and_refused_with_kv4():
+    from vllm_graft.hooks.contracts import shape_problems
+
     reg = get_registry().get("kvcompress", "pyramidkv").registration
-    assert "2406.02069" in reg.paper and "kvcompress:kv4" in reg.capabilities.incompatible_with
+    kv4 = get_registry().get("kvcompress", "kv4").registration.load()
+    assert "2406.02069" in reg.paper
+    # refused with kv4 by its shape (validation runs it; tests/unit/test_kvcompress_shape.py)
+    assert [p.other for p in shape_problems("kvcompress", reg.load(), [("kvcompress", "kv4", kv4)])] == ["kvcompress:kv4"]

@@ -77,5 +77,9 @@ def test_rejects_bad_parameters(params, msg):
 
 def test_registered_with_its_paper_and_refusing_attention_plugins():
     reg = get_registry().get("kvcompress", "tova").registration
-    assert "2401.06104" in reg.paper and reg.capabilities.incompatible_with == ("attention:*",)
+    from vllm_graft.hooks.contracts import shape_problems
+
+    assert "2401.06104" in reg.paper
+    # refused with an attention plugin by its shape (needs_scores; validation runs it)
+    assert [p.other for p in shape_problems("kvcompress", reg.load(), [("attention", "noop", None)])] == ["attention:noop"]
     assert not reg.capabilities.lossless  # lossy: kvbench reports its quality change

@@ -111,8 +111,9 @@ Granularity. vLLM frees KV per block and per KV-cache group, so a block's score 
 its tokens, all heads and all layers: H2O and SnapKV here choose blocks for all layers at
 once, not per layer or per head as in the papers. A per-head compressor (below) chooses per
 KV head inside that granularity. A scored compressor brings its own
-attention, so it cannot be combined with an attention plugin (refused at validation: its
-registration declares ``incompatible_with: attention:*``; activation checks again).
+attention, so it cannot be combined with an attention plugin: refused at validation by the
+kind's shape check (``hooks.contracts.kvcompress.shape_problems``), which every combination
+rule of a compressor's flags and methods lives in; ``activate`` only wires.
 
 Per KV head (``per_head`` compressors: ``adakv``)
 ------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from vllm_graft.hooks import Kind, KVCacheFormat, KVCompressor
+from vllm_graft.hooks import Kind, KVCacheFormat
 from vllm_graft.integration.adapters import Adapter, attention_backend_overrides
 from vllm_graft.integration.adapters.kvcompress import state as _state
 from vllm_graft.integration.adapters.kvcompress.channel import (
@@ -241,109 +241,23 @@ class KVCompressAdapter(Adapter):
         return {**attention_backend_overrides(plan), ASYNC_SCHEDULING: False}
 
     def activate(self, enabled, plan, runtime):
-        # deployment validation allows one plugin per role: an eviction compressor and/or a
-        # storage format (KVCacheFormat, e.g. kv4)
         instances = [(e, runtime.instance(e)) for e in enabled]
         formats = [(e, i) for e, i in instances if isinstance(i, KVCacheFormat)]
         evictors = [(e, i) for e, i in instances if not isinstance(i, KVCacheFormat)]
-        if len(formats) > 1 or len(evictors) > 1:
-            raise NotImplementedError(
-                f"kvcompress: at most one eviction compressor and one storage format, got "
-                f"{[e.name for e, _ in instances]}"
-            )
+        # validation has held the combination to one plugin per role and each class to its
+        # shape (hooks.contracts.kvcompress.shape_problems: flags, methods, what they combine
+        # with); here only the wiring. A format alone keeps every block.
         fmt_e, fmt = formats[0] if formats else (None, None)
-        # a format alone keeps every block
         e, compressor = evictors[0] if evictors else (fmt_e, KeepAll())
         scored = bool(getattr(compressor, "needs_scores", False))
-        if getattr(compressor, "per_layer", False):
-            own_scores = getattr(type(compressor), "block_scores", KVCompressor.block_scores)
-            refusals = [
-                (getattr(compressor, "per_head", False), "per_head is set too (choose per KV head or per layer)"),
-                (not scored, "it does not set needs_scores (per-layer decisions come from per-layer mass)"),
-                (
-                    own_scores is not KVCompressor.block_scores,
-                    "it scores blocks from the cache (block_scores: one score per block, not per layer)",
-                ),
-                (
-                    type(compressor).keep_layers is KVCompressor.keep_layers,
-                    "it implements no keep_layers() (see vllm_graft.plugins.kvcompress.pyramidkv)",
-                ),
-                (
-                    fmt is not None,
-                    f"the storage format {getattr(fmt_e, 'name', None)!r}'s attention masks no blocks per layer",
-                ),
-            ]
-            why = next((msg for bad, msg in refusals if bad), None)
-            if why:
-                raise NotImplementedError(
-                    f"kvcompress plugin {e.name!r} chooses blocks per layer (per_layer), but {why}"
-                )
-        if getattr(compressor, "per_head", False):
-            if not scored:
-                raise NotImplementedError(
-                    f"kvcompress plugin {e.name!r} sets per_head but not needs_scores: per-head "
-                    "decisions come from per-head attention mass; set needs_scores = True"
-                )
-            if getattr(type(compressor), "block_scores", KVCompressor.block_scores) is not KVCompressor.block_scores:
-                raise NotImplementedError(
-                    f"kvcompress plugin {e.name!r} sets per_head and scores blocks from the cache "
-                    "(block_scores), which gives one score per block, not per KV head; drop one of them"
-                )
-            if type(compressor).keep_heads is KVCompressor.keep_heads:
-                raise NotImplementedError(
-                    f"kvcompress plugin {e.name!r} sets per_head but implements no keep_heads(); implement "
-                    "KVCompressor.keep_heads (see vllm_graft.plugins.kvcompress.adakv), or set per_head = False"
-                )
-            if fmt is not None:
-                raise NotImplementedError(
-                    f"kvcompress plugin {e.name!r} masks blocks per KV head, which the storage format "
-                    f"{fmt_e.name!r}'s attention does not do; leave one of them out of the deployment"
-                )
         merges = bool(getattr(compressor, "merges", False))
-        if merges:
-            refusals = [
-                (not scored, "it does not set needs_scores (the worker merges what it decides to drop)"),
-                (
-                    getattr(compressor, "per_head", False) or getattr(compressor, "per_layer", False),
-                    "it chooses blocks per KV head or per layer (a masked block is not dropped, so nothing to merge)",
-                ),
-                (
-                    type(compressor).merge is KVCompressor.merge,
-                    "it implements no merge() (see vllm_graft.plugins.kvcompress.d2o)",
-                ),
-                (
-                    fmt is not None,
-                    f"the storage format {getattr(fmt_e, 'name', None)!r} keeps KV in a packed page, which "
-                    "merging cannot average",
-                ),
-            ]
-            why = next((msg for bad, msg in refusals if bad), None)
-            if why:
-                raise NotImplementedError(f"kvcompress plugin {e.name!r} merges evicted KV (merges), but {why}")
         from vllm_graft.integration.adapters import backend  # imports vLLM
 
         if scored:  # its attend() reads the cache: in the layout of the route's backend
             backend.require_layout(e.name, layouts_read(compressor), plan, "kvcompress plugin")
-        if scored and backend.SEAMS.method is not None and not isinstance(backend.SEAMS.method, _ScoringAttention):
-            raise NotImplementedError(
-                f"kvcompress plugin {e.name!r} needs attention scores, which it computes in its own "
-                f"attention; it cannot be combined with the attention plugin {backend.SEAMS.method_name!r}. "
-                "Leave one of them out of the deployment."
-            )
 
         def count(event: str, n: int = 1, _name: str = e.name) -> None:
             runtime.count(Kind.KVCOMPRESS, _name, event, n)
-
-        if (
-            fmt is not None
-            and backend.SEAMS.method is not None
-            and not isinstance(backend.SEAMS.method, _ScoringAttention)
-        ):
-            raise NotImplementedError(
-                f"kvcompress storage format {fmt_e.name!r} stores KV in its own layout, which the "
-                f"attention plugin {backend.SEAMS.method_name!r} cannot read; leave one of them out "
-                "of the deployment"
-            )
 
         from vllm_graft.integration.adapters.kvcompress import vllm_spec  # imports vLLM
 

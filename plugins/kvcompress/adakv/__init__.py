@@ -72,12 +72,9 @@ def graft_register_kv_compressors(register):
             "Efficient LLM Inference (arXiv:2407.11550)",
             params=AdaKVParams,
             impl="vllm_graft.plugins.kvcompress.adakv.reference:AdaKV",
-            # its own attention (per-head masked, per-head mass); the mass is per KV head, which
-            # tensor-parallel ranks split (not summed across ranks yet): one rank. kv4's attention
-            # masks whole blocks, not blocks per KV head (the adapter refuses any per_head compressor
-            # with a storage format when the engine starts; named here so validation says so first)
-            capabilities=Capabilities(
-                lossless=False, incompatible_with=("attention:*", "kvcompress:kv4"), parallelism=("dp",)
-            ),
+            # the mass is per KV head, which tensor-parallel ranks split (not summed across ranks
+            # yet): one rank. What it cannot be combined with follows from its class's shape
+            # (per_head: no storage format; needs_scores: no attention plugin)
+            capabilities=Capabilities(lossless=False, parallelism=("dp",)),
         )
     )

@@ -65,9 +65,6 @@ def graft_register_kv_compressors(register):
             params=D2OParams,
             impl="vllm_graft.plugins.kvcompress.d2o.reference:D2O",
             # "tp" once tests/e2e/test_tensor_parallel.py runs it at two ranks (not yet: refused there)
-            # kv4's packed page cannot be averaged in place
-            capabilities=Capabilities(
-                lossless=False, incompatible_with=("attention:*", "kvcompress:kv4"), parallelism=("dp",)
-            ),
+            capabilities=Capabilities(lossless=False, parallelism=("dp",)),
         )
     )

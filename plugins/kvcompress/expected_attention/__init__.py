@@ -46,6 +46,6 @@ def graft_register_kv_compressors(register):
             params=ExpectedAttentionParams,
             impl="vllm_graft.plugins.kvcompress.expected_attention.reference:ExpectedAttention",
             # "tp" once tests/e2e/test_tensor_parallel.py runs it at two ranks (not yet: refused there)
-            capabilities=Capabilities(lossless=False, incompatible_with=("attention:*",), parallelism=("dp",)),
+            capabilities=Capabilities(lossless=False, parallelism=("dp",)),
         )
     )

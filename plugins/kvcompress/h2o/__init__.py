@@ -49,7 +49,6 @@ def graft_register_kv_compressors(register):
             paper="Zhang et al. 2023, H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs (arXiv:2306.14048)",
             params=H2OParams,
             impl="vllm_graft.plugins.kvcompress.h2o.reference:H2O",
-            # it scores blocks in its own attention, which an attention plugin would replace
-            capabilities=Capabilities(lossless=False, incompatible_with=("attention:*",), parallelism=("tp", "dp")),
+            capabilities=Capabilities(lossless=False, parallelism=("tp", "dp")),
         )
     )

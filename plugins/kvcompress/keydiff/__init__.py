@@ -26,8 +26,7 @@ def graft_register_kv_compressors(register):
             "Inference in Resource-Constrained Environments (arXiv:2504.15364)",
             params=TopBlocksParams,
             impl="vllm_graft.plugins.kvcompress.keydiff.reference:KeyDiff",
-            # the worker computes the layer's attention for it, which an attention plugin would replace
             # "tp" once tests/e2e/test_tensor_parallel.py runs it at two ranks (not yet: refused there)
-            capabilities=Capabilities(lossless=False, incompatible_with=("attention:*",), parallelism=("dp",)),
+            capabilities=Capabilities(lossless=False, parallelism=("dp",)),
         )
     )

@@ -25,8 +25,7 @@ def graft_register_kv_compressors(register):
             paper="Devoto et al. 2024, A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression (arXiv:2406.11430)",
             params=TopBlocksParams,
             impl="vllm_graft.plugins.kvcompress.knorm.reference:KNorm",
-            # the worker computes the layer's attention for it, which an attention plugin would replace
             # "tp" once tests/e2e/test_tensor_parallel.py runs it at two ranks (not yet: refused there)
-            capabilities=Capabilities(lossless=False, incompatible_with=("attention:*",), parallelism=("dp",)),
+            capabilities=Capabilities(lossless=False, parallelism=("dp",)),
         )
     )

@@ -49,8 +49,6 @@ def graft_register_kv_compressors(register):
                 parallelism=("tp", "dp"),
                 lossless=False,
                 role="storage",
-                # an attention plugin reads the dense cache layout
-                incompatible_with=("attention:*",),
                 dtypes=("float32", "float16", "bfloat16"),
                 head_sizes=(32, 64, 96, 128, 256),
                 unsupported_features=(

@@ -68,10 +68,7 @@ def graft_register_kv_compressors(register):
             "Funneling (arXiv:2406.02069)",
             params=PyramidKVParams,
             impl="vllm_graft.plugins.kvcompress.pyramidkv.reference:PyramidKV",
-            # per-layer masked attention (the shared one); per-layer mass is not summed across
-            # tensor-parallel ranks yet: one rank. kv4's attention masks no blocks per layer.
-            capabilities=Capabilities(
-                lossless=False, incompatible_with=("attention:*", "kvcompress:kv4"), parallelism=("dp",)
-            ),
+            # per-layer mass is not summed across tensor-parallel ranks yet: one rank
+            capabilities=Capabilities(lossless=False, parallelism=("dp",)),
         )
     )

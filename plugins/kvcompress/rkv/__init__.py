@@ -55,6 +55,6 @@ def graft_register_kv_compressors(register):
             params=RKVParams,
             impl="vllm_graft.plugins.kvcompress.rkv.reference:RKV",
             # "tp" once tests/e2e/test_tensor_parallel.py runs it at two ranks (not yet: refused there)
-            capabilities=Capabilities(lossless=False, incompatible_with=("attention:*",), parallelism=("dp",)),
+            capabilities=Capabilities(lossless=False, parallelism=("dp",)),
         )
     )

@@ -74,7 +74,6 @@ def graft_register_kv_compressors(register):
             paper="Li et al. 2024, SnapKV: LLM Knows What You are Looking for Before Generation (arXiv:2404.14469)",
             params=SnapKVParams,
             impl="vllm_graft.plugins.kvcompress.snapkv.reference:SnapKV",
-            # it scores blocks in its own attention, which an attention plugin would replace
-            capabilities=Capabilities(lossless=False, incompatible_with=("attention:*",), parallelism=("tp", "dp")),
+            capabilities=Capabilities(lossless=False, parallelism=("tp", "dp")),
         )
     )
