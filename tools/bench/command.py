@@ -12,6 +12,7 @@ import platform
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -283,12 +284,23 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     return EXIT_OK
 
 
-def run_bench(
-    args: argparse.Namespace, out: Console, err: Console, progress: Any = None
-) -> tuple[int, dict[str, Any] | None]:
-    """Validate, run both arms and assemble the result (no rendering): (exit code, result or
-    None when it failed; the reason is printed on ``err``). ``progress``: a running
-    rich Progress to add this run's bars to (the suite's); otherwise one of its own."""
+@dataclass
+class _Inputs:
+    """What a bench run is made of, validated before any engine starts (:func:`_inputs`)."""
+
+    arms: list[str]
+    names: list[str]
+    plan: Any
+    plain_plan: Any
+    plain_env: dict[str, str]
+    max_model_len: int
+    tokenizer: Any
+    prompt_sets: list[Any]
+
+
+def _inputs(args: argparse.Namespace, err: Console) -> tuple[int, _Inputs | None]:
+    """Validate the command line, the deployment, the baseline and the workloads: (EXIT_OK,
+    inputs), or (the exit code, None) with the reason printed on ``err``."""
     from vllm_graft.tools import workloads as W
 
     try:
@@ -302,13 +314,10 @@ def run_bench(
         return EXIT_USAGE, None
 
     from vllm_graft.hooks import DeploymentError
-
     from vllm_graft.integration.bridge import check_vllm_version
-    from vllm_graft.launch.engine import llm_kwargs
     from vllm_graft.integration.plan import plan_for
 
     check_vllm_version()  # no vLLM (or an unsupported one): say so before reading any model
-
     try:
         plan = plan_for(args.deployment)
     except DeploymentError as e:
@@ -317,7 +326,6 @@ def run_bench(
         for p in e.problems:
             err.print(f"  [red]•[/] {escape(str(p))}")
         return EXIT_INVALID, None
-
     if getattr(args, "baseline_as_is", False) and args.baseline in (None, NO_PACKAGE):
         err.print(
             "[bold red]error:[/] --baseline-as-is needs --baseline OTHER.yaml: the deployment file the "
@@ -354,45 +362,18 @@ def run_bench(
     except W.WorkloadError as e:
         err.print(f"[bold red]error:[/] {escape(str(e))}")
         return EXIT_USAGE, None
+    return EXIT_OK, _Inputs(arms, names, plan, plain_plan, plain_env, max_model_len, tokenizer, prompt_sets)
 
-    plugins = [f"{e.kind}:{e.name}" for e in plan.enabled]
-    as_is = bool(getattr(args, "baseline_as_is", False))
-    settings = {
-        "arms": arms,
-        "baseline": args.baseline,
-        "baseline_as_is": as_is,
-        "workloads": names,
-        "num_prompts": args.num_prompts,
-        "max_tokens": args.max_tokens,
-        "batch": args.batch,
-        "repeat": args.repeat,
-        "seed": args.seed,
-        "ignore_eos": args.ignore_eos,
-        "max_model_len": max_model_len,
-        "perplexity": not args.no_ppl,
-        "temperature": 0.0,
-    }
-    wl_jobs = [
-        {"name": ps.name, "prompts": [{"token_ids": list(p.token_ids), "max_tokens": p.max_tokens} for p in ps.prompts]}
-        for ps in prompt_sets
-    ]
-    by_name = {ps.name: [list(p.token_ids) for p in ps.prompts] for ps in prompt_sets}
-    # Per-request stats on (the cross-check of TTFT/ITL); the seed unless the deployment sets one.
-    overrides: dict[str, Any] = {"disable_log_stats": False}
-    if "seed" not in plan.deployment.engine:
-        overrides["seed"] = args.seed
-    keep_logs = args.log_dir is not None
-    workdir = Path(args.log_dir) if keep_logs else Path(tempfile.mkdtemp(prefix="vllm-graft-bench-"))
-    workdir.mkdir(parents=True, exist_ok=True)
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+class _Bars:
+    """The run's progress bars on a rich Progress (the suite's, or one of its own): one per arm
+    process, a second for its perplexity scoring, fed by the arm's events (:meth:`start`)."""
 
-    t_start = time.perf_counter()
-    order = arm_order([a for a in ("graft", "plain") if a in arms], args.repeat)
-    settings["order"] = order
-    owns_progress = progress is None
-    if progress is None:
-        progress = Progress(
+    def __init__(self, progress: Any, out: Console) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        self.owned = progress is None
+        self.progress = progress or Progress(
             SpinnerColumn(),
             TextColumn("{task.description}"),
             BarColumn(),
@@ -402,13 +383,13 @@ def run_bench(
             console=out,
             transient=False,
         )
-    totals: dict[Any, int] = {}
-    added: list[Any] = []
+        self.totals: dict[Any, int] = {}
+        self.added: list[Any] = []
 
-    def start(job: dict[str, Any]) -> ArmProcess:
-        label = job["arm"] if job["workloads"] else "plain (scoring only)"
+    def on_events(self, label: str) -> Callable[[str, str, Any], None]:
+        progress, totals = self.progress, self.totals
         task = progress.add_task(f"{label}: starting", total=None, unit="tokens")
-        added.append(task)
+        self.added.append(task)
         score_task: list[Any] = []
 
         def on_event(who: str, kind: str, payload: Any) -> None:
@@ -425,15 +406,97 @@ def run_bench(
                 if task in totals:  # generation done (fewer tokens than budgeted at EOS)
                     progress.update(task, completed=totals[task])
                 score_task.append(progress.add_task(f"{label}: perplexity", total=payload, unit="sequences"))
-                added.append(score_task[0])
+                self.added.append(score_task[0])
             elif kind == "advance_score" and score_task:
                 progress.advance(score_task[0], payload)
 
-        return ArmProcess(job, workdir, on_event, timeout=args.timeout or None)
+        return on_event
+
+    def __enter__(self) -> "_Bars":
+        if self.owned:
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.owned:
+            self.progress.stop()
+        else:
+            for task in self.added:
+                self.progress.remove_task(task)
+
+
+def _settings(args: argparse.Namespace, inputs: _Inputs, order: list[Any]) -> dict[str, Any]:
+    return {
+        "arms": inputs.arms,
+        "baseline": args.baseline,
+        "baseline_as_is": bool(getattr(args, "baseline_as_is", False)),
+        "workloads": inputs.names,
+        "num_prompts": args.num_prompts,
+        "max_tokens": args.max_tokens,
+        "batch": args.batch,
+        "repeat": args.repeat,
+        "seed": args.seed,
+        "ignore_eos": args.ignore_eos,
+        "max_model_len": inputs.max_model_len,
+        "perplexity": not args.no_ppl,
+        "temperature": 0.0,
+        "order": order,
+    }
+
+
+def _environment(plan: Any) -> dict[str, Any]:
+    from vllm_graft.integration.env import installed_vllm
+    from vllm_graft.tools import workloads as W
+
+    found = installed_vllm()
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "vllm": f"{found[0]} {found[1]}" if found else None,
+        "stdlib": str(W.stdlib_dir()),
+        "vllm_platform": plan.platform,
+    }
+
+
+def run_bench(
+    args: argparse.Namespace, out: Console, err: Console, progress: Any = None
+) -> tuple[int, dict[str, Any] | None]:
+    """Validate, run both arms and assemble the result (no rendering): (exit code, result or
+    None when it failed; the reason is printed on ``err``). ``progress``: a running
+    rich Progress to add this run's bars to (the suite's); otherwise one of its own."""
+    code, inputs = _inputs(args, err)
+    if inputs is None:
+        return code, None
+    from vllm_graft.launch.engine import llm_kwargs
+
+    plan, prompt_sets = inputs.plan, inputs.prompt_sets
+    as_is = bool(getattr(args, "baseline_as_is", False))
+    wl_jobs = [
+        {"name": ps.name, "prompts": [{"token_ids": list(p.token_ids), "max_tokens": p.max_tokens} for p in ps.prompts]}
+        for ps in prompt_sets
+    ]
+    by_name = {ps.name: [list(p.token_ids) for p in ps.prompts] for ps in prompt_sets}
+    # Per-request stats on (the cross-check of TTFT/ITL); the seed unless the deployment sets one.
+    overrides: dict[str, Any] = {"disable_log_stats": False}
+    if "seed" not in plan.deployment.engine:
+        overrides["seed"] = args.seed
+    keep_logs = args.log_dir is not None
+    workdir = Path(args.log_dir) if keep_logs else Path(tempfile.mkdtemp(prefix="vllm-graft-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+
+    t_start = time.perf_counter()
+    order = arm_order([a for a in ("graft", "plain") if a in inputs.arms], args.repeat)
+    bars = _Bars(progress, out)
+
+    def start(job: dict[str, Any]) -> ArmProcess:
+        label = job["arm"] if job["workloads"] else "plain (scoring only)"
+        return ArmProcess(job, workdir, bars.on_events(label), timeout=args.timeout or None)
 
     def job_for(arm: str, generate: bool, score_own: bool) -> dict[str, Any]:
         graft = arm == "graft"
-        twin = plan if graft else plain_plan
+        twin = plan if graft else inputs.plain_plan
         # --baseline-as-is: the plain arm runs the baseline file with its plugins (not the
         # scorer, which scores every output under the unmodified model)
         plugins = graft or (as_is and generate)
@@ -441,7 +504,7 @@ def run_bench(
             "arm": arm,
             "llm_kwargs": llm_kwargs(twin, graft=plugins, **overrides),
             "report_plugins": plugins,
-            "env": {} if graft else plain_env,
+            "env": {} if graft else inputs.plain_env,
             "workloads": wl_jobs if generate else [],
             "batch": args.batch,
             "repeat": args.repeat,
@@ -466,14 +529,14 @@ def run_bench(
     def score_all(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         return {k: v for arm, raw in results.items() for k, v in outputs_of(arm, raw).items()}
 
+    arms = inputs.arms
     jobs = {arm: job_for(arm, True, arm == "plain" and not args.no_ppl and not as_is) for arm in arms}
     scorer = job_for("plain", False, False) if ("plain" not in arms or as_is) and not args.no_ppl else None
     try:
-        if owns_progress:
-            progress.start()
-        results, scores = run_arms(
-            jobs, order, start=start, score_for_plain=score_for_plain, scorer_job=scorer, score_all=score_all
-        )
+        with bars:
+            results, scores = run_arms(
+                jobs, order, start=start, score_for_plain=score_for_plain, scorer_job=scorer, score_all=score_all
+            )
     except ArmFailed as e:
         err.print(f"[bold red]✗ the {e.arm} arm failed:[/] {escape(str(e))}")
         tail = _tail(e.log_path)
@@ -481,36 +544,20 @@ def run_bench(
             err.print(f"[dim]last lines of {escape(e.log_path)}:[/]\n{escape(tail)}")
         err.print(f"full log: {escape(e.log_path)}")
         return (EXIT_INVALID if e.error_type == "DeploymentError" else EXIT_RUN_FAILED), None
-    finally:
-        if owns_progress:
-            progress.stop()
-        else:
-            for task in added:
-                progress.remove_task(task)
-    wall = time.perf_counter() - t_start
-
-    from vllm_graft.integration.env import installed_vllm
-
-    found = installed_vllm()
-    environment = {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "vllm": f"{found[0]} {found[1]}" if found else None,
-        "stdlib": str(W.stdlib_dir()),
-        "vllm_platform": plan.platform,
-    }
     result = assemble(
         deployment=str(args.deployment),
-        plan_info={"model": plan.deployment.model, "plugins": plugins, "engine_args": plan.deployment.engine},
-        settings=settings,
+        plan_info={
+            "model": plan.deployment.model,
+            "plugins": [f"{e.kind}:{e.name}" for e in plan.enabled],
+            "engine_args": plan.deployment.engine,
+        },
+        settings=_settings(args, inputs, order),
         prompt_sets=prompt_sets,
         arm_results=results,
         scores=scores,
-        decode=tokenizer.decode,
-        wall_s=wall,
-        environment=environment,
+        decode=inputs.tokenizer.decode,
+        wall_s=time.perf_counter() - t_start,
+        environment=_environment(plan),
     )
     if not keep_logs:
         import shutil
