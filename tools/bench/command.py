@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from .arm import _arm_main
-from .report import PLOT_INSTALL, plot_available, render_report, write_plot
+from .report import PLOT_INSTALL, new_progress, plot_available, render_report, write_plot
 from .stats import ARMS, NO_PACKAGE, arm_order, assemble
 
 from vllm_graft.launch.exits import EXIT_DIFFERENT, EXIT_INVALID, EXIT_OK, EXIT_USAGE
@@ -370,19 +370,8 @@ class _Bars:
     process, a second for its perplexity scoring, fed by the arm's events (:meth:`start`)."""
 
     def __init__(self, progress: Any, out: Console) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
         self.owned = progress is None
-        self.progress = progress or Progress(
-            SpinnerColumn(),
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[unit]}"),
-            TimeElapsedColumn(),
-            console=out,
-            transient=False,
-        )
+        self.progress = progress or new_progress(out)
         self.totals: dict[Any, int] = {}
         self.added: list[Any] = []
 

@@ -13,6 +13,22 @@ from rich.table import Table
 from .stats import ARMS, BUSY_OTHER_CPUS, relative_change
 
 
+def new_progress(console: Console) -> Any:
+    """The bench's rich progress display (a bar per arm, the suite's bar over its cases)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[unit]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
+
+
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1000:.1f}"
 

@@ -544,142 +544,23 @@ def _machine() -> str:
     )
 
 
-def cmd_suite(args: argparse.Namespace, out: Any, err: Any, *, run_bench: Any, add_command: Any) -> int:
-    """The suite command; ``run_bench`` and ``add_command`` are :mod:`.command`'s (passed in: this
-    module does not import it back)."""
+def _shown(argv: list[str], root: Path) -> list[str]:
+    """A case's bench command line with its paths as the reader would type them."""
+    out = list(argv)
+    for i, a in enumerate(out):
+        if i == 0 or (out[i - 1] == "--baseline" and os.path.isabs(a)):
+            try:
+                out[i] = os.path.relpath(a, root)
+            except ValueError:
+                pass
+    return out
+
+
+def _print_table(rows: list[dict[str, Any]], new: dict[str, Any], title: str, out: Any) -> None:
     from rich.markup import escape
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from vllm_graft.launch.exits import EXIT_FAILED as EXIT_RUN_FAILED
-    from vllm_graft.launch.exits import EXIT_OK, EXIT_USAGE
-    from .stats import BUSY_OTHER_CPUS
-
-    path = default_suite_path() if args.suite == "DEFAULT" else Path(args.suite)
-    try:
-        suite = load_suite(path)
-        cases = suite.select(args.only)
-    except SuiteError as e:
-        err.print(f"[bold red]error:[/] {escape(str(e))}")
-        return EXIT_USAGE
-    root = Path.cwd()
-
-    def shown(argv: list[str]) -> list[str]:  # paths as the reader would type them
-        out = list(argv)
-        for i, a in enumerate(out):
-            if i == 0 or (out[i - 1] == "--baseline" and os.path.isabs(a)):
-                try:
-                    out[i] = os.path.relpath(a, root)
-                except ValueError:
-                    pass
-        return out
-
-    if args.list_cases:
-        for c in suite.cases:
-            out.print(
-                f"[bold]{escape(c.name)}[/]"
-                + (f" (target >= {c.target:g})" if c.target else "")
-                + ": vllm-graft bench "
-                + escape(" ".join(shown(bench_argv(suite, c, args.quick)))),
-                soft_wrap=True,
-            )
-        return EXIT_OK
-
-    parser = argparse.ArgumentParser(prog="vllm-graft")
-    add_command(parser.add_subparsers())
-
-    results_path = suite.resolve(suite.output.results)
-    old: dict[str, Any] = {}
-    if results_path.is_file():
-        try:
-            old = {r["name"]: r for r in json.loads(results_path.read_text()).get("rows", [])}
-        except (ValueError, KeyError, TypeError):
-            old = {}
-    cmdline = (
-        "vllm-graft bench --suite"
-        + ("" if args.suite == "DEFAULT" else f" {os.path.relpath(path, root)}")
-        + (" --quick" if args.quick else "")
-        + ("".join(f" --only {o}" for o in args.only or []))
-    )
-    meta = {
-        "command": cmdline,
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": _machine(),
-        "duration_min": 0.0,
-        "busy_limit": BUSY_OTHER_CPUS,
-        "results": os.path.relpath(results_path, suite.resolve(suite.output.markdown).parent)
-        if suite.output.markdown
-        else str(results_path),
-    }
-
-    def save(rows: list[dict[str, Any]]) -> None:  # after every case: a stopped run keeps its rows
-        runs = {
-            "schema": SUITE_SCHEMA,
-            "suite": str(os.path.relpath(path, results_path.parent)),
-            "last_run": meta,
-            "rows": rows,
-        }
-        results_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = results_path.with_name(results_path.name + ".tmp")
-        tmp.write_text(json.dumps(runs, indent=1, default=str) + "\n")
-        os.replace(tmp, results_path)
-
-    t0 = time.perf_counter()
-    run_id = f"{meta['date']} {uuid.uuid4().hex[:6]}"  # which rows one run wrote
-    new: dict[str, dict[str, Any]] = {}
-    failures = 0
-    if args.render:
-        cases = []
-        meta = (json.loads(results_path.read_text()).get("last_run") or meta) if results_path.is_file() else meta
-    progress = Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[unit]}"),
-        TimeElapsedColumn(),
-        console=out,
-        transient=False,
-    )
-    with progress:
-        overall = progress.add_task("suite", total=len(cases), unit="cases")
-        for c in cases:
-            argv = bench_argv(suite, c, args.quick)
-            progress.update(overall, description=f"suite: {c.name}")
-            missing = c.missing()
-            if missing:
-                out.print(f"{escape(c.name)}: skipped, {escape(missing)}")
-                progress.advance(overall)
-                continue
-            ns = parser.parse_args(["bench", *argv])
-            if args.log_dir:
-                ns.log_dir = str(Path(args.log_dir) / c.name)
-            ns.timeout = args.timeout
-            rc, result = run_bench(ns, out, err, progress=progress)
-            if result is None or result.get("comparison") is None:
-                failures += 1
-                new[c.name] = failed_row(c, argv, f"exit code {rc}", quick=args.quick, display_argv=shown(argv))
-            else:
-                new[c.name] = case_row(c, argv, result, quick=args.quick, display_argv=shown(argv))
-                r = new[c.name]
-                out.print(
-                    f"{escape(c.name)}: plain {_tok(r, 'plain')} tok/s, plugin {_tok(r, 'graft')} tok/s, "
-                    f"ratio {_ratio(r).replace('**', '')}, target {_target(r).replace('**', '')}, "
-                    f"identical {r['identical']}/{r['compared']}, busy CPUs {_f(r.get('busy_cpus_max'))}"
-                )
-            new[c.name]["run"] = run_id
-            progress.advance(overall)
-            meta["duration_min"] = (time.perf_counter() - t0) / 60
-            if not args.no_write:
-                save(merge_rows(suite, old, new))
-    duration = time.perf_counter() - t0
-    if cases:
-        meta["duration_min"] = duration / 60
-    rows = merge_rows(suite, old, new)
-
-    table = Table(
-        title=f"vllm-graft bench suite: {escape(str(path))}" + (" (quick)" if args.quick else ""), title_justify="left"
-    )
+    table = Table(title=title, title_justify="left")
     for col in ("case", "plain tok/s", "plugin tok/s", "ratio", "target", "identical", "busy CPUs"):
         table.add_column(col, justify="left" if col in ("case", "target") else "right")
     for r in rows:
@@ -697,13 +578,13 @@ def cmd_suite(args: argparse.Namespace, out: Any, err: Any, *, run_bench: Any, a
             _f(r.get("busy_cpus_max")),
         )
     out.print(table)
-    if cases:
-        out.print(f"[dim]suite wall time {duration / 60:.1f} min ({len(cases)} case(s))[/]")
-    if args.no_write:
-        return EXIT_RUN_FAILED if failures else EXIT_OK
-    if cases:
-        save(rows)
-        out.print(f"results written to {escape(str(results_path))}")
+
+
+def _write_pages(suite: "Suite", rows: list[dict[str, Any]], meta: dict[str, Any], out: Any, err: Any) -> bool:
+    """The suite's plot and its section of the markdown page; False if the page cannot be
+    updated (said on ``err``)."""
+    from rich.markup import escape
+
     plot_rel = None
     if suite.output.plot:
         plot_path = suite.resolve(suite.output.plot)
@@ -724,6 +605,138 @@ def cmd_suite(args: argparse.Namespace, out: Any, err: Any, *, run_bench: Any, a
             md.write_text(replace_section(md.read_text(), render_markdown(rows, meta, plot_rel)))
         except (OSError, ValueError) as e:
             err.print(f"[bold red]error:[/] cannot update {escape(str(md))}: {escape(str(e))}")
-            return EXIT_USAGE
+            return False
         out.print(f"section written to {escape(str(md))}")
+    return True
+
+
+def _meta(args: argparse.Namespace, path: Path, suite: "Suite", results_path: Path) -> dict[str, Any]:
+    """The run's header: the command that makes it, when, on what machine."""
+    from .stats import BUSY_OTHER_CPUS
+
+    root = Path.cwd()
+    cmdline = (
+        "vllm-graft bench --suite"
+        + ("" if args.suite == "DEFAULT" else f" {os.path.relpath(path, root)}")
+        + (" --quick" if args.quick else "")
+        + ("".join(f" --only {o}" for o in args.only or []))
+    )
+    return {
+        "command": cmdline,
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": _machine(),
+        "duration_min": 0.0,
+        "busy_limit": BUSY_OTHER_CPUS,
+        "results": os.path.relpath(results_path, suite.resolve(suite.output.markdown).parent)
+        if suite.output.markdown
+        else str(results_path),
+    }
+
+
+def cmd_suite(args: argparse.Namespace, out: Any, err: Any, *, run_bench: Any, add_command: Any) -> int:
+    """The suite command; ``run_bench`` and ``add_command`` are :mod:`.command`'s (passed in: this
+    module does not import it back)."""
+    from rich.markup import escape
+
+    from vllm_graft.launch.exits import EXIT_FAILED as EXIT_RUN_FAILED
+    from vllm_graft.launch.exits import EXIT_OK, EXIT_USAGE
+
+    from .report import new_progress
+
+    path = default_suite_path() if args.suite == "DEFAULT" else Path(args.suite)
+    try:
+        suite = load_suite(path)
+        cases = suite.select(args.only)
+    except SuiteError as e:
+        err.print(f"[bold red]error:[/] {escape(str(e))}")
+        return EXIT_USAGE
+    root = Path.cwd()
+
+    if args.list_cases:
+        for c in suite.cases:
+            out.print(
+                f"[bold]{escape(c.name)}[/]"
+                + (f" (target >= {c.target:g})" if c.target else "")
+                + ": vllm-graft bench "
+                + escape(" ".join(_shown(bench_argv(suite, c, args.quick), root))),
+                soft_wrap=True,
+            )
+        return EXIT_OK
+
+    parser = argparse.ArgumentParser(prog="vllm-graft")
+    add_command(parser.add_subparsers())
+
+    results_path = suite.resolve(suite.output.results)
+    old: dict[str, Any] = {}
+    if results_path.is_file():
+        try:
+            old = {r["name"]: r for r in json.loads(results_path.read_text()).get("rows", [])}
+        except (ValueError, KeyError, TypeError):
+            old = {}
+    meta = _meta(args, path, suite, results_path)
+
+    def save(rows: list[dict[str, Any]]) -> None:  # after every case: a stopped run keeps its rows
+        runs = {
+            "schema": SUITE_SCHEMA,
+            "suite": str(os.path.relpath(path, results_path.parent)),
+            "last_run": meta,
+            "rows": rows,
+        }
+        results_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = results_path.with_name(results_path.name + ".tmp")
+        tmp.write_text(json.dumps(runs, indent=1, default=str) + "\n")
+        os.replace(tmp, results_path)
+
+    t0 = time.perf_counter()
+    run_id = f"{meta['date']} {uuid.uuid4().hex[:6]}"  # which rows one run wrote
+    new: dict[str, dict[str, Any]] = {}
+    failures = 0
+    if args.render:
+        cases = []
+        meta = (json.loads(results_path.read_text()).get("last_run") or meta) if results_path.is_file() else meta
+    with new_progress(out) as progress:
+        overall = progress.add_task("suite", total=len(cases), unit="cases")
+        for c in cases:
+            argv = bench_argv(suite, c, args.quick)
+            progress.update(overall, description=f"suite: {c.name}")
+            missing = c.missing()
+            if missing:
+                out.print(f"{escape(c.name)}: skipped, {escape(missing)}")
+                progress.advance(overall)
+                continue
+            ns = parser.parse_args(["bench", *argv])
+            if args.log_dir:
+                ns.log_dir = str(Path(args.log_dir) / c.name)
+            ns.timeout = args.timeout
+            rc, result = run_bench(ns, out, err, progress=progress)
+            if result is None or result.get("comparison") is None:
+                failures += 1
+                new[c.name] = failed_row(c, argv, f"exit code {rc}", quick=args.quick, display_argv=_shown(argv, root))
+            else:
+                new[c.name] = case_row(c, argv, result, quick=args.quick, display_argv=_shown(argv, root))
+                r = new[c.name]
+                out.print(
+                    f"{escape(c.name)}: plain {_tok(r, 'plain')} tok/s, plugin {_tok(r, 'graft')} tok/s, "
+                    f"ratio {_ratio(r).replace('**', '')}, target {_target(r).replace('**', '')}, "
+                    f"identical {r['identical']}/{r['compared']}, busy CPUs {_f(r.get('busy_cpus_max'))}"
+                )
+            new[c.name]["run"] = run_id
+            progress.advance(overall)
+            meta["duration_min"] = (time.perf_counter() - t0) / 60
+            if not args.no_write:
+                save(merge_rows(suite, old, new))
+    duration = time.perf_counter() - t0
+    if cases:
+        meta["duration_min"] = duration / 60
+    rows = merge_rows(suite, old, new)
+    _print_table(rows, new, f"vllm-graft bench suite: {escape(str(path))}" + (" (quick)" if args.quick else ""), out)
+    if cases:
+        out.print(f"[dim]suite wall time {duration / 60:.1f} min ({len(cases)} case(s))[/]")
+    if args.no_write:
+        return EXIT_RUN_FAILED if failures else EXIT_OK
+    if cases:
+        save(rows)
+        out.print(f"results written to {escape(str(results_path))}")
+    if not _write_pages(suite, rows, meta, out, err):
+        return EXIT_USAGE
     return EXIT_RUN_FAILED if failures else EXIT_OK
