@@ -20,10 +20,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from vllm_graft.hooks import DeploymentError, Plan
-from vllm_graft.launch.engine import quiet_vllm, serve_command, start_engine
-from vllm_graft.launch.exits import EXIT_INVALID, EXIT_OK
-from vllm_graft.launch.reports import (
+from ..hooks import DeploymentError, Plan
+from ..launch.engine import quiet_vllm, serve_command, start_engine
+from ..launch.exits import EXIT_INVALID, EXIT_OK
+from ..launch.reports import (
     REPORT_QUIET_PERIODS,
     REPORT_WAIT_S,
     parse_metrics,
@@ -130,8 +130,8 @@ def add_command(sub) -> None:
 
 # ------------------------------------------------------------------------------ shared
 def _load(path: str, console: Console) -> Plan | None:
-    from vllm_graft.cli.main import _print_plan
-    from vllm_graft.integration.plan import plan_for
+    from .main import _print_plan
+    from ..integration.plan import plan_for
 
     try:
         plan = plan_for(path)
@@ -193,7 +193,7 @@ def stream(
 
 
 def print_report(console: Console) -> list[dict[str, Any]]:
-    from vllm_graft.integration.runtime import RUNTIME
+    from ..integration.runtime import RUNTIME
 
     report = RUNTIME.report()
     if not report:
@@ -214,8 +214,8 @@ def print_report(console: Console) -> list[dict[str, Any]]:
 def demo_deployment(console: Console) -> str:
     """The demo's default deployment: :data:`REAL_DEMO_DEPLOYMENT` on the real model when it is
     fetched, else :data:`DEMO_DEPLOYMENT` on the bundled tiny model, saying why."""
-    from vllm_graft.launch.engine import deployments_dir
-    from vllm_graft.cli.real_model import RealModelError, fetched_path
+    from ..launch.engine import deployments_dir
+    from .real_model import RealModelError, fetched_path
 
     try:
         fetched_path(REAL_DEMO_MODEL)
@@ -230,10 +230,10 @@ def demo_deployment(console: Console) -> str:
 
 
 def cmd_demo(args: argparse.Namespace, console: Console) -> int:
-    from vllm_graft.tools.bench.command import EXIT_OK as BENCH_OK, run_bench
+    from ..tools.bench.command import EXIT_OK as BENCH_OK, run_bench
 
-    from vllm_graft.integration.env import installed_vllm, package_version
-    from vllm_graft.launch.engine import models_dir
+    from ..integration.env import installed_vllm, package_version
+    from ..launch.engine import models_dir
 
     models_dir()  # a clear error if the bundled models are missing
     path = args.deployment or demo_deployment(console)
@@ -329,7 +329,7 @@ def _speed(ratio: dict[str, Any] | None) -> str:
 
 def print_demo(result: dict[str, Any], console: Console) -> None:
     """A sample of each workload's text from both arms, then the demo's summary table."""
-    from vllm_graft.tools.bench.stats import relative_change
+    from ..tools.bench.stats import relative_change
 
     arms = result["arms"]
     cmp = result["comparison"]["workloads"]
@@ -432,7 +432,7 @@ def print_demo(result: dict[str, Any], console: Console) -> None:
 
 
 def cmd_generate(args: argparse.Namespace, console: Console) -> int:
-    from vllm_graft.launch.exits import EXIT_INVALID
+    from ..launch.exits import EXIT_INVALID
 
     quiet_vllm()
     if args.json:  # stdout carries only the JSON: everything else (vLLM's logs too) goes to stderr
@@ -468,7 +468,7 @@ def cmd_generate(args: argparse.Namespace, console: Console) -> int:
             os.dup2(real_stdout, 1)
             os.close(real_stdout)
     if args.json:
-        from vllm_graft.integration.runtime import RUNTIME
+        from ..integration.runtime import RUNTIME
 
         print(json.dumps({"outputs": results, "plugins": RUNTIME.report()}, indent=2))
     else:
@@ -565,8 +565,8 @@ def _fetch_metrics(where: str) -> dict[str, float]:
 
 
 def cmd_report(args: argparse.Namespace, console: Console) -> int:
-    from vllm_graft.launch.exits import EXIT_INVALID
-    from vllm_graft.integration.runtime import ENV_REPORT_DIR, REPORT_EVERY_S
+    from ..launch.exits import EXIT_INVALID
+    from ..integration.runtime import ENV_REPORT_DIR, REPORT_EVERY_S
 
     if not os.path.isdir(args.dir):
         console.print(
@@ -651,9 +651,9 @@ def _earlier_runs(processes: Sequence[dict[str, Any]]) -> int:
 
 
 def cmd_serve(args: argparse.Namespace, console: Console) -> int:
-    from vllm_graft.integration.bridge import check_vllm_version
-    from vllm_graft.launch.exits import EXIT_INVALID
-    from vllm_graft.launch.engine import apply_env_defaults
+    from ..integration.bridge import check_vllm_version
+    from ..launch.exits import EXIT_INVALID
+    from ..launch.engine import apply_env_defaults
 
     plan = _load(args.deployment, console)
     if plan is None:

@@ -14,14 +14,14 @@ from rich.console import Console
 from rich.markup import escape as _escape
 from rich.table import Table
 
-from vllm_graft.hooks import KINDS, DeploymentError, Kind, PluginLoadError, RegistryError, get_registry
-from vllm_graft.hooks.deployment import Plan
-from vllm_graft.hooks.registry import param_facts
+from ..hooks import KINDS, DeploymentError, Kind, PluginLoadError, RegistryError, get_registry
+from ..hooks.deployment import Plan
+from ..hooks.registry import param_facts
 
-from vllm_graft.integration.env import installed_vllm, package_version
-from vllm_graft.integration.plan import plan_for
+from ..integration.env import installed_vllm, package_version
+from ..integration.plan import plan_for
 
-from vllm_graft.launch.exits import EXIT_INVALID, EXIT_OK, EXIT_PLUGIN, EXIT_USAGE
+from ..launch.exits import EXIT_INVALID, EXIT_OK, EXIT_PLUGIN, EXIT_USAGE
 
 
 def route(kind: Kind, platform: str | None) -> str:
@@ -82,7 +82,7 @@ def cmd_plugins(args: argparse.Namespace, console: Console) -> int:
 def _plugin_detail(args: argparse.Namespace, console: Console, entries) -> int:
     """``vllm-graft plugins NAME``: each plugin of that name (of ``--kind`` if given), its facts and
     its parameters (type, default, bounds, description); an unknown name exits 2 naming the close ones."""
-    from vllm_graft.hooks.deployment.problems import did_you_mean
+    from ..hooks.deployment.problems import did_you_mean
 
     found = [e for e in entries if e.name == args.name]
     if not found:
@@ -129,8 +129,8 @@ def _plugin_detail(args: argparse.Namespace, console: Console, entries) -> int:
 def _host_syncs(entries) -> dict[Any, dict[str, Any]]:
     """Each plugin's host syncs per call of its hot methods, from the conformance kit's
     exercise on a fake CUDA device (:mod:`vllm_graft.kit.conformance.device`; needs torch)."""
-    from vllm_graft.kit.conformance.base import Target, example_params
-    from vllm_graft.kit.conformance.device import host_syncs
+    from ..kit.conformance.base import Target, example_params
+    from ..kit.conformance.device import host_syncs
 
     import contextlib
 
@@ -281,7 +281,7 @@ def missing_dependency_hint(module: str | None) -> str | None:
 
 
 def _unsupported_vllm(e: BaseException) -> bool:
-    from vllm_graft.integration.bridge import UnsupportedVLLMError  # imports no vLLM
+    from ..integration.bridge import UnsupportedVLLMError  # imports no vLLM
 
     return isinstance(e, UnsupportedVLLMError)
 

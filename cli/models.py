@@ -102,7 +102,7 @@ def cmd_list(args: argparse.Namespace, console: Any) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    from vllm_graft.launch.engine import deployments_dir, models_dir
+    from ..launch.engine import deployments_dir, models_dir
 
     try:
         root = models_dir()
@@ -140,7 +140,7 @@ def cmd_list(args: argparse.Namespace, console: Any) -> int:
 
 def real_models() -> list[dict[str, Any]]:
     """One row per real model vllm-graft can fetch: provenance, licence, whether it is here."""
-    from vllm_graft.cli.real_model import REAL_MODELS, model_dir, provenance
+    from .real_model import REAL_MODELS, model_dir, provenance
 
     out = []
     for m in REAL_MODELS.values():
@@ -172,7 +172,7 @@ def real_models() -> list[dict[str, Any]]:
 def cmd_fetch(args: argparse.Namespace, console: Any) -> int:
     from rich.markup import escape
 
-    from vllm_graft.cli.real_model import RealModelError, fetch
+    from .real_model import RealModelError, fetch
 
     try:
         fetch(args.name, force=args.force, say=lambda line: console.print(escape(line)))
@@ -185,7 +185,7 @@ def cmd_fetch(args: argparse.Namespace, console: Any) -> int:
 def cmd_verify(args: argparse.Namespace, console: Any) -> int:
     from rich.markup import escape
 
-    from vllm_graft.cli.real_model import RealModelError, check_digest, fetched_path
+    from .real_model import RealModelError, check_digest, fetched_path
 
     try:
         folder = fetched_path(args.name)
@@ -205,7 +205,7 @@ def cmd_verify(args: argparse.Namespace, console: Any) -> int:
 def cmd_path(args: argparse.Namespace, console: Any) -> int:
     from rich.markup import escape
 
-    from vllm_graft.launch.engine import deployments_dir, models_dir
+    from ..launch.engine import deployments_dir, models_dir
 
     if args.deployments:
         if args.name:
@@ -221,7 +221,7 @@ def cmd_path(args: argparse.Namespace, console: Any) -> int:
     if not args.name:
         print(root)
         return EXIT_OK
-    from vllm_graft.cli.real_model import REAL_MODELS, RealModelError, fetched_path
+    from .real_model import REAL_MODELS, RealModelError, fetched_path
 
     if args.name in REAL_MODELS:
         try:

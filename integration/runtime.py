@@ -19,8 +19,8 @@ from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Hashable, Iterator
 
-from vllm_graft.hooks import Kind, Plan, contract_for
-from vllm_graft.hooks.deployment import Enabled
+from ..hooks import Kind, Plan, contract_for
+from ..hooks.deployment import Enabled
 
 from .patches import PATCHES, PatchRegistry
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_graft.hooks.kinds import KINDS, Kind
-from vllm_graft.hooks.versions import SUPPORTED_VLLM
+from ..hooks.kinds import KINDS, Kind
+from ..hooks.versions import SUPPORTED_VLLM
 
 V1_RUNNER = "vllm.v1.worker.gpu_model_runner"  # GPUModelRunner of Model Runner V1
 BRIDGE = "bridge"  # the front end (integration/bridge.py)

@@ -18,7 +18,7 @@ from typing import Any
 
 from rich.console import Console
 
-from vllm_graft.hooks import KINDS, Kind
+from ..hooks import KINDS, Kind
 
 #: Per kind, what the template writes: the names it imports, the methods to fill in (signature,
 #: docstring) and the default ``lossless``. The hook and contract come from the kind's KindSpec.

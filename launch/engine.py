@@ -14,9 +14,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from vllm_graft.hooks import Plan
-from vllm_graft.integration.lifetime import ENV_DIE_WITH_PARENT
-from vllm_graft.integration.plan import deployment_for_engine, plan_adapters
+from ..hooks import Plan
+from ..integration.lifetime import ENV_DIE_WITH_PARENT
+from ..integration.plan import deployment_for_engine, plan_adapters
 
 log = logging.getLogger("vllm_graft")
 
@@ -99,7 +99,7 @@ def _bind_threads_per_rank(engine: dict[str, Any]) -> None:
     to bind threads of 2 local CPUWorkers"). Where the user has not set
     ``VLLM_CPU_OMP_THREADS_BIND`` and there are more ranks than nodes, give each rank an equal
     share of this process's CPUs instead ("0|1" for 2 ranks on 2 CPUs), and say so."""
-    from vllm_graft.hooks.deployment.validate import parallelism_in_use
+    from ..hooks.deployment.validate import parallelism_in_use
 
     used = parallelism_in_use(engine)
     world = used.get("tp", 1) * used.get("pp", 1)
@@ -181,7 +181,7 @@ def quiet_vllm() -> None:
 
 def start_engine(plan: Plan):
     """An in-process vLLM engine with ``plan`` applied (by the bridge, via additional_config)."""
-    from vllm_graft.integration.bridge import check_vllm_version
+    from ..integration.bridge import check_vllm_version
 
     check_vllm_version()
     kwargs = llm_kwargs(plan)

@@ -21,7 +21,7 @@ import shutil
 from functools import lru_cache
 from typing import Any
 
-from vllm_graft.hooks.versions import FLASHINFER
+from ..hooks.versions import FLASHINFER
 
 log = logging.getLogger("vllm_graft")
 

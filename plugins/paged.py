@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vllm_graft.plugins.attention._shared import (
+from .attention._shared import (
     Gather,
     causal_attention,
     gather_kv,
@@ -63,7 +63,7 @@ from vllm_graft.plugins.attention._shared import (
 if TYPE_CHECKING:
     import torch
 
-    from vllm_graft.hooks import AttentionLayer, PagedBatch
+    from ..hooks import AttentionLayer, PagedBatch
 
 
 def triton_attention_with_mass(
@@ -77,7 +77,7 @@ def triton_attention_with_mass(
     """:func:`paged_attention_with_mass` with the Triton decode kernel for the rows that have
     one query (decode), the reference for the others; same arguments and result (to float
     rounding). Imports Triton on its first call."""
-    from vllm_graft.plugins.kvcompress._shared.kernel import attention_with_mass as launch
+    from .kvcompress._shared.kernel import attention_with_mass as launch
 
     return launch(query, kv_cache, batch, layer, observe, head_mask=head_mask)
 

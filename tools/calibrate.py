@@ -72,9 +72,9 @@ def _mask_args(p: argparse.ArgumentParser) -> None:
 
 
 def _deployment_data(path: str | None) -> tuple[dict[str, Any], Path]:
-    from vllm_graft.hooks.deployment import load_file
+    from ..hooks.deployment import load_file
 
-    from vllm_graft.launch.engine import models_dir
+    from ..launch.engine import models_dir
 
     if path:
         return load_file(path), Path(path).resolve().parent
@@ -85,11 +85,11 @@ def _deployment_data(path: str | None) -> tuple[dict[str, Any], Path]:
 
 
 def _run_mask(args: argparse.Namespace, console: Console) -> int:
-    from vllm_graft.hooks import get_registry
-    from vllm_graft.launch.exits import EXIT_OK, EXIT_USAGE
-    from vllm_graft.launch.engine import apply_env_defaults
-    from vllm_graft.tools.moe.moe_record import read_prompt_file, record, text_sets, with_tracer
-    from vllm_graft.launch.engine import quiet_vllm
+    from ..hooks import get_registry
+    from ..launch.exits import EXIT_OK, EXIT_USAGE
+    from ..launch.engine import apply_env_defaults
+    from .moe.moe_record import read_prompt_file, record, text_sets, with_tracer
+    from ..launch.engine import quiet_vllm
 
     policy = get_registry().get("moe", "expert-mask").registration.part("policy")
     activation_frequency, mask_from, most_distinctive = (
@@ -215,7 +215,7 @@ def _run_mask(args: argparse.Namespace, console: Console) -> int:
 
 #: The calibration methods, by name.
 def _razor() -> Method:
-    from vllm_graft.tools.attention import calibrate_razor as razor
+    from .attention import calibrate_razor as razor
 
     return Method(razor.NAME, razor.PLUGIN, razor.HELP, razor.add_arguments, razor.run)
 

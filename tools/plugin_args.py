@@ -67,7 +67,7 @@ def parse_spec(item: str) -> tuple[str, dict[str, Any] | None]:
 def registration(kind: str, name: str) -> Any:
     """The registration of plugin ``name`` of ``kind``; unknown: an error naming the registered
     plugins of that kind."""
-    from vllm_graft.hooks import get_registry
+    from ..hooks import get_registry
 
     reg = get_registry()
     if (kind, name) not in reg:

@@ -150,17 +150,17 @@ ALL_DEPLOYMENTS: tuple[dict[str, Any], ...] = (
 
 def applied_patches(data: dict[str, Any], source: str) -> list[dict[str, Any]]:
     """Activate ``data`` in this process (no engine), list its patches, deactivate."""
-    from vllm_graft.integration import bridge
-    from vllm_graft.integration import model_runner
-    from vllm_graft.integration.patches import PATCHES
+    from ...integration import bridge
+    from ...integration import model_runner
+    from ...integration.patches import PATCHES
 
-    from vllm_graft.integration.plan import plan_for
+    from ...integration.plan import plan_for
 
     plan = plan_for(data, source=source)
     bridge._install_config_hook()
     bridge.activate(plan, source=source)
     try:
-        from vllm_graft.integration.targets import PATCH_TARGETS
+        from ...integration.targets import PATCH_TARGETS
 
         served = model_runner.plugins_by_owner(plan.enabled)
         entries = {t.where: t for t in PATCH_TARGETS}
@@ -190,8 +190,8 @@ def cmd_patches(args: argparse.Namespace, console: Any) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    from vllm_graft.hooks import DeploymentError
-    from vllm_graft.integration.bridge import ENV_FILE
+    from ...hooks import DeploymentError
+    from ...integration.bridge import ENV_FILE
 
     if args.all:
         model = str(_bundled_model())
@@ -218,7 +218,7 @@ def cmd_patches(args: argparse.Namespace, console: Any) -> int:
     table = Table(show_header=True, box=None, padding=(0, 1))
     for col in ("vLLM target", "patched for", "runner", "checked on", "why", "upstream", "remove when"):
         table.add_column(col, overflow="fold")
-    from vllm_graft.hooks.versions import VLLM_BUILDS
+    from ...hooks.versions import VLLM_BUILDS
 
     checked = ", ".join(f"{b.checked} {b.platform} ({'run' if b.verified == 'run' else 'static'})" for b in VLLM_BUILDS)
     for r in rows.values():
@@ -240,6 +240,6 @@ def cmd_patches(args: argparse.Namespace, console: Any) -> int:
 
 
 def _bundled_model():
-    from vllm_graft.launch.engine import models_dir
+    from ...launch.engine import models_dir
 
     return models_dir() / "graft-tiny-mixtral"

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from vllm_graft.hooks.versions import VLLM_BUILDS
+from ...hooks.versions import VLLM_BUILDS
 
 from .source import VLLMSource
 

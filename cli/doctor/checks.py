@@ -33,8 +33,8 @@ from typing import Callable, Iterable
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from vllm_graft.hooks.versions import SUPPORTED_VLLM
-from vllm_graft.integration.targets import RUNNER_FACTS, TARGETS, Target
+from ...hooks.versions import SUPPORTED_VLLM
+from ...integration.targets import RUNNER_FACTS, TARGETS, Target
 
 from .attributes import attribute_rows
 from .behaviour import NotApplicable, facts as behaviour_facts, our_custom_ops

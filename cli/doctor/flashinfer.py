@@ -28,7 +28,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from vllm_graft.hooks.versions import FLASHINFER
+from ...hooks.versions import FLASHINFER
 
 from .behaviour import NotApplicable
 from .source import PackageSource, VLLMSource, _absolute, _top_statements

@@ -21,10 +21,10 @@ import importlib
 import logging
 from typing import Any
 
-from vllm_graft.hooks import Kind, Plan
-from vllm_graft.hooks.deployment import Enabled
+from ...hooks import Kind, Plan
+from ...hooks.deployment import Enabled
 
-from vllm_graft.integration.runtime import RUNTIME, Runtime
+from ..runtime import RUNTIME, Runtime
 
 log = logging.getLogger("vllm_graft")
 

@@ -64,9 +64,9 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-from vllm_graft.hooks import BLOCKED, CPU_VEC, PACKED, AttentionLayer, KVCacheLayout, PagedBatch
-from vllm_graft.integration.adapters.plugin_calls import raised
-from vllm_graft.integration.runtime import RUNTIME
+from ...hooks import BLOCKED, CPU_VEC, PACKED, AttentionLayer, KVCacheLayout, PagedBatch
+from .plugin_calls import raised
+from ..runtime import RUNTIME
 
 log = logging.getLogger("vllm_graft")
 

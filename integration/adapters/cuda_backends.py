@@ -44,7 +44,7 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadataBuilder,
 )
 
-from vllm_graft.hooks import PACKED, AttentionLayer, PagedBatch
+from ...hooks import PACKED, AttentionLayer, PagedBatch
 
 from .backend import GUARD_PREFIX, SEAMS, _layer_index, call_plan, check_output, customize_spec
 from .plugin_calls import raised

@@ -44,7 +44,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from vllm_graft.hooks import BLOCKED, AttentionLayer, PagedBatch
+from ...hooks import BLOCKED, AttentionLayer, PagedBatch
 
 from .backend import (
     GENERIC_CPU_PATH,
@@ -56,7 +56,7 @@ from .backend import (
     customize_spec,
     write_kv,
 )
-from vllm_graft.integration.runtime import RUNTIME
+from ..runtime import RUNTIME
 
 from .plugin_calls import raised
 
@@ -222,7 +222,7 @@ def _method():
     if SEAMS.method is not None:
         return SEAMS.method
     if RUNTIME.reference_attention is None:
-        from vllm_graft.plugins.attention._shared import PagedAttention
+        from ...plugins.attention._shared import PagedAttention
 
         log.warning(
             "vllm-graft: no attention plugin is enabled; the graft attention backend "

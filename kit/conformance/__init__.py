@@ -65,6 +65,6 @@ required fields come from its ``json_schema_extra={"examples": [{...}]}``, or fr
 marker: ``graft_conformance("quant:my-quant", params={"bits": 4})``.
 """
 
-from vllm_graft.kit.conformance.checks import CHECKS, Check, ConformanceError, resolve_specs
+from .checks import CHECKS, Check, ConformanceError, resolve_specs
 
 __all__ = ["CHECKS", "Check", "ConformanceError", "resolve_specs"]

@@ -11,8 +11,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from vllm_graft.hooks import Kind, contract_for
-from vllm_graft.hooks.registry import Entry
+from ...hooks import Kind, contract_for
+from ...hooks.registry import Entry
 
 
 class ConformanceError(AssertionError):

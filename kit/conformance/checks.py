@@ -22,10 +22,10 @@ from typing import Any, Callable, Sequence
 
 from pydantic import BaseModel, ValidationError
 
-from vllm_graft.hooks import KERNEL_FIELD, Kind, Registry, get_registry
-from vllm_graft.hooks.contracts import SHAPE_CHECKS, shape_problems
-from vllm_graft.hooks.registry import Entry
-from vllm_graft.kit.conformance.base import (
+from ...hooks import KERNEL_FIELD, Kind, Registry, get_registry
+from ...hooks.contracts import SHAPE_CHECKS, shape_problems
+from ...hooks.registry import Entry
+from .base import (
     ConformanceError,
     Skipped,
     Target,
@@ -36,22 +36,22 @@ from vllm_graft.kit.conformance.base import (
     tolerance,
     torch_module,
 )
-from vllm_graft.kit.conformance.device import check_device
-from vllm_graft.kit.conformance.exercises import EXERCISES
-from vllm_graft.kit.conformance.exercises.attention import (
+from .device import check_device
+from .exercises import EXERCISES
+from .exercises.attention import (
     ATTENTION_SEQS,
     ATTENTION_SHAPES,
     exact_attention,
     exact_attention_with_mass,
     exercise_attention,
 )
-from vllm_graft.kit.conformance.exercises.kvcompress import (
+from .exercises.kvcompress import (
     FORMAT_REL_TOL,
     exercise_attend,
     exercise_kv_format,
     exercise_kvcompress,
 )
-from vllm_graft.kit.conformance.exercises.moe import (
+from .exercises.moe import (
     MOE_EXPERTS,
     MOE_LAYERS,
     MOE_TOKENS,
@@ -59,8 +59,8 @@ from vllm_graft.kit.conformance.exercises.moe import (
     exercise_moe,
     model_topk,
 )
-from vllm_graft.kit.conformance.exercises.quant import QUANT_SHAPES, exercise_quant
-from vllm_graft.kit.conformance.exercises.speculative import (
+from .exercises.quant import QUANT_SHAPES, exercise_quant
+from .exercises.speculative import (
     SPEC_REQUESTS,
     SPEC_STEPS,
     SPEC_VOCAB,
@@ -313,7 +313,7 @@ def check_parity(t: Target) -> str:
 
 
 def check_engine(t: Target) -> str:
-    from vllm_graft.kit.conformance.engine import run_engine_check
+    from .engine import run_engine_check
 
     return run_engine_check(t)
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from vllm_graft.hooks import KERNEL_FIELD, Kind
-from vllm_graft.kit.conformance.base import Target, build, exercise_dtypes
-from vllm_graft.kit.conformance.exercises import EXERCISES
+from ...hooks import KERNEL_FIELD, Kind
+from .base import Target, build, exercise_dtypes
+from .exercises import EXERCISES
 
 #: The methods each kind's adapter calls per step or per layer (the ones whose syncs matter),
 #: and how often vLLM calls them.
@@ -46,7 +46,7 @@ def run_on_fake_device(t: Target) -> tuple[Any, list[str]]:
     """The kind's exercise (reference path, the first dtype the plugin declares) under a
     :class:`~vllm_graft.kit.fakedevice.FakeDevice`; returns it and the methods watched.
     Raises :class:`~vllm_graft.kit.fakedevice.DeviceMixError` on a mixed-device op."""
-    from vllm_graft.kit.fakedevice import FakeDevice
+    from ..fakedevice import FakeDevice
 
     changes = {KERNEL_FIELD: "reference"} if KERNEL_FIELD in t.entry.registration.params.model_fields else {}
     impl = build(t, **changes)
@@ -66,7 +66,7 @@ def host_syncs(t: Target) -> dict[str, Any]:
 
 
 def check_device(t: Target) -> str:
-    from vllm_graft.kit.fakedevice import DeviceMixError
+    from ..fakedevice import DeviceMixError
 
     try:
         fd, watched = run_on_fake_device(t)

@@ -23,9 +23,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vllm_graft.hooks import Kind
+from ...hooks import Kind
 
-from vllm_graft.kit.conformance.base import ConformanceError, Skipped, Target
+from .base import ConformanceError, Skipped, Target
 
 #: Short code prompts (no near-tie greedy step on the bundled models; see tests/e2e/test_models.py).
 PROMPTS = [
@@ -63,7 +63,7 @@ _plain_cache: dict[str, list[list[int]]] = {}
 def pick_model(t: Target) -> Path:
     """The bundled model the plugin applies to: one of its declared architectures, an MoE
     model for MoE schedulers, else the dense model."""
-    from vllm_graft.launch.engine import models_dir
+    from ...launch.engine import models_dir
 
     try:
         root = models_dir()
@@ -99,11 +99,11 @@ def evicts(t: Target) -> bool:
 def long_prompts(model: Path) -> list[list[int]]:
     """:data:`LONG_PROMPTS` prompts of :data:`LONG_PROMPT_TOKENS` token ids: standard-library
     source (the bundled models' training text), else the short prompts repeated."""
-    from vllm_graft.tools.workloads import Tokenizer
+    from ...tools.workloads import Tokenizer
 
     tok = Tokenizer.from_model(str(model))
     try:
-        from vllm_graft.tools.workloads import stdlib_texts
+        from ...tools.workloads import stdlib_texts
 
         return [list(ids) for ids, _ in stdlib_texts(tok, num=LONG_PROMPTS, tokens=LONG_PROMPT_TOKENS, seed=3)]
     except Exception:  # no readable standard library: the code prompts, repeated
@@ -131,8 +131,8 @@ def expected_effects(t: Target) -> tuple[str, ...]:
 
 
 def _drafts_in_exercise(t: Target) -> bool:
-    from vllm_graft.kit.conformance.base import build
-    from vllm_graft.kit.conformance.exercises.speculative import exercise_speculative
+    from .base import build
+    from .exercises.speculative import exercise_speculative
 
     results = exercise_speculative(t, build(t), "float32", False)
     return any(len(drafts) for _, steps in results for drafts in steps)
@@ -143,9 +143,9 @@ def run_engine_check(t: Target) -> str:
         import vllm  # noqa: F401
     except ImportError:
         raise Skipped("vLLM is not installed (pip install 'vllm-graft[cpu]')") from None
-    from vllm_graft.launch.engine import in_process_engine
-    from vllm_graft.integration.plan import plan_for
-    from vllm_graft.integration.runtime import RUNTIME
+    from ...launch.engine import in_process_engine
+    from ...integration.plan import plan_for
+    from ...integration.runtime import RUNTIME
 
     model = pick_model(t)
     caps = t.entry.registration.capabilities

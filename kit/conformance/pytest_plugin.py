@@ -52,7 +52,7 @@ class _Case:
 def pytest_generate_tests(metafunc: Any) -> None:
     if FIXTURE not in metafunc.fixturenames:
         return
-    from vllm_graft.kit.conformance.checks import CHECKS, Target, example_params, resolve_specs
+    from .checks import CHECKS, Target, example_params, resolve_specs
 
     # Before any plugin kernel module is imported: Triton runs on the CPU's interpreter.
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -83,7 +83,7 @@ def pytest_generate_tests(metafunc: Any) -> None:
 @pytest.fixture
 def graft_check(request: Any):
     """A callable running one conformance check (see the kit's package docstring)."""
-    from vllm_graft.kit.conformance.base import Skipped
+    from .base import Skipped
 
     case: _Case = request.param
     if case.check.engine and request.config.getoption("--graft-no-engine"):

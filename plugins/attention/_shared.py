@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from vllm_graft.hooks import BLOCKED, AttentionLayer, AttentionMethod, KVCacheLayout, PagedBatch
+from ...hooks import BLOCKED, AttentionLayer, AttentionMethod, KVCacheLayout, PagedBatch
 
 #: ``gather(block_ids)``: the keys and values ``[nb, H_kv, B, D]`` each of those blocks
 Gather = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]

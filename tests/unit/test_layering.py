@@ -83,16 +83,22 @@ def _docstrings(tree):
     return out
 
 
-def _folder_references(path):
-    """(line, folder) for every import of ``vllm_graft.<folder>`` in the file and every string
-    (docstrings aside) that names one: a module path in a string is an import deferred."""
+def _folder_references(path, root=None):
+    """(line, folder) for every import of ``vllm_graft.<folder>`` in the file, relative ones
+    resolved (``from ...launch import x`` in tools/bench/ is ``vllm_graft.launch``), and every
+    string (docstrings aside) that names one: a module path in a string is an import deferred."""
     tree = ast.parse(path.read_text(), str(path))
     docs = _docstrings(tree)
+    parts = path.relative_to(root or ROOT).with_suffix("").parts
+    package = ["vllm_graft", *parts[:-1]]  # the file's package (a package's __init__ is its own)
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and not node.level:
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            base = package[: len(package) - (node.level - 1)]
+            names = [".".join(base + ([node.module] if node.module else []))]
+        elif isinstance(node, ast.ImportFrom):
             names = [node.module or ""]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
             names = [node.value]
@@ -108,7 +114,7 @@ def folder_direction(root=None):
     bad = []
     for folder in FOLDERS:
         for path in sorted((root / folder).rglob("*.py")):
-            for line, target in _folder_references(path):
+            for line, target in _folder_references(path, root):
                 if RANK[target] > RANK[folder]:
                     bad.append(f"{path.relative_to(root)}:{line}: {folder} -> {target}")
     return bad
@@ -212,10 +218,14 @@ def test_the_folder_direction_check_fails_on_a_planted_violation(tmp_path):
         "tools/t.py": "import importlib\nimportlib.import_module(f'vllm_graft.plugins.{x}')\n",
         "kit/k.py": "from vllm_graft.cli import c\nfrom vllm_graft.tools import t\n",  # up, then down
         "tools/u.py": "def f():\n    from vllm_graft.kit import k\n",  # the kit sits above the tools
+        "plugins/q.py": "from ..integration import i\nfrom ..hooks import h\n",  # relative: up, then down
+        "launch/m.py": "from . import l\nfrom ..cli.c import x\n",  # its own folder, then up
     })
     assert folder_direction(tmp_path) == ["hooks/h.py:1: hooks -> integration",
+                                          "plugins/q.py:1: plugins -> integration",
                                           "integration/i.py:2: integration -> cli",
                                           "launch/l.py:2: launch -> tools",
+                                          "launch/m.py:2: launch -> cli",
                                           "kit/k.py:1: kit -> cli",
                                           "tools/u.py:2: tools -> kit"]
 
@@ -244,6 +254,20 @@ def test_the_architecture_page_draws_the_ranks_the_check_holds():
     assert f"    {order}\n" in page, f"docs/architecture.md should draw the floors as {order!r}"
     rows = re.findall(r"^\| `(\w+)/` \|", page, re.M)
     assert rows == sorted(RANK, key=RANK.get), rows
+
+
+def test_the_package_imports_itself_relatively():
+    """A plain static reader (an editor without the import map) resolves every import: inside the
+    package they are relative (``from ..hooks import X``); ``vllm_graft.X`` is named only in strings
+    (entry points, ``impl``) and by code outside the package (tests, benchmarks, plugins)."""
+    absolute = [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for path, _ in _modules().values()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "vllm_graft"
+        or isinstance(node, ast.Import) and any(a.name.split(".")[0] == "vllm_graft" for a in node.names)
+    ]
+    assert absolute == [], f"absolute imports of the package inside it: {absolute}"
 
 
 def test_no_import_cycles():

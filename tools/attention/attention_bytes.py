@@ -35,7 +35,7 @@ def hydragen_rows(
     """One configuration: ``batch`` sequences (``batch // samples`` prompts of ``samples``
     samples each when ``samples`` > 1: a prompt-specific part of ``suffix`` tokens shared by
     its samples, then one decoded token each) over a ``prefix``-token shared prefix."""
-    from vllm_graft.hooks import get_registry
+    from ...hooks import get_registry
 
     policy = get_registry().get("attention", "hydragen").registration.part("policy")
     kv_bytes_read, plan_prefixes = policy.kv_bytes_read, policy.plan_prefixes

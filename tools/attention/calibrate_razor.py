@@ -105,8 +105,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from vllm_graft.hooks import get_registry
-    from vllm_graft.launch.engine import models_dir
+    from ...hooks import get_registry
+    from ...launch.engine import models_dir
 
     HEAD_MAP_FORMAT = get_registry().get("attention", "squeezed").registration.part("policy").HEAD_MAP_FORMAT
 

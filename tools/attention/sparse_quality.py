@@ -32,7 +32,7 @@ from rich.table import Table
 def _recycled_refresh() -> int:
     """Mode recycled's full-step interval when ``refresh`` is not given: what squeezed's
     parameter model sets (read through the registry)."""
-    from vllm_graft.hooks import get_registry
+    from ...hooks import get_registry
 
     params = get_registry().get("attention", "squeezed").registration.params
     recycled: Any = params(mode="recycled")  # squeezed's own model, known only through the registry
@@ -64,7 +64,7 @@ def _arms(args: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
     """``(label, the plugin's parameters)`` per arm; ``None``: plain vLLM. ``--plugin`` other
     than squeezed: plain vLLM and that plugin with ``--params`` (squeezed's modes and budgets
     do not apply). For squeezed, ``--params`` go under every arm's own."""
-    from vllm_graft.tools.plugin_args import parse_json_params, validate
+    from ..plugin_args import parse_json_params, validate
 
     arms: list[tuple[str, dict[str, Any] | None]] = [("plain vLLM", None)]
     plugin = getattr(args, "plugin", None) or "squeezed"
@@ -134,7 +134,7 @@ def load_workload(
     for long-recall, the spans of the first copies (what plain vLLM scores on the same tokens
     with nothing earlier to recall: how much the recall is worth to the model).
     Workloads with prompts shorter than MIN_PROMPT_TOKENS are refused (before any engine)."""
-    from vllm_graft.tools import workloads
+    from .. import workloads
 
     (ps,) = workloads.build(
         [name], tok, num_prompts=args.num_prompts, max_tokens=16, max_model_len=args.max_model_len, seed=args.seed
@@ -172,10 +172,10 @@ def run_arm(
 ) -> dict[str, Any]:
     from vllm import SamplingParams
 
-    from vllm_graft.launch import engine as launch
-    from vllm_graft.integration.plan import plan_for
-    from vllm_graft.tools.bench import nll_of
-    from vllm_graft.integration.runtime import RUNTIME
+    from ...launch import engine as launch
+    from ...integration.plan import plan_for
+    from ..bench import nll_of
+    from ...integration.runtime import RUNTIME
 
     data: dict[str, Any] = {"model": model, "engine": engine, "attention": {"plugin": plugin, "params": params or {}}}
     plan = plan_for(data)
@@ -205,8 +205,8 @@ def run_arm(
 
 
 def cmd_sparse_quality(args: argparse.Namespace, console: Console) -> int:
-    from vllm_graft.launch import engine as launch
-    from vllm_graft.tools import workloads
+    from ...launch import engine as launch
+    from .. import workloads
 
     launch.apply_env_defaults(in_process=True)
     model = args.model or str(launch.models_dir() / "graft-tiny-llama")
@@ -224,7 +224,7 @@ def cmd_sparse_quality(args: argparse.Namespace, console: Console) -> int:
 
         Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {escape(str(e))}")
         return 2
-    from vllm_graft.tools.plugin_args import PluginArgError
+    from ..plugin_args import PluginArgError
 
     try:  # the plugin and its parameters validated before any engine starts
         arms = _arms(args)

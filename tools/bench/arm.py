@@ -369,7 +369,7 @@ def fresh_drafting_state(llm: Any) -> None:
     drafts their outputs back. The graft plugins' shared state is renewed
     (:meth:`Runtime.fresh_cross_request_state`), and vLLM's ``suffix`` method, which drafts from
     a global tree of earlier responses, has that tree emptied."""
-    from vllm_graft.integration.runtime import RUNTIME
+    from ...integration.runtime import RUNTIME
 
     RUNTIME.fresh_cross_request_state()
     spec = getattr(llm.llm_engine.vllm_config, "speculative_config", None)
@@ -380,9 +380,9 @@ def fresh_drafting_state(llm: Any) -> None:
 def _arm_run(
     job: dict[str, Any], send: Callable[[str, Any], None], receive: Callable[[], tuple[str, Any]]
 ) -> dict[str, Any]:
-    from vllm_graft.integration.bridge import ENV_CONFIG, ENV_FILE
-    from vllm_graft.integration.env import installed_vllm
-    from vllm_graft.launch.engine import apply_env_defaults
+    from ...integration.bridge import ENV_CONFIG, ENV_FILE
+    from ...integration.env import installed_vllm
+    from ...launch.engine import apply_env_defaults
 
     # The deployment reaches the graft arm through additional_config only; a deployment in the
     # environment would leak into the plain arm (and conflict in the graft arm).
@@ -395,8 +395,8 @@ def _arm_run(
     t = time.perf_counter()
     from vllm import LLM, SamplingParams
 
-    from vllm_graft.integration.patches import PATCHES
-    from vllm_graft.integration.runtime import RUNTIME
+    from ...integration.patches import PATCHES
+    from ...integration.runtime import RUNTIME
 
     llm = LLM(**job["llm_kwargs"])
     load_s = time.perf_counter() - t
@@ -455,7 +455,7 @@ def _arm_run(
             if command != "run":
                 raise ValueError(f"unknown command {command!r}")
             if workloads and not patched:
-                from vllm_graft.integration.targets import BENCH_SCHEDULE
+                from ...integration.targets import BENCH_SCHEDULE
 
                 PATCHES.apply(BENCH_SCHEDULE, sampler.wrap, on=scheduler)
                 patched = True
@@ -479,7 +479,7 @@ def _arm_run(
             send("round_done", r)
     finally:
         if patched:
-            from vllm_graft.integration.targets import BENCH_SCHEDULE
+            from ...integration.targets import BENCH_SCHEDULE
 
             PATCHES.undo(BENCH_SCHEDULE.owner)  # was "bench": the owner is "tools.bench"
     for name, done in runs.items():

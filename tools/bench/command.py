@@ -23,8 +23,8 @@ from .arm import _arm_main
 from .report import PLOT_INSTALL, new_progress, plot_available, render_report, write_plot
 from .stats import ARMS, NO_PACKAGE, arm_order, assemble
 
-from vllm_graft.launch.exits import EXIT_DIFFERENT, EXIT_INVALID, EXIT_OK, EXIT_USAGE
-from vllm_graft.launch.exits import EXIT_FAILED as EXIT_RUN_FAILED
+from ...launch.exits import EXIT_DIFFERENT, EXIT_INVALID, EXIT_OK, EXIT_USAGE
+from ...launch.exits import EXIT_FAILED as EXIT_RUN_FAILED
 
 
 # ===================================================================== the parent side
@@ -197,7 +197,7 @@ def _baseline(plan: Any, baseline: str | None) -> tuple[Any, dict[str, str]]:
 
         others = sorted({e.name for e in entry_points(group="vllm.general_plugins")} - {"vllm_graft"})
         return plan, {"VLLM_PLUGINS": ",".join(others)}  # "" matches no plugin, as vLLM parses it
-    from vllm_graft.integration.plan import plan_for
+    from ...integration.plan import plan_for
 
     base = plan_for(baseline)
     mine = plan.model.path if plan.model is not None else plan.deployment.model
@@ -233,7 +233,7 @@ def _tail(path: str, n: int = 25) -> str:
 
 
 def cmd_bench(args: argparse.Namespace, console: Console) -> int:
-    from vllm_graft.tools import workloads as W
+    from .. import workloads as W
 
     out = Console(stderr=True, highlight=False, width=console.width) if args.json == "-" else console
     err = Console(stderr=True, highlight=False, width=console.width)
@@ -301,7 +301,7 @@ class _Inputs:
 def _inputs(args: argparse.Namespace, err: Console) -> tuple[int, _Inputs | None]:
     """Validate the command line, the deployment, the baseline and the workloads: (EXIT_OK,
     inputs), or (the exit code, None) with the reason printed on ``err``."""
-    from vllm_graft.tools import workloads as W
+    from .. import workloads as W
 
     try:
         arms = _parse_arms(args.arms)
@@ -313,9 +313,9 @@ def _inputs(args: argparse.Namespace, err: Console) -> tuple[int, _Inputs | None
         err.print("[bold red]error:[/] --num-prompts, --max-tokens and --repeat must be at least 1, --batch at least 0")
         return EXIT_USAGE, None
 
-    from vllm_graft.hooks import DeploymentError
-    from vllm_graft.integration.bridge import check_vllm_version
-    from vllm_graft.integration.plan import plan_for
+    from ...hooks import DeploymentError
+    from ...integration.bridge import check_vllm_version
+    from ...integration.plan import plan_for
 
     check_vllm_version()  # no vLLM (or an unsupported one): say so before reading any model
     try:
@@ -434,8 +434,8 @@ def _settings(args: argparse.Namespace, inputs: _Inputs, order: list[Any]) -> di
 
 
 def _environment(plan: Any) -> dict[str, Any]:
-    from vllm_graft.integration.env import installed_vllm
-    from vllm_graft.tools import workloads as W
+    from ...integration.env import installed_vllm
+    from .. import workloads as W
 
     found = installed_vllm()
     return {
@@ -458,7 +458,7 @@ def run_bench(
     code, inputs = _inputs(args, err)
     if inputs is None:
         return code, None
-    from vllm_graft.launch.engine import llm_kwargs
+    from ...launch.engine import llm_kwargs
 
     plan, prompt_sets = inputs.plan, inputs.prompt_sets
     as_is = bool(getattr(args, "baseline_as_is", False))
@@ -557,7 +557,7 @@ def run_bench(
 
 # ============================================================================== parser
 def add_command(sub: Any) -> None:
-    from vllm_graft.tools.workloads import WORKLOADS
+    from ..workloads import WORKLOADS
 
     p = sub.add_parser(
         "bench",

@@ -48,7 +48,7 @@ SUITE_SCHEMA = "vllm-graft-bench-suite/1"
 
 
 def default_suite_path() -> Path:
-    from vllm_graft.launch.engine import repo_root
+    from ...launch.engine import repo_root
 
     return repo_root() / "benchmarks" / "suite.yaml"
 
@@ -76,7 +76,7 @@ class RunSettings(BaseModel):
     @classmethod
     def _known_workloads(cls, v: Optional[str]) -> Optional[str]:
         if v is not None:
-            from vllm_graft.tools.workloads import parse_names
+            from ..workloads import parse_names
 
             parse_names([v])  # ValueError naming the accepted workloads
         return v
@@ -536,7 +536,7 @@ def write_suite_plot(rows: Sequence[dict[str, Any]], path: str | os.PathLike[str
 
 # ============================================================================ the command
 def _machine() -> str:
-    from vllm_graft.integration.env import installed_vllm
+    from ...integration.env import installed_vllm
 
     found = installed_vllm()
     return (
@@ -638,8 +638,8 @@ def cmd_suite(args: argparse.Namespace, out: Any, err: Any, *, run_bench: Any, a
     module does not import it back)."""
     from rich.markup import escape
 
-    from vllm_graft.launch.exits import EXIT_FAILED as EXIT_RUN_FAILED
-    from vllm_graft.launch.exits import EXIT_OK, EXIT_USAGE
+    from ...launch.exits import EXIT_FAILED as EXIT_RUN_FAILED
+    from ...launch.exits import EXIT_OK, EXIT_USAGE
 
     from .report import new_progress
 

@@ -51,7 +51,7 @@ from typing import Any, Callable
 from rich.console import Console
 from rich.table import Table
 
-from vllm_graft.tools.kvcompress.kvbench import _arms, add_text_arguments
+from .kvbench import _arms, add_text_arguments
 
 DEFAULT_MODEL = "graft-tiny-llama-recall"
 ARMS = ("streaming", "snapkv", "snapkv-recent", "snapkv-wide", "prompt-mean", "oracle")
@@ -92,7 +92,7 @@ def block_mass(att_sum, rows: slice, n: int, block: int):
 
 def planner(plugin: str, params: dict[str, Any]):
     """The ``plugin`` compressor built from the registry, as vLLM's adapter builds it."""
-    from vllm_graft.hooks import get_registry
+    from ...hooks import get_registry
 
     reg = get_registry().get("kvcompress", plugin).registration
     return reg.load()(reg.params(**params))
@@ -154,7 +154,7 @@ def study(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from vllm_graft.hooks import BlockView
+    from ...hooks import BlockView
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     nll: dict[str, list[float]] = {}
@@ -248,16 +248,16 @@ def study(
 
 
 def main(args) -> int:
-    from vllm_graft.tools.workloads import Tokenizer, stdlib_texts
+    from ..workloads import Tokenizer, stdlib_texts
 
     console = Console()
-    from vllm_graft.launch.engine import models_dir
+    from ...launch.engine import models_dir
 
     model = args.model or str(models_dir() / DEFAULT_MODEL)
     if not 0 < args.gen_tokens < args.context // 2:
         raise SystemExit(f"kv-headroom: --gen-tokens must be between 1 and half the context ({args.context // 2})")
-    from vllm_graft.hooks import get_registry
-    from vllm_graft.tools.plugin_args import PluginArgError, parse_json_params, parse_spec, split_list
+    from ...hooks import get_registry
+    from ..plugin_args import PluginArgError, parse_json_params, parse_spec, split_list
 
     arms = split_list(args.arms)
     try:

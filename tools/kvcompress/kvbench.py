@@ -58,7 +58,7 @@ import os
 import time
 from typing import Any, Sequence
 
-from vllm_graft.tools.kvcompress.ruler_report import RULER_ROOM, ruler_max_tokens
+from .ruler_report import RULER_ROOM, ruler_max_tokens
 
 DEFAULT_MODEL = "graft-tiny-llama"
 
@@ -84,7 +84,7 @@ def _generic_params(name: str, budget: int) -> dict[str, Any] | None:
     """A registered compressor kvbench has no arm of its own for: the budget in
     ``budget_blocks`` and one sink in ``sink_blocks`` where its parameter model has those
     fields; ``None`` when it has no ``budget_blocks`` (one arm, not one per fraction)."""
-    from vllm_graft.tools.plugin_args import param_fields
+    from ..plugin_args import param_fields
 
     fields = param_fields("kvcompress", name)
     if "budget_blocks" not in fields:
@@ -107,7 +107,7 @@ def _arms(
     ``:{JSON}``, parameters for that entry; ``params`` apply to every entry's compressor. Given
     parameters override kvbench's own (the budget included) and are validated by the plugin's
     parameter model."""
-    from vllm_graft.tools.plugin_args import PluginArgError, parse_spec, validate
+    from ..plugin_args import PluginArgError, parse_spec, validate
 
     blocks = context // block
     arms: list[tuple[str, Any]] = [("plain", None)]
@@ -161,7 +161,7 @@ def _arms(
                     "window_tokens": block,
                 }
             else:
-                from vllm_graft.hooks import get_registry
+                from ...hooks import get_registry
 
                 if ("kvcompress", name) not in get_registry() or name == "kv4":
                     known = [n for n in get_registry().names("kvcompress") if n not in ("noop", "kv4")]
@@ -216,9 +216,9 @@ def run_arm(
     once in the fixed pool, greedy), scored per case into ``ruler_scores``."""
     from vllm import LLM, SamplingParams
 
-    from vllm_graft.launch import engine as launch
-    from vllm_graft.integration.plan import plan_for
-    from vllm_graft.integration.forcing import ForceTokens, forced_logprobs, forced_params
+    from ...launch import engine as launch
+    from ...integration.plan import plan_for
+    from ...integration.forcing import ForceTokens, forced_logprobs, forced_params
 
     engine_args = {
         "dtype": "float32",
@@ -336,7 +336,7 @@ def run_arm(
 def _run_ruler(drive, cases: Sequence[Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
-    from vllm_graft.tools.workloads.ruler import score_case
+    from ..workloads.ruler import score_case
 
     reqs = [(f"r{i}", c.token_ids) for i, c in enumerate(cases)]
     outs, peak, median_decode, running = drive(
@@ -362,15 +362,15 @@ def _dense_page_bytes(model: str, block: int) -> int:
 
 
 def main(args) -> int:
-    from vllm_graft.launch import engine as launch
-    from vllm_graft.tools.plugin_args import PluginArgError, parse_json_params, split_list
-    from vllm_graft.tools.workloads import Tokenizer, needle_haystack, stdlib_texts
+    from ...launch import engine as launch
+    from ..plugin_args import PluginArgError, parse_json_params, split_list
+    from ..workloads import Tokenizer, needle_haystack, stdlib_texts
 
     check_suite_args(args)
     launch.apply_env_defaults(in_process=True)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-    from vllm_graft.launch.engine import models_dir
+    from ...launch.engine import models_dir
 
     model = args.model or str(models_dir() / DEFAULT_MODEL)
     tok = Tokenizer.from_model(model)
@@ -441,8 +441,8 @@ def main(args) -> int:
 def _main_ruler(args, model: str, tok, arms: list[tuple[str, Any]]) -> int:
     """``--suite ruler``: the RULER-style cases through every arm, then the score-vs-ratio
     tables (and ``--ruler-out`` / ``--ruler-svg``)."""
-    from vllm_graft.tools.kvcompress import kvpress_compare, ruler_report
-    from vllm_graft.tools.workloads.ruler import ruler_suite
+    from . import kvpress_compare, ruler_report
+    from ..workloads.ruler import ruler_suite
 
     tasks = parse_ruler_tasks(args.ruler_tasks)
     cases = ruler_suite(
@@ -516,7 +516,7 @@ def load_ruler_results(
     the same cases (their tasks, in order), and where a row keeps its outputs they must score as
     it recorded on these cases (a file from before the digest has no other proof). Refused with
     a message naming the file otherwise."""
-    from vllm_graft.tools.workloads.ruler import score_case
+    from ..workloads.ruler import score_case
 
     case_tasks = [c.task for c in cases]
     rows: dict[str, dict[str, Any]] = {}
@@ -563,7 +563,7 @@ def load_ruler_results(
 
 def read_kvpress_results(paths: Sequence[str]) -> dict[str, Any]:
     """``--kvpress``: kvpress_compare's ``--json`` files (merged, a later arm wins)."""
-    from vllm_graft.tools.kvcompress.kvpress_compare import read_kvpress
+    from .kvpress_compare import read_kvpress
 
     try:
         return read_kvpress(paths)
@@ -602,7 +602,7 @@ def check_suite_args(args) -> None:
 
 def parse_ruler_tasks(value: str) -> list[str]:
     """``--ruler-tasks``: a comma list of :data:`~.workloads.ruler.RULER_TASKS`, or ``all``."""
-    from vllm_graft.tools.workloads.ruler import RULER_TASKS
+    from ..workloads.ruler import RULER_TASKS
 
     names = list(RULER_TASKS) if value.strip() == "all" else [t.strip() for t in value.split(",") if t.strip()]
     unknown = [t for t in names if t not in RULER_TASKS]
@@ -615,7 +615,7 @@ def parse_ruler_tasks(value: str) -> list[str]:
 
 
 def add_command(sub: Any) -> None:
-    from vllm_graft.tools.workloads.ruler import DEFAULT_TASKS as DEFAULT_RULER_TASKS
+    from ..workloads.ruler import DEFAULT_TASKS as DEFAULT_RULER_TASKS
 
     p = sub.add_parser(
         "kvbench",

@@ -56,7 +56,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from vllm_graft.tools.kvcompress.ruler_report import RULER_ROOM, ruler_max_tokens, split_label, task_means
+from .ruler_report import RULER_ROOM, ruler_max_tokens, split_label, task_means
 
 
 class KvpressMissing(RuntimeError):
@@ -697,7 +697,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import transformers
 
-    from vllm_graft.tools.workloads import Tokenizer, needle_haystack, stdlib_texts
+    from ..workloads import Tokenizer, needle_haystack, stdlib_texts
 
     pairs = select_pairs([s for s in args.presses.split(",") if s])
     fractions = [int(f) for f in args.fractions.split(",")]
@@ -746,7 +746,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tasks: list[str] = []
     ruler_context = 0
     if args.ruler:
-        from vllm_graft.tools.workloads.ruler import RULER_TASKS, ruler_suite, score_case
+        from ..workloads.ruler import RULER_TASKS, ruler_suite, score_case
 
         tasks = list(RULER_TASKS) if args.ruler == "all" else [t for t in args.ruler.split(",") if t]
         ruler_context = ruler_prompt_tokens(args.context, args.ruler_context)

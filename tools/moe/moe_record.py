@@ -68,12 +68,12 @@ def record(
     tracer already in its ``moe:`` list: see :func:`with_tracer`)."""
     from vllm import SamplingParams
 
-    from vllm_graft.hooks import Kind
+    from ...hooks import Kind
 
-    from vllm_graft.tools.bench import nll_of
-    from vllm_graft.integration.plan import plan_for
-    from vllm_graft.launch.engine import start_engine
-    from vllm_graft.integration.runtime import RUNTIME
+    from ..bench import nll_of
+    from ...integration.plan import plan_for
+    from ...launch.engine import start_engine
+    from ...integration.runtime import RUNTIME
 
     say = on_phase or (lambda s: None)
     plan = plan_for(data, source="moe-record", base_dir=base_dir)
@@ -135,7 +135,7 @@ def workload_sets(
     seed: int = 0,
 ) -> list[PromptSet]:
     """The bench's deterministic workloads as prompt sets."""
-    from vllm_graft.tools import workloads as W
+    from .. import workloads as W
 
     tok = W.Tokenizer.from_model(model)
     built = W.build(
@@ -153,7 +153,7 @@ def workload_sets(
 
 def text_sets(model: str | os.PathLike[str], named: dict[str, Sequence[str]]) -> list[PromptSet]:
     """Prompt sets from texts (prefill only: routes of the prompts themselves)."""
-    from vllm_graft.tools import workloads as W
+    from .. import workloads as W
 
     tok = W.Tokenizer.from_model(model)
     out = []

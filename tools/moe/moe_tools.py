@@ -51,15 +51,15 @@ def _trace_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_trace(args: argparse.Namespace, console: Console) -> int:
-    from vllm_graft.hooks import DeploymentError
-    from vllm_graft.hooks.deployment import load_file
+    from ...hooks import DeploymentError
+    from ...hooks.deployment import load_file
 
-    from vllm_graft.launch.exits import EXIT_INVALID, EXIT_OK, EXIT_USAGE
-    from vllm_graft.launch.engine import apply_env_defaults
-    from vllm_graft.integration.plan import plan_for
-    from vllm_graft.tools.moe.moe_record import record, with_tracer, workload_sets
-    from vllm_graft.launch.engine import quiet_vllm
-    from vllm_graft.tools.workloads import WorkloadError
+    from ...launch.exits import EXIT_INVALID, EXIT_OK, EXIT_USAGE
+    from ...launch.engine import apply_env_defaults
+    from ...integration.plan import plan_for
+    from .moe_record import record, with_tracer, workload_sets
+    from ...launch.engine import quiet_vllm
+    from ..workloads import WorkloadError
 
     if not args.out.endswith(".npz"):
         console.print("[bold red]error:[/] --out must end in .npz")
@@ -229,8 +229,8 @@ CACHE_API = ("POLICIES", "sets_from_trace", "simulate")
 def _simulator(name: str, what: str, api: tuple[str, ...]) -> Any:
     """The ``policy`` module of the registered moe plugin ``name`` (a third party's too), if it
     has the functions of ``api``; else an error naming the moe plugins that do."""
-    from vllm_graft.hooks import get_registry
-    from vllm_graft.tools.plugin_args import PluginArgError, registration
+    from ...hooks import get_registry
+    from ..plugin_args import PluginArgError, registration
 
     def module(reg: Any) -> Any:
         try:
@@ -268,10 +268,10 @@ def expert_bytes_of(model: str | None) -> int | None:
 
 
 def cmd_sim(args: argparse.Namespace, console: Console) -> int:
-    from vllm_graft.hooks import get_registry
-    from vllm_graft.launch.exits import EXIT_OK, EXIT_USAGE
+    from ...hooks import get_registry
+    from ...launch.exits import EXIT_OK, EXIT_USAGE
 
-    from vllm_graft.tools.plugin_args import PluginArgError
+    from ..plugin_args import PluginArgError
 
     try:
         P = _simulator(getattr(args, "placement", None) or "affinity-placement", "placement", PLACEMENT_API)

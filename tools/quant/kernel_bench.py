@@ -62,7 +62,7 @@ def _time(fn, iters: int, device: str) -> float:
 def run(batches: list[int], shapes, device: str, iters: int, peak_gbs: float) -> list[dict[str, Any]]:
     import torch
 
-    from vllm_graft.hooks import get_registry
+    from ...hooks import get_registry
 
     squeezellm = get_registry().get("quant", "squeezellm").registration
     w4a8 = get_registry().get("quant", "w4a8").registration
@@ -117,7 +117,7 @@ def run(batches: list[int], shapes, device: str, iters: int, peak_gbs: float) ->
 def cmd_bench(args: argparse.Namespace, console: Any) -> int:
     import torch
 
-    from vllm_graft.launch.exits import EXIT_INVALID, EXIT_OK
+    from ...launch.exits import EXIT_INVALID, EXIT_OK
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         console.print(

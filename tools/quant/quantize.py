@@ -105,13 +105,13 @@ def add_command(sub: Any) -> None:
     e.add_argument("--json", action="store_true", help="print JSON only")
     e.set_defaults(func=cmd_quant_eval)
 
-    from vllm_graft.tools.quant import kernel_bench as quant_kernel_bench
+    from . import kernel_bench as quant_kernel_bench
 
     quant_kernel_bench.add_command(sub)  # quant-kernel-bench
 
 
 def cmd_quantize(args: argparse.Namespace, console: Any) -> int:
-    from vllm_graft.launch.exits import EXIT_INVALID, EXIT_OK
+    from ...launch.exits import EXIT_INVALID, EXIT_OK
 
     try:
         params = parse_params(args.param)
@@ -128,11 +128,11 @@ def cmd_quantize(args: argparse.Namespace, console: Any) -> int:
 
 
 def cmd_quant_eval(args: argparse.Namespace, console: Any) -> int:
-    from vllm_graft.launch.exits import EXIT_OK
-    from vllm_graft.launch.engine import apply_env_defaults
+    from ...launch.exits import EXIT_OK
+    from ...launch.engine import apply_env_defaults
 
-    from vllm_graft.launch.exits import EXIT_USAGE
-    from vllm_graft.tools.plugin_args import PluginArgError, parse_json_params, parse_spec, split_list, validate
+    from ...launch.exits import EXIT_USAGE
+    from ..plugin_args import PluginArgError, parse_json_params, parse_spec, split_list, validate
 
     try:  # every plugin and its parameters validated before any engine starts
         common = parse_json_params(getattr(args, "params", None))
@@ -224,8 +224,8 @@ def evaluate(
     if quant is None:
         llm = LLM(model=str(path), **engine, seed=0)
     else:
-        from vllm_graft.launch import engine as launch
-        from vllm_graft.integration.plan import plan_for
+        from ...launch import engine as launch
+        from ...integration.plan import plan_for
 
         plan = plan_for(
             {"model": str(path.resolve()), "engine": engine, "quant": quant},
@@ -250,7 +250,7 @@ def evaluate(
             for t, lp in zip(c[1:], o.prompt_logprobs[1:]):
                 nll.append(-lp[t].logprob)
         if quant is not None:  # what the plugin did (the in-process engine's runtime)
-            from vllm_graft.integration.runtime import RUNTIME
+            from ...integration.runtime import RUNTIME
 
             report = RUNTIME.report()
         engine_dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
@@ -311,7 +311,7 @@ def parse_params(items: list[str]) -> dict[str, Any]:
 def _plugin(method: str, params: dict[str, Any]) -> Any:
     from pydantic import ValidationError
 
-    from vllm_graft.hooks import Kind, QuantMethod, RegistryError, get_registry
+    from ...hooks import Kind, QuantMethod, RegistryError, get_registry
 
     registry = get_registry()
     try:
@@ -350,7 +350,7 @@ def quantize_checkpoint(
     import torch
     from safetensors.torch import load_file, save_file
 
-    from vllm_graft.integration.adapters.quant.checkpoint import CHECKPOINT_FORMAT, quantization_name
+    from ...integration.adapters.quant.checkpoint import CHECKPOINT_FORMAT, quantization_name
 
     plugin, reg = _plugin(method, params)
     src, dst = Path(model), Path(out)

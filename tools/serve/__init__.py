@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from vllm_graft.launch.exits import EXIT_FAILED
+from ...launch.exits import EXIT_FAILED
 
 DEFAULT_RATES = "0.25,0.5,1"
 
@@ -173,9 +173,9 @@ def cmd_servebench(args: argparse.Namespace, console: Any) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from vllm_graft.hooks import DeploymentError
-    from vllm_graft.integration.bridge import check_vllm_version
-    from vllm_graft.tools.workloads import WorkloadError
+    from ...hooks import DeploymentError
+    from ...integration.bridge import check_vllm_version
+    from ..workloads import WorkloadError
 
     from .run import sweep
 

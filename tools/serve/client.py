@@ -10,7 +10,7 @@ import json
 import time
 from typing import Any, Sequence
 
-from vllm_graft.tools.soak.driver import DONE, loopback_only, sse_events
+from ..soak.driver import DONE, loopback_only, sse_events
 
 from .load import ServeRequest
 from .stats import Record

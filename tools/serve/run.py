@@ -64,7 +64,7 @@ class Arm:
 
 def cap_env(kwargs: dict[str, Any]) -> dict[str, str]:
     """The server environment that caps the KV pool as the bench does (see the module doc)."""
-    from vllm_graft.launch.engine import CPU_ENV_DEFAULTS
+    from ...launch.engine import CPU_ENV_DEFAULTS
 
     if kwargs.get("kv_cache_memory_bytes") is not None:
         return {}
@@ -75,8 +75,8 @@ def cap_env(kwargs: dict[str, Any]) -> dict[str, str]:
 def arms_for(paths: Sequence[str], kv_blocks: int | None = None) -> list[Arm]:
     """Plain vLLM (the deployments' plain twin) and each deployment. Every deployment must
     have the same plain twin (model and engine arguments): one plain arm, one KV cap."""
-    from vllm_graft.launch.engine import llm_kwargs
-    from vllm_graft.integration.plan import plan_for
+    from ...launch.engine import llm_kwargs
+    from ...integration.plan import plan_for
 
     arms: list[Arm] = []
     plain: dict[str, Any] | None = None
@@ -108,7 +108,7 @@ def arms_for(paths: Sequence[str], kv_blocks: int | None = None) -> list[Arm]:
 
 def build_requests(model: str, max_model_len: int, opts: Options) -> tuple[Dealt, dict[str, Any]]:
     """The workload's prompts for the warm-up, the calibration and every phase, dealt out."""
-    from vllm_graft.tools.workloads import Tokenizer, WorkloadError, build
+    from ..workloads import Tokenizer, WorkloadError, build
 
     extra = warm_up_requests(opts) - WARMUP_REQUESTS
     need = prompts_needed(opts.num_requests, len(opts.phases), WARMUP_REQUESTS, CALIBRATION_REQUESTS, extra)
@@ -251,7 +251,7 @@ def run_arm(
     opts: Options,
     say: Callable[[str], None],
 ) -> dict[str, Any]:
-    from vllm_graft.tools.soak.server import PREEMPTIONS, SERVED_NAME, Server, ServerError
+    from ..soak.server import PREEMPTIONS, SERVED_NAME, Server, ServerError
 
     out: dict[str, Any] = {
         "name": arm.name,

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-from vllm_graft.tools.bench.stats import percentile
+from ..bench.stats import percentile
 
 MEASUREMENT = __doc__.split("Definitions (also written into the JSON, ``measurement``):\n\n", 1)[1].strip()
 

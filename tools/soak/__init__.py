@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from vllm_graft.launch.exits import EXIT_FAILED
+from ...launch.exits import EXIT_FAILED
 
 
 def add_command(sub: Any) -> None:
@@ -70,8 +70,8 @@ def cmd_soak(args: argparse.Namespace, console: Any) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    from vllm_graft.hooks import DeploymentError
-    from vllm_graft.integration.bridge import check_vllm_version
+    from ...hooks import DeploymentError
+    from ...integration.bridge import check_vllm_version
 
     from .run import Options, row, soak
     from .server import ServerError

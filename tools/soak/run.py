@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from vllm_graft.launch.reports import REPORT_QUIET_PERIODS
-from vllm_graft.integration.runtime import REPORT_EVERY_S
+from ...launch.reports import REPORT_QUIET_PERIODS
+from ...integration.runtime import REPORT_EVERY_S
 
 from .driver import EXPECTED, Outcome, drive, run_request
 from .server import KV_USAGE, PREEMPTIONS, RUNNING, SERVED_NAME, WAITING, Server, kv_bytes_per_token
@@ -60,8 +60,8 @@ class Check:
 
 
 def soak(path: str, opts: Options, say: Callable[[str], None] = print) -> dict[str, Any]:
-    from vllm_graft.launch.engine import llm_kwargs
-    from vllm_graft.integration.plan import plan_for
+    from ...launch.engine import llm_kwargs
+    from ...integration.plan import plan_for
 
     plan = plan_for(path)
     kwargs = llm_kwargs(plan, graft=True)
@@ -81,7 +81,7 @@ def soak(path: str, opts: Options, say: Callable[[str], None] = print) -> dict[s
     levels = SHORT_LEVELS if opts.short else LEVELS
     ramp = Ramp(levels, seconds_per_level=None if opts.minutes is None else opts.minutes * 60 / len(levels))
 
-    from vllm_graft.tools.workloads import Tokenizer
+    from ..workloads import Tokenizer
 
     tokenizer = Tokenizer.from_model(model)
     seeded = opts.seeds if opts.seeds is not None else plan.platform != "cpu"

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_graft.launch.engine import SERVER_MODULE, engine_flags
-from vllm_graft.integration.lifetime import ENV_DIE_WITH_PARENT, set_parent_death_signal
+from ...launch.engine import SERVER_MODULE, engine_flags
+from ...integration.lifetime import ENV_DIE_WITH_PARENT, set_parent_death_signal
 
 SERVED_NAME = "soak"
 #: vLLM's /metrics samples the soak reads (labels summed).
@@ -184,7 +184,7 @@ class Server:
     def metrics(self) -> dict[str, float]:
         import httpx
 
-        from vllm_graft.launch.reports import parse_metrics
+        from ...launch.reports import parse_metrics
 
         return parse_metrics(httpx.get(self.base + "/metrics", timeout=10).text)
 

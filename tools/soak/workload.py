@@ -85,7 +85,7 @@ class RequestSpec:
 
 def corpus_ids(tokenizer: Any, *, seed: int, tokens: int = CORPUS_TOKENS) -> list[int]:
     """``tokens`` token ids of stdlib sources (files in a seeded order)."""
-    from vllm_graft.tools.workloads import stdlib_dir, stdlib_files
+    from ..workloads import stdlib_dir, stdlib_files
 
     root = stdlib_dir()
     files = stdlib_files(root)

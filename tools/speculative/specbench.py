@@ -62,7 +62,7 @@ ARMS_DIR_ENV = "VLLM_GRAFT_SPECBENCH_DEPLOYMENTS"
 def arm_file(arm: str) -> Path:
     """``DIR/spec-<arm>.yaml`` (``plain``: ``DIR/plain.yaml``; DIR: ``--deployments``, default
     ``deployments/``), or ``arm`` itself when it names a ``.yaml`` file."""
-    from vllm_graft.launch.engine import deployments_dir
+    from ...launch.engine import deployments_dir
 
     if arm.endswith((".yaml", ".yml")):
         return Path(arm)
@@ -79,8 +79,8 @@ def arm_plan(arm: str, params: dict[str, Any] | None = None) -> Any:
     proposer (a file's included; arms without one, plain and vllm-ngram, are left as they are)
     and are validated by the plugin's parameter model.
     Unknown: :class:`~vllm_graft.tools.plugin_args.PluginArgError` naming the choices."""
-    from vllm_graft.integration.plan import plan_for
-    from vllm_graft.tools.plugin_args import PluginArgError, parse_spec, registration, validate
+    from ...integration.plan import plan_for
+    from ..plugin_args import PluginArgError, parse_spec, registration, validate
 
     name, own = parse_spec(arm) if not arm.endswith((".yaml", ".yml")) else (arm, None)
     path = arm_file(name)
@@ -123,7 +123,7 @@ def _counters(llm: Any) -> dict[str, float]:
 def _prompt_sets(
     tokenizer: Any, workloads: Sequence[str], total: int, max_tokens: int, max_model_len: int, seed: int
 ) -> dict[str, list[Any]]:
-    from vllm_graft.tools import workloads as wl
+    from .. import workloads as wl
 
     out = {}
     for name in workloads:
@@ -169,7 +169,7 @@ def run_arm(
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_graft.launch.engine import llm_kwargs
+    from ...launch.engine import llm_kwargs
 
     plan = arm_plan(arm, params)
     kwargs = llm_kwargs(plan, graft=bool(plan.enabled), seed=seed, enforce_eager=True, disable_log_stats=False)
@@ -215,7 +215,7 @@ def run_arm(
                     "greedy_tokens": None if workload == PARALLEL else tokens,
                 }
             )
-        from vllm_graft.integration.runtime import RUNTIME
+        from ...integration.runtime import RUNTIME
 
         result["plugins"] = RUNTIME.report() if plan.enabled else []
         return result
@@ -311,13 +311,13 @@ def render(rows: list[dict[str, Any]], batches: Sequence[int]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from vllm_graft.launch.engine import apply_env_defaults
-    from vllm_graft.integration.plan import plan_for
-    from vllm_graft.tools.workloads import Tokenizer
+    from ...launch.engine import apply_env_defaults
+    from ...integration.plan import plan_for
+    from ..workloads import Tokenizer
 
     apply_env_defaults(in_process=True)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    from vllm_graft.tools.plugin_args import PluginArgError, parse_json_params, split_list
+    from ..plugin_args import PluginArgError, parse_json_params, split_list
 
     if getattr(args, "deployments", None):
         os.environ[ARMS_DIR_ENV] = str(Path(args.deployments).resolve())

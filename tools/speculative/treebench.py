@@ -93,7 +93,7 @@ def speculative_parts() -> tuple[Any, Any, Any]:
     """``(tree, recycling_policy, lookahead_policy)`` modules, reached through the registry as
     tools reach plugins: the two proposers' ``policy`` parts, and the tree primitives, which
     live beside them in the speculative plugins' package (``_tree``, registered by no one)."""
-    from vllm_graft.hooks import get_registry
+    from ...hooks import get_registry
 
     reg = get_registry()
     recycling = reg.get("speculative", "token-recycling").registration
@@ -443,10 +443,10 @@ def _ints(text: str) -> tuple[int, ...]:
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from vllm_graft.tools import workloads as wl
+    from .. import workloads as wl
 
     if args.model is None:
-        from vllm_graft.launch.engine import models_dir
+        from ...launch.engine import models_dir
 
         args.model = str(models_dir() / "graft-tiny-llama")
     if args.threads:

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import logging
 
-from vllm_graft.hooks import Kind
-from vllm_graft.hooks.contracts.attention import HOST_KERNELS
+from ....hooks import Kind
+from ....hooks.contracts.attention import HOST_KERNELS
 
-from vllm_graft.integration import targets
-from vllm_graft.integration.adapters import Adapter, attention_backend_overrides, backend
+from ... import targets
+from .. import Adapter, attention_backend_overrides, backend
 
 OWNER = targets.ATTENTION
 log = logging.getLogger("vllm_graft")

@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Callable
 
-from vllm_graft.integration.adapters.kvcompress import state as _state
-from vllm_graft.integration.runtime import RUNTIME
+from . import state as _state
+from ...runtime import RUNTIME
 
 if TYPE_CHECKING:  # for the doctor's attribute rows: what is read of vLLM's scheduler output
     from vllm.v1.core.sched.output import SchedulerOutput

@@ -12,25 +12,25 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from vllm_graft.hooks import Kind, KVCacheFormat
-from vllm_graft.integration.adapters import Adapter, attention_backend_overrides
-from vllm_graft.integration.adapters.kvcompress import state as _state
-from vllm_graft.integration.adapters.kvcompress.channel import (
+from ....hooks import Kind, KVCacheFormat
+from .. import Adapter, attention_backend_overrides
+from . import state as _state
+from .channel import (
     after_schedule_wrapper,
     execute_model_wrapper,
     sample_tokens_wrapper,
     update_from_output_wrapper,
 )
-from vllm_graft.integration.adapters.kvcompress.keep import KeepAll
-from vllm_graft.integration.adapters.kvcompress.merge import MergingAttention, MergingScores
-from vllm_graft.integration.adapters.kvcompress.plan import KVCompressError, RowBuffers, compaction_index
-from vllm_graft.integration.adapters.kvcompress.rows import build_attention_metadata_wrapper, host_seq_lens, step_rows
-from vllm_graft.integration.adapters.kvcompress.salt import composition_salt, request_init_wrapper
-from vllm_graft.integration.adapters.kvcompress.scores import _Scores, _ScoringAttention
-from vllm_graft.integration.adapters.kvcompress.shared_attention import layouts_read
-from vllm_graft.integration.adapters.kvcompress.state import OWNER, Active
-from vllm_graft.integration import targets
-from vllm_graft.integration.patches import PATCHES
+from .keep import KeepAll
+from .merge import MergingAttention, MergingScores
+from .plan import KVCompressError, RowBuffers, compaction_index
+from .rows import build_attention_metadata_wrapper, host_seq_lens, step_rows
+from .salt import composition_salt, request_init_wrapper
+from .scores import _Scores, _ScoringAttention
+from .shared_attention import layouts_read
+from .state import OWNER, Active
+from ... import targets
+from ...patches import PATCHES
 
 if TYPE_CHECKING:  # for the doctor's attribute rows: what the rewriter reads of vLLM's metadata
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # the CPU engine's runner subclasses it
@@ -119,7 +119,7 @@ def _manager_block_size(runner: GPUModelRunner, spec: Any) -> int:
     is the builder's."""
     from dataclasses import replace
 
-    from vllm_graft.integration.adapters.kvcompress.vllm_spec import GraftKVCompressSpec
+    from .vllm_spec import GraftKVCompressSpec
 
     sizes = set()
     for group in getattr(getattr(runner, "kv_cache_config", None), "kv_cache_groups", None) or ():
@@ -149,7 +149,7 @@ def rewrite(builder: Any, cm: CommonAttentionMetadata) -> Any:
     rows; on the host (no graphs) a build that drops nothing returns ``cm`` itself. The
     runner's tensors are never written (the drafter gets the same ``cm``), and nothing is read
     back from the device: the drops and the lengths are known on the host."""
-    from vllm_graft.integration.adapters.kvcompress.vllm_spec import GraftKVCompressSpec
+    from .vllm_spec import GraftKVCompressSpec
 
     spec = getattr(builder, "kv_cache_spec", None)
     if not isinstance(spec, GraftKVCompressSpec):
@@ -251,7 +251,7 @@ class KVCompressAdapter(Adapter):
         e, compressor = evictors[0] if evictors else (fmt_e, KeepAll())
         scored = bool(getattr(compressor, "needs_scores", False))
         merges = bool(getattr(compressor, "merges", False))
-        from vllm_graft.integration.adapters import backend  # imports vLLM
+        from .. import backend  # imports vLLM
 
         if scored:  # its attend() reads the cache: in the layout of the route's backend
             backend.require_layout(e.name, layouts_read(compressor), plan, "kvcompress plugin")
@@ -259,7 +259,7 @@ class KVCompressAdapter(Adapter):
         def count(event: str, n: int = 1, _name: str = e.name) -> None:
             runtime.count(Kind.KVCOMPRESS, _name, event, n)
 
-        from vllm_graft.integration.adapters.kvcompress import vllm_spec  # imports vLLM
+        from . import vllm_spec  # imports vLLM
 
         vllm_spec.register_spec()
         backend.install(OWNER)
@@ -305,7 +305,7 @@ class KVCompressAdapter(Adapter):
         backend = sys.modules.get("vllm_graft.integration.adapters.backend")
         if backend is None:  # activation failed before installing anything
             return
-        from vllm_graft.integration.adapters.kvcompress import vllm_spec  # vLLM is loaded
+        from . import vllm_spec  # vLLM is loaded
 
         if backend.SEAMS.customize_spec is vllm_spec.customize_spec:
             backend.SEAMS.customize_spec = None

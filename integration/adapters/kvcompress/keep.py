@@ -8,7 +8,7 @@ The rules live next to the contract, in ``vllm_graft.hooks.contracts.kvcompress`
 
 from __future__ import annotations
 
-from vllm_graft.hooks import (
+from ....hooks import (
     BlockView,
     KeepError,
     KVCompressor,
@@ -20,7 +20,7 @@ from vllm_graft.hooks import (
     union_of_heads,
 )
 
-from vllm_graft.integration.adapters.plugin_calls import raised
+from ..plugin_calls import raised
 
 __all__ = [
     "KeepAll",

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_graft.integration.adapters.kvcompress.scores import _Scores, _ScoringAttention, _StepPlan
+from .scores import _Scores, _ScoringAttention, _StepPlan
 
 
 class MergingScores(_Scores):

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from vllm_graft.hooks import BlockView, KVCompressor
-from vllm_graft.integration.adapters.kvcompress.keep import KeepError, ask, check_keep, dropped_blocks
+from ....hooks import BlockView, KVCompressor
+from .keep import KeepError, ask, check_keep, dropped_blocks
 
 if TYPE_CHECKING:
     import torch

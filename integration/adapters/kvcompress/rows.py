@@ -9,10 +9,10 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
-from vllm_graft.integration.adapters.kvcompress.plan import KVCompressError, blocks_to_skip
-from vllm_graft.integration.adapters.kvcompress.state import VERSIONS, Active
-from vllm_graft.integration.runtime import RUNTIME
-from vllm_graft.integration.targets import KV_BUILD_METADATA
+from .plan import KVCompressError, blocks_to_skip
+from .state import VERSIONS, Active
+from ...runtime import RUNTIME
+from ...targets import KV_BUILD_METADATA
 
 log = logging.getLogger("vllm_graft")
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from vllm_graft.integration.adapters.kvcompress import state as _state
-from vllm_graft.integration.adapters.kvcompress.plan import KVCompressError
-from vllm_graft.integration.adapters.kvcompress.state import VERSIONS
+from . import state as _state
+from .plan import KVCompressError
+from .state import VERSIONS
 
 
 def cache_salt(name: str, params: Any) -> str:

@@ -9,10 +9,10 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from vllm_graft.hooks import BlockView, KVCompressor
-from vllm_graft.integration.adapters.kvcompress import state as _state
-from vllm_graft.integration.adapters.kvcompress.channel import trace
-from vllm_graft.integration.adapters.kvcompress.keep import (
+from ....hooks import BlockView, KVCompressor
+from . import state as _state
+from .channel import trace
+from .keep import (
     KeepError,
     ask,
     check_keep,
@@ -21,8 +21,8 @@ from vllm_graft.integration.adapters.kvcompress.keep import (
     dropped_blocks,
     union_of_heads,
 )
-from vllm_graft.integration.adapters.kvcompress.rows import step_rows
-from vllm_graft.integration.adapters.kvcompress.shared_attention import (
+from .rows import step_rows
+from .shared_attention import (
     attend_with_mass,
     block_scores,
     layouts_read,
@@ -398,7 +398,7 @@ class _ScoringAttention:
         last observed position (causality unchanged); its output is discarded."""
         import torch
 
-        from vllm_graft.hooks import PagedBatch
+        from ....hooks import PagedBatch
 
         rows, qsl, lens, longest = plan.observed_batch
         made = plan._observed_paged  # one batch object per step: the attention's step index is cached by it

@@ -16,7 +16,7 @@ import functools
 import inspect
 from typing import Any
 
-from vllm_graft.hooks import KVCompressor
+from ....hooks import KVCompressor
 
 #: the cache layouts the shared attention reads (through ``layer.kv_layout.split``)
 SHARED_LAYOUTS = ("blocked", "packed", "cpu_vec")
@@ -51,7 +51,7 @@ def attend_with_mass(compressor: Any, query, kv_cache, batch, layer, observe, he
         if head_mask is None:
             return compressor.attend(query, kv_cache, batch, layer, observe)
         return compressor.attend(query, kv_cache, batch, layer, observe, head_mask=head_mask)
-    from vllm_graft.plugins.kvcompress._shared import reference as shared
+    from ....plugins.kvcompress._shared import reference as shared
 
     kernel = getattr(getattr(compressor, "params", None), "kernel", "reference")
     return shared.attend(kernel, query, kv_cache, batch, layer, observe, head_mask=head_mask)

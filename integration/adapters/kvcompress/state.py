@@ -9,11 +9,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from vllm_graft.hooks.registry import SUPPORTED_VLLM
-from vllm_graft.hooks import KVCacheFormat, KVCompressor
-from vllm_graft.integration import targets
-from vllm_graft.integration.adapters.kvcompress.plan import KVCompressError
-from vllm_graft.integration.runtime import RUNTIME
+from ....hooks.registry import SUPPORTED_VLLM
+from ....hooks import KVCacheFormat, KVCompressor
+from ... import targets
+from .plan import KVCompressError
+from ...runtime import RUNTIME
 
 OWNER = targets.KVCOMPRESS
 VERSIONS = SUPPORTED_VLLM  # the adapter was written and checked against this range

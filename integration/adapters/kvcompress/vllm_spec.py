@@ -17,9 +17,9 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-from vllm_graft.integration.adapters.kvcompress import state as _state
-from vllm_graft.integration.adapters.kvcompress.channel import trace
-from vllm_graft.integration.adapters.kvcompress.plan import KVCompressError, blocks_to_free, runs
+from . import state as _state
+from .channel import trace
+from .plan import KVCompressError, blocks_to_free, runs
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from vllm_graft.hooks.contracts.moe import MOE_STEPS, MoEScheduler
-from vllm_graft.integration.adapters.plugin_calls import raised
+from ....hooks.contracts.moe import MOE_STEPS, MoEScheduler
+from ..plugin_calls import raised
 
 if TYPE_CHECKING:
     import torch

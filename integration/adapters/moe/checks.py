@@ -12,11 +12,11 @@ import logging
 import re
 from typing import Any, Callable
 
-from vllm_graft.hooks import DeploymentError, Plan, Problem
-from vllm_graft.hooks.contracts import MoEModel
-from vllm_graft.hooks.deployment import Enabled
+from ....hooks import DeploymentError, Plan, Problem
+from ....hooks.contracts import MoEModel
+from ....hooks.deployment import Enabled
 
-from vllm_graft.integration.runtime import Runtime
+from ...runtime import Runtime
 
 log = logging.getLogger("vllm_graft")
 

@@ -108,17 +108,17 @@ from vllm.model_executor.layers.fused_moe.router.zero_expert_router import ZeroE
 from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 from vllm.model_executor.layers.fused_moe.runner.moe_runner_interface import MoERunnerInterface
 
-from vllm_graft.hooks import Kind, Plan
-from vllm_graft.hooks.contracts import MoEModel
-from vllm_graft.hooks.deployment import Enabled
+from ....hooks import Kind, Plan
+from ....hooks.contracts import MoEModel
+from ....hooks.deployment import Enabled
 
-from vllm_graft.integration import targets
-from vllm_graft.integration.runtime import Runtime
-from vllm_graft.integration.adapters import Adapter
-from vllm_graft.integration.adapters.moe.chain import MoEChain
-from vllm_graft.integration.adapters.moe.skip import run_kept
-from vllm_graft.integration.adapters.moe import eplb
-from vllm_graft.integration.adapters.moe.checks import (
+from ... import targets
+from ...runtime import Runtime
+from .. import Adapter
+from .chain import MoEChain
+from .skip import run_kept
+from . import eplb
+from .checks import (
     MOE_BACKEND_ARG,
     MoEAdapterError,
     bind,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_graft.hooks import QuantMethod
+from ....hooks import QuantMethod
 
 #: ``--quantization`` names of quant plugins are ``graft-<plugin>``.
 PREFIX = "graft-"
@@ -73,7 +73,7 @@ def check_checkpoint_params(plugin: QuantMethod, name: str, checkpoint: dict[str
 def stored_specs(plugin: QuantMethod, name: str, out_features: int, in_features: int) -> dict[str, Any]:
     """``plugin.stored_tensors(out, in)``, checked, or an error if the plugin cannot load
     pre-quantised checkpoints."""
-    from vllm_graft.hooks import StoredTensor
+    from ....hooks import StoredTensor
 
     specs = plugin.stored_tensors(out_features, in_features)
     if specs is None:

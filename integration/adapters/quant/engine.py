@@ -56,15 +56,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_graft.hooks import Kind, Plan
-from vllm_graft.hooks.deployment import Enabled
+from ....hooks import Kind, Plan
+from ....hooks.deployment import Enabled
 
-from vllm_graft.integration import targets
-from vllm_graft.integration.runtime import Runtime
-from vllm_graft.integration.adapters import Adapter
+from ... import targets
+from ...runtime import Runtime
+from .. import Adapter
 
 # The adapter's vLLM-free API, also reachable here (the unit tests use it through this module).
-from vllm_graft.integration.adapters.quant.checkpoint import (  # noqa: F401
+from .checkpoint import (  # noqa: F401
     CHECKPOINT_FORMAT,
     checkpoint_config,
     checkpoint_deployment,
@@ -72,7 +72,7 @@ from vllm_graft.integration.adapters.quant.checkpoint import (  # noqa: F401
     quantization_name,
     stored_specs,
 )
-from vllm_graft.integration.adapters.quant.tensors import (  # noqa: F401
+from .tensors import (  # noqa: F401
     check_quantized,
     install_tensors,
     keeps_storage,
@@ -101,7 +101,7 @@ class QuantAdapter(Adapter):
         return {"quantization": quantization_name(e.name)}
 
     def activate(self, enabled: list[Enabled], plan: Plan, runtime: Runtime) -> None:
-        from vllm_graft.integration.adapters.quant.vllm_method import config_class
+        from .vllm_method import config_class
 
         for e in enabled:
             name = quantization_name(e.name)
@@ -111,7 +111,7 @@ class QuantAdapter(Adapter):
 
     def deactivate(self) -> None:
         if self.state.registered:
-            from vllm_graft.integration.adapters.quant.vllm_method import unregister
+            from .vllm_method import unregister
 
             for name in self.state.registered:
                 unregister(name)

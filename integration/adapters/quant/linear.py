@@ -45,12 +45,12 @@ from typing import Any
 
 import torch
 
-from vllm_graft.hooks import Kind, QuantMethod
+from ....hooks import Kind, QuantMethod
 
-from vllm_graft.integration.runtime import RUNTIME
-from vllm_graft.integration.adapters.plugin_calls import raised
-from vllm_graft.integration.adapters.quant.checkpoint import checkpoint_tensor_name, quantization_name
-from vllm_graft.integration.adapters.quant.tensors import (
+from ...runtime import RUNTIME
+from ..plugin_calls import raised
+from .checkpoint import checkpoint_tensor_name, quantization_name
+from .tensors import (
     BUFFER_PREFIX,
     capturing,
     check_quantized,

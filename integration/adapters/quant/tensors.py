@@ -52,7 +52,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from vllm_graft.integration.runtime import RUNTIME
+from ...runtime import RUNTIME
 
 #: Buffer names of the kept tensors are ``graft_<name>``.
 BUFFER_PREFIX = "graft_"

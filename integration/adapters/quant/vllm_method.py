@@ -32,17 +32,17 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.utils import set_weight_attrs
 
-from vllm_graft.hooks import Kind, QuantMethod
+from ....hooks import Kind, QuantMethod
 
-from vllm_graft.integration.runtime import RUNTIME
-from vllm_graft.integration.adapters.quant.checkpoint import (
+from ...runtime import RUNTIME
+from .checkpoint import (
     PREFIX,
     check_checkpoint_params,
     checkpoint_config,
     quantization_name,
     stored_specs,
 )
-from vllm_graft.integration.adapters.quant.linear import PluginLinear
+from .linear import PluginLinear
 
 
 def _plugin_for(quant_name: str, checkpoint: dict[str, Any] | None = None) -> tuple[QuantMethod, str]:

@@ -46,9 +46,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
-from vllm_graft.hooks import Proposer
-from vllm_graft.integration.adapters.plugin_calls import raised
-from vllm_graft.plugins.speculative._tree.tree import first_path, is_chain
+from ....hooks import Proposer
+from ..plugin_calls import raised
+from ....plugins.speculative._tree.tree import first_path, is_chain
 
 log = logging.getLogger("vllm_graft")
 

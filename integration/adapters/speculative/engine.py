@@ -108,15 +108,15 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from pydantic import BaseModel
 
-from vllm_graft.hooks import Kind, Plan
-from vllm_graft.hooks.deployment import Enabled
+from ....hooks import Kind, Plan
+from ....hooks.deployment import Enabled
 
-from vllm_graft.integration import targets
-from vllm_graft.integration.patches import PATCHES
-from vllm_graft.integration.runtime import RUNTIME, Runtime
-from vllm_graft.integration.adapters import Adapter
-from vllm_graft.integration.adapters.speculative import tree
-from vllm_graft.integration.adapters.speculative.drafting import Drafting
+from ... import targets
+from ...patches import PATCHES
+from ...runtime import RUNTIME, Runtime
+from .. import Adapter
+from . import tree
+from .drafting import Drafting
 
 if TYPE_CHECKING:  # for the doctor's attribute rows: what is read of vLLM's runner
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -194,7 +194,7 @@ class GraftProposer:
         other plugins see token ids only."""
         plugin = self.drafting.plugin
         if getattr(plugin, "needs_target_weights", False):
-            from vllm_graft.integration.adapters.speculative.target import target_weights
+            from .target import target_weights
 
             plugin.attach_target(target_weights(target_model, self.vllm_config))  # type: ignore[attr-defined]  # needs_target_weights proposers have it
 
@@ -212,7 +212,7 @@ class GraftProposer:
         """From the patched ``_sample``, before vLLM samples: keep the top-k the plugin wants."""
         import torch
 
-        from vllm_graft.plugins._flashinfer import topk_ids  # FlashInfer's top_k on CUDA, else torch.topk
+        from ....plugins._flashinfer import topk_ids  # FlashInfer's top_k on CUDA, else torch.topk
 
         k = min(self.drafting.topk, int(logits.shape[-1]))
         with torch.no_grad():

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from vllm_graft.hooks import TargetLayer, TargetWeights
+from ....hooks import TargetLayer, TargetWeights
 
 SUPPORTED = ("LlamaForCausalLM",)
 

@@ -70,8 +70,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from vllm_graft.hooks import BLOCKED, PACKED, AttentionMethod, KVCacheLayout
-from vllm_graft.integration.runtime import RUNTIME
+from ....hooks import BLOCKED, PACKED, AttentionMethod, KVCacheLayout
+from ...runtime import RUNTIME
 
 if TYPE_CHECKING:  # for the doctor's attribute rows: what is read of vLLM's runner
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
@@ -109,7 +109,7 @@ def tree_verifiable(sampling_params: Any) -> bool:
 
 
 def _tree_parts():
-    from vllm_graft.plugins.speculative import _tree
+    from ....plugins.speculative import _tree
 
     return _tree
 
@@ -366,7 +366,7 @@ def _triton_kernel():
     """The Triton tree kernel's module (``_tree.kernel``), or None where Triton cannot be
     imported (logged once)."""
     try:
-        from vllm_graft.plugins.speculative._tree import kernel
+        from ....plugins.speculative._tree import kernel
     except ImportError as e:
         log.warning(
             "vllm-graft tree verification: Triton cannot be imported (%s); the tree rows "
@@ -433,7 +433,7 @@ class TreeAttention(AttentionMethod):
         self._pass_rows(query, kv_cache, batch, layer, plan, output)
 
     def forward(self, query, kv_cache, batch, layer, plan=None):
-        from vllm_graft.plugins.attention._shared import paged_attention
+        from ....plugins.attention._shared import paged_attention
 
         if not plan:
             return paged_attention(query, kv_cache, batch, layer)
@@ -534,7 +534,7 @@ def activate_verifier(count) -> TreeVerifier:
     """The proposer's verifier, which the attention method reads its plan from. ``count`` (the
     proposer's events) also counts the backend's layers while the tree attention holds its
     method (``plan``, ``forward``, ``stock_layers``, ``stock_layers_with_tree``)."""
-    from vllm_graft.integration.adapters import backend
+    from .. import backend
 
     verifier = RUNTIME.tree_verifier = TreeVerifier(count)
     if backend.SEAMS.method is _ATTENTION:
@@ -543,7 +543,7 @@ def activate_verifier(count) -> TreeVerifier:
 
 
 def install_attention(owner: str) -> None:
-    from vllm_graft.integration.adapters import backend
+    from .. import backend
 
     if backend.SEAMS.method is not None and backend.SEAMS.method is not _ATTENTION:
         raise ValueError(
@@ -557,7 +557,7 @@ def install_attention(owner: str) -> None:
 
 
 def uninstall_attention(owner: str) -> None:
-    from vllm_graft.integration.adapters import backend
+    from .. import backend
 
     RUNTIME.tree_verifier = None
     if backend.SEAMS.method is _ATTENTION:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from vllm_graft.hooks import KINDS, Kind
-from vllm_graft.kit.conformance.base import Target
-from vllm_graft.kit.conformance.exercises.attention import exercise_attention
-from vllm_graft.kit.conformance.exercises.kvcompress import exercise_kvcompress
-from vllm_graft.kit.conformance.exercises.moe import exercise_moe
-from vllm_graft.kit.conformance.exercises.quant import exercise_quant
-from vllm_graft.kit.conformance.exercises.speculative import exercise_speculative
+from ....hooks import KINDS, Kind
+from ..base import Target
+from .attention import exercise_attention
+from .kvcompress import exercise_kvcompress
+from .moe import exercise_moe
+from .quant import exercise_quant
+from .speculative import exercise_speculative
 
 Exercise = Callable[[Target, Any, str, bool], list[tuple[str, Any]]]
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import dataclasses
 
-from vllm_graft.hooks import BLOCKED, CPU_VEC, KV_LAYOUTS, PACKED, AttentionLayer, KVCacheLayout, PagedBatch
-from vllm_graft.kit.conformance.base import (
+from ....hooks import BLOCKED, CPU_VEC, KV_LAYOUTS, PACKED, AttentionLayer, KVCacheLayout, PagedBatch
+from ..base import (
     Skipped,
     Target,
     max_err,

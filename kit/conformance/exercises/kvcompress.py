@@ -13,7 +13,7 @@ import random
 from types import SimpleNamespace
 from typing import Any
 
-from vllm_graft.hooks import (
+from ....hooks import (
     BlockView,
     KeepError,
     KVCacheFormat,
@@ -23,8 +23,8 @@ from vllm_graft.hooks import (
     dropped_blocks,
     union_of_heads,
 )
-from vllm_graft.hooks.contracts import split_kv_cache
-from vllm_graft.kit.conformance.base import (
+from ....hooks.contracts import split_kv_cache
+from ..base import (
     Skipped,
     Target,
     max_err,
@@ -32,7 +32,7 @@ from vllm_graft.kit.conformance.base import (
     torch_dtype,
     torch_module,
 )
-from vllm_graft.kit.conformance.exercises.attention import (
+from .attention import (
     ATTENTION_SEQS,
     ATTENTION_SHAPES,
     attention_case,
@@ -171,7 +171,7 @@ def exercise_block_scores(t: Target, impl: Any, dtype: str) -> list[tuple[str, A
     exercise's paged batches: a floating ``[num_seqs, max_blocks]`` tensor, finite on every
     sequence's blocks, its inputs left as they were, and the same scores for the same tokens in
     every cache layout it claims (the first, blocked, is the reference)."""
-    from vllm_graft.integration.adapters.kvcompress.shared_attention import (
+    from ....integration.adapters.kvcompress.shared_attention import (
         attend_with_mass,
         block_scores,
         layouts_read,
@@ -274,7 +274,7 @@ def exercise_attend(t: Target, impl: Any, dtype: str, rules: bool) -> list[tuple
     for a ``per_head`` compressor. Output and mass are compared with the kit's float64
     computation (:func:`~.attention.exact_attention_with_mass`), in every cache its
     ``kv_layouts`` claims (:func:`~.attention.claimed_caches`)."""
-    from vllm_graft.integration.adapters.kvcompress.shared_attention import attend_with_mass, layouts_read
+    from ....integration.adapters.kvcompress.shared_attention import attend_with_mass, layouts_read
 
     per_head = bool(getattr(impl, "per_head", False))
     sizes = t.entry.registration.capabilities.head_sizes

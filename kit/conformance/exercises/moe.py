@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_graft.hooks import MoEModel
-from vllm_graft.kit.conformance.base import Target, torch_dtype, torch_module
+from ....hooks import MoEModel
+from ..base import Target, torch_dtype, torch_module
 
 MOE_EXPERTS, MOE_TOPK, MOE_TOKENS, MOE_LAYERS = 8, 2, 9, 4
 

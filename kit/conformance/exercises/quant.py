@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_graft.kit.conformance.base import Target, tolerance, torch_dtype, torch_module
+from ..base import Target, tolerance, torch_dtype, torch_module
 
 QUANT_SHAPES = [(64, 128, 1), (96, 256, 5), (128, 128, 3)]  # (out, in, tokens): random layers
 #: (out, in, tokens) of the structured layer (:func:`structured_layer`)

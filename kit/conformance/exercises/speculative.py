@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from vllm_graft.kit.conformance.base import Target, build
+from ..base import Target, build
 
 SPEC_REQUESTS = 6
 SPEC_STEPS = 25
@@ -44,7 +44,7 @@ def random_target(vocab: int = SPEC_VOCAB, dtype: str = "float32", seed: int = 0
     adapter attaches the served model."""
     import torch
 
-    from vllm_graft.hooks.contracts.target import TargetLayer, TargetWeights
+    from ....hooks.contracts.target import TargetLayer, TargetWeights
 
     g = torch.Generator().manual_seed(seed)
     dt = getattr(torch, dtype)

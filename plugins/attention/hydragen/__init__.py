@@ -10,8 +10,8 @@ remaining blocks are attended on their own; the partial results merge exactly by
 
 from pydantic import Field
 
-from vllm_graft.hooks import Capabilities, KernelParams, Registration, hookimpl
-from vllm_graft.hooks.registry import ATTENTION_BACKEND_LIMITS
+from ....hooks import Capabilities, KernelParams, Registration, hookimpl
+from ....hooks.registry import ATTENTION_BACKEND_LIMITS
 
 
 class HydragenParams(KernelParams):

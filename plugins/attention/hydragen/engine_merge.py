@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from vllm_graft.hooks.contracts.attention import host_kernel
+from ....hooks.contracts.attention import host_kernel
 
 from .levels import fold_levels
 from .policy import StepPlan

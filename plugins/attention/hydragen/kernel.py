@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_graft.hooks import AttentionLayer, PagedBatch
+from ....hooks import AttentionLayer, PagedBatch
 
 from .._shared import cache_strides
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from vllm_graft.hooks import PagedBatch
+from ....hooks import PagedBatch
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_graft.hooks import AttentionLayer, AttentionMethod, PagedBatch
+from ....hooks import AttentionLayer, AttentionMethod, PagedBatch
 
 from .._shared import cache_rows as _cache_rows
 from .._shared import head_major_kv

@@ -8,8 +8,8 @@ plugins are compared with, so the plugin path is exercised end to end.
 
 from pydantic import Field
 
-from vllm_graft.hooks import Capabilities, Params, Registration, hookimpl
-from vllm_graft.hooks.registry import ATTENTION_BACKEND_LIMITS
+from ....hooks import Capabilities, Params, Registration, hookimpl
+from ....hooks.registry import ATTENTION_BACKEND_LIMITS
 
 
 class NoopParams(Params):

@@ -16,9 +16,9 @@ from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from vllm_graft.hooks import Capabilities, KernelParams, Registration, hookimpl
-from vllm_graft.hooks.deployment import param_path
-from vllm_graft.hooks.registry import ATTENTION_BACKEND_LIMITS
+from ....hooks import Capabilities, KernelParams, Registration, hookimpl
+from ....hooks.deployment import param_path
+from ....hooks.registry import ATTENTION_BACKEND_LIMITS
 
 
 #: Positions between two full steps of mode recycled, unless `refresh` is given.

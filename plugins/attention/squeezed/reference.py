@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vllm_graft.hooks import BLOCKED, AttentionLayer, AttentionMethod, KVCacheLayout, PagedBatch
+from ....hooks import BLOCKED, AttentionLayer, AttentionMethod, KVCacheLayout, PagedBatch
 
 from .._shared import fused_causal_attention, gather_kv
 from .policy import Budget, budget, load_head_map, window_chunks

@@ -39,8 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_graft.hooks import AttentionLayer, PagedBatch
-from vllm_graft.plugins.attention._shared import paged_attention_with_mass
+from ....hooks import AttentionLayer, PagedBatch
+from ...attention._shared import paged_attention_with_mass
 
 _FLOOR = tl.constexpr(-1e30)  # a finite max for a page or step with no valid key, so exp(-inf - floor) = 0
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_graft.hooks import AttentionLayer, PagedBatch
+from ....hooks import AttentionLayer, PagedBatch
 
 
 def batch_keys(kv_cache: torch.Tensor, batch: PagedBatch, layer: AttentionLayer):

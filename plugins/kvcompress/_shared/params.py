@@ -4,7 +4,7 @@
 
 from pydantic import Field, model_validator
 
-from vllm_graft.hooks import PolicyParams
+from ....hooks import PolicyParams
 
 
 class TopBlocksParams(PolicyParams):

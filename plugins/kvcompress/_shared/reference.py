@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_graft.hooks import AttentionLayer, PagedBatch
-from vllm_graft.plugins.attention._shared import paged_attention_with_mass
+from ....hooks import AttentionLayer, PagedBatch
+from ...attention._shared import paged_attention_with_mass
 
 
 def attend(

@@ -24,8 +24,8 @@ the heads share the union (AdaKV's choice of blocks, no masking); below, the hea
 
 from pydantic import Field, model_validator
 
-from vllm_graft.hooks import Capabilities, Registration, hookimpl
-from vllm_graft.plugins.kvcompress.snapkv import SnapKVParams
+from ....hooks import Capabilities, Registration, hookimpl
+from ..snapkv import SnapKVParams
 
 
 class AdaKVParams(SnapKVParams):

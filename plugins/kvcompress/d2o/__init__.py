@@ -31,7 +31,7 @@ is salted on its own).
 
 from pydantic import Field
 
-from vllm_graft.hooks import Capabilities, Registration, hookimpl
+from ....hooks import Capabilities, Registration, hookimpl
 
 from ..h2o import H2OParams
 

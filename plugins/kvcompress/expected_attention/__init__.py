@@ -24,8 +24,8 @@ the cache (``block_scores``).
 
 from pydantic import Field
 
-from vllm_graft.hooks import Capabilities, Registration, hookimpl
-from vllm_graft.plugins.kvcompress.snapkv import SnapKVParams
+from ....hooks import Capabilities, Registration, hookimpl
+from ..snapkv import SnapKVParams
 
 
 class ExpectedAttentionParams(SnapKVParams):

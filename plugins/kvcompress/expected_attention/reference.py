@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_graft.hooks import AttentionLayer, PagedBatch
+from ....hooks import AttentionLayer, PagedBatch
 
 from .._shared.keys import batch_keys, observed_rows
 from ..snapkv.reference import SnapKV

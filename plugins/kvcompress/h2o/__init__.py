@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from vllm_graft.hooks import Capabilities, PolicyParams, Registration, hookimpl
+from ....hooks import Capabilities, PolicyParams, Registration, hookimpl
 
 
 class H2OParams(PolicyParams):

@@ -11,7 +11,7 @@ The layer's attention itself is the worker's shared attention (``kernel: referen
 ``triton``); the scores replace its mass.
 """
 
-from vllm_graft.hooks import Capabilities, Registration, hookimpl
+from ....hooks import Capabilities, Registration, hookimpl
 
 from .._shared.params import TopBlocksParams
 

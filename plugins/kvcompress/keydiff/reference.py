@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_graft.hooks import AttentionLayer, CacheScores, PagedBatch
+from ....hooks import AttentionLayer, CacheScores, PagedBatch
 
 from .._shared.keys import batch_keys, per_block
 

@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from vllm_graft.hooks import Capabilities, KernelParams, Registration, hookimpl
+from ....hooks import Capabilities, KernelParams, Registration, hookimpl
 
 
 class KV4Params(KernelParams):

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_graft.hooks import AttentionLayer, PagedBatch
+from ....hooks import AttentionLayer, PagedBatch
 
 from .layout import offsets
 

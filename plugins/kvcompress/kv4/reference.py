@@ -42,8 +42,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_graft.hooks import AttentionLayer, PagedBatch
-from vllm_graft.plugins.attention._shared import flat_blocks, fused_causal_attention, paged_attention_with_mass
+from ....hooks import AttentionLayer, PagedBatch
+from ...attention._shared import flat_blocks, fused_causal_attention, paged_attention_with_mass
 
 from .layout import bytes_per_token, offsets, unsupported
 
@@ -258,7 +258,7 @@ def _attention_with_mass(
 
 
 # ----------------------------------------------------------------------------- plugin
-from vllm_graft.hooks import KVCacheFormat  # noqa: E402
+from ....hooks import KVCacheFormat  # noqa: E402
 
 
 class KV4(KVCacheFormat):

@@ -1,6 +1,6 @@
 """`noop` KV compressor: keeps every block (the uncompressed baseline)."""
 
-from vllm_graft.hooks import Capabilities, NoParams, Registration, hookimpl
+from ....hooks import Capabilities, NoParams, Registration, hookimpl
 
 
 @hookimpl

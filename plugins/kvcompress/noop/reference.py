@@ -1,4 +1,4 @@
-from vllm_graft.hooks import BlockView, KVCompressor
+from ....hooks import BlockView, KVCompressor
 
 
 class KeepAll(KVCompressor):

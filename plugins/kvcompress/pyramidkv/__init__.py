@@ -22,8 +22,8 @@ then reads its own best among them. Mid-prefill nothing is dropped.
 
 from pydantic import Field, model_validator
 
-from vllm_graft.hooks import Capabilities, Registration, hookimpl
-from vllm_graft.plugins.kvcompress.snapkv import SnapKVParams
+from ....hooks import Capabilities, Registration, hookimpl
+from ..snapkv import SnapKVParams
 
 
 class PyramidKVParams(SnapKVParams):

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from vllm_graft.hooks import BlockView
-from vllm_graft.hooks.contracts.kvpolicy import top_blocks
+from ....hooks import BlockView
+from ....hooks.contracts.kvpolicy import top_blocks
 
 from ..snapkv.reference import SnapKV
 

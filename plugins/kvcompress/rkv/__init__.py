@@ -24,7 +24,7 @@ The mass comes from the worker's shared attention with mass, which hands it with
 
 from pydantic import Field
 
-from vllm_graft.hooks import Capabilities, Registration, hookimpl
+from ....hooks import Capabilities, Registration, hookimpl
 
 from .._shared.params import TopBlocksParams
 

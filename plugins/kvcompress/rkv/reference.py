@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_graft.hooks import AttentionLayer, PagedBatch
+from ....hooks import AttentionLayer, PagedBatch
 
 from .._shared.keys import observed_rows
 from ..keydiff.reference import key_diff_scores

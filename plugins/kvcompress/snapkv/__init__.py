@@ -15,7 +15,7 @@ adjacent tokens.) Mid-prefill (chunked prefill) nothing is dropped.
 
 from pydantic import Field, model_validator
 
-from vllm_graft.hooks import Capabilities, PolicyParams, Registration, hookimpl
+from ....hooks import Capabilities, PolicyParams, Registration, hookimpl
 
 
 class SnapKVParams(PolicyParams):

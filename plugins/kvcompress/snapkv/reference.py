@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from vllm_graft.hooks import BlockView, PolicyCompressor
+from ....hooks import BlockView, PolicyCompressor
 
 
 class SnapKV(PolicyCompressor):

@@ -11,7 +11,7 @@ requests, which are never freed from under them).
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from vllm_graft.hooks import Capabilities, Registration, hookimpl
+from ....hooks import Capabilities, Registration, hookimpl
 
 
 class StreamingParams(BaseModel):

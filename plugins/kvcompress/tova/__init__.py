@@ -15,7 +15,7 @@ implements no ``attend``): the exact reference, or the Triton decode kernel with
 ``kernel: triton``. The plugin is its policy alone: ``reference.py`` is 30 lines.
 """
 
-from vllm_graft.hooks import Capabilities, Registration, hookimpl
+from ....hooks import Capabilities, Registration, hookimpl
 
 from .._shared.params import TopBlocksParams
 

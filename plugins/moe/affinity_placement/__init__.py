@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from vllm_graft.hooks import Capabilities, Params as BaseParams, Registration, hookimpl
-from vllm_graft.hooks.deployment import param_path
+from ....hooks import Capabilities, Params as BaseParams, Registration, hookimpl
+from ....hooks.deployment import param_path
 
 
 class Params(BaseParams):

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_graft.hooks import MoEModel, MoEScheduler
+from ....hooks import MoEModel, MoEScheduler
 
 from .._shared import StepAssembler
 from .policy import Placement, linear, round_robin, solve, volume

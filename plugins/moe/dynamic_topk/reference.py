@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from vllm_graft.hooks import MoEModel, MoEScheduler
+from ....hooks import MoEModel, MoEScheduler
 
 CRITERIA = ("mass", "entropy")
 

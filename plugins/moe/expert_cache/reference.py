@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_graft.hooks import MoEModel, MoEScheduler
+from ....hooks import MoEModel, MoEScheduler
 
 from .._shared import StepAssembler
 from .policy import ExpertCache

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from vllm_graft.hooks import Capabilities, Registration, hookimpl
-from vllm_graft.hooks.deployment import param_path
+from ....hooks import Capabilities, Registration, hookimpl
+from ....hooks.deployment import param_path
 
 from .policy import ExpertMask, MaskError
 

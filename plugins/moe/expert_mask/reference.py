@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from vllm_graft.hooks import MoEModel, MoEScheduler
+from ....hooks import MoEModel, MoEScheduler
 
 
 def mask_logits(

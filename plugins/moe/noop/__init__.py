@@ -1,6 +1,6 @@
 """`noop` MoE scheduler: the model's own softmax top-k routing, unchanged."""
 
-from vllm_graft.hooks import Capabilities, NoParams, Registration, hookimpl
+from ....hooks import Capabilities, NoParams, Registration, hookimpl
 
 
 @hookimpl

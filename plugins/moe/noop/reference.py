@@ -16,7 +16,7 @@ float32 (as vLLM's GPU ``fused_topk`` does), so there the weights may differ in 
 
 import torch
 
-from vllm_graft.hooks import MoEScheduler
+from ....hooks import MoEScheduler
 
 
 def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool):

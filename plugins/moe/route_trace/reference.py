@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from vllm_graft.hooks import MoEModel, MoEScheduler
+from ....hooks import MoEModel, MoEScheduler
 
 FORMAT = "vllm-graft/routing-trace"
 VERSION = 1

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vllm_graft.hooks import QuantMethod, StoredTensor
+from ....hooks import QuantMethod, StoredTensor
 
 from .._shared import fallback_once, scratch
 from .cpu import decode_bf16, lanes_out, tables

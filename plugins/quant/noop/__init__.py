@@ -2,7 +2,7 @@
 
 from pydantic import Field
 
-from vllm_graft.hooks import Capabilities, Params, Registration, hookimpl
+from ....hooks import Capabilities, Params, Registration, hookimpl
 
 
 class FullPrecisionParams(Params):

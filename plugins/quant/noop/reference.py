@@ -1,6 +1,6 @@
 import torch.nn.functional as F
 
-from vllm_graft.hooks import QuantMethod
+from ....hooks import QuantMethod
 
 
 class FullPrecision(QuantMethod):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vllm_graft.hooks import QuantMethod, StoredTensor
+from ....hooks import QuantMethod, StoredTensor
 
 from .._shared import fallback_once, scratch
 from .cpu import dequantize_rows, fused_linear

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from vllm_graft.hooks import Capabilities, KernelParams, Registration, hookimpl
+from ....hooks import Capabilities, KernelParams, Registration, hookimpl
 
 
 class W4A8Params(KernelParams):

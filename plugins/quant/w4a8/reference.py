@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_graft.hooks import QuantMethod, StoredTensor
+from ....hooks import QuantMethod, StoredTensor
 
 from .._shared import quantize_activations
 

@@ -5,7 +5,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from vllm_graft.hooks import Capabilities, Registration, hookimpl
+from ....hooks import Capabilities, Registration, hookimpl
 
 
 class AdaptiveParams(BaseModel):
@@ -60,8 +60,8 @@ class AdaptiveParams(BaseModel):
 
     @model_validator(mode="after")
     def _wrapped(self):
-        from vllm_graft.hooks import Kind
-        from vllm_graft.hooks.manager import get_registry
+        from ....hooks import Kind
+        from ....hooks.manager import get_registry
 
         registry = get_registry()
         names = [n for n in registry.names(Kind.SPECULATIVE) if n != "adaptive"]
@@ -84,15 +84,15 @@ class AdaptiveParams(BaseModel):
         """Whether the wrapped proposer drafts trees (its ``tree`` parameter): deployment
         validation reads this (``hooks.contracts.speculative.TREE_FIELD``) to refuse what tree
         verification cannot run with, as for the proposer itself."""
-        from vllm_graft.hooks.contracts.speculative import TREE_FIELD
+        from ....hooks.contracts.speculative import TREE_FIELD
 
         return getattr(self.inner_params(), TREE_FIELD, None) is True
 
     def inner_params(self) -> BaseModel:
         """The wrapped plugin's validated parameters (its ``num_speculative_tokens``, when it
         has one and it is not given, is this plugin's)."""
-        from vllm_graft.hooks import Kind
-        from vllm_graft.hooks.manager import get_registry
+        from ....hooks import Kind
+        from ....hooks.manager import get_registry
 
         model = get_registry().get(Kind.SPECULATIVE, self.proposer).registration.params
         raw = dict(self.params)

@@ -7,14 +7,14 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
-from vllm_graft.hooks import Kind, Proposer, SelfSpeculativeProposer
+from ....hooks import Kind, Proposer, SelfSpeculativeProposer
 
 from .policy import SHADOW, GoodputPolicy, ModeChooser
 
 
 def build_inner(params: Any) -> Proposer:
     """The wrapped proposer, built from the registry as the runtime builds plugins."""
-    from vllm_graft.hooks.manager import get_registry
+    from ....hooks.manager import get_registry
 
     entry = get_registry().get(Kind.SPECULATIVE, params.proposer)
     cls = entry.registration.load()

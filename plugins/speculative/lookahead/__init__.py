@@ -3,7 +3,7 @@ requests, capped in memory with frequency pruning."""
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from vllm_graft.hooks import Capabilities, Registration, hookimpl
+from ....hooks import Capabilities, Registration, hookimpl
 
 
 class LookaheadParams(BaseModel):

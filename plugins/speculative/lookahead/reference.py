@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from vllm_graft.hooks import Proposer
+from ....hooks import Proposer
 
 from .policy import Calibration, OwnContext, Progress, SharedOutputs, TokenTrie
 

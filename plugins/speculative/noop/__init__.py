@@ -1,6 +1,6 @@
 """`noop` proposer: proposes no draft tokens (decoding as without speculation)."""
 
-from vllm_graft.hooks import Capabilities, NoParams, Registration, hookimpl
+from ....hooks import Capabilities, NoParams, Registration, hookimpl
 
 
 @hookimpl

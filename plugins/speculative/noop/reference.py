@@ -1,4 +1,4 @@
-from vllm_graft.hooks import Proposer
+from ....hooks import Proposer
 
 
 class NoDraft(Proposer):

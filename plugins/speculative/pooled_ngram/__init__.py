@@ -3,7 +3,7 @@ across the n samples of a prompt and across requests with the same prompt prefix
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from vllm_graft.hooks import Capabilities, Registration, hookimpl
+from ....hooks import Capabilities, Registration, hookimpl
 
 
 class PooledNgramParams(BaseModel):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from vllm_graft.hooks import Proposer
+from ....hooks import Proposer
 
 from .policy import PoolStore
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from vllm_graft.hooks import Capabilities, Params, Registration, hookimpl
+from ....hooks import Capabilities, Params, Registration, hookimpl
 
 #: What the speculative adapter can describe to the proposer (vLLM's Llama implementation).
 ARCHITECTURES = ("LlamaForCausalLM",)

@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from vllm_graft.hooks import SelfSpeculativeProposer, TargetWeights
+from ....hooks import SelfSpeculativeProposer, TargetWeights
 
 from .policy import LayerSkipSearch, skippable_sublayers
 

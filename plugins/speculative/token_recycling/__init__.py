@@ -3,7 +3,7 @@ vocab x k successor matrix, drafted along the most probable path."""
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from vllm_graft.hooks import Capabilities, Registration, hookimpl
+from ....hooks import Capabilities, Registration, hookimpl
 
 
 class TokenRecyclingParams(BaseModel):

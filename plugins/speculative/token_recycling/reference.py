@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from vllm_graft.hooks import Proposer
+from ....hooks import Proposer
 
 from .policy import RecyclingMatrix
 
