@@ -242,6 +242,41 @@ def test_the_tutorial_has_a_minimal_plugin_of_each_kind():
         assert set(parts) == {"params", "reference.py"}, f"tutorial's {kind} plugin {name}: {sorted(parts)}"
 
 
+def _tutorial_files(kind: str, name: str, parts: dict[str, str]) -> dict[str, str]:
+    """The tutorial's plugin of ``kind`` as its two files: the scaffold's ``__init__.py`` with the
+    tutorial's parameter class in place of the generated one, and its ``reference.py``."""
+    from vllm_graft.hooks import Kind
+    from vllm_graft.kit.scaffold import camel, render
+
+    init = render(Kind(kind), name, "pkg")["pkg/__init__.py"]
+    generated = re.compile(rf"^class {camel(name)}Params\(Params\):\n.*?(?=\n\n\n@hookimpl)", re.M | re.S)
+    init, n = generated.subn(lambda _: parts["params"].rstrip("\n"), init)
+    assert n == 1, "the scaffold's parameter class is not where the tutorial says"
+    return {"__init__.py": init, "reference.py": parts["reference.py"]}
+
+
+def test_the_tutorial_counts_what_each_minimal_plugin_imports():
+    """Its table lists, per kind, the names of ``vllm_graft.hooks`` the two files use (an import
+    the file never uses does not count): the surface a plugin author of that kind needs."""
+    import ast
+
+    rows = re.search(r"<!-- docs-test: imports -->\n(.*?)\n\n", TUTORIAL.read_text(), re.S)
+    assert rows, "docs/tutorial.md lost its table of imports"
+    table = {}
+    for line in rows.group(1).splitlines()[2:]:
+        kind, count, names = (c.strip() for c in line.strip("|").split("|"))
+        table[kind] = (int(count), sorted(n.strip(" `") for n in names.split(",")))
+    for kind, (name, parts) in tutorial_plugins().items():
+        used = set()
+        for text in _tutorial_files(kind, name, parts).values():
+            tree = ast.parse(text)
+            loaded = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
+                n.value.id for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)}
+            used |= {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                     and (n.module or "").startswith("vllm_graft.hooks") for a in n.names} & loaded
+        assert table[kind] == (len(used), sorted(used)), f"tutorial's {kind} row: {table[kind]}, the files use {sorted(used)}"
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_tutorials_plugin_builds_from_the_scaffold_and_passes_the_kit(kind, tmp_path, monkeypatch, capsys):
     """`vllm-graft new-plugin KIND NAME`, the tutorial's parameter class put in the generated
