@@ -267,58 +267,11 @@ def expert_bytes_of(model: str | None) -> int | None:
     return 3 * H * I * size if H and I else None
 
 
-def cmd_sim(args: argparse.Namespace, console: Console) -> int:
-    from ...hooks import get_registry
-    from ...launch.exits import EXIT_OK, EXIT_USAGE
-
-    from ..plugin_args import PluginArgError
-
-    try:
-        P = _simulator(getattr(args, "placement", None) or "affinity-placement", "placement", PLACEMENT_API)
-        cache = _simulator(getattr(args, "cache", None) or "expert-cache", "cache", CACHE_API)
-    except PluginArgError as e:
-        console.print(f"[bold red]error:[/] {escape(str(e))}")
-        return EXIT_USAGE
-    POLICIES, sets_from_trace, simulate = cache.POLICIES, cache.sets_from_trace, cache.simulate
-    traces = get_registry().get("moe", "route-trace").registration.part("reference")
-    Trace, TraceError = traces.Trace, traces.TraceError
-
-    try:
-        trace = Trace.load(args.trace)
-        devices, caps, prefetch = _ints(args.devices), _ints(args.capacity), _ints(args.prefetch)
-    except (TraceError, ValueError) as e:
-        console.print(f"[bold red]error:[/] {escape(str(e))}")
-        return EXIT_USAGE
-    L, E, k = trace.num_layers, trace.num_experts, trace.top_k
-    bad = [n for n in devices if n < 1 or E % n]
-    if bad:
-        console.print(f"[bold red]error:[/] --devices {bad}: {E} experts do not split evenly over them")
-        return EXIT_USAGE
-    caps = caps or sorted({max(k, E // 4), max(k, E // 2)})
-    if any(c < k or c > E for c in caps):
-        console.print(f"[bold red]error:[/] --capacity values must be in {k}..{E} (top-{k} of {E} experts)")
-        return EXIT_USAGE
-    eb = args.expert_bytes or expert_bytes_of(trace.meta.get("model"))
-    console.print(
-        f"trace {escape(args.trace)}: {trace.num_tokens} tokens, {L} MoE layers {trace.layers}, "
-        f"top-{k} of {E} experts, segments {[s[0] for s in trace.segments]}"
-        + (f"; expert = {eb / 1024:.0f} KiB" if eb else "")
-    )
-    result: dict[str, Any] = {
-        "trace": args.trace,
-        "tokens": trace.num_tokens,
-        "layers": L,
-        "experts": E,
-        "top_k": k,
-        "expert_bytes": eb,
-        "placement": [],
-        "cache": [],
-    }
-
-    # ---- placement
-    if not 0 < args.fit_fraction < 1:
-        console.print(f"[bold red]error:[/] --fit-fraction must be between 0 and 1 (got {args.fit_fraction})")
-        return EXIT_USAGE
+def _placement_table(args: argparse.Namespace, console: Console, trace: Any, P: Any, result: dict[str, Any]) -> None:
+    """moe-sim's placement half: fit each solver on part of the trace, count the cross-device
+    transfers per token on the rest; the rows go to ``result["placement"]``."""
+    L, E = trace.num_layers, trace.num_experts
+    devices = _ints(args.devices)
     fit, held = trace.split(args.fit_fraction)
     A_fit, A_held = P.affinity(fit.token_sets()), P.affinity(held.token_sets())
     n_held = held.num_tokens
@@ -388,7 +341,14 @@ def cmd_sim(args: argparse.Namespace, console: Console) -> int:
             f"{escape(args.place_out)}"
         )
 
-    # ---- cache
+
+def _cache_table(
+    console: Console, trace: Any, cache: Any, caps: list[int], prefetch: list[int], eb: Any, result: dict[str, Any]
+) -> None:
+    """moe-sim's cache half: each policy's hit rate per capacity, in the engine's token order;
+    the rows go to ``result["cache"]``."""
+    POLICIES, sets_from_trace, simulate = cache.POLICIES, cache.sets_from_trace, cache.simulate
+    E = trace.num_experts
     sets = sets_from_trace(trace)
     t = Table(title=f"expert cache: {trace.num_tokens} tokens in the engine's order, every MoE layer", box=None)
     for col in ("capacity", "policy", "hit rate", "loads/token", "MiB/token" if eb else "", "prefetch used"):
@@ -419,6 +379,60 @@ def cmd_sim(args: argparse.Namespace, console: Console) -> int:
                 f"{st.prefetch_used}/{st.prefetch_loads}" if pf else "-",
             )
     console.print(t)
+
+
+def cmd_sim(args: argparse.Namespace, console: Console) -> int:
+    from ...hooks import get_registry
+    from ...launch.exits import EXIT_OK, EXIT_USAGE
+
+    from ..plugin_args import PluginArgError
+
+    try:
+        P = _simulator(getattr(args, "placement", None) or "affinity-placement", "placement", PLACEMENT_API)
+        cache = _simulator(getattr(args, "cache", None) or "expert-cache", "cache", CACHE_API)
+    except PluginArgError as e:
+        console.print(f"[bold red]error:[/] {escape(str(e))}")
+        return EXIT_USAGE
+    traces = get_registry().get("moe", "route-trace").registration.part("reference")
+    Trace, TraceError = traces.Trace, traces.TraceError
+
+    try:
+        trace = Trace.load(args.trace)
+        devices, caps, prefetch = _ints(args.devices), _ints(args.capacity), _ints(args.prefetch)
+    except (TraceError, ValueError) as e:
+        console.print(f"[bold red]error:[/] {escape(str(e))}")
+        return EXIT_USAGE
+    L, E, k = trace.num_layers, trace.num_experts, trace.top_k
+    bad = [n for n in devices if n < 1 or E % n]
+    if bad:
+        console.print(f"[bold red]error:[/] --devices {bad}: {E} experts do not split evenly over them")
+        return EXIT_USAGE
+    caps = caps or sorted({max(k, E // 4), max(k, E // 2)})
+    if any(c < k or c > E for c in caps):
+        console.print(f"[bold red]error:[/] --capacity values must be in {k}..{E} (top-{k} of {E} experts)")
+        return EXIT_USAGE
+    eb = args.expert_bytes or expert_bytes_of(trace.meta.get("model"))
+    console.print(
+        f"trace {escape(args.trace)}: {trace.num_tokens} tokens, {L} MoE layers {trace.layers}, "
+        f"top-{k} of {E} experts, segments {[s[0] for s in trace.segments]}"
+        + (f"; expert = {eb / 1024:.0f} KiB" if eb else "")
+    )
+    result: dict[str, Any] = {
+        "trace": args.trace,
+        "tokens": trace.num_tokens,
+        "layers": L,
+        "experts": E,
+        "top_k": k,
+        "expert_bytes": eb,
+        "placement": [],
+        "cache": [],
+    }
+
+    if not 0 < args.fit_fraction < 1:
+        console.print(f"[bold red]error:[/] --fit-fraction must be between 0 and 1 (got {args.fit_fraction})")
+        return EXIT_USAGE
+    _placement_table(args, console, trace, P, result)
+    _cache_table(console, trace, cache, caps, prefetch, eb, result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return EXIT_OK
