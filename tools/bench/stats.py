@@ -275,6 +275,135 @@ def _overall_runs(raw: dict[str, Any], prompt_sets: Sequence[Any]) -> list[float
     return out
 
 
+def _workload_result(
+    arm: str,
+    ps: Any,
+    raw: dict[str, Any],
+    scores: dict[str, list[float]] | None,
+    decode: Callable[[Sequence[int]], str],
+) -> dict[str, Any]:
+    """One arm's result on one workload: its requests (text, NLLs, perplexity) and their summary,
+    the median over runs where it ran more than once."""
+    w = raw["workloads"][ps.name]
+    requests = []
+    for prompt, r in zip(ps.prompts, w["requests"]):
+        nll = scores.get(f"{arm}/{ps.name}/{prompt.index}") if scores is not None else None
+        requests.append(
+            {
+                "index": prompt.index,
+                "source": prompt.source,
+                "group": prompt.group,
+                "prompt_tokens": len(prompt.token_ids),
+                "max_tokens": prompt.max_tokens,
+                **r,
+                "output_text": decode(r["output_token_ids"]),
+                "nll": nll,
+                "perplexity": math.exp(sum(nll) / len(nll)) if nll else None,
+            }
+        )
+    summary = summarize(requests, w["wall_s"])
+    decode_blocks = decode_series(w)
+    summary.update(
+        kv_blocks_peak=w.get("kv_blocks_peak"),
+        kv_blocks_decode_median=median(decode_blocks),
+        kv_decode_steps=len(decode_blocks),
+        kv_blocks_total=raw["engine"].get("num_blocks"),
+        peak_rss_mib=raw.get("peak_rss_mib"),
+        other_cpus=w.get("other_cpus"),
+    )
+    repeats = w.get("repeats") or [{"wall_s": w["wall_s"], "output_tokens": summary["output_tokens"]}]
+    rates = [r["output_tokens"] / r["wall_s"] for r in repeats if r["wall_s"] > 0]
+    summary.update(
+        runs=len(repeats),
+        output_tok_s_runs=rates,
+        output_tok_s_min=min(rates, default=None),
+        output_tok_s_max=max(rates, default=None),
+        runs_identical=w.get("repeats_identical", True),
+    )
+    if len(rates) > 1:
+        summary["output_tok_s"] = median(rates)
+        for key in ("ttft_mean_s", "itl_mean_s", "other_cpus"):
+            sp = spread([r.get(key) for r in repeats if r.get(key) is not None])
+            summary[f"{key}_min"], summary[f"{key}_max"] = sp["min"], sp["max"]
+        busy = [r.get("other_cpus") for r in repeats if r.get("other_cpus") is not None]
+        if busy:
+            summary["other_cpus"] = max(busy)  # the worst run flags the figure
+    return {
+        "summary": summary,
+        "kv_blocks_per_step": w.get("kv_blocks_per_step", []),
+        "kv_decode_steps": w.get("kv_decode_steps", []),
+        "requests": requests,
+    }
+
+
+def _arm_result(
+    arm: str,
+    raw: dict[str, Any],
+    prompt_sets: Sequence[Any],
+    scores: dict[str, list[float]] | None,
+    decode: Callable[[Sequence[int]], str],
+) -> dict[str, Any]:
+    """One arm's result: per workload (:func:`_workload_result`) and over all of them."""
+    workloads = {ps.name: _workload_result(arm, ps, raw, scores, decode) for ps in prompt_sets}
+    all_requests = [r for w in workloads.values() for r in w["requests"]]
+    overall = summarize(all_requests, sum(raw["workloads"][ps.name]["wall_s"] for ps in prompt_sets))
+    per_run = _overall_runs(raw, prompt_sets)
+    overall.update(
+        output_tok_s_runs=per_run,
+        output_tok_s_min=min(per_run, default=None),
+        output_tok_s_max=max(per_run, default=None),
+        runs=len(per_run) or 1,
+    )
+    if len(per_run) > 1:
+        overall["output_tok_s"] = median(per_run)
+    peaks = [w["summary"]["kv_blocks_peak"] for w in workloads.values() if w["summary"]["kv_blocks_peak"] is not None]
+    overall.update(
+        runs_identical=all(w["summary"]["runs_identical"] for w in workloads.values()),
+        kv_blocks_peak=max(peaks) if peaks else None,
+        kv_blocks_decode_median=median([n for w in workloads.values() for n in decode_series(w)]),
+        kv_blocks_total=raw["engine"].get("num_blocks"),
+        peak_rss_mib=raw.get("peak_rss_mib"),
+    )
+    return {
+        "engine": raw["engine"],
+        "deployment_active": raw.get("deployment_active"),
+        "peak_rss_mib": raw.get("peak_rss_mib"),
+        "rss_after_load_mib": raw.get("rss_after_load_mib"),
+        "overall": overall,
+        "workloads": workloads,
+    }
+
+
+def _comparison(
+    arms: dict[str, Any], arm_results: dict[str, dict[str, Any]], prompt_sets: Sequence[Any]
+) -> dict[str, Any]:
+    """Plain against the plugin arm: greedy outputs compared per prompt, the speed ratios."""
+    per = {}
+    for ps in prompt_sets:
+        cmp = compare_outputs(
+            [r["output_token_ids"] for r in arms["plain"]["workloads"][ps.name]["requests"]],
+            [r["output_token_ids"] for r in arms["graft"]["workloads"][ps.name]["requests"]],
+        )
+        for p, prompt in zip(cmp["prompts"], ps.prompts):
+            p["source"] = prompt.source
+        per[ps.name] = cmp
+    for ps in prompt_sets:
+        per[ps.name]["ratio"] = ratio_of(
+            _runs_of(arms["plain"]["workloads"][ps.name]["summary"]),
+            _runs_of(arms["graft"]["workloads"][ps.name]["summary"]),
+        )
+    return {
+        "ratio": ratio_of(_runs_of(arms["plain"]["overall"]), _runs_of(arms["graft"]["overall"])),
+        "decode_ratio": ratio_of(
+            _decode_runs(arm_results["plain"], prompt_sets), _decode_runs(arm_results["graft"], prompt_sets)
+        ),
+        "identical": all(c["identical"] for c in per.values()),
+        "n_identical": sum(c["n_identical"] for c in per.values()),
+        "n": sum(c["n"] for c in per.values()),
+        "workloads": per,
+    }
+
+
 def assemble(
     *,
     deployment: str,
@@ -289,121 +418,12 @@ def assemble(
 ) -> dict[str, Any]:
     """The bench result (what --json writes and the table and plot show) from the raw results
     of the arm processes. ``scores`` maps "arm/workload/index" to output-token NLLs."""
-    arms: dict[str, Any] = {}
-    for arm in ARMS:
-        raw = arm_results.get(arm)
-        if raw is None:
-            continue
-        workloads: dict[str, Any] = {}
-        all_requests: list[dict[str, Any]] = []
-        total_wall = 0.0
-        for ps in prompt_sets:
-            w = raw["workloads"][ps.name]
-            requests = []
-            for prompt, r in zip(ps.prompts, w["requests"]):
-                key = f"{arm}/{ps.name}/{prompt.index}"
-                nll = scores.get(key) if scores is not None else None
-                req = {
-                    "index": prompt.index,
-                    "source": prompt.source,
-                    "group": prompt.group,
-                    "prompt_tokens": len(prompt.token_ids),
-                    "max_tokens": prompt.max_tokens,
-                    **r,
-                    "output_text": decode(r["output_token_ids"]),
-                    "nll": nll,
-                    "perplexity": math.exp(sum(nll) / len(nll)) if nll else None,
-                }
-                requests.append(req)
-            summary = summarize(requests, w["wall_s"])
-            decode_blocks = decode_series(w)
-            summary.update(
-                kv_blocks_peak=w.get("kv_blocks_peak"),
-                kv_blocks_decode_median=median(decode_blocks),
-                kv_decode_steps=len(decode_blocks),
-                kv_blocks_total=raw["engine"].get("num_blocks"),
-                peak_rss_mib=raw.get("peak_rss_mib"),
-                other_cpus=w.get("other_cpus"),
-            )
-            repeats = w.get("repeats") or [{"wall_s": w["wall_s"], "output_tokens": summary["output_tokens"]}]
-            rates = [r["output_tokens"] / r["wall_s"] for r in repeats if r["wall_s"] > 0]
-            summary.update(
-                runs=len(repeats),
-                output_tok_s_runs=rates,
-                output_tok_s_min=min(rates, default=None),
-                output_tok_s_max=max(rates, default=None),
-                runs_identical=w.get("repeats_identical", True),
-            )
-            if len(rates) > 1:
-                summary["output_tok_s"] = median(rates)
-                for key in ("ttft_mean_s", "itl_mean_s", "other_cpus"):
-                    sp = spread([r.get(key) for r in repeats if r.get(key) is not None])
-                    summary[f"{key}_min"], summary[f"{key}_max"] = sp["min"], sp["max"]
-                busy = [r.get("other_cpus") for r in repeats if r.get("other_cpus") is not None]
-                if busy:
-                    summary["other_cpus"] = max(busy)  # the worst run flags the figure
-            workloads[ps.name] = {
-                "summary": summary,
-                "kv_blocks_per_step": w.get("kv_blocks_per_step", []),
-                "kv_decode_steps": w.get("kv_decode_steps", []),
-                "requests": requests,
-            }
-            all_requests += requests
-            total_wall += w["wall_s"]
-        overall = summarize(all_requests, total_wall)
-        per_run = _overall_runs(raw, prompt_sets)
-        overall.update(
-            output_tok_s_runs=per_run,
-            output_tok_s_min=min(per_run, default=None),
-            output_tok_s_max=max(per_run, default=None),
-            runs=len(per_run) or 1,
-        )
-        if len(per_run) > 1:
-            overall["output_tok_s"] = median(per_run)
-        peaks = [
-            w["summary"]["kv_blocks_peak"] for w in workloads.values() if w["summary"]["kv_blocks_peak"] is not None
-        ]
-        overall.update(
-            runs_identical=all(w["summary"]["runs_identical"] for w in workloads.values()),
-            kv_blocks_peak=max(peaks) if peaks else None,
-            kv_blocks_decode_median=median([n for w in workloads.values() for n in decode_series(w)]),
-            kv_blocks_total=raw["engine"].get("num_blocks"),
-            peak_rss_mib=raw.get("peak_rss_mib"),
-        )
-        arms[arm] = {
-            "engine": raw["engine"],
-            "deployment_active": raw.get("deployment_active"),
-            "peak_rss_mib": raw.get("peak_rss_mib"),
-            "rss_after_load_mib": raw.get("rss_after_load_mib"),
-            "overall": overall,
-            "workloads": workloads,
-        }
-    comparison: dict[str, Any] | None = None
-    if "plain" in arms and "graft" in arms:
-        per = {}
-        for ps in prompt_sets:
-            cmp = compare_outputs(
-                [r["output_token_ids"] for r in arms["plain"]["workloads"][ps.name]["requests"]],
-                [r["output_token_ids"] for r in arms["graft"]["workloads"][ps.name]["requests"]],
-            )
-            for p, prompt in zip(cmp["prompts"], ps.prompts):
-                p["source"] = prompt.source
-            per[ps.name] = cmp
-        for ps in prompt_sets:
-            per[ps.name]["ratio"] = ratio_of(
-                _runs_of(arms["plain"]["workloads"][ps.name]["summary"]),
-                _runs_of(arms["graft"]["workloads"][ps.name]["summary"]),
-            )
-        comparison = {
-            "ratio": ratio_of(_runs_of(arms["plain"]["overall"]), _runs_of(arms["graft"]["overall"])),
-            "decode_ratio": ratio_of(
-                _decode_runs(arm_results["plain"], prompt_sets), _decode_runs(arm_results["graft"], prompt_sets)
-            ),
-            "identical": all(c["identical"] for c in per.values()),
-            "n_identical": sum(c["n_identical"] for c in per.values()),
-            "n": sum(c["n"] for c in per.values()),
-            "workloads": per,
-        }
+    arms = {
+        arm: _arm_result(arm, arm_results[arm], prompt_sets, scores, decode)
+        for arm in ARMS
+        if arm_results.get(arm) is not None
+    }
+    comparison = _comparison(arms, arm_results, prompt_sets) if "plain" in arms and "graft" in arms else None
     graft_raw = arm_results.get("graft") or {}
     return {
         "schema": SCHEMA,
