@@ -112,6 +112,80 @@ def _args(sig: str) -> list[str]:
     return out
 
 
+def _pyproject(dist: str, kind: Kind, name: str, package: str) -> str:
+    """The plugin distribution's ``pyproject.toml``: its entry point in the ``vllm_graft`` group."""
+    return f'''\
+[build-system]
+requires = ["setuptools>=68", "wheel"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "{dist}"
+version = "0.1.0"
+description = "A vllm-graft {kind.value} plugin: {name}"
+requires-python = ">=3.10"
+dependencies = ["vllm-graft"]
+
+[project.optional-dependencies]
+test = ["pytest>=8"]
+
+# vllm-graft finds the plugin through this entry point once the package is installed.
+[project.entry-points.vllm_graft]
+{name} = "{package}"
+
+[tool.setuptools]
+packages = ["{package}"]
+
+[tool.pytest.ini_options]
+testpaths = ["tests"]
+'''
+
+
+def _conformance_test(kind: Kind, name: str, kernel: bool) -> str:
+    """``tests/test_conformance.py``: the kit on the plugin."""
+    return f'''\
+"""The vllm-graft conformance kit on this plugin: registration, parameters, the
+{kind.value} contract on generated inputs,{" Triton-vs-reference parity," if kernel else ""} and (with vLLM
+installed) a run in vLLM's CPU engine. `pytest --graft-no-engine` skips the engine.
+Other parameters: pytest.mark.graft_conformance("{kind.value}:{name}", params={{"example": 2}})."""
+import pytest
+
+pytestmark = pytest.mark.graft_conformance("{kind.value}:{name}")
+
+
+def test_conformance(graft_check):
+    graft_check()
+'''
+
+
+def _readme(dist: str, kind: Kind, name: str, package: str, kernel: bool) -> str:
+    return f"""\
+# {dist}
+
+A [vllm-graft](https://github.com/) {kind.value} plugin: **{name}**.
+
+    pip install -e .            # registers the plugin (entry point `vllm_graft`)
+    vllm-graft plugins --kind {kind.value}
+    pytest                      # the conformance kit; --graft-no-engine skips vLLM
+
+Enable it in a deployment file:
+
+```yaml
+model: path/to/model
+{kind.value}:
+  plugin: {name}
+  params: {{example: 1}}
+```
+
+and run `vllm-graft generate deployment.yaml "def main("` or
+`vllm-graft bench deployment.yaml` to compare it with plain vLLM
+(`--baseline OTHER.yaml --baseline-as-is`: against another deployment, e.g. a built-in plugin).
+
+What to write: `{package}/reference.py` (the algorithm){f", `{package}/kernel.py` (its Triton kernel)" if kernel else ""},
+the parameters and capabilities in `{package}/__init__.py`.
+"""
+
+
 def render(kind: Kind, name: str, package: str, kernel: bool = False) -> dict[str, str]:
     """File path (relative to the package folder) -> text. Without ``kernel`` the plugin is a
     reference alone (parameters from :class:`~vllm_graft.hooks.Params`, no ``kernel.py``); with
@@ -162,31 +236,7 @@ def render(kind: Kind, name: str, package: str, kernel: bool = False) -> dict[st
         else ""
     )
     files = {
-        "pyproject.toml": f'''\
-[build-system]
-requires = ["setuptools>=68", "wheel"]
-build-backend = "setuptools.build_meta"
-
-[project]
-name = "{dist}"
-version = "0.1.0"
-description = "A vllm-graft {kind.value} plugin: {name}"
-requires-python = ">=3.10"
-dependencies = ["vllm-graft"]
-
-[project.optional-dependencies]
-test = ["pytest>=8"]
-
-# vllm-graft finds the plugin through this entry point once the package is installed.
-[project.entry-points.vllm_graft]
-{name} = "{package}"
-
-[tool.setuptools]
-packages = ["{package}"]
-
-[tool.pytest.ini_options]
-testpaths = ["tests"]
-''',
+        "pyproject.toml": _pyproject(dist, kind, name, package),
         f"{package}/__init__.py": f'''\
 """`{name}`: a vllm-graft {kind.value} plugin (registration and parameters)."""
 from pydantic import Field
@@ -229,44 +279,8 @@ from vllm_graft.hooks import {spec["imports"]}
 
 class {cls}({spec["contract"]}):
 {ref_methods}''',
-        "tests/test_conformance.py": f'''\
-"""The vllm-graft conformance kit on this plugin: registration, parameters, the
-{kind.value} contract on generated inputs,{" Triton-vs-reference parity," if kernel else ""} and (with vLLM
-installed) a run in vLLM's CPU engine. `pytest --graft-no-engine` skips the engine.
-Other parameters: pytest.mark.graft_conformance("{kind.value}:{name}", params={{"example": 2}})."""
-import pytest
-
-pytestmark = pytest.mark.graft_conformance("{kind.value}:{name}")
-
-
-def test_conformance(graft_check):
-    graft_check()
-''',
-        "README.md": f"""\
-# {dist}
-
-A [vllm-graft](https://github.com/) {kind.value} plugin: **{name}**.
-
-    pip install -e .            # registers the plugin (entry point `vllm_graft`)
-    vllm-graft plugins --kind {kind.value}
-    pytest                      # the conformance kit; --graft-no-engine skips vLLM
-
-Enable it in a deployment file:
-
-```yaml
-model: path/to/model
-{kind.value}:
-  plugin: {name}
-  params: {{example: 1}}
-```
-
-and run `vllm-graft generate deployment.yaml "def main("` or
-`vllm-graft bench deployment.yaml` to compare it with plain vLLM
-(`--baseline OTHER.yaml --baseline-as-is`: against another deployment, e.g. a built-in plugin).
-
-What to write: `{package}/reference.py` (the algorithm){f", `{package}/kernel.py` (its Triton kernel)" if kernel else ""},
-the parameters and capabilities in `{package}/__init__.py`.
-""",
+        "tests/test_conformance.py": _conformance_test(kind, name, kernel),
+        "README.md": _readme(dist, kind, name, package, kernel),
     }
     if kernel:
         files[f"{package}/kernel.py"] = f'''\
