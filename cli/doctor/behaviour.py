@@ -843,146 +843,151 @@ def plain_step_check(src: VLLMSource) -> str | None:
     return None
 
 
+#: The behaviour rows before the custom ops' (async scheduling and its outputs).
+ASYNC_FACTS: tuple[Fact, ...] = (
+    Fact(
+        "async scheduling: EngineArgs has async_scheduling and passes it to SchedulerConfig",
+        (ARG_UTILS,),
+        KVCOMPRESS_OWNER,
+        async_arg_check,
+    ),
+    Fact(
+        "async scheduling: an explicit async_scheduling=False is kept (only an unset value is turned on)",
+        (CONFIG_VLLM, "vllm/platforms/<build>.py"),
+        KVCOMPRESS_OWNER,
+        explicit_false_check,
+    ),
+    Fact(
+        "async scheduling on by default -> V1 returns AsyncGPUModelRunnerOutput (no req_ids; "
+        "the ModelRunnerOutput kept as _model_runner_output), what _attach_drops would see",
+        (CONFIG_VLLM, RUNNER),
+        "integration/adapters/kvcompress/channel.py (_attach_drops)",
+        async_output_check,
+        runner="v1",
+    ),
+)
+
+#: The rows after them: device placement at load, MoE, CUDA backends, the KV rewriter, the
+#: scheduler's output, speculative steps.
+ENGINE_FACTS: tuple[Fact, ...] = (
+    Fact(
+        "devices at load: vLLM moves only parameters to the device (device_loading_context) and "
+        "runs process_weights_after_loading outside `with target_device:`, so plugin tensors "
+        "stay on the host unless moved",
+        (LOADER_UTILS, BASE_LOADER),
+        "integration/adapters/quant/tensors.py (follow_device)",
+        host_buffers_check,
+    ),
+    Fact(
+        "monolithic MoE: --moe-backend reaches each MoE layer, whose kernel is chosen before "
+        "its runner (and the MoE adapter's router swap) exists",
+        (ARG_UTILS, LAYER),
+        MOE_OWNER,
+        moe_backend_reaches_layer_check,
+    ),
+    Fact(
+        "monolithic MoE: moe_backend='triton' selects modular experts only (unquantized)",
+        (UNQUANT,),
+        MOE_OWNER,
+        triton_is_modular_check,
+    ),
+    Fact(
+        "CUDA backends: register_backend overrides FLASH_ATTN/TRITON_ATTN/FLASHINFER/CUSTOM by "
+        "path (get_path reads the overrides); the selector's memo is _cached_get_attn_backend",
+        (REGISTRY, SELECTOR),
+        ROUTE_OWNER,
+        registry_override_check,
+    ),
+    Fact(
+        "CUDA backends: non-MLA models get FLASH_ATTN, FLASHINFER or TRITON_ATTN (before "
+        "FLEX_ATTENTION), each candidate from get_class() (the override)",
+        (CUDA_PLATFORM,),
+        ROUTE_OWNER,
+        cuda_selection_check,
+    ),
+    Fact(
+        "CUDA backends: the graph mode comes from the minimum get_cudagraph_support over the "
+        "builders; NEVER downgrades FULL decode graphs to PIECEWISE",
+        (RUNNER, COMPILATION),
+        CUDA_OWNER,
+        graph_support_check,
+    ),
+    Fact(
+        "CUDA backends: V1 reuses metadata through update_block_table (bypassing build(), the "
+        "rewriters' seam) where supports_update_block_table",
+        (RUNNER,),
+        CUDA_OWNER,
+        update_block_table_check,
+        runner="v1",
+    ),
+    Fact(
+        "CUDA backends: FLASH_ATTN, TRITON_ATTN, FLASHINFER write the cache outside forward and "
+        "keep K|V packed per token along the last dim (hooks.PACKED)",
+        tuple(f"vllm/{m.split('.', 1)[1].replace('.', '/')}.py" for m, *_ in CUDA_BACKENDS.values()),
+        CUDA_OWNER,
+        packed_layout_check,
+    ),
+    Fact(
+        "CUDA backends: every method the graft mixins override exists on vLLM's classes with the parameters passed on",
+        tuple(f"vllm/{m.split('.', 1)[1].replace('.', '/')}.py" for m, *_ in CUDA_BACKENDS.values()),
+        CUDA_OWNER,
+        mixin_override_check,
+    ),
+    Fact(
+        "KV rewriter: CUDA graphs are captured from _dummy_run's _build_attention_metadata and "
+        "the builders' build_for_cudagraph_capture calls build (the rewriter's buffers are "
+        "what the graphs keep)",
+        (RUNNER, ATTN_BACKEND),
+        REWRITER_OWNER,
+        capture_through_build_check,
+        runner="v1",
+    ),
+    Fact(
+        "KV rewriter: CommonAttentionMetadata has seq_lens_cpu_upper_bound, "
+        "_num_computed_tokens_cache, max_query_len (host int, on PagedBatch) and replace(); "
+        "FlashInfer's plan reads the upper bound",
+        (ATTN_BACKEND,),
+        REWRITER_OWNER,
+        metadata_fields_check,
+    ),
+    Fact(
+        "KV frees check: SchedulerOutput is a plain dataclass (extra attributes are pickled to "
+        "the workers) and Scheduler.schedule ends in _update_after_schedule",
+        (SCHED_OUTPUT, SCHEDULER),
+        "integration/adapters/kvcompress/channel.py (after_schedule_wrapper)",
+        scheduler_output_carries_check,
+    ),
+    Fact(
+        "tree verification: a custom_class speculative method makes vLLM use Model Runner V1",
+        (CONFIG_VLLM,),
+        TREE_OWNER,
+        custom_class_forces_v1_check,
+    ),
+    Fact(
+        "speculative steps with no drafts: _prepare_inputs reads self.speculative_config once "
+        "to take the speculative path, and _sample has a plain-sampler path for "
+        "spec_decode_metadata None",
+        (RUNNER,),
+        "integration/adapters/speculative/engine.py (plain_step)",
+        plain_step_check,
+        runner="v1",
+    ),
+)
+
+
 def facts(custom_ops: list[tuple[str, str]]) -> list[Fact]:
     """Every behaviour row; ``custom_ops``: the package's torch custom ops (one row each)."""
-    out = [
+    ops = [
         Fact(
-            "async scheduling: EngineArgs has async_scheduling and passes it to SchedulerConfig",
-            (ARG_UTILS,),
-            KVCOMPRESS_OWNER,
-            async_arg_check,
-        ),
-        Fact(
-            "async scheduling: an explicit async_scheduling=False is kept (only an unset value is turned on)",
-            (CONFIG_VLLM, "vllm/platforms/<build>.py"),
-            KVCOMPRESS_OWNER,
-            explicit_false_check,
-        ),
-        Fact(
-            "async scheduling on by default -> V1 returns AsyncGPUModelRunnerOutput (no req_ids; "
-            "the ModelRunnerOutput kept as _model_runner_output), what _attach_drops would see",
-            (CONFIG_VLLM, RUNNER),
-            "integration/adapters/kvcompress/channel.py (_attach_drops)",
-            async_output_check,
-            runner="v1",
-        ),
-    ]
-    for op, where in sorted(set(custom_ops)):
-        decision = OP_GRAPH_DECISIONS.get(op, ("undecided",))[0]
-        out.append(
-            Fact(
-                f"splitting ops: {op} ({decision}) vs vLLM's default splitting ops and CUDA-graph capture",
-                (COMPILATION, RUNNER),
-                where,
-                splitting_op_check(op),
-            )
+            f"splitting ops: {op} ({OP_GRAPH_DECISIONS.get(op, ('undecided',))[0]}) vs vLLM's default splitting ops "
+            "and CUDA-graph capture",
+            (COMPILATION, RUNNER),
+            where,
+            splitting_op_check(op),
         )
-    out += [
-        Fact(
-            "devices at load: vLLM moves only parameters to the device (device_loading_context) and "
-            "runs process_weights_after_loading outside `with target_device:`, so plugin tensors "
-            "stay on the host unless moved",
-            (LOADER_UTILS, BASE_LOADER),
-            "integration/adapters/quant/tensors.py (follow_device)",
-            host_buffers_check,
-        ),
-        Fact(
-            "monolithic MoE: --moe-backend reaches each MoE layer, whose kernel is chosen before "
-            "its runner (and the MoE adapter's router swap) exists",
-            (ARG_UTILS, LAYER),
-            MOE_OWNER,
-            moe_backend_reaches_layer_check,
-        ),
-        Fact(
-            "monolithic MoE: moe_backend='triton' selects modular experts only (unquantized)",
-            (UNQUANT,),
-            MOE_OWNER,
-            triton_is_modular_check,
-        ),
-        Fact(
-            "CUDA backends: register_backend overrides FLASH_ATTN/TRITON_ATTN/FLASHINFER/CUSTOM by "
-            "path (get_path reads the overrides); the selector's memo is _cached_get_attn_backend",
-            (REGISTRY, SELECTOR),
-            ROUTE_OWNER,
-            registry_override_check,
-        ),
-        Fact(
-            "CUDA backends: non-MLA models get FLASH_ATTN, FLASHINFER or TRITON_ATTN (before "
-            "FLEX_ATTENTION), each candidate from get_class() (the override)",
-            (CUDA_PLATFORM,),
-            ROUTE_OWNER,
-            cuda_selection_check,
-        ),
-        Fact(
-            "CUDA backends: the graph mode comes from the minimum get_cudagraph_support over the "
-            "builders; NEVER downgrades FULL decode graphs to PIECEWISE",
-            (RUNNER, COMPILATION),
-            CUDA_OWNER,
-            graph_support_check,
-        ),
-        Fact(
-            "CUDA backends: V1 reuses metadata through update_block_table (bypassing build(), the "
-            "rewriters' seam) where supports_update_block_table",
-            (RUNNER,),
-            CUDA_OWNER,
-            update_block_table_check,
-            runner="v1",
-        ),
-        Fact(
-            "CUDA backends: FLASH_ATTN, TRITON_ATTN, FLASHINFER write the cache outside forward and "
-            "keep K|V packed per token along the last dim (hooks.PACKED)",
-            tuple(f"vllm/{m.split('.', 1)[1].replace('.', '/')}.py" for m, *_ in CUDA_BACKENDS.values()),
-            CUDA_OWNER,
-            packed_layout_check,
-        ),
-        Fact(
-            "CUDA backends: every method the graft mixins override exists on vLLM's classes with the "
-            "parameters passed on",
-            tuple(f"vllm/{m.split('.', 1)[1].replace('.', '/')}.py" for m, *_ in CUDA_BACKENDS.values()),
-            CUDA_OWNER,
-            mixin_override_check,
-        ),
-        Fact(
-            "KV rewriter: CUDA graphs are captured from _dummy_run's _build_attention_metadata and "
-            "the builders' build_for_cudagraph_capture calls build (the rewriter's buffers are "
-            "what the graphs keep)",
-            (RUNNER, ATTN_BACKEND),
-            REWRITER_OWNER,
-            capture_through_build_check,
-            runner="v1",
-        ),
-        Fact(
-            "KV rewriter: CommonAttentionMetadata has seq_lens_cpu_upper_bound, "
-            "_num_computed_tokens_cache, max_query_len (host int, on PagedBatch) and replace(); "
-            "FlashInfer's plan reads the upper bound",
-            (ATTN_BACKEND,),
-            REWRITER_OWNER,
-            metadata_fields_check,
-        ),
-        Fact(
-            "KV frees check: SchedulerOutput is a plain dataclass (extra attributes are pickled to "
-            "the workers) and Scheduler.schedule ends in _update_after_schedule",
-            (SCHED_OUTPUT, SCHEDULER),
-            "integration/adapters/kvcompress/channel.py (after_schedule_wrapper)",
-            scheduler_output_carries_check,
-        ),
-        Fact(
-            "tree verification: a custom_class speculative method makes vLLM use Model Runner V1",
-            (CONFIG_VLLM,),
-            TREE_OWNER,
-            custom_class_forces_v1_check,
-        ),
-        Fact(
-            "speculative steps with no drafts: _prepare_inputs reads self.speculative_config once "
-            "to take the speculative path, and _sample has a plain-sampler path for "
-            "spec_decode_metadata None",
-            (RUNNER,),
-            "integration/adapters/speculative/engine.py (plain_step)",
-            plain_step_check,
-            runner="v1",
-        ),
+        for op, where in sorted(set(custom_ops))
     ]
-    return out
+    return [*ASYNC_FACTS, *ops, *ENGINE_FACTS]
 
 
 __all__ = [
