@@ -556,6 +556,79 @@ def run_bench(
 
 
 # ============================================================================== parser
+def _add_baseline_and_output_args(p: argparse.ArgumentParser) -> None:
+    """bench's baseline (what the plain arm runs), scoring and output arguments."""
+    p.add_argument(
+        "--baseline",
+        metavar="DEPLOYMENT|no-package",
+        help="what the plain arm runs (default: the deployment's plain twin, its model and "
+        "engine section without plugins). A deployment file: that file's plain twin, "
+        "same model (e.g. the deployment turns on vLLM's own ngram speculation in its "
+        "engine section, the baseline is plain vLLM). 'no-package': the twin with "
+        "vLLM's plugin loader told to skip vllm-graft (VLLM_PLUGINS), to measure what "
+        "installing the package costs. Perplexity is scored by the plain arm, so "
+        "under the baseline's engine. With --baseline-as-is the file runs with its plugins",
+    )
+    p.add_argument(
+        "--baseline-as-is",
+        action="store_true",
+        help="run the --baseline deployment file as is, its plugins on, as the plain arm: two "
+        "deployments side by side (e.g. a third-party KV compressor against streaming on "
+        "the same model); a separate plain engine (the file's twin) scores both arms' "
+        "outputs under the unmodified model",
+    )
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="generate max-tokens tokens even past <|endoftext|> (fixed output lengths)",
+    )
+    p.add_argument("--no-ppl", action="store_true", help="skip scoring outputs under the unmodified model")
+    p.add_argument("--json", metavar="FILE", help="write the full result as JSON ('-': stdout)")
+    p.add_argument("--plot", metavar="FILE", help="write a PNG of the figures")
+    p.add_argument("--log-dir", metavar="DIR", help="keep the engines' logs and raw results here")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=0,
+        metavar="S",
+        help="give up on an arm S seconds after its process started (it stays alive "
+        "while the other arm takes its turns)",
+    )
+    p.add_argument("--require-identical", action="store_true", help="exit 5 when the arms' greedy outputs differ")
+
+
+def _add_suite_args(p: argparse.ArgumentParser) -> None:
+    """bench --suite and its arguments."""
+    p.add_argument(
+        "--suite",
+        metavar="FILE",
+        nargs="?",
+        const="DEFAULT",
+        help="run every case of a suite file (YAML; default benchmarks/suite.yaml) and write "
+        "its results, BENCHMARKS.md's generated section and a plot (--quick, --only)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="suite: the suite file's quick settings (fewer prompts, tokens, repeats)"
+    )
+    p.add_argument(
+        "--only",
+        action="append",
+        metavar="NAME[,NAME]",
+        help="suite: run only these cases (repeatable or a comma list)",
+    )
+    p.add_argument("--list-cases", action="store_true", help="suite: list the cases and exit")
+    p.add_argument(
+        "--render",
+        action="store_true",
+        help="suite: run nothing; rewrite the Markdown section and plot from the saved results",
+    )
+    p.add_argument(
+        "--no-write",
+        action="store_true",
+        help="suite: print the table only; do not write the results, Markdown section and plot the suite file names",
+    )
+
+
 def add_command(sub: Any) -> None:
     from ..workloads import WORKLOADS
 
@@ -612,69 +685,6 @@ def add_command(sub: Any) -> None:
         metavar="ARMS",
         help="which arms to run: plain, graft or plain,graft (default both)",
     )
-    p.add_argument(
-        "--baseline",
-        metavar="DEPLOYMENT|no-package",
-        help="what the plain arm runs (default: the deployment's plain twin, its model and "
-        "engine section without plugins). A deployment file: that file's plain twin, "
-        "same model (e.g. the deployment turns on vLLM's own ngram speculation in its "
-        "engine section, the baseline is plain vLLM). 'no-package': the twin with "
-        "vLLM's plugin loader told to skip vllm-graft (VLLM_PLUGINS), to measure what "
-        "installing the package costs. Perplexity is scored by the plain arm, so "
-        "under the baseline's engine. With --baseline-as-is the file runs with its plugins",
-    )
-    p.add_argument(
-        "--baseline-as-is",
-        action="store_true",
-        help="run the --baseline deployment file as is, its plugins on, as the plain arm: two "
-        "deployments side by side (e.g. a third-party KV compressor against streaming on "
-        "the same model); a separate plain engine (the file's twin) scores both arms' "
-        "outputs under the unmodified model",
-    )
-    p.add_argument(
-        "--ignore-eos",
-        action="store_true",
-        help="generate max-tokens tokens even past <|endoftext|> (fixed output lengths)",
-    )
-    p.add_argument("--no-ppl", action="store_true", help="skip scoring outputs under the unmodified model")
-    p.add_argument("--json", metavar="FILE", help="write the full result as JSON ('-': stdout)")
-    p.add_argument("--plot", metavar="FILE", help="write a PNG of the figures")
-    p.add_argument("--log-dir", metavar="DIR", help="keep the engines' logs and raw results here")
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=0,
-        metavar="S",
-        help="give up on an arm S seconds after its process started (it stays alive "
-        "while the other arm takes its turns)",
-    )
-    p.add_argument("--require-identical", action="store_true", help="exit 5 when the arms' greedy outputs differ")
-    p.add_argument(
-        "--suite",
-        metavar="FILE",
-        nargs="?",
-        const="DEFAULT",
-        help="run every case of a suite file (YAML; default benchmarks/suite.yaml) and write "
-        "its results, BENCHMARKS.md's generated section and a plot (--quick, --only)",
-    )
-    p.add_argument(
-        "--quick", action="store_true", help="suite: the suite file's quick settings (fewer prompts, tokens, repeats)"
-    )
-    p.add_argument(
-        "--only",
-        action="append",
-        metavar="NAME[,NAME]",
-        help="suite: run only these cases (repeatable or a comma list)",
-    )
-    p.add_argument("--list-cases", action="store_true", help="suite: list the cases and exit")
-    p.add_argument(
-        "--render",
-        action="store_true",
-        help="suite: run nothing; rewrite the Markdown section and plot from the saved results",
-    )
-    p.add_argument(
-        "--no-write",
-        action="store_true",
-        help="suite: print the table only; do not write the results, Markdown section and plot the suite file names",
-    )
+    _add_baseline_and_output_args(p)
+    _add_suite_args(p)
     p.set_defaults(func=cmd_bench)
