@@ -614,9 +614,60 @@ def parse_ruler_tasks(value: str) -> list[str]:
     return names
 
 
-def add_command(sub: Any) -> None:
+def _add_ruler_arguments(p: Any) -> None:
+    """kvbench --suite ruler and its arguments."""
     from ..workloads.ruler import DEFAULT_TASKS as DEFAULT_RULER_TASKS
 
+    p.add_argument(
+        "--suite",
+        choices=["ruler"],
+        help="ruler: instead of perplexity and needles, the RULER-style suite (tools/workloads/ruler.py: "
+        "single, multikey, multivalue and vartrack retrieval on stdlib code, exact match of the greedy "
+        "output) for every arm, printed as a score-vs-ratio table (rows: compressor; columns: the "
+        "budget as a fraction of the context's blocks) and a per-task table",
+    )
+    p.add_argument(
+        "--ruler-tasks",
+        default=",".join(DEFAULT_RULER_TASKS),
+        metavar="LIST",
+        help=f"--suite ruler: the tasks, a comma list or all (default {','.join(DEFAULT_RULER_TASKS)}: "
+        "plain vLLM on the bundled recall model gets 1 of 16 vartrack cases)",
+    )
+    p.add_argument(
+        "--ruler-cases", type=int, default=16, metavar="N", help="--suite ruler: cases per task (default 16)"
+    )
+    p.add_argument(
+        "--ruler-out",
+        metavar="FILE.json",
+        help="--suite ruler: write the summary (scores per arm and task) and the rows to this file, "
+        "and the plot beside it (FILE.svg) unless --ruler-svg names another",
+    )
+    p.add_argument(
+        "--ruler-svg",
+        metavar="FILE.svg",
+        help="--suite ruler: write the score-vs-ratio plot (SVG, one line per compressor, plain "
+        "vLLM as the dashed reference) to this file",
+    )
+    p.add_argument(
+        "--ruler-from",
+        action="append",
+        metavar="FILE.json",
+        help="--suite ruler: instead of running the arms, read their rows from earlier runs' --ruler-out "
+        "(or --json) files, checked to be of the prompts this command builds (repeat to merge; a later "
+        "file's arm wins); --compressors is not run",
+    )
+    p.add_argument(
+        "--kvpress",
+        action="append",
+        metavar="FILE.json",
+        help="--suite ruler: kvpress's results on the same prompts (kvpress_compare --ruler ... --json, "
+        "repeat to merge): prints kvpress's RULER average beside vllm-graft's per press and ratio kept, "
+        "with the difference; refused before any engine starts if they are of other prompts (digest) "
+        "or lack an arm of a press both projects have",
+    )
+
+
+def add_command(sub: Any) -> None:
     p = sub.add_parser(
         "kvbench",
         help="KV-compression figures: blocks held, concurrency, perplexity, needle retrieval",
@@ -669,53 +720,7 @@ def add_command(sub: Any) -> None:
         "so the pool, not the prefill schedule, bounds concurrency)",
     )
     p.add_argument("--json", help="write the rows to this file")
-    p.add_argument(
-        "--suite",
-        choices=["ruler"],
-        help="ruler: instead of perplexity and needles, the RULER-style suite (tools/workloads/ruler.py: "
-        "single, multikey, multivalue and vartrack retrieval on stdlib code, exact match of the greedy "
-        "output) for every arm, printed as a score-vs-ratio table (rows: compressor; columns: the "
-        "budget as a fraction of the context's blocks) and a per-task table",
-    )
-    p.add_argument(
-        "--ruler-tasks",
-        default=",".join(DEFAULT_RULER_TASKS),
-        metavar="LIST",
-        help=f"--suite ruler: the tasks, a comma list or all (default {','.join(DEFAULT_RULER_TASKS)}: "
-        "plain vLLM on the bundled recall model gets 1 of 16 vartrack cases)",
-    )
-    p.add_argument(
-        "--ruler-cases", type=int, default=16, metavar="N", help="--suite ruler: cases per task (default 16)"
-    )
-    p.add_argument(
-        "--ruler-out",
-        metavar="FILE.json",
-        help="--suite ruler: write the summary (scores per arm and task) and the rows to this file, "
-        "and the plot beside it (FILE.svg) unless --ruler-svg names another",
-    )
-    p.add_argument(
-        "--ruler-svg",
-        metavar="FILE.svg",
-        help="--suite ruler: write the score-vs-ratio plot (SVG, one line per compressor, plain "
-        "vLLM as the dashed reference) to this file",
-    )
-    p.add_argument(
-        "--ruler-from",
-        action="append",
-        metavar="FILE.json",
-        help="--suite ruler: instead of running the arms, read their rows from earlier runs' --ruler-out "
-        "(or --json) files, checked to be of the prompts this command builds (repeat to merge; a later "
-        "file's arm wins); --compressors is not run",
-    )
-    p.add_argument(
-        "--kvpress",
-        action="append",
-        metavar="FILE.json",
-        help="--suite ruler: kvpress's results on the same prompts (kvpress_compare --ruler ... --json, "
-        "repeat to merge): prints kvpress's RULER average beside vllm-graft's per press and ratio kept, "
-        "with the difference; refused before any engine starts if they are of other prompts (digest) "
-        "or lack an arm of a press both projects have",
-    )
+    _add_ruler_arguments(p)
     p.set_defaults(func=lambda args, console=None: main(args))
 
 
