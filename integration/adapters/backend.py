@@ -425,21 +425,13 @@ class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
                 layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
             )
         n = attn_metadata.num_actual_tokens
-        spec = AttentionLayer(
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_size=self.head_size,
-            scale=self.scale,
-            block_size=kv_cache.shape[2],
-            index=_layer_index(layer),
-            kv_layout=layout,
-        )
         amends = getattr(method, "amends", None)
         if layout is CPU_VEC and amends is not None and amends(plan):
             # vLLM's kernel computes the whole step's output first; the method then amends it (a
             # scored compressor adds the observed queries' mass; the tree attention overwrites the
             # tree rows with their masked pass)
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
+            spec = layer_spec(self, layer, kv_cache, layout)
             try:
                 method.amend(query[:n], kv_cache, batch, spec, plan, output[:n].view(n, self.num_heads, self.head_size))
             except Exception as e:
@@ -447,15 +439,9 @@ class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
             if SEAMS.count:
                 SEAMS.count(getattr(method, "amend_event", "stock_layers_amended"), 1)
             return output
-        try:
-            out = method.forward(query[:n], kv_cache, batch, spec, plan)
-        except Exception as e:
-            raise raised("attention", SEAMS.method_name, "forward()", e) from e
-        check_output(SEAMS.method_name, out, (n, self.num_heads, self.head_size))
-        output[:n].copy_(out.to(output.dtype))
-        if SEAMS.count:
-            SEAMS.count("forward", 1)
-        return output
+        return seam_forward(
+            self, layer, query, kv_cache, batch, plan, output, n, method=method, who=SEAMS.method_name, layout=layout
+        )
 
     def _format_forward(self, layer, query, kv_cache, attn_metadata, batch, output):
         """Attention over a cache in a storage format's page (which the C++ kernel cannot read)."""
@@ -465,21 +451,9 @@ class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
                 "sinks or soft-capping are not supported"
             )
         n = attn_metadata.num_actual_tokens
-        spec = AttentionLayer(
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_size=self.head_size,
-            scale=self.scale,
-            block_size=kv_cache.shape[2],
-            index=_layer_index(layer),
+        return seam_forward(
+            self, layer, query, kv_cache, batch, None, output, n, method=None, who="kvcompress storage format"
         )
-        try:
-            out = SEAMS.kv_format.forward(query[:n], kv_cache, batch, spec)
-        except Exception as e:
-            raise raised("kvcompress", "storage format", "forward()", e) from e
-        check_output("kvcompress storage format", out, (n, self.num_heads, self.head_size))
-        output[:n].copy_(out.to(output.dtype))
-        return output
 
 
 def call_plan(method: Any, batch: PagedBatch) -> Any:
@@ -488,6 +462,56 @@ def call_plan(method: Any, batch: PagedBatch) -> Any:
         return method.plan(batch)
     except Exception as e:
         raise raised("attention", SEAMS.method_name or type(method).__name__, "plan()", e) from e
+
+
+def layer_spec(impl: Any, layer: Any, kv_cache: torch.Tensor, layout: KVCacheLayout | None = None) -> AttentionLayer:
+    """The layer's facts for a plugin (:class:`AttentionLayer`), from vLLM's attention impl."""
+    return AttentionLayer(
+        num_heads=impl.num_heads,
+        num_kv_heads=impl.num_kv_heads,
+        head_size=impl.head_size,
+        scale=impl.scale,
+        block_size=kv_cache.shape[2],
+        index=_layer_index(layer),
+        **({} if layout is None else {"kv_layout": layout}),
+    )
+
+
+def seam_forward(
+    impl: Any,
+    layer: Any,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: PagedBatch,
+    plan: Any,
+    output: torch.Tensor,
+    n: int,
+    *,
+    method: Any,
+    who: str,
+    layout: KVCacheLayout | None = None,
+    count: bool = True,
+) -> torch.Tensor:
+    """The seam every graft attention backend (CPU, CUDA's FLASH_ATTN/TRITON_ATTN/FLASHINFER,
+    CUSTOM) runs for a layer: ``method.forward`` (an attention plugin's, a scored compressor's) or,
+    with ``method`` None, the storage format's, on the step's first ``n`` rows; what it returns
+    checked (:func:`check_output`), written into vLLM's ``output`` buffer and counted. A plugin's
+    exception is re-raised naming it. No host sync."""
+    H, D = impl.num_heads, impl.head_size
+    spec = layer_spec(impl, layer, kv_cache, layout)
+    q = query[:n].view(n, H, D)
+    try:
+        if method is None:
+            out = SEAMS.kv_format.forward(q, kv_cache, batch, spec)
+        else:
+            out = method.forward(q, kv_cache, batch, spec, plan)
+    except Exception as e:
+        raise raised("attention" if method is not None else "kvcompress", who, "forward()", e) from e
+    check_output(who, out, (n, H, D))
+    output[:n].view(n, H, D).copy_(out.to(output.dtype))
+    if count and SEAMS.count and method is not None:
+        SEAMS.count("forward", 1)
+    return output
 
 
 def check_output(who: str, out: Any, shape: tuple[int, int, int]) -> None:

@@ -44,10 +44,9 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadataBuilder,
 )
 
-from ...hooks import PACKED, AttentionLayer, PagedBatch
+from ...hooks import PACKED, PagedBatch
 
-from .backend import GUARD_PREFIX, SEAMS, _layer_index, call_plan, check_output, customize_spec
-from .plugin_calls import raised
+from .backend import GUARD_PREFIX, SEAMS, call_plan, customize_spec, seam_forward
 
 log = logging.getLogger("vllm_graft")
 
@@ -172,28 +171,19 @@ class GraftImplMixin:
         who = SEAMS.method_name if method is not None else "kvcompress storage format"
         self._graft_refuse_unsupported(who, output_scale, output_block_scale, fmt)
         n = attn_metadata.graft_num_tokens
-        spec = AttentionLayer(
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_size=self.head_size,
-            scale=self.scale,
-            block_size=kv_cache.shape[2],
-            index=_layer_index(layer),
-            kv_layout=PACKED,
+        return seam_forward(
+            self,
+            layer,
+            query,
+            kv_cache,
+            batch,
+            plan,
+            output,
+            n,
+            method=method,
+            who=who,
+            layout=PACKED,
         )
-        q = query[:n].view(n, self.num_heads, self.head_size)
-        try:
-            if method is None:
-                out = SEAMS.kv_format.forward(q, kv_cache, batch, spec)
-            else:
-                out = method.forward(q, kv_cache, batch, spec, plan)
-        except Exception as e:
-            raise raised("attention", who, "forward()", e) from e
-        check_output(who, out, (n, self.num_heads, self.head_size))
-        output[:n].view(n, self.num_heads, self.head_size).copy_(out.to(output.dtype))
-        if SEAMS.count and method is not None:
-            SEAMS.count("forward", 1)
-        return output
 
     def _graft_refuse_unsupported(self, who, output_scale, output_block_scale, fmt: bool) -> None:
         window = getattr(self, "sliding_window", None)

@@ -44,21 +44,19 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from ...hooks import BLOCKED, AttentionLayer, PagedBatch
+from ...hooks import BLOCKED, PagedBatch
 
 from .backend import (
     GENERIC_CPU_PATH,
     GENERIC_PATH,
     SEAMS,
-    _layer_index,
     call_plan,
-    check_output,
     customize_spec,
+    seam_forward,
     write_kv,
 )
 from ..runtime import RUNTIME
 
-from .plugin_calls import raised
 
 log = logging.getLogger("vllm_graft")
 
@@ -190,29 +188,21 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
             raise NotImplementedError("vllm-graft's attention backend does not fuse output quantisation")
         RUNTIME.backend_calls["forward"] += 1
         n = attn_metadata.num_actual_tokens
-        spec = AttentionLayer(
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_size=self.head_size,
-            scale=self.scale,
-            block_size=kv_cache.shape[2],
-            index=_layer_index(layer),
-        )
-        q = query[:n].view(n, self.num_heads, self.head_size)
         fmt = SEAMS.method is None and SEAMS.kv_format is not None and kv_cache.dtype == torch.uint8
         who = "kvcompress storage format" if fmt else SEAMS.method_name or "reference"
-        try:
-            if fmt:
-                out = SEAMS.kv_format.forward(q, kv_cache, attn_metadata.graft_batch, spec)
-            else:
-                out = _method().forward(q, kv_cache, attn_metadata.graft_batch, spec, attn_metadata.graft_plan)
-        except Exception as e:
-            raise raised("attention", who, "forward()", e) from e
-        check_output(who, out, (n, self.num_heads, self.head_size))
-        output[:n].view(n, self.num_heads, self.head_size).copy_(out.to(output.dtype))
-        if SEAMS.count and SEAMS.method is not None:
-            SEAMS.count("forward", 1)
-        return output
+        return seam_forward(
+            self,
+            layer,
+            query,
+            kv_cache,
+            attn_metadata.graft_batch,
+            attn_metadata.graft_plan,
+            output,
+            n,
+            method=None if fmt else _method(),
+            who=who,
+            count=SEAMS.method is not None,
+        )
 
 
 def _method():
