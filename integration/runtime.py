@@ -17,7 +17,7 @@ import time
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Hashable, Iterator
+from typing import Any, Callable, Hashable, Iterator, TypeVar
 
 from ..hooks import Kind, Plan, contract_for
 from ..hooks.deployment import Enabled
@@ -56,6 +56,9 @@ class Seams:
     # forward(query, kv_cache, batch, layer) -> out (see kvcompress._FormatSeam)
     kv_format: Any = None
     owners: set[str] = field(default_factory=set)
+    #: the generic backend's exact PyTorch attention, used while no attention plugin is enabled
+    #: (``adapters.custom_backend``; built on first use, per deployment)
+    reference_attention: Any = None
     route: str = ""  # the backend classes registered, ";"-joined (see install)
     installed: list[Any] = field(default_factory=list)  # the enum members overridden
 
@@ -64,6 +67,9 @@ class Seams:
         fresh = Seams()
         for f in fields(self):
             setattr(self, f.name, getattr(fresh, f.name))
+
+
+S = TypeVar("S")
 
 
 @dataclass
@@ -90,16 +96,8 @@ class Runtime:
 
     # ---- the adapters' state of the active deployment (:meth:`reset` clears it). The adapters
     # keep it here, on the process's :data:`RUNTIME`, and nowhere else (tests/unit/
-    # test_runtime_state.py holds them to it), whatever runtime ``activate`` is handed.
-    #: kvcompress: the active compressor and its per-request tables (an
-    #: ``adapters.kvcompress.state.Active``; None: no kvcompress plugin)
-    kvcompress: Any = field(default=None, repr=False)
-    #: speculative: the tree verifier of this process's proposer, read by the tree attention
-    #: (an ``adapters.speculative.tree.TreeVerifier``; None: no trees)
-    tree_verifier: Any = field(default=None, repr=False)
-    #: the generic attention backend's exact PyTorch attention, used while no attention plugin
-    #: is enabled (``adapters.custom_backend``; built on first use)
-    reference_attention: Any = field(default=None, repr=False)
+    # test_runtime_state.py holds them to it), whatever runtime ``activate`` is handed: each
+    # kind's in one typed dataclass of its adapter's, ``adapter_state[kind]`` (:meth:`kind_state`).
     #: :mod:`.model_runner` set ``VLLM_USE_V2_MODEL_RUNNER=0`` for this deployment (undone at reset)
     runner_env_set: bool = False
     #: what was said once since the last reset (see :meth:`once`)
@@ -117,8 +115,10 @@ class Runtime:
     registered: bool = False
     #: the attention backend's seams (what the attention and kvcompress adapters plug in)
     seams: Seams = field(default_factory=Seams, repr=False)
-    #: each adapter's per-deployment state (``Adapter.state``: kind -> its ``State``)
-    adapter_state: dict[Any, Any] = field(default_factory=dict, repr=False)
+    #: each adapter's per-deployment state (``Adapter.state``, :meth:`kind_state`: kind -> its
+    #: ``State``: the kvcompress adapter's active compressor, the speculative one's tree verifier,
+    #: the MoE adapter's chain, the quant adapter's registered methods)
+    adapter_state: dict[Kind, Any] = field(default_factory=dict, repr=False)
     #: the plan this process last validated, with the environment and registry it was
     #: validated against (:func:`.plan.plan_for` hands it to an in-process engine instead of
     #: validating again); kept through reset, as a plan does not depend on what is active
@@ -137,6 +137,13 @@ class Runtime:
     @property
     def active(self) -> bool:
         return self.plan is not None
+
+    def kind_state(self, kind: Kind, state_class: Callable[[], S]) -> S:
+        """The per-deployment state of ``kind``'s adapter, a ``state_class`` (made on first use)."""
+        state = self.adapter_state.get(kind)
+        if state is None:
+            state = self.adapter_state[kind] = state_class()
+        return state
 
     def enabled(self, kind: Kind) -> list[Enabled]:
         return self.plan.by_kind(kind) if self.plan else []
@@ -374,7 +381,6 @@ class Runtime:
         self.adapters.clear()
         self.state_holders.clear()
         self._last_sizes = None
-        self.kvcompress = self.tree_verifier = self.reference_attention = None
         self.seams.clear()
         self.adapter_state.clear()
         self.runner_env_set = False

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from ...hooks import Kind, Plan
 from ...hooks.deployment import Enabled
@@ -29,7 +29,10 @@ from ..runtime import RUNTIME, Runtime
 log = logging.getLogger("vllm_graft")
 
 
-class Adapter:
+S = TypeVar("S")
+
+
+class Adapter(Generic[S]):
     kind: Kind
     owner: str = "adapter"
     #: Why the adapter needs an engine argument it sets in :meth:`engine_overrides` (by
@@ -38,15 +41,15 @@ class Adapter:
     engine_why: dict[str, str] = {}
     #: The dataclass of the adapter's per-deployment state, or None. The adapter object itself
     #: holds none (it is module-level): its state is :attr:`state`, an instance on the process's
-    #: runtime (``RUNTIME.adapter_state[kind]``), which ``RUNTIME.reset`` forgets.
-    State: Any = None
+    #: runtime (``RUNTIME.kind_state(kind, State)``), which ``RUNTIME.reset`` forgets.
+    State: type[S] | None = None
 
     @property
-    def state(self) -> Any:
+    def state(self) -> S:
         """This process's per-deployment state of the adapter (made on first use)."""
         if self.State is None:
             raise TypeError(f"the {self.kind} adapter keeps no state")
-        return RUNTIME.adapter_state.setdefault(self.kind, self.State())
+        return RUNTIME.kind_state(self.kind, self.State)
 
     def engine_overrides(self, enabled: list[Enabled], plan: Plan) -> dict[str, Any]:
         return {}

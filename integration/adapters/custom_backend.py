@@ -208,18 +208,18 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
 def _method():
     """The enabled attention method, or exact PyTorch attention when none is (a KV compressor
     alone needs this backend for its layout and rewriters but computes nothing new; built once
-    per deployment, kept as ``RUNTIME.reference_attention``)."""
+    per deployment, kept as ``SEAMS.reference_attention``)."""
     if SEAMS.method is not None:
         return SEAMS.method
-    if RUNTIME.reference_attention is None:
+    if SEAMS.reference_attention is None:
         from ...plugins.attention._shared import PagedAttention
 
         log.warning(
             "vllm-graft: no attention plugin is enabled; the graft attention backend "
             "computes attention with the PyTorch reference (exact, slow)"
         )
-        RUNTIME.reference_attention = PagedAttention(None)
-    return RUNTIME.reference_attention
+        SEAMS.reference_attention = PagedAttention(None)
+    return SEAMS.reference_attention
 
 
 class GraftAttentionBackend(AttentionBackend):

@@ -59,7 +59,7 @@ def test_tree_attention_runs_on_the_device_and_matches_the_host(device, monkeypa
     layer = AttentionLayer(num_heads=heads, num_kv_heads=kv_heads, head_size=dim, scale=0.3, block_size=block)
     q = torch.randn(9, heads, dim)
     method = T.TreeAttention(None)
-    monkeypatch.setattr(T.RUNTIME, "tree_verifier", verifier_with({1: step_tree(parents, start=3, context=7)}, others=True))
+    monkeypatch.setattr(T._state(), "tree_verifier", verifier_with({1: step_tree(parents, start=3, context=7)}, others=True))
     host = method.forward(q, cache, PagedBatch(qsl, lens, table), layer, method.plan(PagedBatch(qsl, lens, table)))
     with device:
         dq, dcache, dqsl, dlens, dtable = device.put(q, cache, qsl, lens, table)

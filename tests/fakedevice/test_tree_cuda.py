@@ -84,7 +84,7 @@ def test_tree_attention_in_each_layout_matches_the_oracle_on_the_device(device, 
         batch = PagedBatch(batch.query_start_loc[1:] - 3, batch.seq_lens[1:], batch.block_table[1:])
         q, expected = q[3:], expected[3:]
     row = 1 if others else 0
-    monkeypatch.setattr(T.RUNTIME, "tree_verifier", verifier_with({row: step_tree(PARENTS, start=3 if others else 0, context=7)},
+    monkeypatch.setattr(T._state(), "tree_verifier", verifier_with({row: step_tree(PARENTS, start=3 if others else 0, context=7)},
                                                     others=others))
     method = T.TreeAttention(None)
     with device:
@@ -108,7 +108,7 @@ def test_tree_attention_in_each_layout_matches_the_oracle_on_the_device(device, 
 
 def test_the_host_path_is_the_reference_and_is_logged_once(monkeypatch, caplog):
     kv, batch, layer, q = _case()
-    monkeypatch.setattr(T.RUNTIME, "tree_verifier", verifier_with({1: step_tree(PARENTS, start=3, context=7)}, others=True))
+    monkeypatch.setattr(T._state(), "tree_verifier", verifier_with({1: step_tree(PARENTS, start=3, context=7)}, others=True))
     monkeypatch.setattr(T.RUNTIME, "said", set())
     method = T.TreeAttention(None)
     with caplog.at_level("INFO", logger="vllm_graft"):
@@ -177,11 +177,12 @@ def test_a_tree_step_on_the_device_in_the_packed_layout(device):
         batch = PagedBatch(*device.put(torch.tensor([0, 1, 6], dtype=torch.int32), torch.tensor([10, 11], dtype=torch.int32),
                                        torch.tensor([[0, 1, 4, 0], [2, 5, 3, 0]], dtype=torch.int32)))
         method = T.TreeAttention(None)
-        T.RUNTIME.tree_verifier, saved = v, T.RUNTIME.tree_verifier
+        saved = T.current_verifier()
+        T.set_verifier(v)
         try:
             plan, outs = _layers(device, method, q, runner.kv_caches[0], batch, layer)
         finally:
-            T.RUNTIME.tree_verifier = saved
+            T.set_verifier(saved)
         assert plan.kernel is not None and plan.layout is PACKED
         with device.region("verify (step)"):
             v.verify(runner, logits, type("M", (), {"num_draft_tokens": [0, 4]})(),

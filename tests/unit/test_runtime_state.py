@@ -171,6 +171,7 @@ def test_deactivate_clears_every_adapters_state(fresh_runtime, monkeypatch):
     from vllm_graft.integration.adapters.kvcompress import channel
     from vllm_graft.integration.adapters.kvcompress import state as kv_state
     from vllm_graft.integration.adapters.quant.tensors import register_linear
+    from vllm_graft.hooks import Kind
     from vllm_graft.integration.adapters.speculative import tree
 
     rt = fresh_runtime
@@ -185,9 +186,9 @@ def test_deactivate_clears_every_adapters_state(fresh_runtime, monkeypatch):
     assert out._model_runner_output.graft_kv_drops == {"r": [1]} and "kvcompress async output" in rt.said
     # speculative: the tree verifier the tree attention reads
     verifier = tree.activate_verifier(lambda *a: None)
-    assert rt.tree_verifier is verifier
+    assert tree.current_verifier() is verifier and rt.adapter_state[Kind.SPECULATIVE].tree_verifier is verifier
     # the generic backend's reference attention; the adapters' once-only warnings
-    rt.reference_attention = object()
+    rt.seams.reference_attention = object()
     attention_backend_overrides(SimpleNamespace(platform="cuda", deployment=SimpleNamespace(
         engine={"attention_backend": "FLEX_ATTENTION"})))
     # model runner: VLLM_USE_V2_MODEL_RUNNER=0 set for the deployment
@@ -205,7 +206,6 @@ def test_deactivate_clears_every_adapters_state(fresh_runtime, monkeypatch):
     registered = rt.registered
     # the backend's seams and the MoE and quant adapters' state (all on the runtime)
     from vllm_graft.integration.adapters import adapter_for
-    from vllm_graft.hooks import Kind
     from vllm_graft.integration.adapters.backend import SEAMS
     from vllm_graft.integration.adapters.moe.engine import SKIP_MIN_DEFAULT
 
@@ -215,14 +215,14 @@ def test_deactivate_clears_every_adapters_state(fresh_runtime, monkeypatch):
     moe = adapter_for("moe")
     moe.state.chain, moe.state.skip_min = object(), 7
     adapter_for("quant").state.registered.append("graft-x")
-    assert SEAMS is rt.seams and set(rt.adapter_state) == {Kind.MOE, Kind.QUANT}
+    assert SEAMS is rt.seams and set(rt.adapter_state) == {Kind.KVCOMPRESS, Kind.SPECULATIVE, Kind.MOE, Kind.QUANT}
 
     bridge.deactivate()
 
     assert undone == ["speculative", "kvcompress"]  # last activated, first undone
     assert not rt.active and rt.adapters == [] and rt.source is None
-    assert kv_state.get_active() is None and rt.kvcompress is None
-    assert rt.tree_verifier is None and rt.reference_attention is None
+    assert kv_state.get_active() is None and tree.current_verifier() is None
+    assert rt.seams.reference_attention is None
     assert rt.said == set() and not rt.runner_env_set
     assert model_runner.ENV_RUNNER not in os.environ
     assert host.method() == "original"  # the adapter's patch undone

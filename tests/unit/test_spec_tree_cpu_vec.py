@@ -155,7 +155,7 @@ def _run(backend, case, dtype, isa, trees=True):
     layout = impl.graft_layout(layer, kv)
     start = int(case.batch.query_start_loc[case.tree])
     step = {case.tree: step_tree(PARENTS, start=start, context=case.rows[case.tree][0])} if trees else {}
-    T.RUNTIME.tree_verifier = verifier_with(step, others=len(case.rows) > 1)
+    T.set_verifier(verifier_with(step, others=len(case.rows) > 1))
     try:
         md = _metadata(case, dtype, isa)
         for r in range(len(case.rows)):
@@ -163,7 +163,7 @@ def _run(backend, case, dtype, isa, trees=True):
         output = torch.full(case.query.shape, float("nan"), dtype=dtype)
         impl.forward(layer, case.query, None, None, kv, md, output)
     finally:
-        T.RUNTIME.tree_verifier = None
+        T.set_verifier(None)
     return output, kv, layout, md.graft_plan
 
 

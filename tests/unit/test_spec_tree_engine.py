@@ -147,7 +147,7 @@ def test_tree_attention_method_masks_node_rows_and_leaves_the_others_causal(monk
                        block_table=torch.tensor([[3, 0, 0, 0], [5, 1, 7, 2]], dtype=torch.int32))
     layer = AttentionLayer(num_heads=heads, num_kv_heads=kv_heads, head_size=dim, scale=0.3, block_size=block)
     q = torch.randn(9, heads, dim)
-    monkeypatch.setattr(T.RUNTIME, "tree_verifier", verifier_with({1: step_tree(parents, start=3, context=7)}, others=True))
+    monkeypatch.setattr(T._state(), "tree_verifier", verifier_with({1: step_tree(parents, start=3, context=7)}, others=True))
     method = T.TreeAttention(None)
     out = method.forward(q, cache, batch, layer, method.plan(batch))
     k, v = split_kv_cache(cache)
@@ -174,7 +174,7 @@ def test_tree_attention_method_masks_node_rows_and_leaves_the_others_causal(monk
     # a batch of tree requests only; and the engine's path equals the oracle tree_attention
     solo = PagedBatch(query_start_loc=torch.tensor([0, 6], dtype=torch.int32), seq_lens=batch.seq_lens[1:],
                       block_table=batch.block_table[1:])
-    monkeypatch.setattr(T.RUNTIME, "tree_verifier", verifier_with({0: step_tree(parents, start=0, context=7)}, others=False))
+    monkeypatch.setattr(T._state(), "tree_verifier", verifier_with({0: step_tree(parents, start=0, context=7)}, others=False))
     solo_plan = method.plan(solo)
     assert solo_plan.kernel is None  # host tensors: the PyTorch reference
     assert torch.allclose(method.forward(q[3:], cache, solo, layer, solo_plan), out[3:], atol=1e-6)

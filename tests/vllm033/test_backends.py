@@ -528,7 +528,7 @@ def test_tree_verification_computes_its_rows_inside_vllm_033s_backends(vllm_conf
     from vllm_graft.integration.adapters.speculative import tree as T
 
     step = Step([20, 30], [1, 1 + len(PARENTS)], seed=7)
-    monkeypatch.setattr(T.RUNTIME, "tree_verifier", verifier_with({1: step_tree(PARENTS, start=1, context=30)}, others=True))
+    monkeypatch.setattr(T._state(), "tree_verifier", verifier_with({1: step_tree(PARENTS, start=1, context=30)}, others=True))
     T.install_attention("test")
     try:
         md, out = _run(vllm_config, fd, name, step)

@@ -176,7 +176,7 @@ vLLM-free (they import no vLLM, so the logic is unit-tested without it):
 * :mod:`.keep`: the rules of a ``keep`` answer (:func:`.keep.check_keep`), ``KeepAll``;
 * :mod:`.plan`: the per-request decisions: what the scheduler frees (:func:`.plan.blocks_to_free`),
   what the worker leaves out (:func:`.plan.blocks_to_skip`), how a block-table row is compacted;
-* :mod:`.state`: the compressor a deployment activated in this process (``state.get_active()``, kept on ``RUNTIME.kvcompress``);
+* :mod:`.state`: the compressor a deployment activated in this process (``state.get_active()``, kept in the adapter's ``KVCompressState`` on the runtime);
 * :mod:`.salt`: the prefix-cache salt and the ``Request.__init__`` wrapper that applies it;
 * :mod:`.rows`: the worker's batch rows -> requests (the metadata patch's wrapper);
 * :mod:`.scores`: scored compressors in the worker: per-block scores, the scoring attention;

@@ -28,7 +28,7 @@ from .rows import build_attention_metadata_wrapper, host_seq_lens, step_rows
 from .salt import composition_salt, request_init_wrapper
 from .scores import _Scores, _ScoringAttention
 from .shared_attention import layouts_read
-from .state import OWNER, Active
+from .state import OWNER, Active, KVCompressState
 from ... import targets
 from ...patches import PATCHES
 
@@ -231,9 +231,10 @@ class _FormatSeam:
         return out
 
 
-class KVCompressAdapter(Adapter):
+class KVCompressAdapter(Adapter[KVCompressState]):
     kind = Kind.KVCOMPRESS
     owner = OWNER
+    State = KVCompressState
 
     engine_why = {ASYNC_SCHEDULING: ASYNC_WHY}
 

@@ -1,7 +1,7 @@
 """The kvcompress adapter's process state, vLLM-free: the compressor (and storage format) a
-deployment activated in this process (:func:`get_active`; it lives on the process's runtime,
-``RUNTIME.kvcompress``, set by the adapter's ``activate`` and cleared by deactivation), and the
-adapter's patch owner and supported vLLM range."""
+deployment activated in this process (:func:`get_active`; it lives on the process's runtime, in
+the adapter's :class:`KVCompressState`, set by its ``activate`` and cleared by deactivation), and
+the adapter's patch owner and supported vLLM range."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ....hooks.registry import SUPPORTED_VLLM
-from ....hooks import KVCacheFormat, KVCompressor
+from ....hooks import Kind, KVCacheFormat, KVCompressor
 from ... import targets
 from .plan import KVCompressError
 from ...runtime import RUNTIME
@@ -48,20 +48,28 @@ class Active:
         return f"{self.name}+{self.format_name}"
 
 
+@dataclass
+class KVCompressState:
+    """The kvcompress adapter's per-deployment state (``KVCompressAdapter.State``, on the runtime)."""
+
+    active: Active | None = None
+
+
 def get_active() -> Active | None:
     """The active compressor of this process (None: no deployment with a kvcompress plugin)."""
-    return RUNTIME.kvcompress
+    state = RUNTIME.adapter_state.get(Kind.KVCOMPRESS)  # reading makes no state
+    return None if state is None else state.active
 
 
 def set_active(active: Active | None) -> None:
     """Make ``active`` this process's (the adapter's ``activate``; deactivation clears it)."""
-    RUNTIME.kvcompress = active
+    RUNTIME.kind_state(Kind.KVCOMPRESS, KVCompressState).active = active
 
 
 def current(spec_compressor: str) -> Active:
     """The active state, for a KV cache whose spec names ``spec_compressor``; raises
     :class:`KVCompressError` if none is active, or another one."""
-    active = RUNTIME.kvcompress
+    active = get_active()
     if active is None:
         raise KVCompressError(
             f"a vllm-graft KV-compression cache (plugin {spec_compressor!r}) is in use in process "

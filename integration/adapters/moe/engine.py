@@ -398,7 +398,7 @@ class MoEState:
     placement: eplb.Installed | None = None
 
 
-class MoEAdapter(Adapter):
+class MoEAdapter(Adapter[MoEState]):
     kind = Kind.MOE
     owner = targets.MOE
 

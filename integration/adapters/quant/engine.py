@@ -90,7 +90,7 @@ class QuantState:
     registered: list[str] = field(default_factory=list)  # vLLM quantization names registered
 
 
-class QuantAdapter(Adapter):
+class QuantAdapter(Adapter[QuantState]):
     kind = Kind.QUANT
     owner = OWNER
 

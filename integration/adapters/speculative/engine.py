@@ -416,9 +416,10 @@ def install_patch() -> None:
 
 
 # ------------------------------------------------------------------------------ adapter
-class SpeculativeAdapter(Adapter):
+class SpeculativeAdapter(Adapter[tree.SpeculativeState]):
     kind = Kind.SPECULATIVE
     owner = OWNER
+    State = tree.SpeculativeState
 
     def engine_overrides(self, enabled: list[Enabled], plan: Plan) -> dict[str, Any]:
         (e,) = enabled  # the deployment allows one proposer

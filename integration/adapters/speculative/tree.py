@@ -70,7 +70,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ....hooks import BLOCKED, PACKED, AttentionMethod, KVCacheLayout
+from ....hooks import BLOCKED, PACKED, AttentionMethod, Kind, KVCacheLayout
 from ...runtime import RUNTIME
 
 if TYPE_CHECKING:  # for the doctor's attribute rows: what is read of vLLM's runner
@@ -407,7 +407,7 @@ class TreeAttention(AttentionMethod):
     amend_event = "stock_layers_with_tree"
 
     def plan(self, batch):
-        verifier = RUNTIME.tree_verifier
+        verifier = current_verifier()
         return verifier.plan(batch) if verifier is not None else None
 
     def plain(self, plan) -> bool:
@@ -491,8 +491,28 @@ def _cpu_engine() -> bool:
 
 
 # ---------------------------------------------------------------- activation (the adapter)
-# The verifier of this process's proposer lives on the runtime (RUNTIME.tree_verifier: set by
-# activate_verifier, cleared by uninstall_attention and by deactivation).
+@dataclass
+class SpeculativeState:
+    """The speculative adapter's per-deployment state (``SpeculativeAdapter.State``, on the
+    runtime): the tree verifier of this process's proposer, which the tree attention reads (set
+    by :func:`activate_verifier`, cleared by :func:`uninstall_attention` and by deactivation)."""
+
+    tree_verifier: TreeVerifier | None = None
+
+
+def _state() -> SpeculativeState:
+    return RUNTIME.kind_state(Kind.SPECULATIVE, SpeculativeState)
+
+
+def current_verifier() -> TreeVerifier | None:
+    state = RUNTIME.adapter_state.get(Kind.SPECULATIVE)  # reading makes no state
+    return None if state is None else state.tree_verifier
+
+
+def set_verifier(verifier: TreeVerifier | None) -> None:
+    _state().tree_verifier = verifier
+
+
 #: The attention method the tree verification installs (stateless: it reads the verifier
 #: from the runtime; one object, so that the backend's seam can be told apart)
 _ATTENTION = TreeAttention(None)
@@ -536,7 +556,8 @@ def activate_verifier(count) -> TreeVerifier:
     method (``plan``, ``forward``, ``stock_layers``, ``stock_layers_with_tree``)."""
     from .. import backend
 
-    verifier = RUNTIME.tree_verifier = TreeVerifier(count)
+    verifier = TreeVerifier(count)
+    set_verifier(verifier)
     if backend.SEAMS.method is _ATTENTION:
         backend.SEAMS.count = count
     return verifier
@@ -559,7 +580,7 @@ def install_attention(owner: str) -> None:
 def uninstall_attention(owner: str) -> None:
     from .. import backend
 
-    RUNTIME.tree_verifier = None
+    set_verifier(None)
     if backend.SEAMS.method is _ATTENTION:
         backend.SEAMS.method, backend.SEAMS.method_name, backend.SEAMS.count = None, "", None
         backend.uninstall(owner)
