@@ -328,6 +328,32 @@ def launch_plan(
     return rows, tiles, pages, n_split, per_split
 
 
+def _context_length(context_len: int | torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    """``(the length tensor or None, the host length or 0)``: an int is the host's; a one-element
+    integer tensor stays on the device, unread (the checks do not read the device)."""
+    if not isinstance(context_len, torch.Tensor):
+        return None, int(context_len)
+    if context_len.numel() != 1 or context_len.dtype.is_floating_point:
+        raise ValueError(
+            f"context_len must be an int or a one-element integer tensor, got {context_len.dtype} "
+            f"{tuple(context_len.shape)}"
+        )
+    return context_len, 0
+
+
+def _ancestor_bits(bits: torch.Tensor | None, parents: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """The tree's ancestor bitmask, int32 ``[N, ceil(N / 32)]`` (built from ``parents`` unless one
+    step's is reused), and its words per row."""
+    if bits is None:
+        bits = pack_ancestor_bits(ancestor_mask(parents))
+    words = -(-n // WORD)
+    if tuple(bits.shape) != (n, words) or bits.dtype != torch.int32:
+        raise ValueError(
+            f"ancestor_bits must be int32 [N, ceil(N / 32)] = {(n, words)}, got {bits.dtype} {tuple(bits.shape)}"
+        )
+    return bits, words
+
+
 def tree_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -346,16 +372,7 @@ def tree_attention_triton(
     one-element integer tensor on the device: a tensor is read by the kernel only (no host
     sync), so it is not range-checked here; the kernel clamps it to ``[0, block_table's width *
     block_size]``, and the splits are then sized for the whole width."""
-    length: torch.Tensor | None = None  # context_len when it is a tensor
-    if isinstance(context_len, torch.Tensor):
-        if context_len.numel() != 1 or context_len.dtype.is_floating_point:
-            raise ValueError(
-                f"context_len must be an int or a one-element integer tensor, got {context_len.dtype} "
-                f"{tuple(context_len.shape)}"
-            )
-        length, host_len = context_len, 0  # the checks below do not read the device
-    else:
-        host_len = int(context_len)
+    length, host_len = _context_length(context_len)
     on_device = length is not None
     n, hq, hkv, d, bs = check_shapes(q, k_cache, v_cache, block_table, host_len, k_tree, v_tree, parents)
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
@@ -363,14 +380,7 @@ def tree_attention_triton(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if n == 0:
         return out
-    if ancestor_bits is None:
-        ancestor_bits = pack_ancestor_bits(ancestor_mask(parents))
-    words = -(-n // WORD)
-    if tuple(ancestor_bits.shape) != (n, words) or ancestor_bits.dtype != torch.int32:
-        raise ValueError(
-            f"ancestor_bits must be int32 [N, ceil(N / 32)] = {(n, words)}, got "
-            f"{ancestor_bits.dtype} {tuple(ancestor_bits.shape)}"
-        )
+    ancestor_bits, words = _ancestor_bits(ancestor_bits, parents, n)
     dev = q.device
     if q.stride(2) != 1:
         q = q.contiguous()
