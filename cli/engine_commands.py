@@ -327,10 +327,8 @@ def _speed(ratio: dict[str, Any] | None) -> str:
     return text
 
 
-def print_demo(result: dict[str, Any], console: Console) -> None:
-    """A sample of each workload's text from both arms, then the demo's summary table."""
-    from ..tools.bench.stats import relative_change
-
+def _print_samples(result: dict[str, Any], console: Console) -> None:
+    """The first prompt of each workload and both arms' text for it."""
     arms = result["arms"]
     cmp = result["comparison"]["workloads"]
     for w in result["workloads"]:
@@ -351,6 +349,14 @@ def print_demo(result: dict[str, Any], console: Console) -> None:
             else f"[yellow]outputs part at output token {same['first_diff']}[/]"
         )
 
+
+def _summary_table(result: dict[str, Any]) -> Table:
+    """The demo's table: per workload, both arms' tok/s, the speed, the KV blocks held, the
+    identical outputs and the perplexity change."""
+    from ..tools.bench.stats import relative_change
+
+    arms = result["arms"]
+    cmp = result["comparison"]["workloads"]
     table = Table(
         title="plain vLLM vs the deployment (same prompts, greedy, one request at a time)", box=None, padding=(0, 2)
     )
@@ -386,6 +392,14 @@ def print_demo(result: dict[str, Any], console: Console) -> None:
             f"{cmp[name]['n_identical']}/{cmp[name]['n']}",
             f"{100 * ppl:+.1f}%" if ppl is not None else "-",
         )
+    return table
+
+
+def print_demo(result: dict[str, Any], console: Console) -> None:
+    """A sample of each workload's text from both arms, then the demo's summary table."""
+    arms = result["arms"]
+    _print_samples(result, console)
+    table = _summary_table(result)
     console.rule("summary")
     console.print(table)
     runs = max(
