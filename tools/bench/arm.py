@@ -92,6 +92,37 @@ def _render(llm: Any, ids_list: Sequence[Sequence[int]]) -> list[Any]:
         return prompts
 
 
+def _request_result(i: int, out: Any, submit: float, times: list[float], t0: float) -> dict[str, Any]:
+    """One finished request of a timed run: its tokens, our timing from its stamps and vLLM's own
+    metrics beside them (the cross-check)."""
+    c = out.outputs[0]
+    token_ids = list(c.token_ids)
+    if len(token_ids) != len(times):
+        raise RuntimeError(f"request {i}: {len(token_ids)} tokens but {len(times)} stamps")
+    m = out.metrics
+    vllm_metrics = None
+    if m is not None:
+        ng = getattr(m, "num_generation_tokens", 0)
+        vllm_metrics = {
+            "ttft_s": getattr(m, "first_token_latency", None),
+            "tpot_s": ((m.last_token_ts - m.first_token_ts) / (ng - 1)) if ng > 1 else None,
+            "queued_s": m.scheduled_ts - m.queued_ts,
+            "prefill_s": m.first_token_ts - m.scheduled_ts,
+            "num_preemptions": getattr(m, "num_preemptions", 0),
+        }
+    return {
+        "output_token_ids": token_ids,
+        "finish_reason": c.finish_reason,
+        "num_cached_tokens": getattr(out, "num_cached_tokens", None),
+        "submit_s": submit - t0,
+        "token_times_s": [t - submit for t in times],
+        **request_timing(submit, times),
+        "vllm_ttft_s": vllm_metrics["ttft_s"] if vllm_metrics else None,
+        "vllm_tpot_s": vllm_metrics["tpot_s"] if vllm_metrics else None,
+        "vllm_metrics": vllm_metrics,
+    }
+
+
 def _generate(
     llm: Any,
     prompts: Sequence[dict[str, Any]],
@@ -164,36 +195,7 @@ def _generate(
     cpu = (usage1.ru_utime + usage1.ru_stime) - (usage0.ru_utime + usage0.ru_stime)
     others = None if system0 is None or system1 is None else max(0.0, (system1 - system0 - cpu) / wall)
 
-    requests = []
-    for i, out in enumerate(final):
-        c = out.outputs[0]
-        token_ids = list(c.token_ids)
-        if len(token_ids) != len(times[i]):
-            raise RuntimeError(f"request {i}: {len(token_ids)} tokens but {len(times[i])} stamps")
-        m = out.metrics
-        vllm_metrics = None
-        if m is not None:
-            ng = getattr(m, "num_generation_tokens", 0)
-            vllm_metrics = {
-                "ttft_s": getattr(m, "first_token_latency", None),
-                "tpot_s": ((m.last_token_ts - m.first_token_ts) / (ng - 1)) if ng > 1 else None,
-                "queued_s": m.scheduled_ts - m.queued_ts,
-                "prefill_s": m.first_token_ts - m.scheduled_ts,
-                "num_preemptions": getattr(m, "num_preemptions", 0),
-            }
-        requests.append(
-            {
-                "output_token_ids": token_ids,
-                "finish_reason": c.finish_reason,
-                "num_cached_tokens": getattr(out, "num_cached_tokens", None),
-                "submit_s": submit[i] - t0,
-                "token_times_s": [t - submit[i] for t in times[i]],
-                **request_timing(submit[i], times[i]),
-                "vllm_ttft_s": vllm_metrics["ttft_s"] if vllm_metrics else None,
-                "vllm_tpot_s": vllm_metrics["tpot_s"] if vllm_metrics else None,
-                "vllm_metrics": vllm_metrics,
-            }
-        )
+    requests = [_request_result(i, out, submit[i], times[i], t0) for i, out in enumerate(final)]
     return {
         "wall_s": wall,
         "cpu_s": cpu,
@@ -377,6 +379,28 @@ def fresh_drafting_state(llm: Any) -> None:
         llm.collective_rpc(_empty_suffix_tree)
 
 
+def _warm_up(llm: Any, job: dict[str, Any], engine: dict[str, Any], send: Callable[[str, Any], None]) -> None:
+    """Every workload's first prompts (as many as run at once), a few tokens each, then every
+    decode step's token count on the CPU engine's linear layers (warm_step_shapes): the first
+    timed run then meets no shape the engine has not seen at start-up."""
+    from vllm import SamplingParams
+
+    workloads = job["workloads"]
+    send("phase", "warming up")
+    t = time.perf_counter()
+    size = job["batch"] or max(len(w["prompts"]) for w in workloads)
+    for w in workloads:
+        llm.generate(
+            [{"prompt_token_ids": p["token_ids"]} for p in w["prompts"][:size]],
+            SamplingParams(temperature=0.0, max_tokens=4),
+            use_tqdm=False,
+        )
+    engine["gemm_warm"] = warm_step_shapes(llm)
+    engine["warmup_s"] = time.perf_counter() - t
+    repeat = max(1, int(job.get("repeat", 1)))
+    send("total", repeat * sum(p["max_tokens"] for w in workloads for p in w["prompts"]))
+
+
 def _arm_run(
     job: dict[str, Any], send: Callable[[str, Any], None], receive: Callable[[], tuple[str, Any]]
 ) -> dict[str, Any]:
@@ -393,7 +417,7 @@ def _arm_run(
 
     send("phase", "loading model")
     t = time.perf_counter()
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     from ...integration.patches import PATCHES
     from ...integration.runtime import RUNTIME
@@ -424,22 +448,7 @@ def _arm_run(
     workloads = job["workloads"]
     engine["warmup_s"] = 0.0
     if workloads:
-        send("phase", "warming up")
-        t = time.perf_counter()
-        # every workload's first prompts (as many as run at once), a few tokens each, then every
-        # decode step's token count on the CPU engine's linear layers (warm_step_shapes): the
-        # first timed run then meets no shape the engine has not seen at start-up
-        size = job["batch"] or max(len(w["prompts"]) for w in workloads)
-        for w in workloads:
-            llm.generate(
-                [{"prompt_token_ids": p["token_ids"]} for p in w["prompts"][:size]],
-                SamplingParams(temperature=0.0, max_tokens=4),
-                use_tqdm=False,
-            )
-        engine["gemm_warm"] = warm_step_shapes(llm)
-        engine["warmup_s"] = time.perf_counter() - t
-        repeat = max(1, int(job.get("repeat", 1)))
-        send("total", repeat * sum(p["max_tokens"] for w in workloads for p in w["prompts"]))
+        _warm_up(llm, job, engine, send)
     send("phase", "ready")
     send("ready", None)
 
