@@ -214,11 +214,11 @@ def run_arm(
     """One arm: ``texts`` for perplexity and ``needles`` for needle EM (either may be empty:
     skipped), and the RULER-style ``ruler`` cases (:mod:`~.workloads.ruler`, all submitted at
     once in the fixed pool, greedy), scored per case into ``ruler_scores``."""
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     from ...launch import engine as launch
     from ...integration.plan import plan_for
-    from ...integration.forcing import ForceTokens, forced_logprobs, forced_params
+    from ...integration.forcing import ForceTokens
 
     engine_args = {
         "dtype": "float32",
@@ -284,53 +284,68 @@ def run_arm(
         if not texts and not needles:
             res["seconds"] = round(time.time() - t0, 1)
             return res
-        # perplexity: one text at a time; its prompt's log-probs, then its last `gen` tokens
-        # decoded after it, forced
-        nll, n_tok, peak_ppl, gen_nll, gen_held = 0.0, 0, 0, 0.0, []
-        for i, (ids, _) in enumerate(texts):
-            prompt, rest = list(ids[: len(ids) - gen]), list(ids[len(ids) - gen :])
-            params = (
-                forced_params(rest, prompt_logprobs=0)
-                if rest
-                else SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
-            )
-            outs, peak, held, _ = drive([(f"t{i}", prompt)], params)
-            peak_ppl = max(peak_ppl, peak)
-            gen_held.append(held)
-            out = outs[f"t{i}"]
-            for tok, lp in zip(prompt[1:], out.prompt_logprobs[1:]):
-                nll -= lp[tok].logprob
-                n_tok += 1
-            gen_nll -= sum(forced_logprobs(out, rest)) if rest else 0.0
-        n_gen = gen * len(texts)
-        res["ppl"] = math.exp((nll + gen_nll) / (n_tok + n_gen))
-        res["ppl_tokens"] = n_tok + n_gen
-        res["gen_ppl"] = math.exp(gen_nll / n_gen) if n_gen else float("nan")
-        res["gen_tokens"] = n_gen
-        res["median_blocks_gen"] = sorted(gen_held)[len(gen_held) // 2] if gen_held else 0
-        res["peak_blocks_ppl"] = peak_ppl
-        # needles: all at once in the fixed pool
-        reqs = [(f"n{i}", n.token_ids) for i, n in enumerate(needles)]
-        longest = max(len(n.answer_ids) for n in needles)
-        outs, peak, median_decode, running = drive(
-            reqs, SamplingParams(max_tokens=max(longest + 2, decode), temperature=0.0, ignore_eos=True)
-        )
-        hits = [
-            list(outs[f"n{i}"].outputs[0].token_ids[: len(n.answer_ids)]) == list(n.answer_ids)
-            for i, n in enumerate(needles)
-        ]
-        res.update(
-            needle_em=sum(hits) / len(hits),
-            needle_hits=hits,
-            peak_blocks=peak,
-            median_blocks_decode=median_decode,
-            max_concurrent=running,
-            seconds=round(time.time() - t0, 1),
-        )
+        res.update(_perplexity(drive, texts, gen))
+        res.update(_needles(drive, needles, decode), seconds=round(time.time() - t0, 1))
     finally:
         engine.engine_core.shutdown()
         del llm
     return res
+
+
+def _perplexity(drive, texts, gen: int) -> dict[str, Any]:
+    """One text at a time: its prompt's log-probs, then its last ``gen`` tokens decoded after
+    it, forced (the perplexity of what the compressed cache generates from)."""
+    from vllm import SamplingParams
+
+    from ...integration.forcing import forced_logprobs, forced_params
+
+    nll, n_tok, peak_ppl, gen_nll, gen_held = 0.0, 0, 0, 0.0, []
+    for i, (ids, _) in enumerate(texts):
+        prompt, rest = list(ids[: len(ids) - gen]), list(ids[len(ids) - gen :])
+        params = (
+            forced_params(rest, prompt_logprobs=0)
+            if rest
+            else SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+        )
+        outs, peak, held, _ = drive([(f"t{i}", prompt)], params)
+        peak_ppl = max(peak_ppl, peak)
+        gen_held.append(held)
+        out = outs[f"t{i}"]
+        for tok, lp in zip(prompt[1:], out.prompt_logprobs[1:]):
+            nll -= lp[tok].logprob
+            n_tok += 1
+        gen_nll -= sum(forced_logprobs(out, rest)) if rest else 0.0
+    n_gen = gen * len(texts)
+    return {
+        "ppl": math.exp((nll + gen_nll) / (n_tok + n_gen)),
+        "ppl_tokens": n_tok + n_gen,
+        "gen_ppl": math.exp(gen_nll / n_gen) if n_gen else float("nan"),
+        "gen_tokens": n_gen,
+        "median_blocks_gen": sorted(gen_held)[len(gen_held) // 2] if gen_held else 0,
+        "peak_blocks_ppl": peak_ppl,
+    }
+
+
+def _needles(drive, needles, decode: int) -> dict[str, Any]:
+    """Every needle prompt at once in the fixed pool, greedy: exact match of the answer."""
+    from vllm import SamplingParams
+
+    reqs = [(f"n{i}", n.token_ids) for i, n in enumerate(needles)]
+    longest = max(len(n.answer_ids) for n in needles)
+    outs, peak, median_decode, running = drive(
+        reqs, SamplingParams(max_tokens=max(longest + 2, decode), temperature=0.0, ignore_eos=True)
+    )
+    hits = [
+        list(outs[f"n{i}"].outputs[0].token_ids[: len(n.answer_ids)]) == list(n.answer_ids)
+        for i, n in enumerate(needles)
+    ]
+    return {
+        "needle_em": sum(hits) / len(hits),
+        "needle_hits": hits,
+        "peak_blocks": peak,
+        "median_blocks_decode": median_decode,
+        "max_concurrent": running,
+    }
 
 
 def _run_ruler(drive, cases: Sequence[Any]) -> dict[str, Any]:
