@@ -89,6 +89,18 @@ def test_readme_is_short_and_points_to_the_results():
         section(text, heading)
 
 
+def test_the_markdown_stays_short():
+    """Pages hold the current figures with their commands; what a figure replaced is in git history
+    and a page's short changelog, not in a diary (issue 63: under ~200 KB of tracked markdown)."""
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files", "*.md"], cwd=ROOT, capture_output=True, text=True, check=True)
+    sizes = {f: (ROOT / f).stat().st_size for f in files.stdout.split() if (ROOT / f).is_file()}
+    total = sum(sizes.values())
+    biggest = sorted(sizes, key=sizes.get, reverse=True)[:3]
+    assert total <= 200_000, f"{total} bytes of markdown (largest: {biggest}): cut the diary, keep the figures"
+
+
 def test_readme_keeps_the_test_command():
     """.ci/run calls `make test`, the README's test command; both set-up commands are in the README."""
     setup = section(README.read_text(), "Set-up: two commands")
