@@ -431,7 +431,7 @@ class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
             # scored compressor adds the observed queries' mass; the tree attention overwrites the
             # tree rows with their masked pass)
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
-            spec = layer_spec(self, layer, kv_cache, layout)
+            spec = layer_spec((self.num_heads, self.num_kv_heads, self.head_size, self.scale), layer, kv_cache, layout)
             try:
                 method.amend(query[:n], kv_cache, batch, spec, plan, output[:n].view(n, self.num_heads, self.head_size))
             except Exception as e:
@@ -440,7 +440,17 @@ class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
                 SEAMS.count(getattr(method, "amend_event", "stock_layers_amended"), 1)
             return output
         return seam_forward(
-            self, layer, query, kv_cache, batch, plan, output, n, method=method, who=SEAMS.method_name, layout=layout
+            (self.num_heads, self.num_kv_heads, self.head_size, self.scale),
+            layer,
+            query,
+            kv_cache,
+            batch,
+            plan,
+            output,
+            n,
+            method=method,
+            who=SEAMS.method_name,
+            layout=layout,
         )
 
     def _format_forward(self, layer, query, kv_cache, attn_metadata, batch, output):
@@ -452,7 +462,16 @@ class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
             )
         n = attn_metadata.num_actual_tokens
         return seam_forward(
-            self, layer, query, kv_cache, batch, None, output, n, method=None, who="kvcompress storage format"
+            (self.num_heads, self.num_kv_heads, self.head_size, self.scale),
+            layer,
+            query,
+            kv_cache,
+            batch,
+            None,
+            output,
+            n,
+            method=None,
+            who="kvcompress storage format",
         )
 
 
@@ -464,13 +483,20 @@ def call_plan(method: Any, batch: PagedBatch) -> Any:
         raise raised("attention", SEAMS.method_name or type(method).__name__, "plan()", e) from e
 
 
-def layer_spec(impl: Any, layer: Any, kv_cache: torch.Tensor, layout: KVCacheLayout | None = None) -> AttentionLayer:
-    """The layer's facts for a plugin (:class:`AttentionLayer`), from vLLM's attention impl."""
+#: A layer's heads as vLLM's attention impl has them: ``(num_heads, num_kv_heads, head_size, scale)``.
+#: Each backend reads them off its own impl (``self.num_heads``...), where ``vllm-graft doctor``
+#: sees the attributes read on vLLM's class.
+Heads = tuple[int, int, int, float]
+
+
+def layer_spec(heads: Heads, layer: Any, kv_cache: torch.Tensor, layout: KVCacheLayout | None = None) -> AttentionLayer:
+    """The layer's facts for a plugin (:class:`AttentionLayer`)."""
+    num_heads, num_kv_heads, head_size, scale = heads
     return AttentionLayer(
-        num_heads=impl.num_heads,
-        num_kv_heads=impl.num_kv_heads,
-        head_size=impl.head_size,
-        scale=impl.scale,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        scale=scale,
         block_size=kv_cache.shape[2],
         index=_layer_index(layer),
         **({} if layout is None else {"kv_layout": layout}),
@@ -478,7 +504,7 @@ def layer_spec(impl: Any, layer: Any, kv_cache: torch.Tensor, layout: KVCacheLay
 
 
 def seam_forward(
-    impl: Any,
+    heads: Heads,
     layer: Any,
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -497,8 +523,8 @@ def seam_forward(
     with ``method`` None, the storage format's, on the step's first ``n`` rows; what it returns
     checked (:func:`check_output`), written into vLLM's ``output`` buffer and counted. A plugin's
     exception is re-raised naming it. No host sync."""
-    H, D = impl.num_heads, impl.head_size
-    spec = layer_spec(impl, layer, kv_cache, layout)
+    H, D = heads[0], heads[2]
+    spec = layer_spec(heads, layer, kv_cache, layout)
     q = query[:n].view(n, H, D)
     try:
         if method is None:

@@ -172,7 +172,7 @@ class GraftImplMixin:
         self._graft_refuse_unsupported(who, output_scale, output_block_scale, fmt)
         n = attn_metadata.graft_num_tokens
         return seam_forward(
-            self,
+            (self.num_heads, self.num_kv_heads, self.head_size, self.scale),
             layer,
             query,
             kv_cache,

@@ -191,7 +191,7 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
         fmt = SEAMS.method is None and SEAMS.kv_format is not None and kv_cache.dtype == torch.uint8
         who = "kvcompress storage format" if fmt else SEAMS.method_name or "reference"
         return seam_forward(
-            self,
+            (self.num_heads, self.num_kv_heads, self.head_size, self.scale),
             layer,
             query,
             kv_cache,

@@ -67,7 +67,8 @@ def test_drops_on_an_async_output_go_on_the_output_it_wraps(monkeypatch):
         def finalize(self):
             return {"r0": [1, 2]}
 
-    monkeypatch.setattr(kv_state.RUNTIME, "kvcompress", types.SimpleNamespace(scored=Scored()))
+    state = kv_state.RUNTIME.kind_state(kv_state.Kind.KVCOMPRESS, kv_state.KVCompressState)
+    monkeypatch.setattr(state, "active", types.SimpleNamespace(scored=Scored()))
     inner = types.SimpleNamespace(req_ids=["r0"])
     wrapped = types.SimpleNamespace(_model_runner_output=inner)  # the async wrapper
     out = channel._attach_drops(wrapped)
