@@ -72,6 +72,11 @@ def top_blocks(scores: Sequence[float], candidates: Iterable[int], k: int) -> se
     return set(ranked[:k])
 
 
+def top_live_blocks(scores: Sequence[float], candidates: Iterable[int], k: int) -> set[int]:
+    """:func:`top_blocks` among the candidates not dropped yet (score ``-inf``: never chosen)."""
+    return top_blocks(scores, [i for i in candidates if scores[i] != NEG_INF], k)
+
+
 # ------------------------------------------------------------------ the keep policy
 @dataclass(frozen=True)
 class KeepPolicy:
@@ -135,8 +140,7 @@ class KeepPolicy:
         if frame is _LIVE:
             return with_pinned((i for i in range(n) if scores[i] != NEG_INF or i == n - 1), view.pinned)
         fixed, candidates, budget, taken = frame
-        live = [i for i in candidates if scores[i] != NEG_INF]
-        return with_pinned(fixed | top_blocks(scores, live, budget - taken), view.pinned)
+        return with_pinned(fixed | top_live_blocks(scores, candidates, budget - taken), view.pinned)
 
     def _per_unit(self, view: BlockView, units: Sequence[Sequence[float]] | None, protected_start: int | None):
         """For :meth:`keep_heads` / :meth:`keep_layers`: ``(answer, None)`` when every unit's
@@ -277,7 +281,7 @@ class PolicyCompressor(KVCompressor):
         blocks besides the fixed ones, which take ``taken`` of the average ``budget``). Default:
         each unit its own best ``budget - taken``; Ada-KV and PyramidKV share the budget out
         unevenly (their plugins' ``allocate``)."""
-        return [top_blocks(s, [i for i in candidates if s[i] != NEG_INF], budget - taken) for s in unit_scores]
+        return [top_live_blocks(s, candidates, budget - taken) for s in unit_scores]
 
     def describe(self) -> dict[str, Any]:
         return self.params.model_dump() if hasattr(self.params, "model_dump") else {}

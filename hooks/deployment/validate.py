@@ -538,6 +538,16 @@ def _check_roles(enabled: list[Enabled], problems: list[Problem]) -> None:
                 )
 
 
+def _cannot_combine(a: Enabled, b: Enabled, why: str = "") -> Problem:
+    return Problem(
+        f"{a.path}.plugin",
+        f"{a.kind} plugin {a.name!r} cannot be combined with {b.kind} plugin {b.name!r} (at {b.path})"
+        + (f": {why}" if why else ""),
+        value=a.name,
+        hint="Enable only one of them",
+    )
+
+
 def _check_combinations(enabled: list[Enabled], problems: list[Problem]) -> None:
     for a in enabled:
         for b in enabled:
@@ -545,54 +555,38 @@ def _check_combinations(enabled: list[Enabled], problems: list[Problem]) -> None
                 continue
             bad = a.entry.registration.capabilities.incompatible_with
             if b.name in bad or f"{b.kind}:{b.name}" in bad or f"{b.kind}:*" in bad:
-                problems.append(
-                    Problem(
-                        f"{a.path}.plugin",
-                        f"{a.kind} plugin {a.name!r} cannot be combined with {b.kind} plugin {b.name!r} (at {b.path})",
-                        value=a.name,
-                        hint="Enable only one of them",
-                    )
-                )
+                problems.append(_cannot_combine(a, b))
 
 
 def _check_shapes(enabled: list[Enabled], problems: list[Problem], notes: list[str]) -> None:
     """Each plugin's class against its kind's shape rules (``hooks.contracts.SHAPE_CHECKS``):
-    its flags and methods, and what they may be combined with. This imports the plugins' classes
-    (no vLLM); one that does not import is noted and left to fail where the engine loads it."""
-    if not any(e.kind in SHAPE_CHECKS for e in enabled):
-        return
+    its flags and methods, and what they may be combined with. This imports the classes of the
+    kinds that have rules (no vLLM; the others are named, not imported); one that does not import
+    is noted and left to fail where the engine loads it."""
     impls: dict[int, type | None] = {}
     for e in enabled:
+        if e.kind not in SHAPE_CHECKS:
+            continue
         try:
             impls[id(e)] = e.entry.registration.load()
         except Exception as err:  # noqa: BLE001 - reported, then the engine's load reports it again
-            impls[id(e)] = None
             notes.append(
                 f"{e.path}: {e.name}'s class {e.entry.registration.impl} does not import "
                 f"({type(err).__name__}: {err}); its shape is not checked"
             )
+    by_ref = {f"{o.kind}:{o.name}": o for o in enabled}
     for e in enabled:
-        impl = impls[id(e)]
-        if e.kind not in SHAPE_CHECKS or not isinstance(impl, type):
+        impl = impls.get(id(e))
+        if not isinstance(impl, type):
             continue
-        others = [(str(o.kind), o.name, impls[id(o)]) for o in enabled if o is not e]
+        others = [(str(o.kind), o.name, impls.get(id(o))) for o in enabled if o is not e]
         for found in shape_problems(e.kind, impl, others):
             if found.other is None:
                 problems.append(
                     Problem(f"{e.path}.plugin", f"{e.kind} plugin {e.name!r} {found.message}", value=e.name)
                 )
-                continue
-            kind, _, name = found.other.partition(":")
-            at = next(o.path for o in enabled if str(o.kind) == kind and o.name == name)
-            problems.append(
-                Problem(
-                    f"{e.path}.plugin",
-                    f"{e.kind} plugin {e.name!r} cannot be combined with {kind} plugin {name!r} (at {at}): "
-                    f"{found.message}",
-                    value=e.name,
-                    hint="Enable only one of them",
-                )
-            )
+            else:
+                problems.append(_cannot_combine(e, by_ref[found.other], found.message))
 
 
 def _check_tree_verification(enabled: list[Enabled], engine: dict[str, Any], problems: list[Problem]) -> None:

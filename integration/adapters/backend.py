@@ -425,13 +425,14 @@ class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
                 layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
             )
         n = attn_metadata.num_actual_tokens
+        heads = (self.num_heads, self.num_kv_heads, self.head_size, self.scale)
         amends = getattr(method, "amends", None)
         if layout is CPU_VEC and amends is not None and amends(plan):
             # vLLM's kernel computes the whole step's output first; the method then amends it (a
             # scored compressor adds the observed queries' mass; the tree attention overwrites the
             # tree rows with their masked pass)
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
-            spec = layer_spec((self.num_heads, self.num_kv_heads, self.head_size, self.scale), layer, kv_cache, layout)
+            spec = layer_spec(heads, layer, kv_cache, layout)
             try:
                 method.amend(query[:n], kv_cache, batch, spec, plan, output[:n].view(n, self.num_heads, self.head_size))
             except Exception as e:
@@ -440,7 +441,7 @@ class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
                 SEAMS.count(getattr(method, "amend_event", "stock_layers_amended"), 1)
             return output
         return seam_forward(
-            (self.num_heads, self.num_kv_heads, self.head_size, self.scale),
+            heads,
             layer,
             query,
             kv_cache,

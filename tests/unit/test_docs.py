@@ -254,17 +254,23 @@ def test_the_tutorial_has_a_minimal_plugin_of_each_kind():
         assert set(parts) == {"params", "reference.py"}, f"tutorial's {kind} plugin {name}: {sorted(parts)}"
 
 
+def _with_tutorial_params(init: str, name: str, params: str) -> str:
+    """The scaffold's ``__init__.py`` with the tutorial's parameter class in place of the generated one."""
+    from vllm_graft.kit.scaffold import camel
+
+    generated = re.compile(rf"^class {camel(name)}Params\(Params\):\n.*?(?=\n\n\n@hookimpl)", re.M | re.S)
+    init, n = generated.subn(lambda _: params.rstrip("\n"), init)
+    assert n == 1, "the scaffold's parameter class is not where the tutorial says"
+    return init
+
+
 def _tutorial_files(kind: str, name: str, parts: dict[str, str]) -> dict[str, str]:
-    """The tutorial's plugin of ``kind`` as its two files: the scaffold's ``__init__.py`` with the
-    tutorial's parameter class in place of the generated one, and its ``reference.py``."""
+    """The tutorial's plugin of ``kind`` as its two files: ``__init__.py`` and ``reference.py``."""
     from vllm_graft.hooks import Kind
-    from vllm_graft.kit.scaffold import camel, render
+    from vllm_graft.kit.scaffold import render
 
     init = render(Kind(kind), name, "pkg")["pkg/__init__.py"]
-    generated = re.compile(rf"^class {camel(name)}Params\(Params\):\n.*?(?=\n\n\n@hookimpl)", re.M | re.S)
-    init, n = generated.subn(lambda _: parts["params"].rstrip("\n"), init)
-    assert n == 1, "the scaffold's parameter class is not where the tutorial says"
-    return {"__init__.py": init, "reference.py": parts["reference.py"]}
+    return {"__init__.py": _with_tutorial_params(init, name, parts["params"]), "reference.py": parts["reference.py"]}
 
 
 def test_the_tutorial_counts_what_each_minimal_plugin_imports():
@@ -299,17 +305,13 @@ def test_the_tutorials_plugin_builds_from_the_scaffold_and_passes_the_kit(kind, 
     from vllm_graft.hooks import make_plugin_manager
     from vllm_graft.cli.main import main
     from vllm_graft.kit.conformance import checks as c
-    from vllm_graft.kit.scaffold import camel
 
     name, parts = tutorial_plugins()[kind]
     out = tmp_path / name
     assert main(["new-plugin", kind, name, "--dir", str(out)]) == 0
     package = "graft_" + name.replace("-", "_")
     init = out / package / "__init__.py"
-    generated = re.compile(rf"^class {camel(name)}Params\(Params\):\n.*?(?=\n\n\n@hookimpl)", re.M | re.S)
-    text, n = generated.subn(lambda _: parts["params"].rstrip("\n"), init.read_text())
-    assert n == 1, "the scaffold's parameter class is not where the tutorial says"
-    init.write_text(text)
+    init.write_text(_with_tutorial_params(init.read_text(), name, parts["params"]))
     (out / package / "reference.py").write_text(parts["reference.py"])
 
     monkeypatch.syspath_prepend(str(out))

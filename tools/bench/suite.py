@@ -610,11 +610,10 @@ def _write_pages(suite: "Suite", rows: list[dict[str, Any]], meta: dict[str, Any
     return True
 
 
-def _meta(args: argparse.Namespace, path: Path, suite: "Suite", results_path: Path) -> dict[str, Any]:
-    """The run's header: the command that makes it, when, on what machine."""
+def _meta(args: argparse.Namespace, path: Path, suite: "Suite", results_path: Path, root: Path) -> dict[str, Any]:
+    """The run's header: the command that makes it (paths from ``root``), when, on what machine."""
     from .stats import BUSY_OTHER_CPUS
 
-    root = Path.cwd()
     cmdline = (
         "vllm-graft bench --suite"
         + ("" if args.suite == "DEFAULT" else f" {os.path.relpath(path, root)}")
@@ -673,7 +672,7 @@ def cmd_suite(args: argparse.Namespace, out: Any, err: Any, *, run_bench: Any, a
             old = {r["name"]: r for r in json.loads(results_path.read_text()).get("rows", [])}
         except (ValueError, KeyError, TypeError):
             old = {}
-    meta = _meta(args, path, suite, results_path)
+    meta = _meta(args, path, suite, results_path, root)
 
     def save(rows: list[dict[str, Any]]) -> None:  # after every case: a stopped run keeps its rows
         runs = {

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+from ....hooks.contracts.kvpolicy import NEG_INF
 from ..snapkv.reference import SnapKV
-
-NEG_INF = float("-inf")
 
 
 def adaptive_head_budget(

@@ -9,16 +9,9 @@ from __future__ import annotations
 from typing import Sequence
 
 from ....hooks import BlockView
-from ....hooks.contracts.kvpolicy import top_blocks
+from ....hooks.contracts.kvpolicy import top_live_blocks
 
 from ..snapkv.reference import SnapKV
-
-NEG_INF = float("-inf")
-
-
-def _best(scores: Sequence[float], candidates: Sequence[int], k: int) -> set[int]:
-    """The ``k`` candidates not dropped yet with the highest score."""
-    return top_blocks(scores, [i for i in candidates if scores[i] != NEG_INF], k)
 
 
 class PyramidKV(SnapKV):
@@ -46,12 +39,12 @@ class PyramidKV(SnapKV):
         blocks with the best scores (a block's best over the layers that chose it) are held, and
         each layer then takes its own best among them."""
         budgets = self._budgets(budget, len(unit_scores))
-        chosen = [_best(s, candidates, b - taken) for s, b in zip(unit_scores, budgets)]
+        chosen = [top_live_blocks(s, candidates, b - taken) for s, b in zip(unit_scores, budgets)]
         union = set().union(*chosen)
         held_blocks = self.params.held_blocks
         if held_blocks is not None and len(union) > max(0, held_blocks - taken):
             best = {i: max(float(s[i]) for s, c in zip(unit_scores, chosen) if i in c) for i in union}
             held = sorted(union, key=lambda i: (-best[i], i))[: max(0, held_blocks - taken)]
             # the memory is held anyway: each layer reads its own best among the held blocks
-            chosen = [_best(s, held, b - taken) for s, b in zip(unit_scores, budgets)]
+            chosen = [top_live_blocks(s, held, b - taken) for s, b in zip(unit_scores, budgets)]
         return chosen
