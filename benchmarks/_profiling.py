@@ -1,8 +1,10 @@
 """What the profiling scripts of this folder share: running one engine in a fresh child
 process, which functions are vllm-graft's own and how to name a profiled function
-(``startup.py``, ``profile_steps.py``)."""
+(``startup.py``, ``profile_steps.py``), and the command line of those that run a bench workload
+through a deployment and its plain twin (``phase_time.py``, ``step_log.py``, ``adaptive_modes.py``)."""
 from __future__ import annotations
 
+import argparse
 import multiprocessing
 import os
 import sys
@@ -81,3 +83,25 @@ def fresh_run(llm: Any) -> None:
         warm_step_shapes(llm)
     llm.reset_prefix_cache()
     fresh_drafting_state(llm)
+
+
+WORKLOAD_SETTINGS = ("workload", "num_prompts", "max_tokens", "batch", "repeat")
+
+
+def workload_parser(description: str, *, workload: str, num_prompts: int, batch: int) -> argparse.ArgumentParser:
+    """The arguments every engine-profiling script here takes: the deployment, the bench workload,
+    its prompts and output tokens, ``max_num_seqs`` (``--batch``) and the timed runs (``--repeat``);
+    the script adds its own. :func:`workload_settings` reads them back."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("deployment")
+    ap.add_argument("--workload", default=workload)
+    ap.add_argument("--num-prompts", type=int, default=num_prompts)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=batch)
+    ap.add_argument("--repeat", type=int, default=3)
+    return ap
+
+
+def workload_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The :func:`workload_parser` arguments a child engine needs, by name (``num_prompts``...)."""
+    return {k: getattr(args, k) for k in WORKLOAD_SETTINGS}

@@ -18,14 +18,13 @@ speculative plugin must be ``adaptive`` with ``measure_goodput`` on. Printed:
 
 from __future__ import annotations
 
-import argparse
 import collections
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _profiling import child_engine_setup, fresh_run, run_in_child  # noqa: E402
+from _profiling import child_engine_setup, fresh_run, run_in_child, workload_parser, workload_settings  # noqa: E402
 
 CODES = {"tree": "T", "chain": ".", "off": "o", "shadow": "s", "run": "|"}
 
@@ -87,16 +86,10 @@ def _child(path: str, settings: dict, out) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("deployment")
-    ap.add_argument("--workload", default="code-completion")
-    ap.add_argument("--num-prompts", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap = workload_parser(__doc__.split("\n")[0], workload="code-completion", num_prompts=8, batch=1)
     ap.add_argument("--trace", action="store_true", help="also print each step's mode, batch size and expected chain yield")
     args = ap.parse_args(argv)
-    settings = {k: getattr(args, k) for k in ("workload", "num_prompts", "max_tokens", "batch", "repeat")}
+    settings = workload_settings(args)
     got = run_in_child(_child, args.deployment, settings, what="the adaptive engine")
     if not got["report"]:
         sys.exit(f"{args.deployment}: no `adaptive` speculative plugin ran (its report is empty)")

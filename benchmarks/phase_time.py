@@ -25,7 +25,6 @@ call to the next.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import gc
 import importlib
@@ -35,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _profiling import child_engine_setup, fresh_run, run_in_child  # noqa: E402
+from _profiling import child_engine_setup, fresh_run, run_in_child, workload_parser, workload_settings  # noqa: E402
 
 #: (module, class, methods) timed per step
 TARGETS = (
@@ -244,13 +243,7 @@ def report(arms: dict[str, list[dict]]) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("deployment")
-    ap.add_argument("--workload", default="code-completion")
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap = workload_parser(__doc__.split("\n\n")[0], workload="code-completion", num_prompts=64, batch=32)
     ap.add_argument("--rounds", type=int, default=2, help="fresh processes per arm, alternating (default 2)")
     ap.add_argument(
         "--log-stats", action="store_true", help="vLLM's stats on (disable_log_stats=False), as `vllm-graft bench` runs"
@@ -261,15 +254,7 @@ def main() -> None:
         help="also each method's median time in a step of each of the commonest step shapes (tokens computed)",
     )
     a = ap.parse_args()
-    settings = {
-        "by_shape": a.by_shape,
-        "log_stats": a.log_stats,
-        "workload": a.workload,
-        "num_prompts": a.num_prompts,
-        "max_tokens": a.max_tokens,
-        "batch": a.batch,
-        "repeat": a.repeat,
-    }
+    settings = {"by_shape": a.by_shape, "log_stats": a.log_stats, **workload_settings(a)}
     arms: dict[str, list[dict]] = {"plugin": [], "plain": []}
     for process in range(a.rounds):
         for arm, graft in (("plugin", True), ("plain", False)):

@@ -17,14 +17,13 @@ the last timed run is reported. Printed, not written: nothing here is a suite fi
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _profiling import child_engine_setup, fresh_run, run_in_child  # noqa: E402
+from _profiling import child_engine_setup, fresh_run, run_in_child, workload_parser, workload_settings  # noqa: E402
 
 
 def _child(path: str, graft: bool, settings: dict, out) -> None:
@@ -95,17 +94,10 @@ def summarize(runs: list[dict], every_step: bool = False) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("deployment")
-    ap.add_argument("--workload", default="extractive")
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap = workload_parser(__doc__.split("\n\n")[0], workload="extractive", num_prompts=64, batch=32)
     ap.add_argument("--every-step", action="store_true", help="also list the last run's steps in order")
     a = ap.parse_args()
-    settings = {"workload": a.workload, "num_prompts": a.num_prompts, "max_tokens": a.max_tokens,
-                "batch": a.batch, "repeat": a.repeat}
+    settings = workload_settings(a)
     for graft in (True, False):
         arm = "plugin" if graft else "plain"
         runs = run_in_child(_child, a.deployment, graft, settings, what=f"{a.deployment}: the {arm} engine")
