@@ -45,6 +45,20 @@ class _ReqScores:
     #: per_head: the blocks each KV head no longer reads; per_layer: each layer's
     head_dropped: list[set[int]] = field(default_factory=list)
 
+    def view(self, step: list[float], total: int, B: int, prompt: int, req_id: str | None, **heads: Any) -> BlockView:
+        """What ``keep`` is asked after a step: the scores so far and ``step``'s own mass per
+        logical block (``len(step)`` of them), -inf for a block already dropped."""
+        nb = len(step)
+        return BlockView(
+            num_tokens=total,
+            block_size=B,
+            num_prompt_tokens=prompt,
+            scores=tuple(NEG_INF if k in self.dropped else self.scores[k] for k in range(nb)),
+            step_scores=tuple(NEG_INF if k in self.dropped else step[k] for k in range(nb)),
+            request_id=req_id,
+            **heads,
+        )
+
 
 @dataclass
 class _StepPlan:
@@ -257,16 +271,7 @@ class _Scores:
                 for j, logical in enumerate(plan.cols[i]):
                     st.scores[logical] += mass[i][j]
                     step[logical] += mass[i][j]
-                scores = tuple(NEG_INF if k in st.dropped else st.scores[k] for k in range(nb))
-                step_scores = tuple(NEG_INF if k in st.dropped else step[k] for k in range(nb))
-                view = BlockView(
-                    num_tokens=total,
-                    block_size=B,
-                    num_prompt_tokens=prompt,
-                    scores=scores,
-                    step_scores=step_scores,
-                    request_id=req_id,
-                )
+                view = st.view(step, total, B, prompt, req_id)
                 kept = check_keep(view, ask(self.compressor, view, self.name), self.name)
             back = sorted(st.dropped & set(kept))
             if back:
@@ -315,17 +320,14 @@ class _Scores:
         head_view = tuple(
             tuple(NEG_INF if k in st.head_dropped[h] else st.head_scores[h][k] for k in range(nb)) for h in range(hkv)
         )
-        scores = tuple(NEG_INF if k in st.dropped else st.scores[k] for k in range(nb))
-        step_scores = tuple(NEG_INF if k in st.dropped else step[k] for k in range(nb))
-        view = BlockView(
-            num_tokens=total,
-            block_size=B,
-            num_prompt_tokens=prompt,
-            scores=scores,
+        view = st.view(
+            step,
+            total,
+            B,
+            prompt,
+            req_id,
             head_scores=None if per_layer else head_view,
             layer_scores=head_view if per_layer else None,
-            step_scores=step_scores,
-            request_id=req_id,
         )
         method, unit, check = (
             ("keep_layers", "layer", check_keep_layers) if per_layer else ("keep_heads", "KV head", check_keep_heads)
