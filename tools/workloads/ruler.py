@@ -60,7 +60,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .base import Tokenizer, WorkloadError
 from .long_context import needle_haystack
@@ -192,13 +192,29 @@ def _single(tokenizer, num, context_tokens, seed, root) -> list[RulerCase]:
     return out
 
 
-def _multikey(tokenizer, num, context_tokens, seed, root) -> list[RulerCase]:
-    rng = random.Random(f"vllm-graft-ruler:multikey:{seed}:{context_tokens}")
+# One window's lines: ``(inserts, question, answers, depth)`` from the task's draws and the window's index.
+_Window = Callable[[random.Random, int], tuple[list[tuple[float, str]], str, list[str], float]]
+
+
+def _cases(tokenizer, task: str, num, context_tokens, seed, root, lines: int, offset: int, window: _Window):
+    """A task's ``num`` cases: its draws (``random.Random`` seeded by the task, the seed and the
+    context), ``num`` haystack windows leaving room for ``lines`` inserted lines and the question
+    (``offset`` parts the tasks' windows: ``seed + offset``), and in each the lines, question and
+    answers ``window`` draws."""
+    rng = random.Random(f"vllm-graft-ruler:{task}:{seed}:{context_tokens}")
     texts = stdlib_texts(
-        tokenizer, num=num, tokens=context_tokens - _LINE_TOKENS * (MULTIKEY_KEYS + 1), seed=seed, root=root
+        tokenizer, num=num, tokens=context_tokens - _LINE_TOKENS * (lines + 1), seed=seed + offset, root=root
     )
     out = []
     for i, (ids, source) in enumerate(texts):
+        inserts, question, answers, depth = window(rng, i)
+        text = _insert(tokenizer, ids, inserts, question)
+        out.append(_case(tokenizer, task, text, answers, depth, source, context_tokens))
+    return out
+
+
+def _multikey(tokenizer, num, context_tokens, seed, root) -> list[RulerCase]:
+    def window(rng: random.Random, i: int):
         tags: set[str] = set()
         values: set[str] = set()
         keys = [(_name(tokenizer, rng, tags), _value(tokenizer, rng, values)) for _ in range(MULTIKEY_KEYS)]
@@ -206,52 +222,34 @@ def _multikey(tokenizer, num, context_tokens, seed, root) -> list[RulerCase]:
         ask = i % MULTIKEY_KEYS  # the key asked for cycles through the positions
         inserts = [(d, f'SECRET_{t} = "{v}"\n') for d, (t, v) in zip(depths, keys)]
         tag, value = keys[ask]
-        text = _insert(tokenizer, ids, inserts, f'SECRET_{tag} = "')
-        out.append(_case(tokenizer, "multikey", text, [value + '"'], depths[ask], source, context_tokens))
-    return out
+        return inserts, f'SECRET_{tag} = "', [value + '"'], depths[ask]
 
-
-def _multivalue_question(tag: str) -> str:
-    return f'SECRET_{tag} = "'
+    return _cases(tokenizer, "multikey", num, context_tokens, seed, root, MULTIKEY_KEYS, 0, window)
 
 
 def _multivalue(tokenizer, num, context_tokens, seed, root) -> list[RulerCase]:
-    rng = random.Random(f"vllm-graft-ruler:multivalue:{seed}:{context_tokens}")
-    texts = stdlib_texts(
-        tokenizer, num=num, tokens=context_tokens - _LINE_TOKENS * (MULTIVALUE_VALUES + 1), seed=seed + 1, root=root
-    )
-    out = []
-    for ids, source in texts:
+    def window(rng: random.Random, i: int):
         tag = _name(tokenizer, rng, set())
         values: set[str] = set()
         vals = [_value(tokenizer, rng, values) for _ in range(MULTIVALUE_VALUES)]
         depths = _spread(rng, MULTIVALUE_VALUES)
         inserts = [(d, f'SECRET_{tag} = "{v}"\n') for d, v in zip(depths, vals)]
-        text = _insert(tokenizer, ids, inserts, _multivalue_question(tag))
-        out.append(_case(tokenizer, "multivalue", text, list(vals), depths[0], source, context_tokens))
-    return out
+        return inserts, f'SECRET_{tag} = "', list(vals), depths[0]
 
-
-def _vartrack_question(last: str) -> str:
-    return f'assert {last} == "'
+    return _cases(tokenizer, "multivalue", num, context_tokens, seed, root, MULTIVALUE_VALUES, 1, window)
 
 
 def _vartrack(tokenizer, num, context_tokens, seed, root) -> list[RulerCase]:
-    rng = random.Random(f"vllm-graft-ruler:vartrack:{seed}:{context_tokens}")
-    texts = stdlib_texts(
-        tokenizer, num=num, tokens=context_tokens - _LINE_TOKENS * (VARTRACK_HOPS + 1), seed=seed + 2, root=root
-    )
-    out = []
-    for ids, source in texts:
+    def window(rng: random.Random, i: int):
         names: set[str] = set()
         chain = [_name(tokenizer, rng, names, 5) for _ in range(VARTRACK_HOPS)]
         value = _value(tokenizer, rng, set())
         depths = _spread(rng, VARTRACK_HOPS)
         inserts = [(depths[0], f'{chain[0]} = "{value}"\n')]
         inserts += [(d, f"{b} = {a}\n") for d, a, b in zip(depths[1:], chain, chain[1:])]
-        text = _insert(tokenizer, ids, inserts, _vartrack_question(chain[-1]))
-        out.append(_case(tokenizer, "vartrack", text, [value + '"'], depths[0], source, context_tokens))
-    return out
+        return inserts, f'assert {chain[-1]} == "', [value + '"'], depths[0]
+
+    return _cases(tokenizer, "vartrack", num, context_tokens, seed, root, VARTRACK_HOPS, 2, window)
 
 
 _BUILDERS = {"single": _single, "multikey": _multikey, "multivalue": _multivalue, "vartrack": _vartrack}
