@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Iterable, Literal, get_args, get_origin
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from .kinds import Kind
 
@@ -139,6 +139,16 @@ def param_facts(model: type[BaseModel]) -> list[ParamFact]:
     return out
 
 
+#: The fields of :class:`Capabilities` whose values come from a fixed set: what a value is
+#: called (in the message that refuses an unknown one) and the values accepted.
+_KNOWN_VALUES: dict[str, tuple[str, Iterable[str]]] = {
+    "unsupported_features": ("model feature(s)", MODEL_FEATURES),
+    "dtypes": ("dtype(s)", DTYPES),
+    "parallelism": ("parallelism", PARALLELISM),
+    "platforms": ("platform(s)", PLATFORMS),
+}
+
+
 class Capabilities(BaseModel):
     """What a plugin supports; deployment validation checks each field before start-up.
 
@@ -175,36 +185,13 @@ class Capabilities(BaseModel):
         "fills, e.g. kvcompress 'eviction' (the default) or 'storage'",
     )
 
-    @field_validator("unsupported_features")
+    @field_validator(*_KNOWN_VALUES)
     @classmethod
-    def _known_features(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        bad = [f for f in v if f not in MODEL_FEATURES]
+    def _known(cls, v: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        what, accepted = _KNOWN_VALUES[str(info.field_name)]
+        bad = [x for x in v if x not in accepted]
         if bad:
-            raise ValueError(f"unknown model feature(s) {bad}; accepted: {list(MODEL_FEATURES)}")
-        return v
-
-    @field_validator("dtypes")
-    @classmethod
-    def _known_dtypes(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        bad = [d for d in v if d not in DTYPES]
-        if bad:
-            raise ValueError(f"unknown dtype(s) {bad}; accepted: {list(DTYPES)}")
-        return v
-
-    @field_validator("parallelism")
-    @classmethod
-    def _known_parallelism(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        bad = [x for x in v if x not in PARALLELISM]
-        if bad:
-            raise ValueError(f"unknown parallelism {bad}; accepted: {list(PARALLELISM)}")
-        return v
-
-    @field_validator("platforms")
-    @classmethod
-    def _known_platforms(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        bad = [p for p in v if p not in PLATFORMS]
-        if bad:
-            raise ValueError(f"unknown platform(s) {bad}; accepted: {list(PLATFORMS)}")
+            raise ValueError(f"unknown {what} {bad}; accepted: {list(accepted)}")
         return v
 
     @field_validator("vllm_versions")
