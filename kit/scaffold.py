@@ -186,6 +186,57 @@ the parameters and capabilities in `{package}/__init__.py`.
 """
 
 
+def _registration_module(kind: Kind, name: str, package: str, kernel: bool, spec: dict[str, Any]) -> str:
+    """The generated ``__init__.py``: the parameters and the registration with its capabilities."""
+    cls = camel(name)
+    base = "KernelParams" if kernel else "Params"
+    base_doc = (
+        "\n    `kernel` (from KernelParams) picks 'reference' or 'triton' (kernel.py)."
+        if kernel
+        else "\n    (A Triton kernel is an addition: derive from KernelParams, which adds\n"
+        "    `kernel: reference | triton`, or generate with --kernel.)"
+    )
+    role = (
+        '\n            role="eviction",  # or "storage" (a KVCacheFormat): how it composes in kvcompress:'
+        if kind is Kind.KVCOMPRESS
+        else ""
+    )
+    return f'''\
+"""`{name}`: a vllm-graft {kind.value} plugin (registration and parameters)."""
+from pydantic import Field
+
+from vllm_graft.hooks import Capabilities, {base}, Registration, hookimpl
+
+
+class {cls}Params({base}):
+    """Parameters, as written under `params:` in a deployment. Give every field a type,
+    a default and bounds (Field(..., ge=...)): the conformance kit checks that bad values
+    are refused.{base_doc}"""
+
+    example: int = Field(1, ge=1, description="replace with your parameters")
+
+
+@hookimpl
+def {spec["hook"]}(register):
+    register(Registration(
+        name="{name}",
+        summary="One line: what it does",
+        paper="The paper's title (venue or arXiv id)",
+        params={cls}Params,
+        impl="{package}.reference:{cls}",  # imported only when a deployment enables it
+        # Where it runs; a deployment outside it is refused before vLLM starts, naming the
+        # field (every field: docs/tutorial.md in vllm-graft, "Capabilities").
+        capabilities=Capabilities(
+            lossless={spec["lossless"]},  # True: the kit and the engine check hold it to plain vLLM's output
+            platforms=("cpu", "cuda"),
+            dtypes=("float32", "float16", "bfloat16"),
+            head_sizes=None,  # None: any
+            parallelism=("dp",),  # add "tp", "pp", "ep" once it has run right under them{role}
+        ),
+    ))
+'''
+
+
 def render(kind: Kind, name: str, package: str, kernel: bool = False) -> dict[str, str]:
     """File path (relative to the package folder) -> text. Without ``kernel`` the plugin is a
     reference alone (parameters from :class:`~vllm_graft.hooks.Params`, no ``kernel.py``); with
@@ -223,54 +274,9 @@ def render(kind: Kind, name: str, package: str, kernel: bool = False) -> dict[st
         f'    raise NotImplementedError("{name}: write the Triton kernel for {sig.split("(")[0]}() in {package}/kernel.py")\n'
         for sig, _ in spec["methods"]
     )
-    base = "KernelParams" if kernel else "Params"
-    base_doc = (
-        "\n    `kernel` (from KernelParams) picks 'reference' or 'triton' (kernel.py)."
-        if kernel
-        else "\n    (A Triton kernel is an addition: derive from KernelParams, which adds\n"
-        "    `kernel: reference | triton`, or generate with --kernel.)"
-    )
-    role = (
-        '\n            role="eviction",  # or "storage" (a KVCacheFormat): how it composes in kvcompress:'
-        if kind is Kind.KVCOMPRESS
-        else ""
-    )
     files = {
         "pyproject.toml": _pyproject(dist, kind, name, package),
-        f"{package}/__init__.py": f'''\
-"""`{name}`: a vllm-graft {kind.value} plugin (registration and parameters)."""
-from pydantic import Field
-
-from vllm_graft.hooks import Capabilities, {base}, Registration, hookimpl
-
-
-class {cls}Params({base}):
-    """Parameters, as written under `params:` in a deployment. Give every field a type,
-    a default and bounds (Field(..., ge=...)): the conformance kit checks that bad values
-    are refused.{base_doc}"""
-
-    example: int = Field(1, ge=1, description="replace with your parameters")
-
-
-@hookimpl
-def {spec["hook"]}(register):
-    register(Registration(
-        name="{name}",
-        summary="One line: what it does",
-        paper="The paper's title (venue or arXiv id)",
-        params={cls}Params,
-        impl="{package}.reference:{cls}",  # imported only when a deployment enables it
-        # Where it runs; a deployment outside it is refused before vLLM starts, naming the
-        # field (every field: docs/tutorial.md in vllm-graft, "Capabilities").
-        capabilities=Capabilities(
-            lossless={spec["lossless"]},  # True: the kit and the engine check hold it to plain vLLM's output
-            platforms=("cpu", "cuda"),
-            dtypes=("float32", "float16", "bfloat16"),
-            head_sizes=None,  # None: any
-            parallelism=("dp",),  # add "tp", "pp", "ep" once it has run right under them{role}
-        ),
-    ))
-''',
+        f"{package}/__init__.py": _registration_module(kind, name, package, kernel, spec),
         f"{package}/reference.py": f'''\
 """The reference implementation of `{name}`: plain PyTorch, readable beside the paper.
 It is the CPU path{" and the oracle the Triton kernel is tested against" if kernel else ""}."""

@@ -84,12 +84,71 @@ def _deployment_data(path: str | None) -> tuple[dict[str, Any], Path]:
     )
 
 
+def _calibration(args: argparse.Namespace, trace: Any, chosen: list[Any]) -> dict[str, Any]:
+    """What the mask was calibrated on, written into the mask file."""
+    return {
+        "behaviour": str(args.behaviour),
+        "contrast": str(args.contrast),
+        "tokens": {
+            "behaviour": trace.segment("behaviour").num_tokens,
+            "contrast": trace.segment("contrast").num_tokens,
+        },
+        "method": args.contrast_method,
+        "action": args.action,
+        "picked": [
+            {
+                "layer": d.layer,
+                "expert": d.expert,
+                "freq_behaviour": round(d.freq_a, 4),
+                "freq_contrast": round(d.freq_b, 4),
+                "score": round(d.score, 4),
+            }
+            for d in chosen
+        ],
+    }
+
+
+def _evaluate_mask(args: argparse.Namespace, data: dict[str, Any], base: Path, sets: Any, console: Console) -> None:
+    """Both prompt sets' perplexity with the written mask and without; the change goes into the mask file."""
+    from .moe.moe_record import record, with_tracer
+
+    rows = []
+    for label, d in (
+        ("without mask", data),
+        (
+            "with mask",
+            {**data, "moe": [{"plugin": "expert-mask", "params": {"mask_file": str(Path(args.out).resolve())}}]},
+        ),
+    ):
+
+        def say(s: str, label: str = label) -> None:
+            console.print(f"[dim]{label}: {escape(s)}[/]")
+
+        r = record(with_tracer(d), base, sets, score=True, on_phase=say)
+        pa, pb = r.perplexity("behaviour"), r.perplexity("contrast")
+        assert pa is not None and pb is not None  # None only when no prompt token was scored
+        rows.append((label, pa, pb))
+    t = Table(title="perplexity of the prompts themselves (teacher forcing)", box=None)
+    for col in ("", "behaviour", "contrast"):
+        t.add_column(col, justify="right")
+    for label, pa, pb in rows:
+        t.add_row(label, f"{pa:.3f}", f"{pb:.3f}")
+    (_, a0, b0), (_, a1, b1) = rows
+    t.add_row("change", f"{100 * (a1 / a0 - 1):+.1f}%", f"{100 * (b1 / b0 - 1):+.1f}%")
+    console.print(t)
+    result = json.loads(Path(args.out).read_text())
+    result.setdefault("calibration", {})["evaluation"] = {
+        "perplexity_without": {"behaviour": a0, "contrast": b0},
+        "perplexity_with": {"behaviour": a1, "contrast": b1},
+    }
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
 def _run_mask(args: argparse.Namespace, console: Console) -> int:
     from ..hooks import get_registry
     from ..launch.exits import EXIT_OK, EXIT_USAGE
-    from ..launch.engine import apply_env_defaults
+    from ..launch.engine import apply_env_defaults, quiet_vllm
     from .moe.moe_record import read_prompt_file, record, text_sets, with_tracer
-    from ..launch.engine import quiet_vllm
 
     policy = get_registry().get("moe", "expert-mask").registration.part("policy")
     activation_frequency, mask_from, most_distinctive = (
@@ -150,26 +209,7 @@ def _run_mask(args: argparse.Namespace, console: Console) -> int:
         args.action,
         num_layers,
         E,
-        calibration={
-            "behaviour": str(args.behaviour),
-            "contrast": str(args.contrast),
-            "tokens": {
-                "behaviour": trace.segment("behaviour").num_tokens,
-                "contrast": trace.segment("contrast").num_tokens,
-            },
-            "method": args.contrast_method,
-            "action": args.action,
-            "picked": [
-                {
-                    "layer": d.layer,
-                    "expert": d.expert,
-                    "freq_behaviour": round(d.freq_a, 4),
-                    "freq_contrast": round(d.freq_b, 4),
-                    "score": round(d.score, 4),
-                }
-                for d in chosen
-            ],
-        },
+        calibration=_calibration(args, trace, chosen),
     )
     mask.save(args.out)
     table = Table(title=f"most distinctive experts for {args.behaviour} vs {args.contrast}", box=None)
@@ -180,36 +220,7 @@ def _run_mask(args: argparse.Namespace, console: Console) -> int:
     console.print(table)
     console.print(f"mask ({args.action}) written to {escape(str(args.out))}")
     if args.evaluate:
-        rows = []
-        for label, d in (
-            ("without mask", data),
-            (
-                "with mask",
-                {**data, "moe": [{"plugin": "expert-mask", "params": {"mask_file": str(Path(args.out).resolve())}}]},
-            ),
-        ):
-
-            def say(s: str, label: str = label) -> None:
-                console.print(f"[dim]{label}: {escape(s)}[/]")
-
-            r = record(with_tracer(d), base, sets, score=True, on_phase=say)
-            pa, pb = r.perplexity("behaviour"), r.perplexity("contrast")
-            assert pa is not None and pb is not None  # None only when no prompt token was scored
-            rows.append((label, pa, pb))
-        t = Table(title="perplexity of the prompts themselves (teacher forcing)", box=None)
-        for col in ("", "behaviour", "contrast"):
-            t.add_column(col, justify="right")
-        for label, pa, pb in rows:
-            t.add_row(label, f"{pa:.3f}", f"{pb:.3f}")
-        (_, a0, b0), (_, a1, b1) = rows
-        t.add_row("change", f"{100 * (a1 / a0 - 1):+.1f}%", f"{100 * (b1 / b0 - 1):+.1f}%")
-        console.print(t)
-        result = json.loads(Path(args.out).read_text())
-        result.setdefault("calibration", {})["evaluation"] = {
-            "perplexity_without": {"behaviour": a0, "contrast": b0},
-            "perplexity_with": {"behaviour": a1, "contrast": b1},
-        }
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        _evaluate_mask(args, data, base, sets, console)
     return EXIT_OK
 
 

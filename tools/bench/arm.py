@@ -401,57 +401,19 @@ def _warm_up(llm: Any, job: dict[str, Any], engine: dict[str, Any], send: Callab
     send("total", repeat * sum(p["max_tokens"] for w in workloads for p in w["prompts"]))
 
 
-def _arm_run(
-    job: dict[str, Any], send: Callable[[str, Any], None], receive: Callable[[], tuple[str, Any]]
-) -> dict[str, Any]:
-    from ...integration.bridge import ENV_CONFIG, ENV_FILE
-    from ...integration.env import installed_vllm
-    from ...launch.engine import apply_env_defaults
-
-    # The deployment reaches the graft arm through additional_config only; a deployment in the
-    # environment would leak into the plain arm (and conflict in the graft arm).
-    os.environ.pop(ENV_FILE, None)
-    os.environ.pop(ENV_CONFIG, None)
-    os.environ.update(job.get("env") or {})  # e.g. the no-package baseline's VLLM_PLUGINS
-    apply_env_defaults(in_process=True, engine=job.get("llm_kwargs"))
-
-    send("phase", "loading model")
-    t = time.perf_counter()
-    from vllm import LLM
-
+def _rounds(
+    llm: Any,
+    job: dict[str, Any],
+    scheduler: Any,
+    pool: Any,
+    send: Callable[[str, Any], None],
+    receive: Callable[[], tuple[str, Any]],
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
+    """Every workload once per "run" the parent sends, until it sends "finish" (with the outputs
+    to score): each workload's runs, and what to score."""
     from ...integration.patches import PATCHES
-    from ...integration.runtime import RUNTIME
-
-    llm = LLM(**job["llm_kwargs"])
-    load_s = time.perf_counter() - t
-    rss_after_load = _rss_mib()
-    core = llm.llm_engine.engine_core.engine_core  # InprocClient -> EngineCore
-    scheduler = core.scheduler
-    pool = scheduler.kv_cache_manager.block_pool
-    vllm = installed_vllm()
-    engine = {
-        "load_s": load_s,
-        "num_blocks": pool.num_gpu_blocks - 1,
-        "block_size": scheduler.cache_config.block_size,
-        "threads": _torch_threads(),
-        "prefix_caching": bool(scheduler.cache_config.enable_prefix_caching),
-        "vllm": f"{vllm[0]} {vllm[1]}" if vllm else None,
-    }
-    result: dict[str, Any] = {
-        "arm": job["arm"],
-        "engine": engine,
-        "deployment_active": RUNTIME.active,
-        "rss_after_load_mib": rss_after_load,
-        "workloads": {},
-    }
 
     workloads = job["workloads"]
-    engine["warmup_s"] = 0.0
-    if workloads:
-        _warm_up(llm, job, engine, send)
-    send("phase", "ready")
-    send("ready", None)
-
     runs: dict[str, list[dict[str, Any]]] = {w["name"]: [] for w in workloads}
     sampler = _KVSampler(pool, scheduler)
     patched = False
@@ -491,6 +453,60 @@ def _arm_run(
             from ...integration.targets import BENCH_SCHEDULE
 
             PATCHES.undo(BENCH_SCHEDULE.owner)  # was "bench": the owner is "tools.bench"
+    return runs, score
+
+
+def _arm_run(
+    job: dict[str, Any], send: Callable[[str, Any], None], receive: Callable[[], tuple[str, Any]]
+) -> dict[str, Any]:
+    from ...integration.bridge import ENV_CONFIG, ENV_FILE
+    from ...integration.env import installed_vllm
+    from ...launch.engine import apply_env_defaults
+
+    # The deployment reaches the graft arm through additional_config only; a deployment in the
+    # environment would leak into the plain arm (and conflict in the graft arm).
+    os.environ.pop(ENV_FILE, None)
+    os.environ.pop(ENV_CONFIG, None)
+    os.environ.update(job.get("env") or {})  # e.g. the no-package baseline's VLLM_PLUGINS
+    apply_env_defaults(in_process=True, engine=job.get("llm_kwargs"))
+
+    send("phase", "loading model")
+    t = time.perf_counter()
+    from vllm import LLM
+
+    from ...integration.runtime import RUNTIME
+
+    llm = LLM(**job["llm_kwargs"])
+    load_s = time.perf_counter() - t
+    rss_after_load = _rss_mib()
+    core = llm.llm_engine.engine_core.engine_core  # InprocClient -> EngineCore
+    scheduler = core.scheduler
+    pool = scheduler.kv_cache_manager.block_pool
+    vllm = installed_vllm()
+    engine = {
+        "load_s": load_s,
+        "num_blocks": pool.num_gpu_blocks - 1,
+        "block_size": scheduler.cache_config.block_size,
+        "threads": _torch_threads(),
+        "prefix_caching": bool(scheduler.cache_config.enable_prefix_caching),
+        "vllm": f"{vllm[0]} {vllm[1]}" if vllm else None,
+    }
+    result: dict[str, Any] = {
+        "arm": job["arm"],
+        "engine": engine,
+        "deployment_active": RUNTIME.active,
+        "rss_after_load_mib": rss_after_load,
+        "workloads": {},
+    }
+
+    workloads = job["workloads"]
+    engine["warmup_s"] = 0.0
+    if workloads:
+        _warm_up(llm, job, engine, send)
+    send("phase", "ready")
+    send("ready", None)
+
+    runs, score = _rounds(llm, job, scheduler, pool, send, receive)
     for name, done in runs.items():
         if done:
             result["workloads"][name] = median_run(done)

@@ -449,6 +449,25 @@ def _environment(plan: Any) -> dict[str, Any]:
     }
 
 
+def _outputs_of(arm: str, raw: dict[str, Any], prompt_sets: Any) -> dict[str, Any]:
+    """One arm's (prompt ids, output ids) by request, keyed as the scorer keys them."""
+    return {
+        f"{arm}/{ps.name}/{p.index}": (list(p.token_ids), r["output_token_ids"])
+        for ps in prompt_sets
+        for p, r in zip(ps.prompts, raw["workloads"][ps.name]["requests"])
+    }
+
+
+def _arm_failed(e: ArmFailed, err: Console) -> int:
+    """Say which arm failed, with its log's last lines; the exit code."""
+    err.print(f"[bold red]✗ the {e.arm} arm failed:[/] {escape(str(e))}")
+    tail = _tail(e.log_path)
+    if tail:
+        err.print(f"[dim]last lines of {escape(e.log_path)}:[/]\n{escape(tail)}")
+    err.print(f"full log: {escape(e.log_path)}")
+    return EXIT_INVALID if e.error_type == "DeploymentError" else EXIT_RUN_FAILED
+
+
 def run_bench(
     args: argparse.Namespace, out: Console, err: Console, progress: Any = None
 ) -> tuple[int, dict[str, Any] | None]:
@@ -503,20 +522,13 @@ def run_bench(
             "workloads_by_name": by_name,
         }
 
-    def outputs_of(arm: str, raw: dict[str, Any]) -> dict[str, Any]:
-        return {
-            f"{arm}/{ps.name}/{p.index}": (list(p.token_ids), r["output_token_ids"])
-            for ps in prompt_sets
-            for p, r in zip(ps.prompts, raw["workloads"][ps.name]["requests"])
-        }
-
     def score_for_plain(graft_raw: dict[str, Any]) -> dict[str, Any]:
         if args.no_ppl or as_is:  # an as-is baseline does not score: the scorer does
             return {}
-        return outputs_of("graft", graft_raw)
+        return _outputs_of("graft", graft_raw, prompt_sets)
 
     def score_all(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-        return {k: v for arm, raw in results.items() for k, v in outputs_of(arm, raw).items()}
+        return {k: v for arm, raw in results.items() for k, v in _outputs_of(arm, raw, prompt_sets).items()}
 
     arms = inputs.arms
     jobs = {arm: job_for(arm, True, arm == "plain" and not args.no_ppl and not as_is) for arm in arms}
@@ -527,12 +539,7 @@ def run_bench(
                 jobs, order, start=start, score_for_plain=score_for_plain, scorer_job=scorer, score_all=score_all
             )
     except ArmFailed as e:
-        err.print(f"[bold red]✗ the {e.arm} arm failed:[/] {escape(str(e))}")
-        tail = _tail(e.log_path)
-        if tail:
-            err.print(f"[dim]last lines of {escape(e.log_path)}:[/]\n{escape(tail)}")
-        err.print(f"full log: {escape(e.log_path)}")
-        return (EXIT_INVALID if e.error_type == "DeploymentError" else EXIT_RUN_FAILED), None
+        return _arm_failed(e, err), None
     result = assemble(
         deployment=str(args.deployment),
         plan_info={

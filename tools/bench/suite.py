@@ -632,6 +632,43 @@ def _meta(args: argparse.Namespace, path: Path, suite: "Suite", results_path: Pa
     }
 
 
+def _list_cases(suite: Any, quick: bool, root: Path, out: Any) -> None:
+    from rich.markup import escape
+
+    for c in suite.cases:
+        out.print(
+            f"[bold]{escape(c.name)}[/]"
+            + (f" (target >= {c.target:g})" if c.target else "")
+            + ": vllm-graft bench "
+            + escape(" ".join(_shown(bench_argv(suite, c, quick), root))),
+            soft_wrap=True,
+        )
+
+
+def _earlier_rows(results_path: Path) -> dict[str, Any]:
+    """The rows an earlier run wrote, by case name (none where the file is missing or unreadable)."""
+    if not results_path.is_file():
+        return {}
+    try:
+        return {r["name"]: r for r in json.loads(results_path.read_text()).get("rows", [])}
+    except (ValueError, KeyError, TypeError):
+        return {}
+
+
+def _save_rows(path: Path, results_path: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """The results file, replaced whole (a write cut short leaves the previous one)."""
+    runs = {
+        "schema": SUITE_SCHEMA,
+        "suite": str(os.path.relpath(path, results_path.parent)),
+        "last_run": meta,
+        "rows": rows,
+    }
+    results_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = results_path.with_name(results_path.name + ".tmp")
+    tmp.write_text(json.dumps(runs, indent=1, default=str) + "\n")
+    os.replace(tmp, results_path)
+
+
 def cmd_suite(args: argparse.Namespace, out: Any, err: Any, *, run_bench: Any, add_command: Any) -> int:
     """The suite command; ``run_bench`` and ``add_command`` are :mod:`.command`'s (passed in: this
     module does not import it back)."""
@@ -652,39 +689,18 @@ def cmd_suite(args: argparse.Namespace, out: Any, err: Any, *, run_bench: Any, a
     root = Path.cwd()
 
     if args.list_cases:
-        for c in suite.cases:
-            out.print(
-                f"[bold]{escape(c.name)}[/]"
-                + (f" (target >= {c.target:g})" if c.target else "")
-                + ": vllm-graft bench "
-                + escape(" ".join(_shown(bench_argv(suite, c, args.quick), root))),
-                soft_wrap=True,
-            )
+        _list_cases(suite, args.quick, root, out)
         return EXIT_OK
 
     parser = argparse.ArgumentParser(prog="vllm-graft")
     add_command(parser.add_subparsers())
 
     results_path = suite.resolve(suite.output.results)
-    old: dict[str, Any] = {}
-    if results_path.is_file():
-        try:
-            old = {r["name"]: r for r in json.loads(results_path.read_text()).get("rows", [])}
-        except (ValueError, KeyError, TypeError):
-            old = {}
+    old = _earlier_rows(results_path)
     meta = _meta(args, path, suite, results_path, root)
 
     def save(rows: list[dict[str, Any]]) -> None:  # after every case: a stopped run keeps its rows
-        runs = {
-            "schema": SUITE_SCHEMA,
-            "suite": str(os.path.relpath(path, results_path.parent)),
-            "last_run": meta,
-            "rows": rows,
-        }
-        results_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = results_path.with_name(results_path.name + ".tmp")
-        tmp.write_text(json.dumps(runs, indent=1, default=str) + "\n")
-        os.replace(tmp, results_path)
+        _save_rows(path, results_path, meta, rows)
 
     t0 = time.perf_counter()
     run_id = f"{meta['date']} {uuid.uuid4().hex[:6]}"  # which rows one run wrote

@@ -219,6 +219,14 @@ def study(
                 seen = torch.nn.functional.pad(allowed[prompt - 1 :], (0, nb * block - n)).view(gen, nb, block).any(-1)
                 kept_blocks.setdefault(label, []).append(float(seen.sum(-1).float().mean()))
         progress(f"text {t + 1}/{len(texts)}")
+    return _summary(nll, kept_blocks, tokens, extra)
+
+
+def _summary(
+    nll: dict[str, list[float]], kept_blocks: dict[str, list[float]], tokens: list[int], extra: int
+) -> dict[str, Any]:
+    """Each arm's gen ppl over all texts, its change against plain and, for a scored arm, against
+    streaming at the same budget and at that budget plus SnapKV's ``extra`` blocks (90% bootstrap)."""
     rows = []
     total = sum(tokens)
     plain = math.exp(sum(nll["plain"]) / total)

@@ -690,38 +690,51 @@ def digest(seqs: Sequence[Sequence[int]]) -> str:
     return h.hexdigest()[:16]
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    kvpress = require_kvpress()
-    from importlib.metadata import version
+class _Material:
+    """The prompts one comparison runs (needles, texts, RULER cases, from the model's tokenizer) and
+    the rows they score under one attention and one press: kvbench's fields, so the tables compare."""
 
-    import torch
-    import transformers
+    def __init__(self, args: argparse.Namespace) -> None:
+        from ..workloads import Tokenizer, needle_haystack, stdlib_texts
 
-    from ..workloads import Tokenizer, needle_haystack, stdlib_texts
+        self.args = args
+        tok = Tokenizer.from_model(args.model)
+        room = args.decode_tokens + 1  # kvbench's: the output tokens
+        self.needles = needle_haystack(
+            tok, num_prompts=args.needles, context_tokens=args.context - room, seed=args.seed
+        )
+        self.texts = stdlib_texts(tok, num=args.texts, tokens=args.context - 1, seed=args.seed) if args.texts else []
+        self.decode = max(max(len(n.answer_ids) for n in self.needles) + 2, args.decode_tokens)
+        self.splits = [question_start(tok.decode, n.token_ids) for n in self.needles]
+        self.runner = Runner(args.model, args.threads)
+        self.cases: list[Any] = []
+        self.tasks: list[str] = []
+        self.ruler_context = 0
+        self.ruler_decode = 0
+        if args.ruler:
+            from ..workloads.ruler import RULER_TASKS, ruler_suite
 
-    pairs = select_pairs([s for s in args.presses.split(",") if s])
-    fractions = [int(f) for f in args.fractions.split(",")]
-    modes = [m for m in args.modes.split(",") if m]
-    if bad := [m for m in modes if m not in MODES]:
-        raise SystemExit(f"kvpress_compare: unknown mode(s) {', '.join(bad)}: the modes are {', '.join(MODES)}")
-    tok = Tokenizer.from_model(args.model)
-    room = args.decode_tokens + 1  # kvbench's: the output tokens
-    needles = needle_haystack(tok, num_prompts=args.needles, context_tokens=args.context - room, seed=args.seed)
-    texts = stdlib_texts(tok, num=args.texts, tokens=args.context - 1, seed=args.seed) if args.texts else []
-    decode = max(max(len(n.answer_ids) for n in needles) + 2, args.decode_tokens)
-    splits = [question_start(tok.decode, n.token_ids) for n in needles]
-    runner = Runner(args.model, args.threads)
+            self.tasks = list(RULER_TASKS) if args.ruler == "all" else [t for t in args.ruler.split(",") if t]
+            self.ruler_context = ruler_prompt_tokens(args.context, args.ruler_context)
+            self.cases = ruler_suite(
+                tok,
+                tasks=self.tasks,
+                num_per_task=args.ruler_per_task,
+                context_tokens=self.ruler_context,
+                seed=args.seed,
+            )
+            self.ruler_decode = ruler_max_tokens(self.cases)
 
-    def needles_row(attn: str, press_for: Callable[[int], Any], mode: str) -> dict[str, Any]:
+    def needles_row(self, attn: str, press_for: Callable[[int], Any], mode: str) -> dict[str, Any]:
         hits, held = [], []
-        for n, split in zip(needles, splits):
+        for n, split in zip(self.needles, self.splits):
             if mode == "context" and split is None:
                 raise SystemExit("kvpress_compare: a needle prompt has no blank line before its question")
-            out, kept = runner.generate(
+            out, kept = self.runner.generate(
                 attn,
                 press_for(len(n.token_ids) if mode == "prompt" else split or 0),
                 n.token_ids,
-                decode,
+                self.decode,
                 split if mode == "context" else None,
             )
             hits.append(out[: len(n.answer_ids)] == list(n.answer_ids))
@@ -732,41 +745,79 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "kept_tokens_median": sorted(held)[len(held) // 2],
         }
 
-    def texts_row(attn: str, press_for: Callable[[int], Any]) -> dict[str, Any]:
-        if not texts or not args.gen_tokens:
+    def texts_row(self, attn: str, press_for: Callable[[int], Any]) -> dict[str, Any]:
+        gen = self.args.gen_tokens
+        if not self.texts or not gen:
             return {}
         nll, n = 0.0, 0
-        for ids, _ in texts:
-            prompt, rest = ids[: len(ids) - args.gen_tokens], ids[len(ids) - args.gen_tokens :]
-            nll += runner.forced_nll(attn, press_for(len(prompt)), prompt, rest)
+        for ids, _ in self.texts:
+            prompt, rest = ids[: len(ids) - gen], ids[len(ids) - gen :]
+            nll += self.runner.forced_nll(attn, press_for(len(prompt)), prompt, rest)
             n += len(rest)
         return {"gen_ppl": math.exp(nll / n), "gen_tokens": n}
 
-    cases: list[Any] = []
-    tasks: list[str] = []
-    ruler_context = 0
-    if args.ruler:
-        from ..workloads.ruler import RULER_TASKS, ruler_suite, score_case
-
-        tasks = list(RULER_TASKS) if args.ruler == "all" else [t for t in args.ruler.split(",") if t]
-        ruler_context = ruler_prompt_tokens(args.context, args.ruler_context)
-        cases = ruler_suite(
-            tok, tasks=tasks, num_per_task=args.ruler_per_task, context_tokens=ruler_context, seed=args.seed
-        )
-        ruler_decode = ruler_max_tokens(cases)
-
-    def ruler_row(attn: str, press_for: Callable[[int], Any]) -> dict[str, Any]:
+    def ruler_row(self, attn: str, press_for: Callable[[int], Any]) -> dict[str, Any]:
         """kvbench's RULER fields: every case's score, whole prompt compressed."""
-        if not cases:
+        if not self.cases:
             return {}
-        done = [runner.generate(attn, press_for(len(c.token_ids)), c.token_ids, ruler_decode, None) for c in cases]
+        from ..workloads.ruler import score_case
+
+        done = [
+            self.runner.generate(attn, press_for(len(c.token_ids)), c.token_ids, self.ruler_decode, None)
+            for c in self.cases
+        ]
         held = sorted(kept for _, kept in done)
         return {
-            "ruler_scores": [score_case(c, out) for c, (out, _) in zip(cases, done)],
-            "ruler_tasks": [c.task for c in cases],
+            "ruler_scores": [score_case(c, out) for c, (out, _) in zip(self.cases, done)],
+            "ruler_tasks": [c.task for c in self.cases],
             "ruler_kept_tokens_median": held[len(held) // 2],
         }
 
+    def meta(self, pairs: Sequence[PressPair]) -> dict[str, Any]:
+        """What the rows were made with, and the digests the side-by-side tables check."""
+        from importlib.metadata import version
+
+        import torch
+        import transformers
+
+        args, cases = self.args, self.cases
+        return {
+            "command": " ".join(["python -m vllm_graft.tools.kvcompress.kvpress_compare", *sys.argv[1:]]),
+            "versions": {
+                "kvpress": version("kvpress"),
+                "transformers": transformers.__version__,
+                "torch": torch.__version__,
+                "python": sys.version.split()[0],
+            },
+            "model": args.model,
+            "context": args.context,
+            "block": args.block,
+            "budget": args.budget,
+            "needles": args.needles,
+            "needle_prompt_tokens": [len(n.token_ids) for n in self.needles],
+            "needle_digest": digest([n.token_ids for n in self.needles]),
+            "texts": args.texts,
+            "text_digest": digest([ids for ids, _ in self.texts]),
+            "ruler_cases": len(cases),
+            "ruler_digest": digest([c.token_ids for c in cases]),
+            "ruler_context": self.ruler_context if cases else 0,
+            "ruler_tasks": self.tasks if cases else [],
+            "ruler_per_task": args.ruler_per_task if cases else 0,
+            "gen_tokens": args.gen_tokens,
+            "decode_tokens": self.decode,
+            "seed": args.seed,
+            "pairs": {p.ours: {"press": p.press, "inner": p.inner, "attn": p.attn, "match": p.match} for p in pairs},
+        }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    kvpress = require_kvpress()
+    pairs = select_pairs([s for s in args.presses.split(",") if s])
+    fractions = [int(f) for f in args.fractions.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    if bad := [m for m in modes if m not in MODES]:
+        raise SystemExit(f"kvpress_compare: unknown mode(s) {', '.join(bad)}: the modes are {', '.join(MODES)}")
+    m = _Material(args)
     rows: list[dict[str, Any]] = []
 
     def emit(row: dict[str, Any]) -> None:
@@ -775,9 +826,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     for attn in dict.fromkeys(["sdpa", *(p.attn for p in pairs)]):
         row: dict[str, Any] = {"arm": "plain" if attn == "sdpa" else f"plain ({attn})", "press_name": None}
-        row.update(attn=attn, mode="prompt", compression_ratio=0.0, **needles_row(attn, lambda n: None, "prompt"))
-        row.update(texts_row(attn, lambda n: None))
-        row.update(ruler_row(attn, lambda n: None))
+        row.update(attn=attn, mode="prompt", compression_ratio=0.0, **m.needles_row(attn, lambda n: None, "prompt"))
+        row.update(m.texts_row(attn, lambda n: None))
+        row.update(m.ruler_row(attn, lambda n: None))
         emit(row)
     for frac in fractions:
         for pair in pairs:
@@ -795,44 +846,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "ours": pair.ours,
                     "fraction": frac,
                     "press_name": pair.press + (f"({pair.inner})" if pair.inner else ""),
-                    "press": repr(press_for(len(needles[0].token_ids))),
+                    "press": repr(press_for(len(m.needles[0].token_ids))),
                     "attn": pair.attn,
                     "mode": mode,
                     "compression_ratio": ratio,
                 }
-                row.update(needles_row(pair.attn, press_for, mode))
+                row.update(m.needles_row(pair.attn, press_for, mode))
                 if mode == "prompt":  # a text has no question: one gen ppl per press and budget
-                    row.update(texts_row(pair.attn, press_for))
-                    row.update(ruler_row(pair.attn, press_for))
+                    row.update(m.texts_row(pair.attn, press_for))
+                    row.update(m.ruler_row(pair.attn, press_for))
                 emit(row)
-    meta = {
-        "command": " ".join(["python -m vllm_graft.tools.kvcompress.kvpress_compare", *sys.argv[1:]]),
-        "versions": {
-            "kvpress": version("kvpress"),
-            "transformers": transformers.__version__,
-            "torch": torch.__version__,
-            "python": sys.version.split()[0],
-        },
-        "model": args.model,
-        "context": args.context,
-        "block": args.block,
-        "budget": args.budget,
-        "needles": args.needles,
-        "needle_prompt_tokens": [len(n.token_ids) for n in needles],
-        "needle_digest": digest([n.token_ids for n in needles]),
-        "texts": args.texts,
-        "text_digest": digest([ids for ids, _ in texts]),
-        "ruler_cases": len(cases),
-        "ruler_digest": digest([c.token_ids for c in cases]),
-        "ruler_context": ruler_context if cases else 0,
-        "ruler_tasks": tasks if cases else [],
-        "ruler_per_task": args.ruler_per_task if cases else 0,
-        "gen_tokens": args.gen_tokens,
-        "decode_tokens": decode,
-        "seed": args.seed,
-        "pairs": {p.ours: {"press": p.press, "inner": p.inner, "attn": p.attn, "match": p.match} for p in pairs},
-    }
-    return {"meta": meta, "rows": rows}
+    return {"meta": m.meta(pairs), "rows": rows}
 
 
 def markdown(result: dict[str, Any]) -> str:

@@ -336,6 +336,46 @@ def _plugin(method: str, params: dict[str, Any]) -> Any:
     return plugin, reg
 
 
+def _source_config(src: Path, dst: Path) -> dict[str, Any]:
+    """The unquantised model's config.json, refused with the reason where ``quantize`` cannot
+    take the model or write into ``dst``."""
+    cfg_path = src / "config.json"
+    if not cfg_path.is_file():
+        raise QuantizeError(f"{src}: no config.json (give a local model folder)")
+    cfg = json.loads(cfg_path.read_text())
+    arch = (cfg.get("architectures") or ["?"])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise QuantizeError(
+            f"{src}: architecture {arch} is not supported by `quantize` (supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    if "quantization_config" in cfg:
+        raise QuantizeError(
+            f"{src}: already quantised ({cfg['quantization_config'].get('quant_method')}); give the unquantised model"
+        )
+    if dst.exists() and any(dst.iterdir()):
+        raise QuantizeError(f"{dst}: exists and is not empty")
+    return cfg
+
+
+def _targets(src: Path, cfg: dict[str, Any], state: dict[str, Any], covers_embeddings: bool) -> tuple[list[str], bool]:
+    """The weights to quantise (every linear layer's, and the embeddings where the plugin covers
+    them and they are not tied), and whether the embeddings are among them."""
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    embeddings = covers_embeddings and not tied and all(k in state for k in EMBEDDINGS)
+    targets = [
+        k for k in state if k.endswith(".weight") and state[k].dim() == 2 and k.rsplit(".", 2)[-2] in LINEAR_SUFFIXES
+    ]
+    if embeddings:
+        targets += list(EMBEDDINGS)
+    if not targets:
+        raise QuantizeError(
+            f"{src}: no linear weights found (expected names ending in "
+            f"{', '.join(s + '.weight' for s in LINEAR_SUFFIXES)})"
+        )
+    return targets, embeddings
+
+
 def quantize_checkpoint(
     method: str,
     model: str,
@@ -354,22 +394,7 @@ def quantize_checkpoint(
 
     plugin, reg = _plugin(method, params)
     src, dst = Path(model), Path(out)
-    cfg_path = src / "config.json"
-    if not cfg_path.is_file():
-        raise QuantizeError(f"{src}: no config.json (give a local model folder)")
-    cfg = json.loads(cfg_path.read_text())
-    arch = (cfg.get("architectures") or ["?"])[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise QuantizeError(
-            f"{src}: architecture {arch} is not supported by `quantize` (supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-    if "quantization_config" in cfg:
-        raise QuantizeError(
-            f"{src}: already quantised ({cfg['quantization_config'].get('quant_method')}); give the unquantised model"
-        )
-    if dst.exists() and any(dst.iterdir()):
-        raise QuantizeError(f"{dst}: exists and is not empty")
+    cfg = _source_config(src, dst)
     model_dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
     target = model_dtype if dtype == "auto" else dtype
     if target not in reg.capabilities.dtypes:
@@ -386,18 +411,7 @@ def quantize_checkpoint(
     for f in files:
         state.update(load_file(str(f)))
 
-    tied = bool(cfg.get("tie_word_embeddings", False))
-    embeddings = plugin.covers_embeddings and not tied and all(k in state for k in EMBEDDINGS)
-    targets = [
-        k for k in state if k.endswith(".weight") and state[k].dim() == 2 and k.rsplit(".", 2)[-2] in LINEAR_SUFFIXES
-    ]
-    if embeddings:
-        targets += list(EMBEDDINGS)
-    if not targets:
-        raise QuantizeError(
-            f"{src}: no linear weights found (expected names ending in "
-            f"{', '.join(s + '.weight' for s in LINEAR_SUFFIXES)})"
-        )
+    targets, embeddings = _targets(src, cfg, state, plugin.covers_embeddings)
 
     sens = None
     if getattr(plugin, "needs_calibration", False):

@@ -214,32 +214,8 @@ async def _graft_run(
             f"{server.log_path}:\n{server.log_tail(3000)}"
         )
     load_s = time.monotonic() - t0
-    # drain: every request has its outcome; now vLLM's own gauges
-    deadline = time.monotonic() + DRAIN_WAIT_S
-    while True:
-        m = await asyncio.to_thread(server.metrics)
-        if (
-            m.get(KV_USAGE, 1) == 0 and m.get(RUNNING, 1) == 0 and m.get(WAITING, 1) == 0
-        ) or time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.5)
-    drained = {
-        "kv_usage": m.get(KV_USAGE),
-        "running": m.get(RUNNING),
-        "waiting": m.get(WAITING),
-        "seconds_to_settle": round(DRAIN_WAIT_S - (deadline - time.monotonic()), 1),
-    }
-    # per-request state: each process rewrites its report within 1 s of a change, so a change
-    # just before this point may be in no file yet: quiet both since the last write and since here
-    settle_from = time.monotonic()
-    settle = settle_from + STATE_SETTLE_S
-    while True:
-        state = await asyncio.to_thread(server.state_sizes)
-        grown = {k: v for k, v in state.items() if v > start["state"].get(k, 0)}
-        quiet = min(time.time() - server.reports_written_at(), time.monotonic() - settle_from) > REPORT_QUIET_S
-        if (not grown and quiet) or time.monotonic() > settle:
-            break
-        await asyncio.sleep(0.5)
+    drained = await _drain(server)
+    state = await _settle_state(server, start["state"])
     stop.set()
     await task
     end_rss = server.rss_mb()
@@ -249,40 +225,87 @@ async def _graft_run(
     kinds = {k: 0 for k in ("ok", "rejected", "aborted", "hung", "error")}
     for _, o in results:
         kinds[o.kind] += 1
-    mid = [s for s in samples if s["t"] >= load_s / 2]
-    peak_state: dict[str, int] = {}
-    for s in samples:
-        for k, v in s["state"].items():
-            peak_state[k] = max(peak_state.get(k, 0), v)
+    result["load_seconds"] = round(load_s, 1)
+    result.update(_requests_summary(results, kinds))
     result.update(
         {
-            "load_seconds": round(load_s, 1),
-            "requests": len(results),
-            "outcomes": kinds,
-            "over_long_sent": sum(1 for s, _ in results if s.over_long),
-            "cut_sent": sum(1 for s, _ in results if s.cut_after is not None),
-            "greedy_sent": sum(1 for s, _ in results if s.greedy),
-            "n_gt_1_sent": sum(1 for s, _ in results if s.n > 1),
-            "failures": [
-                {"request": s.describe(), "outcome": o.kind, "reason": o.reason}
-                for s, o in results
-                if o.kind not in EXPECTED
-            ][:50],
             "preemptions": metrics.get(PREEMPTIONS, 0) - start["metrics"].get(PREEMPTIONS, 0),
             "drained": drained,
-            "rss_mb": {
-                "start": start["rss_mb"],
-                "mid": mid[0]["rss_mb"] if mid else start["rss_mb"],
-                "end": end_rss,
-                "max_total": max((_rss_total(s["rss_mb"]) for s in samples), default=None),
-            },
-            "state": {"start": start["state"], "peak": peak_state, "after_drain": state},
+            "rss_mb": _rss_summary(samples, start["rss_mb"], end_rss, load_s),
+            "state": {"start": start["state"], "peak": _peak_state(samples), "after_drain": state},
             "last_request": {"kind": last.kind, "reason": last.reason, "alive": server.alive()},
             "_results": results,
         }
     )
     if kinds["hung"] or kinds["error"]:
         say(f"  the end of {server.log_path}:\n{server.log_tail(2000)}")
+
+
+async def _drain(server: Server) -> dict[str, Any]:
+    """Every request has its outcome; wait (up to DRAIN_WAIT_S) for vLLM's own gauges to settle."""
+    deadline = time.monotonic() + DRAIN_WAIT_S
+    while True:
+        m = await asyncio.to_thread(server.metrics)
+        if (
+            m.get(KV_USAGE, 1) == 0 and m.get(RUNNING, 1) == 0 and m.get(WAITING, 1) == 0
+        ) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.5)
+    return {
+        "kv_usage": m.get(KV_USAGE),
+        "running": m.get(RUNNING),
+        "waiting": m.get(WAITING),
+        "seconds_to_settle": round(DRAIN_WAIT_S - (deadline - time.monotonic()), 1),
+    }
+
+
+async def _settle_state(server: Server, start: dict[str, int]) -> dict[str, int]:
+    """The per-request state after the drain. Each process rewrites its report within 1 s of a
+    change, so a change just before this point may be in no file yet: quiet both since the last
+    write and since here (up to STATE_SETTLE_S)."""
+    settle_from = time.monotonic()
+    settle = settle_from + STATE_SETTLE_S
+    while True:
+        state = await asyncio.to_thread(server.state_sizes)
+        grown = {k: v for k, v in state.items() if v > start.get(k, 0)}
+        quiet = min(time.time() - server.reports_written_at(), time.monotonic() - settle_from) > REPORT_QUIET_S
+        if (not grown and quiet) or time.monotonic() > settle:
+            return state
+        await asyncio.sleep(0.5)
+
+
+def _requests_summary(results: list[tuple[RequestSpec, Outcome]], kinds: dict[str, int]) -> dict[str, Any]:
+    return {
+        "requests": len(results),
+        "outcomes": kinds,
+        "over_long_sent": sum(1 for s, _ in results if s.over_long),
+        "cut_sent": sum(1 for s, _ in results if s.cut_after is not None),
+        "greedy_sent": sum(1 for s, _ in results if s.greedy),
+        "n_gt_1_sent": sum(1 for s, _ in results if s.n > 1),
+        "failures": [
+            {"request": s.describe(), "outcome": o.kind, "reason": o.reason}
+            for s, o in results
+            if o.kind not in EXPECTED
+        ][:50],
+    }
+
+
+def _rss_summary(samples: list[dict[str, Any]], start: Any, end: Any, load_s: float) -> dict[str, Any]:
+    mid = [s for s in samples if s["t"] >= load_s / 2]
+    return {
+        "start": start,
+        "mid": mid[0]["rss_mb"] if mid else start,
+        "end": end,
+        "max_total": max((_rss_total(s["rss_mb"]) for s in samples), default=None),
+    }
+
+
+def _peak_state(samples: list[dict[str, Any]]) -> dict[str, int]:
+    peak: dict[str, int] = {}
+    for s in samples:
+        for k, v in s["state"].items():
+            peak[k] = max(peak.get(k, 0), v)
+    return peak
 
 
 def _plain_greedy(mix: RequestMix, index: int) -> RequestSpec:
