@@ -353,67 +353,40 @@ def _check_capabilities(
 ) -> None:
     caps = entry.registration.capabilities
     label = f"{entry.kind} plugin {entry.name!r}"
+
+    def refuse(what: str, accepted: str | None = None, hint: str | None = None) -> None:
+        problems.append(Problem(f"{path}.plugin", f"{label} {what}", value=entry.name, accepted=accepted, hint=hint))
+
     if platform is not None and platform not in caps.platforms:
-        problems.append(
-            Problem(
-                f"{path}.plugin",
-                f"{label} does not run on platform {platform!r}",
-                value=entry.name,
-                accepted="platforms " + ", ".join(caps.platforms),
-            )
-        )
+        refuse(f"does not run on platform {platform!r}", "platforms " + ", ".join(caps.platforms))
     if vllm_version is not None and not caps.supports_vllm(vllm_version):
-        problems.append(
-            Problem(
-                f"{path}.plugin",
-                f"{label} does not support vLLM {vllm_version}",
-                value=entry.name,
-                accepted=f"vLLM {caps.vllm_versions}",
-                hint="Install a supported vLLM or upgrade the plugin",
-            )
+        refuse(
+            f"does not support vLLM {vllm_version}",
+            f"vLLM {caps.vllm_versions}",
+            "Install a supported vLLM or upgrade the plugin",
         )
     if dtype is not None and dtype not in caps.dtypes:
-        problems.append(
-            Problem(
-                f"{path}.plugin",
-                f"{label} does not support dtype {dtype!r}",
-                value=entry.name,
-                accepted="dtypes " + ", ".join(caps.dtypes),
-                hint="Set engine.dtype to one of those",
-            )
+        refuse(
+            f"does not support dtype {dtype!r}", "dtypes " + ", ".join(caps.dtypes), "Set engine.dtype to one of those"
         )
     elif dtype is None and set(caps.dtypes) != set(DTYPES):
         notes.append(f"{path}: model dtype unknown, dtype check for {entry.name!r} skipped")
     if model is not None:
         if caps.head_sizes is not None and model.head_size not in caps.head_sizes:
-            problems.append(
-                Problem(
-                    f"{path}.plugin",
-                    f"{label} does not support head size {model.head_size} of model {model.path}",
-                    value=entry.name,
-                    accepted="head sizes " + ", ".join(map(str, caps.head_sizes)),
-                )
+            refuse(
+                f"does not support head size {model.head_size} of model {model.path}",
+                "head sizes " + ", ".join(map(str, caps.head_sizes)),
             )
         for feature, evidence in model.features:
             if feature in caps.unsupported_features:
-                problems.append(
-                    Problem(
-                        f"{path}.plugin",
-                        f"{label} does not support "
-                        f"{MODEL_FEATURES[feature]}, which model {model.path} uses "
-                        f"({evidence})",
-                        value=entry.name,
-                        hint="Use a model without it, or leave the plugin out",
-                    )
+                refuse(
+                    f"does not support {MODEL_FEATURES[feature]}, which model {model.path} uses ({evidence})",
+                    hint="Use a model without it, or leave the plugin out",
                 )
         if caps.architectures is not None and not set(model.architectures) & set(caps.architectures):
-            problems.append(
-                Problem(
-                    f"{path}.plugin",
-                    f"{label} does not apply to model architecture {', '.join(model.architectures) or 'unknown'}",
-                    value=entry.name,
-                    accepted="architectures " + ", ".join(caps.architectures),
-                )
+            refuse(
+                f"does not apply to model architecture {', '.join(model.architectures) or 'unknown'}",
+                "architectures " + ", ".join(caps.architectures),
             )
 
 
