@@ -56,8 +56,9 @@ import json
 import math
 import os
 import time
-from typing import Any, Sequence
+from typing import Any, Sequence, TypedDict
 
+from ..command_line import write_json
 from .ruler_report import RULER_ROOM, ruler_max_tokens
 
 DEFAULT_MODEL = "graft-tiny-llama"
@@ -194,6 +195,20 @@ def _arms(
 def _uses_kv4(kvcompress: Any) -> bool:
     items = kvcompress if isinstance(kvcompress, list) else [kvcompress] if kvcompress else []
     return any(c.get("plugin") == "kv4" for c in items)
+
+
+class _Pool(TypedDict):
+    """The cache geometry and the fixed pool every arm runs in (:func:`run_arm`'s keywords)."""
+
+    block: int
+    chunk: int
+    pool: int
+    context: int
+    max_seqs: int
+
+
+def _pool(args: Any) -> _Pool:
+    return _Pool(block=args.block, chunk=args.chunk, pool=args.pool_blocks, context=args.context, max_seqs=args.needles)
 
 
 def run_arm(
@@ -407,19 +422,7 @@ def main(args) -> int:
     needles = needle_haystack(tok, num_prompts=args.needles, context_tokens=args.context - room, seed=args.seed)
     rows = []
     for label, kv in arms:
-        r = run_arm(
-            model,
-            kv,
-            texts,
-            needles,
-            block=args.block,
-            chunk=args.chunk,
-            pool=args.pool_blocks,
-            context=args.context,
-            max_seqs=args.needles,
-            decode=args.decode_tokens,
-            gen=args.gen_tokens,
-        )
+        r = run_arm(model, kv, texts, needles, **_pool(args), decode=args.decode_tokens, gen=args.gen_tokens)
         r["arm"], r["kvcompress"] = label, kv
         rows.append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "needle_hits"}), flush=True)
@@ -447,9 +450,7 @@ def main(args) -> int:
             f"{r['gen_ppl']:>9.3f}{100 * (r['gen_ppl'] / base['gen_ppl'] - 1):>+7.1f}%{r['median_blocks_gen']:>6}"
             f"{r['needle_em']:>10.2f}{note}"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(args.json, rows)
     return 0
 
 
@@ -479,18 +480,7 @@ def _main_ruler(args, model: str, tok, arms: list[tuple[str, Any]]) -> int:
         except kvpress_compare.RulerMismatch as e:
             raise SystemExit(f"kvbench: --kvpress: {e}") from None
     for label, kv in [] if args.ruler_from else arms:
-        r = run_arm(
-            model,
-            kv,
-            [],
-            [],
-            block=args.block,
-            chunk=args.chunk,
-            pool=args.pool_blocks,
-            context=args.context,
-            max_seqs=args.needles,
-            ruler=cases,
-        )
+        r = run_arm(model, kv, [], [], **_pool(args), ruler=cases)
         r["arm"], r["kvcompress"] = label, kv
         rows.append(r)
         print(json.dumps({k: v for k, v in r.items() if k not in ("ruler_outputs", "ruler_tasks")}), flush=True)
@@ -508,16 +498,12 @@ def _main_ruler(args, model: str, tok, arms: list[tuple[str, Any]]) -> int:
         beside = kvpress_compare.ruler_beside(rows, theirs, tasks=tasks, digest=case_digest)
         print(kvpress_beside_title(beside, args.context, args.block))
         print(kvpress_compare.format_ruler_beside(beside))
-    if args.ruler_out:
-        with open(args.ruler_out, "w") as f:
-            json.dump({**summary, "rows": rows}, f, indent=1)
+    write_json(args.ruler_out, {**summary, "rows": rows})
     svg_path = args.ruler_svg or (os.path.splitext(args.ruler_out)[0] + ".svg" if args.ruler_out else None)
     if svg_path:
         with open(svg_path, "w") as f:
             f.write(ruler_report.svg(summary))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(args.json, rows)
     return 0
 
 

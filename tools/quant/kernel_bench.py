@@ -10,8 +10,9 @@ Needs CUDA for meaningful figures. ``--device cpu`` with ``TRITON_INTERPRET=1`` 
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any, Callable
+
+from ..command_line import write_json
 
 #: (name, out, in) of Llama-3-8B's linear layers (q/k/v and gate/up fused as vLLM runs them).
 LLAMA8B = (("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 28672, 4096), ("down_proj", 4096, 14336))
@@ -133,9 +134,7 @@ def cmd_bench(args: argparse.Namespace, console: Any) -> int:
             f"{r['us']:>10.2f} us {r['GB/s']:>8.1f} GB/s ({100 * r['bandwidth_fraction']:.1f}% of peak) "
             f"x{r['speedup_vs_fp16']:.2f} vs fp16"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(args.json, rows)
     return EXIT_OK
 
 
