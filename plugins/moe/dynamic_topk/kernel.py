@@ -21,6 +21,29 @@ import triton.language as tl
 
 
 @triton.jit
+def _pop_max(work, cols, BLOCK_E: tl.constexpr):
+    """Each row's largest value, the lowest column holding it (int32), and ``work`` with that
+    column knocked out (-inf)."""
+    v = tl.max(work, axis=1)
+    idx = tl.min(tl.where(work == v[:, None], cols[None, :], BLOCK_E), axis=1).to(tl.int32)
+    return v, idx, tl.where(cols[None, :] == idx[:, None], float("-inf"), work)
+
+
+@triton.jit
+def _keep_slot(share, before, confident, threshold, FORCED: tl.constexpr, ENTROPY: tl.constexpr):
+    """Whether each row keeps its next slot: always among the first ``min_k`` (``FORCED``); else,
+    by entropy, while the row is not confident, or, by mass, while the share ranked before it
+    is under the threshold."""
+    if ENTROPY:
+        keep = ~confident
+    else:
+        keep = before < threshold
+    if FORCED:
+        keep = share == share  # always (a [BLOCK_T] true)
+    return keep
+
+
+@triton.jit
 def _dynamic_topk_kernel(
     logits_ptr,
     weights_ptr,
@@ -54,16 +77,16 @@ def _dynamic_topk_kernel(
         plogp = tl.where(p > 0, p * tl.log(tl.where(p > 0, p, 1.0)), 0.0)
         ent = -tl.sum(plogp, axis=1) * inv_log_e
         confident = ent < threshold
+    else:
+        confident = row_ok  # unread: the mass criterion keeps by the mass ranked before a slot
 
-    # The k largest by repeated (max, lowest index of the max, knock it out), done in three
-    # identical passes so everything stays in registers: (1) the top-k mass, (2) which slots
-    # are kept and their weight sum, (3) the final weights and ids.
+    # The k largest by repeated (max, lowest index of the max, knock it out: _pop_max), done in
+    # three passes so everything stays in registers: (1) the top-k mass, (2) which slots are kept
+    # (_keep_slot) and their weight sum, (3) the final weights and ids.
     work = x
     top_sum = tl.zeros([BLOCK_T], dtype=tl.float32)
     for j in tl.static_range(K):
-        v = tl.max(work, axis=1)
-        idx = tl.min(tl.where(work == v[:, None], cols[None, :], BLOCK_E), axis=1)
-        work = tl.where(cols[None, :] == idx[:, None], float("-inf"), work)
+        v, idx, work = _pop_max(work, cols, BLOCK_E)
         top_sum += tl.exp(v - m)
 
     work = x
@@ -71,17 +94,9 @@ def _dynamic_topk_kernel(
     kept_sum = tl.zeros([BLOCK_T], dtype=tl.float32)
     kept = tl.zeros([BLOCK_T], dtype=tl.int32)
     for j in tl.static_range(K):
-        v = tl.max(work, axis=1)
-        idx = tl.min(tl.where(work == v[:, None], cols[None, :], BLOCK_E), axis=1)
-        work = tl.where(cols[None, :] == idx[:, None], float("-inf"), work)
-        e = tl.exp(v - m)
-        share = e / top_sum
-        if ENTROPY:
-            keep = ~confident
-        else:
-            keep = before < threshold
-        if j < MIN_K:
-            keep = share == share  # always (a [BLOCK_T] true)
+        v, idx, work = _pop_max(work, cols, BLOCK_E)
+        share = tl.exp(v - m) / top_sum
+        keep = _keep_slot(share, before, confident, threshold, j < MIN_K, ENTROPY)
         before += share
         kept += keep.to(tl.int32)
         if RENORMALIZE:
@@ -91,19 +106,12 @@ def _dynamic_topk_kernel(
     before = tl.zeros([BLOCK_T], dtype=tl.float32)
     first = tl.zeros([BLOCK_T], dtype=tl.int32)
     for j in tl.static_range(K):
-        v = tl.max(work, axis=1)
-        idx = tl.min(tl.where(work == v[:, None], cols[None, :], BLOCK_E), axis=1).to(tl.int32)
-        work = tl.where(cols[None, :] == idx[:, None], float("-inf"), work)
+        v, idx, work = _pop_max(work, cols, BLOCK_E)
         if j == 0:
             first = idx
         e = tl.exp(v - m)
         share = e / top_sum
-        if ENTROPY:
-            keep = ~confident
-        else:
-            keep = before < threshold
-        if j < MIN_K:
-            keep = share == share
+        keep = _keep_slot(share, before, confident, threshold, j < MIN_K, ENTROPY)
         before += share
         if RENORMALIZE:
             w = tl.where(keep, share / kept_sum, 0.0)
