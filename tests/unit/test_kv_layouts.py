@@ -9,14 +9,15 @@ layout tests are in tests/kernels/test_layouts.py."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import dataclasses
 
-from vllm_graft.hooks import AttentionLayer, AttentionMethod, Kind, KVCacheFormat, PagedBatch, get_registry
+from vllm_graft.hooks import AttentionMethod, Kind, KVCacheFormat, get_registry
 from vllm_graft.integration.adapters.kvcompress.shared_attention import attend_with_mass, layouts_read
 from vllm_graft.kit.conformance.exercises.attention import relaid_cache
 from vllm_graft.kit.conformance.exercises.kvcompress import _head_mask, _observed
+
+from .paged_cases import paged
 
 CACHES = ("blocked", "packed-NHD", "packed-HND")
 #: (tokens in the cache, new tokens) per sequence: long decodes (sparse methods choose among
@@ -27,25 +28,9 @@ SHAPES = [(4, 2, 64, 16), (4, 4, 32, 32)]
 
 def case(shape, seed):
     h, hkv, d, bs = shape
-    g = torch.Generator().manual_seed(seed)
-    need = [-(-n // bs) for n, _ in SEQS]
-    num_blocks = sum(need) + 2
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    table = torch.zeros(len(SEQS), max(need) + 1, dtype=torch.int32)
-    at = 0
-    for i, k in enumerate(need):
-        table[i, :k] = torch.tensor(perm[at:at + k])
-        table[i, k:] = perm[-1]
-        at += k
-    table[3, :2] = table[0, :2]  # sequences 0 and 3 share their first two blocks
-    qsl = [0]
-    for _, q in SEQS:
-        qsl.append(qsl[-1] + q)
-    batch = PagedBatch(torch.tensor(qsl, dtype=torch.int32), torch.tensor([n for n, _ in SEQS], dtype=torch.int32),
-                       table)
-    kv = torch.randn(num_blocks, hkv, bs, 2 * d, generator=g)
-    q = torch.randn(qsl[-1], h, d, generator=g)
-    return q, kv, batch, AttentionLayer(h, hkv, d, d ** -0.5, bs, index=0)
+    q, kv, batch, layer = paged(SEQS, h, hkv, d, bs, seed=seed, index=0)
+    batch.block_table[3, :2] = batch.block_table[0, :2]  # sequences 0 and 3 share their first two blocks
+    return q, kv, batch, layer
 
 
 def shipped(kind: Kind):

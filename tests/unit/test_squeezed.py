@@ -21,6 +21,8 @@ from vllm_graft.plugins.attention.squeezed.reference import (  # noqa: E402
     chunk_scores,
 )
 
+from .paged_cases import paged  # noqa: E402  (tests/kernels/test_layouts.py imports it from here)
+
 
 def test_budget_rounds_to_chunks_and_forces_sinks_and_window():
     b = budget(1000, 16, 0.25, 16, 64)  # 63 chunks, 250 tokens -> 16 chunks
@@ -47,26 +49,6 @@ def test_centroid_choice_picks_the_matching_chunk():
     assert chosen_chunks(s, b3, "window", 1)[0].nonzero().flatten().tolist() == [0, 8, 9]
     assert chosen_chunks(s, b, "centroid", 1)[0].nonzero().flatten().tolist() == [0, 9]
     assert chosen_chunks(None, b, "streaming-heads", 2, [True, False]).sum(1).tolist() == [10, 2]
-
-
-def paged(seqs, h, hkv, d, bs, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    need = [-(-n // bs) for n, _ in seqs]
-    nb = sum(need) + 2
-    perm = torch.randperm(nb, generator=g).tolist()
-    table = torch.zeros(len(seqs), max(need) + 1, dtype=torch.int32)
-    at = 0
-    for i, k in enumerate(need):
-        table[i, :k] = torch.tensor(perm[at:at + k])
-        table[i, k:] = perm[-1]
-        at += k
-    qsl = [0]
-    for _, q in seqs:
-        qsl.append(qsl[-1] + q)
-    batch = PagedBatch(torch.tensor(qsl, dtype=torch.int32), torch.tensor([n for n, _ in seqs], dtype=torch.int32), table)
-    kv = torch.randn(nb, hkv, bs, 2 * d, generator=g).to(dtype)
-    q = torch.randn(qsl[-1], h, d, generator=g).to(dtype)
-    return q, kv, batch, AttentionLayer(h, hkv, d, d ** -0.5, bs)
 
 
 SEQS = [(200, 1), (37, 1), (19, 3), (130, 1), (300, 1)]
