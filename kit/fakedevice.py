@@ -55,27 +55,6 @@ ENV_REAL = "GRAFT_REAL_DEVICE"
 _HERE = os.path.abspath(__file__)
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
-#: Ops that read a device tensor's values on the host (only counted for marked tensors).
-_SYNC_METHODS = {
-    "item",
-    "tolist",
-    "__bool__",
-    "__int__",
-    "__float__",
-    "__index__",
-    "numpy",
-    "cpu",
-    "nonzero",
-    "unique",
-    "unique_consecutive",
-    "masked_select",
-    "equal",
-    "allclose",
-    "argwhere",
-    "__array__",
-    "__format__",
-    "__repr__",
-}
 #: Ops whose output lives on the host whatever the input (their results are not marked).
 _TO_HOST = {
     "item",
@@ -92,6 +71,9 @@ _TO_HOST = {
     "equal",
     "allclose",
 }
+#: Ops that read a device tensor's values on the host (only counted for marked tensors): those,
+#: and the ops whose output's size depends on the values.
+_SYNC_METHODS = _TO_HOST | {"nonzero", "unique", "unique_consecutive", "masked_select", "argwhere"}
 #: Tensor properties a marked tensor answers as a CUDA tensor would.
 _PROPS = {"device": lambda: FAKE, "is_cuda": lambda: True, "is_cpu": lambda: False}
 
