@@ -1,10 +1,51 @@
 """Parameters of the compressors that keep the top blocks by one score per block (``tova``,
 ``knorm``, ``keydiff``): the keep policy's (``hooks.contracts.kvpolicy.PolicyParams``) with
-``sink_blocks``."""
+``sink_blocks``; and the checks the eviction compressors' parameter models share (each model's
+validator calls the ones its fields need, saying what its own rule protects)."""
+
+from typing import Any, TypeVar
 
 from pydantic import Field, model_validator
 
 from ....hooks import PolicyParams
+
+P = TypeVar("P")
+
+
+def sinks_leave_room(params: P, needs: str) -> P:
+    """``params``, or a ValueError when its ``sink_blocks`` take the whole ``budget_blocks``
+    (``needs``: what needs a block of the budget besides them)."""
+    p: Any = params
+    if p.sink_blocks >= p.budget_blocks:
+        raise ValueError(
+            f"sink_blocks ({p.sink_blocks}) must be smaller than budget_blocks ({p.budget_blocks}): {needs}"
+        )
+    return params
+
+
+def fixed_blocks_fit(params: P, rest: str = "") -> P:
+    """``params``, or a ValueError when its ``sink_blocks`` and ``recent_blocks`` (always kept)
+    exceed ``budget_blocks`` (``rest``: what the message adds, e.g. what the rest holds)."""
+    p: Any = params
+    if p.sink_blocks + p.recent_blocks > p.budget_blocks:
+        raise ValueError(
+            f"sink_blocks + recent_blocks ({p.sink_blocks} + {p.recent_blocks}) must not "
+            f"exceed budget_blocks ({p.budget_blocks}){rest}"
+        )
+    return params
+
+
+def held_blocks_fit(params: P, keepers: str) -> P:
+    """``params``, or a ValueError when its ``held_blocks`` (the cap on the union of the blocks
+    that the units, KV heads or layers, keep) is below ``budget_blocks`` (a unit's average:
+    ``keepers`` say whose, e.g. "a head keeps")."""
+    p: Any = params
+    if p.held_blocks is not None and p.held_blocks < p.budget_blocks:
+        raise ValueError(
+            f"held_blocks ({p.held_blocks}) must be at least budget_blocks ({p.budget_blocks}): {keepers} "
+            "budget_blocks prompt blocks on average, all of them held; raise held_blocks or lower budget_blocks"
+        )
+    return params
 
 
 class TopBlocksParams(PolicyParams):
@@ -12,9 +53,4 @@ class TopBlocksParams(PolicyParams):
 
     @model_validator(mode="after")
     def _room(self):
-        if self.sink_blocks >= self.budget_blocks:
-            raise ValueError(
-                f"sink_blocks ({self.sink_blocks}) must be smaller than budget_blocks ({self.budget_blocks}): "
-                "the block being written is always kept"
-            )
-        return self
+        return sinks_leave_room(self, "the block being written is always kept")

@@ -25,6 +25,7 @@ the heads share the union (AdaKV's choice of blocks, no masking); below, the hea
 from pydantic import Field, model_validator
 
 from ....hooks import Capabilities, Registration, hookimpl
+from .._shared.params import held_blocks_fit
 from ..snapkv import SnapKVParams
 
 
@@ -52,13 +53,7 @@ class AdaKVParams(SnapKVParams):
 
     @model_validator(mode="after")
     def _cap_fits_budget(self):
-        if self.held_blocks is not None and self.held_blocks < self.budget_blocks:
-            raise ValueError(
-                f"held_blocks ({self.held_blocks}) must be at least budget_blocks ({self.budget_blocks}): "
-                "a head keeps budget_blocks prompt blocks on average, all of them held; raise "
-                "held_blocks or lower budget_blocks"
-            )
-        return self
+        return held_blocks_fit(self, "a head keeps")
 
 
 @hookimpl

@@ -18,6 +18,8 @@ from pydantic import Field, model_validator
 
 from ....hooks import Capabilities, PolicyParams, Registration, hookimpl
 
+from .._shared.params import fixed_blocks_fit
+
 
 class H2OParams(PolicyParams):
     budget_blocks: int = Field(16, ge=2, description="KV blocks a request keeps in all")
@@ -32,12 +34,7 @@ class H2OParams(PolicyParams):
 
     @model_validator(mode="after")
     def _room_for_heavy_hitters(self):
-        if self.sink_blocks + self.recent_blocks > self.budget_blocks:
-            raise ValueError(
-                f"sink_blocks + recent_blocks ({self.sink_blocks} + {self.recent_blocks}) must not "
-                f"exceed budget_blocks ({self.budget_blocks}); the rest of the budget holds the heavy hitters"
-            )
-        return self
+        return fixed_blocks_fit(self, "; the rest of the budget holds the heavy hitters")
 
 
 @hookimpl

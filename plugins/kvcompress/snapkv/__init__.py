@@ -17,6 +17,8 @@ from pydantic import Field, model_validator
 
 from ....hooks import Capabilities, PolicyParams, Registration, hookimpl
 
+from .._shared.params import fixed_blocks_fit, sinks_leave_room
+
 
 class SnapKVParams(PolicyParams):
     budget_blocks: int = Field(16, ge=2, description="prompt KV blocks a request keeps after prefill")
@@ -33,17 +35,7 @@ class SnapKVParams(PolicyParams):
 
     @model_validator(mode="after")
     def _room(self):
-        if self.sink_blocks >= self.budget_blocks:
-            raise ValueError(
-                f"sink_blocks ({self.sink_blocks}) must be smaller than budget_blocks "
-                f"({self.budget_blocks}): the observation window needs a block"
-            )
-        if self.sink_blocks + self.recent_blocks > self.budget_blocks:
-            raise ValueError(
-                f"sink_blocks + recent_blocks ({self.sink_blocks} + {self.recent_blocks}) must not "
-                f"exceed budget_blocks ({self.budget_blocks})"
-            )
-        return self
+        return fixed_blocks_fit(sinks_leave_room(self, "the observation window needs a block"))
 
     def check_deployment(self, ctx) -> list[str]:
         """At deployment validation (``DeploymentContext``): the observation window's blocks are

@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ....hooks import Capabilities, Registration, hookimpl
 
+from .._shared.params import sinks_leave_room
+
 
 class StreamingParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -22,13 +24,9 @@ class StreamingParams(BaseModel):
 
     @model_validator(mode="after")
     def _window_left(self):
-        if self.sink_blocks >= self.budget_blocks:
-            raise ValueError(
-                f"sink_blocks ({self.sink_blocks}) must be smaller than budget_blocks "
-                f"({self.budget_blocks}): the recent window (which holds the block being "
-                "written) needs at least one block"
-            )
-        return self
+        return sinks_leave_room(
+            self, "the recent window (which holds the block being written) needs at least one block"
+        )
 
 
 @hookimpl
