@@ -1,14 +1,31 @@
 """Code several MoE schedulers use (pure NumPy/Python):
 
 * :class:`StepAssembler`: one forward step's per-layer ``observe`` calls joined into per-token
-  routing (``expert-cache``, ``affinity-placement``).
+  routing (``expert-cache``, ``affinity-placement``); :func:`step_sets`, the same fed from an
+  ``observe`` call's tensors;
+* :func:`loadable_file`: a parameter naming a file the plugin reads (``expert-mask``'s mask,
+  ``affinity-placement``'s placement), resolved and read once when the deployment is validated.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import numpy as np
+
+from ...hooks.deployment import param_path
+
+
+def loadable_file(value: str | None, info: Any, load: Callable[[Path], object]) -> str | None:
+    """None stays None; else the path as :func:`~vllm_graft.hooks.deployment.param_path` resolves
+    it (``info``: the validator's), read once by ``load`` (whose ValueError names the problem),
+    returned absolute: vLLM's other processes may start elsewhere."""
+    if value is None:
+        return value
+    path = param_path(value, info)
+    load(path)
+    return str(path)
 
 
 class StepAssembler:
@@ -37,3 +54,12 @@ class StepAssembler:
                 row.append([int(e) for j, e in enumerate(ids[t]) if w is None or w[t, j] > 0])
             out.append(row)
         return out
+
+
+def step_sets(assembler: StepAssembler | None, layer: int, topk_ids, topk_weights) -> list[list[list[int]]]:
+    """:meth:`StepAssembler.add` for an ``observe`` call's ``topk_ids`` / ``topk_weights`` tensors:
+    the step's per-token expert sets once this call completes it, else (and before ``bind``,
+    ``assembler`` None) an empty list."""
+    if assembler is None:
+        return []
+    return assembler.add(layer, topk_ids.cpu().numpy(), topk_weights.float().cpu().numpy()) or []

@@ -17,7 +17,8 @@ from __future__ import annotations
 from pydantic import Field, ValidationInfo, field_validator
 
 from ....hooks import Capabilities, Params as BaseParams, Registration, hookimpl
-from ....hooks.deployment import param_path
+
+from .._shared import loadable_file
 
 
 class Params(BaseParams):
@@ -32,13 +33,9 @@ class Params(BaseParams):
     @field_validator("placement_file")
     @classmethod
     def _readable(cls, v: str | None, info: ValidationInfo) -> str | None:
-        if v is None:
-            return v
         from .policy import Placement
 
-        path = param_path(v, info)
-        Placement.load(path)
-        return str(path)
+        return loadable_file(v, info, Placement.load)
 
     def check_deployment(self, ctx) -> list[str]:
         """``apply`` needs a placement, and an engine whose expert parallelism vLLM can place it

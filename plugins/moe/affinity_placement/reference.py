@@ -8,7 +8,7 @@ import numpy as np
 
 from ....hooks import MoEModel, MoEScheduler
 
-from .._shared import StepAssembler
+from .._shared import StepAssembler, step_sets
 from .policy import Placement, linear, round_robin, solve, volume
 
 
@@ -46,11 +46,7 @@ class AffinityPlacement(MoEScheduler):
         return self.placement.to_vllm(self.model.moe_layers if self.model else [])["physical_to_logical_map"]
 
     def observe(self, layer_idx, topk_ids, topk_weights):
-        if self.assembler is None:
-            return
-        sets = self.assembler.add(layer_idx, topk_ids.cpu().numpy(), topk_weights.float().cpu().numpy())
-        if sets is None:
-            return
+        sets = step_sets(self.assembler, layer_idx, topk_ids, topk_weights)
         self.tokens += len(sets)
         for row in sets:
             for l in range(len(row) - 1):

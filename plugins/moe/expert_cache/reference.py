@@ -6,7 +6,7 @@ from typing import Any
 
 from ....hooks import MoEModel, MoEScheduler
 
-from .._shared import StepAssembler
+from .._shared import StepAssembler, step_sets
 from .policy import ExpertCache
 
 
@@ -32,12 +32,7 @@ class ExpertCacheScheduler(MoEScheduler):
         self.assembler = StepAssembler(model.moe_layers)
 
     def observe(self, layer_idx, topk_ids, topk_weights):
-        if self.assembler is None:
-            return
-        sets = self.assembler.add(layer_idx, topk_ids.cpu().numpy(), topk_weights.float().cpu().numpy())
-        if sets is None:
-            return
-        for row in sets:
+        for row in step_sets(self.assembler, layer_idx, topk_ids, topk_weights):
             self.cache.token(row)
 
     def reset_stats(self) -> None:

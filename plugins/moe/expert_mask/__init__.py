@@ -13,8 +13,8 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ....hooks import Capabilities, Registration, hookimpl
-from ....hooks.deployment import param_path
 
+from .._shared import loadable_file
 from .policy import ExpertMask, MaskError
 
 
@@ -39,11 +39,7 @@ class Params(BaseModel):
     @field_validator("mask_file")
     @classmethod
     def _readable(cls, v: str | None, info: ValidationInfo) -> str | None:
-        if v is None:
-            return v
-        path = param_path(v, info)
-        ExpertMask.load(path)  # MaskError (a ValueError) names the problem
-        return str(path)  # absolute: vLLM's other processes may start elsewhere
+        return loadable_file(v, info, ExpertMask.load)  # MaskError (a ValueError) names the problem
 
     @model_validator(mode="after")
     def _well_formed(self) -> "Params":
