@@ -1,7 +1,6 @@
 """The speculative and quant adapters' logic that needs no vLLM: the speculative_config they
 ask for, the per-step drafting (request ids, budget, acceptance, finish), the runner glue,
 and the quantised-tensor bookkeeping on a layer. The vLLM side: tests/e2e/."""
-import subprocess
 import sys
 from collections import Counter
 from types import SimpleNamespace
@@ -16,6 +15,8 @@ from vllm_graft.integration.adapters.quant import engine as quant
 from vllm_graft.integration.adapters.speculative import engine as speculative
 from vllm_graft.integration.adapters.speculative.drafting import Drafting
 from vllm_graft.integration.adapters.speculative.engine import GraftProposer
+
+from .builds import vllm_loaded_by
 
 
 # ------------------------------------------------------------------------------- config
@@ -56,11 +57,9 @@ def test_engine_overrides_from_the_registry_entries():
 
 
 def test_adapter_modules_import_without_vllm():
-    code = ("import sys, vllm_graft.integration.adapters.speculative.engine, "
-            "vllm_graft.integration.adapters.quant.engine\n"
-            "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    code = ("import vllm_graft.integration.adapters.speculative.engine, "
+            "vllm_graft.integration.adapters.quant.engine")
+    assert vllm_loaded_by(code) == "[]"
 
 
 # ----------------------------------------------------------------------------- drafting

@@ -18,6 +18,8 @@ from vllm_graft.plugins.quant.dfloat11.reference import (
     encode,
 )
 
+from .builds import require_built
+
 MODEL = Path(__file__).resolve().parents[2] / "models" / "graft-tiny-llama"
 
 
@@ -147,13 +149,7 @@ def test_stored_tensors_and_registration():
 def _cpp_available() -> bool:
     from vllm_graft.plugins.quant.dfloat11 import cpu
 
-    fn, reason = cpu.decoder()
-    if fn is None:
-        import shutil
-
-        if shutil.which("c++") or shutil.which("g++"):
-            pytest.fail(f"a C++ compiler is installed but the decoder did not build: {reason}")
-        pytest.skip(f"no C++ compiler here: {reason}")
+    require_built(cpu.decoder(), "the decoder")
     return True
 
 

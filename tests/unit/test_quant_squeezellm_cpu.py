@@ -4,21 +4,17 @@ LUT x activation loop, sparse part included) agree with the torch path to fp32 r
 larger calls are bit-identical; a path that cannot be built says so once and the torch one runs."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
 from vllm_graft.plugins.quant.squeezellm import SqueezeLLMParams, cpu
 from vllm_graft.plugins.quant.squeezellm import reference as R
 
+from .builds import require_built
+
 
 def _built() -> None:
-    fn, reason = cpu.dequantizer()
-    if fn is None:
-        if shutil.which("c++") or shutil.which("g++"):
-            pytest.fail(f"a C++ compiler is installed but the path did not build: {reason}")
-        pytest.skip(f"no C++ compiler here: {reason}")
+    require_built(cpu.dequantizer(), "the path")
 
 
 def _layer(bits: int, out: int, inp: int, seed: int = 0):
