@@ -23,6 +23,8 @@ from vllm_graft.hooks.registry import Entry, Source
 from vllm_graft.kit.conformance import checks as c
 from vllm_graft.plugins.attention._shared import paged_attention
 
+from .planted_plugins import Window  # one sink block and the two most recent (target() names it here)
+
 
 def target(kind, cls, *, params=NoParams, lossless=True, values=None, **caps):
     reg = Registration(name="subject", kind=kind, summary="under test", paper="-", params=params,
@@ -125,12 +127,6 @@ class BadDescribe(KeepAll):
 
 
 # ----------------------------------------------------------------------------- kvcompress
-class Window(KVCompressor):
-    def keep(self, view):
-        n = view.num_blocks
-        return sorted({0, *range(max(0, n - 2), n)} | view.pinned)
-
-
 class Resurrecting(KVCompressor):
     """Drops odd blocks on odd steps, then keeps everything again: KV it freed comes back."""
 

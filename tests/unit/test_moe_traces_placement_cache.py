@@ -18,6 +18,18 @@ from vllm_graft.plugins.moe.expert_cache.reference import ExpertCacheScheduler
 from vllm_graft.plugins.moe.route_trace.reference import Recorder, Trace, TraceError, concat
 
 
+def replay(s, t):
+    """Trace ``t`` step by step into MoE plugin ``s``: each layer's expert ids and weights of the step's tokens."""
+    import torch
+
+    start = 0
+    for T in t.steps:
+        for l in range(t.ids.shape[0]):  # the trace's rows, one per MoE layer
+            s.observe(l, torch.from_numpy(t.ids[l, start:start + T].astype(np.int64)),
+                      torch.from_numpy(t.weights[l, start:start + T].astype(np.float32)))
+        start += T
+
+
 def random_trace(seed, L=4, E=8, k=2, steps=(5, 1, 1, 7, 1), sticky=0.7, zero_share=0.0):
     """Tokens whose layer-(l+1) experts follow their layer-l experts with probability `sticky`
     (so there is affinity to find)."""
@@ -147,14 +159,7 @@ def test_live_placement_plugin_counts_what_the_policy_computes(tmp_path):
     P.solve(P.affinity(t.token_sets()), 4).placement.save(tmp_path / "p.json", t.layers)
     s = AffinityPlacement(PlaceParams(devices=4, placement_file=str(tmp_path / "p.json")))
     s.bind(MoEModel(4, 8, 2))
-    import torch
-
-    start = 0
-    for T in t.steps:
-        for l in range(4):
-            s.observe(l, torch.from_numpy(t.ids[l, start:start + T].astype(np.int64)),
-                      torch.from_numpy(t.weights[l, start:start + T].astype(np.float32)))
-        start += T
+    replay(s, t)
     d = s.describe()
     A = P.affinity(t.token_sets())
     assert d["tokens"] == t.num_tokens
@@ -214,18 +219,11 @@ def test_affinity_prefetch_predicts_a_deterministic_successor():
 
 
 def test_live_cache_plugin_matches_the_simulation():
-    import torch
-
     t = random_trace(4, steps=(6, 1, 1, 1, 1), zero_share=0.3)
     s = ExpertCacheScheduler(CacheParams(policy="affinity", prefetch=1, expert_bytes=1000))
     s.bind(MoEModel(4, 8, 2))
     assert s.capacity == 2
-    start = 0
-    for T in t.steps:
-        for l in range(4):
-            s.observe(l, torch.from_numpy(t.ids[l, start:start + T].astype(np.int64)),
-                      torch.from_numpy(t.weights[l, start:start + T].astype(np.float32)))
-        start += T
+    replay(s, t)
     ref = simulate(sets_from_trace(t), 8, 2, "affinity", 1)
     d = s.describe()
     assert d["hit_rate"] == round(ref.hit_rate, 4) and d["accesses"] == ref.accesses
