@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 
+from tests.fakedevice import plan_and_layers
 from vllm_graft.hooks import get_registry
 from vllm_graft.integration.adapters.kvcompress.rows import step_rows
 from vllm_graft.integration.adapters.kvcompress.scores import _Scores, _ScoringAttention
@@ -38,12 +39,7 @@ def _step(device, name):
         with device:
             q, kv = device.put(q, kv)
             batch = type(batch)(*device.put(batch.query_start_loc, batch.seq_lens, batch.block_table))
-            with device.region("plan (step)"):
-                plan = att.plan(batch)
-            outs = []
-            for i in range(LAYERS):
-                with device.region(f"layer {i}"):
-                    outs.append(att.forward(q, kv, batch, layer, plan))
+            _, outs = plan_and_layers(device, att, q, kv, batch, layer, LAYERS)
             with device.region("finalize (step)"):
                 drops = sc.finalize()
     finally:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.fakedevice import plan_and_layers
 from tests.kernels.layouts import CACHES, in_cache
 from tests.unit.test_spec_tree_engine import _runner, step_tree, verifier_with
 from vllm_graft.hooks import BLOCKED, PACKED, AttentionLayer, PagedBatch
@@ -63,17 +64,6 @@ def _oracle(q, kv, batch, layer):
     return out
 
 
-def _layers(device, method, q, cache, batch, layer, tree_rows_only=False):
-    """The plan once, then LAYERS forwards, each in a region of its own."""
-    with device.region("plan (step)"):
-        plan = method.plan(batch)
-    outs = []
-    for i in range(LAYERS):
-        with device.region(f"layer {i}"):
-            outs.append(method.forward(q, cache, batch, layer, plan))
-    return plan, outs
-
-
 @pytest.mark.parametrize("cache_name", CACHES)
 @pytest.mark.parametrize("others", [True, False], ids=["mixed", "trees-only"])
 def test_tree_attention_in_each_layout_matches_the_oracle_on_the_device(device, monkeypatch, cache_name, others):
@@ -90,7 +80,7 @@ def test_tree_attention_in_each_layout_matches_the_oracle_on_the_device(device, 
     with device:
         q_d, cache_d = device.put(q, cache)
         batch_d = PagedBatch(*device.put(batch.query_start_loc, batch.seq_lens, batch.block_table))
-        plan, outs = _layers(device, method, q_d, cache_d, batch_d, layer)
+        plan, outs = plan_and_layers(device, method, q_d, cache_d, batch_d, layer, LAYERS)
         assert plan.kernel is not None  # CUDA tensors: the Triton kernel computes the tree rows
         assert plan.layout is layer.kv_layout
         assert all(o.device == q_d.device for o in outs)
@@ -180,7 +170,7 @@ def test_a_tree_step_on_the_device_in_the_packed_layout(device):
         saved = T.current_verifier()
         T.set_verifier(v)
         try:
-            plan, outs = _layers(device, method, q, runner.kv_caches[0], batch, layer)
+            plan, outs = plan_and_layers(device, method, q, runner.kv_caches[0], batch, layer, LAYERS)
         finally:
             T.set_verifier(saved)
         assert plan.kernel is not None and plan.layout is PACKED
