@@ -39,11 +39,12 @@ def _cache_gather(kv_cache: torch.Tensor, layout: KVCacheLayout = BLOCKED) -> Ga
 
 
 def cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor, who: str) -> tuple[int, ...]:
-    """``(K block, K head, K token, V block, V head, V token)`` strides of the ``[N, H_kv, B, D]``
-    views a kernel reads; ``ValueError`` unless both have a unit stride along ``D``."""
+    """The first three strides of K, then of V (block, head, token of the ``[N, H_kv, B, D]`` views
+    the attention kernels read; block, token, head of the tree kernel's ``[N, B, H_kv, D]``);
+    ``ValueError`` unless both have a unit stride along ``D``."""
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError(
-            f"{who}: the key and value caches need a unit stride along the head dim, got "
+            f"{who}: the key and value caches need a unit stride along the head dimension, got "
             f"K strides {tuple(k_cache.stride())}, V strides {tuple(v_cache.stride())}; pass "
             "the views layer.kv_layout.split(kv_cache) gives of a cache whose last dim is "
             "contiguous"

@@ -33,6 +33,18 @@ from .policy import StepPlan, group_rows
 
 
 @triton.jit
+def _online_step(m_i, l_i, acc, s, v, PREC: tl.constexpr):
+    """Fold one block's scores ``s [M, BS]`` (-inf where masked) and values ``v [BS, D]`` into the
+    online softmax state (running max, sum and unnormalised output of each query row)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _prefix_kernel(
     Q,
     K,
@@ -90,13 +102,8 @@ def _prefix_kernel(
         blk = tl.load(blks + j).to(tl.int64)
         k = tl.load(K + blk * sk_n + kvh * sk_h + t[:, None] * sk_t + d[None, :], mask=d_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + blk * sv_n + kvh * sv_h + t[:, None] * sv_t + d[None, :], mask=d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _online_step(m_i, l_i, acc, s, v, PREC)
     o = acc / l_i[:, None]
     tl.store(O + row[:, None] * so_r + head[:, None] * so_h + d[None, :], o, mask=m_ok[:, None] & d_ok[None, :])
     tl.store(LSE + row * slse_r + head, m_i + tl.log(l_i), mask=m_ok)
@@ -153,13 +160,8 @@ def _suffix_kernel(
         k = tl.load(K + blk * sk_n + kvh * sk_h + t[:, None] * sk_t + d[None, :], mask=d_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
         s = tl.where((lb * BS + t)[None, :] <= pos, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + blk * sv_n + kvh * sv_h + t[:, None] * sv_t + d[None, :], mask=d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _online_step(m_i, l_i, acc, s, v, PREC)
     o = acc / l_i[:, None]
     tl.store(O + tk * so_t + head[:, None] * so_h + d[None, :], o, mask=g_ok[:, None] & d_ok[None, :])
     tl.store(LSE + tk * slse_t + head, m_i + tl.log(l_i), mask=g_ok)

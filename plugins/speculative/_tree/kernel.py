@@ -74,6 +74,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ...attention._shared import cache_strides
+
 from .reference import check_shapes
 from .tree import ancestor_mask
 
@@ -375,8 +377,7 @@ def tree_attention_triton(
     length, host_len = _context_length(context_len)
     on_device = length is not None
     n, hq, hkv, d, bs = check_shapes(q, k_cache, v_cache, block_table, host_len, k_tree, v_tree, parents)
-    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
-        raise ValueError("k_cache and v_cache need a unit stride along the head dimension")
+    cache = cache_strides(k_cache, v_cache, "tree attention kernel")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if n == 0:
         return out
@@ -418,12 +419,7 @@ def tree_attention_triton(
         per_split,
         q.stride(0),
         q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+        *cache,
         k_tree.stride(0),
         k_tree.stride(1),
         v_tree.stride(0),
