@@ -35,6 +35,18 @@ def fixed_blocks_fit(params: P, rest: str = "") -> P:
     return params
 
 
+def held_blocks_field(unit: str, most: str = "") -> Any:
+    """The ``held_blocks`` parameter of a compressor whose units (``unit``: "head", "layer")
+    each keep their own blocks: the cap on their union, which a request holds (``most``: what
+    the union is at most without it)."""
+    return Field(
+        None,
+        ge=2,
+        description=f"at most this many prompt blocks held per request (the union over {unit}s: vLLM frees a "
+        f"block only when no {unit} keeps it); None: the union as chosen{most}",
+    )
+
+
 def held_blocks_fit(params: P, keepers: str) -> P:
     """``params``, or a ValueError when its ``held_blocks`` (the cap on the union of the blocks
     that the units, KV heads or layers, keep) is below ``budget_blocks`` (a unit's average:

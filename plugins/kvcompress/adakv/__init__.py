@@ -25,7 +25,7 @@ the heads share the union (AdaKV's choice of blocks, no masking); below, the hea
 from pydantic import Field, model_validator
 
 from ....hooks import Capabilities, Registration, hookimpl
-from .._shared.params import held_blocks_fit
+from .._shared.params import held_blocks_field, held_blocks_fit
 from ..snapkv import SnapKVParams
 
 
@@ -43,13 +43,7 @@ class AdaKVParams(SnapKVParams):
         description="share of its even budget each head gets "
         "before the rest is allocated by score over all heads (AdaKV's safeguard)",
     )
-    held_blocks: int | None = Field(
-        None,
-        ge=2,
-        description="at most this many prompt blocks held per request "
-        "(the union over heads: vLLM frees a block only when no head keeps it); "
-        "None: the union as chosen, up to H_kv x budget_blocks",
-    )
+    held_blocks: int | None = held_blocks_field("head", ", up to H_kv x budget_blocks")
 
     @model_validator(mode="after")
     def _cap_fits_budget(self):

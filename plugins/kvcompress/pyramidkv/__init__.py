@@ -23,7 +23,7 @@ then reads its own best among them. Mid-prefill nothing is dropped.
 from pydantic import Field, model_validator
 
 from ....hooks import Capabilities, Registration, hookimpl
-from .._shared.params import held_blocks_fit
+from .._shared.params import held_blocks_field, held_blocks_fit
 from ..snapkv import SnapKVParams
 
 
@@ -40,12 +40,7 @@ class PyramidKVParams(SnapKVParams):
         description="the last layer's budget as a fraction of the average (the first layer's is 2 - this); "
         "1: every layer the same (SnapKV per layer)",
     )
-    held_blocks: int | None = Field(
-        None,
-        ge=2,
-        description="at most this many prompt blocks held per request (the union over layers: vLLM frees a "
-        "block only when no layer keeps it); None: the union as chosen",
-    )
+    held_blocks: int | None = held_blocks_field("layer")
 
     @model_validator(mode="after")
     def _cap_fits_budget(self):
