@@ -314,15 +314,23 @@ def tests(report: Report, python: str, env: dict, work: Path, budget: float) -> 
         report.section("tests: the end of pytest's output", tail(log))
 
 
-def flashinfer_merge(report: Report, python: str, env: dict, work: Path, budget: float) -> None:
-    """Hydragen's merge by FlashInfer's cascade.merge_state vs the Triton kernel (correctness and
-    time; benchmarks/gpu/flashinfer_merge.py); "skipped" where FlashInfer cannot run."""
-    out, log = work / "flashinfer.md", work / "flashinfer.log"
-    cmd = [python, "benchmarks/gpu/flashinfer_merge.py", "--out", str(out)] + (["--smoke"] if report.smoke else [])
+def run_report_script(report: Report, python: str, env: dict, work: Path, budget: float, script: str,
+                      name: str) -> tuple[int | None, float, str, Path]:
+    """``benchmarks/gpu/SCRIPT --out WORK/NAME.md`` (``--smoke`` on a smoke run) on the real device
+    (no ``GRAFT_REAL_DEVICE``: it is the tests' switch), within ``budget``: ``(exit code or None
+    on timeout, seconds, the Markdown it wrote or "", its log WORK/NAME.log)``."""
+    out, log = work / f"{name}.md", work / f"{name}.log"
+    cmd = [python, f"benchmarks/gpu/{script}", "--out", str(out)] + (["--smoke"] if report.smoke else [])
     env = dict(env)
     env.pop("GRAFT_REAL_DEVICE", None)
     rc, seconds = run_stage(cmd, env, budget, log)
-    text = out.read_text() if out.exists() else ""
+    return rc, seconds, out.read_text() if out.exists() else "", log
+
+
+def flashinfer_merge(report: Report, python: str, env: dict, work: Path, budget: float) -> None:
+    """Hydragen's merge by FlashInfer's cascade.merge_state vs the Triton kernel (correctness and
+    time; benchmarks/gpu/flashinfer_merge.py); "skipped" where FlashInfer cannot run."""
+    rc, seconds, text, log = run_report_script(report, python, env, work, budget, "flashinfer_merge.py", "flashinfer")
     note = next((s for s in text.splitlines() if s.startswith("FlashInfer:")), "")
     if rc is None:
         result, detail = "TIMEOUT", f"stopped at its {budget:.0f} s budget"
@@ -339,12 +347,7 @@ def flashinfer_merge(report: Report, python: str, env: dict, work: Path, budget:
 
 
 def bench(report: Report, python: str, env: dict, work: Path, budget: float) -> None:
-    out, log = work / "bench.md", work / "bench.log"
-    cmd = [python, "benchmarks/gpu/run.py", "--out", str(out)] + (["--smoke"] if report.smoke else [])
-    env = dict(env)
-    env.pop("GRAFT_REAL_DEVICE", None)
-    rc, seconds = run_stage(cmd, env, budget, log)
-    text = out.read_text() if out.exists() else ""
+    rc, seconds, text, log = run_report_script(report, python, env, work, budget, "run.py", "bench")
     rows = [r for r in text.splitlines() if r.startswith("| ") and not r.startswith("| kernel |")]
     match = sum("| yes (" in r for r in rows)
     peak = next((s.split("Peak bandwidth:")[1].split(";")[0].split(")")[0].strip() + ")"
