@@ -24,7 +24,7 @@ from vllm_graft.integration.patches import PATCHES  # noqa: E402
 from vllm_graft.integration.plan import plan_for  # noqa: E402
 from vllm_graft.integration.runtime import RUNTIME  # noqa: E402
 
-from .servers import free_port  # noqa: E402
+from .servers import free_port, stop  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -183,8 +183,4 @@ def test_serve_applies_the_deployment(tmp_path, plain_tokens):
         lines = [json.loads(x) for x in log.read_text().splitlines()]
         assert len({x["pid"] for x in lines}) >= 2 and all(x["plugins"] == ["attention:noop"] for x in lines)
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop(server)

@@ -11,20 +11,16 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
-httpx = pytest.importorskip("httpx")
+pytest.importorskip("httpx")
 psutil = pytest.importorskip("psutil")
 pytest.importorskip("vllm")
 
-from .servers import free_port, server_env  # noqa: E402
+from .servers import REPO, free_port, server_env, wait_healthy  # noqa: E402
 
 pytestmark = pytest.mark.e2e
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_serve_killed_outright_takes_its_engine_core_with_it(tmp_path):
@@ -37,16 +33,7 @@ def test_serve_killed_outright_takes_its_engine_core_with_it(tmp_path):
                                 env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
     children: list = []
     try:
-        deadline = time.time() + 300
-        while True:
-            assert proc.poll() is None, "the server exited while starting:\n" + log_path.read_text()[-4000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "the server did not come up:\n" + log_path.read_text()[-4000:]
-            time.sleep(1)
+        wait_healthy(proc, f"http://127.0.0.1:{port}", log_path)
         children = psutil.Process(proc.pid).children(recursive=True)  # serve exec'd vLLM's server
         cores = [c for c in children if "EngineCore" in " ".join(c.cmdline()) + c.name()]
         assert cores, [(c.pid, c.name()) for c in children]

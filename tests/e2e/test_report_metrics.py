@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,7 +21,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("vllm")
 
-from .servers import free_port, server_env  # noqa: E402
+from .servers import REPO, free_port, graft_cli, server_env, stop, wait_healthy  # noqa: E402
 
 # It failed in a full CI run, and 1 run in 6 alone (lookahead's events empty): the 20 requests
 # took less than one report period, so no file had them yet and all looked long idle; `report`
@@ -30,15 +29,13 @@ from .servers import free_port, server_env  # noqa: E402
 # tests/unit/test_report_counters.py plants that race).
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[2]
 LLAMA = str(REPO / "models" / "graft-tiny-llama")
 MAX_MODEL_LEN = 384
 CODE = "".join(f"def handler_{i}(event, context):\n    return process(event, {i})\n\n" for i in range(12))
 
 
 def _report(reports: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vllm_graft.cli.main", "report", str(reports), *extra],
-                          capture_output=True, text=True, env=server_env(), timeout=60)
+    return graft_cli("report", str(reports), *extra, env=server_env(), timeout=60)
 
 
 def test_report_equals_vllm_metrics_on_the_same_server_run(tmp_path):
@@ -53,18 +50,7 @@ def test_report_equals_vllm_metrics_on_the_same_server_run(tmp_path):
                                 stderr=subprocess.STDOUT, cwd=tmp_path)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 300
-        while True:
-            if proc.poll() is not None:
-                pytest.fail("the server exited while starting:\n" + log_path.read_text()[-4000:])
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                pytest.fail("the server did not come up in 300 s:\n" + log_path.read_text()[-4000:])
-            time.sleep(1)
+        wait_healthy(proc, base, log_path)
         c = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
         n_prompt = c.completions.create(model="tiny", prompt=CODE, max_tokens=1, temperature=0).usage.prompt_tokens
         jobs = [dict(prompt=CODE[: 60 + 37 * i], max_tokens=8 + 4 * (i % 5), temperature=0,
@@ -81,11 +67,7 @@ def test_report_equals_vllm_metrics_on_the_same_server_run(tmp_path):
         c.completions.create(model="tiny", prompt=CODE, max_tokens=40, temperature=0)
         text = httpx.get(base + "/metrics", timeout=10).text
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
     saved = tmp_path / "metrics.txt"
     saved.write_text(text)
     metrics = {}

@@ -22,11 +22,10 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("vllm")
 
-from .servers import free_port, server_env  # noqa: E402
+from .servers import REPO, free_port, server_env, stop, wait_healthy  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[2]
 LLAMA = str(REPO / "models" / "graft-tiny-llama")
 MIXTRAL = str(REPO / "models" / "graft-tiny-mixtral")
 SERVER = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
@@ -56,29 +55,11 @@ def server(tmp_path_factory):
                                 stderr=subprocess.STDOUT, cwd=folder)
     base = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
-    import httpx
-
-    deadline = time.time() + 300
-    while True:
-        if proc.poll() is not None:
-            pytest.fail("the server exited while starting:\n" + log_path.read_text()[-4000:])
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.time() > deadline:
-            proc.kill()
-            pytest.fail("the server did not come up in 300 s:\n" + log_path.read_text()[-4000:])
-        time.sleep(1)
     try:
+        wait_healthy(proc, base, log_path)
         yield {"client": client, "base": base, "reports": reports, "log": log_path, "proc": proc}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def _healthy(server) -> bool:
