@@ -6,9 +6,20 @@ the ``--json FILE`` a tool was given. No vLLM, no plugin: the CLI imports every 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def from_args(cls: type[T], args: Any, **given: Any) -> T:
+    """The dataclass ``cls`` (a tool's options) from its command line ``args`` (the parsed
+    namespace): each field not ``given`` from the argument of the same name (``--kv-blocks``:
+    ``kv_blocks``); a field no argument names keeps its default."""
+    names = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in given]  # type: ignore[arg-type]
+    return cls(**{n: getattr(args, n) for n in names if hasattr(args, n)}, **given)
 
 
 def write_json(path: str | Path | None, value: Any, **kw: Any) -> None:

@@ -100,6 +100,7 @@ def add_command(sub: Any) -> None:
 
 def options(args: argparse.Namespace, folder: Path) -> Any:
     """The run's :class:`~.run.Options` from the command line (ValueError for a bad one)."""
+    from ..command_line import from_args
     from .load import parse_list, phases
     from .run import Options
     from .stats import SLO
@@ -118,19 +119,7 @@ def options(args: argparse.Namespace, folder: Path) -> Any:
         slo = SLO(*limits, source="given (--slo-*)")
     elif not args.slo_factor > 0:
         raise ValueError(f"--slo-factor {args.slo_factor}: must be positive")
-    return Options(
-        phases=phases(rates, conc, args.rounds),
-        workload=args.workload,
-        num_requests=args.num_requests,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-        slo=slo,
-        slo_factor=args.slo_factor,
-        kv_blocks=args.kv_blocks,
-        ignore_eos=args.ignore_eos,
-        timeout=args.timeout,
-        folder=folder,
-    )
+    return from_args(Options, args, phases=phases(rates, conc, args.rounds), slo=slo, folder=folder)
 
 
 def render(result: dict[str, Any], console: Any, *, as_markdown: bool = False) -> None:

@@ -73,6 +73,7 @@ def cmd_soak(args: argparse.Namespace, console: Any) -> int:
     from ...hooks import DeploymentError
     from ...integration.bridge import check_vllm_version
 
+    from ..command_line import from_args
     from .run import Options, row, soak
     from .server import ServerError
 
@@ -84,16 +85,7 @@ def cmd_soak(args: argparse.Namespace, console: Any) -> int:
     folder = Path(args.dir or tempfile.mkdtemp(prefix="vllm-graft-soak-"))
     results = []
     for path in args.deployments:
-        opts = Options(
-            minutes=args.minutes,
-            short=args.short,
-            seed=args.seed,
-            kv_tokens=args.kv_tokens,
-            timeout=args.timeout,
-            compare=not args.no_compare,
-            folder=folder,
-            seeds=args.seeds,
-        )
+        opts = from_args(Options, args, compare=not args.no_compare, folder=folder)
         try:
             r = soak(path, opts, say=lambda line: err.print(escape(line)))
         except DeploymentError as e:

@@ -444,6 +444,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from .. import workloads as wl
+    from ..command_line import from_args
 
     if args.model is None:
         from ...launch.engine import models_dir
@@ -451,14 +452,7 @@ def main(args: argparse.Namespace) -> int:
         args.model = str(models_dir() / "graft-tiny-llama")
     if args.threads:
         torch.set_num_threads(args.threads)
-    settings = Settings(
-        chain_length=args.chain_length,
-        breadth=args.breadth,
-        k=args.k,
-        branches=args.branches,
-        trie_depth=args.trie_depth,
-        min_match=args.min_match,
-    )
+    settings = from_args(Settings, args)  # max_nodes has no argument: its default
     if max(settings.breadth) > settings.k:
         raise SystemExit(f"--breadth {settings.breadth} needs --k >= {max(settings.breadth)}")
     arms = [a for part in args.arms for a in part.split(",") if a]
