@@ -54,6 +54,14 @@ def _ms(fn: Callable[[], object], repeat: int) -> float:
     return median_ms(fn, repeat, warmup=1)
 
 
+def _row(what: str, old: Callable[[], object], new: Callable[[], object], agree: bool,
+         host: Callable[[], object] | None, repeat: int, old_repeat: int | None = None) -> tuple:
+    """A table row: ``what``, the old and the new path's median ms (the old one's over ``old_repeat``
+    calls where it is slow), whether they ``agree``, and the host kernel's ms (nan where none)."""
+    return (what, _ms(old, old_repeat or repeat), _ms(new, repeat), agree,
+            float("nan") if host is None else _ms(host, repeat))
+
+
 def quant_rows(repeat: int, out: int = 1536, inp: int = 576, tokens: int = 8) -> list[tuple]:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(out, inp, generator=g) * 0.05
@@ -62,29 +70,15 @@ def quant_rows(repeat: int, out: int = 1536, inp: int = 576, tokens: int = 8) ->
     t = w4.quantize(w, 128)
     t["weight_int8"] = w4.int8_weight_for_int_mm(t, 128)
     old, new = (lambda: w4.emulate(x, t, 128)), (lambda: w4.int8_matmul(x, t))
-    rows.append(
-        (
-            f"w4a8 {out}x{inp}, {tokens} tokens",
-            _ms(old, repeat),
-            _ms(new, repeat),
-            torch.equal(old(), new()),
-            _ms(lambda: x @ w.T, repeat),
-        )
-    )
+    rows.append(_row(f"w4a8 {out}x{inp}, {tokens} tokens", old, new, torch.equal(old(), new()), lambda: x @ w.T,
+                     repeat))
     s = sq.quantize(w, None, 4, 0.0, 0.0, 4)
     codes, lut = s["codes"], s["lut"]
     idx = sq.unpack_bitplanes(codes, 4).to(torch.uint8)
     old = lambda: torch.nn.functional.linear(x, sq.dequantize(codes, lut, 4).float())  # noqa: E731
     new = lambda: torch.nn.functional.linear(x, lut.gather(1, idx.long()).float())  # noqa: E731
-    rows.append(
-        (
-            f"squeezellm 4-bit {out}x{inp}, {tokens} tokens",
-            _ms(old, repeat),
-            _ms(new, repeat),
-            torch.equal(old(), new()),
-            _ms(lambda: x @ w.T, repeat),
-        )
-    )
+    rows.append(_row(f"squeezellm 4-bit {out}x{inp}, {tokens} tokens", old, new, torch.equal(old(), new()),
+                     lambda: x @ w.T, repeat))
     # the whole layer call (sparse part included): the torch gather against the C++ path
     params = {"bits": 4, "kmeans_iters": 4}
     fast, slow = (
@@ -93,30 +87,17 @@ def quant_rows(repeat: int, out: int = 1536, inp: int = 576, tokens: int = 8) ->
     )
     t = fast.load({k: [v] for k, v in fast.quantize(w).items()}, [out])
     old, new = (lambda: slow.apply(t, x, None)), (lambda: fast.apply(t, x, None))
-    rows.append(
-        (
-            f"squeezellm 4-bit layer call {out}x{inp}, {tokens} tokens: torch gather vs C++ (cpu_dequant)",
-            _ms(old, repeat),
-            _ms(new, repeat),
-            torch.allclose(old(), new(), rtol=1e-5, atol=1e-6),
-            _ms(lambda: x @ w.T, repeat),
-        )
-    )
+    rows.append(_row(f"squeezellm 4-bit layer call {out}x{inp}, {tokens} tokens: torch gather vs C++ (cpu_dequant)",
+                     old, new, torch.allclose(old(), new(), rtol=1e-5, atol=1e-6), lambda: x @ w.T, repeat))
     # dfloat11: the torch decoder against the C++ one, each decoding then multiplying in bf16
     wb = w.to(torch.bfloat16)
     fast, slow = df11.DFloat11(DFloat11Params()), df11.DFloat11(DFloat11Params(cpu_decoder="torch"))
     t = fast.load({k: [v] for k, v in fast.quantize(wb).items()}, [out])
     xb = x.to(torch.bfloat16)
     old, new = (lambda: slow.apply(t, xb, None)), (lambda: fast.apply(t, xb, None))
-    rows.append(
-        (
-            f"dfloat11 layer call {out}x{inp}, {tokens} tokens: torch decoder vs C++ (cpu_decoder); host: bf16 matmul",
-            _ms(old, max(3, repeat // 10)),
-            _ms(new, repeat),
-            torch.equal(old(), new()),
-            _ms(lambda: xb @ wb.T, repeat),
-        )
-    )
+    rows.append(_row(f"dfloat11 layer call {out}x{inp}, {tokens} tokens: torch decoder vs C++ (cpu_decoder); "
+                     "host: bf16 matmul", old, new, torch.equal(old(), new()), lambda: xb @ wb.T, repeat,
+                     old_repeat=max(3, repeat // 10)))
     return rows
 
 
@@ -244,16 +225,8 @@ def hydragen_rows(repeat: int, cases=((32, 1, 8, 40), (32, 4, 8, 40), (8, 1, 8, 
         agree = torch.allclose(old(), new(), atol=1e-5, rtol=1e-5)
         if host is not None:
             agree = agree and torch.allclose(host(), new(), atol=1e-5, rtol=1e-5)
-        rows.append(
-            (
-                f"hydragen, decode: {S} seqs in {groups} group(s) sharing {prefix_blocks * 128} "
-                f"tokens + {own} own, GQA 9/3 x 64",
-                _ms(old, repeat),
-                _ms(new, repeat),
-                agree,
-                float("nan") if host is None else _ms(host, repeat),
-            )
-        )
+        rows.append(_row(f"hydragen, decode: {S} seqs in {groups} group(s) sharing {prefix_blocks * 128} "
+                         f"tokens + {own} own, GQA 9/3 x 64", old, new, agree, host, repeat))
     return rows
 
 
@@ -270,15 +243,9 @@ def squeezed_rows(repeat: int, cases=((4, 4096),), B: int = 128) -> list[tuple]:
         old = lambda: slow.forward(q, kv, batch, layer)  # noqa: E731
         new = lambda: fast.forward(q, kv, batch, layer)  # noqa: E731
         host = _vllm_attention(q, kv, batch, layer)
-        rows.append(
-            (
-                f"squeezed K=1/8, decode: {S} seqs x {ctx} ctx, GQA 9/3 x 64 (host: full attention)",
-                _ms(old, max(3, repeat // 5)),
-                _ms(new, repeat),
-                torch.allclose(old(), new(), atol=1e-5, rtol=1e-5),
-                float("nan") if host is None else _ms(host, repeat),
-            )
-        )
+        rows.append(_row(f"squeezed K=1/8, decode: {S} seqs x {ctx} ctx, GQA 9/3 x 64 (host: full attention)", old,
+                         new, torch.allclose(old(), new(), atol=1e-5, rtol=1e-5), host, repeat,
+                         old_repeat=max(3, repeat // 5)))
     return rows
 
 
