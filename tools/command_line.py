@@ -6,12 +6,25 @@ the ``--json FILE`` a tool was given. No vLLM, no plugin: the CLI imports every 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+
+def tool_parser(
+    sub: Any, name: str, help: str, func: Any, doc: str | None, paragraphs: slice = slice(1, None), **kw: Any
+) -> argparse.ArgumentParser:
+    """Sub-command ``name`` of ``sub`` (``add_subparsers()``) run by ``func(args, console)``,
+    its description those ``paragraphs`` of the tool module's docstring ``doc`` (by default all
+    past the first, the module's title); ``kw`` go to ``add_parser`` (``formatter_class``)."""
+    description = "\n\n".join(doc.split("\n\n")[paragraphs]) if doc else None
+    p = sub.add_parser(name, help=help, description=description, **kw)
+    p.set_defaults(func=func)
+    return p
 
 
 def from_args(cls: type[T], args: Any, **given: Any) -> T:

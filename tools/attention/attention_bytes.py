@@ -18,6 +18,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from ..command_line import tool_parser
+
 
 def _ints(text: str) -> list[int]:
     try:
@@ -116,10 +118,12 @@ def cmd_attention_bytes(args: argparse.Namespace, console: Console) -> int:
 
 
 def add_command(sub: Any) -> None:
-    p = sub.add_parser(
+    p = tool_parser(
+        sub,
         "attention-bytes",
-        help="model the KV bytes attention reads per decode step (plain vs hydragen)",
-        description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
+        "model the KV bytes attention reads per decode step (plain vs hydragen)",
+        cmd_attention_bytes,
+        __doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
@@ -153,4 +157,3 @@ def add_command(sub: Any) -> None:
     p.add_argument("--head-dim", type=int, default=128, help="head size (default 128)")
     p.add_argument("--dtype-bytes", type=int, default=2, help="bytes per KV element (default 2: fp16)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=cmd_attention_bytes)

@@ -28,6 +28,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from ..command_line import tool_parser
+
 
 def _recycled_refresh() -> int:
     """Mode recycled's full-step interval when ``refresh`` is not given: what squeezed's
@@ -293,10 +295,12 @@ def cmd_sparse_quality(args: argparse.Namespace, console: Console) -> int:
 
 
 def add_command(sub: Any) -> None:
-    p = sub.add_parser(
+    p = tool_parser(
+        sub,
         "sparse-quality",
-        help="perplexity and KV read of sparse decode attention vs plain vLLM and the sink+window baseline",
-        description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
+        "perplexity and KV read of sparse decode attention vs plain vLLM and the sink+window baseline",
+        cmd_sparse_quality,
+        __doc__,
         formatter_class=_HelpFormatter,
     )
     p.add_argument("--model", help="model folder (default: the bundled graft-tiny-llama)")
@@ -362,4 +366,3 @@ def add_command(sub: Any) -> None:
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-': stdout only)")
-    p.set_defaults(func=cmd_sparse_quality)

@@ -28,6 +28,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from ..command_line import tool_parser
+
 
 def _trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("deployment", help="deployment YAML (its model and MoE plugins)")
@@ -170,20 +172,10 @@ def _trace_report(recs: dict[str, Any], sets: list[Any], console: Console) -> di
 
 
 def add_command(sub: Any) -> None:
-    p = sub.add_parser(
-        "moe-trace",
-        help="record MoE routing traces from vLLM on the bench workloads",
-        description=__doc__.split("\n\n")[1],
-    )
-    _trace_args(p)
-    p.set_defaults(func=cmd_trace)
-    s = sub.add_parser(
-        "moe-sim",
-        help="expert placement and expert cache simulations on a routing trace",
-        description=__doc__.split("\n\n")[2],
-    )
-    _sim_args(s)
-    s.set_defaults(func=cmd_sim)
+    help = "record MoE routing traces from vLLM on the bench workloads"
+    _trace_args(tool_parser(sub, "moe-trace", help, cmd_trace, __doc__, slice(1, 2)))
+    help = "expert placement and expert cache simulations on a routing trace"
+    _sim_args(tool_parser(sub, "moe-sim", help, cmd_sim, __doc__, slice(2, 3)))
 
 
 # =============================================================================== moe-sim

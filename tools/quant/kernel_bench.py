@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-from ..command_line import write_json
+from ..command_line import tool_parser, write_json
 
 #: (name, out, in) of Llama-3-8B's linear layers (q/k/v and gate/up fused as vLLM runs them).
 LLAMA8B = (("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 28672, 4096), ("down_proj", 4096, 14336))
@@ -20,10 +20,13 @@ TINY = (("tiny", 64, 64),)
 
 
 def add_command(sub: Any) -> None:
-    p = sub.add_parser(
+    p = tool_parser(
+        sub,
         "quant-kernel-bench",
-        help="time the quant plugins' Triton kernels against fp16 matmul",
-        description=__doc__.split("\n\n")[0],
+        "time the quant plugins' Triton kernels against fp16 matmul",
+        cmd_bench,
+        __doc__,
+        slice(1),
     )
     p.add_argument("--batch", default="1,4,16,64", help="rows of x (comma-separated; default 1,4,16,64)")
     p.add_argument("--shapes", choices=("llama8b", "tiny"), default="llama8b")
@@ -36,7 +39,6 @@ def add_command(sub: Any) -> None:
     )
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--json", help="also write the rows to this file")
-    p.set_defaults(func=cmd_bench)
 
 
 def _time(fn, iters: int, device: str) -> float:
