@@ -126,23 +126,19 @@ def add_command(sub: Any) -> None:
         __doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--batch",
-        type=_ints,
-        default=[8, 32, 128],
-        metavar="N[,N]",
-        help="sequences sharing the prefix (default 8,32,128)",
-    )
-    p.add_argument(
-        "--prefix", type=_ints, default=[1024, 4096], metavar="T[,T]", help="shared prefix tokens (default 1024,4096)"
-    )
-    p.add_argument(
-        "--suffix",
-        type=_ints,
-        default=[0, 64, 256],
-        metavar="T[,T]",
-        help="tokens each sequence has of its own before the new one (default 0,64,256)",
-    )
+    # the grid's axes: every combination is a row
+    for flag, default, unit, what in (
+        ("--batch", [8, 32, 128], "N", "sequences sharing the prefix"),
+        ("--prefix", [1024, 4096], "T", "shared prefix tokens"),
+        ("--suffix", [0, 64, 256], "T", "tokens each sequence has of its own before the new one"),
+    ):
+        p.add_argument(
+            flag,
+            type=_ints,
+            default=default,
+            metavar=f"{unit}[,{unit}]",
+            help=f"{what} (default {','.join(map(str, default))})",
+        )
     p.add_argument(
         "--samples",
         type=int,
