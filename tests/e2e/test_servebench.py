@@ -12,30 +12,22 @@ and each failure path are in tests/unit/test_servebench.py.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 pytest.importorskip("httpx")
 
-pytestmark = pytest.mark.e2e
+from .servers import REPO, clean_env, graft_cli  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.e2e
 
 
 def test_short_sweep_plain_vs_a_lossless_deployment(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_GRAFT_")}
-    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     out_json = tmp_path / "sweep.json"
-    out = subprocess.run([sys.executable, "-m", "vllm_graft.cli.main", "servebench",
-                          str(REPO / "deployments" / "spec-lookahead.yaml"), "--workload", "code-completion",
-                          "--rates", "4,16", "--num-requests", "3", "--max-tokens", "8", "--ignore-eos", "--timeout", "240",
-                          "--dir", str(tmp_path), "--out", str(out_json)],
-                         capture_output=True, text=True, env=env, timeout=900)
+    out = graft_cli("servebench", str(REPO / "deployments" / "spec-lookahead.yaml"), "--workload", "code-completion",
+                    "--rates", "4,16", "--num-requests", "3", "--max-tokens", "8", "--ignore-eos", "--timeout", "240",
+                    "--dir", str(tmp_path), "--out", str(out_json), env=clean_env(VLLM_CPU_KVCACHE_SPACE="1"), timeout=900)
     assert out_json.exists(), f"no result (exit {out.returncode}):\n{out.stderr[-4000:]}"
     r = json.loads(out_json.read_text())
     assert out.returncode == 0, out.stderr[-4000:]

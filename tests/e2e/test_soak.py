@@ -12,27 +12,21 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 pytest.importorskip("httpx")
 
-pytestmark = pytest.mark.e2e
+from .servers import REPO, clean_env, graft_cli  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.e2e
 
 
 def test_short_soak_of_a_lossless_deployment(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_GRAFT_")}
-    out = subprocess.run([sys.executable, "-m", "vllm_graft.cli.main", "soak",
-                          str(REPO / "deployments" / "noop.yaml"), "--short", "--json", "--timeout", "240",
-                          "--dir", str(tmp_path)],
-                         capture_output=True, text=True, env=env, timeout=900)
+    out = graft_cli("soak", str(REPO / "deployments" / "noop.yaml"), "--short", "--json", "--timeout", "240",
+                    "--dir", str(tmp_path), env=clean_env(), timeout=900)
     assert out.stdout.strip(), f"no output (exit {out.returncode}):\n{out.stderr[-4000:]}"
     (r,) = json.loads(out.stdout)["runs"]
     assert "error" not in r, r["error"]
