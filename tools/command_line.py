@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Sequence, TypeVar
 
 T = TypeVar("T")
 
@@ -25,6 +25,23 @@ def tool_parser(
     p = sub.add_parser(name, help=help, description=description, **kw)
     p.set_defaults(func=func)
     return p
+
+
+class CommaLists(argparse.Action):
+    """A repeatable comma list, ``--x A,B --x C``: ``["A,B", "C"]``, as given (the tool splits
+    them); its default (a list of the same form) stands only where the option is not given, where
+    argparse's ``append`` would add the values to it."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        got = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, [*([] if got is None or got is self.default else got), values])
+
+
+def add_comma_list(p: Any, flag: str, default: Sequence[str], note: str = "") -> None:
+    """Option ``flag``, a repeatable comma list (:class:`CommaLists`) defaulting to ``default``
+    joined, its help ``comma list (default: A,B)`` and the ``note``."""
+    joined = ",".join(default)
+    p.add_argument(flag, action=CommaLists, default=[joined], help=f"comma list (default: {joined}){note}")
 
 
 def from_args(cls: type[T], args: Any, **given: Any) -> T:

@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..command_line import CommaLists, add_comma_list, tool_parser
+
 DEFAULT_ARMS = ("plain", "vllm-ngram", "token-recycling", "lookahead", "pooled-ngram", "adaptive")
 DEFAULT_WORKLOADS = ("code-completion", "extractive", "chat", "parallel-sampling")
 PARALLEL = "parallel-sampling"
@@ -387,17 +389,16 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_command(sub: Any) -> None:
-    p = sub.add_parser(
-        "specbench",
-        help="speculative proposers vs vLLM's ngram and plain vLLM "
-        "(acceptance, forward passes per token, tokens/s at several batch sizes)",
+    help = (
+        "speculative proposers vs vLLM's ngram and plain vLLM "
+        "(acceptance, forward passes per token, tokens/s at several batch sizes)"
     )
-    p.add_argument(
+    p = tool_parser(sub, "specbench", help, lambda args, console=None: main(args), None)
+    add_comma_list(
+        p,
         "--arms",
-        action="append",
-        default=None,
-        help=f"comma list (default: {','.join(DEFAULT_ARMS)}); an arm X is "
-        "deployments/spec-X.yaml (plain: deployments/plain.yaml) or a .yaml path; any other "
+        DEFAULT_ARMS,
+        "; an arm X is deployments/spec-X.yaml (plain: deployments/plain.yaml) or a .yaml path; any other "
         "registered speculative plugin (a third party's too), or X:{JSON} with its "
         "parameters, runs on deployments/plain.yaml's model with that proposer",
     )
@@ -408,10 +409,8 @@ def add_command(sub: Any) -> None:
         "X:{JSON} entry's), e.g. '{\"num_speculative_tokens\": 6}'; validated by the "
         "plugin's parameter model; plain and vllm-ngram are left as they are",
     )
-    p.add_argument(
-        "--workload", action="append", default=None, help=f"comma list (default: {','.join(DEFAULT_WORKLOADS)})"
-    )
-    p.add_argument("--batch", action="append", default=None, help="batch sizes besides 1 (default: 16,32)")
+    add_comma_list(p, "--workload", DEFAULT_WORKLOADS)
+    p.add_argument("--batch", action=CommaLists, default=["16,32"], help="batch sizes besides 1 (default: 16,32)")
     p.add_argument("--b1-prompts", type=int, default=4, help="requests run one by one at batch 1")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
     p.add_argument("--seed", type=int, default=0)
@@ -422,11 +421,3 @@ def add_command(sub: Any) -> None:
         "deployments/smollm2 for the real model",
     )
     p.add_argument("--json", help="write every figure (and the greedy tokens) to this file")
-
-    def run(args: argparse.Namespace, console: Any = None) -> int:
-        args.arms = args.arms or [",".join(DEFAULT_ARMS)]
-        args.workload = args.workload or [",".join(DEFAULT_WORKLOADS)]
-        args.batch = args.batch or ["16,32"]
-        return main(args)
-
-    p.set_defaults(func=run)

@@ -80,6 +80,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..command_line import add_comma_list, from_args, tool_parser
+
 DEFAULT_WORKLOADS = ("code-completion", "extractive")
 PROPOSERS = ("recycling", "lookahead")
 SHAPES = ("chain", "tree", "chain-wide")
@@ -444,7 +446,6 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from .. import workloads as wl
-    from ..command_line import from_args
 
     if args.model is None:
         from ...launch.engine import models_dir
@@ -542,17 +543,13 @@ def _tree_size(breadth: Sequence[int]) -> int:
 
 
 def add_command(sub: Any) -> None:
-    p = sub.add_parser(
-        "treebench",
-        help="tree vs chain speculative verification on the bundled "
-        "model without vLLM: accepted tokens per verify step (logical, not wall-clock)",
+    help = (
+        "tree vs chain speculative verification on the bundled "
+        "model without vLLM: accepted tokens per verify step (logical, not wall-clock)"
     )
-    p.add_argument(
-        "--arms", action="append", default=None, help=f"comma list (default: all: {','.join(ARMS)}; greedy always runs)"
-    )
-    p.add_argument(
-        "--workload", action="append", default=None, help=f"comma list (default: {','.join(DEFAULT_WORKLOADS)})"
-    )
+    p = tool_parser(sub, "treebench", help, lambda args, console=None: main(args), None)
+    add_comma_list(p, "--arms", ARMS, ": all of them; greedy always runs")
+    add_comma_list(p, "--workload", DEFAULT_WORKLOADS)
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per prompt")
     p.add_argument("--chain-length", type=int, default=4, help="chain arms' draft tokens")
@@ -579,10 +576,3 @@ def add_command(sub: Any) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write every figure and every arm's output tokens to this file")
-
-    def run(args: argparse.Namespace, console: Any = None) -> int:
-        args.arms = args.arms or [",".join(ARMS)]
-        args.workload = args.workload or [",".join(DEFAULT_WORKLOADS)]
-        return main(args)
-
-    p.set_defaults(func=run)
