@@ -84,20 +84,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-len", type=int, default=128, metavar="N", help="random tokens per copy (default 128)")
     p.add_argument("--repeats", type=int, default=3, metavar="R", help="copies in the probe (default 3)")
     p.add_argument("--seeds", type=int, default=3, metavar="S", help="probes averaged (default 3)")
-    p.add_argument(
-        "--induction-fraction",
-        type=float,
-        default=0.15,
-        metavar="F",
-        help="fraction of query heads kept as induction heads (default 0.15)",
-    )
-    p.add_argument(
-        "--echo-fraction",
-        type=float,
-        default=0.05,
-        metavar="F",
-        help="fraction of query heads kept as echo heads (default 0.05)",
-    )
+    for kind, default in (("induction", 0.15), ("echo", 0.05)):  # classify's two head kinds
+        p.add_argument(
+            f"--{kind}-fraction",
+            type=float,
+            default=default,
+            metavar="F",
+            help=f"fraction of query heads kept as {kind} heads (default {default})",
+        )
     p.add_argument("--json", action="store_true", help="print the head map as JSON")
 
 
