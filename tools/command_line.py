@@ -1,7 +1,9 @@
-"""What the measurement tools' command lines share: a sub-command's parser described by its
-module's docstring, the options several tools take with one meaning, and writing a result to
-the ``--json FILE`` a tool was given. No vLLM, no plugin: the CLI imports every tool's
-``add_command`` at start-up.
+"""What the measurement tools' command lines share: a sub-command registered with its handler
+and its module docstring's paragraphs as description (:func:`tool_parser`), a repeatable
+comma-list option with a default (:class:`CommaLists`, :func:`add_comma_list`), a tool's options
+dataclass filled from the same-named arguments (:func:`from_args`), and writing a result to the
+``--json FILE`` a tool was given (:func:`write_json`). No vLLM, no plugin: the CLI imports every
+tool's ``add_command`` at start-up.
 """
 
 from __future__ import annotations

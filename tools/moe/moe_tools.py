@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..command_line import tool_parser
+from ..command_line import tool_parser, write_json
 
 
 def _trace_args(p: argparse.ArgumentParser) -> None:
@@ -126,8 +126,7 @@ def cmd_trace(args: argparse.Namespace, console: Console) -> int:
         )
         recs[label] = rec
     result = _trace_report(recs, sets, console)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1, default=str) + "\n")
+    write_json(args.json, result, default=str)
     return EXIT_OK
 
 
@@ -425,6 +424,5 @@ def cmd_sim(args: argparse.Namespace, console: Console) -> int:
         return EXIT_USAGE
     _placement_table(args, console, trace, P, result)
     _cache_table(console, trace, cache, caps, prefetch, eb, result)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.json, result)
     return EXIT_OK

@@ -19,12 +19,12 @@ servers, one arm after another). None imports vLLM: the servers run in their own
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from ...launch.exits import EXIT_FAILED
+from ..command_line import from_args, write_json
 
 DEFAULT_RATES = "0.25,0.5,1"
 
@@ -100,7 +100,6 @@ def add_command(sub: Any) -> None:
 
 def options(args: argparse.Namespace, folder: Path) -> Any:
     """The run's :class:`~.run.Options` from the command line (ValueError for a bad one)."""
-    from ..command_line import from_args
     from .load import parse_list, phases
     from .run import Options
     from .stats import SLO
@@ -188,7 +187,7 @@ def cmd_servebench(args: argparse.Namespace, console: Any) -> int:
         err.print(f"[bold red]error:[/] {escape(str(e))}")
         return 2
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+        write_json(args.out, result, default=str)
         err.print(f"results written to {escape(args.out)}")
     render(result, console, as_markdown=args.markdown)
     return EXIT_FAILED if failed(result) else 0
