@@ -356,7 +356,6 @@ def add_command(sub: Any) -> None:
         help="KV eviction policies against an oracle and against streaming, with intervals",
         description=__doc__.split("\n\n", 1)[1].split("\n\nScores")[0],
     )
-    p.add_argument("--model", help=f"model folder (default: the bundled {DEFAULT_MODEL})")
     p.add_argument(
         "--arms",
         default=",".join(ARMS),
@@ -373,7 +372,6 @@ def add_command(sub: Any) -> None:
         help="parameters for the registered-plugin arms of --arms that are not kv-headroom's own "
         "(under a NAME:{JSON} entry's), validated by each plugin's parameter model",
     )
-    p.add_argument("--fractions", default="2,4,8", help="budgets as fractions of the context (default 2,4,8)")
-    add_text_arguments(p, texts=16)
+    add_text_arguments(p, texts=16, model=DEFAULT_MODEL)
     p.add_argument("--json", help="write the rows to this file")
     p.set_defaults(func=lambda args, console=None: main(args))

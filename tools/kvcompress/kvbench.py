@@ -674,7 +674,6 @@ def add_command(sub: Any) -> None:
         help="KV-compression figures: blocks held, concurrency, perplexity, needle retrieval",
         description=__doc__.split("\n\n", 1)[1].split("\n\nSnapKV")[0],
     )
-    p.add_argument("--model", help=f"model folder (default: the bundled {DEFAULT_MODEL})")
     p.add_argument(
         "--compressors",
         default="streaming,h2o,snapkv",
@@ -696,7 +695,6 @@ def add_command(sub: Any) -> None:
         help="parameters for every named eviction compressor, e.g. '{\"sink_blocks\": 2}' "
         "(over kvbench's own, under a NAME:{JSON} entry's)",
     )
-    p.add_argument("--fractions", default="2,4,8", help="budgets as fractions of the context (default 2,4,8)")
     p.add_argument(
         "--h2o-recent",
         type=float,
@@ -710,7 +708,7 @@ def add_command(sub: Any) -> None:
         metavar="N",
         help="h2o: N heavy blocks at every budget, the rest (after the sink) recent (instead of --h2o-recent)",
     )
-    add_text_arguments(p, texts=4)
+    add_text_arguments(p, texts=4, model=DEFAULT_MODEL)
     p.add_argument("--pool-blocks", type=int, default=256, help="fixed KV pool in blocks (default 256)")
     p.add_argument("--needles", type=int, default=16, help="needle prompts (default 16)")
     p.add_argument(
@@ -725,9 +723,11 @@ def add_command(sub: Any) -> None:
     p.set_defaults(func=lambda args, console=None: main(args))
 
 
-def add_text_arguments(p: Any, *, texts: int) -> None:
-    """The perplexity texts and the cache geometry, shared with ``kv-headroom`` (same
-    defaults, so the two measure the same tokens)."""
+def add_text_arguments(p: Any, *, texts: int, model: str) -> None:
+    """The model, the budgets, the perplexity texts and the cache geometry, shared with
+    ``kv-headroom`` (same defaults, so the two measure the same tokens)."""
+    p.add_argument("--model", help=f"model folder (default: the bundled {model})")
+    p.add_argument("--fractions", default="2,4,8", help="budgets as fractions of the context (default 2,4,8)")
     p.add_argument("--context", type=int, default=2048, help="context tokens (default 2048)")
     p.add_argument("--block", type=int, default=32, help="KV block size (default 32)")
     p.add_argument("--chunk", type=int, default=128, help="prefill chunk: max_num_batched_tokens (default 128)")
