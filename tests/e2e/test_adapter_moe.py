@@ -25,6 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
 from vllm_graft.hooks import Capabilities, DeploymentError, Kind, MoEScheduler, Registration, hookimpl  # noqa: E402
 from vllm_graft.hooks import manager as manager_mod  # noqa: E402
 
+from .engines import refusal  # noqa: E402
+
 pytestmark = pytest.mark.e2e
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
@@ -219,10 +221,7 @@ def test_a_model_without_moe_layers_is_refused():
     from vllm_graft.launch import engine as launch
     from vllm_graft.integration.runtime import RUNTIME
 
-    plan = plan_for([{"plugin": "test-trace"}], model=LLAMA)
-    with pytest.raises(DeploymentError) as info:
-        LLM(**launch.llm_kwargs(plan))
-    text = str(info.value)
+    text = refusal(plan_for([{"plugin": "test-trace"}], model=LLAMA))
     assert "MoE plugin 'test-trace' needs a model with MoE layers" in text
     assert "graft-tiny-llama (LlamaForCausalLM) has none" in text
     assert "Remove the `moe:` section" in text

@@ -4,27 +4,20 @@ shared prefixes actually found (tree depth 2: the group's system prompt and few-
 then each prompt's own tail shared by its samples)."""
 from __future__ import annotations
 
-import os
+import pytest
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
-import gc  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-from vllm_graft.integration.plan import plan_for  # noqa: E402
+from .engines import LLAMA  # first: the in-process engine's environment, before vLLM is imported
+from vllm_graft.integration.plan import plan_for
 
 pytestmark = pytest.mark.e2e
 
-LLAMA = str(Path(__file__).resolve().parents[2] / "models" / "graft-tiny-llama")
 ENGINE = {"dtype": "float32", "max_model_len": 1536, "block_size": 32, "enforce_eager": True}
 NEW_TOKENS = 12
 N = 4
 
 
 def _runs(graft: bool) -> dict:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from vllm_graft.launch import engine as launch
 
@@ -36,8 +29,7 @@ def _runs(graft: bool) -> dict:
                             max_model_len=ENGINE["max_model_len"])
     prompts = [{"prompt_token_ids": list(p.token_ids)} for p in ps.prompts]
     plan = plan_for({"model": LLAMA, "engine": ENGINE, "attention": {"plugin": "hydragen"}})
-    llm = LLM(**launch.llm_kwargs(plan, graft=graft), seed=0)
-    try:
+    with launch.in_process_engine(plan, graft=graft, seed=0) as llm:
         out = {}
         for name, params in {
             "greedy": SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
@@ -52,10 +44,6 @@ def _runs(graft: bool) -> dict:
             out["counts"] = RUNTIME.counts("attention", "hydragen")
         out["shared_prefix_tokens"] = ps.stats["shared_prefix_tokens"]
         return out
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
 
 
 @pytest.fixture(scope="module")

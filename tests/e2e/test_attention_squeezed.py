@@ -4,26 +4,19 @@ plain) and with refresh 8 the choice made at a refresh position is reused for th
 request in later steps; mode recycled likewise reuses what its full steps chose."""
 from __future__ import annotations
 
-import os
+import pytest
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
-import gc  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-from vllm_graft.integration.plan import plan_for  # noqa: E402
+from .engines import LLAMA  # first: the in-process engine's environment, before vLLM is imported
+from vllm_graft.integration.plan import plan_for
 
 pytestmark = pytest.mark.e2e
 
-LLAMA = str(Path(__file__).resolve().parents[2] / "models" / "graft-tiny-llama")
 ENGINE = {"dtype": "float32", "max_model_len": 1024, "block_size": 32, "enforce_eager": True}
 NEW_TOKENS = 24
 
 
 def _run(params: dict | None) -> dict:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from vllm_graft.launch import engine as launch
 
@@ -35,8 +28,7 @@ def _run(params: dict | None) -> dict:
                             max_model_len=ENGINE["max_model_len"])
     plan = plan_for({"model": LLAMA, "engine": ENGINE,
                      "attention": {"plugin": "squeezed", "params": params or {}}})
-    llm = LLM(**launch.llm_kwargs(plan, graft=params is not None), seed=0)
-    try:
+    with launch.in_process_engine(plan, graft=params is not None, seed=0) as llm:
         res = llm.generate([{"prompt_token_ids": list(p.token_ids)} for p in ps.prompts],
                            SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
                            use_tqdm=False)
@@ -45,10 +37,6 @@ def _run(params: dict | None) -> dict:
             (impl,) = RUNTIME.instances.values()
             out["describe"] = impl.describe()
         return out
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
 
 
 @pytest.fixture(scope="module")

@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+import pytest
 
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-from vllm_graft.integration.plan import plan_for  # noqa: E402
+from .engines import LLAMA  # first: the in-process engine's environment, before vLLM is imported
+from vllm_graft.integration.plan import plan_for
 
 pytestmark = pytest.mark.e2e
 
-LLAMA = str(Path(__file__).resolve().parents[2] / "models" / "graft-tiny-llama")
 ENGINE = {"dtype": "float32", "max_model_len": 1024, "block_size": 32, "enforce_eager": True}
 NEW_TOKENS = 16
 STREAMING = {"plugin": "streaming", "params": {"sink_blocks": 1, "budget_blocks": 4}}
