@@ -33,6 +33,8 @@ from vllm_graft.hooks import BlockView, Capabilities, Kind, KVCompressor, Regist
 from vllm_graft.hooks import manager as manager_mod  # noqa: E402
 from vllm_graft.integration.plan import plan_for  # noqa: E402
 
+from . import kvcompress_scenario as scenario  # noqa: E402  (its code prompts)
+
 pytestmark = pytest.mark.e2e
 
 LLAMA = Path(__file__).resolve().parents[2] / "models" / "graft-tiny-llama"
@@ -42,18 +44,11 @@ NEW_TOKENS = 300  # ~3x the tokens of the blocks the test compressor keeps
 ENGINE = {"dtype": "float32", "max_model_len": 1024, "block_size": BLOCK, "enforce_eager": True}
 # Two code prompts of different lengths (38 and 71 tokens: their last prompt tokens lie in
 # different blocks), so that a row given the other request's prompt length shows.
-PROMPTS = [
-    "import os\nimport sys\n\n\ndef main(argv=None):\n    if argv is None:\n        argv = sys.argv[1:]\n"
-    "    for arg in argv:",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
-    "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n\n"
-    "    def peek(self):\n        return self.items[-1]\n\n    def __len__(self):",
-]
+PROMPTS = scenario.PROMPTS[:2]
 # A 185-token prompt, prefilled in chunks of CHUNK tokens: the third chunk already runs
 # with a block dropped.
 LONG_PROMPT = (
-    "def read_config(path):\n    \"\"\"Return the parsed contents of the file at *path*.\"\"\"\n"
-    "    with open(path) as f:\n        return json.load(f)\n\n\n" + PROMPTS[1].split("\n\n    def peek")[0]
+    scenario.PROMPTS[2] + PROMPTS[1].split("\n\n    def peek")[0]
     + "\n\n    def close(self):\n        if self._file is not None:\n            self._file.close()\n"
     "            self._file = None\n\n    def __enter__(self):\n        return self\n\n"
     "    def __exit__(self, *args):\n        self.close()\n\n\n" + PROMPTS[0])
