@@ -29,17 +29,30 @@ PLUGINS = Path(__file__).resolve().parents[2] / "plugins"
 
 # ------------------------------------------------------------------------------ inventory
 def jit_functions(root: Path = PLUGINS) -> dict[str, set[str]]:
-    """``module:function`` of every ``@triton.jit`` function -> the jit functions it calls."""
-    out: dict[str, set[str]] = {}
+    """``module:function`` of every ``@triton.jit`` function -> the jit functions it calls, its
+    own module's or one it imports by name (``from .._kernel import helper``)."""
+    trees, jitted = {}, {}
     for path in sorted(root.rglob("*.py")):
         tree = ast.parse(path.read_text())
         module = "vllm_graft.plugins." + ".".join(path.relative_to(root).with_suffix("").parts)
-        jitted = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef) and any(
+        if path.name == "__init__.py":
+            module = module.rsplit(".", 1)[0]
+        trees[module] = (tree, path.name == "__init__.py")
+        jitted[module] = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef) and any(
             "jit" in ast.unparse(d) for d in n.decorator_list)}
-        for name, node in jitted.items():
-            calls = {c.func.id for c in ast.walk(node) if isinstance(c, ast.Call)
-                     and isinstance(c.func, ast.Name) and c.func.id in jitted}
-            out[f"{module}:{name}"] = {f"{module}:{c}" for c in calls}
+    out: dict[str, set[str]] = {}
+    for module, (tree, is_package) in trees.items():
+        names = {name: f"{module}:{name}" for name in jitted[module]}
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and node.level:
+                parts = module.split(".")[: len(module.split(".")) - node.level + is_package]
+                source = ".".join(parts + ([node.module] if node.module else []))
+                for a in node.names:
+                    if a.name in jitted.get(source, {}):
+                        names[a.asname or a.name] = f"{source}:{a.name}"
+        for name, fn in jitted[module].items():
+            out[f"{module}:{name}"] = {names[c.func.id] for c in ast.walk(fn) if isinstance(c, ast.Call)
+                                       and isinstance(c.func, ast.Name) and c.func.id in names}
     return out
 
 
