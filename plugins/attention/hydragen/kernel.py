@@ -25,23 +25,12 @@ import triton.language as tl
 
 from ....hooks import AttentionLayer, PagedBatch
 
+from .._kernel import online_softmax_start, online_softmax_step, qk_scores
 from .._shared import cache_strides
 
 from .engine_merge import engine_merge, merge_partials_with
 from .flashinfer import merge_partials, use_flashinfer_merge
 from .policy import StepPlan, group_rows
-
-
-@triton.jit
-def _online_step(m_i, l_i, acc, s, v, PREC: tl.constexpr):
-    """Fold one block's scores ``s [M, BS]`` (-inf where masked) and values ``v [BS, D]`` into the
-    online softmax state (running max, sum and unnormalised output of each query row)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -95,15 +84,13 @@ def _prefix_kernel(
     t = tl.arange(0, BS)
     b0 = tl.load(grp_blk_start + grp)
     b1 = tl.load(grp_blk_start + grp + 1)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_i, l_i, acc = online_softmax_start(BLOCK_M, BLOCK_D)
     for j in range(b0, b1):
         blk = tl.load(blks + j).to(tl.int64)
         k = tl.load(K + blk * sk_n + kvh * sk_h + t[:, None] * sk_t + d[None, :], mask=d_ok[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+        s = qk_scores(q, k, scale, PREC == "ieee")
         v = tl.load(V + blk * sv_n + kvh * sv_h + t[:, None] * sv_t + d[None, :], mask=d_ok[None, :], other=0.0)
-        m_i, l_i, acc = _online_step(m_i, l_i, acc, s, v, PREC)
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, PREC == "ieee", False, False)
     o = acc / l_i[:, None]
     tl.store(O + row[:, None] * so_r + head[:, None] * so_h + d[None, :], o, mask=m_ok[:, None] & d_ok[None, :])
     tl.store(LSE + row * slse_r + head, m_i + tl.log(l_i), mask=m_ok)
@@ -152,16 +139,13 @@ def _suffix_kernel(
     d_ok = d < D
     q = tl.load(Q + tk * sq_t + head[:, None] * sq_h + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     t = tl.arange(0, BS)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    m_i, l_i, acc = online_softmax_start(BLOCK_G, BLOCK_D)
     for lb in range(b0, pos // BS + 1):
         blk = tl.load(BT + seq * sbt + lb).to(tl.int64)
         k = tl.load(K + blk * sk_n + kvh * sk_h + t[:, None] * sk_t + d[None, :], mask=d_ok[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-        s = tl.where((lb * BS + t)[None, :] <= pos, s, float("-inf"))
+        s = tl.where((lb * BS + t)[None, :] <= pos, qk_scores(q, k, scale, PREC == "ieee"), float("-inf"))
         v = tl.load(V + blk * sv_n + kvh * sv_h + t[:, None] * sv_t + d[None, :], mask=d_ok[None, :], other=0.0)
-        m_i, l_i, acc = _online_step(m_i, l_i, acc, s, v, PREC)
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, PREC == "ieee", False, False)
     o = acc / l_i[:, None]
     tl.store(O + tk * so_t + head[:, None] * so_h + d[None, :], o, mask=g_ok[:, None] & d_ok[None, :])
     tl.store(LSE + tk * slse_t + head, m_i + tl.log(l_i), mask=g_ok)

@@ -4,7 +4,8 @@
   context, the key centroid (mean over the chunk's valid tokens) dotted with the token's query
   heads of that KV head, the best head's score kept.
 * :func:`_sparse_decode_kernel`: one program per (decode token, KV head): attention over only the
-  chunks listed for it (gathered through the block table), flash-style online softmax.
+  chunks listed for it (gathered through the block table), flash-style online softmax
+  (``attention/_kernel.py``'s, which hydragen's kernels use too).
 
 :func:`chunk_scores_triton` and :func:`sparse_decode_triton` launch them. The choice of chunks
 between the two (top-k over the scores plus the forced sink and window chunks) and the prefill
@@ -20,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._kernel import online_softmax_start, online_softmax_step, qk_scores
 from .._shared import cache_strides
 
 
@@ -126,9 +128,7 @@ def _sparse_decode_kernel(
     d_ok = d < D
     q = tl.load(Q + tok * sq_t + head[:, None] * sq_h + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     j = tl.arange(0, TILE)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    m_i, l_i, acc = online_softmax_start(BLOCK_G, BLOCK_D)
     count = tl.load(NSEL + r * sn_r + kvh)
     for i in range(0, count):
         c = tl.load(SEL + r * ssel_r + kvh * ssel_h + i)
@@ -139,17 +139,11 @@ def _sparse_decode_kernel(
         k = tl.load(
             K + blk * sk_n + kvh * sk_h + slot * sk_t + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0
         )
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-        s = tl.where(t_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        s = tl.where(t_ok[None, :], qk_scores(q, k, scale, PREC == "ieee"), float("-inf"))
         v = tl.load(
             V + blk * sv_n + kvh * sv_h + slot * sv_t + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0
         )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, PREC == "ieee", False, False)
     o = acc / l_i[:, None]
     tl.store(
         O + tok * so_t + head[:, None] * so_h + d[None, :], o.to(O.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :]

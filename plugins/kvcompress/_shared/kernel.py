@@ -40,9 +40,8 @@ import triton
 import triton.language as tl
 
 from ....hooks import AttentionLayer, PagedBatch
+from ...attention._kernel import FLOOR, online_softmax_start, online_softmax_step, qk_scores
 from ...attention._shared import paged_attention_with_mass
-
-_FLOOR = tl.constexpr(-1e30)  # a finite max for a page or step with no valid key, so exp(-inf - floor) = 0
 
 
 @triton.jit
@@ -103,9 +102,7 @@ def _mass_split_kernel(
     tok = tl.arange(0, PAGES * B)
     page_of = tok // B
     pg = tl.arange(0, PAGES)
-    m = tl.full([GP], float("-inf"), tl.float32)
-    l = tl.zeros([GP], dtype=tl.float32)
-    acc = tl.zeros([GP, D], dtype=tl.float32)
+    m, l, acc = online_softmax_start(GP, D)
     for c in range(first, last, PAGES):
         page = c + page_of
         valid = (page < last) & (page * B + tok % B < L)
@@ -118,33 +115,21 @@ def _mass_split_kernel(
             mask=valid[:, None],
             other=0.0,
         )
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(valid[None, :], s * scale, float("-inf"))  # [GP, PAGES * B]
+        s = tl.where(valid[None, :], qk_scores(q, k, scale, IEEE), float("-inf"))  # [GP, PAGES * B]
         s3 = tl.reshape(s, (GP, PAGES, B))
-        m_b = tl.maximum(tl.max(s3, axis=2), _FLOOR)  # [GP, PAGES]
+        m_b = tl.maximum(tl.max(s3, axis=2), FLOOR)  # [GP, PAGES]
         l_b = tl.sum(tl.exp(s3 - m_b[:, :, None]), axis=2)
         at = seq * s_ms + heads[:, None] * s_mh + (c + pg)[None, :]
         keep = live[:, None] & ((c + pg) < last)[None, :]
         tl.store(bm_ptr + at, m_b, mask=keep)
         tl.store(bl_ptr + at, l_b, mask=keep)
-        m_new = tl.maximum(m, tl.max(m_b, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
         v = tl.load(
             v_ptr + bid[:, None] * s_vn + kvh * s_vh + (tok % B)[:, None] * s_vb + d[None, :] * s_vd,
             mask=valid[:, None],
             other=0.0,
         )
-        if IEEE:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        l = l * alpha + tl.sum(p, axis=1)
-        m = m_new
+        # the running max floored as the pages' maxes are: max(m, max_b m_b) as before
+        m, l, acc = online_softmax_step(m, l, acc, s, v, IEEE, False, True)
     at = seq * s_ps + heads * s_ph + split * s_pp
     tl.store(pm_ptr + at, m, mask=live)
     tl.store(pl_ptr + at, l, mask=live)
@@ -185,7 +170,7 @@ def _mass_reduce_kernel(
     m_i = tl.load(pm_ptr + at, mask=sp < n_split, other=float("-inf"))
     l_i = tl.load(pl_ptr + at, mask=sp < n_split, other=0.0)
     acc_i = tl.load(pacc_ptr + (at * D)[:, None] + d[None, :], mask=(sp < n_split)[:, None], other=0.0)
-    m = tl.maximum(tl.max(m_i, axis=0), _FLOOR)  # floored: a sequence of length 0 has no key
+    m = tl.maximum(tl.max(m_i, axis=0), FLOOR)  # floored: a sequence of length 0 has no key
     w = tl.exp(m_i - m)
     l = tl.sum(l_i * w, axis=0)
     l = tl.where(l > 0, l, 1.0)
@@ -197,7 +182,7 @@ def _mass_reduce_kernel(
         pages = c + tl.arange(0, CHUNK)
         ok = pages < nb
         base = seq * s_ms + head * s_mh + pages
-        m_b = tl.load(bm_ptr + base, mask=ok, other=_FLOOR)
+        m_b = tl.load(bm_ptr + base, mask=ok, other=FLOOR)
         l_b = tl.load(bl_ptr + base, mask=ok, other=0.0)
         tl.store(mass_ptr + base, l_b * tl.exp(m_b - m) / l, mask=ok)
 

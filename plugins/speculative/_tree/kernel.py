@@ -74,6 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...attention._kernel import FLOOR, online_softmax_start, online_softmax_step, qk_scores
 from ...attention._shared import cache_strides
 
 from .reference import check_shapes
@@ -95,33 +96,24 @@ NUM_WARPS = 8  # the split kernel's warps (its tiles are up to [128, 128])
 REDUCE_WARPS = 4
 HOST_SMS = 4  # the SM count assumed without CUDA (Triton's interpreter)
 
-_FLOOR = tl.constexpr(-1e30)  # a finite running max, so that exp2(-inf - max) = 0
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _online_step(m, l, acc, s, v, IEEE: tl.constexpr):
-    """Fold scores ``s [R, T]`` (log2 units, -inf where masked) and values ``v [T, D]``."""
-    m_new = tl.maximum(tl.maximum(m, tl.max(s, axis=1)), _FLOOR)
-    alpha = tl.exp2(m - m_new)  # 0 while m is -inf
-    p = tl.exp2(s - m_new[:, None])
-    l = l * alpha + tl.sum(p, axis=1)
-    if IEEE:
-        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+def _context_share(
+    len_ptr, context_len, width, split, n_split, pages_per_split, B: tl.constexpr, LEN_ON_DEVICE: tl.constexpr
+):
+    """``(L, first, last)``: the context length (the device's, clamped to ``[0, width * B]``, or
+    the host's) and the blocks ``first .. last - 1`` that context split ``split`` reads (none for
+    the tree's split, ``n_split``)."""
+    if LEN_ON_DEVICE:
+        L = tl.maximum(tl.load(len_ptr).to(tl.int32), 0)
     else:
-        pv = tl.dot(p.to(v.dtype), v)
-    acc = acc * alpha[:, None] + pv
-    return m_new, l, acc
-
-
-@triton.jit
-def _scores(q, k, qk_scale, IEEE: tl.constexpr):
-    """``q [R, D] @ k[T, D]^T`` in float32, times ``scale * log2(e)``."""
-    if IEEE:
-        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    return s * qk_scale
+        L = context_len
+    nb = tl.minimum(tl.cdiv(L, B), width)
+    first = split * pages_per_split
+    last = tl.minimum(first + pages_per_split, nb)
+    return L, first, tl.where(split < n_split, last, first)
 
 
 @triton.jit
@@ -183,19 +175,10 @@ def _tree_split_kernel(
         mask=live[:, None] & dm[None, :],
         other=0.0,
     ).to(dt)  # [ROWS, DP]
-    m = tl.full([ROWS], float("-inf"), tl.float32)
-    l = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, DP], tl.float32)
+    m, l, acc = online_softmax_start(ROWS, DP)
 
     # 1. splits 0 .. n_split - 1: their share of the context, whole blocks, PAGES per step
-    if LEN_ON_DEVICE:
-        L = tl.maximum(tl.load(len_ptr).to(tl.int32), 0)
-    else:
-        L = context_len
-    nb = tl.minimum(tl.cdiv(L, B), width)
-    first = split * pages_per_split
-    last = tl.minimum(first + pages_per_split, nb)
-    last = tl.where(split < n_split, last, first)  # the tree's split reads no context
+    L, first, last = _context_share(len_ptr, context_len, width, split, n_split, pages_per_split, B, LEN_ON_DEVICE)
     tok = tl.arange(0, PAGES * BP)
     slot = tok % BP
     for c in range(first, last, PAGES):
@@ -207,12 +190,12 @@ def _tree_split_kernel(
         k = tl.load(
             kc_ptr + blk[:, None] * s_kcn + slot[:, None] * s_kcb + kvh * s_kch + d[None, :], mask=kv_mask, other=0.0
         )
-        s = _scores(q, k, qk_scale, IEEE)  # [ROWS, PAGES * BP]
+        s = qk_scores(q, k, qk_scale, IEEE)  # [ROWS, PAGES * BP]
         s = tl.where(valid[None, :], s, float("-inf"))
         v = tl.load(
             vc_ptr + blk[:, None] * s_vcn + slot[:, None] * s_vcb + kvh * s_vch + d[None, :], mask=kv_mask, other=0.0
         )
-        m, l, acc = _online_step(m, l, acc, s, v, IEEE)
+        m, l, acc = online_softmax_step(m, l, acc, s, v, IEEE, True, True)
 
     # 2. split n_split: the tree, W nodes per tile, each row masked by its node's bitmask word
     j = tl.arange(0, W)
@@ -222,10 +205,10 @@ def _tree_split_kernel(
         k = tl.load(kt_ptr + idx[:, None] * s_ktn + kvh * s_kth + d[None, :], mask=kv_mask, other=0.0).to(dt)  # [W, DP]
         word = tl.load(bits_ptr + node * n_words + w, mask=live, other=0)  # [ROWS]
         anc = (((word[:, None] >> j[None, :]) & 1) != 0) & (idx < n_nodes)[None, :]
-        s = _scores(q, k, qk_scale, IEEE)  # [ROWS, W]
+        s = qk_scores(q, k, qk_scale, IEEE)  # [ROWS, W]
         s = tl.where(anc, s, float("-inf"))
         v = tl.load(vt_ptr + idx[:, None] * s_vtn + kvh * s_vth + d[None, :], mask=kv_mask, other=0.0).to(dt)
-        m, l, acc = _online_step(m, l, acc, s, v, IEEE)
+        m, l, acc = online_softmax_step(m, l, acc, s, v, IEEE, True, True)
 
     at = kvh * s_pk + r * s_pr + split
     tl.store(pm_ptr + at, m, mask=live)
@@ -262,7 +245,7 @@ def _tree_reduce_kernel(
     acc_i = tl.load(
         pacc_ptr + at[:, :, None] * D + d[None, None, :], mask=ok[:, :, None] & (d < D)[None, None, :], other=0.0
     )
-    m = tl.maximum(tl.max(m_i, axis=1), _FLOOR)  # finite for a live row: the tree's split saw the node
+    m = tl.maximum(tl.max(m_i, axis=1), FLOOR)  # finite for a live row: the tree's split saw the node
     w = tl.where(ok, tl.exp2(m_i - m[:, None]), 0.0)  # 0 for a split that read nothing (its max is -inf)
     l = tl.sum(l_i * w, axis=1)
     out = tl.sum(tl.where(ok[:, :, None], acc_i, 0.0) * w[:, :, None], axis=1) / tl.where(l > 0, l, 1.0)[:, None]
@@ -395,9 +378,7 @@ def tree_attention_triton(
     bp, dp = triton.next_power_of_2(bs), max(16, triton.next_power_of_2(d))
     rows, tiles, pages, n_split, per_split = launch_plan(dev, n, hq, hkv, d, bs, blocks)
     parts = n_split + 1  # the context's splits, then the tree's
-    pm = torch.empty(hkv, tiles * rows, parts, dtype=torch.float32, device=dev)
-    pl = torch.empty_like(pm)
-    pacc = torch.empty(hkv, tiles * rows, parts, d, dtype=torch.float32, device=dev)
+    pm, pl, pacc = _partial_states(hkv, tiles * rows, parts, d, dev)
     ieee = k_cache.dtype == torch.float32 or (k_cache.dtype == torch.bfloat16 and _interpreted())
     _tree_split_kernel[(tiles, hkv, parts)](
         q,
@@ -439,7 +420,23 @@ def tree_attention_triton(
         IEEE=ieee,
         num_warps=NUM_WARPS,
     )
-    _tree_reduce_kernel[(n, hkv)](
+    return _reduce(pm, pl, pacc, out, group, dp)
+
+
+def _partial_states(hkv: int, rows: int, parts: int, d: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
+    """The split kernel's outputs, float32: each row's running max and sum ``[Hkv, rows, parts]``
+    and accumulator ``[Hkv, rows, parts, D]``, per part (the context's splits, then the tree's)."""
+    pm = torch.empty(hkv, rows, parts, dtype=torch.float32, device=dev)
+    return pm, torch.empty_like(pm), torch.empty(hkv, rows, parts, d, dtype=torch.float32, device=dev)
+
+
+def _reduce(
+    pm: torch.Tensor, pl: torch.Tensor, pacc: torch.Tensor, out: torch.Tensor, group: int, dp: int
+) -> torch.Tensor:
+    """``out [N, Hq, D]``: the partial states of each node's ``group`` rows merged by
+    ``_tree_reduce_kernel`` (one program per node and KV head)."""
+    hkv, _, parts, d = pacc.shape
+    _tree_reduce_kernel[(out.shape[0], hkv)](
         pm,
         pl,
         pacc,
