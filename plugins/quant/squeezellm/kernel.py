@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._kernel import load_rows, output_tile, store_tile
+
 #: Rows of x up to which the GEMV kernel is used.
 GEMV_MAX_ROWS = 8
 
@@ -48,23 +50,14 @@ def _lut_gemm(
     BN: tl.constexpr,
     BK: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
+    rm, rn = output_tile(BM, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
-        x = tl.load(
-            x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm < M)[:, None] & (rk < K)[None, :], other=0.0
-        ).to(tl.float32)
+        x = load_rows(x_ptr, rm, rk, M, K, stride_xm).to(tl.float32)
         w = _unpack_tile(codes_ptr, lut_ptr, rn, rk, N, K, stride_cn, BITS)
         acc += tl.dot(x, tl.trans(w))
-    tl.store(
-        y_ptr + rm[:, None] * stride_ym + rn[None, :],
-        acc.to(y_ptr.dtype.element_ty),
-        mask=(rm < M)[:, None] & (rn < N)[None, :],
-    )
+    store_tile(y_ptr, acc, rm, rn, M, N, stride_ym)
 
 
 @triton.jit

@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._kernel import load_rows, output_tile, store_tile
 from .._shared import quantize_activations
 
 
@@ -34,16 +35,12 @@ def _w4a8_gemm(
     BN: tl.constexpr,
     BK: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
+    rm, rn = output_tile(BM, BN)
     acc = tl.zeros((BM, BN), dtype=tl.int32)
     for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
-        kin = rk < K
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm < M)[:, None] & kin[None, :], other=0)
-        ok = (rn < N)[:, None] & kin[None, :]
+        x = load_rows(x_ptr, rm, rk, M, K, stride_xm)
+        ok = (rn < N)[:, None] & (rk < K)[None, :]
         byte = tl.load(qw_ptr + rn[:, None] * stride_qn + (rk // 2)[None, :], mask=ok, other=0).to(tl.int32)
         q4 = (byte >> ((rk % 2) * 4)[None, :]) & 15
         g = rk // GS
@@ -54,7 +51,7 @@ def _w4a8_gemm(
     sx = tl.load(sx_ptr + rm, mask=rm < M, other=0.0)
     step = tl.load(step_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
     y = acc.to(tl.float32) * sx[:, None] * step[None, :]
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=(rm < M)[:, None] & (rn < N)[None, :])
+    store_tile(y_ptr, y, rm, rn, M, N, stride_ym)
 
 
 def w4a8_matmul(
