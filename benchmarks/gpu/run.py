@@ -18,7 +18,6 @@ the interpreter and times nothing (it measures a small host copy only to exercis
 It imports ``vllm_graft`` from this checkout without installing it (see :func:`_source_tree`):
 the plugins need torch, triton, pydantic, pluggy, PyYAML and packaging, nothing else.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -46,8 +45,7 @@ def _source_tree() -> None:
     sys.modules["vllm_graft"] = pkg
     for name in ("hooks", "plugins"):
         spec = importlib.util.spec_from_file_location(
-            f"vllm_graft.{name}", ROOT / name / "__init__.py", submodule_search_locations=[str(ROOT / name)]
-        )
+            f"vllm_graft.{name}", ROOT / name / "__init__.py", submodule_search_locations=[str(ROOT / name)])
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
@@ -116,16 +114,13 @@ def _paged(B, ctx, H, Hkv, D, bs, dtype, device, shared_prefix=0, seed=0):
     pre, own = shared_prefix // bs, -(-(ctx - shared_prefix) // bs)
     n_blocks = pre + B * own + 1
     perm = torch.randperm(n_blocks, generator=g)
-    table = torch.stack([torch.cat([perm[:pre], perm[pre + i * own : pre + (i + 1) * own]]) for i in range(B)])
-    batch = PagedBatch(
-        torch.arange(B + 1, dtype=torch.int32, device=device),
-        torch.full((B,), ctx, dtype=torch.int32, device=device),
-        table.to(torch.int32).to(device),
-        max_query_len=1,
-    )  # as vLLM's builders say of a decode-only step
+    table = torch.stack([torch.cat([perm[:pre], perm[pre + i * own: pre + (i + 1) * own]]) for i in range(B)])
+    batch = PagedBatch(torch.arange(B + 1, dtype=torch.int32, device=device),
+                       torch.full((B,), ctx, dtype=torch.int32, device=device), table.to(torch.int32).to(device),
+                       max_query_len=1)  # as vLLM's builders say of a decode-only step
     kv = torch.randn(n_blocks, Hkv, bs, 2 * D, generator=g).to(dtype).to(device)
     q = torch.randn(B, H, D, generator=g).to(dtype).to(device)
-    return q, kv, batch, AttentionLayer(H, Hkv, D, D**-0.5, bs, index=0), n_blocks
+    return q, kv, batch, AttentionLayer(H, Hkv, D, D ** -0.5, bs, index=0), n_blocks
 
 
 def _decode_plain(q, kv, batch, ctx: int, scale: float) -> Callable[[], object]:
@@ -150,19 +145,11 @@ def cases(smoke: bool, device: str) -> list[Case]:
     q, kv, batch, layer, nb = _paged(B, ctx, H, Hkv, D, bs, dt, device, shared_prefix=pre)
     ref_m, tri_m = Hydragen(HydragenParams()), Hydragen(HydragenParams(kernel="triton"))
     plan = tri_m.plan(batch)
-    out.append(
-        Case(
-            "hydragen (prefix+suffix+merge)",
-            f"B{B} ctx{ctx} shared{pre} H{H}/{Hkv} D{D}",
-            "fp16",
-            lambda: ref_m.forward(q, kv, batch, layer, ref_m.plan(batch)),
-            lambda: tri_m.forward(q, kv, batch, layer, plan),
-            nb * Hkv * bs * 2 * D * elt + 2 * q.numel() * elt,
-            2e-3,
-            plain=_decode_plain(q, kv, batch, ctx, layer.scale),
-            same_as_plain=lambda out: out,
-        )
-    )
+    out.append(Case("hydragen (prefix+suffix+merge)", f"B{B} ctx{ctx} shared{pre} H{H}/{Hkv} D{D}", "fp16",
+                    lambda: ref_m.forward(q, kv, batch, layer, ref_m.plan(batch)),
+                    lambda: tri_m.forward(q, kv, batch, layer, plan),
+                    nb * Hkv * bs * 2 * D * elt + 2 * q.numel() * elt, 2e-3,
+                    plain=_decode_plain(q, kv, batch, ctx, layer.scale), same_as_plain=lambda out: out))
 
     from vllm_graft.plugins.attention.squeezed import SqueezedParams
     from vllm_graft.plugins.attention.squeezed.reference import Squeezed
@@ -170,35 +157,20 @@ def cases(smoke: bool, device: str) -> list[Case]:
     q2, kv2, batch2, layer2, nb2 = _paged(B, ctx, H, Hkv, D, bs, dt, device, seed=1)
     kw = dict(budget=0.125, chunk=16, sink_tokens=16, recent_tokens=16)
     sq_ref, sq_tri = Squeezed(SqueezedParams(**kw)), Squeezed(SqueezedParams(kernel="triton", **kw))
-    out.append(
-        Case(
-            "squeezed (chunk scores + sparse decode, K=1/8)",
-            f"B{B} ctx{ctx} H{H}/{Hkv} D{D}",
-            "fp16",
-            lambda: sq_ref.forward(q2, kv2, batch2, layer2),
-            lambda: sq_tri.forward(q2, kv2, batch2, layer2),
-            nb2 * Hkv * bs * D * elt + nb2 * Hkv * bs * 2 * D * elt // 8,
-            2e-3,
-            plain=_decode_plain(q2, kv2, batch2, ctx, layer2.scale),
-        )
-    )
+    out.append(Case("squeezed (chunk scores + sparse decode, K=1/8)", f"B{B} ctx{ctx} H{H}/{Hkv} D{D}", "fp16",
+                    lambda: sq_ref.forward(q2, kv2, batch2, layer2),
+                    lambda: sq_tri.forward(q2, kv2, batch2, layer2),
+                    nb2 * Hkv * bs * D * elt + nb2 * Hkv * bs * 2 * D * elt // 8, 2e-3,
+                    plain=_decode_plain(q2, kv2, batch2, ctx, layer2.scale)))
 
     from vllm_graft.plugins.kvcompress._shared.reference import attend
 
     observe = torch.ones(B, dtype=torch.bool, device=device)
-    out.append(
-        Case(
-            "h2o/snapkv attention with block mass",
-            f"B{B} ctx{ctx} H{H}/{Hkv} D{D}",
-            "fp16",
-            lambda: attend("reference", q2, kv2, batch2, layer2, observe),
-            lambda: attend("triton", q2, kv2, batch2, layer2, observe),
-            nb2 * Hkv * bs * 2 * D * elt,
-            2e-3,
-            plain=_decode_plain(q2, kv2, batch2, ctx, layer2.scale),
-            same_as_plain=lambda out: out[0],
-        )
-    )
+    out.append(Case("h2o/snapkv attention with block mass", f"B{B} ctx{ctx} H{H}/{Hkv} D{D}", "fp16",
+                    lambda: attend("reference", q2, kv2, batch2, layer2, observe),
+                    lambda: attend("triton", q2, kv2, batch2, layer2, observe),
+                    nb2 * Hkv * bs * 2 * D * elt, 2e-3,
+                    plain=_decode_plain(q2, kv2, batch2, ctx, layer2.scale), same_as_plain=lambda out: out[0]))
 
     from vllm_graft.plugins.kvcompress.kv4.kernel import paged_attention_kv4_triton
     from vllm_graft.plugins.kvcompress.kv4.reference import bytes_per_token, paged_attention_kv4, write
@@ -206,29 +178,15 @@ def cases(smoke: bool, device: str) -> list[Case]:
     G = 32
     cache = torch.zeros(nb2, Hkv, bs, bytes_per_token(D, bs, G), dtype=torch.uint8, device=device)
     for i in range(B):
-        slots = (
-            batch2.block_table[i, torch.arange(ctx, device=device) // bs].long() * bs
+        slots = batch2.block_table[i, torch.arange(ctx, device=device) // bs].long() * bs \
             + torch.arange(ctx, device=device) % bs
-        )
-        write(
-            torch.randn(ctx, Hkv, D, device=device).to(dt),
-            torch.randn(ctx, Hkv, D, device=device).to(dt),
-            cache,
-            slots,
-            G,
-        )
-    out.append(
-        Case(
-            "kv4 paged attention (4-bit KV)",
-            f"B{B} ctx{ctx} H{H}/{Hkv} D{D}",
-            "fp16",
-            lambda: paged_attention_kv4(q2, cache, batch2, layer2, G)[0],
-            lambda: paged_attention_kv4_triton(q2, cache, batch2, layer2, G),
-            cache.numel(),
-            2e-3,
-            plain=_decode_plain(q2, kv2, batch2, ctx, layer2.scale),
-        )
-    )  # fp16 KV of the same shape
+        write(torch.randn(ctx, Hkv, D, device=device).to(dt), torch.randn(ctx, Hkv, D, device=device).to(dt),
+              cache, slots, G)
+    out.append(Case("kv4 paged attention (4-bit KV)", f"B{B} ctx{ctx} H{H}/{Hkv} D{D}", "fp16",
+                    lambda: paged_attention_kv4(q2, cache, batch2, layer2, G)[0],
+                    lambda: paged_attention_kv4_triton(q2, cache, batch2, layer2, G),
+                    cache.numel(), 2e-3,
+                    plain=_decode_plain(q2, kv2, batch2, ctx, layer2.scale)))  # fp16 KV of the same shape
 
     out += _routing_and_weight_cases(smoke, device, dt)
     # one verify step of a 28-node draft tree (breadth 4,2,1,1) over one sequence's paged context,
@@ -248,20 +206,11 @@ def _routing_and_weight_cases(smoke: bool, device: str, dt) -> list[Case]:
 
     T, E, k = (64, 8, 2) if smoke else (8192, 64, 6)
     logits = torch.randn(T, E, device=device)
-    out.append(
-        Case(
-            "dynamic-topk routing",
-            f"T{T} E{E} top{k}",
-            "fp32",
-            lambda: dynamic_topk(logits, k, True, threshold=0.9)[:2],
-            lambda: tuple(
-                x.long() if x.dtype == torch.int32 else x
-                for x in dynamic_topk_triton(logits, k, True, threshold=0.9)[:2]
-            ),
-            logits.numel() * 4 + T * k * 8,
-            1e-5,
-        )
-    )
+    out.append(Case("dynamic-topk routing", f"T{T} E{E} top{k}", "fp32",
+                    lambda: dynamic_topk(logits, k, True, threshold=0.9)[:2],
+                    lambda: tuple(x.long() if x.dtype == torch.int32 else x
+                                  for x in dynamic_topk_triton(logits, k, True, threshold=0.9)[:2]),
+                    logits.numel() * 4 + T * k * 8, 1e-5))
 
     N, K, M = (64, 128, 4) if smoke else (4096, 4096, 16)  # a Llama-7B projection, decode batch 16
     from vllm_graft.plugins.quant.w4a8.kernel import w4a8_matmul
@@ -270,36 +219,20 @@ def _routing_and_weight_cases(smoke: bool, device: str, dt) -> list[Case]:
     w = torch.randn(N, K, device=device) * 0.02
     t = quantize(w, 128)
     x = torch.randn(M, K, device=device)
-    out.append(
-        Case(
-            "w4a8 GEMM",
-            f"M{M} N{N} K{K} g128",
-            "fp32 act",
-            lambda: emulate(x, t, 128),
-            lambda: w4a8_matmul(x, t, 128),
-            N * K // 2 + M * K * 4 + M * N * 4,
-            1e-3,
-        )
-    )
+    out.append(Case("w4a8 GEMM", f"M{M} N{N} K{K} g128", "fp32 act",
+                    lambda: emulate(x, t, 128), lambda: w4a8_matmul(x, t, 128),
+                    N * K // 2 + M * K * 4 + M * N * 4, 1e-3))
 
     from vllm_graft.plugins.quant.squeezellm.kernel import lut_matmul
     from vllm_graft.plugins.quant.squeezellm.reference import dequantize, pack_bitplanes
 
     bits = 4
-    codes = pack_bitplanes(torch.randint(0, 2**bits, (N, K), device=device), bits)
-    lut = (torch.randn(N, 2**bits, device=device) * 0.02).to(dt)
+    codes = pack_bitplanes(torch.randint(0, 2 ** bits, (N, K), device=device), bits)
+    lut = (torch.randn(N, 2 ** bits, device=device) * 0.02).to(dt)
     xh = torch.randn(M, K, device=device).to(dt)
-    out.append(
-        Case(
-            "squeezellm LUT GEMV (4-bit)",
-            f"M{M} N{N} K{K}",
-            "fp16",
-            lambda: xh @ dequantize(codes, lut, bits).T,
-            lambda: lut_matmul(xh, codes, lut, bits),
-            codes.numel() + lut.numel() * 2 + M * (K + N) * 2,
-            5e-2,
-        )
-    )
+    out.append(Case("squeezellm LUT GEMV (4-bit)", f"M{M} N{N} K{K}", "fp16",
+                    lambda: xh @ dequantize(codes, lut, bits).T, lambda: lut_matmul(xh, codes, lut, bits),
+                    codes.numel() + lut.numel() * 2 + M * (K + N) * 2, 5e-2))
 
     from vllm_graft.plugins.quant.dfloat11 import kernel as df_kernel
     from vllm_graft.plugins.quant.dfloat11 import reference as df_ref
@@ -307,26 +240,11 @@ def _routing_and_weight_cases(smoke: bool, device: str, dt) -> list[Case]:
     enc = df_ref.encode((torch.randn(N, K) * 0.02).to(torch.bfloat16))
     sym, ln = df_ref.decode_table(enc["code_lengths"], 12)
     pos = enc["chunk_offsets"].to(torch.int64)
-    args = (
-        enc["exponents"].to(device),
-        pos.to(device),
-        torch.zeros_like(pos).to(device),
-        sym.to(device),
-        ln.to(device),
-        int(enc["header"][3]),
-        12,
-    )
-    out.append(
-        Case(
-            "dfloat11 exponent decode (Huffman)",
-            f"{N}x{K} bf16",
-            "bf16",
-            lambda: df_ref.decode_exponents(*args),
-            lambda: df_kernel.decode_exponents(*args),
-            enc["exponents"].numel() + N * K,
-            0.0,
-        )
-    )
+    args = (enc["exponents"].to(device), pos.to(device), torch.zeros_like(pos).to(device), sym.to(device),
+            ln.to(device), int(enc["header"][3]), 12)
+    out.append(Case("dfloat11 exponent decode (Huffman)", f"{N}x{K} bf16", "bf16",
+                    lambda: df_ref.decode_exponents(*args), lambda: df_kernel.decode_exponents(*args),
+                    enc["exponents"].numel() + N * K, 0.0))
 
     from vllm_graft.plugins.speculative.token_recycling.kernel import recycle_update
     from vllm_graft.plugins.speculative.token_recycling.reference import topk_update_reference
@@ -335,17 +253,10 @@ def _routing_and_weight_cases(smoke: bool, device: str, dt) -> list[Case]:
     lg = torch.randn(R, V, device=device)
     toks = torch.randint(0, V, (R,), device=device)
     m0 = torch.zeros(V, kk, dtype=torch.int64, device=device)
-    out.append(
-        Case(
-            "token-recycling adjacency update",
-            f"R{R} V{V} k{kk}",
-            "fp32",
-            lambda: topk_update_reference(lg, toks, m0.clone()),
-            lambda: recycle_update(lg, toks, m0.clone()),
-            lg.numel() * 4 + R * kk * 8,
-            0.0,
-        )
-    )
+    out.append(Case("token-recycling adjacency update", f"R{R} V{V} k{kk}", "fp32",
+                    lambda: topk_update_reference(lg, toks, m0.clone()),
+                    lambda: recycle_update(lg, toks, m0.clone()),
+                    lg.numel() * 4 + R * kk * 8, 0.0))
 
     return out
 
@@ -380,16 +291,12 @@ def _tree_case(tctx: int, breadth: tuple[int, ...], H, Hkv, D, bs, dt, device) -
     cv = torch.cat([vc[bt.long()].reshape(-1, Hkv, D)[:tctx], tv]).transpose(0, 1)[None].contiguous()
     causal = torch.ones(N, tctx + N, dtype=torch.bool, device=device).tril(tctx)
     tq4 = tq.transpose(0, 1)[None]
-    return Case(
-        "tree verification attention (paged context + ancestor mask)",
-        f"ctx{tctx} nodes{N} H{H}/{Hkv} D{D}",
-        "fp16",
-        lambda: tree_attention(tq, kc, vc, bt, tctx, tk, tv, par, D**-0.5),
-        lambda: tree_attention_triton(tq, kc, vc, bt, tctx, tk, tv, par, D**-0.5, ancestor_bits=bits),
-        2 * tctx * Hkv * D * elt + 2 * N * (H + 2 * Hkv) * D * elt,
-        2e-3,
-        plain=lambda: _sdpa(tq4, ck, cv, D**-0.5, causal),
-    )
+    return Case("tree verification attention (paged context + ancestor mask)",
+                f"ctx{tctx} nodes{N} H{H}/{Hkv} D{D}", "fp16",
+                lambda: tree_attention(tq, kc, vc, bt, tctx, tk, tv, par, D ** -0.5),
+                lambda: tree_attention_triton(tq, kc, vc, bt, tctx, tk, tv, par, D ** -0.5, ancestor_bits=bits),
+                2 * tctx * Hkv * D * elt + 2 * N * (H + 2 * Hkv) * D * elt, 2e-3,
+                plain=lambda: _sdpa(tq4, ck, cv, D ** -0.5, causal))
 
 
 # ------------------------------------------------------------------------------ running
@@ -440,13 +347,11 @@ def _environment(smoke: bool) -> str:
         name = "CPU (TRITON_INTERPRET=1: correctness only, not timed)"
     else:
         props = torch.cuda.get_device_properties(0)
-        name = f"{props.name} ({props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB)"
+        name = f"{props.name} ({props.multi_processor_count} SMs, {props.total_memory / 2 ** 30:.0f} GiB)"
     cuda = f" (CUDA {torch.version.cuda})" if torch.version.cuda else ""
-    return (
-        f"Device: {name}; torch {torch.__version__}{cuda}, "
-        f"triton {triton.__version__}; `python benchmarks/gpu/run.py{' --smoke' if smoke else ''}`, "
-        f"{time.strftime('%Y-%m-%d')}."
-    )
+    return (f"Device: {name}; torch {torch.__version__}{cuda}, "
+            f"triton {triton.__version__}; `python benchmarks/gpu/run.py{' --smoke' if smoke else ''}`, "
+            f"{time.strftime('%Y-%m-%d')}.")
 
 
 def run(smoke: bool, peak: float | None) -> tuple[str, list[dict]]:
@@ -459,26 +364,17 @@ def run(smoke: bool, peak: float | None) -> tuple[str, list[dict]]:
         peak_note = f"Peak bandwidth: not measured (smoke; a 64 MiB host copy moved {host:.1f} GB/s)."
     else:
         peak = copy_bandwidth(device)
-        peak_note = (
-            f"Peak bandwidth: {peak:.0f} GB/s (measured: a {COPY_BYTES / 2**30:.0f} GiB "
-            'device-to-device copy, bytes read + written, fastest of 10); "% of peak" is '
-            "against it."
-        )
+        peak_note = (f"Peak bandwidth: {peak:.0f} GB/s (measured: a {COPY_BYTES / 2 ** 30:.0f} GiB "
+                     "device-to-device copy, bytes read + written, fastest of 10); \"% of peak\" is "
+                     "against it.")
     print(head, peak_note, flush=True)
     rows = []
     try:
         built = cases(smoke, device)
     except Exception as e:  # noqa: BLE001 - reported in the table, the exit status says it
         built = []
-        rows.append(
-            {
-                "kernel": "(building the cases)",
-                "shape": "-",
-                "dtype": "-",
-                "ok": False,
-                "error": f"{type(e).__name__}: {e}",
-            }
-        )
+        rows.append({"kernel": "(building the cases)", "shape": "-", "dtype": "-", "ok": False,
+                     "error": f"{type(e).__name__}: {e}"})
     for c in built:
         print(f"  {c.kernel} ...", flush=True)
         row = {"kernel": c.kernel, "shape": c.shape, "dtype": c.dtype}
@@ -499,25 +395,13 @@ def run(smoke: bool, peak: float | None) -> tuple[str, list[dict]]:
             rows.append({**row, "ok": False, "error": f"{type(e).__name__}: {e}"})
             continue
         gbps = c.bytes_moved / tri_ms / 1e6 if timed and tri_ms > 0 else float("nan")
-        rows.append(
-            {
-                **row,
-                "max_err": err,
-                "ok": ok,
-                "ref_ms": ref_ms,
-                "triton_ms": tri_ms,
-                "speedup": ref_ms / tri_ms if timed else float("nan"),
-                "plain_ms": plain_ms,
-                "vs_plain": plain_ms / tri_ms if timed else float("nan"),
-                "gbps": gbps,
-                "peak_pct": 100 * gbps / peak if peak and timed else None,
-            }
-        )
-    table = [
-        "| kernel | shape | dtype | matches reference (max abs err) | reference ms | Triton ms "
-        "| speed-up | GB/s | % of peak | plain attention ms | Triton vs plain |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+        rows.append({**row, "max_err": err, "ok": ok, "ref_ms": ref_ms, "triton_ms": tri_ms,
+                     "speedup": ref_ms / tri_ms if timed else float("nan"), "plain_ms": plain_ms,
+                     "vs_plain": plain_ms / tri_ms if timed else float("nan"),
+                     "gbps": gbps, "peak_pct": 100 * gbps / peak if peak and timed else None})
+    table = ["| kernel | shape | dtype | matches reference (max abs err) | reference ms | Triton ms "
+             "| speed-up | GB/s | % of peak | plain attention ms | Triton vs plain |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def fmt(v: float, spec: str, unit: str = "") -> str:
         return "-" if v != v else f"{v:{spec}}{unit}"  # NaN: not timed
@@ -528,19 +412,15 @@ def run(smoke: bool, peak: float | None) -> tuple[str, list[dict]]:
             table.append(f"| {r['kernel']} | {r['shape']} | {r['dtype']} | ERROR: {msg} | - | - | - | - | - | - | - |")
             continue
         pct = f"{r['peak_pct']:.0f}%" if r["peak_pct"] is not None else "-"
-        table.append(
-            f"| {r['kernel']} | {r['shape']} | {r['dtype']} | {'yes' if r['ok'] else 'NO'} "
-            f"({r['max_err']:.1e}) | {fmt(r['ref_ms'], '.3f')} | {fmt(r['triton_ms'], '.3f')} | "
-            f"{fmt(r['speedup'], '.1f', 'x')} | {fmt(r['gbps'], '.0f')} | {pct} | "
-            f"{fmt(r['plain_ms'], '.3f')} | {fmt(r['vs_plain'], '.2f', 'x')} |"
-        )
-    note = (
-        '"plain attention": what plain vLLM runs instead, approximated by torch\'s '
-        "scaled_dot_product_attention over the same keys and values gathered contiguous before "
-        "timing (vLLM is not on this machine; a lower bound of its paged FlashAttention); the tree "
-        'rows\' plain is a causal chain of as many tokens. "Triton vs plain" above 1x is faster '
-        "than plain."
-    )
+        table.append(f"| {r['kernel']} | {r['shape']} | {r['dtype']} | {'yes' if r['ok'] else 'NO'} "
+                     f"({r['max_err']:.1e}) | {fmt(r['ref_ms'], '.3f')} | {fmt(r['triton_ms'], '.3f')} | "
+                     f"{fmt(r['speedup'], '.1f', 'x')} | {fmt(r['gbps'], '.0f')} | {pct} | "
+                     f"{fmt(r['plain_ms'], '.3f')} | {fmt(r['vs_plain'], '.2f', 'x')} |")
+    note = ("\"plain attention\": what plain vLLM runs instead, approximated by torch's "
+            "scaled_dot_product_attention over the same keys and values gathered contiguous before "
+            "timing (vLLM is not on this machine; a lower bound of its paged FlashAttention); the tree "
+            "rows' plain is a causal chain of as many tokens. \"Triton vs plain\" above 1x is faster "
+            "than plain.")
     return f"{head} {peak_note}\n\n" + "\n".join(table) + "\n\n" + note + "\n", rows
 
 
