@@ -10,9 +10,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-import numpy as np
+if TYPE_CHECKING:  # annotations only: the registrations import this module, and need no numpy
+    import numpy as np
 
 from ...hooks.deployment import param_path
 
