@@ -42,15 +42,14 @@ gives the same figures.
 
 from __future__ import annotations
 
-import json
 import math
 import random
-from pathlib import Path
 from typing import Any, Callable
 
 from rich.console import Console
 from rich.table import Table
 
+from ..command_line import write_json
 from .kvbench import _arms, add_text_arguments
 
 DEFAULT_MODEL = "graft-tiny-llama-recall"
@@ -345,8 +344,7 @@ def main(args) -> int:
             vs(r, "vs_streaming_more"),
         )
     console.print(table)
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
+    write_json(args.json, res)
     return 0
 
 
