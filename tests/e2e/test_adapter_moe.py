@@ -9,10 +9,7 @@
 """
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: fast start
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default check fails on small VMs
+from .engines import refusal  # first: the in-process engine's environment, set before vLLM loads
 
 import gc  # noqa: E402
 from collections import Counter  # noqa: E402
@@ -25,7 +22,6 @@ from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
 from vllm_graft.hooks import Capabilities, DeploymentError, Kind, MoEScheduler, Registration, hookimpl  # noqa: E402
 from vllm_graft.hooks import manager as manager_mod  # noqa: E402
 
-from .engines import refusal  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+from .engines import refusal  # first: the in-process engine's environment, set before vLLM loads
 
 import gc  # noqa: E402
 from collections import Counter  # noqa: E402
@@ -26,7 +25,6 @@ import pytest  # noqa: E402
 
 from vllm_graft.integration.plan import plan_for  # noqa: E402
 
-from .engines import refusal  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
