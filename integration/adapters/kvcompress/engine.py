@@ -54,6 +54,29 @@ def _tensor_parallel_sum(mass: Any) -> Any:
     return tensor_model_parallel_all_reduce(mass.contiguous())
 
 
+def _tensor_parallel_heads(mass: Any, total_heads: int | None) -> tuple[Any, int]:
+    """A per-head compressor's step mass ``[rows, H_kv here, width]`` -> every KV head's
+    ``[rows, H_kv, width]`` (gathered from the ranks, in rank order: rank r holds heads
+    ``r * H_kv here`` on) and this rank's first head, so that every rank decides on all heads
+    and masks its own. Where vLLM replicates a KV head over ranks (more ranks than KV heads),
+    its ranks' shares (each from its own query heads) are summed. One rank: ``(mass, 0)``."""
+    from vllm.distributed.communication_op import tensor_model_parallel_all_gather
+    from vllm.distributed.parallel_state import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    tp = get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return mass, 0
+    every = tensor_model_parallel_all_gather(mass.contiguous(), dim=1)
+    rank = get_tensor_model_parallel_rank()
+    if total_heads is not None and every.shape[1] > total_heads:
+        every = every.reshape(every.shape[0], total_heads, -1, every.shape[2]).sum(2)
+        return every, rank * total_heads // tp
+    return every, rank * mass.shape[1]
+
+
 def install_patch(salt: bool = False) -> None:
     """Wrap ``GPUModelRunner._build_attention_metadata`` and, for a lossy compressor,
     ``Request.__init__`` (the prefix-cache salt) (idempotent; why: :mod:`...targets`)."""
@@ -288,7 +311,9 @@ class KVCompressAdapter(Adapter[KVCompressState]):
                 scores_cls, attention_cls = (
                     (MergingScores, MergingAttention) if merges else (_Scores, _ScoringAttention)
                 )
-                active.scored = scores_cls(compressor, e.name, count, reduce=_tensor_parallel_sum)
+                active.scored = scores_cls(
+                    compressor, e.name, count, reduce=_tensor_parallel_sum, gather=_tensor_parallel_heads
+                )
                 backend.SEAMS.method = attention_cls(active.scored)
                 backend.SEAMS.method_name = e.name
                 backend.SEAMS.count = count

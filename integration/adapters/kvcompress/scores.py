@@ -142,6 +142,7 @@ class _Scores:
         name: str,
         count: Callable[[str, int], None],
         reduce: Callable[[Any], Any] | None = None,
+        gather: Callable[[Any, int | None], tuple[Any, int]] | None = None,
     ) -> None:
         self.compressor, self.name, self.count = compressor, name, count
         self.reqs: dict[str, _ReqScores] = {}
@@ -150,6 +151,12 @@ class _Scores:
         #: (tensor parallelism: each rank holds some KV heads, so its mass is partial; summed,
         #: every rank decides on all heads' mass, the same blocks as one rank would). None: as is.
         self.reduce = reduce
+        #: per_head: the step's mass ``[rows, H_kv here, width]`` and the model's KV heads ->
+        #: every KV head's mass and this rank's first head (tensor parallelism: a rank holds
+        #: some heads; all ranks then allocate over all heads, and each masks its own). None: as is.
+        self.gather = gather
+        self.total_heads: int | None = None  # the model's KV heads (per_head), read at the first plan
+        self.local_heads: tuple[int, int | None] = (0, None)  # per_head: this rank's heads among them, [first, end)
         #: the compressor scores blocks from the cache (``block_scores``) in place of the mass
         self.from_cache = scores_the_cache(compressor)
         #: the mass alone may be computed apart from the step's output (the shared attention, one
@@ -232,8 +239,17 @@ class _Scores:
                 torch.tensor(sub_lens, dtype=batch.seq_lens.dtype).to(device, non_blocking=True),
                 longest,
             )
-        if per_head or per_layer:
+        if per_layer:
             plan.head_dropped = [getattr(self.reqs.get(r[0]), "head_dropped", None) for r in step.rows]
+        elif per_head:  # the mask is of this rank's KV heads
+            if self.total_heads is None:
+                config = getattr(step.runner, "model_config", None)
+                self.total_heads = config.get_total_num_kv_heads() if config is not None else None
+            own, end = self.local_heads
+            plan.head_dropped = [
+                (d[own:end] if d else d)
+                for d in (getattr(self.reqs.get(r[0]), "head_dropped", None) for r in step.rows)
+            ]
         self.pending = plan
         return plan
 
@@ -248,8 +264,13 @@ class _Scores:
         if plan is None or plan.mass is None:
             return {}
         B = plan.block_size
-        mass = (plan.mass if self.reduce is None else self.reduce(plan.mass)).tolist()
         per_head = plan.head_dropped is not None
+        if per_head and not plan.per_layer and self.gather is not None:
+            every, first = self.gather(plan.mass, self.total_heads)
+            self.local_heads = (first, first + plan.mass.shape[1])
+            mass = every.tolist()
+        else:
+            mass = (plan.mass if self.reduce is None else self.reduce(plan.mass)).tolist()
         drops: dict[str, list[int]] = {}
         head_drops = 0
         for i, (req_id, computed, q, prompt, _) in enumerate(plan.rows):

@@ -61,9 +61,9 @@ def graft_register_kv_compressors(register):
             "Efficient LLM Inference (arXiv:2407.11550)",
             params=AdaKVParams,
             impl="vllm_graft.plugins.kvcompress.adakv.reference:AdaKV",
-            # the mass is per KV head, which tensor-parallel ranks split (not summed across ranks
-            # yet): one rank. What it cannot be combined with follows from its class's shape
-            # (per_head: no storage format; needs_scores: no attention plugin)
-            capabilities=Capabilities(lossless=False, parallelism=("dp",)),
+            # tensor parallelism: the ranks' per-head mass is gathered, so every rank allocates
+            # over all KV heads and masks its own. What it cannot be combined with follows from
+            # its class's shape (per_head: no storage format; needs_scores: no attention plugin)
+            capabilities=Capabilities(lossless=False, parallelism=("tp", "dp")),
         )
     )

@@ -64,7 +64,7 @@ def graft_register_kv_compressors(register):
             "Inference of Large Language Models (arXiv:2406.13035)",
             params=D2OParams,
             impl="vllm_graft.plugins.kvcompress.d2o.reference:D2O",
-            # "tp" once tests/e2e/test_tensor_parallel.py runs it at two ranks (not yet: refused there)
-            capabilities=Capabilities(lossless=False, parallelism=("dp",)),
+            # tp: its scores are summed over the ranks' KV heads (tests/e2e/test_tensor_parallel.py)
+            capabilities=Capabilities(lossless=False, parallelism=("tp", "dp")),
         )
     )

@@ -45,7 +45,7 @@ def graft_register_kv_compressors(register):
             "Attention from Future Queries Distribution (arXiv:2510.00636)",
             params=ExpectedAttentionParams,
             impl="vllm_graft.plugins.kvcompress.expected_attention.reference:ExpectedAttention",
-            # "tp" once tests/e2e/test_tensor_parallel.py runs it at two ranks (not yet: refused there)
-            capabilities=Capabilities(lossless=False, parallelism=("dp",)),
+            # tp: its scores are summed over the ranks' KV heads (tests/e2e/test_tensor_parallel.py)
+            capabilities=Capabilities(lossless=False, parallelism=("tp", "dp")),
         )
     )

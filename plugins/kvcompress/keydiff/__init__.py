@@ -26,7 +26,7 @@ def graft_register_kv_compressors(register):
             "Inference in Resource-Constrained Environments (arXiv:2504.15364)",
             params=TopBlocksParams,
             impl="vllm_graft.plugins.kvcompress.keydiff.reference:KeyDiff",
-            # "tp" once tests/e2e/test_tensor_parallel.py runs it at two ranks (not yet: refused there)
-            capabilities=Capabilities(lossless=False, parallelism=("dp",)),
+            # tp: its scores are summed over the ranks' KV heads (tests/e2e/test_tensor_parallel.py)
+            capabilities=Capabilities(lossless=False, parallelism=("tp", "dp")),
         )
     )

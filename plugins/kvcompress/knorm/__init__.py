@@ -25,7 +25,7 @@ def graft_register_kv_compressors(register):
             paper="Devoto et al. 2024, A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression (arXiv:2406.11430)",
             params=TopBlocksParams,
             impl="vllm_graft.plugins.kvcompress.knorm.reference:KNorm",
-            # "tp" once tests/e2e/test_tensor_parallel.py runs it at two ranks (not yet: refused there)
-            capabilities=Capabilities(lossless=False, parallelism=("dp",)),
+            # tp: its scores are summed over the ranks' KV heads (tests/e2e/test_tensor_parallel.py)
+            capabilities=Capabilities(lossless=False, parallelism=("tp", "dp")),
         )
     )

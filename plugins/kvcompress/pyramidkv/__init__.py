@@ -58,7 +58,7 @@ def graft_register_kv_compressors(register):
             "Funneling (arXiv:2406.02069)",
             params=PyramidKVParams,
             impl="vllm_graft.plugins.kvcompress.pyramidkv.reference:PyramidKV",
-            # per-layer mass is not summed across tensor-parallel ranks yet: one rank
-            capabilities=Capabilities(lossless=False, parallelism=("dp",)),
+            # tp: its scores are summed over the ranks' KV heads (tests/e2e/test_tensor_parallel.py)
+            capabilities=Capabilities(lossless=False, parallelism=("tp", "dp")),
         )
     )

@@ -54,7 +54,7 @@ def graft_register_kv_compressors(register):
             paper="Cai et al. 2025, R-KV: Redundancy-aware KV Cache Compression for Reasoning Models (arXiv:2505.24133)",
             params=RKVParams,
             impl="vllm_graft.plugins.kvcompress.rkv.reference:RKV",
-            # "tp" once tests/e2e/test_tensor_parallel.py runs it at two ranks (not yet: refused there)
-            capabilities=Capabilities(lossless=False, parallelism=("dp",)),
+            # tp: its scores are summed over the ranks' KV heads (tests/e2e/test_tensor_parallel.py)
+            capabilities=Capabilities(lossless=False, parallelism=("tp", "dp")),
         )
     )

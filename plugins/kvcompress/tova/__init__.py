@@ -29,7 +29,7 @@ def graft_register_kv_compressors(register):
             paper="Oren et al. 2024, Transformers are Multi-State RNNs (arXiv:2401.06104)",
             params=TopBlocksParams,
             impl="vllm_graft.plugins.kvcompress.tova.reference:TOVA",
-            # "tp" once tests/e2e/test_tensor_parallel.py runs it at two ranks (not yet: refused there)
-            capabilities=Capabilities(lossless=False, parallelism=("dp",)),
+            # tp: its scores are summed over the ranks' KV heads (tests/e2e/test_tensor_parallel.py)
+            capabilities=Capabilities(lossless=False, parallelism=("tp", "dp")),
         )
     )
