@@ -7,14 +7,13 @@ A window is a run of ``window_blocks`` consecutive prompt blocks (``window_block
 size tokens), counted from the first block after the ``sink_blocks``; its score is the observation
 mass on its blocks (summed over its blocks, heads and layers). The best whole windows are kept
 within ``budget_blocks`` prompt blocks, besides what is always kept: the ``sink_blocks`` leading
-blocks, the observation window's blocks, the ``recent_blocks`` last prompt blocks (0 in the paper)
-and every generated block. A window is kept in part only where the budget forces it: when the
+blocks, the observation window's blocks, the ``recent_blocks`` last prompt blocks (0 by default, as
+SnapKV's) and every generated block. A window is kept in part only where the budget forces it: when the
 blocks the budget leaves after those are not a multiple of ``window_blocks``, the last window
 taken keeps its leading blocks, as many as fit (the remainder is spent, not left unused). The
 last window before the observation window may be shorter than the others (what is left of the
 prompt); it competes with the mass of the blocks it has. Mid-prefill (chunked prefill) nothing is
-dropped.
-``window_blocks: 1`` is SnapKV at block granularity (each block a window of its own).
+dropped. ``window_blocks: 1`` is SnapKV at block granularity (each block a window of its own).
 
 Changes from the paper:
 
