@@ -11,7 +11,9 @@ and the tokenizer and generation files are copied, so ``vllm serve OUT`` /
 
 Methods that need calibration (``QuantMethod.needs_calibration``) get, per weight, the
 squared gradients of the language-model loss on calibration text (``--calibration``,
-default: the bundled corpus), computed with transformers on the unquantised model.
+default: the bundled corpus), computed with transformers on the unquantised model; a method
+whose ``calibration_statistic`` is ``"activations"`` gets instead each layer's mean squared
+input activation per channel (``[in]``, ``diag(X^T X) / T``), from forward passes only.
 """
 
 from __future__ import annotations
@@ -415,8 +417,14 @@ def quantize_checkpoint(
 
     sens = None
     if getattr(plugin, "needs_calibration", False):
-        log(f"calibrating {method} on {calibration or 'the bundled corpus'} (squared gradients)")
-        sens = squared_gradients(src, targets, calibration, getattr(plugin.params, "calibration_tokens", 4096))
+        statistic = getattr(plugin, "calibration_statistic", "gradients")
+        n_tokens = getattr(plugin.params, "calibration_tokens", 4096)
+        if statistic == "activations":
+            log(f"calibrating {method} on {calibration or 'the bundled corpus'} (mean squared input activations)")
+            sens = activation_moments(src, targets, calibration, n_tokens)
+        else:
+            log(f"calibrating {method} on {calibration or 'the bundled corpus'} (squared gradients)")
+            sens = squared_gradients(src, targets, calibration, n_tokens)
 
     out_state: dict[str, torch.Tensor] = {}
     quantised_elems = quantised_bytes = 0
@@ -486,10 +494,8 @@ def _check_stored(method: str, prefix: str, got: Any, specs: Any) -> None:
             )
 
 
-def squared_gradients(model: Path, targets: list[str], calibration: str | None, n_tokens: int) -> dict[str, Any]:
-    """Per weight: the sum over calibration windows of the squared gradient of the mean
-    next-token loss (the diagonal Fisher information SqueezeLLM weights its k-means with),
-    computed in float32 with transformers."""
+def _calibration_model(model: Path, calibration: str | None, n_tokens: int) -> tuple[Any, Any]:
+    """The unquantised model (transformers, float32, eval mode) and the calibration token ids."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -499,13 +505,60 @@ def squared_gradients(model: Path, targets: list[str], calibration: str | None, 
     ids = tok(text, return_tensors="pt").input_ids[0][:n_tokens]
     if ids.numel() < 64:
         raise QuantizeError(f"calibration text has only {ids.numel()} tokens; give more (--calibration)")
+    lm.eval()
+    return lm, ids
+
+
+CALIBRATION_WINDOW = 256
+
+
+def activation_moments(model: Path, targets: list[str], calibration: str | None, n_tokens: int) -> dict[str, Any]:
+    """Per weight ``P.weight`` ``[out, in]``: the mean over calibration tokens of the squared input
+    of module ``P`` per input channel, ``[in]`` float32 (``diag(X^T X) / T``, the diagonal of the
+    layer Hessian GPTQ-family methods use, up to a factor), from forward passes (windows of 256)."""
+    import torch
+
+    lm, ids = _calibration_model(model, calibration, n_tokens)
+    modules = dict(lm.named_modules())
+    missing = [t for t in targets if t[: -len(".weight")] not in modules]
+    if missing:
+        raise QuantizeError(f"calibration: transformers' model has no module {missing[0][: -len('.weight')]}")
+    sums = {t: torch.zeros(modules[t[: -len(".weight")]].weight.shape[1]) for t in targets}
+    count = [0]
+
+    def hook(name):
+        def record(_module, args):
+            x = args[0].detach().float().reshape(-1, args[0].shape[-1])
+            sums[name] += (x * x).sum(0)
+
+        return record
+
+    handles = [modules[t[: -len(".weight")]].register_forward_pre_hook(hook(t)) for t in targets]
+    try:
+        with torch.no_grad():
+            for start in range(0, ids.numel() - 1, CALIBRATION_WINDOW):
+                x = ids[start : start + CALIBRATION_WINDOW][None]
+                lm(input_ids=x)
+                count[0] += x.shape[1]
+    finally:
+        for h in handles:
+            h.remove()
+    return {t: s / max(count[0], 1) for t, s in sums.items()}
+
+
+def squared_gradients(model: Path, targets: list[str], calibration: str | None, n_tokens: int) -> dict[str, Any]:
+    """Per weight: the sum over calibration windows of the squared gradient of the mean
+    next-token loss (the diagonal Fisher information SqueezeLLM weights its k-means with),
+    computed in float32 with transformers."""
+    import torch
+
+    lm, ids = _calibration_model(model, calibration, n_tokens)
     params = dict(lm.named_parameters())
     missing = [t for t in targets if t not in params]
     if missing:
         raise QuantizeError(f"calibration: transformers' model has no parameter {missing[0]}")
     sens = {t: torch.zeros_like(params[t]) for t in targets}
-    window = 256
-    lm.eval()
+    window = CALIBRATION_WINDOW
     for start in range(0, ids.numel() - 1, window):
         x = ids[start : start + window + 1][None]
         if x.shape[1] < 2:
@@ -554,4 +607,4 @@ def corpus_text(split: str, max_chars: int) -> str:
     return EOS.join(out)[:max_chars]
 
 
-__all__ = ["add_command", "quantize_checkpoint", "evaluate", "QuantizeError", "squared_gradients"]
+__all__ = ["add_command", "quantize_checkpoint", "evaluate", "QuantizeError", "squared_gradients", "activation_moments"]
