@@ -176,7 +176,7 @@ def _heldout_nll(model, **kw):
         out = llm.generate([{"prompt_token_ids": w} for w in windows],
                            SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
         nll = [-lp[t].logprob for w, o in zip(windows, out) for t, lp in zip(w[1:], o.prompt_logprobs[1:])]
-        events = {k: dict(RUNTIME.counts("quant", k)) for k in ("squeezellm", "w4a8")} if RUNTIME.active else {}
+        events = {k: dict(RUNTIME.counts("quant", k)) for k in ("squeezellm", "w4a8", "slim-llm")} if RUNTIME.active else {}
         return sum(nll) / len(nll), events
     finally:
         llm.llm_engine.engine_core.shutdown()
@@ -192,6 +192,7 @@ def fp16_nll():
 @pytest.mark.parametrize("method,params", [
     ("squeezellm", {"bits": 4, "kmeans_iters": 5, "calibration_tokens": 1024}),
     ("w4a8", {}),
+    ("slim-llm", {"bits": 4, "calibration_tokens": 1024}),
 ])
 def test_lossy_checkpoint_loads_and_stays_close_to_fp16(tmp_path, fp16_nll, method, params):
     import math
