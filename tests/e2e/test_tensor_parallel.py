@@ -105,6 +105,8 @@ FULL_RANK_CASES = {
     "pyramidkv": {"kvcompress": {"plugin": "pyramidkv", "params": {"budget_blocks": 4, "held_blocks": 5,
                                                                    "window_tokens": 32}}},
     "d2o": {"kvcompress": {"plugin": "d2o", "params": {"budget_blocks": 5}}},
+    "windowkv": {"kvcompress": {"plugin": "windowkv", "params": {"budget_blocks": 5, "window_blocks": 2,
+                                                                 "window_tokens": 32}}},
     # the ranks' per-head mass is gathered: each decides over all heads and masks its own
     "adakv": {"kvcompress": {"plugin": "adakv", "params": {"budget_blocks": 4, "held_blocks": 5,
                                                            "window_tokens": 32}}},

@@ -232,11 +232,11 @@ def test_checks_its_windows_against_the_deployments_block_size():
     assert reg().params(keep_ratio=0.5, window_blocks=9).check_deployment(ctx) == []
 
 
-def test_registered_with_its_paper_lossy_and_data_parallel_only():
+def test_registered_with_its_paper_lossy_and_tensor_and_data_parallel():
     r = reg()
     assert r.name == "windowkv" and "2503.17922" in r.paper and "WindowKV" in r.paper
     assert not r.capabilities.lossless
-    assert r.capabilities.parallelism == ("dp",)
+    assert r.capabilities.parallelism == ("tp", "dp")  # its two-rank case: tests/e2e/test_tensor_parallel.py
     from vllm_graft.plugins.kvcompress.snapkv.reference import SnapKV
     cls = r.load()
     assert issubclass(cls, SnapKV) and cls.scope == "prompt" and cls.when == "prefill" and cls.needs_scores

@@ -91,7 +91,7 @@ def graft_register_kv_compressors(register):
             "LLM Inference (arXiv:2503.17922)",
             params=WindowKVParams,
             impl="vllm_graft.plugins.kvcompress.windowkv.reference:WindowKV",
-            # "tp" is added by the lead once tests/e2e/test_tensor_parallel.py runs its two-rank case
-            capabilities=Capabilities(lossless=False, parallelism=("dp",)),
+            # tp: its scores are summed over the ranks' KV heads (tests/e2e/test_tensor_parallel.py)
+            capabilities=Capabilities(lossless=False, parallelism=("tp", "dp")),
         )
     )
