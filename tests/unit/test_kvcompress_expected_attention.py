@@ -105,5 +105,5 @@ def test_it_keeps_the_best_prompt_blocks_after_prefill_with_the_window():
 
 def test_registered_with_its_paper():
     reg = get_registry().get("kvcompress", "expected-attention").registration
-    assert "2510.00636" in reg.paper and reg.capabilities.parallelism == ("dp",)
+    assert "2510.00636" in reg.paper and reg.capabilities.parallelism == ("tp", "dp")
     assert math.isclose(reg.params(keep_ratio=0.25).keep_ratio, 0.25)

@@ -243,7 +243,7 @@ class _Scores:
             plan.head_dropped = [getattr(self.reqs.get(r[0]), "head_dropped", None) for r in step.rows]
         elif per_head:  # the mask is of this rank's KV heads
             if self.total_heads is None:
-                config = getattr(step.runner, "model_config", None)
+                config = getattr(getattr(step, "runner", None), "model_config", None)
                 self.total_heads = config.get_total_num_kv_heads() if config is not None else None
             own, end = self.local_heads
             plan.head_dropped = [
