@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.graft-installed
 
-.PHONY: install wheel wheels demo lint test test-unit test-tp test-faults soak servebench docs train-models eval-models clean-venv \
+.PHONY: install wheel wheels demo lint test test-unit test-tp test-aot test-faults soak servebench docs train-models eval-models clean-venv \
 	gpu-check gpu-wheels suffix kvpress
 
 $(STAMP): pyproject.toml setup.py
@@ -81,6 +81,9 @@ test-tp: install
 	GRAFT_TP_MATRIX=all $(PY) -m pytest -q tests/e2e/test_tensor_parallel.py
 
 # Every fault-injection case in vLLM's engine, one engine per case (CI runs part of it).
+test-aot: install
+	GRAFT_AOT_ARCHS=80,90 $(PY) -m pytest -q tests/kernels/test_triton_aot.py
+
 test-faults: install
 	GRAFT_FAULTS_FULL=1 $(PY) -m pytest -q tests/e2e/test_faults.py tests/unit/test_faults_unit.py
 
