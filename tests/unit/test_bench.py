@@ -481,8 +481,10 @@ def test_arm_jobs_differ_only_in_the_deployment(tmp_path, fake_arms, capsys):
     rc = main(["bench", str(noop), "--workload", "chat", "--num-prompts", "2", "--max-tokens", "4",
                "--json", str(path)])
     assert rc == 0, capsys.readouterr()
-    graft, plain = jobs
-    assert (graft["arm"], plain["arm"]) == ("graft", "plain")
+    graft, plain, plain_again, graft_again = jobs  # --load-orders both: a second pair, loaded plain first
+    assert (graft["arm"], plain["arm"], plain_again["arm"], graft_again["arm"]) == ("graft", "plain", "plain", "graft")
+    assert not plain_again["score_own"] and plain_again["llm_kwargs"] == plain["llm_kwargs"]
+    assert graft_again["llm_kwargs"] == graft["llm_kwargs"]
     assert graft["workloads"] == plain["workloads"]
     assert "graft" in graft["llm_kwargs"]["additional_config"]
     assert "additional_config" not in plain["llm_kwargs"]
@@ -498,11 +500,16 @@ def test_arm_jobs_differ_only_in_the_deployment(tmp_path, fake_arms, capsys):
     data = json.loads(path.read_text())
     assert data["comparison"]["identical"] is True
     assert data["arms"]["graft"]["overall"]["perplexity"] == pytest.approx(math.e)
+    assert data["settings"]["load_orders"] == "both" and len(data["comparison"]["ratio"]["runs"]) == 2
+    assert data["settings"]["order"] == [["graft", "plain"], ["plain", "graft"]]  # one round in each pair
 
     jobs.clear()
     log.clear()
     assert main(["bench", str(noop), "--workload", "chat", "--num-prompts", "2", "--arms", "graft"]) == 0
     assert [(j["arm"], bool(j["workloads"])) for j in jobs] == [("graft", True), ("plain", False)]  # scorer
+    jobs.clear()
+    assert main(["bench", str(noop), "--workload", "chat", "--num-prompts", "2", "--load-orders", "one"]) == 0
+    assert [j["arm"] for j in jobs] == ["graft", "plain"]
     assert log[-1] == ("finish", "plain", ["graft/chat/0", "graft/chat/1"])
     jobs.clear()
     assert main(["bench", str(noop), "--workload", "chat", "--num-prompts", "2", "--arms", "graft",
@@ -559,7 +566,7 @@ def test_baseline_as_is_runs_the_other_deployment_with_its_plugins(tmp_path, fak
     assert "kv4" in json.dumps(baseline["llm_kwargs"]["additional_config"]) and baseline["report_plugins"]
     assert "additional_config" not in scorer["llm_kwargs"] and not scorer["report_plugins"]
     assert not baseline["score_own"] and not graft["score_own"] and not scorer["score_own"]
-    assert log[-1] == ("finish", "plain", ["graft/chat/0", "graft/chat/1", "plain/chat/0", "plain/chat/1"])
+    assert ("finish", "plain", ["graft/chat/0", "graft/chat/1", "plain/chat/0", "plain/chat/1"]) in log
     data = json.loads(path.read_text())
     assert data["settings"]["baseline_as_is"] is True
     assert data["arms"]["plain"]["overall"]["perplexity"] == pytest.approx(math.e)
@@ -612,7 +619,7 @@ def test_repeats_take_turns_and_each_engine_loads_once(tmp_path, fake_arms, caps
     walls.update(plain=[2.0, 1.0, 4.0], graft=[1.0, 1.0, 1.0])  # per run: 12/wall tokens/s
     path = tmp_path / "r.json"
     assert main(["bench", str(ROOT / "deployments" / "noop.yaml"), "--workload", "chat", "--num-prompts", "3",
-                 "--max-tokens", "4", "--repeat", "3", "--json", str(path)]) == 0
+                 "--max-tokens", "4", "--repeat", "3", "--load-orders", "one", "--json", str(path)]) == 0
     text = capsys.readouterr().out
     steps = [e for e in log if e[0] in ("start", "ready", "run", "finish")]
     assert steps == [
@@ -750,3 +757,33 @@ def test_warm_gemm_shapes_runs_each_distinct_linear_shape_at_every_row_count(mon
     calls.clear()
     bare = type("W", (), {"model_runner": type("R", (), {"model": torch.nn.Linear(4, 4)})()})()
     assert _warm_gemm_shapes(bare, 32, 4)["shapes"] == 0 and not calls
+
+
+@pytest.mark.parametrize("flags, isa", [
+    ("fpu avx2 avx512f avx512bw amx_tile amx_bf16", "AMX + AVX-512"),
+    ("fpu avx2 avx512f avx512vl", "AVX-512"),
+    ("fpu sse4_2 avx2 fma", "AVX2"),
+    ("fpu sse4_2", "no AVX2"),
+])
+def test_the_cpu_isa_is_read_from_the_flags(flags, isa):
+    from vllm_graft.tools.bench.stats import cpu_isa
+
+    text = f"processor\t: 0\nmodel name\t: a CPU\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n"
+    assert cpu_isa(text) == isa
+    assert cpu_isa("") == "unknown"
+
+
+def test_two_pairs_of_arm_processes_pool_their_runs():
+    from vllm_graft.tools.bench.command import pool_runs
+
+    def raw(walls, tokens):
+        return {"engine": {"num_blocks": 8}, "workloads": {"chat": {
+            "requests": [{"output_token_ids": tokens}], "repeats_identical": True,
+            "repeats": [{"wall_s": w, "output_tokens": 4} for w in walls]}}}
+
+    pooled = pool_runs({"graft": raw([1, 2], [5, 6])}, {"graft": raw([3], [5, 6])})
+    w = pooled["graft"]["workloads"]["chat"]
+    assert [r["wall_s"] for r in w["repeats"]] == [1, 2, 3] and w["repeats_identical"]
+    assert pooled["graft"]["engine"] == {"num_blocks": 8}
+    differs = pool_runs({"graft": raw([1], [5, 6])}, {"graft": raw([1], [5, 7])})
+    assert differs["graft"]["workloads"]["chat"]["repeats_identical"] is False

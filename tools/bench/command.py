@@ -21,7 +21,7 @@ from rich.markup import escape
 
 from .arm import _arm_main
 from .report import PLOT_INSTALL, new_progress, plot_available, render_report, write_plot
-from .stats import ARMS, NO_PACKAGE, arm_order, assemble
+from .stats import ARMS, NO_PACKAGE, arm_order, assemble, cpu_isa
 
 from ...launch.exits import EXIT_DIFFERENT, EXIT_INVALID, EXIT_OK, EXIT_USAGE
 from ...launch.exits import EXIT_FAILED as EXIT_RUN_FAILED
@@ -170,6 +170,29 @@ def run_arms(
         for proc in procs.values():
             proc.close()
     return results, scores
+
+
+def pool_runs(first: dict[str, dict[str, Any]], second: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Two pairs of arm processes' raw results as one: each workload's runs (``repeats``) are the
+    first pair's then the second's (paired ratios pair run r of one arm with run r of the other,
+    in the same pair and round); the requests shown, the engine and the scores are the first
+    pair's; the runs count as identical only if the pairs' greedy outputs are too."""
+    pooled = {}
+    for arm, raw in first.items():
+        other = second[arm]
+        workloads = {}
+        for name, w in raw["workloads"].items():
+            o = other["workloads"][name]
+            same = [r["output_token_ids"] for r in w["requests"]] == [r["output_token_ids"] for r in o["requests"]]
+            workloads[name] = {
+                **w,
+                "repeats": list(w.get("repeats") or []) + list(o.get("repeats") or []),
+                "repeats_identical": bool(
+                    w.get("repeats_identical", True) and o.get("repeats_identical", True) and same
+                ),
+            }
+        pooled[arm] = {**raw, "workloads": workloads}
+    return pooled
 
 
 def _parse_arms(text: str) -> list[str]:
@@ -430,6 +453,7 @@ def _settings(args: argparse.Namespace, inputs: _Inputs, order: list[Any]) -> di
         "perplexity": not args.no_ppl,
         "temperature": 0.0,
         "order": order,
+        "load_orders": getattr(args, "load_orders", "one"),
     }
 
 
@@ -443,6 +467,7 @@ def _environment(plan: Any) -> dict[str, Any]:
         "platform": platform.platform(),
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
+        "cpu_isa": cpu_isa(),  # vLLM's CPU kernels differ by ISA: a ratio holds for its ISA
         "vllm": f"{found[0]} {found[1]}" if found else None,
         "stdlib": str(W.stdlib_dir()),
         "vllm_platform": plan.platform,
@@ -495,7 +520,10 @@ def run_bench(
     workdir.mkdir(parents=True, exist_ok=True)
 
     t_start = time.perf_counter()
-    order = arm_order([a for a in ("graft", "plain") if a in inputs.arms], args.repeat)
+    loads = [a for a in ("graft", "plain") if a in inputs.arms]
+    # each pair of engine processes runs every round (see --load-orders)
+    pairs = [loads, loads[::-1]] if len(loads) == 2 and getattr(args, "load_orders", "one") == "both" else [loads]
+    order = [rnd for first in pairs for rnd in arm_order(first, args.repeat)]
     bars = _Bars(progress, out)
 
     def start(job: dict[str, Any]) -> ArmProcess:
@@ -536,8 +564,17 @@ def run_bench(
     try:
         with bars:
             results, scores = run_arms(
-                jobs, order, start=start, score_for_plain=score_for_plain, scorer_job=scorer, score_all=score_all
+                jobs,
+                arm_order(pairs[0], args.repeat),
+                start=start,
+                score_for_plain=score_for_plain,
+                scorer_job=scorer,
+                score_all=score_all,
             )
+            for first in pairs[1:]:  # the same rounds in engines loaded the other way round, unscored
+                again = {arm: {**job, "score_own": False} for arm, job in jobs.items()}
+                more, _ = run_arms(again, arm_order(first, args.repeat), start=start, score_for_plain=lambda _: {})
+                results = pool_runs(results, more)
     except ArmFailed as e:
         return _arm_failed(e, err), None
     result = assemble(
@@ -686,6 +723,16 @@ def add_command(sub: Any) -> None:
         "report the median tokens/s with the min-max range (default 1)",
     )
     p.add_argument("--seed", type=int, default=0, help="workload selection and engine seed (default 0)")
+    p.add_argument(
+        "--load-orders",
+        choices=("both", "one"),
+        default="both",
+        help="both (default): run the rounds twice, in two pairs of engine processes loaded in "
+        "opposite orders (graft then plain, plain then graft), and pool their runs: the engine "
+        "loaded second runs a few percent faster here, whichever it is (an A/A read 0.95-1.00 "
+        "with graft loaded first, 1.03 with plain first); one: a single pair, graft loaded first "
+        "(half the engine loads)",
+    )
     p.add_argument(
         "--arms",
         default="plain,graft",

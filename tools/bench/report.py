@@ -165,8 +165,8 @@ def render_report(result: dict[str, Any], console: Console) -> None:
     if ratio is not None and (result["settings"].get("repeat") or 1) > 1 and ratio.get("min") is not None:
         console.print(
             f"Speed: graft / plain output tokens/s {ratio['ratio']:.3f} (median of each arm's "
-            f"{result['settings']['repeat']} runs; the runs' paired ratios {ratio['min']:.3f}-"
-            f"{ratio['max']:.3f})."
+            f"{len(ratio.get('runs') or []) or result['settings']['repeat']} runs; the runs' paired ratios {ratio['min']:.3f}-"
+            f"{ratio['max']:.3f}; CPU {result.get('environment', {}).get('cpu_isa', 'ISA not recorded')})."
         )
     busy = [
         (arm, name, w["summary"]["other_cpus"])

@@ -51,6 +51,22 @@ BUSY_OTHER_CPUS = 0.5
 
 
 # ======================================================================== pure helpers
+def cpu_isa(cpuinfo: str | None = None) -> str:
+    """The vector ISA vLLM's CPU kernels choose by, from ``/proc/cpuinfo``'s flags (or the text
+    given): "AMX + AVX-512", "AVX-512", "AVX2", or "unknown" (no flags to read: not Linux)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return "unknown"
+    line = next((x for x in cpuinfo.splitlines() if x.startswith("flags")), "")
+    flags = set(line.partition(":")[2].split())
+    if "avx512f" in flags:
+        return "AMX + AVX-512" if "amx_tile" in flags else "AVX-512"
+    return "AVX2" if "avx2" in flags else ("unknown" if not flags else "no AVX2")
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """Linear-interpolation percentile (as numpy's default); None for no values."""
     if not values:

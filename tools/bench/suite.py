@@ -41,7 +41,7 @@ from typing import Any, Literal, Optional, Sequence
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .report import PLOT_INSTALL
-from .stats import NO_PACKAGE
+from .stats import NO_PACKAGE, cpu_isa
 
 MARK_START, MARK_END = "<!-- bench-suite:start -->", "<!-- bench-suite:end -->"
 SUITE_SCHEMA = "vllm-graft-bench-suite/1"
@@ -540,7 +540,8 @@ def _machine() -> str:
 
     found = installed_vllm()
     return (
-        f"{os.cpu_count()} CPUs, {platform.machine()}, {platform.system()}, {'%s %s' % found if found else 'no vLLM'}"
+        f"{os.cpu_count()} CPUs ({cpu_isa()}), {platform.machine()}, {platform.system()}, "
+        f"{'%s %s' % found if found else 'no vLLM'}"
     )
 
 
