@@ -14,8 +14,11 @@ once, alternating the order per run (graft plain, plain graft, graft plain, ...:
 :func:`.stats.arm_order`), so that neither arm always runs first. With ``--load-orders both``
 (the default) it then does all of that again in a second pair of processes loaded plain first,
 and pools the two pairs' runs (:func:`.command.pool_runs`): on the 2-core machine the engine
-loaded second ran 3-7% faster whichever arm it was (an A/A read 0.948-1.002 over four
-invocations with graft loaded first, 1.032 twice with plain first; pooled 0.983 and 1.013). Each figure is the median of
+loaded second ran 3-15% faster whichever arm it was (an A/A at the suite's quick settings read
+0.948-1.002 over four invocations with graft loaded first, 1.032 twice with plain first; with
+128-token outputs one pair alone read 0.87-0.98 graft first and 1.05-1.11 plain first, with
+vLLM's thread binding on or off). Pooled, the A/A read 0.949-1.030 over six invocations: the
+bias cancels on average, but its size changes from one pair of processes to the next. Each figure is the median of
 the N runs (tokens/s) or comes from the run with the median wall time (the others), with the
 min-max range; the ratio is graft / plain of the medians, its range that of the per-run ratios.
 ``vllm-graft bench --suite`` (:mod:`.suite`) runs a list of such cases and writes
