@@ -156,6 +156,7 @@ class _Scores:
         #: some heads; all ranks then allocate over all heads, and each masks its own). None: as is.
         self.gather = gather
         self.total_heads: int | None = None  # the model's KV heads (per_head), read at the first plan
+        self.heads_read = False
         self.local_heads: tuple[int, int | None] = (0, None)  # per_head: this rank's heads among them, [first, end)
         #: the compressor scores blocks from the cache (``block_scores``) in place of the mass
         self.from_cache = scores_the_cache(compressor)
@@ -239,13 +240,12 @@ class _Scores:
                 torch.tensor(sub_lens, dtype=batch.seq_lens.dtype).to(device, non_blocking=True),
                 longest,
             )
-        if per_layer:
-            plan.head_dropped = [getattr(self.reqs.get(r[0]), "head_dropped", None) for r in step.rows]
-        elif per_head:  # the mask is of this rank's KV heads
-            if self.total_heads is None:
-                config = getattr(getattr(step, "runner", None), "model_config", None)
-                self.total_heads = config.get_total_num_kv_heads() if config is not None else None
-            own, end = self.local_heads
+        if per_head and not self.heads_read:  # once: the model's KV heads, for the ranks' gather
+            config = getattr(getattr(step, "runner", None), "model_config", None)
+            self.total_heads = config.get_total_num_kv_heads() if config is not None else None
+            self.heads_read = True
+        if per_head or per_layer:
+            own, end = self.local_heads  # the mask is of this rank's KV heads (all but under per-head TP)
             plan.head_dropped = [
                 (d[own:end] if d else d)
                 for d in (getattr(self.reqs.get(r[0]), "head_dropped", None) for r in step.rows)
