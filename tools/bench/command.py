@@ -523,7 +523,8 @@ def run_bench(
     loads = [a for a in ("graft", "plain") if a in inputs.arms]
     # each pair of engine processes runs every round (see --load-orders)
     pairs = [loads, loads[::-1]] if len(loads) == 2 and getattr(args, "load_orders", "one") == "both" else [loads]
-    order = [rnd for first in pairs for rnd in arm_order(first, args.repeat)]
+    rounds = [arm_order(first, args.repeat) for first in pairs]  # each pair's, in the order run
+    order = [rnd for pair in rounds for rnd in pair]
     bars = _Bars(progress, out)
 
     def start(job: dict[str, Any]) -> ArmProcess:
@@ -565,15 +566,15 @@ def run_bench(
         with bars:
             results, scores = run_arms(
                 jobs,
-                arm_order(pairs[0], args.repeat),
+                rounds[0],
                 start=start,
                 score_for_plain=score_for_plain,
                 scorer_job=scorer,
                 score_all=score_all,
             )
-            for first in pairs[1:]:  # the same rounds in engines loaded the other way round, unscored
+            for pair in rounds[1:]:  # the same rounds in engines loaded the other way round, unscored
                 again = {arm: {**job, "score_own": False} for arm, job in jobs.items()}
-                more, _ = run_arms(again, arm_order(first, args.repeat), start=start, score_for_plain=lambda _: {})
+                more, _ = run_arms(again, pair, start=start, score_for_plain=lambda _: {})
                 results = pool_runs(results, more)
     except ArmFailed as e:
         return _arm_failed(e, err), None
@@ -729,9 +730,9 @@ def add_command(sub: Any) -> None:
         default="both",
         help="both (default): run the rounds twice, in two pairs of engine processes loaded in "
         "opposite orders (graft then plain, plain then graft), and pool their runs: the engine "
-        "loaded second runs a few percent faster here, whichever it is (an A/A read 0.95-1.00 "
-        "with graft loaded first, 1.03 with plain first); one: a single pair, graft loaded first "
-        "(half the engine loads)",
+        "loaded second ran 3-15%% faster on a 2-core machine, whichever it was (an A/A read 0.87-1.00 "
+        "with graft loaded first, 1.03-1.11 with plain first); one: a single pair, graft loaded "
+        "first (half the engine loads)",
     )
     p.add_argument(
         "--arms",
