@@ -326,6 +326,11 @@ def _model_info(model: Any, base_dir: Any, problems: list[Problem], notes: list[
 def _dtype(engine: dict[str, Any], model: ModelInfo | None, problems: list[Problem]) -> str | None:
     raw = engine.get("dtype", "auto")
     if raw == "auto":
+        if model is not None and model.dtype == "float32":
+            # vLLM's dtype "auto" downcasts a float32 checkpoint to the platform's preferred
+            # half dtype (bfloat16 on x86 and ARM CPUs and on CUDA with bf16; config/model.py
+            # _resolve_auto_dtype): the plugins then compute in that, not in float32
+            return "bfloat16"
         return model.dtype if model else None
     dtype = DTYPE_ALIASES.get(str(raw))
     if dtype is None:
@@ -367,7 +372,9 @@ def _check_capabilities(
         )
     if dtype is not None and dtype not in caps.dtypes:
         refuse(
-            f"does not support dtype {dtype!r}", "dtypes " + ", ".join(caps.dtypes), "Set engine.dtype to one of those"
+            f"does not support dtype {dtype!r}",
+            "dtypes " + ", ".join(caps.dtypes),
+            "Set engine.dtype to one of those (with dtype auto vLLM computes a float32 checkpoint in bfloat16)",
         )
     elif dtype is None and set(caps.dtypes) != set(DTYPES):
         notes.append(f"{path}: model dtype unknown, dtype check for {entry.name!r} skipped")

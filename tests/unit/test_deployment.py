@@ -193,6 +193,19 @@ def test_messages_are_distinct():
     assert len(set(messages)) == len(messages) >= 15
 
 
+def test_dtype_auto_on_a_float32_checkpoint_is_checked_as_the_bfloat16_vllm_computes_in(
+        registry, cpu_env, tmp_path):
+    """vLLM's dtype auto downcasts a float32 checkpoint (config/model.py _resolve_auto_dtype):
+    sample-evict (float32, float16) is refused there, and accepted with dtype float32 set."""
+    from tests.unit.conftest import _model
+
+    model = str(_model(tmp_path / "fp32", "LlamaForCausalLM", 64, dtype="float32"))
+    msg = only({"model": model, "kvcompress": {"plugin": "sample-evict"}}, registry, cpu_env)
+    assert "does not support dtype 'bfloat16'" in msg and "float32 checkpoint in bfloat16" in msg
+    validate({"model": model, "engine": {"dtype": "float32"}, "kvcompress": {"plugin": "sample-evict"}},
+             registry, cpu_env)
+
+
 def test_architecture_unsupported(registry, cpu_env, dense_model):
     msg = only({"model": str(dense_model), "moe": {"plugin": "noop"}}, registry, cpu_env)
     assert "moe.plugin: moe plugin 'noop' does not apply to model architecture LlamaForCausalLM" in msg
