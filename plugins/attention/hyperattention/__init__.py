@@ -27,9 +27,7 @@ class HyperAttentionParams(Params):
         "holds at least this many tokens; the causal recursion's diagonal pieces shorter than this "
         "are exact. Shorter prompts and decode steps get exact attention",
     )
-    block_size: int = Field(
-        256, ge=1, le=65536, description="keys per block of the LSH-sorted order, attended exactly"
-    )
+    block_size: int = Field(256, ge=1, le=65536, description="keys per block of the LSH-sorted order, attended exactly")
     sample_size: int = Field(
         256,
         ge=0,

@@ -345,7 +345,8 @@ class HyperAttention(AttentionMethod):
     def forward(self, query, kv_cache, batch, layer, plan=None):
         if plan is None:
             plan = self.plan(batch)
-        if plan is None:  # decodes only: exact, no host sync
+        if plan is None:  # decodes only: exact, no host sync (rows counted as the query's, padding included)
+            self.exact_rows += query.shape[0]
             return paged_attention(query, kv_cache, batch, layer)
         self.exact_rows += plan.exact_rows
         if not plan.long:
