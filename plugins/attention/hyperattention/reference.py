@@ -168,6 +168,14 @@ def attend(
     return (s - safe[..., None]).exp() @ v, lse
 
 
+def _rows(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``x [M, n, D]`` with each head's rows taken in ``order [M, r]`` -> ``[M, r, D]`` (one
+    index_select of rows, faster than a gather along dim 1 on the CPU)."""
+    M, n, D = x.shape
+    flat = (order + torch.arange(M, device=x.device)[:, None] * n).reshape(-1)
+    return x.reshape(M * n, D).index_select(0, flat).view(M, order.shape[1], D)
+
+
 def _blocked(x: torch.Tensor, blk: torch.Tensor, pos: torch.Tensor, nb: int, width: int) -> torch.Tensor:
     """Sorted rows ``x [M, n, D]`` into blocks ``[M, nb, width, D]`` (zero padding)."""
     M, n, D = x.shape
@@ -197,9 +205,7 @@ def hyper_unmasked(
     nb = max(1, -(-nk // cfg.block_size))
     q_order = torch.argsort(lsh_rank(q, planes), dim=1, stable=True)  # [H, n_q]
     k_order = torch.argsort(lsh_rank(k, planes), dim=1, stable=True)  # [H_kv, n_k]
-    qs = q.gather(1, q_order[..., None].expand(H, nq, D))
-    ks = k.gather(1, k_order[..., None].expand(hkv, nk, D))
-    vs = v.gather(1, k_order[..., None].expand(hkv, nk, D))
+    qs, ks, vs = _rows(q, q_order), _rows(k, k_order), _rows(v, k_order)
     qblk, qpos, qw = partition(nq, nb, dev)
     kblk, kpos, kw = partition(nk, nb, dev)
     # block-diagonal part: query block b of the sorted order against key block b (blocks as heads)
@@ -223,15 +229,15 @@ def hyper_unmasked(
             idx = torch.arange(nk, device=dev).expand(hkv, nk)
         else:
             idx = torch.rand(hkv, nk, generator=gen).topk(m, dim=1).indices.to(dev)  # uniform, distinct
-        k_s = ks.gather(1, idx[..., None].expand(hkv, m, D)).repeat_interleave(g, 0)[:, None]  # [H, 1, m, D]
-        v_s = vs.gather(1, idx[..., None].expand(hkv, m, D)).repeat_interleave(g, 0)[:, None]
+        k_s = _rows(ks, idx).repeat_interleave(g, 0)[:, None]  # [H, 1, m, D]
+        v_s = _rows(vs, idx).repeat_interleave(g, 0)[:, None]
         same = qblk[None, :, None] == kblk[idx][:, None, :]  # [H_kv, n_q, m]: already counted exactly
         o2, l2 = attend(qs[:, None], k_s, v_s, scale, same.repeat_interleave(g, 0)[:, None], cfg.exact_kernel)
         o, lse = merge(o, lse, o2[:, 0], l2[:, 0] + math.log(nk / m))
-    out, out_lse = torch.empty_like(o), torch.empty_like(lse)
-    out.scatter_(1, q_order[..., None].expand(H, nq, D), o)  # back to the queries' own order
-    out_lse.scatter_(1, q_order, lse)
-    return out, out_lse
+    flat = (q_order + torch.arange(H, device=dev)[:, None] * nq).reshape(-1)  # back to the queries' order
+    out = torch.empty(H * nq, D, dtype=o.dtype, device=dev).index_copy_(0, flat, o.reshape(H * nq, D))
+    out_lse = torch.empty(H * nq, dtype=lse.dtype, device=dev).index_copy_(0, flat, lse.reshape(-1))
+    return out.view(H, nq, D), out_lse.view(H, nq)
 
 
 def hyper_causal(
