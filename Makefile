@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.graft-installed
 
-.PHONY: install wheel wheels demo lint test test-unit test-tp test-aot test-faults soak servebench docs train-models eval-models clean-venv \
+.PHONY: install wheel wheels demo lint test test-full test-unit test-tp test-aot test-faults soak servebench docs train-models eval-models clean-venv \
 	gpu-check gpu-wheels suffix kvpress
 
 $(STAMP): pyproject.toml setup.py
@@ -72,6 +72,13 @@ lint: install
 test: install wheels lint
 	$(PY) -m pip install -q --no-deps -e $(EXAMPLE)
 	VLLM_GRAFT_WHEELS=$(WHEELS) $(PY) -m pytest -q --durations=30 tests $(EXAMPLE)/tests
+
+# The long form: every case CI skips (@pytest.mark.full, tests/conftest.py), the TP matrix, every
+# fault case, sm_80 and sm_90 AOT compiles, every tree proposer (~70 min on 2 CPUs).
+test-full: install wheels lint
+	$(PY) -m pip install -q --no-deps -e $(EXAMPLE)
+	GRAFT_FULL=1 GRAFT_TP_MATRIX=all GRAFT_FAULTS_FULL=1 GRAFT_AOT_ARCHS=80,90 GRAFT_TREE_ALL=1 \
+	    VLLM_GRAFT_WHEELS=$(WHEELS) $(PY) -m pytest -q --durations=30 tests $(EXAMPLE)/tests
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit

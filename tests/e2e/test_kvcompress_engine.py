@@ -196,6 +196,7 @@ def _short_run(kvcompress):
         del llm
 
 
+@pytest.mark.full  # the kernel against its reference outside the engine: tests/kernels/test_h2o_kernel.py
 def test_h2o_triton_kernel_in_the_engine_matches_its_reference(monkeypatch):
     """kernel: triton runs the decode kernel inside vLLM's forward pass (interpreted, on CPU)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # before the kernel module is first imported

@@ -165,6 +165,7 @@ print("RESULT " + json.dumps({"tokens": tokens, "report": report["dynamic-topk"]
 """
 
 
+@pytest.mark.full  # a whole engine under TRITON_INTERPRET; the kernel alone: tests/unit/test_moe_dynamic_topk_kernel.py
 def test_dynamic_topk_triton_kernel_in_the_engine_routes_as_the_reference(dynamic, tmp_path):
     """kernel: triton: the fused Triton routing kernel inside vLLM (CPU: under TRITON_INTERPRET=1,
     which must be set when the process starts, hence a child process) gives the reference

@@ -147,7 +147,11 @@ BROKEN = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(BROKEN))
+#: CI runs these three (a missing, a corrupt tensor, a wrong parameter); the rest with GRAFT_FULL=1
+SHORT = ("missing", "corrupt", "other-method-params")
+
+
+@pytest.mark.parametrize("case", [c if c in SHORT else pytest.param(c, marks=pytest.mark.full) for c in sorted(BROKEN)])
 def test_broken_checkpoint_fails_naming_the_tensor(df11, tmp_path, case):
     from vllm import LLM
 

@@ -113,7 +113,7 @@ def test_snapkv_in_vllm_equals_attention_masked_to_the_blocks_it_keeps():
     assert max(abs(a - b) for a, b in zip(prompt, plain_prompt)) < 1e-3
 
 
-@pytest.mark.parametrize("score", ["sum", "mean"])
+@pytest.mark.parametrize("score", ["sum", pytest.param("mean", marks=pytest.mark.full)])
 def test_h2o_in_vllm_equals_attention_masked_to_the_blocks_it_keeps_step_by_step(score):
     from vllm_graft.tools.workloads import Tokenizer, stdlib_texts
 
