@@ -362,7 +362,9 @@ class KVCacheFormat(PluginImpl[P]):
     ``uint8`` tensor ``[num_blocks, H_kv, block_size, bytes_per_token]``:
 
     * :meth:`write` stores a step's new keys/values at their slots (vLLM's
-      ``do_kv_cache_update``; slot = block * block_size + offset, negative = padding);
+      ``do_kv_cache_update``; slot = block * block_size + offset, negative = padding), told
+      which layer it writes (``layer``, as :meth:`forward` is) for a format with per-layer
+      state such as codebooks;
     * :meth:`forward` is the layer's causal attention over the paged batch, reading the
       cache in the format (dequantising inside the attention). With ``observe`` given (an
       eviction compressor that needs scores, e.g. H2O, is combined with the format), it also
@@ -383,9 +385,19 @@ class KVCacheFormat(PluginImpl[P]):
 
     @abstractmethod
     def write(
-        self, key: "torch.Tensor", value: "torch.Tensor", kv_cache: "torch.Tensor", slot_mapping: "torch.Tensor"
+        self,
+        key: "torch.Tensor",
+        value: "torch.Tensor",
+        kv_cache: "torch.Tensor",
+        slot_mapping: "torch.Tensor",
+        layer: AttentionLayer | None = None,
     ) -> None:
-        """Store ``key``/``value`` ``[T, H_kv, D]`` at ``slot_mapping[:T]`` in ``kv_cache``."""
+        """Store ``key``/``value`` ``[T, H_kv, D]`` at ``slot_mapping[:T]`` in ``kv_cache``.
+
+        ``layer``: the layer written (its :attr:`AttentionLayer.index` keys per-layer state);
+        ``None`` where a caller has no layer (a test, the conformance kit). The adapter passes it
+        only to a ``write`` whose signature names ``layer`` (one written before it was part of
+        the contract is called without it)."""
 
     @abstractmethod
     def forward(

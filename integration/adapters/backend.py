@@ -364,7 +364,8 @@ class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         if SEAMS.kv_format is not None and kv_cache.dtype == torch.uint8 and self.attn_type == "decoder":
-            return SEAMS.kv_format.write(key, value, kv_cache, slot_mapping)  # the format's page
+            spec = layer_spec((self.num_heads, self.num_kv_heads, self.head_size, self.scale), layer, kv_cache)
+            return SEAMS.kv_format.write(key, value, kv_cache, slot_mapping, spec)  # the format's page
         # vLLM's CPU kernels keep the cache in an ISA-specific layout (keys transposed per block
         # for "vec"/"vec16": hooks.CPU_VEC). An attention method reads the cache itself: one that
         # reads that layout gets vLLM's write (and its kernel on plain steps); for any other this

@@ -46,7 +46,7 @@ from vllm.v1.attention.backends.triton_attn import (
 
 from ...hooks import PACKED, PagedBatch
 
-from .backend import GUARD_PREFIX, SEAMS, call_plan, customize_spec, seam_forward
+from .backend import GUARD_PREFIX, SEAMS, call_plan, customize_spec, layer_spec, seam_forward
 
 log = logging.getLogger("vllm_graft")
 
@@ -144,7 +144,8 @@ class GraftImplMixin:
             and kv_cache.dtype == torch.uint8
             and self.graft_attn_type == AttentionType.DECODER
         ):
-            return SEAMS.kv_format.write(key, value, kv_cache, slot_mapping)  # the format's page
+            spec = layer_spec((self.num_heads, self.num_kv_heads, self.head_size, self.scale), layer, kv_cache, PACKED)
+            return SEAMS.kv_format.write(key, value, kv_cache, slot_mapping, spec)  # the format's page
         return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
     def forward(

@@ -52,6 +52,7 @@ from .backend import (
     SEAMS,
     call_plan,
     customize_spec,
+    layer_spec,
     seam_forward,
     write_kv,
 )
@@ -175,7 +176,8 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if SEAMS.kv_format is not None and kv_cache.dtype == torch.uint8:
-            SEAMS.kv_format.write(key, value, kv_cache, slot_mapping)  # a storage format's page
+            spec = layer_spec((self.num_heads, self.num_kv_heads, self.head_size, self.scale), layer, kv_cache)
+            SEAMS.kv_format.write(key, value, kv_cache, slot_mapping, spec)  # a storage format's page
         else:
             write_kv(key, value, kv_cache, slot_mapping)
 

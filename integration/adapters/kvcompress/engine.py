@@ -9,10 +9,11 @@ load it in a process that never starts an engine (the bench's parent, for instan
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ....hooks import Kind, KVCacheFormat
+from ....hooks import AttentionLayer, Kind, KVCacheFormat
 from .. import Adapter, attention_backend_overrides
 from . import state as _state
 from .channel import (
@@ -243,9 +244,14 @@ class _FormatSeam:
 
     def __init__(self, fmt: KVCacheFormat, name: str, runtime: Any) -> None:
         self.fmt, self.name, self.runtime = fmt, name, runtime
+        # a format written before write() took the layer (KVCacheFormat.write) is called without it
+        self.takes_layer = "layer" in inspect.signature(fmt.write).parameters
 
-    def write(self, key, value, kv_cache, slot_mapping) -> None:
-        self.fmt.write(key, value, kv_cache, slot_mapping)
+    def write(self, key, value, kv_cache, slot_mapping, layer: AttentionLayer | None = None) -> None:
+        if self.takes_layer:
+            self.fmt.write(key, value, kv_cache, slot_mapping, layer=layer)
+        else:
+            self.fmt.write(key, value, kv_cache, slot_mapping)
         self.runtime.count(Kind.KVCOMPRESS, self.name, "write", 1)
 
     def forward(self, query, kv_cache, batch, layer):

@@ -276,8 +276,8 @@ class KV4(KVCacheFormat):
     def unsupported(self, head_size: int, block_size: int) -> str | None:
         return unsupported(head_size, block_size, self.params.value_group_size)
 
-    def write(self, key, value, kv_cache, slot_mapping) -> None:
-        write(key, value, kv_cache, slot_mapping, self.params.value_group_size)
+    def write(self, key, value, kv_cache, slot_mapping, layer=None) -> None:
+        write(key, value, kv_cache, slot_mapping, self.params.value_group_size)  # the same for every layer
 
     def forward(self, query, kv_cache, batch, layer, observe=None):
         if self.params.kernel == "triton" and observe is None:
