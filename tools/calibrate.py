@@ -231,6 +231,12 @@ def _razor() -> Method:
     return Method(razor.NAME, razor.PLUGIN, razor.HELP, razor.add_arguments, razor.run)
 
 
+def _million() -> Method:
+    from .kvcompress import calibrate_million as million
+
+    return Method(million.NAME, million.PLUGIN, million.HELP, million.add_arguments, million.run)
+
+
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
@@ -242,6 +248,7 @@ METHODS: dict[str, Method] = {
             _run_mask,
         ),
         _razor(),  # RazorAttention retrieval heads -> the head map of attention:squeezed
+        _million(),  # MILLION product-quantisation codebooks -> the codebook file of kvcompress:million
     )
 }
 
