@@ -143,7 +143,9 @@ def calibrate(
     return info
 
 
-def text_windows(model_dir: str, files: Sequence[str], window: int, tokens: int, seed: int) -> tuple[list[list[int]], str]:
+def text_windows(
+    model_dir: str, files: Sequence[str], window: int, tokens: int, seed: int
+) -> tuple[list[list[int]], str]:
     """Token windows to calibrate on and a description of where they came from."""
     from ..workloads import Tokenizer
 
@@ -158,9 +160,9 @@ def text_windows(model_dir: str, files: Sequence[str], window: int, tokens: int,
 
     num = max(1, -(-tokens // window))
     chosen = stdlib_texts(tok, num=num, tokens=window, seed=seed)
-    return [list(ids) for ids, _ in chosen], f"stdlib source, {num} windows of {window} tokens (seed {seed}): " + ", ".join(
-        s for _, s in chosen
-    )
+    return [
+        list(ids) for ids, _ in chosen
+    ], f"stdlib source, {num} windows of {window} tokens (seed {seed}): " + ", ".join(s for _, s in chosen)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -36,9 +36,7 @@ class MillionParams(Params):
     sub_dim: Literal[1, 2, 4, 8] = Field(
         2, description="channels per sub-vector (M = head size / sub_dim codes per vector); must match the file"
     )
-    bits: Literal[4, 8] = Field(
-        8, description="bits per code (2**bits centroids per sub-space); must match the file"
-    )
+    bits: Literal[4, 8] = Field(8, description="bits per code (2**bits centroids per sub-space); must match the file")
 
     @field_validator("codebooks")
     @classmethod

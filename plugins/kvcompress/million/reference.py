@@ -140,7 +140,13 @@ def write(
 
 # -------------------------------------------------------------------------- attention
 def lut_decode_attention(
-    q: torch.Tensor, kcodes: torch.Tensor, vcodes: torch.Tensor, lens: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, scale: float
+    q: torch.Tensor,
+    kcodes: torch.Tensor,
+    vcodes: torch.Tensor,
+    lens: torch.Tensor,
+    ck: torch.Tensor,
+    cv: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
     """One query per sequence through the lookup tables: ``q [S, H, D]``, codes
     ``[S, H_kv, T, M]`` (int64), ``lens [S]`` (tokens each sequence reads; the codes past them
