@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.graft-installed
 
-.PHONY: install wheel wheels demo lint test test-full test-unit test-tp test-aot test-faults soak servebench docs train-models eval-models clean-venv \
+.PHONY: install wheel wheels demo lint test test-full test-unit test-tp test-aot test-faults soak servebench docs train-models eval-models clean-venv million-codebooks \
 	gpu-check gpu-wheels suffix kvpress
 
 $(STAMP): pyproject.toml setup.py
@@ -116,6 +116,16 @@ SERVEBENCH_ARGS ?= --workload long-context --rates 0.25,0.5,1 --num-requests 16 
 SERVEBENCH_OUT ?= servebench.json
 servebench: install
 	$(VENV)/bin/vllm-graft servebench $(SERVEBENCH_DEPLOYMENTS) $(SERVEBENCH_ARGS) --out $(SERVEBENCH_OUT)
+
+# MILLION codebooks (kvcompress:million; deployments/kvcompress-million.yaml and
+# deployments/smollm2/kvcompress-million.yaml read them): calibrated on each model's post-RoPE K/V
+# (8192 stdlib tokens, seeded: the same file on every run), into a cache outside the clone.
+# SmolLM2-135M only once fetched (`make install`).
+MILLION_BOOKS ?= $(HOME)/.cache/vllm-graft/million
+million-codebooks: install
+	$(VENV)/bin/vllm-graft calibrate million --out $(MILLION_BOOKS)/graft-tiny-llama.safetensors
+	@test ! -f $(HOME)/.cache/vllm-graft/models/smollm2-135m/config.json || $(VENV)/bin/vllm-graft calibrate million \
+	    --model $(HOME)/.cache/vllm-graft/models/smollm2-135m --out $(MILLION_BOOKS)/smollm2-135m.safetensors
 
 # vLLM's `suffix` speculative method (the peer in benchmarks/suite.yaml's vllm-suffix cases)
 # needs arctic-inference, which has no wheel for this platform: built from source (~1 min).

@@ -75,8 +75,14 @@ def test_example_deployments_are_valid(registry, cpu_env):
     root = Path(__file__).resolve().parents[2] / "deployments"
     files = sorted(root.glob("*.yaml"))
     assert files, "deployments/ holds example files"
+    # million's codebooks are calibrated files outside the clone: valid once made, else told how
+    calibrated = "write it with `vllm-graft calibrate million"
     for f in files:  # the bundled models they name are committed under models/
-        plan = validate_file(f, registry, cpu_env)
+        try:
+            plan = validate_file(f, registry, cpu_env)
+        except DeploymentError as e:
+            assert f.stem == "kvcompress-million" and calibrated in str(e), f"{f}: {e}"
+            continue
         assert plan.model is not None, f"{f} names a local model folder"
     real = sorted((root / "smollm2").glob("*.yaml"))  # the real model: valid once fetched, else told to fetch it
     assert len(real) >= 20
@@ -84,7 +90,8 @@ def test_example_deployments_are_valid(registry, cpu_env):
         try:
             plan = validate_file(f, registry, cpu_env)
         except DeploymentError as e:
-            assert "vllm-graft models fetch smollm2-135m" in str(e), f"{f}: {e}"
+            assert "vllm-graft models fetch smollm2-135m" in str(e) or (
+                f.stem == "kvcompress-million" and calibrated in str(e)), f"{f}: {e}"
         else:
             assert plan.model is not None and plan.model.path.endswith("vllm-graft/models/smollm2-135m")
     shapes = sorted((root / "shapes").glob("*.yaml"))
