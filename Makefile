@@ -119,7 +119,7 @@ servebench: install
 
 # MILLION codebooks (kvcompress:million; deployments/kvcompress-million.yaml and
 # deployments/smollm2/kvcompress-million.yaml read them): calibrated on each model's post-RoPE K/V
-# (8192 stdlib tokens, seeded: the same file on every run), into a cache outside the clone.
+# (4096 stdlib tokens, 10 k-means iterations, seeded: the same file on every run), into a cache outside the clone.
 # SmolLM2-135M only once fetched (`make install`).
 MILLION_BOOKS ?= $(HOME)/.cache/vllm-graft/million
 million-codebooks: install

@@ -107,8 +107,8 @@ def calibrate(
     *,
     sub_dim: int = 2,
     bits: int = 8,
-    iters: int = 20,
-    max_tokens: int = 8192,
+    iters: int = 10,
+    max_tokens: int = 4096,
     seed: int = 0,
     source: str = "",
     on_layer=None,
@@ -175,11 +175,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="calibration text (repeatable; default: standard-library source windows)",
     )
-    p.add_argument("--tokens", type=int, default=8192, metavar="N", help="calibration tokens per layer (default 8192)")
+    p.add_argument("--tokens", type=int, default=4096, metavar="N", help="calibration tokens per layer (default 4096)")
     p.add_argument("--window", type=int, default=512, metavar="N", help="tokens per forward pass (default 512)")
     p.add_argument("--sub-dim", type=int, default=2, choices=[1, 2, 4, 8], help="channels per sub-vector (default 2)")
     p.add_argument("--bits", type=int, default=8, choices=[4, 8], help="bits per code (default 8: 256 centroids)")
-    p.add_argument("--iters", type=int, default=20, metavar="N", help="k-means iterations (default 20)")
+    p.add_argument("--iters", type=int, default=10, metavar="N", help="k-means iterations (default 10)")
     p.add_argument("--seed", type=int, default=0, help="seed of the stdlib windows and the k-means initialisation")
 
 
@@ -201,6 +201,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
     def row(layer: int, ek: float, ev: float) -> None:
         table.add_row(str(layer), f"{ek:.4f}", f"{ev:.4f}")
+        console.print(f"[dim]layer {layer} done ({time.time() - t0:.0f} s)[/]")
 
     try:
         info = calibrate(

@@ -158,9 +158,9 @@ def kmeans(x: "torch.Tensor", k: int, iters: int, seed: int = 0) -> tuple["torch
     return c, err / norm
 
 
-def _assign(x: "torch.Tensor", c: "torch.Tensor", budget: int = 1 << 16) -> tuple["torch.Tensor", "torch.Tensor"]:
+def _assign(x: "torch.Tensor", c: "torch.Tensor", budget: int = 1 << 20) -> tuple["torch.Tensor", "torch.Tensor"]:
     """Nearest centroid of every sample and the summed squared distance per group (in chunks
-    of ``budget`` distances: small enough to stay in cache)."""
+    of ``budget`` distances per group)."""
     import torch
 
     G, N, _ = x.shape
