@@ -418,3 +418,9 @@ def test_suffix_tree_of_vllms_peer_is_emptied_before_each_timed_run():
     worker = SimpleNamespace(model_runner=SimpleNamespace(drafter=SimpleNamespace(suffix_cache=cache)))
     assert _empty_suffix_tree(worker) == 2 and cache.responses == {}
     assert _empty_suffix_tree(SimpleNamespace(model_runner=SimpleNamespace(drafter=None))) == 0
+
+
+def test_a_long_only_list_is_cut_in_the_generated_line():
+    cmd = "vllm-graft bench --suite --quick " + " ".join(f"--only c{i}" for i in range(30))
+    assert S.short_command(cmd) == "vllm-graft bench --suite --quick --only c0 --only c1 ... (30 cases)"
+    assert S.short_command("vllm-graft bench --suite --only a --only b") == "vllm-graft bench --suite --only a --only b"

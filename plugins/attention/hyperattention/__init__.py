@@ -55,8 +55,10 @@ def graft_register_attention(register):
             paper="HyperAttention: Long-context Attention in Near-Linear Time (arXiv:2310.05343)",
             params=HyperAttentionParams,
             impl="vllm_graft.plugins.attention.hyperattention.reference:HyperAttention",
+            # dp only: its hyperplanes and samples are drawn per KV head of the rank, so two ranks'
+            # approximation is not one rank's, and no two-rank case has run it
             capabilities=Capabilities(
-                parallelism=("tp", "dp"), lossless=False, unsupported_features=ATTENTION_BACKEND_LIMITS
+                parallelism=("dp",), lossless=False, unsupported_features=ATTENTION_BACKEND_LIMITS
             ),
         )
     )
