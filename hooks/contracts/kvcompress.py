@@ -6,7 +6,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from dataclasses import dataclass
 from operator import index as _index
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..kinds import Kind
 from .attention import AttentionLayer, PagedBatch
@@ -64,6 +64,21 @@ class BlockView:
     @property
     def num_blocks(self) -> int:
         return -(-self.num_tokens // self.block_size)
+
+
+@dataclass(frozen=True)
+class ScoringPass:
+    """One extra forward pass a :attr:`KVCompressor.scoring_pass` compressor asks the worker to
+    run over a request's context once its prompt is prefilled (e.g. KVzip's reconstruction:
+    "repeat the context" followed by a chunk of it).
+
+    ``token_ids`` are fed after the context (positions ``num_prompt_tokens`` on); every layer's
+    queries attend to the context's cached KV and, causally, to the pass's own keys, which are
+    never written to the cache (the pass's KV is discarded). The queries from index
+    ``observe_from`` of ``token_ids`` on are the ones whose attention scores the context."""
+
+    token_ids: tuple[int, ...]
+    observe_from: int = 0
 
 
 class KVCompressor(PluginImpl[P]):
@@ -147,6 +162,9 @@ class KVCompressor(PluginImpl[P]):
     #: True (with ``needs_scores``) if the KV of the blocks :meth:`keep` drops is folded into the
     #: kept blocks' KV instead of being lost (merge-on-evict, e.g. D2O): see :meth:`merge`.
     merges: bool = False
+    #: True (with ``needs_scores``) if the compressor scores the prompt by extra forward passes of
+    #: its own (:meth:`scoring_passes`, reduced by :meth:`pass_block_scores`; e.g. KVzip)
+    scoring_pass: bool = False
     #: the ``KVCacheLayout`` names the compressor's own :meth:`attend` reads the cache in (see
     #: ``hooks.contracts.attention.KVCacheLayout``); the shared attention reads both
     kv_layouts: tuple[str, ...] = ("blocked",)
@@ -169,6 +187,27 @@ class KVCompressor(PluginImpl[P]):
         """Token positions ``[start, end)`` whose queries' attention counts towards the
         scores (``needs_scores`` only). Default: every query."""
         return (0, 1 << 62)
+
+    def scoring_passes(
+        self, prompt_token_ids: Sequence[int], tokenize: Callable[[str], list[int]]
+    ) -> Sequence[ScoringPass]:
+        """:attr:`scoring_pass` compressors only: the forward passes (:class:`ScoringPass`) to run
+        over a request's context once its ``prompt_token_ids`` are prefilled. ``tokenize(text)``
+        gives the model's token ids of a text (no special tokens). The worker runs each pass in a
+        scoring-only attention (nothing is written to the cache, no block is allocated) and keeps,
+        per layer, KV head and context token, the **largest** softmax probability that a pass's
+        observed queries (over the query heads of the KV head's group) put on that token, over all
+        passes: the ``pair_scores`` :meth:`pass_block_scores` reduces."""
+        return ()
+
+    def pass_block_scores(self, pair_scores: "torch.Tensor", block_size: int) -> "torch.Tensor":
+        """:attr:`scoring_pass` compressors only: ``pair_scores [layers, H_kv, num_prompt_tokens]``
+        (float32, see :meth:`scoring_passes`; under tensor parallelism this rank's KV heads) ->
+        one score per prompt block ``[ceil(num_prompt_tokens / block_size)]``, added to the
+        blocks' ``view.scores`` before :meth:`keep` is asked at the end of the prompt. The scores
+        of the ranks are summed, so a score should be a sum over KV heads. On the input's device,
+        no host sync."""
+        raise NotImplementedError(f"{type(self).__name__} sets scoring_pass but implements no pass_block_scores()")
 
     def block_scores(
         self,
@@ -442,6 +481,7 @@ def shape_problems(impl: type, others: Sequence[tuple[str, str, type | None]] = 
     out: list[ShapeProblem] = []
     scored = bool(getattr(impl, "needs_scores", False))
     per_head, per_layer, merges = (bool(getattr(impl, f, False)) for f in ("per_head", "per_layer", "merges"))
+    passes = bool(getattr(impl, "scoring_pass", False))
     refusals: list[tuple[bool, str, str]] = [
         (per_layer and per_head, "per_layer", "per_head is set too (choose per KV head or per layer)"),
         (
@@ -481,16 +521,35 @@ def shape_problems(impl: type, others: Sequence[tuple[str, str, type | None]] = 
             "it chooses blocks per KV head or per layer (a masked block is not dropped)",
         ),
         (merges and not own("merge"), "merges", "it implements no merge() (see the built-in d2o plugin)"),
+        (
+            passes and not scored,
+            "scoring_pass",
+            "it does not set needs_scores (the worker adds the passes' scores to the blocks' scores)",
+        ),
+        (
+            passes and (per_head or per_layer or merges),
+            "scoring_pass",
+            "it chooses blocks per KV head or per layer, or merges (a pass scores blocks, for all at once)",
+        ),
+        (
+            passes and not (own("scoring_passes") and own("pass_block_scores")),
+            "scoring_pass",
+            "it implements no scoring_passes() and pass_block_scores() (see the built-in kvzip plugin)",
+        ),
     ]
     what = {
         "per_layer": "chooses blocks per layer",
         "per_head": "chooses blocks per KV head",
         "merges": "merges evicted KV",
+        "scoring_pass": "scores the prompt by forward passes of its own",
     }
     out += [ShapeProblem(f"{what[flag]} ({flag} = True), but {why}") for bad, flag, why in refusals if bad]
     if scored:
         why = "it needs attention scores, which it computes in the worker's own attention"
         out += [ShapeProblem(why, a) for a in attention]
+    if passes:
+        why = "its scoring passes read the dense cache, which a storage format does not keep"
+        out += [ShapeProblem(why, f) for f in formats]
     if per_head or per_layer or merges:
         why = "it merges into the dense cache" if merges else "it masks blocks per KV head or per layer"
         out += [ShapeProblem(f"{why}, which a storage format's attention does not do", f) for f in formats]

@@ -66,6 +66,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 
 from ...hooks import BLOCKED, CPU_VEC, PACKED, AttentionLayer, KVCacheLayout, PagedBatch
 from .plugin_calls import raised
+from .kvcompress.scoring_pass import PassMetadata, run_in_backend
 from ..runtime import RUNTIME
 
 log = logging.getLogger("vllm_graft")
@@ -379,6 +380,18 @@ class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
     def forward(
         self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None
     ):
+        if isinstance(attn_metadata, PassMetadata):  # a compressor's scoring pass: nothing to write
+            return scoring_pass_forward(
+                (self.num_heads, self.num_kv_heads, self.head_size, self.scale),
+                layer,
+                query,
+                key,
+                value,
+                kv_cache,
+                attn_metadata,
+                output,
+                self.graft_layout(layer, kv_cache),
+            )
         method = SEAMS.method
         if SEAMS.host_kernel:  # the method is plain attention: vLLM's own kernel computes it
             if SEAMS.count and attn_metadata is not None:
@@ -475,6 +488,24 @@ class GraftCPUAttentionImpl(CPUAttentionBackendImpl):
             method=None,
             who="kvcompress storage format",
         )
+
+
+def scoring_pass_forward(
+    heads: "Heads", layer: Any, query, key, value, kv_cache, meta: PassMetadata, output, layout: KVCacheLayout
+):
+    """Every graft backend's ``forward`` when the metadata is a scoring pass's
+    (:class:`~.kvcompress.scoring_pass.PassMetadata`, see :mod:`.kvcompress.scoring_forward`): the
+    pass's attention over the request's cached context and its own K/V, its pair scores folded
+    into the metadata; the cache is read in ``layout`` (the one this route writes) and never
+    written (the pass's forward context has no slot mapping)."""
+    spec = layer_spec(heads, layer, kv_cache, layout)
+    try:
+        out = run_in_backend(None, spec, query, key, value, kv_cache, meta, output)
+    except Exception as e:
+        raise raised("kvcompress", SEAMS.method_name or "scoring pass", "scoring pass", e) from e
+    if SEAMS.count:
+        SEAMS.count("pass_layers", 1)
+    return out
 
 
 def call_plan(method: Any, batch: PagedBatch) -> Any:
@@ -592,4 +623,5 @@ __all__ = [
     "stock_layout_checked",
     "CPU_VEC_ISAS",
     "GraftCPUAttentionBackend",
+    "scoring_pass_forward",
 ]

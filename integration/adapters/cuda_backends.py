@@ -46,7 +46,8 @@ from vllm.v1.attention.backends.triton_attn import (
 
 from ...hooks import PACKED, PagedBatch
 
-from .backend import GUARD_PREFIX, SEAMS, call_plan, customize_spec, layer_spec, seam_forward
+from .backend import GUARD_PREFIX, SEAMS, call_plan, customize_spec, layer_spec, scoring_pass_forward, seam_forward
+from .kvcompress.scoring_pass import PassMetadata
 
 log = logging.getLogger("vllm_graft")
 
@@ -151,6 +152,9 @@ class GraftImplMixin:
     def forward(
         self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None
     ):
+        if isinstance(attn_metadata, PassMetadata):  # a compressor's scoring pass: nothing written
+            heads = (self.num_heads, self.num_kv_heads, self.head_size, self.scale)
+            return scoring_pass_forward(heads, layer, query, key, value, kv_cache, attn_metadata, output, PACKED)
         method = SEAMS.method
         stock = (layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
         if method is not None and SEAMS.host_kernel:  # plain attention: vLLM's kernel

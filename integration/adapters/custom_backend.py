@@ -53,9 +53,11 @@ from .backend import (
     call_plan,
     customize_spec,
     layer_spec,
+    scoring_pass_forward,
     seam_forward,
     write_kv,
 )
+from .kvcompress.scoring_pass import PassMetadata
 from ..runtime import RUNTIME
 
 
@@ -186,6 +188,9 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
     ):
         if attn_metadata is None:  # profiling run: no cache yet
             return output.fill_(0)
+        if isinstance(attn_metadata, PassMetadata):  # a compressor's scoring pass: nothing written
+            heads = (self.num_heads, self.num_kv_heads, self.head_size, self.scale)
+            return scoring_pass_forward(heads, layer, query, key, value, kv_cache, attn_metadata, output, BLOCKED)
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("vllm-graft's attention backend does not fuse output quantisation")
         RUNTIME.backend_calls["forward"] += 1

@@ -320,6 +320,12 @@ class KVCompressAdapter(Adapter[KVCompressState]):
                 active.scored = scores_cls(
                     compressor, e.name, count, reduce=_tensor_parallel_sum, gather=_tensor_parallel_heads
                 )
+                if getattr(compressor, "scoring_pass", False):
+                    from .scoring_forward import pass_block_scores
+
+                    active.scored.passes = lambda runner, req_id, n, _c=compressor: pass_block_scores(
+                        runner, _c, req_id, n
+                    )
                 backend.SEAMS.method = attention_cls(active.scored)
                 backend.SEAMS.method_name = e.name
                 backend.SEAMS.count = count

@@ -162,6 +162,13 @@ class _Scores:
         self.from_cache = scores_the_cache(compressor)
         #: the mass alone may be computed apart from the step's output (the shared attention, one
         #: score per block, from the mass): see :meth:`_ScoringAttention.mass_only`
+        #: scoring passes (``compressor.scoring_pass``): ``passes(runner, req_id, context_len) ->
+        #: (block scores tensor or None, pair scores, seconds)``, set by the adapter (it runs the
+        #: model: :func:`.scoring_forward.pass_block_scores`); None: the compressor asks for none
+        self.passes: Callable[[Any, str, int], Any] | None = None
+        self.runner: Any = None  # the step's model runner (noted at plan time), for the passes
+        #: the last requests' pair scores ``[layers, H_kv, prompt]`` (on the host), for tests and tools
+        self.recent_pairs: dict[str, Any] = {}
         self.mass_alone = (
             uses_shared_attention(compressor)
             and not self.from_cache
@@ -189,6 +196,7 @@ class _Scores:
         if step is None or not step.rows:
             self.pending = None
             return None
+        self.runner = getattr(step, "runner", None)
         # vLLM's host copy (query_start_loc_cpu, noted by the rows' pass): no device read per step
         qsl = step.query_start_loc
         T = qsl[len(step.rows)] if len(qsl) > len(step.rows) else qsl[-1]
@@ -264,6 +272,7 @@ class _Scores:
         if plan is None or plan.mass is None:
             return {}
         B = plan.block_size
+        extra = self._pass_scores(plan) if self.passes is not None else {}
         per_head = plan.head_dropped is not None
         if per_head and not plan.per_layer and self.gather is not None:
             every, first = self.gather(plan.mass, self.total_heads)
@@ -292,6 +301,9 @@ class _Scores:
                 for j, logical in enumerate(plan.cols[i]):
                     st.scores[logical] += mass[i][j]
                     step[logical] += mass[i][j]
+                for logical, x in enumerate(extra.get(req_id, ())[:nb]):  # the scoring passes' scores
+                    st.scores[logical] += x
+                    step[logical] += x
                 view = st.view(step, total, B, prompt, req_id)
                 kept = check_keep(view, ask(self.compressor, view, self.name), self.name)
             back = sorted(st.dropped & set(kept))
@@ -311,6 +323,35 @@ class _Scores:
         if head_drops:
             self.count("layer_blocks_dropped" if plan.per_layer else "head_blocks_dropped", head_drops)
         return drops
+
+    def _pass_scores(self, plan: _StepPlan) -> dict[str, list[float]]:
+        """The scoring passes of the rows whose prompt is complete at this step: per request,
+        one score per prompt block (summed over the ranks). Run after the step's forward."""
+        out: dict[str, list[float]] = {}
+        for req_id, computed, q, prompt, _ in plan.rows:
+            if q <= 0 or not computed < prompt <= computed + q:
+                continue
+            st = self.reqs.get(req_id)
+            if st is not None and st.dropped:
+                raise KeepError(
+                    f"kvcompress plugin {self.name!r}: request {req_id!r} dropped blocks "
+                    f"{sorted(st.dropped)} before its prompt was complete; a scoring pass reads the "
+                    "whole context, so its compressor must not drop blocks mid-prefill (when: prefill)"
+                )
+            assert self.passes is not None
+            scores, pair, seconds = self.passes(self.runner, req_id, prompt)
+            if scores is None:
+                continue
+            if self.reduce is not None:
+                scores = self.reduce(scores)
+            out[req_id] = [float(x) for x in scores.tolist()]
+            self.count("scoring_passes", 1)
+            self.count("scoring_pass_us", int(seconds * 1e6))
+            self.recent_pairs[req_id] = pair.detach().to("cpu")
+            while len(self.recent_pairs) > 16:
+                self.recent_pairs.pop(next(iter(self.recent_pairs)))
+            trace("scoring_pass", 1, req=req_id, tokens=prompt, seconds=round(seconds, 4))
+        return out
 
     def _ask_heads(
         self,
