@@ -118,9 +118,56 @@ def exercise_kvcompress(t: Target, impl: Any, dtype: str, rules: bool) -> list[t
             check_score_positions(t, impl)
         results += exercise_attend(t, impl, dtype, rules)
         results += exercise_block_scores(t, impl, dtype)
+    if getattr(impl, "scoring_pass", False):
+        results += exercise_scoring_passes(t, impl)
     if getattr(impl, "merges", False):
         results += exercise_merge(t, impl, dtype)
     return results
+
+
+def exercise_scoring_passes(t: Target, impl: Any) -> list[tuple[str, Any]]:
+    """A compressor with scoring passes (``scoring_pass``): ``scoring_passes`` gives
+    :class:`~vllm_graft.hooks.ScoringPass` es of int token ids with ``observe_from`` in range, the
+    same for the same prompt; ``pass_block_scores`` turns pair scores ``[L, H_kv, N]`` into one
+    finite score per block, on the input's device, leaving the input unmodified."""
+    from ....hooks import ScoringPass
+
+    torch = torch_module()
+    out = []
+    for n in (1, 37, 700):
+        prompt = [(7 * i) % 1000 + 3 for i in range(n)]
+
+        def tokenize(text: str) -> list[int]:
+            return [ord(c) % 1000 for c in text][:12] or [1]
+
+        passes = list(impl.scoring_passes(prompt, tokenize))
+        if list(impl.scoring_passes(prompt, tokenize)) != passes:
+            raise t.fail(f"scoring_passes() answered differently for the same {n}-token prompt")
+        for p in passes:
+            if not isinstance(p, ScoringPass):
+                raise t.fail(f"scoring_passes() returned {type(p).__name__}, not vllm_graft.hooks.ScoringPass")
+            ids = list(p.token_ids)
+            if not ids or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ids):
+                raise t.fail(f"a scoring pass's token_ids must be non-empty non-negative ints, got {ids[:8]}...")
+            if not 0 <= p.observe_from < len(ids):
+                raise t.fail(f"observe_from {p.observe_from} is outside the pass's {len(ids)} tokens")
+        g = torch.Generator().manual_seed(n)
+        pair = torch.rand(2, 2, n, generator=g)
+        before = pair.clone()
+        for bs in (16, 32):
+            got = impl.pass_block_scores(pair, bs)
+            nb = -(-n // bs)
+            if tuple(got.shape) != (nb,) or not bool(torch.isfinite(got).all()):
+                raise t.fail(
+                    f"pass_block_scores() for {n} tokens in blocks of {bs} gave {tuple(got.shape)}, "
+                    f"expected {nb} finite scores"
+                )
+            if got.device != pair.device:
+                raise t.fail("pass_block_scores() answered on another device than its input's")
+        if not torch.equal(pair, before):
+            raise t.fail("pass_block_scores() modified its input")
+        out.append((f"scoring passes, prompt {n}", [len(p.token_ids) for p in passes]))
+    return out
 
 
 def exercise_merge(t: Target, impl: Any, dtype: str) -> list[tuple[str, Any]]:
@@ -239,7 +286,7 @@ def check_score_positions(t: Target, impl: Any) -> None:
                 "ints with 0 <= start <= end (token positions whose queries' attention is scored)"
             )
         ranges.append((start, end))
-    if all(a == b for a, b in ranges):
+    if all(a == b for a, b in ranges) and not getattr(impl, "scoring_pass", False):  # passes score it
         raise t.fail(
             f"score_positions() is empty for every prompt length tried ({ranges}): no query's "
             "attention would ever count, so every score stays 0"

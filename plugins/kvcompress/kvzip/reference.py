@@ -101,6 +101,11 @@ class KVzip(PolicyCompressor):
     def score(self, view: BlockView) -> Sequence[float] | None:
         return view.scores
 
+    def protected_start(self, view: BlockView) -> int:
+        """The prompt's last block, the one being written when the prompt's end is decided, stays
+        (so the budget counts the same blocks at every later step)."""
+        return max(0, view.num_prompt_tokens - 1) // view.block_size
+
     def scoring_passes(
         self, prompt_token_ids: Sequence[int], tokenize: Callable[[str], list[int]]
     ) -> list[ScoringPass]:
