@@ -99,6 +99,9 @@ FULL_RANK_CASES = {
     "knorm": {"kvcompress": {"plugin": "knorm", "params": {"budget_blocks": 5}}},
     "keydiff": {"kvcompress": {"plugin": "keydiff", "params": {"budget_blocks": 5}}},
     "expected-attention": {"kvcompress": {"plugin": "expected-attention", "params": {"budget_blocks": 5}}},
+    # its scoring passes run the model's forward on every rank (the ranks' collectives in step);
+    # each rank scores its KV heads, and the block scores are summed over the ranks
+    "kvzip": {"kvcompress": {"plugin": "kvzip", "params": {"budget_blocks": 5, "chunk_tokens": 256}}},
     "rkv": {"kvcompress": {"plugin": "rkv", "params": {"budget_blocks": 4, "slack_blocks": 1}}},
     # per layer (and adakv below per KV head): a block is freed where no unit keeps it, so the
     # union is capped (held_blocks 5 above a budget of 4, the units mask inside it)

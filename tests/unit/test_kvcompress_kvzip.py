@@ -5,7 +5,6 @@ every cache layout, with kernel blocks smaller than the manager's and tiled quer
 scores' reduction to blocks, what it keeps, its shape and its registration. The scores the
 engine computes against transformers' attention on the tiny model: tests/e2e/test_kvzip_engine.py."""
 
-import dataclasses
 
 import pytest
 import torch
@@ -176,7 +175,7 @@ def test_shape_and_registration():
     assert shape_problems(KVzip) == []
     reg = get_registry().get("kvcompress", "kvzip").registration
     assert "2505.23416" in reg.paper and not reg.capabilities.lossless
-    assert reg.capabilities.parallelism == ("dp",)
+    assert reg.capabilities.parallelism == ("tp", "dp")
     p = KVzipParams(keep_ratio=0.25)
     assert p.keep_ratio == 0.25 and p.chunk_tokens == 512
     with pytest.raises(ValueError, match="sink_blocks"):

@@ -115,6 +115,21 @@ attention, so it cannot be combined with an attention plugin: refused at validat
 kind's shape check (``hooks.contracts.kvcompress.shape_problems``), which every combination
 rule of a compressor's flags and methods lives in; ``activate`` only wires.
 
+Scoring passes (``scoring_pass`` compressors: ``kvzip``)
+-------------------------------------------------------
+A compressor may ask for forward passes of its own over given tokens
+(``KVCompressor.scoring_passes``: KVzip's "repeat the context" chunks). At the step where a
+request's prompt completes, :meth:`.scores._Scores.finalize` (after the step's sampling) runs them
+through :mod:`.scoring_forward`: the model's forward on the pass tokens, positions after the
+context, with a :class:`.scoring_pass.PassMetadata` for every attention layer and no slot mapping,
+which each graft backend (CPU, CUDA, generic) turns into :func:`.scoring_pass.pass_forward`: the
+pass's queries over the request's context KV read from the paged cache plus the pass's own K/V in
+local tensors; nothing is written, no block allocated, the pass's KV discarded. The per-pair max
+attention (layer, KV head, token) is reduced by ``pass_block_scores`` to one score per block
+(summed over the tensor-parallel ranks) and added to the request's scores before ``keep`` is
+asked; from there the scores channel frees blocks as for any scored compressor. Events:
+``scoring_passes`` (requests scored), ``pass_layers`` (layer forwards), ``scoring_pass_us``.
+
 Per KV head (``per_head`` compressors: ``adakv``)
 ------------------------------------------------
 The same channel, with scores per KV head. The scoring attention passes the compressor's

@@ -85,19 +85,19 @@ def pass_forward(
     ck, cv = context_kv(kv_cache, meta, layer)
     hkv, N = ck.shape[0], ck.shape[1]
     G = H // hkv
-    k = torch.cat([ck.float(), key[:n].float().transpose(0, 1)], dim=1)  # [H_kv, N + n, D]
-    v = torch.cat([cv.float(), value[:n].float().transpose(0, 1)], dim=1)
-    q = query.float().view(n, hkv, G, D)
-    out = torch.empty(n, hkv, G, D, dtype=torch.float32, device=query.device)
+    kT = torch.cat([ck.float(), key[:n].float().transpose(0, 1)], dim=1).transpose(1, 2)[:, None]  # [H_kv, 1, D, N+n]
+    v = torch.cat([cv.float(), value[:n].float().transpose(0, 1)], dim=1)[:, None]  # [H_kv, 1, N + n, D]
+    q = query.float().view(n, hkv, G, D).permute(1, 2, 0, 3) * float(layer.scale)  # [H_kv, G, n, D]
+    out = torch.empty(hkv, G, n, D, dtype=torch.float32, device=query.device)
     pair = torch.zeros(hkv, N, dtype=torch.float32, device=query.device)
-    cols = torch.arange(N + n, device=query.device)
+    own = torch.arange(n, device=query.device)
     for t0 in range(0, n, tile):
         t1 = min(n, t0 + tile)
-        rows = torch.arange(t0, t1, device=query.device)
-        logits = torch.einsum("thgd,hsd->hgts", q[t0:t1], k) * float(layer.scale)
-        future = cols[None, :] > (N + rows)[:, None]  # [t, s]
-        prob = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
-        out[t0:t1] = torch.einsum("hgts,hsd->thgd", prob, v)
+        logits = torch.matmul(q[:, :, t0:t1], kT)  # [H_kv, G, tt, N + n]
+        # the pass's own keys after each query: masked (the context's keys are all visible)
+        logits[..., N:].masked_fill_(own[None, :] > own[t0:t1, None], float("-inf"))
+        prob = torch.softmax(logits, dim=-1)
+        out[:, :, t0:t1] = torch.matmul(prob, v)
         first = max(meta.observe_from, t0) - t0
         if first < t1 - t0:
             pair = torch.maximum(pair, prob[:, :, first:, :N].amax(dim=(1, 2)))
@@ -110,7 +110,7 @@ def pass_forward(
     old = meta.pair.get(index)
     meta.pair[index] = pair if old is None else torch.maximum(old, pair)
     meta.layers += 1
-    return out.view(n, H, D).to(query.dtype)
+    return out.permute(2, 0, 1, 3).reshape(n, H, D).to(query.dtype)
 
 
 def stacked(meta: PassMetadata) -> torch.Tensor | None:

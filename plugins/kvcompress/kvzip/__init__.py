@@ -41,8 +41,10 @@ What vLLM's structure changes from the paper:
   the context).
 * The whole prompt is the context (the worker cannot tell a chat template's system part from
   the user's text); chunks are of ``chunk_tokens`` tokens.
-* Tensor parallelism is not declared: each rank scores its own KV heads and the block scores
-  are summed over ranks (a sum over heads), but the two-rank e2e has not been run for it.
+* Tensor parallelism (``tp``): every rank runs the passes (the model's collectives in step),
+  scores its own KV heads, and the block scores are summed over the ranks (a sum over heads), so
+  the ranks drop the blocks one rank drops (tests/e2e/test_tensor_parallel.py's kvzip rank case,
+  ``GRAFT_TP_MATRIX=kvcompress``).
 """
 
 from typing import Literal
@@ -95,6 +97,6 @@ def graft_register_kv_compressors(register):
             "(arXiv:2505.23416)",
             params=KVzipParams,
             impl="vllm_graft.plugins.kvcompress.kvzip.reference:KVzip",
-            capabilities=Capabilities(lossless=False, parallelism=("dp",)),
+            capabilities=Capabilities(lossless=False, parallelism=("tp", "dp")),
         )
     )
