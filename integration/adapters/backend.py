@@ -500,7 +500,7 @@ def scoring_pass_forward(
     written (the pass's forward context has no slot mapping)."""
     spec = layer_spec(heads, layer, kv_cache, layout)
     try:
-        out = run_in_backend(None, spec, query, key, value, kv_cache, meta, output)
+        out = run_in_backend(spec, query, key, value, kv_cache, meta, output)
     except Exception as e:
         raise raised("kvcompress", SEAMS.method_name or "scoring pass", "scoring pass", e) from e
     if SEAMS.count:

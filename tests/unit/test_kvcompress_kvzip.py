@@ -205,3 +205,40 @@ def test_shape_rules_of_scoring_passes():
 
     problems = shape_problems(KVzip, [("kvcompress", "kv4", KV4)])
     assert any("storage format" in p.message for p in problems)
+
+
+def test_the_worker_runs_the_passes_when_the_prompt_completes_and_drops_by_their_scores():
+    from vllm_graft.integration.adapters.kvcompress.keep import KeepError
+    from vllm_graft.integration.adapters.kvcompress.scores import _Scores, _StepPlan
+
+    kv = build("kvzip", budget_blocks=3, sink_blocks=1)
+    counts = {}
+    scored = _Scores(kv, "kvzip", lambda e, n=1: counts.__setitem__(e, counts.get(e, 0) + n))
+    asked = []
+    pass_scores = torch.tensor([0.0, 0.1, 5.0, 0.2, 0.3, 0.0])  # prompt blocks 0-5: block 2 is the best
+
+    def passes(runner, req_id, n):
+        asked.append((runner, req_id, n))
+        return pass_scores, torch.zeros(1, 1, n), 0.25
+
+    scored.passes, scored.runner = passes, "runner"
+
+    def step(rows):
+        width = 12
+        return _StepPlan(rows, [list(range(-(-(c + q) // 32))) for _, c, q, _, _ in rows],
+                         torch.zeros(sum(r[2] for r in rows), dtype=torch.bool),
+                         torch.zeros(len(rows), width), 32)
+
+    # mid-prefill (a), a decode (b), and a request whose prompt completes (c, 190 tokens: 6 blocks)
+    scored.pending = step([("a", 0, 64, 190, []), ("b", 300, 1, 250, []), ("c", 128, 62, 190, [])])
+    drops = scored.finalize()
+    assert asked == [("runner", "c", 190)]
+    assert drops["c"] == [1, 3, 4]  # kept: the sink, the best (2) and the prompt's last block (5)
+    assert "a" not in drops  # mid-prefill: nothing dropped (b, never scored here, ranks by zeros)
+    assert counts["scoring_passes"] == 1 and counts["scoring_pass_us"] == 250000
+    assert scored.recent_pairs["c"].shape == (1, 1, 190)
+    # a request that dropped blocks before its prompt completed is refused: the pass reads them all
+    scored.reqs["d"] = type(scored.reqs["c"])([0.0] * 4, {1})
+    scored.pending = step([("d", 100, 28, 128, [1])])
+    with pytest.raises(KeepError, match="before its prompt was complete"):
+        scored.finalize()

@@ -120,7 +120,7 @@ def stacked(meta: PassMetadata) -> torch.Tensor | None:
     return torch.stack([meta.pair[i] for i in sorted(meta.pair)])
 
 
-def run_in_backend(impl: Any, layer_spec: AttentionLayer, query, key, value, kv_cache, meta, output) -> Any:
+def run_in_backend(layer_spec: AttentionLayer, query, key, value, kv_cache, meta, output) -> Any:
     """A backend impl's ``forward`` during a scoring pass: :func:`pass_forward` into ``output``."""
     n = query.shape[0]
     q = query.view(n, layer_spec.num_heads, layer_spec.head_size)
