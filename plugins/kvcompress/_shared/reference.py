@@ -33,3 +33,20 @@ def attend(
 
         return attention_with_mass(query, kv_cache, batch, layer, observe, head_mask=head_mask)
     return paged_attention_with_mass(query, kv_cache, batch, layer, observe, head_mask=head_mask)
+
+
+def live_slots(
+    key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A storage format's write rows: ``(blocks, offsets, key, value)`` of the first
+    ``slot_mapping.shape[0]`` tokens whose slot is not padding (negative), or None when none is.
+    (One host sync per call, as vLLM's own CPU write has; kv4 and million share it.)"""
+    n = slot_mapping.shape[0]
+    slots = slot_mapping[:n].long()
+    key, value = key[:n], value[:n]
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots, key, value = slots[valid], key[valid], value[valid]
+    if slots.numel() == 0:
+        return None
+    return slots // block_size, slots % block_size, key, value

@@ -44,6 +44,7 @@ import torch
 
 from ....hooks import AttentionLayer, PagedBatch
 from ...attention._shared import flat_blocks, fused_causal_attention, paged_attention_with_mass
+from .._shared.reference import live_slots
 
 from .layout import bytes_per_token, offsets, unsupported
 
@@ -138,15 +139,10 @@ def write(
             f"kv4: cache rows of {C} bytes, expected {bytes_per_token(D, B, G)} "
             f"for head size {D}, block size {B}, value group {G}"
         )
-    n = slot_mapping.shape[0]
-    slots = slot_mapping[:n].long()
-    key, value = key[:n], value[:n]
-    valid = slots >= 0
-    if not bool(valid.all()):
-        slots, key, value = slots[valid], key[valid], value[valid]
-    if slots.numel() == 0:
+    rows = live_slots(key, value, slot_mapping, B)
+    if rows is None:
         return
-    blocks, offs = slots // B, slots % B
+    blocks, offs, key, value = rows
     # values: per token, stored directly
     vcodes, vparams = quantize_values(value, G)  # [T, H, D/2], [T, H, 4D/G]
     kv_cache[blocks, :, offs, vo:vp] = vcodes
@@ -154,10 +150,10 @@ def write(
     # keys: per channel over each touched block, re-encoding the block's earlier keys
     touched, inv = torch.unique(blocks, return_inverse=True)
     U = touched.numel()
-    first = torch.full((U,), B, dtype=torch.long, device=slots.device).scatter_reduce(0, inv, offs, reduce="amin")
+    first = torch.full((U,), B, dtype=torch.long, device=blocks.device).scatter_reduce(0, inv, offs, reduce="amin")
     rows = kv_cache[touched]  # [U, H, B, C] (a copy)
     old = dequantize_keys(rows, D, B, G)  # [U, H, B, D]
-    ar = torch.arange(B, device=slots.device)
+    ar = torch.arange(B, device=blocks.device)
     have = ar[None, :] < first[:, None]  # [U, B] earlier tokens of the block
     k_all = torch.where(have[:, None, :, None], old, torch.zeros((), dtype=old.dtype))
     k_all[inv, :, offs] = key.float()

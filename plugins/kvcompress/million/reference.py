@@ -49,6 +49,7 @@ import torch
 
 from ....hooks import AttentionLayer, KVCacheFormat, PagedBatch
 from ...attention._shared import flat_blocks, fused_causal_attention, paged_attention_with_mass
+from .._shared.reference import live_slots
 
 from . import codebooks as cb
 from .layout import bytes_per_token, unsupported
@@ -124,15 +125,10 @@ def write(
             f"million: cache rows of {C} bytes, expected {bytes_per_token(D, sub_dim, bits)} "
             f"for head size {D}, sub_dim {sub_dim}, bits {bits}"
         )
-    n = slot_mapping.shape[0]
-    slots = slot_mapping[:n].long()
-    key, value = key[:n], value[:n]
-    valid = slots >= 0
-    if not bool(valid.all()):
-        slots, key, value = slots[valid], key[valid], value[valid]
-    if slots.numel() == 0:
+    rows = live_slots(key, value, slot_mapping, B)
+    if rows is None:
         return
-    blocks, offs = slots // B, slots % B
+    blocks, offs, key, value = rows
     half = C // 2
     kv_cache[blocks, :, offs, :half] = pack_codes(encode(key, ck), bits)
     kv_cache[blocks, :, offs, half:] = pack_codes(encode(value, cv), bits)
