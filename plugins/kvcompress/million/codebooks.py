@@ -140,20 +140,21 @@ def kmeans(x: "torch.Tensor", k: int, iters: int, seed: int = 0) -> tuple["torch
         raise ValueError(f"k-means into {k} centroids needs at least {k} samples per group, got {N}")
     g = torch.Generator().manual_seed(seed)
     x = x.float()
-    first = torch.rand(G, N, generator=g).argsort(dim=1)[:, :k]
+    dev = x.device  # the seeded draws on the host generator, moved to the samples' device
+    first = torch.rand(G, N, generator=g).argsort(dim=1)[:, :k].to(dev)
     c = torch.gather(x, 1, first[..., None].expand(G, k, d)).clone()
-    err = torch.zeros(G)
+    err = torch.zeros(G, device=dev)
     for it in range(iters + 1):
         assign, err = _assign(x, c)
         if it == iters:
             break
-        sums = torch.zeros(G, k, d).scatter_add_(1, assign[..., None].expand(G, N, d), x)
-        counts = torch.zeros(G, k).scatter_add_(1, assign, torch.ones(G, N))
+        sums = torch.zeros(G, k, d, device=dev).scatter_add_(1, assign[..., None].expand(G, N, d), x)
+        counts = torch.zeros(G, k, device=dev).scatter_add_(1, assign, torch.ones(G, N, device=dev))
         empty = counts == 0
         c = torch.where(empty[..., None], c, sums / counts.clamp(min=1)[..., None])
         if bool(empty.any()):
             gi, ki = empty.nonzero(as_tuple=True)
-            c[gi, ki] = x[gi, torch.randint(N, (gi.numel(),), generator=g)]
+            c[gi, ki] = x[gi, torch.randint(N, (gi.numel(),), generator=g).to(dev)]
     norm = x.pow(2).sum(dim=(1, 2)).clamp(min=1e-30)
     return c, err / norm
 
@@ -167,8 +168,8 @@ def _assign(x: "torch.Tensor", c: "torch.Tensor", budget: int = 1 << 20) -> tupl
     k = c.shape[1]
     cn = (c * c).sum(-1)[:, None, :]  # [G, 1, k]
     xn = (x * x).sum(-1)  # [G, N]
-    idx = torch.empty(G, N, dtype=torch.long)
-    best = torch.empty(G, N)
+    idx = torch.empty(G, N, dtype=torch.long, device=x.device)
+    best = torch.empty(G, N, device=x.device)
     rows = max(1, budget // k)
     for g in range(G):
         for s in range(0, N, rows):
