@@ -421,8 +421,8 @@ def print_demo(result: dict[str, Any], console: Console) -> None:
     if runs > 1:
         console.print(
             f"tok/s: the median of {runs} timed runs per arm (min-max in brackets), the arms "
-            "taking turns after a warm-up; speed: graft / plain of the medians, with the "
-            "min-max of the runs' paired ratios"
+            "taking turns after a warm-up; speed: the median of the runs' paired ratios "
+            "graft / plain, with their min-max"
         )
     style = "bold yellow" if verdict["busy"] is not False else "green"
     console.print(f"[{style}]{escape(verdict['text'])}[/]")

@@ -637,7 +637,7 @@ def test_repeats_take_turns_and_each_engine_loads_once(tmp_path, fake_arms, caps
     assert ratio["ratio"] == pytest.approx(2.0)  # graft 6.0 / plain's median 3.0
     assert ratio["runs"] == pytest.approx([2.0, 1.0, 4.0]) and (ratio["min"], ratio["max"]) == (1.0, 4.0)
     assert "arms alternating: graft plain, plain graft, graft plain" in " ".join(text.split())
-    assert "paired ratios 1.000-4.000" in text
+    assert "median of the 3 paired runs' ratios, range 1.000-4.000" in " ".join(text.split())
 
 
 def test_median_spread_and_ratio():
@@ -654,6 +654,10 @@ def test_median_spread_and_ratio():
     assert (r["min"], r["max"]) == (pytest.approx(0.9), pytest.approx(1.0))
     assert bench.ratio_of([], [1.0]) is None and bench.ratio_of([0.0], [1.0]) is None
     assert bench.ratio_of([2.0], [3.0])["ratio"] == 1.5
+    # the paired median, not the ratio of the medians: runs seconds apart share the machine's phase
+    drift = bench.ratio_of([10.0, 40.0, 20.0], [11.0, 20.0, 44.0])
+    assert drift["ratio"] == pytest.approx(1.1) and drift["of_medians"] == pytest.approx(1.0)
+    assert bench.ratio_of([10.0, 20.0], [30.0])["ratio"] == pytest.approx(30.0 / 15.0)  # unpaired: medians
 
 
 def test_an_arm_failing_mid_run_closes_the_other(tmp_path, monkeypatch, capsys):

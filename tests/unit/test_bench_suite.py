@@ -170,7 +170,7 @@ def test_case_row_and_markdown():
     suite = S.load_suite(DEFAULT)
     case = {c.name: c for c in suite.cases}["noop-attention"]
     row = S.case_row(case, ["deployments/shapes/noop-attention.yaml", "--workload", "chat"],
-                     fake_result([100.0, 110.0, 90.0], [90.0, 99.0, 95.0], busy=0.7), quick=False)
+                     fake_result([100.0, 110.0, 90.0], [95.0, 99.0, 95.0], busy=0.7), quick=False)
     assert row["ratio"] == pytest.approx(0.95) and row["met"] is True and row["target"] == 0.95
     assert (row["ratio_min"], row["ratio_max"]) == (pytest.approx(0.9), pytest.approx(95 / 90))
     assert row["ppl_change"] == pytest.approx(0.05) and row["model"] == "llama-108m"
@@ -189,7 +189,7 @@ def test_case_row_and_markdown():
     assert len(table) == 3
     cells = [c.strip() for c in table[0].split("|")[1:-1]]
     assert cells[:8] == ["noop-attention", "`deployments/shapes/noop-attention.yaml`", "llama-108m", "chat 8 x 32",
-                         "100.0 (90-110)", "95.0 (90-99)", "**0.950** (0.90-1.06)", ">= 0.95: yes"]
+                         "100.0 (90-110)", "95.0 (95-99)", "**0.950** (0.90-1.06)", ">= 0.95: yes"]
     assert cells[8:12] == ["10 / 5", "1000 / 900", "+5.00% ppl", "8/8"]
     slow_cells = [c.strip() for c in table[1].split("|")[1:-1]]
     assert slow_cells[6:8] == ["**0.940** (0.94-0.94)", ">= 0.95: **no**"] and slow_cells[10:12] == ["-", "7/8"]

@@ -20,7 +20,15 @@ loaded second ran 3-15% faster whichever arm it was (an A/A at the suite's quick
 vLLM's thread binding on or off). Pooled, the A/A read 0.949-1.030 over six invocations: the
 bias cancels on average, but its size changes from one pair of processes to the next. Each figure is the median of
 the N runs (tokens/s) or comes from the run with the median wall time (the others), with the
-min-max range; the ratio is graft / plain of the medians, its range that of the per-run ratios.
+min-max range; the ratio is the median of the per-run ratios graft / plain (run r of each arm,
+seconds apart), its range theirs (:func:`.stats.ratio_of`). One engine alone drifts by +-10% over
+tens of seconds on the 2-core VM (30 identical runs in one process: 71-98 tok/s, in phases; its
+CPU time per run tracks the wall time, so the CPU itself ran slower, not the engine waiting),
+and a pair of runs seconds apart shares its phase where two medians need not: nine A/A
+invocations (`--load-orders one`, 3-8 rounds) read 0.979-1.023 as the paired median and
+0.958-1.093 as the ratio of the arms' medians (kept as ``of_medians``). Writing the machine's free
+memory before loading does not help here: the VM's balloon reports freed pages to the host
+(virtio-balloon free page reporting), so memory freed is faulted in afresh by the next process.
 ``vllm-graft bench --suite`` (:mod:`.suite`) runs a list of such cases and writes
 BENCHMARKS.md's generated section.
 
