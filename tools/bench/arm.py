@@ -171,6 +171,7 @@ def _generate(
     usage0 = resource.getrusage(resource.RUSAGE_SELF)
     system0 = _system_busy_s()
     t0 = time.perf_counter()
+    delivered = 0  # told to the parent once the run is over: an event per step woke it mid-run
     fill()
     while inflight:
         outputs = engine.step()
@@ -185,11 +186,12 @@ def _generate(
             if out.finished:
                 final[i] = out
                 inflight.discard(i)
-        on_tokens(new)
+        delivered += new
         fill()
         if not outputs and not engine.has_unfinished_requests() and inflight:
             raise RuntimeError(f"the engine finished without returning requests {sorted(inflight)}")
     wall = time.perf_counter() - t0
+    on_tokens(delivered)
     usage1 = resource.getrusage(resource.RUSAGE_SELF)
     system1 = _system_busy_s()
     cpu = (usage1.ru_utime + usage1.ru_stime) - (usage0.ru_utime + usage0.ru_stime)
