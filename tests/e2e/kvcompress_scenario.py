@@ -107,6 +107,32 @@ def run_shared(kvcompress: dict[str, Any] | None) -> dict[str, Any]:
     return _shared[key]
 
 
+def agreement(a: dict[str, list[int]], b: dict[str, list[int]]) -> float:
+    """Fraction of positions where two requests' greedy tokens agree, over all requests."""
+    same = sum(x == y for r in a for x, y in zip(a[r], b[r]))
+    return same / sum(len(a[r]) for r in a)
+
+
+def check_close_to_plain(name: str, plain: dict[str, Any], out: dict[str, Any], page_bytes: int,
+                         min_first: int) -> None:
+    """Assert that a lossy KV format ``name`` ran the whole scenario (preemption, the abort,
+    prefix hits, no leaked block, its write/forward seams) and stays close to the plain run:
+    every request's first ``min_first`` tokens equal plain's and over 20% of them agree."""
+    assert out["manager"] == "GraftKVCompressManager" and out["page_bytes"] == page_bytes
+    assert out["preemptions"] > 0 and out["aborted"] == ["r4"]
+    assert sorted(out["tokens"]) == sorted(plain["tokens"])
+    assert all(len(t) == NEW_TOKENS for t in out["tokens"].values())
+    assert out["leaked"] == 0 and out["left"] == []
+    assert out["cached"]["r2"] > 0 and out["cached"]["r5"] > 0  # its blocks are prefix-cached
+    assert out["events"][f"{name}:write"] > 0 and out["events"][f"{name}:forward"] > 0
+    agree = agreement(plain["tokens"], out["tokens"])
+    first = {r: next((i for i, (x, y) in enumerate(zip(plain["tokens"][r], t)) if x != y), len(t))
+             for r, t in out["tokens"].items()}
+    print(f"{name} vs plain: {100 * agree:.1f}% of greedy tokens agree; first difference per request {first}")
+    assert all(n >= min_first for n in first.values()), first
+    assert agree > 0.2
+
+
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     for kvcompress in json.loads(sys.argv[1]):  # a list of kvcompress sections (null: plain)
