@@ -508,6 +508,18 @@ def scoring_pass_forward(
     return out
 
 
+def batch_of(cm: Any) -> PagedBatch:
+    """The :class:`PagedBatch` of vLLM's ``CommonAttentionMetadata`` ``cm``: its first
+    ``num_reqs`` requests (the tensors may be padded past them)."""
+    n = cm.num_reqs
+    return PagedBatch(
+        query_start_loc=cm.query_start_loc[: n + 1],
+        seq_lens=cm.seq_lens[:n],
+        block_table=cm.block_table_tensor[:n],
+        max_query_len=int(cm.max_query_len),
+    )
+
+
 def call_plan(method: Any, batch: PagedBatch) -> Any:
     """``method.plan(batch)`` (the builder's once-per-step call); an exception names the plugin."""
     try:

@@ -44,9 +44,18 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadataBuilder,
 )
 
-from ...hooks import PACKED, PagedBatch
+from ...hooks import PACKED
 
-from .backend import GUARD_PREFIX, SEAMS, call_plan, customize_spec, layer_spec, scoring_pass_forward, seam_forward
+from .backend import (
+    GUARD_PREFIX,
+    SEAMS,
+    batch_of,
+    call_plan,
+    customize_spec,
+    layer_spec,
+    scoring_pass_forward,
+    seam_forward,
+)
 from .kvcompress.scoring_pass import PassMetadata
 
 log = logging.getLogger("vllm_graft")
@@ -97,13 +106,7 @@ class GraftBuilderMixin:
             cm = rewrite(self, cm)
         metadata = super().build(common_prefix_len, cm, fast_build)  # type: ignore[misc]  # mixin, as above
         if attends_in_python() and cm.causal is True:
-            n = cm.num_reqs
-            batch = PagedBatch(
-                query_start_loc=cm.query_start_loc[: n + 1],
-                seq_lens=cm.seq_lens[:n],
-                block_table=cm.block_table_tensor[:n],
-                max_query_len=int(cm.max_query_len),
-            )
+            batch = batch_of(cm)
             metadata.graft_batch = batch
             metadata.graft_num_tokens = cm.num_actual_tokens
             if method_runs():

@@ -50,6 +50,7 @@ from .backend import (
     GENERIC_CPU_PATH,
     GENERIC_PATH,
     SEAMS,
+    batch_of,
     call_plan,
     customize_spec,
     layer_spec,
@@ -110,13 +111,7 @@ class GraftAttentionMetadataBuilder(AttentionMetadataBuilder[GraftAttentionMetad
             cm = rewrite(self, cm)
         if isinstance(cm.causal, torch.Tensor) or not cm.causal:
             raise NotImplementedError("vllm-graft's attention backend supports causal decoder attention only")
-        n = cm.num_reqs
-        batch = PagedBatch(
-            query_start_loc=cm.query_start_loc[: n + 1],
-            seq_lens=cm.seq_lens[:n],
-            block_table=cm.block_table_tensor[:n],
-            max_query_len=int(cm.max_query_len),
-        )
+        batch = batch_of(cm)
         method = _method()
         plan = call_plan(method, batch)
         if SEAMS.count and SEAMS.method is not None:
