@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from .engines import LLAMA  # first: the in-process engine's environment, before vLLM is imported
-from vllm_graft.integration.plan import plan_for
+from .engines import long_context  # first: the in-process engine's environment, before vLLM is imported
 
 pytestmark = pytest.mark.e2e
 
@@ -16,27 +15,7 @@ NEW_TOKENS = 24
 
 
 def _run(params: dict | None) -> dict:
-    from vllm import SamplingParams
-
-    from vllm_graft.launch import engine as launch
-
-    from vllm_graft.tools import workloads
-    from vllm_graft.integration.runtime import RUNTIME
-
-    tok = workloads.Tokenizer.from_model(LLAMA)
-    (ps,) = workloads.build(["long-context"], tok, num_prompts=2, max_tokens=NEW_TOKENS,
-                            max_model_len=ENGINE["max_model_len"])
-    plan = plan_for({"model": LLAMA, "engine": ENGINE,
-                     "attention": {"plugin": "squeezed", "params": params or {}}})
-    with launch.in_process_engine(plan, graft=params is not None, seed=0) as llm:
-        res = llm.generate([{"prompt_token_ids": list(p.token_ids)} for p in ps.prompts],
-                           SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
-                           use_tqdm=False)
-        out = {"tokens": [list(r.outputs[0].token_ids) for r in res]}
-        if params is not None:
-            (impl,) = RUNTIME.instances.values()
-            out["describe"] = impl.describe()
-        return out
+    return long_context("squeezed", params, ENGINE, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
