@@ -126,6 +126,17 @@ def _case(H=4, Hkv=2, D=64, B=16, seed=0, dtype=torch.float32):
     return q, batch, layer, nb
 
 
+def _coded_case(H, Hkv, D, B, seed, sub_dim=2, bits=8):
+    """:func:`_case` at ``seed``, K/V codebooks at ``seed + 1`` and ``seed + 2`` and a cache of
+    random codes at ``seed + 3``: ``(q, batch, layer, nb, ck, cv, cache)``."""
+    q, batch, layer, nb = _case(H, Hkv, D, B, seed=seed)
+    ck = _books(Hkv, D, sub_dim=sub_dim, bits=bits, seed=seed + 1)
+    cv = _books(Hkv, D, sub_dim=sub_dim, bits=bits, seed=seed + 2)
+    g = torch.Generator().manual_seed(seed + 3)
+    cache = torch.randint(0, 256, (nb, Hkv, B, bytes_per_token(D, sub_dim, bits)), generator=g, dtype=torch.uint8)
+    return q, batch, layer, nb, ck, cv, cache
+
+
 def _slots(batch, i, n, B):
     t = torch.arange(n)
     return batch.block_table[i, t // B].long() * B + t % B
@@ -140,10 +151,7 @@ def _dense_of(cache, ck, cv):
 
 def test_lookup_table_attention_equals_dense_attention_over_the_decoded_kv():
     H, Hkv, D, B = 8, 2, 64, 16
-    q, batch, layer, nb = _case(H, Hkv, D, B, seed=3)
-    ck, cv = _books(Hkv, D, seed=4), _books(Hkv, D, seed=5)
-    g = torch.Generator().manual_seed(6)
-    cache = torch.randint(0, 256, (nb, Hkv, B, bytes_per_token(D, 2, 8)), generator=g, dtype=torch.uint8)
+    q, batch, layer, nb, ck, cv, cache = _coded_case(H, Hkv, D, B, seed=3)
     out, mass = paged_attention_million(q, cache, batch, layer, ck, cv, 8)
     assert mass is None and out.shape == q.shape and out.dtype == q.dtype
     exact = exact_attention(q, _dense_of(cache, ck, cv), batch, layer)
@@ -159,10 +167,7 @@ def test_lookup_table_attention_equals_dense_attention_over_the_decoded_kv():
 
 def test_four_bit_codes_attend_the_same_way():
     H, Hkv, D, B = 4, 2, 32, 16
-    q, batch, layer, nb = _case(H, Hkv, D, B, seed=7)
-    ck, cv = _books(Hkv, D, sub_dim=1, bits=4, seed=8), _books(Hkv, D, sub_dim=1, bits=4, seed=9)
-    g = torch.Generator().manual_seed(10)
-    cache = torch.randint(0, 256, (nb, Hkv, B, bytes_per_token(D, 1, 4)), generator=g, dtype=torch.uint8)
+    q, batch, layer, nb, ck, cv, cache = _coded_case(H, Hkv, D, B, seed=7, sub_dim=1, bits=4)
     out, _ = paged_attention_million(q, cache, batch, layer, ck, cv, 4)
     k, v = decode_block_rows(cache, ck, cv, 4)
     exact = exact_attention(q, torch.cat([k, v], dim=2).view(nb, Hkv, B, 2 * D), batch, layer)
@@ -232,10 +237,7 @@ def test_attention_over_calibrated_codes_is_close_to_attention_over_the_true_kv(
 
 def test_observe_gives_the_mass_of_exact_attention_over_the_decoded_kv():
     H, Hkv, D, B = 4, 2, 64, 16
-    q, batch, layer, nb = _case(H, Hkv, D, B, seed=13)
-    ck, cv = _books(Hkv, D, seed=14), _books(Hkv, D, seed=15)
-    g = torch.Generator().manual_seed(16)
-    cache = torch.randint(0, 256, (nb, Hkv, B, bytes_per_token(D, 2, 8)), generator=g, dtype=torch.uint8)
+    q, batch, layer, nb, ck, cv, cache = _coded_case(H, Hkv, D, B, seed=13)
     observe = torch.zeros(q.shape[0], dtype=torch.bool)
     observe[::2] = True
     out, mass = paged_attention_million(q, cache, batch, layer, ck, cv, 8, observe)
