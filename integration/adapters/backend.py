@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.v1.attention.backends.cpu_attn import (
@@ -68,6 +68,9 @@ from ...hooks import BLOCKED, CPU_VEC, PACKED, AttentionLayer, KVCacheLayout, Pa
 from .plugin_calls import raised
 from .kvcompress.scoring_pass import PassMetadata, run_in_backend
 from ..runtime import RUNTIME
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.backend import CommonAttentionMetadata
 
 log = logging.getLogger("vllm_graft")
 
@@ -508,7 +511,7 @@ def scoring_pass_forward(
     return out
 
 
-def batch_of(cm: Any) -> PagedBatch:
+def batch_of(cm: CommonAttentionMetadata) -> PagedBatch:
     """The :class:`PagedBatch` of vLLM's ``CommonAttentionMetadata`` ``cm``: its first
     ``num_reqs`` requests (the tensors may be padded past them)."""
     n = cm.num_reqs

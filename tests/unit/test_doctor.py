@@ -679,7 +679,9 @@ def test_attribute_rows_catch_an_attribute_vllm_033s_class_never_sets():
     reads = attribute_reads(texts)
     assert {("FlashInferImpl", "num_heads"), ("FlashAttentionImpl", "scale")} <= {(r.base[1], r.name) for r in reads}
     rows = attribute_rows(texts, [src])
-    assert any(k.startswith("CommonAttentionMetadata.seq_lens <- GraftFlashInferMetadataBuilder.build") for k, _, _ in rows)
+    # the builders hand vLLM's metadata to one batch_of(cm) (backend.py), read there through its annotation
+    assert "CommonAttentionMetadata.seq_lens <- batch_of(cm)" in {k for k, _, _ in rows}
+    assert any(k.startswith("CommonAttentionMetadata.causal <- GraftFlashInferMetadataBuilder.build") for k, _, _ in rows)
     assert "CommonAttentionMetadata.query_start_loc_cpu <- _compute(cm)" in {k for k, _, _ in rows}  # rows.py
     problems = {key: r for key, _, check in rows if (r := check(src))}
     assert not problems, problems
