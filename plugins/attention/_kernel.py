@@ -55,3 +55,47 @@ def online_softmax_step(m, l, acc, s, v, IEEE: tl.constexpr, EXP2: tl.constexpr,
         pv = tl.dot(p.to(v.dtype), v)
     acc = acc * alpha[:, None] + pv
     return m_new, l, acc
+
+
+@triton.jit
+def group_query(
+    Q, tok, kvh, sq_t, sq_h, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """The queries of the ``G`` query heads that share KV head ``kvh`` (GQA) at token ``tok``:
+    ``q [BLOCK_G, BLOCK_D]`` (0 past ``G`` and ``D``) and its ``head``, ``g_ok``, ``d``, ``d_ok``."""
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < G
+    head = kvh * G + g
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q = tl.load(Q + tok * sq_t + head[:, None] * sq_h + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    return q, head, g_ok, d, d_ok
+
+
+@triton.jit
+def attend_rows(
+    m,
+    l,
+    acc,
+    q,
+    K,
+    V,
+    k_rows,
+    v_rows,
+    cols,
+    ok,
+    cols_ok,
+    scale,
+    IEEE: tl.constexpr,
+    EXP2: tl.constexpr,
+    FLOORED: tl.constexpr,
+):
+    """Fold ``T`` cached keys and values into the online-softmax state ``(m, l, acc)`` of ``q``:
+    the rows at ``K + k_rows`` and ``V + v_rows`` ([T] offsets; ``cols`` [D] the offsets along
+    D, valid where ``cols_ok``), the keys valid where ``ok`` [T] (the others neither read nor
+    attended)."""
+    mask = ok[:, None] & cols_ok[None, :]
+    k = tl.load(K + k_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+    s = tl.where(ok[None, :], qk_scores(q, k, scale, IEEE), float("-inf"))
+    v = tl.load(V + v_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+    return online_softmax_step(m, l, acc, s, v, IEEE, EXP2, FLOORED)

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ....hooks import AttentionLayer, PagedBatch
 
-from .._kernel import online_softmax_start, online_softmax_step, qk_scores
+from .._kernel import attend_rows, group_query, online_softmax_start
 from .._shared import cache_strides
 
 from .engine_merge import engine_merge, merge_partials_with
@@ -87,10 +87,11 @@ def _prefix_kernel(
     m_i, l_i, acc = online_softmax_start(BLOCK_M, BLOCK_D)
     for j in range(b0, b1):
         blk = tl.load(blks + j).to(tl.int64)
-        k = tl.load(K + blk * sk_n + kvh * sk_h + t[:, None] * sk_t + d[None, :], mask=d_ok[None, :], other=0.0)
-        s = qk_scores(q, k, scale, PREC == "ieee")
-        v = tl.load(V + blk * sv_n + kvh * sv_h + t[:, None] * sv_t + d[None, :], mask=d_ok[None, :], other=0.0)
-        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, PREC == "ieee", False, False)
+        k_rows = blk * sk_n + kvh * sk_h + t * sk_t
+        v_rows = blk * sv_n + kvh * sv_h + t * sv_t
+        m_i, l_i, acc = attend_rows(
+            m_i, l_i, acc, q, K, V, k_rows, v_rows, d, t < BS, d_ok, scale, PREC == "ieee", False, False
+        )
     o = acc / l_i[:, None]
     tl.store(O + row[:, None] * so_r + head[:, None] * so_h + d[None, :], o, mask=m_ok[:, None] & d_ok[None, :])
     tl.store(LSE + row * slse_r + head, m_i + tl.log(l_i), mask=m_ok)
@@ -132,20 +133,17 @@ def _suffix_kernel(
     seq = tl.load(tok_seq + tk).to(tl.int64)
     pos = tl.load(tok_pos + tk)
     b0 = tl.load(seq_start_blk + seq)
-    g = tl.arange(0, BLOCK_G)
-    g_ok = g < G
-    head = kvh * G + g
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    q = tl.load(Q + tk * sq_t + head[:, None] * sq_h + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    q, head, g_ok, d, d_ok = group_query(Q, tk, kvh, sq_t, sq_h, G, D, BLOCK_G, BLOCK_D)
     t = tl.arange(0, BS)
     m_i, l_i, acc = online_softmax_start(BLOCK_G, BLOCK_D)
     for lb in range(b0, pos // BS + 1):
         blk = tl.load(BT + seq * sbt + lb).to(tl.int64)
-        k = tl.load(K + blk * sk_n + kvh * sk_h + t[:, None] * sk_t + d[None, :], mask=d_ok[None, :], other=0.0)
-        s = tl.where((lb * BS + t)[None, :] <= pos, qk_scores(q, k, scale, PREC == "ieee"), float("-inf"))
-        v = tl.load(V + blk * sv_n + kvh * sv_h + t[:, None] * sv_t + d[None, :], mask=d_ok[None, :], other=0.0)
-        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, PREC == "ieee", False, False)
+        k_rows = blk * sk_n + kvh * sk_h + t * sk_t
+        v_rows = blk * sv_n + kvh * sv_h + t * sv_t
+        causal = lb * BS + t <= pos
+        m_i, l_i, acc = attend_rows(
+            m_i, l_i, acc, q, K, V, k_rows, v_rows, d, causal, d_ok, scale, PREC == "ieee", False, False
+        )
     o = acc / l_i[:, None]
     tl.store(O + tk * so_t + head[:, None] * so_h + d[None, :], o, mask=g_ok[:, None] & d_ok[None, :])
     tl.store(LSE + tk * slse_t + head, m_i + tl.log(l_i), mask=g_ok)

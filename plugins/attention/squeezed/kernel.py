@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._kernel import online_softmax_start, online_softmax_step, qk_scores
+from .._kernel import attend_rows, group_query, online_softmax_start
 from .._shared import cache_strides
 
 
@@ -55,13 +55,8 @@ def _chunk_score_kernel(
     tok = tl.load(row_tok + r).to(tl.int64)
     seq = tl.load(row_seq + r).to(tl.int64)
     n = tl.load(row_len + r)
-    g = tl.arange(0, BLOCK_G)
-    g_ok = g < G
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    q = tl.load(
-        Q + tok * sq_t + (kvh * G + g)[:, None] * sq_h + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0
-    ).to(tl.float32)
+    q, _, g_ok, d, d_ok = group_query(Q, tok, kvh, sq_t, sq_h, G, D, BLOCK_G, BLOCK_D)
+    q = q.to(tl.float32)
     j = tl.arange(0, CHUNK)
     for c in range(0, tl.cdiv(n, CHUNK)):
         first = c * CHUNK
@@ -121,12 +116,7 @@ def _sparse_decode_kernel(
     tok = tl.load(row_tok + r).to(tl.int64)
     seq = tl.load(row_seq + r).to(tl.int64)
     n = tl.load(row_len + r)
-    g = tl.arange(0, BLOCK_G)
-    g_ok = g < G
-    head = kvh * G + g
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    q = tl.load(Q + tok * sq_t + head[:, None] * sq_h + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    q, head, g_ok, d, d_ok = group_query(Q, tok, kvh, sq_t, sq_h, G, D, BLOCK_G, BLOCK_D)
     j = tl.arange(0, TILE)
     m_i, l_i, acc = online_softmax_start(BLOCK_G, BLOCK_D)
     count = tl.load(NSEL + r * sn_r + kvh)
@@ -135,15 +125,12 @@ def _sparse_decode_kernel(
         first = c * CHUNK
         blk = tl.load(BT + seq * sbt + first // BS).to(tl.int64)
         t_ok = (j < CHUNK) & (first + j < n)
-        slot = ((first % BS) + j)[:, None]
-        k = tl.load(
-            K + blk * sk_n + kvh * sk_h + slot * sk_t + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0
+        slot = (first % BS) + j
+        k_rows = blk * sk_n + kvh * sk_h + slot * sk_t
+        v_rows = blk * sv_n + kvh * sv_h + slot * sv_t
+        m_i, l_i, acc = attend_rows(
+            m_i, l_i, acc, q, K, V, k_rows, v_rows, d, t_ok, d_ok, scale, PREC == "ieee", False, False
         )
-        s = tl.where(t_ok[None, :], qk_scores(q, k, scale, PREC == "ieee"), float("-inf"))
-        v = tl.load(
-            V + blk * sv_n + kvh * sv_h + slot * sv_t + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0
-        )
-        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, PREC == "ieee", False, False)
     o = acc / l_i[:, None]
     tl.store(
         O + tok * so_t + head[:, None] * so_h + d[None, :], o.to(O.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :]

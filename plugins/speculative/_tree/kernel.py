@@ -74,7 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...attention._kernel import FLOOR, online_softmax_start, online_softmax_step, qk_scores
+from ...attention._kernel import FLOOR, attend_rows, online_softmax_start, online_softmax_step, qk_scores
 from ...attention._shared import cache_strides
 
 from .reference import check_shapes
@@ -186,16 +186,9 @@ def _tree_split_kernel(
         inside = page < last
         valid = inside & (slot < B) & (page * B + slot < L)
         blk = tl.load(table_ptr + page, mask=inside, other=0).to(tl.int64)
-        kv_mask = valid[:, None] & dm[None, :]
-        k = tl.load(
-            kc_ptr + blk[:, None] * s_kcn + slot[:, None] * s_kcb + kvh * s_kch + d[None, :], mask=kv_mask, other=0.0
-        )
-        s = qk_scores(q, k, qk_scale, IEEE)  # [ROWS, PAGES * BP]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        v = tl.load(
-            vc_ptr + blk[:, None] * s_vcn + slot[:, None] * s_vcb + kvh * s_vch + d[None, :], mask=kv_mask, other=0.0
-        )
-        m, l, acc = online_softmax_step(m, l, acc, s, v, IEEE, True, True)
+        k_rows = blk * s_kcn + slot * s_kcb + kvh * s_kch
+        v_rows = blk * s_vcn + slot * s_vcb + kvh * s_vch
+        m, l, acc = attend_rows(m, l, acc, q, kc_ptr, vc_ptr, k_rows, v_rows, d, valid, dm, qk_scale, IEEE, True, True)
 
     # 2. split n_split: the tree, W nodes per tile, each row masked by its node's bitmask word
     j = tl.arange(0, W)
