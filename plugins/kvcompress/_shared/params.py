@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 from pydantic import Field, model_validator
 
-from ....hooks import PolicyParams
+from ....hooks import Capabilities, PolicyParams
 
 P = TypeVar("P")
 
@@ -66,3 +66,17 @@ class TopBlocksParams(PolicyParams):
     @model_validator(mode="after")
     def _room(self):
         return sinks_leave_room(self, "the block being written is always kept")
+
+
+def storage_capabilities(parallelism: tuple[str, ...]) -> Capabilities:
+    """What a KV storage format (``kv4``, ``million``: a uint8 cache of its own codes, written and
+    attended by its own code) supports: float caches, the common head sizes, plain causal decoder
+    attention only."""
+    return Capabilities(
+        parallelism=parallelism,
+        lossless=False,
+        role="storage",
+        dtypes=("float32", "float16", "bfloat16"),
+        head_sizes=(32, 64, 96, 128, 256),
+        unsupported_features=("sliding_window", "mla", "encoder_attention", "alibi", "soft_cap", "attention_sinks"),
+    )

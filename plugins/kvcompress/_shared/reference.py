@@ -36,11 +36,22 @@ def attend(
 
 
 def live_slots(
-    key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, block_size: int
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache: torch.Tensor,
+    row_bytes: int,
+    what: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """A storage format's write rows: ``(blocks, offsets, key, value)`` of the first
-    ``slot_mapping.shape[0]`` tokens whose slot is not padding (negative), or None when none is.
-    (One host sync per call, as vLLM's own CPU write has; kv4 and million share it.)"""
+    ``slot_mapping.shape[0]`` tokens whose slot is not padding (negative), or None when none is;
+    a ValueError first when the uint8 cache ``[N, H_kv, B, C]`` does not have the ``row_bytes``
+    that ``what`` ("kv4: ... for head size D, ...") gives. (One host sync per call, as vLLM's own
+    CPU write has; kv4 and million share it.)"""
+    C, block_size = kv_cache.shape[-1], kv_cache.shape[2]
+    if C != row_bytes:
+        name, _, layout = what.partition(": ")
+        raise ValueError(f"{name}: cache rows of {C} bytes, expected {row_bytes} {layout}")
     n = slot_mapping.shape[0]
     slots = slot_mapping[:n].long()
     key, value = key[:n], value[:n]

@@ -14,7 +14,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from ....hooks import Capabilities, KernelParams, Registration, hookimpl
+from ....hooks import KernelParams, Registration, hookimpl
+from .._shared.params import storage_capabilities
 
 
 class KV4Params(KernelParams):
@@ -45,20 +46,6 @@ def graft_register_kv_compressors(register):
             "Lin et al. 2024, QServe (arXiv:2405.04532)",
             params=KV4Params,
             impl="vllm_graft.plugins.kvcompress.kv4.reference:KV4",
-            capabilities=Capabilities(
-                parallelism=("tp", "dp"),
-                lossless=False,
-                role="storage",
-                dtypes=("float32", "float16", "bfloat16"),
-                head_sizes=(32, 64, 96, 128, 256),
-                unsupported_features=(
-                    "sliding_window",
-                    "mla",
-                    "encoder_attention",
-                    "alibi",
-                    "soft_cap",
-                    "attention_sinks",
-                ),
-            ),
+            capabilities=storage_capabilities(("tp", "dp")),
         )
     )

@@ -134,12 +134,8 @@ def write(
     D = key.shape[-1]
     G = value_group
     vo, vp, kp, KS = offsets(D, B, G)
-    if C != bytes_per_token(D, B, G):
-        raise ValueError(
-            f"kv4: cache rows of {C} bytes, expected {bytes_per_token(D, B, G)} "
-            f"for head size {D}, block size {B}, value group {G}"
-        )
-    rows = live_slots(key, value, slot_mapping, B)
+    what = f"kv4: for head size {D}, block size {B}, value group {G}"
+    rows = live_slots(key, value, slot_mapping, kv_cache, bytes_per_token(D, B, G), what)
     if rows is None:
         return
     blocks, offs, key, value = rows

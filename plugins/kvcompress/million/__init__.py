@@ -18,8 +18,9 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from ....hooks import Capabilities, Params, Registration, hookimpl
+from ....hooks import Params, Registration, hookimpl
 from ....hooks.deployment import param_path
+from .._shared.params import storage_capabilities
 
 from .codebooks import CALIBRATE, GAUSSIAN
 
@@ -92,21 +93,7 @@ def graft_register_kv_compressors(register):
             "KV Product Quantization (arXiv:2504.03661)",
             params=MillionParams,
             impl="vllm_graft.plugins.kvcompress.million.reference:Million",
-            capabilities=Capabilities(
-                # per-layer, per-KV-head codebooks: a tensor-parallel rank would need its heads' offset
-                parallelism=("dp",),
-                lossless=False,
-                role="storage",
-                dtypes=("float32", "float16", "bfloat16"),
-                head_sizes=(32, 64, 96, 128, 256),
-                unsupported_features=(
-                    "sliding_window",
-                    "mla",
-                    "encoder_attention",
-                    "alibi",
-                    "soft_cap",
-                    "attention_sinks",
-                ),
-            ),
+            # per-layer, per-KV-head codebooks: a tensor-parallel rank would need its heads' offset
+            capabilities=storage_capabilities(("dp",)),
         )
     )

@@ -120,12 +120,8 @@ def write(
     N, H, B, C = kv_cache.shape
     D = key.shape[-1]
     sub_dim = ck.shape[-1]
-    if C != bytes_per_token(D, sub_dim, bits):
-        raise ValueError(
-            f"million: cache rows of {C} bytes, expected {bytes_per_token(D, sub_dim, bits)} "
-            f"for head size {D}, sub_dim {sub_dim}, bits {bits}"
-        )
-    rows = live_slots(key, value, slot_mapping, B)
+    what = f"million: for head size {D}, sub_dim {sub_dim}, bits {bits}"
+    rows = live_slots(key, value, slot_mapping, kv_cache, bytes_per_token(D, sub_dim, bits), what)
     if rows is None:
         return
     blocks, offs, key, value = rows
