@@ -452,36 +452,14 @@ class KVCacheFormat(PluginImpl[P]):
 
 
 # ------------------------------------------------------------------ the shape check
-def shape_problems(impl: type, others: Sequence[tuple[str, str, type | None]] = ()) -> list[ShapeProblem]:
-    """What a KV-compression plugin's class cannot be, alone or beside the deployment's
-    ``others`` (``(kind, name, impl class or None)`` of every other plugin enabled): the legal
-    combinations of its flags (``needs_scores``, ``per_head``, ``per_layer``, ``merges``) and
-    methods, and what they may be combined with. Pure (no vLLM, no instance): deployment
-    validation, ``vllm-graft check`` and the kit run it; the adapter only wires what passed.
-
-    What it may be combined with follows from its shape, so no registration writes it by hand:
-    a compressor that needs scores computes them in the worker's own attention (no attention
-    plugin); one that masks per head or per layer, or merges, needs the dense cache (no storage
-    format); a storage format stores KV in its own layout, which an attention plugin cannot read.
-    """
+def _flag_refusals(
+    impl: type, scored: bool, per_head: bool, per_layer: bool, merges: bool, passes: bool
+) -> list[ShapeProblem]:
+    """The flag combinations of :func:`shape_problems` that a compressor class cannot have alone."""
 
     def own(method: str) -> bool:
         return getattr(impl, method, None) is not getattr(KVCompressor, method)
 
-    attention = [f"attention:{name}" for kind, name, _ in others if kind == "attention"]
-    formats = [
-        f"kvcompress:{name}"
-        for kind, name, cls in others
-        if kind == "kvcompress" and isinstance(cls, type) and issubclass(cls, KVCacheFormat)
-    ]
-    if issubclass(impl, KVCacheFormat):
-        return [
-            ShapeProblem("it stores KV in its own layout, which an attention plugin cannot read", a) for a in attention
-        ]
-    out: list[ShapeProblem] = []
-    scored = bool(getattr(impl, "needs_scores", False))
-    per_head, per_layer, merges = (bool(getattr(impl, f, False)) for f in ("per_head", "per_layer", "merges"))
-    passes = bool(getattr(impl, "scoring_pass", False))
     refusals: list[tuple[bool, str, str]] = [
         (per_layer and per_head, "per_layer", "per_head is set too (choose per KV head or per layer)"),
         (
@@ -543,7 +521,36 @@ def shape_problems(impl: type, others: Sequence[tuple[str, str, type | None]] = 
         "merges": "merges evicted KV",
         "scoring_pass": "scores the prompt by forward passes of its own",
     }
-    out += [ShapeProblem(f"{what[flag]} ({flag} = True), but {why}") for bad, flag, why in refusals if bad]
+    return [ShapeProblem(f"{what[flag]} ({flag} = True), but {why}") for bad, flag, why in refusals if bad]
+
+
+def shape_problems(impl: type, others: Sequence[tuple[str, str, type | None]] = ()) -> list[ShapeProblem]:
+    """What a KV-compression plugin's class cannot be, alone or beside the deployment's
+    ``others`` (``(kind, name, impl class or None)`` of every other plugin enabled): the legal
+    combinations of its flags (``needs_scores``, ``per_head``, ``per_layer``, ``merges``) and
+    methods, and what they may be combined with. Pure (no vLLM, no instance): deployment
+    validation, ``vllm-graft check`` and the kit run it; the adapter only wires what passed.
+
+    What it may be combined with follows from its shape, so no registration writes it by hand:
+    a compressor that needs scores computes them in the worker's own attention (no attention
+    plugin); one that masks per head or per layer, or merges, needs the dense cache (no storage
+    format); a storage format stores KV in its own layout, which an attention plugin cannot read.
+    """
+    attention = [f"attention:{name}" for kind, name, _ in others if kind == "attention"]
+    formats = [
+        f"kvcompress:{name}"
+        for kind, name, cls in others
+        if kind == "kvcompress" and isinstance(cls, type) and issubclass(cls, KVCacheFormat)
+    ]
+    if issubclass(impl, KVCacheFormat):
+        return [
+            ShapeProblem("it stores KV in its own layout, which an attention plugin cannot read", a) for a in attention
+        ]
+    out: list[ShapeProblem] = []
+    scored = bool(getattr(impl, "needs_scores", False))
+    per_head, per_layer, merges = (bool(getattr(impl, f, False)) for f in ("per_head", "per_layer", "merges"))
+    passes = bool(getattr(impl, "scoring_pass", False))
+    out += _flag_refusals(impl, scored, per_head, per_layer, merges, passes)
     if scored:
         why = "it needs attention scores, which it computes in the worker's own attention"
         out += [ShapeProblem(why, a) for a in attention]

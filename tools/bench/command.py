@@ -493,6 +493,16 @@ def _arm_failed(e: ArmFailed, err: Console) -> int:
     return EXIT_INVALID if e.error_type == "DeploymentError" else EXIT_RUN_FAILED
 
 
+def _workload_jobs(prompt_sets: list[Any]) -> tuple[list[dict[str, Any]], dict[str, list[list[int]]]]:
+    """The arms' workloads as their job gets them (name, prompts' token ids and max_tokens), and
+    each workload's prompt ids by name."""
+    jobs = [
+        {"name": ps.name, "prompts": [{"token_ids": list(p.token_ids), "max_tokens": p.max_tokens} for p in ps.prompts]}
+        for ps in prompt_sets
+    ]
+    return jobs, {ps.name: [list(p.token_ids) for p in ps.prompts] for ps in prompt_sets}
+
+
 def run_bench(
     args: argparse.Namespace, out: Console, err: Console, progress: Any = None
 ) -> tuple[int, dict[str, Any] | None]:
@@ -506,11 +516,7 @@ def run_bench(
 
     plan, prompt_sets = inputs.plan, inputs.prompt_sets
     as_is = bool(getattr(args, "baseline_as_is", False))
-    wl_jobs = [
-        {"name": ps.name, "prompts": [{"token_ids": list(p.token_ids), "max_tokens": p.max_tokens} for p in ps.prompts]}
-        for ps in prompt_sets
-    ]
-    by_name = {ps.name: [list(p.token_ids) for p in ps.prompts] for ps in prompt_sets}
+    wl_jobs, by_name = _workload_jobs(prompt_sets)
     # Per-request stats on (the cross-check of TTFT/ITL); the seed unless the deployment sets one.
     overrides: dict[str, Any] = {"disable_log_stats": False}
     if "seed" not in plan.deployment.engine:
