@@ -5,6 +5,9 @@ so the per-module settings came too late whenever such a module was collected fi
 ``GRAFT_REAL_DEVICE`` (the GPU check, ``benchmarks/gpu/check.sh``) the kernels compile for
 that device and nothing is set here."""
 import os
+import sys
+
+import pytest
 
 if not os.environ.get("GRAFT_REAL_DEVICE"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -22,9 +25,20 @@ def pytest_collection_modifyitems(config, items):
     ``GRAFT_FULL=1`` (`make test-full`) runs them."""
     if os.environ.get("GRAFT_FULL"):
         return
-    import pytest
-
     skip = pytest.mark.skip(reason="long form: GRAFT_FULL=1 (make test-full) runs it")
     for item in items:
         if item.get_closest_marker("full") is not None:
             item.add_marker(skip)
+
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _graft_module_isolation():
+    """After each test module: the deployment an in-process engine activated stays active in
+    this process until the next engine starts (integration/bridge.py), so a module whose last
+    engine was a graft one would leave its registrations to the modules after it (the unit
+    tests' "nothing installed" checks among them). Undo it here, as the next engine would."""
+    yield
+    bridge = sys.modules.get("vllm_graft.integration.bridge")
+    if bridge is not None and bridge.RUNTIME.active:
+        bridge.deactivate()
