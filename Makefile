@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.graft-installed
 
-.PHONY: install wheel wheels demo lint test test-full test-unit test-tp test-aot test-faults soak servebench docs train-models eval-models clean-venv million-codebooks \
+.PHONY: install wheel wheels demo lint test test-full test-unit test-tp test-aot test-faults soak servebench docs train-models eval-models clean-venv million-codebooks xquant-bases \
 	gpu-check gpu-wheels suffix kvpress
 
 $(STAMP): pyproject.toml setup.py
@@ -126,6 +126,14 @@ million-codebooks: install
 	$(VENV)/bin/vllm-graft calibrate million --out $(MILLION_BOOKS)/graft-tiny-llama.safetensors
 	@test ! -f $(HOME)/.cache/vllm-graft/models/smollm2-135m/config.json || $(VENV)/bin/vllm-graft calibrate million \
 	    --model $(HOME)/.cache/vllm-graft/models/smollm2-135m --out $(MILLION_BOOKS)/smollm2-135m.safetensors
+
+# XQuant bases (kvcompress:xquant; deployments/kvcompress-xquant.yaml and deployments/smollm2/kvcompress-xquant.yaml
+# read them): the SVD of each layer's k_proj / v_proj weights (no calibration text; seconds), outside the clone.
+XQUANT_BASES ?= $(HOME)/.cache/vllm-graft/xquant
+xquant-bases: install
+	$(VENV)/bin/vllm-graft calibrate xquant --out $(XQUANT_BASES)/graft-tiny-llama.safetensors
+	@test ! -f $(HOME)/.cache/vllm-graft/models/smollm2-135m/config.json || $(VENV)/bin/vllm-graft calibrate xquant \
+	    --model $(HOME)/.cache/vllm-graft/models/smollm2-135m --out $(XQUANT_BASES)/smollm2-135m.safetensors
 
 # vLLM's `suffix` speculative method (the peer in benchmarks/suite.yaml's vllm-suffix cases)
 # needs arctic-inference, which has no wheel for this platform: built from source (~1 min).

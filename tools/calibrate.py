@@ -237,6 +237,12 @@ def _million() -> Method:
     return Method(million.NAME, million.PLUGIN, million.HELP, million.add_arguments, million.run)
 
 
+def _xquant() -> Method:
+    from .kvcompress import calibrate_xquant as xquant
+
+    return Method(xquant.NAME, xquant.PLUGIN, xquant.HELP, xquant.add_arguments, xquant.run)
+
+
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
@@ -249,6 +255,7 @@ METHODS: dict[str, Method] = {
         ),
         _razor(),  # RazorAttention retrieval heads -> the head map of attention:squeezed
         _million(),  # MILLION product-quantisation codebooks -> the codebook file of kvcompress:million
+        _xquant(),  # XQuant's SVD bases of Wk, Wv -> the bases file of kvcompress:xquant
     )
 }
 

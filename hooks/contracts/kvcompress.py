@@ -436,7 +436,9 @@ class KVCacheFormat(PluginImpl[P]):
         ``layer``: the layer written (its :attr:`AttentionLayer.index` keys per-layer state);
         ``None`` where a caller has no layer (a test, the conformance kit). The adapter passes it
         only to a ``write`` whose signature names ``layer`` (one written before it was part of
-        the contract is called without it)."""
+        the contract is called without it). Likewise ``positions`` (``[T]`` int64, each token's
+        position in its sequence, from vLLM's attention metadata; ``None`` where the route has
+        none) only to a ``write`` that names it: a format that undoes RoPE (``xquant``)."""
 
     @abstractmethod
     def forward(

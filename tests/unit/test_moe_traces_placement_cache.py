@@ -265,10 +265,10 @@ def test_calibrate_and_moe_commands_refuse_bad_arguments(tmp_path, capsys):
     from vllm_graft.tools.calibrate import METHODS
     from vllm_graft.cli.main import main
 
-    assert list(METHODS) == ["expert-mask", "razor", "million"] and METHODS["expert-mask"].plugin == "moe:expert-mask"
+    assert list(METHODS) == ["expert-mask", "razor", "million", "xquant"] and METHODS["expert-mask"].plugin == "moe:expert-mask"
     assert METHODS["razor"].plugin == "attention:squeezed" and METHODS["million"].plugin == "kvcompress:million"
     assert main(["calibrate"]) == 2
-    assert "name a calibration method: expert-mask, razor, million" in capsys.readouterr().out
+    assert "name a calibration method: expert-mask, razor, million, xquant" in capsys.readouterr().out
     assert main(["calibrate", "expert-mask", "-a", str(tmp_path / "none.txt"), "-b", "x", "-o", "m.json"]) == 2
     (tmp_path / "a.txt").write_text("one\n---\ntwo\n")
     assert main(["calibrate", "expert-mask", "-a", str(tmp_path / "a.txt"), "-b", str(tmp_path / "a.txt"),

@@ -238,20 +238,59 @@ ASYNC_WHY = (
 )
 
 
+#: The forward context's attribute holding ``(n, positions)`` once :func:`step_positions` has
+#: computed them: every layer's write of one forward asks for the same ones.
+_POSITIONS = "_graft_step_positions"
+
+
+def step_positions(n: int) -> Any:
+    """Each of the step's first ``n`` tokens' position in its sequence (``[n]`` int64), from the
+    attention metadata of the forward in flight (``query_start_loc``, ``seq_lens``: sequence i's
+    tokens are its last ``q_i`` positions), computed once a forward; None outside a forward or
+    where the metadata has neither. Device ops only (no host read)."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    ctx = get_forward_context()
+    cached = getattr(ctx, _POSITIONS, None)
+    if cached is None or cached[0] != n:
+        cached = (n, _positions(ctx.attn_metadata, n))
+        setattr(ctx, _POSITIONS, cached)
+    return cached[1]
+
+
+def _positions(meta: Any, n: int) -> Any:
+    import torch
+
+    if isinstance(meta, dict):  # one per layer; every decoder layer's has the same sequences
+        meta = next((m for m in meta.values() if hasattr(m, "seq_lens") and hasattr(m, "query_start_loc")), None)
+    qsl, lens = getattr(meta, "query_start_loc", None), getattr(meta, "seq_lens", None)
+    if qsl is None or lens is None:
+        return None
+    qsl = qsl.long()
+    tok = torch.arange(n, device=qsl.device)
+    seq = torch.searchsorted(qsl[1:], tok, right=True).clamp(max=lens.shape[0] - 1)  # padding: the last
+    return lens.long()[seq] - (qsl[seq + 1] - tok)
+
+
 class _FormatSeam:
     """What the backend calls for a storage format: its ``write`` (``do_kv_cache_update``)
     and its attention (``forward``), counted as the format's events."""
 
     def __init__(self, fmt: KVCacheFormat, name: str, runtime: Any) -> None:
         self.fmt, self.name, self.runtime = fmt, name, runtime
-        # a format written before write() took the layer (KVCacheFormat.write) is called without it
-        self.takes_layer = "layer" in inspect.signature(fmt.write).parameters
+        # a format written before write() took the layer (KVCacheFormat.write) is called without it;
+        # one whose write names positions gets each token's position (xquant re-applies RoPE)
+        params = inspect.signature(fmt.write).parameters
+        self.takes_layer, self.takes_positions = "layer" in params, "positions" in params
 
     def write(self, key, value, kv_cache, slot_mapping, layer: AttentionLayer | None = None) -> None:
+        more = {"positions": step_positions(slot_mapping.shape[0])} if self.takes_positions else {}
         if self.takes_layer:
-            self.fmt.write(key, value, kv_cache, slot_mapping, layer=layer)
+            self.fmt.write(key, value, kv_cache, slot_mapping, layer=layer, **more)
         else:
-            self.fmt.write(key, value, kv_cache, slot_mapping)
+            self.fmt.write(key, value, kv_cache, slot_mapping, **more)
         self.runtime.count(Kind.KVCOMPRESS, self.name, "write", 1)
 
     def forward(self, query, kv_cache, batch, layer):

@@ -48,16 +48,24 @@ def live_slots(
     a ValueError first when the uint8 cache ``[N, H_kv, B, C]`` does not have the ``row_bytes``
     that ``what`` ("kv4: ... for head size D, ...") gives. (One host sync per call, as vLLM's own
     CPU write has; kv4 and million share it.)"""
+    return live_rows(slot_mapping, kv_cache, row_bytes, what, key, value)
+
+
+def live_rows(
+    slot_mapping: torch.Tensor, kv_cache: torch.Tensor, row_bytes: int, what: str, *per_token: torch.Tensor
+) -> tuple[torch.Tensor, ...] | None:
+    """:func:`live_slots` for any tensors of per-token rows: ``(blocks, offsets, *per_token)``
+    of the tokens whose slot is not padding (xquant's encoded rows)."""
     C, block_size = kv_cache.shape[-1], kv_cache.shape[2]
     if C != row_bytes:
         name, _, layout = what.partition(": ")
         raise ValueError(f"{name}: cache rows of {C} bytes, expected {row_bytes} {layout}")
     n = slot_mapping.shape[0]
     slots = slot_mapping[:n].long()
-    key, value = key[:n], value[:n]
+    rows = [t[:n] for t in per_token]
     valid = slots >= 0
     if not bool(valid.all()):
-        slots, key, value = slots[valid], key[valid], value[valid]
+        slots, rows = slots[valid], [t[valid] for t in rows]
     if slots.numel() == 0:
         return None
-    return slots // block_size, slots % block_size, key, value
+    return (slots // block_size, slots % block_size, *rows)

@@ -44,6 +44,7 @@ import torch
 
 from ....hooks import AttentionLayer, PagedBatch
 from ...attention._shared import flat_blocks, fused_causal_attention, paged_attention_with_mass
+from .._shared.quant import dequantize_groups, group_codes, group_params, pack_bits, quantize_groups, unpack_bits
 from .._shared.reference import live_slots
 
 from .layout import bytes_per_token, offsets, unsupported
@@ -54,26 +55,21 @@ LEVELS = 15  # uint4 codes 0..15
 # --------------------------------------------------------------------------- the format
 def pack4(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes ``[..., D]`` (0..15) -> bytes ``[..., D/2]``: channel 2j low nibble, 2j+1 high."""
-    c = codes.to(torch.uint8)
-    return c[..., 0::2] | (c[..., 1::2] << 4)
+    return pack_bits(codes, 4)
 
 
 def unpack4(packed: torch.Tensor) -> torch.Tensor:
     """bytes ``[..., D/2]`` -> codes ``[..., D]`` (uint8, 0..15); inverse of :func:`pack4`."""
-    lo = packed & 15
-    hi = packed >> 4
-    return torch.stack([lo, hi], dim=-1).flatten(-2)
+    return unpack_bits(packed, 4)
 
 
 def _params(mn: torch.Tensor, mx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, min) as float16, for the range [mn, mx]."""
-    scale = ((mx - mn) / LEVELS).to(torch.float16)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant range: codes 0
-    return scale, mn.to(torch.float16)
+    return group_params(mn, mx, LEVELS)
 
 
 def _codes(x: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
-    return torch.clamp(torch.round((x - mn.float()) / scale.float()), 0, LEVELS).to(torch.uint8)
+    return group_codes(x, scale, mn, LEVELS)
 
 
 def _f16_bytes(x: torch.Tensor) -> torch.Tensor:
@@ -82,22 +78,12 @@ def _f16_bytes(x: torch.Tensor) -> torch.Tensor:
 
 def quantize_values(v: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Values ``[..., D]`` -> (packed codes ``[..., D/2]``, param bytes ``[..., 4*D/G]``)."""
-    shape = v.shape
-    g = v.float().reshape(*shape[:-1], shape[-1] // G, G)
-    scale, mn = _params(g.amin(-1), g.amax(-1))
-    codes = _codes(g, scale[..., None], mn[..., None]).reshape(shape)
-    return pack4(codes), _f16_bytes(torch.cat([scale, mn], dim=-1))
+    return quantize_groups(v, G, 4)
 
 
 def dequantize_values(packed: torch.Tensor, params: torch.Tensor, G: int) -> torch.Tensor:
     """Inverse of :func:`quantize_values` (float32)."""
-    codes = unpack4(packed).float()
-    D = codes.shape[-1]
-    p = params.contiguous().view(torch.float16).float()
-    ng = D // G
-    scale, mn = p[..., :ng], p[..., ng:]
-    g = codes.reshape(*codes.shape[:-1], ng, G)
-    return (mn[..., None] + g * scale[..., None]).reshape(codes.shape)
+    return dequantize_groups(packed, params, G, 4)
 
 
 def key_params(rows: torch.Tensor, kp: int, KS: int) -> tuple[torch.Tensor, torch.Tensor]:

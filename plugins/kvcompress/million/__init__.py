@@ -13,19 +13,18 @@ only (plain PyTorch, the CPU route); no Triton kernel yet.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal
 
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field
 
-from ....hooks import Params, Registration, hookimpl
-from ....hooks.deployment import param_path
-from .._shared.params import storage_capabilities
+from ....hooks import Registration, hookimpl
+from .._shared.params import CalibratedFileParams, storage_capabilities
 
 from .codebooks import CALIBRATE, GAUSSIAN
 
 
-class MillionParams(Params):
+class MillionParams(CalibratedFileParams):
+    FILE, BUILTIN, CALIBRATE = "codebooks", GAUSSIAN, CALIBRATE
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"codebooks": GAUSSIAN}]})
 
     codebooks: str = Field(
@@ -39,47 +38,24 @@ class MillionParams(Params):
     )
     bits: Literal[4, 8] = Field(8, description="bits per code (2**bits centroids per sub-space); must match the file")
 
-    @field_validator("codebooks")
-    @classmethod
-    def _codebooks_path(cls, v: str, info: ValidationInfo) -> str:
-        return v if v == GAUSSIAN else str(param_path(v, info))
-
-    @model_validator(mode="after")
-    def _exists(self):
-        if self.codebooks != GAUSSIAN and not Path(self.codebooks).is_file():
-            raise ValueError(f"codebooks {self.codebooks!r} does not exist; write it with `{CALIBRATE}`")
-        return self
-
-    def check_deployment(self, ctx) -> list[str]:
-        """At deployment validation (``DeploymentContext``): the head size against ``sub_dim``
-        and ``bits``; the codebook file against the model's layers, KV heads and head size."""
-        from .codebooks import CodebookError, mismatch, read_header
+    def layout_why(self, head_size: int) -> str | None:
         from .layout import unsupported
 
-        model = ctx.model
-        if model is None:
-            return []
-        out = []
-        if model.head_size is not None:
-            why = unsupported(model.head_size, self.sub_dim, self.bits)
-            if why:
-                out.append(f"cannot store the KV cache of model {model.path}: {why}")
-        if self.codebooks != GAUSSIAN:
-            try:
-                why = mismatch(
-                    read_header(self.codebooks),
-                    self.codebooks,
-                    num_layers=model.num_layers,
-                    num_kv_heads=model.num_kv_heads,
-                    head_size=model.head_size,
-                    sub_dim=self.sub_dim,
-                    bits=self.bits,
-                )
-            except CodebookError as e:
-                why = str(e)
-            if why:
-                out.append(why)
-        return out
+        return unsupported(head_size, self.sub_dim, self.bits)
+
+    def file_why(self, model) -> str | None:
+        from .codebooks import mismatch, read_header
+
+        meta = read_header(self.codebooks)
+        return mismatch(
+            meta,
+            self.codebooks,
+            num_layers=model.num_layers,
+            num_kv_heads=model.num_kv_heads,
+            head_size=model.head_size,
+            sub_dim=self.sub_dim,
+            bits=self.bits,
+        )
 
 
 @hookimpl
@@ -93,7 +69,7 @@ def graft_register_kv_compressors(register):
             "KV Product Quantization (arXiv:2504.03661)",
             params=MillionParams,
             impl="vllm_graft.plugins.kvcompress.million.reference:Million",
-            # per-layer, per-KV-head codebooks: a tensor-parallel rank would need its heads' offset
-            capabilities=storage_capabilities(("dp",)),
+            # per-layer, per-KV-head codebooks: a tensor-parallel rank reads its heads' (AttentionLayer.first_kv_head)
+            capabilities=storage_capabilities(("tp", "dp")),
         )
     )

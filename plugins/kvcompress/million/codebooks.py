@@ -19,10 +19,11 @@ scales, outlier channels), so on a model it is far worse than calibrated codeboo
 from __future__ import annotations
 
 import json
-import struct
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from .._shared.files import model_mismatch, read_format_header
 
 if TYPE_CHECKING:
     import torch
@@ -38,26 +39,7 @@ class CodebookError(ValueError):
 
 def read_header(path: str | Path) -> dict[str, str]:
     """The file's metadata (a safetensors header's ``__metadata__``), read without torch."""
-    p = Path(path)
-    try:
-        with p.open("rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > 1 << 26:
-                raise ValueError("header too large")
-            header = json.loads(f.read(n))
-    except FileNotFoundError:
-        raise CodebookError(f"million codebook file {str(p)!r} does not exist; write it with `{CALIBRATE}`") from None
-    except (OSError, ValueError, struct.error) as e:
-        raise CodebookError(
-            f"million codebook file {str(p)!r} is not a safetensors file ({e}); write it with `{CALIBRATE}`"
-        ) from None
-    meta = header.get("__metadata__") or {}
-    if meta.get("format") != FORMAT:
-        raise CodebookError(
-            f"{str(p)!r} is not a million codebook file (format {meta.get('format')!r}, expected "
-            f"{FORMAT!r}); write one with `{CALIBRATE}`"
-        )
-    return meta
+    return read_format_header(path, what="million codebook file", fmt=FORMAT, calibrate=CALIBRATE, error=CodebookError)
 
 
 def mismatch(
@@ -71,16 +53,18 @@ def mismatch(
     bits: int | None = None,
 ) -> str | None:
     """Why the file (its header ``meta``) does not fit the model / parameters given, or None."""
-    made = f"made for {meta.get('model', '?')} ({meta.get('num_layers')} layers, {meta.get('num_kv_heads')} KV heads, head size {meta.get('head_size')})"
-    wrong = []
-    for key, want in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
-        if want is not None and int(meta.get(key, -1)) != want:
-            wrong.append(f"{key.replace('_', ' ')} {want}")
-    if wrong:
-        return (
-            f"million codebook file {path!r} was {made}, but this model has {', '.join(wrong)}: "
-            f"calibrate codebooks on this model (`{CALIBRATE}`)"
-        )
+    fix = f"calibrate codebooks on this model (`{CALIBRATE}`)"
+    why = model_mismatch(
+        meta,
+        path,
+        what="million codebook file",
+        fix=fix,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+    )
+    if why:
+        return why
     for key, want in (("sub_dim", sub_dim), ("bits", bits)):
         if want is not None and int(meta.get(key, -1)) != want:
             return (

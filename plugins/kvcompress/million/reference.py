@@ -276,12 +276,18 @@ class Million(KVCacheFormat):
                     else "the model has more layers than the model the file was calibrated on"
                 )
             )
+        # under tensor parallelism this rank holds num_kv_heads of the model's (vLLM's split)
+        tp = 1 if layer is None else layer.tp_size
+        total = int(meta.get("num_kv_heads", -1))
+        model_heads = total if num_kv_heads == max(1, total // tp) else num_kv_heads * tp
         why = cb.mismatch(
-            meta, p.codebooks, num_kv_heads=num_kv_heads, head_size=head_size, sub_dim=p.sub_dim, bits=p.bits
+            meta, p.codebooks, num_kv_heads=model_heads, head_size=head_size, sub_dim=p.sub_dim, bits=p.bits
         )
         if why:
             raise cb.CodebookError(why)
-        self._on[key] = (keys[index].to(device), values[index].to(device))
+        first = 0 if layer is None else layer.first_kv_head(total)
+        heads = slice(first, first + num_kv_heads)
+        self._on[key] = (keys[index, heads].to(device), values[index, heads].to(device))
         return self._on[key]
 
     def write(self, key, value, kv_cache, slot_mapping, layer=None) -> None:
