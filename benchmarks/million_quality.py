@@ -1,7 +1,9 @@
-"""million (MILLION product-quantised KV) against plain vLLM and kv4 on the same texts: KV bytes
-per token, the blocks the same KV memory holds, perplexity and greedy agreement.
+"""The KV storage formats (million's product-quantised KV, xquant's rematerialised latents) against
+plain vLLM and kv4 on the same texts: KV bytes per token, the blocks the same KV memory holds,
+perplexity and greedy agreement.
 
-For each arm (plain, kv4, million with ``--codebooks``), one in-process vLLM CPU engine on
+For each arm (plain, kv4, million with ``--codebooks``; xquant4 / xquant2 with ``--bases`` at 4 / 2
+bits, xquant-id4 / xquant-id2 the same quantisation of the post-RoPE K/V without the latent), one in-process vLLM CPU engine on
 ``--model`` (default SmolLM2-135M, ``--dtype`` float32):
 
 * **bytes/token/head**: one block's page bytes over block size and KV heads (K and V together);
@@ -92,6 +94,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(Path.home() / ".cache/vllm-graft/models/smollm2-135m"))
     p.add_argument("--codebooks", help="million's codebook file for --model (the million arm)")
+    p.add_argument("--bases", help="xquant's bases file for --model (the xquant arms)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--texts", type=int, default=8)
     p.add_argument("--tokens", type=int, default=1024)
@@ -113,6 +116,11 @@ def main() -> int:
         "plain": None,
         "kv4": {"plugin": "kv4"},
         "million": {"plugin": "million", "params": {"codebooks": args.codebooks}},
+        **{
+            f"xquant{tag}{bits}": {"plugin": "xquant", "params": {"bases": bases, "bits": bits}}
+            for tag, bases in (("", args.bases), ("-id", "identity"))
+            for bits in (2, 4, 8)
+        },
     }
     results = {}
     for f in args.compare:
@@ -122,13 +130,13 @@ def main() -> int:
     base = results.get("plain")
     print(f"{args.model} {args.dtype}: {len(texts)} held-out stdlib texts of {args.tokens} tokens "
           f"(seed {args.seed}) + prose ({len(prose)} tokens); greedy: {args.gen} tokens after 64")
-    print(f"{'arm':8} {'B/tok/head':>10} {'blocks':>7} {'ppl code':>9} {'ppl prose':>9} {'agree':>6} {'tok/s':>6}")
+    print(f"{'arm':11} {'B/tok/head':>10} {'blocks':>7} {'ppl code':>9} {'ppl prose':>9} {'agree':>6} {'tok/s':>6}")
     for name, r in results.items():
         agree = ""
         if base is not None:
             same = sum(x == y for a, b in zip(base["tokens"], r["tokens"]) for x, y in zip(a, b))
             agree = f"{same / sum(map(len, base['tokens'])):.3f}"
-        print(f"{name:8} {r['bytes_per_token_head']:>10.1f} {r['blocks']:>7} {r['ppl'].get('code', float('nan')):>9.3f} "
+        print(f"{name:11} {r['bytes_per_token_head']:>10.1f} {r['blocks']:>7} {r['ppl'].get('code', float('nan')):>9.3f} "
               f"{r['ppl'].get('prose', float('nan')):>9.3f} {agree:>6} {r['decode_tok_s']:>6.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -108,6 +108,17 @@ class AttentionLayer:
     index: int = -1
     #: how the cache handed to the plugin holds K and V (the backend's layout)
     kv_layout: KVCacheLayout = BLOCKED
+    #: vLLM's tensor parallelism: this rank and the ranks in all (0 and 1 without it); the layer's
+    #: ``num_kv_heads`` are this rank's, see :meth:`first_kv_head`
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def first_kv_head(self, total_kv_heads: int) -> int:
+        """The model's index of this rank's first KV head, for a model of ``total_kv_heads``
+        (per-head state calibrated on the whole model, such as ``million``'s codebooks): as vLLM's
+        ``QKVParallelLinear`` splits them, rank ``r`` from ``r * total // tp`` (where ranks
+        outnumber KV heads, the one head it holds of those vLLM replicates)."""
+        return self.tp_rank * total_kv_heads // self.tp_size
 
 
 @dataclass

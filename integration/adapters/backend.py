@@ -547,8 +547,23 @@ def layer_spec(heads: Heads, layer: Any, kv_cache: torch.Tensor, layout: KVCache
         scale=scale,
         block_size=kv_cache.shape[2],
         index=_layer_index(layer),
-        **({} if layout is None else {"kv_layout": layout}),
+        kv_layout=BLOCKED if layout is None else layout,
+        **_rank_heads(),
     )
+
+
+def _rank_heads() -> dict[str, int]:
+    """This rank and the ranks in all, under tensor parallelism (:class:`AttentionLayer`);
+    ``{}`` at one rank."""
+    from vllm.distributed.parallel_state import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+        model_parallel_is_initialized,
+    )
+
+    if not model_parallel_is_initialized() or (tp := get_tensor_model_parallel_world_size()) == 1:
+        return {}
+    return {"tp_rank": get_tensor_model_parallel_rank(), "tp_size": tp}
 
 
 def seam_forward(

@@ -137,3 +137,12 @@ if __name__ == "__main__":
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     for kvcompress in json.loads(sys.argv[1]):  # a list of kvcompress sections (null: plain)
         print("GRAFT-RESULT " + json.dumps(run(kvcompress)), flush=True)
+
+
+def million_books(out: Path) -> dict[str, Any]:
+    """Calibrate ``million``'s codebooks (sub_dim 2, 8 bits) on the tiny model into ``out``, as
+    the e2e tests use them (1,536 tokens of the bundled corpus, 5 k-means iterations)."""
+    from vllm_graft.tools.kvcompress.calibrate_million import calibrate, text_windows
+
+    windows, source = text_windows(str(LLAMA), [], window=256, tokens=1536, seed=0)
+    return calibrate(str(LLAMA), str(out), windows, sub_dim=2, bits=8, iters=5, max_tokens=1536, source=source)

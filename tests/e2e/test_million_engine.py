@@ -25,12 +25,8 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def books(tmp_path_factory):
-    from vllm_graft.tools.kvcompress.calibrate_million import calibrate, text_windows
-
     out = tmp_path_factory.mktemp("million") / "graft-tiny-llama.safetensors"
-    windows, source = text_windows(str(scenario.LLAMA), [], window=256, tokens=1536, seed=0)
-    info = calibrate(str(scenario.LLAMA), str(out), windows, sub_dim=2, bits=8, iters=5, max_tokens=1536,
-                     source=source)
+    info = scenario.million_books(out)
     print(f"calibrated on {info['tokens']} tokens: relative squared error per layer (K, V) "
           f"{info['relative_sq_error']}")
     return str(out)

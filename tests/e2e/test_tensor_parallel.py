@@ -70,6 +70,9 @@ CASES = {
         "kernel": "reference", "min_group": 2, "min_blocks": 1}}}, "lossless", False),
     "squeezed": (LLAMA, "float32", SQUEEZED, "same", False),
     "kv4": (LLAMA, "float32", {"kvcompress": {"plugin": "kv4", "params": {"kernel": "reference"}}}, "same", False),
+    # per-KV-head codebooks, calibrated in the results fixture: each rank reads its own heads'
+    "million": (LLAMA, "float32", {"kvcompress": {"plugin": "million", "params": {"codebooks": "CALIBRATED"}}},
+                "same", False),
     "pooled-ngram": (LLAMA, "float32", {"speculative": {"plugin": "pooled-ngram"}}, "lossless", False),
     "token-recycling": (LLAMA, "float32", {"speculative": {"plugin": "token-recycling"}}, "lossless", False),
     "adaptive": (LLAMA, "float32", {"speculative": {"plugin": "adaptive", "params": {"proposer": "lookahead"}}},
@@ -83,7 +86,9 @@ CASES = {
     "expert-mask": (MIXTRAL, "float32", {"moe": [{"plugin": "expert-mask", "params": {"mask_file": MASK}}]},
                     "same", False),
 }
-RUN_CASES = [name for name, case in CASES.items() if case[4] or FULL]
+#: ``GRAFT_TP_MATRIX=million,kv4``: those cases alone (a plugin's two-rank check while working on it)
+NAMED = set(os.environ.get("GRAFT_TP_MATRIX", "").split(",")) & set(CASES)
+RUN_CASES = [name for name, case in CASES.items() if case[4] or FULL or name in NAMED]
 
 #: The rank-consistency cases: (plugin section, long prompts), each at one and two ranks.
 STREAMING = {"plugin": "streaming", "params": {"budget_blocks": 4, "sink_blocks": 1}}
@@ -152,10 +157,23 @@ def _engines(ids: list[int], base: Path) -> list[dict]:
         if cid == "streaming-pp2":  # vLLM's CPU engine runs pipeline stages only compiled (see below)
             kwargs.update(pipeline_parallel_size=2, enforce_eager=False)
         if graft:
-            kwargs["additional_config"] = {"graft": graft}
+            kwargs["additional_config"] = {"graft": _calibrated(graft, base)}
         cases.append({"id": cid, "kwargs": kwargs, "prompts": prompts, "nll": nll,
                       "reports": str(base / cid), "trace": str(base / f"{cid}.trace") if traced else None})
     return cases
+
+
+def _calibrated(graft: dict, base: Path) -> dict:
+    """``graft`` with million's codebooks, if it names ``CALIBRATED``, calibrated on the model now."""
+    params = graft.get("kvcompress", {}).get("params", {})
+    if params.get("codebooks") != "CALIBRATED":
+        return graft
+    from .kvcompress_scenario import million_books
+
+    out = base / "million-books.safetensors"
+    if not out.exists():
+        million_books(out)
+    return {**graft, "kvcompress": {**graft["kvcompress"], "params": {**params, "codebooks": str(out)}}}
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +244,7 @@ def test_streaming_at_two_pipeline_stages_equals_one(results):
 
 # ------------------------------------------------------------------------- every plugin alone
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.skipif(
-    not (CASES[n][4] or FULL), reason="in the full TP matrix only: make test-tp")) for n in CASES])
+    not (CASES[n][4] or FULL or n in NAMED), reason="in the full TP matrix only: make test-tp")) for n in CASES])
 def test_plugin_alone_at_two_ranks(results, name):
     judged = CASES[name][3]
     two = _get(results, f"{name}-tp2")

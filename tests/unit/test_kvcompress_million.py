@@ -270,6 +270,24 @@ def test_the_codebook_file_round_trips_and_its_header_reads_without_torch(tmp_pa
     assert torch.equal(ck, keys[3]) and torch.equal(cv, keys[3] * 2)
 
 
+@pytest.mark.parametrize("total, tp", [(2, 2), (4, 2), (2, 4)])
+def test_a_tensor_parallel_rank_reads_its_own_heads_codebooks(tmp_path, total, tp):
+    # vLLM gives rank r of tp the KV heads from r * total // tp (one replicated head where tp > total)
+    path, keys = _file(tmp_path, H=total)
+    fmt = Million(MillionParams(codebooks=str(path)))
+    local = max(1, total // tp)
+    for rank in range(tp):
+        layer = AttentionLayer(num_heads=2 * total, num_kv_heads=local, head_size=64, scale=0.125, block_size=16,
+                               index=1, tp_rank=rank, tp_size=tp)
+        ck, cv = Million(MillionParams(codebooks=str(path))).codebooks(layer, local, 64, torch.device("cpu"))
+        first = rank * total // tp
+        assert torch.equal(ck, keys[1, first:first + local]) and torch.equal(cv, keys[1, first:first + local] * 2)
+    wrong = AttentionLayer(num_heads=8, num_kv_heads=local + 1, head_size=64, scale=0.125, block_size=16, index=1,
+                           tp_rank=0, tp_size=tp)
+    with pytest.raises(cb.CodebookError, match="but this model has num kv heads"):
+        fmt.codebooks(wrong, local + 1, 64, torch.device("cpu"))
+
+
 def test_missing_damaged_or_foreign_codebook_files_get_clear_errors(tmp_path):
     from pydantic import ValidationError
 
