@@ -98,6 +98,11 @@ def test_streaming_heads_mode_reads_its_head_map(tmp_path):
     assert (out[0, 2:] - exact[0, 2:]).abs().max() > 1e-3  # KV head 1: sinks + window only
     with pytest.raises(ValueError, match="calibrate razor"):
         m.forward(q, kv, batch, AttentionLayer(4, 2, 64, layer.scale, 16, index=5))
+    # under tensor parallelism a rank (here one of two, each with one KV head) reads its heads' entries
+    ranks = [AttentionLayer(2, 1, 64, layer.scale, 16, index=0, tp_rank=r, tp_size=2) for r in (0, 1)]
+    assert [m.retrieval(r) for r in ranks] == [[True], [False]]
+    with pytest.raises(ValueError, match="layer 0 has 4 KV heads"):  # 2 heads a rank of 2: the map has 2
+        m.retrieval(AttentionLayer(4, 2, 64, layer.scale, 16, index=0, tp_rank=0, tp_size=2))
     # a relative head map resolves as `model` does: relative to the deployment file's folder
     ctx = {"base_dir": str(tmp_path)}
     rel = SqueezedParams.model_validate({"mode": "streaming-heads", "head_map": "heads.json"}, context=ctx)
@@ -146,10 +151,16 @@ def test_triton_matches_reference(shape, dtype, tmp_path):
     for mode in ("centroid", "window", "recycled", "centroid+heads", "recycled+heads"):
         kw = dict(mode=mode.removesuffix("+heads"), budget=0.25, chunk=chunk, sink_tokens=16, recent_tokens=16,
                   **({"head_map": str(heads)} if mode.endswith("+heads") else {}))
-        ref = Squeezed(SqueezedParams(**kw)).forward(q, kv, batch, layer)
+        ref_m = Squeezed(SqueezedParams(**kw))
+        ref = ref_m.forward(q, kv, batch, layer)
         tri_m = Squeezed(SqueezedParams(kernel="triton", **kw))
         out = tri_m.forward(q, kv, batch, layer)
         assert out.dtype == q.dtype and out.shape == q.shape
+        # the traffic counted (the batched and kernel paths from the budgets alone) is the
+        # per-sequence path's, which sums the masks it attends with
+        seq_m = Squeezed(SqueezedParams(cpu_path="per-sequence", **kw))
+        seq_m.forward(q, kv, batch, layer)
+        assert tri_m.describe() == ref_m.describe() == seq_m.describe(), mode
         worst[mode] = (out.float() - ref.float()).abs().max().item()
     # the scoring kernel on its own
     rows, seqs, lens = [0, 1, 5], [0, 1, 3], [200, 37, 130]

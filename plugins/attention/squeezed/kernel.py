@@ -174,18 +174,23 @@ def chunk_scores_triton(query, kv_cache, batch, layer, chunk, rows, seqs, lens) 
     return scores
 
 
-def sparse_decode_triton(query, kv_cache, batch, layer, chunk, rows, seqs, lens, sel_masks, out):
-    """Attention of the decode rows over their chosen chunks (``sel_masks[r]`` bool [Hkv, C_r]),
-    written into ``out``."""
+def sparse_decode_triton(query, kv_cache, batch, layer, chunk, rows, seqs, lens, sel_masks, out, width=None):
+    """Attention of the decode rows over their chosen chunks, written into ``out``: ``sel_masks``
+    a bool ``[R, Hkv, C]`` tensor (``width``: at least the most chunks any row chooses, known on
+    the host, so that nothing is read back from the device) or a list of bool ``[Hkv, C_r]``."""
     dev = query.device
     hkv, d = layer.num_kv_heads, layer.head_size
     g = layer.num_heads // hkv
-    counts = torch.stack([m.sum(1) for m in sel_masks]).to(torch.int32)  # [R, Hkv]
-    width = max(int(counts.max()), 1)
-    sel = torch.zeros((len(rows), hkv, width), dtype=torch.int32, device=dev)
-    for r, mk in enumerate(sel_masks):
-        order = torch.argsort((~mk).to(torch.int8), dim=1, stable=True)[:, :width]  # chosen first
-        sel[r, :, : order.shape[1]] = order.to(torch.int32)
+    if not isinstance(sel_masks, torch.Tensor):  # per row, of its own chunk count: padded into one
+        c_max = max(m.shape[1] for m in sel_masks)
+        sel_masks = torch.stack([torch.nn.functional.pad(m, (0, c_max - m.shape[1])) for m in sel_masks])
+    counts = sel_masks.sum(-1, dtype=torch.int32)  # [R, Hkv]
+    if width is None:
+        width = int(counts.max())  # a host read: the list form's callers know no bound
+    c_max = sel_masks.shape[-1]
+    ci = torch.arange(c_max, device=dev, dtype=torch.int32)
+    # each (row, KV head)'s chosen chunks first, in position order (the kernel reads `counts` of them)
+    sel = torch.where(sel_masks, ci, c_max).sort(dim=-1).values[..., : max(width, 1)].contiguous()
     k_cache, v_cache = layer.kv_layout.split(kv_cache)
     strides = cache_strides(k_cache, v_cache, "squeezed triton kernel")
     t = lambda x: torch.tensor(x, dtype=torch.int32, device=dev)  # noqa: E731

@@ -32,6 +32,16 @@ class Budget:
     def full(self) -> bool:
         return len(self.sink) + len(self.recent) + self.extra >= self.num_chunks
 
+    @property
+    def chosen(self) -> int:
+        """Chunks one KV head attends to."""
+        return self.num_chunks if self.full else len(self.sink) + len(self.recent) + self.extra
+
+    def attended(self, n: int, chunk: int) -> int:
+        """Tokens one KV head attends to out of ``n`` (chunks of ``chunk``): the chosen chunks,
+        every one whole but the last chunk of the context, which the window always holds."""
+        return n if self.full else (self.chosen - 1) * chunk + n - (self.num_chunks - 1) * chunk
+
 
 def budget(n: int, chunk: int, fraction: float, sink_tokens: int, recent_tokens: int) -> Budget:
     """The chunk budget of a decode token with ``n`` context tokens."""

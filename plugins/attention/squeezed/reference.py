@@ -16,7 +16,7 @@ there, when chosen) and everything else here.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -264,13 +264,15 @@ class Squeezed(AttentionMethod):
         if self.head_map is None:
             return None
         idx = getattr(layer, "index", -1)
-        if not 0 <= idx < len(self.head_map) or len(self.head_map[idx]) != layer.num_kv_heads:
+        total = len(self.head_map[idx]) if 0 <= idx < len(self.head_map) else -1
+        if total < 0 or layer.num_kv_heads != max(1, total // layer.tp_size):  # a rank holds its share
             raise ValueError(
                 f"squeezed: head map {self.params.head_map!r} has {len(self.head_map)} layers of "
                 f"{len(self.head_map[0])} KV heads; this model's layer {idx} has "
-                f"{layer.num_kv_heads} KV heads. Calibrate it for this model (vllm-graft calibrate razor)"
+                f"{layer.num_kv_heads * layer.tp_size} KV heads. Calibrate it for this model (vllm-graft calibrate razor)"
             )
-        return self.head_map[idx]
+        first = layer.first_kv_head(total)  # under tensor parallelism, this rank's heads of the map
+        return self.head_map[idx][first : first + layer.num_kv_heads]
 
     def budget(self, n: int) -> Budget:
         p = self.params
@@ -412,6 +414,13 @@ def squeezed_attention_triton(
     budgets = [m.budget(n) for n in lens]
     need_scores = p.mode == "centroid" and any(not b.full for b in budgets)
     scores = chunk_scores_triton(query, kv_cache, batch, layer, p.chunk, rows, seqs, lens) if need_scores else None
+    if p.mode == "centroid" and retrieval is None and not m.refreshing():  # every row at once, on the device
+        n = torch.tensor(lens, device=query.device)
+        sel = batched_choice(budgets, n, hkv, p.chunk, lambda complete: scores)
+        width = max(b.chosen for b in budgets)
+        sparse_decode_triton(query, kv_cache, batch, layer, p.chunk, rows, seqs, lens, sel, out, width)
+        add_stats(m, budgets, lens, hkv)
+        return out
     masks = []
     k_cache, _ = layer.kv_layout.split(kv_cache)
     for r, (b, n) in enumerate(zip(budgets, lens)):
@@ -518,28 +527,16 @@ def squeezed_attention_batched(
     n = torch.tensor([lens[i] for i in decode], device=dev)
     C = max(b.num_chunks for b in budgets)
     ci = torch.arange(C, device=dev)
-    col = lambda vals: torch.tensor(vals, device=dev)[:, None]  # noqa: E731
-    num = col([b.num_chunks for b in budgets])
-    n_sink, extra = col([len(b.sink) for b in budgets]), col([b.extra for b in budgets])
-    r_start = col([b.recent[0] if b.recent else b.num_chunks for b in budgets])
-    full = col([b.full for b in budgets])
-    eligible = ci < num  # [S, C]
-    forced = (ci < n_sink) | ((ci >= r_start) & eligible)
     table = batch.block_table[torch.tensor(decode, device=dev)].long()
     blocks = table.gather(1, (ci // (B // c)).clamp(max=table.shape[1] - 1).expand(S, C))
     subs = (ci % (B // c)).expand(S, C)
     q = query[rows].float().view(S, hkv, H // hkv, D)
-    sel = forced | (full & eligible)
-    if bool(((extra > 0) & ~full).any()):
-        complete = eligible & ((ci + 1) * c <= n[:, None]) & ~forced  # the chunks that get scores
+
+    def score(complete: torch.Tensor) -> torch.Tensor:
         cent = m.centroids(layer, kv_cache).lookup(kv_cache, blocks, subs, complete, layer.kv_layout)  # [S, C, Hkv, D]
-        sc = (torch.einsum("shgd,schd->shgc", q, cent) * layer.scale).amax(2)  # [S, Hkv, C]
-        sc = sc.masked_fill(~complete[:, None, :], float("-inf"))
-        order = torch.argsort(sc, dim=2, descending=True, stable=True)
-        rank = torch.empty_like(order).scatter_(2, order, ci.expand_as(order).contiguous())
-        sel = sel[:, None, :] | ((rank < extra[:, :, None]) & complete[:, None, :])
-    else:
-        sel = sel[:, None, :].expand(S, hkv, C)
+        return (torch.einsum("shgd,schd->shgc", q, cent) * layer.scale).amax(2)  # [S, Hkv, C]
+
+    sel = batched_choice(budgets, n, hkv, c, score)
     # the chosen chunks of each (row, KV head), in position order, padded to the most chosen
     K = int(sel.sum(-1).max())
     chosen = torch.where(sel, ci, C).sort(dim=-1).values[..., :K]  # [S, Hkv, K]; C = padding
@@ -563,8 +560,41 @@ def squeezed_attention_batched(
         q.reshape(S, H, 1, D), k, v, attn_mask=mask, scale=layer.scale, enable_gqa=hkv != H
     )
     out[rows] = o.reshape(S, H, D).to(query.dtype)
-    attended = allowed.sum((1, 2)).tolist()
-    scored = ~full[:, 0]  # counted as the per-sequence path counts them (it scores every such row)
-    for t in range(S):
-        m.stats.add(lens[decode[t]], hkv, attended[t], budgets[t].num_chunks * hkv if bool(scored[t]) else 0)
+    add_stats(m, budgets, [lens[i] for i in decode], hkv)
     return out
+
+
+def batched_choice(
+    budgets: list[Budget], n: torch.Tensor, hkv: int, chunk: int, score: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """Bool ``[S, H_kv, C]``: the chunks each decode row (``n`` [S] context tokens, ``budgets``)
+    attends to per KV head, every row at once: the forced chunks (sinks, recent window), all of a
+    full budget, and the best ``extra`` of the complete unforced chunks by ``score(complete)``
+    (``[S, H_kv, C]`` for the ``complete`` [S, C] chunks; ties ranked as a stable sort ranks
+    them). No host read of a device value."""
+    dev = n.device
+    C = max(b.num_chunks for b in budgets)
+    ci = torch.arange(C, device=dev)
+    col = lambda vals: torch.tensor(vals, device=dev)[:, None]  # noqa: E731
+    num = col([b.num_chunks for b in budgets])
+    n_sink, extra = col([len(b.sink) for b in budgets]), col([b.extra for b in budgets])
+    r_start = col([b.recent[0] if b.recent else b.num_chunks for b in budgets])
+    full = col([b.full for b in budgets])
+    eligible = ci < num  # [S, C]
+    forced = (ci < n_sink) | ((ci >= r_start) & eligible)
+    sel = forced | (full & eligible)
+    if not any(b.extra and not b.full for b in budgets):
+        return sel[:, None, :].expand(len(budgets), hkv, C)
+    complete = eligible & ((ci + 1) * chunk <= n[:, None]) & ~forced  # the chunks that get scores
+    sc = score(complete).masked_fill(~complete[:, None, :], float("-inf"))
+    order = torch.argsort(sc, dim=2, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(2, order, ci.expand_as(order).contiguous())
+    return sel[:, None, :] | ((rank < extra[:, :, None]) & complete[:, None, :])
+
+
+def add_stats(m: Squeezed, budgets: list[Budget], lens: list[int], hkv: int) -> None:
+    """Count the decode rows of a step as the per-sequence path counts them (each row that
+    chooses scores every chunk's centroid), from the budgets alone: a row attends to its
+    chosen chunks, all whole but the last (always in the window)."""
+    for b, n in zip(budgets, lens):
+        m.stats.add(n, hkv, b.attended(n, m.params.chunk) * hkv, 0 if b.full else b.num_chunks * hkv)
