@@ -17,6 +17,15 @@ OUT = Path(__file__).resolve().parent / "hooks.md"
 PLUGINS_OUT = Path(__file__).resolve().parent / "plugins.md"
 
 
+def short_paper(paper: str) -> str:
+    """A registration's paper as the table shows it: each citation's title cut at its subtitle
+    (``Authors year, Name: subtitle (arXiv:id)`` -> ``Authors year, Name (arXiv:id)``); the full
+    title is in ``vllm-graft plugins NAME``."""
+    import re
+
+    return re.sub(r"(\w[^:;()]*?): [^;()]+?(?= \(|;|$)", r"\1", paper)
+
+
 def signature(func) -> str:
     """`name(arg: Type) -> Ret` with annotations as written in the source."""
     sig = inspect.signature(func)
@@ -94,7 +103,7 @@ def render_plugins() -> str:
             continue
         reg, caps = e.registration, e.registration.capabilities
         params = "<br>".join(f.line() for f in param_facts(reg.params)) or "-"
-        lines.append(f"| {e.kind.value} | `{e.name}` | {reg.paper} | {'yes' if caps.lossless else 'no'} | "
+        lines.append(f"| {e.kind.value} | `{e.name}` | {short_paper(reg.paper)} | {'yes' if caps.lossless else 'no'} | "
                      f"{', '.join(caps.platforms)} | {', '.join(caps.dtypes)} | {', '.join(caps.parallelism)} | "
                      f"{params} |")
     return "\n".join(lines) + "\n\n" + PLUGIN_FILES

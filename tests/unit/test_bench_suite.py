@@ -188,7 +188,8 @@ def test_case_row_and_markdown():
     table = [ln for ln in lines if ln.startswith("| noop-attention")]
     assert len(table) == 3
     cells = [c.strip() for c in table[0].split("|")[1:-1]]
-    assert cells[:8] == ["noop-attention", "`deployments/shapes/noop-attention.yaml`", "llama-108m", "chat 8 x 32",
+    assert "| deployment (in deployments/) |" in md
+    assert cells[:8] == ["noop-attention", "`shapes/noop-attention.yaml`", "llama-108m", "chat 8 x 32",
                          "100.0 (90-110)", "95.0 (95-99)", "**0.950** (0.90-1.06)", ">= 0.95: yes"]
     assert cells[8:12] == ["10 / 5", "1000 / 900", "+5.00% ppl", "8/8"]
     slow_cells = [c.strip() for c in table[1].split("|")[1:-1]]

@@ -75,13 +75,17 @@ def test_example_deployments_are_valid(registry, cpu_env):
     root = Path(__file__).resolve().parents[2] / "deployments"
     files = sorted(root.glob("*.yaml"))
     assert files, "deployments/ holds example files"
-    # million's codebooks are calibrated files outside the clone: valid once made, else told how
-    calibrated = "write it with `vllm-graft calibrate million"
+    # million's codebooks and xquant's bases are calibrated files outside the clone: valid once made,
+    # else told how
+    def calibrated(stem: str, e: Exception) -> bool:
+        return any(stem == f"kvcompress-{m}" and f"write it with `vllm-graft calibrate {m}" in str(e)
+                   for m in ("million", "xquant"))
+
     for f in files:  # the bundled models they name are committed under models/
         try:
             plan = validate_file(f, registry, cpu_env)
         except DeploymentError as e:
-            assert f.stem == "kvcompress-million" and calibrated in str(e), f"{f}: {e}"
+            assert calibrated(f.stem, e), f"{f}: {e}"
             continue
         assert plan.model is not None, f"{f} names a local model folder"
     real = sorted((root / "smollm2").glob("*.yaml"))  # the real model: valid once fetched, else told to fetch it
@@ -90,8 +94,7 @@ def test_example_deployments_are_valid(registry, cpu_env):
         try:
             plan = validate_file(f, registry, cpu_env)
         except DeploymentError as e:
-            assert "vllm-graft models fetch smollm2-135m" in str(e) or (
-                f.stem == "kvcompress-million" and calibrated in str(e)), f"{f}: {e}"
+            assert "vllm-graft models fetch smollm2-135m" in str(e) or calibrated(f.stem, e), f"{f}: {e}"
         else:
             assert plan.model is not None and plan.model.path.endswith("vllm-graft/models/smollm2-135m")
     shapes = sorted((root / "shapes").glob("*.yaml"))
