@@ -134,6 +134,69 @@ def test_score_case():
     assert R.score_case(many, [5, 7, 6, 8]) == 0.0  # tokens interleaved: not contiguous
 
 
+# ------------------------------------------------------------------------ the prose form
+@pytest.fixture(scope="module", params=["noise", "essay"])
+def prose(tok, request):
+    return request.param, R.ruler_suite(
+        tok, tasks=R.RULER_TASKS, num_per_task=N, context_tokens=CONTEXT, form=request.param
+    )
+
+
+NEEDLE = re.compile(r"One of the special magic numbers for ([a-z]+-[a-z]+) is: ([0-9]{7})\.")
+
+
+def test_prose_cases_fit_hold_their_answers_and_are_seeded(tok, prose):
+    from vllm_graft.tools.workloads import ruler_prose as P
+
+    form, prose = prose
+    assert [c.task for c in prose] == [t for t in R.RULER_TASKS for _ in range(N)]
+    again = R.ruler_suite(tok, tasks=R.RULER_TASKS, num_per_task=N, context_tokens=CONTEXT, form=form)
+    assert again == prose
+    other = R.ruler_suite(tok, tasks=["single"], num_per_task=N, context_tokens=CONTEXT, form=form, seed=1)
+    assert [c.token_ids for c in other] != [c.token_ids for c in by_task(prose, "single")]
+    for c in prose:
+        assert CONTEXT - 200 < len(c.token_ids) <= CONTEXT and c.match == "contains"
+        text = tok.decode(list(c.token_ids))
+        noise = c.source == "noise"
+        assert noise == (form == "noise" or c.task == "vartrack") and (noise or "pydoc_data" in c.source)
+        found = dict(NEEDLE.findall(text))
+        if c.task == "vartrack":
+            value = re.search(r"assigned the value ([0-9]{7}), they are:$", text)[1]
+            chain = re.findall(r"VAR ([A-Z]{5}) = (VAR [A-Z]{5}|[0-9]{7})\.", text)
+            assert len(chain) == P.VARTRACK_HOPS + 1 and chain[0][1] == value  # in order, the value first
+            assert all(b == f"VAR {a}" for (a, _), (_, b) in zip(chain, chain[1:]))
+            assert [tok.decode(list(a)) for a in c.answers] == [" " + a for a, _ in chain]
+            continue
+        key = re.search(
+            r"The special magic numbers? for ([a-z]+-[a-z]+) mentioned in the provided text (is|are)$", text
+        )
+        assert key, text[-200:]
+        if c.task == "multivalue":
+            values = re.findall(rf"for {key[1]} is: ([0-9]{{7}})\.", text)
+            assert len(values) == P.MULTIVALUE_VALUES == len(c.answers)
+        else:
+            values = [found[key[1]]]
+            assert len(found) == (P.MULTIKEY_KEYS if c.task == "multikey" else 1)
+        assert [tok.decode(list(a)) for a in c.answers] == [" " + v for v in values]
+        for a in c.answers:  # the answer's ids occur in the prompt as the output would write them
+            assert R._contains(c.token_ids, a)
+
+
+def test_prose_scoring_is_the_fraction_of_answers_anywhere_in_the_output():
+    case = R.RulerCase("single", (1,), ((5, 6),), 0.5, "x@0", match="contains")
+    assert R.score_case(case, [9, 9, 5, 6, 1]) == 1.0  # anywhere, not only at the start
+    assert R.score_case(case, [5, 9, 6]) == 0.0
+    vt = R.RulerCase("vartrack", (1,), ((5,), (6,), (7,), (8,)), 0.5, "x@0", match="contains")
+    assert R.score_case(vt, [8, 0, 6]) == 0.5
+
+
+def test_unknown_form_refused(tok):
+    with pytest.raises(W.WorkloadError, match="unknown RULER form 'prose': the forms are code, noise, essay"):
+        R.ruler_suite(tok, tasks=["single"], num_per_task=1, context_tokens=CONTEXT, form="prose")
+    with pytest.raises(W.WorkloadError, match="leaves no room for a haystack"):
+        R.ruler_suite(tok, tasks=["single"], num_per_task=1, context_tokens=80, form="noise")
+
+
 # ------------------------------------------------------------------------------ the report
 def rows():
     """Hand-made kvbench rows: 2 tasks, 2 cases each."""

@@ -462,7 +462,12 @@ def _main_ruler(args, model: str, tok, arms: list[tuple[str, Any]]) -> int:
 
     tasks = parse_ruler_tasks(args.ruler_tasks)
     cases = ruler_suite(
-        tok, tasks=tasks, num_per_task=args.ruler_cases, context_tokens=args.context - RULER_ROOM, seed=args.seed
+        tok,
+        tasks=tasks,
+        num_per_task=args.ruler_cases,
+        context_tokens=args.context - RULER_ROOM,
+        seed=args.seed,
+        form=args.ruler_form,
     )
     longest = max(len(c.token_ids) for c in cases) + ruler_max_tokens(cases)
     if longest > args.context:  # cannot happen with RULER_ROOM over the answers' length; checked
@@ -485,13 +490,19 @@ def _main_ruler(args, model: str, tok, arms: list[tuple[str, Any]]) -> int:
         rows.append(r)
         print(json.dumps({k: v for k, v in r.items() if k not in ("ruler_outputs", "ruler_tasks")}), flush=True)
     summary = ruler_report.summarize(rows, tasks, cases_per_task=args.ruler_cases, context=args.context)
-    summary.update(seed=args.seed, ruler_context=args.context - RULER_ROOM, ruler_digest=case_digest)
+    summary.update(
+        seed=args.seed, ruler_context=args.context - RULER_ROOM, ruler_digest=case_digest, ruler_form=args.ruler_form
+    )
     print()
     print(
-        f"RULER-style suite: {', '.join(tasks)}; {args.ruler_cases} cases each, prompts of "
+        f"RULER-style suite ({args.ruler_form} form): {', '.join(tasks)}; {args.ruler_cases} cases each, prompts of "
         f"{min(len(c.token_ids) for c in cases)}-{max(len(c.token_ids) for c in cases)} tokens "
         f"(context {args.context}, block {args.block}, chunk {args.chunk}, pool {args.pool_blocks} blocks); "
-        "exact match of the greedy output (multivalue: the fraction of values found)"
+        + (
+            "the fraction of the answers in the greedy output (RULER's string_match_all)"
+            if args.ruler_form != "code"
+            else "exact match of the greedy output (multivalue: the fraction of values found)"
+        )
     )
     print(ruler_report.tables(summary))
     if theirs is not None:
@@ -617,7 +628,7 @@ def parse_ruler_tasks(value: str) -> list[str]:
 
 def _add_ruler_arguments(p: Any) -> None:
     """kvbench --suite ruler and its arguments."""
-    from ..workloads.ruler import DEFAULT_TASKS as DEFAULT_RULER_TASKS
+    from ..workloads.ruler import DEFAULT_TASKS as DEFAULT_RULER_TASKS, RULER_FORMS
 
     p.add_argument(
         "--suite",
@@ -633,6 +644,14 @@ def _add_ruler_arguments(p: Any) -> None:
         metavar="LIST",
         help=f"--suite ruler: the tasks, a comma list or all (default {','.join(DEFAULT_RULER_TASKS)}: "
         "plain vLLM on the bundled recall model gets 1 of 16 vartrack cases)",
+    )
+    p.add_argument(
+        "--ruler-form",
+        choices=RULER_FORMS,
+        default="code",
+        help="--suite ruler: code (default: the tasks on stdlib source, for the bundled models trained on it), or "
+        "RULER's own natural-language needles and questions (a pretrained model, such as smollm2-135m) in "
+        "repeated filler sentences (noise) or English prose (essay: CPython's reference documentation)",
     )
     p.add_argument(
         "--ruler-cases", type=int, default=16, metavar="N", help="--suite ruler: cases per task (default 16)"

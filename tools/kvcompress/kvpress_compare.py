@@ -377,14 +377,14 @@ def check_ruler_results(
         )
     want = (
         f"--ruler {','.join(tasks)} --ruler-per-task {len(case_tasks) // max(1, len(tasks))} "
-        "(and kvbench's --context and --seed)"
+        "(and kvbench's --context, --seed and --ruler-form)"
     )
     for m in metas:
         if m.get("ruler_digest") != digest:
             raise RulerMismatch(
                 f"kvpress ran other RULER prompts (digest {m.get('ruler_digest')}: tasks "
                 f"{','.join(m.get('ruler_tasks') or []) or '?'}, {m.get('ruler_per_task', '?')} per task, "
-                f"{m.get('ruler_context', '?')} tokens, seed {m.get('seed', '?')}) than kvbench's "
+                f"form {m.get('ruler_form') or 'code'}, {m.get('ruler_context', '?')} tokens, seed {m.get('seed', '?')}) than kvbench's "
                 f"(digest {digest}): rerun kvpress_compare with {want}"
             )
     rows = _ruler_rows(theirs)
@@ -722,6 +722,7 @@ class _Material:
                 num_per_task=args.ruler_per_task,
                 context_tokens=self.ruler_context,
                 seed=args.seed,
+                form=args.ruler_form,
             )
             self.ruler_decode = ruler_max_tokens(self.cases)
 
@@ -803,6 +804,7 @@ class _Material:
             "ruler_context": self.ruler_context if cases else 0,
             "ruler_tasks": self.tasks if cases else [],
             "ruler_per_task": args.ruler_per_task if cases else 0,
+            "ruler_form": args.ruler_form if cases else None,
             "gen_tokens": args.gen_tokens,
             "decode_tokens": self.decode,
             "seed": args.seed,
@@ -942,6 +944,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ruler-per-task", type=int, default=16, help="RULER cases per task (default 16, kvbench's --ruler-cases)"
+    )
+    p.add_argument(
+        "--ruler-form",
+        choices=("code", "noise", "essay"),
+        default="code",
+        help="RULER's form (kvbench's --ruler-form): code (stdlib source), or RULER's own wording in filler "
+        "sentences (noise) or English prose (essay)",
     )
     p.add_argument(
         "--ruler-context",

@@ -68,6 +68,10 @@ from .sources import stdlib_texts
 
 #: The task names, in the order the tables list them.
 RULER_TASKS = ("single", "multikey", "multivalue", "vartrack")
+#: The forms of the tasks: ``code`` (this module, for the bundled models trained on source), and
+#: RULER's own wording (:mod:`.ruler_prose`, for a pretrained model) in a haystack of repeated
+#: filler sentences (``noise``) or of English prose (``essay``).
+RULER_FORMS = ("code", "noise", "essay")
 #: The tasks plain vLLM on the recall model scores clearly above chance on (the default suite:
 #: ``vartrack`` is built and tested but plain vLLM gets 1 of 16, too rare to say anything
 #: about compression; name it with ``--ruler-tasks`` to run it anyway).
@@ -92,21 +96,25 @@ class RulerCase:
     ``answers`` are the token ids to find (one for every task but ``multivalue``, where the
     output must hold each of them); ``depth`` is where the needle asked for sits in the
     haystack (0 = start, 1 = end; for ``multivalue`` and ``vartrack`` the first inserted
-    line); ``source`` is the haystack's ``file@offset``."""
+    line); ``source`` is the haystack's ``file@offset``; ``match`` how the output is scored
+    (:func:`score_case`): ``"prefix"`` (this module's code form) or ``"contains"`` (RULER's own,
+    :mod:`.ruler_prose`)."""
 
     task: str
     token_ids: tuple[int, ...]
     answers: tuple[tuple[int, ...], ...]
     depth: float
     source: str
+    match: str = "prefix"
 
 
 def score_case(case: RulerCase, output_ids: Sequence[int]) -> float:
-    """The case's score, 0..1, on the greedy output's token ids: for ``multivalue`` the
-    fraction of the values whose token ids occur (contiguously) in the output; for the other
-    tasks 1.0 when the output starts with the answer's token ids, else 0.0."""
+    """The case's score, 0..1, on the greedy output's token ids: for ``multivalue``, and for
+    every task of a ``"contains"`` case (RULER's ``string_match_all``), the fraction of the
+    answers whose token ids occur (contiguously) in the output; for the other tasks 1.0 when the
+    output starts with the answer's token ids, else 0.0."""
     out = tuple(output_ids)
-    if case.task == "multivalue":
+    if case.task == "multivalue" or case.match == "contains":
         found = sum(_contains(out, a) for a in case.answers)
         return found / len(case.answers)
     (answer,) = case.answers
@@ -263,14 +271,25 @@ def ruler_suite(
     context_tokens: int,
     seed: int = 0,
     root: Path | None = None,
+    form: str = "code",
 ) -> list[RulerCase]:
     """``num_per_task`` cases of each task of ``tasks`` (names from :data:`RULER_TASKS`), in
     that order, each a prompt of at most ``context_tokens`` tokens (a few dozen fewer, since
-    the haystack is cut before the lines are inserted); deterministic in ``seed``."""
+    the haystack is cut before the lines are inserted); deterministic in ``seed``. ``form``
+    (:data:`RULER_FORMS`): ``"code"``, this module's tasks on stdlib source (the bundled
+    models), or ``"noise"`` / ``"essay"``, RULER's own natural-language forms in that haystack
+    (:mod:`.ruler_prose`: a pretrained model)."""
     unknown = [t for t in tasks if t not in _BUILDERS]
     if unknown:
         raise WorkloadError(f"unknown RULER task(s) {', '.join(unknown)}: the tasks are {', '.join(RULER_TASKS)}")
+    if form not in RULER_FORMS:
+        raise WorkloadError(f"unknown RULER form {form!r}: the forms are {', '.join(RULER_FORMS)}")
     out: list[RulerCase] = []
     for task in tasks:
-        out += _BUILDERS[task](tokenizer, num_per_task, context_tokens, seed, root)
+        if form != "code":
+            from .ruler_prose import prose_cases
+
+            out += prose_cases(tokenizer, task, num_per_task, context_tokens, seed, haystack=form)
+        else:
+            out += _BUILDERS[task](tokenizer, num_per_task, context_tokens, seed, root)
     return out
