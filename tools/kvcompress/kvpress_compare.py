@@ -141,6 +141,15 @@ PAIRS: tuple[PressPair, ...] = (
         "sdpa",
         "same method (SnapKV scores, budgets falling with depth); vLLM frees only what no layer keeps",
     ),
+    PressPair(
+        "kvzip",
+        "KVzipPress",
+        None,
+        "sdpa",
+        "same method (after prefill the model repeats its context in chunks; a KV pair's score is the most "
+        "attention any repeated token gives it); kvpress keeps tokens per head with budgets across layers "
+        "(layerwise=False) and 4 sinks, vllm-graft whole blocks, one budget per layer",
+    ),
 )
 PAIRS_BY_NAME = {p.ours: p for p in PAIRS}
 #: kvbench's budgets: 1/2, 1/4 and 1/8 of the context

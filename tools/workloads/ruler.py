@@ -289,7 +289,8 @@ def ruler_suite(
         if form != "code":
             from .ruler_prose import prose_cases
 
-            out += prose_cases(tokenizer, task, num_per_task, context_tokens, seed, haystack=form)
+            drawn = prose_cases(tokenizer, task, num_per_task, context_tokens, seed, haystack=form)
+            out += [RulerCase(t, ids, ans, depth, src, match="contains") for t, ids, ans, depth, src in drawn]
         else:
             out += _BUILDERS[task](tokenizer, num_per_task, context_tokens, seed, root)
     return out

@@ -284,12 +284,11 @@ HAYSTACKS = ("noise", "essay")
 
 def prose_cases(
     tokenizer: Tokenizer, task: str, num: int, context_tokens: int, seed: int, haystack: str = "noise"
-) -> list:
+) -> list[tuple]:
     """``num`` cases of ``task`` (prompts of at most ``context_tokens`` tokens) in ``haystack``
-    (:data:`HAYSTACKS`), deterministic in ``seed``: :class:`.ruler.RulerCase` with
-    ``match="contains"``."""
-    from .ruler import RulerCase
-
+    (:data:`HAYSTACKS`), deterministic in ``seed``: ``(task, ids, answers, depth, source)``,
+    which :func:`.ruler.ruler_suite` makes :class:`.ruler.RulerCase` with ``match="contains"``
+    (this module does not import :mod:`.ruler`, which imports it)."""
     draw, noise = _DRAWS[task], haystack == "noise" or task == "vartrack"
     rng = random.Random(f"vllm-graft-ruler-prose:{task}:{seed}:{context_tokens}:{haystack}")
     out = []
@@ -308,13 +307,6 @@ def prose_cases(
         else:
             raise WorkloadError(f"ruler {task}: could not fit a prompt in {context_tokens} tokens")
         out.append(
-            RulerCase(
-                task,
-                tuple(ids),
-                tuple(tuple(tokenizer.encode(" " + a)) for a in answers),
-                round(depth, 3),
-                source,
-                match="contains",
-            )
+            (task, tuple(ids), tuple(tuple(tokenizer.encode(" " + a)) for a in answers), round(depth, 3), source)
         )
     return out
