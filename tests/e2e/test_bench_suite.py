@@ -16,6 +16,10 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# Eight engine loads (74 s in CI): long form only. CI's tests/e2e/test_bench.py runs the same
+# paired, alternating bench on one deployment; tests/unit/test_bench_suite.py the suite's loop,
+# its table and plot on recorded rows.
+@pytest.mark.full
 def test_one_case_suite(tmp_path):
     (tmp_path / "B.md").write_text("# B\n\n<!-- bench-suite:start -->\nold\n<!-- bench-suite:end -->\n\nend\n")
     suite = tmp_path / "suite.yaml"

@@ -23,6 +23,10 @@ from .servers import REPO, clean_env, graft_cli  # noqa: E402
 pytestmark = pytest.mark.e2e
 
 
+# Two server starts (68 s in CI): long form only. CI's tests/e2e/test_report_metrics.py drives
+# the same vLLM server with a lossless deployment and reads its metrics; the sweep's arithmetic
+# and failure paths are in tests/unit/test_servebench.py.
+@pytest.mark.full
 def test_short_sweep_plain_vs_a_lossless_deployment(tmp_path):
     out_json = tmp_path / "sweep.json"
     out = graft_cli("servebench", str(REPO / "deployments" / "spec-lookahead.yaml"), "--workload", "code-completion",

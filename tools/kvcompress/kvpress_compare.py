@@ -148,7 +148,8 @@ PAIRS: tuple[PressPair, ...] = (
         "sdpa",
         "same method (after prefill the model repeats its context in chunks; a KV pair's score is the most "
         "attention any repeated token gives it); kvpress keeps tokens per head with budgets across layers "
-        "(layerwise=False) and 4 sinks, vllm-graft whole blocks, one budget per layer",
+        "(layerwise=False) and 4 sinks, vllm-graft whole blocks, one budget per layer; kvpress masks the "
+        "pairs it prunes (its cache keeps every token, so its kept count reads the whole prompt)",
     ),
 )
 PAIRS_BY_NAME = {p.ours: p for p in PAIRS}
