@@ -255,6 +255,23 @@ def test_svg_plot():
     assert {"1/4", "1/2", "1", "plain 0.750", "streaming", "snapkv"} <= set(labels)
 
 
+def test_svg_plot_draws_kvpress_beside_each_press_it_ran():
+    s = ruler_report.summarize(rows(), ["single", "multikey"], cases_per_task=2, context=2048)
+    beside = {"rows": [
+        {"compressor": "snapkv", "kept": "1/2", "theirs": 0.25},
+        {"compressor": "snapkv", "kept": "1/4", "theirs": 0.0},
+        {"compressor": "snapkv", "kept": "1/8", "theirs": 0.0},  # a ratio kvbench did not run: not drawn
+    ]}
+    root = ET.fromstring(ruler_report.svg(s, width=640, height=400, beside=beside))
+    ns = {"s": "http://www.w3.org/2000/svg"}
+    theirs = {p.get("data-kvpress"): p.get("points") for p in root.iterfind("s:polyline", ns) if p.get("data-kvpress")}
+    assert theirs == {"snapkv": "60.0,350.0 275.0,272.5"}  # 0 at 1/4, 0.25 at 1/2; no streaming press
+    assert len([r for r in root.iterfind("s:rect", ns) if r.get("data-kvpress")]) == 2
+    assert "snapkv (kvpress)" in [t.text for t in root.iterfind("s:text", ns)]
+    plain = ruler_report.svg(s, width=640, height=400)
+    assert "data-kvpress" not in plain and "(kvpress)" not in plain
+
+
 # ------------------------------------------------------------------------------ the CLI
 def parse(*argv):
     from vllm_graft.cli.main import build_parser

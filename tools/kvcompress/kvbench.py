@@ -505,6 +505,7 @@ def _main_ruler(args, model: str, tok, arms: list[tuple[str, Any]]) -> int:
         )
     )
     print(ruler_report.tables(summary))
+    beside = None
     if theirs is not None:
         beside = kvpress_compare.ruler_beside(rows, theirs, tasks=tasks, digest=case_digest)
         print(kvpress_beside_title(beside, args.context, args.block))
@@ -513,7 +514,7 @@ def _main_ruler(args, model: str, tok, arms: list[tuple[str, Any]]) -> int:
     svg_path = args.ruler_svg or (os.path.splitext(args.ruler_out)[0] + ".svg" if args.ruler_out else None)
     if svg_path:
         with open(svg_path, "w") as f:
-            f.write(ruler_report.svg(summary))
+            f.write(ruler_report.svg(summary, beside=beside))
     write_json(args.json, rows)
     return 0
 

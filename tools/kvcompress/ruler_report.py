@@ -119,10 +119,13 @@ def tables(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def svg(summary: dict[str, Any], *, width: int = 640, height: int = 400) -> str:
+def svg(
+    summary: dict[str, Any], *, width: int = 640, height: int = 400, beside: dict[str, Any] | None = None
+) -> str:
     """Score (RULER average, 0..1) against ratio kept (log scale, 1 at the right): one line
     per compressor with a budget, plain vLLM as a dashed horizontal reference; an arm
-    without a budget other than plain is a point at ratio 1."""
+    without a budget other than plain is a point at ratio 1. With ``beside`` (kvpress_compare's
+    ``ruler_beside``), each press kvpress ran is a dashed line in its compressor's colour."""
     left, right, top, bottom = 60, 150, 40, 50
     pw, ph = width - left - right, height - top - bottom
     ratios = _ratios(summary)
@@ -196,5 +199,25 @@ def svg(summary: dict[str, Any], *, width: int = 640, height: int = 400) -> str:
             f'<text x="{left + pw + 35}" y="{legend_y + 4}">{escape(name)}</text>'
         )
         legend_y += 18
+        theirs = sorted(
+            (xpos[r["kept"]], y(r["theirs"]))
+            for r in (beside or {}).get("rows", [])
+            if r["compressor"] == name and r["kept"] in xpos
+        )
+        if theirs:
+            coords = " ".join(f"{x:.1f},{yy:.1f}" for x, yy in theirs)
+            out.append(
+                f'<polyline data-kvpress="{escape(name)}" points="{coords}" fill="none" stroke="{colour}" '
+                'stroke-width="2" stroke-dasharray="4 3"/>'
+                + "".join(
+                    f'<rect data-kvpress="{escape(name)}" x="{x - 3:.1f}" y="{yy - 3:.1f}" width="6" height="6" '
+                    f'fill="{colour}"/>'
+                    for x, yy in theirs
+                )
+                + f'<line x1="{left + pw + 10}" y1="{legend_y}" x2="{left + pw + 30}" y2="{legend_y}" '
+                f'stroke="{colour}" stroke-width="2" stroke-dasharray="4 3"/>'
+                f'<text x="{left + pw + 35}" y="{legend_y + 4}">{escape(name)} (kvpress)</text>'
+            )
+            legend_y += 18
     out.append("</svg>")
     return "\n".join(out) + "\n"
