@@ -257,11 +257,13 @@ def test_svg_plot():
 
 def test_svg_plot_draws_kvpress_beside_each_press_it_ran():
     s = ruler_report.summarize(rows(), ["single", "multikey"], cases_per_task=2, context=2048)
-    beside = {"rows": [
-        {"compressor": "snapkv", "kept": "1/2", "theirs": 0.25},
-        {"compressor": "snapkv", "kept": "1/4", "theirs": 0.0},
-        {"compressor": "snapkv", "kept": "1/8", "theirs": 0.0},  # a ratio kvbench did not run: not drawn
-    ]}
+    beside = {
+        "rows": [
+            {"compressor": "snapkv", "kept": "1/2", "theirs": 0.25},
+            {"compressor": "snapkv", "kept": "1/4", "theirs": 0.0},
+            {"compressor": "snapkv", "kept": "1/8", "theirs": 0.0},  # a ratio kvbench did not run: not drawn
+        ]
+    }
     root = ET.fromstring(ruler_report.svg(s, width=640, height=400, beside=beside))
     ns = {"s": "http://www.w3.org/2000/svg"}
     theirs = {p.get("data-kvpress"): p.get("points") for p in root.iterfind("s:polyline", ns) if p.get("data-kvpress")}

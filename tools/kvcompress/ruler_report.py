@@ -119,9 +119,7 @@ def tables(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def svg(
-    summary: dict[str, Any], *, width: int = 640, height: int = 400, beside: dict[str, Any] | None = None
-) -> str:
+def svg(summary: dict[str, Any], *, width: int = 640, height: int = 400, beside: dict[str, Any] | None = None) -> str:
     """Score (RULER average, 0..1) against ratio kept (log scale, 1 at the right): one line
     per compressor with a budget, plain vLLM as a dashed horizontal reference; an arm
     without a budget other than plain is a point at ratio 1. With ``beside`` (kvpress_compare's
