@@ -23,9 +23,9 @@ import os
 def main() -> int:
     import kvpress
     import torch
-    from transformers import AutoTokenizer
 
     from vllm_graft.tools.kvcompress import kvpress_compare as K
+    from vllm_graft.tools.workloads import Tokenizer
     from vllm_graft.tools.workloads.ruler import ruler_suite, score_case
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -38,16 +38,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args()
 
-    tok = AutoTokenizer.from_pretrained(a.model)
-
-    class _Tok:
-        def encode(self, s: str) -> list[int]:
-            return tok.encode(s, add_special_tokens=False)
-
-        def decode(self, ids: list[int]) -> str:
-            return tok.decode(ids)
-
-    case = ruler_suite(_Tok(), tasks=["single"], num_per_task=a.case + 1, context_tokens=a.context, form=a.form)[-1]
+    tok = Tokenizer.from_model(a.model)
+    case = ruler_suite(tok, tasks=["single"], num_per_task=a.case + 1, context_tokens=a.context, form=a.form)[-1]
     ids, value = list(case.token_ids), list(case.answers[0])[1:]  # the value's tokens, without the space
     at = next(i for i in range(len(ids)) if ids[i : i + len(value)] == value)
     print(f"needle value {tok.decode(value)!r}: {len(value)} tokens at {at}..{at + len(value) - 1} of {len(ids)}")
@@ -69,12 +61,11 @@ def main() -> int:
         scores.clear()
         out, held = runner.generate("sdpa", cls(compression_ratio=ratio), ids, 10, None)
         print(f"{a.press}({ratio}): {tok.decode(out)!r} score {score_case(case, out)}, first layer holds {held}")
-        span = range(at, at + len(value))
         for layer, s in sorted(scores.items()):
             s = s[0]  # heads x tokens
             kept = s.topk(held, dim=-1).indices
             for h in range(s.shape[0]):
-                lost = sorted(set(span) - set(kept[h].tolist()))
+                lost = sorted(set(range(at, at + len(value))) - set(kept[h].tolist()))
                 if lost:
                     print(
                         f"  layer {layer} head {h}: drops value tokens {[p - at for p in lost]} "

@@ -161,18 +161,23 @@ def svg(summary: dict[str, Any], *, width: int = 640, height: int = 400, beside:
         f'<text x="16" y="{top + ph / 2:.1f}" text-anchor="middle" '
         f'transform="rotate(-90 16 {top + ph / 2:.1f})">score (exact match, average)</text>'
     )
-    legend_y = top + 10
+    legend = iter(range(top + 10, height, 18))  # the legend's rows, one per series
+
+    def key(stroke: str, label: str) -> str:
+        ly = next(legend)
+        return (
+            f'<line x1="{left + pw + 10}" y1="{ly}" x2="{left + pw + 30}" y2="{ly}" {stroke}/>'
+            f'<text x="{left + pw + 35}" y="{ly + 4}">{label}</text>'
+        )
+
     plain = next((a for a in summary["arms"] if a["arm"] == "plain"), None)
     if plain is not None:
         py = y(plain["average"])
+        dashed = 'stroke="black" stroke-dasharray="6 4"'
         out.append(
-            f'<line class="plain" x1="{left}" y1="{py:.1f}" x2="{left + pw}" y2="{py:.1f}" '
-            'stroke="black" stroke-dasharray="6 4"/>'
-            f'<line x1="{left + pw + 10}" y1="{legend_y}" x2="{left + pw + 30}" y2="{legend_y}" '
-            'stroke="black" stroke-dasharray="6 4"/>'
-            f'<text x="{left + pw + 35}" y="{legend_y + 4}">plain {plain["average"]:.3f}</text>'
+            f'<line class="plain" x1="{left}" y1="{py:.1f}" x2="{left + pw}" y2="{py:.1f}" {dashed}/>'
+            + key(dashed, f"plain {plain['average']:.3f}")
         )
-        legend_y += 18
     names = [n for n in _compressors(summary) if n != "plain"]
     for i, name in enumerate(names):
         colour = COLOURS[i % len(COLOURS)]
@@ -191,31 +196,23 @@ def svg(summary: dict[str, Any], *, width: int = 640, height: int = 400, beside:
             )
         for x, yy in pts:
             out.append(f'<circle data-compressor="{escape(name)}" cx="{x:.1f}" cy="{yy:.1f}" r="3.5" fill="{colour}"/>')
-        out.append(
-            f'<line x1="{left + pw + 10}" y1="{legend_y}" x2="{left + pw + 30}" y2="{legend_y}" '
-            f'stroke="{colour}" stroke-width="2"/>'
-            f'<text x="{left + pw + 35}" y="{legend_y + 4}">{escape(name)}</text>'
-        )
-        legend_y += 18
+        out.append(key(f'stroke="{colour}" stroke-width="2"', escape(name)))
         theirs = sorted(
             (xpos[r["kept"]], y(r["theirs"]))
             for r in (beside or {}).get("rows", [])
             if r["compressor"] == name and r["kept"] in xpos
         )
         if theirs:
+            stroke = f'stroke="{colour}" stroke-width="2" stroke-dasharray="4 3"'
             coords = " ".join(f"{x:.1f},{yy:.1f}" for x, yy in theirs)
             out.append(
-                f'<polyline data-kvpress="{escape(name)}" points="{coords}" fill="none" stroke="{colour}" '
-                'stroke-width="2" stroke-dasharray="4 3"/>'
+                f'<polyline data-kvpress="{escape(name)}" points="{coords}" fill="none" {stroke}/>'
                 + "".join(
                     f'<rect data-kvpress="{escape(name)}" x="{x - 3:.1f}" y="{yy - 3:.1f}" width="6" height="6" '
                     f'fill="{colour}"/>'
                     for x, yy in theirs
                 )
-                + f'<line x1="{left + pw + 10}" y1="{legend_y}" x2="{left + pw + 30}" y2="{legend_y}" '
-                f'stroke="{colour}" stroke-width="2" stroke-dasharray="4 3"/>'
-                f'<text x="{left + pw + 35}" y="{legend_y + 4}">{escape(name)} (kvpress)</text>'
+                + key(stroke, f"{escape(name)} (kvpress)")
             )
-            legend_y += 18
     out.append("</svg>")
     return "\n".join(out) + "\n"

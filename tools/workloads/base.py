@@ -17,6 +17,24 @@ class WorkloadError(ValueError):
     """A workload cannot be built with these settings (or does not exist)."""
 
 
+@dataclass(frozen=True)
+class RulerCase:
+    """One prompt of the suite: ``token_ids`` ends where the model must write the answer;
+    ``answers`` are the token ids to find (one for every task but ``multivalue``, where the
+    output must hold each of them); ``depth`` is where the needle asked for sits in the
+    haystack (0 = start, 1 = end; for ``multivalue`` and ``vartrack`` the first inserted
+    line); ``source`` is the haystack's ``file@offset``; ``match`` how the output is scored
+    (:func:`.ruler.score_case`): ``"prefix"`` (:mod:`.ruler`'s code form) or ``"contains"`` (RULER's own,
+    :mod:`.ruler_prose`)."""
+
+    task: str
+    token_ids: tuple[int, ...]
+    answers: tuple[tuple[int, ...], ...]
+    depth: float
+    source: str
+    match: str = "prefix"
+
+
 # --------------------------------------------------------------------------- tokenizer
 class Tokenizer:
     """The model's tokenizer, reduced to what the workloads need (no special tokens added)."""

@@ -58,12 +58,12 @@ Never imports vLLM.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .base import Tokenizer, WorkloadError
+from .base import RulerCase, Tokenizer, WorkloadError
 from .long_context import needle_haystack
+from .ruler_prose import prose_cases
 from .sources import stdlib_texts
 
 #: The task names, in the order the tables list them.
@@ -88,24 +88,6 @@ VALUE_LETTERS = 8
 _LINE_TOKENS = 24
 _UPPER = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 _LOWER = "abcdefghijklmnopqrstuvwxyz"
-
-
-@dataclass(frozen=True)
-class RulerCase:
-    """One prompt of the suite: ``token_ids`` ends where the model must write the answer;
-    ``answers`` are the token ids to find (one for every task but ``multivalue``, where the
-    output must hold each of them); ``depth`` is where the needle asked for sits in the
-    haystack (0 = start, 1 = end; for ``multivalue`` and ``vartrack`` the first inserted
-    line); ``source`` is the haystack's ``file@offset``; ``match`` how the output is scored
-    (:func:`score_case`): ``"prefix"`` (this module's code form) or ``"contains"`` (RULER's own,
-    :mod:`.ruler_prose`)."""
-
-    task: str
-    token_ids: tuple[int, ...]
-    answers: tuple[tuple[int, ...], ...]
-    depth: float
-    source: str
-    match: str = "prefix"
 
 
 def score_case(case: RulerCase, output_ids: Sequence[int]) -> float:
@@ -287,10 +269,7 @@ def ruler_suite(
     out: list[RulerCase] = []
     for task in tasks:
         if form != "code":
-            from .ruler_prose import prose_cases
-
-            drawn = prose_cases(tokenizer, task, num_per_task, context_tokens, seed, haystack=form)
-            out += [RulerCase(t, ids, ans, depth, src, match="contains") for t, ids, ans, depth, src in drawn]
+            out += prose_cases(tokenizer, task, num_per_task, context_tokens, seed, haystack=form)
         else:
             out += _BUILDERS[task](tokenizer, num_per_task, context_tokens, seed, root)
     return out

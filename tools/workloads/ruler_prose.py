@@ -43,7 +43,7 @@ import random
 from functools import lru_cache
 from typing import Callable
 
-from .base import Tokenizer, WorkloadError
+from .base import RulerCase, Tokenizer, WorkloadError
 
 #: Needles in a ``multikey`` prompt (one asked for, the rest distractors), as RULER's multikey_1.
 MULTIKEY_KEYS = 4
@@ -284,11 +284,10 @@ HAYSTACKS = ("noise", "essay")
 
 def prose_cases(
     tokenizer: Tokenizer, task: str, num: int, context_tokens: int, seed: int, haystack: str = "noise"
-) -> list[tuple]:
+) -> list[RulerCase]:
     """``num`` cases of ``task`` (prompts of at most ``context_tokens`` tokens) in ``haystack``
-    (:data:`HAYSTACKS`), deterministic in ``seed``: ``(task, ids, answers, depth, source)``,
-    which :func:`.ruler.ruler_suite` makes :class:`.ruler.RulerCase` with ``match="contains"``
-    (this module does not import :mod:`.ruler`, which imports it)."""
+    (:data:`HAYSTACKS`), deterministic in ``seed``: :class:`.base.RulerCase` with
+    ``match="contains"``."""
     draw, noise = _DRAWS[task], haystack == "noise" or task == "vartrack"
     rng = random.Random(f"vllm-graft-ruler-prose:{task}:{seed}:{context_tokens}:{haystack}")
     out = []
@@ -307,6 +306,13 @@ def prose_cases(
         else:
             raise WorkloadError(f"ruler {task}: could not fit a prompt in {context_tokens} tokens")
         out.append(
-            (task, tuple(ids), tuple(tuple(tokenizer.encode(" " + a)) for a in answers), round(depth, 3), source)
+            RulerCase(
+                task,
+                tuple(ids),
+                tuple(tuple(tokenizer.encode(" " + a)) for a in answers),
+                round(depth, 3),
+                source,
+                match="contains",
+            )
         )
     return out
