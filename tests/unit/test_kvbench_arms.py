@@ -15,6 +15,8 @@ def test_arms_budgets_and_h2o_variants():
         "plugin": "h2o",
         "params": {"budget_blocks": 8, "sink_blocks": 1, "recent_blocks": 6, "score": "mean"},
     }
+    # kvpress's leaderboard ratio 0.25 removed: 3/4 of the 64 blocks kept
+    assert dict(_arms(2048, 32, ["streaming"], ["3/4"]))["streaming 3/4"]["params"]["budget_blocks"] == 48
     default = dict(_arms(2048, 32, ["h2o"], (4,)))
     assert default["h2o 1/4"]["params"]["recent_blocks"] == 8  # half, as in the H2O paper
     # d2o drops what h2o drops: the same recent share, its own parameters on top

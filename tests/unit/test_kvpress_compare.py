@@ -5,6 +5,7 @@ hand-made results, and a clear error naming `make kvpress` when kvpress is missi
 import json
 import subprocess
 import sys
+from fractions import Fraction
 
 import pytest
 
@@ -14,8 +15,10 @@ from vllm_graft.tools.kvcompress import kvpress_compare as kc
 def test_ratio_is_the_fraction_removed():
     assert [kc.compression_ratio(f) for f in kc.FRACTIONS] == [0.5, 0.75, 0.875]
     assert kc.compression_ratio(1) == 0.0
-    with pytest.raises(ValueError, match="1/0"):
-        kc.compression_ratio(0)
+    assert [kc.compression_ratio(f) for f in ("3/4", "1/2", "1/4")] == [0.25, 0.5, 0.75]  # kvpress's leaderboard
+    for bad in (0, "0/4", "5/4", "x"):
+        with pytest.raises(ValueError, match="budget"):
+            kc.compression_ratio(bad)
 
 
 @pytest.mark.parametrize("n, kept", [(2014, 1024), (2014, 256), (1919, 512), (100, 1), (33, 32)])
@@ -33,6 +36,8 @@ def test_ratio_keeping_keeps_everything_when_the_budget_covers_the_prompt():
 def test_context_budget_is_kvbench_blocks_in_tokens():
     assert [kc.context_budget_tokens(2048, 32, f) for f in (2, 4, 8)] == [1024, 512, 256]
     assert kc.context_budget_tokens(2000, 32, 8) == 224  # 62 blocks // 8 = 7 blocks
+    assert kc.context_budget_tokens(2048, 32, "3/4") == 1536
+    assert kc.context_budget_tokens(2000, 32, "3/4") == 1472  # 62 blocks * 3/4 = 46 blocks
 
 
 def test_labels_are_kvbench_arms():
@@ -45,8 +50,10 @@ def test_labels_are_kvbench_arms():
     for name in registered:
         for frac in kc.FRACTIONS:
             assert kc.arm_label(name, frac) in labels
-    assert kc.parse_label("snapkv 1/4") == ("snapkv", 4)
-    assert kc.parse_label("expected-attention 1/8") == ("expected-attention", 8)
+    assert kc.parse_label("snapkv 1/4") == ("snapkv", Fraction(1, 4))
+    assert kc.parse_label("expected-attention 1/8") == ("expected-attention", Fraction(1, 8))
+    assert kc.parse_label("snapkv 3/4") == ("snapkv", Fraction(3, 4))
+    assert kc.arm_label("snapkv", "3/4") in [label for label, _ in _arms(2048, 32, ["snapkv"], ["3/4"])]
     assert kc.parse_label("plain") == ("plain", None)
 
 

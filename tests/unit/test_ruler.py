@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import re
 import xml.etree.ElementTree as ET
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -238,6 +239,18 @@ def test_summary_and_tables():
 def test_split_label():
     assert ruler_report.split_label("kv4+h2o 1/8") == ("kv4+h2o", "1/8", 0.125)
     assert ruler_report.split_label("plain") == ("plain", None, 1.0)
+    assert ruler_report.split_label("snapkv 3/4") == ("snapkv", "3/4", 0.75)
+
+
+def test_budgets_are_shares_kept():
+    kept = ruler_report.kept
+    assert [kept(x) for x in (2, "4", "3/4", "2/4")] == [Fraction(1, 2), Fraction(1, 4), Fraction(3, 4), Fraction(1, 2)]
+    assert ruler_report.kept_label(kept("3/4")) == "3/4"
+    assert ruler_report.kept_blocks(62, kept("3/4")) == 46  # rounded down, as 62 // 2 == 31
+    assert ruler_report.kept_blocks(62, kept(2)) == 31
+    for bad in (0, "0/3", "4/3", "half"):
+        with pytest.raises(ValueError, match="budget"):
+            kept(bad)
 
 
 def test_svg_plot():

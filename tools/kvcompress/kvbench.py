@@ -56,10 +56,11 @@ import json
 import math
 import os
 import time
+from fractions import Fraction
 from typing import Any, Sequence, TypedDict
 
 from ..command_line import write_json
-from .ruler_report import RULER_ROOM, ruler_max_tokens
+from .ruler_report import RULER_ROOM, kept, kept_blocks, kept_label, ruler_max_tokens
 
 DEFAULT_MODEL = "graft-tiny-llama"
 
@@ -97,17 +98,17 @@ def _arms(
     context: int,
     block: int,
     which: list[str],
-    fractions=(2, 4, 8),
+    fractions: Sequence[int | str | Fraction] = (2, 4, 8),
     h2o_recent: float = 0.5,
     h2o_heavy: int | None = None,
     params: dict[str, Any] | None = None,
 ) -> list[tuple[str, Any]]:
     """``(label, kvcompress section)`` per arm: plain, then each compressor of ``which`` at each
-    budget of ``fractions``. An entry of ``which`` is one of :data:`BUILTIN_ARMS` or the name of
-    any registered kvcompress plugin (``kv4+NAME`` composes it with kv4), optionally followed by
-    ``:{JSON}``, parameters for that entry; ``params`` apply to every entry's compressor. Given
-    parameters override kvbench's own (the budget included) and are validated by the plugin's
-    parameter model."""
+    budget of ``fractions`` (N: 1/N of the context's blocks kept; ``"a/b"`` or a Fraction: that
+    share). An entry of ``which`` is one of :data:`BUILTIN_ARMS` or the name of any registered
+    kvcompress plugin (``kv4+NAME`` composes it with kv4), optionally followed by ``:{JSON}``,
+    parameters for that entry; ``params`` apply to every entry's compressor. Given parameters
+    override kvbench's own (the budget included) and are validated by the plugin's parameter model."""
     from ..plugin_args import PluginArgError, parse_spec, validate
 
     blocks = context // block
@@ -126,7 +127,8 @@ def _arms(
                 raise SystemExit(f"kvbench: {e}") from None
     done: set[str] = set()  # registered plugins without a budget: one arm each
     for frac in fractions:
-        budget = blocks // frac
+        share = kept(frac)
+        budget = kept_blocks(blocks, share)
         for spec, own in specs:
             if spec == "kv4":
                 continue
@@ -134,7 +136,7 @@ def _arms(
             if name.startswith("kv4+"):
                 fmt, name = {"plugin": "kv4"}, name[len("kv4+") :]
             if name == "streaming":
-                arm_params = {"budget_blocks": budget, "sink_blocks": 1}
+                arm_params: dict[str, Any] = {"budget_blocks": budget, "sink_blocks": 1}
             elif name in ("h2o", "h2o-mean", "d2o"):  # d2o drops what h2o drops (then merges)
                 recent = min(budget - 1, max(1, round(budget * h2o_recent)))
                 if h2o_heavy is not None:  # a fixed number of heavy blocks, the rest recent
@@ -184,7 +186,7 @@ def _arms(
             except PluginArgError as e:
                 raise SystemExit(f"kvbench: {e}") from None
             choice = {"plugin": plugin, "params": arm_params}
-            label = name if spec in done else f"{name} 1/{frac}"
+            label = name if spec in done else f"{name} {kept_label(share)}"
             if fmt is None:
                 arms.append((label, choice))
             else:
@@ -407,7 +409,10 @@ def main(args) -> int:
     room = args.decode_tokens + 1  # output tokens
     if not 0 <= args.gen_tokens < args.context // 2:
         raise SystemExit(f"kvbench: --gen-tokens must be between 0 and half the context ({args.context // 2})")
-    fractions = tuple(int(f) for f in args.fractions.split(","))
+    try:
+        fractions = tuple(kept(f.strip()) for f in args.fractions.split(","))
+    except ValueError as e:
+        raise SystemExit(f"kvbench: --fractions {args.fractions}: {e}") from None
     try:
         params = parse_json_params(args.params)
     except PluginArgError as e:
@@ -489,6 +494,10 @@ def _main_ruler(args, model: str, tok, arms: list[tuple[str, Any]]) -> int:
         r["arm"], r["kvcompress"] = label, kv
         rows.append(r)
         print(json.dumps({k: v for k, v in r.items() if k not in ("ruler_outputs", "ruler_tasks")}), flush=True)
+        # after each arm, what has run so far (a --ruler-from file): a run cut short loses one arm, not all
+        write_json(
+            args.ruler_out, {"partial": True, "context": args.context, "ruler_digest": case_digest, "rows": rows}
+        )
     summary = ruler_report.summarize(rows, tasks, cases_per_task=args.ruler_cases, context=args.context)
     summary.update(
         seed=args.seed, ruler_context=args.context - RULER_ROOM, ruler_digest=case_digest, ruler_form=args.ruler_form
@@ -747,7 +756,12 @@ def add_text_arguments(p: Any, *, texts: int, model: str) -> None:
     """The model, the budgets, the perplexity texts and the cache geometry, shared with
     ``kv-headroom`` (same defaults, so the two measure the same tokens)."""
     p.add_argument("--model", help=f"model folder (default: the bundled {model})")
-    p.add_argument("--fractions", default="2,4,8", help="budgets as fractions of the context (default 2,4,8)")
+    p.add_argument(
+        "--fractions",
+        default="2,4,8",
+        help="budgets, the share of the context's blocks kept: N for 1/N, or a/b (3/4, 1/2, 1/4 are kvpress's "
+        "compression ratios 0.25, 0.5, 0.75; default 2,4,8)",
+    )
     p.add_argument("--context", type=int, default=2048, help="context tokens (default 2048)")
     p.add_argument("--block", type=int, default=32, help="KV block size (default 32)")
     p.add_argument("--chunk", type=int, default=128, help="prefill chunk: max_num_batched_tokens (default 128)")

@@ -25,10 +25,10 @@ What is the same as kvbench: the model (float32), the needle prompts
 (:func:`~vllm_graft.tools.workloads.stdlib_texts`, their last ``--gen-tokens`` teacher-forced
 after the rest: "gen ppl"), greedy decoding of as many tokens as kvbench generates
 (``max(longest answer + 2, --decode-tokens)``), and exact match scored as kvbench scores it
-(the output's first tokens are the answer's token ids). The budgets: kvbench's 1/2, 1/4 and
-1/8 of the context become kvpress's ``compression_ratio`` (the fraction *removed*) 0.5, 0.75
+(the output's first tokens are the answer's token ids). The budgets: kvbench's 3/4, 1/2, 1/4 and
+1/8 of the context become kvpress's ``compression_ratio`` (the fraction *removed*) 0.25, 0.5, 0.75
 and 0.875 of each prompt (``--budget prompt``, the default) or, with ``--budget context``,
-the tokens kvbench's budget holds (``context // block // fraction * block``) kept of each
+the tokens kvbench's budget holds (its whole blocks, ``context // block * kept``) kept of each
 prompt.
 
 How kvpress compresses, and the two modes run here: a press compresses the KV cache once,
@@ -54,9 +54,10 @@ import json
 import math
 import sys
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Callable, Sequence
 
-from .ruler_report import RULER_ROOM, ruler_max_tokens, split_label, task_means
+from .ruler_report import RULER_ROOM, kept, kept_arg, kept_blocks, kept_label, ruler_max_tokens, split_label, task_means
 
 
 class KvpressMissing(RuntimeError):
@@ -163,11 +164,10 @@ MAKE_HINT = (
 
 
 # ----------------------------------------------------------------------- the mapping
-def compression_ratio(fraction: int) -> float:
-    """kvpress's ``compression_ratio`` (the fraction *removed*) for kvbench's budget 1/``fraction``."""
-    if fraction < 1:
-        raise ValueError(f"a budget is 1/N of the context with N >= 1, not 1/{fraction}")
-    return 1.0 - 1.0 / fraction
+def compression_ratio(fraction: int | str | Fraction) -> float:
+    """kvpress's ``compression_ratio`` (the fraction *removed*) for kvbench's budget ``fraction``
+    (N: 1/N kept; ``"3/4"``: 3/4 kept, ratio 0.25)."""
+    return float(1 - kept(fraction))
 
 
 def ratio_keeping(n_tokens: int, kept: int) -> float:
@@ -178,21 +178,21 @@ def ratio_keeping(n_tokens: int, kept: int) -> float:
     return max(0.0, 1.0 - (kept + 0.5) / n_tokens)
 
 
-def context_budget_tokens(context: int, block: int, fraction: int) -> int:
-    """The tokens kvbench's budget 1/``fraction`` holds: whole blocks, as kvbench counts them."""
-    return context // block // fraction * block
+def context_budget_tokens(context: int, block: int, fraction: int | str | Fraction) -> int:
+    """The tokens kvbench's budget ``fraction`` holds: whole blocks, as kvbench counts them."""
+    return kept_blocks(context // block, kept(fraction)) * block
 
 
-def arm_label(ours: str, fraction: int) -> str:
-    """kvbench's label of a budget arm (``"snapkv 1/4"``)."""
-    return f"{ours} 1/{fraction}"
+def arm_label(ours: str, fraction: int | str | Fraction) -> str:
+    """kvbench's label of a budget arm (``"snapkv 1/4"``, ``"snapkv 3/4"``)."""
+    return f"{ours} {kept_label(kept(fraction))}"
 
 
-def parse_label(label: str) -> tuple[str, int | None]:
-    """``"snapkv 1/4"`` -> ``("snapkv", 4)``; ``"plain"`` -> ``("plain", None)`` (kvbench's labels,
-    read as :func:`.ruler_report.split_label` reads them)."""
+def parse_label(label: str) -> tuple[str, Fraction | None]:
+    """``"snapkv 1/4"`` -> ``("snapkv", Fraction(1, 4))``; ``"plain"`` -> ``("plain", None)``
+    (kvbench's labels, read as :func:`.ruler_report.split_label` reads them)."""
     name, ratio, _ = split_label(label)
-    return name, None if ratio is None else int(ratio.partition("/")[2])
+    return name, None if ratio is None else kept(ratio)
 
 
 def select_pairs(names: Sequence[str]) -> list[PressPair]:
@@ -267,7 +267,7 @@ def build_table(ours: Sequence[dict[str, Any]], theirs: dict[str, Any]) -> list[
             "arm": arm,
             "ours": name,
             "press": "none" if name == "plain" else (b.get("press_name") or (pair.press if pair else "?")),
-            "kept": "all" if frac is None else f"1/{frac}",
+            "kept": "all" if frac is None else kept_label(frac),
             "kvpress_ratio": b.get("compression_ratio", 0.0),
             "ours_em": a.get("needle_em"),
             "theirs_em": b.get("needle_em"),
@@ -403,7 +403,7 @@ def check_ruler_results(
     for arm, r in rows.items():
         if list(r.get("ruler_tasks", [])) != list(case_tasks):
             raise RulerMismatch(f"kvpress's {arm!r} scored other cases than kvbench's ({want})")
-    missing: dict[str, list[int]] = {}
+    missing: dict[str, list[Fraction]] = {}
     alone: list[str] = []
     for label in labels:
         name, frac = parse_label(label)
@@ -414,11 +414,11 @@ def check_ruler_results(
         elif label not in rows:
             missing.setdefault(name, []).append(frac)
     if missing:
-        fracs = sorted({f for v in missing.values() for f in v})
+        fracs = sorted({f for v in missing.values() for f in v}, reverse=True)
         raise RulerMismatch(
             f"the kvpress results lack {', '.join(arm_label(n, f) for n, v in missing.items() for f in v)} "
             f"(a press both projects have): run .venv-kvpress/bin/python -m vllm_graft.tools.kvcompress."
-            f"kvpress_compare --presses {','.join(missing)} --fractions {','.join(map(str, fracs))} {want} "
+            f"kvpress_compare --presses {','.join(missing)} --fractions {','.join(map(kept_arg, fracs))} {want} "
             "--modes prompt --json FILE and pass that file too"
         )
     return alone
@@ -459,7 +459,7 @@ def ruler_beside(
             "arm": a["arm"],
             "compressor": name,
             "press": "none" if name == "plain" else b.get("press_name") or PAIRS_BY_NAME[name].press,
-            "kept": "all" if frac is None else f"1/{frac}",
+            "kept": "all" if frac is None else kept_label(frac),
             "ours": _avg(ma, tasks),
             "theirs": _avg(mb, tasks),
             "tasks": {t: (ma[t], mb[t]) for t in tasks},
@@ -471,7 +471,7 @@ def ruler_beside(
         row["same_cases"] = sum(float(x) == float(y) for x, y in zip(a["ruler_scores"], b["ruler_scores"]))
         out.append(row)
     names = list(dict.fromkeys(r["compressor"] for r in out))  # each press's ratios together, most kept first
-    out.sort(key=lambda r: (names.index(r["compressor"]), parse_label(r["arm"])[1] or 1))
+    out.sort(key=lambda r: (names.index(r["compressor"]), -(parse_label(r["arm"])[1] or 1)))
     return {
         "tasks": list(tasks),
         "cases": len(case_tasks),
@@ -825,7 +825,10 @@ class _Material:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     kvpress = require_kvpress()
     pairs = select_pairs([s for s in args.presses.split(",") if s])
-    fractions = [int(f) for f in args.fractions.split(",")]
+    try:
+        fractions = [kept(f.strip()) for f in args.fractions.split(",")]
+    except ValueError as e:
+        raise SystemExit(f"kvpress_compare: --fractions {args.fractions}: {e}") from None
     modes = [m for m in args.modes.split(",") if m]
     if bad := [m for m in modes if m not in MODES]:
         raise SystemExit(f"kvpress_compare: unknown mode(s) {', '.join(bad)}: the modes are {', '.join(MODES)}")
@@ -856,7 +859,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 row = {
                     "arm": arm_label(pair.ours, frac),
                     "ours": pair.ours,
-                    "fraction": frac,
+                    "fraction": kept_label(frac),  # the share kept ("1/2"; files before 3/4 say N for 1/N)
                     "press_name": pair.press + (f"({pair.inner})" if pair.inner else ""),
                     "press": repr(press_for(len(m.needles[0].token_ids))),
                     "attn": pair.attn,
@@ -891,7 +894,7 @@ def markdown(result: dict[str, Any]) -> str:
         same = {x["mode"]: x for x in rows if x["arm"] == r["arm"]}
         cells = [
             f"{r['press_name']} ({r['ours']})",
-            f"1/{r['fraction']}",
+            kept_label(kept(r["fraction"])),
             *(_hits(same.get(m)) for m in modes),
             f"{r['gen_ppl']:.3f}" if "gen_ppl" in r else "-",
             str(r["kept_tokens_median"]),
@@ -925,7 +928,11 @@ def parser() -> argparse.ArgumentParser:
         default=",".join(p.ours for p in PAIRS),
         help=f"vllm-graft names whose kvpress press to run (default all: {', '.join(p.ours for p in PAIRS)})",
     )
-    p.add_argument("--fractions", default="2,4,8", help="budgets as fractions of the context (default 2,4,8)")
+    p.add_argument(
+        "--fractions",
+        default="2,4,8",
+        help="kvbench's budgets, the share of the context kept: N for 1/N, or a/b (3/4: compression_ratio 0.25)",
+    )
     p.add_argument(
         "--modes",
         default="prompt,context",

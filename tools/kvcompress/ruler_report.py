@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import re
 from html import escape
+from fractions import Fraction
 from typing import Any, Sequence
 
-_RATIO = re.compile(r"^(?P<name>.+) 1/(?P<den>\d+)$")
+_RATIO = re.compile(r"^(?P<name>.+) (?P<num>\d+)/(?P<den>\d+)$")
 #: Tokens of the context kvbench leaves for a RULER case's output (:func:`ruler_max_tokens`):
 #: the prompts are ``--context`` - this long (kvpress_compare builds the same).
 RULER_ROOM = 64
@@ -34,14 +35,45 @@ def ruler_max_tokens(cases: Sequence[Any]) -> int:
     return max(sum(len(a) + 4 for a in c.answers) for c in cases) + 4
 
 
+def kept(value: int | str | Fraction) -> Fraction:
+    """A budget as the share of the context's KV blocks kept: an integer N is 1/N (``--fractions
+    2,4``), ``"a/b"`` is a/b (``3/4``: kvpress's ``compression_ratio`` 0.25); 0 < kept <= 1."""
+    try:
+        share = (
+            value
+            if isinstance(value, Fraction)
+            else (Fraction(value) if isinstance(value, str) and "/" in value else Fraction(1, int(value)))
+        )
+    except (ValueError, ZeroDivisionError):
+        raise ValueError(f"a budget is N (1/N of the context kept) or a/b (a/b kept), not {value!r}") from None
+    if not 0 < share <= 1:
+        raise ValueError(f"a budget keeps more than none and at most all of the context, not {value!r}")
+    return share
+
+
+def kept_label(share: Fraction) -> str:
+    """The budget's part of an arm's label: ``"1/4"``, ``"3/4"``."""
+    return f"{share.numerator}/{share.denominator}"
+
+
+def kept_arg(share: Fraction) -> str:
+    """The budget as ``--fractions`` takes it: ``"4"`` for 1/4, ``"3/4"``."""
+    return str(share.denominator) if share.numerator == 1 else kept_label(share)
+
+
+def kept_blocks(blocks: int, share: Fraction) -> int:
+    """Whole blocks of ``blocks`` that the budget ``share`` keeps (rounded down)."""
+    return blocks * share.numerator // share.denominator
+
+
 def split_label(label: str) -> tuple[str, str | None, float]:
-    """An arm's label as ``(compressor, ratio, kept)``: ``"h2o 1/4"`` -> ``("h2o", "1/4", 0.25)``;
-    a label without a budget -> ``(label, None, 1.0)``."""
+    """An arm's label as ``(compressor, ratio, kept)``: ``"h2o 1/4"`` -> ``("h2o", "1/4", 0.25)``,
+    ``"h2o 3/4"`` -> ``("h2o", "3/4", 0.75)``; a label without a budget -> ``(label, None, 1.0)``."""
     m = _RATIO.match(label)
-    if not m:
+    if not m or int(m["den"]) == 0:
         return label, None, 1.0
-    den = int(m["den"])
-    return m["name"], f"1/{den}", 1.0 / den
+    share = Fraction(int(m["num"]), int(m["den"]))
+    return m["name"], kept_label(share), float(share)
 
 
 def task_means(row: dict[str, Any]) -> dict[str, float]:
