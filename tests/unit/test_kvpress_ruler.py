@@ -283,3 +283,29 @@ def test_kvpress_ruler_prompts_are_kvbench_s(real):
     again = R.ruler_suite(tok, tasks=["single", "multikey"], num_per_task=1, context_tokens=n)
     assert kc.digest([c.token_ids for c in again]) == dig
     assert kc.digest([c.token_ids for c in again][::-1]) != dig  # the order is part of it
+
+
+def test_a_run_cut_short_keeps_the_arms_it_ran(tmp_path, monkeypatch, real):
+    """--ruler-out is written after each arm: a run killed in its second arm leaves the first,
+    and that file is a --ruler-from file of the same prompts."""
+    tok, cases, dig = real
+
+    def fake_run_arm(model, kv, texts, needles, **kw):
+        if kv is not None:
+            raise KeyboardInterrupt  # the second arm: the run is cut here
+        return {"ruler_tasks": [c.task for c in kw["ruler"]], "ruler_scores": [1.0, 0.0], "ruler_outputs": None}
+
+    monkeypatch.setattr(kvbench, "run_arm", fake_run_arm)
+    out_path = tmp_path / "cut.json"
+    args = parse(
+        "--suite", "ruler", "--context", "1024", "--ruler-tasks", "single,multikey", "--ruler-cases", "1",
+        "--ruler-out", str(out_path),
+    )  # fmt: skip
+    arms = [("plain", None), ("snapkv 1/2", {"plugin": "snapkv", "params": {"budget_blocks": 16}})]
+    with pytest.raises(KeyboardInterrupt):
+        kvbench._main_ruler(args, str(MODEL), tok, arms)
+    written = json.loads(out_path.read_text())
+    assert written["partial"] is True and written["ruler_digest"] == dig
+    assert [r["arm"] for r in written["rows"]] == ["plain"]
+    rows = kvbench.load_ruler_results([str(out_path)], cases, dig, context=1024)
+    assert [(r["arm"], r["ruler_scores"]) for r in rows] == [("plain", [1.0, 0.0])]
