@@ -30,7 +30,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def suite(tok):
-    return R.ruler_suite(tok, tasks=R.RULER_TASKS, num_per_task=N, context_tokens=CONTEXT)
+    return R.ruler_suite(tok, tasks=R.CODE_TASKS, num_per_task=N, context_tokens=CONTEXT)
 
 
 def by_task(cases, task):
@@ -41,11 +41,11 @@ SECRET = re.compile(r'^SECRET_([A-Z]{4}) = "([a-z]{8})"$', re.M)
 
 
 def test_deterministic_and_seeded(tok, suite):
-    again = R.ruler_suite(tok, tasks=R.RULER_TASKS, num_per_task=N, context_tokens=CONTEXT)
-    other = R.ruler_suite(tok, tasks=R.RULER_TASKS, num_per_task=N, context_tokens=CONTEXT, seed=1)
+    again = R.ruler_suite(tok, tasks=R.CODE_TASKS, num_per_task=N, context_tokens=CONTEXT)
+    other = R.ruler_suite(tok, tasks=R.CODE_TASKS, num_per_task=N, context_tokens=CONTEXT, seed=1)
     assert again == suite
-    assert [c.task for c in suite] == [t for t in R.RULER_TASKS for _ in range(N)]
-    for task in R.RULER_TASKS:
+    assert [c.task for c in suite] == [t for t in R.CODE_TASKS for _ in range(N)]
+    for task in R.CODE_TASKS:
         a, b = by_task(suite, task), by_task(other, task)
         assert all(x.token_ids != y.token_ids for x, y in zip(a, b)), task
         assert all(x.answers != y.answers for x, y in zip(a, b)), task
@@ -158,6 +158,8 @@ def test_prose_cases_fit_hold_their_answers_and_are_seeded(tok, prose):
     for c in prose:
         assert CONTEXT - 200 < len(c.token_ids) <= CONTEXT and c.match == "contains"
         text = tok.decode(list(c.token_ids))
+        if c.task == "qa":  # its own test below
+            continue
         noise = c.source == "noise"
         assert noise == (form == "noise" or c.task == "vartrack") and (noise or "pydoc_data" in c.source)
         found = dict(NEEDLE.findall(text))
@@ -181,6 +183,34 @@ def test_prose_cases_fit_hold_their_answers_and_are_seeded(tok, prose):
         assert [tok.decode(list(a)) for a in c.answers] == [" " + v for v in values]
         for a in c.answers:  # the answer's ids occur in the prompt as the output would write them
             assert R._contains(c.token_ids, a)
+
+
+QA_DOC = re.compile(r"Document: ([A-Z][a-z]+ [A-Z][a-z]+) works as a ([a-z]+) in ([A-Z][a-z]+)\.")
+
+
+def test_qa_asks_one_person_among_documents_about_others(tok, prose):
+    form, prose = prose
+    qa = by_task(prose, "qa")
+    assert len(qa) == N
+    for i, c in enumerate(qa):
+        text = tok.decode(list(c.token_ids))
+        assert c.source == "documents" and text.startswith("Answer the question based on the given documents.")
+        asked = re.search(r"Question: (In which city does|What is the profession of) ([A-Z][a-z]+ [A-Z][a-z]+)", text)
+        assert asked and text.endswith("Answer:")
+        docs = QA_DOC.findall(text)
+        assert len(docs) > 10  # a long document of documents (here 1024 tokens), not one paragraph
+        names = [n for n, _, _ in docs]
+        assert len(set(names)) == len(names) and names.count(asked[2]) == 1  # the person asked about once
+        _, job, city = next(d for d in docs if d[0] == asked[2])
+        want = city if asked[1] == "In which city does" else job
+        assert asked[1] == ("In which city does" if i % 2 == 0 else "What is the profession of")
+        assert [tok.decode(list(a)) for a in c.answers] == [" " + want]
+    for c in R.ruler_suite(tok, tasks=["qa"], num_per_task=2, context_tokens=4096, form=form):
+        docs = QA_DOC.findall(tok.decode(list(c.token_ids)))
+        want = tok.decode(list(c.answers[0])).strip()
+        assert sum(want in d for d in docs) > 1  # at 4K the answer word stands beside other names too
+    with pytest.raises(W.WorkloadError, match="qa have no code form: give --ruler-form noise"):
+        R.ruler_suite(tok, tasks=["single", "qa"], num_per_task=1, context_tokens=CONTEXT)
 
 
 def test_prose_scoring_is_the_fraction_of_answers_anywhere_in_the_output():
@@ -302,7 +332,11 @@ def test_suite_flags_parse():
     args = parse("--suite", "ruler", "--ruler-tasks", "all", "--ruler-cases", "3", "--ruler-out", "r.json")
     assert (args.suite, args.ruler_cases, args.ruler_out) == ("ruler", 3, "r.json")
     kvbench.check_suite_args(args)
-    assert kvbench.parse_ruler_tasks(args.ruler_tasks) == list(R.RULER_TASKS)
+    assert kvbench.parse_ruler_tasks(args.ruler_tasks) == list(R.CODE_TASKS)  # the code form's: no qa
+    assert kvbench.parse_ruler_tasks("all", "noise") == list(R.RULER_TASKS) and "qa" in R.RULER_TASKS
+    with pytest.raises(SystemExit, match="qa have no code form: give --ruler-form noise"):
+        kvbench.check_suite_args(parse("--suite", "ruler", "--ruler-tasks", "single,qa"))
+    kvbench.check_suite_args(parse("--suite", "ruler", "--ruler-tasks", "single,qa", "--ruler-form", "noise"))
     assert kvbench.parse_ruler_tasks("multikey, single") == ["multikey", "single"]
     with pytest.raises(SystemExit):
         parse("--suite", "rulers")

@@ -465,7 +465,7 @@ def _main_ruler(args, model: str, tok, arms: list[tuple[str, Any]]) -> int:
     from . import kvpress_compare, ruler_report
     from ..workloads.ruler import ruler_suite
 
-    tasks = parse_ruler_tasks(args.ruler_tasks)
+    tasks = parse_ruler_tasks(args.ruler_tasks, args.ruler_form)
     cases = ruler_suite(
         tok,
         tasks=tasks,
@@ -617,21 +617,28 @@ def check_suite_args(args) -> None:
         if given:
             raise SystemExit(f"kvbench: --{given[0].replace('_', '-')} needs --suite ruler")
         return
-    parse_ruler_tasks(args.ruler_tasks)
+    parse_ruler_tasks(args.ruler_tasks, args.ruler_form)
     if args.ruler_cases < 1:
         raise SystemExit("kvbench: --ruler-cases must be at least 1")
 
 
-def parse_ruler_tasks(value: str) -> list[str]:
-    """``--ruler-tasks``: a comma list of :data:`~.workloads.ruler.RULER_TASKS`, or ``all``."""
-    from ..workloads.ruler import RULER_TASKS
+def parse_ruler_tasks(value: str, form: str = "code") -> list[str]:
+    """``--ruler-tasks``: a comma list of :data:`~.workloads.ruler.RULER_TASKS`, or ``all`` (every
+    task ``form`` has: the code form has no ``qa``)."""
+    from ..workloads.ruler import CODE_TASKS, RULER_TASKS
 
-    names = list(RULER_TASKS) if value.strip() == "all" else [t.strip() for t in value.split(",") if t.strip()]
+    everything = CODE_TASKS if form == "code" else RULER_TASKS
+    names = list(everything) if value.strip() == "all" else [t.strip() for t in value.split(",") if t.strip()]
     unknown = [t for t in names if t not in RULER_TASKS]
     if unknown or not names:
         raise SystemExit(
             f"kvbench: unknown RULER task(s) {', '.join(unknown) or '(none given)'}: "
             f"the tasks are {', '.join(RULER_TASKS)} (or all)"
+        )
+    if form == "code" and (prose_only := [t for t in names if t not in CODE_TASKS]):
+        raise SystemExit(
+            f"kvbench: RULER task(s) {', '.join(prose_only)} have no code form: give --ruler-form noise "
+            f"(or essay), or the code form's tasks {', '.join(CODE_TASKS)}"
         )
     return names
 

@@ -21,6 +21,8 @@ The tasks (:data:`RULER_TASKS`):
 * ``vartrack``: variable tracking in code: ``<V1> = "<value>"`` and then ``<V2> = <V1>``,
   ``<V3> = <V2>`` ... (:data:`VARTRACK_HOPS` assignments, random upper-case names) scattered in
   order through the haystack; the question asks for the value of the last variable.
+* ``qa`` (RULER's own wording only, :mod:`.ruler_prose`): one question over a long document of
+  short documents about people; no code form.
 
 Values are :data:`VALUE_LETTERS` random lower-case letters (about 7 tokens), tags 4 random
 upper-case letters, resampled until their tokens do not merge with the quotes around them (so
@@ -67,7 +69,10 @@ from .ruler_prose import prose_cases
 from .sources import stdlib_texts
 
 #: The task names, in the order the tables list them.
-RULER_TASKS = ("single", "multikey", "multivalue", "vartrack")
+RULER_TASKS = ("single", "multikey", "multivalue", "vartrack", "qa")
+#: The tasks of the ``code`` form (``qa``, a question over documents, is built in RULER's own
+#: wording only: :mod:`.ruler_prose`).
+CODE_TASKS = ("single", "multikey", "multivalue", "vartrack")
 #: The forms of the tasks: ``code`` (this module, for the bundled models trained on source), and
 #: RULER's own wording (:mod:`.ruler_prose`, for a pretrained model) in a haystack of repeated
 #: filler sentences (``noise``) or of English prose (``essay``).
@@ -261,11 +266,16 @@ def ruler_suite(
     (:data:`RULER_FORMS`): ``"code"``, this module's tasks on stdlib source (the bundled
     models), or ``"noise"`` / ``"essay"``, RULER's own natural-language forms in that haystack
     (:mod:`.ruler_prose`: a pretrained model)."""
-    unknown = [t for t in tasks if t not in _BUILDERS]
+    unknown = [t for t in tasks if t not in RULER_TASKS]
     if unknown:
         raise WorkloadError(f"unknown RULER task(s) {', '.join(unknown)}: the tasks are {', '.join(RULER_TASKS)}")
     if form not in RULER_FORMS:
         raise WorkloadError(f"unknown RULER form {form!r}: the forms are {', '.join(RULER_FORMS)}")
+    if form == "code" and (prose_only := [t for t in tasks if t not in CODE_TASKS]):
+        raise WorkloadError(
+            f"RULER task(s) {', '.join(prose_only)} have no code form: give --ruler-form noise (or essay), "
+            f"or the code form's tasks {', '.join(CODE_TASKS)}"
+        )
     out: list[RulerCase] = []
     for task in tasks:
         if form != "code":

@@ -21,8 +21,16 @@ upper-case letters: drawn fresh from a seeded generator for every case. Two hays
 (:data:`HAYSTACKS`): ``noise``, a few filler sentences repeated (RULER's niah_single_1 and its
 variable tracking), and ``essay``, English prose available offline in place of RULER's essays
 (Paul Graham's, a download): CPython's reference documentation (``pydoc_data.topics``, its
-prose paragraphs, about 400 K characters), a window at a random offset per case. RULER's QA
-task (a question over SQuAD / HotpotQA documents) needs those datasets and is not built.
+prose paragraphs, about 400 K characters), a window at a random offset per case.
+
+* ``qa``: one question over a long document, RULER's QA in its own prompt wording ("Answer the
+  question based on the given documents ... Question: ... Answer:"). RULER draws its documents
+  from SQuAD / HotpotQA (downloads); here each document is two generated sentences about a
+  person (``Document: <name> works as a <trade> in <city>. In the evenings, ...``), the
+  haystack is some hundred such documents about other people in the same cities and trades
+  (whatever ``haystack`` is given), and the question asks for the person's city or trade in
+  turn: the answer is a word that stands beside other names too (at 4K about 5 times), so
+  finding it means binding it to the right name, not spotting a rare string. A synthetic stand-in for RULER's QA, not its data.
 
 What plain vLLM on SmolLM2-135M makes of them at 4K (``vllm-graft kvbench --model
 ~/.cache/vllm-graft/models/smollm2-135m --suite ruler --ruler-form FORM --compressors ''
@@ -275,7 +283,74 @@ def _vartrack(rng: random.Random, i: int):
     return _VT_INTRO, inserts, question, chain, depths[0]
 
 
-_DRAWS: dict[str, _Draw] = {"single": _single, "multikey": _multikey, "multivalue": _multivalue, "vartrack": _vartrack}
+_FIRST = (
+    "Ada", "Bruno", "Clara", "Dmitri", "Elena", "Farid", "Greta", "Hugo", "Ines", "Jonas", "Keiko", "Luca",
+    "Mara", "Nadia", "Oscar", "Priya", "Quentin", "Rosa", "Sven", "Tara", "Umar", "Vera", "Wendell", "Yara",
+)  # fmt: skip
+_LAST = (
+    "Abbott", "Brennan", "Castillo", "Dalton", "Eriksen", "Fischer", "Garcia", "Holloway", "Ivanova", "Jensen",
+    "Kowalski", "Lindqvist", "Moreau", "Nakamura", "Okafor", "Petrov", "Quinlan", "Rossi", "Santos", "Tanaka",
+)  # fmt: skip
+#: ``qa``'s answers: the city a person works in, or their trade (each a word the model knows).
+_CITIES = (
+    "Lisbon", "Oslo", "Cairo", "Dublin", "Vienna", "Lima", "Seoul", "Nairobi", "Prague", "Quito", "Madrid",
+    "Athens", "Helsinki", "Manila", "Warsaw", "Bogota", "Hanoi", "Zurich", "Havana", "Jakarta",
+)  # fmt: skip
+_JOBS = (
+    "baker", "carpenter", "dentist", "pilot", "nurse", "lawyer", "painter", "farmer", "teacher", "chemist",
+    "plumber", "librarian", "tailor", "surgeon", "jeweler", "architect", "butcher", "journalist",
+)  # fmt: skip
+_HOBBIES = (
+    "plays the violin", "grows tomatoes", "collects stamps", "runs along the river", "bakes bread for friends",
+    "reads old maps", "repairs bicycles", "sings in a choir", "paints birds", "climbs hills",
+)  # fmt: skip
+_QA_INTRO = "Answer the question based on the given documents.\n\nThe following are given documents.\n\n"
+
+
+def _person(rng: random.Random, taken: set[str]) -> str:
+    while True:
+        name = f"{rng.choice(_FIRST)} {rng.choice(_LAST)}"
+        if name not in taken:
+            taken.add(name)
+            return name
+
+
+def _document(name: str, job: str, city: str, hobby: str) -> str:
+    return f"Document: {name} works as a {job} in {city}. In the evenings, {name.split()[0]} {hobby}."
+
+
+def _documents(tokenizer: Tokenizer, rng: random.Random, tokens: int, question: str) -> list[str]:
+    """About ``tokens`` tokens of distractor documents (``qa``'s haystack): other people (never the
+    one ``question`` asks about, none twice) in the same cities and trades."""
+    taken = {n for n in (f"{a} {b}" for a in _FIRST for b in _LAST) if n in question}
+    per = len(tokenizer.encode(_document("Ada Abbott", "baker", "Lisbon", _HOBBIES[0]) + " "))
+    count = min(max(1, tokens // per), len(_FIRST) * len(_LAST) - len(taken))
+    return [
+        _document(_person(rng, taken), rng.choice(_JOBS), rng.choice(_CITIES), rng.choice(_HOBBIES)) + " "
+        for _ in range(count)
+    ]
+
+
+def _qa(rng: random.Random, i: int):
+    name = _person(rng, set())
+    job, city = rng.choice(_JOBS), rng.choice(_CITIES)
+    depth = rng.uniform(0.05, 0.95)
+    doc = _document(name, job, city, rng.choice(_HOBBIES))
+    if i % 2 == 0:  # the city, then the trade, in turn
+        question, answer = f"In which city does {name} work?", city
+    else:
+        question, answer = f"What is the profession of {name}?", job
+    ask = f"\n\nAnswer the question based on the given documents. Question: {question} Answer:"
+    return _QA_INTRO, [(depth, doc)], ask, [answer], depth
+
+
+_DRAWS: dict[str, _Draw] = {
+    "single": _single,
+    "multikey": _multikey,
+    "multivalue": _multivalue,
+    "vartrack": _vartrack,
+    "qa": _qa,
+}
 #: The haystacks: ``noise`` (:data:`NOISE` repeated, RULER's niah_single_1 and variable
 #: tracking) and ``essay`` (CPython's reference prose, in place of RULER's essays; the needle
 #: tasks only, ``vartrack`` keeps the noise as RULER's does).
@@ -298,7 +373,10 @@ def prose_cases(
         if room < 64:
             raise WorkloadError(f"ruler {task}: a context of {context_tokens} tokens leaves no room for a haystack")
         for _ in range(4):  # the haystack's tokens shift a little once needles sit between its sentences
-            sentences, source = _haystack(tokenizer, rng, room, noise)
+            if task == "qa":  # its haystack is documents like the one asked about
+                sentences, source = _documents(tokenizer, rng, room, question), "documents"
+            else:
+                sentences, source = _haystack(tokenizer, rng, room, noise)
             ids = tokenizer.encode(intro + _insert(sentences, inserts) + question)
             if len(ids) <= context_tokens:
                 break
