@@ -189,26 +189,25 @@ QA_DOC = re.compile(r"Document: ([A-Z][a-z]+ [A-Z][a-z]+) works as a ([a-z]+) in
 
 
 def test_qa_asks_one_person_among_documents_about_others(tok, prose):
+    from vllm_graft.tools.workloads import ruler_prose as P
+
     form, prose = prose
     qa = by_task(prose, "qa")
     assert len(qa) == N
     for i, c in enumerate(qa):
         text = tok.decode(list(c.token_ids))
-        assert c.source == "documents" and text.startswith("Answer the question based on the given documents.")
+        assert text.startswith("Answer the question based on the given documents.")
+        assert (c.source == "noise") == (form == "noise") and (form == "noise" or "pydoc_data" in c.source)
         asked = re.search(r"Question: (In which city does|What is the profession of) ([A-Z][a-z]+ [A-Z][a-z]+)", text)
-        assert asked and text.endswith("Answer:")
-        docs = QA_DOC.findall(text)
-        assert len(docs) > 10  # a long document of documents (here 1024 tokens), not one paragraph
-        names = [n for n, _, _ in docs]
-        assert len(set(names)) == len(names) and names.count(asked[2]) == 1  # the person asked about once
-        _, job, city = next(d for d in docs if d[0] == asked[2])
-        want = city if asked[1] == "In which city does" else job
         assert asked[1] == ("In which city does" if i % 2 == 0 else "What is the profession of")
-        assert [tok.decode(list(a)) for a in c.answers] == [" " + want]
-    for c in R.ruler_suite(tok, tasks=["qa"], num_per_task=2, context_tokens=4096, form=form):
-        docs = QA_DOC.findall(tok.decode(list(c.token_ids)))
-        want = tok.decode(list(c.answers[0])).strip()
-        assert sum(want in d for d in docs) > 1  # at 4K the answer word stands beside other names too
+        assert text.endswith(f"Answer: {asked[2]} works in" if i % 2 == 0 else f"Answer: {asked[2]} works as a")
+        docs = QA_DOC.findall(text)
+        assert len(docs) == P.QA_DOCUMENTS
+        for field in range(3):  # each person in a city and trade of their own
+            assert len({d[field] for d in docs}) == P.QA_DOCUMENTS
+        _, job, city = next(d for d in docs if d[0] == asked[2])
+        assert [tok.decode(list(a)) for a in c.answers] == [" " + (city if i % 2 == 0 else job)]
+        assert R._contains(c.token_ids, c.answers[0])
     with pytest.raises(W.WorkloadError, match="qa have no code form: give --ruler-form noise"):
         R.ruler_suite(tok, tasks=["single", "qa"], num_per_task=1, context_tokens=CONTEXT)
 

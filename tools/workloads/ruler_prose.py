@@ -23,14 +23,14 @@ variable tracking), and ``essay``, English prose available offline in place of R
 (Paul Graham's, a download): CPython's reference documentation (``pydoc_data.topics``, its
 prose paragraphs, about 400 K characters), a window at a random offset per case.
 
-* ``qa``: one question over a long document, RULER's QA in its own prompt wording ("Answer the
-  question based on the given documents ... Question: ... Answer:"). RULER draws its documents
-  from SQuAD / HotpotQA (downloads); here each document is two generated sentences about a
-  person (``Document: <name> works as a <trade> in <city>. In the evenings, ...``), the
-  haystack is some hundred such documents about other people in the same cities and trades
-  (whatever ``haystack`` is given), and the question asks for the person's city or trade in
-  turn: the answer is a word that stands beside other names too (at 4K about 5 times), so
-  finding it means binding it to the right name, not spotting a rare string. A synthetic stand-in for RULER's QA, not its data.
+* ``qa``: one question over a long document, in RULER's QA wording ("Answer the question based
+  on the given documents ... Question: ... Answer:", the answer's start given as the other
+  tasks give it). RULER's documents come from SQuAD / HotpotQA (downloads); here
+  :data:`QA_DOCUMENTS` generated two-sentence documents (``Document: <name> works as a <trade> in
+  <city>. In the evenings, ...``), each person in a city and trade of their own, are spread
+  through the haystack, and the question asks one person's city or trade in turn. A synthetic
+  stand-in for RULER's QA, not its data: a hundred such documents as the whole haystack (every
+  answer word beside several names) scored 0 of 4 on plain SmolLM2-135M at 4K, beyond this model.
 
 What plain vLLM on SmolLM2-135M makes of them at 4K (``vllm-graft kvbench --model
 ~/.cache/vllm-graft/models/smollm2-135m --suite ruler --ruler-form FORM --compressors ''
@@ -59,6 +59,9 @@ MULTIKEY_KEYS = 4
 MULTIVALUE_VALUES = 4
 #: Hops of the ``vartrack`` chain (RULER's default: one chain of 4 hops, 5 variables).
 VARTRACK_HOPS = 4
+#: Documents in a ``qa`` prompt: one answers the question, the others are about other people
+#: in other cities and trades (a wrong document's answer scores 0).
+QA_DOCUMENTS = 5
 #: Digits of a value (RULER's numbers).
 VALUE_DIGITS = 7
 
@@ -319,29 +322,20 @@ def _document(name: str, job: str, city: str, hobby: str) -> str:
     return f"Document: {name} works as a {job} in {city}. In the evenings, {name.split()[0]} {hobby}."
 
 
-def _documents(tokenizer: Tokenizer, rng: random.Random, tokens: int, question: str) -> list[str]:
-    """About ``tokens`` tokens of distractor documents (``qa``'s haystack): other people (never the
-    one ``question`` asks about, none twice) in the same cities and trades."""
-    taken = {n for n in (f"{a} {b}" for a in _FIRST for b in _LAST) if n in question}
-    per = len(tokenizer.encode(_document("Ada Abbott", "baker", "Lisbon", _HOBBIES[0]) + " "))
-    count = min(max(1, tokens // per), len(_FIRST) * len(_LAST) - len(taken))
-    return [
-        _document(_person(rng, taken), rng.choice(_JOBS), rng.choice(_CITIES), rng.choice(_HOBBIES)) + " "
-        for _ in range(count)
-    ]
-
-
 def _qa(rng: random.Random, i: int):
-    name = _person(rng, set())
-    job, city = rng.choice(_JOBS), rng.choice(_CITIES)
-    depth = rng.uniform(0.05, 0.95)
-    doc = _document(name, job, city, rng.choice(_HOBBIES))
+    names: set[str] = set()
+    people = [_person(rng, names) for _ in range(QA_DOCUMENTS)]
+    jobs, cities = rng.sample(_JOBS, QA_DOCUMENTS), rng.sample(_CITIES, QA_DOCUMENTS)
+    depths = _spread(rng, QA_DOCUMENTS)
+    docs = [_document(p, j, c, rng.choice(_HOBBIES)) for p, j, c in zip(people, jobs, cities)]
+    ask = i % QA_DOCUMENTS  # the document asked about cycles through the positions
+    name = people[ask]
     if i % 2 == 0:  # the city, then the trade, in turn
-        question, answer = f"In which city does {name} work?", city
+        question, answer, start = f"In which city does {name} work?", cities[ask], f"{name} works in"
     else:
-        question, answer = f"What is the profession of {name}?", job
-    ask = f"\n\nAnswer the question based on the given documents. Question: {question} Answer:"
-    return _QA_INTRO, [(depth, doc)], ask, [answer], depth
+        question, answer, start = f"What is the profession of {name}?", jobs[ask], f"{name} works as a"
+    prompt = f"\n\nAnswer the question based on the given documents. Question: {question} Answer: {start}"
+    return _QA_INTRO, list(zip(depths, docs)), prompt, [answer], depths[ask]
 
 
 _DRAWS: dict[str, _Draw] = {
@@ -373,10 +367,7 @@ def prose_cases(
         if room < 64:
             raise WorkloadError(f"ruler {task}: a context of {context_tokens} tokens leaves no room for a haystack")
         for _ in range(4):  # the haystack's tokens shift a little once needles sit between its sentences
-            if task == "qa":  # its haystack is documents like the one asked about
-                sentences, source = _documents(tokenizer, rng, room, question), "documents"
-            else:
-                sentences, source = _haystack(tokenizer, rng, room, noise)
+            sentences, source = _haystack(tokenizer, rng, room, noise)
             ids = tokenizer.encode(intro + _insert(sentences, inserts) + question)
             if len(ids) <= context_tokens:
                 break
