@@ -254,13 +254,21 @@ def test_summary_and_tables():
         "kept": 0.25,
         "scores": {"single": 0.5, "multikey": 0.5},
         "average": 0.5,
+        # single's differences 0, 0; multikey's 0, -1 (mean -0.5, variance 0.5 over 2 cases)
+        "vs_plain": {"difference": -0.25, "paired_se": 0.25},
     }
+    assert arms["plain"]["vs_plain"] == {"difference": 0.0, "paired_se": 0.0}
+    assert arms["streaming 1/4"]["vs_plain"]["paired_se"] == pytest.approx(0.5**0.5 / 2)
     text = ruler_report.tables(s)
+    assert "| arm | single | multikey | average | vs plain (paired error) |" in text
+    assert "| snapkv 1/4 | 0.500 | 0.500 | **0.500** | -0.250 (0.250) |" in text
     assert "| compressor | kept 1 | kept 1/2 | kept 1/4 |" in text
     assert "| plain | 0.750 |  |  |" in text
     assert "| streaming |  | 0.500 | 0.250 |" in text
     assert "| snapkv |  | 0.750 | 0.500 |" in text
-    assert "| streaming 1/4 | 0.000 | 0.500 | **0.250** |" in text
+    assert "| streaming 1/4 | 0.000 | 0.500 | **0.250** | -0.500 (0.354) |" in text
+    no_plain = ruler_report.tables(ruler_report.summarize(rows()[1:], ["single"], cases_per_task=2, context=2048))
+    assert "| streaming 1/4 | 0.000 | **0.000** |" in no_plain and "paired" not in no_plain
     with pytest.raises(ValueError, match="no score for multivalue"):
         ruler_report.summarize(rows(), ["single", "multivalue"], cases_per_task=2, context=2048)
 
