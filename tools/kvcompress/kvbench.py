@@ -33,12 +33,14 @@ the blocks vLLM allocated; "page B": one block's bytes over all layers).
 
 ``--suite ruler`` measures instead the RULER-style suite (:mod:`~.workloads.ruler`): for plain
 vLLM and every arm, ``--ruler-cases`` prompts of each task (``single``, ``multikey``,
-``multivalue``; ``vartrack`` when named in ``--ruler-tasks``) of about ``--context`` - 64 tokens
-of stdlib code with random values to retrieve, all submitted at once in the fixed pool, scored
-by exact match of the greedy output; printed as the RULER average per compressor (rows) and
-budget as a fraction of the context's blocks (columns: ratio kept 1/2, 1/4, 1/8), then per task;
-``--ruler-out FILE.json`` writes the summary and ``FILE.svg``, the score-vs-ratio plot
-(:mod:`.ruler_report`). Perplexity and needles are not measured in this mode. ``--kvpress
+``multivalue``; ``vartrack``, and ``qa`` in the prose forms, when named in ``--ruler-tasks``) of
+about ``--context`` - 64 tokens with random values to retrieve (``--ruler-form``: stdlib code,
+or RULER's own wording), all submitted at once in the fixed pool, scored on the greedy output;
+printed as the RULER average per compressor (rows) and budget as the share of the context's
+blocks kept (columns: ``--fractions``, e.g. 3/4, 1/2, 1/4: kvpress's ratios 0.25, 0.5, 0.75),
+then per task with each arm's difference from plain and its paired error; ``--ruler-out
+FILE.json`` (written after every arm: a cut run keeps what it ran) holds the summary, and
+``FILE.svg`` the score-vs-ratio plot (:mod:`.ruler_report`). Perplexity and needles are not measured in this mode. ``--kvpress
 FILE.json`` (kvpress_compare's ``--ruler`` results on the same prompts, checked by a digest of
 their token ids) prints NVIDIA kvpress's RULER average beside ours per press and ratio kept, with
 the difference and the tasks where ours loses; ``--ruler-from FILE.json`` reads the arms from
