@@ -198,12 +198,17 @@ def _insert(sentences: list[str], inserts: list[tuple[float, str]]) -> str:
     return "".join(parts).strip()
 
 
-def _key(rng: random.Random, taken: set[str]) -> str:
+def _fresh_pair(rng: random.Random, taken: set[str], first: tuple[str, ...], second: tuple[str, ...], sep: str) -> str:
+    """A word of ``first`` and one of ``second`` joined by ``sep``, not yet in ``taken`` (added)."""
     while True:
-        k = f"{rng.choice(_ADJECTIVES)}-{rng.choice(_NOUNS)}"
+        k = f"{rng.choice(first)}{sep}{rng.choice(second)}"
         if k not in taken:
             taken.add(k)
             return k
+
+
+def _key(rng: random.Random, taken: set[str]) -> str:
+    return _fresh_pair(rng, taken, _ADJECTIVES, _NOUNS, "-")
 
 
 def _number(rng: random.Random, taken: set[str]) -> str:
@@ -311,11 +316,7 @@ _QA_INTRO = "Answer the question based on the given documents.\n\nThe following 
 
 
 def _person(rng: random.Random, taken: set[str]) -> str:
-    while True:
-        name = f"{rng.choice(_FIRST)} {rng.choice(_LAST)}"
-        if name not in taken:
-            taken.add(name)
-            return name
+    return _fresh_pair(rng, taken, _FIRST, _LAST, " ")
 
 
 def _document(name: str, job: str, city: str, hobby: str) -> str:
