@@ -62,7 +62,7 @@ from fractions import Fraction
 from typing import Any, Sequence, TypedDict
 
 from ..command_line import write_json
-from .ruler_report import RULER_ROOM, kept, kept_blocks, kept_label, ruler_max_tokens
+from .ruler_report import RULER_ROOM, kept, kept_blocks, kept_label, parse_budgets, ruler_max_tokens
 
 DEFAULT_MODEL = "graft-tiny-llama"
 
@@ -412,7 +412,7 @@ def main(args) -> int:
     if not 0 <= args.gen_tokens < args.context // 2:
         raise SystemExit(f"kvbench: --gen-tokens must be between 0 and half the context ({args.context // 2})")
     try:
-        fractions = tuple(kept(f.strip()) for f in args.fractions.split(","))
+        fractions = parse_budgets(args.fractions)
     except ValueError as e:
         raise SystemExit(f"kvbench: --fractions {args.fractions}: {e}") from None
     try:
@@ -627,21 +627,20 @@ def check_suite_args(args) -> None:
 def parse_ruler_tasks(value: str, form: str = "code") -> list[str]:
     """``--ruler-tasks``: a comma list of :data:`~.workloads.ruler.RULER_TASKS`, or ``all`` (every
     task ``form`` has: the code form has no ``qa``)."""
-    from ..workloads.ruler import CODE_TASKS, RULER_TASKS
+    from ..workloads.base import WorkloadError
+    from ..workloads.ruler import RULER_TASKS, check_form_tasks, tasks_of
 
-    everything = CODE_TASKS if form == "code" else RULER_TASKS
-    names = list(everything) if value.strip() == "all" else [t.strip() for t in value.split(",") if t.strip()]
+    names = list(tasks_of(form)) if value.strip() == "all" else [t.strip() for t in value.split(",") if t.strip()]
     unknown = [t for t in names if t not in RULER_TASKS]
     if unknown or not names:
         raise SystemExit(
             f"kvbench: unknown RULER task(s) {', '.join(unknown) or '(none given)'}: "
             f"the tasks are {', '.join(RULER_TASKS)} (or all)"
         )
-    if form == "code" and (prose_only := [t for t in names if t not in CODE_TASKS]):
-        raise SystemExit(
-            f"kvbench: RULER task(s) {', '.join(prose_only)} have no code form: give --ruler-form noise "
-            f"(or essay), or the code form's tasks {', '.join(CODE_TASKS)}"
-        )
+    try:
+        check_form_tasks(names, form)
+    except WorkloadError as e:
+        raise SystemExit(f"kvbench: {e}") from None
     return names
 
 

@@ -57,7 +57,17 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Callable, Sequence
 
-from .ruler_report import RULER_ROOM, kept, kept_arg, kept_blocks, kept_label, ruler_max_tokens, split_label, task_means
+from .ruler_report import (
+    RULER_ROOM,
+    kept,
+    kept_arg,
+    kept_blocks,
+    kept_label,
+    parse_budgets,
+    ruler_max_tokens,
+    split_label,
+    task_means,
+)
 
 
 class KvpressMissing(RuntimeError):
@@ -722,9 +732,11 @@ class _Material:
         self.ruler_context = 0
         self.ruler_decode = 0
         if args.ruler:
-            from ..workloads.ruler import RULER_TASKS, ruler_suite
+            from ..workloads.ruler import ruler_suite, tasks_of
 
-            self.tasks = list(RULER_TASKS) if args.ruler == "all" else [t for t in args.ruler.split(",") if t]
+            self.tasks = (
+                list(tasks_of(args.ruler_form)) if args.ruler == "all" else [t for t in args.ruler.split(",") if t]
+            )
             self.ruler_context = ruler_prompt_tokens(args.context, args.ruler_context)
             self.cases = ruler_suite(
                 tok,
@@ -826,7 +838,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     kvpress = require_kvpress()
     pairs = select_pairs([s for s in args.presses.split(",") if s])
     try:
-        fractions = [kept(f.strip()) for f in args.fractions.split(",")]
+        fractions = parse_budgets(args.fractions)
     except ValueError as e:
         raise SystemExit(f"kvpress_compare: --fractions {args.fractions}: {e}") from None
     modes = [m for m in args.modes.split(",") if m]

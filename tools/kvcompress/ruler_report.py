@@ -40,16 +40,22 @@ def kept(value: int | str | Fraction) -> Fraction:
     """A budget as the share of the context's KV blocks kept: an integer N is 1/N (``--fractions
     2,4``), ``"a/b"`` is a/b (``3/4``: kvpress's ``compression_ratio`` 0.25); 0 < kept <= 1."""
     try:
-        share = (
-            value
-            if isinstance(value, Fraction)
-            else (Fraction(value) if isinstance(value, str) and "/" in value else Fraction(1, int(value)))
-        )
+        if isinstance(value, Fraction):
+            share = value
+        elif isinstance(value, str) and "/" in value:
+            share = Fraction(value)
+        else:
+            share = Fraction(1, int(value))
     except (ValueError, ZeroDivisionError):
         raise ValueError(f"a budget is N (1/N of the context kept) or a/b (a/b kept), not {value!r}") from None
     if not 0 < share <= 1:
         raise ValueError(f"a budget keeps more than none and at most all of the context, not {value!r}")
     return share
+
+
+def parse_budgets(text: str) -> tuple[Fraction, ...]:
+    """``--fractions`` (kvbench, kvpress_compare): a comma list of :func:`kept` budgets."""
+    return tuple(kept(f.strip()) for f in text.split(","))
 
 
 def kept_label(share: Fraction) -> str:

@@ -250,6 +250,20 @@ def _vartrack(tokenizer, num, context_tokens, seed, root) -> list[RulerCase]:
 _BUILDERS = {"single": _single, "multikey": _multikey, "multivalue": _multivalue, "vartrack": _vartrack}
 
 
+def tasks_of(form: str) -> tuple[str, ...]:
+    """The tasks ``form`` builds (``--ruler-tasks all``): the code form has no ``qa``."""
+    return CODE_TASKS if form == "code" else RULER_TASKS
+
+
+def check_form_tasks(tasks: Sequence[str], form: str) -> None:
+    """Refuse, naming the fix, a task of ``tasks`` that ``form`` does not build."""
+    if missing := [t for t in tasks if t not in tasks_of(form)]:
+        raise WorkloadError(
+            f"RULER task(s) {', '.join(missing)} have no code form: give --ruler-form noise (or essay), "
+            f"or the code form's tasks {', '.join(CODE_TASKS)}"
+        )
+
+
 def ruler_suite(
     tokenizer: Tokenizer,
     *,
@@ -271,11 +285,7 @@ def ruler_suite(
         raise WorkloadError(f"unknown RULER task(s) {', '.join(unknown)}: the tasks are {', '.join(RULER_TASKS)}")
     if form not in RULER_FORMS:
         raise WorkloadError(f"unknown RULER form {form!r}: the forms are {', '.join(RULER_FORMS)}")
-    if form == "code" and (prose_only := [t for t in tasks if t not in CODE_TASKS]):
-        raise WorkloadError(
-            f"RULER task(s) {', '.join(prose_only)} have no code form: give --ruler-form noise (or essay), "
-            f"or the code form's tasks {', '.join(CODE_TASKS)}"
-        )
+    check_form_tasks(tasks, form)
     out: list[RulerCase] = []
     for task in tasks:
         if form != "code":
