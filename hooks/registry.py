@@ -179,6 +179,10 @@ class Capabilities(BaseModel):
         "(vLLM's dual-batch overlap, --enable-dbo). A plugin that declares nothing is refused "
         "with tensor, pipeline or expert parallelism and with dual-batch overlap",
     )
+    parallelism_why: str | None = Field(
+        default=None,
+        description="why a kind of parallelism is not in `parallelism` (shown when a deployment asks for it)",
+    )
     role: str | None = Field(
         default=None,
         description="for kinds where plugins compose by role (KindSpec.roles): the role it "

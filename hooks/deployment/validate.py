@@ -442,7 +442,8 @@ def _check_parallelism(entry: Entry, path: str, engine: dict[str, Any], problems
             problems.append(
                 Problem(
                     f"{path}.plugin",
-                    f"{entry.kind} plugin {entry.name!r} has not been run under {arg}={value}",
+                    f"{entry.kind} plugin {entry.name!r} has not been run under {arg}={value}"
+                    + (f": {caps.parallelism_why}" if caps.parallelism_why else ""),
                     value=entry.name,
                     accepted="parallelism " + (", ".join(caps.parallelism) or "none"),
                     hint=f"Run with {arg}: {'false' if isinstance(value, bool) else 1}, or leave the plugin out",

@@ -294,6 +294,11 @@ def test_plugins_not_run_under_tensor_parallelism_are_refused_with_the_fix(regis
     (problem,) = info.value.problems
     assert problem.path == "kvcompress.plugin" and "has not been run under tensor_parallel_size=2" in str(problem)
     assert "Run with tensor_parallel_size: 1" in str(problem)
+    # a plugin that says why it is not run under tensor parallelism: the refusal carries its reason
+    xquant = {"plugin": "xquant", "params": {"bases": "identity"}}
+    with pytest.raises(DeploymentError) as info:
+        validate(dict(data, kvcompress=xquant), registry, cpu_env)
+    assert "a tensor-parallel rank holds only its own heads' projection" in str(info.value)
     # declared and tested at two ranks (tests/e2e/test_tensor_parallel*.py): accepted
     for plugin in ("streaming", "h2o", "snapkv", "kv4"):
         validate(dict(data, kvcompress={"plugin": plugin}), registry, cpu_env)

@@ -63,8 +63,13 @@ def graft_register_kv_compressors(register):
             "Rematerialization (arXiv:2508.10395)",
             params=XQuantParams,
             impl="vllm_graft.plugins.kvcompress.xquant.reference:XQuant",
-            # one latent spans every KV head (a tensor-parallel rank holds only its heads' keys);
             # the positions come from vLLM's CPU attention metadata (the CUDA route is unread)
-            capabilities=storage_capabilities(("dp",), platforms=("cpu",), architectures=ARCHITECTURES),
+            capabilities=storage_capabilities(
+                ("dp",),
+                platforms=("cpu",),
+                architectures=ARCHITECTURES,
+                parallelism_why="one latent spans every KV head, and a tensor-parallel rank holds only its "
+                "own heads' projection (a per-rank basis is not written yet)",
+            ),
         )
     )
