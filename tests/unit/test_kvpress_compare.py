@@ -223,3 +223,13 @@ def test_table_merges_kvpress_files_later_arm_wins(tmp_path, capsys):
     assert "| streaming | StreamingLLMPress | 1/2 | 0.75 (3/4) | 1.00 (4/4) |" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="at least one kvpress result"):
         kc.main(["--table", str(ours)])
+
+
+def test_json_written_after_an_arm_is_a_loadable_file(tmp_path):
+    # run() writes --json after every arm, as {"partial": true, ...}: a run cut in its next arm
+    # leaves a file the side-by-side tables read, and no temporary file beside it
+    path = tmp_path / "kvpress.json"
+    kc.write_json(str(path), {"partial": True, "meta": {"ruler_digest": "d"}, "rows": [{"arm": "plain"}]})
+    kc.write_json(str(path), {"partial": True, "meta": {"ruler_digest": "d"}, "rows": [{"arm": "plain"}, {"arm": "snapkv 1/2"}]})
+    assert [r["arm"] for r in kc.read_kvpress([str(path)])["rows"]] == ["plain", "snapkv 1/2"]
+    assert [p.name for p in tmp_path.iterdir()] == ["kvpress.json"]

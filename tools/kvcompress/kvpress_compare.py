@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass
 from fractions import Fraction
@@ -850,6 +851,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def emit(row: dict[str, Any]) -> None:
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "needle_hits"}), flush=True)
+        if args.json:  # after every arm: a run cut short keeps what it ran, a valid --json file
+            write_json(args.json, {"partial": True, "meta": m.meta(pairs), "rows": rows})
 
     for attn in dict.fromkeys(["sdpa", *(p.attn for p in pairs)]):
         row: dict[str, Any] = {"arm": "plain" if attn == "sdpa" else f"plain ({attn})", "press_name": None}
@@ -987,9 +990,18 @@ def parser() -> argparse.ArgumentParser:
         help="RULER prompt tokens (default kvbench's: --context - 64)",
     )
     p.add_argument("--threads", type=int, help="torch threads (default torch's)")
-    p.add_argument("--json", help="write the result to this file")
+    p.add_argument("--json", help="write the result to this file (after every arm: a cut run keeps what it ran)")
     p.add_argument("--markdown", help="write kvpress's table to this file")
     return p
+
+
+def write_json(path: str, result: dict[str, Any]) -> None:
+    """``--json``: written whole to a temporary file, then moved over ``path`` (a reader, or a
+    run killed while writing, never sees half a file)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1005,8 +1017,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(table)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.json, result)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(table + "\n")
