@@ -107,6 +107,52 @@ def run_shared(kvcompress: dict[str, Any] | None) -> dict[str, Any]:
     return _shared[key]
 
 
+_storage: dict[str, dict[str, Any]] = {}
+
+
+def storage(kvcompress: dict[str, Any] | None, *, prompt: str = PROMPTS[0], tokens: int = 48) -> dict[str, Any]:
+    """What a KV storage format does to vLLM's pool, once per process and configuration (plain is
+    measured once for every format's test): the pool in the launch default's KV memory
+    (``VLLM_CPU_KVCACHE_SPACE``, no block override) as ``blocks``, ``page_bytes`` (per layer),
+    ``dtype`` and ``memory`` (bytes of every KV tensor), and ``text``, ``prompt``'s greedy
+    continuation of ``tokens`` tokens."""
+    key = json.dumps([kvcompress, prompt, tokens], sort_keys=True)
+    if key in _storage:
+        return _storage[key]
+    from vllm import SamplingParams
+
+    from vllm_graft.launch import engine as launch
+
+    engine = {k: v for k, v in ENGINE.items() if k != "num_gpu_blocks_override"}
+    data = {"model": str(LLAMA), "engine": engine, **({"kvcompress": kvcompress} if kvcompress else {})}
+    with launch.in_process_engine(plan_for(data), graft=bool(kvcompress), seed=0) as llm:
+        config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+        (group,) = config.kv_cache_groups
+        sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        _storage[key] = {
+            "blocks": config.num_blocks,
+            "page_bytes": group.kv_cache_spec.page_size_bytes,
+            "dtype": str(group.kv_cache_spec.dtype),
+            "memory": sum(t.size for t in config.kv_cache_tensors),
+            "text": llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].text,
+        }
+    return _storage[key]
+
+
+def check_pool(name: str, plain: dict[str, Any], out: dict[str, Any], *, page_bytes: int) -> None:
+    """Assert that a storage format's page is ``page_bytes`` of uint8 per layer where plain's is
+    float32 (graft-tiny-llama: 2 KV heads of 64, blocks of 32 tokens), and that the same KV memory
+    holds as many blocks of it as fit, in no more memory than plain's."""
+    print(f"KV pool: plain {plain}, {name} {out}")
+    assert (plain["page_bytes"], plain["dtype"]) == (2 * BLOCK * 2 * 64 * 4, "torch.float32")
+    assert (out["page_bytes"], out["dtype"]) == (page_bytes, "torch.uint8")
+    space = int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) << 30
+    layers = 4
+    assert plain["blocks"] == space // (layers * plain["page_bytes"])
+    assert out["blocks"] == space // (layers * page_bytes)
+    assert out["memory"] <= plain["memory"]
+
+
 def agreement(a: dict[str, list[int]], b: dict[str, list[int]]) -> float:
     """Fraction of positions where two requests' greedy tokens agree, over all requests."""
     same = sum(x == y for r in a for x, y in zip(a[r], b[r]))

@@ -19,7 +19,6 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import pytest  # noqa: E402
 
 from . import kvcompress_scenario as scenario  # noqa: E402
-from vllm_graft.integration.plan import plan_for  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -40,28 +39,10 @@ def kv4():
 
 
 def test_kv4_pages_are_smaller_and_the_same_memory_holds_more_blocks():
-    from vllm_graft.launch import engine as launch
-
     # the same KV memory for both: VLLM_CPU_KVCACHE_SPACE (1 GiB, the launch default)
-    engine = {k: v for k, v in scenario.ENGINE.items() if k != "num_gpu_blocks_override"}
-    got = {}
-    for name, kv in (("plain", None), ("kv4", KV4)):
-        data = {"model": str(scenario.LLAMA), "engine": engine, **({"kvcompress": kv} if kv else {})}
-        with launch.in_process_engine(plan_for(data), graft=bool(kv), seed=0) as llm:
-            core = llm.llm_engine.engine_core.engine_core
-            config = core.scheduler.kv_cache_config
-            (group,) = config.kv_cache_groups
-            memory = sum(t.size for t in config.kv_cache_tensors)
-            got[name] = (config.num_blocks, group.kv_cache_spec.page_size_bytes, str(group.kv_cache_spec.dtype), memory)
-    print(f"KV memory: plain {got['plain']}, kv4 {got['kv4']} (blocks, page bytes per layer, dtype, bytes)")
-    # graft-tiny-llama: 4 layers, 2 KV heads, head size 64, blocks of 32 tokens
-    assert got["plain"][1:3] == (2 * 32 * 2 * 64 * 4, "torch.float32")
-    assert got["kv4"][1:3] == (2 * 32 * 80, "torch.uint8")
-    space = int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) << 30
-    assert got["plain"][0] == space // (4 * 2 * 32 * 2 * 64 * 4)
-    assert got["kv4"][0] == space // (4 * 2 * 32 * 80)
-    assert got["kv4"][0] >= 6 * got["plain"][0]  # 6.4x the blocks of float32 (3.2x of float16)
-    assert got["kv4"][3] <= got["plain"][3]  # in no more memory
+    plain, kv4 = scenario.storage(None), scenario.storage(KV4)
+    scenario.check_pool("kv4", plain, kv4, page_bytes=2 * 32 * 80)  # uint8: 80 bytes a token and KV head
+    assert kv4["blocks"] >= 6 * plain["blocks"]  # 6.4x the blocks of float32 (3.2x of float16)
 
 
 def test_kv4_runs_the_scenario_close_to_plain(plain, kv4):
