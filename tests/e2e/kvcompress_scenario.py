@@ -96,29 +96,32 @@ def run(kvcompress: dict[str, Any] | None) -> dict[str, Any]:
         del llm
 
 
-_shared: dict[str, dict[str, Any]] = {}
+_once: dict[str, dict[str, Any]] = {}
+
+
+def _run_once(measure: Any, kvcompress: dict[str, Any] | None) -> dict[str, Any]:
+    """``measure(kvcompress)``, once per process and configuration: test modules share plain's."""
+    key = json.dumps([measure.__name__, kvcompress], sort_keys=True)
+    if key not in _once:
+        _once[key] = measure(kvcompress)
+    return _once[key]
 
 
 def run_shared(kvcompress: dict[str, Any] | None) -> dict[str, Any]:
-    """:func:`run`, once per process and configuration (test modules share the plain run)."""
-    key = json.dumps(kvcompress, sort_keys=True)
-    if key not in _shared:
-        _shared[key] = run(kvcompress)
-    return _shared[key]
+    """:func:`run`, once per process and configuration."""
+    return _run_once(run, kvcompress)
 
 
-_storage: dict[str, dict[str, Any]] = {}
+def storage(kvcompress: dict[str, Any] | None) -> dict[str, Any]:
+    """:func:`_storage`, once per process and configuration (plain measured once for every format)."""
+    return _run_once(_storage, kvcompress)
 
 
-def storage(kvcompress: dict[str, Any] | None, *, prompt: str = PROMPTS[0], tokens: int = 48) -> dict[str, Any]:
-    """What a KV storage format does to vLLM's pool, once per process and configuration (plain is
-    measured once for every format's test): the pool in the launch default's KV memory
-    (``VLLM_CPU_KVCACHE_SPACE``, no block override) as ``blocks``, ``page_bytes`` (per layer),
-    ``dtype`` and ``memory`` (bytes of every KV tensor), and ``text``, ``prompt``'s greedy
-    continuation of ``tokens`` tokens."""
-    key = json.dumps([kvcompress, prompt, tokens], sort_keys=True)
-    if key in _storage:
-        return _storage[key]
+def _storage(kvcompress: dict[str, Any] | None) -> dict[str, Any]:
+    """What a KV storage format does to vLLM's pool in the launch default's KV memory
+    (``VLLM_CPU_KVCACHE_SPACE``, no block override): ``blocks``, ``page_bytes`` (per layer),
+    ``dtype``, ``memory`` (bytes of every KV tensor), and ``text``, the greedy continuation of
+    ``PROMPTS[0]`` (48 tokens)."""
     from vllm import SamplingParams
 
     from vllm_graft.launch import engine as launch
@@ -128,15 +131,14 @@ def storage(kvcompress: dict[str, Any] | None, *, prompt: str = PROMPTS[0], toke
     with launch.in_process_engine(plan_for(data), graft=bool(kvcompress), seed=0) as llm:
         config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
         (group,) = config.kv_cache_groups
-        sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-        _storage[key] = {
+        sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+        return {
             "blocks": config.num_blocks,
             "page_bytes": group.kv_cache_spec.page_size_bytes,
             "dtype": str(group.kv_cache_spec.dtype),
             "memory": sum(t.size for t in config.kv_cache_tensors),
-            "text": llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].text,
+            "text": llm.generate([PROMPTS[0]], sp, use_tqdm=False)[0].outputs[0].text,
         }
-    return _storage[key]
 
 
 def check_pool(name: str, plain: dict[str, Any], out: dict[str, Any], *, page_bytes: int) -> None:
