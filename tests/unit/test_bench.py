@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -791,3 +792,28 @@ def test_two_pairs_of_arm_processes_pool_their_runs():
     assert pooled["graft"]["engine"] == {"num_blocks": 8}
     differs = pool_runs({"graft": raw([1], [5, 6])}, {"graft": raw([1], [5, 7])})
     assert differs["graft"]["workloads"]["chat"]["repeats_identical"] is False
+
+
+@pytest.mark.parametrize(
+    "bind, env",
+    [(None, {}), ("nobind", {}), ("0", {"OMP_NUM_THREADS": "1"}), ("0,1", {"OMP_NUM_THREADS": "2"})],
+)
+def test_the_arms_threads_are_torchs_unless_vllms_binding_is_asked_for(monkeypatch, bind, env):
+    """Unset, the arms keep torch's threads; VLLM_CPU_OMP_THREADS_BIND gives them as many as
+    vLLM's own CPU worker would get (its OMPProcessManager asked), never its placement; the line
+    the result records says which."""
+    from vllm_graft.integration import env as engine
+
+    monkeypatch.setattr(engine, "_WORKER_THREADS", [])
+    if bind is None:
+        monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", bind)
+    got, line = engine.cpu_worker_threads()
+    assert got == env
+    assert ("torch's default threads" in line) == (not env)
+    assert "OMP_PLACES" not in got and "OMP_PROC_BIND" not in got
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    with engine.worker_threads_env(got):
+        assert os.environ["OMP_NUM_THREADS"] == got.get("OMP_NUM_THREADS", "7")
+    assert os.environ["OMP_NUM_THREADS"] == "7"  # the parent's own value back

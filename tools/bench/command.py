@@ -48,6 +48,8 @@ class ArmProcess:
     ) -> None:
         import multiprocessing
 
+        from ...integration.env import worker_threads_env
+
         self.job, self.on_event, self.timeout = job, on_event, timeout
         self.result_path = str(workdir / f"{job['arm']}.json")
         ctx = multiprocessing.get_context("spawn")
@@ -56,7 +58,9 @@ class ArmProcess:
         self.proc = ctx.Process(
             target=_arm_main, args=(job, self.result_path, sender, receiver), name=f"vllm-graft-bench-{job['arm']}"
         )
-        self.proc.start()
+        # the model's threads (job["threads_env"]): inherited at the spawn, before torch loads
+        with worker_threads_env(job.get("threads_env") or {}):
+            self.proc.start()
         sender.close()  # the child holds the only write end: EOF when it exits
         receiver.close()
         self.started = time.monotonic()
@@ -512,6 +516,7 @@ def run_bench(
     code, inputs = _inputs(args, err)
     if inputs is None:
         return code, None
+    from ...integration.env import cpu_worker_threads
     from ...launch.engine import llm_kwargs
 
     plan, prompt_sets = inputs.plan, inputs.prompt_sets
@@ -525,6 +530,8 @@ def run_bench(
     workdir = Path(args.log_dir) if keep_logs else Path(tempfile.mkdtemp(prefix="vllm-graft-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
 
+    # the arms' model threads: torch's default, or as many as vLLM's CPU worker (VLLM_CPU_OMP_THREADS_BIND)
+    threads = cpu_worker_threads()
     t_start = time.perf_counter()
     loads = [a for a in ("graft", "plain") if a in inputs.arms]
     # each pair of engine processes runs every round (see --load-orders)
@@ -535,7 +542,9 @@ def run_bench(
 
     def start(job: dict[str, Any]) -> ArmProcess:
         label = job["arm"] if job["workloads"] else "plain (scoring only)"
-        return ArmProcess(job, workdir, bars.on_events(label), timeout=args.timeout or None)
+        return ArmProcess(
+            {**job, "threads_env": threads[0]}, workdir, bars.on_events(label), timeout=args.timeout or None
+        )
 
     def job_for(arm: str, generate: bool, score_own: bool) -> dict[str, Any]:
         graft = arm == "graft"
@@ -597,7 +606,7 @@ def run_bench(
         scores=scores,
         decode=inputs.tokenizer.decode,
         wall_s=time.perf_counter() - t_start,
-        environment=_environment(plan),
+        environment={**_environment(plan), "threads": threads[1], "threads_env": threads[0]},
     )
     if not keep_logs:
         import shutil

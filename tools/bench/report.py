@@ -172,6 +172,8 @@ def render_report(result: dict[str, Any], console: Console) -> None:
             f"{ratio['max']:.3f}; ratio of the arms' medians {ratio.get('of_medians', ratio['ratio']):.3f}; "
             f"CPU {result.get('environment', {}).get('cpu_isa', 'ISA not recorded')})."
         )
+    if result.get("environment", {}).get("threads"):
+        console.print(f"[dim]Model threads: {escape(result['environment']['threads'])}[/]")
     busy = [
         (arm, name, w["summary"]["other_cpus"])
         for arm, a in result["arms"].items()
