@@ -472,6 +472,8 @@ def _environment(plan: Any) -> dict[str, Any]:
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
         "cpu_isa": cpu_isa(),  # vLLM's CPU kernels differ by ISA: a ratio holds for its ISA
+        # the OpenMP runtime the arms inherit: vLLM's libiomp5 preloaded ran the A/A +33% faster
+        "ld_preload": os.environ.get("LD_PRELOAD") or None,
         "vllm": f"{found[0]} {found[1]}" if found else None,
         "stdlib": str(W.stdlib_dir()),
         "vllm_platform": plan.platform,
