@@ -798,22 +798,26 @@ def test_two_pairs_of_arm_processes_pool_their_runs():
     "bind, env",
     [(None, {}), ("nobind", {}), ("0", {"OMP_NUM_THREADS": "1"}), ("0,1", {"OMP_NUM_THREADS": "2"})],
 )
-def test_the_arms_threads_are_torchs_unless_vllms_binding_is_asked_for(monkeypatch, bind, env):
+def test_the_arms_threads_are_torchs_unless_vllms_binding_is_asked_for(monkeypatch, tmp_path, fake_arms, bind, env):
     """Unset, the arms keep torch's threads; VLLM_CPU_OMP_THREADS_BIND gives them as many as
-    vLLM's own CPU worker would get (its OMPProcessManager asked), never its placement; the line
-    the result records says which."""
-    from vllm_graft.integration import env as engine
+    vLLM's own CPU worker would get (its OMPProcessManager asked), never its placement, through
+    each arm job's environment (applied before vLLM loads); the line the result records says
+    which, and the parent's own environment is left as it was."""
+    from vllm_graft.integration.env import cpu_worker_threads
 
-    monkeypatch.setattr(engine, "_WORKER_THREADS", [])
     if bind is None:
         monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     else:
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", bind)
-    got, line = engine.cpu_worker_threads()
+    got, line = cpu_worker_threads()
     assert got == env
     assert ("torch's default threads" in line) == (not env)
     assert "OMP_PLACES" not in got and "OMP_PROC_BIND" not in got
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
-    with engine.worker_threads_env(got):
-        assert os.environ["OMP_NUM_THREADS"] == got.get("OMP_NUM_THREADS", "7")
-    assert os.environ["OMP_NUM_THREADS"] == "7"  # the parent's own value back
+    _, jobs, _ = fake_arms
+    path = tmp_path / "r.json"
+    assert main(["bench", str(PLAIN), "--workload", "chat", "--num-prompts", "1", "--max-tokens", "2",
+                 "--no-ppl", "--json", str(path)]) == 0
+    assert jobs and all(job["env"].get("OMP_NUM_THREADS") == env.get("OMP_NUM_THREADS") for job in jobs)
+    assert json.loads(path.read_text())["environment"]["threads"] == line
+    assert os.environ["OMP_NUM_THREADS"] == "7"  # the parent's own value stays

@@ -48,8 +48,6 @@ class ArmProcess:
     ) -> None:
         import multiprocessing
 
-        from ...integration.env import worker_threads_env
-
         self.job, self.on_event, self.timeout = job, on_event, timeout
         self.result_path = str(workdir / f"{job['arm']}.json")
         ctx = multiprocessing.get_context("spawn")
@@ -58,9 +56,7 @@ class ArmProcess:
         self.proc = ctx.Process(
             target=_arm_main, args=(job, self.result_path, sender, receiver), name=f"vllm-graft-bench-{job['arm']}"
         )
-        # the model's threads (job["threads_env"]): inherited at the spawn, before torch loads
-        with worker_threads_env(job.get("threads_env") or {}):
-            self.proc.start()
+        self.proc.start()
         sender.close()  # the child holds the only write end: EOF when it exits
         receiver.close()
         self.started = time.monotonic()
@@ -472,7 +468,7 @@ def _environment(plan: Any) -> dict[str, Any]:
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
         "cpu_isa": cpu_isa(),  # vLLM's CPU kernels differ by ISA: a ratio holds for its ISA
-        # the OpenMP runtime the arms inherit: vLLM's libiomp5 preloaded ran the A/A +33% faster
+        # the OpenMP runtime the arms inherit (vLLM's libiomp5 or torch's libgomp: speeds differ)
         "ld_preload": os.environ.get("LD_PRELOAD") or None,
         "vllm": f"{found[0]} {found[1]}" if found else None,
         "stdlib": str(W.stdlib_dir()),
@@ -544,9 +540,7 @@ def run_bench(
 
     def start(job: dict[str, Any]) -> ArmProcess:
         label = job["arm"] if job["workloads"] else "plain (scoring only)"
-        return ArmProcess(
-            {**job, "threads_env": threads[0]}, workdir, bars.on_events(label), timeout=args.timeout or None
-        )
+        return ArmProcess(job, workdir, bars.on_events(label), timeout=args.timeout or None)
 
     def job_for(arm: str, generate: bool, score_own: bool) -> dict[str, Any]:
         graft = arm == "graft"
@@ -558,7 +552,7 @@ def run_bench(
             "arm": arm,
             "llm_kwargs": llm_kwargs(twin, graft=plugins, **overrides),
             "report_plugins": plugins,
-            "env": {} if graft else inputs.plain_env,
+            "env": {**threads[0], **({} if graft else inputs.plain_env)},  # applied before vLLM loads
             "workloads": wl_jobs if generate else [],
             "batch": args.batch,
             "repeat": args.repeat,
