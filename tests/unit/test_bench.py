@@ -440,6 +440,12 @@ class FakeArm:
         self.log.append(("run", self.job["arm"], r))
         self.rounds.append(r)
 
+    def begin_round(self, r):  # --interleave step: both arms' rounds begun, then waited for
+        self.run_round(r)
+
+    def round_done(self):
+        return True
+
     def finish(self, score=None):
         self.log.append(("finish", self.job["arm"], sorted(score or {})))
         walls = self.walls.get(self.job["arm"], [1.0] * len(self.rounds))
@@ -464,8 +470,8 @@ class FakeArm:
 def fake_arms(monkeypatch):
     log, jobs, walls = [], [], {}
 
-    def make(job, workdir, on_event, timeout=None):
-        jobs.append(job)
+    def make(job, workdir, on_event, timeout=None, turn=None):
+        jobs.append({**job, "turn_side": None if turn is None else turn.me})
         on_event(job["arm"], "phase", "done")
         return FakeArm(job, log, walls)
 
@@ -821,3 +827,33 @@ def test_the_arms_threads_are_torchs_unless_vllms_binding_is_asked_for(monkeypat
     assert jobs and all(job["env"].get("OMP_NUM_THREADS") == env.get("OMP_NUM_THREADS") for job in jobs)
     assert json.loads(path.read_text())["environment"]["threads"] == line
     assert os.environ["OMP_NUM_THREADS"] == "7"  # the parent's own value stays
+
+
+def test_interleave_step_gives_each_pair_of_arms_one_baton(monkeypatch, tmp_path, fake_arms, capsys):
+    """--interleave step: each pair of generating arms gets its sides of one baton (side 0 the
+    arm loaded first, which is the first round's first), the scorer none; Intel OpenMP's idle
+    threads told not to spin through the other arm's turn unless the user set it; the result
+    says step. It takes exactly two arms."""
+    monkeypatch.delenv("KMP_BLOCKTIME", raising=False)
+    log, jobs, _ = fake_arms
+    path = tmp_path / "r.json"
+    assert main(["bench", str(PLAIN), "--workload", "chat", "--num-prompts", "1", "--max-tokens", "2",
+                 "--repeat", "2", "--interleave", "step", "--json", str(path)]) == 0, capsys.readouterr()
+    generating = [(j["arm"], j["turn_side"]) for j in jobs if j["workloads"]]
+    assert generating == [("graft", 0), ("plain", 1), ("plain", 0), ("graft", 1)]  # two pairs, loaded both ways
+    assert all(j["env"]["KMP_BLOCKTIME"] == "0" for j in jobs)
+    data = json.loads(path.read_text())
+    assert data["settings"]["interleave"] == "step" and data["environment"]["threads_env"]["KMP_BLOCKTIME"] == "0"
+    runs = [e for e in log if e[0] == "run"]
+    assert len(runs) == 8  # 2 rounds x 2 arms x 2 pairs, every round begun by both arms
+
+    jobs.clear()
+    monkeypatch.setenv("KMP_BLOCKTIME", "5")
+    assert main(["bench", str(PLAIN), "--workload", "chat", "--num-prompts", "1", "--max-tokens", "2",
+                 "--no-ppl", "--interleave", "step", "--load-orders", "one"]) == 0
+    assert [j["env"]["KMP_BLOCKTIME"] for j in jobs] == ["5", "5"]
+
+    jobs.clear()
+    capsys.readouterr()
+    assert main(["bench", str(PLAIN), "--workload", "chat", "--arms", "graft", "--interleave", "step"]) == 2
+    assert "--interleave step runs two arms" in capsys.readouterr().err and not jobs

@@ -84,6 +84,49 @@ class _KVSampler:
         return schedule
 
 
+class _Clock:
+    """An arm's clock in a timed run: the wall clock, or with a ``turn`` (``--interleave step``)
+    the wall clock less the waits for the other arm's steps. The machine's busy CPU seconds are
+    then summed over this arm's own turns only, so that the other arm's steps do not read as
+    another process loading the machine."""
+
+    def __init__(self, turn: Any = None) -> None:
+        self.turn, self.paused, self.busy = turn, 0.0, 0.0
+        self._busy_at: float | None = None
+
+    def now(self) -> float:
+        return time.perf_counter() - self.paused
+
+    def take(self) -> None:
+        if self.turn is not None:
+            self.paused += self.turn.take()
+            self._busy_at = _system_busy_s()
+
+    def _close_turn(self) -> None:
+        busy = _system_busy_s()
+        if busy is not None and self._busy_at is not None:
+            self.busy += busy - self._busy_at
+        self._busy_at = None
+
+    def give(self) -> None:
+        if self.turn is not None:
+            self._close_turn()
+            self.turn.give()
+
+    def next_turn(self) -> None:
+        self.give()
+        self.take()
+
+    def busy_since(self, start: float | None, end: float | None) -> float | None:
+        """The machine's busy CPU seconds of the run (/proc/stat at ``start`` and ``end``), with a
+        turn only those of its own turns so far, the current one included."""
+        if start is None or end is None:
+            return None
+        if self.turn is None:
+            return end - start
+        return self.busy + (end - self._busy_at if self._busy_at is not None else 0.0)
+
+
 def _render(llm: Any, ids_list: Sequence[Sequence[int]]) -> list[Any]:
     prompts = [{"prompt_token_ids": list(ids)} for ids in ids_list]
     try:  # what LLM.generate does before add_request (vLLM 0.32); raw prompts still work
@@ -132,8 +175,11 @@ def _generate(
     sampler: _KVSampler | None,
     on_tokens: Callable[[int], None],
     tag: str,
+    turn: Any = None,
 ) -> dict[str, Any]:
-    """Run one workload through the engine, stamping every output token."""
+    """Run one workload through the engine, stamping every output token. ``turn`` (a side of
+    :class:`.turns.Turns`, ``--interleave step``): every step in this arm's own turn, the other
+    arm's steps between them left out of the clock."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -158,24 +204,27 @@ def _generate(
     if sampler is not None:
         sampler.reset()
 
+    clock = _Clock(turn)
+
     def fill() -> None:
         while pending and len(inflight) < limit:
             i = pending.pop()
-            submit[i] = time.perf_counter()
+            submit[i] = clock.now()
             # arrival_time: vLLM's own TTFT (kept as a cross-check) then counts from here too
             engine.add_request(f"{tag}-{i}", inputs[i], params[i], arrival_time=time.time())
             inflight.add(i)
 
     import resource
 
+    clock.take()  # the first turn: waited for before the clock starts
     usage0 = resource.getrusage(resource.RUSAGE_SELF)
     system0 = _system_busy_s()
-    t0 = time.perf_counter()
+    t0 = clock.now()
     delivered = 0  # told to the parent once the run is over: an event per step woke it mid-run
     fill()
     while inflight:
         outputs = engine.step()
-        now = time.perf_counter()
+        now = clock.now()
         new = 0
         for out in outputs:
             i = ids[out.request_id]
@@ -190,18 +239,23 @@ def _generate(
         fill()
         if not outputs and not engine.has_unfinished_requests() and inflight:
             raise RuntimeError(f"the engine finished without returning requests {sorted(inflight)}")
-    wall = time.perf_counter() - t0
-    on_tokens(delivered)
+        if inflight:
+            clock.next_turn()
+    wall = clock.now() - t0
     usage1 = resource.getrusage(resource.RUSAGE_SELF)
     system1 = _system_busy_s()
+    busy = clock.busy_since(system0, system1)
+    clock.give()
+    on_tokens(delivered)
     cpu = (usage1.ru_utime + usage1.ru_stime) - (usage0.ru_utime + usage0.ru_stime)
-    others = None if system0 is None or system1 is None else max(0.0, (system1 - system0 - cpu) / wall)
+    others = None if busy is None else max(0.0, (busy - cpu) / wall)
 
     requests = [_request_result(i, out, submit[i], times[i], t0) for i, out in enumerate(final)]
     return {
         "wall_s": wall,
         "cpu_s": cpu,
         "other_cpus": others,
+        "turn_wait_s": clock.paused if turn is not None else None,  # --interleave step: the other arm's turns
         "requests": requests,
         "kv_blocks_peak": sampler.peak if sampler else None,
         "kv_blocks_per_step": list(sampler.steps) if sampler else [],
@@ -233,12 +287,13 @@ def _score(
     return out
 
 
-def _arm_main(job: dict[str, Any], result_path: str, events: Any, commands: Any = None) -> None:
+def _arm_main(job: dict[str, Any], result_path: str, events: Any, commands: Any = None, turn: Any = None) -> None:
     """Entry of an arm's child process (spawned): start the engine, warm it up, then run what
     the parent asks through ``commands`` (a Connection: ``("run", round)`` runs every workload
     once, ``("finish", score)`` ends), score what it is asked to score, write the result as
     JSON. Without ``commands`` it runs ``job["repeat"]`` rounds by itself and finishes with
-    ``job["score"]``. Events go to the parent through ``events``."""
+    ``job["score"]``. Events go to the parent through ``events``; ``turn``: this arm's side of
+    the baton (``--interleave step``)."""
     log = os.open(job["log_path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -261,7 +316,7 @@ def _arm_main(job: dict[str, Any], result_path: str, events: Any, commands: Any 
                 raise SystemExit("the parent closed the command pipe") from None
 
     try:
-        result = _arm_run(job, send, receive)
+        result = _arm_run(job, send, receive, turn)
         status = 0
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which decides
         traceback.print_exc()
@@ -410,9 +465,11 @@ def _rounds(
     pool: Any,
     send: Callable[[str, Any], None],
     receive: Callable[[], tuple[str, Any]],
+    turn: Any = None,
 ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
     """Every workload once per "run" the parent sends, until it sends "finish" (with the outputs
-    to score): each workload's runs, and what to score."""
+    to score): each workload's runs, and what to score. With a ``turn`` the other arm runs the
+    same round at once, step by step in turns (:mod:`.turns`)."""
     from ...integration.patches import PATCHES
 
     workloads = job["workloads"]
@@ -446,8 +503,11 @@ def _rounds(
                         sampler=sampler,
                         on_tokens=lambda k: send("advance", k),
                         tag=f"{w['name']}-{r}",
+                        turn=turn,
                     )
                 )
+            if turn is not None:
+                turn.finish_round()
             send("phase", f"run {r + 1} done, waiting")
             send("round_done", r)
     finally:
@@ -459,7 +519,10 @@ def _rounds(
 
 
 def _arm_run(
-    job: dict[str, Any], send: Callable[[str, Any], None], receive: Callable[[], tuple[str, Any]]
+    job: dict[str, Any],
+    send: Callable[[str, Any], None],
+    receive: Callable[[], tuple[str, Any]],
+    turn: Any = None,
 ) -> dict[str, Any]:
     from ...integration.bridge import ENV_CONFIG, ENV_FILE
     from ...integration.env import installed_vllm
@@ -508,7 +571,7 @@ def _arm_run(
     send("phase", "ready")
     send("ready", None)
 
-    runs, score = _rounds(llm, job, scheduler, pool, send, receive)
+    runs, score = _rounds(llm, job, scheduler, pool, send, receive, turn)
     for name, done in runs.items():
         if done:
             result["workloads"][name] = median_run(done)

@@ -45,6 +45,7 @@ class ArmProcess:
         workdir: Path,
         on_event: Callable[[str, str, Any], None],
         timeout: float | None = None,
+        turn: Any = None,
     ) -> None:
         import multiprocessing
 
@@ -54,7 +55,9 @@ class ArmProcess:
         self._events, sender = ctx.Pipe(duplex=False)
         receiver, self._commands = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(
-            target=_arm_main, args=(job, self.result_path, sender, receiver), name=f"vllm-graft-bench-{job['arm']}"
+            target=_arm_main,
+            args=(job, self.result_path, sender, receiver, turn),
+            name=f"vllm-graft-bench-{job['arm']}",
         )
         self.proc.start()
         sender.close()  # the child holds the only write end: EOF when it exits
@@ -63,29 +66,41 @@ class ArmProcess:
 
     def _pump(self, until: str | None) -> None:
         """Pass events on until one of kind ``until`` arrives (None: until the child exits)."""
+        while not self.poll(until, wait=0.2):
+            pass
+
+    def poll(self, until: str | None, wait: float = 0.0) -> bool:
+        """Pass on the events that have come (waiting up to ``wait`` s for one); True once one of
+        kind ``until`` has come, or, with ``until`` None, once the child has exited."""
         arm = self.job["arm"]
-        while True:
-            if self._events.poll(0.2):
-                try:
-                    who, kind, payload = self._events.recv()
-                except EOFError:
-                    break
-                if until is not None and kind == until:
-                    return
-                if kind not in ("ready", "round_done"):
-                    self.on_event(who, kind, payload)
-            elif not self.proc.is_alive() and not self._events.poll(0):
-                break
-            if self.timeout and time.monotonic() - self.started > self.timeout:
-                self.close()
-                raise ArmFailed(arm, f"timed out after {self.timeout:.0f} s", self.job["log_path"])
+        while self._events.poll(wait):
+            wait = 0.0
+            try:
+                who, kind, payload = self._events.recv()
+            except EOFError:
+                return self._exited(until)
+            if until is not None and kind == until:
+                return True
+            if kind not in ("ready", "round_done"):
+                self.on_event(who, kind, payload)
+        if not self.proc.is_alive() and not self._events.poll(0):
+            return self._exited(until)
+        if self.timeout and time.monotonic() - self.started > self.timeout:
+            self.close()
+            raise ArmFailed(arm, f"timed out after {self.timeout:.0f} s", self.job["log_path"])
+        return False
+
+    def _exited(self, until: str | None) -> bool:
         self.proc.join(60)  # the result is on disk once the pipe is closed; a stuck teardown is ended below
         self.close()
         if until is not None:  # it exited before saying what was waited for: its result says why
             self._read()
             raise ArmFailed(
-                arm, f"the process exited with code {self.proc.exitcode} before {until}", self.job["log_path"]
+                self.job["arm"],
+                f"the process exited with code {self.proc.exitcode} before {until}",
+                self.job["log_path"],
             )
+        return True
 
     def _read(self) -> dict[str, Any]:
         if not os.path.exists(self.result_path):
@@ -112,8 +127,16 @@ class ArmProcess:
         self._pump("ready")
 
     def run_round(self, index: int) -> None:
-        self._send("run", index)
+        self.begin_round(index)
         self._pump("round_done")
+
+    def begin_round(self, index: int) -> None:
+        """Start a round and return at once (``--interleave step``: both arms run it, in turns)."""
+        self._send("run", index)
+
+    def round_done(self) -> bool:
+        """After :meth:`begin_round`: whether the round is over (not waiting)."""
+        return self.poll("round_done")
 
     def finish(self, score: dict[str, Any] | None = None) -> dict[str, Any]:
         self._send("finish", score or {})
@@ -132,10 +155,11 @@ def run_arms(
     jobs: dict[str, dict[str, Any]],
     order: list[list[str]],
     *,
-    start: Callable[[dict[str, Any]], Any],
+    start: Callable[..., Any],
     score_for_plain: Callable[[dict[str, Any]], dict[str, Any]],
     scorer_job: dict[str, Any] | None = None,
     score_all: Callable[[dict[str, dict[str, Any]]], dict[str, Any]] | None = None,
+    turns: Any = None,
 ) -> tuple[dict[str, dict[str, Any]], dict | None]:
     """Drive the arms: start each arm's process in the order of the first run (one at a time:
     the next starts once the previous is warm, so engine loads do not overlap), run every
@@ -143,18 +167,25 @@ def run_arms(
     arm, then plain, which scores the graft arm's outputs (``score_for_plain(graft result)``)
     and its own. ``scorer_job``: a plain engine that only scores (when plain did not generate,
     or ran a deployment as is): what ``score_all(results)`` gives it, else the graft arm's outputs.
-    ``start(job)`` returns an :class:`ArmProcess` (or a stand-in). Returns the generating arms'
-    raw results and the scores."""
+    ``start(job)`` returns an :class:`ArmProcess` (or a stand-in). ``turns`` (a :class:`.turns.Turns`,
+    ``--interleave step``): both arms run each round at once, step by step in turns, ``order[r][0]``
+    taking the first; ``start(job, side)`` then. Returns the generating arms' raw results and the scores."""
     procs: dict[str, Any] = {}
     results: dict[str, dict[str, Any]] = {}
     scores = None
+    sides = {arm: i for i, arm in enumerate(order[0])}
+    if turns is not None and len(sides) != 2:
+        raise ValueError(f"--interleave step takes two arms, not {', '.join(order[0])}")
     try:
         for arm in order[0]:
-            procs[arm] = start(jobs[arm])
+            procs[arm] = start(jobs[arm]) if turns is None else start(jobs[arm], turns.side(sides[arm]))
             procs[arm].wait_ready()
         for r, arms in enumerate(order):
-            for arm in arms:
-                procs[arm].run_round(r)
+            if turns is None:
+                for arm in arms:
+                    procs[arm].run_round(r)
+            else:
+                _run_in_turns(procs, arms, r, turns, sides)
         for arm in [a for a in ("graft", "plain") if a in procs]:
             extra = score_for_plain(results["graft"]) if arm == "plain" and "graft" in results else {}
             results[arm] = procs.pop(arm).finish(extra)
@@ -170,6 +201,20 @@ def run_arms(
         for proc in procs.values():
             proc.close()
     return results, scores
+
+
+def _run_in_turns(procs: dict[str, Any], arms: list[str], r: int, turns: Any, sides: dict[str, int]) -> None:
+    """One round of ``--interleave step``: the first turn to ``arms[0]``, both arms started, then
+    watched together until both are done (an arm that fails is seen at once, not after the other
+    arm, which would wait for its turn forever)."""
+    turns.start_round(sides[arms[0]])
+    for arm in arms:
+        procs[arm].begin_round(r)
+    waiting = list(arms)
+    while waiting:
+        waiting = [arm for arm in waiting if not procs[arm].round_done()]
+        if waiting:
+            time.sleep(0.05)
 
 
 def pool_runs(first: dict[str, dict[str, Any]], second: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -332,6 +377,9 @@ def _inputs(args: argparse.Namespace, err: Console) -> tuple[int, _Inputs | None
     except ValueError as e:
         err.print(f"[bold red]error:[/] {escape(str(e))}")
         return EXIT_USAGE, None
+    if getattr(args, "interleave", "run") == "step" and len(arms) != 2:
+        err.print("[bold red]error:[/] --interleave step runs two arms in turns: give --arms plain,graft")
+        return EXIT_USAGE, None
     if args.num_prompts < 1 or args.max_tokens < 1 or args.batch < 0 or args.repeat < 1:
         err.print("[bold red]error:[/] --num-prompts, --max-tokens and --repeat must be at least 1, --batch at least 0")
         return EXIT_USAGE, None
@@ -454,6 +502,15 @@ def _settings(args: argparse.Namespace, inputs: _Inputs, order: list[Any]) -> di
         "temperature": 0.0,
         "order": order,
         "load_orders": getattr(args, "load_orders", "one"),
+        "interleave": getattr(args, "interleave", "run"),
+    }
+
+
+def _plan_info(plan: Any) -> dict[str, Any]:
+    return {
+        "model": plan.deployment.model,
+        "plugins": [f"{e.kind}:{e.name}" for e in plan.enabled],
+        "engine_args": plan.deployment.engine,
     }
 
 
@@ -505,6 +562,31 @@ def _workload_jobs(prompt_sets: list[Any]) -> tuple[list[dict[str, Any]], dict[s
     return jobs, {ps.name: [list(p.token_ids) for p in ps.prompts] for ps in prompt_sets}
 
 
+def _turns_of(args: argparse.Namespace) -> Callable[[], Any]:
+    """What makes each pair of arm processes' baton: a :class:`.turns.Turns` with ``--interleave
+    step`` (two arms, checked by :func:`_inputs`), None with ``run``."""
+    if getattr(args, "interleave", "run") != "step":
+        return lambda: None
+    import multiprocessing
+
+    from .turns import Turns
+
+    return lambda: Turns(multiprocessing.get_context("spawn"))
+
+
+def _arm_threads(args: argparse.Namespace) -> tuple[dict[str, str], str]:
+    """The arms' model threads (the environment they start with, a line saying so): torch's default, or
+    as many as vLLM's CPU worker gets (``VLLM_CPU_OMP_THREADS_BIND``). With ``--interleave step``
+    Intel OpenMP's idle threads (``LD_PRELOAD``ed libiomp5) sleep at once (``KMP_BLOCKTIME`` 0 unless
+    set): by default they spin 200 ms, through the other arm's turn."""
+    from ...integration.env import cpu_worker_threads
+
+    env, line = cpu_worker_threads()
+    if getattr(args, "interleave", "run") == "step":
+        env = {"KMP_BLOCKTIME": os.environ.get("KMP_BLOCKTIME", "0"), **env}
+    return env, line
+
+
 def run_bench(
     args: argparse.Namespace, out: Console, err: Console, progress: Any = None
 ) -> tuple[int, dict[str, Any] | None]:
@@ -514,22 +596,18 @@ def run_bench(
     code, inputs = _inputs(args, err)
     if inputs is None:
         return code, None
-    from ...integration.env import cpu_worker_threads
     from ...launch.engine import llm_kwargs
 
     plan, prompt_sets = inputs.plan, inputs.prompt_sets
     as_is = bool(getattr(args, "baseline_as_is", False))
     wl_jobs, by_name = _workload_jobs(prompt_sets)
     # Per-request stats on (the cross-check of TTFT/ITL); the seed unless the deployment sets one.
-    overrides: dict[str, Any] = {"disable_log_stats": False}
-    if "seed" not in plan.deployment.engine:
-        overrides["seed"] = args.seed
+    overrides = {"disable_log_stats": False, **({} if "seed" in plan.deployment.engine else {"seed": args.seed})}
     keep_logs = args.log_dir is not None
     workdir = Path(args.log_dir) if keep_logs else Path(tempfile.mkdtemp(prefix="vllm-graft-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
 
-    # the arms' model threads: torch's default, or as many as vLLM's CPU worker (VLLM_CPU_OMP_THREADS_BIND)
-    threads = cpu_worker_threads()
+    threads = _arm_threads(args)
     t_start = time.perf_counter()
     loads = [a for a in ("graft", "plain") if a in inputs.arms]
     # each pair of engine processes runs every round (see --load-orders)
@@ -537,10 +615,11 @@ def run_bench(
     rounds = [arm_order(first, args.repeat) for first in pairs]  # each pair's, in the order run
     order = [rnd for pair in rounds for rnd in pair]
     bars = _Bars(progress, out)
+    new_turns = _turns_of(args)
 
-    def start(job: dict[str, Any]) -> ArmProcess:
+    def start(job: dict[str, Any], turn: Any = None) -> ArmProcess:
         label = job["arm"] if job["workloads"] else "plain (scoring only)"
-        return ArmProcess(job, workdir, bars.on_events(label), timeout=args.timeout or None)
+        return ArmProcess(job, workdir, bars.on_events(label), timeout=args.timeout or None, turn=turn)
 
     def job_for(arm: str, generate: bool, score_own: bool) -> dict[str, Any]:
         graft = arm == "graft"
@@ -582,20 +661,17 @@ def run_bench(
                 score_for_plain=score_for_plain,
                 scorer_job=scorer,
                 score_all=score_all,
+                turns=new_turns(),
             )
             for pair in rounds[1:]:  # the same rounds in engines loaded the other way round, unscored
                 again = {arm: {**job, "score_own": False} for arm, job in jobs.items()}
-                more, _ = run_arms(again, pair, start=start, score_for_plain=lambda _: {})
+                more, _ = run_arms(again, pair, start=start, score_for_plain=lambda _: {}, turns=new_turns())
                 results = pool_runs(results, more)
     except ArmFailed as e:
         return _arm_failed(e, err), None
     result = assemble(
         deployment=str(args.deployment),
-        plan_info={
-            "model": plan.deployment.model,
-            "plugins": [f"{e.kind}:{e.name}" for e in plan.enabled],
-            "engine_args": plan.deployment.engine,
-        },
+        plan_info=_plan_info(plan),
         settings=_settings(args, inputs, order),
         prompt_sets=prompt_sets,
         arm_results=results,
@@ -744,6 +820,15 @@ def add_command(sub: Any) -> None:
         "loaded second ran 3-15%% faster on a 2-core machine, whichever it was (an A/A read 0.87-1.00 "
         "with graft loaded first, 1.03-1.11 with plain first); one: a single pair, graft loaded "
         "first (half the engine loads)",
+    )
+    p.add_argument(
+        "--interleave",
+        choices=("run", "step"),
+        default="run",
+        help="run (default): the arms take turns run by run; step: both arms run each round at once "
+        "and take turns engine step by engine step, each arm's clock counting only its own turns, so "
+        "that the machine's drift over seconds reaches both arms alike (an A/A's run-by-run ratios "
+        "scattered 6-8%% on a 2-core VM)",
     )
     p.add_argument(
         "--arms",

@@ -261,6 +261,7 @@ def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 "itl_mean_s": mean(gaps),
                 "itl_p50_s": percentile(gaps, 50),
                 "other_cpus": r.get("other_cpus"),
+                "turn_wait_s": r.get("turn_wait_s"),
             }
         )
     chosen["repeats_identical"] = all([q["output_token_ids"] for q in r["requests"]] == first for r in runs)
@@ -342,6 +343,7 @@ def _workload_result(
         kv_blocks_total=raw["engine"].get("num_blocks"),
         peak_rss_mib=raw.get("peak_rss_mib"),
         other_cpus=w.get("other_cpus"),
+        turn_wait_s=w.get("turn_wait_s"),  # --interleave step: the other arm's turns, out of the clock
     )
     repeats = w.get("repeats") or [{"wall_s": w["wall_s"], "output_tokens": summary["output_tokens"]}]
     rates = [r["output_tokens"] / r["wall_s"] for r in repeats if r["wall_s"] > 0]
@@ -351,6 +353,7 @@ def _workload_result(
         output_tok_s_min=min(rates, default=None),
         output_tok_s_max=max(rates, default=None),
         runs_identical=w.get("repeats_identical", True),
+        turn_wait_s_runs=[r.get("turn_wait_s") for r in repeats],
     )
     if len(rates) > 1:
         summary["output_tok_s"] = median(rates)
