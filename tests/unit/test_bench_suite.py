@@ -89,6 +89,10 @@ def test_settings_layers(tmp_path):
     assert "--no-ppl" not in S.bench_argv(suite, b, quick=False)
     suite.cases[1].ppl = False
     assert "--no-ppl" in S.bench_argv(suite, b, quick=False)
+    assert "--interleave" not in argv  # run, bench's default
+    suite.cases[1].quick.interleave = "step"  # a case's own quick settings win
+    assert S.bench_argv(suite, b, quick=True)[-3:-1] == ["--interleave", "step"]
+    assert "--interleave" not in S.bench_argv(suite, b, quick=False)
 
 
 @pytest.mark.parametrize("case, field, words", [

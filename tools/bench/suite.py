@@ -71,6 +71,7 @@ class RunSettings(BaseModel):
     ignore_eos: Optional[bool] = None
     ppl: Optional[bool] = None  # None: on unless the deployment loads dummy weights
     seed: Optional[int] = None
+    interleave: Optional[Literal["run", "step"]] = None  # bench --interleave
 
     @field_validator("workload")
     @classmethod
@@ -92,6 +93,7 @@ BUILTIN_DEFAULTS = {
     "ignore_eos": True,
     "ppl": None,
     "seed": 0,
+    "interleave": "run",
 }
 
 
@@ -270,6 +272,8 @@ def bench_argv(suite: Suite, case: Case, quick: bool) -> list[str]:
         argv += ["--baseline", case.baseline if case.baseline == NO_PACKAGE else str(suite.resolve(case.baseline))]
     if s["ignore_eos"]:
         argv.append("--ignore-eos")
+    if s["interleave"] != "run":
+        argv += ["--interleave", s["interleave"]]
     ppl = s["ppl"] if s["ppl"] is not None else not uses_dummy_weights(deployment)
     if not ppl:
         argv.append("--no-ppl")
@@ -314,6 +318,7 @@ def case_row(
         "batch": result["settings"]["batch"],
         "repeat": result["settings"]["repeat"],
         "order": result["settings"].get("order"),
+        "interleave": result["settings"].get("interleave", "run"),
         "quick": quick,
         "command": "vllm-graft bench " + " ".join(display_argv or argv),
         "plain_tok_s": plain["output_tok_s"],
