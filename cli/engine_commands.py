@@ -261,7 +261,7 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
         f"[dim]the same {bench_args.num_prompts} prompts per workload "
         f"({', '.join(DEMO_WORKLOADS)}), one request at a time, through plain vLLM and "
         f"through the deployment, {bench_args.repeat} timed runs per arm after a warm-up, "
-        "the arms taking turns: each engine in its own process, vLLM's log in "
+        "the arms taking turns engine step by engine step: each engine in its own process, vLLM's log in "
         + (escape(args.log_dir) if args.log_dir else "a temporary file (--log-dir keeps it)")
         + "[/]"
     )

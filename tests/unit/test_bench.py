@@ -530,7 +530,8 @@ def test_baseline_decides_what_the_plain_arm_runs(tmp_path, fake_arms, capsys):
     plugin loader told to skip vllm-graft; a baseline on another model is refused."""
     _, jobs, _ = fake_arms
     ngram, plain = ROOT / "deployments" / "spec-vllm-ngram.yaml", ROOT / "deployments" / "plain.yaml"
-    args = ["--workload", "chat", "--num-prompts", "2", "--max-tokens", "4", "--no-ppl"]
+    # run by run: the arms' env then carries nothing of step mode's (KMP_BLOCKTIME), only the baseline's
+    args = ["--workload", "chat", "--num-prompts", "2", "--max-tokens", "4", "--no-ppl", "--interleave", "run"]
     assert main(["bench", str(ngram), "--baseline", str(plain), *args]) == 0, capsys.readouterr()
     by_arm = {j["arm"]: j for j in jobs}
     assert "speculative_config" in by_arm["graft"]["llm_kwargs"]
@@ -857,3 +858,15 @@ def test_interleave_step_gives_each_pair_of_arms_one_baton(monkeypatch, tmp_path
     capsys.readouterr()
     assert main(["bench", str(PLAIN), "--workload", "chat", "--arms", "graft", "--interleave", "step"]) == 2
     assert "--interleave step runs two arms" in capsys.readouterr().err and not jobs
+    # the default: step with two arms, run with one (the scorer is no arm of the rounds)
+    assert main(["bench", str(PLAIN), "--workload", "chat", "--num-prompts", "1", "--no-ppl", "--load-orders", "one",
+                 "--json", str(path)]) == 0
+    assert [j["turn_side"] for j in jobs] == [0, 1] and json.loads(path.read_text())["settings"]["interleave"] == "step"
+    jobs.clear()
+    assert main(["bench", str(PLAIN), "--workload", "chat", "--num-prompts", "1", "--arms", "graft",
+                 "--json", str(path)]) == 0
+    assert [j["turn_side"] for j in jobs] == [None, None] and json.loads(path.read_text())["settings"]["interleave"] == "run"
+    jobs.clear()
+    assert main(["bench", str(PLAIN), "--workload", "chat", "--num-prompts", "1", "--no-ppl", "--load-orders", "one",
+                 "--interleave", "run"]) == 0
+    assert [j["turn_side"] for j in jobs] == [None, None]

@@ -83,16 +83,16 @@ def test_settings_layers(tmp_path):
     argv = S.bench_argv(suite, b, quick=False)
     assert argv[0] == str(d.resolve())  # relative to the suite file
     assert argv[1:] == ["--workload", "code-completion", "--num-prompts", "6", "--max-tokens", "32",
-                        "--repeat", "5", "--seed", "0", "--batch", "1", "--ignore-eos", "--no-ppl"]  # dummy weights
+                        "--repeat", "5", "--seed", "0", "--batch", "1", "--ignore-eos", "--interleave", "step",
+                        "--no-ppl"]  # dummy weights
     real = dep(tmp_path, "real.yaml", dummy=False)
     suite.cases[1].deployment = real.name
     assert "--no-ppl" not in S.bench_argv(suite, b, quick=False)
     suite.cases[1].ppl = False
     assert "--no-ppl" in S.bench_argv(suite, b, quick=False)
-    assert "--interleave" not in argv  # run, bench's default
-    suite.cases[1].quick.interleave = "step"  # a case's own quick settings win
-    assert S.bench_argv(suite, b, quick=True)[-3:-1] == ["--interleave", "step"]
-    assert "--interleave" not in S.bench_argv(suite, b, quick=False)
+    suite.cases[1].quick.interleave = "run"  # a case's own quick settings win
+    assert S.bench_argv(suite, b, quick=True)[-3:-1] == ["--interleave", "run"]
+    assert S.bench_argv(suite, b, quick=False)[-3:-1] == ["--interleave", "step"]
 
 
 @pytest.mark.parametrize("case, field, words", [
