@@ -117,14 +117,12 @@ class _Clock:
         self.give()
         self.take()
 
-    def busy_since(self, start: float | None, end: float | None) -> float | None:
-        """The machine's busy CPU seconds of the run (/proc/stat at ``start`` and ``end``), with a
-        turn only those of its own turns so far, the current one included."""
+    def busy_of_run(self, start: float | None, end: float | None) -> float | None:
+        """After the run's last :meth:`give`: the machine's busy CPU seconds of the run (/proc/stat
+        at ``start`` and ``end``), with a turn those of its own turns only."""
         if start is None or end is None:
             return None
-        if self.turn is None:
-            return end - start
-        return self.busy + (end - self._busy_at if self._busy_at is not None else 0.0)
+        return self.busy if self.turn is not None else end - start
 
 
 def _render(llm: Any, ids_list: Sequence[Sequence[int]]) -> list[Any]:
@@ -244,8 +242,8 @@ def _generate(
     wall = clock.now() - t0
     usage1 = resource.getrusage(resource.RUSAGE_SELF)
     system1 = _system_busy_s()
-    busy = clock.busy_since(system0, system1)
     clock.give()
+    busy = clock.busy_of_run(system0, system1)
     on_tokens(delivered)
     cpu = (usage1.ru_utime + usage1.ru_stime) - (usage0.ru_utime + usage0.ru_stime)
     others = None if busy is None else max(0.0, (busy - cpu) / wall)
