@@ -24,7 +24,7 @@ def run(tmp_path_factory, request):
     script = Path(sys.executable).with_name("vllm-graft")  # CI does not activate the venv
     cmd = [str(script), "bench", str(ROOT / "deployments" / "plain.yaml"), "--workload", "code-completion",
            "--num-prompts", str(NUM_PROMPTS), "--max-tokens", str(MAX_TOKENS), "--batch", str(BATCH), "--ignore-eos",
-           "--load-orders", "one",  # one pair of engines: the figures' definitions (the pooling: test_bench_suite)
+           "--pairs", "1",  # one pair of engines: the figures' definitions (the pooling: test_bench_suite)
            "--interleave", request.param, "--json", str(out / "bench.json"), "--plot", str(out / "bench.png")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -34,7 +34,7 @@ def test_one_case_suite(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (row,) = json.loads((tmp_path / "r.json").read_text())["rows"]
     assert row["name"] == "plain-aa" and row["quick"] is True
-    # the arms took turns, in two pairs of engines loaded in opposite orders (--load-orders both)
+    # the arms took turns, in two pairs of engines loaded in opposite orders (--pairs 2, the default)
     assert row["order"] == [["graft", "plain"], ["plain", "graft"], ["plain", "graft"], ["graft", "plain"]]
     assert len(row["plain_tok_s_runs"]) == len(row["graft_tok_s_runs"]) == 4
     assert all(x > 0 for x in row["plain_tok_s_runs"] + row["graft_tok_s_runs"])

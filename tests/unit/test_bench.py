@@ -488,7 +488,7 @@ def test_arm_jobs_differ_only_in_the_deployment(tmp_path, fake_arms, capsys):
     rc = main(["bench", str(noop), "--workload", "chat", "--num-prompts", "2", "--max-tokens", "4",
                "--json", str(path)])
     assert rc == 0, capsys.readouterr()
-    graft, plain, plain_again, graft_again = jobs  # --load-orders both: a second pair, loaded plain first
+    graft, plain, plain_again, graft_again = jobs  # --pairs 2 (default): a second pair, loaded plain first
     assert (graft["arm"], plain["arm"], plain_again["arm"], graft_again["arm"]) == ("graft", "plain", "plain", "graft")
     assert not plain_again["score_own"] and plain_again["llm_kwargs"] == plain["llm_kwargs"]
     assert graft_again["llm_kwargs"] == graft["llm_kwargs"]
@@ -507,7 +507,7 @@ def test_arm_jobs_differ_only_in_the_deployment(tmp_path, fake_arms, capsys):
     data = json.loads(path.read_text())
     assert data["comparison"]["identical"] is True
     assert data["arms"]["graft"]["overall"]["perplexity"] == pytest.approx(math.e)
-    assert data["settings"]["load_orders"] == "both" and len(data["comparison"]["ratio"]["runs"]) == 2
+    assert data["settings"]["pairs"] == 2 and len(data["comparison"]["ratio"]["runs"]) == 2
     assert data["settings"]["order"] == [["graft", "plain"], ["plain", "graft"]]  # one round in each pair
 
     jobs.clear()
@@ -515,9 +515,17 @@ def test_arm_jobs_differ_only_in_the_deployment(tmp_path, fake_arms, capsys):
     assert main(["bench", str(noop), "--workload", "chat", "--num-prompts", "2", "--arms", "graft"]) == 0
     assert [(j["arm"], bool(j["workloads"])) for j in jobs] == [("graft", True), ("plain", False)]  # scorer
     jobs.clear()
-    assert main(["bench", str(noop), "--workload", "chat", "--num-prompts", "2", "--load-orders", "one"]) == 0
+    assert main(["bench", str(noop), "--workload", "chat", "--num-prompts", "2", "--pairs", "1"]) == 0
     assert [j["arm"] for j in jobs] == ["graft", "plain"]
     assert log[-1] == ("finish", "plain", ["graft/chat/0", "graft/chat/1"])
+    jobs.clear()
+    assert main(["bench", str(noop), "--workload", "chat", "--num-prompts", "2", "--pairs", "3", "--repeat", "2",
+                 "--json", str(path)]) == 0
+    assert [j["arm"] for j in jobs] == ["graft", "plain", "plain", "graft", "graft", "plain"]  # loads alternate
+    ratio = json.loads(path.read_text())["comparison"]["ratio"]
+    assert len(ratio["runs"]) == 6 and len(ratio["by_pair"]) == 3  # each pair's own median beside the pooled one
+    assert main(["bench", str(noop), "--workload", "chat", "--pairs", "0"]) == 2
+    assert "--pairs must be at least 1" in " ".join(capsys.readouterr().err.split())
     jobs.clear()
     assert main(["bench", str(noop), "--workload", "chat", "--num-prompts", "2", "--arms", "graft",
                  "--no-ppl"]) == 0
@@ -627,7 +635,7 @@ def test_repeats_take_turns_and_each_engine_loads_once(tmp_path, fake_arms, caps
     walls.update(plain=[2.0, 1.0, 4.0], graft=[1.0, 1.0, 1.0])  # per run: 12/wall tokens/s
     path = tmp_path / "r.json"
     assert main(["bench", str(ROOT / "deployments" / "noop.yaml"), "--workload", "chat", "--num-prompts", "3",
-                 "--max-tokens", "4", "--repeat", "3", "--load-orders", "one", "--json", str(path)]) == 0
+                 "--max-tokens", "4", "--repeat", "3", "--pairs", "1", "--json", str(path)]) == 0
     text = capsys.readouterr().out
     steps = [e for e in log if e[0] in ("start", "ready", "run", "finish")]
     assert steps == [
@@ -665,6 +673,9 @@ def test_median_spread_and_ratio():
     # the paired median, not the ratio of the medians: runs seconds apart share the machine's phase
     drift = bench.ratio_of([10.0, 40.0, 20.0], [11.0, 20.0, 44.0])
     assert drift["ratio"] == pytest.approx(1.1) and drift["of_medians"] == pytest.approx(1.0)
+    # --pairs: the runs are the pairs' rounds one pair after the other
+    assert bench.by_pair([1.0, 1.2, 0.9, 0.95, 1.1, 1.3], 3) == [pytest.approx(1.1), pytest.approx(0.925), pytest.approx(1.2)]
+    assert bench.by_pair([1.0], 2) == []
     assert bench.ratio_of([10.0, 20.0], [30.0])["ratio"] == pytest.approx(30.0 / 15.0)  # unpaired: medians
 
 
@@ -851,7 +862,7 @@ def test_interleave_step_gives_each_pair_of_arms_one_baton(monkeypatch, tmp_path
     jobs.clear()
     monkeypatch.setenv("KMP_BLOCKTIME", "5")
     assert main(["bench", str(PLAIN), "--workload", "chat", "--num-prompts", "1", "--max-tokens", "2",
-                 "--no-ppl", "--interleave", "step", "--load-orders", "one"]) == 0
+                 "--no-ppl", "--interleave", "step", "--pairs", "1"]) == 0
     assert [j["env"]["KMP_BLOCKTIME"] for j in jobs] == ["5", "5"]
 
     jobs.clear()
@@ -859,7 +870,7 @@ def test_interleave_step_gives_each_pair_of_arms_one_baton(monkeypatch, tmp_path
     assert main(["bench", str(PLAIN), "--workload", "chat", "--arms", "graft", "--interleave", "step"]) == 2
     assert "--interleave step runs two arms" in capsys.readouterr().err and not jobs
     # the default: step with two arms, run with one (the scorer is no arm of the rounds)
-    assert main(["bench", str(PLAIN), "--workload", "chat", "--num-prompts", "1", "--no-ppl", "--load-orders", "one",
+    assert main(["bench", str(PLAIN), "--workload", "chat", "--num-prompts", "1", "--no-ppl", "--pairs", "1",
                  "--json", str(path)]) == 0
     assert [j["turn_side"] for j in jobs] == [0, 1] and json.loads(path.read_text())["settings"]["interleave"] == "step"
     jobs.clear()
@@ -867,6 +878,6 @@ def test_interleave_step_gives_each_pair_of_arms_one_baton(monkeypatch, tmp_path
                  "--json", str(path)]) == 0
     assert [j["turn_side"] for j in jobs] == [None, None] and json.loads(path.read_text())["settings"]["interleave"] == "run"
     jobs.clear()
-    assert main(["bench", str(PLAIN), "--workload", "chat", "--num-prompts", "1", "--no-ppl", "--load-orders", "one",
+    assert main(["bench", str(PLAIN), "--workload", "chat", "--num-prompts", "1", "--no-ppl", "--pairs", "1",
                  "--interleave", "run"]) == 0
     assert [j["turn_side"] for j in jobs] == [None, None]

@@ -83,7 +83,7 @@ def test_settings_layers(tmp_path):
     argv = S.bench_argv(suite, b, quick=False)
     assert argv[0] == str(d.resolve())  # relative to the suite file
     assert argv[1:] == ["--workload", "code-completion", "--num-prompts", "6", "--max-tokens", "32",
-                        "--repeat", "5", "--seed", "0", "--batch", "1", "--ignore-eos", "--interleave", "step",
+                        "--repeat", "5", "--pairs", "2", "--seed", "0", "--batch", "1", "--ignore-eos", "--interleave", "step",
                         "--no-ppl"]  # dummy weights
     real = dep(tmp_path, "real.yaml", dummy=False)
     suite.cases[1].deployment = real.name
@@ -93,6 +93,9 @@ def test_settings_layers(tmp_path):
     suite.cases[1].quick.interleave = "run"  # a case's own quick settings win
     assert S.bench_argv(suite, b, quick=True)[-3:-1] == ["--interleave", "run"]
     assert S.bench_argv(suite, b, quick=False)[-3:-1] == ["--interleave", "step"]
+    suite.cases[1].quick.pairs = 4  # more pairs of fresh engine processes
+    argv = S.bench_argv(suite, b, quick=True)
+    assert argv[argv.index("--pairs") + 1] == "4" and S.bench_argv(suite, b, quick=False)[9:11] == ["--pairs", "2"]
 
 
 @pytest.mark.parametrize("case, field, words", [
@@ -201,6 +204,13 @@ def test_case_row_and_markdown():
     assert "quick" in slow_cells[-1]
     assert cells[12] == "**0.7** (disturbed)" and slow_cells[12] == "0.2"  # above busy_limit 0.5: flagged
     assert "failed: exit code 4" in table[2]
+    # --pairs: the runs column says pairs x rounds, the ratio cell each pair's own ratio
+    two = fake_result([100.0, 100.0, 100.0, 100.0], [99.0, 101.0, 108.0, 110.0])
+    two["settings"] |= {"repeat": 2, "pairs": 2}
+    two["comparison"]["ratio"]["by_pair"] = [1.0, 1.09]
+    cells = [c.strip() for c in S.render_markdown([S.case_row(case, ["x"], two, quick=True)], meta, None)
+             .splitlines()[4].split("|")[1:-1]]
+    assert cells[6] == "**1.045** (0.99-1.10); pairs 1.00/1.09" and cells[-1].startswith("2x2 quick,")
     assert md.rstrip().endswith("![plugin / plain tokens/s per case, with the targets](benchmarks/suite.png)")
 
 

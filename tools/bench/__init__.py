@@ -11,9 +11,10 @@ engines, each in its own spawned child process with an in-process vLLM engine:
 Both engines are loaded once (one after the other: the graft arm's first, then plain's) and
 stay loaded; with ``--repeat N`` the parent then asks each arm in turn to run every workload
 once, alternating the order per run (graft plain, plain graft, graft plain, ...:
-:func:`.stats.arm_order`), so that neither arm always runs first. With ``--load-orders both``
-(the default) it then does all of that again in a second pair of processes loaded plain first,
-and pools the two pairs' runs (:func:`.command.pool_runs`): on the 2-core machine the engine
+:func:`.stats.arm_order`), so that neither arm always runs first. With ``--pairs N`` (default 2)
+it then does all of that again in N-1 more pairs of processes, loaded in alternate orders (plain
+first, graft first, ...), and pools the pairs' runs (:func:`.command.pool_runs`), each pair's own
+median kept beside (``by_pair``): on the 2-core machine the engine
 loaded second ran 3-15% faster whichever arm it was (an A/A at the suite's quick settings read
 0.948-1.002 over four invocations with graft loaded first, 1.032 twice with plain first; with
 128-token outputs one pair alone read 0.87-0.98 graft first and 1.05-1.11 plain first, with
@@ -25,7 +26,7 @@ seconds apart), its range theirs (:func:`.stats.ratio_of`). One engine alone dri
 tens of seconds on the 2-core VM (30 identical runs in one process: 71-98 tok/s, in phases; its
 CPU time per run tracks the wall time, so the CPU itself ran slower, not the engine waiting),
 and a pair of runs seconds apart shares its phase where two medians need not: nine A/A
-invocations (`--load-orders one`, 3-8 rounds) read 0.979-1.023 as the paired median and
+invocations (one pair, 3-8 rounds) read 0.979-1.023 as the paired median and
 0.958-1.093 as the ratio of the arms' medians (kept as ``of_medians``). Writing the machine's free
 memory before loading does not help here: the VM's balloon reports freed pages to the host
 (virtio-balloon free page reporting), so memory freed is faulted in afresh by the next process.
@@ -84,6 +85,7 @@ from .stats import (
     SCHEMA,
     arm_order,
     assemble,
+    by_pair,
     compare_outputs,
     first_difference,
     mean,
@@ -116,6 +118,7 @@ __all__ = [
     "add_command",
     "arm_order",
     "assemble",
+    "by_pair",
     "cmd_bench",
     "compare_outputs",
     "first_difference",

@@ -382,8 +382,10 @@ def _inputs(args: argparse.Namespace, err: Console) -> tuple[int, _Inputs | None
     elif args.interleave == "step" and len(arms) != 2:
         err.print("[bold red]error:[/] --interleave step runs two arms in turns: give --arms plain,graft")
         return EXIT_USAGE, None
-    if args.num_prompts < 1 or args.max_tokens < 1 or args.batch < 0 or args.repeat < 1:
-        err.print("[bold red]error:[/] --num-prompts, --max-tokens and --repeat must be at least 1, --batch at least 0")
+    if min(args.num_prompts, args.max_tokens, args.repeat, getattr(args, "pairs", 1)) < 1 or args.batch < 0:
+        err.print(
+            "[bold red]error:[/] --num-prompts, --max-tokens, --repeat and --pairs must be at least 1, --batch at least 0"
+        )
         return EXIT_USAGE, None
 
     from ...hooks import DeploymentError
@@ -503,9 +505,14 @@ def _settings(args: argparse.Namespace, inputs: _Inputs, order: list[Any]) -> di
         "perplexity": not args.no_ppl,
         "temperature": 0.0,
         "order": order,
-        "load_orders": getattr(args, "load_orders", "one"),
+        "pairs": _pairs_of(args, inputs.arms),
         "interleave": getattr(args, "interleave", "run"),
     }
+
+
+def _pairs_of(args: argparse.Namespace, arms: list[str]) -> int:
+    """How many pairs of engine processes run the rounds (--pairs; one where there is one arm)."""
+    return getattr(args, "pairs", 1) if len(arms) == 2 else 1
 
 
 def _plan_info(plan: Any) -> dict[str, Any]:
@@ -612,8 +619,8 @@ def run_bench(
     threads = _arm_threads(args)
     t_start = time.perf_counter()
     loads = [a for a in ("graft", "plain") if a in inputs.arms]
-    # each pair of engine processes runs every round (see --load-orders)
-    pairs = [loads, loads[::-1]] if len(loads) == 2 and getattr(args, "load_orders", "one") == "both" else [loads]
+    # each pair of engine processes runs every round, the pairs loaded in alternate orders (see --pairs)
+    pairs = [loads if i % 2 == 0 else loads[::-1] for i in range(_pairs_of(args, loads))]
     rounds = [arm_order(first, args.repeat) for first in pairs]  # each pair's, in the order run
     order = [rnd for pair in rounds for rnd in pair]
     bars = _Bars(progress, out)
@@ -814,14 +821,15 @@ def add_command(sub: Any) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="workload selection and engine seed (default 0)")
     p.add_argument(
-        "--load-orders",
-        choices=("both", "one"),
-        default="both",
-        help="both (default): run the rounds twice, in two pairs of engine processes loaded in "
-        "opposite orders (graft then plain, plain then graft), and pool their runs: the engine "
-        "loaded second ran 3-15%% faster on a 2-core machine, whichever it was (an A/A read 0.87-1.00 "
-        "with graft loaded first, 1.03-1.11 with plain first); one: a single pair, graft loaded "
-        "first (half the engine loads)",
+        "--pairs",
+        type=int,
+        default=2,
+        metavar="N",
+        help="run the rounds in N pairs of fresh engine processes, loaded in alternate orders (graft "
+        "then plain, plain then graft, ...), and pool their runs (default 2). An engine process keeps a "
+        "speed bias of a few %% for its life (an A/A's pairs read 0.99 and 1.08 on a 2-core VM, each "
+        "pair's runs within 1-2%%), so more pairs with fewer --repeat rounds each average it out; "
+        "1: a single pair, graft loaded first (half the engine loads)",
     )
     p.add_argument(
         "--interleave",

@@ -165,12 +165,14 @@ def render_report(result: dict[str, Any], console: Console) -> None:
                         f"{p['plain_tokens']} vs {p['graft_tokens']} tokens)"
                     )
     ratio = (cmp or {}).get("ratio")
-    if ratio is not None and (result["settings"].get("repeat") or 1) > 1 and ratio.get("min") is not None:
+    if ratio is not None and len(ratio.get("runs") or []) > 1 and ratio.get("min") is not None:
+        pairs = ", ".join(f"{m:.3f}" for m in ratio.get("by_pair") or [])
         console.print(
             f"Speed: graft / plain output tokens/s {ratio['ratio']:.3f} (median of the "
-            f"{len(ratio.get('runs') or []) or result['settings']['repeat']} paired runs' ratios, range {ratio['min']:.3f}-"
+            f"{len(ratio['runs'])} paired runs' ratios, range {ratio['min']:.3f}-"
             f"{ratio['max']:.3f}; ratio of the arms' medians {ratio.get('of_medians', ratio['ratio']):.3f}; "
-            f"CPU {result.get('environment', {}).get('cpu_isa', 'ISA not recorded')})."
+            + (f"each pair of engine processes' median {pairs}; " if pairs else "")
+            + f"CPU {result.get('environment', {}).get('cpu_isa', 'ISA not recorded')})."
         )
     if result.get("environment", {}).get("threads"):
         console.print(f"[dim]Model threads: {escape(result['environment']['threads'])}[/]")

@@ -227,6 +227,13 @@ def ratio_of(plain_runs: Sequence[float], graft_runs: Sequence[float]) -> dict[s
     }
 
 
+def by_pair(runs: Sequence[float], pairs: int) -> list[float]:
+    """The median of each pair of engine processes' paired ratios (``runs`` in run order: the
+    first pair's rounds, then the next pair's, as --pairs runs them)."""
+    n = len(runs) // pairs if pairs > 0 else 0
+    return [m for i in range(pairs) if (m := median(runs[i * n : (i + 1) * n])) is not None] if n else []
+
+
 def relative_change(plain: float | None, graft: float | None) -> float | None:
     if plain is None or graft is None or plain == 0:
         return None
@@ -459,6 +466,8 @@ def assemble(
         if arm_results.get(arm) is not None
     }
     comparison = _comparison(arms, arm_results, prompt_sets) if "plain" in arms and "graft" in arms else None
+    if comparison and comparison["ratio"] and settings.get("pairs", 1) > 1:
+        comparison["ratio"]["by_pair"] = by_pair(comparison["ratio"]["runs"], settings["pairs"])
     graft_raw = arm_results.get("graft") or {}
     return {
         "schema": SCHEMA,
