@@ -16,10 +16,11 @@ ROOT = Path(__file__).resolve().parents[2]
 NUM_PROMPTS, MAX_TOKENS, BATCH = 3, 8, 2
 
 
-@pytest.fixture(scope="module", params=["run", "step"])
+@pytest.fixture(scope="module", params=[pytest.param("run", marks=pytest.mark.full), "step"])
 def run(tmp_path_factory, request):
-    """The bench as run (``--interleave run``, the arms alternating runs) and with both arms
-    running each round at once, taking turns step by step (``--interleave step``)."""
+    """The bench as run (``--interleave run``, the arms alternating runs: the long form, CI runs the
+    default alone; unit tests drive both modes with stand-in arms) and with both arms running each
+    round at once, taking turns step by step (``--interleave step``)."""
     out = tmp_path_factory.mktemp("bench")
     script = Path(sys.executable).with_name("vllm-graft")  # CI does not activate the venv
     cmd = [str(script), "bench", str(ROOT / "deployments" / "plain.yaml"), "--workload", "code-completion",
