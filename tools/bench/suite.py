@@ -411,7 +411,11 @@ def _ratio(row: dict[str, Any]) -> str:
     digits = 4 if row.get("met") is False and round(r, 3) >= (row.get("target") or 0) else 3  # 0.9498 < 0.95
     return (
         f"**{r:.{digits}f}**"
-        + (f" ({lo:.2f}-{hi:.2f})" if lo is not None and hi is not None and (row.get("repeat") or 1) * (row.get("pairs") or 1) > 1 else "")
+        + (
+            f" ({lo:.2f}-{hi:.2f})"
+            if lo is not None and hi is not None and (row.get("repeat") or 1) * (row.get("pairs") or 1) > 1
+            else ""
+        )
         + (" decode" if row.get("metric") == "decode" else "")
         + (f"; pairs {'/'.join(f'{m:.2f}' for m in row['ratio_by_pair'])}" if row.get("ratio_by_pair") else "")
     )
