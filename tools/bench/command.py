@@ -827,8 +827,8 @@ def add_command(sub: Any) -> None:
         metavar="N",
         help="run the rounds in N pairs of fresh engine processes, loaded in alternate orders (graft "
         "then plain, plain then graft, ...), and pool their runs (default 2). An engine process keeps a "
-        "speed bias of a few %% for its life (an A/A's pairs read 0.99 and 1.08 on a 2-core VM, each "
-        "pair's runs within 1-2%%), so more pairs with fewer --repeat rounds each average it out; "
+        "speed bias of a few %% for its life (a SmolLM2 fp32 A/A's two pairs read 1.07 and 1.02 on a "
+        "2-core AVX2 VM, each pair's runs within 2-3%%), so more pairs with fewer --repeat rounds each average it out; "
         "1: a single pair, graft loaded first (half the engine loads)",
     )
     p.add_argument(

@@ -230,8 +230,9 @@ def ratio_of(plain_runs: Sequence[float], graft_runs: Sequence[float]) -> dict[s
 def by_pair(runs: Sequence[float], pairs: int) -> list[float]:
     """The median of each pair of engine processes' paired ratios (``runs`` in run order: the
     first pair's rounds, then the next pair's, as --pairs runs them)."""
-    n = len(runs) // pairs if pairs > 0 else 0
-    return [m for i in range(pairs) if (m := median(runs[i * n : (i + 1) * n])) is not None] if n else []
+    n = len(runs) // pairs
+    chunks = [runs[i * n : (i + 1) * n] for i in range(pairs)] if n else []
+    return [m for m in map(median, chunks) if m is not None]
 
 
 def relative_change(plain: float | None, graft: float | None) -> float | None:
