@@ -16,6 +16,7 @@ from rich.console import Console
 from vllm_graft.tools import bench
 from vllm_graft.tools import workloads as W
 from vllm_graft.cli.main import main
+from vllm_graft.tools.bench.command import STEP_SPIN
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "models" / "graft-tiny-llama"
@@ -538,7 +539,7 @@ def test_baseline_decides_what_the_plain_arm_runs(tmp_path, fake_arms, capsys):
     plugin loader told to skip vllm-graft; a baseline on another model is refused."""
     _, jobs, _ = fake_arms
     ngram, plain = ROOT / "deployments" / "spec-vllm-ngram.yaml", ROOT / "deployments" / "plain.yaml"
-    # run by run: the arms' env then carries nothing of step mode's (KMP_BLOCKTIME), only the baseline's
+    # run by run: the arms' env then carries nothing of step mode's (STEP_SPIN), only the baseline's
     args = ["--workload", "chat", "--num-prompts", "2", "--max-tokens", "4", "--no-ppl", "--interleave", "run"]
     assert main(["bench", str(ngram), "--baseline", str(plain), *args]) == 0, capsys.readouterr()
     by_arm = {j["arm"]: j for j in jobs}
@@ -843,27 +844,30 @@ def test_the_arms_threads_are_torchs_unless_vllms_binding_is_asked_for(monkeypat
 
 def test_interleave_step_gives_each_pair_of_arms_one_baton(monkeypatch, tmp_path, fake_arms, capsys):
     """--interleave step: each pair of generating arms gets its sides of one baton (side 0 the
-    arm loaded first, which is the first round's first), the scorer none; Intel OpenMP's idle
-    threads told not to spin through the other arm's turn unless the user set it; the result
-    says step. It takes exactly two arms."""
+    arm loaded first, which is the first round's first), the scorer none; GNU's and Intel's
+    OpenMP idle threads told not to spin through the other arm's turn unless the user set it; the
+    result says step. It takes exactly two arms."""
     monkeypatch.delenv("KMP_BLOCKTIME", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     log, jobs, _ = fake_arms
     path = tmp_path / "r.json"
     assert main(["bench", str(PLAIN), "--workload", "chat", "--num-prompts", "1", "--max-tokens", "2",
                  "--repeat", "2", "--interleave", "step", "--json", str(path)]) == 0, capsys.readouterr()
     generating = [(j["arm"], j["turn_side"]) for j in jobs if j["workloads"]]
     assert generating == [("graft", 0), ("plain", 1), ("plain", 0), ("graft", 1)]  # two pairs, loaded both ways
-    assert all(j["env"]["KMP_BLOCKTIME"] == "0" for j in jobs)
+    assert all(j["env"]["KMP_BLOCKTIME"] == "0" and j["env"]["GOMP_SPINCOUNT"] == "10000" for j in jobs)
     data = json.loads(path.read_text())
-    assert data["settings"]["interleave"] == "step" and data["environment"]["threads_env"]["KMP_BLOCKTIME"] == "0"
+    assert data["settings"]["interleave"] == "step"
+    assert {k: data["environment"]["threads_env"][k] for k in STEP_SPIN} == STEP_SPIN
     runs = [e for e in log if e[0] == "run"]
     assert len(runs) == 8  # 2 rounds x 2 arms x 2 pairs, every round begun by both arms
 
     jobs.clear()
     monkeypatch.setenv("KMP_BLOCKTIME", "5")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "7")
     assert main(["bench", str(PLAIN), "--workload", "chat", "--num-prompts", "1", "--max-tokens", "2",
                  "--no-ppl", "--interleave", "step", "--pairs", "1"]) == 0
-    assert [j["env"]["KMP_BLOCKTIME"] for j in jobs] == ["5", "5"]
+    assert [(j["env"]["KMP_BLOCKTIME"], j["env"]["GOMP_SPINCOUNT"]) for j in jobs] == [("5", "7"), ("5", "7")]
 
     jobs.clear()
     capsys.readouterr()
