@@ -583,13 +583,18 @@ def _turns_of(args: argparse.Namespace) -> Callable[[], Any]:
     return lambda: Turns(multiprocessing.get_context("spawn"))
 
 
+#: ``--interleave step``: the OpenMP runtimes' spin before an idle thread sleeps (each unless set)
+STEP_SPIN = {"GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "0"}
+
+
 def _arm_threads(args: argparse.Namespace) -> tuple[dict[str, str], str]:
     """The arms' model threads (the environment they start with, a line saying so): torch's default, or
     as many as vLLM's CPU worker gets (``VLLM_CPU_OMP_THREADS_BIND``). With ``--interleave step``
     an arm's idle OpenMP threads must not spin through the other arm's turn: GNU OpenMP (the
-    libgomp torch's CPU wheel loads, and vLLM preloads) spins 300,000 times before it sleeps, which
-    cost each arm of a SmolLM2 A/A 28% (11.0 tok/s against 15.3 with ``GOMP_SPINCOUNT=10000``, one
-    2-core AVX2 VM); Intel OpenMP (an ``LD_PRELOAD``ed libiomp5) spins 200 ms (``KMP_BLOCKTIME``).
+    libgomp torch's CPU wheel loads, and vLLM preloads) spins 300,000 times before it sleeps (a SmolLM2
+    fp32 A/A on a 2-core AVX2 VM: 11.0 tok/s per arm, 15.3 with ``GOMP_SPINCOUNT=10000``, 12.3 in a
+    later run with it: the gain is not established); Intel OpenMP (an ``LD_PRELOAD``ed libiomp5)
+    spins 200 ms (``KMP_BLOCKTIME``).
     Each is set unless the user set it; a runtime ignores the other's variable."""
     from ...integration.env import cpu_worker_threads
 
@@ -598,10 +603,6 @@ def _arm_threads(args: argparse.Namespace) -> tuple[dict[str, str], str]:
         spin = {k: os.environ.get(k, v) for k, v in STEP_SPIN.items()}
         env = {**spin, **env}
     return env, line
-
-
-#: ``--interleave step``: the OpenMP runtimes' spin before an idle thread sleeps (each unless set)
-STEP_SPIN = {"GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "0"}
 
 
 def run_bench(
